@@ -1,0 +1,39 @@
+"""The `infer` command. Each subcommand lives with its concern and registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module exposing `register(subparsers)`; each sets `func` on its parser.
+SUBCOMMANDS = {
+    "serve": "infer.server.cli",
+    "generate": "infer.generate_cli",
+    "train": "infer.builtin.cli",
+    "plan": "infer.plan",
+    "bench": "infer.bench.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infer", description="LLM inference serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue  # not built yet
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

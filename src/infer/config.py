@@ -1,0 +1,125 @@
+"""Engine configuration: small frozen dataclasses, validated at construction.
+
+Derived values (the number of KV blocks, EOS ids, the model's context length) are computed by
+the engine from these and the checkpoint, never written back into them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+BatchingMode = Literal["continuous", "static"]
+KVBackend = Literal["paged", "contiguous"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+PreemptionMode = Literal["recompute", "swap"]
+
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}  # fmt: skip
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"2GiB"`` -> 2147483648, ``"1.5GB"`` -> 1500000000, ``4096`` -> 4096."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot parse a byte size from {value!r} (examples: 512MiB, 2GiB, 1e9)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # local folder, HF cache id, or a built-in name ("toy", "small")
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_backend: KVBackend = "paged"
+    use_kv_cache: bool = True  # False: recompute the whole sequence every step (comparison mode)
+    num_kv_blocks: int | None = None  # explicit pool size; overrides the memory budget
+    kv_cache_memory: int | None = None  # bytes for KV; None: a default budget (see engine)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    swap_space: int = 1 << 30  # bytes of host memory for swapped-out KV blocks
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_backend not in ("paged", "contiguous"):
+            raise ValueError(f"kv_cache_backend must be paged|contiguous, got {self.kv_cache_backend!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.enable_prefix_caching and self.kv_cache_backend != "paged":
+            raise ValueError("prefix caching needs the paged KV cache backend")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int | None = None  # None: chunked prefill off (whole prompts)
+    batching_mode: BatchingMode = "continuous"
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    preemption_mode: PreemptionMode = "recompute"
+    max_wait_steps: int | None = None  # priority aging: promote after this many waiting steps
+    max_queued_requests: int | None = None  # bound on waiting requests (None: unbounded)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be positive, got {self.prefill_chunk_size}")
+        if self.batching_mode not in ("continuous", "static"):
+            raise ValueError(f"batching_mode must be continuous|static, got {self.batching_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs|priority, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @staticmethod
+    def from_kwargs(**kwargs) -> EngineConfig:
+        """Build from flat keyword options (``LLM(model=..., block_size=8, ...)``)."""
+        parts: dict[type, dict] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        fields = {cls: set(cls.__dataclass_fields__) for cls in parts}
+        for key, value in kwargs.items():
+            for cls, names in fields.items():
+                if key in names:
+                    parts[cls][key] = value
+                    break
+            else:
+                raise TypeError(f"unknown engine option {key!r}")
+        if "kv_cache_memory" in parts[CacheConfig] and parts[CacheConfig]["kv_cache_memory"] is not None:
+            parts[CacheConfig]["kv_cache_memory"] = parse_bytes(parts[CacheConfig]["kv_cache_memory"])
+        if "swap_space" in parts[CacheConfig]:
+            parts[CacheConfig]["swap_space"] = parse_bytes(parts[CacheConfig]["swap_space"])
+        return EngineConfig(
+            model=ModelConfig(**parts[ModelConfig]),
+            cache=CacheConfig(**parts[CacheConfig]),
+            scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+        )

@@ -1,0 +1,1 @@
+"""Offline text and tokenizers: everything here uses only what Python itself ships."""

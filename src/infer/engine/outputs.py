@@ -1,0 +1,53 @@
+"""Messages the engine emits: one ``RequestOutput`` per request that progressed in a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer.engine.request import RequestTimings, TokenLogprob
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request gained in one engine step (a delta), plus its running totals.
+
+    ``new_text`` never ends inside a multi-byte character and never contains a partial stop
+    string: text that might still turn into a stop string is held back until it is decided.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    timings: RequestTimings | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One finished sequence of the offline API (``LLM.generate``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The offline API's result for one prompt: ``n`` completions and the request's timings."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    timings: list[RequestTimings]

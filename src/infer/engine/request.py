@@ -1,0 +1,159 @@
+"""Request state as the engine sees it.
+
+A request's progress is two numbers, not a phase::
+
+    all_token_ids = prompt_token_ids + output_token_ids
+                    |<------------- num_tokens ------------->|
+                    |<-- num_computed_tokens -->|            |
+                     KV for these is in cache    still to run (a prefill chunk, or the one
+                                                 decode token sampled last step)
+
+The scheduler only ever asks "how many of the remaining tokens fit this step's budget"; prefill,
+chunked prefill and decode all fall out of that. Request state changes in exactly one place:
+``Scheduler.update_from_output`` (and ``Scheduler.finish_request`` for aborts).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from infer.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status above ``PREEMPTED`` is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` for a finished status."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock timestamps (``time.perf_counter`` seconds) of one request's life."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), best first
+
+
+class Request:
+    """One sequence being generated. Mutated only by the scheduler (see module docstring)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.timings = RequestTimings()
+        if arrival_time is not None:
+            self.timings.arrival = arrival_time
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []
+        self.num_computed_tokens = 0
+        # Tokens whose KV came from the prefix cache at (last) admission.
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # Set by the output processor when a stop string matched (engine-side stop).
+        self.stopped_by_string = False
+        max_new = sampling_params.max_tokens
+        if max_model_len is not None:
+            room = max_model_len - len(self.prompt_token_ids)
+            max_new = room if max_new is None else min(max_new, room)
+        self.max_new_tokens: int = max_new if max_new is not None else 2**31
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while some prompt token has no KV yet (the request cannot sample yet)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

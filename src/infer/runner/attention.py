@@ -1,0 +1,271 @@
+"""Attention over a paged KV cache, in plain torch (CPU and CUDA).
+
+Every model layer calls :meth:`AttentionContext.attend` with the step's fresh ``q, k, v``; the
+context writes ``k, v`` into the cache slots of the scheduled tokens and attends each query
+to its own sequence's context, read back through the block table.
+
+Slots and blocks (block_size = 4 in the picture)::
+
+    block_table of a request = [7, 2, 9]          (logical block i -> physical block)
+    token position p lives in physical block block_table[p // 4] at offset p % 4
+    slot(p) = block_table[p // 4] * 4 + p % 4      e.g. p = 5 -> 2 * 4 + 1 = 9
+
+    cache[layer] : [num_blocks * block_size, kv_heads, head_dim]   (one row per slot)
+
+The batch is flat: all scheduled tokens of all sequences, concatenated, ``T`` rows::
+
+    tokens : | seq0 chunk (prefill, 5 tokens) | seq1 (1 decode) | seq2 (1 decode) |
+    query_start_loc = [0, 5, 6, 7]
+
+Single-token (decode) sequences are attended in one padded batch; multi-token sequences
+(prefill chunks) one at a time, with a causal mask offset by their already-computed tokens.
+The contiguous KV backend is this same code with ``block_size = max_model_len`` and one block
+per sequence. Gather indices and masks are built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's share of a step: ``num_new_tokens`` queries after ``num_computed_tokens``."""
+
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + self.num_new_tokens
+
+
+class KVCache:
+    """K and V for every layer: ``[2, num_layers, num_blocks * block_size, kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.tensor = torch.zeros(
+            2, num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensor[0, layer_idx], self.tensor[1, layer_idx]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+        """The KV memory formula: ``2 x layers x kv_heads x head_dim x dtype_bytes``."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [Bd] rows of the flat batch that are single-token sequences
+    gather: torch.Tensor  # [Bd, Lmax] slot of each context position (padded with 0)
+    key_pos: torch.Tensor  # [1, Lmax] 0..Lmax-1
+    query_pos: torch.Tensor  # [Bd, 1] position of each decode token
+    context_lens: torch.Tensor  # [Bd, 1]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[Bd, 1, 1, Lmax] True where the key may be attended."""
+        if window not in self.masks:
+            ok = self.key_pos < self.context_lens
+            if window is not None:
+                ok = ok & (self.key_pos > self.query_pos - window)
+            self.masks[window] = ok[:, None, None, :]
+        return self.masks[window]
+
+
+@dataclass
+class _PrefillSeq:
+    start: int
+    end: int
+    num_computed: int
+    slots: torch.Tensor | None  # [context_len] context slots; None when no past (fresh prompt)
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """[n, L] True where query i (position num_computed + i) may see key j; None = causal."""
+        if window not in self.masks:
+            n = self.end - self.start
+            if self.slots is None and window is None:
+                self.masks[window] = None  # plain causal: SDPA's is_causal path
+            else:
+                L = self.num_computed + n
+                q_pos = torch.arange(self.num_computed, L, device=device)[:, None]
+                k_pos = torch.arange(L, device=device)[None, :]
+                ok = k_pos <= q_pos
+                if window is not None:
+                    ok = ok & (k_pos > q_pos - window)
+                self.masks[window] = ok
+        return self.masks[window]
+
+
+class AttentionContext:
+    """Everything attention layers need for one forward pass; built once per step."""
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        sequences: list[SequenceSlice],
+        device: torch.device | str,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.sequences = sequences
+        self.device = torch.device(device)
+        bs = kv_cache.block_size
+
+        slot_mapping: list[int] = []
+        decode_rows: list[int] = []
+        decode_seqs: list[SequenceSlice] = []
+        self._prefills: list[_PrefillSeq] = []
+        start = 0
+        for seq in sequences:
+            n = seq.num_new_tokens
+            table = seq.block_table
+            for p in range(seq.num_computed_tokens, seq.context_len):
+                slot_mapping.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                decode_rows.append(start)
+                decode_seqs.append(seq)
+            else:
+                slots = None
+                if seq.num_computed_tokens > 0:
+                    slots = torch.tensor(
+                        _context_slots(table, seq.context_len, bs), dtype=torch.long, device=self.device
+                    )
+                self._prefills.append(_PrefillSeq(start, start + n, seq.num_computed_tokens, slots))
+            start += n
+        self.num_tokens = start
+        self.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
+
+        self._decode: _DecodeGroup | None = None
+        if decode_seqs:
+            lmax = max(s.context_len for s in decode_seqs)
+            gather = [_context_slots(s.block_table, s.context_len, bs, pad_to=lmax) for s in decode_seqs]
+            lens = [s.context_len for s in decode_seqs]
+            self._decode = _DecodeGroup(
+                rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+                gather=torch.tensor(gather, dtype=torch.long, device=self.device),
+                key_pos=torch.arange(lmax, device=self.device)[None, :],
+                query_pos=torch.tensor(lens, device=self.device)[:, None] - 1,
+                context_lens=torch.tensor(lens, device=self.device)[:, None],
+            )
+        self._all_decode = self._decode is not None and not self._prefills
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Write ``k, v`` to the cache and return attention output.
+
+        Args:
+            q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]``.
+            scale: multiplier of ``q @ k^T`` (``head_dim ** -0.5`` for most models).
+            sliding_window: if set, a query at position p sees keys at positions
+                ``p - sliding_window < j <= p``.
+
+        Returns:
+            ``[T, num_heads, head_dim]``.
+        """
+        k_cache, v_cache = self.kv_cache.layer(layer_idx)
+        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        gqa = q.shape[1] != k.shape[1]
+
+        if self._all_decode:
+            return self._attend_decode(q, k_cache, v_cache, scale, sliding_window, gqa)
+        out = torch.empty_like(q)
+        if self._decode is not None:
+            rows = self._decode.rows
+            out[rows] = self._attend_decode(q[rows], k_cache, v_cache, scale, sliding_window, gqa)
+        for pf in self._prefills:
+            qs = q[pf.start : pf.end].transpose(0, 1)  # [H, n, D]
+            if pf.slots is None:
+                ks = k[pf.start : pf.end].transpose(0, 1)
+                vs = v[pf.start : pf.end].transpose(0, 1)
+            else:
+                ks = k_cache[pf.slots].transpose(0, 1)  # [Hkv, L, D]
+                vs = v_cache[pf.slots].transpose(0, 1)
+            mask = pf.mask(sliding_window, self.device)
+            o = F.scaled_dot_product_attention(
+                qs,
+                ks.to(qs.dtype),
+                vs.to(qs.dtype),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[pf.start : pf.end] = o.transpose(0, 1)
+        return out
+
+    def _attend_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int | None,
+        gqa: bool,
+    ) -> torch.Tensor:
+        dg = self._decode
+        assert dg is not None
+        ks = k_cache[dg.gather].transpose(1, 2)  # [Bd, Hkv, Lmax, D]
+        vs = v_cache[dg.gather].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [Bd, H, 1, D]
+            ks.to(q.dtype),
+            vs.to(q.dtype),
+            attn_mask=dg.mask(window),
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        return o[:, :, 0, :]
+
+
+def _context_slots(
+    block_table: list[int], context_len: int, block_size: int, pad_to: int | None = None
+) -> list[int]:
+    slots = [block_table[p // block_size] * block_size + p % block_size for p in range(context_len)]
+    if pad_to is not None:
+        slots.extend([0] * (pad_to - context_len))
+    return slots
+
+
+def dense_context(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> AttentionContext:
+    """A context for one fresh sequence of ``num_tokens`` (no past): full causal attention.
+
+    Convenience for tests and training-free forward passes outside the engine.
+    """
+    cache = KVCache(num_layers, 1, max(num_tokens, 1), num_kv_heads, head_dim, dtype, device)
+    return AttentionContext(cache, [SequenceSlice(0, num_tokens, [0])], device)
