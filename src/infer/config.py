@@ -61,7 +61,9 @@ class CacheConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_backend not in ("paged", "contiguous"):
-            raise ValueError(f"kv_cache_backend must be paged|contiguous, got {self.kv_cache_backend!r}")
+            raise ValueError(
+                f"kv_cache_backend must be paged|contiguous, got {self.kv_cache_backend!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -91,9 +93,13 @@ class SchedulerConfig:
         if self.batching_mode not in ("continuous", "static"):
             raise ValueError(f"batching_mode must be continuous|static, got {self.batching_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs|priority, got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be fcfs|priority, got {self.scheduling_policy!r}"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -114,8 +120,13 @@ class EngineConfig:
                     break
             else:
                 raise TypeError(f"unknown engine option {key!r}")
-        if "kv_cache_memory" in parts[CacheConfig] and parts[CacheConfig]["kv_cache_memory"] is not None:
-            parts[CacheConfig]["kv_cache_memory"] = parse_bytes(parts[CacheConfig]["kv_cache_memory"])
+        if (
+            "kv_cache_memory" in parts[CacheConfig]
+            and parts[CacheConfig]["kv_cache_memory"] is not None
+        ):
+            parts[CacheConfig]["kv_cache_memory"] = parse_bytes(
+                parts[CacheConfig]["kv_cache_memory"]
+            )
         if "swap_space" in parts[CacheConfig]:
             parts[CacheConfig]["swap_space"] = parse_bytes(parts[CacheConfig]["swap_space"])
         return EngineConfig(

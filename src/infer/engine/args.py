@@ -13,8 +13,11 @@ from infer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m, c, s = ModelConfig(), CacheConfig(), SchedulerConfig()
     g = parser.add_argument_group("model")
-    g.add_argument("--model", default=None,
-                   help="local HF folder, a model id in the local HF cache, or a built-in: toy|small (default: small)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="local HF folder, a model id in the local HF cache, or a built-in: toy|small (default: small)",
+    )
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--dtype", default=m.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=m.device, help="cpu | cuda | cuda:N")
@@ -23,26 +26,54 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=c.block_size)
-    g.add_argument("--kv-cache-backend", default=c.kv_cache_backend, choices=["paged", "contiguous"])
-    g.add_argument("--no-kv-cache", dest="use_kv_cache", action="store_false",
-                   help="recompute the whole sequence every step (comparison mode)")
+    g.add_argument(
+        "--kv-cache-backend", default=c.kv_cache_backend, choices=["paged", "contiguous"]
+    )
+    g.add_argument(
+        "--no-kv-cache",
+        dest="use_kv_cache",
+        action="store_false",
+        help="recompute the whole sequence every step (comparison mode)",
+    )
     g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="bytes for the KV cache, e.g. 2GiB",
+    )
     g.add_argument("--gpu-memory-utilization", type=float, default=c.gpu_memory_utilization)
-    g.add_argument("--enable-prefix-caching", "--prefix-caching", dest="enable_prefix_caching",
-                   action="store_true")
-    g.add_argument("--swap-space", type=parse_bytes, default=c.swap_space,
-                   help="host memory for swapped-out KV blocks, e.g. 4GiB")
+    g.add_argument(
+        "--enable-prefix-caching",
+        "--prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_true",
+    )
+    g.add_argument(
+        "--swap-space",
+        type=parse_bytes,
+        default=c.swap_space,
+        help="host memory for swapped-out KV blocks, e.g. 4GiB",
+    )
 
     g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", "--max-batch-size", dest="max_num_seqs", type=int,
-                   default=s.max_num_seqs)
+    g.add_argument(
+        "--max-num-seqs", "--max-batch-size", dest="max_num_seqs", type=int, default=s.max_num_seqs
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens)
-    g.add_argument("--prefill-chunk-size", type=int, default=None,
-                   help="cap on one request's prefill chunk per step (enables chunked prefill)")
-    g.add_argument("--chunked-prefill", "--enable-chunked-prefill", dest="chunked_prefill",
-                   action="store_true", help="chunk prompts by the token budget")
+    g.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=None,
+        help="cap on one request's prefill chunk per step (enables chunked prefill)",
+    )
+    g.add_argument(
+        "--chunked-prefill",
+        "--enable-chunked-prefill",
+        dest="chunked_prefill",
+        action="store_true",
+        help="chunk prompts by the token budget",
+    )
     g.add_argument("--batching-mode", default=s.batching_mode, choices=["continuous", "static"])
     g.add_argument("--scheduling-policy", default=s.scheduling_policy, choices=["fcfs", "priority"])
     g.add_argument("--preemption-mode", default=s.preemption_mode, choices=["recompute", "swap"])
@@ -55,19 +86,32 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if chunk is None and getattr(args, "chunked_prefill", False):
         chunk = args.max_num_batched_tokens
     return EngineConfig(
-        model=ModelConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-                          device=args.device, max_model_len=args.max_model_len, seed=args.seed),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_backend=args.kv_cache_backend,
-                          use_kv_cache=args.use_kv_cache, num_kv_blocks=args.num_kv_blocks,
-                          kv_cache_memory=args.kv_cache_memory,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching,
-                          swap_space=args.swap_space),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  prefill_chunk_size=chunk, batching_mode=args.batching_mode,
-                                  scheduling_policy=args.scheduling_policy,
-                                  preemption_mode=args.preemption_mode,
-                                  max_wait_steps=args.max_wait_steps,
-                                  max_queued_requests=args.max_queued_requests),
+        model=ModelConfig(
+            model=args.model,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_backend=args.kv_cache_backend,
+            use_kv_cache=args.use_kv_cache,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+            swap_space=args.swap_space,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefill_chunk_size=chunk,
+            batching_mode=args.batching_mode,
+            scheduling_policy=args.scheduling_policy,
+            preemption_mode=args.preemption_mode,
+            max_wait_steps=args.max_wait_steps,
+            max_queued_requests=args.max_queued_requests,
+        ),
     )

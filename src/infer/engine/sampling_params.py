@@ -75,7 +75,8 @@ class SamplingParams:
             )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad(
-                "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
             )
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad(

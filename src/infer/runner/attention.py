@@ -61,7 +61,13 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.tensor = torch.zeros(
-            2, num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            2,
+            num_layers,
+            num_blocks * block_size,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            device=device,
         )
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +154,9 @@ class AttentionContext:
                 slots = None
                 if seq.num_computed_tokens > 0:
                     slots = torch.tensor(
-                        _context_slots(table, seq.context_len, bs), dtype=torch.long, device=self.device
+                        _context_slots(table, seq.context_len, bs),
+                        dtype=torch.long,
+                        device=self.device,
                     )
                 self._prefills.append(_PrefillSeq(start, start + n, seq.num_computed_tokens, slots))
             start += n
@@ -158,7 +166,9 @@ class AttentionContext:
         self._decode: _DecodeGroup | None = None
         if decode_seqs:
             lmax = max(s.context_len for s in decode_seqs)
-            gather = [_context_slots(s.block_table, s.context_len, bs, pad_to=lmax) for s in decode_seqs]
+            gather = [
+                _context_slots(s.block_table, s.context_len, bs, pad_to=lmax) for s in decode_seqs
+            ]
             lens = [s.context_len for s in decode_seqs]
             self._decode = _DecodeGroup(
                 rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),

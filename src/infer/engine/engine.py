@@ -1,0 +1,379 @@
+"""The engine loop: ``step() = schedule -> run -> update``. Single-threaded, no network I/O.
+
+``LLMEngine`` owns the model, the KV cache, the scheduler and per-request output state. The
+offline API (``infer.LLM``) drives it in a loop; the server drives it from one background
+thread (``infer.engine.async_engine``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.config import EngineConfig
+from infer.engine.output import IncrementalDetokenizer
+from infer.engine.outputs import RequestOutput
+from infer.engine.request import Request, RequestStatus
+from infer.engine.sampling_params import InvalidRequestError, SamplingParams
+from infer.engine.scheduler import Scheduler
+from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
+from infer.runner.attention import KVCache
+from infer.runner.runner import ModelRunner
+
+logger = logging.getLogger("infer.engine")
+
+DEFAULT_CPU_KV_BYTES = 2 << 30  # KV budget on CPU when none is given
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_queued_requests`` (the server answers 429)."""
+
+
+@dataclass
+class StepTimeTotals:
+    """Cumulative seconds per part of ``step()``: where the time goes."""
+
+    steps: int = 0
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0  # scheduler update + detokenization + outputs
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.update
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prefix_cache_evictions_total: int
+    finished_total: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What the KV budget buys, logged at start-up."""
+
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    dtype = getattr(torch, checkpoint_dtype, None) if checkpoint_dtype else None
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32
+    if dtype == torch.float16 and device.type == "cpu":
+        dtype = torch.bfloat16  # fp16 matmuls are slow on CPU; bf16 keeps the range
+    return dtype
+
+
+class _OutputState:
+    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+        self.detokenizer = detokenizer
+        self.num_sent_tokens = 0
+        self.num_sent_logprobs = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from infer.model.loader import (
+            load_model,
+            load_model_spec,
+            load_tokenizer,
+            resolve_model_path,
+        )
+
+        self.config = config
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        self.device = torch.device(mc.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was given but CUDA is not available")
+        torch.manual_seed(mc.seed)
+
+        self.model_path = resolve_model_path(mc.model)
+        self.model_name = mc.model or str(self.model_path)
+        self.spec = load_model_spec(self.model_path)
+        self.dtype = resolve_dtype(mc.dtype, self.spec.torch_dtype, self.device)
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.load_seconds = time.perf_counter() - t0
+        self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)
+
+        self.max_model_len = mc.max_model_len or self.spec.max_position_embeddings
+        if self.max_model_len > self.spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.spec.max_position_embeddings}"
+            )
+        eos = self.spec.eos_token_ids
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_token_ids = tuple(eos)
+
+        self.capacity = self._plan_kv()
+        self.kv_manager: KVManager
+        if cc.kv_cache_backend == "contiguous":
+            self.kv_manager = ContiguousKVManager(self.capacity.num_blocks, self.max_model_len)
+        else:
+            self.kv_manager = PagedKVManager(
+                self.capacity.num_blocks, cc.block_size, cc.enable_prefix_caching
+            )
+        self.kv_cache = KVCache(
+            self.spec.num_layers,
+            self.capacity.num_blocks,
+            self.capacity.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.scheduler = Scheduler(sc, cc, self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, mc.seed)
+        self._states: dict[str, _OutputState] = {}
+        self._pending: list[RequestOutput] = []
+        self.step_times = StepTimeTotals()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._log_startup()
+
+    # ---- capacity -----------------------------------------------------------------------------
+    def _plan_kv(self) -> KVCapacity:
+        cc, sc = self.config.cache, self.config.scheduler
+        s = self.spec
+        bpt = KVCache.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype.itemsize)
+        block_size = self.max_model_len if cc.kv_cache_backend == "contiguous" else cc.block_size
+        if cc.num_kv_blocks is not None:
+            return KVCapacity(bpt, block_size, cc.num_kv_blocks)
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = max(int(total * cc.gpu_memory_utilization) - used, 0)
+        else:
+            # NOTE: by default enough for every sequence slot at full length, capped at 2 GiB.
+            wanted = sc.max_num_seqs * self.max_model_len * bpt
+            budget = min(wanted, DEFAULT_CPU_KV_BYTES)
+        num_blocks = budget // (bpt * block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) is smaller than one block "
+                f"({bpt * block_size} bytes: {block_size} tokens x {bpt} bytes per token)"
+            )
+        return KVCapacity(bpt, block_size, int(num_blocks))
+
+    def _log_startup(self) -> None:
+        cap = self.capacity
+        logger.info(
+            "loaded %s (%s, %d layers, %d kv heads x %d) in %.1fs: weights %.1f MiB %s on %s",
+            self.model_path,
+            self.spec.architecture,
+            self.spec.num_layers,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            self.load_seconds,
+            self.weights_bytes / 2**20,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+        )
+        logger.info(
+            "KV cache: %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB); "
+            "max concurrency at %d tokens: %.1f",
+            cap.bytes_per_token,
+            cap.num_blocks,
+            cap.block_size,
+            cap.num_tokens,
+            cap.total_bytes / 2**20,
+            self.max_model_len,
+            cap.num_tokens / self.max_model_len,
+        )
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue one sequence. Raises ``InvalidRequestError`` naming the problem."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt is {n} tokens but the model's context length is {self.max_model_len} "
+                f"tokens (it must leave room for at least one generated token)",
+                param="prompt",
+            )
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
+            )
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use", param="request_id"
+            )
+        request = Request(
+            request_id,
+            [int(t) for t in prompt_token_ids],
+            params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=arrival_time,
+            max_model_len=self.max_model_len,
+        )
+        longest = n + request.max_new_tokens
+        if not self.kv_manager.can_ever_fit(longest):
+            cap = self.capacity
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens can reach {longest} tokens, more than the KV "
+                f"cache can ever hold ({cap.num_tokens} tokens in {cap.num_blocks} blocks)",
+                param="max_tokens",
+            )
+        limit = self.config.scheduler.max_queued_requests
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
+        self._states[request_id] = _OutputState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self._finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
+        request = self.scheduler.finish_request(request_id, status)
+        if request is None:
+            return
+        request.error = error
+        self._pending.append(self._make_output(request))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            return outputs
+        try:
+            sampled, timings = self.runner.execute(sched, self.scheduler.requests)
+        except Exception as e:  # noqa: BLE001 - one failed batch must not kill the engine
+            logger.exception(
+                "forward pass failed; failing the %d requests in it", len(sched.chunks)
+            )
+            for chunk in sched.chunks:
+                self._finish(
+                    chunk.request_id, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}"
+                )
+            outputs, self._pending = outputs + self._pending, []
+            return outputs
+        t2 = time.perf_counter()
+        for request in self.scheduler.update_from_output(sched, sampled):
+            outputs.append(self._make_output(request))
+        outputs.extend(self._pending)
+        self._pending = []
+        t3 = time.perf_counter()
+        st = self.step_times
+        st.steps += 1
+        st.schedule += t1 - t0
+        st.prepare += timings.prepare
+        st.forward += timings.forward
+        st.sample += timings.sample
+        st.update += t3 - t2
+        return outputs
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        state = self._states[request.request_id]
+        new_ids = request.output_token_ids[state.num_sent_tokens :]
+        detok = state.detokenizer
+        try:
+            text = detok.add_tokens(new_ids)
+        except Exception as e:  # noqa: BLE001 - a decoding failure fails this request only
+            logger.exception("detokenization failed for %s", request.request_id)
+            text = ""
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                request.error = f"detokenization failed: {e}"
+        if detok.stop_string is not None and not request.is_finished:
+            request.stop_reason = detok.stop_string
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            text += detok.finish()
+        state.num_sent_tokens = request.num_output_tokens
+        new_logprobs = request.output_logprobs[state.num_sent_logprobs :]
+        state.num_sent_logprobs = len(request.output_logprobs)
+        if request.is_finished:
+            del self._states[request.request_id]
+            self.runner.sampler.forget(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            new_logprobs=new_logprobs,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            timings=request.timings,
+            error=request.error,
+        )
+
+    # ---- introspection ------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_manager
+        c = self.scheduler.counters
+        p = kv.prefix_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            prompt_tokens_total=c.prompt_tokens,
+            generation_tokens_total=c.generation_tokens,
+            num_preemptions_total=c.preemptions,
+            prefix_cache_queries_total=p.queries,
+            prefix_cache_hits_total=p.hits,
+            prefix_cache_evictions_total=p.evictions,
+            finished_total=dict(c.finished),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_manager.reset_prefix_cache()

@@ -1,0 +1,278 @@
+"""The step scheduler: what the next forward pass is spent on. No torch.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests are served first
+(a decode token each, or the next chunk of an unfinished prefill), then waiting requests in
+policy order, each clipped to what is left of the budget. Continuous batching, chunked prefill
+and prefill/decode mixing all fall out of that one rule; static batching and "no KV cache" are
+comparison modes of it.
+
+Memory is the other budget: ``KVManager.allocate`` is the only gate. When it says no, the
+scheduler preempts (fcfs: newest running; priority: worst ``(priority, arrival)``), frees the
+victim's blocks and puts it back in the waiting queue to be re-prefilled later (recompute).
+
+Request state changes only here: in ``schedule`` (admission, preemption), ``update_from_output``
+(tokens computed and sampled, stop conditions) and ``finish_request`` (stops, aborts).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from infer.config import CacheConfig, SchedulerConfig
+from infer.engine.queue import make_queue
+from infer.engine.request import Request, RequestStatus, TokenLogprob
+from infer.kv_cache.manager import NO_HIT, KVManager
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step: feed ``token_ids`` at positions from ``num_computed_tokens``."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool  # the chunk reaches the end of the sequence: sample the next token from it
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class SchedulerCounters:
+    """Monotone engine-wide counters."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.recompute_every_step = not cache.use_kv_cache
+        self.waiting = make_queue(config.scheduling_policy, config.max_wait_steps)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.counters = SchedulerCounters()
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop string, abort, error): free its slot and KV blocks now."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.timings.finished = time.perf_counter()
+        reason = status.finish_reason or "unknown"
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        preempted: list[str] = []
+        self.waiting.tick()
+        self.counters.steps += 1
+        sort_key = self.waiting.sort_key
+        self.running.sort(key=sort_key)
+        batch_was_empty = not self.running
+
+        def preempt(victim: Request) -> None:
+            nonlocal budget
+            chunk = scheduled.pop(victim.request_id, None)
+            if chunk is not None:
+                budget += len(chunk.token_ids)
+            self.running.remove(victim)
+            self.kv.free(victim)
+            self.counters.preemptions += 1
+            self.counters.recomputed_tokens += victim.num_computed_tokens
+            victim.num_recomputed_tokens += victim.num_computed_tokens
+            victim.num_preemptions += 1
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.add_preempted(victim)
+            preempted.append(victim.request_id)
+
+        # 1. Running requests, most urgent first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_tokens_to_run(request, budget, any_prefill=False)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate(request, n):
+                # NOTE: only requests not yet served this step are candidates, so a step never
+                # undoes work it has already planned for more urgent requests.
+                victim = max(self.running[i:], key=sort_key)
+                preempt(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._chunk(request, n)
+                budget -= n
+                i += 1
+
+        # 2. Waiting requests, in policy order.
+        admit = not preempted and (cfg.batching_mode == "continuous" or batch_was_empty)
+        while admit and len(self.waiting) and budget > 0:
+            request = self.waiting.peek()
+            if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, preempt):
+                break
+            hit = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else NO_HIT
+            num_cached = hit.num_blocks * self.kv.block_size
+            any_prefill = any(len(c.token_ids) > 1 for c in scheduled.values())
+            n = self._num_tokens_to_run(request, budget, any_prefill, num_cached)
+            if n == 0:
+                break
+            if not self.kv.allocate(request, n, hit):
+                if self._preempt_for(request, preempt) and self.kv.allocate(request, n, hit):
+                    pass
+                else:
+                    break
+            self.waiting.pop()
+            if request.status == RequestStatus.WAITING:
+                self.counters.prompt_tokens += request.num_prompt_tokens
+            self.kv.record_prefix_query(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = time.perf_counter()
+            self.running.append(request)
+            scheduled[request.request_id] = self._chunk(request, n)
+            budget -= n
+
+        chunks = list(scheduled.values())
+        num_decode = sum(1 for c in chunks if len(c.token_ids) == 1 and c.sample)
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        return SchedulerOutput(chunks, num_tokens, num_tokens - num_decode, num_decode, preempted)
+
+    def _num_tokens_to_run(
+        self, request: Request, budget: int, any_prefill: bool, num_cached: int = 0
+    ) -> int:
+        remaining = request.num_tokens - max(request.num_computed_tokens, num_cached)
+        if remaining <= 1:
+            return min(remaining, budget)
+        chunk = self.config.prefill_chunk_size
+        if chunk is not None and not self.recompute_every_step:
+            return min(remaining, chunk, budget)
+        # NOTE: without chunked prefill a prompt runs whole. One that exceeds what is left of
+        # the budget still runs if it is the step's first prefill, so no prompt waits forever.
+        if remaining <= budget or not any_prefill:
+            return remaining
+        return 0
+
+    def _preempt_for(self, request: Request, preempt) -> bool:
+        """Priority policy: make room for ``request`` by preempting a less urgent running one."""
+        if self.config.scheduling_policy != "priority" or not self.running:
+            return False
+        key = self.waiting.sort_key
+        victim = max(self.running, key=key)
+        if key(victim) <= key(request):
+            return False
+        preempt(victim)
+        return True
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + n]
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tokens,
+            num_computed_tokens=start,
+            block_table=self.kv.block_table(request),
+            sample=start + n == request.num_tokens,
+        )
+
+    # ---- results ------------------------------------------------------------------------------
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[Request]:
+        """Apply a step's results; returns the requests that progressed (finished ones included)."""
+        now = time.perf_counter()
+        progressed: list[Request] = []
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.sample:
+                self.kv.commit_full_blocks(request)
+                continue
+            token = sampled[chunk.request_id]
+            request.output_token_ids.append(token.token_id)
+            if token.logprob is not None:
+                request.output_logprobs.append(token.logprob)
+            if request.timings.first_token is None:
+                request.timings.first_token = now
+            request.timings.token_times.append(now)
+            self.counters.generation_tokens += 1
+            self.kv.commit_full_blocks(request)
+            progressed.append(request)
+            status = self._check_stop(request, token.token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+        if self.recompute_every_step:
+            for request in self.running:
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+        return progressed
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_new_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

@@ -1,0 +1,199 @@
+"""Per-request KV bookkeeping on top of the block pool. No torch.
+
+The scheduler talks to a manager through one allocation gate::
+
+    manager.allocate(request, num_new_tokens) -> bool   # False: memory pressure, preempt
+
+and frees with ``manager.free(request)``. Two implementations:
+
+- ``PagedKVManager``: blocks on demand, ``ceil(tokens / block_size)`` per request, optional
+  prefix caching (``lookup_prefix`` + ``commit_full_blocks``).
+- ``ContiguousKVManager``: each request reserves one ``max_model_len`` slot at admission (the
+  classic pre-allocated layout the paged cache is measured against). It is a block pool whose
+  block size is ``max_model_len``, so the runner and attention path are the same code.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from infer.engine.request import Request
+from infer.kv_cache.block_pool import Block, BlockHash, BlockPool, PrefixCacheStats
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Blocks found in the prefix cache for a request about to be admitted."""
+
+    blocks: list[Block]
+    hashes: list[BlockHash]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+NO_HIT = PrefixHit([], [])
+
+
+class KVManager(ABC):
+    block_size: int
+    pool: BlockPool
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, list[Block]] = {}
+
+    @abstractmethod
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Make room for ``request``'s next ``num_new_tokens``; False (and no change) if short."""
+
+    def lookup_prefix(self, request: Request) -> PrefixHit:
+        """Cached blocks for the request's leading full blocks (never its final token)."""
+        return NO_HIT
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix lookup in the cache statistics."""
+
+    def commit_full_blocks(self, request: Request) -> None:
+        """Offer the request's newly completed blocks to the prefix cache."""
+
+    def block_table(self, request: Request) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request.request_id, ())]
+
+    def num_blocks_held(self, request: Request) -> int:
+        return len(self._blocks.get(request.request_id, ()))
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(list(reversed(blocks)))
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of this many tokens fits an otherwise empty pool."""
+        return self.blocks_needed(num_tokens) <= self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        return self.pool.stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+
+class PagedKVManager(KVManager):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # Hashes of each request's committed full blocks (the chain's parents).
+        self._hashes: dict[str, list[BlockHash]] = {}
+
+    def lookup_prefix(self, request: Request) -> PrefixHit:
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        tokens = request.all_token_ids
+        # NOTE: the final token is never served from cache: its logits must be computed.
+        max_blocks = (len(tokens) - 1) // self.block_size
+        extra = _extra_keys(request)
+        blocks: list[Block] = []
+        hashes: list[BlockHash] = []
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+            block = self.pool.lookup(parent, chunk, extra)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = block.block_hash
+            hashes.append(parent)  # type: ignore[arg-type]
+        return PrefixHit(blocks, hashes)
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (only admissions count, not retries)."""
+        if self.enable_prefix_caching:
+            self.pool.stats.queries += num_tokens
+            self.pool.stats.hits += num_hit_tokens
+
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        held = self._blocks.get(request.request_id)
+        num_held = len(held) if held else hit.num_blocks
+        target = request.num_computed_tokens + num_new_tokens
+        if hit.num_blocks:
+            target = max(target, hit.num_blocks * self.block_size + num_new_tokens)
+        need = self.blocks_needed(target) - num_held
+        # Reviving cached free blocks also takes them off the free list: count them.
+        num_revived = sum(1 for b in hit.blocks if b.ref_count == 0) if held is None else 0
+        if need + num_revived > self.pool.num_free_blocks:
+            return False
+        if held is None:
+            self.pool.touch(hit.blocks)
+            held = self._blocks[request.request_id] = list(hit.blocks)
+            self._hashes[request.request_id] = list(hit.hashes)
+        if need > 0:
+            new = self.pool.allocate(need)
+            assert new is not None
+            held.extend(new)
+        return True
+
+    def commit_full_blocks(self, request: Request) -> None:
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        hashes = self._hashes.setdefault(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if num_full <= len(hashes):
+            return
+        tokens = request.all_token_ids
+        extra = _extra_keys(request)
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+            parent = self.pool.cache_block(blocks[i], parent, chunk, extra)
+            hashes.append(parent)
+
+    def free(self, request: Request) -> None:
+        self._hashes.pop(request.request_id, None)
+        super().free(request)
+
+
+class ContiguousKVManager(KVManager):
+    """One ``max_model_len`` region per request, reserved whole at admission."""
+
+    def __init__(self, num_slots: int, max_model_len: int) -> None:
+        super().__init__()
+        self.block_size = max_model_len
+        self.pool = BlockPool(num_slots, enable_caching=False)
+
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        if request.request_id in self._blocks:
+            return request.num_computed_tokens + num_new_tokens <= self.block_size
+        region = self.pool.allocate(1)
+        if region is None:
+            return False
+        self._blocks[request.request_id] = region
+        return True
+
+
+def _extra_keys(request: Request) -> tuple:
+    return (request.cache_salt,) if request.cache_salt else ()

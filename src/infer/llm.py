@@ -1,0 +1,157 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)``.
+
+Drives an ``LLMEngine`` in a loop until every request finishes. ``n > 1`` fans out into child
+sequences (seeded children use ``seed + i`` so they differ yet stay reproducible).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from infer.config import EngineConfig
+from infer.engine.engine import LLMEngine
+from infer.engine.outputs import CompletionOutput, GenerationResult, RequestOutput
+from infer.engine.sampling_params import InvalidRequestError, SamplingParams
+
+PromptInput = str | Sequence[int]
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of the ``index``-th of ``n`` sequences generated for one prompt."""
+    from dataclasses import replace
+
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+class LLM:
+    """Generate text offline, many prompts at once, with continuous batching.
+
+    ``engine_options`` are the fields of ``ModelConfig``, ``CacheConfig`` and
+    ``SchedulerConfig`` (``max_num_seqs=16``, ``enable_prefix_caching=True``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion; results come back in prompt order."""
+        prompt_list = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        encoded = [self._encode(p) for p in prompt_list]
+
+        children: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, child index)
+        added: list[str] = []
+        try:
+            for i, (token_ids, params) in enumerate(zip(encoded, params_list, strict=True)):
+                base = str(next(self._ids))
+                for j in range(params.n):
+                    rid = f"{base}-{j}"
+                    self.engine.add_request(
+                        rid,
+                        token_ids,
+                        child_params(params, j),
+                        priority=priority[i] if priority else 0,
+                        cache_salt=cache_salt,
+                    )
+                    children[rid] = (i, j)
+                    added.append(rid)
+        except (InvalidRequestError, RuntimeError):
+            for rid in added:
+                self.engine.abort_request(rid)
+            self._drain()
+            raise
+
+        collected: dict[str, list[RequestOutput]] = {rid: [] for rid in children}
+        while any(not outs or not outs[-1].finished for outs in collected.values()):
+            for out in self.engine.step():
+                if out.request_id in collected:
+                    collected[out.request_id].append(out)
+
+        results = []
+        for i, token_ids in enumerate(encoded):
+            rids = [rid for rid, (pi, _) in children.items() if pi == i]
+            outputs = [_merge(j, collected[rid]) for j, rid in enumerate(rids)]
+            last = [collected[rid][-1] for rid in rids]
+            results.append(
+                GenerationResult(
+                    request_id=rids[0].rsplit("-", 1)[0],
+                    prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
+                    prompt_token_ids=list(token_ids),
+                    outputs=outputs,
+                    num_cached_tokens=last[0].num_cached_tokens,
+                    timings=[o.timings for o in last if o.timings is not None],
+                )
+            )
+        return results
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        sampling_params: SamplingParams | None = None,
+        **template_kwargs,
+    ) -> GenerationResult:
+        """Render ``messages`` with the model's chat template and generate a reply."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return self.generate([list(ids)], sampling_params)[0]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def _encode(self, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def _normalize_prompts(prompts) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _merge(index: int, outs: list[RequestOutput]) -> CompletionOutput:
+    last = outs[-1]
+    logprobs = [lp for o in outs for lp in o.new_logprobs]
+    return CompletionOutput(
+        index=index,
+        text="".join(o.new_text for o in outs),
+        token_ids=[t for o in outs for t in o.new_token_ids],
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        logprobs=logprobs or None,
+    )

@@ -1,0 +1,85 @@
+"""Turn a ``SchedulerOutput`` into tensors, run the model once, sample.
+
+The flat batch for a step with a prefill chunk and two decodes::
+
+    chunks        : A: 5 tokens from position 3 (prefill) | B: 1 token at 17 | C: 1 token at 9
+    input_ids     : a3 a4 a5 a6 a7                         | b17              | c9
+    positions     : 3  4  5  6  7                          | 17               | 9
+    sample rows   :              ^ (if A's chunk ends its prompt)  ^                 ^
+
+Only the last row of each chunk that reaches the end of its sequence goes through the LM head
+and the sampler, so a long prefill costs one vocab projection, not one per token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infer.engine.request import Request
+from infer.engine.scheduler import SampledToken, SchedulerOutput
+from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
+from infer.runner.sampler import Sampler
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    """Seconds spent in one step's parts (for the engine-overhead split in benchmarks)."""
+
+    prepare: float
+    forward: float
+    sample: float
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, seed: int = 0
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.sampler = Sampler(device, seed)
+        self._sync = device.type == "cuda"
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, requests: dict[str, Request]
+    ) -> tuple[dict[str, SampledToken], StepTimings]:
+        t0 = time.perf_counter()
+        token_ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SequenceSlice] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for chunk in out.chunks:
+            n = len(chunk.token_ids)
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.num_computed_tokens, chunk.num_computed_tokens + n))
+            seqs.append(SequenceSlice(chunk.num_computed_tokens, n, chunk.block_table))
+            if chunk.sample:
+                sample_rows.append(len(token_ids) - 1)
+                sample_reqs.append(requests[chunk.request_id])
+        ids_t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ctx = AttentionContext(self.kv_cache, seqs, self.device)
+        t1 = time.perf_counter()
+
+        hidden = self.model(ids_t, pos_t, ctx)
+        logits = None
+        if sample_rows:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+        if self._sync:
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+
+        sampled: dict[str, SampledToken] = {}
+        if logits is not None:
+            for request, token in zip(
+                sample_reqs, self.sampler.sample(logits, sample_reqs), strict=True
+            ):
+                sampled[request.request_id] = token
+        t3 = time.perf_counter()
+        return sampled, StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)

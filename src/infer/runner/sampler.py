@@ -1,0 +1,127 @@
+"""Pick each request's next token from its logits row, applying that request's own parameters.
+
+One batched pass over ``[B, vocab]`` float32 logits:
+
+    penalties (repetition over prompt+output; presence/frequency over output)
+    -> min_tokens (EOS and stop ids masked until the minimum is reached)
+    -> greedy rows: argmax
+    -> other rows: temperature, top-k, top-p, min-p, then a draw
+
+A seeded request draws from its own ``torch.Generator`` (created at its first sample), so its
+tokens do not depend on what else is in the batch. Unseeded requests share the engine's
+generator. Logprobs are of the model's raw distribution (before penalties and temperature),
+as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.engine.request import Request, TokenLogprob
+from infer.engine.scheduler import SampledToken
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self._shared = torch.Generator(device=self.device)
+        self._shared.manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._shared
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        logits = logits.float()
+        params = [r.sampling_params for r in requests]
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(p.needs_penalties for p in params) or any(
+            r.num_output_tokens < r.sampling_params.min_tokens for r in requests
+        ):
+            logits = logits.clone()
+            for row, request in enumerate(requests):
+                _apply_penalties(logits[row], request)
+
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
+            for j, row in enumerate(random_rows):
+                drawn = torch.multinomial(probs[j], 1, generator=self._generator(requests[row]))
+                tokens[row] = drawn[0]
+
+        token_list = tokens.tolist()
+        out = []
+        for row, token_id in enumerate(token_list):
+            k = params[row].logprobs
+            lp = None
+            if k is not None and raw_logprobs is not None:
+                lp = _token_logprob(raw_logprobs[row], token_id, k)
+            out.append(SampledToken(token_id, lp))
+        return out
+
+
+def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+    p = request.sampling_params
+    if request.num_output_tokens < p.min_tokens:
+        banned = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned.update(request.eos_token_ids)
+        if banned:
+            row[list(banned)] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+        out = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    logits = logits / temps
+    top_k = [p.top_k for p in params]
+    if any(k > 0 for k in top_k):
+        vocab = logits.shape[-1]
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+        kth = logits.sort(dim=-1, descending=True).values.gather(-1, (ks - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)[:, None]
+    if (top_p < 1.0).any():
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)[:, None]
+    if (min_p > 0).any():
+        threshold = min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    chosen = logprobs[token_id].item()
+    rank = int((logprobs > chosen).sum().item()) + 1
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        vals, ids = logprobs.topk(k)
+        top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(token_id, chosen, rank, top)
