@@ -81,11 +81,11 @@ class PriorityQueue(RequestQueue):
         self._seq = itertools.count()
         self._removed: set[int] = set()  # ids of requests removed lazily from the heap
         self._waited: dict[str, int] = {}  # request id -> steps spent waiting
-        self._aged: set[str] = set()
 
     def sort_key(self, request: Request) -> tuple:
-        aged = request.request_id in self._aged
-        return (0 if aged else 1, request.priority, request.timings.arrival)
+        # NOTE: an aged request keeps its promotion once admitted, so the requests it waited
+        # behind cannot preempt it straight back out.
+        return (0 if request.aged else 1, request.priority, request.timings.arrival)
 
     def add(self, request: Request) -> None:
         self._waited.setdefault(request.request_id, 0)
@@ -106,13 +106,11 @@ class PriorityQueue(RequestQueue):
         self._prune()
         request = heapq.heappop(self._heap)[2]
         self._waited.pop(request.request_id, None)
-        self._aged.discard(request.request_id)
         return request
 
     def remove(self, request: Request) -> None:
         self._removed.add(id(request))
         self._waited.pop(request.request_id, None)
-        self._aged.discard(request.request_id)
 
     def __len__(self) -> int:
         return len(self._heap) - len(self._removed)
@@ -124,14 +122,13 @@ class PriorityQueue(RequestQueue):
     def tick(self) -> None:
         if self.max_wait_steps is None:
             return
-        newly_aged = []
-        for rid in self._waited:
-            self._waited[rid] += 1
-            if self._waited[rid] >= self.max_wait_steps and rid not in self._aged:
-                newly_aged.append(rid)
+        live = [r for _, _, r in self._heap if id(r) not in self._removed]
+        newly_aged = False
+        for r in live:
+            self._waited[r.request_id] = self._waited.get(r.request_id, 0) + 1
+            if self._waited[r.request_id] >= self.max_wait_steps and not r.aged:
+                r.aged = newly_aged = True
         if newly_aged:
-            self._aged.update(newly_aged)
-            live = [r for _, _, r in self._heap if id(r) not in self._removed]
             self._heap = []
             self._removed.clear()
             for r in live:

@@ -115,6 +115,7 @@ class Request:
         # Tokens whose KV came from the prefix cache at (last) admission.
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.aged = False  # promoted by the priority queue's aging (max_wait_steps)
         self.num_recomputed_tokens = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None

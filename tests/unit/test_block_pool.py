@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+from infer.kv_cache.block_pool import BlockPool
+from infer.kv_cache.manager import PagedKVManager
+
+from ._factories import make_request
+
+
+def test_allocate_and_free_return_every_block():
+    pool = BlockPool(8)
+    blocks = pool.allocate(5)
+    assert blocks is not None and pool.num_free_blocks == 3
+    assert pool.allocate(4) is None  # all-or-nothing
+    pool.free(blocks)
+    assert pool.num_free_blocks == 8 and all(b.ref_count == 0 for b in pool.blocks)
+
+
+def test_chained_hash_same_tokens_under_other_prefix_never_hit():
+    pool = BlockPool(8, enable_caching=True)
+    a, b = pool.allocate(2)
+    ha = pool.cache_block(a, None, [1, 2], ())
+    pool.cache_block(b, ha, [3, 4], ())
+    assert pool.lookup(ha, [3, 4], ()) is b
+    other = pool.cache_block(pool.allocate(1)[0], None, [9, 9], ())
+    assert pool.lookup(other, [3, 4], ()) is None  # same tokens, different parent
+    assert pool.lookup(None, [3, 4], ()) is None
+
+
+def test_hash_collision_is_guarded_by_token_comparison():
+    pool = BlockPool(4, enable_caching=True, hash_fn=lambda parent, toks, extra: 42)
+    (a,) = pool.allocate(1)
+    pool.cache_block(a, None, [1, 2], ())
+    assert pool.lookup(None, [1, 2], ()) is a
+    assert pool.lookup(None, [5, 6], ()) is None  # same hash, other tokens: no wrong KV
+
+
+def test_freed_cached_blocks_stay_revivable_and_evict_lru_first():
+    pool = BlockPool(3, enable_caching=True)
+    blocks = pool.allocate(3)
+    hashes = [pool.cache_block(b, None, [i], ()) for i, b in enumerate(blocks)]
+    pool.free([blocks[1]])
+    pool.free([blocks[0]])
+    pool.free([blocks[2]])
+    assert pool.num_cached_blocks == 3 and pool.num_free_blocks == 3
+    revived = pool.lookup(None, [0], ())
+    assert revived is blocks[0]
+    pool.touch([revived])
+    assert revived.ref_count == 1 and pool.num_free_blocks == 2
+    (new,) = pool.allocate(1)  # evicts the least recently freed: block 1
+    assert new is blocks[1] and pool.lookup(None, [1], ()) is None
+    assert pool.stats.evictions == 1
+    assert pool.lookup(None, [2], ()) is blocks[2]
+    assert hashes[2] == blocks[2].block_hash
+
+
+def test_reset_prefix_cache_refused_while_in_use():
+    pool = BlockPool(2, enable_caching=True)
+    (a,) = pool.allocate(1)
+    pool.cache_block(a, None, [1], ())
+    assert pool.reset_prefix_cache() is False
+    pool.free([a])
+    assert pool.reset_prefix_cache() is True
+    assert pool.lookup(None, [1], ()) is None and pool.num_cached_blocks == 0
+
+
+def _admit(kv: PagedKVManager, req) -> int:
+    hit = kv.lookup_prefix(req)
+    assert kv.allocate(req, req.num_tokens - hit.num_blocks * kv.block_size, hit)
+    req.num_computed_tokens = req.num_tokens
+    kv.commit_full_blocks(req)
+    return hit.num_blocks
+
+
+def test_manager_prefix_hit_never_covers_last_token_and_salt_isolates():
+    kv = PagedKVManager(32, 4, enable_prefix_caching=True)
+    prompt = list(range(1, 13))  # 12 tokens = 3 full blocks
+    first = make_request("a", prompt=prompt)
+    assert _admit(kv, first) == 0
+    second = make_request("b", prompt=prompt)
+    assert _admit(kv, second) == 2  # not 3: the last token must be recomputed
+    salted = make_request("c", prompt=prompt, salt="tenant-2")
+    assert _admit(kv, salted) == 0
+    for r in (first, second, salted):
+        kv.free(r)
+    assert kv.num_free_blocks == 32
+
+
+def test_manager_eviction_under_pressure_then_everything_returned():
+    kv = PagedKVManager(4, 4, enable_prefix_caching=True)
+    a = make_request("a", prompt=list(range(1, 17)))  # 4 blocks: the whole pool
+    _admit(kv, a)
+    kv.free(a)
+    assert kv.pool.num_cached_blocks == 4
+    b = make_request("b", prompt=list(range(100, 116)))
+    assert _admit(kv, b) == 0  # all four cached blocks evicted lazily to make room
+    assert kv.prefix_stats.evictions == 4
+    kv.free(b)
+    assert kv.num_free_blocks == 4

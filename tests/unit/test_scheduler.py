@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import pytest
+
+from infer.engine.request import RequestStatus
+
+from ._factories import fake_sample, make_request, make_scheduler, run_to_completion
+
+
+def test_every_request_completes_and_every_block_returns():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    reqs = [make_request(f"r{i}", prompt_len=5 + i, max_tokens=3 + i % 4) for i in range(10)]
+    for r in reqs:
+        s.add_request(r)
+    run_to_completion(s)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
+    assert [r.num_output_tokens for r in reqs] == [r.sampling_params.max_tokens for r in reqs]
+    assert s.kv.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3, 7])
+def test_token_budget_and_seq_limit_never_exceeded(chunk):
+    s = make_scheduler(
+        num_blocks=256,
+        block_size=4,
+        max_num_seqs=3,
+        max_num_batched_tokens=10,
+        prefill_chunk_size=chunk,
+    )
+    for i in range(8):
+        s.add_request(make_request(f"r{i}", prompt_len=9, max_tokens=5))
+    for out in run_to_completion(s):
+        assert len(out.chunks) <= 3
+        if chunk is not None:
+            assert out.num_batched_tokens <= 10
+            assert all(
+                len(c.token_ids) <= chunk or c.sample and len(c.token_ids) == 1 for c in out.chunks
+            )
+
+
+def test_chunked_prefill_mixes_with_decode_in_one_step():
+    s = make_scheduler(max_num_seqs=4, max_num_batched_tokens=6, prefill_chunk_size=4)
+    s.add_request(make_request("short", prompt_len=2, max_tokens=10))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    s.add_request(make_request("long", prompt_len=20, max_tokens=2))
+    out = s.schedule()
+    kinds = {c.request_id: len(c.token_ids) for c in out.chunks}
+    assert kinds == {"short": 1, "long": 4}  # a decode and a prefill chunk, one pass
+    assert out.chunks[1].sample is False  # a middle chunk samples nothing
+
+
+def test_unchunked_prompt_larger_than_budget_still_runs():
+    s = make_scheduler(max_num_batched_tokens=4)
+    s.add_request(make_request("big", prompt_len=10, max_tokens=1))
+    out = s.schedule()
+    assert len(out.chunks[0].token_ids) == 10
+    s.update_from_output(out, fake_sample(out))
+    assert not s.has_unfinished_requests()
+
+
+def test_kv_pressure_preempts_newest_under_fcfs_and_output_continues():
+    # 6 blocks of 4 tokens; two requests of 8 prompt + 8 output tokens need 4 blocks each.
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    a = make_request("a", prompt_len=8, max_tokens=8, arrival=1.0)
+    b = make_request("b", prompt_len=8, max_tokens=8, arrival=2.0)
+    s.add_request(a)
+    s.add_request(b)
+    outs = run_to_completion(s)
+    preempted = [rid for o in outs for rid in o.preempted]
+    assert preempted and set(preempted) == {"b"}  # the newest is the victim
+    assert b.num_preemptions >= 1 and b.num_recomputed_tokens > 0
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert s.counters.preemptions == len(preempted)
+    assert s.kv.num_free_blocks == 6
+
+
+def test_priority_policy_orders_waiting_and_preempts_for_urgent():
+    s = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    low = make_request("low", prompt_len=4, max_tokens=20, priority=5, arrival=1.0)
+    s.add_request(low)
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    s.add_request(make_request("mid", prompt_len=4, max_tokens=2, priority=3, arrival=2.0))
+    s.add_request(make_request("urgent", prompt_len=4, max_tokens=2, priority=0, arrival=3.0))
+    out = s.schedule()
+    assert out.preempted == ["low"]
+    assert [c.request_id for c in out.chunks] == ["urgent"]
+    finished_order = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        before = set(s.requests)
+        s.update_from_output(out, fake_sample(out))
+        finished_order += sorted(before - set(s.requests))
+    assert finished_order == ["urgent", "mid", "low"]
+    assert low.num_output_tokens == 20
+
+
+def test_fcfs_ignores_priorities():
+    s = make_scheduler(max_num_seqs=1, scheduling_policy="fcfs")
+    s.add_request(make_request("first", priority=9, arrival=1.0))
+    s.add_request(make_request("second", priority=0, arrival=2.0))
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["first"] and not out.preempted
+
+
+def test_priority_aging_prevents_starvation():
+    s = make_scheduler(max_num_seqs=1, scheduling_policy="priority", max_wait_steps=5)
+    s.add_request(make_request("low", prompt_len=2, max_tokens=1, priority=10, arrival=0.0))
+    served_low_at = None
+    for step in range(60):
+        s.add_request(
+            make_request(f"hi{step}", prompt_len=2, max_tokens=1, priority=0, arrival=step + 1)
+        )
+        out = s.schedule()
+        s.update_from_output(out, fake_sample(out))
+        if "low" not in s.requests:
+            served_low_at = step
+            break
+    assert served_low_at is not None and served_low_at <= 6
+
+
+def test_static_batching_admits_only_when_batch_drained():
+    s = make_scheduler(max_num_seqs=8, batching_mode="static")
+    s.add_request(make_request("a", max_tokens=3))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    s.add_request(make_request("b", max_tokens=3))
+    for _ in range(2):
+        out = s.schedule()
+        assert [c.request_id for c in out.chunks] == ["a"]
+        s.update_from_output(out, fake_sample(out))
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["b"]
+
+
+def test_no_kv_cache_mode_recomputes_whole_sequence_each_step():
+    s = make_scheduler(use_kv_cache=False)
+    s.add_request(make_request("a", prompt_len=5, max_tokens=3))
+    lengths = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        lengths.append(len(out.chunks[0].token_ids))
+        assert out.chunks[0].num_computed_tokens == 0
+        s.update_from_output(out, fake_sample(out))
+    assert lengths == [5, 6, 7]
+    assert s.kv.num_free_blocks == 64
+
+
+def test_contiguous_backend_reserves_one_region_per_request():
+    s = make_scheduler(num_blocks=2, contiguous_len=32, max_num_seqs=8)
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", prompt_len=4, max_tokens=2))
+    out = s.schedule()
+    assert len(out.chunks) == 2  # only two regions
+    run_to_completion(s)
+    assert s.kv.num_free_blocks == 2
+
+
+def test_abort_frees_blocks_immediately():
+    s = make_scheduler(num_blocks=16)
+    r = make_request("a", prompt_len=8, max_tokens=50)
+    s.add_request(r)
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    assert s.kv.num_free_blocks < 16
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.num_free_blocks == 16 and r.status.finish_reason == "abort"
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_respected():
+    from infer.engine.request import Request
+    from infer.engine.sampling_params import SamplingParams
+
+    s = make_scheduler()
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=2), eos_token_ids=(0,))
+    s.add_request(r)
+    for _ in range(3):
+        out = s.schedule()
+        s.update_from_output(out, fake_sample(out, token=0))
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.num_output_tokens == 2
+
+
+def test_prefix_cache_hits_skip_prefill_tokens():
+    s = make_scheduler(num_blocks=64, block_size=4, prefix=True)
+    shared = list(range(1, 17))
+    s.add_request(make_request("a", prompt=shared + [50, 51], max_tokens=2))
+    run_to_completion(s)
+    s.add_request(make_request("b", prompt=shared + [60, 61], max_tokens=2))
+    out = s.schedule()
+    assert out.chunks[0].num_computed_tokens == 16 and len(out.chunks[0].token_ids) == 2
+    run_to_completion(s)
+    stats = s.kv.prefix_stats
+    assert stats.hits == 16 and stats.queries == 36
+    assert s.kv.num_free_blocks == 64
