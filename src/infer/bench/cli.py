@@ -1,0 +1,179 @@
+"""``infer bench serve|compare|client|micro|ablation``: registered by :mod:`infer.cli`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from infer.bench.workloads import WORKLOADS
+
+DEFAULT_OUT = "benchmarks/reports"
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``infer bench serve`` (also used by ``benchmarks/bench_serving.py``)."""
+    p.add_argument("--server", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--model", default=None, help="model id to request (default: first listed)")
+    p.add_argument(
+        "--workload", default="all", choices=["all", *WORKLOADS], help="which workload(s) to run"
+    )
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="shrink request counts and lengths (default: 1.0 with a CUDA GPU here, else 0.5)",
+    )
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply arrival rates")
+    p.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft_ms=2000,tpot_ms=100")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer folder for exact lengths")
+    p.add_argument("--max-model-len", type=int, default=None, help="clip requests to this context")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per workload")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--label", default=None, help="run label (default: the model id)")
+    p.add_argument("--server-flags", default=None, help="server flags, recorded in the report")
+    p.add_argument("--out", default=DEFAULT_OUT, help="report folder")
+    p.add_argument("--no-save", action="store_true", help="print tables only")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from infer.bench.serve import ServeBenchConfig, run_serving_benchmark_sync, save_report
+
+    cfg = ServeBenchConfig(
+        server=args.server,
+        model=args.model,
+        workload=args.workload,
+        seed=args.seed,
+        scale=args.scale,
+        rate_scale=args.rate_scale,
+        endpoint=args.endpoint,
+        slo=args.slo,
+        tokenizer=args.tokenizer,
+        max_model_len=args.max_model_len,
+        warmup=args.warmup,
+        ignore_eos=not args.no_ignore_eos,
+        timeout_s=args.timeout,
+        label=args.label,
+        server_flags=args.server_flags,
+        progress=not args.no_progress,
+    )
+    report = run_serving_benchmark_sync(cfg)
+    if not args.no_save:
+        path = save_report(report, args.out, plots=not args.no_plots)
+        print(f"\nreport: {path}\nmarkdown: {path.with_suffix('.md')}")
+    lost = sum(
+        w["metrics"]["configured"] - w["metrics"]["completed"] for w in report["workloads"].values()
+    )
+    return 1 if lost else 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from infer.bench.compare import compare_markdown
+    from infer.bench.report import load_report
+
+    reports = [load_report(p) for p in args.reports]
+    text = compare_markdown(reports, against=args.against)
+    if args.plots:
+        from infer.bench.plots import write_compare_plots
+
+        made = write_compare_plots(reports, args.plots)
+        rel = Path(args.plots)
+        if args.out:
+            try:
+                rel = Path(args.plots).resolve().relative_to(Path(args.out).resolve().parent)
+            except ValueError:
+                rel = Path(args.plots).resolve()
+        text += "\n## Plots\n\n" + "".join(f"![{n}]({rel / f})\n\n" for n, f in made.items())
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from infer.bench.client import fetch_models
+    from infer.bench.client_tests import run_client_tests
+
+    prefix_tokens = args.prefix_tokens
+    models = asyncio.run(fetch_models(args.server))
+    limit = next((m.get("max_model_len") for m in models if m.get("max_model_len")), None)
+    if limit and prefix_tokens > limit * 0.7:
+        prefix_tokens = int(limit * 0.7)  # room for the template, the suffix and word drift
+        print(f"prefix shortened to ~{prefix_tokens} tokens (server max_model_len={limit})")
+    tests = ("caching", "batching") if args.test == "all" else (args.test,)
+    result = run_client_tests(
+        args.server,
+        args.model,
+        endpoint=args.endpoint,
+        prefix_tokens=prefix_tokens,
+        num_warm=args.num_warm,
+        batch_sizes=[int(x) for x in args.batch_sizes.split(",") if x],
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        tests=tests,
+    )
+    print(result["markdown"])
+    if not args.no_save:
+        from infer.bench.report import collect_environment, now_iso, slug
+
+        result["environment"] = collect_environment()
+        result["created"] = now_iso()
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"client_{now_iso().replace(':', '').replace('+0000', '')}_{slug(result['model'])}"
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / f"{stem}.md").write_text(result["markdown"] + "\n")
+        print(f"report: {out / stem}.json")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``bench`` and its sub-commands to the ``infer`` parser."""
+    bench = subparsers.add_parser("bench", help="benchmarks: serving, client, micro, ablation")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = sub.add_parser("serve", help="run the serving workloads against a server")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    cmp = sub.add_parser("compare", help="phase-vs-phase delta tables of serving reports")
+    cmp.add_argument("reports", nargs="+", help="report.json files, oldest first")
+    cmp.add_argument("--against", choices=["previous", "first"], default="previous")
+    cmp.add_argument("--out", default=None, help="also write the markdown here")
+    cmp.add_argument("--plots", default=None, help="folder for comparison PNGs")
+    cmp.set_defaults(func=cmd_compare)
+
+    cl = sub.add_parser("client", help="reference 002 client tests (openai SDK)")
+    cl.add_argument("--server", default="http://127.0.0.1:8000")
+    cl.add_argument("--model", default=None)
+    cl.add_argument("--test", choices=["all", "caching", "batching"], default="all")
+    cl.add_argument("--endpoint", choices=["completions", "chat"], default="chat")
+    cl.add_argument("--prefix-tokens", type=int, default=1024, help="long prefix length (approx.)")
+    cl.add_argument("--num-warm", type=int, default=3)
+    cl.add_argument("--batch-sizes", default="1,2,4,8,12")
+    cl.add_argument("--max-tokens", type=int, default=50)
+    cl.add_argument("--seed", type=int, default=0)
+    cl.add_argument("--out", default=DEFAULT_OUT)
+    cl.add_argument("--no-save", action="store_true")
+    cl.set_defaults(func=cmd_client)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m infer.bench.cli`` (same as ``infer bench``)."""
+    parser = argparse.ArgumentParser(prog="infer")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
