@@ -101,12 +101,8 @@ class _OutputState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from infer.model.loader import (
-            load_model,
-            load_model_spec,
-            load_tokenizer,
-            resolve_model_path,
-        )
+        from infer.model.loader import load_model, load_model_spec, resolve_model_path
+        from infer.model.tokenizer import load_tokenizer
 
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
