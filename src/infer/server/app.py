@@ -1,0 +1,189 @@
+"""The FastAPI application: routes, middleware, engine lifecycle.
+
+``build_app(engine, settings)`` wraps an already-loaded ``LLMEngine``; the engine thread starts
+with the app (lifespan) and stops after the in-flight requests drained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from infer.engine.async_engine import AsyncEngine
+from infer.server import metrics as metrics_mod
+from infer.server.chat import create_chat_completion, render_chat
+from infer.server.completions import create_completion
+from infer.server.errors import APIError, install_error_handlers
+from infer.server.middleware import AccessLogMiddleware, APIKeyMiddleware, BodyLimitMiddleware
+from infer.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from infer.server.serving import ServerSettings, Serving
+
+logger = logging.getLogger("infer.server")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": why}
+    for status, why in [
+        (400, "invalid request (the error names the field)"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "body over --max-request-bytes"),
+        (429, "waiting queue full"),
+        (500, "the engine failed on this request"),
+        (503, "shutting down"),
+    ]
+}
+
+
+def _streamed(model: type) -> dict[int | str, dict[str, Any]]:
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {
+        200: {
+            "description": "JSON body, or with stream=true an SSE stream of "
+            f"`data: <{model.__name__}>` events ending with `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": schema}},
+        },
+        **_ERRORS,
+    }
+
+
+def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
+    """The HTTP app over ``engine`` (an ``LLMEngine``, already loaded)."""
+    served = settings.served_model_names
+    metrics = metrics_mod.ServerMetrics(served[0], engine.max_model_len, lambda: async_engine.stats)
+    async_engine = AsyncEngine(
+        engine,
+        max_queued_requests=engine.config.scheduler.max_queued_requests,
+        request_timeout=settings.request_timeout,
+        on_finished=metrics.observe_finished,
+    )
+    serving = Serving(async_engine, engine.tokenizer, settings, engine.max_model_len,
+                      str(engine.model_path))  # fmt: skip
+    prefix_caching = engine.config.cache.enable_prefix_caching
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.drain(settings.drain_timeout)
+        await async_engine.shutdown()
+
+    app = FastAPI(
+        title="infer",
+        summary="OpenAI-compatible LLM serving",
+        version=_version(),
+        lifespan=lifespan,
+        strict_content_type=False,
+    )
+    app.state.serving = serving
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    @app.get("/health", response_model=HealthResponse, tags=["ops"])
+    async def health() -> HealthResponse:
+        """200 while the engine thread is alive (no API key needed)."""
+        if async_engine.dead is not None:
+            raise APIError(503, f"the engine has stopped: {async_engine.dead}")
+        return HealthResponse()
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["openai"])
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=str(engine.model_path),
+                                         max_model_len=engine.max_model_len) for name in served])  # fmt: skip
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=_streamed(CompletionStreamResponse), tags=["openai"])  # fmt: skip
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(serving, body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_streamed(ChatCompletionStreamResponse), tags=["openai"])  # fmt: skip
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(serving, body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["tokens"])
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise APIError(400, "messages is empty", param="messages")
+            ids = await serving.run_blocking(
+                lambda: render_chat(serving, body.messages,
+                                    add_generation_prompt=body.add_generation_prompt,
+                                    kwargs=body.chat_template_kwargs), size=4096)  # fmt: skip
+        else:
+            text = body.prompt or ""
+            tok = serving.tokenizer
+            ids = await serving.run_blocking(
+                lambda: tok.encode(text, add_special_tokens=body.add_special_tokens), size=len(text)
+            )
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, tags=["tokens"])
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        vocab = len(serving.tokenizer)
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                           param="tokens")  # fmt: skip
+        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    @app.get("/metrics", tags=["ops"], response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}})  # fmt: skip
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
+
+    @app.post("/reset_prefix_cache", tags=["ops"], responses=_ERRORS)
+    async def reset_prefix_cache() -> dict[str, bool]:
+        """Drop every cached prefix block (needs --enable-prefix-caching)."""
+        if not prefix_caching:
+            raise APIError(400, "prefix caching is off (start with --enable-prefix-caching)")
+        ok = await async_engine.call(lambda e: e.reset_prefix_cache())
+        return {"reset": bool(ok)}
+
+    @app.get("/debug/engine", tags=["ops"])
+    async def debug_engine() -> dict[str, Any]:
+        """The engine's latest stats snapshot plus the server's in-flight count."""
+        stats = dataclasses.asdict(async_engine.stats)
+        return {**stats, "in_flight": async_engine.num_in_flight, "steps": async_engine.num_steps,
+                "step_failures": async_engine.num_step_failures}  # fmt: skip
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> JSONResponse:
+        return JSONResponse({"service": "infer", "models": list(served), "docs": "/docs"})
+
+    # Outermost first on the way in: log everything, then authenticate, then bound the body.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(AccessLogMiddleware)
+    return app
+
+
+def _version() -> str:
+    from infer import __version__
+
+    return __version__

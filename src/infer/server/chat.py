@@ -1,0 +1,214 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template, reply streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from infer.engine.async_engine import RequestStream
+from infer.engine.request import TokenLogprob
+from infer.server.errors import APIError, bad_request
+from infer.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from infer.server.serving import (
+    SSE_DONE,
+    Choices,
+    Serving,
+    SSEResponse,
+    cancel_on_disconnect,
+    new_id,
+    raise_if_failed,
+    sse,
+    usage_totals,
+)
+
+# Template arguments a client may not override through chat_template_kwargs.
+_RESERVED_KWARGS = {"conversation", "tokenize", "chat_template", "add_generation_prompt",
+                    "continue_final_message", "return_dict", "return_tensors", "padding",
+                    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+                    "tools", "documents"}  # fmt: skip
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def render_chat(serving: Serving, messages: list[ChatMessage], *, add_generation_prompt: bool,
+                continue_final_message: bool = False,
+                kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+    """Token ids of the conversation as the model's chat template (or --chat-template) writes it."""
+    template = serving.settings.chat_template
+    tok = serving.tokenizer
+    if template is None and not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; start the server with "
+                          "--chat-template FILE or use /v1/completions", param="messages")  # fmt: skip
+    kwargs = dict(kwargs or {})
+    reserved = sorted(_RESERVED_KWARGS & kwargs.keys())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                          param="chat_template_kwargs")  # fmt: skip
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt are exclusive; set "
+                          "add_generation_prompt to false", param="continue_final_message")  # fmt: skip
+    if continue_final_message and messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message",
+                          param="continue_final_message")  # fmt: skip
+    try:
+        text = tok.apply_chat_template(
+            _message_dicts(messages),
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as e:  # noqa: BLE001 - the template rejected these messages (jinja raise)
+        raise bad_request(f"the chat template could not render these messages: {e}",
+                          param="messages") from e  # fmt: skip
+    # The template writes the special tokens itself (as LLM.chat does, no extra BOS).
+    return tok.encode(text, add_special_tokens=False)
+
+
+def chat_logprobs(serving: Serving, lps: list[TokenLogprob], k: int) -> ChatLogprobs:
+    content = []
+    for lp in lps:
+        token = serving.token_str(lp.token_id)
+        top = [
+            TopLogprob(token=(s := serving.token_str(t)), logprob=v, bytes=list(s.encode()))
+            for t, v in lp.top[:k]
+        ]
+        content.append(ChatLogprobToken(token=token, logprob=lp.logprob,
+                                        bytes=list(token.encode()), top_logprobs=top))  # fmt: skip
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
+                                 raw: Request) -> Response:  # fmt: skip
+    model = serving.check_model(req.model)
+    serving.check_fields(req, "/v1/chat/completions")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    size = sum(len(m.content) if isinstance(m.content, str) else 64 for m in req.messages)
+    ids = await serving.run_blocking(
+        lambda: render_chat(serving, req.messages, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message,
+                            kwargs=req.chat_template_kwargs),
+        size=size,
+    )  # fmt: skip
+    serving.check_lengths(ids, max_tokens, "messages")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = serving.sampling_params(req, max_tokens, k)
+    request_id = new_id("chatcmpl")
+    raw.state.request_id = request_id
+    stream = await serving.submit(request_id, [ids], params, req)
+    if req.stream:
+        return SSEResponse(_stream(serving, req, raw, stream, request_id, model))
+    return await cancel_on_disconnect(raw, _collect(serving, req, raw, stream, request_id, model))
+
+
+async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
+                   stream: RequestStream, request_id: str, model: str) -> Response:  # fmt: skip
+    acc = Choices(len(stream.request_ids))
+    async for index, out in stream:
+        acc.add(index, out)
+    choices = []
+    for index, final in enumerate(acc.final):
+        assert final is not None
+        raise_if_failed(final)
+        logprobs = None
+        if req.logprobs:
+            logprobs = chat_logprobs(serving, acc.logprobs[index], req.top_logprobs or 0)
+        choices.append(ChatChoice(
+            index=index, message=ChatResponseMessage(content="".join(acc.text[index])),
+            logprobs=logprobs, finish_reason=final.finish_reason, stop_reason=final.stop_reason,
+        ))  # fmt: skip
+    prompt, completion, cached = usage_totals(acc.final, req.n)
+    raw.state.usage = (prompt, completion)
+    body = ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=serving.usage(prompt, completion, cached))  # fmt: skip
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+async def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request,
+                  stream: RequestStream, request_id: str, model: str) -> AsyncIterator[bytes]:  # fmt: skip
+    created = int(time.time())
+    num_choices = len(stream.request_ids)
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    finals: list = [None] * num_choices
+
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
+        body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                            choices=choices, usage=usage)  # fmt: skip
+        return sse(body.model_dump_json())
+
+    try:
+        # The role comes first, before any token: clients start their message on it.
+        for index in range(num_choices):
+            yield chunk([ChatStreamChoice(index=index,
+                                          delta=DeltaMessage(role="assistant", content=""))])  # fmt: skip
+        async for index, out in stream:
+            if out.finish_reason == "error":
+                err = APIError(500, f"the engine failed while serving this request: {out.error}",
+                               type="server_error", code="engine_error")  # fmt: skip
+                import json
+
+                yield sse(json.dumps(err.body()))
+                break
+            if not out.new_text and not out.finished and not out.new_logprobs:
+                continue
+            logprobs = None
+            if req.logprobs:
+                logprobs = chat_logprobs(serving, out.new_logprobs, req.top_logprobs or 0)
+            usage = None
+            if continuous:
+                usage = UsageInfo(prompt_tokens=out.num_prompt_tokens,
+                                  completion_tokens=out.num_output_tokens,
+                                  total_tokens=out.num_prompt_tokens + out.num_output_tokens)  # fmt: skip
+            delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
+            yield chunk([ChatStreamChoice(
+                index=index, delta=delta, logprobs=logprobs,
+                finish_reason=out.finish_reason if out.finished else None,
+                stop_reason=out.stop_reason,
+            )], usage)  # fmt: skip
+            if out.finished:
+                finals[index] = out
+        else:
+            prompt, completion, cached = usage_totals(finals, req.n)
+            raw.state.usage = (prompt, completion)
+            if include_usage:
+                yield chunk([], serving.usage(prompt, completion, cached))
+        yield SSE_DONE
+    finally:
+        stream.abort()

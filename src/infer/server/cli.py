@@ -1,0 +1,147 @@
+"""``infer serve``: load the model, then serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from infer.config import parse_bytes
+from infer.engine.args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("infer.server")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $INFER_API_KEY)")  # fmt: skip
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model (default: the --model value)")  # fmt: skip
+    g.add_argument("--chat-template", type=Path, default=None,
+                   help="a Jinja chat template file overriding the model's")  # fmt: skip
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=8 * 2**20,
+                   help="refuse larger request bodies with 413 (default 8MiB)")  # fmt: skip
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may wait and run before it is aborted")  # fmt: skip
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")  # fmt: skip
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--no-access-log", dest="access_log", action="store_false")
+
+
+def register(subparsers) -> None:
+    """Add ``infer serve`` to the ``infer`` command."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                              description="Serve a model over an OpenAI-compatible HTTP API.")  # fmt: skip
+    add_engine_args(p)
+    add_server_args(p)
+    p.set_defaults(func=serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.server",
+                                description="Serve a model over an OpenAI-compatible HTTP API.")  # fmt: skip
+    add_engine_args(p)
+    add_server_args(p)
+    p.set_defaults(func=serve)
+    return p
+
+
+def _configure_logging(level: str, access_log: bool) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("infer.access").setLevel(logging.INFO if access_log else logging.WARNING)
+
+
+def serve(args: argparse.Namespace) -> int:
+    _configure_logging(args.log_level, args.access_log)
+    from infer.engine.engine import LLMEngine
+    from infer.server.app import build_app
+    from infer.server.serving import ServerSettings
+
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = args.chat_template.read_text()
+        except OSError as e:
+            logger.error("cannot read --chat-template %s: %s", args.chat_template, e)
+            return 2
+    config = engine_config_from_args(args)
+    engine = LLMEngine(config)
+    names = tuple(args.served_model_name or [engine.model_name])
+    settings = ServerSettings(
+        served_model_names=names,
+        api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
+        request_timeout=args.request_timeout,
+        chat_template=chat_template,
+        drain_timeout=args.drain_timeout,
+    )
+    app = build_app(engine, settings)
+    cap = engine.capacity
+    sc = config.scheduler
+    logger.info(
+        "serving %s (%s) on http://%s:%d: context %d tokens; KV cache %d tokens in %d blocks of %d "
+        "(%.1f MiB); max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, queue bound "
+        "%s, API key %s",
+        ", ".join(names), engine.model_path, args.host, args.port, engine.max_model_len,
+        cap.num_tokens, cap.num_blocks, cap.block_size, cap.total_bytes / 2**20, sc.max_num_seqs,
+        sc.max_num_batched_tokens, "on" if config.cache.enable_prefix_caching else "off",
+        sc.max_queued_requests if sc.max_queued_requests is not None else "none",
+        "required" if settings.api_key else "off",
+    )  # fmt: skip
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # ours (infer.access) says more: request id, tokens
+        timeout_graceful_shutdown=args.drain_timeout + 5,
+        timeout_keep_alive=30,
+    )
+    server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
+    server.run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM/SIGINT drain the engine and the process exits 0.
+
+    uvicorn re-raises a captured signal after shutting down (so the exit status would say
+    "killed by SIGTERM"); a drained shutdown is a clean exit for us, so we do not.
+    """
+
+    def __init__(self, config: uvicorn.Config, async_engine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.drain_timeout = drain_timeout
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001 - a signal handler
+        if self._draining:
+            if sig == signal.SIGINT:  # a second Ctrl+C: stop waiting
+                self.force_exit = True
+            return
+        self._draining = True
+        logger.info("received %s: finishing in-flight requests (up to %.0fs), then exiting",
+                    signal.Signals(sig).name, self.drain_timeout)  # fmt: skip
+        self.should_exit = True  # uvicorn stops accepting and waits for open responses
+        loop = self.async_engine._loop
+        if loop is not None and not loop.is_closed():
+            drain = self.async_engine.drain
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drain(self.drain_timeout)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,181 @@
+"""``POST /v1/completions``: prompts in, text out (streamed over SSE or in one body)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from infer.engine.async_engine import RequestStream
+from infer.engine.request import TokenLogprob
+from infer.server.errors import APIError, bad_request
+from infer.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from infer.server.serving import (
+    SSE_DONE,
+    Choices,
+    Serving,
+    SSEResponse,
+    cancel_on_disconnect,
+    new_id,
+    raise_if_failed,
+    sse,
+    usage_totals,
+)
+
+
+def _prompt_list(prompt) -> list[str | list[int]]:
+    """Normalise OpenAI's four prompt forms to a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def completion_logprobs(
+    serving: Serving, lps: list[TokenLogprob], k: int, offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """OpenAI's legacy logprobs block; returns it and the text offset after its tokens."""
+    out = CompletionLogprobs()
+    for lp in lps:
+        token = serving.token_str(lp.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(lp.logprob)
+        top = {serving.token_str(t): v for t, v in lp.top[:k]}
+        top.setdefault(token, lp.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out, offset
+
+
+async def create_completion(serving: Serving, req: CompletionRequest, raw: Request) -> Response:
+    model = serving.check_model(req.model)
+    serving.check_fields(req, "/v1/completions")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which infer does not compute",
+                          param="echo")  # fmt: skip
+    prompts = _prompt_list(req.prompt)
+    token_prompts: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("the prompt is empty", param=param)
+            ids = await serving.run_blocking(serving.encode, p, size=len(p))
+        else:
+            ids = list(p)
+        serving.check_lengths(ids, req.max_tokens, param)
+        token_prompts.append(ids)
+    params = serving.sampling_params(req, req.max_tokens, req.logprobs)
+    request_id = new_id("cmpl")
+    raw.state.request_id = request_id
+    stream = await serving.submit(request_id, token_prompts, params, req)
+    echo: list[str] | None = None
+    if req.echo:
+        echo = [p if isinstance(p, str) else serving.tokenizer.decode(p) for p in prompts]
+    if req.stream:
+        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, echo))
+    return await cancel_on_disconnect(raw, _collect(serving, req, raw, stream, request_id, model,
+                                                    echo))  # fmt: skip
+
+
+async def _collect(serving: Serving, req: CompletionRequest, raw: Request, stream: RequestStream,
+                   request_id: str, model: str, echo: list[str] | None) -> Response:  # fmt: skip
+    n = req.n
+    acc = Choices(len(stream.request_ids))
+    async for index, out in stream:
+        acc.add(index, out)
+    choices = []
+    for index, final in enumerate(acc.final):
+        assert final is not None
+        raise_if_failed(final)
+        text = "".join(acc.text[index])
+        if echo is not None:
+            text = echo[index // n] + text
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, _ = completion_logprobs(serving, acc.logprobs[index], req.logprobs, 0)
+        choices.append(
+            CompletionChoice(index=index, text=text, logprobs=logprobs,
+                             finish_reason=final.finish_reason, stop_reason=final.stop_reason)
+        )  # fmt: skip
+    prompt, completion, cached = usage_totals(acc.final, n)
+    raw.state.usage = (prompt, completion)
+    body = CompletionResponse(id=request_id, model=model, choices=choices,
+                              usage=serving.usage(prompt, completion, cached))  # fmt: skip
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+async def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream: RequestStream,
+                  request_id: str, model: str, echo: list[str] | None) -> AsyncIterator[bytes]:  # fmt: skip
+    n = req.n
+    created = int(time.time())
+    num_choices = len(stream.request_ids)
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    started = [False] * num_choices
+    offsets = [0] * num_choices
+    finals: list = [None] * num_choices
+    try:
+        async for index, out in stream:
+            if out.finish_reason == "error":
+                err = APIError(500, f"the engine failed while serving this request: {out.error}",
+                               type="server_error", code="engine_error")  # fmt: skip
+                yield sse(_json(err.body()))
+                break
+            text = out.new_text
+            if echo is not None and not started[index]:
+                text = echo[index // n] + text
+            started[index] = True
+            if not text and not out.finished and not out.new_logprobs:
+                continue  # nothing a client can see (e.g. held back for a possible stop string)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs, offsets[index] = completion_logprobs(
+                    serving, out.new_logprobs, req.logprobs, offsets[index]
+                )
+            usage = None
+            if continuous:
+                usage = UsageInfo(prompt_tokens=out.num_prompt_tokens,
+                                  completion_tokens=out.num_output_tokens,
+                                  total_tokens=out.num_prompt_tokens + out.num_output_tokens)  # fmt: skip
+            chunk = CompletionStreamResponse(
+                id=request_id, created=created, model=model, usage=usage,
+                choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                          finish_reason=out.finish_reason if out.finished else None,
+                                          stop_reason=out.stop_reason)],
+            )  # fmt: skip
+            yield sse(chunk.model_dump_json())
+            if out.finished:
+                finals[index] = out
+        else:
+            prompt, completion, cached = usage_totals(finals, n)
+            raw.state.usage = (prompt, completion)
+            if include_usage:
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=serving.usage(prompt, completion, cached),
+                )  # fmt: skip
+                yield sse(chunk.model_dump_json())
+        yield SSE_DONE
+    finally:
+        stream.abort()  # no-op when every choice finished
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))

@@ -1,0 +1,122 @@
+"""Plain ASGI middleware: the access log, the API key check and the request-size limit.
+
+Written as raw ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass through untouched
+and a client disconnect still reaches the handler.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from infer.server.errors import APIError
+
+access_logger = logging.getLogger("infer.access")
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+async def _send_error(send: Send, error: APIError, headers: dict[str, str] | None = None) -> None:
+    response = error.response(headers=headers)
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": response.raw_headers})  # fmt: skip
+    await send({"type": "http.response.body", "body": response.body})
+
+
+class AccessLogMiddleware:
+    """One line per request: client, method, path, status, request id, tokens, duration."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = [0]
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            state = scope.get("state") or {}
+            client = scope.get("client")
+            who = f"{client[0]}:{client[1]}" if client else "-"
+            extra = ""
+            if "request_id" in state:
+                extra += f" id={state['request_id']}"
+            if "usage" in state:
+                extra += f" prompt_tokens={state['usage'][0]} completion_tokens={state['usage'][1]}"
+            access_logger.info(
+                '%s "%s %s" %s%s %.1fms', who, scope["method"], scope["path"],
+                status[0] or "disconnected", extra, (time.perf_counter() - start) * 1000,
+            )  # fmt: skip
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every route but /health (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        if not hmac.compare_digest(given, self.expected):
+            why = "missing API key" if not given else "incorrect API key"
+            error = APIError(
+                401, f"{why}: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+            await _send_error(send, error, {"WWW-Authenticate": "Bearer"})
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_bytes`` with 413: by Content-Length up front, else as they stream."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.max_bytes
+        message = f"the request body is larger than this server's limit of {limit} bytes"
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > limit:
+                    await _send_error(send, APIError(413, message, code="request_too_large"))
+                    return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    # FastAPI re-raises HTTPException from body reading; our handler shapes it.
+                    raise HTTPException(413, message)
+            return msg
+
+        await self.app(scope, limited_receive, send)

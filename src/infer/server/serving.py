@@ -1,0 +1,321 @@
+"""What completions and chat share: model check, field policing, prompts, sampling parameters,
+fan-out into engine requests, logprob formatting, SSE framing and disconnect handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from infer.engine.async_engine import AddRequest, AsyncEngine, EngineStoppedError, RequestStream
+from infer.engine.engine import QueueFullError
+from infer.engine.outputs import RequestOutput
+from infer.engine.request import TokenLogprob
+from infer.engine.sampling_params import InvalidRequestError, SamplingParams
+from infer.server.errors import APIError, bad_request, from_invalid_request
+from infer.server.protocol import UNSUPPORTED_FIELDS, UsageInfo, _SamplingFields
+
+logger = logging.getLogger("infer.server")
+
+T = TypeVar("T")
+
+# Tokenize off the event loop above this many characters, so one huge prompt cannot stall
+# every other stream for its tokenization time.
+_INLINE_TOKENIZE_CHARS = 16_384
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server options (the engine's live in ``EngineConfig``)."""
+
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 2**20
+    request_timeout: float | None = None
+    chat_template: str | None = None
+    drain_timeout: float = 30.0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def wrap_seed(seed: int) -> int:
+    """Keep ``seed + i`` inside a signed 64-bit integer."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
+class Serving:
+    """State and helpers shared by the route handlers."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, settings: ServerSettings,
+                 max_model_len: int, model_path: str) -> None:  # fmt: skip
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.max_model_len = max_model_len
+        self.model_path = model_path
+        self.model_name = settings.served_model_names[0]
+        self._token_str = lru_cache(maxsize=65536)(self._decode_one)
+
+    # ---- request policing ---------------------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.settings.served_model_names:
+            return name or self.model_name
+        raise APIError(
+            404,
+            f"the model '{name}' does not exist; this server serves "
+            + ", ".join(repr(n) for n in self.settings.served_model_names),
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_fields(self, req: _SamplingFields, route: str) -> None:
+        """Refuse meaning-changing fields we do not implement; log the ones we ignore."""
+        extra = req.model_extra or {}
+        refused = [k for k, ok in UNSUPPORTED_FIELDS.items() if k in extra and not ok(extra[k])]
+        if refused:
+            raise bad_request(
+                f"unsupported field(s): {', '.join(refused)} (infer does not implement them and "
+                "would otherwise return something other than what was asked)",
+                param=refused[0],
+            )
+        unknown = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS)
+        if unknown:
+            logger.info("%s: ignoring unknown field(s) %s", route, ", ".join(unknown))
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        # Same as the offline API: the text is taken as is, no special tokens added.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def run_blocking(self, fn, *args, size: int = 0):
+        if size > _INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    def check_lengths(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
+        n, limit = len(prompt_ids), self.max_model_len
+        if n == 0:
+            raise bad_request("the prompt is empty", param=param)
+        if n >= limit:
+            raise bad_request(
+                f"the prompt is {n} tokens but the model's context length is {limit} tokens "
+                "(it must leave room for at least one generated token)",
+                param=param,
+            )
+        if max_tokens is not None and n + max_tokens > limit:
+            raise bad_request(
+                f"the model's context length is {limit} tokens, but {n + max_tokens} were "
+                f"requested ({n} in the prompt + {max_tokens} for the completion); reduce the "
+                "prompt or max_tokens",
+                param="max_tokens",
+            )
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:  # fmt: skip
+        stop = req.stop
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                repetition_penalty=1.0
+                if req.repetition_penalty is None
+                else req.repetition_penalty,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=() if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop)),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from e
+
+    # ---- fan-out ------------------------------------------------------------------------------
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     req: _SamplingFields) -> RequestStream:  # fmt: skip
+        """One engine request per (prompt, choice): choice index ``i * n + j``, id ``{id}-{index}``.
+
+        Raises ``APIError`` 429 when the queue is full, 400 when the engine refuses the request.
+        """
+        arrival = time.perf_counter()
+        adds = []
+        for i, ids in enumerate(prompts):
+            for j in range(params.n):
+                seed = None if params.seed is None else wrap_seed(params.seed + j)
+                adds.append(
+                    AddRequest(
+                        request_id=f"{request_id}-{i * params.n + j}",
+                        prompt_token_ids=ids,
+                        params=replace(params, n=1, seed=seed),
+                        priority=req.priority,
+                        cache_salt=req.cache_salt,
+                        arrival_time=arrival,
+                    )
+                )
+        try:
+            stream = self.engine.add_group(adds)
+        except QueueFullError as e:
+            raise APIError(429, str(e), code="queue_full") from e
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), code="unavailable") from e
+        try:
+            await stream.accepted()
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from e
+        except QueueFullError as e:
+            raise APIError(429, str(e), code="queue_full") from e
+        return stream
+
+    # ---- logprobs -----------------------------------------------------------------------------
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def token_str(self, token_id: int) -> str:
+        return self._token_str(token_id)
+
+    # ---- usage ----------------------------------------------------------------------------------
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
+        from infer.server.protocol import PromptTokensDetails
+
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+class Choices:
+    """Accumulates the deltas of every choice of one request (for non-streaming answers)."""
+
+    def __init__(self, num_choices: int) -> None:
+        self.text = [[] for _ in range(num_choices)]
+        self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        self.final: list[RequestOutput | None] = [None] * num_choices
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self.text[index].append(out.new_text)
+        self.token_ids[index].extend(out.new_token_ids)
+        self.logprobs[index].extend(out.new_logprobs)
+        if out.finished:
+            self.final[index] = out
+
+
+def raise_if_failed(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise APIError(500, f"the engine failed while serving this request: {out.error}",
+                       type="server_error", code="engine_error")  # fmt: skip
+
+
+def usage_totals(finals: list[RequestOutput | None], n: int) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens; a prompt's tokens count once, not once per choice."""
+    prompt = completion = cached = 0
+    for index, out in enumerate(finals):
+        if out is None:
+            continue
+        completion += out.num_output_tokens
+        if index % n == 0:
+            prompt += out.num_prompt_tokens
+            cached += out.num_cached_tokens
+    return prompt, completion, cached
+
+
+# ---- transport helpers ----------------------------------------------------------------------
+
+
+def sse(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that stops (and closes its generator) on disconnect.
+
+    Closing the generator runs its ``finally``, which aborts the engine requests: a dropped
+    stream frees its batch slot and KV blocks within one engine step.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, headers=headers, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.body_iterator
+        done = asyncio.Event()
+
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:  # the client went away while we were writing
+                pass
+            finally:
+                done.set()
+
+        async def listen() -> None:
+            while not done.is_set():
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        writer = asyncio.create_task(stream())
+        listener = asyncio.create_task(listen())
+        try:
+            await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, listener):
+                task.cancel()
+            await asyncio.gather(writer, listener, return_exceptions=True)
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def listen() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    listener = asyncio.create_task(listen())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves: take the work down with us
+        task.cancel()
+        raise
+    finally:
+        listener.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "client disconnected", type="client_closed_request")
+    return task.result()
