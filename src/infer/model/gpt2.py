@@ -1,0 +1,153 @@
+"""GPT-2 and the NanoGPT family saved in its format: learned positions, LayerNorm, GELU MLP.
+
+Checkpoints store Conv1D weights as ``[in, out]``; they are transposed to ``nn.Linear`` at load.
+Tensor names come with a ``transformer.`` prefix (``GPT2LMHeadModel.save_pretrained``) or
+without one (the original OpenAI conversion); both load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.model.layers import CausalLM, WeightSource, activation, transposed
+from infer.runner.attention import AttentionContext
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    intermediate_size: int
+    layer_norm_eps: float = 1e-5
+    activation: str = "gelu_new"
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is None:
+        raise ValueError(f"config.json has no {keys[0]!r}")
+    return default
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: GPT2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+        if cfg.scale_attn_by_inverse_layer_idx:
+            self.scale /= layer_idx + 1
+        self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        t, hidden = x.shape
+        q, k, v = self.c_attn(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        out = attn.attend(self.layer_idx, q, k, v, scale=self.scale)
+        return self.c_proj(out.reshape(t, hidden))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: GPT2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = GPT2Attention(cfg, layer_idx)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = activation(cfg.activation)
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn)
+        return x + self.c_proj(self.act(self.c_fc(self.ln_2(x))))
+
+
+class GPT2LMHeadModel(CausalLM):
+    architecture = "GPT2LMHeadModel"
+    checkpoint_aliases = (("transformer.", ""),)
+
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    @classmethod
+    def parse_config(cls, config: dict[str, Any]) -> GPT2Config:
+        hidden = _get(config, "n_embd", "hidden_size")
+        heads = _get(config, "n_head", "num_attention_heads")
+        if hidden % heads:
+            raise ValueError(f"n_embd={hidden} is not a multiple of n_head={heads}")
+        return GPT2Config(
+            hidden_size=hidden,
+            num_layers=_get(config, "n_layer", "num_hidden_layers"),
+            num_heads=heads,
+            vocab_size=_get(config, "vocab_size"),
+            max_position_embeddings=_get(config, "n_positions", "max_position_embeddings"),
+            intermediate_size=config.get("n_inner") or 4 * hidden,
+            layer_norm_eps=config.get("layer_norm_epsilon", 1e-5),
+            activation=config.get("activation_function", "gelu_new"),
+            scale_attn_weights=config.get("scale_attn_weights", True),
+            scale_attn_by_inverse_layer_idx=config.get("scale_attn_by_inverse_layer_idx", False),
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x, attn)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # GPT-2 always ties the output projection to the token embeddings.
+        return F.linear(hidden, self.wte.weight).float()
+
+    def weight_sources(self) -> dict[str, WeightSource]:
+        p = "transformer."
+
+        def plain(name: str) -> WeightSource:
+            return WeightSource((p + name,))
+
+        def conv1d(name: str) -> WeightSource:
+            return WeightSource((p + name,), transposed)
+
+        src = {
+            name: plain(name) for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")
+        }
+        for i in range(self.cfg.num_layers):
+            h = f"h.{i}"
+            for ln in ("ln_1", "ln_2"):
+                src[f"{h}.{ln}.weight"] = plain(f"{h}.{ln}.weight")
+                src[f"{h}.{ln}.bias"] = plain(f"{h}.{ln}.bias")
+            for ours, theirs in (
+                ("attn.c_attn", "attn.c_attn"),
+                ("attn.c_proj", "attn.c_proj"),
+                ("c_fc", "mlp.c_fc"),
+                ("c_proj", "mlp.c_proj"),
+            ):
+                src[f"{h}.{ours}.weight"] = conv1d(f"{h}.{theirs}.weight")
+                src[f"{h}.{ours}.bias"] = plain(f"{h}.{theirs}.bias")
+        return src

@@ -1,0 +1,141 @@
+"""Building blocks shared by the model families, and the :class:`CausalLM` base class.
+
+Every model keeps its own parameter layout (fused ``qkv_proj`` and ``gate_up_proj``, GPT-2's
+Conv1D weights transposed to ``nn.Linear``) and says, per parameter, which checkpoint tensors
+it is made of (:class:`WeightSource`); the loader does the reading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from infer.model.spec import ModelSpec
+    from infer.runner.attention import AttentionContext
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """How one of our parameters is built from checkpoint tensors.
+
+    ``names`` are read in order; with no ``transform`` one tensor is used as is and several are
+    concatenated along dim 0 (the fused projections). ``transform`` (float32 in, float32 out)
+    covers the rest: Conv1D transposes, Gemma's ``1 + weight`` norms.
+    """
+
+    names: tuple[str, ...]
+    transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+
+    def build(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.transform is not None:
+            return self.transform(tensors)
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a flat batch of tokens.
+
+    Subclasses are built on the meta device from a parsed config, then the loader fills every
+    parameter named by :meth:`weight_sources` and calls :meth:`init_buffers`.
+    """
+
+    architecture: ClassVar[str]
+    # (prefix, replacement) pairs tried when a checkpoint tensor name is not found as is.
+    checkpoint_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
+    spec: ModelSpec
+
+    @classmethod
+    def parse_config(cls, config: dict[str, Any]) -> Any:
+        """Validate ``config.json`` and return this family's frozen config dataclass.
+
+        The result exposes ``num_layers, num_heads, num_kv_heads, head_dim, hidden_size,
+        vocab_size, max_position_embeddings``. Raises ``ValueError`` naming a bad field.
+        """
+        raise NotImplementedError
+
+    def weight_sources(self) -> dict[str, WeightSource]:
+        """Our parameter name -> the checkpoint tensors it is made of."""
+        raise NotImplementedError
+
+    def init_buffers(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Create non-checkpoint state (rope tables) once the parameters live on ``device``."""
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """``input_ids, positions``: ``[T]`` long -> final hidden states ``[T, hidden]``."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        raise NotImplementedError
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, the statistics in float32.
+
+    Gemma's ``(1 + weight)`` variant is this module with ``1`` folded into the weight at load.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation function called ``name`` in configs (``ValueError`` if unknown)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r} (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def plus_one(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Fold Gemma's ``(1 + weight)`` norm scale into the stored weight."""
+    return tensors[0] + 1.0
+
+
+def transposed(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """GPT-2's Conv1D stores ``[in, out]``; ``nn.Linear`` wants ``[out, in]``."""
+    return tensors[0].t().contiguous()

@@ -1,0 +1,301 @@
+"""The Llama family: one decoder shared by Llama, Qwen 2/3 and Gemma 3, switched by a config.
+
+Per layer::
+
+    x ─┬─ norm ─ qkv_proj ─ (q/k norm) ─ rope ─ attend ─ o_proj ─ (post norm) ─┐
+       └────────────────────────────────────────────────────────────────────(+)─ x'
+    x'─┬─ norm ─ gate_up_proj ─ act(gate) * up ─ down_proj ─ (post norm) ─────┐
+       └────────────────────────────────────────────────────────────────────(+)─ out
+
+The "(...)" steps are switched on by :class:`DecoderConfig` flags (Qwen 3 and Gemma 3 add the
+q/k norms; Gemma 3 adds the post norms, an embedding scale and per-layer sliding windows with
+their own rope base). The subclasses only translate their ``config.json`` dialect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, plus_one
+from infer.model.rope import RopeConfig, apply_rope, rope_config_from_dict, rope_params, rope_tables
+from infer.runner.attention import AttentionContext
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Everything the shared decoder needs; one entry per layer in ``ropes``/``sliding_windows``."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    ropes: tuple[RopeConfig, ...]
+    sliding_windows: tuple[int | None, ...]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False  # Gemma: norms on the attention and MLP outputs too
+    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight)
+    activation: str = "silu"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    embed_scale: float | None = None
+    final_logit_softcap: float | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if len(self.ropes) != self.num_layers or len(self.sliding_windows) != self.num_layers:
+            raise ValueError("per-layer rope/sliding window settings must cover every layer")
+
+
+def require(config: dict[str, Any], key: str) -> Any:
+    """``config[key]`` or a ``ValueError`` naming the missing field."""
+    if config.get(key) is None:
+        raise ValueError(f"config.json has no {key!r}")
+    return config[key]
+
+
+def common_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields every Llama-like ``config.json`` spells the same way."""
+    hidden = require(config, "hidden_size")
+    heads = require(config, "num_attention_heads")
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=require(config, "intermediate_size"),
+        num_layers=require(config, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        vocab_size=require(config, "vocab_size"),
+        max_position_embeddings=config.get("max_position_embeddings") or 2048,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+    )
+
+
+def uniform_rope(config: dict[str, Any], fields: dict[str, Any]) -> tuple[RopeConfig, ...]:
+    """The same rope for every layer (Llama, Qwen)."""
+    params = rope_params(config, "full_attention")
+    rope = rope_config_from_dict(params, fields["head_dim"], fields["max_position_embeddings"])
+    return (rope,) * fields["num_layers"]
+
+
+def layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window from ``layer_types`` or Qwen's ``use_sliding_window`` switch."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if window is None or ("use_sliding_window" in config and not config["use_sliding_window"]):
+        return (None,) * num_layers
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if "max_window_layers" in config:  # Qwen: layers from max_window_layers on slide
+        first = config["max_window_layers"]
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers  # Mistral-style: every layer slides
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_windows[layer_idx]
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn.attend(
+            self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.attn_norm = RMSNorm(cfg.hidden_size, eps)
+        self.attn = DecoderAttention(cfg, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.mlp_bias)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms else None
+        self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), cos, sin, attn)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h
+
+
+class DecoderLM(CausalLM):
+    """The shared decoder; subclasses implement :meth:`parse_config` for their dialect."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        # Layers with equal rope settings share one cos/sin table (Gemma 3 has two kinds).
+        self._ropes = sorted(set(cfg.ropes), key=cfg.ropes.index)
+        self._layer_rope = [self._ropes.index(r) for r in cfg.ropes]
+        self._embed_scale: torch.Tensor | None = None
+
+    def init_buffers(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        for j, rope in enumerate(self._ropes):
+            cos, sin = rope_tables(rope, self.cfg.max_position_embeddings, dtype, device)
+            self.register_buffer(f"rope_cos_{j}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{j}", sin, persistent=False)
+        if self.cfg.embed_scale is not None:
+            # Rounded to the model dtype first, as the reference implementation does.
+            scale = torch.tensor(self.cfg.embed_scale, dtype=dtype, device=device)
+            self.register_buffer("embed_scale", scale, persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.cfg.embed_scale is not None:
+            x = x * self.embed_scale
+        trig = [
+            (
+                getattr(self, f"rope_cos_{j}")[positions].unsqueeze(1),
+                getattr(self, f"rope_sin_{j}")[positions].unsqueeze(1),
+            )
+            for j in range(len(self._ropes))
+        ]
+        for layer, j in zip(self.layers, self._layer_rope, strict=True):
+            cos, sin = trig[j]
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def weight_sources(self) -> dict[str, WeightSource]:
+        cfg = self.cfg
+        norm_transform = plus_one if cfg.norm_plus_one else None
+
+        def norm(names: tuple[str, ...]) -> WeightSource:
+            return WeightSource(names, norm_transform)
+
+        src: dict[str, WeightSource] = {
+            "embed_tokens.weight": WeightSource(("model.embed_tokens.weight",)),
+            "norm.weight": norm(("model.norm.weight",)),
+        }
+        if self.lm_head is not None:
+            src["lm_head.weight"] = WeightSource(("lm_head.weight",))
+        # Llama calls the pre-MLP norm "post_attention_layernorm"; Gemma uses that name for the
+        # norm on the attention output and "pre_feedforward_layernorm" before the MLP.
+        mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+        for i in range(cfg.num_layers):
+            hf, ours = f"model.layers.{i}", f"layers.{i}"
+            a = f"{hf}.self_attn"
+            qkv = ("q_proj", "k_proj", "v_proj")
+            src[f"{ours}.attn.qkv_proj.weight"] = WeightSource(
+                tuple(f"{a}.{p}.weight" for p in qkv)
+            )
+            if cfg.qkv_bias:
+                src[f"{ours}.attn.qkv_proj.bias"] = WeightSource(
+                    tuple(f"{a}.{p}.bias" for p in qkv)
+                )
+            src[f"{ours}.attn.o_proj.weight"] = WeightSource((f"{a}.o_proj.weight",))
+            if cfg.o_bias:
+                src[f"{ours}.attn.o_proj.bias"] = WeightSource((f"{a}.o_proj.bias",))
+            if cfg.qk_norm:
+                src[f"{ours}.attn.q_norm.weight"] = norm((f"{a}.q_norm.weight",))
+                src[f"{ours}.attn.k_norm.weight"] = norm((f"{a}.k_norm.weight",))
+            m = f"{hf}.mlp"
+            gate_up = (f"{m}.gate_proj.weight", f"{m}.up_proj.weight")
+            src[f"{ours}.mlp.gate_up_proj.weight"] = WeightSource(gate_up)
+            src[f"{ours}.mlp.down_proj.weight"] = WeightSource((f"{m}.down_proj.weight",))
+            if cfg.mlp_bias:
+                src[f"{ours}.mlp.gate_up_proj.bias"] = WeightSource(
+                    (f"{m}.gate_proj.bias", f"{m}.up_proj.bias")
+                )
+                src[f"{ours}.mlp.down_proj.bias"] = WeightSource((f"{m}.down_proj.bias",))
+            src[f"{ours}.attn_norm.weight"] = norm((f"{hf}.input_layernorm.weight",))
+            src[f"{ours}.mlp_norm.weight"] = norm((f"{hf}.{mlp_norm}.weight",))
+            if cfg.sandwich_norms:
+                src[f"{ours}.post_attn_norm.weight"] = norm(
+                    (f"{hf}.post_attention_layernorm.weight",)
+                )
+                src[f"{ours}.post_mlp_norm.weight"] = norm(
+                    (f"{hf}.post_feedforward_layernorm.weight",)
+                )
+        return src
+
+
+class LlamaForCausalLM(DecoderLM):
+    """Llama 1/2/3 (GQA, rope scaling "linear"/"llama3"/"yarn", optional biases, tied or not)."""
+
+    architecture = "LlamaForCausalLM"
+
+    @classmethod
+    def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
+        fields = common_fields(config)
+        bias = bool(config.get("attention_bias", False))
+        return DecoderConfig(
+            **fields,
+            ropes=uniform_rope(config, fields),
+            sliding_windows=layer_windows(config, fields["num_layers"]),
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            activation=config.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )

@@ -1,0 +1,301 @@
+"""Find a model folder, read its config, and load its safetensors weights into our modules.
+
+A model is a folder with ``config.json`` and ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), as ``save_pretrained`` writes it. It is found as a local
+path, as a model id in the local Hugging Face cache (never downloaded), or by a built-in name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infer.model.layers import CausalLM
+from infer.model.registry import UnsupportedArchitectureError, model_class
+from infer.model.spec import ModelSpec, config_dtype, token_ids
+
+BUILTIN_MODELS = ("toy", "small")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ModelLoadError(Exception):
+    """A model cannot be found or loaded; the message names the file, tensor or field."""
+
+
+# --------------------------------------------------------------------------- finding a model
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """The folder of ``model``: a local path, a cached hub id (``org/name[@revision]``), or a
+    built-in name (``None``, ``"toy"``, ``"small"``). Never touches the network."""
+    if model is None or str(model) in BUILTIN_MODELS:
+        name = "small" if model is None else str(model)
+        try:
+            from infer.builtin import ensure_builtin_model
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("infer.builtin", "infer.builtin.ensure_builtin_model"):
+                raise
+            raise ModelLoadError(
+                f"built-in model {name!r} is unavailable: infer.builtin is not installed"
+            ) from exc
+        return Path(ensure_builtin_model(name))
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ModelLoadError(f"{text} is a file; expected a model folder with config.json")
+    if _looks_like_repo_id(text):
+        return _find_in_hf_cache(text)
+    raise ModelLoadError(f"model folder {text} does not exist")
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    repo = text.split("@", 1)[0]
+    parts = repo.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def hf_hub_cache() -> Path:
+    """The hub cache folder, from the environment at call time (as huggingface_hub resolves it)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def _find_in_hf_cache(model_id: str) -> Path:
+    """``models--org--name/snapshots/<commit>`` for ``refs/<revision>`` (default ``main``)."""
+    repo, _, revision = model_id.partition("@")
+    cache = hf_hub_cache()
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    snapshots = repo_dir / "snapshots"
+    if not snapshots.is_dir():
+        raise ModelLoadError(
+            f"model {repo!r} is not a local folder and is not in the local Hugging Face cache "
+            f"({cache}); downloads are disabled, so fetch it beforehand "
+            f"(`huggingface-cli download {repo}`) or pass a folder"
+        )
+    revision = revision or "main"
+    ref = repo_dir / "refs" / revision
+    if ref.is_file():
+        commit = ref.read_text().strip()
+    elif (snapshots / revision).is_dir():
+        commit = revision  # a commit hash given directly
+    elif revision == "main":
+        # No ref recorded (e.g. a copied cache): take the newest complete snapshot.
+        candidates = [d for d in snapshots.iterdir() if (d / "config.json").is_file()]
+        if not candidates:
+            raise ModelLoadError(f"no snapshot of {repo!r} with a config.json in {snapshots}")
+        commit = max(candidates, key=lambda d: d.stat().st_mtime).name
+    else:
+        raise ModelLoadError(f"revision {revision!r} of {repo!r} is not in the cache {repo_dir}")
+    folder = snapshots / commit
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"cached snapshot {folder} of {repo!r} has no config.json")
+    return folder
+
+
+# --------------------------------------------------------------------------- config and spec
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """``config.json`` of ``model_dir`` as a dict."""
+    return _read_json(Path(model_dir) / "config.json", what="model config")
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"missing {what}: {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec]:
+    config = read_config(model_dir)
+    try:
+        arch, cls = model_class(config)
+        parsed = cls.parse_config(config)
+    except UnsupportedArchitectureError as exc:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: {exc}") from exc
+    eos = token_ids(config.get("eos_token_id"))
+    bos = config.get("bos_token_id")
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        gen = _read_json(gen_path, what="generation config")
+        eos = token_ids(gen.get("eos_token_id")) or eos
+        bos = gen.get("bos_token_id", bos)
+    spec = ModelSpec(
+        architecture=arch,
+        model_type=str(config.get("model_type") or ""),
+        num_layers=parsed.num_layers,
+        num_heads=parsed.num_heads,
+        num_kv_heads=parsed.num_kv_heads,
+        head_dim=parsed.head_dim,
+        hidden_size=parsed.hidden_size,
+        vocab_size=parsed.vocab_size,
+        max_position_embeddings=parsed.max_position_embeddings,
+        eos_token_ids=eos,
+        bos_token_id=bos,
+        torch_dtype=config_dtype(config),
+    )
+    return cls, parsed, spec
+
+
+def load_model_spec(model_dir: Path) -> ModelSpec:
+    """The :class:`ModelSpec` of a model folder; reads ``config.json`` only, no weights."""
+    return _parse(Path(model_dir))[2]
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def checkpoint_index(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it.
+
+    ``model.safetensors`` alone, else the shards of ``model.safetensors.index.json``, else every
+    ``*.safetensors`` in the folder.
+    """
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    if (model_dir / SINGLE_FILE).is_file():
+        files = [model_dir / SINGLE_FILE]
+    elif (model_dir / INDEX_FILE).is_file():
+        return _read_shard_index(model_dir)
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+            p.name for p in model_dir.glob("*.pt")
+        )
+        hint = f" (found {', '.join(other)}: only safetensors are supported)" if other else ""
+        raise ModelLoadError(f"no *.safetensors in {model_dir}{hint}")
+    index: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                index.update((name, file) for name in f.keys())  # noqa: SIM118 - not a dict
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several error types
+            raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+    return index
+
+
+def _read_shard_index(model_dir: Path) -> dict[str, Path]:
+    path = model_dir / INDEX_FILE
+    data = _read_json(path, what="shard index")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"bad shard index {path}: no 'weight_map' object")
+    index: dict[str, Path] = {}
+    for name, file in weight_map.items():
+        shard = model_dir / str(file)
+        if not shard.is_file():
+            raise ModelLoadError(
+                f"bad shard index {path}: tensor {name!r} is mapped to {file}, which does not exist"
+            )
+        index[name] = shard
+    return index
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, spec: ModelSpec) -> torch.dtype:
+    """``None``/``"auto"`` -> the checkpoint's dtype (float32 if unknown); names -> torch dtypes."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return DTYPES.get(spec.torch_dtype or "float32", torch.float32)
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+@torch.no_grad()
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+) -> CausalLM:
+    """Build the model of ``model_dir`` and fill it from its safetensors, in ``dtype`` on ``device``.
+
+    ``dtype=None`` keeps the checkpoint's dtype. Tensors are read one at a time (memory-mapped)
+    and fused/transposed into our layout; the model comes back in eval mode without grads.
+    """
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    cls, parsed, spec = _parse(model_dir)
+    dtype = resolve_dtype(dtype, spec)
+    index = checkpoint_index(model_dir)
+
+    with torch.device("meta"):
+        model = cls(parsed)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.spec = spec
+
+    sources = model.weight_sources()
+    params = dict(model.named_parameters())
+    assert set(sources) == set(params), f"weight plan mismatch: {set(sources) ^ set(params)}"
+
+    handles: dict[Path, Any] = {}
+    try:
+        for pname, source in sources.items():
+            tensors = []
+            for name in source.names:
+                file, found = _lookup(index, name, cls.checkpoint_aliases)
+                if file is None:
+                    raise ModelLoadError(
+                        f"tensor {name!r} (for {pname}) is missing from the checkpoint in {model_dir}"
+                    )
+                if file not in handles:
+                    handles[file] = safe_open(str(file), framework="pt", device="cpu")
+                t = handles[file].get_tensor(found)
+                tensors.append(t.float() if source.transform is not None else t.to(dtype))
+            value = source.build(tensors)
+            param = params[pname]
+            if value.shape != param.shape:
+                raise ModelLoadError(
+                    f"tensor {', '.join(source.names)} has shape {tuple(value.shape)}, "
+                    f"expected {tuple(param.shape)} for {pname} (config.json and weights disagree)"
+                )
+            param.copy_(value.to(dtype))
+    finally:
+        handles.clear()
+    model.init_buffers(device, dtype)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _lookup(
+    index: dict[str, Path], name: str, aliases: tuple[tuple[str, str], ...]
+) -> tuple[Path | None, str]:
+    if name in index:
+        return index[name], name
+    for prefix, replacement in aliases:
+        if name.startswith(prefix):
+            alt = replacement + name[len(prefix) :]
+            if alt in index:
+                return index[alt], alt
+    return None, name

@@ -1,0 +1,49 @@
+"""What the engine needs to know about a model before (and without) loading its weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape and special tokens of a checkpoint, read from ``config.json`` (+ generation config).
+
+    ``num_layers``, ``num_kv_heads`` and ``head_dim`` size the KV cache; ``eos_token_ids`` stop
+    generation; ``torch_dtype`` is the checkpoint's own dtype, used by ``--dtype auto``.
+    """
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV cache bytes one token costs: ``2 x layers x kv_heads x head_dim x dtype_bytes``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def token_ids(value: Any) -> tuple[int, ...]:
+    """``eos_token_id`` as written in configs (absent, an int, or a list) -> a tuple of ints."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def config_dtype(config: dict[str, Any]) -> str | None:
+    """The checkpoint dtype: transformers 5 writes ``dtype``, older versions ``torch_dtype``."""
+    value = config.get("dtype") or config.get("torch_dtype")
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")

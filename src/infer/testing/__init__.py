@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: tiny random checkpoints in every supported format."""

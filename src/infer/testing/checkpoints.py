@@ -1,0 +1,225 @@
+"""Tiny random checkpoints of every supported architecture, saved as transformers would.
+
+Each kind is built with transformers' own config and model classes (seeded random weights,
+scaled up so greedy generation is not degenerate), saved with ``save_pretrained`` as
+safetensors next to a small byte-level BPE tokenizer (vocab 1024, ChatML template) and a
+``generation_config.json``. They exist to check our modules against transformers, and to give
+the engine tests something real and fast to serve.
+
+Builds are cached under a folder keyed by :data:`VERSION` (bump it when a recipe changes) and
+made atomically: each kind is written to a temporary folder and renamed into place, so an
+interrupted build is never picked up.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+VERSION = "v1"
+KINDS = ("llama", "llama3", "qwen2", "qwen3", "gemma3", "gpt2", "llama_sharded")
+VOCAB_SIZE = 1024
+GEMMA3_SLIDING_WINDOW = 16
+INIT_STD = 0.2
+SEED = 1234
+
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def default_root() -> Path:
+    """``$INFER_TEST_CACHE/checkpoints-<VERSION>``, else ``tests/.fixtures/`` of this checkout,
+    else ``~/.cache/infer/``."""
+    base = os.environ.get("INFER_TEST_CACHE")
+    if base:
+        root = Path(base).expanduser()
+    else:
+        repo = Path(__file__).resolve().parents[3]
+        if (repo / "pyproject.toml").is_file() and (repo / "tests").is_dir():
+            root = repo / "tests" / ".fixtures"
+        else:
+            root = Path("~/.cache/infer").expanduser()
+    return root / f"checkpoints-{VERSION}"
+
+
+def _llama_config(special: dict[str, int]) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_TINY, **special, num_hidden_layers=3, tie_word_embeddings=False)
+
+
+def _llama3_config(special: dict[str, int]) -> Any:
+    from transformers import LlamaConfig
+
+    # original_max_position_embeddings is small so the scaling changes positions we test.
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return LlamaConfig(
+        **_TINY,
+        **special,
+        num_hidden_layers=2,
+        rope_parameters=rope,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+
+
+def _qwen2_config(special: dict[str, int]) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        **_TINY, **special, num_hidden_layers=2, rope_theta=1_000_000.0, tie_word_embeddings=True
+    )
+
+
+def _qwen3_config(special: dict[str, int]) -> Any:
+    from transformers import Qwen3Config
+
+    # head_dim 32 != hidden / heads: the q/k/v widths must follow the config, not the division.
+    return Qwen3Config(
+        **_TINY, **special, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False
+    )
+
+
+def _gemma3_config(special: dict[str, int]) -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_TINY,
+        **special,
+        num_hidden_layers=4,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=GEMMA3_SLIDING_WINDOW,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+        },
+        final_logit_softcapping=30.0,
+    )
+
+
+def _gpt2_config(special: dict[str, int]) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **special)
+
+
+_RECIPES: dict[str, tuple[Callable[[dict[str, int]], Any], str]] = {
+    "llama": (_llama_config, "LlamaForCausalLM"),
+    "llama3": (_llama3_config, "LlamaForCausalLM"),
+    "qwen2": (_qwen2_config, "Qwen2ForCausalLM"),
+    "qwen3": (_qwen3_config, "Qwen3ForCausalLM"),
+    "gemma3": (_gemma3_config, "Gemma3ForCausalLM"),
+    "gpt2": (_gpt2_config, "GPT2LMHeadModel"),
+    "llama_sharded": (_llama_config, "LlamaForCausalLM"),
+}
+
+
+def _randomize(model: Any, seed: int) -> None:
+    """Seeded weights, larger than transformers' init so outputs depend on every layer."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            is_norm = "norm" in name or ".ln_" in name or name.endswith("ln_f.weight")
+            if is_norm and name.endswith("weight"):
+                # Gemma norms scale by (1 + w): centre them on 0; everyone else's on 1.
+                centre = 0.0 if "Gemma" in type(model).__name__ else 1.0
+                param.copy_(centre + 0.1 * noise)
+            elif "Gemma" in type(model).__name__ and "embed_tokens" in name:
+                # Gemma multiplies embeddings by sqrt(hidden); undo that so the residual stream
+                # is not just the current token's embedding (which makes greedy output repeat it).
+                param.copy_(INIT_STD / model.config.hidden_size**0.5 * noise)
+            else:
+                param.copy_(INIT_STD * noise)
+
+
+def _tokenizer(root: Path) -> Path:
+    """Train the shared tokenizer once per cache folder."""
+    from infer.data.tokenizer import train_bpe_tokenizer
+
+    final = root / "tokenizer"
+    if not final.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=root))
+        train_bpe_tokenizer(tmp, vocab_size=VOCAB_SIZE)
+        _publish(tmp, final)
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+
+
+def build_tiny_checkpoint(kind: str, root: Path) -> Path:
+    """The folder ``root/kind`` holding a tiny checkpoint of ``kind``; built if absent."""
+    if kind not in _RECIPES:
+        raise ValueError(f"unknown checkpoint kind {kind!r} (kinds: {', '.join(KINDS)})")
+    root = Path(root)
+    final = root / kind
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tok_dir = _tokenizer(root)
+
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    eos = tokenizer.eos_token_id
+    special = {"vocab_size": VOCAB_SIZE, "bos_token_id": eos, "eos_token_id": eos}
+    special["pad_token_id"] = eos
+    make_config, arch = _RECIPES[kind]
+    config = make_config(special)
+    config.architectures = [arch]
+    torch.manual_seed(SEED)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    _randomize(model, SEED + KINDS.index(kind.replace("_sharded", "")))
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-", dir=root))
+    try:
+        shard = {"max_shard_size": "100KB"} if kind.endswith("_sharded") else {}
+        model.save_pretrained(tmp, safe_serialization=True, **shard)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def build_all(root: Path | None = None) -> dict[str, Path]:
+    """Every kind in :data:`KINDS` under ``root`` (default :func:`default_root`)."""
+    root = Path(root) if root is not None else default_root()
+    return {kind: build_tiny_checkpoint(kind, root) for kind in KINDS}
