@@ -136,6 +136,81 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_micro(args: argparse.Namespace) -> int:
+    from infer.bench.micro import SUITES, run_suite
+    from infer.bench.micro.common import toy_model_path
+    from infer.bench.report import collect_environment, now_iso
+
+    model, origin = toy_model_path(args.model)
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    failed = 0
+    for name in names:
+        print(f"== micro {name} on {model} ({origin}) ==", flush=True)
+        result = run_suite(name, model, repeats=args.repeats, seed=args.seed)
+        result |= {
+            "schema": "infer.bench.micro/1",
+            "model": model,
+            "model_origin": origin,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "created": now_iso(),
+            "environment": collect_environment(),
+        }
+        print(result["markdown"], flush=True)
+        failed += _incomplete(result)
+        if not args.no_save:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            stem = out / f"micro_{name.replace('-', '_')}"
+            stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+            header = f"# Micro benchmark: {name}\n\nModel: `{model}` ({origin}), median of "
+            header += f"{args.repeats} runs, {result['created']}\n\n"
+            stem.with_suffix(".md").write_text(header + result["markdown"] + "\n")
+            print(f"report: {stem}.json", flush=True)
+    return 1 if failed else 0
+
+
+def cmd_ablation(args: argparse.Namespace) -> int:
+    from infer.bench.ablation import run_ablation
+    from infer.bench.serve import ServeBenchConfig
+
+    cfg = ServeBenchConfig(
+        workload=args.workload,
+        seed=args.seed,
+        scale=args.scale,
+        rate_scale=args.rate_scale,
+        endpoint=args.endpoint,
+        slo=args.slo,
+        tokenizer=args.tokenizer,
+        warmup=args.warmup,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+    )
+    log = run_ablation(
+        args.model,
+        cfg,
+        out_dir=args.out,
+        server_args=args.server_args,
+        chunk=args.chunk,
+        kv_tokens=args.kv_tokens,
+        rungs=args.rungs.split(",") if args.rungs else None,
+        startup_timeout_s=args.startup_timeout,
+    )
+    print(f"\nablation log: {log}")
+    return 0
+
+
+def _incomplete(result: dict) -> int:
+    """Runs in a micro result that did not complete every configured request."""
+    bad = 0
+    for case in result.get("cases", []) + result.get("sweep", []):
+        runs = case.get("methods", case)
+        for v in runs.values():
+            if isinstance(v, dict) and "configured" in v and v["completed"] != v["configured"]:
+                bad += 1
+    return bad
+
+
 def register(subparsers) -> None:
     """Add ``bench`` and its sub-commands to the ``infer`` parser."""
     bench = subparsers.add_parser("bench", help="benchmarks: serving, client, micro, ablation")
@@ -165,6 +240,39 @@ def register(subparsers) -> None:
     cl.add_argument("--out", default=DEFAULT_OUT)
     cl.add_argument("--no-save", action="store_true")
     cl.set_defaults(func=cmd_client)
+
+    mi = sub.add_parser("micro", help="engine micro-benchmarks of references 000/001 (toy model)")
+    mi.add_argument(
+        "suite",
+        choices=["all", "kv-cache", "batching", "chunked-prefill", "scheduling", "prefix-cache"],
+    )
+    mi.add_argument("--model", default=None, help="checkpoint folder (default: the toy model)")
+    mi.add_argument("--repeats", type=int, default=3, help="runs per case; the median is kept")
+    mi.add_argument("--seed", type=int, default=0)
+    mi.add_argument("--out", default=DEFAULT_OUT)
+    mi.add_argument("--no-save", action="store_true")
+    mi.set_defaults(func=cmd_micro)
+
+    ab = sub.add_parser("ablation", help="start infer serve per rung and run the workloads")
+    ab.add_argument("--model", required=True, help="checkpoint folder or built-in name")
+    ab.add_argument("--workload", default="all", choices=["all", *WORKLOADS])
+    ab.add_argument("--seed", type=int, default=42)
+    ab.add_argument("--scale", type=float, default=None)
+    ab.add_argument("--rate-scale", type=float, default=1.0)
+    ab.add_argument("--slo", default=None)
+    ab.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    ab.add_argument("--tokenizer", default=None)
+    ab.add_argument("--warmup", type=int, default=2)
+    ab.add_argument("--timeout", type=float, default=600.0)
+    ab.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 512 x scale)")
+    ab.add_argument("--kv-tokens", type=int, default=None,
+                    help="KV budget of every rung in tokens (default 8 x the model's context)")  # fmt: skip
+    ab.add_argument("--server-args", default="", help="extra flags for every infer serve")
+    ab.add_argument("--rungs", default=None, help="comma-separated subset of rung names")
+    ab.add_argument("--startup-timeout", type=float, default=600.0)
+    ab.add_argument("--out", default=DEFAULT_OUT)
+    ab.add_argument("--no-progress", action="store_true")
+    ab.set_defaults(func=cmd_ablation)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,144 @@
+"""Reference 001: FCFS vs priority scheduling (with preemption) under a KV-token budget.
+
+Case parameters are the article's (max batch, token budget, prefill chunk, KV tokens);
+``equal_priority_control`` reuses the small-batch parameters with every priority equal. In each
+case low-priority work arrives first and high-priority requests a few steps later. A lower
+number is more important. KV tokens become blocks of 4.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from infer.bench.micro.common import MicroRequest, corpus_words, prompt_ids, run_case
+from infer.bench.report import fmt, markdown_table
+
+BLOCK = 4
+
+
+@dataclass(frozen=True)
+class SchedCase:
+    name: str
+    max_batch: int
+    budget: int
+    chunk: int
+    kv_tokens: int
+    low: int  # low-priority requests at step 0
+    high: tuple[int, ...]  # arrival step of each high-priority request
+    prompt: int
+    gen: int
+    low_gen: int | None = None
+    equal: bool = False
+
+
+CASES = (
+    SchedCase("priority_inversion_serial", 1, 12, 10, 40, 1, (3,), 8, 8, low_gen=24),
+    SchedCase("priority_mix_small_batch", 4, 16, 8, 64, 6, (2, 3), 6, 10),
+    SchedCase("memory_pressure_preemption", 3, 12, 8, 32, 4, (3, 4), 6, 10),
+    SchedCase("equal_priority_control", 4, 16, 8, 64, 6, (2, 3), 6, 10, equal=True),
+)
+
+
+def requests_for(c: SchedCase, tok, rng: random.Random, words) -> list[MicroRequest]:
+    low_p, high_p = (0, 0) if c.equal else (1, 0)
+    reqs = [
+        MicroRequest(prompt_ids(tok, c.prompt, rng, words), c.low_gen or c.gen, 0, low_p, tag="low")
+        for _ in range(c.low)
+    ]
+    reqs += [
+        MicroRequest(prompt_ids(tok, c.prompt, rng, words), c.gen, step, high_p, tag="high")
+        for step in c.high
+    ]
+    return reqs
+
+
+def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
+    from infer.model.tokenizer import load_tokenizer
+
+    words = corpus_words()
+    tok = load_tokenizer(model)
+    rng = random.Random(seed)
+    cases = []
+    for c in CASES:
+        reqs = requests_for(c, tok, rng, words)
+        base = {
+            "max_num_seqs": c.max_batch,
+            "max_num_batched_tokens": c.budget,
+            "prefill_chunk_size": c.chunk,
+            "block_size": BLOCK,
+            "num_kv_blocks": c.kv_tokens // BLOCK,
+        }
+        out = {"case": c.name, "params": base}
+        for policy in ("fcfs", "priority"):
+            r = run_case(model, base | {"scheduling_policy": policy}, reqs, repeats)
+            s = r.summary()
+            s["high_latency_ms"] = r.avg_latency_ms("high")
+            s["low_latency_ms"] = r.avg_latency_ms("low")
+            s["preemptions"] = r.stats.get("num_preemptions_total", 0)
+            out[policy] = s
+        cases.append(out)
+    result = {"suite": "scheduling", "cases": cases}
+    result["markdown"] = markdown(result)
+    return result
+
+
+def _x(a, b) -> str:
+    return "—" if not a or b is None else f"{b / a:.2f}x"
+
+
+def markdown(result: dict) -> str:
+    rows, detail = [], []
+    for c in result["cases"]:
+        f, p = c["fcfs"], c["priority"]
+        rows.append(
+            [
+                c["case"],
+                fmt(f["tokens_per_s"], 2),
+                fmt(p["tokens_per_s"], 2),
+                _x(f["tokens_per_s"], p["tokens_per_s"]),
+                f"{fmt(f['high_latency_ms'], 2)} ms",
+                f"{fmt(p['high_latency_ms'], 2)} ms",
+                _x(f["high_latency_ms"], p["high_latency_ms"]),
+                str(p["preemptions"]),
+                f"{p['completed']}/{p['configured']}",
+            ]
+        )
+        prm = c["params"]
+        detail += [
+            f"#### {c['case']}",
+            f"max_batch_size={prm['max_num_seqs']} token_budget={prm['max_num_batched_tokens']} "
+            f"prefill_chunk_size={prm['prefill_chunk_size']} "
+            f"max_kv_tokens={prm['num_kv_blocks'] * prm['block_size']}",
+            markdown_table(
+                ["Metric", "FCFS", "Priority"],
+                [
+                    ["Throughput (tok/s)", fmt(f["tokens_per_s"], 2), fmt(p["tokens_per_s"], 2)],
+                    ["Avg TTFT (ms)", fmt(f["ttft_ms"], 2), fmt(p["ttft_ms"], 2)],
+                    ["Avg latency (ms)", fmt(f["avg_latency_ms"], 2), fmt(p["avg_latency_ms"], 2)],
+                    [
+                        "High-priority latency (ms)",
+                        fmt(f["high_latency_ms"], 2),
+                        fmt(p["high_latency_ms"], 2),
+                    ],
+                    [
+                        "Low-priority latency (ms)",
+                        fmt(f["low_latency_ms"], 2),
+                        fmt(p["low_latency_ms"], 2),
+                    ],
+                    ["Preemptions", str(f["preemptions"]), str(p["preemptions"])],
+                ],
+            ),
+        ]
+    header = [
+        "Case",
+        "FCFS Tok/s",
+        "Priority Tok/s",
+        "Throughput Ratio",
+        "FCFS High-Priority Latency",
+        "Priority High-Priority Latency",
+        "High-Priority Latency Ratio",
+        "Preemptions",
+        "Completion",
+    ]
+    return "\n\n".join(["## FCFS vs priority scheduling", markdown_table(header, rows), *detail])
