@@ -1,0 +1,123 @@
+"""Real server processes on loopback for the server tests (one per test module)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT = 180.0  # a loaded 2-core machine can take a while to import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m infer.server`` in a subprocess, its log in a file, ready once /health is 200."""
+
+    def __init__(self, model: Path, *args: str, log_dir: Path, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_dir / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "infer.server", "--model", str(model),
+               "--port", str(self.port), "--served-model-name", "tiny", *args]  # fmt: skip
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"server did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kwargs)
+
+    def debug(self) -> dict:
+        return httpx.get(self.url + "/debug/engine", headers=self.headers, timeout=10).json()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Poll until no request is in flight and every KV block is free; return the stats."""
+        deadline = time.monotonic() + timeout
+        stats = self.debug()
+        while time.monotonic() < deadline:
+            stats = self.debug()
+            idle = stats["in_flight"] == 0 and stats["num_running"] == 0
+            if (
+                idle
+                and stats["num_waiting"] == 0
+                and stats["num_free_blocks"] == stats["num_total_blocks"]
+            ):
+                return stats
+            time.sleep(0.05)
+        raise AssertionError(f"server did not go idle: {stats}")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tiny_checkpoints) -> Path:
+    """The tiny random Llama checkpoint every server test serves."""
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def server_logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("server-logs")
+
+
+def start_server(model: Path, log_dir: Path, *args: str, api_key: str | None = None):
+    """A context-managed server: yields it, terminates it after."""
+    server = ServerProcess(model, *args, log_dir=log_dir, api_key=api_key)
+    try:
+        yield server
+    finally:
+        server.terminate()
