@@ -1,0 +1,124 @@
+"""Sampling parameters, stop conditions, logprobs and n, through the real engine."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infer import SamplingParams
+
+from .conftest import PROMPTS
+
+
+def test_seeded_request_is_independent_of_its_batch(make_llm):
+    llm = make_llm("llama", max_num_seqs=16)
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    noise = SamplingParams(max_tokens=20, temperature=1.2, ignore_eos=True)
+    mixed = llm.generate(PROMPTS[:6], [noise, noise, params, noise, noise, noise][:6])
+    in_batch = llm.generate(PROMPTS[1:4] + [PROMPTS[0]], [noise] * 3 + [params])
+    assert in_batch[-1].outputs[0].token_ids == alone
+    assert len(mixed) == 6
+
+
+def test_n_children_differ_and_reproduce(make_llm):
+    llm = make_llm("llama")
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    a = llm.generate(PROMPTS[2], params)[0]
+    b = llm.generate(PROMPTS[2], params)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+
+
+def test_stop_string_cuts_text_and_finishes(make_llm):
+    llm = make_llm("llama")
+    base = llm.generate(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[
+        0
+    ]
+    text = base.outputs[0].text
+    stop = text[8:12]
+    assert stop and stop in text
+    out = llm.generate(
+        PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    inc = llm.generate(
+        PROMPTS[1],
+        SamplingParams(
+            max_tokens=30,
+            temperature=0,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )[0].outputs[0]
+    assert inc.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_length(make_llm):
+    llm = make_llm("llama")
+    base = llm.generate(PROMPTS[3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    ids = base[0].outputs[0].token_ids
+    assert base[0].outputs[0].finish_reason == "length" and len(ids) == 10
+    out = llm.generate(
+        PROMPTS[3],
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[ids[4]]),
+    )[0].outputs[0]
+    cut = ids.index(ids[4]) + 1
+    assert out.finish_reason == "stop" and out.stop_reason == ids[4] and out.token_ids == ids[:cut]
+
+
+def test_logprobs_match_transformers(make_llm, tiny_checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm("llama")
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True)
+    )[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"], dtype=torch.float32)
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    n = len(out.prompt_token_ids)
+    for i, lp in enumerate(out.outputs[0].logprobs):
+        assert lp.rank == 1 and len(lp.top) == 3 and lp.top[0][0] == lp.token_id
+        assert math.isclose(lp.logprob, ref[n - 1 + i, lp.token_id].item(), abs_tol=1e-4)
+
+
+def test_min_tokens_holds_back_eos(make_llm):
+    llm = make_llm("llama")
+    eos = llm.engine.eos_token_ids[0]
+    # Bias: make the prompt's own greedy continuation irrelevant by stopping on every token.
+    out = llm.generate(
+        PROMPTS[4], SamplingParams(max_tokens=8, min_tokens=5, temperature=0, stop_token_ids=[eos])
+    )[0].outputs[0]
+    assert len(out.token_ids) >= 5
+
+
+def test_penalties_change_greedy_choice(make_llm):
+    llm = make_llm("llama")
+    plain = llm.generate(PROMPTS[7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    pen = llm.generate(
+        PROMPTS[7],
+        SamplingParams(
+            max_tokens=30,
+            temperature=0,
+            ignore_eos=True,
+            repetition_penalty=2.0,
+            frequency_penalty=1.5,
+            presence_penalty=1.0,
+        ),
+    )
+    a, b = plain[0].outputs[0].token_ids, pen[0].outputs[0].token_ids
+    assert a != b
+    assert len(set(b)) >= len(set(a))  # penalised text repeats itself less
+
+
+def test_timings_are_recorded(make_llm):
+    res = make_llm("llama").generate(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    t = res.timings[0]
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
+    assert len(t.token_times) == 6 and t.token_times == sorted(t.token_times)
