@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-VERSION = "v1"
+VERSION = "v2"
 KINDS = ("llama", "llama3", "qwen2", "qwen3", "gemma3", "gpt2", "llama_sharded")
 VOCAB_SIZE = 1024
 GEMMA3_SLIDING_WINDOW = 16
@@ -172,6 +172,7 @@ def _tokenizer(root: Path) -> Path:
 
 
 def _publish(tmp: Path, final: Path) -> None:
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any build output
     try:
         os.rename(tmp, final)
     except OSError:
