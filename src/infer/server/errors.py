@@ -138,7 +138,9 @@ def install_error_handlers(app: FastAPI) -> None:
         except ValueError:
             phrase = "error"
         message = e.detail if isinstance(e.detail, str) and e.detail else phrase
-        return APIError(e.status_code, message).response(headers=getattr(e, "headers", None))
+        code = "request_too_large" if e.status_code == 413 else None
+        error = APIError(e.status_code, message, code=code)
+        return error.response(headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
