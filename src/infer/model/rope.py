@@ -166,18 +166,25 @@ def _yarn(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 def rope_tables(
     rope: RopeConfig, max_positions: int, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``[max_positions, head_dim]`` in ``dtype`` (computed in float32)."""
+    """``cos, sin`` of shape ``[max_positions, head_dim]`` in ``dtype`` (computed in float32).
+
+    ``sin`` carries the sign of the "rotate half" trick (first half negated), so applying the
+    rotation is one swap and one fused multiply-add (see :func:`apply_rope`).
+    """
     inv_freq, scaling = inverse_frequencies(rope)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos = (emb.cos() * scaling).to(device=device, dtype=dtype)
-    sin = (emb.sin() * scaling).to(device=device, dtype=dtype)
-    return cos, sin
+    cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1) * scaling
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scaling
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by per-token ``cos, sin`` ``[T, 1, head_dim]``."""
+    """Rotate ``x`` ``[T, heads, head_dim]`` by per-token ``cos, sin`` ``[T, 1, head_dim]``.
+
+    ``x * cos + rotate_half(x) * sin`` where ``rotate_half(x) = (-x2, x1)``; the minus lives in
+    the ``sin`` table, leaving the half swap ``(x2, x1)``.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
