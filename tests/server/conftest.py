@@ -34,7 +34,11 @@ class ServerProcess:
                "--port", str(self.port), "--served-model-name", "tiny", *args]  # fmt: skip
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        # NOTE: one intra-op thread. On a shared 2-core box, torch's spinning OpenMP threads make
+        # a tiny model's forward pass up to 100x slower under contention (measured: 18 s vs
+        # 0.2 s for 64 prompts x 16 tokens at load average 10); the tests are about behaviour.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                   OMP_NUM_THREADS="1")  # fmt: skip
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
@@ -121,3 +125,28 @@ def start_server(model: Path, log_dir: Path, *args: str, api_key: str | None = N
         yield server
     finally:
         server.terminate()
+
+
+SHARED_KEY = "test-key-123"
+
+
+@pytest.fixture(scope="session")
+def shared_server(llama_checkpoint, server_logs):
+    """One server for the API, bad-input and concurrency tests (an API key, 64 sequence slots)."""
+    yield from start_server(llama_checkpoint, server_logs, "--max-num-seqs", "64",
+                            api_key=SHARED_KEY)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def offline_llm(llama_checkpoint):
+    """The offline API on the same checkpoint: the reference the server's text must equal."""
+    import torch
+
+    from infer import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see ServerProcess: contention makes 2 spinning threads crawl
+    try:
+        yield LLM(str(llama_checkpoint), max_num_seqs=64)
+    finally:
+        torch.set_num_threads(threads)

@@ -7,9 +7,9 @@ import json
 
 import httpx
 import pytest
-from tests.server.conftest import start_server
+from tests.server.conftest import SHARED_KEY
 
-KEY = "test-key-123"
+KEY = SHARED_KEY
 OK_CHAT = [{"role": "user", "content": "hi"}]
 
 C, CH = "/v1/completions", "/v1/chat/completions"
@@ -191,8 +191,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def server(llama_checkpoint, server_logs):
-    yield from start_server(llama_checkpoint, server_logs, "--max-num-seqs", "8", api_key=KEY)
+def server(shared_server):
+    return shared_server
 
 
 def test_the_table_is_big_enough():

@@ -8,7 +8,6 @@ import json
 import httpx
 import openai
 import pytest
-from tests.server.conftest import start_server
 
 from infer import LLM, SamplingParams
 
@@ -20,18 +19,18 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def server(llama_checkpoint, server_logs):
-    yield from start_server(llama_checkpoint, server_logs, "--max-num-seqs", "16")
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def offline(llama_checkpoint) -> LLM:
-    return LLM(str(llama_checkpoint), max_num_seqs=16)
+def offline(offline_llm) -> LLM:
+    return offline_llm
 
 
 def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
@@ -80,7 +79,7 @@ def test_completion_stream_equals_non_stream_and_ends_with_usage(client):
 
 
 def test_stream_ends_with_done_and_has_no_usage_unless_asked(server):
-    with httpx.stream("POST", server.base_url + "/completions", timeout=60,
+    with httpx.stream("POST", server.base_url + "/completions", headers=server.headers, timeout=60,
                       json={"prompt": PROMPT, "max_tokens": 5, "stream": True}) as r:  # fmt: skip
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -209,7 +208,9 @@ def test_stop_token_ids_match_offline(client, offline):
 
 
 def test_prompt_forms_and_choice_indices(client, server):
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": PROMPT}, headers=server.headers
+    ).json()["tokens"]
     as_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
     as_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
     assert as_ids.choices[0].text == as_text.choices[0].text
@@ -244,7 +245,9 @@ def test_tokenize_detokenize_round_trip(server):
 def test_continuous_usage_stats(server):
     body = {"prompt": PROMPT, "max_tokens": 5, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", server.base_url + "/completions", headers=server.headers, json=body, timeout=60
+    ) as r:
         events = [json.loads(e) for e in sse_events(r)[:-1]]
     counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
     assert counts == sorted(counts) and counts[-1] == 5
@@ -290,7 +293,7 @@ def test_unknown_model_is_404(client):
 
 
 def test_openapi_schema_describes_the_api(server):
-    spec = httpx.get(server.url + "/openapi.json").json()
+    spec = httpx.get(server.url + "/openapi.json", headers=server.headers).json()
     for path in ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                  "/tokenize", "/detokenize", "/reset_prefix_cache"]:  # fmt: skip
         assert path in spec["paths"], path
@@ -311,7 +314,7 @@ def test_openapi_schema_describes_the_api(server):
 
 def test_metrics_use_vllm_names_with_model_label(client, server):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
     for name in ["vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:request_success_total",
@@ -329,7 +332,7 @@ def test_metrics_use_vllm_names_with_model_label(client, server):
 
 
 def test_reset_prefix_cache_needs_prefix_caching(server):
-    r = httpx.post(server.url + "/reset_prefix_cache")
+    r = httpx.post(server.url + "/reset_prefix_cache", headers=server.headers)
     assert r.status_code == 400 and "prefix caching" in r.json()["error"]["message"]
 
 
