@@ -1,0 +1,90 @@
+"""Request timeouts, prefix caching through the API, and SIGTERM draining to a clean exit."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+from tests.server.conftest import start_server
+
+LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
+# A long shared prefix (many full KV blocks) so a repeat can be served from the prefix cache.
+PREFIX = "The import statement combines two operations; it searches for the named module. " * 6
+
+
+@pytest.fixture(scope="module")
+def server(llama_checkpoint, server_logs):
+    yield from start_server(llama_checkpoint, server_logs, "--request-timeout", "1.0",
+                            "--enable-prefix-caching", "--drain-timeout", "20")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def test_request_timeout_ends_with_abort(server, client):
+    got = client.completions.create(prompt=LONG["prompt"], model="tiny", max_tokens=1000,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert got.choices[0].finish_reason == "abort"
+    assert 0 < got.usage.completion_tokens < 1000
+    assert got.choices[0].text
+    server.wait_idle()
+
+
+def test_streamed_request_timeout_ends_with_abort(server):
+    with httpx.stream("POST", server.base_url + "/completions", json={**LONG, "stream": True},
+                      timeout=60) as r:  # fmt: skip
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["choices"][0]["finish_reason"] == "abort"
+    server.wait_idle()
+
+
+def test_repeated_prefix_is_served_from_the_cache(server, client):
+    def ask(suffix: str):
+        return client.completions.create(model="tiny", prompt=PREFIX + suffix, max_tokens=4,
+                                         temperature=0)  # fmt: skip
+
+    first = ask("Alpha")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = ask("Beta")
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    assert httpx.post(server.url + "/reset_prefix_cache").json() == {"reset": True}
+    assert ask("Gamma").usage.prompt_tokens_details.cached_tokens == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    hits = [ln for ln in metrics.splitlines() if ln.startswith("vllm:prefix_cache_hits_total{")]
+    assert float(hits[0].rsplit(" ", 1)[1]) >= cached
+
+
+def test_cache_salt_isolates_prefix_hits(server, client):
+    def ask(salt: str):
+        return client.completions.create(model="tiny", prompt=PREFIX + "Delta", max_tokens=2,
+                                         temperature=0, extra_body={"cache_salt": salt})  # fmt: skip
+
+    ask("tenant-a")
+    assert ask("tenant-b").usage.prompt_tokens_details.cached_tokens == 0
+    assert ask("tenant-a").usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero(server):
+    """Last in this module: it stops the module's server."""
+    body = {**LONG, "max_tokens": 200, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"  # finished, not cut
+    assert server.proc.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)
+    log = server.log()
+    assert "received SIGTERM" in log and "Traceback" not in log
