@@ -132,6 +132,7 @@ async def stream_request(
     url = f"{base}/chat/completions" if endpoint == "chat" else f"{base}/completions"
     t0 = clock()
     n_chunks = 0
+    finish_time: float | None = None
     try:
         async with client.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
@@ -162,8 +163,9 @@ async def stream_request(
                     record.chunk_times_s.append(now)
                     if record.ttft_s is None:
                         record.ttft_s = now
-                if finish:
+                if finish and record.finish_reason is None:
                     record.finish_reason = finish
+                    finish_time = now
                 usage = event.get("usage")
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens")
@@ -175,6 +177,11 @@ async def stream_request(
     record.e2e_s = clock() - t0
     if not record.usage_reported:
         record.output_tokens = n_chunks
+    if record.ttft_s is None and finish_time is not None and record.output_tokens:
+        # Tokens were generated but none decoded to visible text (partial characters, special
+        # tokens): the chunk that closed the choice marks when the first one was ready.
+        record.ttft_s = finish_time
+        record.chunk_times_s.append(finish_time)
     if record.ttft_s is None:
         record.error = "stream ended without any output text"
         return record

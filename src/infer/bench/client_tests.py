@@ -55,6 +55,7 @@ def single_request(
             )
         else:
             stream = client.completions.create(prompt=prompt, **common)
+        finish_ms = None
         for chunk in stream:
             if chunk.usage is not None:
                 usage_tokens = chunk.usage.completion_tokens
@@ -66,6 +67,12 @@ def single_request(
                 chunks += 1
                 if res.ttft_ms is None:
                     res.ttft_ms = (time.perf_counter() - t0) * 1000.0
+            if c.finish_reason and finish_ms is None:
+                finish_ms = (time.perf_counter() - t0) * 1000.0
+        if res.ttft_ms is None and finish_ms is not None and usage_tokens:
+            # The only token decoded to no visible text (a partial character, a special token):
+            # the chunk that closed the choice still marks when it was generated.
+            res.ttft_ms = finish_ms
     except Exception as e:  # noqa: BLE001 - the article counts failures, it does not stop
         res.error = f"{type(e).__name__}: {e}"
         return res

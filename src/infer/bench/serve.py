@@ -86,6 +86,18 @@ class ServeBenchConfig:
     verbose: bool = True
 
 
+def local_tokenizer(*candidates: str | None) -> str | None:
+    """The first candidate that is a local folder with tokenizer files (the server's model id or
+    the ``root`` it reports, when client and server share a machine)."""
+    for c in candidates:
+        if not c:
+            continue
+        p = Path(c)
+        if (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file():
+            return str(p)
+    return None
+
+
 async def calibrate_words_per_token(
     server: str, model: str, endpoint: Endpoint, source: TextSource, seed: int
 ) -> float | None:
@@ -112,7 +124,8 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
     entry = next((m for m in models if m.get("id") == model), models[0] if models else {})
     max_model_len = cfg.max_model_len or entry.get("max_model_len")
 
-    counter = tokenizer_counter(cfg.tokenizer) if cfg.tokenizer else None
+    tokenizer = cfg.tokenizer or local_tokenizer(model, entry.get("root"))
+    counter = tokenizer_counter(tokenizer) if tokenizer else None
     source = TextSource(count_tokens=counter)
     wpt: float | None = None
     if counter is None:
@@ -123,6 +136,7 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
         "model": model,
         "scale": scale,
         "max_model_len": max_model_len,
+        "tokenizer": tokenizer,
         "words_per_token": None if counter else source.words_per_token,
         "words_per_token_calibrated": wpt is not None,
     }

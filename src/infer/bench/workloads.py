@@ -214,11 +214,15 @@ class TextSource:
         return self._fit(words, num_tokens)
 
     def _fit(self, words: list[str], num_tokens: int) -> str:
-        """The longest word prefix whose token count is <= num_tokens (binary search)."""
+        """Text of ``num_tokens`` tokens: cut at the token when the counter can (``truncate``),
+        else the longest word prefix whose token count is <= num_tokens (binary search)."""
         count = self.count_tokens
         assert count is not None
         while count(" ".join(words)) < num_tokens:  # not enough words for a dense tokenizer
             words = words + words
+        truncate = getattr(count, "truncate", None)
+        if truncate is not None:
+            return truncate(" ".join(words), num_tokens)
         lo, hi = 1, len(words)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -235,12 +239,28 @@ class TextSource:
         return int(round(len(text.split()) / self.words_per_token))
 
 
-def tokenizer_counter(path: str) -> Callable[[str], int]:
-    """A token-count function from a local Hugging Face tokenizer folder (no network)."""
-    from transformers import AutoTokenizer
+class TokenCounter:
+    """Counts tokens with a local Hugging Face tokenizer and cuts text at a token boundary."""
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def __call__(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def truncate(self, text: str, num_tokens: int) -> str:
+        """The first ``num_tokens`` tokens of ``text`` as text (re-encodes to about that many)."""
+        return self.tok.decode(self.encode(text)[:num_tokens]).strip()
+
+
+def tokenizer_counter(path: str) -> TokenCounter:
+    """A token counter from a local Hugging Face tokenizer folder (no network)."""
+    return TokenCounter(path)
 
 
 # --------------------------------------------------------------------------------------------
