@@ -355,20 +355,30 @@ class AsyncEngine:
                         commands.append(self._commands.get_nowait())
                     except queue.Empty:
                         break
-                if _STOP in commands:
+                stop = _STOP in commands
+                acks, aborted = self._apply([c for c in commands if c is not _STOP])
+                self._post(acks)
+                if stop:  # abort what is left, let the engine release it, and leave
+                    for rid in list(self._streams):
+                        with contextlib.suppress(Exception):
+                            engine.abort_request(rid)
+                    if engine.has_unfinished_requests():
+                        engine.step()
+                    self._publish_stats()
                     self._fail_all(EngineStoppedError("the engine was stopped"))
                     return
-                acks, aborted = self._apply(commands)
-                self._post(acks)
                 if engine.has_unfinished_requests() or aborted:
                     self._post(self._step())
-                with self._lock:
-                    self.stats = engine.get_stats()
-                    self._engine_waiting = self.stats.num_waiting
+                self._publish_stats()
         except BaseException as e:  # noqa: BLE001 - the loop must report why it died
             logger.exception("engine thread died")
             self.dead = e
             self._fail_all(EngineStoppedError(f"the engine thread died: {e}"))
+
+    def _publish_stats(self) -> None:
+        with self._lock:
+            self.stats = self.engine.get_stats()
+            self._engine_waiting = self.stats.num_waiting
 
     def _apply(self, commands: list) -> tuple[list, bool]:
         engine = self.engine

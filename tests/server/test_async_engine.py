@@ -1,0 +1,163 @@
+"""The thread bridge on a real engine, in process: routing, refusals, failure isolation, bounds,
+aborts and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from infer import SamplingParams
+from infer.config import EngineConfig
+from infer.engine.async_engine import AddRequest, AsyncEngine
+from infer.engine.engine import LLMEngine, QueueFullError
+from infer.engine.sampling_params import InvalidRequestError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_checkpoint, offline_llm) -> LLMEngine:
+    # offline_llm first: it pins one intra-op thread for the session (see conftest).
+    return LLMEngine(EngineConfig.from_kwargs(model=str(llama_checkpoint), max_num_seqs=8))
+
+
+def ids(engine: LLMEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def run(engine: LLMEngine, body, **options):
+    """Run ``body(async_engine)`` on a fresh bridge; check the engine is idle afterwards."""
+
+    async def main():
+        bridge = AsyncEngine(engine, **options)
+        bridge.start()
+        try:
+            return await body(bridge)
+        finally:
+            await bridge.drain(10)
+            await bridge.shutdown()
+
+    result = asyncio.run(main())
+    stats = engine.get_stats()
+    assert not engine.has_unfinished_requests()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    return result
+
+
+async def collect(stream) -> tuple[str, str | None]:
+    text, reason = "", None
+    async for _, out in stream:
+        text += out.new_text
+        reason = out.finish_reason if out.finished else reason
+    return text, reason
+
+
+def test_concurrent_requests_get_their_own_outputs(engine, offline_llm):
+    prompts = ["The quick brown fox", "def main():", "for i in range(10):"]
+    want = [r.outputs[0].text for r in offline_llm.generate(prompts, GREEDY)]
+
+    async def body(bridge):
+        streams = []
+        for i, p in enumerate(prompts):
+            stream = bridge.add_group([AddRequest(f"r{i}", ids(engine, p), GREEDY)])
+            streams.append(stream)
+        for s in streams:
+            await s.accepted()
+        return await asyncio.gather(*[collect(s) for s in streams])
+
+    got = run(engine, body)
+    assert [t for t, _ in got] == want
+
+
+def test_a_refused_request_fails_alone(engine):
+    async def body(bridge):
+        good = bridge.add_group([AddRequest("good", ids(engine, "hello"), GREEDY)])
+        bad = bridge.add_group([AddRequest("bad", [5] * 5000, GREEDY)])
+        with pytest.raises(InvalidRequestError) as err:
+            await bad.accepted()
+        await good.accepted()
+        return err.value, await collect(good)
+
+    error, (text, reason) = run(engine, body)
+    assert error.param == "prompt" and "5000" in error.message
+    assert text and reason == "length"
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(engine, monkeypatch):
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+
+    async def body(bridge):
+        first = bridge.add_group([AddRequest("victim", ids(engine, "hello"), LONG)])
+        await first.accepted()
+        victim = [out async for _, out in first]
+        after = bridge.add_group([AddRequest("after", ids(engine, "world"), GREEDY)])
+        await after.accepted()
+        return victim[-1], await collect(after), bridge.num_step_failures
+
+    final, (text, reason), failures = run(engine, body)
+    assert final.finish_reason == "error" and "boom" in final.error
+    assert text and reason == "length"
+    assert failures == 1
+
+
+def test_queue_bound_refuses_at_once(engine):
+    async def body(bridge):
+        first = bridge.add_group([AddRequest("q1", ids(engine, "a b c"), GREEDY)])
+        with pytest.raises(QueueFullError):
+            bridge.add_group([AddRequest("q2", ids(engine, "d e f"), GREEDY)])
+        await first.accepted()
+        return await collect(first)
+
+    text, reason = run(engine, body, max_queued_requests=1)
+    assert reason == "length"
+
+
+def test_abort_frees_the_slot_and_reports_abort(engine):
+    finished = []
+
+    async def body(bridge):
+        stream = bridge.add_group([AddRequest("long", ids(engine, "Once"), LONG)])
+        await stream.accepted()
+        seen = 0
+        async for _, out in stream:
+            seen += len(out.new_token_ids)
+            if seen >= 3:
+                stream.abort("test")
+                break
+        while bridge.stats.num_running:  # the engine thread publishes stats after each step
+            await asyncio.sleep(0.01)
+        return bridge.stats
+
+    stats = run(engine, body, on_finished=finished.append)
+    assert stats.num_free_blocks == stats.num_total_blocks  # freed before shutdown
+    assert [o.finish_reason for o in finished] == ["abort"]
+
+
+def test_timeout_ends_the_request_with_abort(engine):
+    async def body(bridge):
+        stream = bridge.add_group([AddRequest("slow", ids(engine, "Once"), LONG)])
+        await stream.accepted()
+        return [out async for _, out in stream]
+
+    outs = run(engine, body, request_timeout=0.2)
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert outs[-1].num_output_tokens < 900
+
+
+def test_calls_run_on_the_engine_thread(engine):
+    async def body(bridge):
+        return await bridge.call(lambda e: (threading.current_thread().name, e is engine))
+
+    assert run(engine, body) == ("infer-engine", True)
