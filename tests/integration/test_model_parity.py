@@ -16,7 +16,7 @@ import torch
 
 from infer.model import CausalLM, load_model, load_tokenizer
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-from infer.testing.checkpoints import GEMMA3_SLIDING_WINDOW
+from infer.testing.checkpoints import GEMMA3_SLIDING_WINDOW, MISTRAL_SLIDING_WINDOW
 
 PROMPT = (
     "The import statement combines two operations; it searches for the named module, "
@@ -141,13 +141,19 @@ def test_mixed_batch_matches_transformers(tiny_checkpoint: Path) -> None:
     assert max_diff(torch.cat(b_logits), hf_logits[:45]) < TOL
 
 
-def test_gemma3_sequence_exceeds_sliding_window(tiny_checkpoints: dict[str, Path]) -> None:
-    """The parity tests above only cover the window if the sequence is longer than it."""
-    prompt, generated, _ = reference(tiny_checkpoints["gemma3"])
-    model = load_model(tiny_checkpoints["gemma3"], torch.float32)
-    windows = [layer.attn.sliding_window for layer in model.layers]
-    assert GEMMA3_SLIDING_WINDOW in windows and None in windows
-    assert len(prompt) > GEMMA3_SLIDING_WINDOW
+@pytest.mark.parametrize(
+    ("kind", "window", "mixed"),
+    [("gemma3", GEMMA3_SLIDING_WINDOW, True), ("mistral", MISTRAL_SLIDING_WINDOW, False)],
+)
+def test_sliding_window_is_exercised(
+    tiny_checkpoints: dict[str, Path], kind: str, window: int, mixed: bool
+) -> None:
+    """The parity tests above only cover the window if the prompt is longer than it."""
+    prompt, _, _ = reference(tiny_checkpoints[kind])
+    model = load_model(tiny_checkpoints[kind], torch.float32)
+    windows = {layer.attn.sliding_window for layer in model.layers}
+    assert windows == ({window, None} if mixed else {window})
+    assert len(prompt) > window
 
 
 def test_bfloat16_loads_and_runs(tiny_checkpoint: Path) -> None:

@@ -90,6 +90,16 @@ def test_gpt2_loads_without_transformer_prefix(tiny_checkpoints, tmp_path):
     assert torch.equal(logits_of(load_model(path, torch.float32)), logits_of(reference))
 
 
+def test_unused_checkpoint_tensors_are_reported(tiny_checkpoints, tmp_path, caplog):
+    path = copy_checkpoint(tiny_checkpoints["llama"], tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["vision_tower.proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(path / "model.safetensors"))
+    with caplog.at_level("WARNING", logger="infer.model.loader"):
+        load_model(path)
+    assert "vision_tower.proj.weight" in caplog.text
+
+
 def test_bf16_load_converts_every_tensor(tiny_checkpoints):
     model = load_model(tiny_checkpoints["gemma3"], "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -301,3 +301,20 @@ class LlamaForCausalLM(DecoderLM):
             activation=config.get("hidden_act", "silu"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
+
+
+class MistralForCausalLM(DecoderLM):
+    """Mistral: Llama without biases, every layer attending to the last ``sliding_window``."""
+
+    architecture = "MistralForCausalLM"
+
+    @classmethod
+    def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
+        fields = common_fields(config)
+        return DecoderConfig(
+            **fields,
+            ropes=uniform_rope(config, fields),
+            sliding_windows=layer_windows(config, fields["num_layers"]),
+            activation=config.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )

@@ -8,6 +8,7 @@ path, as a model id in the local Hugging Face cache (never downloaded), or by a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,11 @@ from infer.model.layers import CausalLM
 from infer.model.registry import UnsupportedArchitectureError, model_class
 from infer.model.spec import ModelSpec, config_dtype, token_ids
 
+logger = logging.getLogger(__name__)
+
 BUILTIN_MODELS = ("toy", "small")
+# Checkpoint tensors that are derived state or tied copies, never weights we lack a place for.
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "lm_head.weight")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -260,6 +265,7 @@ def load_model(
     assert set(sources) == set(params), f"weight plan mismatch: {set(sources) ^ set(params)}"
 
     handles: dict[Path, Any] = {}
+    used: set[str] = set()
     try:
         for pname, source in sources.items():
             tensors = []
@@ -271,6 +277,7 @@ def load_model(
                     )
                 if file not in handles:
                     handles[file] = safe_open(str(file), framework="pt", device="cpu")
+                used.add(found)
                 t = handles[file].get_tensor(found)
                 tensors.append(t.float() if source.transform is not None else t.to(dtype))
             value = source.build(tensors)
@@ -283,6 +290,15 @@ def load_model(
             param.copy_(value.to(dtype))
     finally:
         handles.clear()
+    unused = sorted(n for n in index if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
+    if unused:
+        # Not fatal (extra heads, vision towers), but a sign of a mislabeled architecture.
+        logger.warning(
+            "%d checkpoint tensors in %s were not used, e.g. %s",
+            len(unused),
+            model_dir,
+            ", ".join(unused[:3]),
+        )
     model.init_buffers(device, dtype)
     model.requires_grad_(False)
     return model.eval()

@@ -7,13 +7,14 @@ from typing import Any
 from infer.model.gemma3 import Gemma3ForCausalLM
 from infer.model.gpt2 import GPT2LMHeadModel
 from infer.model.layers import CausalLM
-from infer.model.llama import LlamaForCausalLM
+from infer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from infer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     cls.architecture: cls
     for cls in (
         LlamaForCausalLM,
+        MistralForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
         Gemma3ForCausalLM,
@@ -23,6 +24,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 
 MODEL_TYPES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,

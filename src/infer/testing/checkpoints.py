@@ -16,14 +16,16 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-VERSION = "v2"
-KINDS = ("llama", "llama3", "qwen2", "qwen3", "gemma3", "gpt2", "llama_sharded")
+VERSION = "v3"
+KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "llama_sharded")
 VOCAB_SIZE = 1024
 GEMMA3_SLIDING_WINDOW = 16
+MISTRAL_SLIDING_WINDOW = 12
 INIT_STD = 0.2
 SEED = 1234
 
@@ -80,6 +82,14 @@ def _llama3_config(special: dict[str, int]) -> Any:
     )
 
 
+def _mistral_config(special: dict[str, int]) -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        **_TINY, **special, num_hidden_layers=2, sliding_window=MISTRAL_SLIDING_WINDOW
+    )
+
+
 def _qwen2_config(special: dict[str, int]) -> Any:
     from transformers import Qwen2Config
 
@@ -130,6 +140,7 @@ def _gpt2_config(special: dict[str, int]) -> Any:
 _RECIPES: dict[str, tuple[Callable[[dict[str, int]], Any], str]] = {
     "llama": (_llama_config, "LlamaForCausalLM"),
     "llama3": (_llama3_config, "LlamaForCausalLM"),
+    "mistral": (_mistral_config, "MistralForCausalLM"),
     "qwen2": (_qwen2_config, "Qwen2ForCausalLM"),
     "qwen3": (_qwen3_config, "Qwen3ForCausalLM"),
     "gemma3": (_gemma3_config, "Gemma3ForCausalLM"),
@@ -205,7 +216,8 @@ def build_tiny_checkpoint(kind: str, root: Path) -> Path:
     config.architectures = [arch]
     torch.manual_seed(SEED)
     model = getattr(transformers, arch)(config).to(torch.float32)
-    _randomize(model, SEED + KINDS.index(kind.replace("_sharded", "")))
+    # Seeded by name so adding a kind never changes the others; "_sharded" shares the weights.
+    _randomize(model, SEED + zlib.crc32(kind.removesuffix("_sharded").encode()) % 10_000)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-", dir=root))
     try:
