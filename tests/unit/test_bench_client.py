@@ -84,7 +84,8 @@ class FakeServer:
                     if "ERROREVENT" in prompt and i == 1:
                         yield "data: " + json.dumps({"error": {"message": "engine died"}}) + "\n\n"
                         return
-                    yield event(f" t{i}", "length" if i == n - 1 else None)
+                    text = "" if "EMPTYTEXT" in prompt else f" t{i}"
+                    yield event(text, "length" if i == n - 1 else None)
                 if self.send_usage:
                     usage = {
                         "prompt_tokens": len(prompt.split()),
@@ -193,6 +194,15 @@ def test_http_error_and_error_event_fail_the_request(fake):
     assert not rec.success and rec.error.startswith("HTTP 500")
     rec = _one(fake, "ERROREVENT soon", max_tokens=5)
     assert not rec.success and "engine died" in rec.error
+
+
+def test_tokens_without_visible_text_still_have_a_first_token_time(fake):
+    rec = _one(fake, "EMPTYTEXT please", max_tokens=3)
+    assert rec.success and rec.output_tokens == 3
+    assert rec.ttft_s is not None and rec.chunk_times_s == [rec.ttft_s]
+    fake.send_usage = False
+    rec = _one(fake, "EMPTYTEXT again", max_tokens=3)
+    assert not rec.success and rec.error == "stream ended without any output text"
 
 
 def test_unreachable_server_is_an_error_not_a_crash():

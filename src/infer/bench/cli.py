@@ -29,7 +29,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply arrival rates")
     p.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft_ms=2000,tpot_ms=100")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--tokenizer", default=None, help="local tokenizer folder for exact lengths")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer folder for exact prompt lengths (default: the model folder when "
+        "the server's model id or root is one here, else words calibrated by the server's usage)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="clip requests to this context")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per workload")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
