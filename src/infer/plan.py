@@ -1,0 +1,219 @@
+"""`infer plan`: KV-cache capacity planning without loading weights.
+
+    bytes_per_token = 2 x layers x kv_heads x head_dim x dtype_bytes      (K and V, every layer)
+    kv_budget       = memory - weights
+    context/user    = kv_budget / concurrency / bytes_per_token
+    users           = kv_budget / (context x bytes_per_token)
+
+Reads the shape from a model folder's config.json and the weight count from the safetensors
+headers (no tensor is loaded), or takes a published shape from flags, e.g. Llama 3.1 70B:
+``infer plan --layers 80 --kv-heads 8 --heads 64 --head-dim 128 --weights 140GB --memory 320GB
+--concurrency 50``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from infer.config import parse_bytes
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+               "int8": 1, "fp8": 1}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    num_layers: int
+    num_kv_heads: int
+    num_heads: int | None
+    head_dim: int
+    kv_dtype_bytes: int
+    weights_bytes: int
+    memory_bytes: int
+    concurrency: int
+    context_len: int
+    block_size: int = 16
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return self.bytes_per_token * self.context_len
+
+    @property
+    def mha_bytes_per_sequence(self) -> int | None:
+        """The same sequence without GQA (one KV head per query head)."""
+        if self.num_heads is None:
+            return None
+        return (
+            2
+            * self.num_layers
+            * self.num_heads
+            * self.head_dim
+            * self.kv_dtype_bytes
+            * self.context_len
+        )
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return max(self.memory_bytes - self.weights_bytes, 0)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_budget_bytes // self.bytes_per_token
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.kv_tokens // self.block_size
+
+    @property
+    def max_context_per_user(self) -> int:
+        return self.kv_budget_bytes // self.concurrency // self.bytes_per_token
+
+    @property
+    def max_users_at_context(self) -> int:
+        return self.kv_budget_bytes // self.bytes_per_sequence
+
+
+def safetensors_num_params(model_dir: Path) -> int:
+    """Parameter count from safetensors headers only (8-byte length + JSON), no tensor data."""
+    total = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for d in meta["shape"]:
+                count *= d
+            total += count
+    return total
+
+
+def plan_from_folder(
+    model_dir: Path,
+    memory: int,
+    concurrency: int,
+    context_len: int | None,
+    dtype: str = "auto",
+    kv_dtype: str | None = None,
+    block_size: int = 16,
+) -> CapacityPlan:
+    from infer.model.loader import load_model_spec
+
+    spec = load_model_spec(model_dir)
+    weights_dtype = spec.torch_dtype if dtype == "auto" else dtype
+    wbytes = DTYPE_BYTES.get(weights_dtype or "float32", 4)
+    return CapacityPlan(
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        num_heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        kv_dtype_bytes=DTYPE_BYTES[kv_dtype] if kv_dtype else wbytes,
+        weights_bytes=safetensors_num_params(model_dir) * wbytes,
+        memory_bytes=memory,
+        concurrency=concurrency,
+        context_len=context_len or spec.max_position_embeddings,
+        block_size=block_size,
+    )
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def render(p: CapacityPlan) -> str:
+    lines = [
+        f"shape: {p.num_layers} layers x {p.num_kv_heads} KV heads x head_dim {p.head_dim}, "
+        f"{p.kv_dtype_bytes} bytes per value",
+        f"KV bytes per token: 2 x {p.num_layers} x {p.num_kv_heads} x {p.head_dim} x "
+        f"{p.kv_dtype_bytes} = {p.bytes_per_token:,} bytes ({p.bytes_per_token / 2**10:.1f} KiB)",
+        f"KV per {p.context_len}-token sequence: {_gb(p.bytes_per_sequence)}",
+    ]
+    mha = p.mha_bytes_per_sequence
+    if mha is not None and p.num_heads != p.num_kv_heads:
+        lines.append(
+            f"  without GQA ({p.num_heads} KV heads): {_gb(mha)} "
+            f"({p.num_heads // p.num_kv_heads}x more)"
+        )
+    lines += [
+        f"memory {_gb(p.memory_bytes)} - weights {_gb(p.weights_bytes)} = KV budget {_gb(p.kv_budget_bytes)}",
+        f"KV capacity: {p.kv_tokens:,} tokens = {p.kv_blocks:,} blocks of {p.block_size}",
+        f"max context per user at {p.concurrency} concurrent users: {p.max_context_per_user:,} tokens",
+        f"max concurrent users at {p.context_len} tokens of context: {p.max_users_at_context:,}",
+    ]
+    if p.kv_budget_bytes == 0:
+        lines.append("WARNING: the weights alone exceed the memory given; nothing is left for KV")
+    return "\n".join(lines)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="KV-cache capacity plan (no weights loaded)")
+    p.add_argument("--model", default=None, help="model folder (or give the shape flags)")
+    p.add_argument("--memory", required=True, type=parse_bytes, help="device memory, e.g. 16GiB")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument(
+        "--context", type=int, default=None, help="tokens per sequence (default: model max)"
+    )
+    p.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--kv-dtype", default=None, choices=sorted(DTYPE_BYTES), help="default: weights dtype"
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    g = p.add_argument_group("shape without a folder")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--kv-heads", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--head-dim", type=int)
+    g.add_argument("--weights", type=parse_bytes, help="weights bytes, e.g. 140GB")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.concurrency < 1:
+        raise SystemExit("--concurrency must be at least 1")
+    if args.model:
+        from infer.model.loader import resolve_model_path
+
+        plan = plan_from_folder(
+            resolve_model_path(args.model),
+            args.memory,
+            args.concurrency,
+            args.context,
+            args.dtype,
+            args.kv_dtype,
+            args.block_size,
+        )
+    else:
+        missing = [
+            f
+            for f in ("layers", "kv_heads", "head_dim", "weights", "context")
+            if getattr(args, f) is None
+        ]
+        if missing:
+            raise SystemExit(
+                "without --model, give: " + ", ".join("--" + m.replace("_", "-") for m in missing)
+            )
+        dtype_bytes = DTYPE_BYTES.get(args.dtype, 2)
+        plan = CapacityPlan(
+            args.layers,
+            args.kv_heads,
+            args.heads,
+            args.head_dim,
+            DTYPE_BYTES[args.kv_dtype] if args.kv_dtype else dtype_bytes,
+            args.weights,
+            args.memory,
+            args.concurrency,
+            args.context,
+            args.block_size,
+        )
+    print(render(plan))
+    return 0

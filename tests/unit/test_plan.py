@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+from infer.cli import main
+from infer.plan import CapacityPlan
+
+LLAMA_70B = dict(num_layers=80, num_kv_heads=8, num_heads=64, head_dim=128, kv_dtype_bytes=2)
+
+
+def test_llama_31_70b_published_shape():
+    p = CapacityPlan(
+        **LLAMA_70B,
+        weights_bytes=140 * 10**9,
+        memory_bytes=320 * 10**9,
+        concurrency=50,
+        context_len=4096,
+    )
+    assert p.bytes_per_token == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert round(p.bytes_per_sequence / 1e9, 2) == 1.34  # the article's 1.34 GB per sequence
+    assert round(p.mha_bytes_per_sequence / 1e9, 1) == 10.7  # without GQA
+    # (320 - 140) GB / 50 users / 327,680 bytes per token: the article's "~11,000 tokens"
+    assert p.max_context_per_user == 180 * 10**9 // 50 // 327_680 == 10_986
+    assert p.max_users_at_context == 180 * 10**9 // (327_680 * 4096) == 134
+
+
+def test_int8_kv_doubles_capacity():
+    fp16 = CapacityPlan(
+        **LLAMA_70B, weights_bytes=0, memory_bytes=327_680 * 1000, concurrency=1, context_len=4096
+    )
+    int8 = CapacityPlan(
+        **{**LLAMA_70B, "kv_dtype_bytes": 1},
+        weights_bytes=0,
+        memory_bytes=327_680 * 1000,
+        concurrency=1,
+        context_len=4096,
+    )
+    assert int8.kv_tokens == 2 * fp16.kv_tokens
+
+
+def test_cli_prints_the_plan(capsys):
+    rc = main(
+        [
+            "plan",
+            "--layers",
+            "80",
+            "--kv-heads",
+            "8",
+            "--heads",
+            "64",
+            "--head-dim",
+            "128",
+            "--weights",
+            "140GB",
+            "--memory",
+            "320GB",
+            "--concurrency",
+            "50",
+            "--context",
+            "4096",
+            "--dtype",
+            "fp16",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "327,680 bytes" in out and "1.34 GB" in out and "10,986 tokens" in out
+
+
+def test_cli_reads_a_model_folder_without_loading_weights(tiny_checkpoints, capsys):
+    from infer.model.loader import load_model_spec
+
+    path = tiny_checkpoints["llama"]
+    spec = load_model_spec(path)
+    rc = main(["plan", "--model", str(path), "--memory", "1GiB", "--concurrency", "4"])
+    out = capsys.readouterr().out
+    bpt = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    assert rc == 0 and f"{bpt:,} bytes" in out
