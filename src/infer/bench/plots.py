@@ -33,7 +33,7 @@ def plot_cdf(series: dict[str, Sequence[float]], title: str, xlabel: str, path: 
         if not xs:
             continue
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.step(xs, ys, where="post", label=f"{label} (n={len(xs)})")
+        ax.step([xs[0], *xs], [0.0, *ys], where="post", label=f"{label} (n={len(xs)})")
         lo, hi = min(lo, xs[0]), max(hi, xs[-1])
     if lo > 0 and hi / lo > 100:
         ax.set_xscale("log")

@@ -142,7 +142,7 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
     }
     report: dict = {
         "schema": SCHEMA,
-        "label": cfg.label or model,
+        "label": cfg.label or model.rstrip("/").split("/")[-1],
         "created": now_iso(),
         "config": config,
         "environment": collect_environment(),
