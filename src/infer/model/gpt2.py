@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.model.layers import CausalLM, WeightSource, activation, transposed
+from infer.model.layers import CausalLM, WeightSource, activation, embedding, transposed
 from infer.runner.attention import AttentionContext
 
 
@@ -89,8 +89,8 @@ class GPT2LMHeadModel(CausalLM):
     def __init__(self, cfg: GPT2Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.wte = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 

@@ -25,17 +25,12 @@ class WeightSource:
     """How one of our parameters is built from checkpoint tensors.
 
     ``names`` are read in order; with no ``transform`` one tensor is used as is and several are
-    concatenated along dim 0 (the fused projections). ``transform`` (float32 in, float32 out)
-    covers the rest: Conv1D transposes, Gemma's ``1 + weight`` norms.
+    stacked along dim 0 (the fused projections). ``transform`` (float32 in, float32 out) covers
+    the rest: Conv1D transposes, Gemma's ``1 + weight`` norms.
     """
 
     names: tuple[str, ...]
     transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
-
-    def build(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if self.transform is not None:
-            return self.transform(tensors)
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
 
 class CausalLM(nn.Module):
@@ -92,6 +87,15 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An uninitialised ``nn.Embedding`` (the loader fills it).
+
+    NOTE: the default init calls ``normal_``, whose first use on the meta device costs seconds
+    (it imports torch's reference ops); passing the weight skips it.
+    """
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, plus_one
+from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, embedding, plus_one
 from infer.model.rope import RopeConfig, apply_rope, rope_config_from_dict, rope_params, rope_tables
 from infer.runner.attention import AttentionContext
 
@@ -179,7 +179,7 @@ class DecoderLM(CausalLM):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (

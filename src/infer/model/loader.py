@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from infer.model.layers import CausalLM
+from infer.model.layers import CausalLM, WeightSource
 from infer.model.registry import UnsupportedArchitectureError, model_class
 from infer.model.spec import ModelSpec, config_dtype, token_ids
 
@@ -279,15 +279,8 @@ def load_model(
                     handles[file] = safe_open(str(file), framework="pt", device="cpu")
                 used.add(found)
                 t = handles[file].get_tensor(found)
-                tensors.append(t.float() if source.transform is not None else t.to(dtype))
-            value = source.build(tensors)
-            param = params[pname]
-            if value.shape != param.shape:
-                raise ModelLoadError(
-                    f"tensor {', '.join(source.names)} has shape {tuple(value.shape)}, "
-                    f"expected {tuple(param.shape)} for {pname} (config.json and weights disagree)"
-                )
-            param.copy_(value.to(dtype))
+                tensors.append(t.float() if source.transform is not None else t)
+            _fill(params[pname], pname, source, tensors)
     finally:
         handles.clear()
     unused = sorted(n for n in index if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
@@ -302,6 +295,26 @@ def load_model(
     model.init_buffers(device, dtype)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _fill(
+    param: torch.Tensor, pname: str, source: WeightSource, tensors: list[torch.Tensor]
+) -> None:
+    """Copy (and convert) checkpoint tensors into ``param``; the pieces of a fused parameter
+    go straight into their rows, with no intermediate concatenation."""
+    pieces = [source.transform(tensors)] if source.transform is not None else tensors
+    trailing = {tuple(t.shape[1:]) for t in pieces}
+    rows = sum(t.shape[0] for t in pieces)
+    if len(trailing) != 1 or (rows, *trailing.pop()) != tuple(param.shape):
+        got = " + ".join(str(tuple(t.shape)) for t in pieces)
+        raise ModelLoadError(
+            f"tensor {', '.join(source.names)} has shape {got}, expected "
+            f"{tuple(param.shape)} for {pname} (config.json and weights disagree)"
+        )
+    start = 0
+    for t in pieces:
+        param[start : start + t.shape[0]].copy_(t)
+        start += t.shape[0]
 
 
 def _lookup(
