@@ -40,6 +40,12 @@ MODES = {
     "prefix_cache": dict(enable_prefix_caching=True, block_size=4),
     "tiny_pool_preempts": dict(num_kv_blocks=24, block_size=4, max_num_seqs=12),
     "priority_policy": dict(scheduling_policy="priority"),
+    "tiny_pool_swaps": dict(
+        num_kv_blocks=24, block_size=4, max_num_seqs=12, preemption_mode="swap"
+    ),
+    "swap_space_full_falls_back": dict(
+        num_kv_blocks=24, block_size=4, max_num_seqs=12, preemption_mode="swap", swap_space=4096
+    ),
 }
 
 
@@ -48,8 +54,13 @@ def test_greedy_identical_across_modes(mode, make_llm, hf_greedy):
     llm = make_llm("llama", **MODES[mode])
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy("llama")
+    counters = llm.engine.scheduler.counters
     if mode == "tiny_pool_preempts":
-        assert llm.engine.scheduler.counters.preemptions > 0
+        assert counters.preemptions_recompute > 0
+    if mode == "tiny_pool_swaps":
+        assert counters.preemptions_swap > 0 and counters.swapped_in_blocks > 0
+    if mode == "swap_space_full_falls_back":
+        assert counters.preemptions_recompute > 0
 
 
 def test_arrival_order_does_not_change_outputs(make_llm, hf_greedy):
@@ -81,3 +92,15 @@ def test_requests_arriving_mid_flight_join_the_batch(make_llm, hf_greedy):
 def test_sharded_checkpoint_serves_same_tokens(make_llm, hf_greedy):
     outs = make_llm("llama_sharded").generate(PROMPTS[:4], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy("llama")[:4]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_seeded_sampling_identical_under_preemption(mode, make_llm):
+    params = SamplingParams(
+        max_tokens=GEN_TOKENS, temperature=0.9, top_k=50, seed=11, ignore_eos=True
+    )
+    roomy = make_llm("llama").generate(PROMPTS, params)
+    tight = make_llm("llama", num_kv_blocks=24, block_size=4, max_num_seqs=12, preemption_mode=mode)
+    squeezed = tight.generate(PROMPTS, params)
+    assert tight.engine.scheduler.counters.preemptions > 0
+    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]

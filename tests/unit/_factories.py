@@ -41,6 +41,7 @@ def make_scheduler(
     prefix: bool = False,
     contiguous_len: int | None = None,
     use_kv_cache: bool = True,
+    swap_blocks: int = 0,
     **sched,
 ) -> Scheduler:
     cache = CacheConfig(
@@ -52,7 +53,7 @@ def make_scheduler(
     if contiguous_len:
         kv = ContiguousKVManager(num_blocks, contiguous_len)
     else:
-        kv = PagedKVManager(num_blocks, block_size, prefix)
+        kv = PagedKVManager(num_blocks, block_size, prefix, num_swap_blocks=swap_blocks)
     return Scheduler(SchedulerConfig(**sched), cache, kv)
 
 

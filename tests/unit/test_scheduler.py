@@ -193,3 +193,62 @@ def test_prefix_cache_hits_skip_prefill_tokens():
     stats = s.kv.prefix_stats
     assert stats.hits == 16 and stats.queries == 36
     assert s.kv.num_free_blocks == 64
+
+
+def test_swap_preemption_keeps_computed_tokens_and_returns_everything():
+    s = make_scheduler(
+        num_blocks=6,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_blocks=8,
+    )
+    a = make_request("a", prompt_len=8, max_tokens=8, arrival=1.0)
+    b = make_request("b", prompt_len=8, max_tokens=8, arrival=2.0)
+    s.add_request(a)
+    s.add_request(b)
+    outs = run_to_completion(s)
+    outs_with_swap_out = [o for o in outs if o.swap_out]
+    assert outs_with_swap_out and all(
+        o.swap_in == [] or o.swap_out == [] for o in outs_with_swap_out
+    )
+    assert sum(len(o.swap_out) for o in outs) == sum(len(o.swap_in) for o in outs) > 0
+    # A swapped request resumes where it stopped: nothing is recomputed.
+    assert s.counters.preemptions_swap > 0 and s.counters.recomputed_tokens == 0
+    assert b.num_swapped_blocks > 0 and b.num_output_tokens == 8
+    resumed = next(o for o in outs if o.swap_in)
+    assert [len(c.token_ids) for c in resumed.chunks if c.request_id == "b"] == [1]
+    s.kv.end_step()
+    assert s.kv.num_free_blocks == 6 and s.kv.num_free_swap_blocks == 8
+
+
+def test_swap_falls_back_to_recompute_when_swap_space_is_full():
+    s = make_scheduler(
+        num_blocks=6,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_blocks=1,
+    )
+    s.add_request(make_request("a", prompt_len=8, max_tokens=8, arrival=1.0))
+    s.add_request(make_request("b", prompt_len=8, max_tokens=8, arrival=2.0))
+    run_to_completion(s)
+    assert s.counters.preemptions_recompute > 0 and s.counters.preemptions_swap == 0
+    assert s.kv.num_free_blocks == 6
+
+
+def test_host_slots_freed_by_swap_in_are_not_reused_in_the_same_step():
+    from infer.kv_cache.manager import PagedKVManager
+
+    kv = PagedKVManager(8, 4, num_swap_blocks=2)
+    a = make_request("a", prompt_len=8)
+    assert kv.allocate(a, 8)
+    out = kv.swap_out(a)
+    assert [h for _, h in out] == [0, 1]
+    kv.swap_in(a, 1)
+    assert kv.num_free_swap_blocks == 0  # released only at the next step
+    kv.end_step()
+    assert kv.num_free_swap_blocks == 2
+    kv.free(a)

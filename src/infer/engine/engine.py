@@ -133,11 +133,18 @@ class LLMEngine:
 
         self.capacity = self._plan_kv()
         self.kv_manager: KVManager
+        self.num_swap_blocks = 0
         if cc.kv_cache_backend == "contiguous":
             self.kv_manager = ContiguousKVManager(self.capacity.num_blocks, self.max_model_len)
         else:
+            if sc.preemption_mode == "swap":
+                block_bytes = self.capacity.bytes_per_token * self.capacity.block_size
+                self.num_swap_blocks = cc.swap_space // block_bytes
             self.kv_manager = PagedKVManager(
-                self.capacity.num_blocks, cc.block_size, cc.enable_prefix_caching
+                self.capacity.num_blocks,
+                cc.block_size,
+                cc.enable_prefix_caching,
+                num_swap_blocks=self.num_swap_blocks,
             )
         self.kv_cache = KVCache(
             self.spec.num_layers,
@@ -149,7 +156,9 @@ class LLMEngine:
             self.device,
         )
         self.scheduler = Scheduler(sc, cc, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, mc.seed)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.device, mc.seed, num_swap_blocks=self.num_swap_blocks
+        )
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []
         self.step_times = StepTimeTotals()

@@ -117,6 +117,7 @@ class Request:
         self.num_preemptions = 0
         self.aged = False  # promoted by the priority queue's aging (max_wait_steps)
         self.num_recomputed_tokens = 0
+        self.num_swapped_blocks = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         # Set by the output processor when a stop string matched (engine-side stop).

@@ -43,6 +43,9 @@ class SchedulerOutput:
     num_prefill_tokens: int
     num_decode_tokens: int
     preempted: list[str] = field(default_factory=list)
+    # Block copies the runner performs before the forward pass, swap-outs first.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
 
     @property
     def is_empty(self) -> bool:
@@ -63,7 +66,11 @@ class SchedulerCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
     recomputed_tokens: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
 
 
@@ -117,6 +124,9 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
         preempted: list[str] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        self.kv.end_step()
         self.waiting.tick()
         self.counters.steps += 1
         sort_key = self.waiting.sort_key
@@ -129,12 +139,20 @@ class Scheduler:
             if chunk is not None:
                 budget += len(chunk.token_ids)
             self.running.remove(victim)
-            self.kv.free(victim)
             self.counters.preemptions += 1
-            self.counters.recomputed_tokens += victim.num_computed_tokens
-            victim.num_recomputed_tokens += victim.num_computed_tokens
             victim.num_preemptions += 1
-            victim.num_computed_tokens = 0
+            pairs = self.kv.swap_out(victim) if cfg.preemption_mode == "swap" else None
+            if pairs is not None:
+                swap_out.extend(pairs)
+                self.counters.preemptions_swap += 1
+                self.counters.swapped_out_blocks += len(pairs)
+                victim.num_swapped_blocks += len(pairs)
+            else:  # recompute (also the fallback when the swap space is full)
+                self.kv.free(victim)
+                self.counters.preemptions_recompute += 1
+                self.counters.recomputed_tokens += victim.num_computed_tokens
+                victim.num_recomputed_tokens += victim.num_computed_tokens
+                victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED
             self.waiting.add_preempted(victim)
             preempted.append(victim.request_id)
@@ -165,23 +183,31 @@ class Scheduler:
             request = self.waiting.peek()
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, preempt):
                 break
+            swapped = self.kv.is_swapped(request)
             hit = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else NO_HIT
             num_cached = hit.num_blocks * self.kv.block_size
             any_prefill = any(len(c.token_ids) > 1 for c in scheduled.values())
             n = self._num_tokens_to_run(request, budget, any_prefill, num_cached)
             if n == 0:
                 break
-            if not self.kv.allocate(request, n, hit):
-                if self._preempt_for(request, preempt) and self.kv.allocate(request, n, hit):
-                    pass
-                else:
+            if swapped:
+                pairs = self.kv.swap_in(request, n)
+                if pairs is None:
                     break
+                swap_in.extend(pairs)
+                self.counters.swapped_in_blocks += len(pairs)
+                num_cached = request.num_computed_tokens
+            elif not self.kv.allocate(request, n, hit) and not (
+                self._preempt_for(request, preempt) and self.kv.allocate(request, n, hit)
+            ):
+                break
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
                 self.counters.prompt_tokens += request.num_prompt_tokens
-            self.kv.record_prefix_query(request.num_tokens, num_cached)
-            request.num_computed_tokens = num_cached
-            request.num_cached_tokens = num_cached
+            if not swapped:
+                self.kv.record_prefix_query(request.num_tokens, num_cached)
+                request.num_computed_tokens = num_cached
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.perf_counter()
@@ -192,7 +218,9 @@ class Scheduler:
         chunks = list(scheduled.values())
         num_decode = sum(1 for c in chunks if len(c.token_ids) == 1 and c.sample)
         num_tokens = sum(len(c.token_ids) for c in chunks)
-        return SchedulerOutput(chunks, num_tokens, num_tokens - num_decode, num_decode, preempted)
+        return SchedulerOutput(
+            chunks, num_tokens, num_tokens - num_decode, num_decode, preempted, swap_out, swap_in
+        )
 
     def _num_tokens_to_run(
         self, request: Request, budget: int, any_prefill: bool, num_cached: int = 0

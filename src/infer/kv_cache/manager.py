@@ -58,6 +58,22 @@ class KVManager(ABC):
     def commit_full_blocks(self, request: Request) -> None:
         """Offer the request's newly completed blocks to the prefix cache."""
 
+    # ---- swap (preemption by copying KV to host memory) -----------------------------------
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to host slots: ``[(device_block, host_slot)]``, or None
+        if the swap space cannot take them (the caller then falls back to recompute)."""
+        return None
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back: ``[(host_slot, device_block)]``, or None if short."""
+        return None
+
+    def is_swapped(self, request: Request) -> bool:
+        return False
+
+    def end_step(self) -> None:
+        """Called once per schedule: release host slots whose copies are now done."""
+
     def block_table(self, request: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(request.request_id, ())]
 
@@ -98,7 +114,11 @@ class KVManager(ABC):
 
 class PagedKVManager(KVManager):
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        num_swap_blocks: int = 0,
     ) -> None:
         super().__init__()
         self.block_size = block_size
@@ -106,6 +126,49 @@ class PagedKVManager(KVManager):
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         # Hashes of each request's committed full blocks (the chain's parents).
         self._hashes: dict[str, list[BlockHash]] = {}
+        self.num_swap_blocks = num_swap_blocks
+        self._host_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        self._swapped: dict[str, list[int]] = {}  # request id -> host slots, in block order
+        # NOTE: slots freed by a swap-in are reused only from the next step: the runner copies
+        # all of a step's swap-outs before its swap-ins, so same-step reuse would clobber them.
+        self._host_release: list[int] = []
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self._host_free)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        blocks = self._blocks.get(request.request_id)
+        if not blocks or len(blocks) > len(self._host_free):
+            return None
+        host = [self._host_free.pop() for _ in blocks]
+        pairs = [(b.block_id, h) for b, h in zip(blocks, host, strict=True)]
+        hashes = self._hashes.get(request.request_id)
+        self.free(request)
+        if hashes is not None:
+            self._hashes[request.request_id] = hashes
+        self._swapped[request.request_id] = host
+        return pairs
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        host = self._swapped.get(request.request_id)
+        if host is None:
+            return None
+        need = max(self.blocks_needed(request.num_computed_tokens + num_new_tokens), len(host))
+        new = self.pool.allocate(need)
+        if new is None:
+            return None
+        del self._swapped[request.request_id]
+        self._blocks[request.request_id] = new
+        self._host_release.extend(host)
+        return [(h, b.block_id) for h, b in zip(host, new, strict=False)]
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self._swapped
+
+    def end_step(self) -> None:
+        self._host_free.extend(self._host_release)
+        self._host_release.clear()
 
     def lookup_prefix(self, request: Request) -> PrefixHit:
         if not self.enable_prefix_caching:
@@ -174,6 +237,9 @@ class PagedKVManager(KVManager):
 
     def free(self, request: Request) -> None:
         self._hashes.pop(request.request_id, None)
+        host = self._swapped.pop(request.request_id, None)
+        if host:  # aborted while swapped out
+            self._host_release.extend(host)
         super().free(request)
 
 

@@ -73,6 +73,11 @@ class KVCache:
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tensor[0, layer_idx], self.tensor[1, layer_idx]
 
+    def blocks_view(self) -> torch.Tensor:
+        """``[2, num_layers, num_blocks, block_size, kv_heads, head_dim]`` (a view)."""
+        t = self.tensor
+        return t.view(t.shape[0], t.shape[1], self.num_blocks, self.block_size, *t.shape[3:])
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
         """The KV memory formula: ``2 x layers x kv_heads x head_dim x dtype_bytes``."""

@@ -35,19 +35,46 @@ class StepTimings:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, seed: int = 0
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        seed: int = 0,
+        num_swap_blocks: int = 0,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.sampler = Sampler(device, seed)
         self._sync = device.type == "cuda"
+        # Host memory for swapped-out KV blocks: same layout as the device cache's blocks.
+        self.swap_space: torch.Tensor | None = None
+        if num_swap_blocks:
+            shape = list(kv_cache.blocks_view().shape)
+            shape[2] = num_swap_blocks
+            self.swap_space = torch.zeros(
+                shape, dtype=kv_cache.tensor.dtype, pin_memory=device.type == "cuda"
+            )
+
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        """Copy swap-outs (device -> host) first, then swap-ins (host -> device)."""
+        if not out.swap_out and not out.swap_in:
+            return
+        assert self.swap_space is not None, "swap requested without swap space"
+        device_blocks = self.kv_cache.blocks_view()
+        if out.swap_out:
+            src, dst = zip(*out.swap_out, strict=True)
+            self.swap_space[:, :, list(dst)] = device_blocks[:, :, list(src)].to("cpu")
+        if out.swap_in:
+            src, dst = zip(*out.swap_in, strict=True)
+            device_blocks[:, :, list(dst)] = self.swap_space[:, :, list(src)].to(self.device)
 
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, requests: dict[str, Request]
     ) -> tuple[dict[str, SampledToken], StepTimings]:
         t0 = time.perf_counter()
+        self.swap_blocks(out)
         token_ids: list[int] = []
         positions: list[int] = []
         seqs: list[SequenceSlice] = []
