@@ -60,6 +60,9 @@ def test_every_workload_against_a_real_server(server, tiny_checkpoints, tmp_path
         assert m["errors"] == 0 and m["usage_reported"] and w["warmup_errors"] == []
         assert m["output_throughput"] > 0 and m["request_throughput"] > 0
         assert m["slo_met"] == m["completed"]
+        # the server's own counters over the workload (warm-ups included)
+        assert w["server_stats"]["generation_tokens_total"] > 0
+        assert w["server_stats"]["num_preemptions_total"] >= 0
         for key in ("ttft", "e2e"):
             _check_dist(m[key])
         assert m["output_tokens"] == sum(r["max_tokens"] for r in reqs)
@@ -74,6 +77,7 @@ def test_every_workload_against_a_real_server(server, tiny_checkpoints, tmp_path
     assert arrivals == sorted(arrivals)
     md = (folder / "report.md").read_text()
     assert "## Cross-workload comparison" in md and "Lost requests" not in md
+    assert "Server counters (warm-ups included): prompt tokens" in md
     for png in ("ttft_cdf.png", "itl_cdf.png", "throughput.png", "timeline_prefix_caching.png"):
         assert (folder / png).read_bytes()[:8] == PNG
 

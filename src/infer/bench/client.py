@@ -293,3 +293,27 @@ async def fetch_models(server: str, timeout_s: float = 10.0) -> list[dict]:
             return list(resp.json().get("data") or [])
         except (ValueError, AttributeError):
             return []
+
+
+async def fetch_engine_stats(server: str, timeout_s: float = 10.0) -> dict | None:
+    """``GET /debug/engine`` of an infer server (counters such as preemptions and prefix-cache
+    hits); ``None`` for servers without it."""
+    base = server.rstrip("/").removesuffix("/v1")
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            resp = await client.get(f"{base}/debug/engine")
+            return resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+
+def stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Numeric counters of ``after`` minus ``before`` (``*_total`` fields and steps)."""
+    if not before or not after:
+        return None
+    keys = [k for k, v in after.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return {
+        k: after[k] - before.get(k, 0)
+        for k in keys
+        if k.endswith("_total") or k in ("steps", "step_failures")
+    }

@@ -317,6 +317,9 @@ def render_markdown(report: dict, plots: dict[str, str] | None = None) -> str:
         note = lost_note(label, m, _errors_of(w))
         if note:
             out += [note, ""]
+        stats_line = server_stats_line(w.get("server_stats"))
+        if stats_line:
+            out += [stats_line, ""]
         if not m.usage_reported and m.completed:
             out += ["> Output tokens counted from stream chunks: the server sent no `usage`.", ""]
     if plots:
@@ -324,6 +327,27 @@ def render_markdown(report: dict, plots: dict[str, str] | None = None) -> str:
         for name, rel in plots.items():
             out += [f"![{name}]({rel})", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def server_stats_line(stats: dict | None) -> str | None:
+    """One line of the server's own counters over the workload (infer servers only)."""
+    if not stats:
+        return None
+    parts = []
+    if "prompt_tokens_total" in stats:
+        parts.append(f"prompt tokens {stats['prompt_tokens_total']}")
+    if "generation_tokens_total" in stats:
+        parts.append(f"generated tokens {stats['generation_tokens_total']}")
+    q, h = stats.get("prefix_cache_queries_total"), stats.get("prefix_cache_hits_total")
+    if q:
+        parts.append(f"prefix-cache hits {h}/{q} ({h / q:.0%})")
+    if "prefix_cache_evictions_total" in stats:
+        parts.append(f"evictions {stats['prefix_cache_evictions_total']}")
+    if "num_preemptions_total" in stats:
+        parts.append(f"preemptions {stats['num_preemptions_total']}")
+    if "steps" in stats:
+        parts.append(f"engine steps {stats['steps']}")
+    return "Server counters (warm-ups included): " + ", ".join(parts) if parts else None
 
 
 def _spec_line(spec: dict) -> str:

@@ -19,9 +19,11 @@ from infer.bench.client import (
     RequestRecord,
     api_base,
     build_payload,
+    fetch_engine_stats,
     fetch_models,
     new_client,
     run_workload,
+    stats_delta,
     stream_request,
 )
 from infer.bench.metrics import SLO, summarize
@@ -154,6 +156,7 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
         wl = build_requests(spec, cfg.seed, source, max_model_len)
         warm_rng = random.Random(f"{cfg.seed}:warmup:{spec.name}")
         warm_prompts = tuple(source.passage(32, warm_rng) for _ in range(cfg.warmup))
+        stats_before = await fetch_engine_stats(cfg.server)
         run = await run_workload(
             wl,
             cfg.server,
@@ -165,11 +168,13 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
             progress=cfg.progress,
         )
         metrics = summarize(run.records, run.duration_s, slo)
+        server_stats = stats_delta(stats_before, await fetch_engine_stats(cfg.server))
         report["workloads"][spec.name] = {
             "spec": spec.describe(),
             "notes": list(wl.notes),
             "metrics": metrics.to_dict(),
             "warmup_errors": [r.error for r in run.warmup if not r.success],
+            "server_stats": server_stats,  # counter deltas (warm-ups included), infer servers
             "requests": [r.to_dict() for r in run.records],
         }
         if cfg.verbose:
