@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     report = run_serving_benchmark_sync(cfg)
+    report["config"]["argv"] = sys.argv[1:]
     if not args.no_save:
         path = save_report(report, args.out, plots=not args.no_plots)
         print(f"\nreport: {path}\nmarkdown: {path.with_suffix('.md')}")
