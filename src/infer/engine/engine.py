@@ -58,6 +58,11 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_preemptions_total: int
+    num_preemptions_recompute_total: int
+    num_preemptions_swap_total: int
+    recomputed_tokens_total: int
+    swapped_out_blocks_total: int
+    swapped_in_blocks_total: int
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     prefix_cache_evictions_total: int
@@ -374,6 +379,11 @@ class LLMEngine:
             prompt_tokens_total=c.prompt_tokens,
             generation_tokens_total=c.generation_tokens,
             num_preemptions_total=c.preemptions,
+            num_preemptions_recompute_total=c.preemptions_recompute,
+            num_preemptions_swap_total=c.preemptions_swap,
+            recomputed_tokens_total=c.recomputed_tokens,
+            swapped_out_blocks_total=c.swapped_out_blocks,
+            swapped_in_blocks_total=c.swapped_in_blocks,
             prefix_cache_queries_total=p.queries,
             prefix_cache_hits_total=p.hits,
             prefix_cache_evictions_total=p.evictions,
