@@ -115,8 +115,10 @@ def main() -> None:
     off, on = [], []
     for r in range(args.runs):
         prompts = [torch.randint(3, vocab, (128,), generator=gen).tolist() for _ in range(32)]
-        off.append(throughput(cold_engine, prompts, 16, 32))
-        on.append(throughput(warm_engine, prompts, 16, 32))
+        # Alternate which engine goes first so drift on a shared machine hits both alike.
+        order = [(cold_engine, off), (warm_engine, on)]
+        for engine, results in order if r % 2 == 0 else order[::-1]:
+            results.append(throughput(engine, prompts, 16, 32))
     loss = 1 - statistics.median(on) / statistics.median(off)
     print(
         f"low reuse: off {statistics.median(off):.1f} tok/s, on {statistics.median(on):.1f} tok/s, "
