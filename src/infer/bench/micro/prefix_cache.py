@@ -4,7 +4,7 @@ Requests run one after another (each arrives when the previous finished), so a r
 reuse the blocks its predecessors left. Prompt sizes follow the article's totals: a shared prefix
 (per group, groups interleaved round-robin) plus a unique suffix; blocks of 4 tokens.
 ``eviction_pressure`` caps the pool at 8 blocks with 6 groups, so every prefix is evicted before
-it comes round again.
+it comes round again; the other cases get a pool of 256 blocks, enough to keep every prefix.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from infer.bench.report import fmt, markdown_table
 
 BLOCK = 4
 GEN = 8
+POOL_BLOCKS = 256  # 1024 tokens: no eviction unless a case sets max_cache_blocks
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,13 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
     cases = []
     for c in CASES:
         reqs = requests_for(c, tok, rng, words)
-        base = {"block_size": BLOCK, "kv_cache_backend": "paged", "max_num_seqs": 1}
-        if c.max_cache_blocks:
-            base["num_kv_blocks"] = c.max_cache_blocks
+        base = {
+            "block_size": BLOCK,
+            "kv_cache_backend": "paged",
+            "max_num_seqs": 1,
+            # room for every group's prefix unless the case caps the cache on purpose
+            "num_kv_blocks": c.max_cache_blocks or POOL_BLOCKS,
+        }
         out = {
             "case": c.name,
             "requests": c.requests,
