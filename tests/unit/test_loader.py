@@ -305,3 +305,42 @@ def test_local_folder_and_missing_folder(tiny_checkpoints, tmp_path):
     file.write_bytes(b"")
     with pytest.raises(ModelLoadError, match="is a file"):
         resolve_model_path(str(file))
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 16,
+            "mscale": 0.7,
+            "mscale_all_dim": 1.0,
+        },
+    ],
+    ids=lambda s: s["rope_type"] + ("-mscale" if "mscale" in s else ""),
+)
+def test_rope_variants_match_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from infer.model.rope import inverse_frequencies, rope_config_from_dict, rope_params
+
+    raw = {"rope_theta": 50_000.0, "rope_scaling": dict(scaling), "max_position_embeddings": 2048}
+    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=4, **raw)
+    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, "cpu")
+    ours = rope_config_from_dict(rope_params(raw), head_dim=64, max_position_embeddings=2048)
+    inv_freq, scale = inverse_frequencies(ours)
+    assert torch.allclose(inv_freq, hf_inv_freq.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(hf_scale)
