@@ -221,6 +221,16 @@ def test_unreachable_server_is_an_error_not_a_crash():
     assert not rec.success and rec.error
 
 
+def test_serve_refuses_an_unreachable_server(capsys):
+    from infer.bench.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["bench", "serve", "--server", f"http://127.0.0.1:{port}", "--no-save"]) == 2
+    assert "cannot reach a server" in capsys.readouterr().err
+
+
 def _tiny_workload(arrival: str, n: int = 4, rate: float | None = None):
     spec = WorkloadSpec(
         f"t_{arrival}",

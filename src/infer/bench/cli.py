@@ -68,7 +68,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server_flags=args.server_flags,
         progress=not args.no_progress,
     )
-    report = run_serving_benchmark_sync(cfg)
+    try:
+        report = run_serving_benchmark_sync(cfg)
+    except (ConnectionError, RuntimeError) as e:
+        print(f"infer bench serve: {e}", file=sys.stderr)
+        return 2
     report["config"]["argv"] = sys.argv[1:]
     if not args.no_save:
         path = save_report(report, args.out, plots=not args.no_plots)
@@ -171,6 +175,9 @@ def cmd_micro(args: argparse.Namespace) -> int:
             stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
             header = f"# Micro benchmark: {name}\n\nModel: `{model}` ({origin}), median of "
             header += f"{args.repeats} runs, {result['created']}\n\n"
+            png = _micro_chart(name, result, stem.with_suffix(".png"))
+            if png:
+                header += f"![{name}]({png.name})\n\n"
             stem.with_suffix(".md").write_text(header + result["markdown"] + "\n")
             print(f"report: {stem}.json", flush=True)
     return 1 if failed else 0
@@ -204,6 +211,21 @@ def cmd_ablation(args: argparse.Namespace) -> int:
     )
     print(f"\nablation log: {log}")
     return 0
+
+
+def _micro_chart(name: str, result: dict, path: Path) -> Path | None:
+    """The suite's bar chart as a PNG next to its report (suites without ``chart``: none)."""
+    import importlib
+
+    from infer.bench.micro import SUITES
+
+    chart = getattr(importlib.import_module(SUITES[name]), "chart", None)
+    if chart is None:
+        return None
+    from infer.bench.plots import plot_bars
+
+    groups, runs, title, ylabel = chart(result)
+    return plot_bars(groups, runs, title, ylabel, path)
 
 
 def _incomplete(result: dict) -> int:

@@ -280,6 +280,16 @@ async def run_workload(
     return WorkloadRun(records, max(duration, 1e-9), warm)
 
 
+async def reachable(server: str, timeout_s: float = 10.0) -> str | None:
+    """``None`` when something answers HTTP at ``server``, else why not (a one-line reason)."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            await client.get(f"{api_base(server)}/models")
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+    return None
+
+
 async def fetch_models(server: str, timeout_s: float = 10.0) -> list[dict]:
     """``GET /v1/models`` -> its ``data`` list ([] when the server has no such route)."""
     async with httpx.AsyncClient(timeout=timeout_s) as client:

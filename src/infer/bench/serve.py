@@ -22,6 +22,7 @@ from infer.bench.client import (
     fetch_engine_stats,
     fetch_models,
     new_client,
+    reachable,
     run_workload,
     stats_delta,
     stream_request,
@@ -119,6 +120,9 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
     """Run the configured workloads and return the report dict (nothing written)."""
     slo = SLO.parse(cfg.slo)
     scale = cfg.scale if cfg.scale is not None else default_scale()
+    problem = await reachable(cfg.server)
+    if problem:
+        raise ConnectionError(f"cannot reach a server at {cfg.server}: {problem}")
     models = await fetch_models(cfg.server)
     model = cfg.model or (models[0]["id"] if models else None)
     if not model:

@@ -83,3 +83,10 @@ def markdown(result: dict) -> str:
         "Batched Completion",
     ]
     return "## Continuous batching vs sequential\n\n" + markdown_table(header, rows)
+
+
+def chart(result: dict) -> tuple[list[str], dict[str, list[float]], str, str]:
+    """Bars for the report PNG: tokens/s per case, sequential vs batched."""
+    cases = result["cases"]
+    runs = {k: [c[k]["tokens_per_s"] for c in cases] for k in ("sequential", "batched")}
+    return [c["case"] for c in cases], runs, "Continuous batching vs sequential", "tokens / s"

@@ -176,3 +176,10 @@ def markdown(result: dict) -> str:
             t3,
         ]
     )
+
+
+def chart(result: dict) -> tuple[list[str], dict[str, list[float]], str, str]:
+    """Bars for the report PNG: worst decode gap per case, normal vs chunked prefill."""
+    cases = result["cases"]
+    runs = {k: [c[k]["decode_max_gap_ms"] or 0.0 for c in cases] for k in ("normal", "chunked")}
+    return [c["case"] for c in cases], runs, "Worst decode gap", "max gap (ms)"

@@ -125,3 +125,10 @@ def markdown(result: dict) -> str:
             raw_t,
         ]
     )
+
+
+def chart(result: dict) -> tuple[list[str], dict[str, list[float]], str, str]:
+    """Bars for the report PNG: tokens/s per case, no cache vs KV cache."""
+    cases = result["cases"]
+    runs = {m: [c["methods"][m]["tokens_per_s"] for c in cases] for m in METHODS}
+    return [c["case"] for c in cases], runs, "KV cache vs no cache", "generated tokens / s"

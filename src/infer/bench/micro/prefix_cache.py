@@ -141,3 +141,15 @@ def markdown(result: dict) -> str:
     t2 = markdown_table(["Case", "No Cache Gen Tok/s", "Prefix Cache Gen Tok/s", "Ratio"], speed)
     t3 = markdown_table(["Case", "No Cache Avg TTFT", "Prefix Cache Avg TTFT", "Ratio"], ttft)
     return "\n\n".join(["## Prefix caching", t1, "### Wall clock", t2, "### TTFT", t3])
+
+
+def chart(result: dict) -> tuple[list[str], dict[str, list[float]], str, str]:
+    """Bars for the report PNG: actual prefill tokens per case, cache off vs on."""
+    cases = result["cases"]
+    runs = {
+        "no_cache": [float(c["prompt_tokens"]) for c in cases],
+        "prefix_cache": [
+            float(c["prompt_tokens"] - c["prefix_cache"]["cached_tokens"]) for c in cases
+        ],
+    }
+    return [c["case"] for c in cases], runs, "Prefill tokens actually computed", "tokens"

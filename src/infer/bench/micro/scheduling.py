@@ -142,3 +142,10 @@ def markdown(result: dict) -> str:
         "Completion",
     ]
     return "\n\n".join(["## FCFS vs priority scheduling", markdown_table(header, rows), *detail])
+
+
+def chart(result: dict) -> tuple[list[str], dict[str, list[float]], str, str]:
+    """Bars for the report PNG: high-priority latency per case, FCFS vs priority."""
+    cases = result["cases"]
+    runs = {k: [c[k]["high_latency_ms"] or 0.0 for c in cases] for k in ("fcfs", "priority")}
+    return [c["case"] for c in cases], runs, "High-priority latency", "latency (ms)"

@@ -1,0 +1,113 @@
+"""Ablation ladder helpers and micro-report charts (no server, no model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infer.bench.ablation import _shift_headings, find_compile_flag, ladder, model_context
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_ladder_adds_one_optimisation_per_rung():
+    rungs = ladder(256)
+    assert [r.name for r in rungs] == [
+        "static+contiguous",
+        "continuous+contiguous",
+        "continuous+paged",
+        "+chunked_prefill",
+        "+prefix_caching",
+    ]
+    flags = [" ".join(r.flags) for r in rungs]
+    assert "--batching-mode static" in flags[0] and "--kv-cache-backend contiguous" in flags[0]
+    assert "--batching-mode continuous" in flags[1] and "contiguous" in flags[1]
+    assert "--kv-cache-backend paged" in flags[2] and "chunk" not in flags[2]
+    assert flags[3].endswith("--prefill-chunk-size 256")
+    assert flags[4].startswith(flags[3]) and flags[4].endswith("--enable-prefix-caching")
+    with_compile = ladder(256, "--compile")
+    assert with_compile[-1].name == "+compiled_decode"
+    assert with_compile[-1].flags[-1] == "--compile"
+
+
+def test_compile_flag_detection():
+    help_text = "  --max-num-seqs N\n  --compile-decode   capture the decode step\n"
+    assert find_compile_flag(help_text) == "--compile-decode"
+    assert find_compile_flag("  --cuda-graphs\n") == "--cuda-graphs"
+    assert find_compile_flag("  --max-num-seqs N\n  --compiled-thing\n") is None
+
+
+def test_model_context_reads_local_configs(tmp_path: Path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text(json.dumps({"n_positions": 64}))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text(
+        json.dumps({"text_config": {"max_position_embeddings": 512}})
+    )
+    assert model_context(str(tmp_path / "a")) == 2048
+    assert model_context(str(tmp_path / "b")) == 64
+    assert model_context(str(tmp_path / "c")) == 512
+    assert model_context("toy") is None
+
+
+def test_rung_report_is_nested_in_the_log():
+    md = "# Serving benchmark: x\n\n## Plots\n\n![TTFT CDF](ttft_cdf.png)\n| a | b |"
+    out = _shift_headings(md, "rung1")
+    assert out.splitlines()[0] == "## Serving benchmark: x"
+    assert "![TTFT CDF](rung1/ttft_cdf.png)" in out and "| a | b |" in out
+
+
+def _summary(tps: float, **extra) -> dict:
+    return {"tokens_per_s": tps, "configured": 2, "completed": 2, **extra}
+
+
+SYNTHETIC = {
+    "kv-cache": {
+        "cases": [
+            {"case": "a", "methods": {"no_cache": _summary(1.0), "kv_cache": _summary(2.0)}},
+        ]
+    },
+    "batching": {"cases": [{"case": "a", "sequential": _summary(1.0), "batched": _summary(3.0)}]},
+    "chunked-prefill": {
+        "cases": [
+            {
+                "case": "a",
+                "normal": _summary(1.0, decode_max_gap_ms=30.0),
+                "chunked": _summary(1.0, decode_max_gap_ms=None),
+            }
+        ]
+    },
+    "scheduling": {
+        "cases": [
+            {
+                "case": "a",
+                "fcfs": _summary(1.0, high_latency_ms=300.0),
+                "priority": _summary(1.0, high_latency_ms=100.0),
+            }
+        ]
+    },
+    "prefix-cache": {
+        "cases": [{"case": "a", "prompt_tokens": 192, "prefix_cache": {"cached_tokens": 112}}]
+    },
+}
+
+
+@pytest.mark.parametrize("suite", list(SYNTHETIC))
+def test_micro_charts_are_written(suite, tmp_path: Path):
+    from infer.bench.cli import _incomplete, _micro_chart
+
+    path = _micro_chart(suite, SYNTHETIC[suite], tmp_path / "x.png")
+    assert path is not None and path.read_bytes()[:8] == PNG
+    assert _incomplete(SYNTHETIC[suite]) == 0
+
+
+def test_incomplete_micro_runs_are_counted():
+    from infer.bench.cli import _incomplete
+
+    bad = {"cases": [{"case": "a", "sequential": _summary(1.0), "batched": _summary(2.0)}]}
+    bad["cases"][0]["batched"]["completed"] = 1
+    assert _incomplete(bad) == 1
