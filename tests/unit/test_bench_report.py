@@ -221,3 +221,25 @@ def test_compare_cli_writes_markdown_and_plots(tmp_path: Path, capsys):
     assert "## B vs A" in text and "![Throughput by run](png/compare_throughput.png)" in text
     assert (tmp_path / "png" / "compare_throughput.png").read_bytes()[:8] == PNG
     assert "## B vs A" in capsys.readouterr().out
+
+
+def test_load_report_accepts_a_run_folder(tmp_path: Path):
+    save_json(make_report("A", 1.0), tmp_path / "run" / "report.json")
+    assert load_report(tmp_path / "run")["label"] == "A"
+
+
+def test_batching_reading_tells_plateau_from_scaling():
+    from infer.bench.client_tests import BatchResult, batching_reading
+
+    plateau = [
+        BatchResult("concurrent", 1, 700, 10.9, 1.0),
+        BatchResult("concurrent", 12, 9430, 11.1, 1.0),
+    ]
+    text = batching_reading(plateau)
+    assert "From 1 to 12" in text and "x1.02" in text and "x13.47" in text and "plateaus" in text
+    scaling = [
+        BatchResult("concurrent", 1, 50, 40.0, 1.0),
+        BatchResult("concurrent", 8, 90, 250.0, 1.0),
+    ]
+    assert "raises throughput" in batching_reading(scaling)
+    assert batching_reading(plateau[:1]) is None

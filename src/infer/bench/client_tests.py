@@ -231,7 +231,28 @@ def batching_markdown(results: Sequence[BatchResult]) -> str:
         ]
         for r in results
     ]
-    return markdown_table(["Batch", "Size", "Avg TTFT (ms)", "TPS", "Success"], rows)
+    table = markdown_table(["Batch", "Size", "Avg TTFT (ms)", "TPS", "Success"], rows)
+    reading = batching_reading(results)
+    return table + ("\n\n" + reading if reading else "")
+
+
+def batching_reading(results: Sequence[BatchResult]) -> str | None:
+    """Reference 002's reading of the concurrent rows: does TPS grow, or only the queue?"""
+    conc = [r for r in results if r.kind == "concurrent" and r.tps and r.avg_ttft_ms]
+    if len(conc) < 2:
+        return None
+    lo, hi = conc[0], conc[-1]
+    assert lo.tps and hi.tps and lo.avg_ttft_ms and hi.avg_ttft_ms
+    tps_x, ttft_x = hi.tps / lo.tps, hi.avg_ttft_ms / lo.avg_ttft_ms
+    shape = (
+        "throughput plateaus: the extra requests mostly wait in the queue"
+        if tps_x < 1.5
+        else "batching raises throughput"
+    )
+    return (
+        f"From {lo.batch_size} to {hi.batch_size} concurrent requests, aggregate TPS changes "
+        f"x{tps_x:.2f} while average TTFT changes x{ttft_x:.2f}: {shape}."
+    )
 
 
 def run_client_tests(

@@ -114,7 +114,10 @@ def save_json(report: dict, path: str | Path) -> Path:
 
 def load_report(path: str | Path) -> dict:
     """Load a serving report written by :func:`save_json` (checks the schema tag)."""
-    report = json.loads(Path(path).read_text())
+    path = Path(path)
+    if path.is_dir():  # a run's folder: serve_*/ or an ablation rung
+        path = path / "report.json"
+    report = json.loads(path.read_text())
     if report.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not an infer serving report (schema {report.get('schema')!r})")
     return report
