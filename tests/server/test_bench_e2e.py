@@ -118,3 +118,18 @@ def test_ablation_two_rungs(tiny_checkpoints, tmp_path: Path):
         m = rep["workloads"]["baseline"]["metrics"]
         assert m["completed"] == m["configured"] and m["errors"] == 0
     assert (root / "compare" / "compare_throughput.png").read_bytes()[:8] == PNG
+
+
+def test_ablation_reports_a_rung_that_cannot_start(tiny_checkpoints, tmp_path: Path):
+    model = str(tiny_checkpoints["llama"])
+    rc = main(
+        ["bench", "ablation", "--model", model, "--workload", "baseline", "--scale", "0.03",
+         "--rungs", "static+contiguous", "--server-args=--no-such-flag", "--out",
+         str(tmp_path), "--no-progress"]
+    )  # fmt: skip
+    assert rc == 1
+    (root,) = tmp_path.iterdir()
+    log = (root / "ABLATION.md").read_text()
+    assert "**Rungs that failed**: static+contiguous" in log
+    assert "> **Rung failed**: `server exited with 2" in log
+    assert "--no-such-flag" in (root / "static-contiguous" / "server.log").read_text()

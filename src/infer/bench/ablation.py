@@ -162,8 +162,8 @@ def run_ablation(
     block_size: int = 16,
     rungs: list[str] | None = None,
     startup_timeout_s: float = 600.0,
-) -> Path:
-    """Run the ladder; returns the path of the combined markdown log.
+) -> tuple[Path, list[str]]:
+    """Run the ladder; returns the combined markdown log's path and the rungs that failed.
 
     ``bench_cfg`` is a :class:`~infer.bench.serve.ServeBenchConfig` (its server and label are
     replaced per rung).
@@ -188,20 +188,31 @@ def run_ablation(
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     root = Path(out_dir) / f"ablation_{stamp}_{slug(model)}"
     root.mkdir(parents=True, exist_ok=True)
-    reports, sections = [], []
+    reports, sections, failed = [], [], []
     for rung in ladder_rungs:
         flags = [*rung.flags, *common]
         folder = root / slug(rung.name)
         print(f"\n=== rung {rung.name}: infer serve {' '.join(flags)} ===", flush=True)
-        with ServerProcess(model, flags, folder / "server.log", None, startup_timeout_s) as srv:
-            cfg = replace(
-                bench_cfg,
-                server=srv.url,
-                label=rung.name,
-                server_flags=" ".join(flags),
-                scale=scale,
+        try:
+            with ServerProcess(model, flags, folder / "server.log", None, startup_timeout_s) as srv:
+                cfg = replace(
+                    bench_cfg,
+                    server=srv.url,
+                    label=rung.name,
+                    server_flags=" ".join(flags),
+                    scale=scale,
+                )
+                report = asyncio.run(run_serving_benchmark(cfg))
+        except (RuntimeError, TimeoutError, ConnectionError, OSError) as e:
+            # One rung that cannot start (a backend this build lacks) must not lose the others.
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"rung {rung.name} failed: {first}", flush=True)
+            failed.append(rung.name)
+            sections.append(
+                f"## {rung.name}\n\n> **Rung failed**: `{first}` (server log: "
+                f"{folder.name}/server.log)\n"
             )
-            report = asyncio.run(run_serving_benchmark(cfg))
+            continue
         made = write_report_plots(report, folder)
         save_json(report, folder / "report.json")
         md = render_markdown(report, made)
@@ -216,6 +227,8 @@ def run_ablation(
         f"{kv_tokens or 'server default'} tokens, common server flags `{' '.join(common)}`.",
         "",
     ]
+    if failed:
+        text += [f"> **Rungs that failed**: {', '.join(failed)} (see their sections).", ""]
     if len(reports) > 1:
         cmp_md = compare_markdown(reports)
         made = write_compare_plots(reports, root / "compare")
@@ -225,7 +238,7 @@ def run_ablation(
     text += sections
     log = root / "ABLATION.md"
     log.write_text("\n".join(text).rstrip() + "\n")
-    return log
+    return log, failed
 
 
 def _shift_headings(md: str, rel: str) -> str:

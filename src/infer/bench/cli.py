@@ -199,7 +199,7 @@ def cmd_ablation(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         progress=not args.no_progress,
     )
-    log = run_ablation(
+    log, failed = run_ablation(
         args.model,
         cfg,
         out_dir=args.out,
@@ -210,7 +210,9 @@ def cmd_ablation(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout,
     )
     print(f"\nablation log: {log}")
-    return 0
+    if failed:
+        print(f"rungs that failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _micro_chart(name: str, result: dict, path: Path) -> Path | None:
@@ -295,7 +297,11 @@ def register(subparsers) -> None:
     ab.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 512 x scale)")
     ab.add_argument("--kv-tokens", type=int, default=None,
                     help="KV budget of every rung in tokens (default 8 x the model's context)")  # fmt: skip
-    ab.add_argument("--server-args", default="", help="extra flags for every infer serve")
+    ab.add_argument(
+        "--server-args",
+        default="",
+        help='extra flags for every infer serve, e.g. --server-args="--dtype bfloat16"',
+    )
     ab.add_argument("--rungs", default=None, help="comma-separated subset of rung names")
     ab.add_argument("--startup-timeout", type=float, default=600.0)
     ab.add_argument("--out", default=DEFAULT_OUT)
