@@ -11,7 +11,7 @@ from .conftest import GEN_TOKENS, PROMPTS
 
 GREEDY = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
 
-ARCHS = ["llama", "llama3", "qwen2", "qwen3", "gemma3", "gpt2"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"]
 
 
 @pytest.mark.parametrize("kind", ARCHS)
