@@ -46,6 +46,8 @@ class FakeServer:
         self.send_done = True
         self.send_usage = True
         self.token_delay_s = 0.001
+        self.tokenize_routes = False  # /tokenize and /detokenize, one token per word
+        self.vocab: dict[str, int] = {}
         self.bodies: list[dict] = []
         self.app = self._make_app()
         self.url = ""
@@ -102,6 +104,19 @@ class FakeServer:
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            if not self.tokenize_routes:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            text = (await request.json())["prompt"]
+            ids = [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+            return {"tokens": ids, "count": len(ids), "max_model_len": 4096}
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request):
+            words = {i: w for w, i in self.vocab.items()}
+            return {"prompt": " ".join(words[t] for t in (await request.json())["tokens"])}
+
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await handle(request, chat=False)
@@ -138,6 +153,7 @@ def fake():
 def reset(fake):
     fake.send_done = True
     fake.send_usage = True
+    fake.tokenize_routes = False
     fake.bodies.clear()
 
 
@@ -308,6 +324,25 @@ def test_serve_cli_end_to_end_against_fake(fake, tmp_path: Path):
     assert "## Cross-workload comparison" in md and "### chunked_prefill" in md
     for png in ("ttft_cdf.png", "itl_cdf.png", "throughput.png", "timeline_baseline.png"):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_uses_the_server_tokenizer_when_it_has_one(fake, tmp_path: Path):
+    from infer.bench.serve import ServeBenchConfig, run_serving_benchmark_sync
+
+    fake.tokenize_routes = True
+    cfg = ServeBenchConfig(
+        server=fake.url, workload="prefix_caching", scale=0.05, progress=False, verbose=False
+    )
+    report = run_serving_benchmark_sync(cfg)
+    assert report["config"]["tokenizer"] == f"{fake.url} /tokenize"
+    assert report["config"]["words_per_token"] is None
+    for r in report["workloads"]["prefix_caching"]["requests"]:
+        assert r["prompt_tokens"] == r["prompt_len_target"]
+    # without the routes the same run falls back to words calibrated by usage
+    fake.tokenize_routes = False
+    report = run_serving_benchmark_sync(cfg)
+    assert report["config"]["tokenizer"] is None
+    assert report["config"]["words_per_token"] == pytest.approx(1.0)
 
 
 def test_client_tests_through_openai_sdk(fake):

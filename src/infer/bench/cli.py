@@ -33,7 +33,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--tokenizer",
         default=None,
         help="local tokenizer folder for exact prompt lengths (default: the model folder when "
-        "the server's model id or root is one here, else words calibrated by the server's usage)",
+        "the server's model id or root is one here, else the server's /tokenize, else words "
+        "calibrated by the server's usage)",
+    )
+    p.add_argument(
+        "--no-server-tokenize",
+        action="store_true",
+        help="never use the server's /tokenize for prompt lengths (words calibrated instead)",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="clip requests to this context")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per workload")
@@ -60,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         endpoint=args.endpoint,
         slo=args.slo,
         tokenizer=args.tokenizer,
+        server_tokenize=not args.no_server_tokenize,
         max_model_len=args.max_model_len,
         warmup=args.warmup,
         ignore_eos=not args.no_ignore_eos,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from infer.bench.report import (
 )
 from infer.bench.workloads import (
     DEFAULT_WORDS_PER_TOKEN,
+    RemoteTokenCounter,
     TextSource,
     build_requests,
     resolve_workloads,
@@ -79,6 +81,7 @@ class ServeBenchConfig:
     endpoint: Endpoint = "completions"
     slo: str | None = None
     tokenizer: str | None = None  # local HF tokenizer folder for exact prompt lengths
+    server_tokenize: bool = True  # else use the server's /tokenize when it has one
     max_model_len: int | None = None  # None: from /v1/models when the server says
     warmup: int = 2
     ignore_eos: bool = True
@@ -130,8 +133,13 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
     entry = next((m for m in models if m.get("id") == model), models[0] if models else {})
     max_model_len = cfg.max_model_len or entry.get("max_model_len")
 
+    # Exact prompt lengths with, in order: --tokenizer, the model folder when it is on this
+    # machine, the server's /tokenize; otherwise words calibrated by the server's usage.
     tokenizer = cfg.tokenizer or local_tokenizer(model, entry.get("root"))
-    counter = tokenizer_counter(tokenizer) if tokenizer else None
+    counter: Callable[[str], int] | None = tokenizer_counter(tokenizer) if tokenizer else None
+    if counter is None and cfg.server_tokenize:
+        counter = RemoteTokenCounter.probe(cfg.server, model)
+        tokenizer = f"{cfg.server} /tokenize" if counter else None
     source = TextSource(count_tokens=counter)
     wpt: float | None = None
     if counter is None:

@@ -258,6 +258,44 @@ class TokenCounter:
         return self.tok.decode(self.encode(text)[:num_tokens]).strip()
 
 
+class RemoteTokenCounter:
+    """Counts and cuts with the server's own ``/tokenize`` and ``/detokenize`` (vLLM and infer
+    serve both have them), for servers whose tokenizer is not on this machine."""
+
+    def __init__(self, server: str, model: str, timeout_s: float = 60.0) -> None:
+        import httpx
+
+        self.root = server.rstrip("/").removesuffix("/v1")
+        self.model = model
+        self.client = httpx.Client(timeout=timeout_s)
+
+    def encode(self, text: str) -> list[int]:
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        resp = self.client.post(f"{self.root}/tokenize", json=body)
+        resp.raise_for_status()
+        return list(resp.json()["tokens"])
+
+    def __call__(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def truncate(self, text: str, num_tokens: int) -> str:
+        body = {"model": self.model, "tokens": self.encode(text)[:num_tokens]}
+        resp = self.client.post(f"{self.root}/detokenize", json=body)
+        resp.raise_for_status()
+        return str(resp.json()["prompt"]).strip()
+
+    @staticmethod
+    def probe(server: str, model: str) -> RemoteTokenCounter | None:
+        """A counter when the server tokenizes and detokenizes, else ``None``."""
+        counter = RemoteTokenCounter(server, model)
+        try:
+            if counter("hello world") < 1 or not counter.truncate("hello world", 1):
+                return None
+        except Exception:  # noqa: BLE001 - no such routes, another shape, an error: not usable
+            return None
+        return counter
+
+
 def tokenizer_counter(path: str) -> TokenCounter:
     """A token counter from a local Hugging Face tokenizer folder (no network)."""
     return TokenCounter(path)
