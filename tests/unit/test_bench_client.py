@@ -371,3 +371,20 @@ def test_client_tests_through_openai_sdk(fake):
     batch_prompts = chat_prompts[4:]
     assert len(batch_prompts) == 8 and len(set(batch_prompts)) == 8  # unique ID suffixes
     assert "Cache speed-up" in out["markdown"] and "concurrent" in out["markdown"]
+
+
+def test_client_cli_saves_json_and_markdown(fake, tmp_path: Path, capsys):
+    from infer.bench.cli import main
+
+    rc = main(
+        ["bench", "client", "--server", fake.url, "--test", "batching", "--batch-sizes", "1,2",
+         "--max-tokens", "4", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert rc == 0
+    (js,) = tmp_path.glob("client_*.json")
+    data = json.loads(js.read_text())
+    assert data["model"] == "fake-model" and "caching" not in data
+    assert [b["batch_size"] for b in data["batching"]] == [1, 2, 1, 2]
+    assert data["environment"]["cpu"]
+    assert js.with_suffix(".md").read_text().startswith("# Client-side tests: fake-model")
+    assert "Sequential vs concurrent batches" in capsys.readouterr().out
