@@ -117,6 +117,9 @@ def test_ablation_two_rungs(tiny_checkpoints, tmp_path: Path):
     for rep in (static, prefix):
         m = rep["workloads"]["baseline"]["metrics"]
         assert m["completed"] == m["configured"] and m["errors"] == 0
+    # each workload starts with a cold prefix cache where the server has one
+    assert prefix["workloads"]["baseline"]["prefix_cache_reset"] is True
+    assert static["workloads"]["baseline"]["prefix_cache_reset"] is False
     assert (root / "compare" / "compare_throughput.png").read_bytes()[:8] == PNG
 
 

@@ -41,6 +41,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="never use the server's /tokenize for prompt lengths (words calibrated instead)",
     )
+    p.add_argument(
+        "--no-reset-cache",
+        action="store_true",
+        help="do not POST /reset_prefix_cache before each workload",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="clip requests to this context")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per workload")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
@@ -67,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         slo=args.slo,
         tokenizer=args.tokenizer,
         server_tokenize=not args.no_server_tokenize,
+        reset_cache=not args.no_reset_cache,
         max_model_len=args.max_model_len,
         warmup=args.warmup,
         ignore_eos=not args.no_ignore_eos,

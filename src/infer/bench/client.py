@@ -327,3 +327,15 @@ def stats_delta(before: dict | None, after: dict | None) -> dict | None:
         for k in keys
         if k.endswith("_total") or k in ("steps", "step_failures")
     }
+
+
+async def reset_prefix_cache(server: str, timeout_s: float = 30.0) -> bool:
+    """``POST /reset_prefix_cache`` (infer serve, vLLM): start a workload with a cold cache.
+    ``False`` when the server has no such route or no prefix cache."""
+    base = server.rstrip("/").removesuffix("/v1")
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            resp = await client.post(f"{base}/reset_prefix_cache")
+        except httpx.HTTPError:
+            return False
+    return resp.status_code == 200

@@ -24,6 +24,7 @@ from infer.bench.client import (
     fetch_models,
     new_client,
     reachable,
+    reset_prefix_cache,
     run_workload,
     stats_delta,
     stream_request,
@@ -82,6 +83,7 @@ class ServeBenchConfig:
     slo: str | None = None
     tokenizer: str | None = None  # local HF tokenizer folder for exact prompt lengths
     server_tokenize: bool = True  # else use the server's /tokenize when it has one
+    reset_cache: bool = True  # POST /reset_prefix_cache before each workload (when supported)
     max_model_len: int | None = None  # None: from /v1/models when the server says
     warmup: int = 2
     ignore_eos: bool = True
@@ -168,6 +170,7 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
         wl = build_requests(spec, cfg.seed, source, max_model_len)
         warm_rng = random.Random(f"{cfg.seed}:warmup:{spec.name}")
         warm_prompts = tuple(source.passage(32, warm_rng) for _ in range(cfg.warmup))
+        cache_reset = await reset_prefix_cache(cfg.server) if cfg.reset_cache else False
         stats_before = await fetch_engine_stats(cfg.server)
         run = await run_workload(
             wl,
@@ -187,6 +190,7 @@ async def run_serving_benchmark(cfg: ServeBenchConfig) -> dict:
             "metrics": metrics.to_dict(),
             "warmup_errors": [r.error for r in run.warmup if not r.success],
             "server_stats": server_stats,  # counter deltas (warm-ups included), infer servers
+            "prefix_cache_reset": cache_reset,  # started with a cold prefix cache
             "requests": [r.to_dict() for r in run.records],
         }
         if cfg.verbose:
