@@ -111,3 +111,28 @@ def test_incomplete_micro_runs_are_counted():
     bad = {"cases": [{"case": "a", "sequential": _summary(1.0), "batched": _summary(2.0)}]}
     bad["cases"][0]["batched"]["completed"] = 1
     assert _incomplete(bad) == 1
+
+
+def test_results_skeleton_stitches_the_latest_reports(tmp_path: Path):
+    from infer.bench.results import READING, build_results
+
+    reports = tmp_path / "benchmarks" / "reports"
+    (reports / "ablation_1_m" / "rung").mkdir(parents=True)
+    (reports / "micro_kv_cache.md").write_text(
+        "# Micro benchmark: kv-cache\n\n![kv-cache](micro_kv_cache.png)\n\n## KV cache vs no cache\n| a |"
+    )
+    (reports / "ablation_1_m" / "ABLATION.md").write_text(
+        "# Ablation ladder: m\n\n## Comparison\n![t](compare/compare_throughput.png)\n"
+        "### rung\n![x](rung/ttft_cdf.png)\n"
+    )
+    out = tmp_path / "benchmarks" / "RESULTS.md"
+    text = build_results(reports, out)
+    assert text.startswith("# Results on this machine")
+    assert "![kv-cache](reports/micro_kv_cache.png)" in text
+    assert "### KV cache vs no cache" in text  # one level deeper
+    assert "![t](reports/ablation_1_m/compare/compare_throughput.png)" in text
+    assert "![x](reports/ablation_1_m/rung/ttft_cdf.png)" in text
+    assert "# Micro benchmark" not in text and "# Ablation ladder" not in text
+    assert "_Not run yet: `infer bench micro batching`._" in text
+    assert "_Not run yet: `infer bench client --server URL`._" in text
+    assert text.count(READING) == 2

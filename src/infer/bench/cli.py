@@ -228,6 +228,16 @@ def cmd_ablation(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_results(args: argparse.Namespace) -> int:
+    from infer.bench.results import build_results
+
+    text = build_results(args.reports, args.out)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out} (fill in the Reading lines)")
+    return 0
+
+
 def _micro_chart(name: str, result: dict, path: Path) -> Path | None:
     """The suite's bar chart as a PNG next to its report (suites without ``chart``: none)."""
     import importlib
@@ -320,6 +330,11 @@ def register(subparsers) -> None:
     ab.add_argument("--out", default=DEFAULT_OUT)
     ab.add_argument("--no-progress", action="store_true")
     ab.set_defaults(func=cmd_ablation)
+
+    rs = sub.add_parser("results", help="stitch the latest reports into a RESULTS.md skeleton")
+    rs.add_argument("--reports", default=DEFAULT_OUT)
+    rs.add_argument("--out", default="benchmarks/RESULTS.md")
+    rs.set_defaults(func=cmd_results)
 
 
 def main(argv: list[str] | None = None) -> int:
