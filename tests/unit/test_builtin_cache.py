@@ -1,0 +1,189 @@
+"""The built-in model cache: where it lives, building once (across threads and processes), and
+never using an interrupted build. Builds are real toy trainings of a few steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+import infer.builtin.cache as cache
+from infer.builtin import RECIPE_VERSION, builtin_dir, cache_root, ensure_builtin_model
+from infer.builtin.train import MANIFEST, sha256_file
+
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("INFER_CACHE_DIR", str(root))
+    monkeypatch.delenv("INFER_BUILTIN_STEPS", raising=False)
+    return root
+
+
+@pytest.fixture
+def count_builds(monkeypatch) -> list[Path]:
+    """Records every real training run that the cache starts."""
+    calls: list[Path] = []
+    real = cache.train
+
+    def counting(preset, out, **kwargs):
+        calls.append(Path(out))
+        return real(preset, out, **kwargs)
+
+    monkeypatch.setattr(cache, "train", counting)
+    return calls
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "a"
+    monkeypatch.delenv("INFER_CACHE_DIR")
+    assert cache_root() == tmp_path / "xdg" / "infer"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "infer"
+
+
+def test_path_names_everything_the_weights_depend_on(cache_dir, monkeypatch):
+    path = builtin_dir("small", seed=3, steps=7)
+    assert path.parent == cache_dir / "builtin"
+    name = path.name
+    assert name.startswith("small-") and f"r{RECIPE_VERSION}" in name
+    assert "seed3" in name and "steps7" in name
+    assert f"py{sys.version_info.major}.{sys.version_info.minor}" in name
+    assert builtin_dir("small", seed=4, steps=7) != path
+    monkeypatch.setenv("INFER_BUILTIN_STEPS", "11")
+    assert "steps11" in builtin_dir("toy").name
+
+
+def test_unknown_name_lists_builtins():
+    with pytest.raises(ValueError, match="toy, small"):
+        ensure_builtin_model("gpt-5")
+
+
+def test_builds_once_then_reuses(count_builds, capsys):
+    path = ensure_builtin_model("toy", progress=False, steps=STEPS)
+    assert path == builtin_dir("toy", steps=STEPS)
+    assert cache.is_complete(path)
+    err = capsys.readouterr().err
+    assert err.count("infer: building the built-in 'toy' model") == 1
+    digest = sha256_file(path / "model.safetensors")
+    assert ensure_builtin_model("toy", progress=False, steps=STEPS) == path
+    assert len(count_builds) == 1
+    assert "building" not in capsys.readouterr().err
+    assert sha256_file(path / "model.safetensors") == digest
+    assert [p.name for p in path.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_concurrent_threads_build_once(count_builds):
+    results: list[Path] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def worker():
+        barrier.wait()
+        try:
+            results.append(ensure_builtin_model("toy", progress=False, steps=STEPS))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(results) == 2 and results[0] == results[1]
+    assert len(count_builds) == 1
+    assert cache.is_complete(results[0])
+
+
+def _child(code: str, cache_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "INFER_CACHE_DIR": str(cache_dir)}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+ENSURE = """
+from infer.builtin import ensure_builtin_model
+print(ensure_builtin_model("toy", progress=False, steps=30))
+"""
+
+
+def test_concurrent_processes_build_once(cache_dir):
+    procs = [_child(ENSURE, cache_dir) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    paths = {out.strip() for out, _ in outs}
+    assert paths == {str(builtin_dir("toy", steps=30))}
+    notices = "".join(err for _, err in outs)
+    assert notices.count("infer: building the built-in 'toy' model") == 1
+    assert cache.is_complete(Path(paths.pop()))
+
+
+def test_leftover_temp_and_incomplete_folder_are_not_used(cache_dir, count_builds):
+    final = builtin_dir("toy", steps=STEPS)
+    final.parent.mkdir(parents=True)
+    # A build killed half-way: a temp folder with some files, and a folder at the final path
+    # that lacks its manifest (as if copied in by hand and cut short).
+    stale = final.parent / (final.name + ".tmp-dead")
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    final.mkdir()
+    (final / "config.json").write_text("{}")
+    assert not cache.is_complete(final)
+    path = ensure_builtin_model("toy", progress=False, steps=STEPS)
+    assert path == final and cache.is_complete(path)
+    assert len(count_builds) == 1
+    assert not stale.exists()
+    assert json.loads((path / MANIFEST).read_text())["steps"] == STEPS
+
+
+# Trains for real, then hangs just before the atomic rename: the worst moment to be killed,
+# since the temp folder then looks like a finished model.
+KILLED_BUILD = f"""
+import sys, time
+import infer.builtin.cache as cache
+real = cache.train
+def train_then_hang(preset, out, **kw):
+    result = real(preset, out, **kw)
+    print("TRAINED", out, flush=True)
+    time.sleep(600)
+cache.train = train_then_hang
+cache.ensure_builtin_model("toy", progress=False, steps={STEPS})
+"""
+
+
+def test_killed_build_is_never_used(cache_dir, count_builds, capsys):
+    proc = _child(KILLED_BUILD, cache_dir)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("TRAINED"), proc.stderr.read() if proc.poll() is not None else line
+        tmp = Path(line.split(maxsplit=1)[1].strip())
+        assert cache.is_complete(tmp)  # complete-looking, but never renamed into place
+        final = builtin_dir("toy", steps=STEPS)
+        assert not final.exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    # The dead builder's lock is gone with it: the next caller builds afresh, without waiting.
+    path = ensure_builtin_model("toy", progress=False, steps=STEPS)
+    assert path == final and cache.is_complete(path)
+    assert len(count_builds) == 1
+    assert not tmp.exists()
+    assert "waiting for another process" not in capsys.readouterr().err
