@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,10 +60,6 @@ class MicroRecord:
     def gaps_s(self) -> list[float]:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return statistics.fmean(xs) if xs else None
 
 
 @dataclass
@@ -226,9 +222,6 @@ def random_toy_checkpoint(folder: str | Path | None = None, vocab_size: int = 38
     )
     GPT2LMHeadModel(config).save_pretrained(out, safe_serialization=True)
     return out
-
-
-EngineFactory = Callable[..., object]
 
 
 def make_engine(model: str, **options):
