@@ -66,7 +66,8 @@ class ServerProcess:
         raise RuntimeError(f"server did not become healthy:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def client(self, **kwargs) -> httpx.Client:

@@ -56,6 +56,7 @@ CASES = [
     ("top-k-negative", "POST", C, cmpl(top_k=-5), None, 400, "top_k"),
     ("n-zero", "POST", C, cmpl(n=0), None, 400, "n"),
     ("n-million", "POST", C, cmpl(n=10**6), None, 400, "n"),
+    ("too-many-sequences", "POST", C, cmpl(prompt=["a b"] * 20, n=128), None, 400, "n"),
     ("logprobs-too-many", "POST", C, cmpl(logprobs=100), None, 400, "logprobs"),
     ("presence-penalty-big", "POST", C, cmpl(presence_penalty=5), None, 400, "presence_penalty"),
     (

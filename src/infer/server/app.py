@@ -6,6 +6,7 @@ with the app (lifespan) and stops after the in-flight requests drained.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from contextlib import asynccontextmanager
@@ -86,6 +87,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         yield
         await async_engine.drain(settings.drain_timeout)
         await async_engine.shutdown()
+        close = getattr(engine, "close", None)  # the engine-process variant has a child to end
+        if close is not None:
+            await asyncio.to_thread(close)
 
     app = FastAPI(
         title="infer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -182,8 +183,6 @@ async def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request,
             if out.finish_reason == "error":
                 err = APIError(500, f"the engine failed while serving this request: {out.error}",
                                type="server_error", code="engine_error")  # fmt: skip
-                import json
-
                 yield sse(json.dumps(err.body()))
                 break
             if not out.new_text and not out.finished and not out.new_logprobs:

@@ -35,6 +35,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait and run before it is aborted")  # fmt: skip
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")  # fmt: skip
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a separate process instead of a thread of the server")  # fmt: skip
+    g.add_argument("--torch-threads", type=int, default=None,
+                   help="intra-op threads for the engine's torch (default: torch's choice; 1 is "
+                   "far steadier on a small, shared CPU box - see docs/server.md)")  # fmt: skip
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--no-access-log", dest="access_log", action="store_false")
 
@@ -77,7 +82,16 @@ def serve(args: argparse.Namespace) -> int:
             logger.error("cannot read --chat-template %s: %s", args.chat_template, e)
             return 2
     config = engine_config_from_args(args)
-    engine = LLMEngine(config)
+    if args.engine_process:
+        from infer.server.engine_process import EngineProcess
+
+        engine = EngineProcess(config, torch_threads=args.torch_threads)
+    else:
+        if args.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
+        engine = LLMEngine(config)
     names = tuple(args.served_model_name or [engine.model_name])
     settings = ServerSettings(
         served_model_names=names,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -134,7 +135,7 @@ async def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream
             if out.finish_reason == "error":
                 err = APIError(500, f"the engine failed while serving this request: {out.error}",
                                type="server_error", code="engine_error")  # fmt: skip
-                yield sse(_json(err.body()))
+                yield sse(json.dumps(err.body()))
                 break
             text = out.new_text
             if echo is not None and not started[index]:
@@ -173,9 +174,3 @@ async def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream
         yield SSE_DONE
     finally:
         stream.abort()  # no-op when every choice finished
-
-
-def _json(obj) -> str:
-    import json
-
-    return json.dumps(obj, separators=(",", ":"))

@@ -23,7 +23,12 @@ from infer.engine.outputs import RequestOutput
 from infer.engine.request import TokenLogprob
 from infer.engine.sampling_params import InvalidRequestError, SamplingParams
 from infer.server.errors import APIError, bad_request, from_invalid_request
-from infer.server.protocol import UNSUPPORTED_FIELDS, UsageInfo, _SamplingFields
+from infer.server.protocol import (
+    UNSUPPORTED_FIELDS,
+    PromptTokensDetails,
+    UsageInfo,
+    _SamplingFields,
+)
 
 logger = logging.getLogger("infer.server")
 
@@ -32,6 +37,7 @@ T = TypeVar("T")
 # Tokenize off the event loop above this many characters, so one huge prompt cannot stall
 # every other stream for its tokenization time.
 _INLINE_TOKENIZE_CHARS = 16_384
+MAX_SEQUENCES = 1024  # prompts x n in one request
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,9 @@ class Serving:
 
         Raises ``APIError`` 429 when the queue is full, 400 when the engine refuses the request.
         """
+        if len(prompts) * params.n > MAX_SEQUENCES:
+            raise bad_request(f"{len(prompts)} prompts x n={params.n} is more than the "
+                              f"{MAX_SEQUENCES} sequences one request may ask for", param="n")  # fmt: skip
         arrival = time.perf_counter()
         adds = []
         for i, ids in enumerate(prompts):
@@ -196,8 +205,6 @@ class Serving:
     # ---- usage ----------------------------------------------------------------------------------
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
-        from infer.server.protocol import PromptTokensDetails
-
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -290,7 +297,11 @@ class SSEResponse(StreamingResponse):
         finally:
             for task in (writer, listener):
                 task.cancel()
-            await asyncio.gather(writer, listener, return_exceptions=True)
+            results = await asyncio.gather(writer, listener, return_exceptions=True)
+            failure = results[0]
+            if isinstance(failure, Exception):  # a bug while streaming: the client saw a cut
+                logger.error("stream failed: %s: %s", type(failure).__name__, failure,
+                             exc_info=failure)  # fmt: skip
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()
