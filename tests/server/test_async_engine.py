@@ -117,6 +117,8 @@ def test_queue_bound_refuses_at_once(engine):
         first = bridge.add_group([AddRequest("q1", ids(engine, "a b c"), GREEDY)])
         with pytest.raises(QueueFullError):
             bridge.add_group([AddRequest("q2", ids(engine, "d e f"), GREEDY)])
+        with pytest.raises(InvalidRequestError):  # more than the bound: never admissible
+            bridge.add_group([AddRequest(f"n{i}", ids(engine, "g"), GREEDY) for i in range(2)])
         await first.accepted()
         return await collect(first)
 

@@ -99,3 +99,8 @@ def test_request_dropped_while_queued_leaves_nothing_behind(server):
     asyncio.run(run())
     server.wait_idle()
     assert "Traceback" not in server.log()
+
+
+def test_more_choices_than_the_queue_holds_is_400_not_429(server):
+    r = httpx.post(server.base_url + "/completions", json={**LONG, "max_tokens": 4, "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"

@@ -296,9 +296,15 @@ class AsyncEngine:
             raise EngineStoppedError("the server is shutting down")
         if self.dead is not None:
             raise EngineStoppedError(f"the engine has stopped: {self.dead}")
+        bound = self.max_queued_requests
+        if bound is not None and len(requests) > bound:  # would be refused forever: not a 429
+            raise InvalidRequestError(
+                f"this request needs {len(requests)} sequences but the waiting queue holds at "
+                f"most {bound}",
+                param="n",
+            )
         with self._lock:
             queued = self._unapplied_adds + self._engine_waiting
-            bound = self.max_queued_requests
             if bound is not None and queued + len(requests) > bound:
                 raise QueueFullError(
                     f"the waiting queue is full ({queued} of {bound} requests waiting); retry later"

@@ -187,6 +187,8 @@ class Serving:
             raise APIError(429, str(e), code="queue_full") from e
         except EngineStoppedError as e:
             raise APIError(503, str(e), code="unavailable") from e
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from e
         try:
             await stream.accepted()
         except InvalidRequestError as e:
