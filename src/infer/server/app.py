@@ -172,8 +172,12 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def debug_engine() -> dict[str, Any]:
         """The engine's latest stats snapshot plus the server's in-flight count."""
         stats = dataclasses.asdict(async_engine.stats)
-        return {**stats, "in_flight": async_engine.num_in_flight, "steps": async_engine.num_steps,
-                "step_failures": async_engine.num_step_failures}  # fmt: skip
+        out = {**stats, "in_flight": async_engine.num_in_flight, "steps": async_engine.num_steps,
+               "step_failures": async_engine.num_step_failures}  # fmt: skip
+        step_times = getattr(engine, "step_times", None)  # where step time goes (thread mode)
+        if step_times is not None:
+            out["step_seconds"] = {**dataclasses.asdict(step_times), "total": step_times.total}
+        return out
 
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:
