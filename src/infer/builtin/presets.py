@@ -94,9 +94,14 @@ TOY = Preset(
     sample_tokens=60,
 )
 
+# Sized by measurement on a 2-core AMX Xeon: bf16 autocast trains this 11M Llama at ~3,600
+# tokens/s (2.5x fp32), so 480 steps of 4 x 1024 tokens (~2M tokens, ~15 passes over the
+# 133k-token training split) take about 9 minutes. The loss is still falling fast when the
+# cosine schedule anneals; samples read as the Python docs' English. Grouped-query attention
+# (6 query / 2 KV heads) so the default model exercises that path of the engine too.
 SMALL = Preset(
     name="small",
-    description="Llama, ~12M params, byte-level BPE (4096), context 1024, English prose",
+    description="Llama, 11M params, byte-level BPE (4096), context 1024, English prose",
     arch="llama",
     tokenizer="bpe",
     vocab_size=4096,
