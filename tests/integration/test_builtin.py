@@ -127,6 +127,16 @@ def test_same_seed_same_weights_other_seed_differs(toy_run, tmp_path):
     assert other.losses != toy_run.losses
 
 
+def test_llama_recipe_is_deterministic(mini_run, tmp_path):
+    # bf16 autocast, grouped-query attention and the BPE tokenizer: still bit-reproducible.
+    again = train(MINI_LLAMA, tmp_path / "again", seed=0, steps=25, progress=False)
+    assert again.losses == mini_run.losses
+    assert again.weights_sha256 == mini_run.weights_sha256
+    assert (again.out_dir / "tokenizer.json").read_bytes() == (
+        mini_run.out_dir / "tokenizer.json"
+    ).read_bytes()
+
+
 def test_training_leaves_torch_state_alone(tmp_path):
     threads = torch.get_num_threads()
     torch.manual_seed(1234)

@@ -23,8 +23,8 @@ def register(subparsers) -> None:
         "train",
         help="train a built-in model (toy or small) offline",
         description="Train a built-in model on Python's bundled documentation. Deterministic "
-        "for a seed. Without --out the model goes into the user cache, where "
-        "`infer serve --model NAME` finds it.",
+        "for a seed. Without --out the model goes into the user cache; with the default "
+        "--seed and --steps that is the copy `infer serve --model NAME` uses.",
     )
     p.add_argument("--preset", choices=BUILTIN_NAMES, required=True, help="which model")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: the cache)")
