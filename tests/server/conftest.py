@@ -151,3 +151,13 @@ def offline_llm(llama_checkpoint):
         yield LLM(str(llama_checkpoint), max_num_seqs=64)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(llama_checkpoint, offline_llm):
+    """An in-process ``LLMEngine`` for the bridge and in-process app tests (after offline_llm,
+    which pins one intra-op thread)."""
+    from infer.config import EngineConfig
+    from infer.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig.from_kwargs(model=str(llama_checkpoint), max_num_seqs=8))

@@ -9,7 +9,6 @@ import threading
 import pytest
 
 from infer import SamplingParams
-from infer.config import EngineConfig
 from infer.engine.async_engine import AddRequest, AsyncEngine
 from infer.engine.engine import LLMEngine, QueueFullError
 from infer.engine.sampling_params import InvalidRequestError
@@ -18,10 +17,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(llama_checkpoint, offline_llm) -> LLMEngine:
-    # offline_llm first: it pins one intra-op thread for the session (see conftest).
-    return LLMEngine(EngineConfig.from_kwargs(model=str(llama_checkpoint), max_num_seqs=8))
+@pytest.fixture
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def ids(engine: LLMEngine, text: str) -> list[int]:

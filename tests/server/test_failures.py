@@ -10,7 +10,6 @@ import json
 import httpx
 import pytest
 
-from infer.config import EngineConfig
 from infer.engine.engine import LLMEngine
 from infer.server.app import build_app
 from infer.server.serving import ServerSettings
@@ -18,9 +17,9 @@ from infer.server.serving import ServerSettings
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 8, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def engine(llama_checkpoint, offline_llm) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(model=str(llama_checkpoint), max_num_seqs=8))
+@pytest.fixture
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def fail_next_forward(engine: LLMEngine, monkeypatch) -> None:
