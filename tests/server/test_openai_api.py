@@ -47,6 +47,9 @@ def sse_events(response: httpx.Response) -> list[str]:
 def test_models_lists_the_served_name(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
 
 
 def test_completion_text_equals_offline_llm(client, offline):

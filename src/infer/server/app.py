@@ -115,6 +115,18 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, root=str(engine.model_path),
                                          max_model_len=engine.max_model_len) for name in served])  # fmt: skip
 
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS,
+             tags=["openai"])  # fmt: skip
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return ModelCard(
+            id=model_id, root=str(engine.model_path), max_model_len=engine.max_model_len
+        )
+
+    @app.get("/version", tags=["ops"])
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses=_streamed(CompletionStreamResponse), tags=["openai"])  # fmt: skip
     async def completions(body: CompletionRequest, request: Request) -> Response:
