@@ -117,7 +117,8 @@ class LLMEngine:
         torch.manual_seed(mc.seed)
 
         self.model_path = resolve_model_path(mc.model)
-        self.model_name = mc.model or str(self.model_path)
+        # With no --model the built-in small model is served, under that name.
+        self.model_name = mc.model or "small"
         self.spec = load_model_spec(self.model_path)
         self.dtype = resolve_dtype(mc.dtype, self.spec.torch_dtype, self.device)
         t0 = time.perf_counter()
