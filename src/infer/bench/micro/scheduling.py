@@ -78,9 +78,53 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
             s["preemptions"] = r.stats.get("num_preemptions_total", 0)
             out[policy] = s
         cases.append(out)
-    result = {"suite": "scheduling", "cases": cases}
+    result = {"suite": "scheduling", "cases": cases, "swap": swap_vs_recompute(repeats, seed)}
     result["markdown"] = markdown(result)
     return result
+
+
+SWAP_CASE = "swap_vs_recompute_long_context"
+
+
+def swap_vs_recompute(repeats: int = 3, seed: int = 0) -> dict | None:
+    """Memory pressure where the victims hold long contexts: preempt by swap vs recompute.
+
+    Runs on the built-in ``small`` model (context 1024): four low-priority requests with
+    600-token prompts start first; two high-priority ones arrive later and, the KV pool being
+    too small for all six, preempt low-priority requests holding ~600+ tokens each. None if
+    the small model is not built (it is never built from here).
+    """
+    from infer.builtin.cache import builtin_dir, is_complete
+
+    model = builtin_dir("small")
+    if not is_complete(model):
+        return None
+    from infer.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model)
+    rng = random.Random(seed)
+    words = corpus_words()
+    reqs = [MicroRequest(prompt_ids(tok, 600, rng, words), 48, 0, 1, tag="low") for _ in range(4)]
+    reqs += [MicroRequest(prompt_ids(tok, 600, rng, words), 48, s, 0, tag="high") for s in (8, 10)]
+    base = {
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 1024,
+        "prefill_chunk_size": 512,
+        "block_size": 16,
+        "num_kv_blocks": 2688 // 16,  # four 600+48-token requests, not six
+        "scheduling_policy": "priority",
+    }
+    out: dict = {"case": SWAP_CASE, "model": str(model), "params": base}
+    for mode in ("recompute", "swap"):
+        r = run_case(str(model), base | {"preemption_mode": mode}, reqs, repeats)
+        s = r.summary()
+        s["high_latency_ms"] = r.avg_latency_ms("high")
+        s["low_latency_ms"] = r.avg_latency_ms("low")
+        s["preemptions"] = r.stats.get("num_preemptions_total", 0)
+        s["recomputed_tokens"] = r.stats.get("recomputed_tokens_total", 0)
+        s["swapped_blocks"] = r.stats.get("swapped_out_blocks_total", 0)
+        out[mode] = s
+    return out
 
 
 def _x(a, b) -> str:
@@ -141,7 +185,48 @@ def markdown(result: dict) -> str:
         "Preemptions",
         "Completion",
     ]
-    return "\n\n".join(["## FCFS vs priority scheduling", markdown_table(header, rows), *detail])
+    parts = ["## FCFS vs priority scheduling", markdown_table(header, rows), *detail]
+    sw = result.get("swap")
+    if sw:
+        rc, sp = sw["recompute"], sw["swap"]
+        parts += [
+            f"## Swap vs recompute under memory pressure ({SWAP_CASE})",
+            f"Built-in small model, priority policy, params {sw['params']}.",
+            markdown_table(
+                ["Metric", "Recompute", "Swap"],
+                [
+                    ["Throughput (tok/s)", fmt(rc["tokens_per_s"], 2), fmt(sp["tokens_per_s"], 2)],
+                    [
+                        "Avg latency (ms)",
+                        fmt(rc["avg_latency_ms"], 2),
+                        fmt(sp["avg_latency_ms"], 2),
+                    ],
+                    [
+                        "High-priority latency (ms)",
+                        fmt(rc["high_latency_ms"], 2),
+                        fmt(sp["high_latency_ms"], 2),
+                    ],
+                    [
+                        "Low-priority latency (ms)",
+                        fmt(rc["low_latency_ms"], 2),
+                        fmt(sp["low_latency_ms"], 2),
+                    ],
+                    ["Preemptions", str(rc["preemptions"]), str(sp["preemptions"])],
+                    [
+                        "Recomputed tokens",
+                        str(rc["recomputed_tokens"]),
+                        str(sp["recomputed_tokens"]),
+                    ],
+                    ["Swapped-out blocks", str(rc["swapped_blocks"]), str(sp["swapped_blocks"])],
+                    [
+                        "Completion",
+                        f"{rc['completed']}/{rc['configured']}",
+                        f"{sp['completed']}/{sp['configured']}",
+                    ],
+                ],
+            ),
+        ]
+    return "\n\n".join(parts)
 
 
 def chart(result: dict) -> tuple[list[str], dict[str, list[float]], str, str]:
