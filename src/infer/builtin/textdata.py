@@ -17,11 +17,9 @@ import torch
 
 from infer.builtin.presets import Preset
 from infer.data.tokenizer import (
-    CHAT_TEMPLATE,
     EOS_TOKEN,
-    IM_END,
-    IM_START,
     SPECIAL_TOKENS,
+    save_hf_tokenizer,
     train_bpe_tokenizer,
 )
 
@@ -52,26 +50,11 @@ def char_vocab() -> dict[str, int]:
 def build_char_tokenizer(out_dir: str | Path, model_max_length: int):
     """Save a character-level tokenizer (``tokenizer.json`` + config + chat template)."""
     from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
 
     # No pre-tokenizer and no merges: every character is its own token; others become <|unk|>.
     tok = Tokenizer(models.BPE(vocab=char_vocab(), merges=[], unk_token=UNK_TOKEN))
     tok.decoder = decoders.Fuse()  # concatenate, no spaces between characters
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=EOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        additional_special_tokens=[IM_START, IM_END],
-        model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(out)
-    return fast
+    return save_hf_tokenizer(tok, out_dir, model_max_length, unk_token=UNK_TOKEN)
 
 
 def build_tokenizer(preset: Preset, out_dir: str | Path, docs: list[str]):

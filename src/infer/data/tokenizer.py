@@ -32,7 +32,6 @@ def train_bpe_tokenizer(
     Returns the ``PreTrainedTokenizerFast``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     from infer.data.corpus import load_corpus
 
@@ -48,6 +47,14 @@ def train_bpe_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
+    return save_hf_tokenizer(tok, out_dir, model_max_length)
+
+
+def save_hf_tokenizer(tok, out_dir: str | Path, model_max_length: int, **special_tokens):
+    """Wrap a ``tokenizers.Tokenizer`` with our special tokens and ChatML template; save it as a
+    Hugging Face tokenizer folder. Returns the ``PreTrainedTokenizerFast``."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS_TOKEN,
@@ -56,6 +63,7 @@ def train_bpe_tokenizer(
         additional_special_tokens=[IM_START, IM_END],
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
+        **special_tokens,
     )
     fast.chat_template = CHAT_TEMPLATE
     out = Path(out_dir)

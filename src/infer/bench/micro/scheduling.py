@@ -71,12 +71,9 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
         }
         out = {"case": c.name, "params": base}
         for policy in ("fcfs", "priority"):
-            r = run_case(model, base | {"scheduling_policy": policy}, reqs, repeats)
-            s = r.summary()
-            s["high_latency_ms"] = r.avg_latency_ms("high")
-            s["low_latency_ms"] = r.avg_latency_ms("low")
-            s["preemptions"] = r.stats.get("num_preemptions_total", 0)
-            out[policy] = s
+            out[policy] = _summary(
+                run_case(model, base | {"scheduling_policy": policy}, reqs, repeats)
+            )
         cases.append(out)
     result = {"suite": "scheduling", "cases": cases, "swap": swap_vs_recompute(repeats, seed)}
     result["markdown"] = markdown(result)
@@ -116,15 +113,19 @@ def swap_vs_recompute(repeats: int = 3, seed: int = 0) -> dict | None:
     }
     out: dict = {"case": SWAP_CASE, "model": str(model), "params": base}
     for mode in ("recompute", "swap"):
-        r = run_case(str(model), base | {"preemption_mode": mode}, reqs, repeats)
-        s = r.summary()
-        s["high_latency_ms"] = r.avg_latency_ms("high")
-        s["low_latency_ms"] = r.avg_latency_ms("low")
-        s["preemptions"] = r.stats.get("num_preemptions_total", 0)
-        s["recomputed_tokens"] = r.stats.get("recomputed_tokens_total", 0)
-        s["swapped_blocks"] = r.stats.get("swapped_out_blocks_total", 0)
-        out[mode] = s
+        out[mode] = _summary(run_case(str(model), base | {"preemption_mode": mode}, reqs, repeats))
     return out
+
+
+def _summary(r) -> dict:
+    """A case run's summary plus the latencies by priority class and the preemption counters."""
+    s = r.summary()
+    s["high_latency_ms"] = r.avg_latency_ms("high")
+    s["low_latency_ms"] = r.avg_latency_ms("low")
+    s["preemptions"] = r.stats.get("num_preemptions_total", 0)
+    s["recomputed_tokens"] = r.stats.get("recomputed_tokens_total", 0)
+    s["swapped_blocks"] = r.stats.get("swapped_out_blocks_total", 0)
+    return s
 
 
 def _x(a, b) -> str:
