@@ -37,7 +37,7 @@ from infer.bench.client import RequestRecord, new_client, stream_request  # noqa
 
 
 def server_command(
-    peer: str, model: Path, port: int, dtype: str, max_seqs: int
+    peer: str, model: Path, port: int, dtype: str, max_seqs: int, extra: str = ""
 ) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if peer == "infer":
@@ -58,6 +58,7 @@ def server_command(
             "--served-model-name",
             "m",
             "--no-access-log",
+            *extra.split(),
         ]
         return cmd, env
     if peer == "vllm":
@@ -151,7 +152,7 @@ def summarize(records: list[RequestRecord], wall: float) -> dict:
 
 
 def bench_peer(peer: str, args, model: Path, port: int) -> dict:
-    cmd, env = server_command(peer, model, port, args.dtype, max(args.concurrency))
+    cmd, env = server_command(peer, model, port, args.dtype, max(args.concurrency), args.infer_args)
     log = open(Path(args.out) / f"{peer}-server.log", "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -206,6 +207,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--port", type=int, default=8311)
+    ap.add_argument(
+        "--infer-args",
+        default="",
+        help='extra infer serve flags, e.g. --infer-args="--torch-threads 1"',
+    )
     ap.add_argument("--out", default=str(HERE / "reports" / "peers"))
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
