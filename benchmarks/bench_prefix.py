@@ -24,7 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_engine import build_llama_100m  # noqa: E402
+from bench_engine import build_llama_100m, run_load  # noqa: E402
 
 from infer.config import EngineConfig  # noqa: E402
 from infer.engine.engine import LLMEngine  # noqa: E402
@@ -55,23 +55,6 @@ def ttft_one(engine: LLMEngine, rid: str, ids: list[int]) -> tuple[float, int]:
                 ttft = time.perf_counter() - t0
                 cached = out.num_cached_tokens
     return ttft, cached
-
-
-def throughput(
-    engine: LLMEngine, prompts: list[list[int]], concurrency: int, out_len: int
-) -> float:
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    nxt, in_flight, tokens = 0, 0, 0
-    t0 = time.perf_counter()
-    while nxt < len(prompts) or engine.has_unfinished_requests():
-        while in_flight < concurrency and nxt < len(prompts):
-            engine.add_request(f"t{time.perf_counter_ns()}-{nxt}", prompts[nxt], params)
-            nxt += 1
-            in_flight += 1
-        for out in engine.step():
-            tokens += len(out.new_token_ids)
-            in_flight -= out.finished
-    return tokens / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -114,11 +97,11 @@ def main() -> None:
 
     off, on = [], []
     for r in range(args.runs):
-        prompts = [torch.randint(3, vocab, (128,), generator=gen).tolist() for _ in range(32)]
-        # Alternate which engine goes first so drift on a shared machine hits both alike.
+        # The same 32 unique 128-token prompts (seed r) for both engines; alternate which goes
+        # first so drift on a shared machine hits both alike.
         order = [(cold_engine, off), (warm_engine, on)]
         for engine, results in order if r % 2 == 0 else order[::-1]:
-            results.append(throughput(engine, prompts, 16, 32))
+            results.append(run_load(engine, 16, 32, 128, 32, seed=1000 + r)["output_tok_s"])
     loss = 1 - statistics.median(on) / statistics.median(off)
     print(
         f"low reuse: off {statistics.median(off):.1f} tok/s, on {statistics.median(on):.1f} tok/s, "

@@ -110,6 +110,21 @@ def layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, 
     return (window,) * num_layers  # Mistral-style: every layer slides
 
 
+def uniform_decoder_config(config: dict[str, Any], **family: Any) -> DecoderConfig:
+    """A :class:`DecoderConfig` for the families that use one rope for every layer (Llama,
+    Mistral, Qwen): the common fields, rope, per-layer windows, activation and embedding tying
+    from ``config.json``, plus the family's own switches in ``family``."""
+    fields = common_fields(config)
+    return DecoderConfig(
+        **fields,
+        ropes=uniform_rope(config, fields),
+        sliding_windows=layer_windows(config, fields["num_layers"]),
+        activation=config.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **family,
+    )
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
         super().__init__()
@@ -289,17 +304,9 @@ class LlamaForCausalLM(DecoderLM):
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
-        fields = common_fields(config)
         bias = bool(config.get("attention_bias", False))
-        return DecoderConfig(
-            **fields,
-            ropes=uniform_rope(config, fields),
-            sliding_windows=layer_windows(config, fields["num_layers"]),
-            qkv_bias=bias,
-            o_bias=bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            activation=config.get("hidden_act", "silu"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        return uniform_decoder_config(
+            config, qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False))
         )
 
 
@@ -310,11 +317,4 @@ class MistralForCausalLM(DecoderLM):
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
-        fields = common_fields(config)
-        return DecoderConfig(
-            **fields,
-            ropes=uniform_rope(config, fields),
-            sliding_windows=layer_windows(config, fields["num_layers"]),
-            activation=config.get("hidden_act", "silu"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        return uniform_decoder_config(config)

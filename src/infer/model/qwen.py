@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.model.llama import DecoderConfig, DecoderLM, common_fields, layer_windows, uniform_rope
+from infer.model.llama import DecoderConfig, DecoderLM, uniform_decoder_config
 
 
 class Qwen2ForCausalLM(DecoderLM):
@@ -12,15 +12,8 @@ class Qwen2ForCausalLM(DecoderLM):
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
-        fields = common_fields(config)
-        return DecoderConfig(
-            **fields,
-            ropes=uniform_rope(config, fields),
-            sliding_windows=layer_windows(config, fields["num_layers"]),
-            qkv_bias=True,  # Qwen 2 always has q/k/v biases and never an o_proj bias
-            activation=config.get("hidden_act", "silu"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        # Qwen 2 always has q/k/v biases and never an o_proj bias.
+        return uniform_decoder_config(config, qkv_bias=True)
 
 
 class Qwen3ForCausalLM(DecoderLM):
@@ -28,15 +21,5 @@ class Qwen3ForCausalLM(DecoderLM):
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
-        fields = common_fields(config)
         bias = bool(config.get("attention_bias", False))
-        return DecoderConfig(
-            **fields,
-            ropes=uniform_rope(config, fields),
-            sliding_windows=layer_windows(config, fields["num_layers"]),
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=True,
-            activation=config.get("hidden_act", "silu"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        return uniform_decoder_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
