@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from infer.config import EngineConfig
+from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
-from infer.engine.sampling_params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,7 +36,7 @@ def build_llama_100m(out: Path) -> Path:
         return out
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from infer.data.tokenizer import train_bpe_tokenizer
+    from infer.data.train_tokenizer import train_bpe_tokenizer
 
     tmp = out.with_name(out.name + ".tmp")
     tok = train_bpe_tokenizer(tmp, vocab_size=32000)

@@ -27,8 +27,8 @@ sys.path.insert(0, str(HERE))
 from bench_engine import build_llama_100m, run_load  # noqa: E402
 
 from infer.config import EngineConfig  # noqa: E402
+from infer.core.sampling_params import SamplingParams  # noqa: E402
 from infer.engine.engine import LLMEngine  # noqa: E402
-from infer.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def make_engine(model: Path, dtype: str, prefix: bool) -> LLMEngine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from infer.engine.sampling_params import InvalidRequestError, SamplingParams
+from infer.core.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from infer.llm import LLM

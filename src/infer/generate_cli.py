@@ -31,9 +31,9 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    from infer.core.sampling_params import InvalidRequestError, SamplingParams
     from infer.engine.args import engine_config_from_args
     from infer.engine.engine import LLMEngine
-    from infer.engine.sampling_params import InvalidRequestError, SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config_from_args(args))

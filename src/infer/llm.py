@@ -10,9 +10,9 @@ import itertools
 from collections.abc import Sequence
 
 from infer.config import EngineConfig
+from infer.core.outputs import CompletionOutput, GenerationResult, RequestOutput
+from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
-from infer.engine.outputs import CompletionOutput, GenerationResult, RequestOutput
-from infer.engine.sampling_params import InvalidRequestError, SamplingParams
 
 PromptInput = str | Sequence[int]
 

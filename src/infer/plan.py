@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.config import parse_bytes
+from infer.kv_cache.sizing import kv_bytes_per_token
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "int8": 1, "fp8": 1}  # fmt: skip
@@ -40,7 +41,9 @@ class CapacityPlan:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+        return kv_bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes
+        )
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -51,14 +54,10 @@ class CapacityPlan:
         """The same sequence without GQA (one KV head per query head)."""
         if self.num_heads is None:
             return None
-        return (
-            2
-            * self.num_layers
-            * self.num_heads
-            * self.head_dim
-            * self.kv_dtype_bytes
-            * self.context_len
+        mha = kv_bytes_per_token(
+            self.num_layers, self.num_heads, self.head_dim, self.kv_dtype_bytes
         )
+        return mha * self.context_len
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -181,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise SystemExit("--concurrency must be at least 1")
     if args.model:
-        from infer.model.loader import resolve_model_path
+        from infer.engine.model_source import resolve_model_path
 
         plan = plan_from_folder(
             resolve_model_path(args.model),

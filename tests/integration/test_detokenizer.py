@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from infer import SamplingParams
-from infer.engine.output import IncrementalDetokenizer
+from infer.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "Héllo wörld — 日本語のテキスト 🙂🎉 end."
 

@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from infer import SamplingParams
+from infer.core.sampling_params import InvalidRequestError
 from infer.engine.async_engine import AddRequest, AsyncEngine
 from infer.engine.engine import LLMEngine, QueueFullError
-from infer.engine.sampling_params import InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)

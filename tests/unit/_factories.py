@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from infer.config import CacheConfig, SchedulerConfig
-from infer.engine.request import Request
-from infer.engine.sampling_params import SamplingParams
-from infer.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from infer.core.messages import SampledToken, SchedulerOutput
+from infer.core.request import Request
+from infer.core.sampling_params import SamplingParams
+from infer.engine.scheduler import Scheduler
 from infer.kv_cache.manager import ContiguousKVManager, PagedKVManager
 
 EOS = 0

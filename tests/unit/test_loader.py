@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.model import ModelLoadError, load_model, load_model_spec, resolve_model_path
+from infer.engine.model_source import resolve_model_path
+from infer.model import ModelLoadError, load_model, load_model_spec
 from infer.runner.attention import dense_context
 
 IDS = torch.tensor(
@@ -250,7 +251,7 @@ def test_bad_shard_index_is_named(tiny_checkpoints, tmp_path):
 # --------------------------------------------------------------------------- resolution
 
 
-def fake_hub_cache(cache: Path, repo_id: str, source: Path, commit: str = "0123abcd") -> Path:
+def fake_hub_cache(cache: Path, repo_id: str, source: Path, commit: str = "0123abcd" * 5) -> Path:
     """Lay ``source`` out as huggingface_hub does: blobs, a snapshot of links, refs/main."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
@@ -287,7 +288,7 @@ def test_model_id_resolves_from_hf_home(tiny_checkpoints, tmp_path, offline_hub)
     snapshot = fake_hub_cache(tmp_path / "hf" / "hub", "acme/tiny-qwen", tiny_checkpoints["qwen3"])
     offline_hub.setenv("HF_HOME", str(tmp_path / "hf"))
     assert resolve_model_path("acme/tiny-qwen") == snapshot
-    assert resolve_model_path("acme/tiny-qwen@0123abcd") == snapshot
+    assert resolve_model_path("acme/tiny-qwen@" + "0123abcd" * 5) == snapshot
     assert load_model_spec(resolve_model_path("acme/tiny-qwen")).model_type == "qwen3"
 
 

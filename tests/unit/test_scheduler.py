@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from infer.engine.request import RequestStatus
+from infer.core.request import RequestStatus
 
 from ._factories import fake_sample, make_request, make_scheduler, run_to_completion
 
@@ -169,8 +169,8 @@ def test_abort_frees_blocks_immediately():
 
 
 def test_eos_stops_unless_ignored_and_min_tokens_respected():
-    from infer.engine.request import Request
-    from infer.engine.sampling_params import SamplingParams
+    from infer.core.request import Request
+    from infer.core.sampling_params import SamplingParams
 
     s = make_scheduler()
     r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=2), eos_token_ids=(0,))

@@ -3,20 +3,19 @@
 The toy is character-level, as the NanoGPT of the reference articles is: a fixed vocabulary of
 printable ASCII and a few typographic characters, expressed as a ``tokenizers`` BPE model with
 no merges so that transformers' ``AutoTokenizer`` loads and decodes it like any other. The
-small model uses the project's byte-level BPE (:func:`infer.data.tokenizer.train_bpe_tokenizer`).
+small model uses the project's byte-level BPE (:func:`infer.data.train_tokenizer.train_bpe_tokenizer`).
 Both put ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` at ids 0, 1, 2 and carry the
 ChatML chat template.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from infer.builtin.presets import Preset
-from infer.data.tokenizer import (
+from infer.data.train_tokenizer import (
     EOS_TOKEN,
     SPECIAL_TOKENS,
     save_hf_tokenizer,
@@ -69,14 +68,6 @@ def build_tokenizer(preset: Preset, out_dir: str | Path, docs: list[str]):
             f"{preset.name}: tokenizer has {len(tok)} ids, expected {preset.vocab_size}"
         )
     return tok
-
-
-@dataclass(frozen=True)
-class TokenStreams:
-    """The corpus as two flat id streams, each document followed by ``<|endoftext|>``."""
-
-    train: torch.Tensor
-    val: torch.Tensor
 
 
 def split_docs(docs: list[str]) -> tuple[list[str], list[str]]:

@@ -34,10 +34,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.core.outputs import RequestOutput
+from infer.core.request import RequestTimings
+from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import QueueFullError
-from infer.engine.outputs import RequestOutput
-from infer.engine.request import RequestTimings
-from infer.engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("infer.engine")
 

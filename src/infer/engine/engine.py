@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.config import EngineConfig
-from infer.engine.output import IncrementalDetokenizer
-from infer.engine.outputs import RequestOutput
-from infer.engine.request import Request, RequestStatus
-from infer.engine.sampling_params import InvalidRequestError, SamplingParams
+from infer.core.outputs import RequestOutput
+from infer.core.request import Request, RequestStatus
+from infer.core.sampling_params import InvalidRequestError, SamplingParams
+from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.scheduler import Scheduler
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
+from infer.kv_cache.sizing import kv_bytes_per_token
 from infer.runner.attention import KVCache
 from infer.runner.runner import ModelRunner
 
@@ -106,7 +107,8 @@ class _OutputState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from infer.model.loader import load_model, load_model_spec, resolve_model_path
+        from infer.engine.model_source import resolve_model_path
+        from infer.model.loader import load_model, load_model_spec
         from infer.model.tokenizer import load_tokenizer
 
         self.config = config
@@ -175,7 +177,7 @@ class LLMEngine:
     def _plan_kv(self) -> KVCapacity:
         cc, sc = self.config.cache, self.config.scheduler
         s = self.spec
-        bpt = KVCache.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype.itemsize)
+        bpt = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype.itemsize)
         block_size = self.max_model_len if cc.kv_cache_backend == "contiguous" else cc.block_size
         if cc.num_kv_blocks is not None:
             return KVCapacity(bpt, block_size, cc.num_kv_blocks)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
-from infer.engine.request import Request
+from infer.core.request import Request
 
 
 class RequestQueue(ABC):

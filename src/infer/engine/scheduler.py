@@ -20,42 +20,10 @@ import time
 from dataclasses import dataclass, field
 
 from infer.config import CacheConfig, SchedulerConfig
+from infer.core.messages import SampledToken, ScheduledChunk, SchedulerOutput
+from infer.core.request import Request, RequestStatus
 from infer.engine.queue import make_queue
-from infer.engine.request import Request, RequestStatus, TokenLogprob
 from infer.kv_cache.manager import NO_HIT, KVManager
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """One request's share of a step: feed ``token_ids`` at positions from ``num_computed_tokens``."""
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    sample: bool  # the chunk reaches the end of the sequence: sample the next token from it
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    num_batched_tokens: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    preempted: list[str] = field(default_factory=list)
-    # Block copies the runner performs before the forward pass, swap-outs first.
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: TokenLogprob | None = None
 
 
 @dataclass

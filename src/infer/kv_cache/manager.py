@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from infer.engine.request import Request
+from infer.core.request import Request
 from infer.kv_cache.block_pool import Block, BlockHash, BlockPool, PrefixCacheStats
 
 
@@ -76,9 +76,6 @@ class KVManager(ABC):
 
     def block_table(self, request: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(request.request_id, ())]
-
-    def num_blocks_held(self, request: Request) -> int:
-        return len(self._blocks.get(request.request_id, ()))
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)

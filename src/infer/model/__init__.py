@@ -4,9 +4,9 @@ from safetensors checkpoints (local folders or the local Hugging Face cache)."""
 from infer.model.layers import CausalLM
 from infer.model.loader import (
     ModelLoadError,
+    find_model_folder,
     load_model,
     load_model_spec,
-    resolve_model_path,
 )
 from infer.model.registry import ARCHITECTURES
 from infer.model.spec import ModelSpec
@@ -17,8 +17,8 @@ __all__ = [
     "CausalLM",
     "ModelLoadError",
     "ModelSpec",
+    "find_model_folder",
     "load_model",
     "load_model_spec",
     "load_tokenizer",
-    "resolve_model_path",
 ]

@@ -2,7 +2,8 @@
 
 A model is a folder with ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``), as ``save_pretrained`` writes it. It is found as a local
-path, as a model id in the local Hugging Face cache (never downloaded), or by a built-in name.
+path or as a model id in the local Hugging Face cache (never downloaded). Built-in names are
+resolved a layer up, in :mod:`infer.engine.model_source`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from infer.model.spec import ModelSpec, config_dtype, token_ids
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_MODELS = ("toy", "small")
 # Checkpoint tensors that are derived state or tied copies, never weights we lack a place for.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "lm_head.weight")
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,20 +43,9 @@ class ModelLoadError(Exception):
 # --------------------------------------------------------------------------- finding a model
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """The folder of ``model``: a local path, a cached hub id (``org/name[@revision]``), or a
-    built-in name (``None``, ``"toy"``, ``"small"``). Never touches the network."""
-    if model is None or str(model) in BUILTIN_MODELS:
-        name = "small" if model is None else str(model)
-        try:
-            from infer.builtin import ensure_builtin_model
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("infer.builtin", "infer.builtin.ensure_builtin_model"):
-                raise
-            raise ModelLoadError(
-                f"built-in model {name!r} is unavailable: infer.builtin is not installed"
-            ) from exc
-        return Path(ensure_builtin_model(name))
+def find_model_folder(model: str | os.PathLike[str]) -> Path:
+    """The folder of ``model``: a local path, or a hub id (``org/name[@revision]``) already in
+    the local Hugging Face cache. Never touches the network."""
     text = str(model)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -74,47 +63,39 @@ def _looks_like_repo_id(text: str) -> bool:
     return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
 
 
-def hf_hub_cache() -> Path:
-    """The hub cache folder, from the environment at call time (as huggingface_hub resolves it)."""
+def _find_in_hf_cache(model_id: str) -> Path:
+    """The cached snapshot of ``org/name[@revision]``, resolved by huggingface_hub itself."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo, _, revision = model_id.partition("@")
+    # NOTE: huggingface_hub reads its cache location once, at import; read the environment now
+    # so a cache set after import (tests, notebooks) is honoured.
+    cache = _hub_cache_dir() or constants.HF_HUB_CACHE
+    try:
+        folder = Path(
+            snapshot_download(
+                repo, revision=revision or None, cache_dir=cache, local_files_only=True
+            )  # fmt: skip
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as e:
+        raise ModelLoadError(
+            f"model {repo!r} is not a local folder and is not in the local Hugging Face cache "
+            f"({cache}); downloads are disabled, so fetch it beforehand "
+            f"(`hf download {repo}`) or pass a folder"
+        ) from e
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"cached snapshot {folder} of {repo!r} has no config.json")
+    return folder
+
+
+def _hub_cache_dir() -> Path | None:
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
             return Path(os.environ[var]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "huggingface" / "hub"
-
-
-def _find_in_hf_cache(model_id: str) -> Path:
-    """``models--org--name/snapshots/<commit>`` for ``refs/<revision>`` (default ``main``)."""
-    repo, _, revision = model_id.partition("@")
-    cache = hf_hub_cache()
-    repo_dir = cache / ("models--" + repo.replace("/", "--"))
-    snapshots = repo_dir / "snapshots"
-    if not snapshots.is_dir():
-        raise ModelLoadError(
-            f"model {repo!r} is not a local folder and is not in the local Hugging Face cache "
-            f"({cache}); downloads are disabled, so fetch it beforehand "
-            f"(`huggingface-cli download {repo}`) or pass a folder"
-        )
-    revision = revision or "main"
-    ref = repo_dir / "refs" / revision
-    if ref.is_file():
-        commit = ref.read_text().strip()
-    elif (snapshots / revision).is_dir():
-        commit = revision  # a commit hash given directly
-    elif revision == "main":
-        # No ref recorded (e.g. a copied cache): take the newest complete snapshot.
-        candidates = [d for d in snapshots.iterdir() if (d / "config.json").is_file()]
-        if not candidates:
-            raise ModelLoadError(f"no snapshot of {repo!r} with a config.json in {snapshots}")
-        commit = max(candidates, key=lambda d: d.stat().st_mtime).name
-    else:
-        raise ModelLoadError(f"revision {revision!r} of {repo!r} is not in the cache {repo_dir}")
-    folder = snapshots / commit
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"cached snapshot {folder} of {repo!r} has no config.json")
-    return folder
+    return None
 
 
 # --------------------------------------------------------------------------- config and spec

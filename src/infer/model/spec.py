@@ -27,10 +27,6 @@ class ModelSpec:
     bos_token_id: int | None
     torch_dtype: str | None
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """KV cache bytes one token costs: ``2 x layers x kv_heads x head_dim x dtype_bytes``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 def token_ids(value: Any) -> tuple[int, ...]:
     """``eos_token_id`` as written in configs (absent, an int, or a list) -> a tuple of ints."""

@@ -78,11 +78,6 @@ class KVCache:
         t = self.tensor
         return t.view(t.shape[0], t.shape[1], self.num_blocks, self.block_size, *t.shape[3:])
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-        """The KV memory formula: ``2 x layers x kv_heads x head_dim x dtype_bytes``."""
-        return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
 
 @dataclass
 class _DecodeGroup:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.engine.request import Request
-from infer.engine.scheduler import SampledToken, SchedulerOutput
+from infer.core.messages import SampledToken, SchedulerOutput
+from infer.core.request import Request
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.sampler import Sampler
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from infer.engine.request import Request, TokenLogprob
-from infer.engine.scheduler import SampledToken
+from infer.core.messages import SampledToken
+from infer.core.request import Request, TokenLogprob
 
 
 class Sampler:

@@ -10,8 +10,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from infer.core.request import TokenLogprob
 from infer.engine.async_engine import RequestStream
-from infer.engine.request import TokenLogprob
 from infer.server.errors import APIError, bad_request
 from infer.server.protocol import (
     ChatChoice,

@@ -22,7 +22,7 @@ import threading
 from typing import Any
 
 from infer.config import EngineConfig
-from infer.engine.sampling_params import InvalidRequestError
+from infer.core.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("infer.server")
 
@@ -72,7 +72,7 @@ class EngineProcess:
     """An ``LLMEngine`` look-alike whose methods run in a child process."""
 
     def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
-        from infer.model.loader import resolve_model_path
+        from infer.engine.model_source import resolve_model_path
         from infer.model.tokenizer import load_tokenizer
 
         self.config = config

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infer.engine.sampling_params import InvalidRequestError
+from infer.core.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("infer.server")
 

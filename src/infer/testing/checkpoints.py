@@ -172,7 +172,7 @@ def _randomize(model: Any, seed: int) -> None:
 
 def _tokenizer(root: Path) -> Path:
     """Train the shared tokenizer once per cache folder."""
-    from infer.data.tokenizer import train_bpe_tokenizer
+    from infer.data.train_tokenizer import train_bpe_tokenizer
 
     final = root / "tokenizer"
     if not final.is_dir():

@@ -124,7 +124,7 @@ class MicroRun:
 
 def run_engine(engine, requests: Sequence[MicroRequest], max_steps: int = 100_000) -> MicroRun:
     """Replay ``requests`` on ``engine`` (an ``LLMEngine``), timestamping every token."""
-    from infer.engine.sampling_params import SamplingParams
+    from infer.core.sampling_params import SamplingParams
 
     records = {
         f"r{i}": MicroRecord(r.tag, len(r.prompt_ids), r.max_tokens, r.priority)
@@ -205,7 +205,7 @@ def random_toy_checkpoint(folder: str | Path | None = None, vocab_size: int = 38
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from infer.data.tokenizer import train_bpe_tokenizer
+    from infer.data.train_tokenizer import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(out, vocab_size=vocab_size, model_max_length=TOY_CONTEXT)
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from infer.engine.sampling_params import SamplingParams
+from infer.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -120,8 +120,6 @@ class Request:
         self.num_swapped_blocks = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        # Set by the output processor when a stop string matched (engine-side stop).
-        self.stopped_by_string = False
         max_new = sampling_params.max_tokens
         if max_model_len is not None:
             room = max_model_len - len(self.prompt_token_ids)
@@ -148,11 +146,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def is_prefill(self) -> bool:
-        """True while some prompt token has no KV yet (the request cannot sample yet)."""
-        return self.num_computed_tokens < self.num_prompt_tokens
 
     def __repr__(self) -> str:
         return (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infer.engine.request import RequestTimings, TokenLogprob
+from infer.core.request import RequestTimings, TokenLogprob
 
 
 @dataclass(frozen=True)

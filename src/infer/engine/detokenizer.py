@@ -14,7 +14,7 @@ string is held back; when a stop string completes, the text is cut before it (or
 
 from __future__ import annotations
 
-from infer.engine.sampling_params import SamplingParams
+from infer.core.sampling_params import SamplingParams
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context (leading-space handling)
 
