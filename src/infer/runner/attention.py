@@ -27,8 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from infer.runner.kernels import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -82,18 +85,28 @@ class KVCache:
 @dataclass
 class _DecodeGroup:
     rows: torch.Tensor  # [Bd] rows of the flat batch that are single-token sequences
-    gather: torch.Tensor  # [Bd, Lmax] slot of each context position (padded with 0)
-    key_pos: torch.Tensor  # [1, Lmax] 0..Lmax-1
-    query_pos: torch.Tensor  # [Bd, 1] position of each decode token
-    context_lens: torch.Tensor  # [Bd, 1]
+    block_tables: torch.Tensor  # [Bd, max_blocks] int32
+    context_lens: torch.Tensor  # [Bd] int32, keys per sequence (including the new token)
+    block_size: int
+    _gather: torch.Tensor | None = None
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def gather(self) -> torch.Tensor:
+        """[Bd, Lmax] slot of each context position (padded with slot 0): the torch path only."""
+        if self._gather is None:
+            lmax = int(self.context_lens.max())
+            self._gather = _table_slots(self.block_tables.long(), self.block_size)[:, :lmax]
+        return self._gather
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[Bd, 1, 1, Lmax] True where the key may be attended."""
         if window not in self.masks:
-            ok = self.key_pos < self.context_lens
+            lens = self.context_lens.long()[:, None]
+            key_pos = torch.arange(self.gather.shape[1], device=lens.device)[None, :]
+            ok = key_pos < lens
             if window is not None:
-                ok = ok & (self.key_pos > self.query_pos - window)
+                ok = ok & (key_pos > lens - 1 - window)
             self.masks[window] = ok[:, None, None, :]
         return self.masks[window]
 
@@ -124,7 +137,16 @@ class _PrefillSeq:
 
 
 class AttentionContext:
-    """Everything attention layers need for one forward pass; built once per step."""
+    """Everything attention layers need for one forward pass; built once per step.
+
+    Step preparation is a few tensor operations, not per-token Python: the block tables of the
+    step's sequences become one ``[S, max_blocks]`` int32 tensor, and every token's cache slot is
+    gathered from it (``slot = table[seq, pos // bs] * bs + pos % bs``).
+
+    Decode rows on the CPU go to the C++ kernel (:mod:`infer.runner.kernels`), which reads K and V
+    in place through the block tables; elsewhere (CUDA, other dtypes, ``INFER_CPU_KERNELS=0``)
+    the contexts are gathered and attended with SDPA.
+    """
 
     def __init__(
         self,
@@ -136,48 +158,46 @@ class AttentionContext:
         self.sequences = sequences
         self.device = torch.device(device)
         bs = kv_cache.block_size
+        num_seqs = len(sequences)
 
-        slot_mapping: list[int] = []
-        decode_rows: list[int] = []
-        decode_seqs: list[SequenceSlice] = []
-        self._prefills: list[_PrefillSeq] = []
-        start = 0
-        for seq in sequences:
-            n = seq.num_new_tokens
-            table = seq.block_table
-            for p in range(seq.num_computed_tokens, seq.context_len):
-                slot_mapping.append(table[p // bs] * bs + p % bs)
-            if n == 1:
-                decode_rows.append(start)
-                decode_seqs.append(seq)
-            else:
-                slots = None
-                if seq.num_computed_tokens > 0:
-                    slots = torch.tensor(
-                        _context_slots(table, seq.context_len, bs),
-                        dtype=torch.long,
-                        device=self.device,
-                    )
-                self._prefills.append(_PrefillSeq(start, start + n, seq.num_computed_tokens, slots))
-            start += n
-        self.num_tokens = start
-        self.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
+        max_blocks = max((len(s.block_table) for s in sequences), default=1) or 1
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        new_tokens = np.empty(num_seqs, dtype=np.int64)
+        computed = np.empty(num_seqs, dtype=np.int64)
+        for i, seq in enumerate(sequences):
+            tables[i, : len(seq.block_table)] = seq.block_table
+            new_tokens[i] = seq.num_new_tokens
+            computed[i] = seq.num_computed_tokens
+        block_tables = torch.from_numpy(tables)
+        self.num_tokens = int(new_tokens.sum())
 
+        # Every scheduled token's slot: its sequence's table entry for its position.
+        seq_of_token = np.repeat(np.arange(num_seqs), new_tokens)
+        starts = np.cumsum(new_tokens) - new_tokens
+        positions = np.arange(self.num_tokens) - np.repeat(starts - computed, new_tokens)
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        self.slot_mapping = torch.from_numpy(slots).to(self.device)
+
+        is_decode = new_tokens == 1
         self._decode: _DecodeGroup | None = None
-        if decode_seqs:
-            lmax = max(s.context_len for s in decode_seqs)
-            gather = [
-                _context_slots(s.block_table, s.context_len, bs, pad_to=lmax) for s in decode_seqs
-            ]
-            lens = [s.context_len for s in decode_seqs]
+        if is_decode.any():
+            idx = np.nonzero(is_decode)[0]
             self._decode = _DecodeGroup(
-                rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-                gather=torch.tensor(gather, dtype=torch.long, device=self.device),
-                key_pos=torch.arange(lmax, device=self.device)[None, :],
-                query_pos=torch.tensor(lens, device=self.device)[:, None] - 1,
-                context_lens=torch.tensor(lens, device=self.device)[:, None],
+                rows=torch.from_numpy(starts[idx]).to(self.device),
+                block_tables=block_tables[torch.from_numpy(idx)].to(self.device),
+                context_lens=torch.from_numpy((computed[idx] + 1).astype(np.int32)).to(self.device),
+                block_size=bs,
             )
+        self._prefills: list[_PrefillSeq] = []
+        for i in np.nonzero(~is_decode)[0]:
+            start, n, past = int(starts[i]), int(new_tokens[i]), int(computed[i])
+            context = None
+            if past > 0:
+                context = _table_slots(block_tables[i : i + 1].long(), bs)[0, : past + n]
+                context = context.to(self.device)
+            self._prefills.append(_PrefillSeq(start, start + n, past, context))
         self._all_decode = self._decode is not None and not self._prefills
+        self._kernels = cpu_kernels() if self.device.type == "cpu" else None
 
     def attend(
         self,
@@ -245,9 +265,21 @@ class AttentionContext:
     ) -> torch.Tensor:
         dg = self._decode
         assert dg is not None
+        kernels = self._kernels
+        if kernels is not None and q.dtype == k_cache.dtype and kernels.supports(q.dtype):
+            return kernels.decode_attention(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                dg.block_tables,
+                dg.context_lens,
+                dg.block_size,
+                scale,
+                window,
+            )
         # index_select on the flat slot list is ~2x faster on CPU than advanced indexing.
         bd, lmax = dg.gather.shape
-        flat = dg.gather.view(-1)
+        flat = dg.gather.reshape(-1)
         ks = k_cache.index_select(0, flat).view(bd, lmax, *k_cache.shape[1:]).transpose(1, 2)
         vs = v_cache.index_select(0, flat).view(bd, lmax, *v_cache.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(
@@ -261,13 +293,10 @@ class AttentionContext:
         return o[:, :, 0, :]
 
 
-def _context_slots(
-    block_table: list[int], context_len: int, block_size: int, pad_to: int | None = None
-) -> list[int]:
-    slots = [block_table[p // block_size] * block_size + p % block_size for p in range(context_len)]
-    if pad_to is not None:
-        slots.extend([0] * (pad_to - context_len))
-    return slots
+def _table_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[S, max_blocks]`` block ids -> ``[S, max_blocks * block_size]`` slot of each position."""
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (block_tables[:, :, None] * block_size + offsets).flatten(1)
 
 
 def dense_context(

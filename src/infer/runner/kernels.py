@@ -1,0 +1,147 @@
+"""CPU kernels in C++, compiled on first use and loaded with ctypes.
+
+The source (``csrc/*.cpp``) is plain C++ with OpenMP and no torch headers, so it builds in about
+a second with the system's ``g++`` (or ``$CXX``) and needs nothing at install time. The shared
+library is cached under ``$INFER_CACHE_DIR/kernels`` (default ``~/.cache/infer/kernels``), keyed
+by the source, the compiler and this CPU's instruction-set flags, and is linked against the same
+OpenMP runtime as torch (``libgomp.so.1``, already loaded by torch), so both share one thread pool.
+
+Where no compiler is found, or the build fails, or ``INFER_CPU_KERNELS=0`` is set, callers get
+``None`` from :func:`cpu_kernels` and use their pure-torch path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("infer.runner")
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("INFER_CACHE_DIR") or Path.home() / ".cache" / "infer"
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"infer_cpu_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build into a temporary name and rename: concurrent processes never see half a library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    cmd += [str(_SOURCE), "-o", tmp]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+    os.replace(tmp, target)
+    return target
+
+
+class CpuKernels:
+    """Typed wrappers over the compiled library."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.infer_decode_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr]
+        fn.argtypes += [i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._decode = fn
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _DTYPE_CODES
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Attention of one query per sequence to its paged context.
+
+        Args:
+            query: ``[B, H, D]``, contiguous, float32 or bfloat16 (the caches' dtype).
+            key_cache, value_cache: one layer, ``[num_slots, Hkv, D]``, contiguous.
+            block_tables: ``[B, max_blocks]`` int32 (unused tail entries are never read).
+            context_lens: ``[B]`` int32, keys per sequence including the query's own.
+            window: sliding window (keys ``p - window < j <= p``), or None.
+
+        Returns:
+            ``[B, H, D]`` in the query's dtype.
+        """
+        b, h, d = query.shape
+        out = torch.empty_like(query)
+        rc = self._decode(
+            _DTYPE_CODES[query.dtype],
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            out.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            b,
+            h,
+            key_cache.shape[1],
+            d,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            window or 0,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
+        return out
+
+
+@cache
+def cpu_kernels() -> CpuKernels | None:
+    """The compiled CPU kernels, or None (with the reason logged) when they are unavailable."""
+    if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernels disabled by INFER_CPU_KERNELS=0; using the torch attention path")
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler found; using the slower torch attention path")
+        return None
+    try:
+        path = _build(compiler)
+        return CpuKernels(ctypes.CDLL(str(path)))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("could not build the CPU kernels (%s); using the torch attention path", exc)
+        return None
