@@ -1,11 +1,10 @@
-"""Serving benchmark: the five workloads of the reference log against any OpenAI-compatible server.
-
-Same flags as ``infer bench serve``::
+"""The five serving workloads against any OpenAI-compatible server: ``infer bench serve``.
 
     python benchmarks/bench_serving.py --server http://127.0.0.1:8000 --model M --workload all --seed 42
-"""
 
-from __future__ import annotations
+Needs ``pip install -e ".[bench]"``; same flags as ``infer bench serve`` (``--help``). Reports go
+to ``./bench-results`` unless ``--out`` says otherwise.
+"""
 
 import sys
 

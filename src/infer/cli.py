@@ -20,13 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description="LLM inference serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS.values():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue  # not built yet
-        mod.register(sub)
+        importlib.import_module(module).register(sub)
     return parser
 
 

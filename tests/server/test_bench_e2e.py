@@ -82,10 +82,10 @@ def test_every_workload_against_a_real_server(server, tiny_checkpoints, tmp_path
         assert (folder / png).read_bytes()[:8] == PNG
 
 
-def test_client_tests_against_a_real_server(server):
-    from infer.bench.client_tests import run_client_tests
+def test_client_suite_against_a_real_server(server):
+    from infer.bench.client_suite import run_client_suite
 
-    out = run_client_tests(
+    out = run_client_suite(
         server.url, "tiny", endpoint="chat", prefix_tokens=200, num_warm=2, batch_sizes=(1, 2),
         max_tokens=6,
     )  # fmt: skip

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.bench.ablation import _shift_headings, find_compile_flag, ladder, model_context
+from infer.bench.ablation import _shift_headings, ladder, model_context
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -32,11 +32,20 @@ def test_ladder_adds_one_optimisation_per_rung():
     assert with_compile[-1].flags[-1] == "--compile"
 
 
-def test_compile_flag_detection():
-    help_text = "  --max-num-seqs N\n  --compile-decode   capture the decode step\n"
-    assert find_compile_flag(help_text) == "--compile-decode"
-    assert find_compile_flag("  --cuda-graphs\n") == "--cuda-graphs"
-    assert find_compile_flag("  --max-num-seqs N\n  --compiled-thing\n") is None
+def test_compile_rung_only_from_an_explicit_flag():
+    """No probing of the server's --help: the compile rung exists only when asked for."""
+    import argparse
+
+    from infer.bench import ablation
+    from infer.bench.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["bench", "ablation", "--model", "m"]).compile_flag is None
+    argv = ["bench", "ablation", "--model", "m", "--compile-flag=--compile-decode"]
+    assert parser.parse_args(argv).compile_flag == "--compile-decode"
+    assert not hasattr(ablation, "find_compile_flag") and not hasattr(ablation, "server_help")
+    assert all(r.name != "+compiled_decode" for r in ladder(256))
 
 
 def test_model_context_reads_local_configs(tmp_path: Path):

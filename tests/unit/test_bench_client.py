@@ -345,11 +345,11 @@ def test_serve_uses_the_server_tokenizer_when_it_has_one(fake, tmp_path: Path):
     assert report["config"]["words_per_token"] == pytest.approx(1.0)
 
 
-def test_client_tests_through_openai_sdk(fake):
+def test_client_suite_through_openai_sdk(fake):
     pytest.importorskip("openai")
-    from infer.bench.client_tests import run_client_tests
+    from infer.bench.client_suite import run_client_suite
 
-    out = run_client_tests(
+    out = run_client_suite(
         fake.url, None, endpoint="chat", prefix_tokens=64, num_warm=2, batch_sizes=(1, 3),
         max_tokens=7, seed=3,
     )  # fmt: skip

@@ -104,7 +104,7 @@ def test_case_builders_fit_the_toy_context():
         assert {r.priority for r in reqs} == ({0} if c.equal else {0, 1})
 
 
-def test_prefix_cases_reproduce_the_article_token_totals():
+def test_prefix_cases_keep_their_token_totals():
     from infer.bench.micro import prefix_cache
 
     tok = CharTok()

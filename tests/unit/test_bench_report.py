@@ -229,7 +229,7 @@ def test_load_report_accepts_a_run_folder(tmp_path: Path):
 
 
 def test_batching_reading_tells_plateau_from_scaling():
-    from infer.bench.client_tests import BatchResult, batching_reading
+    from infer.bench.client_suite import BatchResult, batching_reading
 
     plateau = [
         BatchResult("concurrent", 1, 700, 10.9, 1.0),

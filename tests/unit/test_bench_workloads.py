@@ -26,8 +26,8 @@ def source(wpt: float = 1.0) -> TextSource:
     return TextSource(words=WORDS, words_per_token=wpt)
 
 
-def test_reference_table_of_workloads():
-    """Reference 003: names, counts, ranges, arrival patterns and rates."""
+def test_workload_table():
+    """The table of docs/benchmarks.md: names, counts, ranges, arrival patterns and rates."""
     assert list(WORKLOADS) == [
         "baseline",
         "continuous_batching",

@@ -1,12 +1,13 @@
-"""``infer bench ablation``: the reference-003 ladder, one ``infer serve`` per rung.
+"""``infer bench ablation``: the optimisation ladder, one ``infer serve`` per rung.
 
 Rungs (each adds one optimisation to the previous): static + contiguous; continuous +
-contiguous; continuous + paged; + chunked prefill; + prefix caching; + compiled decode when the
-server offers a flag for it. Every rung gets the same KV budget (``--num-kv-blocks``, by default
-8 full-context sequences, as the reference's 8 x 4096 tokens), so the paged rungs can admit more
-requests than the contiguous ones in the same memory. For each rung the server is started on a
-free loopback port, the workloads are run, the report saved, the server stopped; at the end one
-markdown log holds every rung's tables, the phase-vs-phase deltas and the comparison plots.
+contiguous; continuous + paged; + chunked prefill; + prefix caching; and, only when asked for
+with ``compile_flag``, a last rung with that server flag (e.g. a compiled decode step). Every rung
+gets the same KV budget (``--num-kv-blocks``, by default 8 full-context sequences, e.g. 8 x 4096
+tokens for a 4096-context model), so the paged rungs can admit more requests than the contiguous
+ones in the same memory. For each rung the server is started on a free loopback port, the
+workloads are run, the report saved, the server stopped; at the end one markdown log holds every
+rung's tables, the phase-vs-phase deltas and the comparison plots.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
-
+from infer.bench import DEFAULT_OUT
 from infer.bench.report import render_markdown, slug
 
 
@@ -34,7 +34,7 @@ class Rung:
 
 
 def ladder(chunk: int, compile_flag: str | None = None) -> list[Rung]:
-    """The rungs in order; ``compile_flag`` adds the last one when the server has it."""
+    """The rungs in order; ``compile_flag`` (a server flag) adds a last ``+compiled_decode`` rung."""
     static = ("--batching-mode", "static", "--kv-cache-backend", "contiguous")
     cont = ("--batching-mode", "continuous", "--kv-cache-backend", "contiguous")
     paged = ("--batching-mode", "continuous", "--kv-cache-backend", "paged")
@@ -50,26 +50,6 @@ def ladder(chunk: int, compile_flag: str | None = None) -> list[Rung]:
     if compile_flag:
         rungs.append(Rung("+compiled_decode", (*prefix, compile_flag)))
     return rungs
-
-
-def server_help() -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "infer.server", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return out.stdout
-
-
-def find_compile_flag(help_text: str) -> str | None:
-    """The server's decode-capture flag, if it has one."""
-    for flag in ("--compile-decode", "--cuda-graphs", "--compile"):
-        if flag in help_text.split():
-            return flag
-        if f"{flag} " in help_text or f"{flag}\n" in help_text or f"{flag}," in help_text:
-            return flag
-    return None
 
 
 def model_context(model: str) -> int | None:
@@ -114,6 +94,8 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float | None = None) -> None:
+        import httpx
+
         timeout_s = timeout_s or self.startup_timeout_s
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")  # noqa: SIM115 - kept open for the child's lifetime
@@ -155,18 +137,19 @@ class ServerProcess:
 def run_ablation(
     model: str,
     bench_cfg,
-    out_dir: str | Path = "benchmarks/reports",
+    out_dir: str | Path = DEFAULT_OUT,
     server_args: str = "",
     chunk: int | None = None,
     kv_tokens: int | None = None,
     block_size: int = 16,
     rungs: list[str] | None = None,
     startup_timeout_s: float = 600.0,
+    compile_flag: str | None = None,
 ) -> tuple[Path, list[str]]:
     """Run the ladder; returns the combined markdown log's path and the rungs that failed.
 
     ``bench_cfg`` is a :class:`~infer.bench.serve.ServeBenchConfig` (its server and label are
-    replaced per rung).
+    replaced per rung). ``compile_flag``: a server flag that gets its own last rung.
     """
     from infer.bench.compare import compare_markdown
     from infer.bench.plots import write_compare_plots, write_report_plots
@@ -181,7 +164,6 @@ def run_ablation(
     common = shlex.split(server_args)
     if kv_tokens:
         common += ["--block-size", str(block_size), "--num-kv-blocks", str(kv_tokens // block_size)]
-    compile_flag = find_compile_flag(server_help())
     ladder_rungs = ladder(chunk, compile_flag)
     if rungs:
         ladder_rungs = [r for r in ladder_rungs if r.name in rungs]

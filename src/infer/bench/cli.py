@@ -1,15 +1,33 @@
-"""``infer bench serve|compare|client|micro|ablation``: registered by :mod:`infer.cli`."""
+"""``infer bench serve|compare|client|micro|ablation|engine|peers|prefix|results``.
+
+Registered by :mod:`infer.cli`. Building the parser imports nothing from the ``bench`` extra;
+each command checks for the extra first (:func:`infer.bench.require_bench_extra`) and imports
+what it needs when it runs. Every command writes under ``./bench-results`` by default
+(:data:`infer.bench.DEFAULT_OUT`), never into the source tree.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from infer.bench import DEFAULT_OUT, INSTALL_HINT, require_bench_extra
 from infer.bench.workloads import WORKLOADS
 
-DEFAULT_OUT = "benchmarks/reports"
+
+def needs_bench_extra(cmd: Callable[[argparse.Namespace], int]) -> Callable:
+    """Run ``cmd`` only when the ``bench`` extra is installed (else exit 2 naming it)."""
+
+    @functools.wraps(cmd)
+    def wrapper(args: argparse.Namespace) -> int:
+        require_bench_extra()
+        return cmd(args)
+
+    return wrapper
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -52,12 +70,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--label", default=None, help="run label (default: the model id)")
     p.add_argument("--server-flags", default=None, help="server flags, recorded in the report")
-    p.add_argument("--out", default=DEFAULT_OUT, help="report folder")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: ./{DEFAULT_OUT})")
     p.add_argument("--no-save", action="store_true", help="print tables only")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
 
+@needs_bench_extra
 def cmd_serve(args: argparse.Namespace) -> int:
     from infer.bench.serve import ServeBenchConfig, run_serving_benchmark_sync, save_report
 
@@ -96,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 1 if lost else 0
 
 
+@needs_bench_extra
 def cmd_compare(args: argparse.Namespace) -> int:
     from infer.bench.compare import compare_markdown
     from infer.bench.report import load_report
@@ -120,11 +140,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs_bench_extra
 def cmd_client(args: argparse.Namespace) -> int:
     import asyncio
 
     from infer.bench.client import fetch_models
-    from infer.bench.client_tests import run_client_tests
+    from infer.bench.client_suite import run_client_suite
 
     prefix_tokens = args.prefix_tokens
     models = asyncio.run(fetch_models(args.server))
@@ -133,7 +154,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         prefix_tokens = int(limit * 0.7)  # room for the template, the suffix and word drift
         print(f"prefix shortened to ~{prefix_tokens} tokens (server max_model_len={limit})")
     tests = ("caching", "batching") if args.test == "all" else (args.test,)
-    result = run_client_tests(
+    result = run_client_suite(
         args.server,
         args.model,
         endpoint=args.endpoint,
@@ -159,6 +180,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs_bench_extra
 def cmd_micro(args: argparse.Namespace) -> int:
     from infer.bench.micro import SUITES, run_suite
     from infer.bench.micro.common import toy_model_path
@@ -196,6 +218,7 @@ def cmd_micro(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+@needs_bench_extra
 def cmd_ablation(args: argparse.Namespace) -> int:
     from infer.bench.ablation import run_ablation
     from infer.bench.serve import ServeBenchConfig
@@ -221,6 +244,7 @@ def cmd_ablation(args: argparse.Namespace) -> int:
         kv_tokens=args.kv_tokens,
         rungs=args.rungs.split(",") if args.rungs else None,
         startup_timeout_s=args.startup_timeout,
+        compile_flag=args.compile_flag,
     )
     print(f"\nablation log: {log}")
     if failed:
@@ -228,6 +252,7 @@ def cmd_ablation(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+@needs_bench_extra
 def cmd_results(args: argparse.Namespace) -> int:
     from infer.bench.results import build_results
 
@@ -236,6 +261,18 @@ def cmd_results(args: argparse.Namespace) -> int:
     Path(args.out).write_text(text)
     print(f"wrote {args.out} (fill in the Reading lines)")
     return 0
+
+
+def _offline_bench(module: str) -> Callable[[argparse.Namespace], int]:
+    """``infer.bench.<module>.run`` (engine, peers, prefix), imported when the command runs."""
+
+    @needs_bench_extra
+    def cmd(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(f"infer.bench.{module}").run(args) or 0)
+
+    return cmd
 
 
 def _micro_chart(name: str, result: dict, path: Path) -> Path | None:
@@ -266,7 +303,12 @@ def _incomplete(result: dict) -> int:
 
 def register(subparsers) -> None:
     """Add ``bench`` and its sub-commands to the ``infer`` parser."""
-    bench = subparsers.add_parser("bench", help="benchmarks: serving, client, micro, ablation")
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks: serving, client, micro, ablation, engine (needs the bench extra)",
+        description=f"Benchmarks (needs the bench extra: {INSTALL_HINT}). Reports go to "
+        f"./{DEFAULT_OUT} unless --out says otherwise.",
+    )
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     serve = sub.add_parser("serve", help="run the serving workloads against a server")
@@ -280,7 +322,10 @@ def register(subparsers) -> None:
     cmp.add_argument("--plots", default=None, help="folder for comparison PNGs")
     cmp.set_defaults(func=cmd_compare)
 
-    cl = sub.add_parser("client", help="reference 002 client tests (openai SDK)")
+    cl = sub.add_parser(
+        "client",
+        help="client-side suite (openai SDK): cold vs warm prefix, sequential vs concurrent",
+    )
     cl.add_argument("--server", default="http://127.0.0.1:8000")
     cl.add_argument("--model", default=None)
     cl.add_argument("--test", choices=["all", "caching", "batching"], default="all")
@@ -294,7 +339,7 @@ def register(subparsers) -> None:
     cl.add_argument("--no-save", action="store_true")
     cl.set_defaults(func=cmd_client)
 
-    mi = sub.add_parser("micro", help="engine micro-benchmarks of references 000/001 (toy model)")
+    mi = sub.add_parser("micro", help="engine micro-benchmarks on the toy NanoGPT, no HTTP")
     mi.add_argument(
         "suite",
         choices=["all", "kv-cache", "batching", "chunked-prefill", "scheduling", "prefix-cache"],
@@ -326,15 +371,58 @@ def register(subparsers) -> None:
         help='extra flags for every infer serve, e.g. --server-args="--dtype bfloat16"',
     )
     ab.add_argument("--rungs", default=None, help="comma-separated subset of rung names")
+    ab.add_argument(
+        "--compile-flag",
+        default=None,
+        metavar="FLAG",
+        help="add a last rung, +compiled_decode, passing FLAG to infer serve (write it with =: "
+        "--compile-flag=--my-flag); without it there is no such rung",
+    )
     ab.add_argument("--startup-timeout", type=float, default=600.0)
     ab.add_argument("--out", default=DEFAULT_OUT)
     ab.add_argument("--no-progress", action="store_true")
     ab.set_defaults(func=cmd_ablation)
 
     rs = sub.add_parser("results", help="stitch the latest reports into a RESULTS.md skeleton")
-    rs.add_argument("--reports", default=DEFAULT_OUT)
-    rs.add_argument("--out", default="benchmarks/RESULTS.md")
+    rs.add_argument("--reports", default=DEFAULT_OUT, help="folder of saved reports")
+    rs.add_argument("--out", default=f"{DEFAULT_OUT}/RESULTS.md")
     rs.set_defaults(func=cmd_results)
+
+    model_help = "model folder (default: a random-init ~100M Llama, built once)"
+    en = sub.add_parser("engine", help="offline engine tok/s on a ~100M Llama, with roofline")
+    en.add_argument("--model", default=None, help=model_help)
+    en.add_argument("--dtypes", default="bfloat16,float32")
+    en.add_argument("--concurrency", default="1,16,64", help="requests kept in flight")
+    en.add_argument("--runs", type=int, default=3, help="runs per concurrency; the median is kept")
+    en.add_argument("--prompt-len", type=int, default=64)
+    en.add_argument("--output-len", type=int, default=64)
+    en.add_argument("--out", default=f"{DEFAULT_OUT}/engine", help="report folder")
+    en.set_defaults(func=_offline_bench("engine"))
+
+    pe = sub.add_parser("peers", help="infer vs vLLM's CPU build over HTTP, same model and prompts")
+    pe.add_argument("--model", default=None, help=model_help)
+    pe.add_argument("--peers", default="infer,vllm", help="servers to run in turn")
+    pe.add_argument("--concurrency", default="1,16,64", help="requests kept in flight")
+    pe.add_argument("--runs", type=int, default=3, help="runs per concurrency; the median is kept")
+    pe.add_argument("--dtype", default="bfloat16")
+    pe.add_argument("--prompt-len", type=int, default=64)
+    pe.add_argument("--output-len", type=int, default=64)
+    pe.add_argument("--port", type=int, default=8311)
+    pe.add_argument(
+        "--infer-args",
+        default="",
+        help='extra infer serve flags, e.g. --infer-args="--torch-threads 1"',
+    )
+    pe.add_argument("--out", default=f"{DEFAULT_OUT}/peers", help="report folder")
+    pe.set_defaults(func=_offline_bench("peers"))
+
+    pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
+    pr.add_argument("--model", default=None, help=model_help)
+    pr.add_argument("--dtype", default="bfloat16")
+    pr.add_argument("--runs", type=int, default=5)
+    pr.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
+    pr.add_argument("--out", default=f"{DEFAULT_OUT}/prefix", help="report folder")
+    pr.set_defaults(func=_offline_bench("prefix"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,11 +17,12 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Literal
-
-import httpx
+from typing import TYPE_CHECKING, Literal
 
 from infer.bench.workloads import BenchRequest, Workload
+
+if TYPE_CHECKING:  # httpx comes with the bench extra; imported where a request is sent
+    import httpx
 
 Endpoint = Literal["completions", "chat"]
 
@@ -191,6 +192,8 @@ async def stream_request(
 
 def new_client(timeout_s: float = 600.0) -> httpx.AsyncClient:
     """An HTTP client without a connection cap (a burst must reach the server all at once)."""
+    import httpx
+
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_s, connect=30.0),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
@@ -282,6 +285,8 @@ async def run_workload(
 
 async def reachable(server: str, timeout_s: float = 10.0) -> str | None:
     """``None`` when something answers HTTP at ``server``, else why not (a one-line reason)."""
+    import httpx
+
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         try:
             await client.get(f"{api_base(server)}/models")
@@ -292,6 +297,8 @@ async def reachable(server: str, timeout_s: float = 10.0) -> str | None:
 
 async def fetch_models(server: str, timeout_s: float = 10.0) -> list[dict]:
     """``GET /v1/models`` -> its ``data`` list ([] when the server has no such route)."""
+    import httpx
+
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         try:
             resp = await client.get(f"{api_base(server)}/models")
@@ -309,6 +316,8 @@ async def fetch_engine_stats(server: str, timeout_s: float = 10.0) -> dict | Non
     """``GET /debug/engine`` of an infer server (counters such as preemptions and prefix-cache
     hits); ``None`` for servers without it."""
     base = server.rstrip("/").removesuffix("/v1")
+    import httpx
+
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         try:
             resp = await client.get(f"{base}/debug/engine")
@@ -333,6 +342,8 @@ async def reset_prefix_cache(server: str, timeout_s: float = 30.0) -> bool:
     """``POST /reset_prefix_cache`` (infer serve, vLLM): start a workload with a cold cache.
     ``False`` when the server has no such route or no prefix cache."""
     base = server.rstrip("/").removesuffix("/v1")
+    import httpx
+
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         try:
             resp = await client.post(f"{base}/reset_prefix_cache")

@@ -2,11 +2,11 @@
 
 For reports A, B, C (in that order) the output holds:
 
-1. a throughput table, one row per run and a last row "last vs first" (reference 003, Phase 6 vs
-   Phase 5);
+1. a throughput table, one row per run and a last row "last vs first";
 2. for each consecutive pair (or each run against the first, ``against="first"``) a delta table
    ``| Metric | workload ... |`` whose cells read ``a → b (+x%)``;
-3. per workload, the reference-003 metric table with one column per run.
+3. per workload, the metric table of :func:`~infer.bench.report.workload_table` with one column
+   per run.
 """
 
 from __future__ import annotations

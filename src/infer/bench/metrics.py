@@ -1,6 +1,6 @@
 """Serving metrics from request records: throughput, latency percentiles, goodput under an SLO.
 
-Definitions (reference 004 and vLLM's benchmark):
+Definitions (those of vLLM's ``benchmark_serving``):
 
 - TTFT: send -> first non-empty text chunk.
 - ITL: gap between consecutive chunks, pooled over every request of the run.
@@ -16,16 +16,21 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from infer.bench.client import RequestRecord
+if TYPE_CHECKING:
+    from infer.bench.client import RequestRecord
 
 PERCENTILES = (50, 95, 99)
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile (0..100) with linear interpolation between order statistics.
+def percentile(values: Iterable[float], p: float) -> float:
+    """The ``p``-th percentile of ``values``, ``p`` on the 0..100 scale (``percentile(xs, 99)``
+    is P99), with linear interpolation between order statistics.
 
-    Same definition as ``numpy.percentile(values, p)`` (method "linear"); NaN for no values.
+    The one percentile of every benchmark in :mod:`infer.bench`. Same definition and scale as
+    ``numpy.percentile(values, p)`` (method "linear"): pass 95 for P95, not 0.95. NaN for no
+    values; ``p`` outside 0..100 raises ``ValueError``.
     """
     if not 0 <= p <= 100:
         raise ValueError(f"percentile must be in [0, 100], got {p}")

@@ -1,5 +1,7 @@
 """PNG plots of serving reports (matplotlib, Agg backend: no display needed).
 
+matplotlib comes with the ``bench`` extra and is imported by the first plot, not by this module.
+
 - TTFT and ITL CDFs, one line per workload (or per run when comparing);
 - output-throughput bars, per workload and grouped by run;
 - a per-request timeline: each request's wait-to-first-token and decode span, failures in red.
@@ -10,14 +12,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+from infer.bench.client import RequestRecord
+from infer.bench.report import report_label, report_metrics
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from infer.bench.client import RequestRecord  # noqa: E402
-from infer.bench.report import report_label, report_metrics  # noqa: E402
+def _pyplot():
+    """``matplotlib.pyplot`` on the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _records(workload: dict) -> list[RequestRecord]:
@@ -26,6 +32,7 @@ def _records(workload: dict) -> list[RequestRecord]:
 
 def plot_cdf(series: dict[str, Sequence[float]], title: str, xlabel: str, path: Path) -> Path:
     """Empirical CDFs (values in ms), log-scaled x when the values span two decades."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     lo, hi = float("inf"), 0.0
     for label, values in series.items():
@@ -54,6 +61,7 @@ def plot_bars(
     groups: Sequence[str], runs: dict[str, Sequence[float]], title: str, ylabel: str, path: Path
 ) -> Path:
     """Grouped bars: one group per entry of ``groups``, one bar per run within it."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups) * max(1, len(runs)) ** 0.5), 4.2))
     n = max(1, len(runs))
     width = 0.8 / n
@@ -75,6 +83,9 @@ def plot_bars(
 
 def plot_timeline(records: Sequence[RequestRecord], title: str, path: Path) -> Path:
     """One row per request: grey from send to first token, blue while streaming, red if failed."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(8, max(2.5, 0.12 * len(records) + 1.2)))
     for row, r in enumerate(sorted(records, key=lambda r: (r.start_s, r.index))):
         if not r.success:

@@ -2,7 +2,7 @@
 
 A serving report is one JSON document (``SCHEMA``) holding the run's configuration, the machine it
 ran on, what the server said about itself, and per workload: the spec, the summary metrics and
-every request's record. The markdown tables follow the layout of reference 003: one
+every request's record. The markdown tables follow the usual serving-benchmark layout: one
 ``| Metric | run ... |`` table per workload (one column per run) and a cross-workload table.
 A run that lost requests says so under its table.
 """
@@ -145,7 +145,8 @@ def fmt(value: float | None, digits: int = 0) -> str:
     return f"{value:.{digits}f}"
 
 
-# (row label, getter, digits): the reference-003 rows first, then the extended ones.
+# (row label, getter, digits): the core rows first (throughput, TTFT, ITL, latency, errors),
+# then the extended ones.
 ROWS = (
     ("Throughput (tok/s)", lambda m: m.output_throughput, 1),
     ("TTFT P50 (ms)", lambda m: m.ttft.p50, 0),
@@ -218,7 +219,7 @@ def lost_note(label: str, m: WorkloadMetrics, errors: Sequence[str] = ()) -> str
 def workload_table(
     columns: Sequence[tuple[str, WorkloadMetrics]], with_goodput: bool | None = None
 ) -> str:
-    """``| Metric | label1 | label2 ... |`` for one workload (reference 003 layout + extras)."""
+    """``| Metric | label1 | label2 ... |`` for one workload (core rows, then the extras)."""
     header = ["Metric", *(label for label, _ in columns)]
     rows = [[name, *(_cell(name, m) for _, m in columns)] for name, _, _ in ROWS]
     if with_goodput is None:

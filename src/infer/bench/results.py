@@ -17,9 +17,7 @@ from infer.bench.micro import SUITES
 
 _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
 
-READING = (
-    "> **Reading**: _(two or three sentences: what helped, what it cost; the article's reading)_"
-)
+READING = "> **Reading**: _(two or three sentences: what helped, what it cost, and why)_"
 
 
 def _newest(paths: list[Path]) -> Path | None:
@@ -54,10 +52,10 @@ def build_results(reports: str | Path, out: str | Path) -> str:
     parts = [
         "# Results on this machine",
         "",
-        "Every table below was produced by `infer bench` on this machine; the reference articles'"
-        " figures come from other hardware, so compare shapes, not numbers.",
+        "Every table below was produced by `infer bench` on this machine; numbers from other"
+        " hardware differ, so compare shapes, not numbers.",
         "",
-        "## Engine micro-benchmarks (references 000 and 001)",
+        "## Engine micro-benchmarks (toy NanoGPT, offline engine)",
         "",
     ]
     for suite in SUITES:
@@ -67,7 +65,7 @@ def build_results(reports: str | Path, out: str | Path) -> str:
             parts += [embed(md, out), "", READING, ""]
         else:
             parts += [f"_Not run yet: `infer bench micro {suite}`._", ""]
-    parts += ["## Serving workloads and the ablation ladder (reference 003)", ""]
+    parts += ["## Serving workloads and the ablation ladder", ""]
     ablation = _newest(list(reports.glob("ablation_*/ABLATION.md")))
     serve = _newest(list(reports.glob("serve_*/report.md")))
     if ablation:
@@ -76,7 +74,7 @@ def build_results(reports: str | Path, out: str | Path) -> str:
         parts += [embed(serve, out), "", READING, ""]
     else:
         parts += ["_Not run yet: `infer bench ablation --model M`._", ""]
-    parts += ["## Client-side tests (reference 002)", ""]
+    parts += ["## Client-side suite (openai SDK)", ""]
     client = _newest(list(reports.glob("client_*.md")))
     if client:
         parts += [embed(client, out), "", READING, ""]

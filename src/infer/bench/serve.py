@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from infer.bench import DEFAULT_OUT
 from infer.bench.client import (
     Endpoint,
     RequestRecord,
@@ -212,9 +213,7 @@ def run_serving_benchmark_sync(cfg: ServeBenchConfig) -> dict:
     return asyncio.run(run_serving_benchmark(cfg))
 
 
-def save_report(
-    report: dict, out_dir: str | Path = "benchmarks/reports", plots: bool = True
-) -> Path:
+def save_report(report: dict, out_dir: str | Path = DEFAULT_OUT, plots: bool = True) -> Path:
     """Write ``<out_dir>/<stamp>_<label>/report.{json,md}`` (+ PNGs); returns the JSON path."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     folder = Path(out_dir) / f"serve_{stamp}_{slug(report['label'])}"

@@ -1,4 +1,5 @@
-"""The five serving workloads of the reference benchmark log, generated from a fixed seed.
+"""The five serving workloads (one per optimisation: baseline, continuous batching, paged
+attention, chunked prefill, prefix caching), generated from a fixed seed.
 
 Each workload is a :class:`WorkloadSpec` (how many requests, which prompt and output lengths, how
 they arrive); :func:`build_requests` turns a spec into concrete :class:`BenchRequest` objects whose
@@ -82,7 +83,7 @@ def _band(low: int, high: int, weight: float = 1.0) -> LengthBand:
     return LengthBand(low, high, weight)
 
 
-# Reference 003, "Workloads" table.
+# The workload table of docs/benchmarks.md ("Serving workloads").
 WORKLOADS: dict[str, WorkloadSpec] = {
     spec.name: spec
     for spec in (
@@ -118,7 +119,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 
 
 def resolve_workloads(name: str) -> list[WorkloadSpec]:
-    """``"all"`` -> the five workloads in reference order; otherwise the one named."""
+    """``"all"`` -> the five workloads in table order; otherwise the one named."""
     if name == "all":
         return list(WORKLOADS.values())
     if name not in WORKLOADS:

@@ -1,6 +1,6 @@
 """Command-line options for the engine, shared by `infer serve`, `infer generate` and benches.
 
-Flag names follow vLLM where one exists; the reference articles' names are accepted as aliases.
+Flag names follow vLLM where one exists; short names (--max-batch-size, ...) are aliases.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Engine micro-benchmarks (offline, no HTTP) reproducing the tables of references 000 and 001.
+"""Engine micro-benchmarks (offline, no HTTP): KV cache, batching, chunked prefill, scheduling
+and prefix caching, each as a table of named cases on a toy NanoGPT.
 
 ``infer bench micro kv-cache|batching|chunked-prefill|scheduling|prefix-cache|all`` runs them on
 the toy NanoGPT (0.057M parameters, context 64): the built-in ``toy`` model when available, else a

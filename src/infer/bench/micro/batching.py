@@ -1,4 +1,4 @@
-"""Reference 000, section 2: continuous batching vs serving one request at a time.
+"""Continuous batching vs serving one request at a time (the micro-benchmark's batching cases).
 
 Every case submits all its requests at once. ``sequential`` is the engine with
 ``max_num_seqs=1``; ``batched`` lets up to the case's max batch decode together (continuous

@@ -1,10 +1,11 @@
-"""Reference 000, section 3: chunked prefill vs whole-prompt prefill.
+"""Chunked prefill vs whole-prompt prefill (the micro-benchmark's chunked-prefill cases).
 
 Each case starts a few short-prompt "decode" streams, then long prompts arrive at fixed engine
 steps while those streams are decoding. ``normal`` prefills each prompt in one forward pass
 (a token budget larger than any prompt); ``chunked`` splits prompts into ``chunk`` tokens under a
-per-step ``budget``. The article's two knob rows keep its parameters (chunk 4 / budget 16 and
-chunk 16 / budget 32); the other rows use chunk 8 / budget 16. Gaps are measured on the decode
+per-step ``budget``. The two knob cases vary the chunk (``smaller_chunks_smoother_decode``:
+chunk 4 / budget 16, ``larger_chunks_less_overhead``: chunk 16 / budget 32); the other cases use
+chunk 8 / budget 16. Gaps are measured on the decode
 streams, which are what a long prefill interrupts.
 """
 

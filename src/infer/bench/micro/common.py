@@ -1,4 +1,4 @@
-"""The in-process harness of the engine micro-benchmarks (references 000 and 001).
+"""The in-process harness of the engine micro-benchmarks (``infer bench micro``).
 
 A case is a list of :class:`MicroRequest` (prompt token ids, output length, the engine step at
 which it arrives, a priority, a tag) replayed against one :class:`~infer.engine.engine.LLMEngine`
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-TOY_CONTEXT = 64  # the NanoGPT of the articles: block_size=64
+TOY_CONTEXT = 64  # the toy NanoGPT's block_size (context length)
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class MicroRequest:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     arrive_step: int = 0  # added before this engine step (0: at the start)
-    priority: int = 0  # lower number = more important (as in reference 001)
+    priority: int = 0  # lower number = more important (the engine's priority policy)
     after_previous: bool = False  # added only once every earlier request has finished
     tag: str = ""
 
@@ -195,7 +195,7 @@ def toy_model_path(explicit: str | None = None) -> tuple[str, str]:
 
 
 def random_toy_checkpoint(folder: str | Path | None = None, vocab_size: int = 384) -> Path:
-    """A random-init GPT-2 shaped like the articles' NanoGPT (4 layers, 4 heads, 32 wide,
+    """A random-init GPT-2 shaped like the toy NanoGPT (4 layers, 4 heads, 32 wide,
     context 64) with a small byte-level BPE tokenizer; reused when already there."""
     import tempfile
 

@@ -1,4 +1,4 @@
-"""Reference 000, section 1: KV cache vs recomputing the whole sequence every step.
+"""KV cache vs recomputing the whole sequence every step (the micro-benchmark's kv-cache cases).
 
 Five named cases (prompt length, generated tokens) and a generation-length sweep at prompt 8.
 One request at a time; ``no_cache`` is the engine with ``use_kv_cache=False``.

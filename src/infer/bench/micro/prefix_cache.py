@@ -1,7 +1,7 @@
-"""Reference 001: block-hashed prefix caching, five cases, cache on vs off.
+"""Block-hashed prefix caching, five cases, cache on vs off.
 
 Requests run one after another (each arrives when the previous finished), so a request can
-reuse the blocks its predecessors left. Prompt sizes follow the article's totals: a shared prefix
+reuse the blocks its predecessors left. Each case has fixed token totals: a shared prefix
 (per group, groups interleaved round-robin) plus a unique suffix; blocks of 4 tokens.
 ``eviction_pressure`` caps the pool at 8 blocks with 6 groups, so every prefix is evicted before
 it comes round again; the other cases get a pool of 256 blocks, enough to keep every prefix.

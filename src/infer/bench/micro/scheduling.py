@@ -1,6 +1,6 @@
-"""Reference 001: FCFS vs priority scheduling (with preemption) under a KV-token budget.
+"""FCFS vs priority scheduling (with preemption) under a KV-token budget.
 
-Case parameters are the article's (max batch, token budget, prefill chunk, KV tokens);
+Each case fixes a max batch, token budget, prefill chunk and KV tokens (see ``CASES``);
 ``equal_priority_control`` reuses the small-batch parameters with every priority equal. In each
 case low-priority work arrives first and high-priority requests a few steps later. A lower
 number is more important. KV tokens become blocks of 4.

@@ -1,13 +1,15 @@
-"""``infer bench client``: reference 002's two client-side tests through the ``openai`` SDK.
+"""``infer bench client``: a client-side benchmark suite of two measurements through the
+``openai`` SDK, as an application would see the server.
 
 1. **Caching** — one cold request on a long prefix made unique by a cache buster
    (``[UNIQUE-ID-nnnnn]`` in front), then ``num_warm + 1`` warm requests on the same prefix without
    it: the first warm one builds the cache, the rest are measured. Each asks for one token, so the
    TTFT is the prefill. Speed-up = ``1 - avg_warm_ttft / cold_ttft``.
 2. **Batching** — a short fixed prompt with a unique ``ID: nnnnn`` suffix (no accidental cache
-   hits), ``max_tokens=50``: sequential batches (one request after another) and concurrent batches
-   (all at once, each in its own thread as the article does) at sizes 1, 2, 4, 8, 12. Reported:
-   average TTFT, aggregate TPS (tokens / wall time from first send to last end), success rate.
+   hits), ``max_tokens=50``: sequential batches (one request after another) and concurrent
+   batches (all at once, each in its own thread, as a simple threaded client sends them) at sizes
+   1, 2, 4, 8, 12. Reported: average TTFT, aggregate TPS (tokens / wall time from first send to
+   last end), success rate.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def single_request(
             # The only token decoded to no visible text (a partial character, a special token):
             # the chunk that closed the choice still marks when it was generated.
             res.ttft_ms = finish_ms
-    except Exception as e:  # noqa: BLE001 - the article counts failures, it does not stop
+    except Exception as e:  # noqa: BLE001 - a failure is counted (success rate), never fatal
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.total_time_s = time.perf_counter() - t0
@@ -237,7 +239,7 @@ def batching_markdown(results: Sequence[BatchResult]) -> str:
 
 
 def batching_reading(results: Sequence[BatchResult]) -> str | None:
-    """Reference 002's reading of the concurrent rows: does TPS grow, or only the queue?"""
+    """One sentence on the concurrent rows: does TPS grow with the batch, or only the queue?"""
     conc = [r for r in results if r.kind == "concurrent" and r.tps and r.avg_ttft_ms]
     if len(conc) < 2:
         return None
@@ -255,7 +257,7 @@ def batching_reading(results: Sequence[BatchResult]) -> str | None:
     )
 
 
-def run_client_tests(
+def run_client_suite(
     server: str,
     model: str | None,
     endpoint: str = "chat",
@@ -267,7 +269,8 @@ def run_client_tests(
     timeout_s: float = 600.0,
     tests: Sequence[str] = ("caching", "batching"),
 ) -> dict:
-    """Both tests; returns a JSON-friendly dict with the results and their markdown."""
+    """Both measurements (``tests``: "caching", "batching"); returns a JSON-friendly dict with
+    the results and their markdown. Needs ``openai`` (the ``bench`` extra)."""
     import openai
 
     from infer.bench.client import api_base

@@ -1,0 +1,294 @@
+"""Engine throughput on a ~100M-parameter Llama, with the machine's roofline measured alongside.
+
+    infer bench engine [--dtypes bfloat16,float32] [--concurrency 1,16,64] [--runs 3]
+                       [--out bench-results/engine]
+
+(``python benchmarks/bench_engine.py`` runs the same.)
+
+For each dtype and concurrency C: C requests are kept in flight (closed loop) over the offline
+engine, each a 64-token prompt and 64 greedy output tokens (ignore_eos). Reported: output tok/s
+(median over runs), TTFT and ITL percentiles, and the split of step time between model
+forward, sampling and engine overhead (scheduling, batch preparation, output processing).
+Roofline, in the same run: memory read bandwidth over a buffer the size of the weights, and
+bf16 / float32 matmul FLOP/s; batch-1 decode is compared to the bandwidth bound and prefill to
+the FLOP bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from infer.bench.metrics import percentile
+from infer.config import EngineConfig
+from infer.core.sampling_params import SamplingParams
+from infer.engine.engine import LLMEngine
+
+LLAMA_100M_DIR = Path.home() / ".cache/infer/bench/llama-100m"
+
+
+def llama_100m(model: str | None = None) -> Path:
+    """``model`` when given, else the ~100M Llama (built once into ``LLAMA_100M_DIR``)."""
+    return Path(model) if model else build_llama_100m(LLAMA_100M_DIR)
+
+
+def build_llama_100m(out: Path) -> Path:
+    """Random-init Llama: hidden 768, 12 layers, 12 heads, vocab 32000, tied embeddings (~110M)."""
+    if (out / "config.json").exists():
+        return out
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infer.data.train_tokenizer import train_bpe_tokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    tok = train_bpe_tokenizer(tmp, vocab_size=32000)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        initializer_range=0.05,
+        dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def run_load(
+    engine: LLMEngine,
+    concurrency: int,
+    num_requests: int,
+    prompt_len: int,
+    output_len: int,
+    seed: int,
+) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
+    prompts = [
+        torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)
+    ]
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    st0 = _copy_times(engine)
+    next_id = 0
+    in_flight = 0
+    done = []
+    t0 = time.perf_counter()
+    while next_id < num_requests or engine.has_unfinished_requests():
+        while in_flight < concurrency and next_id < num_requests:
+            engine.add_request(f"r{next_id}", prompts[next_id], params)
+            next_id += 1
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                done.append(out)
+    wall = time.perf_counter() - t0
+    st1 = _copy_times(engine)
+    ttft = [o.timings.ttft * 1000 for o in done]
+    itl = [
+        (b - a) * 1000
+        for o in done
+        for a, b in zip(o.timings.token_times, o.timings.token_times[1:], strict=False)
+    ]
+    steps = {k: st1[k] - st0[k] for k in st1}
+    total = sum(v for k, v in steps.items() if k != "steps")
+    overhead = steps["schedule"] + steps["prepare"] + steps["update"]
+    return {
+        "concurrency": concurrency,
+        "requests": num_requests,
+        "completed": len(done),
+        "output_tokens": sum(o.num_output_tokens for o in done),
+        "wall_s": wall,
+        "output_tok_s": sum(o.num_output_tokens for o in done) / wall,
+        "ttft_ms": {f"p{p}": percentile(ttft, p) for p in (50, 95, 99)},
+        "itl_ms": {f"p{p}": percentile(itl, p) for p in (50, 95, 99)},
+        "steps": steps["steps"],
+        "step_split": {
+            "forward": steps["forward"] / total,
+            "sample": steps["sample"] / total,
+            "engine_overhead": overhead / total,
+        },
+        "mean_step_ms": 1000 * total / max(steps["steps"], 1),
+    }
+
+
+def _copy_times(engine: LLMEngine) -> dict:
+    st = engine.step_times
+    return {
+        k: getattr(st, k) for k in ("steps", "schedule", "prepare", "forward", "sample", "update")
+    }
+
+
+def roofline(weights_bytes: int, reps: int = 10) -> dict:
+    """Measured memory read bandwidth and matmul FLOP/s on this machine (best of ``reps``).
+
+    Bandwidth: the faster of two streaming reads over a float32 buffer the size of the weights
+    (a sum, and a dot product with itself); best-of rather than median because a shared box
+    only ever makes a pass slower, never faster.
+    """
+    buf = torch.ones(weights_bytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for fn in (torch.sum, lambda x: torch.dot(x, x)):
+        fn(buf)
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn(buf)
+            best = min(best, time.perf_counter() - t)
+    bw = weights_bytes / best
+    del buf
+    flops = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(2048, 2048, dtype=dtype)
+        b = torch.randn(2048, 2048, dtype=dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        flops[str(dtype).removeprefix("torch.")] = 2 * 2048**3 / best
+    return {
+        "read_bandwidth_GBps": bw / 1e9,
+        "matmul_TFLOPs": {k: v / 1e12 for k, v in flops.items()},
+    }
+
+
+def prefill_probe(engine: LLMEngine, prompt_len: int = 512, reps: int = 3) -> float:
+    """Seconds for one prefill of ``prompt_len`` tokens (median), for the FLOP-bound comparison."""
+    times = []
+    for i in range(reps):
+        ids = [5 + (j * 7 + i) % 1000 for j in range(prompt_len)]
+        t = time.perf_counter()
+        engine.add_request(f"prefill{i}", ids, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``infer bench engine``: measure, then write ``engine.json`` and ``engine.md``."""
+    model = llama_100m(args.model)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "model": str(model),
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "runs": args.runs,
+        "results": {},
+    }
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    for dtype in args.dtypes.split(","):
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(
+                model=str(model),
+                dtype=dtype,
+                max_num_seqs=max(concurrencies),
+                max_num_batched_tokens=4096,
+                max_model_len=1024,
+            )
+        )
+        params = sum(p.numel() for p in engine.model.parameters())
+        rows = {}
+        run_load(engine, 4, 4, args.prompt_len, 8, seed=99)  # warm-up
+        for c in concurrencies:
+            n = max(2 * c, 8)
+            runs = [
+                run_load(engine, c, n, args.prompt_len, args.output_len, seed=r)
+                for r in range(args.runs)
+            ]
+            best = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]  # the median run
+            best["output_tok_s_runs"] = [r["output_tok_s"] for r in runs]
+            rows[str(c)] = best
+            print(
+                f"{dtype} c={c}: {best['output_tok_s']:.1f} tok/s (runs {[round(x) for x in best['output_tok_s_runs']]}), "
+                f"TTFT p50 {best['ttft_ms']['p50']:.0f} ms, ITL p50 {best['itl_ms']['p50']:.1f} ms, "
+                f"overhead {100 * best['step_split']['engine_overhead']:.1f}%",
+                flush=True,
+            )
+        pf = prefill_probe(engine)
+        report["results"][dtype] = {
+            "params": params,
+            "weights_bytes": engine.weights_bytes,
+            "load": rows,
+            "prefill_512_s": pf,
+        }
+        del engine
+    roof = roofline(report["results"][args.dtypes.split(",")[0]]["weights_bytes"])
+    report["roofline"] = roof
+    for dtype, res in report["results"].items():
+        itl1 = res["load"].get("1", {}).get("itl_ms", {}).get("p50")
+        if itl1:
+            res["decode_b1_bandwidth_GBps"] = res["weights_bytes"] / (itl1 / 1000) / 1e9
+            res["decode_b1_vs_roofline"] = (
+                res["decode_b1_bandwidth_GBps"] / roof["read_bandwidth_GBps"]
+            )
+        res["prefill_TFLOPs"] = 2 * res["params"] * 512 / res["prefill_512_s"] / 1e12
+        res["prefill_vs_roofline"] = res["prefill_TFLOPs"] / roof["matmul_TFLOPs"][dtype]
+    (out_dir / "engine.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "engine.md").write_text(render_markdown(report))
+    print(render_markdown(report))
+    return 0
+
+
+def render_markdown(r: dict) -> str:
+    lines = [
+        "# Engine throughput: ~100M Llama, offline engine",
+        "",
+        f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} threads, torch {r['machine']['torch']}. "
+        f"Prompt {r['prompt_len']} tokens, {r['output_len']} output tokens, greedy, ignore_eos; "
+        f"median of {r['runs']} runs; C requests kept in flight, 2*C (min 8) requests per run.",
+        "",
+        "| dtype | concurrency | output tok/s | runs | TTFT p50/p95/p99 ms | ITL p50/p95/p99 ms | forward | sample | engine overhead |",
+        "|---|---:|---:|---|---|---|---:|---:|---:|",
+    ]
+    for dtype, res in r["results"].items():
+        for c, row in res["load"].items():
+            t, i, sp = row["ttft_ms"], row["itl_ms"], row["step_split"]
+            lines.append(
+                f"| {dtype} | {c} | {row['output_tok_s']:.1f} | {', '.join(f'{x:.0f}' for x in row['output_tok_s_runs'])} "
+                f"| {t['p50']:.0f} / {t['p95']:.0f} / {t['p99']:.0f} | {i['p50']:.1f} / {i['p95']:.1f} / {i['p99']:.1f} "
+                f"| {100 * sp['forward']:.1f}% | {100 * sp['sample']:.1f}% | {100 * sp['engine_overhead']:.1f}% |"
+            )
+    roof = r["roofline"]
+    lines += [
+        "",
+        "## Roofline (same run)",
+        "",
+        f"- Memory read bandwidth (best streaming read of a buffer the size of the weights): "
+        f"{roof['read_bandwidth_GBps']:.1f} GB/s",
+        f"- Matmul (2048^3): bf16 {roof['matmul_TFLOPs']['bfloat16']:.2f} TFLOP/s, "
+        f"float32 {roof['matmul_TFLOPs']['float32']:.2f} TFLOP/s",
+        "",
+        "| dtype | params | weights MiB | batch-1 decode: weights read/s | vs bandwidth | prefill 512 tok | prefill TFLOP/s | vs matmul peak |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dtype, res in r["results"].items():
+        lines.append(
+            f"| {dtype} | {res['params'] / 1e6:.1f}M | {res['weights_bytes'] / 2**20:.0f} "
+            f"| {res.get('decode_b1_bandwidth_GBps', float('nan')):.1f} GB/s | {100 * res.get('decode_b1_vs_roofline', float('nan')):.0f}% "
+            f"| {1000 * res['prefill_512_s']:.0f} ms | {res['prefill_TFLOPs']:.2f} | {100 * res['prefill_vs_roofline']:.0f}% |"
+        )
+    return "\n".join(lines) + "\n"
