@@ -25,7 +25,14 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m infer.server`` in a subprocess, its log in a file, ready once /health is 200."""
 
-    def __init__(self, model: Path, *args: str, log_dir: Path, api_key: str | None = None):
+    def __init__(
+        self,
+        model: Path,
+        *args: str,
+        log_dir: Path,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -38,7 +45,7 @@ class ServerProcess:
         # a tiny model's forward pass up to 100x slower under contention (measured: 18 s vs
         # 0.2 s for 64 prompts x 16 tokens at load average 10); the tests are about behaviour.
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-                   OMP_NUM_THREADS="1")  # fmt: skip
+                   OMP_NUM_THREADS="1", **(env or {}))  # fmt: skip
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
@@ -119,9 +126,15 @@ def server_logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("server-logs")
 
 
-def start_server(model: Path, log_dir: Path, *args: str, api_key: str | None = None):
+def start_server(
+    model: Path,
+    log_dir: Path,
+    *args: str,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+):
     """A context-managed server: yields it, terminates it after."""
-    server = ServerProcess(model, *args, log_dir=log_dir, api_key=api_key)
+    server = ServerProcess(model, *args, log_dir=log_dir, api_key=api_key, env=env)
     try:
         yield server
     finally:

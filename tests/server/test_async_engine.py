@@ -10,8 +10,9 @@ import pytest
 
 from infer import SamplingParams
 from infer.core.sampling_params import InvalidRequestError
-from infer.engine.async_engine import AddRequest, AsyncEngine
-from infer.engine.engine import LLMEngine, QueueFullError
+from infer.engine.async_engine import AddRequest, AsyncEngine, QueueFullError
+from infer.engine.core_loop import STEP_DELAY_ENV
+from infer.engine.engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
@@ -145,7 +146,9 @@ def test_abort_frees_the_slot_and_reports_abort(engine):
     assert [o.finish_reason for o in finished] == ["abort"]
 
 
-def test_timeout_ends_the_request_with_abort(engine):
+def test_timeout_ends_the_request_with_abort(engine, monkeypatch):
+    monkeypatch.setenv(STEP_DELAY_ENV, "0.01")  # 900 steps take >= 9 s: far past the timeout
+
     async def body(bridge):
         stream = bridge.add_group([AddRequest("slow", ids(engine, "Once"), LONG)])
         await stream.accepted()
@@ -156,8 +159,21 @@ def test_timeout_ends_the_request_with_abort(engine):
     assert outs[-1].num_output_tokens < 900
 
 
-def test_calls_run_on_the_engine_thread(engine):
-    async def body(bridge):
-        return await bridge.call(lambda e: (threading.current_thread().name, e is engine))
+def test_calls_run_on_the_engine_thread(engine, monkeypatch):
+    monkeypatch.setattr(
+        engine, "where", lambda x: (threading.current_thread().name, x), raising=False
+    )
 
-    assert run(engine, body) == ("infer-engine", True)
+    async def body(bridge):
+        return await bridge.call("where", 7)
+
+    assert run(engine, body) == ("infer-engine", 7)
+
+
+def test_a_failing_call_raises_its_error(engine):
+    async def body(bridge):
+        with pytest.raises(AttributeError):
+            await bridge.call("no_such_method")
+        return await bridge.call("reset_prefix_cache")
+
+    assert run(engine, body) in (True, False)

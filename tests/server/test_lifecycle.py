@@ -10,6 +10,8 @@ import openai
 import pytest
 from tests.server.conftest import start_server
 
+from infer.engine.core_loop import STEP_DELAY_ENV
+
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
 # A long shared prefix (many full KV blocks) so a repeat can be served from the prefix cache.
 PREFIX = "The import statement combines two operations; it searches for the named module. " * 6
@@ -17,8 +19,8 @@ PREFIX = "The import statement combines two operations; it searches for the name
 
 @pytest.fixture(scope="module")
 def server(llama_checkpoint, server_logs):
-    yield from start_server(llama_checkpoint, server_logs, "--request-timeout", "1.0",
-                            "--enable-prefix-caching", "--drain-timeout", "20")  # fmt: skip
+    yield from start_server(llama_checkpoint, server_logs, "--enable-prefix-caching",
+                            "--drain-timeout", "20")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -26,23 +28,32 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
 
 
-def test_request_timeout_ends_with_abort(server, client):
+@pytest.fixture(scope="module")
+def slow_server(llama_checkpoint, server_logs):
+    """Every engine step sleeps 10 ms: 1000 tokens take >= 10 s, ten times the 1 s timeout,
+    however fast the machine."""
+    yield from start_server(llama_checkpoint, server_logs, "--request-timeout", "1.0",
+                            env={STEP_DELAY_ENV: "0.01"})  # fmt: skip
+
+
+def test_request_timeout_ends_with_abort(slow_server):
+    client = openai.OpenAI(base_url=slow_server.base_url, api_key="unused", max_retries=0)
     got = client.completions.create(prompt=LONG["prompt"], model="tiny", max_tokens=1000,
                                     extra_body={"ignore_eos": True})  # fmt: skip
     assert got.choices[0].finish_reason == "abort"
     assert 0 < got.usage.completion_tokens < 1000
     assert got.choices[0].text
-    server.wait_idle()
+    slow_server.wait_idle()
 
 
-def test_streamed_request_timeout_ends_with_abort(server):
-    with httpx.stream("POST", server.base_url + "/completions", json={**LONG, "stream": True},
-                      timeout=60) as r:  # fmt: skip
+def test_streamed_request_timeout_ends_with_abort(slow_server):
+    with httpx.stream("POST", slow_server.base_url + "/completions",
+                      json={**LONG, "stream": True}, timeout=60) as r:  # fmt: skip
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     final = json.loads(events[-2])
     assert final["choices"][0]["finish_reason"] == "abort"
-    server.wait_idle()
+    slow_server.wait_idle()
 
 
 def test_repeated_prefix_is_served_from_the_cache(server, client):

@@ -1,91 +1,78 @@
-"""The bridge between the synchronous ``LLMEngine`` and asyncio: one thread owns the engine.
+"""The bridge between the engine loop and asyncio.
 
 ::
 
-    event loop (HTTP handlers)                      engine thread (owns LLMEngine)
-    ─────────────────────────                      ──────────────────────────────
-    add_group() ── AddRequest ──┐                  loop:
-    stream.abort() ── Abort ────┼─► command queue ─►  drain commands (block when idle)
-    call(fn) ── Call ───────────┘                     add / abort / call on the engine
-                                                      step() -> [RequestOutput]
-    RequestStream.queue ◄── call_soon_threadsafe ◄─   acks, deltas (one hop per batch)
+    event loop (HTTP handlers)                        engine loop (thread or process)
+    ─────────────────────────                        ───────────────────────────────
+    add_group() ── AddRequest ──┐                    loop:
+    stream.abort() ── Abort ────┼─► core.send() ────►  drain commands (block when idle)
+    call(method) ── CallEngine ─┘                       add / abort / call on the engine
+                                                        step() -> [RequestOutput]
+    RequestStream.queue ◄── _dispatch ◄── replies ◄──   acks, deltas, stats (one list a step)
 
-The engine is not thread-safe, so nothing but the engine thread touches it; the event loop
-only ever sees immutable messages (``RequestOutput``, acks, stats snapshots). A failing
-``add_request`` fails that request alone; a failing ``step()`` fails the requests that were in
-flight and the loop goes on serving new ones.
+The engine loop (``core_loop``) runs on a thread of this process (``ThreadCore``: the offline
+and test set-up) or in a process of its own (``EngineProcess``: what ``infer serve`` does by
+default). Everything on this side runs on the event loop, so no locks: replies arrive through
+``call_soon_threadsafe`` and are routed to the request streams here.
 
 Admission control happens here, on the event loop, before anything is queued: when the engine's
-waiting queue plus the adds not yet applied reach ``max_queued_requests``, ``add_group`` raises
-``QueueFullError`` at once (the server answers 429).
+waiting queue (as of the last step) plus the adds it has not acknowledged yet reach
+``max_queued_requests``, ``add_group`` raises ``QueueFullError`` at once (the server answers 429).
+This is the only queue bound: the engine itself takes whatever it is given.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from infer.core.outputs import RequestOutput
 from infer.core.request import RequestTimings
-from infer.core.sampling_params import InvalidRequestError, SamplingParams
-from infer.engine.engine import QueueFullError
+from infer.core.sampling_params import InvalidRequestError
+from infer.engine.core_client import EngineProcess, ThreadCore
+from infer.engine.core_loop import (
+    AbortRequests,
+    Ack,
+    AddRequest,
+    CallEngine,
+    CallResult,
+    EngineStopped,
+    RequestFailedError,
+    StatsUpdate,
+    Stop,
+    error_output,
+)
 
 logger = logging.getLogger("infer.engine")
 
+__all__ = [
+    "AddRequest",
+    "AsyncEngine",
+    "EngineStoppedError",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestStream",
+]
+
 
 class EngineStoppedError(Exception):
-    """The engine is shutting down or its thread has died (HTTP 503)."""
+    """The engine is shutting down or has died (HTTP 503)."""
 
 
-class RequestFailedError(Exception):
-    """The engine failed while serving a request (HTTP 500 / an error event in a stream)."""
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_queued_requests`` (the server answers 429)."""
 
 
-# ---- messages to the engine thread ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.perf_counter)
-
-
-@dataclass(frozen=True)
-class AbortRequests:
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class CallOnEngine:
-    fn: Callable[[Any], Any]
-    future: concurrent.futures.Future
-
-
-@dataclass(frozen=True)
-class _Ack:
-    request_id: str
-    error: BaseException | None
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Timeout:
     pass
-
-
-_STOP = object()
 
 
 # ---- the per-request handle ------------------------------------------------------------------
@@ -103,6 +90,7 @@ class RequestStream:
         self.request_ids = request_ids
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._early: collections.deque = collections.deque()  # outputs seen while awaiting acks
         self._unacked = set(request_ids)
         self._unfinished = set(request_ids)
         self._last: dict[str, RequestOutput] = {}
@@ -119,33 +107,35 @@ class RequestStream:
     def _put(self, item: Any) -> None:  # event loop only
         self._queue.put_nowait(item)
 
+    async def _get(self) -> Any:
+        return self._early.popleft() if self._early else await self._queue.get()
+
     async def accepted(self) -> None:
         """Wait until the engine has taken every child; raise its refusal otherwise.
 
         ``InvalidRequestError`` (a 400: too long, can never fit) or ``RequestFailedError``.
         """
         while self._unacked:
-            item = await self._queue.get()
-            if isinstance(item, _Ack):
+            item = await self._queue.get()  # not _get(): _early holds no acks
+            if isinstance(item, Ack):
                 self._unacked.discard(item.request_id)
                 if item.error is not None:
                     # The engine refused it: it never ran, so it is not reported as finished.
                     self._unfinished.discard(item.request_id)
-                    self._engine._streams.pop(item.request_id, None)
+                    self._engine.forget(item.request_id)
                     self.abort("a sibling request was refused")
                     raise item.error
             elif isinstance(item, _Timeout):
-                self._queue.put_nowait(item)  # let iteration report it
+                self._early.append(item)  # let iteration report it
                 return
-            else:  # an output before its ack cannot happen (FIFO hops), but keep it
-                self._queue.put_nowait(item)
-                await asyncio.sleep(0)
+            else:  # a sibling's output (it was taken and stepped before this one): keep order
+                self._early.append(item)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
             while self._unfinished:
-                item = await self._queue.get()
-                if isinstance(item, _Ack):
+                item = await self._get()
+                if isinstance(item, Ack):
                     self._unacked.discard(item.request_id)
                     if item.error is not None:
                         raise item.error
@@ -160,7 +150,7 @@ class RequestStream:
                 self._last[out.request_id] = out
                 if out.finished:
                     self._unfinished.discard(out.request_id)
-                    self._engine._request_done(out.request_id, out)
+                    self._engine.request_done(out.request_id, out)
                 yield self._index[out.request_id], out
         finally:
             if self._unfinished:  # consumer went away (disconnect, error): abort the rest
@@ -173,7 +163,7 @@ class RequestStream:
         ids = [rid for rid in self.request_ids if rid in self._unfinished]
         if not ids:
             return []
-        self._engine._send(AbortRequests(tuple(ids)))
+        self._engine.send(AbortRequests(tuple(ids)))
         done = []
         now = time.perf_counter()
         for rid in ids:
@@ -197,7 +187,7 @@ class RequestStream:
                 error=why,
             )
             self._unfinished.discard(rid)
-            self._engine._request_done(rid, out)
+            self._engine.request_done(rid, out)
             done.append((rid, out))
         logger.info("aborted %s (%s)", ",".join(ids), why)
         return done
@@ -213,10 +203,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns an ``LLMEngine`` on a background thread; safe to use from one asyncio event loop.
+    """Runs an engine loop (a thread for an ``LLMEngine``, a child for an ``EngineProcess``);
+    use from one asyncio event loop.
 
     ``on_finished(output)`` is called on the event loop for every engine request that ends
     (including aborts and timeouts) with its final ``RequestOutput`` - the metrics hook.
+    ``on_dead(why)`` is called once if the engine dies on its own (the server then exits).
     """
 
     def __init__(
@@ -227,29 +219,33 @@ class AsyncEngine:
         request_timeout: float | None = None,
         on_finished: Callable[[RequestOutput], None] | None = None,
     ) -> None:
-        self.engine = engine
+        if isinstance(engine, EngineProcess):
+            self.core: ThreadCore | EngineProcess = engine
+            self.stats = engine.startup_stats
+        else:
+            self.core = ThreadCore(engine)
+            self.stats = engine.get_stats()  # snapshot, replaced after every step
         self.max_queued_requests = max_queued_requests
         self.request_timeout = request_timeout
         self.on_finished = on_finished
-        self.stats = engine.get_stats()  # snapshot, replaced after every step
+        self.on_dead: Callable[[str], None] | None = None
         self.num_steps = 0
         self.num_step_failures = 0
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()
-        self._unapplied_adds = 0  # adds queued but not yet given to the engine
-        self._engine_waiting = self.stats.num_waiting
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._unacked_adds = 0  # adds sent but not yet acknowledged by the engine
+        self._stopped: asyncio.Event | None = None  # created in start(), on the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._accepting = True
-        self.dead: BaseException | None = None
+        self.dead: str | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the outputs."""
+        """Start the engine loop; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
-        self._thread.start()
+        self._stopped = asyncio.Event()
+        self.core.start(self._post)
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -277,17 +273,17 @@ class AsyncEngine:
         return clean
 
     async def shutdown(self) -> None:
-        """Stop the engine thread (after ``drain``)."""
+        """Stop the engine loop (after ``drain``) and wait for it to leave."""
         self.stop_accepting()
-        self._commands.put(_STOP)
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+        if self.dead is None and self._stopped is not None:
+            self.core.send(Stop())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), 30)
+        await asyncio.to_thread(self.core.join, 10)
+        await asyncio.to_thread(self.core.close)
 
     # ---- the event-loop API -------------------------------------------------------------------
-    def add_group(
-        self,
-        requests: list[AddRequest],
-    ) -> RequestStream:
+    def add_group(self, requests: list[AddRequest]) -> RequestStream:
         """Queue engine requests that answer one API request; raise ``QueueFullError`` when full.
 
         Never blocks: the 429 decision is made here, before anything reaches the engine.
@@ -303,32 +299,42 @@ class AsyncEngine:
                 f"most {bound}",
                 param="n",
             )
-        with self._lock:
-            queued = self._unapplied_adds + self._engine_waiting
-            if bound is not None and queued + len(requests) > bound:
-                raise QueueFullError(
-                    f"the waiting queue is full ({queued} of {bound} requests waiting); retry later"
-                )
-            self._unapplied_adds += len(requests)
+        queued = self._unacked_adds + self.stats.num_waiting
+        if bound is not None and queued + len(requests) > bound:
+            raise QueueFullError(
+                f"the waiting queue is full ({queued} of {bound} requests waiting); retry later"
+            )
+        self._unacked_adds += len(requests)
         deadline = None
         if self.request_timeout is not None:
             deadline = asyncio.get_running_loop().time() + self.request_timeout
         stream = RequestStream(self, [r.request_id for r in requests], deadline)
         for r in requests:
             self._streams[r.request_id] = stream
-            self._commands.put(r)
+            self.core.send(r)
         return stream
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(CallOnEngine(fn, future))
-        return await asyncio.wrap_future(future)
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run ``engine.<method>(*args)`` in the engine loop between steps; return its result."""
+        if self.dead is not None:
+            raise EngineStoppedError(f"the engine has stopped: {self.dead}")
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self.core.send(CallEngine(call_id, method, args))
+        return await future
 
-    def _send(self, command: Any) -> None:
-        self._commands.put(command)
+    def send(self, command: Any) -> None:
+        """Send a command to the engine loop (``AbortRequests`` from a stream)."""
+        if self.dead is None:
+            self.core.send(command)
 
-    def _request_done(self, request_id: str, final: RequestOutput) -> None:
+    def forget(self, request_id: str) -> None:
+        """Stop routing outputs for a request the engine refused."""
+        self._streams.pop(request_id, None)
+
+    def request_done(self, request_id: str, final: RequestOutput) -> None:
+        """A request's stream has seen its final output: stop routing, run the metrics hook."""
         self._streams.pop(request_id, None)
         if self.on_finished is not None:
             try:
@@ -336,135 +342,46 @@ class AsyncEngine:
             except Exception:  # metrics must never break serving
                 logger.exception("on_finished hook failed")
 
-    # ---- event-loop side of the hop ---------------------------------------------------------
-    def _dispatch(self, items: list) -> None:
-        for item in items:
-            rid = item.request_id
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream._put(item)
-
-    def _post(self, items: list) -> None:  # engine thread
-        if items and self._loop is not None and not self._loop.is_closed():
+    # ---- replies from the engine loop -------------------------------------------------------
+    def _post(self, replies: list) -> None:  # a background thread
+        loop = self._loop
+        if replies and loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # loop closed under us at exit
-                self._loop.call_soon_threadsafe(self._dispatch, items)
+                loop.call_soon_threadsafe(self._dispatch, replies)
 
-    # ---- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                idle = not engine.has_unfinished_requests()
-                commands = [self._commands.get()] if idle else []
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                stop = _STOP in commands
-                acks, aborted = self._apply([c for c in commands if c is not _STOP])
-                self._post(acks)
-                if stop:  # abort what is left, let the engine release it, and leave
-                    for rid in list(self._streams):
-                        with contextlib.suppress(Exception):
-                            engine.abort_request(rid)
-                    if engine.has_unfinished_requests():
-                        engine.step()
-                    self._publish_stats()
-                    self._fail_all(EngineStoppedError("the engine was stopped"))
-                    return
-                if engine.has_unfinished_requests() or aborted:
-                    self._post(self._step())
-                self._publish_stats()
-        except BaseException as e:  # noqa: BLE001 - the loop must report why it died
-            logger.exception("engine thread died")
-            self.dead = e
-            self._fail_all(EngineStoppedError(f"the engine thread died: {e}"))
+    def _dispatch(self, replies: list) -> None:  # the event loop
+        for item in replies:
+            if isinstance(item, StatsUpdate):
+                self.stats = item.stats
+                self.num_steps, self.num_step_failures = item.num_steps, item.num_step_failures
+            elif isinstance(item, CallResult):
+                future = self._calls.pop(item.call_id, None)
+                if future is not None and not future.done():
+                    if item.error is not None:
+                        future.set_exception(item.error)
+                    else:
+                        future.set_result(item.value)
+            elif isinstance(item, EngineStopped):
+                self._on_stopped(item.error)
+            else:  # Ack or RequestOutput
+                if isinstance(item, Ack):
+                    self._unacked_adds -= 1
+                stream = self._streams.get(item.request_id)
+                if stream is not None:
+                    stream._put(item)
 
-    def _publish_stats(self) -> None:
-        with self._lock:
-            self.stats = self.engine.get_stats()
-            self._engine_waiting = self.stats.num_waiting
-
-    def _apply(self, commands: list) -> tuple[list, bool]:
-        engine = self.engine
-        acks: list[_Ack] = []
-        aborted = False
-        adds = 0
-        for cmd in commands:
-            if isinstance(cmd, AddRequest):
-                adds += 1
-                error: BaseException | None = None
-                try:
-                    engine.add_request(
-                        cmd.request_id,
-                        cmd.prompt_token_ids,
-                        cmd.params,
-                        priority=cmd.priority,
-                        cache_salt=cmd.cache_salt,
-                        arrival_time=cmd.arrival_time,
-                    )
-                except (InvalidRequestError, QueueFullError) as e:
-                    error = e
-                except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
-                    logger.exception("add_request failed for %s", cmd.request_id)
-                    error = RequestFailedError(f"{type(e).__name__}: {e}")
-                acks.append(_Ack(cmd.request_id, error))
-            elif isinstance(cmd, AbortRequests):
-                for rid in cmd.request_ids:
-                    try:
-                        engine.abort_request(rid)
-                        aborted = True
-                    except Exception:  # noqa: BLE001
-                        logger.exception("abort_request failed for %s", rid)
-            elif isinstance(cmd, CallOnEngine) and cmd.future.set_running_or_notify_cancel():
-                try:
-                    cmd.future.set_result(cmd.fn(engine))
-                except BaseException as e:  # noqa: BLE001
-                    cmd.future.set_exception(e)
-        if adds:
-            ok = sum(1 for a in acks if a.error is None)
-            with self._lock:
-                self._unapplied_adds -= adds
-                self._engine_waiting += ok
-        return acks, aborted
-
-    def _step(self) -> list:
-        engine = self.engine
-        try:
-            outputs = engine.step()
-            self.num_steps += 1
-            return outputs
-        except Exception as e:  # noqa: BLE001
-            # We cannot tell which request broke the step: fail those in flight, keep serving.
-            self.num_step_failures += 1
-            logger.exception("engine step failed; failing the requests in flight")
-            failed = []
-            for rid in list(self._streams):
-                with contextlib.suppress(Exception):
-                    engine.abort_request(rid)
-                failed.append(
-                    RequestOutput(
-                        request_id=rid,
-                        new_token_ids=[],
-                        new_text="",
-                        finished=True,
-                        finish_reason="error",
-                        error=f"engine step failed: {type(e).__name__}: {e}",
-                    )
-                )
-            return failed
-
-    def _fail_all(self, error: BaseException) -> None:
-        items = [
-            RequestOutput(
-                request_id=rid,
-                new_token_ids=[],
-                new_text="",
-                finished=True,
-                finish_reason="error",
-                error=str(error),
-            )
-            for rid in list(self._streams)
-        ]
-        self._post(items)
+    def _on_stopped(self, error: str | None) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
+        why = error or "the engine was stopped"
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineStoppedError(why))
+        self._calls.clear()
+        for rid in list(self._streams):
+            self._streams[rid]._put(error_output(rid, why))
+        if error is not None and self.dead is None:
+            logger.error("engine stopped: %s", error)
+            self.dead = error
+            if self.on_dead is not None:
+                self.on_dead(error)

@@ -29,10 +29,6 @@ logger = logging.getLogger("infer.engine")
 DEFAULT_CPU_KV_BYTES = 2 << 30  # KV budget on CPU when none is given
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_queued_requests`` (the server answers 429)."""
-
-
 @dataclass
 class StepTimeTotals:
     """Cumulative seconds per part of ``step()``: where the time goes."""
@@ -274,9 +270,6 @@ class LLMEngine:
                 f"cache can ever hold ({cap.num_tokens} tokens in {cap.num_blocks} blocks)",
                 param="max_tokens",
             )
-        limit = self.config.scheduler.max_queued_requests
-        if limit is not None and self.scheduler.num_waiting >= limit:
-            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
         self._states[request_id] = _OutputState(
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
         )
@@ -291,6 +284,9 @@ class LLMEngine:
             return
         request.error = error
         self._pending.append(self._make_output(request))
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)

@@ -6,7 +6,6 @@ with the app (lifespan) and stops after the in-flight requests drained.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from contextlib import asynccontextmanager
@@ -87,9 +86,6 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         yield
         await async_engine.drain(settings.drain_timeout)
         await async_engine.shutdown()
-        close = getattr(engine, "close", None)  # the engine-process variant has a child to end
-        if close is not None:
-            await asyncio.to_thread(close)
 
     app = FastAPI(
         title="infer",
@@ -177,7 +173,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         """Drop every cached prefix block (needs --enable-prefix-caching)."""
         if not prefix_caching:
             raise APIError(400, "prefix caching is off (start with --enable-prefix-caching)")
-        ok = await async_engine.call(lambda e: e.reset_prefix_cache())
+        ok = await async_engine.call("reset_prefix_cache")
         return {"reset": bool(ok)}
 
     @app.get("/debug/engine", tags=["ops"])

@@ -35,8 +35,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait and run before it is aborted")  # fmt: skip
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")  # fmt: skip
-    g.add_argument("--engine-process", action="store_true",
-                   help="run the engine in a separate process instead of a thread of the server")  # fmt: skip
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine loop in its own process (the default), apart from HTTP "
+                   "work; --no-engine-process runs it on a thread of the server process")  # fmt: skip
     g.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads for the engine's torch (default: torch's choice; 1 is "
                    "far steadier on a small, shared CPU box - see docs/server.md)")  # fmt: skip
@@ -83,7 +84,7 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     config = engine_config_from_args(args)
     if args.engine_process:
-        from infer.server.engine_process import EngineProcess
+        from infer.engine.core_client import EngineProcess
 
         engine = EngineProcess(config, torch_threads=args.torch_threads)
     else:
@@ -125,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
     server.run()
-    return 0
+    return server.exit_code
 
 
 class DrainingServer(uvicorn.Server):
@@ -140,6 +141,14 @@ class DrainingServer(uvicorn.Server):
         self.async_engine = async_engine
         self.drain_timeout = drain_timeout
         self._draining = False
+        self.exit_code = 0
+        async_engine.on_dead = self._engine_died
+
+    def _engine_died(self, why: str) -> None:
+        """The engine died on its own: answer what is in flight with errors, then exit 1."""
+        logger.error("the engine died (%s); shutting the server down", why)
+        self.exit_code = 1
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001 - a signal handler
         if self._draining:

@@ -20,8 +20,13 @@ from starlette.types import Receive, Scope, Send
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
-from infer.engine.async_engine import AddRequest, AsyncEngine, EngineStoppedError, RequestStream
-from infer.engine.engine import QueueFullError
+from infer.engine.async_engine import (
+    AddRequest,
+    AsyncEngine,
+    EngineStoppedError,
+    QueueFullError,
+    RequestStream,
+)
 from infer.server.errors import APIError, bad_request, from_invalid_request
 from infer.server.protocol import (
     UNSUPPORTED_FIELDS,

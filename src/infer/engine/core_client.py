@@ -1,0 +1,193 @@
+"""Where the engine loop runs: a thread of this process, or a process of its own.
+
+Both clients take commands (``core_loop.AddRequest``, ...) through ``send`` and hand every list
+of replies the loop emits to ``on_replies``, called on a background thread of this process::
+
+    ThreadCore    event loop ── SimpleQueue ──► engine thread: run_engine_loop(LLMEngine)
+                  event loop ◄── on_replies ◄──┘
+
+    EngineProcess event loop ── pipe ──► engine process: run_engine_loop(LLMEngine)
+                  event loop ◄── on_replies ◄── reader thread ◄── pipe ◄──┘
+
+In its own process the engine has its own GIL: the forward pass never waits for HTTP parsing,
+tokenization or SSE writing in the server process, and a step's outputs cross the pipe as one
+pickled list. The child ignores SIGINT (Ctrl+C in a terminal reaches the whole process group;
+the server drains, then sends ``Stop``), and dies with its parent. If it dies on its own, the
+reader thread sees the pipe close and reports ``EngineStopped(error=...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from infer.config import EngineConfig
+from infer.engine.core_loop import EngineStopped, Stop, run_engine_loop
+
+logger = logging.getLogger("infer.engine")
+
+Replies = Callable[[list], None]
+
+
+class ThreadCore:
+    """The engine loop on a thread of this process (``LLM``-style use, tests, ``--no-engine-process``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_replies: Replies) -> None:
+        def next_commands(block: bool) -> list:
+            items = [self._commands.get()] if block else []
+            while True:
+                try:
+                    items.append(self._commands.get_nowait())
+                except queue.Empty:
+                    return items
+
+        def run() -> None:
+            try:
+                run_engine_loop(self.engine, next_commands, on_replies)
+            except BaseException as e:  # noqa: BLE001 - report why the loop died
+                logger.exception("engine thread died")
+                on_replies([EngineStopped(error=f"the engine thread died: {e}")])
+
+        self._thread = threading.Thread(target=run, name="infer-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, command: Any) -> None:
+        self._commands.put(command)
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        pass
+
+
+# What the server reads off the engine once, at start-up.
+_ATTRS = ("model_name", "max_model_len", "model_path", "capacity", "eos_token_ids", "config")
+
+
+def _child(conn, config: EngineConfig, log_level: int, torch_threads: int | None) -> None:
+    """The engine process: build the engine, then run the loop over the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _exit_with_parent()
+    if torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    from infer.engine.engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - report why, then exit
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    info = {name: getattr(engine, name) for name in _ATTRS}
+    info["startup_stats"] = engine.get_stats()
+    conn.send(("ok", info))
+
+    def next_commands(block: bool) -> list:
+        items = []
+        try:
+            if block:
+                items.append(conn.recv())
+            while conn.poll(0):
+                items.append(conn.recv())
+        except EOFError:  # the parent is gone: stop
+            items.append(Stop())
+        return items
+
+    run_engine_loop(engine, next_commands, conn.send)
+
+
+def _exit_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so a killed server leaves no engine behind."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+class EngineProcess:
+    """The engine loop in a child process; exposes what the server reads off an engine."""
+
+    def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
+        from infer.engine.model_source import resolve_model_path
+        from infer.model.tokenizer import load_tokenizer
+
+        ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads or locks
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_child, name="infer-engine",
+                                 args=(child_conn, config, logging.getLogger().level, torch_threads),
+                                 daemon=True)  # fmt: skip
+        self._proc.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        try:
+            status, info = self._conn.recv()
+        except EOFError as e:
+            raise RuntimeError(
+                f"the engine process exited during start-up (code {self._proc.exitcode})"
+            ) from e
+        if status != "ok":
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process failed to start: {info}")
+        for name, value in info.items():
+            setattr(self, name, value)
+        # The server tokenizes and renders chat templates itself; same files as the child's.
+        self.tokenizer = load_tokenizer(
+            config.model.tokenizer or resolve_model_path(config.model.model)
+        )
+        logger.info("engine runs in process %d", self._proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def start(self, on_replies: Replies) -> None:
+        def read() -> None:
+            while True:
+                try:
+                    replies = self._conn.recv()
+                except (EOFError, OSError):
+                    code = self._proc.exitcode
+                    if code is None:
+                        self._proc.join(5)
+                        code = self._proc.exitcode
+                    on_replies([EngineStopped(error=f"the engine process exited (code {code})")])
+                    return
+                on_replies(replies)
+                if any(isinstance(r, EngineStopped) for r in replies):
+                    return
+
+        self._reader = threading.Thread(target=read, name="infer-engine-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, command: Any) -> None:
+        with self._send_lock, contextlib.suppress(OSError, BrokenPipeError):
+            self._conn.send(command)
+
+    def join(self, timeout: float) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout)
+
+    def close(self) -> None:
+        """Wait for the child to leave (after ``Stop``); kill it if it does not."""
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
