@@ -17,14 +17,6 @@ from infer.engine.engine import LLMEngine
 PromptInput = str | Sequence[int]
 
 
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of the ``index``-th of ``n`` sequences generated for one prompt."""
-    from dataclasses import replace
-
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)
-
-
 class LLM:
     """Generate text offline, many prompts at once, with continuous batching.
 
@@ -71,7 +63,7 @@ class LLM:
                     self.engine.add_request(
                         rid,
                         token_ids,
-                        child_params(params, j),
+                        params.for_choice(j),
                         priority=priority[i] if priority else 0,
                         cache_salt=cache_salt,
                     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class InvalidRequestError(ValueError):
@@ -110,3 +110,13 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of the ``index``-th of ``n`` sequences generated for one prompt.
+
+        A seeded request gives its choices ``seed + index`` (wrapped into a signed 64-bit
+        integer), so they differ from each other yet are reproducible; the offline API and the
+        server fan out the same way.
+        """
+        seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
+        return replace(self, n=1, seed=seed)

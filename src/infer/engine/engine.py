@@ -17,6 +17,7 @@ from infer.config import EngineConfig
 from infer.core.outputs import RequestOutput
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
+from infer.core.validation import check_prompt
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.scheduler import Scheduler
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
@@ -234,20 +235,7 @@ class LLMEngine:
     ) -> None:
         """Queue one sequence. Raises ``InvalidRequestError`` naming the problem."""
         n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt is {n} tokens but the model's context length is {self.max_model_len} "
-                f"tokens (it must leave room for at least one generated token)",
-                param="prompt",
-            )
-        vocab = self.spec.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
-            )
+        check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"

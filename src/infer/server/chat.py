@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,9 +9,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.engine.async_engine import RequestStream
-from infer.server.errors import APIError, bad_request
+from infer.server.errors import bad_request
 from infer.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -28,7 +28,6 @@ from infer.server.protocol import (
     UsageInfo,
 )
 from infer.server.serving import (
-    SSE_DONE,
     Choices,
     Serving,
     SSEResponse,
@@ -36,6 +35,7 @@ from infer.server.serving import (
     new_id,
     raise_if_failed,
     sse,
+    stream_events,
     usage_totals,
 )
 
@@ -160,54 +160,29 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
     return JSONResponse(body.model_dump(mode="json"))
 
 
-async def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request,
-                  stream: RequestStream, request_id: str, model: str) -> AsyncIterator[bytes]:  # fmt: skip
+def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request,
+            stream: RequestStream, request_id: str, model: str) -> AsyncIterator[bytes]:  # fmt: skip
     created = int(time.time())
-    num_choices = len(stream.request_ids)
-    opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
-    finals: list = [None] * num_choices
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
         body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                             choices=choices, usage=usage)  # fmt: skip
         return sse(body.model_dump_json())
 
-    try:
-        # The role comes first, before any token: clients start their message on it.
-        for index in range(num_choices):
-            yield chunk([ChatStreamChoice(index=index,
-                                          delta=DeltaMessage(role="assistant", content=""))])  # fmt: skip
-        async for index, out in stream:
-            if out.finish_reason == "error":
-                err = APIError(500, f"the engine failed while serving this request: {out.error}",
-                               type="server_error", code="engine_error")  # fmt: skip
-                yield sse(json.dumps(err.body()))
-                break
-            if not out.new_text and not out.finished and not out.new_logprobs:
-                continue
-            logprobs = None
-            if req.logprobs:
-                logprobs = chat_logprobs(serving, out.new_logprobs, req.top_logprobs or 0)
-            usage = None
-            if continuous:
-                usage = UsageInfo(prompt_tokens=out.num_prompt_tokens,
-                                  completion_tokens=out.num_output_tokens,
-                                  total_tokens=out.num_prompt_tokens + out.num_output_tokens)  # fmt: skip
-            delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
-            yield chunk([ChatStreamChoice(
-                index=index, delta=delta, logprobs=logprobs,
-                finish_reason=out.finish_reason if out.finished else None,
-                stop_reason=out.stop_reason,
-            )], usage)  # fmt: skip
-            if out.finished:
-                finals[index] = out
-        else:
-            prompt, completion, cached = usage_totals(finals, req.n)
-            raw.state.usage = (prompt, completion)
-            if include_usage:
-                yield chunk([], serving.usage(prompt, completion, cached))
-        yield SSE_DONE
-    finally:
-        stream.abort()
+    def render(index: int, out: RequestOutput, usage: UsageInfo | None) -> bytes | None:
+        if not out.new_text and not out.finished and not out.new_logprobs:
+            return None
+        logprobs = None
+        if req.logprobs:
+            logprobs = chat_logprobs(serving, out.new_logprobs, req.top_logprobs or 0)
+        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
+        return chunk([ChatStreamChoice(
+            index=index, delta=delta, logprobs=logprobs,
+            finish_reason=out.finish_reason if out.finished else None,
+            stop_reason=out.stop_reason,
+        )], usage)  # fmt: skip
+
+    # The role comes first, before any token: clients start their message on it.
+    roles = [chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+             for index in range(len(stream.request_ids))]  # fmt: skip
+    return stream_events(serving, req, raw, stream, render, lambda usage: chunk([], usage), roles)

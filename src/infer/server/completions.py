@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.engine.async_engine import RequestStream
-from infer.server.errors import APIError, bad_request
+from infer.server.errors import bad_request
 from infer.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -21,7 +21,6 @@ from infer.server.protocol import (
     UsageInfo,
 )
 from infer.server.serving import (
-    SSE_DONE,
     Choices,
     Serving,
     SSEResponse,
@@ -29,6 +28,7 @@ from infer.server.serving import (
     new_id,
     raise_if_failed,
     sse,
+    stream_events,
     usage_totals,
 )
 
@@ -119,58 +119,35 @@ async def _collect(serving: Serving, req: CompletionRequest, raw: Request, strea
     return JSONResponse(body.model_dump(mode="json"))
 
 
-async def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream: RequestStream,
-                  request_id: str, model: str, echo: list[str] | None) -> AsyncIterator[bytes]:  # fmt: skip
-    n = req.n
+def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream: RequestStream,
+            request_id: str, model: str, echo: list[str] | None) -> AsyncIterator[bytes]:  # fmt: skip
     created = int(time.time())
-    num_choices = len(stream.request_ids)
-    opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
-    started = [False] * num_choices
-    offsets = [0] * num_choices
-    finals: list = [None] * num_choices
-    try:
-        async for index, out in stream:
-            if out.finish_reason == "error":
-                err = APIError(500, f"the engine failed while serving this request: {out.error}",
-                               type="server_error", code="engine_error")  # fmt: skip
-                yield sse(json.dumps(err.body()))
-                break
-            text = out.new_text
-            if echo is not None and not started[index]:
-                text = echo[index // n] + text
-            started[index] = True
-            if not text and not out.finished and not out.new_logprobs:
-                continue  # nothing a client can see (e.g. held back for a possible stop string)
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs, offsets[index] = completion_logprobs(
-                    serving, out.new_logprobs, req.logprobs, offsets[index]
-                )
-            usage = None
-            if continuous:
-                usage = UsageInfo(prompt_tokens=out.num_prompt_tokens,
-                                  completion_tokens=out.num_output_tokens,
-                                  total_tokens=out.num_prompt_tokens + out.num_output_tokens)  # fmt: skip
-            chunk = CompletionStreamResponse(
-                id=request_id, created=created, model=model, usage=usage,
-                choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                          finish_reason=out.finish_reason if out.finished else None,
-                                          stop_reason=out.stop_reason)],
-            )  # fmt: skip
-            yield sse(chunk.model_dump_json())
-            if out.finished:
-                finals[index] = out
-        else:
-            prompt, completion, cached = usage_totals(finals, n)
-            raw.state.usage = (prompt, completion)
-            if include_usage:
-                chunk = CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=serving.usage(prompt, completion, cached),
-                )  # fmt: skip
-                yield sse(chunk.model_dump_json())
-        yield SSE_DONE
-    finally:
-        stream.abort()  # no-op when every choice finished
+    started = [False] * len(stream.request_ids)
+    offsets = [0] * len(stream.request_ids)
+
+    def render(index: int, out: RequestOutput, usage: UsageInfo | None) -> bytes | None:
+        text = out.new_text
+        if echo is not None and not started[index]:
+            text = echo[index // req.n] + text
+        started[index] = True
+        if not text and not out.finished and not out.new_logprobs:
+            return None  # nothing a client can see (e.g. held back for a possible stop string)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, offsets[index] = completion_logprobs(
+                serving, out.new_logprobs, req.logprobs, offsets[index]
+            )
+        chunk = CompletionStreamResponse(
+            id=request_id, created=created, model=model, usage=usage,
+            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                      finish_reason=out.finish_reason if out.finished else None,
+                                      stop_reason=out.stop_reason)],
+        )  # fmt: skip
+        return sse(chunk.model_dump_json())
+
+    def render_usage(usage: UsageInfo) -> bytes:
+        chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                         usage=usage)  # fmt: skip
+        return sse(chunk.model_dump_json())
+
+    return stream_events(serving, req, raw, stream, render, render_usage)

@@ -5,11 +5,12 @@ fan-out into engine requests, logprob formatting, SSE framing and disconnect han
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
+from infer.core.validation import check_prompt
 from infer.engine.async_engine import (
     AddRequest,
     AsyncEngine,
@@ -59,11 +61,6 @@ class ServerSettings:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def wrap_seed(seed: int) -> int:
-    """Keep ``seed + i`` inside a signed 64-bit integer."""
-    return (seed + 2**63) % 2**64 - 2**63
 
 
 class Serving:
@@ -116,22 +113,11 @@ class Serving:
         return fn(*args)
 
     def check_lengths(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
-        n, limit = len(prompt_ids), self.max_model_len
-        if n == 0:
-            raise bad_request("the prompt is empty", param=param)
-        if n >= limit:
-            raise bad_request(
-                f"the prompt is {n} tokens but the model's context length is {limit} tokens "
-                "(it must leave room for at least one generated token)",
-                param=param,
-            )
-        if max_tokens is not None and n + max_tokens > limit:
-            raise bad_request(
-                f"the model's context length is {limit} tokens, but {n + max_tokens} were "
-                f"requested ({n} in the prompt + {max_tokens} for the completion); reduce the "
-                "prompt or max_tokens",
-                param="max_tokens",
-            )
+        """400 before anything is queued when the prompt (+ max_tokens) cannot be served."""
+        try:
+            check_prompt(prompt_ids, self.max_model_len, max_tokens=max_tokens, param=param)
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from e
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:  # fmt: skip
@@ -175,12 +161,11 @@ class Serving:
         adds = []
         for i, ids in enumerate(prompts):
             for j in range(params.n):
-                seed = None if params.seed is None else wrap_seed(params.seed + j)
                 adds.append(
                     AddRequest(
                         request_id=f"{request_id}-{i * params.n + j}",
                         prompt_token_ids=ids,
-                        params=replace(params, n=1, seed=seed),
+                        params=params.for_choice(j),
                         priority=req.priority,
                         cache_salt=req.cache_salt,
                         arrival_time=arrival,
@@ -257,6 +242,59 @@ def usage_totals(finals: list[RequestOutput | None], n: int) -> tuple[int, int, 
 
 
 # ---- transport helpers ----------------------------------------------------------------------
+
+
+ChunkRenderer = Callable[[int, RequestOutput, UsageInfo | None], bytes | None]
+
+
+async def stream_events(
+    serving: Serving,
+    req: Any,
+    raw: Request,
+    stream: RequestStream,
+    render: ChunkRenderer,
+    render_usage: Callable[[UsageInfo], bytes],
+    prologue: Sequence[bytes] = (),
+) -> AsyncIterator[bytes]:
+    """The SSE loop both streaming endpoints share.
+
+    ``render(index, delta, usage)`` turns one engine delta into an event (or None when the
+    client would see nothing); ``render_usage`` makes the final usage-only event that
+    ``stream_options.include_usage`` asks for. An engine failure becomes an error event; the
+    stream always ends with ``[DONE]``, and whatever is unfinished when the client leaves is
+    aborted.
+    """
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
+    try:
+        for event in prologue:
+            yield event
+        async for index, out in stream:
+            if out.finish_reason == "error":
+                err = APIError(500, f"the engine failed while serving this request: {out.error}",
+                               type="server_error", code="engine_error")  # fmt: skip
+                yield sse(json.dumps(err.body()))
+                break
+            usage = None
+            if continuous:
+                usage = UsageInfo(prompt_tokens=out.num_prompt_tokens,
+                                  completion_tokens=out.num_output_tokens,
+                                  total_tokens=out.num_prompt_tokens + out.num_output_tokens)  # fmt: skip
+            event = render(index, out, usage)
+            if event is not None:
+                yield event
+            if out.finished:
+                finals[index] = out
+        else:
+            prompt, completion, cached = usage_totals(finals, req.n)
+            raw.state.usage = (prompt, completion)
+            if include_usage:
+                yield render_usage(serving.usage(prompt, completion, cached))
+        yield SSE_DONE
+    finally:
+        stream.abort()  # no-op when every choice finished
 
 
 def sse(payload: str) -> bytes:
