@@ -90,12 +90,34 @@ def test_logprobs_match_transformers(make_llm, tiny_checkpoints):
 
 def test_min_tokens_holds_back_eos(make_llm):
     llm = make_llm("llama")
-    eos = llm.engine.eos_token_ids[0]
-    # Bias: make the prompt's own greedy continuation irrelevant by stopping on every token.
-    out = llm.generate(
-        PROMPTS[4], SamplingParams(max_tokens=8, min_tokens=5, temperature=0, stop_token_ids=[eos])
-    )[0].outputs[0]
-    assert len(out.token_ids) >= 5
+    # The token the model greedily emits first: made the EOS / stop id, it ends generation at once.
+    first = (
+        llm.generate(PROMPTS[4], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids[0]
+    )
+    n = 5
+
+    def run(**extra):
+        params = SamplingParams(max_tokens=8, temperature=0, **extra)
+        return llm.generate(PROMPTS[4], params)[0].outputs[0]
+
+    # As a stop token id: without min_tokens it stops after that one token.
+    out = run(stop_token_ids=[first])
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    # With min_tokens it is held back for the first n tokens.
+    out = run(stop_token_ids=[first], min_tokens=n)
+    assert len(out.token_ids) >= n and first not in out.token_ids[:n]
+
+    # As the model's EOS (what every request gets from the engine): the same.
+    llm.engine.eos_token_ids = (first,)
+    out = run()
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    out = run(min_tokens=n)
+    assert len(out.token_ids) >= n and first not in out.token_ids[:n]
+    # ignore_eos: EOS is neither a stop nor masked, so greedy emits it right away and goes on.
+    out = run(min_tokens=n, ignore_eos=True)
+    assert out.token_ids[0] == first and len(out.token_ids) == 8
 
 
 def test_penalties_change_greedy_choice(make_llm):
