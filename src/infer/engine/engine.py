@@ -23,6 +23,7 @@ from infer.engine.scheduler import Scheduler
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token
 from infer.runner.attention import KVCache
+from infer.runner.prepack import prepack_linears
 from infer.runner.runner import ModelRunner
 
 logger = logging.getLogger("infer.engine")
@@ -122,6 +123,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(mc.dtype, self.spec.torch_dtype, self.device)
         t0 = time.perf_counter()
         self.model = load_model(self.model_path, self.dtype, self.device)
+        prepack_linears(self.model)
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infer.model.layers import CausalLM, WeightSource, activation, embedding, transposed
@@ -121,9 +120,12 @@ class GPT2LMHeadModel(CausalLM):
             x = block(x, attn)
         return self.ln_f(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def vocab_projection_weight(self) -> torch.Tensor:
         # GPT-2 always ties the output projection to the token embeddings.
-        return F.linear(hidden, self.wte.weight).float()
+        return self.wte.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.project_to_vocab(hidden).float()
 
     def weight_sources(self) -> dict[str, WeightSource]:
         p = "transformer."

@@ -71,6 +71,17 @@ class CausalLM(nn.Module):
         """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
         raise NotImplementedError
 
+    def vocab_projection_weight(self) -> torch.Tensor:
+        """The ``[vocab, hidden]`` weight of the output projection (tied or not)."""
+        raise NotImplementedError
+
+    def project_to_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ W_vocab^T`` in the model's dtype; pre-packed when the runner packed it."""
+        packed = getattr(self, "packed_logits", None)
+        if packed is not None:
+            return packed(hidden)
+        return F.linear(hidden, self.vocab_projection_weight())
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, the statistics in float32.

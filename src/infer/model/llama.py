@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, embedding, plus_one
@@ -235,9 +234,11 @@ class DecoderLM(CausalLM):
             x = layer(x, cos, sin, attn)
         return self.norm(x)
 
+    def vocab_projection_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = self.project_to_vocab(hidden).float()
         cap = self.cfg.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
