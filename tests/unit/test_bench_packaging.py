@@ -73,6 +73,8 @@ def test_default_report_folder_is_outside_the_source_tree():
         ["bench", "ablation", "--model", "m"],
         ["bench", "engine"],
         ["bench", "peers"],
+        ["bench", "vs-vllm"],
+        ["bench", "decode-curve"],
         ["bench", "prefix"],
         ["bench", "results"],
     ):

@@ -1,4 +1,4 @@
-"""``infer bench serve|compare|client|micro|ablation|engine|peers|prefix|results``.
+"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|prefix|results``.
 
 Registered by :mod:`infer.cli`. Building the parser imports nothing from the ``bench`` extra;
 each command checks for the extra first (:func:`infer.bench.require_bench_extra`) and imports
@@ -415,6 +415,66 @@ def register(subparsers) -> None:
     )
     pe.add_argument("--out", default=f"{DEFAULT_OUT}/peers", help="report folder")
     pe.set_defaults(func=_offline_bench("peers"))
+
+    vs = sub.add_parser(
+        "vs-vllm",
+        help="infer vs vLLM over HTTP, both driven by vllm bench serve (the serving yardstick)",
+    )
+    vs.add_argument("--model", default=None, help=model_help)
+    vs.add_argument("--peers", default="infer,vllm", help="servers to run, one at a time")
+    vs.add_argument(
+        "--workloads",
+        default="64x64,1024x128",
+        help="INxOUT (default C: 64x64 -> 1,16,64; 1024x128 -> 16) or INxOUT@C+C, comma-separated",
+    )
+    vs.add_argument("--runs", type=int, default=3, help="rounds; the median of each metric is kept")
+    vs.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default 4*C)")
+    vs.add_argument("--warmup-output-len", type=int, default=16,
+                    help="output tokens of the warm-up run (C prompts) before each cell")  # fmt: skip
+    vs.add_argument("--dtype", default="bfloat16")
+    vs.add_argument("--max-num-seqs", type=int, default=64)
+    vs.add_argument("--max-model-len", type=int, default=2048)
+    vs.add_argument("--served-name", default=None, help="served model name (default: folder name)")
+    vs.add_argument("--seed", type=int, default=0, help="base seed of the random prompts")
+    vs.add_argument("--port", type=int, default=8321)
+    vs.add_argument(
+        "--infer-args",
+        default="",
+        help='extra infer serve flags (write with =: --infer-args="--torch-threads 1")',
+    )
+    vs.add_argument("--vllm-args", default="", help="extra vllm serve flags (write with =)")
+    vs.add_argument(
+        "--offline",
+        action="store_true",
+        help="also the offline engine at C=16 on 64x64 (LLM.generate), vs infer over HTTP",
+    )
+    vs.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each run, wait up to S seconds for other processes to use <= 0.25 cores",
+    )
+    vs.add_argument("--startup-timeout", type=float, default=600.0)
+    vs.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds per client run")
+    vs.add_argument("--out", default=f"{DEFAULT_OUT}/vs_vllm", help="report folder")
+    vs.set_defaults(func=_offline_bench("vs_vllm"))
+
+    dc = sub.add_parser(
+        "decode-curve", help="decode step time vs context length, and the attention share"
+    )
+    dc.add_argument("--model", default=None, help=model_help)
+    dc.add_argument("--dtype", default="bfloat16")
+    dc.add_argument("--batch", type=int, default=16, help="sequences decoding together")
+    dc.add_argument("--contexts", default="128,256,512,1024,2048,4096")
+    dc.add_argument("--steps", type=int, default=8, help="decode steps per timed block")
+    dc.add_argument("--repeats", type=int, default=3, help="real/no-op block pairs per context")
+    dc.add_argument("--max-model-len", type=int, default=4352)
+    dc.add_argument("--seed", type=int, default=0)
+    dc.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="before each context, wait up to S s for other processes to quiet down")  # fmt: skip
+    dc.add_argument("--out", default=f"{DEFAULT_OUT}/decode_curve", help="report folder")
+    dc.set_defaults(func=_offline_bench("decode_curve"))
 
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
     pr.add_argument("--model", default=None, help=model_help)

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -34,10 +39,35 @@ from infer.bench.client import RequestRecord, new_client, stream_request
 from infer.bench.engine import llama_100m
 from infer.bench.metrics import percentile
 
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+}
+"""Environment of vLLM's CPU build (server and ``vllm bench`` client): offline, 2 GiB of KV
+(infer's CPU default too), OpenMP threads on cores 0-1."""
+
+
+def vllm_venv() -> Path:
+    """The virtual environment of vLLM's CPU build: ``$VLLM_VENV``, default ``~/peers/vllm``."""
+    return Path(os.environ.get("VLLM_VENV", Path.home() / "peers" / "vllm"))
+
 
 def server_command(
-    peer: str, model: Path, port: int, dtype: str, max_seqs: int, extra: str = ""
+    peer: str,
+    model: Path,
+    port: int,
+    dtype: str,
+    max_seqs: int,
+    extra: str = "",
+    *,
+    max_model_len: int = 1024,
+    served_name: str = "m",
 ) -> tuple[list[str], dict]:
+    """The command line and environment that start ``peer`` (``infer`` or ``vllm``) on ``model``."""
     env = dict(os.environ)
     if peer == "infer":
         cmd = [
@@ -53,25 +83,17 @@ def server_command(
             "--max-num-seqs",
             str(max_seqs),
             "--max-model-len",
-            "1024",
+            str(max_model_len),
             "--served-model-name",
-            "m",
+            served_name,
             "--no-access-log",
-            *extra.split(),
+            *shlex.split(extra),
         ]
         return cmd, env
     if peer == "vllm":
-        venv = Path(os.environ.get("VLLM_VENV", Path.home() / "peers" / "vllm"))
-        env.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_TARGET_DEVICE="cpu",
-            VLLM_CPU_KVCACHE_SPACE="2",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_CPU_OMP_THREADS_BIND="0-1",
-        )
+        env.update(VLLM_ENV)
         cmd = [
-            str(venv / "bin" / "vllm"),
+            str(vllm_venv() / "bin" / "vllm"),
             "serve",
             str(model),
             "--host",
@@ -83,28 +105,86 @@ def server_command(
             "--max-num-seqs",
             str(max_seqs),
             "--max-model-len",
-            "1024",
+            str(max_model_len),
             "--served-model-name",
-            "m",
+            served_name,
+            *shlex.split(extra),
         ]
         return cmd, env
     raise SystemExit(f"unknown peer {peer!r} (known: infer, vllm)")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:
-    import httpx
-
+    """Seconds until ``GET url/health`` answers 200; raises if ``proc`` exits or time runs out."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.perf_counter() - t0
+        except (OSError, urllib.error.URLError):
             pass
         time.sleep(1)
     raise RuntimeError("server did not become healthy in time")
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when nothing listens on ``host:port`` (a bind succeeds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_port_free(port: int, timeout_s: float = 30.0) -> bool:
+    t0 = time.perf_counter()
+    while not port_is_free(port):
+        if time.perf_counter() - t0 > timeout_s:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def start_server(cmd: list[str], env: dict, log_path: Path, port: int) -> subprocess.Popen:
+    """Start a server in its own session (process group), output to ``log_path``.
+
+    Refuses to start when ``port`` is taken: whatever listens there is not ours to stop.
+    """
+    if not port_is_free(port):
+        raise RuntimeError(f"port {port} is already in use; pick another with --port")
+    log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
+    log.write(f"$ {shlex.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    proc.log_file = log  # type: ignore[attr-defined]
+    return proc
+
+
+def stop_server(proc: subprocess.Popen, port: int | None = None, grace_s: float = 60) -> None:
+    """SIGTERM the server's whole process group, SIGKILL what is left after ``grace_s``.
+
+    The group is killed even when the leader exited on time, so workers it spawned (vLLM's
+    engine core, infer's engine process) never outlive it; then waits for ``port`` to free.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, if any
+    proc.wait()
+    log = getattr(proc, "log_file", None)
+    if log is not None:
+        log.close()
+    if port is not None and not wait_port_free(port):
+        print(f"warning: port {port} still busy after stopping the server", flush=True)
 
 
 async def closed_loop(
@@ -151,11 +231,9 @@ def summarize(records: list[RequestRecord], wall: float) -> dict:
 
 
 def bench_peer(peer: str, args, model: Path, port: int) -> dict:
-    cmd, env = server_command(peer, model, port, args.dtype, max(args.concurrency), args.infer_args)
-    log = open(Path(args.out) / f"{peer}-server.log", "w")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    extra = args.infer_args if peer == "infer" else ""
+    cmd, env = server_command(peer, model, port, args.dtype, max(args.concurrency), extra)
+    proc = start_server(cmd, env, Path(args.out) / f"{peer}-server.log", port)
     url = f"http://127.0.0.1:{port}"
     try:
         startup = wait_healthy(url, proc)
@@ -188,12 +266,7 @@ def bench_peer(peer: str, args, model: Path, port: int) -> dict:
             )
         return {"startup_s": startup, "load": rows}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        stop_server(proc, port)
 
 
 def run(args: argparse.Namespace) -> int:

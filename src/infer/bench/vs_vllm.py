@@ -1,0 +1,889 @@
+"""infer vs vLLM over HTTP, both driven by vLLM's own load generator: ``infer bench vs-vllm``.
+
+    infer bench vs-vllm [--peers infer,vllm] [--workloads 64x64,1024x128] [--runs 3]
+                        [--infer-args "..."] [--offline] [--model DIR] [--out bench-results/vs_vllm]
+
+(``python benchmarks/bench_vs_vllm.py`` runs the same.) The yardstick of serving speed.
+
+Both servers run on the same model folder (the ~110M bf16 Llama of ``infer bench engine``, or
+``--model``), ``--max-num-seqs 64 --max-model-len 2048 --dtype bfloat16``, on the same port,
+**one at a time**. The client is the outside one for both: ``vllm bench serve --backend openai
+--endpoint /v1/completions --dataset-name random --ignore-eos --temperature 0``, from vLLM's
+virtual environment (``$VLLM_VENV``, default ``~/peers/vllm``), ``--num-prompts 4*C
+--max-concurrency C``. Workloads (``--workloads``): ``64x64`` (64 prompt tokens, 64 output
+tokens) at C = 1, 16, 64 and ``1024x128`` at C = 16; ``INxOUT@C+C`` names other cells.
+
+A *round* starts each peer in turn (the order alternates round by round, so a load that comes
+and goes on a shared machine does not always hit the same peer), and for each cell runs a short
+warm-up (C prompts of the cell's input length, 16 output tokens, other prompts) and then the
+measured run. ``--runs N`` makes N rounds; the report keeps the median of each metric. Prompts
+depend only on ``--seed``, the round and the cell, so both peers get the same prompts; a round's
+warm-up and measured prompts differ (nothing is reused from a prefix cache). The client's
+endpoint ready-check is skipped (``--ready-check-timeout-sec 0``): the driver waits for
+``/health`` itself, and the check would send the first measured prompt once more beforehand.
+
+Recorded per cell: ``os.getloadavg()`` before the warm-up and before the measured run, and the
+CPU that *other* processes used during the measured run (all busy CPU time in ``/proc/stat``
+minus this driver, the client and the server's process group, in cores). Servers' and clients'
+logs, vLLM's saved result JSON files, the versions and every exact command go to ``--out``.
+Servers always stop (SIGTERM to the process group, SIGKILL after 60 s, also on Ctrl-C or
+SIGTERM of this driver) and their port must be free before the next one starts.
+
+``--offline`` also measures the offline engine (``LLM.generate``, ``max_num_seqs=16``, 64
+prompts of 64 tokens, 64 output tokens) in a fresh process each round, right before infer's
+server, to compare with infer over HTTP at C=16 (target: HTTP loses at most 5%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_WORKLOADS: dict[str, tuple[int, ...]] = {"64x64": (1, 16, 64), "1024x128": (16,)}
+"""Workload (``INxOUT``) -> its concurrencies when named without ``@C``."""
+
+PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
+METRIC_PERCENTILES = "50,99"
+METRICS = ("ttft", "tpot", "itl", "e2el")
+HTTP_LOSS_TARGET = 0.05
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured cell: prompts of ``input_len`` tokens, ``output_len`` out, C in flight."""
+
+    input_len: int
+    output_len: int
+    concurrency: int
+
+    @property
+    def workload(self) -> str:
+        return f"{self.input_len}x{self.output_len}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload}@{self.concurrency}"
+
+
+def parse_workloads(spec: str) -> list[Cell]:
+    """``"64x64,1024x128"`` -> the default cells of each; ``"64x64@1+16"`` -> C = 1 and 16."""
+    cells: list[Cell] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        m = re.fullmatch(r"(\d+)x(\d+)(?:@(\d+(?:\+\d+)*))?", item)
+        if not m:
+            raise ValueError(f"bad workload {item!r}: write INxOUT or INxOUT@C or INxOUT@C+C")
+        name = f"{int(m[1])}x{int(m[2])}"
+        if m[3]:
+            concurrencies = [int(c) for c in m[3].split("+")]
+        elif name in DEFAULT_WORKLOADS:
+            concurrencies = list(DEFAULT_WORKLOADS[name])
+        else:
+            raise ValueError(f"workload {name!r} has no default concurrency: write {name}@C")
+        for c in concurrencies:
+            cell = Cell(int(m[1]), int(m[2]), c)
+            if c < 1 or cell.input_len < 1 or cell.output_len < 1:
+                raise ValueError(f"bad workload {item!r}: lengths and C must be positive")
+            if cell not in cells:
+                cells.append(cell)
+    if not cells:
+        raise ValueError("no workload given")
+    return cells
+
+
+def cell_seed(base: int, round_idx: int, cell: Cell, warmup: bool) -> int:
+    """The client's ``--seed`` (its random prompts): the same for every peer, new per round/cell."""
+    return base + 1000 * round_idx + 10 * cell.concurrency + (7 if warmup else 0) + cell.input_len
+
+
+def client_command(
+    vllm_bin: Path,
+    cell: Cell,
+    *,
+    base_url: str,
+    model_name: str,
+    tokenizer: Path,
+    num_prompts: int,
+    seed: int,
+    result_dir: Path,
+    result_filename: str,
+    output_len: int | None = None,
+) -> list[str]:
+    """``vllm bench serve`` for one cell (``output_len`` overrides the cell's, for warm-ups)."""
+    flags = [
+        ("--backend", "openai"), ("--base-url", base_url), ("--endpoint", "/v1/completions"),
+        ("--model", model_name), ("--tokenizer", tokenizer), ("--dataset-name", "random"),
+        ("--random-input-len", cell.input_len),
+        ("--random-output-len", output_len or cell.output_len),
+        ("--ignore-eos",), ("--temperature", 0),
+        ("--num-prompts", num_prompts), ("--max-concurrency", cell.concurrency), ("--seed", seed),
+        ("--percentile-metrics", PERCENTILE_METRICS), ("--metric-percentiles", METRIC_PERCENTILES),
+        ("--ready-check-timeout-sec", 0), ("--disable-tqdm",),
+        ("--save-result",), ("--result-dir", result_dir), ("--result-filename", result_filename),
+    ]  # fmt: skip
+    return [str(vllm_bin), "bench", "serve", *(str(x) for flag in flags for x in flag)]
+
+
+def parse_result(data: dict) -> dict:
+    """The figures of one ``vllm bench serve --save-result`` JSON that the report uses."""
+    out = {
+        "completed": int(data.get("completed", 0)),
+        "failed": int(data.get("failed", 0) or 0),
+        "num_prompts": data.get("num_prompts"),
+        "duration_s": data.get("duration"),
+        "total_input_tokens": data.get("total_input_tokens"),
+        "total_output_tokens": data.get("total_output_tokens"),
+        "output_tok_s": data.get("output_throughput"),
+        "request_s": data.get("request_throughput"),
+    }
+    for m in METRICS:
+        out[f"{m}_p50_ms"] = data.get(f"p50_{m}_ms", data.get(f"median_{m}_ms"))
+        out[f"{m}_p99_ms"] = data.get(f"p99_{m}_ms")
+        out[f"{m}_mean_ms"] = data.get(f"mean_{m}_ms")
+    return out
+
+
+def median_result(runs: list[dict]) -> dict:
+    """Per-metric median over the successful runs of one cell (and the list of their tok/s)."""
+    ok = [r for r in runs if "error" not in r]
+    out: dict = {"runs": len(runs), "ok_runs": len(ok)}
+    if not ok:
+        out["error"] = runs[0]["error"] if runs else "not run"
+        return out
+    for key, value in ok[0]["result"].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            vals = [r["result"][key] for r in ok if r["result"].get(key) is not None]
+            out[key] = statistics.median(vals) if vals else None
+    out["output_tok_s_runs"] = [r["result"]["output_tok_s"] for r in ok]
+    out["other_cpu_cores_runs"] = [r.get("other_cpu_cores") for r in ok]
+    return out
+
+
+def _get(results: dict, peer: str, key: str, metric: str) -> float | None:
+    row = results.get(peer, {}).get(key)
+    if not row or "error" in row:
+        return None
+    return row.get(metric)
+
+
+def check_targets(cells: dict, offline: dict | None = None) -> list[dict]:
+    """The serving-speed targets, each ``pass``/``miss`` with its figure, or ``n/a``.
+
+    ``cells``: ``{peer: {cell key: median row}}``; ``offline``: the offline engine's median row.
+    """
+    out: list[dict] = []
+
+    def add(name: str, ok: bool | None, figure: str) -> None:
+        status = "n/a" if ok is None else ("pass" if ok else "miss")
+        out.append({"target": name, "status": status, "figure": figure})
+
+    def ratio_target(key: str, need: float) -> None:
+        a = _get(cells, "infer", key, "output_tok_s")
+        b = _get(cells, "vllm", key, "output_tok_s")
+        name = f"{key}: infer output tok/s >= {need:g}x vLLM's"
+        if a is None or b is None or b <= 0:
+            add(name, None, "not measured")
+        else:
+            add(name, a / b >= need, f"{a / b:.2f}x ({a:.1f} vs {b:.1f} tok/s)")
+
+    def le_target(key: str, metric: str, label: str) -> None:
+        a = _get(cells, "infer", key, metric)
+        b = _get(cells, "vllm", key, metric)
+        name = f"{key}: infer {label} <= vLLM's"
+        if a is None or b is None:
+            add(name, None, "not measured")
+        else:
+            add(name, a <= b, f"{a:.1f} vs {b:.1f} ms")
+
+    ratio_target("64x64@16", 2.0)
+    ratio_target("64x64@64", 2.0)
+    le_target("64x64@1", "tpot_p50_ms", "TPOT p50")
+    ratio_target("1024x128@16", 1.5)
+    le_target("1024x128@16", "ttft_p50_ms", "TTFT p50")
+    keys = sorted(
+        {k for k in cells.get("infer", {}) if k.endswith(("@1", "@16"))} | {"64x64@1", "64x64@16"},
+        key=_cell_order,
+    )
+    for key in keys:
+        itl = _get(cells, "infer", key, "itl_p50_ms")
+        tpot = _get(cells, "infer", key, "tpot_p50_ms")
+        name = f"{key}: infer ITL p50 <= 1.2x its TPOT p50"
+        if itl is None or tpot is None or tpot <= 0:
+            add(name, None, "not measured")
+        else:
+            add(name, itl <= 1.2 * tpot, f"{itl / tpot:.2f}x ({itl:.1f} vs {tpot:.1f} ms)")
+    if offline is not None:
+        http = _get(cells, "infer", "64x64@16", "output_tok_s")
+        off = offline.get("output_tok_s") if "error" not in offline else None
+        name = f"64x64@16: infer over HTTP loses <= {100 * HTTP_LOSS_TARGET:.0f}% vs the offline engine"
+        if http is None or not off:
+            add(name, None, "not measured")
+        else:
+            loss = 1 - http / off
+            add(
+                name,
+                loss <= HTTP_LOSS_TARGET,
+                f"{100 * loss:+.1f}% ({http:.1f} vs {off:.1f} tok/s)",
+            )
+    return out
+
+
+def _cell_order(key: str) -> tuple[int, int, int]:
+    w, c = key.split("@")
+    i, o = w.split("x")
+    return int(i), int(o), int(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine load
+
+
+def _busy_cpu_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (``/proc/stat``, all cores)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _group_cpu_s(pgid: int | None) -> float:
+    """CPU seconds of the live processes of process group ``pgid`` (with reaped children)."""
+    if pgid is None:
+        return 0.0
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        rest = text[text.rfind(")") + 2 :].split()
+        if int(rest[2]) == pgid:
+            total += sum(int(x) for x in rest[11:15])  # utime stime cutime cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this driver and its reaped children (the ``vllm bench`` clients)."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+class OtherLoad:
+    """CPU used by processes other than ours (driver, client, server group) over a span, in cores."""
+
+    def __init__(self, server_pgid: int | None) -> None:
+        self.pgid = server_pgid
+        self.t0 = time.perf_counter()
+        self.busy0, self.own0, self.srv0 = _busy_cpu_s(), _own_cpu_s(), _group_cpu_s(server_pgid)
+
+    def cores(self) -> float:
+        wall = time.perf_counter() - self.t0
+        busy = _busy_cpu_s() - self.busy0
+        # A server process that exits unreaped takes its CPU time with it: never below zero.
+        ours = (_own_cpu_s() - self.own0) + max(_group_cpu_s(self.pgid) - self.srv0, 0.0)
+        return min(max(busy - ours, 0.0) / max(wall, 1e-9), float(os.cpu_count() or 1))
+
+
+QUIET_CORES = 0.25
+"""Other processes using more CPU than this (in cores) during a run mark it as disturbed."""
+
+
+def wait_quiet(max_wait_s: float, pgid: int | None = None, sample_s: float = 5.0) -> dict | None:
+    """Wait (at most ``max_wait_s``) until other processes use <= :data:`QUIET_CORES` of CPU.
+
+    Samples ``sample_s`` seconds at a time, our own processes (and group ``pgid``) excluded.
+    ``max_wait_s <= 0``: no sampling, None.
+    """
+    if max_wait_s <= 0:
+        return None
+    t0 = time.perf_counter()
+    while True:
+        probe = OtherLoad(pgid)
+        time.sleep(sample_s)
+        other = probe.cores()
+        waited = time.perf_counter() - t0
+        if other <= QUIET_CORES or waited >= max_wait_s:
+            return {"other_cpu_cores": other, "waited_s": waited, "quiet": other <= QUIET_CORES}
+        print(
+            f"  machine busy: other processes use {other:.2f} cores; waiting "
+            f"({waited:.0f}/{max_wait_s:.0f} s)",
+            flush=True,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def run_logged(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> int:
+    """Run ``cmd`` in its own process group, output to ``log_path``; killed on timeout or error."""
+    with open(log_path, "w") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.write(f"\n[killed after {timeout_s:.0f} s]\n")
+            return -9
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: int | None) -> dict:
+    """Warm-up then measured ``vllm bench serve`` for one cell; the parsed result and context."""
+    args, out = ctx["args"], ctx["out"]
+    stem = f"round{round_idx}-{peer}-{cell.workload}-c{cell.concurrency}"
+    common = {
+        "base_url": ctx["base_url"],
+        "model_name": ctx["served_name"],
+        "tokenizer": ctx["model"],
+        "result_dir": out / "results",
+    }
+    warm = client_command(
+        ctx["vllm_bin"],
+        cell,
+        num_prompts=cell.concurrency,
+        seed=cell_seed(args.seed, round_idx, cell, warmup=True),
+        result_filename=f"{stem}-warmup.json",
+        output_len=min(args.warmup_output_len, cell.output_len),
+        **common,
+    )
+    n = args.num_prompts or 4 * cell.concurrency
+    cmd = client_command(
+        ctx["vllm_bin"],
+        cell,
+        num_prompts=n,
+        seed=cell_seed(args.seed, round_idx, cell, warmup=False),
+        result_filename=f"{stem}.json",
+        **common,
+    )
+    row: dict = {
+        "cell": cell.key,
+        "round": round_idx,
+        "peer": peer,
+        "num_prompts": n,
+        "load_before_warmup": list(os.getloadavg()),
+        "warmup_command": shlex.join(warm),
+        "command": shlex.join(cmd),
+        "log": f"logs/{stem}.log",
+        "result_file": f"results/{stem}.json",
+    }
+    rc = run_logged(warm, ctx["client_env"], out / "logs" / f"{stem}-warmup.log", args.cell_timeout)
+    warm_path = out / "results" / f"{stem}-warmup.json"
+    warm_ok = rc == 0 and warm_path.exists()
+    if warm_ok:  # vllm bench exits 0 even when every request failed
+        warm_ok = parse_result(json.loads(warm_path.read_text()))["completed"] == cell.concurrency
+    if not warm_ok:
+        row["error"] = f"warm-up failed (client exit {rc}; see logs/{stem}-warmup.log)"
+        return row
+    row["quiet_wait"] = wait_quiet(args.wait_quiet, server_pgid)
+    row["load_before"] = list(os.getloadavg())
+    other = OtherLoad(server_pgid)
+    t0 = time.perf_counter()
+    rc = run_logged(cmd, ctx["client_env"], out / "logs" / f"{stem}.log", args.cell_timeout)
+    row["client_wall_s"] = time.perf_counter() - t0
+    row["other_cpu_cores"] = other.cores()
+    path = out / "results" / f"{stem}.json"
+    if rc != 0 or not path.exists():
+        row["error"] = f"client exited {rc} (see {row['log']})"
+        return row
+    res = parse_result(json.loads(path.read_text()))
+    row["result"] = res
+    if res["failed"] or res["completed"] < n:
+        row["error"] = f"{res['completed']}/{n} requests completed (see {row['log']})"
+    return row
+
+
+def run_peer_round(peer: str, round_idx: int, cells: list[Cell], ctx: dict) -> dict:
+    """Start ``peer``'s server, measure every cell, stop it (always)."""
+    from infer.bench.peers import server_command, start_server, stop_server, wait_healthy
+
+    args, out = ctx["args"], ctx["out"]
+    extra = args.infer_args if peer == "infer" else args.vllm_args
+    cmd, env = server_command(
+        peer,
+        ctx["model"],
+        args.port,
+        args.dtype,
+        args.max_num_seqs,
+        extra,
+        max_model_len=args.max_model_len,
+        served_name=ctx["served_name"],
+    )
+    env_note = {k: env[k] for k in ctx["vllm_env"]} if peer == "vllm" else {}
+    info: dict = {
+        "server_command": shlex.join(cmd),
+        "server_env": env_note,
+        "server_log": f"logs/round{round_idx}-{peer}-server.log",
+        "cells": {},
+    }
+    print(f"[round {round_idx}] starting {peer}: {shlex.join(cmd)}", flush=True)
+    proc = start_server(cmd, env, out / info["server_log"], args.port)
+    try:
+        info["startup_s"] = wait_healthy(ctx["base_url"], proc, args.startup_timeout)
+        print(f"[round {round_idx}] {peer} healthy after {info['startup_s']:.0f} s", flush=True)
+        for cell in cells:
+            row = measure_cell(peer, cell, round_idx, ctx, proc.pid)
+            info["cells"][cell.key] = row
+            print(f"[round {round_idx}] {peer} {cell.key}: {_one_line(row)}", flush=True)
+            if proc.poll() is not None:
+                raise RuntimeError(f"{peer} server exited with {proc.returncode} mid-run")
+    except Exception as e:  # noqa: BLE001 - a failed peer is reported; the other still runs
+        info["error"] = f"{type(e).__name__}: {e}"
+        print(f"[round {round_idx}] {peer} FAILED: {info['error']}", flush=True)
+    finally:
+        stop_server(proc, args.port)
+    return info
+
+
+def _one_line(row: dict) -> str:
+    if "error" in row and "result" not in row:
+        return f"FAILED: {row['error']}"
+    r = row["result"]
+    text = (
+        f"{r['output_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
+        f"TPOT p50 {r['tpot_p50_ms']:.1f} ms, ITL p50/p99 {r['itl_p50_ms']:.1f}/"
+        f"{r['itl_p99_ms']:.1f} ms, {r['completed']}/{row['num_prompts']} done, "
+        f"load {row['load_before'][0]:.2f}, other CPU {row['other_cpu_cores']:.2f} cores"
+    )
+    return text + (f" ({row['error']})" if "error" in row else "")
+
+
+def run_offline_round(round_idx: int, ctx: dict) -> dict:
+    """The offline engine at C=16 (64 prompts, 64/64) in a fresh process; its figures."""
+    args, out = ctx["args"], ctx["out"]
+    stem = f"round{round_idx}-offline"
+    cmd = [
+        sys.executable,
+        "-m",
+        "infer.bench.vs_vllm",
+        "offline",
+        "--model",
+        str(ctx["model"]),
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--seed",
+        str(cell_seed(args.seed, round_idx, Cell(64, 64, 16), warmup=False)),
+        "--json",
+        str(out / "results" / f"{stem}.json"),
+    ]
+    row: dict = {"command": shlex.join(cmd), "log": f"logs/{stem}.log"}
+    row["quiet_wait"] = wait_quiet(args.wait_quiet)
+    row["load_before"] = list(os.getloadavg())
+    other = OtherLoad(None)
+    rc = run_logged(cmd, dict(os.environ), out / "logs" / f"{stem}.log", args.cell_timeout)
+    row["other_cpu_cores"] = other.cores()
+    path = out / "results" / f"{stem}.json"
+    if rc != 0 or not path.exists():
+        row["error"] = f"offline run exited {rc} (see {row['log']})"
+    else:
+        row["result"] = json.loads(path.read_text())
+    print(
+        f"[round {round_idx}] offline 64x64@16: {row.get('result', row.get('error'))}", flush=True
+    )
+    return row
+
+
+def offline_main(argv: list[str]) -> int:
+    """``python -m infer.bench.vs_vllm offline ...``: one offline measurement, as JSON."""
+    p = argparse.ArgumentParser(prog="python -m infer.bench.vs_vllm offline")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True)
+    a = p.parse_args(argv)
+
+    import torch
+
+    from infer import LLM, SamplingParams
+
+    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.concurrency, max_model_len=a.max_model_len)
+    vocab = min(llm.engine.spec.vocab_size, len(llm.tokenizer))
+    gen = torch.Generator().manual_seed(a.seed)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [torch.randint(3, vocab, (a.input_len,), generator=gen).tolist() for _ in range(n)]
+
+    warm = SamplingParams(max_tokens=min(16, a.output_len), temperature=0.0, ignore_eos=True)
+    llm.generate(prompts(a.concurrency), warm)
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    batch = prompts(a.num_prompts)
+    t0 = time.perf_counter()
+    results = llm.generate(batch, params)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    res = {
+        "num_prompts": a.num_prompts,
+        "max_num_seqs": a.concurrency,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "total_output_tokens": tokens,
+        "duration_s": wall,
+        "output_tok_s": tokens / wall,
+    }
+    Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Versions and the report
+
+
+def versions(vllm_python: Path) -> dict:
+    """infer (version, git commit, working-tree changes), torch, Python, CPU; vLLM's venv."""
+    import torch
+
+    import infer
+
+    def git(*a: str) -> str | None:
+        try:
+            r = subprocess.run(
+                ["git", *a],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                cwd=Path(infer.__file__).resolve().parent,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.rstrip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    v: dict = {
+        "infer": infer.__version__,
+        "infer_git": git("describe", "--always", "--dirty", "--abbrev=10"),
+        "infer_modified_files": [ln[3:] for ln in status.splitlines()] if status else [],
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+    code = "import importlib.metadata as m, platform; print(m.version('vllm'), m.version('torch'), platform.python_version())"
+    try:
+        r = subprocess.run(
+            [str(vllm_python), "-c", code], capture_output=True, text=True, timeout=60
+        )
+        v["vllm"], v["vllm_torch"], v["vllm_python"] = r.stdout.split()
+    except (OSError, subprocess.SubprocessError, ValueError):
+        v["vllm"] = None
+    return v
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def render(report: dict) -> str:
+    """The Markdown report of :func:`run`'s JSON."""
+    cfg, med = report["config"], report["medians"]
+    keys = [c["key"] for c in report["cells"]]
+    lines = [
+        "# infer vs vLLM over HTTP (`vllm bench serve`, same machine, same prompts)",
+        "",
+        f"{report['created']}. Model `{cfg['model']}` served as `{cfg['served_name']}`, "
+        f"`--dtype {cfg['dtype']} --max-num-seqs {cfg['max_num_seqs']} --max-model-len "
+        f"{cfg['max_model_len']}` for both; infer extra args: `{cfg['infer_args'] or '-'}`, "
+        f"vLLM extra args: `{cfg['vllm_args'] or '-'}`. Servers run one at a time; "
+        f"{cfg['runs']} round(s), the peers' order alternating; medians over rounds. "
+        f"Client: `vllm bench serve`, random prompts, `--ignore-eos --temperature 0`, "
+        f"`--num-prompts {cfg['num_prompts'] or '4*C'} --max-concurrency C`; one warm-up run "
+        f"(C prompts, {cfg['warmup_output_len']} output tokens) before each measured run.",
+        "",
+        "## Results (medians)",
+        "",
+        "| workload | C | infer tok/s | vLLM tok/s | infer / vLLM | TTFT p50 ms infer / vLLM "
+        "| TPOT p50 ms infer / vLLM | ITL p50 ms infer / vLLM | ITL p99 ms infer / vLLM | done infer / vLLM |",
+        "|---|---:|---:|---:|---:|---|---|---|---|---|",
+    ]
+
+    def cellv(peer: str, key: str, metric: str, nd: int = 1) -> str:
+        row = med.get(peer, {}).get(key)
+        if row is None:
+            return "-"
+        if "error" in row:
+            return "failed"
+        return _fmt(row.get(metric), nd)
+
+    def pair(key: str, metric: str) -> str:
+        return f"{cellv('infer', key, metric)} / {cellv('vllm', key, metric)}"
+
+    def done(peer: str, key: str) -> str:
+        row = med.get(peer, {}).get(key)
+        if row is None:
+            return "-"
+        runs = [r for r in report["runs"] if r["peer"] == peer and r["cell"] == key]
+        bad = sum("error" in r for r in runs)
+        return f"{len(runs) - bad}/{len(runs)} runs ok" + (" ⚠" if bad else "")
+
+    for key in keys:
+        w, c = key.split("@")
+        a = _get(med, "infer", key, "output_tok_s")
+        b = _get(med, "vllm", key, "output_tok_s")
+        ratio = f"{a / b:.2f}x" if a and b else "-"
+        lines.append(
+            f"| {w} | {c} | {cellv('infer', key, 'output_tok_s')} | "
+            f"{cellv('vllm', key, 'output_tok_s')} | {ratio} | {pair(key, 'ttft_p50_ms')} | "
+            f"{pair(key, 'tpot_p50_ms')} | {pair(key, 'itl_p50_ms')} | {pair(key, 'itl_p99_ms')} | "
+            f"{done('infer', key)} / {done('vllm', key)} |"
+        )
+    if "offline" in report:
+        off = report["offline"]["median"]
+        lines += [
+            "",
+            f"Offline engine (`LLM.generate`, max_num_seqs=16, 64 prompts, 64x64): "
+            f"{_fmt(off.get('output_tok_s'))} tok/s (runs: "
+            f"{', '.join(_fmt(x) for x in off.get('output_tok_s_runs', []))}); "
+            f"`--infer-args` do not apply to it.",
+        ]
+    disturbed = [r for r in report["runs"] if (r.get("other_cpu_cores") or 0) > QUIET_CORES]
+    if disturbed:
+        lines += [
+            "",
+            f"⚠ {len(disturbed)} of {len(report['runs'])} measured runs had other processes "
+            f"using more than {QUIET_CORES} cores (see *Every run*): figures from a busy machine.",
+        ]
+    lines += ["", "## Targets", ""]
+    for t in report["targets"]:
+        mark = {"pass": "PASS", "miss": "MISS", "n/a": "n/a"}[t["status"]]
+        lines.append(f"- **{mark}** {t['target']}: {t['figure']}")
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "Load: `os.getloadavg()` (1/5/15 min) before the warm-up and before the measured run; "
+        "other CPU: cores busy with processes other than this driver, the client and the "
+        "server during the measured run (from `/proc/stat`); ⚠ disturbed above "
+        f"{QUIET_CORES} cores.",
+        "",
+        "| round | peer | cell | output tok/s | TTFT p50 | TPOT p50 | ITL p50 / p99 | done "
+        "| load before warm-up | load before run | other CPU (cores) |",
+        "|---:|---|---|---:|---:|---:|---|---|---|---|---:|",
+    ]
+    for r in report["runs"]:
+        res = r.get("result", {})
+        la = "/".join(f"{x:.2f}" for x in r.get("load_before_warmup", []))
+        lb = "/".join(f"{x:.2f}" for x in r.get("load_before", []))
+        status = f"{res.get('completed', 0)}/{r.get('num_prompts', '?')}"
+        if "error" in r:
+            status += f" ⚠ {r['error']}"
+        if (r.get("other_cpu_cores") or 0) > QUIET_CORES:
+            status += " ⚠ disturbed"
+        lines.append(
+            f"| {r['round']} | {r['peer']} | {r['cell']} | {_fmt(res.get('output_tok_s'))} "
+            f"| {_fmt(res.get('ttft_p50_ms'))} | {_fmt(res.get('tpot_p50_ms'))} "
+            f"| {_fmt(res.get('itl_p50_ms'))} / {_fmt(res.get('itl_p99_ms'))} | {status} "
+            f"| {la} | {lb} | {_fmt(r.get('other_cpu_cores'), 2)} |"
+        )
+    for rnd in report.get("offline", {}).get("rounds", []):
+        res = rnd.get("result", {})
+        lb = "/".join(f"{x:.2f}" for x in rnd.get("load_before", []))
+        lines.append(
+            f"| {rnd['round']} | offline | 64x64@16 | {_fmt(res.get('output_tok_s'))} | | | "
+            f"| {'⚠ ' + rnd['error'] if 'error' in rnd else ''} | | {lb} "
+            f"| {_fmt(rnd.get('other_cpu_cores'), 2)} |"
+        )
+    v = report["versions"]
+    lines += [
+        "",
+        "## Versions",
+        "",
+        f"- infer {v['infer']} (git {v.get('infer_git')}), torch {v['torch']} "
+        f"({v['torch_threads']} threads), Python {v['python']}",
+        f"- vLLM {v.get('vllm')} (torch {v.get('vllm_torch')}, Python {v.get('vllm_python')}), "
+        f"venv `{cfg['vllm_venv']}`",
+        f"- CPU: {v['cpu']}, {v['cpus']} logical CPUs; {v['platform']}",
+    ]
+    if v.get("infer_modified_files"):
+        lines.append(
+            f"- infer working tree had uncommitted changes in: {', '.join(v['infer_modified_files'])}"
+        )
+    lines += ["", "## Commands", "", f"Driver: `{report['argv']}`", ""]
+    for rnd in report["servers"]:
+        lines.append(f"- round {rnd['round']} {rnd['peer']} server (log `{rnd['server_log']}`):")
+        env = " ".join(f"{k}={val}" for k, val in rnd["server_env"].items())
+        lines.append(f"  `{(env + ' ') if env else ''}{rnd['server_command']}`")
+        if "error" in rnd:
+            lines.append(f"  failed: {rnd['error']}")
+    first = [r for r in report["runs"] if r["round"] == 0 and "command" in r]
+    if first:
+        lines += [
+            "",
+            "Client commands of round 0 (later rounds differ only in `--seed` and file names; "
+            f"all are in the JSON). Client environment: "
+            f"`{' '.join(f'{k}={val}' for k, val in report['client_env'].items())}`",
+            "",
+        ]
+        for r in first:
+            lines.append(f"- {r['peer']} {r['cell']} warm-up: `{r['warmup_command']}`")
+            lines.append(f"- {r['peer']} {r['cell']}: `{r['command']}`")
+    for rnd in report.get("offline", {}).get("rounds", [])[:1]:
+        lines.append(f"- offline (round 0): `{rnd['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    """``infer bench vs-vllm``: rounds of each peer in turn; ``vs_vllm.json`` + ``vs_vllm.md``."""
+    from infer.bench.engine import llama_100m
+    from infer.bench.peers import VLLM_ENV, port_is_free, vllm_venv
+    from infer.bench.report import now_iso
+
+    cells = parse_workloads(args.workloads)
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = set(peers) - {"infer", "vllm"}
+    if unknown:
+        raise SystemExit(f"unknown peer(s) {', '.join(sorted(unknown))} (known: infer, vllm)")
+    venv = vllm_venv()
+    vllm_bin = venv / "bin" / "vllm"
+    if not vllm_bin.exists():
+        raise SystemExit(f"{vllm_bin} not found: vllm bench serve is the client (set $VLLM_VENV)")
+    if not port_is_free(args.port):
+        raise SystemExit(f"port {args.port} is already in use; pick another with --port")
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    model = llama_100m(args.model).resolve()
+    client_env = dict(os.environ) | VLLM_ENV
+    ctx = {
+        "args": args,
+        "out": out,
+        "model": model,
+        "served_name": args.served_name or model.name,
+        "base_url": f"http://127.0.0.1:{args.port}",
+        "vllm_bin": vllm_bin,
+        "vllm_env": VLLM_ENV,
+        "client_env": client_env,
+    }
+    report: dict = {
+        "schema": "infer.bench.vs_vllm/1",
+        "created": now_iso(),
+        "argv": shlex.join([sys.executable, *sys.argv]),
+        "config": {
+            "model": str(model),
+            "served_name": ctx["served_name"],
+            "peers": peers,
+            "dtype": args.dtype,
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len,
+            "runs": args.runs,
+            "seed": args.seed,
+            "num_prompts": args.num_prompts,
+            "warmup_output_len": args.warmup_output_len,
+            "wait_quiet_s": args.wait_quiet,
+            "infer_args": args.infer_args,
+            "vllm_args": args.vllm_args,
+            "offline": args.offline,
+            "vllm_venv": str(venv),
+            "port": args.port,
+        },
+        "cells": [{"key": c.key, **dataclasses.asdict(c)} for c in cells],
+        "versions": versions(venv / "bin" / "python"),
+        "client_env": VLLM_ENV,
+        "servers": [],
+        "runs": [],
+    }
+    if args.offline:
+        report["offline"] = {"rounds": []}
+
+    def on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
+        raise SystemExit(143)  # unwinds through every finally: servers get stopped
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    t_start = time.perf_counter()
+    try:
+        for r in range(args.runs):
+            order = peers if r % 2 == 0 else peers[::-1]
+            for peer in order:
+                if args.offline and peer == "infer":
+                    report["offline"]["rounds"].append({"round": r, **run_offline_round(r, ctx)})
+                info = run_peer_round(peer, r, cells, ctx)
+                rows = info.pop("cells")
+                report["servers"].append({"round": r, "peer": peer, **info})
+                report["runs"].extend(rows.values())
+                if "error" in info:
+                    for c in cells:
+                        if c.key not in rows:
+                            report["runs"].append(
+                                {"cell": c.key, "round": r, "peer": peer, "error": info["error"]}
+                            )
+            if args.offline and "infer" not in peers:
+                report["offline"]["rounds"].append({"round": r, **run_offline_round(r, ctx)})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        report["wall_s"] = time.perf_counter() - t_start
+        finish(report, out)
+    failed = [r for r in report["runs"] if "error" in r]
+    failed += [r for r in report.get("offline", {}).get("rounds", []) if "error" in r]
+    return 1 if failed else 0
+
+
+def finish(report: dict, out: Path) -> None:
+    """Medians, targets; write ``vs_vllm.json`` and ``vs_vllm.md`` (also after an interruption)."""
+    med: dict = {}
+    for peer in report["config"]["peers"]:
+        for c in report["cells"]:
+            runs = [r for r in report["runs"] if r["peer"] == peer and r["cell"] == c["key"]]
+            if runs:
+                med.setdefault(peer, {})[c["key"]] = median_result(runs)
+    report["medians"] = med
+    offline = None
+    if "offline" in report:
+        ok = [r["result"] for r in report["offline"]["rounds"] if "result" in r]
+        offline = {"error": "no offline run succeeded"}
+        if ok:
+            offline = {
+                "output_tok_s": statistics.median(x["output_tok_s"] for x in ok),
+                "output_tok_s_runs": [x["output_tok_s"] for x in ok],
+            }
+        report["offline"]["median"] = offline
+    report["targets"] = check_targets(med, offline)
+    (out / "vs_vllm.json").write_text(json.dumps(report, indent=1) + "\n")
+    md = render(report)
+    (out / "vs_vllm.md").write_text(md)
+    print("\n" + md, flush=True)
+    print(f"report: {out / 'vs_vllm.md'} (+ vs_vllm.json, logs/, results/)", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["offline"]:
+        sys.exit(offline_main(sys.argv[2:]))
+    sys.exit("usage: python -m infer.bench.vs_vllm offline ... (the driver is infer bench vs-vllm)")

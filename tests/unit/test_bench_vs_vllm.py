@@ -1,0 +1,307 @@
+"""``infer bench vs-vllm`` and ``decode-curve`` helpers: no server, no model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infer.bench.decode_curve import decode_steps, longest_overshoot, with_context
+from infer.bench.peers import port_is_free, server_command, start_server, stop_server
+from infer.bench.vs_vllm import (
+    Cell,
+    check_targets,
+    client_command,
+    finish,
+    median_result,
+    parse_result,
+    parse_workloads,
+)
+
+
+def test_workloads_default_cells_and_explicit_concurrency():
+    assert [c.key for c in parse_workloads("64x64,1024x128")] == [
+        "64x64@1",
+        "64x64@16",
+        "64x64@64",
+        "1024x128@16",
+    ]
+    assert [c.key for c in parse_workloads("64x64@1+16, 32x8@2,64x64@1")] == [
+        "64x64@1",
+        "64x64@16",
+        "32x8@2",
+    ]
+    for bad in ("64", "64x64@", "32x8", "0x8@1", ""):
+        with pytest.raises(ValueError):
+            parse_workloads(bad)
+
+
+def test_client_command_uses_vllm_bench_flags():
+    cmd = client_command(
+        Path("/venv/bin/vllm"),
+        Cell(1024, 128, 16),
+        base_url="http://127.0.0.1:8321",
+        model_name="llama-100m",
+        tokenizer=Path("/models/llama-100m"),
+        num_prompts=64,
+        seed=5,
+        result_dir=Path("/out/results"),
+        result_filename="r.json",
+    )
+    assert cmd[:3] == ["/venv/bin/vllm", "bench", "serve"]
+    flags = dict(zip(cmd[3::1], cmd[4::1], strict=False))
+    expect = {
+        "--backend": "openai",
+        "--endpoint": "/v1/completions",
+        "--dataset-name": "random",
+        "--random-input-len": "1024",
+        "--random-output-len": "128",
+        "--temperature": "0",
+        "--num-prompts": "64",
+        "--max-concurrency": "16",
+        "--model": "llama-100m",
+        "--tokenizer": "/models/llama-100m",
+        "--percentile-metrics": "ttft,tpot,itl,e2el",
+        "--metric-percentiles": "50,99",
+        "--result-dir": "/out/results",
+        "--result-filename": "r.json",
+        "--seed": "5",
+    }
+    for k, v in expect.items():
+        assert flags[k] == v, k
+    assert {"--ignore-eos", "--save-result"} <= set(cmd)
+    warm = client_command(
+        Path("vllm"),
+        Cell(64, 64, 4),
+        base_url="u",
+        model_name="m",
+        tokenizer=Path("t"),
+        num_prompts=4,
+        seed=1,
+        result_dir=Path("d"),
+        result_filename="w.json",
+        output_len=16,
+    )
+    assert warm[warm.index("--random-output-len") + 1] == "16"
+
+
+VLLM_RESULT = {
+    "duration": 10.0,
+    "completed": 64,
+    "failed": 0,
+    "num_prompts": 64,
+    "total_input_tokens": 4096,
+    "total_output_tokens": 4096,
+    "request_throughput": 6.4,
+    "output_throughput": 409.6,
+    "mean_ttft_ms": 120.0,
+    "median_ttft_ms": 110.0,
+    "p50_ttft_ms": 110.0,
+    "p99_ttft_ms": 300.0,
+    "median_tpot_ms": 30.0,
+    "p50_tpot_ms": 30.0,
+    "p99_tpot_ms": 40.0,
+    "median_itl_ms": 29.0,
+    "p50_itl_ms": 29.0,
+    "p99_itl_ms": 80.0,
+    "p50_e2el_ms": 2000.0,
+    "p99_e2el_ms": 2500.0,
+}
+
+
+def test_parse_result_reads_vllm_keys():
+    r = parse_result(VLLM_RESULT)
+    assert r["output_tok_s"] == 409.6 and r["completed"] == 64 and r["failed"] == 0
+    assert r["ttft_p50_ms"] == 110.0 and r["itl_p99_ms"] == 80.0 and r["tpot_p50_ms"] == 30.0
+    assert parse_result({"median_ttft_ms": 5.0})["ttft_p50_ms"] == 5.0  # no p50 key: median
+
+
+def _row(tok_s: float, **metrics: float) -> dict:
+    return {"result": parse_result(VLLM_RESULT | {"output_throughput": tok_s, **metrics})}
+
+
+def test_median_result_is_per_metric_and_skips_failed_runs():
+    runs = [_row(100.0), _row(300.0), _row(200.0), {"error": "boom"}]
+    m = median_result(runs)
+    assert m["output_tok_s"] == 200.0 and m["ok_runs"] == 3 and m["runs"] == 4
+    assert m["output_tok_s_runs"] == [100.0, 300.0, 200.0]
+    assert median_result([{"error": "boom"}])["error"] == "boom"
+
+
+def test_targets_pass_miss_and_not_measured():
+    cells = {
+        "infer": {
+            "64x64@1": median_result([_row(30, p50_tpot_ms=20.0, p50_itl_ms=20.0)]),
+            "64x64@16": median_result([_row(500, p50_itl_ms=40.0, p50_tpot_ms=30.0)]),
+            "64x64@64": median_result([_row(700)]),
+        },
+        "vllm": {
+            "64x64@1": median_result([_row(25, p50_tpot_ms=25.0)]),
+            "64x64@16": median_result([_row(200)]),
+            "64x64@64": median_result([_row(400)]),
+        },
+    }
+    t = {x["target"]: x for x in check_targets(cells, offline={"output_tok_s": 510.0})}
+    assert t["64x64@16: infer output tok/s >= 2x vLLM's"]["status"] == "pass"
+    assert t["64x64@64: infer output tok/s >= 2x vLLM's"]["status"] == "miss"
+    assert "1.75x" in t["64x64@64: infer output tok/s >= 2x vLLM's"]["figure"]
+    assert t["64x64@1: infer TPOT p50 <= vLLM's"]["status"] == "pass"
+    assert t["1024x128@16: infer output tok/s >= 1.5x vLLM's"]["status"] == "n/a"
+    assert t["1024x128@16: infer TTFT p50 <= vLLM's"]["status"] == "n/a"
+    assert t["64x64@1: infer ITL p50 <= 1.2x its TPOT p50"]["status"] == "pass"
+    assert t["64x64@16: infer ITL p50 <= 1.2x its TPOT p50"]["status"] == "miss"  # 1.33x
+    loss = t["64x64@16: infer over HTTP loses <= 5% vs the offline engine"]
+    assert loss["status"] == "pass" and "+2.0%" in loss["figure"]  # 500 vs 510
+    assert "offline" not in " ".join(x["target"] for x in check_targets(cells))
+
+
+def test_finish_writes_json_and_markdown(tmp_path):
+    runs = [
+        {"peer": p, "cell": "64x64@16", "round": 0, "num_prompts": 64, **_row(tok)}
+        | {"load_before": [1.0, 1.0, 1.0], "other_cpu_cores": other}
+        for p, tok, other in (("infer", 500.0, 0.01), ("vllm", 200.0, 0.9))
+    ]
+    report = {
+        "created": "now",
+        "argv": "infer bench vs-vllm",
+        "config": {
+            "model": "/m",
+            "served_name": "m",
+            "peers": ["infer", "vllm"],
+            "dtype": "bfloat16",
+            "max_num_seqs": 64,
+            "max_model_len": 2048,
+            "infer_args": "",
+            "vllm_args": "",
+            "runs": 1,
+            "num_prompts": None,
+            "warmup_output_len": 16,
+            "vllm_venv": "/venv",
+        },
+        "cells": [{"key": "64x64@16"}],
+        "versions": {
+            "infer": "0.1",
+            "torch": "2",
+            "torch_threads": 2,
+            "python": "3",
+            "cpu": "x",
+            "cpus": 2,
+            "platform": "linux",
+        },
+        "client_env": {"A": "1"},
+        "servers": [
+            {
+                "round": 0,
+                "peer": "vllm",
+                "server_command": "vllm serve /m",
+                "server_log": "l",
+                "server_env": {"VLLM_TARGET_DEVICE": "cpu"},
+            },
+        ],  # fmt: skip
+        "runs": runs,
+    }
+    finish(report, tmp_path)
+    md = (tmp_path / "vs_vllm.md").read_text()
+    assert "| 64x64 | 16 | 500.0 | 200.0 | 2.50x |" in md
+    assert "**PASS** 64x64@16: infer output tok/s >= 2x vLLM's: 2.50x" in md
+    assert "⚠ disturbed" in md and "1 of 2 measured runs" in md
+    assert "VLLM_TARGET_DEVICE=cpu vllm serve /m" in md
+    data = json.loads((tmp_path / "vs_vllm.json").read_text())
+    assert data["medians"]["infer"]["64x64@16"]["output_tok_s"] == 500.0
+
+
+def test_server_commands_share_the_serving_flags():
+    for peer in ("infer", "vllm"):
+        cmd, env = server_command(
+            peer, Path("/m"), 8321, "bfloat16", 64, max_model_len=2048, served_name="x"
+        )
+        text = " ".join(cmd)
+        assert "--max-num-seqs 64" in text and "--max-model-len 2048" in text
+        assert "--dtype bfloat16" in text and "--served-model-name x" in text
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+    cmd, _ = server_command("infer", Path("/m"), 1, "bfloat16", 4, '--torch-threads "1"')
+    assert cmd[-2:] == ["--torch-threads", "1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stop_server_kills_the_whole_group_and_frees_the_port(tmp_path):
+    port = _free_port()
+    code = (
+        "import signal, socket, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # a server that ignores SIGTERM
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen()\n"
+        f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    proc = start_server([sys.executable, "-c", code], dict(os.environ), tmp_path / "s.log", port)
+    deadline = time.time() + 30
+    while time.time() < deadline and (port_is_free(port) or not (tmp_path / "child").exists()):
+        time.sleep(0.05)
+    time.sleep(0.1)  # the pid file may exist a moment before its content
+    child = int((tmp_path / "child").read_text())
+    with pytest.raises(RuntimeError, match="already in use"):
+        start_server(["true"], {}, tmp_path / "t.log", port)
+    stop_server(proc, port, grace_s=0.5)
+    assert proc.returncode == -signal.SIGKILL
+    assert port_is_free(port)
+    for _ in range(100):  # the child was killed with the group
+        if not Path(f"/proc/{child}").exists() or "Z" in _proc_state(child):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the server's child survived stop_server")
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_decode_curve_config_copy_and_lengths(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    (model / "model.safetensors").write_bytes(b"w")
+    same, derived = with_context(model, 2048, tmp_path / "out")
+    assert same == model and not derived
+    folder, derived = with_context(model, 4352, tmp_path / "out")
+    assert derived and folder != model
+    assert json.loads((folder / "config.json").read_text())["max_position_embeddings"] == 4352
+    assert (folder / "model.safetensors").is_symlink()
+    assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == 2048
+    with_context(model, 4352, tmp_path / "out")  # again: links replaced, no error
+    assert decode_steps(8, 3) == 50 and longest_overshoot(8, 3) == 27
+    assert 4096 + longest_overshoot(8, 3) <= 4352
+
+
+def test_cli_registers_vs_vllm_and_decode_curve():
+    from infer.bench.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "vs-vllm", "--help"])
+    assert exc.value.code == 0
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "decode-curve", "--help"])
+    assert exc.value.code == 0
+
+
+def test_offline_worker_usage_without_subcommand():
+    out = subprocess.run(
+        [sys.executable, "-m", "infer.bench.vs_vllm"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 1 and "infer bench vs-vllm" in out.stderr
