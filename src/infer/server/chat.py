@@ -170,8 +170,8 @@ def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request,
         return sse(body.model_dump_json())
 
     def render(index: int, out: RequestOutput, usage: UsageInfo | None) -> bytes | None:
-        if not out.new_text and not out.finished and not out.new_logprobs:
-            return None
+        if not (out.new_text or out.new_token_ids or out.finished or out.new_logprobs):
+            return None  # one event per generated token, even before it makes text
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(serving, out.new_logprobs, req.top_logprobs or 0)

@@ -130,8 +130,11 @@ def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream: Requ
         if echo is not None and not started[index]:
             text = echo[index // req.n] + text
         started[index] = True
-        if not text and not out.finished and not out.new_logprobs:
-            return None  # nothing a client can see (e.g. held back for a possible stop string)
+        if not (text or out.new_token_ids or out.finished or out.new_logprobs):
+            return None
+        # NOTE: a step that made tokens but no text yet (mid-character, held back for a possible
+        # stop string) still sends its chunk, with empty text: one event per generated token,
+        # so clients timing inter-token latency see the engine's pace, not the text's.
         logprobs = None
         if req.logprobs is not None:
             logprobs, offsets[index] = completion_logprobs(
