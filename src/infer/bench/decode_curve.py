@@ -60,6 +60,7 @@ def with_context(model: Path, max_model_len: int, out: Path) -> tuple[Path, bool
 
 
 WARMUP_STEPS = 2
+PREFILL_SLACK = 64  # extra max_tokens for requests that decode while others still prefill
 
 
 def decode_steps(steps: int, repeats: int) -> int:
@@ -89,7 +90,11 @@ def measure_context(engine, context: int, batch: int, steps: int, repeats: int, 
     prompt_len = max(context - total_decode // 2, 1)
     vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=total_decode + 2, temperature=0.0, ignore_eos=True)
+    # NOTE: generous max_tokens: requests that finish prefill early decode during the others'
+    # prefill steps, and must not run out before the timed steps end (they are aborted after).
+    params = SamplingParams(
+        max_tokens=total_decode + PREFILL_SLACK, temperature=0.0, ignore_eos=True
+    )
     ids = [f"ctx{context}-{i}" for i in range(batch)]
     for rid in ids:
         prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
