@@ -1,12 +1,12 @@
 """Built-in models that train themselves offline, so infer works with no model hub.
 
-``toy`` is the NanoGPT of the reference articles (GPT-2, 0.057M parameters, context 64);
+``toy`` is the tiny NanoGPT used as a CPU benchmark (GPT-2, 0.057M parameters, context 64);
 ``small`` is a ~11M-parameter Llama that writes recognisable English. Both are trained on
 Python's own documentation the first time they are asked for and cached as ordinary Hugging
 Face folders::
 
     from infer.builtin import ensure_builtin_model
-    path = ensure_builtin_model("small")   # trains once (~10 min on 2 cores), then cached
+    path = ensure_builtin_model("small")   # trains once (~2.5 min on 2 cores), then cached
 """
 
 from __future__ import annotations

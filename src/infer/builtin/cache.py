@@ -2,9 +2,9 @@
 
 Layout (``$INFER_CACHE_DIR``, else ``$XDG_CACHE_HOME/infer``, else ``~/.cache/infer``)::
 
-    <cache>/builtin/small-r1-seed0-steps480-py3.11/      a finished Hugging Face folder
-    <cache>/builtin/small-r1-seed0-steps480-py3.11.lock  flock'd while building
-    <cache>/builtin/small-r1-seed0-steps480-py3.11.tmp-* a build in progress (or a dead one)
+    <cache>/builtin/small-r2-seed0-steps240-py3.11/      a finished Hugging Face folder
+    <cache>/builtin/small-r2-seed0-steps240-py3.11.lock  flock'd while building
+    <cache>/builtin/small-r2-seed0-steps240-py3.11.tmp-* a build in progress (or a dead one)
 
 The folder name carries everything the weights depend on: the preset, the recipe version,
 the seed, the step count and the Python version (its bundled docs are the corpus). A build

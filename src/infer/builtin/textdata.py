@@ -1,6 +1,6 @@
 """Tokenizers for the built-in models and the corpus as token streams.
 
-The toy is character-level, as the NanoGPT of the reference articles is: a fixed vocabulary of
+The toy is character-level, as the tiny NanoGPT benchmark model is: a fixed vocabulary of
 printable ASCII and a few typographic characters, expressed as a ``tokenizers`` BPE model with
 no merges so that transformers' ``AutoTokenizer`` loads and decodes it like any other. The
 small model uses the project's byte-level BPE (:func:`infer.data.train_tokenizer.train_bpe_tokenizer`).
@@ -10,6 +10,7 @@ ChatML chat template.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -75,6 +76,40 @@ def split_docs(docs: list[str]) -> tuple[list[str], list[str]]:
     train = [d for i, d in enumerate(docs) if i % VAL_EVERY != VAL_OFFSET]
     val = [d for i, d in enumerate(docs) if i % VAL_EVERY == VAL_OFFSET]
     return train, val
+
+
+# Word n-gram length of the overlap check between extra training text and held-out text
+# (13, as in the contamination checks of large language model evaluations).
+OVERLAP_NGRAM = 13
+
+
+def _word_ngrams(text: str, n: int = OVERLAP_NGRAM) -> set[str]:
+    words = re.findall(r"\w+", text.lower())
+    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def training_docs(val_docs: list[str]) -> list[str]:
+    """Extra training documents that keep the held-out documents unseen.
+
+    The API docstrings of the standard library (:func:`infer.data.corpus.stdlib_api_docstrings`),
+    one document per module, minus (a) every module whose own docstring is held out and
+    (b) any docstring sharing a run of :data:`OVERLAP_NGRAM` words with a held-out document.
+    So the held-out loss is measured on the same text, equally unseen, as without them.
+    """
+    from infer.data.corpus import stdlib_api_docstrings
+
+    held_out = set(val_docs)
+    held_out_ngrams: set[str] = set()
+    for doc in val_docs:
+        held_out_ngrams |= _word_ngrams(doc)
+    out = []
+    for _, module_doc, docs in stdlib_api_docstrings():
+        if module_doc in held_out:
+            continue
+        kept = [d for d in docs if not (_word_ngrams(d) & held_out_ngrams)]
+        if kept:
+            out.append("\n\n".join(kept))
+    return out
 
 
 def encode_stream(tokenizer, docs: list[str]) -> torch.Tensor:

@@ -27,11 +27,16 @@ import torch
 import torch.nn.functional as F
 
 from infer.builtin.presets import RECIPE_VERSION, Preset
-from infer.builtin.textdata import batch_windows, build_tokenizer, encode_stream, split_docs
+from infer.builtin.textdata import (
+    batch_windows,
+    build_tokenizer,
+    encode_stream,
+    split_docs,
+    training_docs,
+)
 
 MANIFEST = "infer_builtin.json"
 WEIGHTS = "model.safetensors"
-VAL_BATCHES = 8
 
 
 @dataclass(frozen=True)
@@ -86,37 +91,106 @@ def build_config(preset: Preset):
     )
 
 
+# The last projection of each residual branch (Llama attention, Llama MLP).
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
 def build_model(preset: Preset) -> torch.nn.Module:
     """A freshly initialised model (init draws from torch's global RNG: seed it first)."""
     from transformers import AutoModelForCausalLM
 
     config = build_config(preset)
     config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if preset.zero_init_residual:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(RESIDUAL_OUTPUTS):
+                    param.zero_()
+    return model
 
 
-def lr_at(preset: Preset, step: int, total: int) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
+def lr_ratio(preset: Preset, step: int, total: int) -> float:
+    """The learning rate of ``step`` of ``total`` as a fraction of the peak: linear warmup, then
+    cosine or linear decay to ``min_lr_ratio``."""
     warmup = min(preset.warmup_steps, max(total // 10, 1))
     if step < warmup:
-        return preset.lr * (step + 1) / warmup
+        return (step + 1) / warmup
     progress = (step - warmup) / max(total - warmup, 1)
-    ratio = preset.min_lr_ratio + (1 - preset.min_lr_ratio) * 0.5 * (
-        1 + math.cos(math.pi * progress)
-    )
-    return preset.lr * ratio
+    if preset.schedule == "linear":
+        decay = 1 - progress
+    else:
+        decay = 0.5 * (1 + math.cos(math.pi * progress))
+    return preset.min_lr_ratio + (1 - preset.min_lr_ratio) * decay
 
 
-def make_optimizer(model: torch.nn.Module, preset: Preset) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms, biases)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+def _newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """An approximately orthogonal matrix with ``grad``'s singular vectors (the quintic
+    Newton-Schulz iteration of Muon, in bf16: its result only needs to be roughly right)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = grad.bfloat16()
+    wide = x.size(0) <= x.size(1)
+    if not wide:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x if wide else x.T).float()
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon: SGD momentum (Nesterov) whose update is orthogonalised before it is applied.
+
+    For 2-D hidden weight matrices only (embeddings, head and norms go to AdamW). Each update
+    has all singular values near 1, scaled by ``sqrt(max(1, rows / cols))``; it moves every
+    direction of a matrix at the same rate, which is what makes a few hundred steps enough.
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.95):
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros_like(p)
+                buf = state["momentum"]
+                buf.mul_(group["momentum"]).add_(p.grad)
+                update = _newton_schulz(p.grad.add(buf, alpha=group["momentum"]))
+                scale = max(1.0, p.size(0) / p.size(1)) ** 0.5
+                p.add_(update, alpha=-group["lr"] * scale)
+
+
+def _is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
+    return param.dim() == 2 and "embed" not in name and "lm_head" not in name
+
+
+def make_optimizers(model: torch.nn.Module, preset: Preset) -> list[torch.optim.Optimizer]:
+    """AdamW (weight decay on matrices only, not norms or biases), plus Muon for the hidden
+    matrices when the preset has a ``muon_lr``. Each param group remembers its peak lr."""
+    named = list(model.named_parameters())
+    muon = [p for n, p in named if preset.muon_lr is not None and _is_hidden_matrix(n, p)]
+    muon_ids = {id(p) for p in muon}
+    rest = [p for _, p in named if id(p) not in muon_ids]
     groups = [
-        {"params": decay, "weight_decay": preset.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": preset.weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
     # foreach=False: one fixed per-tensor update order, no fused-kernel surprises.
-    return torch.optim.AdamW(groups, lr=preset.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.AdamW(groups, lr=preset.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    ]
+    if muon:
+        opts.append(Muon(muon, lr=preset.muon_lr))
+    for opt in opts:
+        for group in opt.param_groups:
+            group["peak_lr"] = group["lr"]
+    return opts
 
 
 def _loss(model: torch.nn.Module, window: torch.Tensor) -> torch.Tensor:
@@ -132,16 +206,21 @@ def _autocast(preset: Preset):
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, preset: Preset, stream: torch.Tensor) -> float:
-    """Mean loss over up to :data:`VAL_BATCHES` fixed, non-overlapping windows of ``stream``."""
+    """Mean loss per token over the first ``preset.val_windows`` non-overlapping
+    ``context_len`` windows of ``stream`` (all of them if there are fewer)."""
     model.eval()
-    n = (len(stream) - 1) // preset.seq_len
-    starts = torch.arange(min(n, VAL_BATCHES * preset.batch_size)) * preset.seq_len
-    losses = []
-    for chunk in starts.split(preset.batch_size):
+    n = (len(stream) - 1) // preset.context_len
+    starts = torch.arange(min(n, preset.val_windows)) * preset.context_len
+    total = 0.0
+    for chunk in starts.split(max(1, preset.tokens_per_step // preset.context_len)):
+        window = batch_windows(stream, chunk, preset.context_len)
         with _autocast(preset):
-            losses.append(_loss(model, batch_windows(stream, chunk, preset.seq_len)).item())
+            logits = model(input_ids=window[:, :-1]).logits
+        total += F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), window[:, 1:].reshape(-1), reduction="sum"
+        ).item()
     model.train()
-    return sum(losses) / max(len(losses), 1)
+    return total / max(len(starts) * preset.context_len, 1)
 
 
 @torch.no_grad()
@@ -181,16 +260,21 @@ def _training_env(seed: int, threads: int | None):
     Everything is restored afterwards: ``ensure_builtin_model`` runs inside a server process,
     so no global state may leak out of a build.
     """
+    import torch.utils.deterministic as det
     from transformers.utils import logging as hf_logging
 
     was_det = torch.are_deterministic_algorithms_enabled()
     was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = det.fill_uninitialized_memory
     was_threads = torch.get_num_threads()
     was_verbosity = hf_logging.get_verbosity()
     was_bars = hf_logging.is_progress_bar_enabled()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic mode also fills every new tensor with NaN, which cost a quarter of a
+        # training step; every tensor here is written before it is read, so skip that.
+        det.fill_uninitialized_memory = False
         if threads is not None:
             torch.set_num_threads(threads)
         # Training windows contain <|endoftext|> (= pad id) by design: no padding warning,
@@ -201,6 +285,7 @@ def _training_env(seed: int, threads: int | None):
             yield
         finally:
             torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
+            det.fill_uninitialized_memory = was_fill
             torch.set_num_threads(was_threads)
             hf_logging.set_verbosity(was_verbosity)
             if was_bars:
@@ -232,19 +317,23 @@ def train(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train_docs, val_docs = split_docs(load_corpus() if docs is None else docs)
+    # The tokenizer learns from the training split of the corpus only; the extra training
+    # documents (if the preset has them) are never held out and never shape the vocabulary.
     tokenizer = build_tokenizer(preset, out, train_docs)
+    if preset.api_docstrings and docs is None:
+        train_docs = train_docs + training_docs(val_docs)
     train_ids = encode_stream(tokenizer, train_docs)
     val_ids = encode_stream(tokenizer, val_docs)
-    if len(train_ids) <= preset.seq_len + 1:
+    longest = max(preset.seq_len, preset.final_seq_len or 0)
+    if len(train_ids) <= longest + 1:
         raise ValueError("corpus too small for one training window")
 
     with _training_env(seed, preset.threads):
         model = build_model(preset)
         model.train()
         num_params = sum(p.numel() for p in model.parameters())
-        opt = make_optimizer(model, preset)
+        opts = make_optimizers(model, preset)
         data_gen = torch.Generator().manual_seed(seed)
-        high = len(train_ids) - preset.seq_len - 1
         losses: list[float] = []
         bar = tqdm(
             total=steps,
@@ -256,15 +345,20 @@ def train(
         )
         t0 = time.perf_counter()
         for step in range(steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(preset, step, steps)
-            starts = torch.randint(0, high + 1, (preset.batch_size,), generator=data_gen)
+            ratio = lr_ratio(preset, step, steps)
+            for opt in opts:
+                for group in opt.param_groups:
+                    group["lr"] = group["peak_lr"] * ratio
+            windows, length = preset.window_shape(step, steps)
+            high = len(train_ids) - length - 1
+            starts = torch.randint(0, high + 1, (windows,), generator=data_gen)
             with _autocast(preset):
-                loss = _loss(model, batch_windows(train_ids, starts, preset.seq_len))
+                loss = _loss(model, batch_windows(train_ids, starts, length))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), preset.grad_clip, foreach=False)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            for opt in opts:
+                opt.step()
+            model.zero_grad(set_to_none=True)
             losses.append(loss.item())
             elapsed = time.perf_counter() - t0
             bar.update(1)
@@ -276,7 +370,9 @@ def train(
         bar.close()
         elapsed = time.perf_counter() - t0
         val_loss = (
-            evaluate(model, preset, val_ids) if len(val_ids) > preset.seq_len + 1 else float("nan")
+            evaluate(model, preset, val_ids)
+            if len(val_ids) > preset.context_len + 1
+            else float("nan")
         )
         sample = sample_text(model, tokenizer, preset, seed)
         # Generation stops at <|endoftext|> and, for chat, at <|im_end|>.
