@@ -126,20 +126,17 @@ TOY = Preset(
     val_windows=256,
 )
 
-# Built in under two minutes on two CPU cores (the previous recipe: an 11M Llama, 480 AdamW
-# steps of 4 x 1024 tokens, ~9 minutes, held-out loss 5.24; this one reaches ~4.9 on the same
-# held-out measure). Measured one change at a time:
+# Built in under two minutes on two CPU cores (the previous recipe, an 11M Llama trained for
+# 480 AdamW steps of 4 x 1024 tokens, took ~9 minutes for a held-out loss of 5.24; this one
+# gets 4.92 on the same measure). docs/builtin-models.md has the measurements; in short:
 # - Muon for the hidden matrices and zero-initialised residual outputs: the loss leaves the
-#   unigram plateau (~6.6) within ~20 steps instead of ~50, and the old held-out loss is
-#   reached with ~6x fewer tokens (AdamW, same steps and tokens: 5.55 where Muon gets 5.22).
-# - Many small steps beat a big model: at a fixed time budget the number of steps matters
-#   most. 4 x 256 (4.2M parameters) reaches 4.89 in 240 steps; 6 x 384 (11M) reaches 5.14 in
-#   160 steps that take twice as long; 4 or 6 layers of 256 end within 0.02 of each other.
+#   unigram plateau within ~20 steps instead of ~50 and needs far fewer tokens.
+# - At a fixed time budget the step count matters most: 240 steps of a 4 x 256 model beat
+#   160 steps of 6 x 384 that take twice as long.
 # - 256-token windows for all but the last 10% of the steps, which use 1024-token windows to
-#   learn the positions up to the full context (attention at 1024 tokens is a third of a step).
-# - The stdlib's API docstrings as extra training text: the same tokens seen, 0.08 lower
-#   held-out loss (less memorising of the 133k-token corpus).
-# - A linear decay to ~0; AdamW at 6e-3 for the tied embedding (0.03 better than 3e-3).
+#   learn the positions up to the full context (attention over 1024 tokens is costly).
+# - The stdlib's API docstrings as extra training text: less memorising of a small corpus.
+# - A linear decay to ~0.
 # Grouped-query attention (4 query / 2 KV heads) so the default model exercises that path of
 # the engine too.
 SMALL = Preset(
