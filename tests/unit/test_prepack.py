@@ -1,4 +1,5 @@
-"""oneDNN-packed linear weights: same numbers as ``F.linear``, applied only to CPU bfloat16."""
+"""Packed linear weights (AMX tile layout or oneDNN): the numbers of ``F.linear``, applied only
+to CPU bfloat16."""
 
 from __future__ import annotations
 
@@ -6,15 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from infer.runner.prepack import PackedLinear, prepack_linears
+from infer.runner.kernels import cpu_kernels
+from infer.runner.prepack import AmxLinear, PackedLinear, prepack_linears
 
 
 class _Tiny(nn.Module):
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed = nn.Embedding(50, 32).to(dtype)
-        self.proj = nn.Linear(32, 48, bias=True).to(dtype)
-        self.back = nn.Linear(48, 32, bias=False).to(dtype)
+        self.proj = nn.Linear(32, 48, bias=True).to(dtype)  # AMX-shaped: N % 16, K % 32
+        self.back = nn.Linear(48, 32, bias=False).to(dtype)  # K = 48: oneDNN only
 
     def vocab_projection_weight(self) -> torch.Tensor:
         return self.embed.weight
@@ -25,11 +27,16 @@ class _Tiny(nn.Module):
         return packed(h) if packed is not None else nn.functional.linear(h, self.embed.weight)
 
 
-def _available() -> bool:
+def _onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-@pytest.mark.skipif(not _available(), reason="torch built without oneDNN")
+def _amx() -> bool:
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.has_amx
+
+
+@pytest.mark.skipif(not _onednn(), reason="torch built without oneDNN")
 def test_packed_model_gives_the_same_logits():
     torch.manual_seed(0)
     model = _Tiny(torch.bfloat16)
@@ -37,7 +44,9 @@ def test_packed_model_gives_the_same_logits():
     with torch.inference_mode():
         want = model(ids)
         assert prepack_linears(model) == 3  # proj, back and the tied vocabulary projection
-        assert isinstance(model.proj, PackedLinear) and isinstance(model.back, PackedLinear)
+        assert isinstance(model.proj, AmxLinear if _amx() else PackedLinear)
+        assert isinstance(model.back, PackedLinear)
+        assert isinstance(model.packed_logits, PackedLinear)  # 50 words: not AMX-shaped
         got = model(ids)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
@@ -48,3 +57,44 @@ def test_float32_and_switched_off_models_are_left_alone(monkeypatch):
     monkeypatch.setenv("INFER_PREPACK_WEIGHTS", "0")
     model = _Tiny(torch.bfloat16)
     assert prepack_linears(model) == 0 and isinstance(model.proj, nn.Linear)
+
+
+def test_amx_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("INFER_AMX_LINEAR", "0")
+    model = _Tiny(torch.bfloat16)
+    prepack_linears(model)
+    assert not isinstance(model.proj, AmxLinear)
+
+
+@pytest.mark.skipif(not _amx(), reason="no AMX on this CPU (or no C++ compiler)")
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130, 300])
+def test_amx_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
+    torch.manual_seed(rows)
+    n, k = 96, 256
+    weight = (torch.randn(n, k) * 0.05).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
+    layer = AmxLinear(weight, bias, cpu_kernels())
+    with torch.inference_mode():
+        got = layer(x)
+        # float32 sums of bf16 products, one rounding at the end: within an ulp of bf16
+        want = (x.float() @ weight.float().T + bias.float()).bfloat16()
+        torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        # the same row alone, or in another batch, gives the same bits
+        for r in {0, rows // 2, rows - 1}:
+            assert torch.equal(layer(x[r : r + 1])[0], got[r])
+        assert torch.equal(layer(x.view(1, rows, k))[0], got)
+        assert layer(x[:0]).shape == (0, n)
+
+
+@pytest.mark.skipif(not _amx(), reason="no AMX on this CPU (or no C++ compiler)")
+def test_amx_linear_without_bias_and_nan_passes_through():
+    weight = torch.ones(16, 32).bfloat16()
+    x = torch.ones(2, 32).bfloat16()
+    x[1, 0] = float("nan")
+    layer = AmxLinear(weight, None, cpu_kernels())
+    with torch.inference_mode():
+        y = layer(x)
+    assert torch.equal(y[0], torch.full((16,), 32.0).bfloat16())
+    assert torch.isnan(y[1]).all()

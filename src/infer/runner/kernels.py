@@ -1,10 +1,11 @@
 """CPU kernels in C++, compiled on first use and loaded with ctypes.
 
-The source (``csrc/*.cpp``) is plain C++ with OpenMP and no torch headers, so it builds in about
-a second with the system's ``g++`` (or ``$CXX``) and needs nothing at install time. The shared
-library is cached under ``$INFER_CACHE_DIR/kernels`` (default ``~/.cache/infer/kernels``), keyed
-by the source, the compiler and this CPU's instruction-set flags, and is linked against the same
-OpenMP runtime as torch (``libgomp.so.1``, already loaded by torch), so both share one thread pool.
+The sources (``csrc/*.cpp``: paged decode attention, the AMX linear layer) are plain C++ with
+OpenMP and no torch headers, so they build in a few seconds with the system's ``g++`` (or
+``$CXX``) and need nothing at install time. The shared library is cached under
+``$INFER_CACHE_DIR/kernels`` (default ``~/.cache/infer/kernels``), keyed by the sources, the
+compiler and this CPU's instruction-set flags, and is linked against the same OpenMP runtime as
+torch (``libgomp.so.1``, already loaded by torch), so both share one thread pool.
 
 Where no compiler is found, or the build fails, or ``INFER_CPU_KERNELS=0`` is set, callers get
 ``None`` from :func:`cpu_kernels` and use their pure-torch path; the reason is logged once.
@@ -26,7 +27,7 @@ import torch
 
 logger = logging.getLogger("infer.runner")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -46,7 +47,7 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.name.encode() + p.read_bytes() for p in _SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = _cache_dir() / f"infer_cpu_{key}.so"
@@ -57,7 +58,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    cmd += [str(_SOURCE), "-o", tmp]
+    cmd += [*map(str, _SOURCES), "-o", tmp]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(tmp)
@@ -76,6 +77,50 @@ class CpuKernels:
         fn.argtypes += [i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._decode = fn
+        lib.infer_amx_available.restype = ctypes.c_int
+        self.has_amx = bool(lib.infer_amx_available())
+        self._pack = lib.infer_amx_pack_weight
+        self._pack.argtypes = [ptr, ptr, i64, i64]
+        self._pack.restype = ctypes.c_int
+        self._linear = lib.infer_amx_linear
+        self._linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
+
+    def amx_linear_supports(self, weight: torch.Tensor) -> bool:
+        """Whether :meth:`amx_linear` can take this ``[N, K]`` weight (bf16, N % 16, K % 32)."""
+        n, k = weight.shape
+        return self.has_amx and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` bf16 weight -> the tile layout :meth:`amx_linear` streams (a flat copy)."""
+        w = weight.detach().contiguous()
+        packed = torch.empty(w.numel(), dtype=torch.bfloat16)
+        rc = self._pack(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
+        if rc != 0:
+            raise ValueError(f"cannot pack a {tuple(w.shape)} weight for AMX (code {rc})")
+        return packed
+
+    def amx_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """``x @ W^T + bias`` for ``x`` ``[M, K]`` contiguous bf16 and ``packed`` from
+        :meth:`amx_pack`; ``bias`` float32 ``[N]`` or None. Returns ``[M, N]`` bf16."""
+        m, k = x.shape
+        out = torch.empty(m, out_features, dtype=torch.bfloat16)
+        rc = self._linear(
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            m,
+            k,
+            out_features,
+            0,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"AMX linear kernel rejected its inputs (code {rc})")
+        return out
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

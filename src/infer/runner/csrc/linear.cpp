@@ -1,0 +1,237 @@
+// Linear layers for the decode step on CPUs with AMX: y[M, N] = x[M, K] . W[N, K]^T (+ bias).
+//
+// Decode multiplies a few rows (one per running sequence) by every weight of the model, so the
+// step is bound by reading the weights, not by arithmetic. This kernel streams each weight once,
+// in the order it is stored, while the AMX units do the multiply-adds from registers:
+//
+//   packed W : [N/16][K/32] tiles of 16 x 64 bytes, tile (nb, kb) row r = the 16 outputs
+//              nb*16 .. nb*16+15, each as the bf16 pair W[n][kb*32 + 2r], W[n][kb*32 + 2r + 1]
+//              (the "VNNI" layout TDPBF16PS reads its right operand in)
+//   x        : [M, K] bf16, row-major; read as 16-row tiles, rows >= M masked off by the
+//              tile's row count
+//   y        : [M, N] bf16 (or float32), rows rounded once at the end of K
+//
+// Each thread owns a contiguous range of 16-column blocks; for one block it keeps up to four
+// 16 x 16 float32 accumulators (64 rows of x) in tile registers and walks K once, loading each
+// weight tile once and multiplying it into every accumulator. Rows beyond 64 are done in further
+// passes (the weight is re-read; callers send large M to oneDNN instead).
+//
+// The summation order over K is fixed (tile by tile, in order), and a row's result does not
+// depend on the other rows: the same token gives the same bits in any batch.
+
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define INFER_HAVE_AMX 1
+#ifndef CHUNK_ROWS
+#define CHUNK_ROWS 256
+#endif
+#ifndef PF_DIST
+#define PF_DIST 8
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+#endif
+
+namespace {
+
+#ifdef INFER_HAVE_AMX
+
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+// Linux hands out the AMX register state only to processes that ask for it.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: 0-3 accumulators (16 x 16 float32), 4 the weight tile, 5 a full 16-row x tile,
+// 6 the last, partial x tile (rows = tail), 7 unused. TDPBF16PS needs the accumulator and the
+// x tile to have the same row count, so the accumulator of the partial tile gets `tail` rows.
+void configure_tiles(int full, int tail_rows) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 4; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(t == full && tail_rows > 0 ? tail_rows : 16);
+  }
+  cfg.colsb[4] = 64;
+  cfg.rows[4] = 16;
+  cfg.colsb[5] = 64;
+  cfg.rows[5] = 16;
+  cfg.colsb[6] = 64;
+  cfg.rows[6] = static_cast<uint8_t>(tail_rows > 0 ? tail_rows : 16);
+  _tile_loadconfig(&cfg);
+}
+
+inline uint16_t round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// float32 lanes -> bfloat16 lanes, round to nearest even (as torch rounds).
+inline __m256i to_bf16x16(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+// Rows [m0, m0 + rows) of x (rows <= 64, tiles configured for that count) times the 16
+// columns of block nb: four accumulators at most, K walked once.
+template <bool kOutF32>
+inline void amx_block(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
+                      int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t nb) {
+  const int64_t kblocks = K / 32;
+  const int full = static_cast<int>(rows / 16);
+  const int mtiles = full + (rows % 16 ? 1 : 0);
+  const int64_t xstride = K * 2;  // bytes per row of x
+  alignas(64) float acc[64 * 16];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint16_t* xb = x + m0 * K;
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 8) * 512), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 8) * 512 + 256), _MM_HINT_T1);
+    _tile_loadd(4, w + kb * 512, 64);
+    const uint16_t* xk = xb + kb * 32;
+    // Tile register numbers must be compile-time constants: unrolled by hand. Tile 5 holds a
+    // full 16-row slice of x, tile 6 the partial last one (its accumulator has as many rows).
+    if (mtiles >= 1) {
+      if (full >= 1) { _tile_loadd(5, xk, xstride); _tile_dpbf16ps(0, 5, 4); }
+      else { _tile_loadd(6, xk, xstride); _tile_dpbf16ps(0, 6, 4); }
+    }
+    if (mtiles >= 2) {
+      if (full >= 2) { _tile_loadd(5, xk + 16 * K, xstride); _tile_dpbf16ps(1, 5, 4); }
+      else { _tile_loadd(6, xk + 16 * K, xstride); _tile_dpbf16ps(1, 6, 4); }
+    }
+    if (mtiles >= 3) {
+      if (full >= 3) { _tile_loadd(5, xk + 32 * K, xstride); _tile_dpbf16ps(2, 5, 4); }
+      else { _tile_loadd(6, xk + 32 * K, xstride); _tile_dpbf16ps(2, 6, 4); }
+    }
+    if (mtiles >= 4) {
+      if (full >= 4) { _tile_loadd(5, xk + 48 * K, xstride); _tile_dpbf16ps(3, 5, 4); }
+      else { _tile_loadd(6, xk + 48 * K, xstride); _tile_dpbf16ps(3, 6, 4); }
+    }
+  }
+  if (mtiles >= 1) _tile_stored(0, acc, 64);
+  if (mtiles >= 2) _tile_stored(1, acc + 256, 64);
+  if (mtiles >= 3) _tile_stored(2, acc + 512, 64);
+  if (mtiles >= 4) _tile_stored(3, acc + 768, 64);
+  const __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + r * 16), b);
+    if (kOutF32) {
+      _mm512_storeu_ps(static_cast<float*>(y) + (m0 + r) * N + nb * 16, v);
+    } else {
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + (m0 + r) * N + nb * 16),
+          to_bf16x16(v));
+    }
+  }
+}
+
+// Threads split the column blocks. Rows go in chunks of up to kChunkRows (a chunk of x stays in
+// the core's L2); within a chunk each column block's weights are read from memory once and
+// from cache for the chunk's further 64-row passes.
+template <bool kOutF32>
+void amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y, int64_t M,
+                int64_t K, int64_t N, int num_threads) {
+  constexpr int64_t kChunkRows = CHUNK_ROWS;
+  const int64_t nblocks = N / 16, kblocks = K / 32;
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t nb0 = nblocks * t / nt, nb1 = nblocks * (t + 1) / nt;
+    int configured = -1;  // rows the tiles are configured for
+    for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
+      const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        for (int64_t m0 = c0; m0 < c1; m0 += 64) {
+          const int64_t rows = c1 - m0 < 64 ? c1 - m0 : 64;
+          if (rows != configured) {
+            configure_tiles(static_cast<int>(rows / 16), static_cast<int>(rows % 16));
+            configured = static_cast<int>(rows);
+          }
+          amx_block<kOutF32>(x, packed + nb * kblocks * 512, bias, y, m0, rows, K, N, nb);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+#endif  // INFER_HAVE_AMX
+
+}  // namespace
+
+extern "C" {
+
+// 1 when this build and this process can run the AMX kernels.
+int infer_amx_available() {
+#ifdef INFER_HAVE_AMX
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// W [N, K] bf16 row-major -> the packed tile layout above. N % 16 == 0, K % 32 == 0.
+int infer_amx_pack_weight(const uint16_t* weight, uint16_t* packed, int64_t N, int64_t K) {
+  if (N % 16 || K % 32) return 1;
+  const int64_t kblocks = K / 32;
+#pragma omp parallel for
+  for (int64_t nb = 0; nb < N / 16; ++nb)
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      uint16_t* tile = packed + (nb * kblocks + kb) * 512;
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t n = 0; n < 16; ++n)
+          for (int64_t j = 0; j < 2; ++j)
+            tile[r * 32 + n * 2 + j] = weight[(nb * 16 + n) * K + kb * 32 + 2 * r + j];
+    }
+  return 0;
+}
+
+// y = x . W^T + bias. x [M, K] bf16, packed from infer_amx_pack_weight, bias float32 [N] or
+// null, y [M, N] bf16 (out_f32 = 0) or float32 (out_f32 = 1).
+int infer_amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
+                     int64_t M, int64_t K, int64_t N, int out_f32, int num_threads) {
+#ifdef INFER_HAVE_AMX
+  if (N % 16 || K % 32 || M <= 0) return 1;
+  if (!amx_permitted()) return 2;
+  if (out_f32)
+    amx_linear<true>(x, packed, bias, y, M, K, N, num_threads);
+  else
+    amx_linear<false>(x, packed, bias, y, M, K, N, num_threads);
+  return 0;
+#else
+  (void)x; (void)packed; (void)bias; (void)y; (void)M; (void)K; (void)N; (void)out_f32;
+  (void)num_threads;
+  return 2;
+#endif
+}
+
+}  // extern "C"
