@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.runner.kernels import CpuKernels, cpu_kernels
+
 if TYPE_CHECKING:
     from infer.model.spec import ModelSpec
     from infer.runner.attention import AttentionContext
@@ -83,10 +85,19 @@ class CausalLM(nn.Module):
         return F.linear(hidden, self.vocab_projection_weight())
 
 
+def fused_kernels(x: torch.Tensor) -> CpuKernels | None:
+    """The C++ kernels when ``x`` can take the fused bf16 CPU path (else None: use torch)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return cpu_kernels()
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, the statistics in float32.
 
     Gemma's ``(1 + weight)`` variant is this module with ``1`` folded into the weight at load.
+    On CPU bf16 one fused kernel does the whole norm (and the residual add before it, see
+    :meth:`add_forward`); elsewhere torch ops round the same way.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -95,9 +106,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = fused_kernels(x)
+        if kernels is not None and self.weight.dtype == x.dtype:
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return kernels.add_rms_norm(flat, None, self.weight, self.eps)[1].view(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, h: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + h, norm(x + h))`` for ``[T, dim]`` activations (``h`` None: ``(x, norm(x))``).
+
+        The decoder carries each layer's output unadded, so the residual add and the next norm
+        are one pass over the activations."""
+        if h is None:
+            return x, self(x)
+        kernels = fused_kernels(x)
+        if kernels is not None and self.weight.dtype == x.dtype and x.dim() == 2:
+            return kernels.add_rms_norm(x.contiguous(), h.contiguous(), self.weight, self.eps)
+        x = x + h
+        return x, self(x)
 
 
 def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
@@ -131,8 +161,19 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
+# Activation names -> the name of their fused act(gate) * up kernel.
+FUSED_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
+
+
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul (and, on CPU bf16,
+    ``act(gate) * up`` in one kernel)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
         super().__init__()
@@ -140,9 +181,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.fused_act = FUSED_ACTIVATIONS.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = fused_kernels(gate_up)
+        if kernels is not None and self.fused_act is not None and gate_up.dim() == 2:
+            return self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

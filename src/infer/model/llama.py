@@ -150,6 +150,21 @@ class DecoderAttention(nn.Module):
         t = x.shape[0]
         heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x)
+        if self.q_norm is None and attn.can_store_rotated(qkv):
+            # One kernel rotates q and k in place and stores k, v in the cache.
+            q, k, v = attn.rotate_and_store(
+                self.layer_idx, qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim
+            )
+            out = attn.attend(
+                self.layer_idx,
+                q,
+                k,
+                v,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                kv_stored=True,
+            )
+            return self.o_proj(out.reshape(t, self.q_size))
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -175,16 +190,24 @@ class DecoderLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), cos, sin, attn)
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, pending)`` -> the residual stream and this layer's output, not yet added to it
+        (the next layer's norm adds it in the same pass; ``pending`` is None for layer 0)."""
+        x, normed = self.attn_norm.add_forward(x, pending)
+        h = self.attn(normed, cos, sin, attn)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
-        x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        x, normed = self.mlp_norm.add_forward(x, h)
+        h = self.mlp(normed)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
-        return x + h
+        return x, h
 
 
 class DecoderLM(CausalLM):
@@ -229,10 +252,11 @@ class DecoderLM(CausalLM):
             )
             for j in range(len(self._ropes))
         ]
+        pending: torch.Tensor | None = None
         for layer, j in zip(self.layers, self._layer_rope, strict=True):
             cos, sin = trig[j]
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, pending = layer(x, pending, cos, sin, attn)
+        return self.norm.add_forward(x, pending)[1]
 
     def vocab_projection_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -199,6 +199,49 @@ class AttentionContext:
         self._all_decode = self._decode is not None and not self._prefills
         self._kernels = cpu_kernels() if self.device.type == "cpu" else None
 
+    def can_store_rotated(self, qkv: torch.Tensor) -> bool:
+        """Whether :meth:`rotate_and_store` can take this fused projection (CPU bf16 kernels)."""
+        return (
+            self._kernels is not None
+            and qkv.dtype == torch.bfloat16
+            and self.kv_cache.tensor.dtype == torch.bfloat16
+            and qkv.dim() == 2
+            and qkv.stride(1) == 1
+        )
+
+    def rotate_and_store(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rope on q and k of ``qkv`` ``[T, (H + 2 Hkv) D]`` in place, k and v written to the
+        cache, in one kernel; returns ``q, k, v`` views (then call :meth:`attend` with
+        ``kv_stored=True``). ``cos, sin``: the step's rope rows, ``[T, 1, D]`` or ``[T, D]``."""
+        assert self._kernels is not None
+        k_cache, v_cache = self.kv_cache.layer(layer_idx)
+        self._kernels.rope_write_kv(
+            qkv,
+            cos.contiguous(),
+            sin.contiguous(),
+            k_cache,
+            v_cache,
+            self.slot_mapping,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        t = qkv.shape[0]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q = qkv[:, :q_size].view(t, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, num_kv_heads, head_dim)
+        return q, k, v
+
     def attend(
         self,
         layer_idx: int,
@@ -208,21 +251,24 @@ class AttentionContext:
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Write ``k, v`` to the cache and return attention output.
+        """Write ``k, v`` to the cache (unless ``kv_stored``) and return attention output.
 
         Args:
             q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]``.
             scale: multiplier of ``q @ k^T`` (``head_dim ** -0.5`` for most models).
             sliding_window: if set, a query at position p sees keys at positions
                 ``p - sliding_window < j <= p``.
+            kv_stored: :meth:`rotate_and_store` already wrote this step's k and v.
 
         Returns:
             ``[T, num_heads, head_dim]``.
         """
         k_cache, v_cache = self.kv_cache.layer(layer_idx)
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        if not kv_stored:
+            k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
         gqa = q.shape[1] != k.shape[1]
 
         if self._all_decode:

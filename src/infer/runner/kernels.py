@@ -22,13 +22,17 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger("infer.runner")
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ACT_MUL_CODES = {"silu": 0, "gelu_tanh": 1}
+"""Activations :meth:`CpuKernels.act_mul` fuses, by the name :mod:`infer.model.layers` gives them."""
 
 
 def _cache_dir() -> Path:
@@ -47,7 +51,8 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = b"".join(p.name.encode() + p.read_bytes() for p in _SOURCES)
+    files = sorted([*_SOURCES, *_CSRC.glob("*.h")])
+    source = b"".join(p.name.encode() + p.read_bytes() for p in files)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = _cache_dir() / f"infer_cpu_{key}.so"
@@ -71,20 +76,104 @@ class CpuKernels:
     """Typed wrappers over the compiled library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.infer_decode_attention
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr]
-        fn.argtypes += [i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._decode = fn
-        lib.infer_amx_available.restype = ctypes.c_int
-        self.has_amx = bool(lib.infer_amx_available())
-        self._pack = lib.infer_amx_pack_weight
-        self._pack.argtypes = [ptr, ptr, i64, i64]
-        self._pack.restype = ctypes.c_int
-        self._linear = lib.infer_amx_linear
-        self._linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-        self._linear.restype = ctypes.c_int
+        i32, i64, f32, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+        def bind(name: str, *argtypes: Any) -> Any:
+            fn = getattr(lib, name)
+            fn.argtypes = list(argtypes)
+            fn.restype = ctypes.c_int
+            return fn
+
+        self._decode = bind(
+            "infer_decode_attention", i32, ptr, ptr, ptr, ptr, ptr, ptr,
+            i64, i64, i64, i64, i64, i64, f32, i64, i32,
+        )  # fmt: skip
+        self.has_amx = bool(bind("infer_amx_available")())
+        self._pack = bind("infer_amx_pack_weight", ptr, ptr, i64, i64)
+        self._linear = bind("infer_amx_linear", ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32)
+        self._add_rms_norm = bind("infer_add_rms_norm", ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32)
+        self._rope_write_kv = bind(
+            "infer_rope_write_kv", ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32
+        )
+        self._act_mul = bind("infer_act_mul", ptr, ptr, i64, i64, i32, i32)
+        self._argmax_rows = bind("infer_argmax_rows", ptr, ptr, i64, i64, i32)
+
+    # ---- fused element-wise steps (bfloat16, contiguous rows) --------------------------------
+    def add_rms_norm(
+        self, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual = x + h`` (``x`` when ``h`` is None) and ``weight * residual / rms``.
+
+        ``x, h``: ``[rows, dim]`` contiguous bf16; returns ``(residual, normed)``."""
+        rows, dim = x.shape
+        out = torch.empty_like(x)
+        residual = x if h is None else torch.empty_like(x)
+        self._add_rms_norm(
+            x.data_ptr(),
+            None if h is None else h.data_ptr(),
+            weight.data_ptr(),
+            None if h is None else residual.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        return residual, out
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        """Rotate the q and k heads of ``qkv`` ``[T, >= (H + 2 Hkv) D]`` in place and store k, v
+        at ``slots`` (int64 ``[T]``) of one layer's caches ``[num_slots, Hkv, D]``.
+        ``cos, sin``: ``[T, D]`` contiguous, ``sin``'s first half negated."""
+        rc = self._rope_write_kv(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slots.data_ptr(),
+            qkv.shape[0],
+            qkv.stride(0),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"rope kernel rejected head_dim={head_dim} (code {rc})")
+
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(gate) * up`` for ``gate_up`` ``[rows, 2 I]`` contiguous bf16 -> ``[rows, I]``."""
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._act_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            width // 2,
+            ACT_MUL_CODES[activation],
+            torch.get_num_threads(),
+        )
+        return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """First index of each row's maximum of ``[rows, cols]`` contiguous float32 (as
+        ``torch.argmax``: NaN counts as the maximum)."""
+        rows, cols = logits.shape
+        out = torch.empty(rows, dtype=torch.long)
+        self._argmax_rows(logits.data_ptr(), out.data_ptr(), rows, cols, torch.get_num_threads())
+        return out
 
     def amx_linear_supports(self, weight: torch.Tensor) -> bool:
         """Whether :meth:`amx_linear` can take this ``[N, K]`` weight (bf16, N % 16, K % 32)."""

@@ -19,6 +19,7 @@ import torch
 
 from infer.core.messages import SampledToken
 from infer.core.request import Request, TokenLogprob
+from infer.runner.kernels import cpu_kernels
 
 
 class Sampler:
@@ -56,7 +57,7 @@ class Sampler:
             for row, request in enumerate(requests):
                 _apply_penalties(logits[row], request)
 
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
@@ -73,6 +74,14 @@ class Sampler:
                 lp = _token_logprob(raw_logprobs[row], token_id, k)
             out.append(SampledToken(token_id, lp))
         return out
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``; on CPU by the C++ kernel (torch's takes ~2 ms for 64 x 32000)."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    if kernels is None or logits.dtype != torch.float32 or logits.dim() != 2:
+        return logits.argmax(dim=-1)
+    return kernels.argmax_rows(logits.contiguous())
 
 
 def _apply_penalties(row: torch.Tensor, request: Request) -> None:

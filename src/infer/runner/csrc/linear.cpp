@@ -23,6 +23,8 @@
 #include <cstring>
 #include <omp.h>
 
+#include "simd.h"
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -80,23 +82,7 @@ void configure_tiles(int full, int tail_rows) {
   _tile_loadconfig(&cfg);
 }
 
-inline uint16_t round_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// float32 lanes -> bfloat16 lanes, round to nearest even (as torch rounds).
-inline __m256i to_bf16x16(__m512 v) {
-  __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
+using infer_simd::to_bf16x16;
 
 // Rows [m0, m0 + rows) of x (rows <= 64, tiles configured for that count) times the 16
 // columns of block nb: four accumulators at most, K walked once.

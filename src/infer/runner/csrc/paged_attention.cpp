@@ -17,30 +17,15 @@
 #include <cstring>
 #include <vector>
 #include <omp.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 namespace {
 
 inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {  // bfloat16 -> float32: the high half of the float's bits
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float to_f32(uint16_t x) { return infer_simd::bf16_to_f32(x); }
 inline void from_f32(float x, float* out) { *out = x; }
-inline void from_f32(float x, uint16_t* out) {  // float32 -> bfloat16, round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *out = static_cast<uint16_t>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *out = static_cast<uint16_t>(u >> 16);
-}
+inline void from_f32(float x, uint16_t* out) { *out = infer_simd::f32_to_bf16(x); }
 
 template <typename T>
 void decode_attention(const T* query, const T* key_cache, const T* value_cache, T* out,
@@ -112,28 +97,8 @@ void decode_attention(const T* query, const T* key_cache, const T* value_cache, 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
-// bfloat16 lanes -> float32 lanes: the bf16 bits are the high half of the float's bits.
-inline __m512 load_bf16x16(const uint16_t* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// e^x for x <= 0 (softmax after subtracting the max), float32 lanes: 2^(x log2 e) split into
-// an integer power (exponent bits) and a degree-5 polynomial on [-0.5, 0.5] (rel. error ~2e-7).
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, k);  // in [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180399924896104e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+using infer_simd::exp16;
+using infer_simd::load_bf16x16;
 
 // Sixteen vectors -> one: lane i of the result is the sum of the 16 lanes of v[i].
 // (45 shuffles and adds instead of 16 horizontal reductions.)
@@ -289,7 +254,7 @@ void decode_attention_bf16_avx512(const uint16_t* query, const uint16_t* key_cac
         __m512 vsum = _mm512_setzero_ps();
         for (j = 0; j < n; j += 16) {
           const __mmask16 mask = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
-          const __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + j), vm));
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + j), vm));
           _mm512_mask_storeu_ps(sg + j, mask, e);
           vsum = _mm512_mask_add_ps(vsum, mask, vsum, e);
         }
