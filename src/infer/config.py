@@ -10,6 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from infer.kv_cache.sizing import check_kv_cache_dtype
+
+QUANTIZATIONS = ("int8", "fp8")
 BatchingMode = Literal["continuous", "static"]
 KVBackend = Literal["paged", "contiguous"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -38,10 +41,16 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
+    quantization: str | None = None  # None | int8 | fp8: weights quantized at load
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"--quantization {self.quantization!r} is not supported "
+                f"(choices: {', '.join(QUANTIZATIONS)})"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
@@ -56,6 +65,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = False
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out KV blocks
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8: one byte per value
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -70,6 +80,7 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.enable_prefix_caching and self.kv_cache_backend != "paged":
             raise ValueError("prefix caching needs the paged KV cache backend")
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

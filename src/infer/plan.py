@@ -1,6 +1,7 @@
 """`infer plan`: KV-cache capacity planning without loading weights.
 
-    bytes_per_token = 2 x layers x kv_heads x head_dim x dtype_bytes      (K and V, every layer)
+    bytes_per_token = 2 x layers x kv_heads x (head_dim x dtype_bytes + scale_bytes)
+                      (K and V, every layer; int8 / fp8 caches keep a 2-byte scale per row)
     kv_budget       = memory - weights
     context/user    = kv_budget / concurrency / bytes_per_token
     users           = kv_budget / (context x bytes_per_token)
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.config import parse_bytes
-from infer.kv_cache.sizing import kv_bytes_per_token
+from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "int8": 1, "fp8": 1}  # fmt: skip
@@ -38,12 +39,14 @@ class CapacityPlan:
     concurrency: int
     context_len: int
     block_size: int = 16
+    kv_scale_bytes: int = 0  # per row of head_dim values (int8 / fp8 caches)
 
     @property
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes
-        )
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes,
+            self.kv_scale_bytes,
+        )  # fmt: skip
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -55,8 +58,9 @@ class CapacityPlan:
         if self.num_heads is None:
             return None
         mha = kv_bytes_per_token(
-            self.num_layers, self.num_heads, self.head_dim, self.kv_dtype_bytes
-        )
+            self.num_layers, self.num_heads, self.head_dim, self.kv_dtype_bytes,
+            self.kv_scale_bytes,
+        )  # fmt: skip
         return mha * self.context_len
 
     @property
@@ -117,6 +121,7 @@ def plan_from_folder(
         num_heads=spec.num_heads,
         head_dim=spec.head_dim,
         kv_dtype_bytes=DTYPE_BYTES[kv_dtype] if kv_dtype else wbytes,
+        kv_scale_bytes=_scale_bytes(kv_dtype),
         weights_bytes=safetensors_num_params(model_dir) * wbytes,
         memory_bytes=memory,
         concurrency=concurrency,
@@ -125,16 +130,24 @@ def plan_from_folder(
     )
 
 
+def _scale_bytes(kv_dtype: str | None) -> int:
+    return kv_value_bytes(kv_dtype, 0)[1] if kv_dtype else 0
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
 def render(p: CapacityPlan) -> str:
+    row = f"{p.head_dim} x {p.kv_dtype_bytes}"
+    if p.kv_scale_bytes:
+        row = f"({row} + {p.kv_scale_bytes} scale)"
     lines = [
         f"shape: {p.num_layers} layers x {p.num_kv_heads} KV heads x head_dim {p.head_dim}, "
-        f"{p.kv_dtype_bytes} bytes per value",
-        f"KV bytes per token: 2 x {p.num_layers} x {p.num_kv_heads} x {p.head_dim} x "
-        f"{p.kv_dtype_bytes} = {p.bytes_per_token:,} bytes ({p.bytes_per_token / 2**10:.1f} KiB)",
+        f"{p.kv_dtype_bytes} bytes per value"
+        + (f" + a {p.kv_scale_bytes}-byte scale per row" if p.kv_scale_bytes else ""),
+        f"KV bytes per token: 2 x {p.num_layers} x {p.num_kv_heads} x {row} = "
+        f"{p.bytes_per_token:,} bytes ({p.bytes_per_token / 2**10:.1f} KiB)",
         f"KV per {p.context_len}-token sequence: {_gb(p.bytes_per_sequence)}",
     ]
     mha = p.mha_bytes_per_sequence
@@ -213,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
             args.concurrency,
             args.context,
             args.block_size,
+            _scale_bytes(args.kv_dtype),
         )
     print(render(plan))
     return 0

@@ -51,15 +51,11 @@ def test_kernel_matches_direct_attention(dtype, tol, heads, kv_heads, head_dim, 
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
 
+    cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, dtype, "cpu")
+    cache.tensor[0, 0] = k_cache
+    cache.tensor[1, 0] = v_cache
     out = kernels.decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        padded,
-        torch.tensor(lens, dtype=torch.int32),
-        block_size,
-        scale,
-        window,
+        q, cache, 0, padded, torch.tensor(lens, dtype=torch.int32), scale, window
     )
     expected = _reference(q, k_cache, v_cache, tables, lens, block_size, scale, window)
     assert out.dtype == dtype and out.shape == q.shape

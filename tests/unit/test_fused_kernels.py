@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from infer.model.layers import GatedMLP, RMSNorm
 from infer.model.rope import apply_rope
+from infer.runner.attention import KVCache
 from infer.runner.kernels import cpu_kernels
 
 kernels = cpu_kernels()
@@ -62,14 +63,14 @@ def test_rope_write_kv_matches_apply_rope_and_index_copy(heads, kv_heads, head_d
     cos = torch.cat((angle.cos(), angle.cos()), -1).bfloat16()
     sin = torch.cat((-angle.sin(), angle.sin()), -1).bfloat16()
     slots = torch.tensor([3, 17, 0, 31, 8])
-    k_cache = torch.zeros(num_slots, kv_heads, head_dim).bfloat16()
-    v_cache = torch.zeros_like(k_cache)
+    cache = KVCache(1, num_slots // 4, 4, kv_heads, head_dim, torch.bfloat16, "cpu")
+    k_cache, v_cache = cache.layer(0)
 
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
     want_qk = apply_rope(qk, cos[:, None], sin[:, None])
     want_v = qkv[:, (heads + kv_heads) * head_dim :].view(t, kv_heads, head_dim).clone()
 
-    kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, head_dim)
+    kernels.rope_write_kv(qkv, cos, sin, cache, 0, slots, heads, kv_heads, head_dim)
     got_qk = qkv[:, : (heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
     assert _ulps(got_qk, want_qk) <= 1
     assert torch.equal(k_cache[slots], got_qk[:, heads:])

@@ -1,4 +1,4 @@
-"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|prefix|results``.
+"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|quant|prefix|results``.
 
 Registered by :mod:`infer.cli`. Building the parser imports nothing from the ``bench`` extra;
 each command checks for the extra first (:func:`infer.bench.require_bench_extra`) and imports
@@ -475,6 +475,15 @@ def register(subparsers) -> None:
                     help="before each context, wait up to S s for other processes to quiet down")  # fmt: skip
     dc.add_argument("--out", default=f"{DEFAULT_OUT}/decode_curve", help="report folder")
     dc.set_defaults(func=_offline_bench("decode_curve"))
+
+    qu = sub.add_parser(
+        "quant", help="int8 weights / int8 and fp8 KV: decode speed, perplexity, capacity"
+    )
+    qu.add_argument("--model", default=None, help=model_help)
+    qu.add_argument("--runs", type=int, default=3)
+    qu.add_argument("--kv-memory", default="256MiB", help="KV memory of the long-context part")
+    qu.add_argument("--out", default=f"{DEFAULT_OUT}/quant", help="report folder")
+    qu.set_defaults(func=_offline_bench("quant"))
 
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
     pr.add_argument("--model", default=None, help=model_help)

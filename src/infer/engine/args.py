@@ -23,6 +23,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=m.device, help="cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=m.seed)
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="quantize the weights at load: int8 (per-output-channel scales, CPU and CUDA) | "
+        "fp8 (e4m3, CUDA with fp8 matmuls)",
+    )
 
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=c.block_size)
@@ -48,6 +55,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prefix-caching",
         dest="enable_prefix_caching",
         action="store_true",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=c.kv_cache_dtype,
+        help="auto (the model dtype) | int8 | fp8: one byte per cached value plus a bf16 scale "
+        "per token and head (about twice the tokens in the same memory)",
     )
     g.add_argument(
         "--swap-space",
@@ -93,6 +106,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             device=args.device,
             max_model_len=args.max_model_len,
             seed=args.seed,
+            quantization=args.quantization,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -103,6 +117,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             swap_space=args.swap_space,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

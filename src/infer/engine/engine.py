@@ -21,9 +21,10 @@ from infer.core.validation import check_prompt
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.scheduler import Scheduler
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
-from infer.kv_cache.sizing import kv_bytes_per_token
+from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.runner.attention import KVCache
-from infer.runner.prepack import prepack_linears
+from infer.runner.prepack import model_weight_bytes, prepack_linears
+from infer.runner.quant import check_quantization, quantize_linears
 from infer.runner.runner import ModelRunner
 
 logger = logging.getLogger("infer.engine")
@@ -122,8 +123,12 @@ class LLMEngine:
         self.spec = load_model_spec(self.model_path)
         self.dtype = resolve_dtype(mc.dtype, self.spec.torch_dtype, self.device)
         t0 = time.perf_counter()
+        check_quantization(mc.quantization, self.device)
         self.model = load_model(self.model_path, self.dtype, self.device)
-        prepack_linears(self.model)
+        if mc.quantization:
+            quantize_linears(self.model, mc.quantization)
+        else:
+            prepack_linears(self.model)
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)
 
@@ -161,6 +166,7 @@ class LLMEngine:
             self.spec.head_dim,
             self.dtype,
             self.device,
+            kv_dtype=cc.kv_cache_dtype,
         )
         self.scheduler = Scheduler(sc, cc, self.kv_manager)
         self.runner = ModelRunner(
@@ -169,14 +175,15 @@ class LLMEngine:
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []
         self.step_times = StepTimeTotals()
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weights_bytes = model_weight_bytes(self.model)
         self._log_startup()
 
     # ---- capacity -----------------------------------------------------------------------------
     def _plan_kv(self) -> KVCapacity:
         cc, sc = self.config.cache, self.config.scheduler
         s = self.spec
-        bpt = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype.itemsize)
+        value_bytes, scale_bytes = kv_value_bytes(cc.kv_cache_dtype, self.dtype.itemsize)
+        bpt = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, value_bytes, scale_bytes)
         block_size = self.max_model_len if cc.kv_cache_backend == "contiguous" else cc.block_size
         if cc.num_kv_blocks is not None:
             return KVCapacity(bpt, block_size, cc.num_kv_blocks)
@@ -213,8 +220,11 @@ class LLMEngine:
             self.device,
         )
         logger.info(
-            "KV cache: %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB); "
+            "KV cache (%s): %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB); "
             "max concurrency at %d tokens: %.1f",
+            self.config.cache.kv_cache_dtype
+            if self.config.cache.kv_cache_dtype != "auto"
+            else str(self.dtype).removeprefix("torch."),
             cap.bytes_per_token,
             cap.num_blocks,
             cap.block_size,

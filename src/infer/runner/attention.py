@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from infer.kv_cache.sizing import check_kv_cache_dtype
+from infer.runner import kv_quant
 from infer.runner.kernels import cpu_kernels
 
 
@@ -48,7 +50,12 @@ class SequenceSlice:
 
 
 class KVCache:
-    """K and V for every layer: ``[2, num_layers, num_blocks * block_size, kv_heads, head_dim]``."""
+    """K and V for every layer: ``[2, num_layers, num_blocks * block_size, kv_heads, head_dim]``.
+
+    With ``kv_dtype`` ``"int8"`` or ``"fp8"`` the values are one byte each and ``scales``
+    ``[2, num_layers, num_slots, kv_heads]`` (bf16) holds each row's scale
+    (:mod:`infer.runner.kv_quant`); ``dtype`` is then the dtype values are read back in.
+    """
 
     def __init__(
         self,
@@ -59,27 +66,73 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_dtype: str = "auto",
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
+        self.kind = check_kv_cache_dtype(kv_dtype)
+        num_slots = num_blocks * block_size
+        storage = dtype if self.kind is None else kv_quant.STORAGE_DTYPES[self.kind]
         self.tensor = torch.zeros(
-            2,
-            num_layers,
-            num_blocks * block_size,
-            num_kv_heads,
-            head_dim,
-            dtype=dtype,
-            device=device,
+            2, num_layers, num_slots, num_kv_heads, head_dim, dtype=storage, device=device
         )
+        self.scales: torch.Tensor | None = None
+        if self.kind is not None:
+            self.scales = torch.zeros(
+                2, num_layers, num_slots, num_kv_heads, dtype=kv_quant.SCALE_DTYPE, device=device
+            )
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind is not None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K and V of one layer (one-byte values when quantized)."""
         return self.tensor[0, layer_idx], self.tensor[1, layer_idx]
 
-    def blocks_view(self) -> torch.Tensor:
-        """``[2, num_layers, num_blocks, block_size, kv_heads, head_dim]`` (a view)."""
-        t = self.tensor
-        return t.view(t.shape[0], t.shape[1], self.num_blocks, self.block_size, *t.shape[3:])
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.scales is None:
+            return None, None
+        return self.scales[0, layer_idx], self.scales[1, layer_idx]
+
+    def store(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v`` ``[T, kv_heads, head_dim]`` at ``slots`` (quantizing them if needed)."""
+        k_cache, v_cache = self.layer(layer_idx)
+        if self.kind is None:
+            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+            return
+        k_scales, v_scales = self.layer_scales(layer_idx)
+        assert k_scales is not None and v_scales is not None
+        for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+            values, scale = kv_quant.quantize(x, self.kind)
+            cache.index_copy_(0, slots, values)
+            scales.index_copy_(0, slots, scale)
+
+    def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[len(slots), kv_heads, head_dim]`` at ``slots``, in ``dtype``."""
+        k_cache, v_cache = self.layer(layer_idx)
+        ks = k_cache.index_select(0, slots)
+        vs = v_cache.index_select(0, slots)
+        if self.kind is None:
+            return ks.to(self.dtype), vs.to(self.dtype)
+        k_scales, v_scales = self.layer_scales(layer_idx)
+        assert k_scales is not None and v_scales is not None
+        return (
+            kv_quant.dequantize(ks, k_scales.index_select(0, slots), self.kind, self.dtype),
+            kv_quant.dequantize(vs, v_scales.index_select(0, slots), self.kind, self.dtype),
+        )
+
+    def block_views(self) -> list[torch.Tensor]:
+        """Every stored tensor as ``[2, num_layers, num_blocks, block_size, ...]`` views: what a
+        block swap copies."""
+        views = []
+        for t in (self.tensor, self.scales):
+            if t is not None:
+                views.append(t.view(2, t.shape[1], self.num_blocks, self.block_size, *t.shape[3:]))
+        return views
 
 
 @dataclass
@@ -123,7 +176,7 @@ class _PrefillSeq:
         """[n, L] True where query i (position num_computed + i) may see key j; None = causal."""
         if window not in self.masks:
             n = self.end - self.start
-            if self.slots is None and window is None:
+            if self.num_computed == 0 and window is None:
                 self.masks[window] = None  # plain causal: SDPA's is_causal path
             else:
                 L = self.num_computed + n
@@ -192,7 +245,9 @@ class AttentionContext:
         for i in np.nonzero(~is_decode)[0]:
             start, n, past = int(starts[i]), int(new_tokens[i]), int(computed[i])
             context = None
-            if past > 0:
+            # A quantized cache is read back even for a fresh prompt, so a prompt attends to the
+            # same (rounded) keys and values however it is chunked.
+            if past > 0 or kv_cache.quantized:
                 context = _table_slots(block_tables[i : i + 1].long(), bs)[0, : past + n]
                 context = context.to(self.device)
             self._prefills.append(_PrefillSeq(start, start + n, past, context))
@@ -204,7 +259,7 @@ class AttentionContext:
         return (
             self._kernels is not None
             and qkv.dtype == torch.bfloat16
-            and self.kv_cache.tensor.dtype == torch.bfloat16
+            and self.kv_cache.dtype == torch.bfloat16
             and qkv.dim() == 2
             and qkv.stride(1) == 1
         )
@@ -223,13 +278,12 @@ class AttentionContext:
         cache, in one kernel; returns ``q, k, v`` views (then call :meth:`attend` with
         ``kv_stored=True``). ``cos, sin``: the step's rope rows, ``[T, 1, D]`` or ``[T, D]``."""
         assert self._kernels is not None
-        k_cache, v_cache = self.kv_cache.layer(layer_idx)
         self._kernels.rope_write_kv(
             qkv,
             cos.contiguous(),
             sin.contiguous(),
-            k_cache,
-            v_cache,
+            self.kv_cache,
+            layer_idx,
             self.slot_mapping,
             num_heads,
             num_kv_heads,
@@ -265,26 +319,28 @@ class AttentionContext:
         Returns:
             ``[T, num_heads, head_dim]``.
         """
-        k_cache, v_cache = self.kv_cache.layer(layer_idx)
         if not kv_stored:
-            k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+            kernels = self._kernels
+            if kernels is not None and kernels.can_store_kv(k, self.kv_cache):
+                kernels.store_kv(k, v, self.kv_cache, layer_idx, self.slot_mapping)
+            else:
+                self.kv_cache.store(layer_idx, self.slot_mapping, k, v)
         gqa = q.shape[1] != k.shape[1]
 
         if self._all_decode:
-            return self._attend_decode(q, k_cache, v_cache, scale, sliding_window, gqa)
+            return self._attend_decode(layer_idx, q, scale, sliding_window, gqa)
         out = torch.empty_like(q)
         if self._decode is not None:
             rows = self._decode.rows
-            out[rows] = self._attend_decode(q[rows], k_cache, v_cache, scale, sliding_window, gqa)
+            out[rows] = self._attend_decode(layer_idx, q[rows], scale, sliding_window, gqa)
         for pf in self._prefills:
             qs = q[pf.start : pf.end].transpose(0, 1)  # [H, n, D]
             if pf.slots is None:
                 ks = k[pf.start : pf.end].transpose(0, 1)
                 vs = v[pf.start : pf.end].transpose(0, 1)
             else:
-                ks = k_cache.index_select(0, pf.slots).transpose(0, 1)  # [Hkv, L, D]
-                vs = v_cache.index_select(0, pf.slots).transpose(0, 1)
+                kg, vg = self.kv_cache.gather(layer_idx, pf.slots)
+                ks, vs = kg.transpose(0, 1), vg.transpose(0, 1)  # [Hkv, L, D]
             mask = pf.mask(sliding_window, self.device)
             # NOTE: 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel
             # (~8x slower for a 512-token bf16 prefill).
@@ -301,33 +357,27 @@ class AttentionContext:
         return out
 
     def _attend_decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        window: int | None,
-        gqa: bool,
+        self, layer_idx: int, q: torch.Tensor, scale: float, window: int | None, gqa: bool
     ) -> torch.Tensor:
         dg = self._decode
         assert dg is not None
         kernels = self._kernels
-        if kernels is not None and q.dtype == k_cache.dtype and kernels.supports(q.dtype):
+        cache = self.kv_cache
+        if kernels is not None and q.dtype == cache.dtype and kernels.supports(q.dtype):
             return kernels.decode_attention(
                 q.contiguous(),
-                k_cache,
-                v_cache,
+                cache,
+                layer_idx,
                 dg.block_tables,
                 dg.context_lens,
-                dg.block_size,
                 scale,
                 window,
             )
         # index_select on the flat slot list is ~2x faster on CPU than advanced indexing.
         bd, lmax = dg.gather.shape
-        flat = dg.gather.reshape(-1)
-        ks = k_cache.index_select(0, flat).view(bd, lmax, *k_cache.shape[1:]).transpose(1, 2)
-        vs = v_cache.index_select(0, flat).view(bd, lmax, *v_cache.shape[1:]).transpose(1, 2)
+        ks, vs = cache.gather(layer_idx, dg.gather.reshape(-1))
+        ks = ks.view(bd, lmax, *ks.shape[1:]).transpose(1, 2)
+        vs = vs.view(bd, lmax, *vs.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [Bd, H, 1, D]
             ks.to(q.dtype),

@@ -22,9 +22,14 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from infer.runner.kv_quant import KIND_CODES
+
+if TYPE_CHECKING:
+    from infer.runner.attention import KVCache
 
 logger = logging.getLogger("infer.runner")
 
@@ -85,16 +90,24 @@ class CpuKernels:
             return fn
 
         self._decode = bind(
-            "infer_decode_attention", i32, ptr, ptr, ptr, ptr, ptr, ptr,
+            "infer_decode_attention", i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
             i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
         self.has_amx = bool(bind("infer_amx_available")())
         self._pack = bind("infer_amx_pack_weight", ptr, ptr, i64, i64)
-        self._linear = bind("infer_amx_linear", ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32)
+        self._pack_int8 = bind("infer_amx_pack_int8", ptr, ptr, i64, i64)
+        self._linear = bind(
+            "infer_amx_linear", ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i32, i32
+        )
         self._add_rms_norm = bind("infer_add_rms_norm", ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32)
         self._rope_write_kv = bind(
-            "infer_rope_write_kv", ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32
-        )
+            "infer_rope_write_kv", ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr,
+            i64, i64, i64, i64, i64, i32,
+        )  # fmt: skip
+        self._store_kv = bind(
+            "infer_store_kv", i32, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr,
+            i64, i64, i64, i32,
+        )  # fmt: skip
         self._act_mul = bind("infer_act_mul", ptr, ptr, i64, i64, i32, i32)
         self._argmax_rows = bind("infer_argmax_rows", ptr, ptr, i64, i64, i32)
 
@@ -126,22 +139,27 @@ class CpuKernels:
         qkv: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        cache: KVCache,
+        layer_idx: int,
         slots: torch.Tensor,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
     ) -> None:
-        """Rotate the q and k heads of ``qkv`` ``[T, >= (H + 2 Hkv) D]`` in place and store k, v
-        at ``slots`` (int64 ``[T]``) of one layer's caches ``[num_slots, Hkv, D]``.
+        """Rotate the q and k heads of bf16 ``qkv`` ``[T, >= (H + 2 Hkv) D]`` in place and store
+        k, v at ``slots`` (int64 ``[T]``) of one layer of ``cache`` (bf16, or quantized).
         ``cos, sin``: ``[T, D]`` contiguous, ``sin``'s first half negated."""
+        k_cache, v_cache = cache.layer(layer_idx)
+        k_scales, v_scales = cache.layer_scales(layer_idx)
         rc = self._rope_write_kv(
             qkv.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
+            KIND_CODES[cache.kind],
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            _ptr(k_scales),
+            _ptr(v_scales),
             slots.data_ptr(),
             qkv.shape[0],
             qkv.stride(0),
@@ -152,6 +170,41 @@ class CpuKernels:
         )
         if rc != 0:
             raise ValueError(f"rope kernel rejected head_dim={head_dim} (code {rc})")
+
+    def can_store_kv(self, k: torch.Tensor, cache: KVCache) -> bool:
+        """Whether :meth:`store_kv` takes this step's ``k`` for ``cache``."""
+        return k.dtype in _DTYPE_CODES and k.dtype == cache.dtype and k.shape[-1] <= 512
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer_idx: int, slots: torch.Tensor
+    ) -> None:
+        """Store ``k, v`` ``[T, Hkv, D]`` (rows may be strided) at ``slots`` of one layer of
+        ``cache``: copied, or quantized with a scale per row."""
+        if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1]:
+            k = k.contiguous()
+        if v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
+            v = v.contiguous()
+        k_cache, v_cache = cache.layer(layer_idx)
+        k_scales, v_scales = cache.layer_scales(layer_idx)
+        rc = self._store_kv(
+            _DTYPE_CODES[k.dtype],
+            KIND_CODES[cache.kind],
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            _ptr(k_scales),
+            _ptr(v_scales),
+            slots.data_ptr(),
+            k.shape[0],
+            k.shape[1],
+            k.shape[2],
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"KV store kernel rejected its inputs (code {rc})")
 
     def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         """``act(gate) * up`` for ``gate_up`` ``[rows, 2 I]`` contiguous bf16 -> ``[rows, I]``."""
@@ -176,30 +229,41 @@ class CpuKernels:
         return out
 
     def amx_linear_supports(self, weight: torch.Tensor) -> bool:
-        """Whether :meth:`amx_linear` can take this ``[N, K]`` weight (bf16, N % 16, K % 32)."""
+        """Whether the AMX kernels take this ``[N, K]`` weight (bf16 or int8, N % 16, K % 32)."""
         n, k = weight.shape
-        return self.has_amx and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+        ok_dtype = weight.dtype in (torch.bfloat16, torch.int8)
+        return self.has_amx and ok_dtype and n % 16 == 0 and k % 32 == 0
 
     def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``[N, K]`` bf16 weight -> the tile layout :meth:`amx_linear` streams (a flat copy)."""
+        """``[N, K]`` bf16 or int8 weight -> the tile layout :meth:`amx_linear` streams (a flat
+        copy of the same dtype)."""
         w = weight.detach().contiguous()
-        packed = torch.empty(w.numel(), dtype=torch.bfloat16)
-        rc = self._pack(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
+        packed = torch.empty(w.numel(), dtype=w.dtype)
+        pack = self._pack_int8 if w.dtype == torch.int8 else self._pack
+        rc = pack(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
         if rc != 0:
             raise ValueError(f"cannot pack a {tuple(w.shape)} weight for AMX (code {rc})")
         return packed
 
     def amx_linear(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_features: int,
+        scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x @ W^T + bias`` for ``x`` ``[M, K]`` contiguous bf16 and ``packed`` from
-        :meth:`amx_pack`; ``bias`` float32 ``[N]`` or None. Returns ``[M, N]`` bf16."""
+        """``(x @ W^T) * scales + bias`` for ``x`` ``[M, K]`` contiguous bf16 and ``packed``
+        from :meth:`amx_pack` (bf16; or int8 with float32 ``scales`` ``[N]``, one per output
+        channel); ``bias`` float32 ``[N]`` or None. Returns ``[M, N]`` bf16."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         rc = self._linear(
             x.data_ptr(),
             packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
+            packed.element_size(),
+            _ptr(scales),
+            _ptr(bias),
             out.data_ptr(),
             m,
             k,
@@ -218,19 +282,18 @@ class CpuKernels:
     def decode_attention(
         self,
         query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        cache: KVCache,
+        layer_idx: int,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
-        block_size: int,
         scale: float,
         window: int | None,
     ) -> torch.Tensor:
-        """Attention of one query per sequence to its paged context.
+        """Attention of one query per sequence to its paged context in one layer of ``cache``
+        (the query's dtype, or int8 / fp8 with scales).
 
         Args:
-            query: ``[B, H, D]``, contiguous, float32 or bfloat16 (the caches' dtype).
-            key_cache, value_cache: one layer, ``[num_slots, Hkv, D]``, contiguous.
+            query: ``[B, H, D]``, contiguous, float32 or bfloat16 (the cache's ``dtype``).
             block_tables: ``[B, max_blocks]`` int32 (unused tail entries are never read).
             context_lens: ``[B]`` int32, keys per sequence including the query's own.
             window: sliding window (keys ``p - window < j <= p``), or None.
@@ -239,12 +302,17 @@ class CpuKernels:
             ``[B, H, D]`` in the query's dtype.
         """
         b, h, d = query.shape
+        key_cache, value_cache = cache.layer(layer_idx)
+        k_scales, v_scales = cache.layer_scales(layer_idx)
         out = torch.empty_like(query)
         rc = self._decode(
             _DTYPE_CODES[query.dtype],
+            KIND_CODES[cache.kind],
             query.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
+            _ptr(k_scales),
+            _ptr(v_scales),
             out.data_ptr(),
             block_tables.data_ptr(),
             context_lens.data_ptr(),
@@ -252,7 +320,7 @@ class CpuKernels:
             h,
             key_cache.shape[1],
             d,
-            block_size,
+            cache.block_size,
             block_tables.shape[1],
             scale,
             window or 0,
@@ -261,6 +329,10 @@ class CpuKernels:
         if rc != 0:
             raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
         return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 @cache

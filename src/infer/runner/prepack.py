@@ -43,6 +43,10 @@ class PackedLinear(nn.Module):
             "bias", None if bias is None else bias.detach().clone(), persistent=False
         )
 
+    @property
+    def weight_bytes(self) -> int:
+        return self.in_features * self.out_features * self.packed_weight.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         y = torch.ops.mkldnn._linear_pointwise(
@@ -63,12 +67,25 @@ class AmxLinear(nn.Module):
         fbias = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", fbias, persistent=False)
 
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed_weight.numel() * self.packed_weight.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         y = self._kernels.amx_linear(flat, self.packed_weight, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as they are held: parameters plus packed or quantized
+    copies (modules with a ``weight_bytes`` of their own; rope tables are not counted)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        total += getattr(module, "weight_bytes", 0)
+    return total
 
 
 def _usable(weight: torch.Tensor) -> bool:

@@ -47,27 +47,30 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self._sync = device.type == "cuda"
-        # Host memory for swapped-out KV blocks: same layout as the device cache's blocks.
-        self.swap_space: torch.Tensor | None = None
-        if num_swap_blocks:
-            shape = list(kv_cache.blocks_view().shape)
+        # Host memory for swapped-out KV blocks: same layout as the device cache's blocks (the
+        # values, and their scales when the cache is quantized).
+        self.swap_space: list[torch.Tensor] = []
+        for view in kv_cache.block_views() if num_swap_blocks else []:
+            shape = list(view.shape)
             shape[2] = num_swap_blocks
-            self.swap_space = torch.zeros(
-                shape, dtype=kv_cache.tensor.dtype, pin_memory=device.type == "cuda"
+            self.swap_space.append(
+                torch.zeros(shape, dtype=view.dtype, pin_memory=device.type == "cuda")
             )
 
     def swap_blocks(self, out: SchedulerOutput) -> None:
         """Copy swap-outs (device -> host) first, then swap-ins (host -> device)."""
         if not out.swap_out and not out.swap_in:
             return
-        assert self.swap_space is not None, "swap requested without swap space"
-        device_blocks = self.kv_cache.blocks_view()
-        if out.swap_out:
-            src, dst = zip(*out.swap_out, strict=True)
-            self.swap_space[:, :, list(dst)] = device_blocks[:, :, list(src)].to("cpu")
-        if out.swap_in:
-            src, dst = zip(*out.swap_in, strict=True)
-            device_blocks[:, :, list(dst)] = self.swap_space[:, :, list(src)].to(self.device)
+        assert self.swap_space, "swap requested without swap space"
+        for device_blocks, host_blocks in zip(
+            self.kv_cache.block_views(), self.swap_space, strict=True
+        ):
+            if out.swap_out:
+                src, dst = zip(*out.swap_out, strict=True)
+                host_blocks[:, :, list(dst)] = device_blocks[:, :, list(src)].to("cpu")
+            if out.swap_in:
+                src, dst = zip(*out.swap_in, strict=True)
+                device_blocks[:, :, list(dst)] = host_blocks[:, :, list(src)].to(self.device)
 
     @torch.inference_mode()
     def execute(

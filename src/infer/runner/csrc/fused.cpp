@@ -7,6 +7,8 @@
 //                        (h may be null: a plain RMSNorm of x)
 //   infer_rope_write_kv  rotate q and k of a fused qkv row in place ("rotate half" rope with
 //                        the sign folded into the sin table) and store k, v in the KV cache slot
+//   infer_store_kv       store k, v rows in the KV cache slots (copied, or quantized to int8 /
+//                        float8 e4m3 with a bf16 scale per slot and head)
 //   infer_act_mul        out = act(gate) * up for a fused [gate | up] row (SiLU or tanh-GELU)
 //   infer_argmax_rows    the first index of each row's maximum (NaN counts as the maximum)
 //
@@ -23,6 +25,48 @@ namespace {
 using infer_simd::bf16_to_f32;
 using infer_simd::f32_to_bf16;
 using infer_simd::round_bf16;
+
+// KV cache storage kinds (as the attention kernel reads them).
+enum KvKind { kKvPlain = 0, kKvInt8 = 1, kKvFp8 = 2 };
+
+// One head's row of D values (float32) into a quantized cache: scale = absmax / qmax rounded
+// up to bf16 (qmax 127 for int8, 448 for e4m3), each value stored as round(value * (1 / scale)).
+inline void store_head(const float* x, int64_t d, int kind, void* dst, uint16_t* scale) {
+  float absmax = 0.f;
+  for (int64_t i = 0; i < d; ++i) absmax = std::fmax(absmax, std::fabs(x[i]));
+  const uint16_t s = infer_simd::f32_to_bf16_up(absmax / (kind == kKvInt8 ? 127.f : 448.f));
+  *scale = s;
+  const float sf = bf16_to_f32(s);
+  const float inv = sf > 0.f ? 1.f / sf : 0.f;
+  if (kind == kKvInt8) {
+    int8_t* o = static_cast<int8_t*>(dst);
+    for (int64_t i = 0; i < d; ++i) {
+      const float q = std::nearbyint(x[i] * inv);
+      o[i] = static_cast<int8_t>(q > 127.f ? 127.f : (q < -127.f ? -127.f : q));
+    }
+  } else {
+    uint8_t* o = static_cast<uint8_t*>(dst);
+    for (int64_t i = 0; i < d; ++i) o[i] = infer_simd::f32_to_fp8e4m3(x[i] * inv);
+  }
+}
+
+// Store `heads` rows of one token (src in dtype 0 float32 / 1 bfloat16) at `slot`.
+inline void store_token(const void* src, int src_dtype, int64_t heads, int64_t d, int kind,
+                        void* cache, uint16_t* scales, int64_t slot) {
+  const int64_t elem = kind == kKvPlain ? (src_dtype == 0 ? 4 : 2) : 1;
+  char* base = static_cast<char*>(cache) + slot * heads * d * elem;
+  if (kind == kKvPlain) {  // same dtype in and out: a plain copy
+    std::memcpy(base, src, heads * d * elem);
+    return;
+  }
+  float row[512];
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < d; ++i)
+      row[i] = src_dtype == 0 ? static_cast<const float*>(src)[h * d + i]
+                              : bf16_to_f32(static_cast<const uint16_t*>(src)[h * d + i]);
+    store_head(row, d, kind, base + h * d * elem, scales + slot * heads + h);
+  }
+}
 
 // Threads for `rows` rows of `work` elements each: one unless the job is big enough.
 inline int threads_for(int64_t rows, int64_t work, int num_threads) {
@@ -91,11 +135,12 @@ int infer_add_rms_norm(const uint16_t* x, const uint16_t* h, const uint16_t* wei
 // qkv: [tokens, row_stride] with q heads, then k heads, then v heads, each head_dim long, at the
 // start of each row. cos, sin: [tokens, head_dim] (sin's first half negated). Caches: one layer,
 // [num_slots, kv_heads, head_dim]; slots: [tokens] int64.
-int infer_rope_write_kv(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin,
-                        uint16_t* key_cache, uint16_t* value_cache, const int64_t* slots,
-                        int64_t tokens, int64_t row_stride, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int num_threads) {
-  if (head_dim % 2) return 1;
+int infer_rope_write_kv(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin, int kv_kind,
+                        void* key_cache, void* value_cache, uint16_t* key_scales,
+                        uint16_t* value_scales, const int64_t* slots, int64_t tokens,
+                        int64_t row_stride, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int num_threads) {
+  if (head_dim % 2 || head_dim > 512 || kv_kind < 0 || kv_kind > 2) return 1;
   const int64_t half = head_dim / 2;
   const int64_t kv_row = num_kv_heads * head_dim;
 #pragma omp parallel for num_threads(threads_for(tokens, row_stride, num_threads))
@@ -128,10 +173,29 @@ int infer_rope_write_kv(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin,
         x[i + half] = f32_to_bf16(hi + a * bf16_to_f32(s[i + half]));
       }
     }
-    const int64_t slot = slots[t];
-    std::memcpy(key_cache + slot * kv_row, row + num_heads * head_dim, kv_row * 2);
-    std::memcpy(value_cache + slot * kv_row, row + (num_heads + num_kv_heads) * head_dim,
-                kv_row * 2);
+    store_token(row + num_heads * head_dim, 1, num_kv_heads, head_dim, kv_kind, key_cache,
+                key_scales, slots[t]);
+    store_token(row + (num_heads + num_kv_heads) * head_dim, 1, num_kv_heads, head_dim, kv_kind,
+                value_cache, value_scales, slots[t]);
+  }
+  return 0;
+}
+
+// k, v: [tokens, num_kv_heads, head_dim] rows (float32 or bfloat16: src_dtype 0 / 1) with
+// k_stride / v_stride elements between tokens; the caches hold the same dtype (kv_kind 0) or
+// bytes with bf16 scales [num_slots, num_kv_heads] (1 int8, 2 e4m3).
+int infer_store_kv(int src_dtype, int kv_kind, const void* k, const void* v, int64_t k_stride,
+                   int64_t v_stride, void* key_cache, void* value_cache, uint16_t* key_scales,
+                   uint16_t* value_scales, const int64_t* slots, int64_t tokens,
+                   int64_t num_kv_heads, int64_t head_dim, int num_threads) {
+  if (head_dim > 512 || kv_kind < 0 || kv_kind > 2 || src_dtype < 0 || src_dtype > 1) return 1;
+  const int64_t elem = src_dtype == 0 ? 4 : 2;
+#pragma omp parallel for num_threads(threads_for(tokens, num_kv_heads * head_dim, num_threads))
+  for (int64_t t = 0; t < tokens; ++t) {
+    store_token(static_cast<const char*>(k) + t * k_stride * elem, src_dtype, num_kv_heads,
+                head_dim, kv_kind, key_cache, key_scales, slots[t]);
+    store_token(static_cast<const char*>(v) + t * v_stride * elem, src_dtype, num_kv_heads,
+                head_dim, kv_kind, value_cache, value_scales, slots[t]);
   }
   return 0;
 }

@@ -18,9 +18,15 @@
 //
 // The summation order over K is fixed (tile by tile, in order), and a row's result does not
 // depend on the other rows: the same token gives the same bits in any batch.
+//
+// int8 weights (weight-only quantization, a float32 scale per output channel) use the same tile
+// order at one byte per weight: a thread widens one column block's tiles to bf16 in L1/L2 (the
+// integers are exact in bf16), multiplies as above, and scales each column's float32 sums at the
+// end, so the memory stream is half the bytes of bf16.
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include <omp.h>
 
 #include "simd.h"
@@ -30,9 +36,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define INFER_HAVE_AMX 1
-#ifndef CHUNK_ROWS
-#define CHUNK_ROWS 256
-#endif
 #ifndef PF_DIST
 #define PF_DIST 8
 #endif
@@ -87,8 +90,9 @@ using infer_simd::to_bf16x16;
 // Rows [m0, m0 + rows) of x (rows <= 64, tiles configured for that count) times the 16
 // columns of block nb: four accumulators at most, K walked once.
 template <bool kOutF32>
-inline void amx_block(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
-                      int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t nb) {
+inline void amx_block(const uint16_t* x, const uint16_t* w, const float* col_scale,
+                      const float* bias, void* y, int64_t m0, int64_t rows, int64_t K, int64_t N,
+                      int64_t nb) {
   const int64_t kblocks = K / 32;
   const int full = static_cast<int>(rows / 16);
   const int mtiles = full + (rows % 16 ? 1 : 0);
@@ -128,8 +132,10 @@ inline void amx_block(const uint16_t* x, const uint16_t* w, const float* bias, v
   if (mtiles >= 3) _tile_stored(2, acc + 512, 64);
   if (mtiles >= 4) _tile_stored(3, acc + 768, 64);
   const __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+  const __m512 cs = col_scale ? _mm512_loadu_ps(col_scale + nb * 16) : _mm512_set1_ps(1.f);
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + r * 16), b);
+    const __m512 v = col_scale ? _mm512_fmadd_ps(_mm512_load_ps(acc + r * 16), cs, b)
+                               : _mm512_add_ps(_mm512_load_ps(acc + r * 16), b);
     if (kOutF32) {
       _mm512_storeu_ps(static_cast<float*>(y) + (m0 + r) * N + nb * 16, v);
     } else {
@@ -140,29 +146,48 @@ inline void amx_block(const uint16_t* x, const uint16_t* w, const float* bias, v
   }
 }
 
+// One column block's int8 tiles (kblocks x 512 bytes) -> bf16 tiles, exactly.
+inline void widen_int8_tiles(const int8_t* src, uint16_t* dst, int64_t kblocks) {
+  for (int64_t i = 0; i < kblocks * 512; i += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
 // Threads split the column blocks. Rows go in chunks of up to kChunkRows (a chunk of x stays in
 // the core's L2); within a chunk each column block's weights are read from memory once and
-// from cache for the chunk's further 64-row passes.
-template <bool kOutF32>
-void amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y, int64_t M,
-                int64_t K, int64_t N, int num_threads) {
-  constexpr int64_t kChunkRows = CHUNK_ROWS;
+// from cache for the chunk's further 64-row passes (for int8 weights: widened once per chunk).
+template <bool kOutF32, typename W>
+void amx_linear(const uint16_t* x, const W* packed, const float* col_scale, const float* bias,
+                void* y, int64_t M, int64_t K, int64_t N, int num_threads) {
+  constexpr int64_t kChunkRows = 256;
+  constexpr bool kInt8 = sizeof(W) == 1;
   const int64_t nblocks = N / 16, kblocks = K / 32;
 #pragma omp parallel num_threads(num_threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t nb0 = nblocks * t / nt, nb1 = nblocks * (t + 1) / nt;
+    std::vector<uint16_t> widened(kInt8 ? kblocks * 512 : 0);
     int configured = -1;  // rows the tiles are configured for
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
       const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
       for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const uint16_t* w;
+        if constexpr (kInt8) {
+          widen_int8_tiles(packed + nb * kblocks * 512, widened.data(), kblocks);
+          w = widened.data();
+        } else {
+          w = packed + nb * kblocks * 512;
+        }
         for (int64_t m0 = c0; m0 < c1; m0 += 64) {
           const int64_t rows = c1 - m0 < 64 ? c1 - m0 : 64;
           if (rows != configured) {
             configure_tiles(static_cast<int>(rows / 16), static_cast<int>(rows % 16));
             configured = static_cast<int>(rows);
           }
-          amx_block<kOutF32>(x, packed + nb * kblocks * 512, bias, y, m0, rows, K, N, nb);
+          amx_block<kOutF32>(x, w, col_scale, bias, y, m0, rows, K, N, nb);
         }
       }
     }
@@ -171,6 +196,23 @@ void amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias, vo
 }
 
 #endif  // INFER_HAVE_AMX
+
+// W [N, K] row-major (bf16 or int8) -> the packed tile layout above. N % 16 == 0, K % 32 == 0.
+template <typename T>
+int pack_tiles(const T* weight, T* packed, int64_t N, int64_t K) {
+  if (N % 16 || K % 32) return 1;
+  const int64_t kblocks = K / 32;
+#pragma omp parallel for
+  for (int64_t nb = 0; nb < N / 16; ++nb)
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      T* tile = packed + (nb * kblocks + kb) * 512;
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t n = 0; n < 16; ++n)
+          for (int64_t j = 0; j < 2; ++j)
+            tile[r * 32 + n * 2 + j] = weight[(nb * 16 + n) * K + kb * 32 + 2 * r + j];
+    }
+  return 0;
+}
 
 }  // namespace
 
@@ -185,37 +227,34 @@ int infer_amx_available() {
 #endif
 }
 
-// W [N, K] bf16 row-major -> the packed tile layout above. N % 16 == 0, K % 32 == 0.
 int infer_amx_pack_weight(const uint16_t* weight, uint16_t* packed, int64_t N, int64_t K) {
-  if (N % 16 || K % 32) return 1;
-  const int64_t kblocks = K / 32;
-#pragma omp parallel for
-  for (int64_t nb = 0; nb < N / 16; ++nb)
-    for (int64_t kb = 0; kb < kblocks; ++kb) {
-      uint16_t* tile = packed + (nb * kblocks + kb) * 512;
-      for (int64_t r = 0; r < 16; ++r)
-        for (int64_t n = 0; n < 16; ++n)
-          for (int64_t j = 0; j < 2; ++j)
-            tile[r * 32 + n * 2 + j] = weight[(nb * 16 + n) * K + kb * 32 + 2 * r + j];
-    }
-  return 0;
+  return pack_tiles(weight, packed, N, K);
 }
 
-// y = x . W^T + bias. x [M, K] bf16, packed from infer_amx_pack_weight, bias float32 [N] or
-// null, y [M, N] bf16 (out_f32 = 0) or float32 (out_f32 = 1).
-int infer_amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
-                     int64_t M, int64_t K, int64_t N, int out_f32, int num_threads) {
+int infer_amx_pack_int8(const int8_t* weight, int8_t* packed, int64_t N, int64_t K) {
+  return pack_tiles(weight, packed, N, K);
+}
+
+// y = (x . W^T) * col_scale + bias. x [M, K] bf16; packed from infer_amx_pack_weight (bf16,
+// col_scale null) or infer_amx_pack_int8 (weight_bytes 1, col_scale float32 [N]); bias float32
+// [N] or null; y [M, N] bf16 (out_f32 = 0) or float32 (out_f32 = 1).
+int infer_amx_linear(const uint16_t* x, const void* packed, int weight_bytes,
+                     const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
+                     int64_t N, int out_f32, int num_threads) {
 #ifdef INFER_HAVE_AMX
   if (N % 16 || K % 32 || M <= 0) return 1;
+  if (weight_bytes != 2 && (weight_bytes != 1 || !col_scale)) return 1;
   if (!amx_permitted()) return 2;
-  if (out_f32)
-    amx_linear<true>(x, packed, bias, y, M, K, N, num_threads);
-  else
-    amx_linear<false>(x, packed, bias, y, M, K, N, num_threads);
+  const auto* w16 = static_cast<const uint16_t*>(packed);
+  const auto* w8 = static_cast<const int8_t*>(packed);
+  if (weight_bytes == 2 && out_f32) amx_linear<true>(x, w16, col_scale, bias, y, M, K, N, num_threads);
+  else if (weight_bytes == 2) amx_linear<false>(x, w16, col_scale, bias, y, M, K, N, num_threads);
+  else if (out_f32) amx_linear<true>(x, w8, col_scale, bias, y, M, K, N, num_threads);
+  else amx_linear<false>(x, w8, col_scale, bias, y, M, K, N, num_threads);
   return 0;
 #else
-  (void)x; (void)packed; (void)bias; (void)y; (void)M; (void)K; (void)N; (void)out_f32;
-  (void)num_threads;
+  (void)x; (void)packed; (void)weight_bytes; (void)col_scale; (void)bias; (void)y; (void)M;
+  (void)K; (void)N; (void)out_f32; (void)num_threads;
   return 2;
 #endif
 }

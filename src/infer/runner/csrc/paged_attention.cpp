@@ -7,10 +7,14 @@
 //   query             : [batch, heads, head_dim]; heads = kv_heads * group
 //   out               : [batch, heads, head_dim]
 //
+// The cache holds the query's dtype (float32 or bfloat16), or one byte per value (int8, or float8
+// e4m3) with a bfloat16 scale per (slot, kv head): value = stored * scale. Scales fold into the
+// arithmetic: a key's scale multiplies its score, a value's scale its softmax weight.
+//
 // Work is split over (sequence, kv head) pairs; each pair reads its K and V rows once for all
 // `group` query heads that share them (GQA), keeps scores in float32 and writes the output in the
-// query's dtype. Plain C++ with OpenMP (the same runtime torch uses): loops over head_dim are
-// written so that -O3 -march=native vectorizes them.
+// query's dtype. Plain C++ with OpenMP (the same runtime torch uses); an AVX-512 path for the
+// common shapes.
 
 #include <cmath>
 #include <cstdint>
@@ -22,13 +26,29 @@
 
 namespace {
 
+enum KvKind { kKvPlain = 0, kKvInt8 = 1, kKvFp8 = 2 };
+
 inline float to_f32(float x) { return x; }
 inline float to_f32(uint16_t x) { return infer_simd::bf16_to_f32(x); }
 inline void from_f32(float x, float* out) { *out = x; }
 inline void from_f32(float x, uint16_t* out) { *out = infer_simd::f32_to_bf16(x); }
 
-template <typename T>
-void decode_attention(const T* query, const T* key_cache, const T* value_cache, T* out,
+// One stored cache value as float32 (before its row's scale).
+template <int kKind, typename KvT>
+inline float kv_value(KvT x) {
+  if constexpr (kKind == kKvInt8) return static_cast<float>(static_cast<int8_t>(x));
+  else if constexpr (kKind == kKvFp8) return infer_simd::fp8e4m3_to_f32(static_cast<uint8_t>(x));
+  else return to_f32(x);
+}
+
+// The scale of (slot, kv head); 1 for a plain cache.
+inline float kv_scale(const uint16_t* scales, int64_t slot, int64_t num_kv_heads, int64_t kvh) {
+  return scales ? infer_simd::bf16_to_f32(scales[slot * num_kv_heads + kvh]) : 1.f;
+}
+
+template <typename T, typename KvT, int kKind>
+void decode_attention(const T* query, const KvT* key_cache, const KvT* value_cache,
+                      const uint16_t* key_scales, const uint16_t* value_scales, T* out,
                       const int32_t* block_tables, const int32_t* context_lens, int64_t batch,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t max_blocks, float scale, int64_t window,
@@ -53,13 +73,14 @@ void decode_attention(const T* query, const T* key_cache, const T* value_cache, 
       // Scores: one pass over the keys, every query head of the group at once.
       for (int64_t j = start; j < len; ++j) {
         const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
-        const T* k = key_cache + slot * slot_stride + kvh * head_dim;
+        const KvT* k = key_cache + slot * slot_stride + kvh * head_dim;
+        const float ks = kv_scale(key_scales, slot, num_kv_heads, kvh);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * to_f32(k[d]);
-          scores[g * n + (j - start)] = s;
+          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kv_value<kKind>(k[d]);
+          scores[g * n + (j - start)] = s * ks;
         }
       }
       // Softmax in float32, per query head.
@@ -79,12 +100,13 @@ void decode_attention(const T* query, const T* key_cache, const T* value_cache, 
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len; ++j) {
         const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
-        const T* v = value_cache + slot * slot_stride + kvh * head_dim;
+        const KvT* v = value_cache + slot * slot_stride + kvh * head_dim;
+        const float vs = kv_scale(value_scales, slot, num_kv_heads, kvh);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + (j - start)];
+          const float p = scores[g * n + (j - start)] * vs;
           float* ag = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_f32(v[d]);
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * kv_value<kKind>(v[d]);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -127,27 +149,39 @@ inline __m512 sum16(const __m512* v) {
 // 15 -> 21 GB/s at 64 x 128 and 16 x 1024 tokens (12 heads x 64, bf16, 2 threads).
 constexpr int64_t kPrefetchRows = 16;
 
-template <int kLanes>
-void weighted_values(const float* scores, int64_t n, const uint16_t* const* vrows,
-                     int64_t hq0, int64_t count, int64_t group, int64_t head_dim, uint16_t* ob) {
+// 16 stored cache values -> 16 float32 (before their row's scale).
+template <int kKind, typename KvT>
+inline __m512 load_kv16(const KvT* p) {
+  if constexpr (kKind == kKvInt8) return infer_simd::load_i8x16(reinterpret_cast<const int8_t*>(p));
+  else if constexpr (kKind == kKvFp8) return infer_simd::load_fp8x16(reinterpret_cast<const uint8_t*>(p));
+  else return load_bf16x16(reinterpret_cast<const uint16_t*>(p));
+}
+
+// out[h] = sum_j p[h][j] * v_j[h] for query heads [hq0, hq0 + count), count <= 24 / kLanes,
+// with the accumulators in registers: one pass over the value rows of those heads. (For a scaled
+// cache, p already carries each row's scale.)
+template <int kLanes, int kKind, typename KvT>
+void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, int64_t hq0,
+                     int64_t count, int64_t group, int64_t head_dim, uint16_t* ob) {
   constexpr int kHeads = 24 / kLanes > 0 ? 24 / kLanes : 1;
   __m512 acc[kHeads][kLanes];
   for (int h = 0; h < kHeads; ++h)
     for (int c = 0; c < kLanes; ++c) acc[h][c] = _mm512_setzero_ps();
   const int64_t hk0 = hq0 / group, hk1 = (hq0 + count - 1) / group + 1;
+  const int64_t ahead_bytes = (hk1 - hk0) * head_dim * static_cast<int64_t>(sizeof(KvT));
   for (int64_t j = 0; j < n; ++j) {
-    const uint16_t* vrow = vrows[j];
+    const KvT* vrow = vrows[j];
     if (j + kPrefetchRows < n) {
       const char* r = reinterpret_cast<const char*>(vrows[j + kPrefetchRows] + hk0 * head_dim);
-      for (int64_t o = 0; o < (hk1 - hk0) * head_dim * 2; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
+      for (int64_t o = 0; o < ahead_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
     }
     for (int h = 0; h < kHeads; ++h) {
       if (h >= count) break;
       const int64_t hq = hq0 + h;
       const __m512 p = _mm512_set1_ps(scores[hq * n + j]);
-      const uint16_t* v = vrow + (hq / group) * head_dim;
+      const KvT* v = vrow + (hq / group) * head_dim;
       for (int c = 0; c < kLanes; ++c)
-        acc[h][c] = _mm512_fmadd_ps(p, load_bf16x16(v + c * 16), acc[h][c]);
+        acc[h][c] = _mm512_fmadd_ps(p, load_kv16<kKind>(v + c * 16), acc[h][c]);
     }
   }
   for (int h = 0; h < kHeads && h < count; ++h)
@@ -159,22 +193,25 @@ void weighted_values(const float* scores, int64_t n, const uint16_t* const* vrow
     }
 }
 
-// The bfloat16 path with head_dim a multiple of 32 (up to 256), in AVX-512.
+// The bfloat16-query path with head_dim a multiple of 32 (up to 256), in AVX-512, over a bf16,
+// int8 or fp8 cache.
 //
 // A work item is one sequence and a run of its kv heads [h0, h1): the heads' K (then V) rows sit
 // next to each other in each slot's row of the cache, so the item streams through contiguous
 // memory (per-head items, hopping one 128-byte row per 1.5 KiB, measured 5-40x slower at 1024+
 // tokens). Items are split across heads only as far as needed to keep every thread busy.
 //
-// Scores: 16 keys at a time per query head, BF16 dot products into 16 accumulators reduced
-// together (sum16). Softmax in float32. Values: heads in register-sized groups, one pass over
-// the value rows per group, float32 accumulators.
-void decode_attention_bf16_avx512(const uint16_t* query, const uint16_t* key_cache,
-                                  const uint16_t* value_cache, uint16_t* out,
-                                  const int32_t* block_tables, const int32_t* context_lens,
-                                  int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                                  int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                  float scale, int64_t window, int num_threads) {
+// Scores: 16 keys at a time per query head into 16 accumulators reduced together (sum16): BF16
+// dot products on a bf16 cache, float32 FMAs on dequantized bytes otherwise. Softmax in float32.
+// Values: heads in register-sized groups, one pass over the value rows per group.
+template <int kKind, typename KvT>
+void decode_attention_avx512(const uint16_t* query, const KvT* key_cache, const KvT* value_cache,
+                             const uint16_t* key_scales, const uint16_t* value_scales,
+                             uint16_t* out, const int32_t* block_tables,
+                             const int32_t* context_lens, int64_t batch, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             int64_t max_blocks, float scale, int64_t window, int num_threads) {
+  constexpr bool kScaled = kKind != kKvPlain;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t pairs = head_dim / 32;  // 32 bf16 per dpbf16 instruction
@@ -186,8 +223,9 @@ void decode_attention_bf16_avx512(const uint16_t* query, const uint16_t* key_cac
   const int heads_per_group = 24 / lanes > 0 ? 24 / lanes : 1;
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scores;
-    std::vector<const uint16_t*> krows, vrows;
+    std::vector<float> scores, qf;
+    std::vector<const KvT*> krows, vrows;
+    std::vector<int64_t> slots;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < batch * splits; ++item) {
       const int64_t b = item / splits;
@@ -207,17 +245,23 @@ void decode_attention_bf16_avx512(const uint16_t* query, const uint16_t* key_cac
       scores.resize(nq * npad);
       krows.resize(npad);
       vrows.resize(n);
+      slots.resize(npad);
       for (int64_t j = 0; j < npad; ++j) {
         const int64_t p = start + (j < n ? j : 0);  // padding keys repeat the first one
         const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+        slots[j] = slot;
         krows[j] = key_cache + slot * slot_stride + h0 * head_dim;
         if (j < n) vrows[j] = value_cache + slot * slot_stride + h0 * head_dim;
       }
       const uint16_t* qb = query + (b * num_heads + h0 * group) * head_dim;
+      if constexpr (kScaled) {  // the query in float32, for FMAs with dequantized keys
+        qf.resize(nq * head_dim);
+        for (int64_t i = 0; i < nq * head_dim; ++i) qf[i] = infer_simd::bf16_to_f32(qb[i]);
+      }
       // Scores, laid out [nq][n] (the padding past n is written over by the next head's row
       // or lies past the end), scaled.
       const __m512 vscale = _mm512_set1_ps(scale);
-      const int64_t row_bytes = (h1 - h0) * head_dim * 2;
+      const int64_t row_bytes = (h1 - h0) * head_dim * static_cast<int64_t>(sizeof(KvT));
       for (int64_t j0 = 0; j0 < npad; j0 += 16) {
         if (j0 + 16 < npad) {  // the next 16 keys' rows, while these are multiplied
           for (int i = 0; i < 16; ++i) {
@@ -228,21 +272,34 @@ void decode_attention_bf16_avx512(const uint16_t* query, const uint16_t* key_cac
         for (int64_t h = 0; h < nq; ++h) {
           const int64_t off = (h / group) * head_dim;
           __m512 acc[16];
-          const uint16_t* qh = qb + h * head_dim;
           for (int i = 0; i < 16; ++i) {
-            const uint16_t* k = krows[j0 + i] + off;
+            const KvT* k = krows[j0 + i] + off;
             __m512 s = _mm512_setzero_ps();
-            for (int64_t c = 0; c < pairs; ++c)
-              s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qh + c * 32),
-                                   (__m512bh)_mm512_loadu_si512(k + c * 32));
+            if constexpr (kScaled) {
+              const float* qh = qf.data() + h * head_dim;
+              for (int c = 0; c < lanes; ++c)
+                s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), load_kv16<kKind>(k + c * 16), s);
+            } else {
+              const uint16_t* qh = qb + h * head_dim;
+              for (int64_t c = 0; c < pairs; ++c)
+                s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qh + c * 32),
+                                     (__m512bh)_mm512_loadu_si512(k + c * 32));
+            }
             acc[i] = s;
           }
-          const __m512 r = _mm512_mul_ps(sum16(acc), vscale);
+          __m512 r = _mm512_mul_ps(sum16(acc), vscale);
+          if constexpr (kScaled) {
+            alignas(64) float ks[16];
+            const int64_t kvh = h0 + h / group;
+            for (int i = 0; i < 16; ++i)
+              ks[i] = infer_simd::bf16_to_f32(key_scales[slots[j0 + i] * num_kv_heads + kvh]);
+            r = _mm512_mul_ps(r, _mm512_load_ps(ks));
+          }
           const int64_t cnt = n - j0 >= 16 ? 16 : n - j0;
           _mm512_mask_storeu_ps(scores.data() + h * n + j0, static_cast<__mmask16>((1u << cnt) - 1), r);
         }
       }
-      // Softmax per query head, in float32.
+      // Softmax per query head, in float32 (times each value row's scale, for a scaled cache).
       for (int64_t h = 0; h < nq; ++h) {
         float* sg = scores.data() + h * n;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -265,20 +322,27 @@ void decode_attention_bf16_avx512(const uint16_t* query, const uint16_t* key_cac
           const __mmask16 mask = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
           _mm512_mask_storeu_ps(sg + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sg + j), vinv));
         }
+        if constexpr (kScaled) {
+          const int64_t kvh = h0 + h / group;
+          for (j = 0; j < n; ++j)
+            sg[j] *= infer_simd::bf16_to_f32(value_scales[slots[j] * num_kv_heads + kvh]);
+        }
       }
       // Values, a register-sized group of query heads at a time.
       uint16_t* ob = out + (b * num_heads + h0 * group) * head_dim;
       for (int64_t hq0 = 0; hq0 < nq; hq0 += heads_per_group) {
         const int64_t count = nq - hq0 < heads_per_group ? nq - hq0 : heads_per_group;
+        const float* sc = scores.data();
+        const KvT* const* vr = vrows.data();
         switch (lanes) {
-          case 2: weighted_values<2>(scores.data(), n, vrows.data(), hq0, count, group, head_dim, ob); break;
-          case 4: weighted_values<4>(scores.data(), n, vrows.data(), hq0, count, group, head_dim, ob); break;
-          case 6: weighted_values<6>(scores.data(), n, vrows.data(), hq0, count, group, head_dim, ob); break;
-          case 8: weighted_values<8>(scores.data(), n, vrows.data(), hq0, count, group, head_dim, ob); break;
-          case 10: weighted_values<10>(scores.data(), n, vrows.data(), hq0, count, group, head_dim, ob); break;
-          case 12: weighted_values<12>(scores.data(), n, vrows.data(), hq0, count, group, head_dim, ob); break;
-          case 14: weighted_values<14>(scores.data(), n, vrows.data(), hq0, count, group, head_dim, ob); break;
-          default: weighted_values<16>(scores.data(), n, vrows.data(), hq0, count, group, head_dim, ob); break;
+          case 2: weighted_values<2, kKind>(sc, n, vr, hq0, count, group, head_dim, ob); break;
+          case 4: weighted_values<4, kKind>(sc, n, vr, hq0, count, group, head_dim, ob); break;
+          case 6: weighted_values<6, kKind>(sc, n, vr, hq0, count, group, head_dim, ob); break;
+          case 8: weighted_values<8, kKind>(sc, n, vr, hq0, count, group, head_dim, ob); break;
+          case 10: weighted_values<10, kKind>(sc, n, vr, hq0, count, group, head_dim, ob); break;
+          case 12: weighted_values<12, kKind>(sc, n, vr, hq0, count, group, head_dim, ob); break;
+          case 14: weighted_values<14, kKind>(sc, n, vr, hq0, count, group, head_dim, ob); break;
+          default: weighted_values<16, kKind>(sc, n, vr, hq0, count, group, head_dim, ob); break;
         }
       }
     }
@@ -291,39 +355,44 @@ void decode_attention_bf16_avx512(const uint16_t* query, const uint16_t* key_cac
 
 extern "C" {
 
-// dtype: 0 = float32, 1 = bfloat16 (query, caches and out share it).
-int infer_decode_attention(int dtype, const void* query, const void* key_cache,
-                           const void* value_cache, void* out, const int32_t* block_tables,
+// dtype: the query's and out's, 0 = float32, 1 = bfloat16. kv_kind: 0 = the caches hold the
+// query's dtype; 1 = int8, 2 = float8 e4m3, each with bf16 scales [num_slots, kv_heads].
+int infer_decode_attention(int dtype, int kv_kind, const void* query, const void* key_cache,
+                           const void* value_cache, const uint16_t* key_scales,
+                           const uint16_t* value_scales, void* out, const int32_t* block_tables,
                            const int32_t* context_lens, int64_t batch, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            int64_t max_blocks, float scale, int64_t window, int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
-  if (dtype == 0) {
-    decode_attention<float>(static_cast<const float*>(query), static_cast<const float*>(key_cache),
-                            static_cast<const float*>(value_cache), static_cast<float*>(out),
-                            block_tables, context_lens, batch, num_heads, num_kv_heads, head_dim,
-                            block_size, max_blocks, scale, window, num_threads);
-    return 0;
-  }
-  if (dtype == 1) {
+  if (dtype != 0 && dtype != 1) return 2;
+  if (kv_kind < 0 || kv_kind > 2 || (kv_kind != 0 && (!key_scales || !value_scales))) return 3;
+#define INFER_ARGS(Q, KV)                                                                       \
+  static_cast<const Q*>(query), static_cast<const KV*>(key_cache),                              \
+      static_cast<const KV*>(value_cache), key_scales, value_scales, static_cast<Q*>(out),      \
+      block_tables, context_lens, batch, num_heads, num_kv_heads, head_dim, block_size,         \
+      max_blocks, scale, window, num_threads
 #ifdef INFER_HAVE_BF16_AVX512
-    if (head_dim % 32 == 0 && head_dim <= 256) {
-      decode_attention_bf16_avx512(
-          static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(key_cache),
-          static_cast<const uint16_t*>(value_cache), static_cast<uint16_t*>(out), block_tables,
-          context_lens, batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
-          window, num_threads);
-      return 0;
-    }
-#endif
-    decode_attention<uint16_t>(
-        static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(key_cache),
-        static_cast<const uint16_t*>(value_cache), static_cast<uint16_t*>(out), block_tables,
-        context_lens, batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
-        window, num_threads);
+  if (dtype == 1 && head_dim % 32 == 0 && head_dim <= 256) {
+    if (kv_kind == kKvPlain) decode_attention_avx512<kKvPlain>(INFER_ARGS(uint16_t, uint16_t));
+    else if (kv_kind == kKvInt8) decode_attention_avx512<kKvInt8>(INFER_ARGS(uint16_t, int8_t));
+    else decode_attention_avx512<kKvFp8>(INFER_ARGS(uint16_t, uint8_t));
     return 0;
   }
-  return 2;
+#endif
+  if (dtype == 0) {
+    if (kv_kind == kKvPlain) decode_attention<float, float, kKvPlain>(INFER_ARGS(float, float));
+    else if (kv_kind == kKvInt8) decode_attention<float, int8_t, kKvInt8>(INFER_ARGS(float, int8_t));
+    else decode_attention<float, uint8_t, kKvFp8>(INFER_ARGS(float, uint8_t));
+  } else {
+    if (kv_kind == kKvPlain)
+      decode_attention<uint16_t, uint16_t, kKvPlain>(INFER_ARGS(uint16_t, uint16_t));
+    else if (kv_kind == kKvInt8)
+      decode_attention<uint16_t, int8_t, kKvInt8>(INFER_ARGS(uint16_t, int8_t));
+    else
+      decode_attention<uint16_t, uint8_t, kKvFp8>(INFER_ARGS(uint16_t, uint8_t));
+  }
+#undef INFER_ARGS
+  return 0;
 }
 
 }  // extern "C"

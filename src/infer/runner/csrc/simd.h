@@ -29,6 +29,45 @@ inline uint16_t f32_to_bf16(float x) {  // round to nearest even, as torch does;
 
 inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+// bf16 at or above x (x >= 0): a KV scale rounded up, so |value| / scale stays in range.
+inline uint16_t f32_to_bf16_up(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if (u & 0xffffu) u += 0x10000u;
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// float8 e4m3 ("fn": no infinities, 0x7f/0xff are NaN, largest finite 448) <-> float32.
+inline float fp8e4m3_to_f32(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  float v;
+  if (e == 15 && m == 7) v = NAN;
+  else if (e == 0) v = std::ldexp(static_cast<float>(m), -9);
+  else v = std::ldexp(1.f + static_cast<float>(m) / 8.f, e - 7);
+  return (b & 0x80) ? -v : v;
+}
+
+// Round to nearest even, saturating at +-448 (as scaled KV values never exceed it).
+inline uint8_t f32_to_fp8e4m3(float x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const float a = std::fabs(x);
+  if (std::isnan(a)) return sign | 0x7f;
+  if (a >= 448.f) return sign | 0x7e;
+  int e2;
+  std::frexp(a, &e2);  // a = f * 2^e2, f in [0.5, 1): the leading bit is 2^(e2 - 1)
+  int exp = e2 - 1;
+  if (a == 0.f || exp < -6) {  // subnormal: k * 2^-9, k = 0..8 (8 is the smallest normal)
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.f));
+  }
+  int q = static_cast<int>(std::nearbyint(std::ldexp(a, 3 - exp)));  // 8..16
+  if (q == 16) {
+    q = 8;
+    ++exp;
+  }
+  if (exp > 8 || (exp == 8 && q == 15)) return sign | 0x7e;
+  return sign | static_cast<uint8_t>(((exp + 7) << 3) | (q - 8));
+}
+
 #ifdef INFER_HAVE_AVX512
 
 inline __m512 load_bf16x16(const uint16_t* p) {
@@ -83,6 +122,20 @@ inline __m512 exp16(__m512 x_in) {
   const __mmask16 overflow = _mm512_cmp_ps_mask(x_in, _mm512_set1_ps(88.72f), _CMP_GT_OQ);
   return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), overflow,
                             _mm512_set1_ps(INFINITY));
+}
+
+// 16 int8 -> 16 float32.
+inline __m512 load_i8x16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 16 float8 e4m3 -> 16 float32: the e4m3 bits moved into a float16's place read as a float16
+// 2^8 too small (exponent bias 15 vs 7), subnormals included; NaN (never stored) reads as 480.
+inline __m512 load_fp8x16(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sign)), _mm512_set1_ps(256.f));
 }
 
 #endif  // INFER_HAVE_AVX512

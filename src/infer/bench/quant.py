@@ -1,0 +1,230 @@
+"""What quantization buys and costs: ``infer bench quant``.
+
+    infer bench quant [--model DIR] [--runs 3] [--kv-memory 256MiB] [--out bench-results/quant]
+
+(``python benchmarks/bench_quant.py`` runs the same.) Offline engine, no HTTP; every number
+below comes from one run of this command on one machine:
+
+1. **Decode speed**, the ~110M bf16 Llama of ``infer bench engine`` (or ``--model``), bf16 weights
+   vs ``--quantization int8``: the batch-1 decode step (median over 64 steps at a 64-token
+   context, ``--runs`` times) and output tok/s at C = 16 and 64 (64-token prompts, 64 greedy
+   output tokens, C requests kept in flight, median of ``--runs``).
+2. **Accuracy**, the built-in ``small`` model in bf16 on its own held-out text (the windows its
+   training reports a held-out loss on): perplexity with bf16 weights and KV, int8 weights,
+   int8 KV, both, and fp8 KV. Each window is one prefill that reads its keys and values back
+   from the cache, so a quantized cache costs here what it costs a decode.
+3. **Long context at a fixed KV memory** (``--kv-memory``), the ~110M Llama: how many
+   1024-in / 128-out requests fit at once with a bf16 vs an int8 cache (read from the engine's
+   capacity), and the output tok/s of serving twice that many with that concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from infer.bench.engine import llama_100m, run_load
+from infer.config import EngineConfig
+from infer.core.sampling_params import SamplingParams
+from infer.engine.engine import LLMEngine
+
+ACCURACY_CASES = [  # (label, weights, kv cache dtype)
+    ("bf16", None, "auto"),
+    ("int8 weights", "int8", "auto"),
+    ("int8 KV", None, "int8"),
+    ("int8 weights + int8 KV", "int8", "int8"),
+    ("fp8 KV", None, "fp8"),
+]
+
+
+def _engine(model: Path, quantization: str | None = None, **options) -> LLMEngine:
+    kwargs = dict(model=str(model), dtype="bfloat16", max_num_batched_tokens=4096)
+    return LLMEngine(EngineConfig.from_kwargs(**kwargs, quantization=quantization, **options))
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+    """Median wall time of one decode step with ``batch`` sequences at ``prompt_len`` tokens."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
+    for i in range(batch):
+        engine.add_request(f"d{i}", torch.randint(3, vocab, (prompt_len,), generator=gen).tolist(),
+                           params)  # fmt: skip
+    engine.step()  # the prefill
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return 1000 * statistics.median(times)
+
+
+def speed(model: Path, runs: int) -> dict:
+    out = {}
+    for quant in (None, "int8"):
+        engine = _engine(model, quant, max_num_seqs=64, max_model_len=1024)
+        run_load(engine, 4, 4, 64, 8, seed=99)  # warm-up
+        b1 = [decode_step_ms(engine, 1, 64, 64) for _ in range(runs)]
+        row: dict = {"weights_bytes": engine.weights_bytes, "decode_b1_ms_runs": b1,
+                     "decode_b1_ms": statistics.median(b1)}  # fmt: skip
+        for c in (16, 64):
+            tps = [run_load(engine, c, 2 * c, 64, 64, seed=r)["output_tok_s"] for r in range(runs)]
+            row[f"tok_s_c{c}_runs"] = tps
+            row[f"tok_s_c{c}"] = statistics.median(tps)
+        out[quant or "bf16"] = row
+        print(f"{quant or 'bf16'}: {row}", flush=True)
+        del engine
+    return out
+
+
+def held_out_windows(model_dir: Path, max_windows: int = 20, context: int = 1024) -> torch.Tensor:
+    """``[n, context + 1]`` non-overlapping windows of ``small``'s held-out text."""
+    from infer.builtin.textdata import encode_stream, split_docs
+    from infer.data.corpus import load_corpus
+    from infer.model import load_tokenizer
+
+    _, val_docs = split_docs(load_corpus())
+    stream = encode_stream(load_tokenizer(model_dir), val_docs)
+    n = min((len(stream) - 1) // context, max_windows)
+    return torch.stack([stream[i * context : i * context + context + 1] for i in range(n)])
+
+
+@torch.inference_mode()
+def perplexity(model_dir: Path, windows: torch.Tensor, quantization: str | None, kv: str) -> float:
+    from infer.model import load_model
+    from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
+    from infer.runner.prepack import prepack_linears
+    from infer.runner.quant import quantize_linears
+
+    model = load_model(model_dir, torch.bfloat16)
+    if quantization:
+        quantize_linears(model, quantization)
+    else:
+        prepack_linears(model)
+    spec = model.spec
+    n = windows.shape[1] - 1
+    blocks = (n + 15) // 16
+    total = 0.0
+    for window in windows:
+        cache = KVCache(spec.num_layers, blocks, 16, spec.num_kv_heads, spec.head_dim,
+                        torch.bfloat16, "cpu", kv_dtype=kv)  # fmt: skip
+        ctx = AttentionContext(cache, [SequenceSlice(0, n, list(range(blocks)))], "cpu")
+        logits = model.compute_logits(model(window[:-1], torch.arange(n), ctx))
+        total += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
+    return math.exp(total / (len(windows) * n))
+
+
+def accuracy() -> dict:
+    from infer.engine.model_source import resolve_model_path
+
+    model_dir = resolve_model_path("small")
+    windows = held_out_windows(model_dir)
+    rows = {}
+    for label, quant, kv in ACCURACY_CASES:
+        rows[label] = {"weights": quant or "bf16", "kv": kv, "perplexity": perplexity(
+            model_dir, windows, quant, kv)}  # fmt: skip
+        print(f"small {label}: perplexity {rows[label]['perplexity']:.3f}", flush=True)
+    base = rows["bf16"]["perplexity"]
+    for row in rows.values():
+        row["vs_bf16"] = row["perplexity"] / base - 1
+    return {"model": str(model_dir), "windows": len(windows), "tokens_per_window":
+            windows.shape[1] - 1, "rows": rows}  # fmt: skip
+
+
+def long_context(model: Path, kv_memory: str, runs: int) -> dict:
+    out = {}
+    for kv in ("auto", "int8"):
+        engine = _engine(model, None, max_num_seqs=256, max_model_len=2048,
+                         kv_cache_memory=kv_memory, kv_cache_dtype=kv)  # fmt: skip
+        blocks_per_request = math.ceil((1024 + 128) / engine.capacity.block_size)
+        fits = engine.capacity.num_blocks // blocks_per_request
+        tps = [run_load(engine, fits, 2 * fits, 1024, 128, seed=r)["output_tok_s"]
+               for r in range(runs)]  # fmt: skip
+        out["bf16" if kv == "auto" else kv] = {
+            "kv_tokens": engine.capacity.num_tokens, "bytes_per_token":
+            engine.capacity.bytes_per_token, "concurrent_requests": fits,
+            "tok_s_runs": tps, "tok_s": statistics.median(tps),
+        }  # fmt: skip
+        print(f"long context, {kv} KV: {out['bf16' if kv == 'auto' else kv]}", flush=True)
+        del engine
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    model = llama_100m(args.model)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "model": str(model), "runs": args.runs, "kv_memory": args.kv_memory,
+    }  # fmt: skip
+    report["speed"] = speed(model, args.runs)
+    report["accuracy"] = accuracy()
+    report["long_context"] = long_context(model, args.kv_memory, args.runs)
+    (out_dir / "quant.json").write_text(json.dumps(report, indent=2))
+    text = render(report)
+    (out_dir / "quant.md").write_text(text)
+    print(text)
+    return 0
+
+
+def render(r: dict) -> str:
+    sp, acc, lc = r["speed"], r["accuracy"], r["long_context"]
+    b, q = sp["bf16"], sp["int8"]
+    lines = [
+        "# Quantization: speed, accuracy, capacity",
+        "",
+        f"Machine: {r['machine']['cpu']}, {r['machine']['threads']} threads, torch "
+        f"{r['machine']['torch']}. Model for speed and capacity: `{r['model']}` (bf16). Medians "
+        f"of {r['runs']} runs.",
+        "",
+        "## Decode speed: bf16 vs int8 weights",
+        "",
+        "| weights | weights MiB | batch-1 decode step ms | tok/s C=16 | tok/s C=64 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, row in sp.items():
+        lines.append(
+            f"| {name} | {row['weights_bytes'] / 2**20:.0f} | {row['decode_b1_ms']:.2f} | "
+            f"{row['tok_s_c16']:.1f} | {row['tok_s_c64']:.1f} |"
+        )
+    lines += [
+        "",
+        f"int8 / bf16: batch-1 decode {b['decode_b1_ms'] / q['decode_b1_ms']:.2f}x faster "
+        f"(target >= 1.6x); C=16 {q['tok_s_c16'] / b['tok_s_c16']:.2f}x, "
+        f"C=64 {q['tok_s_c64'] / b['tok_s_c64']:.2f}x.",
+        "",
+        f"## Held-out perplexity of `small` (bf16; {acc['windows']} windows of "
+        f"{acc['tokens_per_window']} tokens)",
+        "",
+        "| weights | KV cache | perplexity | vs bf16 |",
+        "|---|---|---:|---:|",
+    ]
+    for row in acc["rows"].values():
+        lines.append(
+            f"| {row['weights']} | {row['kv'] if row['kv'] != 'auto' else 'bf16'} | "
+            f"{row['perplexity']:.3f} | {100 * row['vs_bf16']:+.2f}% |"
+        )
+    lines += [
+        "",
+        f"## Long context at a fixed KV memory ({r['kv_memory']}; 1024 in / 128 out)",
+        "",
+        "| KV cache | bytes/token | KV tokens | requests that fit | output tok/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, row in lc.items():
+        lines.append(
+            f"| {name} | {row['bytes_per_token']} | {row['kv_tokens']} | "
+            f"{row['concurrent_requests']} | {row['tok_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"

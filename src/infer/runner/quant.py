@@ -1,0 +1,211 @@
+"""Weight quantization at load time: ``--quantization int8 | fp8``.
+
+Every linear layer (and the vocabulary projection; the embedding table stays in the model's
+dtype) is replaced by a quantized one, from the checkpoint's own bf16 / fp32 weights: no
+pre-quantized checkpoint is needed.
+
+- ``int8``: weight-only, symmetric, one float32 scale per output channel
+  (``scale = absmax(row) / 127``, ``q = round(w / scale)``). Activations stay in the model's
+  dtype. On CPUs with AMX the C++ kernel reads the int8 tiles and widens them in cache, so decode
+  streams half the bytes of bf16; elsewhere torch's ``_weight_int8pack_mm`` (bf16) or a
+  dequantize-then-matmul reference.
+- ``fp8``: e4m3 weights with a float32 scale per output channel, and each activation row
+  quantized to e4m3 on the fly, multiplied by ``torch._scaled_mm`` (a CUDA GPU with fp8 matmuls,
+  compute capability 8.9 or newer; anything else is refused at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.config import QUANTIZATIONS
+from infer.runner.kernels import cpu_kernels
+
+logger = logging.getLogger("infer.runner")
+
+FP8_MAX = 448.0
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> ``(q int8 [N, K], scale float32 [N])`` with ``weight ~= q * scale[:, None]``."""
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> ``(q float8_e4m3fn [N, K], scale float32 [N])``; never NaN or inf."""
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def fp8_matmul_available(device: torch.device) -> bool:
+    """fp8 weight matmuls: CUDA with compute capability 8.9+ (Ada, Hopper and later)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_quantization(method: str | None, device: torch.device) -> None:
+    """A clear start-up error for an unknown method or fp8 on a device without fp8 matmuls."""
+    if method is None:
+        return
+    if method not in QUANTIZATIONS:
+        raise ValueError(
+            f"--quantization {method!r} is not supported (choices: {', '.join(QUANTIZATIONS)})"
+        )
+    if method == "fp8" and not fp8_matmul_available(device):
+        raise ValueError(
+            f"--quantization fp8 needs a CUDA GPU with fp8 matmuls (compute capability 8.9 or "
+            f"newer); this engine runs on {device}: use --quantization int8"
+        )
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale)^T + b``: int8 weights, activations in the model's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dtype = weight.dtype
+        q, scale = quantize_int8(weight)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), False)
+        self._kernels = cpu_kernels() if weight.device.type == "cpu" else None
+        if (
+            self._kernels is not None
+            and self.dtype == torch.bfloat16
+            and self._kernels.amx_linear_supports(q)
+        ):
+            self.mode = "amx"
+            self.register_buffer("q", self._kernels.amx_pack(q), False)
+            self.register_buffer("scale", scale.contiguous(), False)
+            fbias = None if bias is None else bias.detach().float().contiguous()
+            self.register_buffer("fbias", fbias, False)
+            return
+        self.register_buffer("q", q, False)
+        self.register_buffer("scale", scale, False)
+        self.mode = "dequant"
+        if self.dtype == torch.bfloat16 and hasattr(torch, "_weight_int8pack_mm"):
+            self.register_buffer("scale_model_dtype", scale.to(self.dtype), False)
+            if self._int8pack_agrees():
+                self.mode = "int8pack"
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+    def _int8pack_agrees(self) -> bool:
+        """torch's kernel has shape and device constraints of its own: probe it once."""
+        x = torch.randn(2, self.in_features, dtype=self.dtype, device=self.q.device)
+        try:
+            got = torch._weight_int8pack_mm(x, self.q, self.scale_model_dtype).float()
+        except RuntimeError:
+            return False
+        want = F.linear(x, dequantize(self.q, self.scale, self.dtype)).float()
+        return torch.allclose(got, want, atol=5e-2, rtol=5e-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.mode == "amx" and flat.shape[0] > 0:
+            assert self._kernels is not None
+            y = self._kernels.amx_linear(
+                flat.contiguous(), self.q, self.fbias, self.out_features, scales=self.scale
+            )
+        elif self.mode == "int8pack":
+            y = torch._weight_int8pack_mm(flat.contiguous(), self.q, self.scale_model_dtype)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(flat, dequantize(self.q, self.scale, x.dtype), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ (q * scale)^T + b`` with e4m3 weights and per-row e4m3 activations, through
+    ``torch._scaled_mm`` (CUDA, compute capability 8.9+)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        q, scale = quantize_fp8(weight)
+        self.register_buffer("q", q, False)
+        self.register_buffer("scale", scale, False)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), False)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+    scaled_mm_failed = False  # set (once, for every layer) if this GPU refuses row-wise scales
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cuda" and not Fp8Linear.scaled_mm_failed:
+            row_max = flat.abs().amax(dim=1, keepdim=True).float()
+            x_scale = torch.where(row_max > 0, row_max / FP8_MAX, torch.ones_like(row_max))
+            xq = (flat.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            try:
+                y = torch._scaled_mm(
+                    xq,
+                    self.q.t(),
+                    scale_a=x_scale,
+                    scale_b=self.scale[None, :],
+                    bias=self.bias,
+                    out_dtype=x.dtype,
+                )
+                return y.view(*x.shape[:-1], self.out_features)
+            except RuntimeError as e:
+                Fp8Linear.scaled_mm_failed = True
+                logger.warning("fp8 matmul with row-wise scales failed (%s); dequantizing", e)
+        # The reference math: tests on CPU, and GPUs whose _scaled_mm refuses row-wise scales.
+        y = F.linear(flat, dequantize(self.q, self.scale, x.dtype), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+QUANTIZED_LINEARS = {"int8": Int8Linear, "fp8": Fp8Linear}
+
+
+@torch.inference_mode()
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (and its vocabulary projection, as
+    ``model.packed_logits``) by a ``method``-quantized one. Returns how many were quantized."""
+    cls = QUANTIZED_LINEARS[method]
+    vocab_fn = getattr(model, "vocab_projection_weight", None)
+    vocab_weight = vocab_fn() if callable(vocab_fn) else None
+    linears = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m.weight is not vocab_weight
+    ]
+    modes: dict[str, int] = {}
+    for name, module in linears:
+        q = cls(module.weight, module.bias)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, q)
+        mode = getattr(q, "mode", method)
+        modes[mode] = modes.get(mode, 0) + 1
+    count = len(linears)
+    if vocab_weight is not None:
+        model.packed_logits = cls(vocab_weight, None)
+        count += 1
+    logger.info(
+        "quantized %d linear weights to %s (%s)",
+        count,
+        method,
+        ", ".join(f"{n} {k}" for k, n in sorted(modes.items())),
+    )
+    return count

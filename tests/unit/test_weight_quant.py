@@ -1,0 +1,84 @@
+"""Weight quantization at load: int8 / fp8 round trips, the int8 kernels against the reference
+matmul, and the start-up errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.config import EngineConfig
+from infer.runner.kernels import cpu_kernels
+from infer.runner.quant import (
+    Fp8Linear,
+    Int8Linear,
+    check_quantization,
+    dequantize,
+    quantize_fp8,
+    quantize_int8,
+)
+
+
+def _weight(seed: int = 0, n: int = 48, k: int = 64) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[0] = 0.0  # a zero row
+    w[1, 3] = 40.0  # an outlier
+    w[2] = 1e-30
+    return w
+
+
+def test_int8_round_trip_is_within_half_a_step_per_channel():
+    w = _weight()
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (48,)
+    back = dequantize(q, scale, torch.float32)
+    assert (back - w).abs().le(scale[:, None] / 2 * (1 + 1e-6)).all()
+    assert not back[0].any() and torch.isfinite(back).all()
+    assert q.abs().max() == 127 and q[1, 3] == 127
+
+
+def test_fp8_round_trip_never_overflows():
+    w = _weight() * 1e4  # far beyond e4m3's 448
+    q, scale = quantize_fp8(w)
+    back = dequantize(q, scale, torch.float32)
+    assert torch.isfinite(back).all()
+    assert (back - w).abs().le(torch.maximum(w.abs() / 16, scale[:, None] * 2**-9)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_int8_linear_matches_the_dequantized_weight(dtype, rows):
+    w = _weight(1, n=64, k=96).to(dtype)
+    bias = torch.randn(64).to(dtype)
+    layer = Int8Linear(w, bias)
+    x = torch.randn(rows, 96).to(dtype)
+    want = F.linear(x.float(), dequantize(*quantize_int8(w), torch.float32), bias.float())
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 64)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max(), rtol=tol)
+    if dtype == torch.bfloat16 and cpu_kernels() is not None and cpu_kernels().has_amx:
+        assert layer.mode == "amx"
+        with torch.inference_mode():  # a row alone gives the same bits as in its batch
+            assert torch.equal(layer(x[-1:])[0], got[-1])
+    assert layer.weight_bytes == 64 * 96 + 64 * 4
+
+
+def test_fp8_linear_reference_math():
+    w = _weight(2, n=32, k=64)
+    layer = Fp8Linear(w, None)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        got = layer(x)  # on CPU: the dequantized reference (fp8 is served on CUDA only)
+    torch.testing.assert_close(got, F.linear(x, dequantize(*quantize_fp8(w), torch.float32)))
+
+
+def test_quantization_start_up_errors_name_the_option_and_choices():
+    with pytest.raises(ValueError, match=r"--quantization 'int4'.*int8, fp8"):
+        EngineConfig.from_kwargs(quantization="int4")
+    with pytest.raises(ValueError, match=r"--quantization fp8 needs a CUDA GPU.*int8"):
+        check_quantization("fp8", torch.device("cpu"))
+    check_quantization("int8", torch.device("cpu"))
+    check_quantization(None, torch.device("cpu"))
