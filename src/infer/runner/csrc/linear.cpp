@@ -20,13 +20,12 @@
 // depend on the other rows: the same token gives the same bits in any batch.
 //
 // int8 weights (weight-only quantization, a float32 scale per output channel) use the same tile
-// order at one byte per weight: a thread widens one column block's tiles to bf16 in L1/L2 (the
-// integers are exact in bf16), multiplies as above, and scales each column's float32 sums at the
-// end, so the memory stream is half the bytes of bf16.
+// order at one byte per weight: each tile is widened to bf16 in L1 just ahead of its multiply
+// (the integers are exact in bf16) and each column's float32 sums are scaled at the end, so the
+// memory stream is half the bytes of bf16.
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
 #include <omp.h>
 
 #include "simd.h"
@@ -87,26 +86,54 @@ void configure_tiles(int full, int tail_rows) {
 
 using infer_simd::to_bf16x16;
 
+// int8 weights: a tile's 512 bytes -> 512 bf16 (exact for integers), into a small ring that
+// runs kRingAhead tiles ahead of the multiplies, with the int8 stream prefetched further ahead
+// (measured on the ~110M Llama's projections: 8.5 -> 5 ms for widening alone with the prefetch;
+// widening a whole column block first and multiplying after overlapped nothing).
+constexpr int kRingSlots = 4, kRingAhead = 2;
+constexpr int64_t kInt8PrefetchBytes = 2048;
+
+inline void widen_int8_tile(const int8_t* src, uint16_t* dst) {
+  for (int i = 0; i < 512; i += 32) {
+    if ((i & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + i + kInt8PrefetchBytes), _MM_HINT_T0);
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    _mm512_store_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
 // Rows [m0, m0 + rows) of x (rows <= 64, tiles configured for that count) times the 16
-// columns of block nb: four accumulators at most, K walked once.
-template <bool kOutF32>
-inline void amx_block(const uint16_t* x, const uint16_t* w, const float* col_scale,
-                      const float* bias, void* y, int64_t m0, int64_t rows, int64_t K, int64_t N,
-                      int64_t nb) {
+// columns of block nb (its kblocks weight tiles at w): four accumulators at most, K walked
+// once; then y = acc * col_scale (int8 weights) + bias.
+template <bool kOutF32, typename W>
+inline void amx_block(const uint16_t* x, const W* w, const float* col_scale, const float* bias,
+                      void* y, int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t nb) {
+  constexpr bool kInt8 = sizeof(W) == 1;
   const int64_t kblocks = K / 32;
   const int full = static_cast<int>(rows / 16);
   const int mtiles = full + (rows % 16 ? 1 : 0);
   const int64_t xstride = K * 2;  // bytes per row of x
   alignas(64) float acc[64 * 16];
+  alignas(64) uint16_t ring[kInt8 ? kRingSlots : 1][512];
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+  if constexpr (kInt8)
+    for (int64_t kb = 0; kb < kRingAhead && kb < kblocks; ++kb)
+      widen_int8_tile(w + kb * 512, ring[kb % kRingSlots]);
   const uint16_t* xb = x + m0 * K;
   for (int64_t kb = 0; kb < kblocks; ++kb) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 8) * 512), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 8) * 512 + 256), _MM_HINT_T1);
-    _tile_loadd(4, w + kb * 512, 64);
+    if constexpr (kInt8) {
+      if (kb + kRingAhead < kblocks)
+        widen_int8_tile(w + (kb + kRingAhead) * 512, ring[(kb + kRingAhead) % kRingSlots]);
+      _tile_loadd(4, ring[kb % kRingSlots], 64);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 8) * 512), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 8) * 512 + 256), _MM_HINT_T1);
+      _tile_loadd(4, w + kb * 512, 64);
+    }
     const uint16_t* xk = xb + kb * 32;
     // Tile register numbers must be compile-time constants: unrolled by hand. Tile 5 holds a
     // full 16-row slice of x, tile 6 the partial last one (its accumulator has as many rows).
@@ -146,48 +173,30 @@ inline void amx_block(const uint16_t* x, const uint16_t* w, const float* col_sca
   }
 }
 
-// One column block's int8 tiles (kblocks x 512 bytes) -> bf16 tiles, exactly.
-inline void widen_int8_tiles(const int8_t* src, uint16_t* dst, int64_t kblocks) {
-  for (int64_t i = 0; i < kblocks * 512; i += 32) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-
 // Threads split the column blocks. Rows go in chunks of up to kChunkRows (a chunk of x stays in
 // the core's L2); within a chunk each column block's weights are read from memory once and
-// from cache for the chunk's further 64-row passes (for int8 weights: widened once per chunk).
+// from cache for the chunk's further 64-row passes.
 template <bool kOutF32, typename W>
 void amx_linear(const uint16_t* x, const W* packed, const float* col_scale, const float* bias,
                 void* y, int64_t M, int64_t K, int64_t N, int num_threads) {
   constexpr int64_t kChunkRows = 256;
-  constexpr bool kInt8 = sizeof(W) == 1;
   const int64_t nblocks = N / 16, kblocks = K / 32;
 #pragma omp parallel num_threads(num_threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t nb0 = nblocks * t / nt, nb1 = nblocks * (t + 1) / nt;
-    std::vector<uint16_t> widened(kInt8 ? kblocks * 512 : 0);
     int configured = -1;  // rows the tiles are configured for
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
       const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
       for (int64_t nb = nb0; nb < nb1; ++nb) {
-        const uint16_t* w;
-        if constexpr (kInt8) {
-          widen_int8_tiles(packed + nb * kblocks * 512, widened.data(), kblocks);
-          w = widened.data();
-        } else {
-          w = packed + nb * kblocks * 512;
-        }
         for (int64_t m0 = c0; m0 < c1; m0 += 64) {
           const int64_t rows = c1 - m0 < 64 ? c1 - m0 : 64;
           if (rows != configured) {
             configure_tiles(static_cast<int>(rows / 16), static_cast<int>(rows % 16));
             configured = static_cast<int>(rows);
           }
-          amx_block<kOutF32>(x, w, col_scale, bias, y, m0, rows, K, N, nb);
+          amx_block<kOutF32>(x, packed + nb * kblocks * 512, col_scale, bias, y, m0, rows, K,
+                             N, nb);
         }
       }
     }
