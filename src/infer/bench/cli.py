@@ -466,6 +466,8 @@ def register(subparsers) -> None:
     dc.add_argument("--model", default=None, help=model_help)
     dc.add_argument("--dtype", default="bfloat16")
     dc.add_argument("--batch", type=int, default=16, help="sequences decoding together")
+    dc.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 | fp8")
+    dc.add_argument("--quantization", default=None, help="weights: int8 | fp8")
     dc.add_argument("--contexts", default="128,256,512,1024,2048,4096")
     dc.add_argument("--steps", type=int, default=8, help="decode steps per timed block")
     dc.add_argument("--repeats", type=int, default=3, help="real/no-op block pairs per context")

@@ -200,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_model_len,
             block_size=block,
             num_kv_blocks=args.batch * blocks_per_seq,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
         )
     )
     report: dict = {
@@ -209,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         "model_folder_used": str(folder),
         "derived_config": derived,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "batch": args.batch,
         "max_model_len": args.max_model_len,
         "kv_blocks": engine.capacity.num_blocks,
@@ -254,7 +258,9 @@ def render(r: dict) -> str:
     lines = [
         "# Decode step time vs context length",
         "",
-        f"{r['created']}. `{r['model']}` ({r['dtype']}), {r['batch']} sequences decoding "
+        f"{r['created']}. `{r['model']}` ({r['dtype']}; KV cache "
+        f"{r.get('kv_cache_dtype', 'auto')}, weights {r.get('quantization') or 'unquantized'}), "
+        f"{r['batch']} sequences decoding "
         f"together, `LLMEngine` in-process (max_model_len {r['max_model_len']}, "
         f"{r['kv_blocks']} KV blocks = {r['kv_bytes'] / 2**30:.2f} GiB), torch {r['torch']} "
         f"with {r['torch_threads']} threads, C++ decode kernel: "
