@@ -82,17 +82,25 @@ def serve(args: argparse.Namespace) -> int:
         except OSError as e:
             logger.error("cannot read --chat-template %s: %s", args.chat_template, e)
             return 2
-    config = engine_config_from_args(args)
-    if args.engine_process:
-        from infer.engine.core_client import EngineProcess
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:  # a bad option: say which, no traceback
+        logger.error("%s", e)
+        return 2
+    try:
+        if args.engine_process:
+            from infer.engine.core_client import EngineProcess
 
-        engine = EngineProcess(config, torch_threads=args.torch_threads)
-    else:
-        if args.torch_threads is not None:
-            import torch
+            engine = EngineProcess(config, torch_threads=args.torch_threads)
+        else:
+            if args.torch_threads is not None:
+                import torch
 
-            torch.set_num_threads(args.torch_threads)
-        engine = LLMEngine(config)
+                torch.set_num_threads(args.torch_threads)
+            engine = LLMEngine(config)
+    except (ValueError, RuntimeError, OSError) as e:
+        logger.error("the engine could not start: %s", e)
+        return 1
     names = tuple(args.served_model_name or [engine.model_name])
     settings = ServerSettings(
         served_model_names=names,

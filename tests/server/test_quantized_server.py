@@ -1,0 +1,51 @@
+"""A server with int8 weights and an int8 KV cache answers like any other, returns every block,
+and bad quantization options stop it at start-up with a message that names them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from openai import OpenAI
+from tests.server.conftest import free_port, start_server
+
+
+@pytest.fixture(scope="module")
+def quantized_server(llama_checkpoint, server_logs):
+    yield from start_server(llama_checkpoint, server_logs, "--dtype", "bfloat16",
+                            "--quantization", "int8", "--kv-cache-dtype", "int8")  # fmt: skip
+
+
+def test_int8_server_streams_and_frees_every_block(quantized_server):
+    client = OpenAI(base_url=quantized_server.base_url, api_key="unused")
+    stream = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    whole = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12,
+                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].text == text
+    stats = quantized_server.wait_idle()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    log = quantized_server.log()
+    assert "quantized" in log and "int8" in log and "KV cache (int8)" in log
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4' is not supported (choices: auto, int8, fp8)"),
+        (["--quantization", "int3"], "--quantization 'int3' is not supported (choices: int8, fp8)"),
+        (["--quantization", "fp8"], "--quantization fp8 needs a CUDA GPU with fp8 matmuls"),
+    ],
+)  # fmt: skip
+def test_bad_quantization_options_stop_the_server_with_a_clear_message(
+    flags, message, llama_checkpoint
+):
+    cmd = [sys.executable, "-m", "infer.server", "--model", str(llama_checkpoint),
+           "--port", str(free_port()), *flags]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
