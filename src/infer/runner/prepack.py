@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -127,25 +128,57 @@ def _agrees(packed: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) 
     return torch.allclose(packed(x).float(), want, atol=1e-2, rtol=1e-2)
 
 
-@torch.inference_mode()
-def prepack_linears(model: nn.Module) -> int:
-    """Swap every bfloat16 CPU ``nn.Linear`` of ``model`` for an :class:`AmxLinear` or a
-    :class:`PackedLinear`, and pack the vocabulary projection (``model.packed_logits``).
-    Returns how many weights were packed."""
+def replace_linears(
+    model: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module | None]
+) -> list[nn.Module]:
+    """Swap every ``nn.Linear`` of ``model`` for ``make(weight, bias)`` and set
+    ``model.packed_logits = make(vocabulary projection weight, None)``; ``make`` returning None
+    keeps that layer as it is. Returns the modules made.
+
+    The vocabulary projection is read through ``project_to_vocab``, never called as a module, so
+    an untied ``lm_head`` is left in place and only its replacement is used."""
     vocab_fn = getattr(model, "vocab_projection_weight", None)
     vocab_weight = vocab_fn() if callable(vocab_fn) else None
-    # The output projection is read through project_to_vocab, never called as a module.
     linears = [
         (name, m)
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and m.weight is not vocab_weight
     ]
-    if not linears or not _usable(linears[0][1].weight):
-        return 0
+    made = []
+    for name, module in linears:
+        new = make(module.weight, module.bias)
+        if new is None:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, new)
+        made.append(new)
+    if vocab_weight is not None:
+        new = make(vocab_weight, None)
+        if new is not None:
+            model.packed_logits = new
+            made.append(new)
+    return made
+
+
+def count_kinds(modules: list[nn.Module], kind=lambda m: type(m).__name__) -> str:
+    """``"40 AmxLinear, 9 PackedLinear"``: a log line's summary of what was made."""
+    counts: dict[str, int] = {}
+    for m in modules:
+        counts[kind(m)] = counts.get(kind(m), 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+@torch.inference_mode()
+def prepack_linears(model: nn.Module) -> int:
+    """Swap every bfloat16 CPU ``nn.Linear`` of ``model`` for an :class:`AmxLinear` or a
+    :class:`PackedLinear`, and pack the vocabulary projection (``model.packed_logits``).
+    Returns how many weights were packed."""
     checked: dict[type, bool] = {}  # module type -> its probe agreed with F.linear
-    kinds: dict[str, int] = {}
 
     def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        if not _usable(weight):
+            return None
         for make in _candidates(weight, bias):
             packed = make()
             kind = type(packed)
@@ -154,26 +187,10 @@ def prepack_linears(model: nn.Module) -> int:
                 if not checked[kind]:
                     logger.warning("%s disagrees with F.linear; not using it", kind.__name__)
             if checked[kind]:
-                kinds[kind.__name__] = kinds.get(kind.__name__, 0) + 1
                 return packed
         return None
 
-    for name, module in linears:
-        packed = pack(module.weight, module.bias)
-        if packed is None:
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, packed)
-    if vocab_weight is not None and _usable(vocab_weight):
-        packed = pack(vocab_weight, None)
-        if packed is not None:
-            model.packed_logits = packed
-    count = sum(kinds.values())
-    if count:
-        logger.info(
-            "packed %d linear weights (%s)",
-            count,
-            ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
-        )
-    return count
+    made = replace_linears(model, pack)
+    if made:
+        logger.info("packed %d linear weights (%s)", len(made), count_kinds(made))
+    return len(made)

@@ -24,6 +24,7 @@ from torch import nn
 
 from infer.config import QUANTIZATIONS
 from infer.runner.kernels import cpu_kernels
+from infer.runner.prepack import count_kinds, replace_linears
 
 logger = logging.getLogger("infer.runner")
 
@@ -182,30 +183,11 @@ QUANTIZED_LINEARS = {"int8": Int8Linear, "fp8": Fp8Linear}
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Replace every ``nn.Linear`` of ``model`` (and its vocabulary projection, as
     ``model.packed_logits``) by a ``method``-quantized one. Returns how many were quantized."""
-    cls = QUANTIZED_LINEARS[method]
-    vocab_fn = getattr(model, "vocab_projection_weight", None)
-    vocab_weight = vocab_fn() if callable(vocab_fn) else None
-    linears = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and m.weight is not vocab_weight
-    ]
-    modes: dict[str, int] = {}
-    for name, module in linears:
-        q = cls(module.weight, module.bias)
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, q)
-        mode = getattr(q, "mode", method)
-        modes[mode] = modes.get(mode, 0) + 1
-    count = len(linears)
-    if vocab_weight is not None:
-        model.packed_logits = cls(vocab_weight, None)
-        count += 1
+    made = replace_linears(model, QUANTIZED_LINEARS[method])
     logger.info(
         "quantized %d linear weights to %s (%s)",
-        count,
+        len(made),
         method,
-        ", ".join(f"{n} {k}" for k, n in sorted(modes.items())),
+        count_kinds(made, lambda m: getattr(m, "mode", method)),
     )
-    return count
+    return len(made)
