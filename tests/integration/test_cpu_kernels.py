@@ -58,3 +58,25 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(kind, make_llm):
     for max_num_seqs in (3, 32):
         llm = make_llm(kind, dtype="bfloat16", max_num_seqs=max_num_seqs)
         assert _tokens_and_logprobs(llm, PROMPTS) == alone[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize("quant", [{}, {"quantization": "int8", "kv_cache_dtype": "int8"}])
+def test_fast_decode_path_gives_the_module_paths_bits(kind, quant, make_llm, monkeypatch):
+    """All-decode steps skip the module code (runner/decode_fast.py): same kernels, same order,
+    so the same tokens and the same logprobs, bit for bit."""
+    fast_llm = make_llm(kind, dtype="bfloat16", **quant)
+    if not cpu_kernels().has_amx:
+        pytest.skip("the fast decode path needs AMX linear layers")
+    assert fast_llm.engine.runner.fast_decoder is not None
+    fast = _tokens_and_logprobs(fast_llm, PROMPTS)
+    monkeypatch.setenv("INFER_FAST_DECODE", "0")
+    slow_llm = make_llm(kind, dtype="bfloat16", **quant)
+    assert slow_llm.engine.runner.fast_decoder is None
+    assert _tokens_and_logprobs(slow_llm, PROMPTS) == fast
+
+
+def test_fast_decode_path_is_not_taken_where_a_kernel_is_missing(make_llm):
+    assert make_llm("qwen3", dtype="bfloat16").engine.runner.fast_decoder is None  # q/k norms
+    assert make_llm("gemma3", dtype="bfloat16").engine.runner.fast_decoder is None  # sandwich norms
+    assert make_llm("llama", dtype="float32").engine.runner.fast_decoder is None

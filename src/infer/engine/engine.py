@@ -170,7 +170,12 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sc, cc, self.kv_manager)
         self.runner = ModelRunner(
-            self.model, self.kv_cache, self.device, mc.seed, num_swap_blocks=self.num_swap_blocks
+            self.model,
+            self.kv_cache,
+            self.device,
+            mc.seed,
+            num_swap_blocks=self.num_swap_blocks,
+            max_num_seqs=sc.max_num_seqs,
         )
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []

@@ -254,6 +254,17 @@ class AttentionContext:
         self._all_decode = self._decode is not None and not self._prefills
         self._kernels = cpu_kernels() if self.device.type == "cpu" else None
 
+    @property
+    def all_decode(self) -> bool:
+        """Every scheduled sequence decodes one token (no prefill chunk in this step)."""
+        return self._all_decode
+
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoding sequences' ``[Bd, max_blocks]`` int32 block tables and ``[Bd]`` int32
+        context lengths (their rows of the batch in order)."""
+        assert self._decode is not None
+        return self._decode.block_tables, self._decode.context_lens
+
     def can_store_rotated(self, qkv: torch.Tensor) -> bool:
         """Whether :meth:`rotate_and_store` can take this fused projection (CPU bf16 kernels)."""
         return (
@@ -365,7 +376,7 @@ class AttentionContext:
         cache = self.kv_cache
         if kernels is not None and q.dtype == cache.dtype and kernels.supports(q.dtype):
             return kernels.decode_attention(
-                q.contiguous(),
+                q,
                 cache,
                 layer_idx,
                 dg.block_tables,

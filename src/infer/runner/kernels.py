@@ -90,7 +90,7 @@ class CpuKernels:
             return fn
 
         self._decode = bind(
-            "infer_decode_attention", i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+            "infer_decode_attention", i32, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
             i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
         self.has_amx = bool(bind("infer_amx_available")())
@@ -293,7 +293,8 @@ class CpuKernels:
         (the query's dtype, or int8 / fp8 with scales).
 
         Args:
-            query: ``[B, H, D]``, contiguous, float32 or bfloat16 (the cache's ``dtype``).
+            query: ``[B, H, D]`` float32 or bfloat16 (the cache's ``dtype``), heads contiguous
+                within a sequence's row (rows may be strided, e.g. views of a fused qkv).
             block_tables: ``[B, max_blocks]`` int32 (unused tail entries are never read).
             context_lens: ``[B]`` int32, keys per sequence including the query's own.
             window: sliding window (keys ``p - window < j <= p``), or None.
@@ -302,13 +303,16 @@ class CpuKernels:
             ``[B, H, D]`` in the query's dtype.
         """
         b, h, d = query.shape
+        if query.stride(2) != 1 or query.stride(1) != d:
+            query = query.contiguous()
         key_cache, value_cache = cache.layer(layer_idx)
         k_scales, v_scales = cache.layer_scales(layer_idx)
-        out = torch.empty_like(query)
+        out = torch.empty(b, h, d, dtype=query.dtype)
         rc = self._decode(
             _DTYPE_CODES[query.dtype],
             KIND_CODES[cache.kind],
             query.data_ptr(),
+            query.stride(0),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
             _ptr(k_scales),

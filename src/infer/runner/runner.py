@@ -13,6 +13,7 @@ and the sampler, so a long prefill costs one vocab projection, not one per token
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import torch
 from infer.core.messages import SampledToken, SchedulerOutput
 from infer.core.request import Request
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
+from infer.runner.decode_fast import FastDecoder
 from infer.runner.sampler import Sampler
 
 
@@ -33,6 +35,10 @@ class StepTimings:
     sample: float
 
 
+FAST_DECODE_ENV = "INFER_FAST_DECODE"
+"""Set to 0 to run every step through the model's modules (for measuring the fast path)."""
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -41,8 +47,13 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         num_swap_blocks: int = 0,
+        max_num_seqs: int = 0,
     ):
         self.model = model
+        # All-decode steps skip the module code where every kernel is there (decode_fast.py).
+        self.fast_decoder: FastDecoder | None = None
+        if max_num_seqs and device.type == "cpu" and os.environ.get(FAST_DECODE_ENV, "1") != "0":
+            self.fast_decoder = FastDecoder.build(model, kv_cache, max_num_seqs)
         self.kv_cache = kv_cache
         self.device = device
         self.sampler = Sampler(device, seed)
@@ -96,7 +107,10 @@ class ModelRunner:
         ctx = AttentionContext(self.kv_cache, seqs, self.device)
         t1 = time.perf_counter()
 
-        hidden = self.model(ids_t, pos_t, ctx)
+        if self.fast_decoder is not None and ctx.all_decode:
+            hidden = self.fast_decoder.forward(ids_t, pos_t, ctx)
+        else:
+            hidden = self.model(ids_t, pos_t, ctx)
         logits = None
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

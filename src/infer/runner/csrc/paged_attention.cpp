@@ -47,8 +47,9 @@ inline float kv_scale(const uint16_t* scales, int64_t slot, int64_t num_kv_heads
 }
 
 template <typename T, typename KvT, int kKind>
-void decode_attention(const T* query, const KvT* key_cache, const KvT* value_cache,
-                      const uint16_t* key_scales, const uint16_t* value_scales, T* out,
+void decode_attention(const T* query, int64_t q_stride, const KvT* key_cache,
+                      const KvT* value_cache, const uint16_t* key_scales,
+                      const uint16_t* value_scales, T* out,
                       const int32_t* block_tables, const int32_t* context_lens, int64_t batch,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t max_blocks, float scale, int64_t window,
@@ -67,7 +68,7 @@ void decode_attention(const T* query, const KvT* key_cache, const KvT* value_cac
       const int32_t* table = block_tables + b * max_blocks;
       scores.resize(group * (n > 0 ? n : 1));
       for (int64_t g = 0; g < group; ++g) {
-        const T* qh = query + (b * num_heads + kvh * group + g) * head_dim;
+        const T* qh = query + b * q_stride + (kvh * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_f32(qh[d]) * scale;
       }
       // Scores: one pass over the keys, every query head of the group at once.
@@ -205,7 +206,8 @@ void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, in
 // dot products on a bf16 cache, float32 FMAs on dequantized bytes otherwise. Softmax in float32.
 // Values: heads in register-sized groups, one pass over the value rows per group.
 template <int kKind, typename KvT>
-void decode_attention_avx512(const uint16_t* query, const KvT* key_cache, const KvT* value_cache,
+void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT* key_cache,
+                             const KvT* value_cache,
                              const uint16_t* key_scales, const uint16_t* value_scales,
                              uint16_t* out, const int32_t* block_tables,
                              const int32_t* context_lens, int64_t batch, int64_t num_heads,
@@ -253,7 +255,7 @@ void decode_attention_avx512(const uint16_t* query, const KvT* key_cache, const 
         krows[j] = key_cache + slot * slot_stride + h0 * head_dim;
         if (j < n) vrows[j] = value_cache + slot * slot_stride + h0 * head_dim;
       }
-      const uint16_t* qb = query + (b * num_heads + h0 * group) * head_dim;
+      const uint16_t* qb = query + b * q_stride + h0 * group * head_dim;
       if constexpr (kScaled) {  // the query in float32, for FMAs with dequantized keys
         qf.resize(nq * head_dim);
         for (int64_t i = 0; i < nq * head_dim; ++i) qf[i] = infer_simd::bf16_to_f32(qb[i]);
@@ -355,9 +357,11 @@ void decode_attention_avx512(const uint16_t* query, const KvT* key_cache, const 
 
 extern "C" {
 
-// dtype: the query's and out's, 0 = float32, 1 = bfloat16. kv_kind: 0 = the caches hold the
+// dtype: the query's and out's, 0 = float32, 1 = bfloat16; q_stride: elements from one
+// sequence's query row to the next (heads are contiguous within a row; out is [B, H, D]). kv_kind: 0 = the caches hold the
 // query's dtype; 1 = int8, 2 = float8 e4m3, each with bf16 scales [num_slots, kv_heads].
-int infer_decode_attention(int dtype, int kv_kind, const void* query, const void* key_cache,
+int infer_decode_attention(int dtype, int kv_kind, const void* query, int64_t q_stride,
+                           const void* key_cache,
                            const void* value_cache, const uint16_t* key_scales,
                            const uint16_t* value_scales, void* out, const int32_t* block_tables,
                            const int32_t* context_lens, int64_t batch, int64_t num_heads,
@@ -367,7 +371,7 @@ int infer_decode_attention(int dtype, int kv_kind, const void* query, const void
   if (dtype != 0 && dtype != 1) return 2;
   if (kv_kind < 0 || kv_kind > 2 || (kv_kind != 0 && (!key_scales || !value_scales))) return 3;
 #define INFER_ARGS(Q, KV)                                                                       \
-  static_cast<const Q*>(query), static_cast<const KV*>(key_cache),                              \
+  static_cast<const Q*>(query), q_stride, static_cast<const KV*>(key_cache),                   \
       static_cast<const KV*>(value_cache), key_scales, value_scales, static_cast<Q*>(out),      \
       block_tables, context_lens, batch, num_heads, num_kv_heads, head_dim, block_size,         \
       max_blocks, scale, window, num_threads

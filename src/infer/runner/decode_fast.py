@@ -1,0 +1,184 @@
+"""The decode step of a Llama-family model without Python in the layer loop.
+
+At decode sizes a layer's kernels take tens of microseconds each, and the Python around them
+(module calls, dispatch checks, tensor allocations, argument marshalling) cost ~1.6 ms of an
+11 ms batch-1 step of the ~110M Llama. For steps where every sequence decodes one token,
+:class:`FastDecoder` runs the same kernels in the same order as the module code, straight from
+precomputed arguments into buffers allocated once::
+
+    x = embed(ids)                                   (the residual stream, in place)
+    for each layer:
+        x, normed = x + pending, attn_norm(...)      add_rms_norm
+        qkv = qkv_proj(normed)                       amx linear (bf16 or int8 weights)
+        rope(q, k) in place; k, v -> cache          rope_write_kv
+        attn = decode_attention(q, cache)            (q read in place from qkv)
+        o = o_proj(attn)
+        x, normed = x + o, mlp_norm(...)
+        pending = down(act(gate) * up)(normed)       amx linear, act_mul, amx linear
+    hidden = norm(x + pending)
+
+The results are bit-for-bit those of the module path (same kernels, same inputs; tested). It is
+used only where every piece has its kernel: CPU bfloat16, AMX linear layers, a decoder without
+q/k norms, sandwich norms or an embedding scale, one rope for every layer, and a supported
+activation; anything else takes the module path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.model.llama import DecoderLM
+from infer.runner.attention import AttentionContext, KVCache
+from infer.runner.kernels import ACT_MUL_CODES, CpuKernels, cpu_kernels
+from infer.runner.kv_quant import KIND_CODES
+from infer.runner.prepack import AmxLinear
+from infer.runner.quant import Int8Linear
+
+
+def _linear_args(module: torch.nn.Module) -> tuple | None:
+    """(packed weight ptr, bytes per weight, column scales ptr, bias ptr, N, K), or None."""
+    if isinstance(module, AmxLinear):
+        weight, scales, bias = module.packed_weight, None, module.bias
+    elif isinstance(module, Int8Linear) and module.mode == "amx":
+        weight, scales, bias = module.q, module.scale, module.fbias
+    else:
+        return None
+    return (
+        weight.data_ptr(),
+        weight.element_size(),
+        None if scales is None else scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        module.out_features,
+        module.in_features,
+    )
+
+
+class FastDecoder:
+    """Runs :class:`DecoderLM` for all-decode steps of up to ``max_rows`` sequences."""
+
+    def __init__(self, model: DecoderLM, cache: KVCache, kernels: CpuKernels, max_rows: int,
+                 layers: list[tuple]) -> None:  # fmt: skip
+        cfg = model.cfg
+        self.model = model
+        self.cache = cache
+        self.k = kernels
+        self.layers = layers
+        self.threads = torch.get_num_threads()
+        self.hidden = cfg.hidden_size
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.act = ACT_MUL_CODES[model.layers[0].mlp.fused_act]
+        self.inter = cfg.intermediate_size
+        self.kind = KIND_CODES[cache.kind]
+        self.qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.final_norm = model.norm.weight.data_ptr()
+        self.cos_table, self.sin_table = model.rope_cos_0, model.rope_sin_0
+
+        def buf(n: int) -> torch.Tensor:
+            return torch.empty(max_rows, n, dtype=torch.bfloat16)
+
+        self.x, self.normed, self.out = (
+            buf(cfg.hidden_size),
+            buf(cfg.hidden_size),
+            buf(cfg.hidden_size),
+        )
+        self.qkv, self.attn, self.o = (
+            buf(self.qkv_n),
+            buf(self.heads * self.head_dim),
+            buf(cfg.hidden_size),
+        )
+        self.gate_up, self.act_out, self.down = (
+            buf(2 * self.inter),
+            buf(self.inter),
+            buf(cfg.hidden_size),
+        )
+        self.cos, self.sin = buf(self.head_dim), buf(self.head_dim)  # fmt: skip
+
+    @staticmethod
+    def build(model: torch.nn.Module, cache: KVCache, max_rows: int) -> FastDecoder | None:
+        """The fast path for this model and cache, or None where the module path must run."""
+        kernels = cpu_kernels()
+        if kernels is None or not isinstance(model, DecoderLM) or cache.dtype != torch.bfloat16:
+            return None
+        cfg = model.cfg
+        if cfg.qk_norm or cfg.sandwich_norms or cfg.embed_scale is not None:
+            return None
+        if len(set(cfg.ropes)) != 1 or model.embed_tokens.weight.dtype != torch.bfloat16:
+            return None
+        if cfg.head_dim % 2 or cfg.head_dim > 512:
+            return None
+        layers = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.attn, layer.mlp
+            linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                 mlp.down_proj)]  # fmt: skip
+            if any(a is None for a in linears) or mlp.fused_act is None:
+                return None
+            if layer.attn_norm.weight.dtype != torch.bfloat16:
+                return None
+            k_cache, v_cache = cache.layer(i)
+            k_scales, v_scales = cache.layer_scales(i)
+            layers.append((
+                layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr(), *linears,
+                attn.scale, attn.sliding_window or 0,
+                k_cache.data_ptr(), v_cache.data_ptr(),
+                None if k_scales is None else k_scales.data_ptr(),
+                None if v_scales is None else v_scales.data_ptr(),
+            ))  # fmt: skip
+        return FastDecoder(model, cache, kernels, max_rows, layers)
+
+    def _linear(self, x: int, args: tuple, y: int, rows: int) -> None:
+        w, wbytes, scales, bias, n, k = args
+        rc = self.k._linear(x, w, wbytes, scales, bias, y, rows, k, n, 0, self.threads)
+        if rc != 0:
+            raise ValueError(f"AMX linear kernel rejected its inputs (code {rc})")
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Final hidden states ``[B, hidden]`` (a view of a buffer the next call overwrites)."""
+        rows = input_ids.shape[0]
+        tables, lens = ctx.decode_tables()
+        k, t = self.k, self.threads
+        x, normed = self.x[:rows], self.normed[:rows]
+        torch.index_select(self.model.embed_tokens.weight, 0, input_ids, out=x)
+        torch.index_select(self.cos_table, 0, positions, out=self.cos[:rows])
+        torch.index_select(self.sin_table, 0, positions, out=self.sin[:rows])
+        xp, np_, qkv, attn = (
+            x.data_ptr(),
+            normed.data_ptr(),
+            self.qkv.data_ptr(),
+            self.attn.data_ptr(),
+        )
+        o, gu, act, down = (
+            self.o.data_ptr(),
+            self.gate_up.data_ptr(),
+            self.act_out.data_ptr(),
+            self.down.data_ptr(),
+        )
+        cos, sin, slots = self.cos.data_ptr(), self.sin.data_ptr(), ctx.slot_mapping.data_ptr()
+        tp, lp, max_blocks = tables.data_ptr(), lens.data_ptr(), tables.shape[1]
+        bs, h, hkv, d = self.cache.block_size, self.heads, self.kv_heads, self.head_dim  # fmt: skip
+        pending = None
+        for (attn_norm, mlp_norm, qkv_args, o_args, gu_args, down_args, scale, window,
+             kc, vc, ks, vs) in self.layers:  # fmt: skip
+            k._add_rms_norm(xp, pending, attn_norm, xp if pending else None, np_, rows,
+                            self.hidden, self.eps, t)  # fmt: skip
+            self._linear(np_, qkv_args, qkv, rows)
+            k._rope_write_kv(qkv, cos, sin, self.kind, kc, vc, ks, vs, slots, rows, self.qkv_n,
+                             h, hkv, d, t)  # fmt: skip
+            rc = k._decode(1, self.kind, qkv, self.qkv_n, kc, vc, ks, vs, attn, tp, lp, rows, h,
+                           hkv, d, bs, max_blocks, scale, window, t)  # fmt: skip
+            if rc != 0:
+                raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
+            self._linear(attn, o_args, o, rows)
+            k._add_rms_norm(xp, o, mlp_norm, xp, np_, rows, self.hidden, self.eps, t)
+            self._linear(np_, gu_args, gu, rows)
+            k._act_mul(gu, act, rows, self.inter, self.act, t)
+            self._linear(act, down_args, down, rows)
+            pending = down
+        out = self.out[:rows]
+        k._add_rms_norm(xp, pending, self.final_norm, xp, out.data_ptr(), rows, self.hidden,
+                        self.eps, t)  # fmt: skip
+        return out
