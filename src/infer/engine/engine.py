@@ -86,6 +86,33 @@ class KVCapacity:
         return self.num_tokens * self.bytes_per_token
 
 
+MALLOC_ENV = "INFER_MALLOC_TUNING"
+"""Set to 0 to leave glibc's malloc settings alone (see :func:`keep_freed_memory`)."""
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc serve allocations up to 32 MiB from its heap and keep freed memory there.
+
+    A forward pass allocates its activations anew for every layer; above glibc's (adaptive)
+    mmap threshold each one is a fresh mapping whose pages the kernel faults in and zeroes on
+    first touch. Measured on a 2048-token prefill step of the ~110M Llama: 520-630 ms -> 380 ms
+    (the act(gate) * up kernel alone: ~10 ms -> 1.8 ms per layer). The cost is that the process
+    keeps up to its peak of temporaries (a few hundred MiB) instead of returning it. Returns
+    whether the settings were applied (False off glibc or with ``INFER_MALLOC_TUNING=0``).
+    """
+    import ctypes
+    import os
+
+    if os.environ.get(MALLOC_ENV, "1") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
@@ -115,6 +142,8 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but CUDA is not available")
+        if self.device.type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(mc.seed)
 
         self.model_path = resolve_model_path(mc.model)
