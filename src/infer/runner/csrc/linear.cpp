@@ -65,7 +65,8 @@ struct alignas(64) TileConfig {
 };
 
 // Tiles: 0-3 accumulators (16 x 16 float32), 4 the weight tile, 5 a full 16-row x tile,
-// 6 the last, partial x tile (rows = tail), 7 unused. TDPBF16PS needs the accumulator and the
+// 6 the last, partial x tile (rows = tail), 7 a second weight tile (amx_block_2x2, which runs
+// with every tile at 16 rows). TDPBF16PS needs the accumulator and the
 // x tile to have the same row count, so the accumulator of the partial tile gets `tail` rows.
 void configure_tiles(int full, int tail_rows) {
   TileConfig cfg;
@@ -81,6 +82,8 @@ void configure_tiles(int full, int tail_rows) {
   cfg.rows[5] = 16;
   cfg.colsb[6] = 64;
   cfg.rows[6] = static_cast<uint8_t>(tail_rows > 0 ? tail_rows : 16);
+  cfg.colsb[7] = 64;  // the 2 x 2 blocks' second weight tile
+  cfg.rows[7] = 16;
   _tile_loadconfig(&cfg);
 }
 
@@ -173,6 +176,50 @@ inline void amx_block(const uint16_t* x, const W* w, const float* col_scale, con
   }
 }
 
+// 32 rows of x times two column blocks (nb, nb + 1) of bf16 weights: 2 x 2 accumulators, so
+// each x tile and each weight tile loaded feeds two multiplies (the 4 x 1 block loads an x tile
+// per multiply). For prefill, where the step is bound by the multiplies, not by the weights.
+// Tiles: 0-3 accumulators, 4 and 5 the two x tiles, 6 and 7 the two weight tiles.
+template <bool kOutF32>
+inline void amx_block_2x2(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
+                          int64_t m0, int64_t K, int64_t N, int64_t nb) {
+  const int64_t kblocks = K / 32;
+  const int64_t xstride = K * 2;
+  const uint16_t* w1 = w + kblocks * 512;
+  alignas(64) float acc[4][256];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint16_t* xb = x + m0 * K;
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _tile_loadd(6, w + kb * 512, 64);
+    _tile_loadd(7, w1 + kb * 512, 64);
+    _tile_loadd(4, xb + kb * 32, xstride);
+    _tile_loadd(5, xb + 16 * K + kb * 32, xstride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc[0], 64);
+  _tile_stored(1, acc[1], 64);
+  _tile_stored(2, acc[2], 64);
+  _tile_stored(3, acc[3], 64);
+  for (int t = 0; t < 4; ++t) {
+    const int64_t col = (nb + (t & 1)) * 16, row0 = m0 + (t >> 1) * 16;
+    const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < 16; ++r) {
+      const __m512 v = _mm512_add_ps(_mm512_load_ps(acc[t] + r * 16), b);
+      if (kOutF32)
+        _mm512_storeu_ps(static_cast<float*>(y) + (row0 + r) * N + col, v);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + (row0 + r) * N + col),
+                            to_bf16x16(v));
+    }
+  }
+}
+
 // Threads split the column blocks. Rows go in chunks of up to kChunkRows (a chunk of x stays in
 // the core's L2); within a chunk each column block's weights are read from memory once and
 // from cache for the chunk's further 64-row passes.
@@ -180,6 +227,7 @@ template <bool kOutF32, typename W>
 void amx_linear(const uint16_t* x, const W* packed, const float* col_scale, const float* bias,
                 void* y, int64_t M, int64_t K, int64_t N, int num_threads) {
   constexpr int64_t kChunkRows = 256;
+  constexpr int64_t k2x2MinRows = 64;
   const int64_t nblocks = N / 16, kblocks = K / 32;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -189,7 +237,32 @@ void amx_linear(const uint16_t* x, const W* packed, const float* col_scale, cons
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
       const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
       for (int64_t nb = nb0; nb < nb1; ++nb) {
-        for (int64_t m0 = c0; m0 < c1; m0 += 64) {
+        int64_t m_start = c0;
+        if constexpr (sizeof(W) == 2) {
+          // Large batches (prefill): pairs of column blocks, 32 rows at a time; what is left
+          // over (an odd last block, fewer than 32 rows) goes through the 4 x 1 blocks below.
+          if (M >= k2x2MinRows && nb + 1 < nb1) {
+            if (configured != 64) {
+              configure_tiles(4, 0);
+              configured = 64;
+            }
+            for (m_start = c0; m_start + 32 <= c1; m_start += 32)
+              amx_block_2x2<kOutF32>(x, packed + nb * kblocks * 512, bias, y, m_start, K, N, nb);
+            for (int64_t m0 = m_start; m0 < c1; m0 += 64) {
+              const int64_t rows = c1 - m0 < 64 ? c1 - m0 : 64;
+              if (rows != configured) {
+                configure_tiles(static_cast<int>(rows / 16), static_cast<int>(rows % 16));
+                configured = static_cast<int>(rows);
+              }
+              for (int64_t b = nb; b < nb + 2; ++b)
+                amx_block<kOutF32>(x, packed + b * kblocks * 512, col_scale, bias, y, m0, rows,
+                                   K, N, b);
+            }
+            ++nb;  // both blocks done
+            continue;
+          }
+        }
+        for (int64_t m0 = m_start; m0 < c1; m0 += 64) {
           const int64_t rows = c1 - m0 < 64 ? c1 - m0 : 64;
           if (rows != configured) {
             configure_tiles(static_cast<int>(rows / 16), static_cast<int>(rows % 16));
