@@ -205,6 +205,7 @@ class LLMEngine:
             mc.seed,
             num_swap_blocks=self.num_swap_blocks,
             max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
         )
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []

@@ -1,24 +1,25 @@
-"""The decode step of a Llama-family model without Python in the layer loop.
+"""A Llama-family model's forward pass without Python in the layer loop.
 
 At decode sizes a layer's kernels take tens of microseconds each, and the Python around them
-(module calls, dispatch checks, tensor allocations, argument marshalling) cost ~1.6 ms of an
-11 ms batch-1 step of the ~110M Llama. For steps where every sequence decodes one token,
-:class:`FastDecoder` runs the same kernels in the same order as the module code, straight from
-precomputed arguments into buffers allocated once::
+(module calls, dispatch checks, tensor allocations, argument marshalling) cost ~3 ms of an
+11.5 ms batch-1 step of the ~110M Llama. :class:`FastDecoder` runs the same kernels in the same
+order as the module code, straight from precomputed arguments into buffers allocated once::
 
     x = embed(ids)                                   (the residual stream, in place)
     for each layer:
         x, normed = x + pending, attn_norm(...)      add_rms_norm
         qkv = qkv_proj(normed)                       amx linear (bf16 or int8 weights)
         rope(q, k) in place; k, v -> cache          rope_write_kv
-        attn = decode_attention(q, cache)            (q read in place from qkv)
+        attn = decode_attention(q, cache)            (q read in place from qkv; in a step with
+                                                      prefill chunks: AttentionContext.attend)
         o = o_proj(attn)
         x, normed = x + o, mlp_norm(...)
         pending = down(act(gate) * up)(normed)       amx linear, act_mul, amx linear
     hidden = norm(x + pending)
 
-The results are bit-for-bit those of the module path (same kernels, same inputs; tested). It is
-used only where every piece has its kernel: CPU bfloat16, AMX linear layers, a decoder without
+The results are bit-for-bit those of the module path (same kernels, same inputs; tested). It
+takes every step that fits its buffers (max(max_num_seqs, max_num_batched_tokens) rows), and only
+models where every piece has its kernel: CPU bfloat16, AMX linear layers, a decoder without
 q/k norms, sandwich norms or an embedding scale, one rope for every layer, and a supported
 activation; anything else takes the module path.
 """
@@ -54,7 +55,7 @@ def _linear_args(module: torch.nn.Module) -> tuple | None:
 
 
 class FastDecoder:
-    """Runs :class:`DecoderLM` for all-decode steps of up to ``max_rows`` sequences."""
+    """Runs :class:`DecoderLM` for steps of up to ``max_rows`` tokens."""
 
     def __init__(self, model: DecoderLM, cache: KVCache, kernels: CpuKernels, max_rows: int,
                  layers: list[tuple]) -> None:  # fmt: skip
@@ -63,6 +64,7 @@ class FastDecoder:
         self.cache = cache
         self.k = kernels
         self.layers = layers
+        self.max_rows = max_rows
         self.threads = torch.get_num_threads()
         self.hidden = cfg.hidden_size
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -119,13 +121,26 @@ class FastDecoder:
             k_cache, v_cache = cache.layer(i)
             k_scales, v_scales = cache.layer_scales(i)
             layers.append((
-                layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr(), *linears,
+                i, layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr(), *linears,
                 attn.scale, attn.sliding_window or 0,
                 k_cache.data_ptr(), v_cache.data_ptr(),
                 None if k_scales is None else k_scales.data_ptr(),
                 None if v_scales is None else v_scales.data_ptr(),
             ))  # fmt: skip
         return FastDecoder(model, cache, kernels, max_rows, layers)
+
+    def covers(self, ctx: AttentionContext) -> bool:
+        """Whether this step fits the buffers (a prompt longer than the token budget may not)."""
+        return ctx.num_tokens <= self.max_rows
+
+    def _qkv_views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.qkv[:rows]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return (
+            qkv[:, :q_size].view(rows, self.heads, self.head_dim),
+            qkv[:, q_size : q_size + kv_size].view(rows, self.kv_heads, self.head_dim),
+            qkv[:, q_size + kv_size :].view(rows, self.kv_heads, self.head_dim),
+        )
 
     def _linear(self, x: int, args: tuple, y: int, rows: int) -> None:
         w, wbytes, scales, bias, n, k = args
@@ -137,9 +152,9 @@ class FastDecoder:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        """Final hidden states ``[B, hidden]`` (a view of a buffer the next call overwrites)."""
+        """Final hidden states ``[T, hidden]`` (a view of a buffer the next call overwrites)."""
         rows = input_ids.shape[0]
-        tables, lens = ctx.decode_tables()
+        all_decode = ctx.all_decode
         k, t = self.k, self.threads
         x, normed = self.x[:rows], self.normed[:rows]
         torch.index_select(self.model.embed_tokens.weight, 0, input_ids, out=x)
@@ -158,21 +173,30 @@ class FastDecoder:
             self.down.data_ptr(),
         )
         cos, sin, slots = self.cos.data_ptr(), self.sin.data_ptr(), ctx.slot_mapping.data_ptr()
-        tp, lp, max_blocks = tables.data_ptr(), lens.data_ptr(), tables.shape[1]
+        tp = lp = max_blocks = 0  # the decode kernel's block tables, in all-decode steps
+        if all_decode:
+            tables, lens = ctx.decode_tables()
+            tp, lp, max_blocks = tables.data_ptr(), lens.data_ptr(), tables.shape[1]
         bs, h, hkv, d = self.cache.block_size, self.heads, self.kv_heads, self.head_dim  # fmt: skip
         pending = None
-        for (attn_norm, mlp_norm, qkv_args, o_args, gu_args, down_args, scale, window,
+        for (i, attn_norm, mlp_norm, qkv_args, o_args, gu_args, down_args, scale, window,
              kc, vc, ks, vs) in self.layers:  # fmt: skip
             k._add_rms_norm(xp, pending, attn_norm, xp if pending else None, np_, rows,
                             self.hidden, self.eps, t)  # fmt: skip
             self._linear(np_, qkv_args, qkv, rows)
             k._rope_write_kv(qkv, cos, sin, self.kind, kc, vc, ks, vs, slots, rows, self.qkv_n,
                              h, hkv, d, t)  # fmt: skip
-            rc = k._decode(1, self.kind, qkv, self.qkv_n, kc, vc, ks, vs, attn, tp, lp, rows, h,
-                           hkv, d, bs, max_blocks, scale, window, t)  # fmt: skip
-            if rc != 0:
-                raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
-            self._linear(attn, o_args, o, rows)
+            if all_decode:
+                rc = k._decode(1, self.kind, qkv, self.qkv_n, kc, vc, ks, vs, attn, tp, lp, rows,
+                               h, hkv, d, bs, max_blocks, scale, window, t)  # fmt: skip
+                if rc != 0:
+                    raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
+                self._linear(attn, o_args, o, rows)
+            else:  # prefill chunks in the step: the attention module's own code for attention
+                q, key, value = self._qkv_views(rows)
+                out = ctx.attend(i, q, key, value, scale=scale, sliding_window=window or None,
+                                 kv_stored=True).reshape(rows, h * d)  # fmt: skip
+                self._linear(out.contiguous().data_ptr(), o_args, o, rows)
             k._add_rms_norm(xp, o, mlp_norm, xp, np_, rows, self.hidden, self.eps, t)
             self._linear(np_, gu_args, gu, rows)
             k._act_mul(gu, act, rows, self.inter, self.act, t)

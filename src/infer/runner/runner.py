@@ -48,12 +48,14 @@ class ModelRunner:
         seed: int = 0,
         num_swap_blocks: int = 0,
         max_num_seqs: int = 0,
+        max_num_batched_tokens: int = 0,
     ):
         self.model = model
-        # All-decode steps skip the module code where every kernel is there (decode_fast.py).
+        # Steps skip the module code where every kernel is there (decode_fast.py).
         self.fast_decoder: FastDecoder | None = None
         if max_num_seqs and device.type == "cpu" and os.environ.get(FAST_DECODE_ENV, "1") != "0":
-            self.fast_decoder = FastDecoder.build(model, kv_cache, max_num_seqs)
+            rows = max(max_num_seqs, max_num_batched_tokens)
+            self.fast_decoder = FastDecoder.build(model, kv_cache, rows)
         self.kv_cache = kv_cache
         self.device = device
         self.sampler = Sampler(device, seed)
@@ -107,7 +109,7 @@ class ModelRunner:
         ctx = AttentionContext(self.kv_cache, seqs, self.device)
         t1 = time.perf_counter()
 
-        if self.fast_decoder is not None and ctx.all_decode:
+        if self.fast_decoder is not None and self.fast_decoder.covers(ctx):
             hidden = self.fast_decoder.forward(ids_t, pos_t, ctx)
         else:
             hidden = self.model(ids_t, pos_t, ctx)
