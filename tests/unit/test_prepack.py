@@ -86,6 +86,8 @@ def test_amx_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
             assert torch.equal(layer(x[r : r + 1])[0], got[r])
         assert torch.equal(layer(x.view(1, rows, k))[0], got)
         assert layer(x[:0]).shape == (0, n)
+    with pytest.raises(ValueError, match="rejected"):  # column scales are for int8 weights
+        cpu_kernels().amx_linear(x, layer.packed_weight, None, n, scales=torch.ones(n))
 
 
 @pytest.mark.skipif(not _amx(), reason="no AMX on this CPU (or no C++ compiler)")

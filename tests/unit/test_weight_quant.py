@@ -64,6 +64,8 @@ def test_int8_linear_matches_the_dequantized_weight(dtype, rows):
         with torch.inference_mode():  # a row alone gives the same bits as in its batch
             assert torch.equal(layer(x[-1:])[0], got[-1])
     assert layer.weight_bytes == 64 * 96 + 64 * 4
+    with torch.inference_mode():
+        assert layer(x[:0]).shape == (0, 64)
 
 
 def test_fp8_linear_reference_math():

@@ -26,6 +26,8 @@ activation; anything else takes the module path.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from infer.model.llama import DecoderLM
@@ -34,6 +36,8 @@ from infer.runner.kernels import ACT_MUL_CODES, CpuKernels, cpu_kernels
 from infer.runner.kv_quant import KIND_CODES
 from infer.runner.prepack import AmxLinear
 from infer.runner.quant import Int8Linear
+
+logger = logging.getLogger("infer.runner")
 
 
 def _linear_args(module: torch.nn.Module) -> tuple | None:
@@ -127,7 +131,11 @@ class FastDecoder:
                 None if k_scales is None else k_scales.data_ptr(),
                 None if v_scales is None else v_scales.data_ptr(),
             ))  # fmt: skip
-        return FastDecoder(model, cache, kernels, max_rows, layers)
+        fast = FastDecoder(model, cache, kernels, max_rows, layers)
+        buffers = sum(b.numel() * b.element_size() for b in vars(fast).values()
+                      if isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[0] == max_rows)  # fmt: skip
+        logger.info("fast forward path: %d-token buffers, %.1f MiB", max_rows, buffers / 2**20)
+        return fast
 
     def covers(self, ctx: AttentionContext) -> bool:
         """Whether this step fits the buffers (a prompt longer than the token budget may not)."""
@@ -195,8 +203,8 @@ class FastDecoder:
             else:  # prefill chunks in the step: the attention module's own code for attention
                 q, key, value = self._qkv_views(rows)
                 out = ctx.attend(i, q, key, value, scale=scale, sliding_window=window or None,
-                                 kv_stored=True).reshape(rows, h * d)  # fmt: skip
-                self._linear(out.contiguous().data_ptr(), o_args, o, rows)
+                                 kv_stored=True).reshape(rows, h * d).contiguous()  # fmt: skip
+                self._linear(out.data_ptr(), o_args, o, rows)
             k._add_rms_norm(xp, o, mlp_norm, xp, np_, rows, self.hidden, self.eps, t)
             self._linear(np_, gu_args, gu, rows)
             k._act_mul(gu, act, rows, self.inter, self.act, t)

@@ -103,7 +103,7 @@ def _onednn_available() -> bool:
     )
 
 
-def _amx_kernels() -> CpuKernels | None:
+def amx_kernels() -> CpuKernels | None:
     if os.environ.get("INFER_AMX_LINEAR", "1") == "0":
         return None
     kernels = cpu_kernels()
@@ -113,7 +113,7 @@ def _amx_kernels() -> CpuKernels | None:
 def _candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> list:
     """Packed modules to try for this weight, fastest first (each built on demand)."""
     out = []
-    kernels = _amx_kernels()
+    kernels = amx_kernels()
     if kernels is not None and kernels.amx_linear_supports(weight):
         out.append(lambda: AmxLinear(weight, bias, kernels))
     if _onednn_available():

@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.config import QUANTIZATIONS
-from infer.runner.kernels import cpu_kernels
-from infer.runner.prepack import count_kinds, replace_linears
+from infer.runner.prepack import amx_kernels, count_kinds, replace_linears
 
 logger = logging.getLogger("infer.runner")
 
@@ -84,7 +83,7 @@ class Int8Linear(nn.Module):
         self.dtype = weight.dtype
         q, scale = quantize_int8(weight)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), False)
-        self._kernels = cpu_kernels() if weight.device.type == "cpu" else None
+        self._kernels = amx_kernels() if weight.device.type == "cpu" else None
         if (
             self._kernels is not None
             and self.dtype == torch.bfloat16
@@ -120,7 +119,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.mode == "amx" and flat.shape[0] > 0:
+        if flat.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if self.mode == "amx":
             assert self._kernels is not None
             y = self._kernels.amx_linear(
                 flat.contiguous(), self.q, self.fbias, self.out_features, scales=self.scale

@@ -99,6 +99,7 @@ def serve(args: argparse.Namespace) -> int:
                 torch.set_num_threads(args.torch_threads)
             engine = LLMEngine(config)
     except (ValueError, RuntimeError, OSError) as e:
+        logger.debug("engine start-up failure", exc_info=True)  # --log-level debug: the trace
         logger.error("the engine could not start: %s", e)
         return 1
     names = tuple(args.served_model_name or [engine.model_name])

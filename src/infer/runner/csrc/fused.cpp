@@ -26,9 +26,6 @@ using infer_simd::bf16_to_f32;
 using infer_simd::f32_to_bf16;
 using infer_simd::round_bf16;
 
-// KV cache storage kinds (as the attention kernel reads them).
-enum KvKind { kKvPlain = 0, kKvInt8 = 1, kKvFp8 = 2 };
-
 // One head's row of D values (float32) into a quantized cache: scale = absmax / qmax rounded
 // up to bf16 (qmax 127 for int8, 448 for e4m3), each value stored as round(value * (1 / scale)).
 inline void store_head(const float* x, int64_t d, int kind, void* dst, uint16_t* scale) {

@@ -1,4 +1,4 @@
-// Linear layers for the decode step on CPUs with AMX: y[M, N] = x[M, K] . W[N, K]^T (+ bias).
+// Linear layers on CPUs with AMX: y[M, N] = x[M, K] . W[N, K]^T (+ bias), decode and prefill.
 //
 // Decode multiplies a few rows (one per running sequence) by every weight of the model, so the
 // step is bound by reading the weights, not by arithmetic. This kernel streams each weight once,
@@ -14,7 +14,8 @@
 // Each thread owns a contiguous range of 16-column blocks; for one block it keeps up to four
 // 16 x 16 float32 accumulators (64 rows of x) in tile registers and walks K once, loading each
 // weight tile once and multiplying it into every accumulator. Rows beyond 64 are done in further
-// passes (the weight is re-read; callers send large M to oneDNN instead).
+// passes over the cached weights; from 64 rows on, 2 x 2 blocks (32 rows x two column blocks)
+// load fewer tiles per multiply, for prefill, where the multiplies are the bound.
 //
 // The summation order over K is fixed (tile by tile, in order), and a row's result does not
 // depend on the other rows: the same token gives the same bits in any batch.
@@ -35,12 +36,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define INFER_HAVE_AMX 1
-#ifndef PF_DIST
-#define PF_DIST 8
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
 #endif
 
 namespace {
@@ -326,6 +321,7 @@ int infer_amx_linear(const uint16_t* x, const void* packed, int weight_bytes,
 #ifdef INFER_HAVE_AMX
   if (N % 16 || K % 32 || M <= 0) return 1;
   if (weight_bytes != 2 && (weight_bytes != 1 || !col_scale)) return 1;
+  if (weight_bytes == 2 && col_scale) return 1;  // column scales belong to int8 weights
   if (!amx_permitted()) return 2;
   const auto* w16 = static_cast<const uint16_t*>(packed);
   const auto* w8 = static_cast<const int8_t*>(packed);

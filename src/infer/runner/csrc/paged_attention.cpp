@@ -26,8 +26,6 @@
 
 namespace {
 
-enum KvKind { kKvPlain = 0, kKvInt8 = 1, kKvFp8 = 2 };
-
 inline float to_f32(float x) { return x; }
 inline float to_f32(uint16_t x) { return infer_simd::bf16_to_f32(x); }
 inline void from_f32(float x, float* out) { *out = x; }

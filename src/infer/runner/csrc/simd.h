@@ -10,6 +10,9 @@
 #define INFER_HAVE_AVX512 1
 #endif
 
+// How the KV cache stores its values (the Python side's kv_quant.KIND_CODES).
+enum KvKind { kKvPlain = 0, kKvInt8 = 1, kKvFp8 = 2 };
+
 namespace infer_simd {
 
 inline float bf16_to_f32(uint16_t x) {  // the bf16 bits are the high half of the float's
