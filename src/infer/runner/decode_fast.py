@@ -69,7 +69,6 @@ class FastDecoder:
         self.k = kernels
         self.layers = layers
         self.max_rows = max_rows
-        self.threads = torch.get_num_threads()
         self.hidden = cfg.hidden_size
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -152,9 +151,7 @@ class FastDecoder:
 
     def _linear(self, x: int, args: tuple, y: int, rows: int) -> None:
         w, wbytes, scales, bias, n, k = args
-        rc = self.k._linear(x, w, wbytes, scales, bias, y, rows, k, n, 0, self.threads)
-        if rc != 0:
-            raise ValueError(f"AMX linear kernel rejected its inputs (code {rc})")
+        self.k.linear_into(x, w, wbytes, scales, bias, y, rows, k, n)
 
     @torch.inference_mode()
     def forward(
@@ -163,7 +160,7 @@ class FastDecoder:
         """Final hidden states ``[T, hidden]`` (a view of a buffer the next call overwrites)."""
         rows = input_ids.shape[0]
         all_decode = ctx.all_decode
-        k, t = self.k, self.threads
+        k = self.k
         x, normed = self.x[:rows], self.normed[:rows]
         torch.index_select(self.model.embed_tokens.weight, 0, input_ids, out=x)
         torch.index_select(self.cos_table, 0, positions, out=self.cos[:rows])
@@ -189,28 +186,26 @@ class FastDecoder:
         pending = None
         for (i, attn_norm, mlp_norm, qkv_args, o_args, gu_args, down_args, scale, window,
              kc, vc, ks, vs) in self.layers:  # fmt: skip
-            k._add_rms_norm(xp, pending, attn_norm, xp if pending else None, np_, rows,
-                            self.hidden, self.eps, t)  # fmt: skip
+            k.add_rms_norm_into(xp, pending, attn_norm, xp if pending else None, np_, rows,
+                                self.hidden, self.eps)  # fmt: skip
             self._linear(np_, qkv_args, qkv, rows)
-            k._rope_write_kv(qkv, cos, sin, self.kind, kc, vc, ks, vs, slots, rows, self.qkv_n,
-                             h, hkv, d, t)  # fmt: skip
+            k.rope_write_kv_into(qkv, cos, sin, self.kind, kc, vc, ks, vs, slots, rows,
+                                 self.qkv_n, h, hkv, d)  # fmt: skip
             if all_decode:
-                rc = k._decode(1, self.kind, qkv, self.qkv_n, kc, vc, ks, vs, attn, tp, lp, rows,
-                               h, hkv, d, bs, max_blocks, scale, window, t)  # fmt: skip
-                if rc != 0:
-                    raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
+                k.decode_attention_into(1, self.kind, qkv, self.qkv_n, kc, vc, ks, vs, attn, tp,
+                                        lp, rows, h, hkv, d, bs, max_blocks, scale, window)  # fmt: skip
                 self._linear(attn, o_args, o, rows)
             else:  # prefill chunks in the step: the attention module's own code for attention
                 q, key, value = self._qkv_views(rows)
                 out = ctx.attend(i, q, key, value, scale=scale, sliding_window=window or None,
                                  kv_stored=True).reshape(rows, h * d).contiguous()  # fmt: skip
                 self._linear(out.data_ptr(), o_args, o, rows)
-            k._add_rms_norm(xp, o, mlp_norm, xp, np_, rows, self.hidden, self.eps, t)
+            k.add_rms_norm_into(xp, o, mlp_norm, xp, np_, rows, self.hidden, self.eps)
             self._linear(np_, gu_args, gu, rows)
-            k._act_mul(gu, act, rows, self.inter, self.act, t)
+            k.act_mul_into(gu, act, rows, self.inter, self.act)
             self._linear(act, down_args, down, rows)
             pending = down
         out = self.out[:rows]
-        k._add_rms_norm(xp, pending, self.final_norm, xp, out.data_ptr(), rows, self.hidden,
-                        self.eps, t)  # fmt: skip
+        k.add_rms_norm_into(xp, pending, self.final_norm, xp, out.data_ptr(), rows, self.hidden,
+                            self.eps)  # fmt: skip
         return out

@@ -111,6 +111,46 @@ class CpuKernels:
         self._act_mul = bind("infer_act_mul", ptr, ptr, i64, i64, i32, i32)
         self._argmax_rows = bind("infer_argmax_rows", ptr, ptr, i64, i64, i32)
 
+    # ---- calls by address: the one place each C signature is spelled out. The tensor methods
+    # below and runner/decode_fast.py (which passes addresses it computed once) both use them.
+    def add_rms_norm_into(self, x: int, h: int | None, weight: int, residual_out: int | None,
+                          out: int, rows: int, dim: int, eps: float) -> None:  # fmt: skip
+        self._add_rms_norm(x, h, weight, residual_out, out, rows, dim, eps, torch.get_num_threads())
+
+    def rope_write_kv_into(self, qkv: int, cos: int, sin: int, kind: int, k_cache: int,
+                           v_cache: int, k_scales: int | None, v_scales: int | None, slots: int,
+                           tokens: int, row_stride: int, num_heads: int, num_kv_heads: int,
+                           head_dim: int) -> None:  # fmt: skip
+        rc = self._rope_write_kv(qkv, cos, sin, kind, k_cache, v_cache, k_scales, v_scales, slots,
+                                 tokens, row_stride, num_heads, num_kv_heads, head_dim,
+                                 torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"rope kernel rejected head_dim={head_dim} (code {rc})")
+
+    def act_mul_into(self, gate_up: int, out: int, rows: int, inter: int, act: int) -> None:
+        rc = self._act_mul(gate_up, out, rows, inter, act, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"act_mul kernel rejected activation code {act}")
+
+    def linear_into(self, x: int, weight: int, weight_bytes: int, scales: int | None,
+                    bias: int | None, y: int, m: int, k: int, n: int) -> None:  # fmt: skip
+        rc = self._linear(x, weight, weight_bytes, scales, bias, y, m, k, n, 0,
+                          torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"AMX linear kernel rejected its inputs (code {rc})")
+
+    def decode_attention_into(self, dtype: int, kind: int, query: int, q_stride: int,
+                              k_cache: int, v_cache: int, k_scales: int | None,
+                              v_scales: int | None, out: int, block_tables: int,
+                              context_lens: int, batch: int, num_heads: int, num_kv_heads: int,
+                              head_dim: int, block_size: int, max_blocks: int, scale: float,
+                              window: int) -> None:  # fmt: skip
+        rc = self._decode(dtype, kind, query, q_stride, k_cache, v_cache, k_scales, v_scales, out,
+                          block_tables, context_lens, batch, num_heads, num_kv_heads, head_dim,
+                          block_size, max_blocks, scale, window, torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
+
     # ---- fused element-wise steps (bfloat16, contiguous rows) --------------------------------
     def add_rms_norm(
         self, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -121,7 +161,7 @@ class CpuKernels:
         rows, dim = x.shape
         out = torch.empty_like(x)
         residual = x if h is None else torch.empty_like(x)
-        self._add_rms_norm(
+        self.add_rms_norm_into(
             x.data_ptr(),
             None if h is None else h.data_ptr(),
             weight.data_ptr(),
@@ -130,7 +170,6 @@ class CpuKernels:
             rows,
             dim,
             eps,
-            torch.get_num_threads(),
         )
         return residual, out
 
@@ -151,7 +190,7 @@ class CpuKernels:
         ``cos, sin``: ``[T, D]`` contiguous, ``sin``'s first half negated."""
         k_cache, v_cache = cache.layer(layer_idx)
         k_scales, v_scales = cache.layer_scales(layer_idx)
-        rc = self._rope_write_kv(
+        self.rope_write_kv_into(
             qkv.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
@@ -166,10 +205,7 @@ class CpuKernels:
             num_heads,
             num_kv_heads,
             head_dim,
-            torch.get_num_threads(),
         )
-        if rc != 0:
-            raise ValueError(f"rope kernel rejected head_dim={head_dim} (code {rc})")
 
     def can_store_kv(self, k: torch.Tensor, cache: KVCache) -> bool:
         """Whether :meth:`store_kv` takes this step's ``k`` for ``cache``."""
@@ -210,13 +246,8 @@ class CpuKernels:
         """``act(gate) * up`` for ``gate_up`` ``[rows, 2 I]`` contiguous bf16 -> ``[rows, I]``."""
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        self._act_mul(
-            gate_up.data_ptr(),
-            out.data_ptr(),
-            rows,
-            width // 2,
-            ACT_MUL_CODES[activation],
-            torch.get_num_threads(),
+        self.act_mul_into(
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, ACT_MUL_CODES[activation]
         )
         return out
 
@@ -258,7 +289,7 @@ class CpuKernels:
         channel); ``bias`` float32 ``[N]`` or None. Returns ``[M, N]`` bf16."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
-        rc = self._linear(
+        self.linear_into(
             x.data_ptr(),
             packed.data_ptr(),
             packed.element_size(),
@@ -268,11 +299,7 @@ class CpuKernels:
             m,
             k,
             out_features,
-            0,
-            torch.get_num_threads(),
         )
-        if rc != 0:
-            raise ValueError(f"AMX linear kernel rejected its inputs (code {rc})")
         return out
 
     @staticmethod
@@ -308,7 +335,7 @@ class CpuKernels:
         key_cache, value_cache = cache.layer(layer_idx)
         k_scales, v_scales = cache.layer_scales(layer_idx)
         out = torch.empty(b, h, d, dtype=query.dtype)
-        rc = self._decode(
+        self.decode_attention_into(
             _DTYPE_CODES[query.dtype],
             KIND_CODES[cache.kind],
             query.data_ptr(),
@@ -328,10 +355,7 @@ class CpuKernels:
             block_tables.shape[1],
             scale,
             window or 0,
-            torch.get_num_threads(),
         )
-        if rc != 0:
-            raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
         return out
 
 
