@@ -6,6 +6,7 @@ the engine from these and the checkpoint, never written back into them.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -113,15 +114,87 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose ``num_speculative_tokens`` tokens, verify them in one pass.
+
+    ``method="ngram"`` looks the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min``
+    tokens up earlier in its own prompt and output and proposes what followed; ``"draft_model"``
+    runs the smaller ``model`` (same tokenizer) greedily. Built from vLLM's JSON shape by
+    :meth:`parse`.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model (method "draft_model")
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is unknown "
+                f"(choices: {', '.join(SPECULATIVE_METHODS)})"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ValueError(
+                    "prompt_lookup_min and prompt_lookup_max must be integers with "
+                    f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+                )
+        elif not self.model:
+            raise ValueError('the draft_model method needs "model": the draft checkpoint')
+
+    @staticmethod
+    def parse(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From ``--speculative-config``'s JSON text or a dict, as vLLM takes it."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        options = dict(value)
+        method = options.pop("method", None)
+        if method is None:
+            method = "draft_model" if options.get("model") else "ngram"
+        if method == "draft":
+            method = "draft_model"
+        if method == "ngram" and options.get("model"):
+            raise ValueError('the ngram method takes no "model"')
+        known = set(SpeculativeConfig.__dataclass_fields__) - {"method"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative option(s) {', '.join(map(repr, unknown))} "
+                f"(known: method, {', '.join(sorted(known))})"
+            )
+        if "num_speculative_tokens" not in options:
+            raise ValueError("--speculative-config needs num_speculative_tokens")
+        return SpeculativeConfig(method=method, **options)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     @staticmethod
     def from_kwargs(**kwargs) -> EngineConfig:
         """Build from flat keyword options (``LLM(model=..., block_size=8, ...)``)."""
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         parts: dict[type, dict] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
         fields = {cls: set(cls.__dataclass_fields__) for cls in parts}
         for key, value in kwargs.items():
@@ -144,4 +217,5 @@ class EngineConfig:
             model=ModelConfig(**parts[ModelConfig]),
             cache=CacheConfig(**parts[CacheConfig]),
             scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+            speculative=speculative,
         )

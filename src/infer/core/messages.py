@@ -29,6 +29,13 @@ class ScheduledChunk:
     num_computed_tokens: int
     block_table: list[int]
     sample: bool  # the chunk reaches the end of the sequence: sample the next token from it
+    # Speculative decoding: the chunk's last ``num_spec_tokens`` tokens are proposals to verify
+    # (the runner samples at each of them and at the token before; see Sampler.verify).
+    num_spec_tokens: int = 0
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_spec_tokens :]
 
     @property
     def context_len(self) -> int:
@@ -56,3 +63,8 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
+
+
+Sampled = SampledToken | list[SampledToken]
+"""What the runner returns per sampled chunk: one token, or for a chunk with proposals the
+accepted proposals followed by one more token (1 .. num_spec_tokens + 1 tokens)."""

@@ -118,6 +118,8 @@ class Request:
         self.aged = False  # promoted by the priority queue's aging (max_wait_steps)
         self.num_recomputed_tokens = 0
         self.num_swapped_blocks = 0
+        # Proposed next tokens (speculative decoding), set after a step and used by the next.
+        self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         max_new = sampling_params.max_tokens

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from infer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_bytes
+from infer.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_bytes,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +100,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-wait-steps", type=int, default=None)
     g.add_argument("--max-queued-requests", type=int, default=None)
 
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": PATH, '
+        '"num_speculative_tokens": 4} (a draft model with the same tokenizer)',
+    )
+
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     chunk = args.prefill_chunk_size
@@ -129,4 +145,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_wait_steps=args.max_wait_steps,
             max_queued_requests=args.max_queued_requests,
         ),
+        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )

@@ -32,6 +32,8 @@ class IncrementalDetokenizer:
         self.text = ""  # all output text decided so far (after a stop cut, final)
         self._sent = 0  # characters of `text` already emitted
         self.stop_string: str | None = None
+        # Output tokens fed in before a stop string completed (the rest are cut off).
+        self.num_output_tokens = 0
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
@@ -42,6 +44,7 @@ class IncrementalDetokenizer:
             if self.stop_string is not None:
                 break
             self._tokens.append(token_id)
+            self.num_output_tokens += 1
             prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
             full_text = self._decode(self._tokens[self._prefix_offset :])
             if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):

@@ -26,6 +26,7 @@ from infer.runner.attention import KVCache
 from infer.runner.prepack import model_weight_bytes, prepack_linears
 from infer.runner.quant import check_quantization, quantize_linears
 from infer.runner.runner import ModelRunner
+from infer.spec_decode import NgramProposer, Proposer
 
 logger = logging.getLogger("infer.engine")
 
@@ -42,10 +43,13 @@ class StepTimeTotals:
     forward: float = 0.0
     sample: float = 0.0
     update: float = 0.0  # scheduler update + detokenization + outputs
+    propose: float = 0.0  # speculative decoding proposals for the next step
 
     @property
     def total(self) -> float:
-        return self.schedule + self.prepare + self.forward + self.sample + self.update
+        return (
+            self.schedule + self.prepare + self.forward + self.sample + self.update + self.propose
+        )
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,18 @@ class EngineStats:
     prefix_cache_hits_total: int
     prefix_cache_evictions_total: int
     finished_total: dict[str, int] = field(default_factory=dict)
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verified proposal run (accepted + the one sampled), or None."""
+        if not self.spec_decode_num_drafts_total:
+            return None
+        accepted = self.spec_decode_num_accepted_tokens_total
+        return 1 + accepted / self.spec_decode_num_drafts_total
 
 
 @dataclass(frozen=True)
@@ -207,11 +223,43 @@ class LLMEngine:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
         )
+        self.proposer = self._build_proposer()
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []
         self.step_times = StepTimeTotals()
         self.weights_bytes = model_weight_bytes(self.model)
         self._log_startup()
+
+    def _build_proposer(self) -> Proposer | None:
+        spec_cfg = self.config.speculative
+        if spec_cfg is None:
+            return None
+        if not self.config.cache.use_kv_cache:
+            raise ValueError("speculative decoding needs the KV cache (drop --no-kv-cache)")
+        k = spec_cfg.num_speculative_tokens
+        if spec_cfg.method == "ngram":
+            logger.info(
+                "speculative decoding: n-gram proposals, %d tokens, lookup %d..%d",
+                k,
+                spec_cfg.prompt_lookup_min,
+                spec_cfg.prompt_lookup_max,
+            )
+            return NgramProposer(k, spec_cfg.prompt_lookup_min, spec_cfg.prompt_lookup_max)
+        from infer.engine.model_source import resolve_model_path
+        from infer.spec_decode.draft import DraftProposer
+
+        assert spec_cfg.model is not None
+        return DraftProposer(
+            resolve_model_path(spec_cfg.model),
+            k,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            num_tokens=self.capacity.num_tokens,
+            block_size=self.config.cache.block_size,
+            target_vocab_size=self.spec.vocab_size,
+            target_tokenizer=self.tokenizer,
+        )
 
     # ---- capacity -----------------------------------------------------------------------------
     def _plan_kv(self) -> KVCapacity:
@@ -352,6 +400,9 @@ class LLMEngine:
         outputs.extend(self._pending)
         self._pending = []
         t3 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
+        t4 = time.perf_counter()
         st = self.step_times
         st.steps += 1
         st.schedule += t1 - t0
@@ -359,14 +410,25 @@ class LLMEngine:
         st.forward += timings.forward
         st.sample += timings.sample
         st.update += t3 - t2
+        st.propose += t4 - t3
         return outputs
+
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for the requests that decode next step."""
+        assert self.proposer is not None
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        try:
+            proposals = self.proposer.propose(decoding)
+        except Exception:  # noqa: BLE001 - without proposals every request still decodes
+            logger.exception("speculative proposals failed; decoding without them this step")
+            return
+        self.scheduler.add_proposals(proposals)
 
     def _make_output(self, request: Request) -> RequestOutput:
         state = self._states[request.request_id]
-        new_ids = request.output_token_ids[state.num_sent_tokens :]
         detok = state.detokenizer
         try:
-            text = detok.add_tokens(new_ids)
+            text = detok.add_tokens(request.output_token_ids[state.num_sent_tokens :])
         except Exception as e:  # noqa: BLE001 - a decoding failure fails this request only
             logger.exception("detokenization failed for %s", request.request_id)
             text = ""
@@ -375,15 +437,21 @@ class LLMEngine:
                 request.error = f"detokenization failed: {e}"
         if detok.stop_string is not None and not request.is_finished:
             request.stop_reason = detok.stop_string
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            # With speculation a step may add tokens past the stop string: they are cut off.
+            self.scheduler.finish_request(
+                request.request_id, RequestStatus.FINISHED_STOPPED, detok.num_output_tokens
+            )
         if request.is_finished:
             text += detok.finish()
+        new_ids = request.output_token_ids[state.num_sent_tokens :]
         state.num_sent_tokens = request.num_output_tokens
         new_logprobs = request.output_logprobs[state.num_sent_logprobs :]
         state.num_sent_logprobs = len(request.output_logprobs)
         if request.is_finished:
             del self._states[request.request_id]
             self.runner.sampler.forget(request.request_id)
+            if self.proposer is not None:
+                self.proposer.forget(request.request_id)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
@@ -422,6 +490,10 @@ class LLMEngine:
             prefix_cache_hits_total=p.hits,
             prefix_cache_evictions_total=p.evictions,
             finished_total=dict(c.finished),
+            spec_decode_num_drafts_total=c.spec_drafts,
+            spec_decode_num_draft_tokens_total=c.spec_draft_tokens,
+            spec_decode_num_accepted_tokens_total=c.spec_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(c.spec_accepted_per_position),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from infer.config import CacheConfig, SchedulerConfig
-from infer.core.messages import SampledToken, ScheduledChunk, SchedulerOutput
+from infer.core.messages import Sampled, ScheduledChunk, SchedulerOutput
 from infer.core.request import Request, RequestStatus
 from infer.engine.queue import make_queue
 from infer.kv_cache.manager import NO_HIT, KVManager
@@ -40,6 +40,12 @@ class SchedulerCounters:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+    # Speculative decoding (vLLM's spec_decode metric names): verified proposal runs, proposed
+    # tokens, accepted tokens, and accepted tokens by position in the proposal.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -59,16 +65,29 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request (stop string, abort, error): free its slot and KV blocks now."""
+    def finish_request(
+        self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None
+    ) -> Request | None:
+        """End a request (stop string, abort, error): free its slot and KV blocks now.
+
+        ``num_output_tokens`` cuts the output back to that many tokens (a stop string found
+        inside a step's several accepted proposals ends the output where it was found).
+        """
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if num_output_tokens is not None and num_output_tokens < request.num_output_tokens:
+            extra = request.num_output_tokens - num_output_tokens
+            self.counters.generation_tokens -= extra
+            del request.output_token_ids[num_output_tokens:]
+            del request.output_logprobs[num_output_tokens:]
+            del request.timings.token_times[num_output_tokens:]
         if request in self.running:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = status
         request.timings.finished = time.perf_counter()
         reason = status.finish_reason or "unknown"
@@ -144,6 +163,8 @@ class Scheduler:
                 scheduled[request.request_id] = self._chunk(request, n)
                 budget -= n
                 i += 1
+        for request in self.running:  # proposals are for this step only
+            request.spec_token_ids = []
 
         # 2. Waiting requests, in policy order.
         admit = not preempted and (cfg.batching_mode == "continuous" or batch_was_empty)
@@ -154,7 +175,7 @@ class Scheduler:
             swapped = self.kv.is_swapped(request)
             hit = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else NO_HIT
             num_cached = hit.num_blocks * self.kv.block_size
-            any_prefill = any(len(c.token_ids) > 1 for c in scheduled.values())
+            any_prefill = any(len(c.token_ids) - c.num_spec_tokens > 1 for c in scheduled.values())
             n = self._num_tokens_to_run(request, budget, any_prefill, num_cached)
             if n == 0:
                 break
@@ -184,16 +205,34 @@ class Scheduler:
             budget -= n
 
         chunks = list(scheduled.values())
-        num_decode = sum(1 for c in chunks if len(c.token_ids) == 1 and c.sample)
+        num_decode = sum(
+            len(c.token_ids)
+            for c in chunks
+            if len(c.token_ids) - c.num_spec_tokens == 1 and c.sample
+        )
         num_tokens = sum(len(c.token_ids) for c in chunks)
         return SchedulerOutput(
             chunks, num_tokens, num_tokens - num_decode, num_decode, preempted, swap_out, swap_in
         )
 
+    def add_proposals(self, proposals: dict[str, list[int]]) -> None:
+        """Speculative decoding: tokens proposed to follow each request, verified next step.
+
+        A proposal is clipped so that a step can never produce more than ``max_tokens``.
+        """
+        for request_id, tokens in proposals.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            room = request.max_new_tokens - request.num_output_tokens - 1
+            request.spec_token_ids = list(tokens[: max(room, 0)])
+
     def _num_tokens_to_run(
         self, request: Request, budget: int, any_prefill: bool, num_cached: int = 0
     ) -> int:
         remaining = request.num_tokens - max(request.num_computed_tokens, num_cached)
+        if remaining == 1 and request.spec_token_ids:
+            return min(1 + len(request.spec_token_ids), budget)
         if remaining <= 1:
             return min(remaining, budget)
         chunk = self.config.prefill_chunk_size
@@ -219,21 +258,37 @@ class Scheduler:
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         tokens = request.all_token_ids[start : start + n]
+        num_spec = 0
+        if start + 1 == request.num_tokens and n > 1:  # the last token + n - 1 proposals
+            num_spec = n - 1
+            tokens = tokens + request.spec_token_ids[:num_spec]
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tokens,
             num_computed_tokens=start,
             block_table=self.kv.block_table(request),
-            sample=start + n == request.num_tokens,
+            sample=start + len(tokens) - num_spec == request.num_tokens,
+            num_spec_tokens=num_spec,
         )
 
     # ---- results ------------------------------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+        self, output: SchedulerOutput, sampled: dict[str, Sampled]
     ) -> list[Request]:
-        """Apply a step's results; returns the requests that progressed (finished ones included)."""
+        """Apply a step's results; returns the requests that progressed (finished ones included).
+
+        A chunk with ``k`` proposals ran ``k + 1`` tokens; when ``a`` of the proposals were
+        accepted, the sampler returned ``a + 1`` tokens and the KV of the ``k - a`` rejected
+        ones is rolled back::
+
+            before : ... t | d1 d2 d3         (t: last token, d: proposals, k = 3)
+            ran    : t d1 d2 d3                -> num_computed_tokens += 4
+            tokens : d1 d2 x                   (a = 2 accepted, x sampled in place of d3)
+            after  : ... t d1 d2 | x           -> num_computed_tokens -= 1 (d3's KV is void)
+        """
         now = time.perf_counter()
         progressed: list[Request] = []
+        counters = self.counters
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:  # aborted while the step ran
@@ -242,19 +297,33 @@ class Scheduler:
             if not chunk.sample:
                 self.kv.commit_full_blocks(request)
                 continue
-            token = sampled[chunk.request_id]
-            request.output_token_ids.append(token.token_id)
-            if token.logprob is not None:
-                request.output_logprobs.append(token.logprob)
+            result = sampled[chunk.request_id]
+            tokens = result if isinstance(result, list) else [result]
+            if chunk.num_spec_tokens:
+                accepted = len(tokens) - 1
+                request.num_computed_tokens -= chunk.num_spec_tokens - accepted
+                self.kv.trim(request)
+                counters.spec_drafts += 1
+                counters.spec_draft_tokens += chunk.num_spec_tokens
+                counters.spec_accepted_tokens += accepted
+                per_position = counters.spec_accepted_per_position
+                per_position.extend([0] * (chunk.num_spec_tokens - len(per_position)))
+                for position in range(accepted):
+                    per_position[position] += 1
             if request.timings.first_token is None:
                 request.timings.first_token = now
-            request.timings.token_times.append(now)
-            self.counters.generation_tokens += 1
             self.kv.commit_full_blocks(request)
             progressed.append(request)
-            status = self._check_stop(request, token.token_id)
-            if status is not None:
-                self.finish_request(request.request_id, status)
+            for token in tokens:
+                request.output_token_ids.append(token.token_id)
+                if token.logprob is not None:
+                    request.output_logprobs.append(token.logprob)
+                request.timings.token_times.append(now)
+                counters.generation_tokens += 1
+                status = self._check_stop(request, token.token_id)
+                if status is not None:
+                    self.finish_request(request.request_id, status)
+                    break
         if self.recompute_every_step:
             for request in self.running:
                 self.kv.free(request)

@@ -74,6 +74,9 @@ class KVManager(ABC):
     def end_step(self) -> None:
         """Called once per schedule: release host slots whose copies are now done."""
 
+    def trim(self, request: Request) -> None:
+        """Give back blocks past ``request.num_computed_tokens`` (rejected proposals' KV)."""
+
     def block_table(self, request: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(request.request_id, ())]
 
@@ -213,6 +216,14 @@ class PagedKVManager(KVManager):
             assert new is not None
             held.extend(new)
         return True
+
+    def trim(self, request: Request) -> None:
+        blocks = self._blocks.get(request.request_id)
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if blocks and len(blocks) > keep:
+            surplus = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(list(reversed(surplus)))
 
     def commit_full_blocks(self, request: Request) -> None:
         if not self.enable_prefix_caching:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.core.messages import SampledToken, SchedulerOutput
+from infer.core.messages import Sampled, SchedulerOutput
 from infer.core.request import Request
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
@@ -88,7 +88,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, requests: dict[str, Request]
-    ) -> tuple[dict[str, SampledToken], StepTimings]:
+    ) -> tuple[dict[str, Sampled], StepTimings]:
         t0 = time.perf_counter()
         self.swap_blocks(out)
         token_ids: list[int] = []
@@ -96,14 +96,18 @@ class ModelRunner:
         seqs: list[SequenceSlice] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        proposals: list[list[int]] = []  # per sampled chunk (speculative decoding)
         for chunk in out.chunks:
             n = len(chunk.token_ids)
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.num_computed_tokens, chunk.num_computed_tokens + n))
             seqs.append(SequenceSlice(chunk.num_computed_tokens, n, chunk.block_table))
             if chunk.sample:
-                sample_rows.append(len(token_ids) - 1)
+                # A chunk with k proposals is scored at its last k + 1 rows.
+                end = len(token_ids)
+                sample_rows.extend(range(end - 1 - chunk.num_spec_tokens, end))
                 sample_reqs.append(requests[chunk.request_id])
+                proposals.append(chunk.spec_token_ids)
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         ctx = AttentionContext(self.kv_cache, seqs, self.device)
@@ -121,11 +125,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
 
-        sampled: dict[str, SampledToken] = {}
+        sampled: dict[str, Sampled] = {}
         if logits is not None:
-            for request, token in zip(
-                sample_reqs, self.sampler.sample(logits, sample_reqs), strict=True
-            ):
-                sampled[request.request_id] = token
+            results: list[Sampled]
+            if any(proposals):
+                results = list(self.sampler.verify(logits, sample_reqs, proposals))
+            else:
+                results = list(self.sampler.sample(logits, sample_reqs))
+            for request, result in zip(sample_reqs, results, strict=True):
+                sampled[request.request_id] = result
         t3 = time.perf_counter()
         return sampled, StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)

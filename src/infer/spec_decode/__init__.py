@@ -1,0 +1,47 @@
+"""Speculative decoding: propose the next few tokens cheaply, verify them in one target pass.
+
+A proposer looks at the requests about to decode and proposes up to ``num_speculative_tokens``
+tokens for each (``Scheduler.add_proposals``). The next step runs each such request as a chunk
+of ``1 + k`` tokens (its last token and the proposals), the sampler accepts the longest run the
+target agrees with plus one token of its own (``Sampler.verify``), and the scheduler rolls back
+the KV of the rejected tail (``Scheduler.update_from_output``).
+
+- :class:`NgramProposer` (``method="ngram"``): finds the sequence's last n tokens earlier in its
+  own prompt and output and proposes what followed. No model, no torch.
+- :class:`DraftProposer` (``method="draft_model"``): a smaller model with the same tokenizer,
+  run greedily with its own paged KV cache.
+
+Requests with repetition, presence or frequency penalties are never given proposals (their
+penalties would depend on the proposals being verified); they decode one token at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from infer.core.request import Request
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
+        """Proposed next tokens for the requests that are about to decode (may omit some)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop whatever is kept for it."""
+        ...
+
+
+def wants_proposal(request: Request) -> bool:
+    """Whether a request may be given proposals (see the module docstring)."""
+    return not request.sampling_params.needs_penalties
+
+
+def num_to_propose(request: Request, k: int) -> int:
+    """At most ``k``, and never so many that the step could pass ``max_tokens``."""
+    return max(0, min(k, request.max_new_tokens - request.num_output_tokens - 1))
+
+
+from infer.spec_decode.ngram import NgramProposer  # noqa: E402
+
+__all__ = ["NgramProposer", "Proposer", "num_to_propose", "wants_proposal"]
