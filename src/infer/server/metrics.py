@@ -104,6 +104,29 @@ class _EngineStatsCollector(Collector):
             "Prompt tokens served from the prefix cache.",
             get("prefix_cache_hits_total"),
         )
+        yield counter(
+            "vllm:spec_decode_num_drafts",
+            "Proposal runs verified (speculative decoding).",
+            get("spec_decode_num_drafts_total"),
+        )
+        yield counter(
+            "vllm:spec_decode_num_draft_tokens",
+            "Proposed tokens verified (speculative decoding).",
+            get("spec_decode_num_draft_tokens_total"),
+        )
+        yield counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Proposed tokens accepted (speculative decoding).",
+            get("spec_decode_num_accepted_tokens_total"),
+        )
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by position in the proposal (0 = first).",
+            labels=["model_name", "position"],
+        )
+        for position, n in enumerate(getattr(s, "spec_decode_accepted_per_position", ()) or ()):
+            per_position.add_metric([self.model_name, str(position)], float(n))
+        yield per_position
 
 
 class ServerMetrics:
