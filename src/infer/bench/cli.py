@@ -1,4 +1,4 @@
-"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|quant|prefix|results``.
+"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|quant|spec|prefix|results``.
 
 Registered by :mod:`infer.cli`. Building the parser imports nothing from the ``bench`` extra;
 each command checks for the extra first (:func:`infer.bench.require_bench_extra`) and imports
@@ -486,6 +486,15 @@ def register(subparsers) -> None:
     qu.add_argument("--kv-memory", default="256MiB", help="KV memory of the long-context part")
     qu.add_argument("--out", default=f"{DEFAULT_OUT}/quant", help="report folder")
     qu.set_defaults(func=_offline_bench("quant"))
+
+    sd = sub.add_parser(
+        "spec", help="speculative decoding: n-gram and draft-model proposals vs plain decoding"
+    )
+    sd.add_argument("--runs", type=int, default=3, help="runs per case; the median is kept")
+    sd.add_argument("--k", type=int, default=4, help="proposed tokens per step")
+    sd.add_argument("--concurrency", default="1,8,16,64", help="requests kept in flight")
+    sd.add_argument("--out", default=f"{DEFAULT_OUT}/spec", help="report folder")
+    sd.set_defaults(func=_offline_bench("spec"))
 
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
     pr.add_argument("--model", default=None, help=model_help)

@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     """Add the ``train`` subcommand to the ``infer`` CLI."""
     p = subparsers.add_parser(
         "train",
-        help="train a built-in model (toy or small) offline",
+        help="train a built-in model (toy, small or small-draft) offline",
         description="Train a built-in model on Python's bundled documentation. Deterministic "
         "for a seed. Without --out the model goes into the user cache; with the default "
         "--seed and --steps that is the copy `infer serve --model NAME` uses.",

@@ -23,7 +23,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="local HF folder, a model id in the local HF cache, or a built-in: toy|small (default: small)",
+        help="local HF folder, a model id in the local HF cache, or a built-in: toy|small|small-draft (default: small)",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--dtype", default=m.dtype, choices=["auto", "float32", "bfloat16", "float16"])

@@ -1,0 +1,219 @@
+"""What speculative decoding buys and costs: ``infer bench spec``.
+
+    infer bench spec [--runs 3] [--k 4] [--out bench-results/spec]
+
+(``python benchmarks/bench_spec.py`` runs the same.) Offline engine, no HTTP, the built-in
+``small`` model as the target (bf16) and ``small-draft`` (built on first use, same tokenizer) as
+the draft. Greedy, EOS ignored, 512-token prompts, 256 output tokens. Two workloads:
+
+- **code** (input-grounded): a chunk of a Python standard-library source file, then the same
+  chunk again, cut short: the model is asked to go on repeating it, as in "repeat / edit this
+  code" requests. What the model writes next is mostly in its prompt.
+- **prose** (proposals rarely match): held-out documentation text to continue freely.
+
+For each workload and concurrency C (C requests kept in flight, 4 x C requests or at least 4)
+it reports output tok/s with speculation off, with n-gram proposals and with the draft model,
+the median of ``--runs`` runs, and the acceptance (accepted / proposed tokens) and mean
+acceptance length (tokens per verified proposal run, the sampled one included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from infer.config import EngineConfig
+from infer.core.sampling_params import SamplingParams
+from infer.engine.engine import LLMEngine
+
+PROMPT_LEN = 512
+OUTPUT_LEN = 256
+
+
+def code_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` prompts of PROMPT_LEN tokens: a source chunk, then its start again::
+
+        "# file.py\\n" + chunk (400 tokens) + "\\n\\n# The same code again:\\n" + chunk[:m]
+
+    with ``m`` filling the prompt to PROMPT_LEN; the chunk has 400 - m >= OUTPUT_LEN tokens
+    left to repeat.
+    """
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in lib.glob("*.py") if p.stat().st_size > 20_000)
+    prompts: list[list[int]] = []
+    for path in files:
+        ids = tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
+        head = tokenizer.encode(f"# {path.name}\n", add_special_tokens=False)
+        sep = tokenizer.encode("\n\n# The same code again:\n", add_special_tokens=False)
+        chunk = ids[len(ids) // 3 : len(ids) // 3 + 400]
+        if len(chunk) < 400:
+            continue
+        m = PROMPT_LEN - len(head) - len(chunk) - len(sep)
+        prompts.append(head + chunk + sep + chunk[:m])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def prose_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` PROMPT_LEN-token windows of the held-out documentation text."""
+    from infer.builtin.textdata import split_docs
+    from infer.data.corpus import load_corpus
+
+    _, val_docs = split_docs(load_corpus())
+    ids = tokenizer.encode("\n\n".join(val_docs), add_special_tokens=False)
+    return [ids[i * PROMPT_LEN : (i + 1) * PROMPT_LEN] for i in range(n)]
+
+
+def engine_for(spec: dict | None, concurrency: int) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig.from_kwargs(
+            model="small",
+            dtype="bfloat16",
+            max_num_seqs=concurrency,
+            max_num_batched_tokens=max(2048, concurrency * 8),
+            speculative_config=spec,
+        )
+    )
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], concurrency: int) -> dict:
+    """Serve every prompt with ``concurrency`` in flight; tok/s and acceptance of this run."""
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+    s0 = engine.get_stats()
+    next_id, in_flight, tokens = 0, 0, 0
+    t0 = time.perf_counter()
+    while next_id < len(prompts) or engine.has_unfinished_requests():
+        while in_flight < concurrency and next_id < len(prompts):
+            engine.add_request(f"b{time.perf_counter_ns()}-{next_id}", prompts[next_id], params)
+            next_id += 1
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                tokens += out.num_output_tokens
+    wall = time.perf_counter() - t0
+    s1 = engine.get_stats()
+    drafts = s1.spec_decode_num_drafts_total - s0.spec_decode_num_drafts_total
+    proposed = s1.spec_decode_num_draft_tokens_total - s0.spec_decode_num_draft_tokens_total
+    accepted = s1.spec_decode_num_accepted_tokens_total - s0.spec_decode_num_accepted_tokens_total
+    return {
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "drafts": drafts,
+        "proposed": proposed,
+        "accepted": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def measure(configs: dict, prompts: list[list[int]], concurrency: int, runs: int) -> dict:
+    """Every config at one concurrency, runs interleaved (off, ngram, draft, off, ...) so slow
+    spells of a shared machine fall on all of them alike."""
+    engines = {name: engine_for(spec, concurrency) for name, spec in configs.items()}
+    for engine in engines.values():  # warm-up: kernels, allocator, draft cache
+        run_batch(engine, prompts[:concurrency], concurrency)
+    results: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(runs):
+        for name, engine in engines.items():
+            results[name].append(run_batch(engine, prompts, concurrency))
+    out = {}
+    for name, rows in results.items():
+        tok_s = [r["tok_s"] for r in rows]
+        best = rows[tok_s.index(statistics.median(tok_s))] if runs % 2 else rows[0]
+        out[name] = {
+            "tok_s_runs": tok_s,
+            "tok_s": statistics.median(tok_s),
+            "acceptance_rate": best["acceptance_rate"],
+            "mean_acceptance_length": best["mean_acceptance_length"],
+        }
+    base = out["off"]["tok_s"]
+    for row in out.values():
+        row["speedup"] = row["tok_s"] / base
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from infer.engine.model_source import resolve_model_path
+
+    k = args.k
+    draft_path = str(resolve_model_path("small-draft"))
+    configs = {
+        "off": None,
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        },  # fmt: skip
+        "draft": {"model": draft_path, "num_speculative_tokens": k},
+    }
+    probe = engine_for(None, 1)
+    tokenizer = probe.tokenizer
+    del probe
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    workloads = {"code": code_prompts, "prose": prose_prompts}
+    report: dict = {
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "target": "small (bf16)", "draft": "small-draft (bf16)", "k": k, "runs": args.runs,
+        "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "configs": configs, "results": {},
+    }  # fmt: skip
+    for workload, make in workloads.items():
+        for c in concurrencies:
+            if workload == "prose" and c > 8:
+                continue  # the cross-over is measured on the workload where speculation wins
+            prompts = make(tokenizer, max(4, 4 * c) if c < 16 else 2 * c)
+            row = measure(configs, prompts, c, args.runs)
+            report["results"][f"{workload}/c{c}"] = row
+            print(workload, c, json.dumps(row), flush=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "spec.json").write_text(json.dumps(report, indent=2))
+    text = render(report)
+    (out_dir / "spec.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _len(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def render(r: dict) -> str:
+    lines = [
+        "# Speculative decoding: n-gram and draft-model proposals",
+        "",
+        f"Machine: {r['machine']['cpu']}, {r['machine']['threads']} threads, torch "
+        f"{r['machine']['torch']}. Target `{r['target']}`, draft `{r['draft']}`, "
+        f"{r['k']} proposed tokens per step, greedy, {r['prompt_len']} in / {r['output_len']} "
+        f"out, offline engine. Output tok/s: median of {r['runs']} interleaved runs.",
+        "",
+        "| workload | C | off tok/s | n-gram tok/s | n-gram speedup | n-gram acceptance "
+        "| n-gram mean length | draft tok/s | draft speedup | draft acceptance "
+        "| draft mean length |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, row in r["results"].items():
+        workload, c = key.split("/c")
+        off, ng, dr = row["off"], row["ngram"], row["draft"]
+        lines.append(
+            f"| {workload} | {c} | {off['tok_s']:.1f} | {ng['tok_s']:.1f} | {ng['speedup']:.2f}x "
+            f"| {_pct(ng['acceptance_rate'])} | {_len(ng['mean_acceptance_length'])} "
+            f"| {dr['tok_s']:.1f} | {dr['speedup']:.2f}x | {_pct(dr['acceptance_rate'])} "
+            f"| {_len(dr['mean_acceptance_length'])} |"
+        )
+    return "\n".join(lines) + "\n"
