@@ -18,7 +18,8 @@ from tests.server.conftest import free_port, start_server
 def spec_server(llama_checkpoint, server_logs):
     # The target as its own draft: every proposal is accepted, whatever the random weights say.
     config = json.dumps({"model": str(llama_checkpoint), "num_speculative_tokens": 4})
-    yield from start_server(llama_checkpoint, server_logs, "--speculative-config", config)
+    yield from start_server(llama_checkpoint, server_logs, "--speculative-config", config,
+                            env={"INFER_SPEC_LOG_INTERVAL": "0"})  # fmt: skip
 
 
 def _metric(text: str, name: str) -> float:
@@ -50,7 +51,9 @@ def test_speculative_server_streams_plain_tokens_and_counts_proposals(spec_serve
     assert per_position == accepted
     stats = spec_server.wait_idle()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert "4 proposals per step" in spec_server.log()
+    log = spec_server.log()
+    assert "4 proposals per step" in log
+    assert "speculative decoding: mean acceptance length 5.00" in log  # k = 4, all accepted
 
 
 @pytest.mark.parametrize(

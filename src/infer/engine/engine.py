@@ -8,6 +8,7 @@ thread (``infer.engine.async_engine``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from infer.spec_decode import NgramProposer, Proposer
 logger = logging.getLogger("infer.engine")
 
 DEFAULT_CPU_KV_BYTES = 2 << 30  # KV budget on CPU when none is given
+SPEC_LOG_ENV = "INFER_SPEC_LOG_INTERVAL"
+"""Seconds between the log lines on speculative decoding's acceptance (default 10)."""
 
 
 @dataclass
@@ -224,6 +227,8 @@ class LLMEngine:
             max_num_batched_tokens=sc.max_num_batched_tokens,
         )
         self.proposer = self._build_proposer()
+        self._spec_logged_at: tuple[float, int, int, int] = (time.perf_counter(), 0, 0, 0)
+        self._spec_log_interval = float(os.environ.get(SPEC_LOG_ENV, "10"))
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []
         self.step_times = StepTimeTotals()
@@ -402,6 +407,8 @@ class LLMEngine:
         t3 = time.perf_counter()
         if self.proposer is not None:
             self._propose()
+            if t3 - self._spec_logged_at[0] >= self._spec_log_interval:
+                self._log_spec_decode(t3)
         t4 = time.perf_counter()
         st = self.step_times
         st.steps += 1
@@ -412,6 +419,27 @@ class LLMEngine:
         st.update += t3 - t2
         st.propose += t4 - t3
         return outputs
+
+    def _log_spec_decode(self, now: float) -> None:
+        """Every ``INFER_SPEC_LOG_INTERVAL`` seconds of speculation: the acceptance since the last line."""
+        c = self.scheduler.counters
+        _, drafts0, proposed0, accepted0 = self._spec_logged_at
+        drafts, proposed = c.spec_drafts - drafts0, c.spec_draft_tokens - proposed0
+        accepted = c.spec_accepted_tokens - accepted0
+        self._spec_logged_at = (now, c.spec_drafts, c.spec_draft_tokens, c.spec_accepted_tokens)
+        if drafts:
+            per_position = "/".join(
+                f"{n / c.spec_drafts:.0%}" for n in c.spec_accepted_per_position
+            )
+            logger.info(
+                "speculative decoding: mean acceptance length %.2f, %d of %d proposed tokens "
+                "accepted (%.0f%%); since start, acceptance by position %s",
+                1 + accepted / drafts,
+                accepted,
+                proposed,
+                100 * accepted / proposed,
+                per_position,
+            )
 
     def _propose(self) -> None:
         """Speculative decoding: proposals for the requests that decode next step."""

@@ -43,6 +43,10 @@ class SequenceSlice:
     num_computed_tokens: int
     num_new_tokens: int
     block_table: list[int]
+    # Attend each new token as its own decode row (context = the tokens up to it), through
+    # the decode path: for a few queries after a long context (speculative verification)
+    # that is the decode kernel instead of a gathered, masked prefill.
+    as_decode_rows: bool = False
 
     @property
     def context_len(self) -> int:
@@ -231,14 +235,23 @@ class AttentionContext:
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         self.slot_mapping = torch.from_numpy(slots).to(self.device)
 
-        is_decode = new_tokens == 1
+        as_rows = np.array([s.as_decode_rows for s in sequences], dtype=bool)
+        is_decode = (new_tokens == 1) | as_rows
         self._decode: _DecodeGroup | None = None
         if is_decode.any():
+            # One row per token of the decoding sequences; token j of a sequence sees its
+            # context up to and including itself (its K and V are stored before attention).
             idx = np.nonzero(is_decode)[0]
+            per_seq = new_tokens[idx]
+            seq_rows = np.repeat(idx, per_seq)
+            within = np.arange(int(per_seq.sum())) - np.repeat(
+                np.cumsum(per_seq) - per_seq, per_seq
+            )
+            lens = computed[seq_rows] + 1 + within
             self._decode = _DecodeGroup(
-                rows=torch.from_numpy(starts[idx]).to(self.device),
-                block_tables=block_tables[torch.from_numpy(idx)].to(self.device),
-                context_lens=torch.from_numpy((computed[idx] + 1).astype(np.int32)).to(self.device),
+                rows=torch.from_numpy(starts[seq_rows] + within).to(self.device),
+                block_tables=block_tables[torch.from_numpy(seq_rows)].to(self.device),
+                context_lens=torch.from_numpy(lens.astype(np.int32)).to(self.device),
                 block_size=bs,
             )
         self._prefills: list[_PrefillSeq] = []

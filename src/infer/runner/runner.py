@@ -101,7 +101,14 @@ class ModelRunner:
             n = len(chunk.token_ids)
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.num_computed_tokens, chunk.num_computed_tokens + n))
-            seqs.append(SequenceSlice(chunk.num_computed_tokens, n, chunk.block_table))
+            seqs.append(
+                SequenceSlice(
+                    chunk.num_computed_tokens,
+                    n,
+                    chunk.block_table,
+                    as_decode_rows=chunk.num_spec_tokens > 0,
+                )
+            )
             if chunk.sample:
                 # A chunk with k proposals is scored at its last k + 1 rows.
                 end = len(token_ids)
