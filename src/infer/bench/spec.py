@@ -4,12 +4,16 @@
 
 (``python benchmarks/bench_spec.py`` runs the same.) Offline engine, no HTTP, the built-in
 ``small`` model as the target (bf16) and ``small-draft`` (built on first use, same tokenizer) as
-the draft. Greedy, EOS ignored, 512-token prompts, 256 output tokens. Two workloads:
+the draft. EOS ignored, 512-token prompts, 256 output tokens. Three workloads:
 
-- **code** (input-grounded): a chunk of a Python standard-library source file, then the same
-  chunk again, cut short: the model is asked to go on repeating it, as in "repeat / edit this
-  code" requests. What the model writes next is mostly in its prompt.
-- **prose** (proposals rarely match): held-out documentation text to continue freely.
+- **code** (input-grounded, greedy): a chunk of a Python standard-library source file, then
+  the same chunk again, cut short, as in "repeat / edit this code" requests.
+- **prose** (greedy): held-out documentation text to continue.
+- **prose-sampled** (temperature 1.0, seeded): the same prompts sampled, where n-gram
+  proposals rarely match: what speculation costs when it does not help.
+
+A model as small as ``small`` does not copy its prompt faithfully; greedy, it soon repeats
+itself, and n-gram proposals then match its own repetitions as much as the prompt.
 
 For each workload and concurrency C (C requests kept in flight, 4 x C requests or at least 4)
 it reports output tok/s with speculation off, with n-gram proposals and with the draft model,
@@ -47,18 +51,23 @@ def code_prompts(tokenizer, n: int) -> list[list[int]]:
     """
     lib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in lib.glob("*.py") if p.stat().st_size > 20_000)
+    sources = [
+        (path.name, tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False))
+        for path in files
+    ]
+    sep = tokenizer.encode("\n\n# The same code again:\n", add_special_tokens=False)
     prompts: list[list[int]] = []
-    for path in files:
-        ids = tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
-        head = tokenizer.encode(f"# {path.name}\n", add_special_tokens=False)
-        sep = tokenizer.encode("\n\n# The same code again:\n", add_special_tokens=False)
-        chunk = ids[len(ids) // 3 : len(ids) // 3 + 400]
-        if len(chunk) < 400:
-            continue
-        m = PROMPT_LEN - len(head) - len(chunk) - len(sep)
-        prompts.append(head + chunk + sep + chunk[:m])
-        if len(prompts) == n:
-            break
+    for part in (1, 2):  # a chunk a third of the way into each file, then two thirds
+        for name, ids in sources:
+            head = tokenizer.encode(f"# {name}\n", add_special_tokens=False)
+            start = part * len(ids) // 3
+            chunk = ids[start : start + 400]
+            if len(chunk) < 400:
+                continue
+            m = PROMPT_LEN - len(head) - len(chunk) - len(sep)
+            prompts.append(head + chunk + sep + chunk[:m])
+            if len(prompts) == n:
+                return prompts
     return prompts
 
 
@@ -84,14 +93,17 @@ def engine_for(spec: dict | None, concurrency: int) -> LLMEngine:
     )
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], concurrency: int) -> dict:
+def run_batch(
+    engine: LLMEngine, prompts: list[list[int]], concurrency: int, temperature: float = 0.0
+) -> dict:
     """Serve every prompt with ``concurrency`` in flight; tok/s and acceptance of this run."""
-    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
     s0 = engine.get_stats()
     next_id, in_flight, tokens = 0, 0, 0
     t0 = time.perf_counter()
     while next_id < len(prompts) or engine.has_unfinished_requests():
         while in_flight < concurrency and next_id < len(prompts):
+            params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=temperature,
+                                    seed=next_id, ignore_eos=True)  # fmt: skip
             engine.add_request(f"b{time.perf_counter_ns()}-{next_id}", prompts[next_id], params)
             next_id += 1
             in_flight += 1
@@ -116,16 +128,18 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], concurrency: int) -> 
     }
 
 
-def measure(configs: dict, prompts: list[list[int]], concurrency: int, runs: int) -> dict:
+def measure(
+    configs: dict, prompts: list[list[int]], concurrency: int, runs: int, temperature: float
+) -> dict:
     """Every config at one concurrency, runs interleaved (off, ngram, draft, off, ...) so slow
     spells of a shared machine fall on all of them alike."""
     engines = {name: engine_for(spec, concurrency) for name, spec in configs.items()}
     for engine in engines.values():  # warm-up: kernels, allocator, draft cache
-        run_batch(engine, prompts[:concurrency], concurrency)
+        run_batch(engine, prompts[:concurrency], concurrency, temperature)
     results: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(runs):
         for name, engine in engines.items():
-            results[name].append(run_batch(engine, prompts, concurrency))
+            results[name].append(run_batch(engine, prompts, concurrency, temperature))
     out = {}
     for name, rows in results.items():
         tok_s = [r["tok_s"] for r in rows]
@@ -161,19 +175,21 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = probe.tokenizer
     del probe
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    workloads = {"code": code_prompts, "prose": prose_prompts}
+    workloads = {  # name: (prompts, temperature, concurrencies)
+        "code": (code_prompts, 0.0, concurrencies),
+        "prose": (prose_prompts, 0.0, [c for c in concurrencies if c <= 8]),
+        "prose-sampled": (prose_prompts, 1.0, [c for c in concurrencies if c <= 8]),
+    }
     report: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},
         "target": "small (bf16)", "draft": "small-draft (bf16)", "k": k, "runs": args.runs,
         "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "configs": configs, "results": {},
     }  # fmt: skip
-    for workload, make in workloads.items():
-        for c in concurrencies:
-            if workload == "prose" and c > 8:
-                continue  # the cross-over is measured on the workload where speculation wins
+    for workload, (make, temperature, cs) in workloads.items():
+        for c in cs:
             prompts = make(tokenizer, max(4, 4 * c) if c < 16 else 2 * c)
-            row = measure(configs, prompts, c, args.runs)
+            row = measure(configs, prompts, c, args.runs, temperature)
             report["results"][f"{workload}/c{c}"] = row
             print(workload, c, json.dumps(row), flush=True)
     out_dir = Path(args.out)

@@ -173,7 +173,7 @@ SMALL = Preset(
 # weights are the 4096 x 128 embedding. Proposals need only be right often, and cheap.
 SMALL_DRAFT = Preset(
     name="small-draft",
-    description="Llama, 1.0M params, the draft model of small (same tokenizer), context 1024",
+    description="Llama, 0.9M params, the draft model of small (same tokenizer), context 1024",
     arch="llama",
     tokenizer="bpe",
     vocab_size=4096,
