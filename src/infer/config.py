@@ -132,6 +132,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model (method "draft_model")
+    # Propose fewer tokens to a request whose proposals keep failing (spec_decode.ProposalLengths)
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -4,6 +4,7 @@ verification rule (greedy exactness and rejection sampling's distribution)."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from infer.core.messages import SampledToken
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import SamplingParams
 from infer.runner.sampler import Sampler
+from infer.spec_decode import ProposalLengths
 from infer.spec_decode.ngram import NgramProposer, propose_ngram
 
 from ._factories import fake_sample, make_request, make_scheduler
@@ -231,3 +233,28 @@ def test_speculative_config_parses_vllm_json_and_names_what_is_wrong():
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             SpeculativeConfig.parse(text)
     assert EngineConfig.from_kwargs(speculative_config=draft).speculative == draft
+
+
+def test_incremental_ngram_index_gives_the_same_proposals_as_a_full_search():
+    gen = random.Random(0)
+    proposer = NgramProposer(3, 2, 4, adaptive=False)
+    for trial in range(20):
+        prompt = [gen.randrange(6) for _ in range(gen.randrange(1, 40))]
+        r = Request(f"r{trial}", prompt, SamplingParams(max_tokens=500, temperature=0))
+        for _ in range(60):
+            got = proposer.propose([r]).get(r.request_id, [])
+            assert got == propose_ngram(r.all_token_ids, 3, 2, 4)
+            r.output_token_ids.extend(gen.randrange(6) for _ in range(gen.randrange(1, 4)))
+        proposer.forget(r.request_id)
+    assert proposer._indexes == {}
+
+
+def test_proposal_length_halves_after_rejections_and_recovers_after_an_acceptance():
+    lengths = ProposalLengths(4)
+    r = make_request("r", prompt_len=4, max_tokens=100)
+    assert lengths.next(r) == 4
+    for expected, accepted in [(2, False), (1, False), (1, False), (4, True), (2, False)]:
+        lengths.record(r, [7, 8], lengths.next(r))
+        r.output_token_ids.append(7 if accepted else 9)  # the verified token
+        assert lengths.next(r) == expected
+    assert ProposalLengths(4, adaptive=False).next(r) == 4

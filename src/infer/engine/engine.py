@@ -249,7 +249,9 @@ class LLMEngine:
                 spec_cfg.prompt_lookup_min,
                 spec_cfg.prompt_lookup_max,
             )
-            return NgramProposer(k, spec_cfg.prompt_lookup_min, spec_cfg.prompt_lookup_max)
+            return NgramProposer(
+                k, spec_cfg.prompt_lookup_min, spec_cfg.prompt_lookup_max, spec_cfg.adaptive
+            )
         from infer.engine.model_source import resolve_model_path
         from infer.spec_decode.draft import DraftProposer
 
@@ -264,6 +266,7 @@ class LLMEngine:
             block_size=self.config.cache.block_size,
             target_vocab_size=self.spec.vocab_size,
             target_tokenizer=self.tokenizer,
+            adaptive=spec_cfg.adaptive,
         )
 
     # ---- capacity -----------------------------------------------------------------------------

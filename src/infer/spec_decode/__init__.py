@@ -42,6 +42,42 @@ def num_to_propose(request: Request, k: int) -> int:
     return max(0, min(k, request.max_new_tokens - request.num_output_tokens - 1))
 
 
+class ProposalLengths:
+    """How many tokens to propose to each request: ``k``, halved after every proposal that was
+    rejected from its first token (down to 1), back to ``k`` after one that was not.
+
+    Verifying a rejected proposal costs its rows in the forward pass; where proposals keep
+    failing (sampled free text), this keeps that cost to about one extra row per step, while
+    a request whose proposals are accepted keeps proposing ``k``. It never changes what is
+    generated, only how much is proposed. ``adaptive=False`` always proposes ``k``.
+    """
+
+    def __init__(self, k: int, adaptive: bool = True) -> None:
+        self.k = k
+        self.adaptive = adaptive
+        # request id -> (first proposed token, num_tokens when proposed, length in force)
+        self._last: dict[str, tuple[int, int, int]] = {}
+
+    def next(self, request: Request) -> int:
+        """The most tokens to propose to ``request`` now (0: none)."""
+        if not wants_proposal(request):
+            return 0
+        k = self.k
+        last = self._last.get(request.request_id)
+        if self.adaptive and last is not None:
+            first, at, k = last
+            if request.num_tokens > at:  # verified since: was the first proposal accepted?
+                k = self.k if request.all_token_ids[at] == first else max(1, k // 2)
+        return num_to_propose(request, k)
+
+    def record(self, request: Request, proposal: list[int], k: int) -> None:
+        if proposal:
+            self._last[request.request_id] = (proposal[0], request.num_tokens, k)
+
+    def forget(self, request_id: str) -> None:
+        self._last.pop(request_id, None)
+
+
 from infer.spec_decode.ngram import NgramProposer  # noqa: E402
 
-__all__ = ["NgramProposer", "Proposer", "num_to_propose", "wants_proposal"]
+__all__ = ["NgramProposer", "ProposalLengths", "Proposer", "num_to_propose", "wants_proposal"]

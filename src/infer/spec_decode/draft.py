@@ -29,7 +29,7 @@ from infer.kv_cache.sizing import kv_bytes_per_token
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
 from infer.runner.runner import FAST_DECODE_ENV
-from infer.spec_decode import num_to_propose, wants_proposal
+from infer.spec_decode import ProposalLengths
 
 logger = logging.getLogger("infer.engine")
 
@@ -59,11 +59,12 @@ class DraftProposer:
         block_size: int,
         target_vocab_size: int,
         target_tokenizer=None,
+        adaptive: bool = True,
     ) -> None:
         from infer.model.loader import load_model, load_model_spec
         from infer.runner.prepack import prepack_linears
 
-        self.k = num_speculative_tokens
+        self.lengths = ProposalLengths(num_speculative_tokens, adaptive)
         self.device = device
         spec = load_model_spec(model_path)
         if spec.vocab_size != target_vocab_size:
@@ -85,7 +86,8 @@ class DraftProposer:
         # cost a fraction (bf16 Llama-family drafts on AMX CPUs; others use the modules).
         self.fast = None
         if device.type == "cpu" and os.environ.get(FAST_DECODE_ENV, "1") != "0":
-            self.fast = FastDecoder.build(self.model, self.kv_cache, max(2048, 64 * (self.k + 1)))
+            rows = max(2048, 64 * (num_speculative_tokens + 1))
+            self.fast = FastDecoder.build(self.model, self.kv_cache, rows)
         self._seqs: dict[str, _DraftSeq] = {}
         bpt = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype.itemsize)
         logger.info(
@@ -99,6 +101,7 @@ class DraftProposer:
         )
 
     def forget(self, request_id: str) -> None:
+        self.lengths.forget(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq)  # type: ignore[arg-type]
@@ -111,9 +114,9 @@ class DraftProposer:
     def propose(self, requests: list[Request]) -> dict[str, list[int]]:
         # 1. Roll each draft cache back to where it agrees with the sequence; plan catch-up.
         batch: list[tuple[_DraftSeq, list[int], int]] = []  # (seq, tokens to run, proposals)
+        requests_of: dict[str, tuple[Request, int]] = {}
         for request in requests:
-            k = num_to_propose(request, self.k) if wants_proposal(request) else 0
-            k = min(k, self.max_len - request.num_tokens)
+            k = min(self.lengths.next(request), self.max_len - request.num_tokens)
             if k <= 0:
                 continue
             seq = self._seqs.setdefault(request.request_id, _DraftSeq(request.request_id))
@@ -127,6 +130,7 @@ class DraftProposer:
                 self.forget(request.request_id)  # out of draft memory: no proposals this time
                 continue
             batch.append((seq, new, k))
+            requests_of[seq.request_id] = (request, k)
         if not batch:
             return {}
         # 2. One catch-up pass, then single-token passes for the rest of the proposals.
@@ -141,6 +145,8 @@ class DraftProposer:
                 if len(got) < k and self.kv.allocate(seq, 1):  # type: ignore[arg-type]
                     still.append((seq, [token], k))
             active = still
+        for request_id, (request, k) in requests_of.items():
+            self.lengths.record(request, proposals[request_id], k)
         return proposals
 
     def _forward(self, chunks: list[tuple[_DraftSeq, list[int]]]) -> list[int]:
