@@ -40,6 +40,7 @@ class _DraftSeq:
 
     request_id: str
     tokens: list[int] = field(default_factory=list)  # the tokens whose KV the draft cache holds
+    num_verified: int = 0  # leading tokens known to be the sequence's (not proposals)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -121,9 +122,10 @@ class DraftProposer:
                 continue
             seq = self._seqs.setdefault(request.request_id, _DraftSeq(request.request_id))
             tokens = request.all_token_ids
-            keep = _common_prefix(seq.tokens, tokens)
+            keep = _common_prefix(seq.tokens, tokens, seq.num_verified)
             keep = min(keep, len(tokens) - 1)  # the last token's logits are what we need
             del seq.tokens[keep:]
+            seq.num_verified = len(tokens)  # after this pass: every sequence token is in
             self.kv.trim(seq)  # type: ignore[arg-type]
             new = tokens[keep:]
             if not self.kv.allocate(seq, len(new)):  # type: ignore[arg-type]
@@ -159,7 +161,10 @@ class DraftProposer:
             start = seq.num_computed_tokens
             ids.extend(new)
             positions.extend(range(start, start + len(new)))
-            slices.append(SequenceSlice(start, len(new), self.kv.block_table(seq)))  # type: ignore[arg-type]
+            # A short catch-up after a long context attends through the decode path.
+            as_rows = start > 0 and len(new) <= 16
+            table = self.kv.block_table(seq)  # type: ignore[arg-type]
+            slices.append(SequenceSlice(start, len(new), table, as_decode_rows=as_rows))
             rows.append(len(ids) - 1)
             seq.tokens.extend(new)
         device = self.device
@@ -174,9 +179,10 @@ class DraftProposer:
         return self.model.compute_logits(hidden[rows_t]).argmax(dim=-1).tolist()
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: list[int], b: list[int], known: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b``, whose first ``known`` items agree."""
     n = min(len(a), len(b))
-    i = 0
+    i = min(known, n)
     while i < n and a[i] == b[i]:
         i += 1
     return i
