@@ -215,8 +215,11 @@ def render(r: dict) -> str:
         "",
         f"Machine: {r['machine']['cpu']}, {r['machine']['threads']} threads, torch "
         f"{r['machine']['torch']}. Target `{r['target']}`, draft `{r['draft']}`, "
-        f"{r['k']} proposed tokens per step, greedy, {r['prompt_len']} in / {r['output_len']} "
-        f"out, offline engine. Output tok/s: median of {r['runs']} interleaved runs.",
+        f"{r['k']} proposed tokens per step, {r['prompt_len']} in / {r['output_len']} out, "
+        "EOS ignored, offline engine; greedy except prose-sampled (temperature 1.0, seeded). "
+        f"Output tok/s: median of {r['runs']} interleaved runs. Acceptance: accepted / "
+        "proposed tokens; mean length: tokens per verified proposal run (the sampled one "
+        "included).",
         "",
         "| workload | C | off tok/s | n-gram tok/s | n-gram speedup | n-gram acceptance "
         "| n-gram mean length | draft tok/s | draft speedup | draft acceptance "
