@@ -78,6 +78,22 @@ def test_greedy_identical_across_modes(mode, method, make_llm, hf_greedy, tiny_c
         assert c.spec_accepted_tokens == c.spec_draft_tokens
 
 
+@pytest.mark.parametrize("draft_kind", ["gpt2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("options", [{}, MODES["tiny_pool_preempts"], MODES["chunk7"]])
+def test_a_different_draft_model_changes_nothing_but_speed(
+    draft_kind, options, make_llm, hf_greedy, tiny_checkpoints
+):
+    """Another architecture with other weights as the draft: most proposals are rejected
+    (its KV rolled back in both caches), and the outputs are still the target's own."""
+    spec = _self_draft(tiny_checkpoints, draft_kind, k=3)
+    llm = make_llm("llama", speculative_config=spec, **options)
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == hf_greedy("llama")
+    c = llm.engine.scheduler.counters
+    assert c.spec_draft_tokens > 0 and c.spec_accepted_tokens < c.spec_draft_tokens
+    proposer = llm.engine.proposer
+    assert proposer.num_free_blocks == proposer.kv.num_total_blocks
+
+
 def test_prefix_cache_reuses_blocks_written_with_speculation(make_llm, hf_greedy):
     """Blocks committed to the prefix cache hold only verified tokens: a second pass over the
     same prompts hits the cache and still gives the same tokens."""
