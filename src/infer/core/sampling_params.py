@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 class InvalidRequestError(ValueError):
@@ -40,6 +41,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top-k alternatives
     skip_special_tokens: bool = True
+    # Constrained decoding: the output must match this (infer.core.structured.StructuredOutputs)
+    structured_outputs: Any = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +30,9 @@ from infer.runner.prepack import model_weight_bytes, prepack_linears
 from infer.runner.quant import check_quantization, quantize_linears
 from infer.runner.runner import ModelRunner
 from infer.spec_decode import NgramProposer, Proposer
+
+if TYPE_CHECKING:
+    from infer.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("infer.engine")
 
@@ -227,6 +232,9 @@ class LLMEngine:
             max_num_batched_tokens=sc.max_num_batched_tokens,
         )
         self.proposer = self._build_proposer()
+        # Constrained decoding: built on the first request that asks for it.
+        self.structured: StructuredOutputManager | None = None
+        self._compiling: dict[str, tuple[Request, futures.Future]] = {}
         self._spec_logged_at: tuple[float, int, int, int] = (time.perf_counter(), 0, 0, 0)
         self._spec_log_interval = float(os.environ.get(SPEC_LOG_ENV, "10"))
         self._states: dict[str, _OutputState] = {}
@@ -339,7 +347,7 @@ class LLMEngine:
         """Queue one sequence. Raises ``InvalidRequestError`` naming the problem."""
         n = len(prompt_token_ids)
         check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self._compiling:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"
             )
@@ -364,9 +372,53 @@ class LLMEngine:
         self._states[request_id] = _OutputState(
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
         )
+        if params.structured_outputs is not None:
+            # NOTE: the request joins the scheduler once its matcher is built (off this thread).
+            self._compiling[request_id] = (request, self._structured_manager().submit(request))
+            return
         self.scheduler.add_request(request)
 
+    def _structured_manager(self) -> StructuredOutputManager:
+        if self.structured is None:
+            from infer.structured.manager import StructuredOutputManager
+
+            self.structured = StructuredOutputManager(
+                self.tokenizer, self.spec.vocab_size, self.eos_token_ids
+            )
+            self.runner.structured = self.structured
+        return self.structured
+
+    def _admit_compiled(self, wait: bool) -> None:
+        """Constrained requests whose matcher is built join the scheduler; a grammar that
+        failed to build ends its request with the error."""
+        if wait:  # nothing else to do this step: do not spin
+            futures.wait([f for _, f in self._compiling.values()], timeout=0.01,
+                         return_when=futures.FIRST_COMPLETED)  # fmt: skip
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                matcher = future.result()
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = str(e)
+                request.timings.finished = time.perf_counter()
+                self._pending.append(self._make_output(request))
+                continue
+            assert self.structured is not None
+            self.structured.attach(request_id, matcher)
+            self.scheduler.add_request(request)
+
     def abort_request(self, request_id: str) -> None:
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            request, future = compiling
+            future.cancel()
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.timings.finished = time.perf_counter()
+            self._pending.append(self._make_output(request))
+            return
         self._finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
@@ -377,13 +429,17 @@ class LLMEngine:
         self._pending.append(self._make_output(request))
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self.scheduler.requests)
+        return list(self.scheduler.requests) + list(self._compiling)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return (
+            self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._compiling)
+        )
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._compiling:
+            self._admit_compiled(wait=not self.scheduler.has_unfinished_requests())
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -404,6 +460,8 @@ class LLMEngine:
             return outputs
         t2 = time.perf_counter()
         for request in self.scheduler.update_from_output(sched, sampled):
+            if self.structured is not None and not request.is_finished:
+                self._advance_grammar(request)
             outputs.append(self._make_output(request))
         outputs.extend(self._pending)
         self._pending = []
@@ -422,6 +480,19 @@ class LLMEngine:
         st.update += t3 - t2
         st.propose += t4 - t3
         return outputs
+
+    def _advance_grammar(self, request: Request) -> None:
+        """Feed a constrained request's new tokens to its matcher; end it when the grammar has
+        ended (``stop``) or refused a token (``error``, which the mask makes impossible)."""
+        assert self.structured is not None
+        new = request.output_token_ids[self._states[request.request_id].num_sent_tokens :]
+        verdict = self.structured.advance(request, new)
+        if verdict == "stop":
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif verdict is not None:
+            logger.error("%s: %s", request.request_id, verdict)
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+            request.error = verdict
 
     def _log_spec_decode(self, now: float) -> None:
         """Every ``INFER_SPEC_LOG_INTERVAL`` seconds of speculation: the acceptance since the last line."""
@@ -483,6 +554,8 @@ class LLMEngine:
             self.runner.sampler.forget(request.request_id)
             if self.proposer is not None:
                 self.proposer.forget(request.request_id)
+            if self.structured is not None:
+                self.structured.forget(request.request_id)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,

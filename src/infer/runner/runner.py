@@ -59,6 +59,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.sampler = Sampler(device, seed)
+        # Constrained decoding (infer.structured): set by the engine on first use.
+        self.structured = None
         self._sync = device.type == "cuda"
         # Host memory for swapped-out KV blocks: same layout as the device cache's blocks (the
         # values, and their scales when the cache is quantized).
@@ -135,10 +137,11 @@ class ModelRunner:
         sampled: dict[str, Sampled] = {}
         if logits is not None:
             results: list[Sampled]
+            allowed = None if self.structured is None else self.structured.bitmask(sample_reqs)
             if any(proposals):
-                results = list(self.sampler.verify(logits, sample_reqs, proposals))
+                results = list(self.sampler.verify(logits, sample_reqs, proposals, allowed))
             else:
-                results = list(self.sampler.sample(logits, sample_reqs))
+                results = list(self.sampler.sample(logits, sample_reqs, allowed))
             for request, result in zip(sample_reqs, results, strict=True):
                 sampled[request.request_id] = result
         t3 = time.perf_counter()

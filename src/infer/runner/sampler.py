@@ -20,6 +20,7 @@ import torch
 from infer.core.messages import SampledToken
 from infer.core.request import Request, TokenLogprob
 from infer.runner.kernels import cpu_kernels
+from infer.structured.bitmask import apply_bitmask
 
 
 class Sampler:
@@ -44,8 +45,15 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        logits = logits.float()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        allowed: tuple[list[int], torch.Tensor] | None = None,
+    ) -> list[SampledToken]:
+        """One token per row. ``allowed``: constrained rows and their token bitmasks
+        (structured outputs), applied after the penalties and before greedy or sampling."""
+        logits = raw = logits.float()
         params = [r.sampling_params for r in requests]
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
@@ -56,6 +64,10 @@ class Sampler:
             logits = logits.clone()
             for row, request in enumerate(requests):
                 _apply_penalties(logits[row], request)
+        if allowed is not None:
+            if logits.data_ptr() == raw.data_ptr():
+                logits = logits.clone()
+            apply_bitmask(logits, *allowed)
 
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -77,7 +89,11 @@ class Sampler:
 
     @torch.inference_mode()
     def verify(
-        self, logits: torch.Tensor, requests: list[Request], proposals: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        proposals: list[list[int]],
+        allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> list[list[SampledToken]]:
         """Speculative decoding: accept each request's longest acceptable run of proposals.
 
@@ -109,6 +125,10 @@ class Sampler:
             for request, rows in zip(requests, rows_of, strict=True):
                 for j, row in enumerate(rows):
                     _apply_penalties(logits[row], request, num_proposed=j)
+        if allowed is not None:  # constrained requests have no proposals: one row each
+            request_rows, mask = allowed
+            logits = logits.clone()
+            apply_bitmask(logits, [rows_of[i][0] for i in request_rows], mask)
         argmax = _argmax(logits).tolist()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         probs_of: dict[int, torch.Tensor] = {}

@@ -36,6 +36,7 @@ from infer.server.protocol import (
     UsageInfo,
     _SamplingFields,
 )
+from infer.server.structured_outputs import STRUCTURED_FIELDS, structured_outputs_of
 
 logger = logging.getLogger("infer.server")
 
@@ -98,7 +99,9 @@ class Serving:
                 "would otherwise return something other than what was asked)",
                 param=refused[0],
             )
-        unknown = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS)
+        unknown = sorted(
+            k for k in extra if k not in UNSUPPORTED_FIELDS and k not in STRUCTURED_FIELDS
+        )
         if unknown:
             logger.info("%s: ignoring unknown field(s) %s", route, ", ".join(unknown))
 
@@ -123,6 +126,7 @@ class Serving:
                         logprobs: int | None) -> SamplingParams:  # fmt: skip
         stop = req.stop
         try:
+            structured = structured_outputs_of(req.model_extra or {})
             return SamplingParams(
                 n=req.n,
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -143,6 +147,7 @@ class Serving:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                structured_outputs=structured,
             )
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e

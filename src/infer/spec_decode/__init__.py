@@ -11,8 +11,9 @@ the KV of the rejected tail (``Scheduler.update_from_output``).
 - :class:`DraftProposer` (``method="draft_model"``): a smaller model with the same tokenizer,
   run greedily with its own paged KV cache.
 
-Requests with repetition, presence or frequency penalties are never given proposals (their
-penalties would depend on the proposals being verified); they decode one token at a time.
+Requests with repetition, presence or frequency penalties, and constrained requests
+(structured outputs), are never given proposals (their penalties or token masks would depend
+on the proposals being verified); they decode one token at a time.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ class Proposer(Protocol):
 
 
 def wants_proposal(request: Request) -> bool:
-    """Whether a request may be given proposals (see the module docstring)."""
-    return not request.sampling_params.needs_penalties
+    """Whether a request may be given proposals (see the module docstring). Constrained
+    requests (structured outputs) decode one token at a time too: their mask depends on the
+    tokens before it."""
+    params = request.sampling_params
+    return not params.needs_penalties and params.structured_outputs is None
 
 
 def num_to_propose(request: Request, k: int) -> int:

@@ -1,0 +1,104 @@
+"""The engine's side of constrained decoding: matchers, their compilation, and bitmasks.
+
+A constrained request waits outside the scheduler while its matcher is built in a worker
+thread (llguidance drops the GIL while it builds one), so a slow schema never stalls the
+requests already decoding. Each step the runner asks for the bitmask rows of the constrained
+requests it samples; after the step the engine advances each matcher with its sampled tokens
+and finishes a request whose grammar has ended (``stop``) or cannot go on (``error``).
+
+::
+
+    add_request ──> compiling (thread pool) ──> scheduler.add_request
+                                   │ error: the request ends with an error
+    step: forward ─> bitmask rows ─> masked sampling ─> advance(tokens) ─> grammar ended? stop
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from infer.core.request import Request
+from infer.structured.grammar import GrammarError, compile_grammar
+
+logger = logging.getLogger("infer.engine")
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._llg_tokenizer = None
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self._executor = None
+        self.matchers: dict[str, object] = {}  # request id -> llguidance.LLMatcher
+
+    # ---- compilation --------------------------------------------------------------------------
+    def submit(self, request: Request) -> Future:
+        """Build the request's matcher in a worker thread; the future gives the matcher or
+        raises :class:`GrammarError`."""
+        return self._pool.submit(self._build, request.sampling_params.structured_outputs)
+
+    def _tokenizer(self):
+        with self._lock:  # NOTE: built once (~1 s for a large vocabulary), on first use
+            if self._llg_tokenizer is None:
+                import llguidance.hf
+
+                eos = self._eos[0] if self._eos else None
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos
+                )
+            return self._llg_tokenizer
+
+    def _build(self, spec):
+        from llguidance import LLMatcher
+
+        grammar = compile_grammar(spec)
+        matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {spec.kind}: {matcher.get_error()}", param=spec.param)
+        return matcher
+
+    def attach(self, request_id: str, matcher) -> None:
+        self.matchers[request_id] = matcher
+
+    def forget(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def bitmask(self, requests: list[Request]) -> tuple[list[int], torch.Tensor] | None:
+        """For the constrained ones among ``requests`` (a step's sampled rows, in order): their
+        row indices and a ``[n, ceil(vocab / 32)]`` int32 bitmask of the tokens allowed next."""
+        rows = [i for i, r in enumerate(requests) if r.request_id in self.matchers]
+        if not rows:
+            return None
+        from llguidance import LLExecutor
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+        mask = allocate_token_bitmask(len(rows), self.vocab_size)
+        if self._executor is None:
+            self._executor = LLExecutor()
+        pairs = [(self.matchers[requests[i].request_id], j) for j, i in enumerate(rows)]
+        fill_next_token_bitmask_par(self._executor, pairs, mask)
+        return rows, mask
+
+    def advance(self, request: Request, token_ids: list[int]) -> str | None:
+        """Feed the request's newly sampled tokens to its matcher. Returns ``"stop"`` when the
+        grammar has ended, ``"error: ..."`` when a token could not be consumed, else None."""
+        matcher = self.matchers.get(request.request_id)
+        if matcher is None:
+            return None
+        for token in token_ids:
+            if matcher.is_stopped():
+                return "stop"
+            if not matcher.consume_token(token):
+                return f"error: the grammar could not take token {token}: {matcher.get_error()}"
+        return "stop" if matcher.is_stopped() else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
