@@ -52,6 +52,11 @@ class LLM:
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         encoded = [self._encode(p) for p in prompt_list]
+        for params in params_list:
+            if params.structured_outputs is not None:  # a bad grammar raises here, naming it
+                from infer.structured import compile_grammar
+
+                compile_grammar(params.structured_outputs)
 
         children: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, child index)
         added: list[str] = []
