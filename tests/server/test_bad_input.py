@@ -156,7 +156,15 @@ CASES = [
         400,
         "chat_template_kwargs",
     ),  # fmt: skip
-    ("tools-unsupported", "POST", CH, chat(tools=[{"type": "function"}]), None, 400, "tools"),
+    (
+        "tool-without-function",
+        "POST",
+        CH,
+        chat(tools=[{"type": "function"}]),
+        None,
+        400,
+        "tools[0].function",
+    ),  # fmt: skip
     (
         "max-completion-negative",
         "POST",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,8 +12,9 @@ from starlette.responses import JSONResponse, Response
 
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
+from infer.core.sampling_params import InvalidRequestError
 from infer.engine.async_engine import RequestStream
-from infer.server.errors import bad_request
+from infer.server.errors import bad_request, from_invalid_request
 from infer.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -38,6 +40,14 @@ from infer.server.serving import (
     stream_events,
     usage_totals,
 )
+from infer.server.tools import (
+    ToolMode,
+    ToolStream,
+    parse_reply,
+    tool_constraint,
+    tool_mode,
+    tool_template_args,
+)
 
 # Template arguments a client may not override through chat_template_kwargs.
 _RESERVED_KWARGS = {"conversation", "tokenize", "chat_template", "add_generation_prompt",
@@ -57,13 +67,29 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             d["name"] = m.name
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls
+            ]  # fmt: skip
         out.append(d)
     return out
 
 
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    """Templates index into the arguments (``arguments.items()``): give them the object."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
 def render_chat(serving: Serving, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                continue_final_message: bool = False,
-                kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
     """Token ids of the conversation as the model's chat template (or --chat-template) writes it."""
     template = serving.settings.chat_template
     tok = serving.tokenizer
@@ -88,6 +114,7 @@ def render_chat(serving: Serving, messages: list[ChatMessage], *, add_generation
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
+            tools=tools,
             **kwargs,
         )
     except Exception as e:  # noqa: BLE001 - the template rejected these messages (jinja raise)
@@ -119,26 +146,39 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
+    try:
+        mode = tool_mode(req)
+        constraint = tool_constraint(mode, req.parallel_tool_calls)
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
     size = sum(len(m.content) if isinstance(m.content, str) else 64 for m in req.messages)
     ids = await serving.run_blocking(
         lambda: render_chat(serving, req.messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
-                            kwargs=req.chat_template_kwargs),
+                            kwargs=req.chat_template_kwargs, tools=tool_template_args(mode)),
         size=size,
     )  # fmt: skip
     serving.check_lengths(ids, max_tokens, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, max_tokens, k)
+    params = serving.sampling_params(req, max_tokens, k, constraint)
     request_id = new_id("chatcmpl")
     raw.state.request_id = request_id
     stream = await serving.submit(request_id, [ids], params, req)
     if req.stream:
-        return SSEResponse(_stream(serving, req, raw, stream, request_id, model))
-    return await cancel_on_disconnect(raw, _collect(serving, req, raw, stream, request_id, model))
+        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, mode))
+    return await cancel_on_disconnect(
+        raw, _collect(serving, req, raw, stream, request_id, model, mode)
+    )
+
+
+def _finish_reason(out: RequestOutput, calls: list) -> str | None:
+    """A reply that ended on its own with tool calls in it finishes with ``tool_calls``."""
+    return "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
 
 
 async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
-                   stream: RequestStream, request_id: str, model: str) -> Response:  # fmt: skip
+                   stream: RequestStream, request_id: str, model: str,
+                   mode: ToolMode) -> Response:  # fmt: skip
     acc = Choices(len(stream.request_ids))
     async for index, out in stream:
         acc.add(index, out)
@@ -149,9 +189,11 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(serving, acc.logprobs[index], req.top_logprobs or 0)
+        content, calls = parse_reply(mode, "".join(acc.text[index]))
         choices.append(ChatChoice(
-            index=index, message=ChatResponseMessage(content="".join(acc.text[index])),
-            logprobs=logprobs, finish_reason=final.finish_reason, stop_reason=final.stop_reason,
+            index=index, message=ChatResponseMessage(content=content, tool_calls=calls),
+            logprobs=logprobs, finish_reason=_finish_reason(final, calls),
+            stop_reason=final.stop_reason,
         ))  # fmt: skip
     prompt, completion, cached = usage_totals(acc.final, req.n)
     raw.state.usage = (prompt, completion)
@@ -160,9 +202,10 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
     return JSONResponse(body.model_dump(mode="json"))
 
 
-def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request,
-            stream: RequestStream, request_id: str, model: str) -> AsyncIterator[bytes]:  # fmt: skip
+def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: RequestStream,
+            request_id: str, model: str, mode: ToolMode) -> AsyncIterator[bytes]:  # fmt: skip
     created = int(time.time())
+    tool_streams = [ToolStream(mode) for _ in stream.request_ids]
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
         body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
@@ -175,10 +218,12 @@ def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request,
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(serving, out.new_logprobs, req.top_logprobs or 0)
-        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
+        tools = tool_streams[index]
+        content, calls = tools.feed(out.new_text, out.finished)
+        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
         return chunk([ChatStreamChoice(
             index=index, delta=delta, logprobs=logprobs,
-            finish_reason=out.finish_reason if out.finished else None,
+            finish_reason=_finish_reason(out, tools.calls) if out.finished else None,
             stop_reason=out.stop_reason,
         )], usage)  # fmt: skip
 

@@ -76,11 +76,49 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+
+
+FUNCTION_NAME = r"^[A-Za-z0-9_\-.]{1,64}$"
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(..., pattern=FUNCTION_NAME, description="a-z, A-Z, 0-9, _ - ., <= 64")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -96,16 +134,16 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # Fields that change what a request means; accepting and ignoring them would return something
 # other than what was asked. Values that mean "nothing special" are allowed through.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "parallel_tool_calls": lambda v: True,
     "logit_bias": lambda v: v in (None, {}),
     "suffix": lambda v: v in (None, ""),
     "best_of": lambda v: v in (None, 1),
@@ -155,7 +193,7 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 class CompletionChoice(_Response):
@@ -194,9 +232,41 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # noqa: ANN001 - pydantic's serializer protocol
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # noqa: ANN001 - pydantic's serializer protocol
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(_Response):
@@ -222,6 +292,7 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):  # noqa: ANN001 - pydantic's serializer protocol

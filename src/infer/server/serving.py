@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
+from infer.core.structured import StructuredOutputs
 from infer.core.validation import check_prompt
 from infer.engine.async_engine import (
     AddRequest,
@@ -123,10 +124,20 @@ class Serving:
             raise from_invalid_request(e) from e
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:  # fmt: skip
+                        logprobs: int | None,
+                        constraint: StructuredOutputs | None = None) -> SamplingParams:  # fmt: skip
+        """``constraint``: a structured output the endpoint itself imposes (tool calls)."""
         stop = req.stop
         try:
             structured = structured_outputs_of(req.model_extra or {})
+            if constraint is not None:
+                if structured is not None:
+                    raise InvalidRequestError(
+                        f"{structured.param} cannot be combined with a tool_choice that "
+                        "constrains the reply to tool calls",
+                        param=structured.param.split(".")[0],
+                    )
+                structured = constraint
             return SamplingParams(
                 n=req.n,
                 temperature=1.0 if req.temperature is None else req.temperature,

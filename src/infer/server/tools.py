@@ -1,0 +1,249 @@
+"""Tool calls on /v1/chat/completions: ``tools``, ``tool_choice`` and the replies' ``tool_calls``.
+
+- ``tool_choice: "none"`` (or no tools): a plain reply; the template still sees the tools.
+- ``"auto"`` (the default with tools): the model decides. Its text is parsed for calls written
+  the way Hermes / Qwen chat templates ask for them::
+
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+  Text outside the blocks is the message content; a block that does not parse stays content.
+- ``"required"``: the output is constrained (structured outputs) to a JSON array of calls, each
+  ``{"name": <one of the tools>, "parameters": <arguments valid for that tool's schema>}``
+  (one call when ``parallel_tool_calls`` is false).
+- ``{"type": "function", "function": {"name": N}}``: the output is constrained to the arguments
+  of ``N``.
+
+The last two cannot produce an invalid call: the grammar guarantees the names and arguments.
+A reply with calls finishes with ``finish_reason: "tool_calls"``; one cut by ``max_tokens``
+finishes with ``length`` and its text is returned as content, as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from infer.core.sampling_params import InvalidRequestError
+from infer.core.structured import StructuredOutputs
+from infer.server.protocol import (
+    ChatCompletionRequest,
+    ChatTool,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+)
+from infer.structured import compile_grammar
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How this request's reply is turned into tool calls (see the module docstring)."""
+
+    kind: str  # none | auto | required | named
+    tools: tuple[ChatTool, ...] = ()
+    name: str | None = None  # the function of a named tool_choice
+
+    @property
+    def constrained(self) -> bool:
+        return self.kind in ("required", "named")
+
+
+def tool_mode(req: ChatCompletionRequest) -> ToolMode:
+    """The request's tool mode; a 400 (``InvalidRequestError``) for inconsistent fields."""
+    tools = tuple(req.tools or ())
+    choice = req.tool_choice
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise InvalidRequestError(f"two tools are named {dup!r}", param="tools")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise InvalidRequestError(
+                f"tool_choice names the function {choice.function.name!r}, which is not among "
+                f"the tools ({', '.join(names) or 'none given'})",
+                param="tool_choice",
+            )
+        return ToolMode("named", tools, choice.function.name)
+    if choice == "required" and not tools:
+        raise InvalidRequestError('tool_choice "required" needs tools', param="tool_choice")
+    if not tools or choice == "none":
+        return ToolMode("none", tools)
+    return ToolMode(choice or "auto", tools)
+
+
+def tool_constraint(mode: ToolMode, parallel: bool) -> StructuredOutputs | None:
+    """The structured-output constraint of a ``required`` or named tool choice."""
+    if not mode.constrained:
+        return None
+    if mode.kind == "named":
+        tool = next(t for t in mode.tools if t.function.name == mode.name)
+        schema: dict[str, Any] = _parameters(tool)
+    else:
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in mode.tools
+        ]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
+    spec = StructuredOutputs(json=schema, param="tools")
+    compile_grammar(spec)  # a tool whose parameters are not a valid schema: a 400 here
+    return spec
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def tool_template_args(mode: ToolMode) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (``tools=[{"type": "function", ...}]``)."""
+    if not mode.tools:
+        return None
+    return [t.model_dump(mode="json", exclude_none=True) for t in mode.tools]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
+
+
+def parse_reply(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of a finished reply."""
+    if mode.kind == "named":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return text, []  # cut by max_tokens: returned as it is
+        assert mode.name is not None
+        return None, [_call(mode.name, text)]
+    if mode.kind == "required":
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []
+        return None, [_call(c["name"], c["parameters"]) for c in calls]
+    if mode.kind == "auto":
+        return parse_hermes(text, {t.function.name for t in mode.tools})
+    return text, []
+
+
+def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """Calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for match in _BLOCK.finditer(text):
+        call = _hermes_call(match.group(1), names)
+        if call is None:
+            continue
+        kept.append(text[last : match.start()])
+        last = match.end()
+        calls.append(call)
+    kept.append(text[last:])
+    content = "".join(kept).strip() if calls else text
+    return (content or None), calls
+
+
+def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("name") not in names:
+        return None
+    return _call(data["name"], data.get("arguments", data.get("parameters", {})))
+
+
+@dataclass
+class ToolStream:
+    """Turns a streamed reply's text into content deltas and tool-call deltas.
+
+    Constrained modes hold everything back and emit the calls when the reply ends (the
+    arguments arrive whole, in one delta per call). Auto mode streams content as it comes,
+    holding back only what could be the start of a ``<tool_call>`` block, and emits each
+    block's call when the block closes.
+    """
+
+    mode: ToolMode
+    text: str = ""
+    sent: int = 0  # characters of ``text`` handled (emitted as content or consumed by calls)
+    num_calls: int = 0
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, new_text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        self.text += new_text
+        if self.mode.constrained:
+            if not finished:
+                return "", []
+            content, calls = parse_reply(self.mode, self.text)
+            self.sent = len(self.text)
+            return content or "", self._deltas(calls)
+        if self.mode.kind != "auto":
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out, []
+        content: list[str] = []
+        deltas: list[DeltaToolCall] = []
+        names = {t.function.name for t in self.mode.tools}
+        while True:
+            rest = self.text[self.sent :]
+            start = rest.find(CALL_OPEN)
+            if start < 0:
+                keep = 0 if finished else _partial_suffix(rest, CALL_OPEN)
+                content.append(rest[: len(rest) - keep])
+                self.sent += len(rest) - keep
+                break
+            end = rest.find(CALL_CLOSE, start)
+            if end < 0:
+                if finished:  # an unclosed block: it was text after all
+                    content.append(rest)
+                    self.sent += len(rest)
+                else:
+                    content.append(rest[:start])
+                    self.sent += start
+                break
+            call = _hermes_call(rest[start + len(CALL_OPEN) : end].strip(), names)
+            block_end = end + len(CALL_CLOSE)
+            if call is None:
+                content.append(rest[:block_end])
+            else:
+                content.append(rest[:start])
+                deltas.extend(self._deltas([call]))
+            self.sent += block_end
+        return "".join(content), deltas
+
+    def _deltas(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
+        out = []
+        for call in calls:
+            out.append(DeltaToolCall(index=self.num_calls, id=call.id, type="function",
+                                     function=DeltaFunctionCall(name=call.function.name,
+                                                                arguments=call.function.arguments)))  # fmt: skip
+            self.num_calls += 1
+            self.calls.append(call)
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
