@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from infer import SamplingParams
+from infer.core.sampling_params import InvalidRequestError
 
 from .conftest import PROMPTS
 
@@ -144,3 +146,40 @@ def test_timings_are_recorded(make_llm):
     t = res.timings[0]
     assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
     assert len(t.token_times) == 6 and t.token_times == sorted(t.token_times)
+
+
+def test_min_tokens_holds_back_stop_strings(make_llm):
+    llm = make_llm("llama")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = llm.generate(PROMPTS[2], greedy)[0].outputs[0]
+    stop = ref.text[:2]  # the output's own start: a stop string at once without min_tokens
+    assert stop
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                  stop=[stop]))[0].outputs[0]  # fmt: skip
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 2
+    held = llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                   stop=[stop], min_tokens=6))[0].outputs[0]  # fmt: skip
+    assert len(held.token_ids) >= 6 and held.token_ids[:6] == ref.token_ids[:6]
+
+
+def test_logit_bias_steers_greedy_and_sampling(make_llm):
+    llm = make_llm("llama")
+    greedy = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = llm.generate(PROMPTS[0], SamplingParams(**greedy))[0].outputs[0]
+    target = 42 if plain.token_ids[0] != 42 else 43
+    forced = llm.generate(PROMPTS[0], SamplingParams(**greedy, logit_bias={target: 100},
+                                                     logprobs=0))[0].outputs[0]  # fmt: skip
+    assert forced.token_ids == [target] * 6
+    # Logprobs are of the model's own distribution, not the biased one.
+    assert forced.logprobs[0].logprob < -0.5
+    banned = llm.generate(PROMPTS[0], SamplingParams(**greedy, logit_bias={
+        plain.token_ids[0]: -100}))[0].outputs[0]  # fmt: skip
+    assert banned.token_ids[0] != plain.token_ids[0]
+    sampled = llm.generate([PROMPTS[1]] * 8, [SamplingParams(max_tokens=4, seed=s, ignore_eos=True,
+                                                             logit_bias={7: 100})
+                                              for s in range(8)])  # fmt: skip
+    assert all(o.outputs[0].token_ids == [7] * 4 for o in sampled)
+    with pytest.raises(InvalidRequestError, match="past the vocabulary"):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={5: 101})

@@ -270,7 +270,7 @@ def test_unknown_fields_are_ignored_with_a_log_line(client, server):
 @pytest.mark.parametrize(
     "field,value",
     [("functions", [{"name": "f"}]),  # the legacy spelling of tools
-     ("logit_bias", {"5": 10})],
+     ("prediction", {"type": "content", "content": "x"})],
 )  # fmt: skip
 def test_meaning_changing_fields_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
@@ -342,3 +342,19 @@ def test_access_log_has_a_line_per_request(client, server):
     got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     lines = [ln for ln in server.log().splitlines() if got.id in ln]
     assert len(lines) == 1 and '"POST /v1/completions" 200' in lines[0]
+
+
+def test_logit_bias_over_http(client, server):
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logit_bias={"42": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    ids = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logit_bias={"42": 100}, logprobs=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert got.usage.completion_tokens == 4
+    assert len(set(ids.choices[0].logprobs.tokens)) == 1
+    for bias, message in [({"abc": 1}, "keys must be token ids"), ({"5": 500}, "[-100, 100]"),
+                          ({"999999": 1}, "past the vocabulary")]:  # fmt: skip
+        r = httpx.post(server.url + "/v1/completions", headers=server.headers,
+                       json={"model": "tiny", "prompt": PROMPT, "logit_bias": bias})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+        assert message in r.json()["error"]["message"]

@@ -43,6 +43,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrained decoding: the output must match this (infer.core.structured.StructuredOutputs)
     structured_outputs: Any = None
+    # Added to the logits of these token ids before sampling: ((token_id, bias), ...), bias in
+    # [-100, 100] as OpenAI takes it (a dict {token_id: bias} is accepted too).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +58,10 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        elif not isinstance(self.logit_bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -101,6 +108,11 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "stop_token_ids must be non-negative integers")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise bad("logit_bias", f"logit_bias keys must be token ids, got {token_id!r}")
+            if not -100 <= bias <= 100:
+                raise bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:

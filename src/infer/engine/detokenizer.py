@@ -9,7 +9,8 @@ Token ids arrive one (or a few) at a time; text must go out as soon as it is cer
 If the decoded tail ends in U+FFFD the new token ends mid-character: emit nothing and wait
 for the next token. Stop strings: any suffix of the text that could still grow into a stop
 string is held back; when a stop string completes, the text is cut before it (or after it with
-``include_stop_str_in_output``) and the request is finished by the engine.
+``include_stop_str_in_output``) and the request is finished by the engine. Until the output
+has ``min_tokens`` tokens no stop string counts (as for EOS and stop ids).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        # As with EOS and stop ids, a stop string ends the output only once it has min_tokens.
+        self.min_tokens = params.min_tokens
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -61,7 +64,7 @@ class IncrementalDetokenizer:
     def _append(self, piece: str) -> None:
         old_len = len(self.text)
         self.text += piece
-        if not self.stop:
+        if not self.stop or self.num_output_tokens < self.min_tokens:
             return
         search_from = max(0, old_len - self._max_stop + 1)
         best: tuple[int, str] | None = None

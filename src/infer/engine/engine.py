@@ -347,6 +347,13 @@ class LLMEngine:
         """Queue one sequence. Raises ``InvalidRequestError`` naming the problem."""
         n = len(prompt_token_ids)
         check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
+        too_big = [t for t, _ in params.logit_bias if t >= self.spec.vocab_size]
+        if too_big:
+            raise InvalidRequestError(
+                f"logit_bias names token id {too_big[0]}, past the vocabulary "
+                f"({self.spec.vocab_size} tokens)",
+                param="logit_bias",
+            )
         if request_id in self.scheduler.requests or request_id in self._compiling:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"

@@ -2,7 +2,7 @@
 
 One batched pass over ``[B, vocab]`` float32 logits:
 
-    penalties (repetition over prompt+output; presence/frequency over output)
+    logit_bias -> penalties (repetition over prompt+output; presence/frequency over output)
     -> min_tokens (EOS and stop ids masked until the minimum is reached)
     -> greedy rows: argmax
     -> other rows: temperature, top-k, top-p, min-p, then a draw
@@ -58,7 +58,7 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(p.needs_penalties for p in params) or any(
+        if any(p.needs_penalties or p.logit_bias for p in params) or any(
             r.num_output_tokens < r.sampling_params.min_tokens for r in requests
         ):
             logits = logits.clone()
@@ -120,7 +120,7 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(p.needs_penalties or p.min_tokens for p in params):
+        if any(p.needs_penalties or p.min_tokens or p.logit_bias for p in params):
             logits = logits.clone()
             for request, rows in zip(requests, rows_of, strict=True):
                 for j, row in enumerate(rows):
@@ -189,6 +189,10 @@ def _apply_penalties(row: torch.Tensor, request: Request, num_proposed: int = 0)
     with repetition, presence or frequency penalties (see ``spec_decode``).
     """
     p = request.sampling_params
+    if p.logit_bias:
+        ids, biases = zip(*p.logit_bias, strict=True)
+        index = torch.tensor(ids, dtype=torch.long, device=row.device)
+        row.index_add_(0, index, torch.tensor(biases, dtype=row.dtype, device=row.device))
     if request.num_output_tokens + num_proposed < p.min_tokens:
         banned = set(p.stop_token_ids)
         if not p.ignore_eos:

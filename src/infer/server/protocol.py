@@ -57,6 +57,9 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(None, min_length=1, description="isolates prefix-cache hits")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
     user: str | None = Field(None, description="accepted and ignored")
 
 
@@ -144,7 +147,6 @@ class ChatCompletionRequest(_SamplingFields):
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "logit_bias": lambda v: v in (None, {}),
     "suffix": lambda v: v in (None, ""),
     "best_of": lambda v: v in (None, 1),
     "audio": lambda v: v is None,

@@ -61,6 +61,21 @@ class ServerSettings:
     drain_timeout: float = 30.0
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as ``((id, bias), ...)``; a key that is not a token id
+    is a 400 naming ``logit_bias``."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        out.append((token_id, float(value)))
+    return tuple(out)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -159,6 +174,7 @@ class Serving:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured,
+                logit_bias=_logit_bias(req.logit_bias),
             )
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e
