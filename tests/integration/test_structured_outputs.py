@@ -21,7 +21,7 @@ SCHEMA = {
     "properties": {
         "id": {"type": "integer", "minimum": -1000, "maximum": 1000},
         "label": {"enum": ["cat", "dog"]},
-        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
         "notes": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
     },
     "required": ["id", "label", "notes"],

@@ -1,4 +1,4 @@
-"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|quant|spec|prefix|results``.
+"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|quant|spec|structured|prefix|results``.
 
 Registered by :mod:`infer.cli`. Building the parser imports nothing from the ``bench`` extra;
 each command checks for the extra first (:func:`infer.bench.require_bench_extra`) and imports
@@ -495,6 +495,13 @@ def register(subparsers) -> None:
     sd.add_argument("--concurrency", default="1,8,16,64", help="requests kept in flight")
     sd.add_argument("--out", default=f"{DEFAULT_OUT}/spec", help="report folder")
     sd.set_defaults(func=_offline_bench("spec"))
+
+    so = sub.add_parser(
+        "structured", help="structured outputs: grammar compile / mask cost, throughput, TTFT"
+    )
+    so.add_argument("--runs", type=int, default=3, help="runs per case; the median is kept")
+    so.add_argument("--out", default=f"{DEFAULT_OUT}/structured", help="report folder")
+    so.set_defaults(func=_offline_bench("structured"))
 
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
     pr.add_argument("--model", default=None, help=model_help)

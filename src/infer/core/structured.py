@@ -28,7 +28,7 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(self.json))
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [

@@ -129,7 +129,7 @@ def _schema_text(schema: Any, param: str) -> str:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from None
     if not isinstance(schema, dict):
         raise InvalidRequestError("the JSON schema must be a JSON object", param=param)
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)  # the schema's own property order is the output's
 
 
 def _string(value: Any, param: str) -> str:

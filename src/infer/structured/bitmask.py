@@ -8,9 +8,10 @@ import torch
 def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
     """Set the logits of disallowed tokens to -inf in place (``rows`` of ``logits``)."""
     vocab = logits.shape[1]
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((mask[:, :, None] >> bits) & 1).reshape(mask.shape[0], -1)[:, :vocab].bool()
+    allowed = ((mask[:, :, None] >> _BITS) & 1).reshape(mask.shape[0], -1)[:, :vocab]
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    sub = logits.index_select(0, index)
-    sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
-    logits.index_copy_(0, index, sub)
+    masked = logits.index_select(0, index).masked_fill_(allowed.to(logits.device) == 0, -torch.inf)
+    logits.index_copy_(0, index, masked)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
