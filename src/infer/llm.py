@@ -99,6 +99,10 @@ class LLM:
                     outputs=outputs,
                     num_cached_tokens=last[0].num_cached_tokens,
                     timings=[o.timings for o in last if o.timings is not None],
+                    prompt_logprobs=next(
+                        (o.prompt_logprobs for o in collected[rids[0]] if o.prompt_logprobs),
+                        None,
+                    ),
                 )
             )
         return results

@@ -183,3 +183,29 @@ def test_logit_bias_steers_greedy_and_sampling(make_llm):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]"):
         SamplingParams(logit_bias={5: 101})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"prefill_chunk_size": 5, "block_size": 4, "enable_prefix_caching": True},
+     {"num_kv_blocks": 24, "block_size": 4, "max_num_seqs": 12}],
+)  # fmt: skip
+def test_prompt_logprobs_match_transformers(options, make_llm, tiny_checkpoints):
+    """Chunked, prefix-cached (the prompt is computed whole anyway) or preempted and
+    recomputed: every prompt token's logprob is transformers' and is reported once."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm("llama", **options)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=2))  # warm the prefix cache
+    params = SamplingParams(max_tokens=12, prompt_logprobs=2, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"], dtype=torch.float32)
+    for out in outs:
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        lps = out.prompt_logprobs
+        assert len(lps) == len(ids) and lps[0] is None
+        for i, lp in enumerate(lps[1:], start=1):
+            assert lp.token_id == ids[i] and len(lp.top) == 2
+            assert math.isclose(lp.logprob, ref[i - 1, ids[i]].item(), abs_tol=1e-4)

@@ -86,9 +86,17 @@ CASES = [
     ("priority-huge", "POST", C, cmpl(priority=2**40), None, 400, "priority"),
     ("model-int", "POST", C, cmpl(model=42), None, 400, "model"),
     ("model-unknown", "POST", C, cmpl(model="nope"), None, 404, "model"),
-    ("suffix-unsupported", "POST", C, cmpl(suffix="x"), None, 400, "suffix"),
-    ("echo-with-logprobs", "POST", C, cmpl(echo=True, logprobs=1), None, 400, "echo"),
-    ("best-of-unsupported", "POST", C, cmpl(best_of=3), None, 400, "best_of"),
+    ("suffix-without-fim-model", "POST", C, cmpl(suffix="x"), None, 400, "suffix"),
+    ("best-of-below-n", "POST", C, cmpl(best_of=1, n=2), None, 400, "best_of"),
+    (
+        "prompt-logprobs-too-many",
+        "POST",
+        C,
+        cmpl(prompt_logprobs=21),
+        None,
+        400,
+        "prompt_logprobs",
+    ),  # fmt: skip
     (
         "text-plain-body",
         "POST",

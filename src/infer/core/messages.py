@@ -32,6 +32,8 @@ class ScheduledChunk:
     # Speculative decoding: the chunk's last ``num_spec_tokens`` tokens are proposals to verify
     # (the runner samples at each of them and at the token before; see Sampler.verify).
     num_spec_tokens: int = 0
+    # Score every row of this chunk whose next token is a prompt token (prompt logprobs).
+    prompt_logprobs: bool = False
 
     @property
     def spec_token_ids(self) -> list[int]:

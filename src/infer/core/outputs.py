@@ -27,6 +27,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     timings: RequestTimings | None = None
     error: str | None = None
+    # With prompt_logprobs: every prompt token's (None for the first), in the request's first
+    # output that carries a generated token (or its last, if it ends without one).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,3 +54,5 @@ class GenerationResult:
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     timings: list[RequestTimings]
+    # With SamplingParams.prompt_logprobs: each prompt token's log-probability (None first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -111,6 +111,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []
+        # With sampling_params.prompt_logprobs: entry i is prompt token i's (None for the first).
+        self.prompt_logprobs: list[TokenLogprob | None] = []
         self.num_computed_tokens = 0
         # Tokens whose KV came from the prefix cache at (last) admission.
         self.num_cached_tokens = 0

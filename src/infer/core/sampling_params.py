@@ -40,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top-k alternatives
+    # Logprob of each prompt token given the ones before it, + top-k (None: not computed). The
+    # prompt then runs whole through the model (no prefix-cache hits: cached tokens have no logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Constrained decoding: the output must match this (infer.core.structured.StructuredOutputs)
     structured_outputs: Any = None
@@ -104,6 +107,10 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
+            )
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):

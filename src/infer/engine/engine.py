@@ -153,6 +153,7 @@ class _OutputState:
         self.detokenizer = detokenizer
         self.num_sent_tokens = 0
         self.num_sent_logprobs = 0
+        self.sent_prompt_logprobs = False
 
 
 class LLMEngine:
@@ -454,7 +455,7 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         try:
-            sampled, timings = self.runner.execute(sched, self.scheduler.requests)
+            sampled, timings, prompt_logprobs = self.runner.execute(sched, self.scheduler.requests)
         except Exception as e:  # noqa: BLE001 - one failed batch must not kill the engine
             logger.exception(
                 "forward pass failed; failing the %d requests in it", len(sched.chunks)
@@ -466,7 +467,7 @@ class LLMEngine:
             outputs, self._pending = outputs + self._pending, []
             return outputs
         t2 = time.perf_counter()
-        for request in self.scheduler.update_from_output(sched, sampled):
+        for request in self.scheduler.update_from_output(sched, sampled, prompt_logprobs):
             if self.structured is not None and not request.is_finished:
                 self._advance_grammar(request)
             outputs.append(self._make_output(request))
@@ -556,6 +557,14 @@ class LLMEngine:
         state.num_sent_tokens = request.num_output_tokens
         new_logprobs = request.output_logprobs[state.num_sent_logprobs :]
         state.num_sent_logprobs = len(request.output_logprobs)
+        prompt_logprobs = None
+        if (
+            request.sampling_params.prompt_logprobs is not None
+            and not state.sent_prompt_logprobs
+            and (new_ids or request.is_finished)
+        ):
+            prompt_logprobs = list(request.prompt_logprobs)
+            state.sent_prompt_logprobs = True
         if request.is_finished:
             del self._states[request.request_id]
             self.runner.sampler.forget(request.request_id)
@@ -576,6 +585,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             timings=request.timings,
             error=request.error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- introspection ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from infer.config import CacheConfig, SchedulerConfig
 from infer.core.messages import Sampled, ScheduledChunk, SchedulerOutput
-from infer.core.request import Request, RequestStatus
+from infer.core.request import Request, RequestStatus, TokenLogprob
 from infer.engine.queue import make_queue
 from infer.kv_cache.manager import NO_HIT, KVManager
 
@@ -173,7 +173,11 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, preempt):
                 break
             swapped = self.kv.is_swapped(request)
-            hit = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else NO_HIT
+            # NOTE: prompt logprobs need logits at every prompt position: no cached prefix.
+            fresh = (
+                request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+            )
+            hit = self.kv.lookup_prefix(request) if fresh else NO_HIT
             num_cached = hit.num_blocks * self.kv.block_size
             any_prefill = any(len(c.token_ids) - c.num_spec_tokens > 1 for c in scheduled.values())
             n = self._num_tokens_to_run(request, budget, any_prefill, num_cached)
@@ -262,6 +266,7 @@ class Scheduler:
         if start + 1 == request.num_tokens and n > 1:  # the last token + n - 1 proposals
             num_spec = n - 1
             tokens = tokens + request.spec_token_ids[:num_spec]
+        wants = request.sampling_params.prompt_logprobs is not None
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tokens,
@@ -269,11 +274,15 @@ class Scheduler:
             block_table=self.kv.block_table(request),
             sample=start + len(tokens) - num_spec == request.num_tokens,
             num_spec_tokens=num_spec,
+            prompt_logprobs=wants and len(request.prompt_logprobs) < request.num_prompt_tokens,
         )
 
     # ---- results ------------------------------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, Sampled]
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, Sampled],
+        prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] | None = None,
     ) -> list[Request]:
         """Apply a step's results; returns the requests that progressed (finished ones included).
 
@@ -294,6 +303,11 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
+            if chunk.prompt_logprobs and not request.prompt_logprobs:
+                request.prompt_logprobs.append(None)  # the first token has no context
+            for position, lp in (prompt_logprobs or {}).get(chunk.request_id, ()):
+                if position == len(request.prompt_logprobs):  # not again after a recompute
+                    request.prompt_logprobs.append(lp)
             if not chunk.sample:
                 self.kv.commit_full_blocks(request)
                 continue

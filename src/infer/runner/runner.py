@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from infer.core.messages import Sampled, SchedulerOutput
-from infer.core.request import Request
+from infer.core.request import Request, TokenLogprob
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
-from infer.runner.sampler import Sampler
+from infer.runner.sampler import Sampler, token_logprob
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, requests: dict[str, Request]
-    ) -> tuple[dict[str, Sampled], StepTimings]:
+    ) -> tuple[dict[str, Sampled], StepTimings, dict[str, list[tuple[int, TokenLogprob]]]]:
+        """Run one step: its sampled tokens, timings, and prompt logprobs by request."""
         t0 = time.perf_counter()
         self.swap_blocks(out)
         token_ids: list[int] = []
@@ -98,6 +99,8 @@ class ModelRunner:
         seqs: list[SequenceSlice] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        # (request id, flat row, position of the prompt token it predicts)
+        prompt_rows: list[tuple[str, int, int]] = []
         proposals: list[list[int]] = []  # per sampled chunk (speculative decoding)
         for chunk in out.chunks:
             n = len(chunk.token_ids)
@@ -111,6 +114,13 @@ class ModelRunner:
                     as_decode_rows=chunk.num_spec_tokens > 0,
                 )
             )
+            if chunk.prompt_logprobs:
+                num_prompt = requests[chunk.request_id].num_prompt_tokens
+                first_row = len(token_ids) - n
+                for i in range(n):
+                    target = chunk.num_computed_tokens + i + 1
+                    if target < num_prompt:
+                        prompt_rows.append((chunk.request_id, first_row + i, target))
             if chunk.sample:
                 # A chunk with k proposals is scored at its last k + 1 rows.
                 end = len(token_ids)
@@ -130,6 +140,7 @@ class ModelRunner:
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[rows])
+        prompt_lps = self._prompt_logprobs(hidden, prompt_rows, requests) if prompt_rows else {}
         if self._sync:
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
@@ -145,4 +156,18 @@ class ModelRunner:
             for request, result in zip(sample_reqs, results, strict=True):
                 sampled[request.request_id] = result
         t3 = time.perf_counter()
-        return sampled, StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
+        return sampled, StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2), prompt_lps
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[str, int, int]], requests: dict[str, Request]
+    ) -> dict[str, list[tuple[int, TokenLogprob]]]:
+        """Each listed row's log-probability of the prompt token it predicts, + top-k."""
+        index = torch.tensor([r for _, r, _ in rows], dtype=torch.long, device=self.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+        out: dict[str, list[tuple[int, TokenLogprob]]] = {}
+        for j, (request_id, _, position) in enumerate(rows):
+            request = requests[request_id]
+            k = request.sampling_params.prompt_logprobs or 0
+            token = request.prompt_token_ids[position]
+            out.setdefault(request_id, []).append((position, token_logprob(logprobs[j], token, k)))
+        return out

@@ -83,7 +83,7 @@ class Sampler:
             k = params[row].logprobs
             lp = None
             if k is not None and raw_logprobs is not None:
-                lp = _token_logprob(raw_logprobs[row], token_id, k)
+                lp = token_logprob(raw_logprobs[row], token_id, k)
             out.append(SampledToken(token_id, lp))
         return out
 
@@ -166,7 +166,7 @@ class Sampler:
                     )
                 lp = None
                 if k is not None and raw_logprobs is not None:
-                    lp = _token_logprob(raw_logprobs[row], token, k)
+                    lp = token_logprob(raw_logprobs[row], token, k)
                 emitted.append(SampledToken(token, lp))
                 if not accepted:
                     break
@@ -233,7 +233,7 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def _token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     chosen = logprobs[token_id].item()
     rank = int((logprobs > chosen).sum().item()) + 1
     top: tuple[tuple[int, float], ...] = ()

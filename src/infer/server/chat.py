@@ -197,8 +197,12 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
         ))  # fmt: skip
     prompt, completion, cached = usage_totals(acc.final, req.n)
     raw.state.usage = (prompt, completion)
+    prompt_lps = None
+    if req.prompt_logprobs is not None:  # one prompt: the first choice carries them
+        prompt_lps = serving.prompt_logprobs(acc.prompt_logprobs[0], req.prompt_logprobs)
     body = ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                  usage=serving.usage(prompt, completion, cached))  # fmt: skip
+                                  usage=serving.usage(prompt, completion, cached),
+                                  prompt_logprobs=prompt_lps)  # fmt: skip
     return JSONResponse(body.model_dump(mode="json"))
 
 

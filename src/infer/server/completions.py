@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -12,6 +13,7 @@ from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.engine.async_engine import RequestStream
 from infer.server.errors import bad_request
+from infer.server.fim import fim_prompt, fim_tokens
 from infer.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -61,13 +63,47 @@ def completion_logprobs(
     return out, offset
 
 
+def echo_logprobs(serving: Serving, prompt_ids: list[int], lps: list[TokenLogprob | None] | None,
+                  k: int) -> tuple[CompletionLogprobs, int]:  # fmt: skip
+    """The echoed prompt's part of the logprobs block (the first token has none)."""
+    out = CompletionLogprobs()
+    offset = 0
+    for token_id, lp in zip(prompt_ids, lps or [], strict=False):
+        token = serving.token_str(token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        top = None
+        if lp is not None:
+            top = {serving.token_str(t): v for t, v in lp.top[:k]}
+            top.setdefault(token, lp.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out, offset
+
+
+def _join(a: CompletionLogprobs | None, b: CompletionLogprobs) -> CompletionLogprobs:
+    if a is None:
+        return b
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)  # fmt: skip
+
+
 async def create_completion(serving: Serving, req: CompletionRequest, raw: Request) -> Response:
     model = serving.check_model(req.model)
     serving.check_fields(req, "/v1/completions")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which infer does not compute",
-                          param="echo")  # fmt: skip
     prompts = _prompt_list(req.prompt)
+    fim = None
+    if req.suffix:
+        fim = fim_tokens(serving.tokenizer)
+        if fim is None:
+            raise bad_request("suffix needs a fill-in-the-middle model: this model's tokenizer "
+                              "has no FIM tokens (<|fim_prefix|>, <fim_prefix>, ...)",
+                              param="suffix")  # fmt: skip
+        if req.echo:
+            raise bad_request("echo cannot be combined with suffix", param="echo")
     token_prompts: list[list[int]] = []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -77,9 +113,22 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
             ids = await serving.run_blocking(serving.encode, p, size=len(p))
         else:
             ids = list(p)
+        if fim is not None:
+            assert req.suffix is not None
+            ids = fim_prompt(fim, ids, serving.encode(req.suffix))
         serving.check_lengths(ids, req.max_tokens, param)
         token_prompts.append(ids)
+    best_of = req.best_of or req.n
+    if best_of < req.n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})", param="best_of")
+    if best_of > req.n and req.stream:
+        raise bad_request("best_of > n cannot stream: the best are known only at the end",
+                          param="best_of")  # fmt: skip
     params = serving.sampling_params(req, req.max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+        params = replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
+    if best_of > req.n:  # every candidate's logprobs rank them
+        params = replace(params, n=best_of, logprobs=params.logprobs or 0)
     request_id = new_id("cmpl")
     raw.state.request_id = request_id
     stream = await serving.submit(request_id, token_prompts, params, req)
@@ -87,32 +136,56 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     if req.echo:
         echo = [p if isinstance(p, str) else serving.tokenizer.decode(p) for p in prompts]
     if req.stream:
-        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, echo))
+        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, echo,
+                                   token_prompts))  # fmt: skip
     return await cancel_on_disconnect(raw, _collect(serving, req, raw, stream, request_id, model,
-                                                    echo))  # fmt: skip
+                                                    echo, token_prompts))  # fmt: skip
 
 
 async def _collect(serving: Serving, req: CompletionRequest, raw: Request, stream: RequestStream,
-                   request_id: str, model: str, echo: list[str] | None) -> Response:  # fmt: skip
-    n = req.n
+                   request_id: str, model: str, echo: list[str] | None,
+                   token_prompts: list[list[int]]) -> Response:  # fmt: skip
+    best_of = req.best_of or req.n
     acc = Choices(len(stream.request_ids))
     async for index, out in stream:
         acc.add(index, out)
-    choices = []
-    for index, final in enumerate(acc.final):
+    for final in acc.final:
         assert final is not None
         raise_if_failed(final)
-        text = "".join(acc.text[index])
+    # Per prompt, its best_of candidates ranked by cumulative logprob (all of them, in order,
+    # when best_of == n), the first n kept.
+    picked: list[int] = []
+    for first in range(0, len(acc.final), best_of):
+        candidates = list(range(first, first + best_of))
+        if best_of > req.n:
+            candidates.sort(key=lambda i: -sum(lp.logprob for lp in acc.logprobs[i]))
+        picked.extend(candidates[: req.n])
+    choices = []
+    for index, source in enumerate(picked):
+        final = acc.final[source]
+        assert final is not None
+        text = "".join(acc.text[source])
         if echo is not None:
-            text = echo[index // n] + text
+            text = echo[source // best_of] + text
         logprobs = None
+        prompt_lps = acc.prompt_logprobs[source]
         if req.logprobs is not None:
-            logprobs, _ = completion_logprobs(serving, acc.logprobs[index], req.logprobs, 0)
+            offset = 0
+            lps = acc.logprobs[source]
+            if echo is not None:
+                prompt_ids = token_prompts[source // best_of]
+                logprobs, offset = echo_logprobs(serving, prompt_ids, prompt_lps, req.logprobs)
+            more, _ = completion_logprobs(serving, lps, req.logprobs, offset)
+            logprobs = _join(logprobs, more)
         choices.append(
             CompletionChoice(index=index, text=text, logprobs=logprobs,
-                             finish_reason=final.finish_reason, stop_reason=final.stop_reason)
+                             finish_reason=final.finish_reason, stop_reason=final.stop_reason,
+                             prompt_logprobs=serving.prompt_logprobs(prompt_lps,
+                                                                     req.prompt_logprobs or 0)
+                             if req.prompt_logprobs is not None else None)
         )  # fmt: skip
-    prompt, completion, cached = usage_totals(acc.final, n)
+    # Usage counts every candidate generated, as OpenAI bills best_of.
+    prompt, completion, cached = usage_totals(acc.final, best_of)
     raw.state.usage = (prompt, completion)
     body = CompletionResponse(id=request_id, model=model, choices=choices,
                               usage=serving.usage(prompt, completion, cached))  # fmt: skip
@@ -120,7 +193,8 @@ async def _collect(serving: Serving, req: CompletionRequest, raw: Request, strea
 
 
 def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream: RequestStream,
-            request_id: str, model: str, echo: list[str] | None) -> AsyncIterator[bytes]:  # fmt: skip
+            request_id: str, model: str, echo: list[str] | None,
+            token_prompts: list[list[int]]) -> AsyncIterator[bytes]:  # fmt: skip
     created = int(time.time())
     started = [False] * len(stream.request_ids)
     offsets = [0] * len(stream.request_ids)
@@ -137,14 +211,22 @@ def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream: Requ
         # so clients timing inter-token latency see the engine's pace, not the text's.
         logprobs = None
         if req.logprobs is not None:
-            logprobs, offsets[index] = completion_logprobs(
+            if echo is not None and out.prompt_logprobs is not None:
+                logprobs, offsets[index] = echo_logprobs(
+                    serving, token_prompts[index // req.n], out.prompt_logprobs, req.logprobs
+                )
+            more, offsets[index] = completion_logprobs(
                 serving, out.new_logprobs, req.logprobs, offsets[index]
             )
+            logprobs = _join(logprobs, more)
+        prompt_lps = None
+        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            prompt_lps = serving.prompt_logprobs(out.prompt_logprobs, req.prompt_logprobs)
         chunk = CompletionStreamResponse(
             id=request_id, created=created, model=model, usage=usage,
             choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
                                       finish_reason=out.finish_reason if out.finished else None,
-                                      stop_reason=out.stop_reason)],
+                                      stop_reason=out.stop_reason, prompt_logprobs=prompt_lps)],
         )  # fmt: skip
         return sse(chunk.model_dump_json())
 

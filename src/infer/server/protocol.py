@@ -57,6 +57,9 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(None, min_length=1, description="isolates prefix-cache hits")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM: logprobs of the prompt tokens, + top-k"
+    )
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
     )
@@ -72,6 +75,10 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1, description="null: up to the context length")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_N, description="generate this many, return the n most likely"
+    )
+    suffix: str | None = Field(None, description="text after the completion (fill-in-the-middle)")
 
 
 class TextContentPart(_Request):
@@ -147,12 +154,9 @@ class ChatCompletionRequest(_SamplingFields):
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "suffix": lambda v: v in (None, ""),
-    "best_of": lambda v: v in (None, 1),
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
-    "prompt_logprobs": lambda v: v is None,
     "lora_request": lambda v: v is None,
     "prompt_embeds": lambda v: v is None,
 }
@@ -198,10 +202,16 @@ class CompletionLogprobs(_Response):
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+"""vLLM's shape: per prompt token, ``{token id: {"logprob", "rank", "decoded_token"}}`` for the
+token itself and the top-k alternatives; None for the first token."""
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = Field(None, description="the stop token id or string matched")
 
@@ -286,6 +296,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
     system_fingerprint: str | None = None
 
 

@@ -33,6 +33,7 @@ from infer.engine.async_engine import (
 from infer.server.errors import APIError, bad_request, from_invalid_request
 from infer.server.protocol import (
     UNSUPPORTED_FIELDS,
+    PromptLogprobs,
     PromptTokensDetails,
     UsageInfo,
     _SamplingFields,
@@ -175,6 +176,7 @@ class Serving:
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured,
                 logit_bias=_logit_bias(req.logit_bias),
+                prompt_logprobs=req.prompt_logprobs,
             )
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e
@@ -226,6 +228,21 @@ class Serving:
     def token_str(self, token_id: int) -> str:
         return self._token_str(token_id)
 
+    def prompt_logprobs(self, lps: list[TokenLogprob | None] | None, k: int) -> PromptLogprobs:
+        """vLLM's ``prompt_logprobs`` block: each prompt token and its top-k alternatives."""
+        out: PromptLogprobs = []
+        for lp in lps or []:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                        "decoded_token": self.token_str(lp.token_id)}}  # fmt: skip
+            for rank, (token_id, value) in enumerate(lp.top[:k], start=1):
+                entry.setdefault(str(token_id), {"logprob": value, "rank": rank,
+                                                 "decoded_token": self.token_str(token_id)})  # fmt: skip
+            out.append(entry)
+        return out
+
     # ---- usage ----------------------------------------------------------------------------------
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
@@ -244,12 +261,15 @@ class Choices:
         self.text = [[] for _ in range(num_choices)]
         self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        self.prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * num_choices
         self.final: list[RequestOutput | None] = [None] * num_choices
 
     def add(self, index: int, out: RequestOutput) -> None:
         self.text[index].append(out.new_text)
         self.token_ids[index].extend(out.new_token_ids)
         self.logprobs[index].extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = out.prompt_logprobs
         if out.finished:
             self.final[index] = out
 
