@@ -7,8 +7,11 @@
 1. **The grammar engine** (llguidance, with the ``small`` model's tokenizer): the time to build
    a matcher for a new moderate JSON schema (a 10-field object with nested arrays, enums and
    bounded strings) and for the same schema again (the grammar cached), and the time to fill
-   the token bitmasks of 64 constrained requests at once, in mid-object states (per step).
-2. **Throughput**, offline engine, the built-in ``small`` model (bf16): C requests in flight
+   the token bitmasks of 64 constrained requests, in mid-object states (per step). The same
+   with xgrammar when it is installed (not a dependency: the comparison that chose llguidance).
+2. **Throughput**, offline engine, the built-in ``small`` model and the ~110M Llama of
+   ``infer bench engine`` (random weights: the grammar shapes its output all the same), bf16:
+   C requests in flight
    (C = 16, 64), 4 x C requests, 256-token prompts, up to 128 output tokens, EOS ignored:
    every other request constrained by the schema vs none, the unconstrained run stopping each
    of those requests at the length its JSON had (same prompts, same number of tokens). Output
@@ -68,16 +71,16 @@ def moderate_schema(tag: str = "") -> dict:
     }
 
 
-def _engine(concurrency: int) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(model="small", dtype="bfloat16",
+def _engine(concurrency: int, model: str = "small") -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(model=model, dtype="bfloat16",
                                               max_num_seqs=concurrency,
                                               max_num_batched_tokens=4096))  # fmt: skip
 
 
 def grammar_engine(tokenizer, runs: int) -> dict:
     import llguidance.hf
-    from llguidance import LLExecutor, LLMatcher
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+    from llguidance import LLMatcher
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     from infer.structured import compile_grammar
 
@@ -103,12 +106,55 @@ def grammar_engine(tokenizer, runs: int) -> dict:
         m = LLMatcher(llg_tok, grammar, log_level=0)
         assert m.consume_tokens(prefix), m.get_error()
         matchers.append(m)
-    executor = LLExecutor()
     mask = allocate_token_bitmask(64, len(tokenizer))
+    fills = []
+    for _ in range(50):  # one after another, as the engine does (see StructuredOutputManager)
+        t0 = time.perf_counter()
+        for i, m in enumerate(matchers):
+            fill_next_token_bitmask(m, mask, i)
+        fills.append(time.perf_counter() - t0)
+    return {
+        "tokenizer_build_ms": 1000 * tokenizer_s,
+        "new_schema_ms": 1000 * statistics.median(new),
+        "cached_schema_ms": 1000 * statistics.median(cached),
+        "mask_batch64_ms": 1000 * statistics.median(fills),
+    }
+
+
+def xgrammar_engine(tokenizer, runs: int) -> dict | None:
+    """The same measures with xgrammar, when it is installed (it is not a dependency: it
+    brings triton, ~1 GB); None otherwise. Its compact JSON puts a space after ``:`` and
+    ``,``, so its mid-object state is reached with that spelling."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return None
+    t0 = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+    tokenizer_s = time.perf_counter() - t0
+    mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    new, cached = [], []
+    for i in range(runs * 3):
+        schema = json.dumps(moderate_schema(f"{time.time_ns()}-{i}"))
+        for times in (new, cached):
+            t0 = time.perf_counter()
+            grammar = compiler.compile_json_schema(schema, any_whitespace=False)
+            xgr.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
+            times.append(time.perf_counter() - t0)
+    grammar = compiler.compile_json_schema(json.dumps(moderate_schema()), any_whitespace=False)
+    prefix = tokenizer.encode('{"order_id": 12, "customer": "ann', add_special_tokens=False)
+    matchers = []
+    for _ in range(64):
+        m = xgr.GrammarMatcher(grammar)
+        assert all(m.accept_token(t) for t in prefix)
+        matchers.append(m)
+    masks = xgr.allocate_token_bitmask(64, info.vocab_size)
     fills = []
     for _ in range(50):
         t0 = time.perf_counter()
-        fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(masks, i)
         fills.append(time.perf_counter() - t0)
     return {
         "tokenizer_build_ms": 1000 * tokenizer_s,
@@ -186,20 +232,26 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = probe.tokenizer
     report["grammar_engine"] = grammar_engine(tokenizer, args.runs)
     print("grammar engine", report["grammar_engine"], flush=True)
+    report["xgrammar"] = xgrammar_engine(tokenizer, args.runs)
+    print("xgrammar", report["xgrammar"], flush=True)
+    from infer.bench.engine import llama_100m
+
+    models = {"small": "small", "llama-110m": str(llama_100m(None))}
     rows = {}
-    for c in (16, 64):
-        engine = _engine(c)
-        prompts = _prompts(tokenizer, 4 * c)
+    for (name, model), c in [(m, c) for m in models.items() for c in (16, 64)]:
+        engine = _engine(c, model)
+        prompts = _prompts(engine.tokenizer, 4 * c)
         throughput(engine, prompts[:c], c, seed=99)  # warm-up (tokenizer, kernels)
         results: dict[str, list[float]] = {"none": [], "half": []}
         for r in range(args.runs):
             tok_s, lengths = throughput(engine, prompts, c, r)
             results["half"].append(tok_s)
             results["none"].append(throughput(engine, prompts, c, r, lengths)[0])
-        rows[c] = {k: statistics.median(v) for k, v in results.items()}
-        rows[c]["runs"] = results
-        rows[c]["loss"] = 1 - rows[c]["half"] / rows[c]["none"]
-        print("throughput", c, rows[c], flush=True)
+        row: dict = {k: statistics.median(v) for k, v in results.items()}
+        row.update(runs=results, loss=1 - row["half"] / row["none"], model=name, c=c)
+        rows[f"{name}/c{c}"] = row
+        print("throughput", name, c, row, flush=True)
+        del engine
     report["throughput"] = rows
     engine = _engine(4)
     prompt = _prompts(tokenizer, 1)[0]
@@ -227,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(r: dict) -> str:
-    g, t, tt = r["grammar_engine"], r["throughput"], r["ttft_ms"]
+    g, t, tt, x = r["grammar_engine"], r["throughput"], r["ttft_ms"], r.get("xgrammar")
     lines = [
         "# Structured outputs: what constraints cost",
         "",
@@ -238,21 +290,26 @@ def render(r: dict) -> str:
         "",
         "## Grammar engine",
         "",
-        "| measure | ms |",
-        "|---|---:|",
-        f"| tokenizer wrapper, built once per engine | {g['tokenizer_build_ms']:.1f} |",
-        f"| matcher for a new schema (compile + first mask) | {g['new_schema_ms']:.2f} |",
-        f"| matcher for a cached schema (+ first mask) | {g['cached_schema_ms']:.2f} |",
-        f"| bitmasks of 64 requests mid-object, one step | {g['mask_batch64_ms']:.2f} |",
+        "| measure (ms) | llguidance | xgrammar |",
+        "|---|---:|---:|",
+    ]
+    for key, label in [("tokenizer_build_ms", "tokenizer wrapper, built once per engine"),
+                       ("new_schema_ms", "matcher for a new schema (compile + first mask)"),
+                       ("cached_schema_ms", "matcher for a cached schema (+ first mask)"),
+                       ("mask_batch64_ms", "bitmasks of 64 requests mid-object, one step")]:  # fmt: skip
+        other = f"{x[key]:.2f}" if x else "not installed"
+        lines.append(f"| {label} | {g[key]:.2f} | {other} |")
+    lines += [
         "",
         "## Throughput: half the requests constrained vs none (offline, 256 in / <= 128 out, "
         "the same output lengths in both)",
         "",
-        "| C | none tok/s | half constrained tok/s | loss |",
-        "|---:|---:|---:|---:|",
+        "| model | C | none tok/s | half constrained tok/s | loss |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for c, row in t.items():
-        lines.append(f"| {c} | {row['none']:.1f} | {row['half']:.1f} | {100 * row['loss']:.1f}% |")
+    for row in t.values():
+        lines.append(f"| {row['model']} | {row['c']} | {row['none']:.1f} | {row['half']:.1f} | "
+                     f"{100 * row['loss']:.1f}% |")  # fmt: skip
     lines += [
         "",
         "## Time to first token (idle engine, 256-token prompt)",

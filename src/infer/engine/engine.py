@@ -381,8 +381,10 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
         )
         if params.structured_outputs is not None:
-            # NOTE: the request joins the scheduler once its matcher is built (off this thread).
+            # NOTE: the request joins the scheduler once its matcher is built (off this thread
+            # for a new schema), at the start of a step.
             self._compiling[request_id] = (request, self._structured_manager().submit(request))
+            self._admit_compiled(wait=False)
             return
         self.scheduler.add_request(request)
 

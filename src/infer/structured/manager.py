@@ -36,12 +36,23 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self.matchers: dict[str, object] = {}  # request id -> llguidance.LLMatcher
+        self._built: set[tuple] = set()  # cache keys of grammars built before
 
     # ---- compilation --------------------------------------------------------------------------
     def submit(self, request: Request) -> Future:
-        """Build the request's matcher in a worker thread; the future gives the matcher or
-        raises :class:`GrammarError`."""
-        return self._pool.submit(self._build, request.sampling_params.structured_outputs)
+        """Build the request's matcher; the future gives the matcher or raises
+        :class:`GrammarError`. A schema seen before is built at once, here (a fraction of a
+        millisecond: its grammar is cached and the engine's tokenizer wrapper exists), so the
+        request can join this very step; a new one in a worker thread."""
+        spec = request.sampling_params.structured_outputs
+        if spec.cache_key in self._built:
+            done: Future = Future()
+            try:
+                done.set_result(self._build(spec))
+            except GrammarError as e:
+                done.set_exception(e)
+            return done
+        return self._pool.submit(self._build, spec)
 
     def _tokenizer(self):
         with self._lock:  # NOTE: built once (~1 s for a large vocabulary), on first use
@@ -61,6 +72,7 @@ class StructuredOutputManager:
         matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {spec.kind}: {matcher.get_error()}", param=spec.param)
+        self._built.add(spec.cache_key)
         return matcher
 
     def attach(self, request_id: str, matcher) -> None:
