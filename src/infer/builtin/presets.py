@@ -8,7 +8,7 @@ change the weights a preset produces, so cached builds of the old recipe are not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 # Part of every cache path: a recipe change must never silently reuse old weights.
@@ -171,32 +171,15 @@ SMALL = Preset(
 # (a BPE trained on the same documents with the same vocabulary size is the same tokenizer;
 # the engine checks the vocabularies match), ~1M parameters, 2 layers x 128. Most of its
 # weights are the 4096 x 128 embedding. Proposals need only be right often, and cheap.
-SMALL_DRAFT = Preset(
+SMALL_DRAFT = replace(
+    SMALL,
     name="small-draft",
     description="Llama, 0.9M params, the draft model of small (same tokenizer), context 1024",
-    arch="llama",
-    tokenizer="bpe",
-    vocab_size=4096,
     hidden_size=128,
     num_layers=2,
     num_heads=2,
     num_kv_heads=1,
     intermediate_size=384,
-    context_len=1024,
-    seq_len=256,
-    batch_size=8,
-    steps=240,
-    lr=6e-3,
-    warmup_steps=10,
-    min_lr_ratio=0.02,
-    schedule="linear",
-    weight_decay=0.0,
-    muon_lr=0.03,
-    zero_init_residual=True,
-    final_seq_len=1024,
-    final_frac=0.1,
-    api_docstrings=True,
-    bf16_autocast=True,
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (TOY, SMALL, SMALL_DRAFT)}

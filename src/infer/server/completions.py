@@ -50,25 +50,19 @@ def completion_logprobs(
     serving: Serving, lps: list[TokenLogprob], k: int, offset: int
 ) -> tuple[CompletionLogprobs, int]:
     """OpenAI's legacy logprobs block; returns it and the text offset after its tokens."""
-    out = CompletionLogprobs()
-    for lp in lps:
-        token = serving.token_str(lp.token_id)
-        out.tokens.append(token)
-        out.token_logprobs.append(lp.logprob)
-        top = {serving.token_str(t): v for t, v in lp.top[:k]}
-        top.setdefault(token, lp.logprob)
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(token)
-    return out, offset
+    return _logprobs_block(serving, [(lp.token_id, lp) for lp in lps], k, offset)
 
 
 def echo_logprobs(serving: Serving, prompt_ids: list[int], lps: list[TokenLogprob | None] | None,
                   k: int) -> tuple[CompletionLogprobs, int]:  # fmt: skip
     """The echoed prompt's part of the logprobs block (the first token has none)."""
+    return _logprobs_block(serving, list(zip(prompt_ids, lps or [], strict=False)), k, 0)
+
+
+def _logprobs_block(serving: Serving, entries: list[tuple[int, TokenLogprob | None]], k: int,
+                    offset: int) -> tuple[CompletionLogprobs, int]:  # fmt: skip
     out = CompletionLogprobs()
-    offset = 0
-    for token_id, lp in zip(prompt_ids, lps or [], strict=False):
+    for token_id, lp in entries:
         token = serving.token_str(token_id)
         out.tokens.append(token)
         out.token_logprobs.append(None if lp is None else lp.logprob)
