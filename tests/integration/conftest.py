@@ -42,6 +42,11 @@ def make_llm(tiny_checkpoints):
         assert not engine.has_unfinished_requests(), "engine left requests unfinished"
         kv = engine.kv_manager
         assert kv.num_free_blocks == kv.num_total_blocks, "KV blocks leaked"
+        draft_kv = getattr(engine.proposer, "kv", None)  # a draft model's own cache
+        if draft_kv is not None:
+            assert draft_kv.num_free_blocks == draft_kv.num_total_blocks, "draft KV blocks leaked"
+        if engine.structured is not None:
+            assert not engine.structured.matchers, "grammar matchers left behind"
 
 
 _HF_CACHE: dict[tuple[str, int], list[list[int]]] = {}
