@@ -83,6 +83,16 @@ class ServerProcess:
     def debug(self) -> dict:
         return httpx.get(self.url + "/debug/engine", headers=self.headers, timeout=10).json()
 
+    def wait_running(self, count: int, timeout: float = 30.0) -> dict:
+        """Poll until at least ``count`` requests are in flight; return the stats."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.debug()
+            if stats["in_flight"] >= count:
+                return stats
+            time.sleep(0.02)
+        raise AssertionError(f"fewer than {count} requests in flight: {self.debug()}")
+
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Poll until no request is in flight and every KV block is free; return the stats."""
         deadline = time.monotonic() + timeout

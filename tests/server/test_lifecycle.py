@@ -99,3 +99,42 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(server):
         httpx.get(server.url + "/health", timeout=5)
     log = server.log()
     assert "received SIGTERM" in log and "Traceback" not in log
+
+
+def test_sigterm_past_the_drain_timeout_ends_streams_with_abort(llama_checkpoint, server_logs):
+    """In-flight streams that outlast a short drain timeout (each step sleeps 10 ms: 1000
+    tokens take >= 10 s, twenty times the 0.5 s) end with an ``abort`` chunk and ``[DONE]``,
+    non-streamed ones with an ``abort`` answer, and the server exits 0."""
+    import concurrent.futures
+    import time
+
+    gen = start_server(llama_checkpoint, server_logs, "--drain-timeout", "0.5",
+                       env={STEP_DELAY_ENV: "0.01"})  # fmt: skip
+    server = next(gen)
+    try:
+
+        def stream() -> list[str]:
+            with httpx.stream("POST", server.base_url + "/completions",
+                              json={**LONG, "stream": True}, timeout=60) as r:  # fmt: skip
+                return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+        def whole() -> dict:
+            return httpx.post(server.base_url + "/completions", json=LONG, timeout=60).json()
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(stream) for _ in range(3)]
+            plain = pool.submit(whole)
+            server.wait_running(4)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            for f in streams:
+                events = f.result()
+                assert events[-1] == "[DONE]"
+                assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+            assert plain.result()["choices"][0]["finish_reason"] == "abort"
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 20
+        log = server.log()
+        assert "up to 0.5s" in log and "Traceback" not in log and "CancelledError" not in log
+    finally:
+        gen.close()

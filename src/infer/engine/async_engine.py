@@ -71,8 +71,11 @@ class QueueFullError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Timeout:
-    pass
+class _End:
+    """The server ends the stream's unfinished children (a deadline, a shutdown): the consumer
+    gets a final ``abort`` delta for each, so a streamed answer still ends cleanly."""
+
+    why: str
 
 
 # ---- the per-request handle ------------------------------------------------------------------
@@ -97,7 +100,7 @@ class RequestStream:
         self._timer: asyncio.TimerHandle | None = None
         if deadline is not None:
             self._timer = asyncio.get_running_loop().call_at(
-                deadline, self._queue.put_nowait, _Timeout()
+                deadline, self._queue.put_nowait, _End("request timed out")
             )
 
     @property
@@ -125,7 +128,7 @@ class RequestStream:
                     self._engine.forget(item.request_id)
                     self.abort("a sibling request was refused")
                     raise item.error
-            elif isinstance(item, _Timeout):
+            elif isinstance(item, _End):
                 self._early.append(item)  # let iteration report it
                 return
             else:  # a sibling's output (it was taken and stepped before this one): keep order
@@ -140,8 +143,8 @@ class RequestStream:
                     if item.error is not None:
                         raise item.error
                     continue
-                if isinstance(item, _Timeout):
-                    for rid, out in self._abort_outputs("request timed out"):
+                if isinstance(item, _End):
+                    for rid, out in self._abort_outputs(item.why):
                         yield self._index[rid], out
                     return
                 out: RequestOutput = item
@@ -191,6 +194,11 @@ class RequestStream:
             done.append((rid, out))
         logger.info("aborted %s (%s)", ",".join(ids), why)
         return done
+
+    def end(self, why: str) -> None:
+        """End the unfinished children as aborted *through the consumer*: it receives their
+        final ``abort`` deltas (and a streamed answer its last chunk and ``[DONE]``)."""
+        self._put(_End(why))
 
     def abort(self, why: str = "client disconnected") -> None:
         """Abort every unfinished child (idempotent). Frees their KV blocks in the next step."""
@@ -255,8 +263,9 @@ class AsyncEngine:
         return len(self._streams)
 
     def abort_all(self, why: str) -> None:
+        """End every in-flight request; each consumer gets its final ``abort`` deltas."""
         for stream in {id(s): s for s in self._streams.values()}.values():
-            stream.abort(why)
+            stream.end(why)
 
     async def drain(self, timeout: float) -> bool:
         """Stop taking requests; wait up to ``timeout`` s for in-flight ones, then abort them.

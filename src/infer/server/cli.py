@@ -165,7 +165,7 @@ class DrainingServer(uvicorn.Server):
                 self.force_exit = True
             return
         self._draining = True
-        logger.info("received %s: finishing in-flight requests (up to %.0fs), then exiting",
+        logger.info("received %s: finishing in-flight requests (up to %gs), then exiting",
                     signal.Signals(sig).name, self.drain_timeout)  # fmt: skip
         self.should_exit = True  # uvicorn stops accepting and waits for open responses
         loop = self.async_engine._loop
