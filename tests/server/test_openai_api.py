@@ -4,6 +4,7 @@ text equal to the offline ``LLM`` API's for the same request."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -309,9 +310,30 @@ def test_openapi_schema_describes_the_api(server):
     ok = post["responses"]["200"]["content"]
     assert ok["application/json"]["schema"]["$ref"].endswith("/CompletionResponse")
     assert ok["text/event-stream"]["schema"]["$ref"].endswith("/CompletionStreamResponse")
+    # Every reference resolves (the SSE event bodies included).
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)))
+    assert refs and refs <= set(schemas), refs - set(schemas)
+    for field in ["tools", "tool_choice", "logit_bias", "prompt_logprobs"]:
+        assert field in schemas["ChatCompletionRequest"]["properties"], field
+    assert schemas["TokenizeRequest"]["properties"]["messages"]["anyOf"][0]["minItems"] == 1
+    vocab = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] + 1
+    ok = httpx.post(server.url + "/detokenize", headers=server.headers,
+                    json={"tokens": [vocab - 1]})  # fmt: skip
+    past = httpx.post(server.url + "/detokenize", headers=server.headers, json={"tokens": [vocab]})
+    assert ok.status_code == 200 and past.status_code == 400
     assert post["responses"]["429"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/ErrorResponse"
     )
+
+
+def test_schema_valid_requests_once_refused_are_served(client):
+    """Requests the published schema calls valid, which the server used to refuse."""
+    got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                         logprobs=False, top_logprobs=0)  # fmt: skip
+    assert got.choices[0].logprobs is None
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, echo=True,
+                                       logprobs=0)  # fmt: skip
+    assert echoed.choices[0].text.startswith(PROMPT)
 
 
 def test_metrics_use_vllm_names_with_model_label(client, server):

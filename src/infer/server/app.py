@@ -191,6 +191,28 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def root() -> JSONResponse:
         return JSONResponse({"service": "infer", "models": list(served), "docs": "/docs"})
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus what it cannot see: the SSE event bodies (referenced by the
+        streaming routes) and the vocabulary bound of /detokenize's token ids."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
+                                 routes=app.routes)  # fmt: skip
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionStreamResponse, ChatCompletionStreamResponse):
+                extra = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub_schema in extra.pop("$defs", {}).items():
+                    schemas.setdefault(name, sub_schema)
+                schemas.setdefault(model.__name__, extra)
+            tokens = schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {})
+            if "items" in tokens:
+                tokens["items"]["maximum"] = len(serving.tokenizer) - 1
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
     # Outermost first on the way in: log everything, then authenticate, then bound the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:

@@ -141,7 +141,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
                                  raw: Request) -> Response:  # fmt: skip
     model = serving.check_model(req.model)
     serving.check_fields(req, "/v1/chat/completions")
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # top_logprobs 0 without logprobs asks nothing
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
