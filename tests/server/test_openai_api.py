@@ -380,3 +380,20 @@ def test_logit_bias_over_http(client, server):
                        json={"model": "tiny", "prompt": PROMPT, "logit_bias": bias})  # fmt: skip
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
         assert message in r.json()["error"]["message"]
+
+
+def test_finished_counts_agree_between_metrics_and_debug(client, server):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers,
+                      json={"model": "tiny", "prompt": PROMPT, "max_tokens": 500,
+                            "ignore_eos": True, "stream": True}) as r:  # fmt: skip
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # then hang up
+    server.wait_idle()
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
+    from_metrics = {}
+    for line in text.splitlines():
+        m = re.match(r'vllm:request_success_total\{.*finished_reason="(\w+)".*\} (\S+)', line)
+        if m and float(m.group(2)):
+            from_metrics[m.group(1)] = int(float(m.group(2)))
+    assert server.debug()["finished_total"] == from_metrics
+    assert from_metrics.get("abort", 0) >= 1

@@ -182,6 +182,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         stats = dataclasses.asdict(async_engine.stats)
         out = {**stats, "in_flight": async_engine.num_in_flight, "steps": async_engine.num_steps,
                "step_failures": async_engine.num_step_failures}  # fmt: skip
+        # NOTE: finished counts as clients saw them (the /metrics counter): a request aborted by
+        # its client or a timeout may still have finished in the engine before the abort landed.
+        out["finished_total"] = dict(metrics.finished)
         step_times = getattr(engine, "step_times", None)  # where step time goes (thread mode)
         if step_times is not None:
             out["step_seconds"] = {**dataclasses.asdict(step_times), "total": step_times.total}

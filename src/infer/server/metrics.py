@@ -169,10 +169,15 @@ class ServerMetrics:
         )  # fmt: skip
         for reason in ("stop", "length", "abort", "error"):  # export zeros from the start
             self.request_success.labels(model_name, reason)
+        # What each API request finished as, as its client saw it: the one count of finished
+        # requests (/metrics and /debug/engine both report it).
+        self.finished: dict[str, int] = {}
 
     def observe_finished(self, out: RequestOutput) -> None:
         name = self.model_name
-        self.request_success.labels(name, out.finish_reason or "error").inc()
+        reason = out.finish_reason or "error"
+        self.request_success.labels(name, reason).inc()
+        self.finished[reason] = self.finished.get(reason, 0) + 1
         self.prompt_tokens.labels(name).observe(out.num_prompt_tokens)
         self.generation_tokens.labels(name).observe(out.num_output_tokens)
         t = out.timings
