@@ -37,7 +37,10 @@ def test_overload_answers_429_at_once_while_accepted_requests_complete(server):
 
             async def one() -> None:
                 r = await c.post("/v1/completions", json=LONG)
-                order.append((r.status_code, r.json()))
+                body = r.json()
+                if r.status_code == 429:
+                    body["retry_after"] = r.headers.get("retry-after")
+                order.append((r.status_code, body))
 
             await asyncio.gather(*[one() for _ in range(8)])
         return order
@@ -52,6 +55,7 @@ def test_overload_answers_429_at_once_while_accepted_requests_complete(server):
     assert statuses == [429] * len(rejected) + [200] * len(accepted)
     for body in rejected:
         assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "queue_full"
+        assert body["retry_after"] == "1"
     for body in accepted:
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == 600

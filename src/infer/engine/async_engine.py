@@ -262,6 +262,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def queue_is_full(self) -> bool:
+        """Whether the waiting queue has no room for even one more request."""
+        bound = self.max_queued_requests
+        return bound is not None and self._unacked_adds + self.stats.num_waiting >= bound
+
     def abort_all(self, why: str) -> None:
         """End every in-flight request; each consumer gets its final ``abort`` deltas."""
         for stream in {id(s): s for s in self._streams.values()}.values():

@@ -19,7 +19,12 @@ from infer.server import metrics as metrics_mod
 from infer.server.chat import create_chat_completion, render_chat
 from infer.server.completions import create_completion
 from infer.server.errors import APIError, install_error_handlers
-from infer.server.middleware import AccessLogMiddleware, APIKeyMiddleware, BodyLimitMiddleware
+from infer.server.middleware import (
+    AccessLogMiddleware,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    OverloadMiddleware,
+)
 from infer.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -216,7 +221,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    # Outermost first on the way in: log everything, then authenticate, then bound the body.
+    # Outermost first on the way in: log everything, then authenticate, then bound the body,
+    # then refuse generation at once while the queue is full.
+    app.add_middleware(OverloadMiddleware, queue_is_full=async_engine.queue_is_full)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

@@ -34,6 +34,9 @@ _TYPES = {
 }
 
 
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (seconds)
+
+
 class APIError(Exception):
     """An error answered with an OpenAI error body and the given HTTP status."""
 
@@ -54,6 +57,8 @@ class APIError(Exception):
             status, "server_error" if status >= 500 else "invalid_request_error"
         )
         self.code = code if code is not None else status
+        # A full queue clears as requests finish: tell clients when to come back.
+        self.headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
 
     def body(self) -> dict:
         return {
@@ -66,7 +71,8 @@ class APIError(Exception):
         }
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        merged = {**(self.headers or {}), **(headers or {})} or None
+        return JSONResponse(self.body(), status_code=self.status, headers=merged)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
