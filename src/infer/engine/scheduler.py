@@ -126,6 +126,7 @@ class Scheduler:
             if chunk is not None:
                 budget += len(chunk.token_ids)
             self.running.remove(victim)
+            victim.spec_token_ids = []  # proposals are for the step they were made for
             self.counters.preemptions += 1
             victim.num_preemptions += 1
             pairs = self.kv.swap_out(victim) if cfg.preemption_mode == "swap" else None
