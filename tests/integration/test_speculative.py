@@ -174,3 +174,26 @@ def test_bad_draft_models_are_refused_at_start(make_llm, tiny_checkpoints, tmp_p
         make_llm("llama", speculative_config={"model": str(other_tok), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="needs the KV cache"):
         make_llm("llama", use_kv_cache=False, speculative_config=NGRAM)
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, 3])
+def test_a_stop_string_inside_an_accepted_run_ends_the_output_there(
+    stop_at, make_llm, tiny_checkpoints
+):
+    """The stop string completes at an early token of a run whose last token also hits
+    max_tokens: the output ends at the stop string (finish_reason stop), as without
+    speculation."""
+    plain = make_llm("llama")
+    greedy = dict(max_tokens=5, temperature=0, ignore_eos=True)
+    ref = plain.generate(PROMPTS[1], SamplingParams(**greedy))[0].outputs[0]
+    tok = plain.tokenizer
+    stop = tok.decode(ref.token_ids[: stop_at + 1])[-2:]
+    params = SamplingParams(**greedy, stop=[stop])
+    expected = plain.generate(PROMPTS[1], params)[0].outputs[0]
+    llm = make_llm("llama", speculative_config=_self_draft(tiny_checkpoints, "llama", k=4))
+    got = llm.generate(PROMPTS[1], params)[0].outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+        expected.token_ids, expected.text, expected.finish_reason, expected.stop_reason)  # fmt: skip
+    counters = llm.engine.scheduler.counters
+    assert counters.generation_tokens == len(got.token_ids)
+    assert counters.finished == {expected.finish_reason: 1}

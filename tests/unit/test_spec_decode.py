@@ -258,3 +258,38 @@ def test_proposal_length_halves_after_rejections_and_recovers_after_an_acceptanc
         r.output_token_ids.append(7 if accepted else 9)  # the verified token
         assert lengths.next(r) == expected
     assert ProposalLengths(4, adaptive=False).next(r) == 4
+
+
+def test_blocks_completed_by_accepted_proposals_are_cached_under_their_tokens():
+    """A block filled by accepted proposals is hashed over its own four tokens: a later
+    request with the same leading tokens hits it (and the block before)."""
+    s = make_scheduler(num_blocks=32, block_size=4, prefix=True)
+    r = make_request("r", prompt=[5, 6, 7], max_tokens=20)
+    s.add_request(r)
+    out = s.schedule()
+    s.update_from_output(out, {"r": SampledToken(8)})  # 4 tokens: block 0 is full
+    s.add_proposals({"r": [9, 10, 11, 12]})
+    out = s.schedule()
+    s.update_from_output(out, _verify_as(4)(out))  # 8, 9..12 in cache; 50 sampled
+    assert r.all_token_ids == [5, 6, 7, 8, 9, 10, 11, 12, 50]
+    twin = make_request("t", prompt=[5, 6, 7, 8, 9, 10, 11, 12, 1], max_tokens=2)
+    s.add_request(twin)
+    out = s.schedule()
+    assert twin.num_cached_tokens == 8  # both full blocks found
+    s.finish_request("r", RequestStatus.FINISHED_ABORTED)
+    s.finish_request("t", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.num_free_blocks == 32
+
+
+def test_proposals_never_cost_a_preemption():
+    """With room for one more token each but not for proposals, both requests decode plainly
+    instead of one preempting the other."""
+    s = make_scheduler(num_blocks=2, block_size=4, max_num_batched_tokens=64)
+    for rid in ("a", "b"):
+        s.add_request(make_request(rid, prompt_len=2, max_tokens=10))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))  # each: 2 computed, 3 tokens, 1 block
+    s.add_proposals({"a": [1, 2, 3], "b": [1, 2, 3]})
+    out = s.schedule()
+    assert {c.request_id: c.num_spec_tokens for c in out.chunks} == {"a": 0, "b": 0}
+    assert s.counters.preemptions == 0

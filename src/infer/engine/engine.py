@@ -293,10 +293,16 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = max(int(total * cc.gpu_memory_utilization) - used, 0)
+            # A draft model, loaded after this plan, takes its weights out of the same memory.
+            budget = max(budget - self._draft_weight_bytes(), 0)
         else:
             # NOTE: by default enough for every sequence slot at full length, capped at 2 GiB.
             wanted = sc.max_num_seqs * self.max_model_len * bpt
             budget = min(wanted, DEFAULT_CPU_KV_BYTES)
+        # The draft model's KV pool holds twice the target's tokens (its proposals on top):
+        # the budget is shared in proportion to the bytes each side spends per token.
+        draft_bpt = 2 * self._draft_bytes_per_token()
+        budget = budget * bpt // (bpt + draft_bpt)
         num_blocks = budget // (bpt * block_size)
         if num_blocks < 1:
             raise ValueError(
@@ -304,6 +310,28 @@ class LLMEngine:
                 f"({bpt * block_size} bytes: {block_size} tokens x {bpt} bytes per token)"
             )
         return KVCapacity(bpt, block_size, int(num_blocks))
+
+    def _draft_path(self):
+        spec_cfg = self.config.speculative
+        if spec_cfg is None or spec_cfg.method != "draft_model" or spec_cfg.model is None:
+            return None
+        from infer.engine.model_source import resolve_model_path
+
+        return resolve_model_path(spec_cfg.model)
+
+    def _draft_bytes_per_token(self) -> int:
+        path = self._draft_path()
+        if path is None:
+            return 0
+        from infer.model.loader import load_model_spec
+
+        d = load_model_spec(path)
+        return kv_bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, self.dtype.itemsize)
+
+    def _draft_weight_bytes(self) -> int:
+        """The draft checkpoint's weight files (an upper bound: they may hold float32)."""
+        path = self._draft_path()
+        return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path else 0
 
     def _log_startup(self) -> None:
         cap = self.capacity
@@ -553,6 +581,11 @@ class LLMEngine:
             self.scheduler.finish_request(
                 request.request_id, RequestStatus.FINISHED_STOPPED, detok.num_output_tokens
             )
+        elif detok.stop_string is not None and detok.num_output_tokens < request.num_output_tokens:
+            # The same step's later tokens already ended it (length, EOS, a stop id): the
+            # stop string came first, so the output ends there and it finished by that.
+            request.stop_reason = detok.stop_string
+            self.scheduler.cut_finished_output(request, detok.num_output_tokens)
         if request.is_finished:
             text += detok.finish()
         new_ids = request.output_token_ids[state.num_sent_tokens :]

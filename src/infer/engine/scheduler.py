@@ -154,6 +154,15 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate(request, n):
+                if (
+                    n > 1
+                    and request.spec_token_ids
+                    and request.num_tokens - 1 == (request.num_computed_tokens)
+                ):
+                    # Proposals never cost a preemption: decode plainly when they do not fit.
+                    request.spec_token_ids = []
+                    n = 1
+                    continue
                 # NOTE: only requests not yet served this step are candidates, so a step never
                 # undoes work it has already planned for more urgent requests.
                 victim = max(self.running[i:], key=sort_key)
@@ -219,6 +228,24 @@ class Scheduler:
         return SchedulerOutput(
             chunks, num_tokens, num_tokens - num_decode, num_decode, preempted, swap_out, swap_in
         )
+
+    def cut_finished_output(self, request: Request, num_output_tokens: int) -> None:
+        """A stop string was found inside the tokens of a step that also ended the request
+        another way (length, EOS, a stop id, later in the same accepted run): the output ends
+        at the stop string, and the request finished by it."""
+        extra = request.num_output_tokens - num_output_tokens
+        if extra <= 0 or not request.is_finished:
+            return
+        old = request.status.finish_reason or "unknown"
+        self.counters.finished[old] -= 1
+        if not self.counters.finished[old]:
+            del self.counters.finished[old]
+        self.counters.finished["stop"] = self.counters.finished.get("stop", 0) + 1
+        self.counters.generation_tokens -= extra
+        del request.output_token_ids[num_output_tokens:]
+        del request.output_logprobs[num_output_tokens:]
+        del request.timings.token_times[num_output_tokens:]
+        request.status = RequestStatus.FINISHED_STOPPED
 
     def add_proposals(self, proposals: dict[str, list[int]]) -> None:
         """Speculative decoding: tokens proposed to follow each request, verified next step.
@@ -327,7 +354,6 @@ class Scheduler:
                     per_position[position] += 1
             if request.timings.first_token is None:
                 request.timings.first_token = now
-            self.kv.commit_full_blocks(request)
             progressed.append(request)
             for token in tokens:
                 request.output_token_ids.append(token.token_id)
@@ -339,6 +365,10 @@ class Scheduler:
                 if status is not None:
                     self.finish_request(request.request_id, status)
                     break
+            else:
+                # NOTE: after the tokens are appended: a block's hash covers its tokens, and
+                # num_computed_tokens already counts the accepted proposals.
+                self.kv.commit_full_blocks(request)
         if self.recompute_every_step:
             for request in self.running:
                 self.kv.free(request)

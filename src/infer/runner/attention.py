@@ -141,7 +141,7 @@ class KVCache:
 
 @dataclass
 class _DecodeGroup:
-    rows: torch.Tensor  # [Bd] rows of the flat batch that are single-token sequences
+    rows: torch.Tensor  # [Bd] rows of the flat batch attended as decode rows (one per token)
     block_tables: torch.Tensor  # [Bd, max_blocks] int32
     context_lens: torch.Tensor  # [Bd] int32, keys per sequence (including the new token)
     block_size: int
@@ -273,8 +273,9 @@ class AttentionContext:
         return self._all_decode
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoding sequences' ``[Bd, max_blocks]`` int32 block tables and ``[Bd]`` int32
-        context lengths (their rows of the batch in order)."""
+        """The decode rows' ``[Bd, max_blocks]`` int32 block tables and ``[Bd]`` int32 context
+        lengths, one per row (a sequence with several decode rows repeats its table), in the
+        order of their rows in the batch."""
         assert self._decode is not None
         return self._decode.block_tables, self._decode.context_lens
 

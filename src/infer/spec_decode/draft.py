@@ -166,7 +166,6 @@ class DraftProposer:
             table = self.kv.block_table(seq)  # type: ignore[arg-type]
             slices.append(SequenceSlice(start, len(new), table, as_decode_rows=as_rows))
             rows.append(len(ids) - 1)
-            seq.tokens.extend(new)
         device = self.device
         ctx = AttentionContext(self.kv_cache, slices, device)
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)
@@ -176,7 +175,11 @@ class DraftProposer:
         else:
             hidden = self.model(ids_t, pos_t, ctx)
         rows_t = torch.tensor(rows, dtype=torch.long, device=device)
-        return self.model.compute_logits(hidden[rows_t]).argmax(dim=-1).tolist()
+        next_tokens = self.model.compute_logits(hidden[rows_t]).argmax(dim=-1).tolist()
+        # NOTE: only now: a pass that raised has not put these tokens in the draft cache.
+        for seq, new in chunks:
+            seq.tokens.extend(new)
+        return next_tokens
 
 
 def _common_prefix(a: list[int], b: list[int], known: int = 0) -> int:
