@@ -21,12 +21,14 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from infer.bench.metrics import percentile
 from infer.config import EngineConfig
+from infer.core.outputs import RequestOutput
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
 
@@ -69,6 +71,28 @@ def build_llama_100m(out: Path) -> Path:
     return out
 
 
+def serve_closed_loop(
+    engine: LLMEngine,
+    requests: Sequence[tuple[str, list[int], SamplingParams]],
+    concurrency: int,
+) -> tuple[list[RequestOutput], float]:
+    """Serve ``(request id, prompt, params)`` in order, keeping ``concurrency`` in flight (a
+    new one joins as one finishes); the finished outputs and the wall time in seconds."""
+    next_id = in_flight = 0
+    done: list[RequestOutput] = []
+    t0 = time.perf_counter()
+    while next_id < len(requests) or engine.has_unfinished_requests():
+        while in_flight < concurrency and next_id < len(requests):
+            engine.add_request(*requests[next_id])
+            next_id += 1
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                done.append(out)
+    return done, time.perf_counter() - t0
+
+
 def run_load(
     engine: LLMEngine,
     concurrency: int,
@@ -84,20 +108,9 @@ def run_load(
     ]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     st0 = _copy_times(engine)
-    next_id = 0
-    in_flight = 0
-    done = []
-    t0 = time.perf_counter()
-    while next_id < num_requests or engine.has_unfinished_requests():
-        while in_flight < concurrency and next_id < num_requests:
-            engine.add_request(f"r{next_id}", prompts[next_id], params)
-            next_id += 1
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                in_flight -= 1
-                done.append(out)
-    wall = time.perf_counter() - t0
+    done, wall = serve_closed_loop(
+        engine, [(f"r{i}", prompts[i], params) for i in range(num_requests)], concurrency
+    )
     st1 = _copy_times(engine)
     ttft = [o.timings.ttft * 1000 for o in done]
     itl = [

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from infer.bench.engine import serve_closed_loop
 from infer.config import EngineConfig
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
@@ -98,20 +99,17 @@ def run_batch(
 ) -> dict:
     """Serve every prompt with ``concurrency`` in flight; tok/s and acceptance of this run."""
     s0 = engine.get_stats()
-    next_id, in_flight, tokens = 0, 0, 0
-    t0 = time.perf_counter()
-    while next_id < len(prompts) or engine.has_unfinished_requests():
-        while in_flight < concurrency and next_id < len(prompts):
-            params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=temperature,
-                                    seed=next_id, ignore_eos=True)  # fmt: skip
-            engine.add_request(f"b{time.perf_counter_ns()}-{next_id}", prompts[next_id], params)
-            next_id += 1
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                in_flight -= 1
-                tokens += out.num_output_tokens
-    wall = time.perf_counter() - t0
+    run = time.perf_counter_ns()
+    requests = [
+        (
+            f"b{run}-{i}",
+            prompt,
+            SamplingParams(max_tokens=OUTPUT_LEN, temperature=temperature, seed=i, ignore_eos=True),
+        )  # fmt: skip
+        for i, prompt in enumerate(prompts)
+    ]
+    done, wall = serve_closed_loop(engine, requests, concurrency)
+    tokens = sum(out.num_output_tokens for out in done)
     s1 = engine.get_stats()
     drafts = s1.spec_decode_num_drafts_total - s0.spec_decode_num_drafts_total
     proposed = s1.spec_decode_num_draft_tokens_total - s0.spec_decode_num_draft_tokens_total

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from infer.bench.engine import serve_closed_loop
 from infer.config import EngineConfig
 from infer.core.sampling_params import SamplingParams
 from infer.core.structured import StructuredOutputs
@@ -182,29 +183,18 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], concurrency: int, se
     the same tokens from the same prompts (a constrained request ends with its JSON, and
     shorter outputs alone would lower tok/s)."""
     schema = StructuredOutputs(json=moderate_schema())
-    next_id, in_flight, tokens = 0, 0, 0
-    got: dict[int, int] = {}
-    ids: dict[str, int] = {}
-    t0 = time.perf_counter()
-    while next_id < len(prompts) or engine.has_unfinished_requests():
-        while in_flight < concurrency and next_id < len(prompts):
-            constrained = lengths is None and next_id % 2 == 0
-            max_tokens = (lengths or {}).get(next_id, 128)
-            params = SamplingParams(max_tokens=max_tokens, temperature=1.0,
-                                    seed=seed * 1000 + next_id, ignore_eos=True,
-                                    structured_outputs=schema if constrained else None)  # fmt: skip
-            rid = f"s{seed}-{next_id}-{time.perf_counter_ns()}"
-            ids[rid] = next_id
-            engine.add_request(rid, prompts[next_id], params)
-            next_id += 1
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                in_flight -= 1
-                tokens += out.num_output_tokens
-                if ids[out.request_id] % 2 == 0:
-                    got[ids[out.request_id]] = out.num_output_tokens
-    return tokens / (time.perf_counter() - t0), got
+    run = time.perf_counter_ns()
+    requests = []
+    for i, prompt in enumerate(prompts):
+        constrained = lengths is None and i % 2 == 0
+        params = SamplingParams(max_tokens=(lengths or {}).get(i, 128), temperature=1.0,
+                                seed=seed * 1000 + i, ignore_eos=True,
+                                structured_outputs=schema if constrained else None)  # fmt: skip
+        requests.append((f"s{seed}-{run}-{i}", prompt, params))
+    done, wall = serve_closed_loop(engine, requests, concurrency)
+    index = {rid: i for i, (rid, _, _) in enumerate(requests)}
+    got = {index[o.request_id]: o.num_output_tokens for o in done if index[o.request_id] % 2 == 0}
+    return sum(o.num_output_tokens for o in done) / wall, got
 
 
 def ttft(engine: LLMEngine, prompt: list[int], fresh: bool, i: int) -> float:
