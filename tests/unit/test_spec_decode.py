@@ -133,7 +133,7 @@ def test_finish_with_a_cut_drops_tokens_past_a_stop_string():
     out = s.schedule()
     s.update_from_output(out, _verify_as(2)(out))
     assert r.num_output_tokens == 4
-    s.finish_request("r", RequestStatus.FINISHED_STOPPED, num_output_tokens=2)
+    s.stop_at_string(r, num_output_tokens=2)
     assert r.output_token_ids[1:] == [11] and len(r.timings.token_times) == 2
     assert s.counters.generation_tokens == 2
 

@@ -7,11 +7,13 @@ thread (``infer.engine.async_engine``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -261,12 +263,11 @@ class LLMEngine:
             return NgramProposer(
                 k, spec_cfg.prompt_lookup_min, spec_cfg.prompt_lookup_max, spec_cfg.adaptive
             )
-        from infer.engine.model_source import resolve_model_path
         from infer.spec_decode.draft import DraftProposer
 
-        assert spec_cfg.model is not None
+        assert self._draft_path is not None
         return DraftProposer(
-            resolve_model_path(spec_cfg.model),
+            self._draft_path,
             k,
             dtype=self.dtype,
             device=self.device,
@@ -311,7 +312,9 @@ class LLMEngine:
             )
         return KVCapacity(bpt, block_size, int(num_blocks))
 
-    def _draft_path(self):
+    @functools.cached_property
+    def _draft_path(self) -> Path | None:
+        """The draft model's folder (speculative decoding with a draft model), else None."""
         spec_cfg = self.config.speculative
         if spec_cfg is None or spec_cfg.method != "draft_model" or spec_cfg.model is None:
             return None
@@ -320,7 +323,7 @@ class LLMEngine:
         return resolve_model_path(spec_cfg.model)
 
     def _draft_bytes_per_token(self) -> int:
-        path = self._draft_path()
+        path = self._draft_path
         if path is None:
             return 0
         from infer.model.loader import load_model_spec
@@ -330,7 +333,7 @@ class LLMEngine:
 
     def _draft_weight_bytes(self) -> int:
         """The draft checkpoint's weight files (an upper bound: they may hold float32)."""
-        path = self._draft_path()
+        path = self._draft_path
         return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path else 0
 
     def _log_startup(self) -> None:
@@ -575,17 +578,11 @@ class LLMEngine:
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
                 request.error = f"detokenization failed: {e}"
-        if detok.stop_string is not None and not request.is_finished:
+        if detok.stop_string is not None and (
+            not request.is_finished or detok.num_output_tokens < request.num_output_tokens
+        ):
             request.stop_reason = detok.stop_string
-            # With speculation a step may add tokens past the stop string: they are cut off.
-            self.scheduler.finish_request(
-                request.request_id, RequestStatus.FINISHED_STOPPED, detok.num_output_tokens
-            )
-        elif detok.stop_string is not None and detok.num_output_tokens < request.num_output_tokens:
-            # The same step's later tokens already ended it (length, EOS, a stop id): the
-            # stop string came first, so the output ends there and it finished by that.
-            request.stop_reason = detok.stop_string
-            self.scheduler.cut_finished_output(request, detok.num_output_tokens)
+            self.scheduler.stop_at_string(request, detok.num_output_tokens)
         if request.is_finished:
             text += detok.finish()
         new_ids = request.output_token_ids[state.num_sent_tokens :]

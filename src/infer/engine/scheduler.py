@@ -65,23 +65,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def finish_request(
-        self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None
-    ) -> Request | None:
-        """End a request (stop string, abort, error): free its slot and KV blocks now.
-
-        ``num_output_tokens`` cuts the output back to that many tokens (a stop string found
-        inside a step's several accepted proposals ends the output where it was found).
-        """
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop string, abort, error): free its slot and KV blocks now."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if num_output_tokens is not None and num_output_tokens < request.num_output_tokens:
-            extra = request.num_output_tokens - num_output_tokens
-            self.counters.generation_tokens -= extra
-            del request.output_token_ids[num_output_tokens:]
-            del request.output_logprobs[num_output_tokens:]
-            del request.timings.token_times[num_output_tokens:]
         if request in self.running:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -229,22 +217,26 @@ class Scheduler:
             chunks, num_tokens, num_tokens - num_decode, num_decode, preempted, swap_out, swap_in
         )
 
-    def cut_finished_output(self, request: Request, num_output_tokens: int) -> None:
-        """A stop string was found inside the tokens of a step that also ended the request
-        another way (length, EOS, a stop id, later in the same accepted run): the output ends
-        at the stop string, and the request finished by it."""
+    def stop_at_string(self, request: Request, num_output_tokens: int) -> None:
+        """The detokenizer found a stop string ending after ``num_output_tokens`` tokens: the
+        output ends there and the request finishes with ``stop``. With speculation a step can
+        add tokens past it, and one of them may already have finished the request another way
+        (length, EOS, a stop id): the stop string came first, so it wins."""
         extra = request.num_output_tokens - num_output_tokens
-        if extra <= 0 or not request.is_finished:
+        if extra > 0:
+            self.counters.generation_tokens -= extra
+            del request.output_token_ids[num_output_tokens:]
+            del request.output_logprobs[num_output_tokens:]
+            del request.timings.token_times[num_output_tokens:]
+        if not request.is_finished:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             return
+        finished = self.counters.finished
         old = request.status.finish_reason or "unknown"
-        self.counters.finished[old] -= 1
-        if not self.counters.finished[old]:
-            del self.counters.finished[old]
-        self.counters.finished["stop"] = self.counters.finished.get("stop", 0) + 1
-        self.counters.generation_tokens -= extra
-        del request.output_token_ids[num_output_tokens:]
-        del request.output_logprobs[num_output_tokens:]
-        del request.timings.token_times[num_output_tokens:]
+        finished[old] -= 1
+        if not finished[old]:
+            del finished[old]
+        finished["stop"] = finished.get("stop", 0) + 1
         request.status = RequestStatus.FINISHED_STOPPED
 
     def add_proposals(self, proposals: dict[str, list[int]]) -> None:

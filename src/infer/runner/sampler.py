@@ -156,7 +156,6 @@ class Sampler:
                             residual = p.clone()
                             residual[draft] = 0.0
                             token = int(torch.multinomial(residual, 1, generator=gen)[0])
-                    token = draft if accepted else token
                 else:  # every proposal accepted: one more token from the last row
                     accepted = False
                     token = (

@@ -137,7 +137,7 @@ class DraftProposer:
             return {}
         # 2. One catch-up pass, then single-token passes for the rest of the proposals.
         proposals: dict[str, list[int]] = {seq.request_id: [] for seq, _, _ in batch}
-        active = [(seq, new, k) for seq, new, k in batch]
+        active = batch
         while active:
             next_tokens = self._forward([(seq, new) for seq, new, _ in active])
             still = []
