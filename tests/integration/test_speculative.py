@@ -197,3 +197,18 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_there(
     counters = llm.engine.scheduler.counters
     assert counters.generation_tokens == len(got.token_ids)
     assert counters.finished == {expected.finish_reason: 1}
+
+
+def test_a_draft_model_shares_the_kv_budget_without_shrinking_the_default(
+    make_llm, tiny_checkpoints
+):
+    """The default CPU budget still holds every sequence slot at full length with a draft
+    model beside the target; an explicit budget is shared between the two caches."""
+    spec = _self_draft(tiny_checkpoints, "llama")
+    llm = make_llm("llama", max_num_seqs=2, max_model_len=256, block_size=4,
+                   speculative_config=spec)  # fmt: skip
+    assert llm.engine.capacity.num_tokens >= 2 * 256
+    plain = make_llm("llama", kv_cache_memory="8MiB", block_size=4)
+    shared = make_llm("llama", kv_cache_memory="8MiB", block_size=4, speculative_config=spec)
+    target, draft = shared.engine.capacity.num_blocks, shared.engine.proposer.kv.num_total_blocks
+    assert draft == 2 * target and target + draft <= plain.engine.capacity.num_blocks

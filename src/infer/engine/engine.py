@@ -288,6 +288,9 @@ class LLMEngine:
         block_size = self.max_model_len if cc.kv_cache_backend == "contiguous" else cc.block_size
         if cc.num_kv_blocks is not None:
             return KVCapacity(bpt, block_size, cc.num_kv_blocks)
+        # A draft model's KV pool holds twice the target's tokens (its proposals on top): every
+        # budget below is shared in proportion to the bytes each side spends per token.
+        shared_bpt = bpt + 2 * self._draft_bytes_per_token()
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
@@ -298,12 +301,9 @@ class LLMEngine:
             budget = max(budget - self._draft_weight_bytes(), 0)
         else:
             # NOTE: by default enough for every sequence slot at full length, capped at 2 GiB.
-            wanted = sc.max_num_seqs * self.max_model_len * bpt
+            wanted = sc.max_num_seqs * self.max_model_len * shared_bpt
             budget = min(wanted, DEFAULT_CPU_KV_BYTES)
-        # The draft model's KV pool holds twice the target's tokens (its proposals on top):
-        # the budget is shared in proportion to the bytes each side spends per token.
-        draft_bpt = 2 * self._draft_bytes_per_token()
-        budget = budget * bpt // (bpt + draft_bpt)
+        budget = budget * bpt // shared_bpt
         num_blocks = budget // (bpt * block_size)
         if num_blocks < 1:
             raise ValueError(

@@ -87,6 +87,15 @@ class ModelRunner:
                 src, dst = zip(*out.swap_in, strict=True)
                 device_blocks[:, :, list(dst)] = host_blocks[:, :, list(src)].to(self.device)
 
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Final hidden states of one pass: the fast path where it covers the step, else the
+        model's modules."""
+        if self.fast_decoder is not None and self.fast_decoder.covers(ctx):
+            return self.fast_decoder.forward(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx)
+
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, requests: dict[str, Request]
@@ -132,10 +141,7 @@ class ModelRunner:
         ctx = AttentionContext(self.kv_cache, seqs, self.device)
         t1 = time.perf_counter()
 
-        if self.fast_decoder is not None and self.fast_decoder.covers(ctx):
-            hidden = self.fast_decoder.forward(ids_t, pos_t, ctx)
-        else:
-            hidden = self.model(ids_t, pos_t, ctx)
+        hidden = self.forward(ids_t, pos_t, ctx)
         logits = None
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

@@ -17,7 +17,6 @@ sampling (``Sampler.verify``) keeps each request's own distribution.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +26,7 @@ from infer.core.request import Request
 from infer.kv_cache.manager import PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-from infer.runner.decode_fast import FastDecoder
-from infer.runner.runner import FAST_DECODE_ENV
+from infer.runner.runner import ModelRunner
 from infer.spec_decode import ProposalLengths
 
 logger = logging.getLogger("infer.engine")
@@ -83,12 +81,12 @@ class DraftProposer:
             spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device
         )
         self.kv = PagedKVManager(num_blocks, block_size)
-        # The draft runs k passes per step: without the module code's per-layer Python they
-        # cost a fraction (bf16 Llama-family drafts on AMX CPUs; others use the modules).
-        self.fast = None
-        if device.type == "cpu" and os.environ.get(FAST_DECODE_ENV, "1") != "0":
-            rows = max(2048, 64 * (num_speculative_tokens + 1))
-            self.fast = FastDecoder.build(self.model, self.kv_cache, rows)
+        # The draft runs k passes per step: the runner's fast path (no per-layer module
+        # Python, where the model allows it) makes them cost a fraction.
+        rows = max(2048, 64 * (num_speculative_tokens + 1))
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, device, max_num_seqs=rows, max_num_batched_tokens=rows
+        )
         self._seqs: dict[str, _DraftSeq] = {}
         bpt = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype.itemsize)
         logger.info(
@@ -170,10 +168,7 @@ class DraftProposer:
         ctx = AttentionContext(self.kv_cache, slices, device)
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        if self.fast is not None and self.fast.covers(ctx):
-            hidden = self.fast.forward(ids_t, pos_t, ctx)
-        else:
-            hidden = self.model(ids_t, pos_t, ctx)
+        hidden = self.runner.forward(ids_t, pos_t, ctx)
         rows_t = torch.tensor(rows, dtype=torch.long, device=device)
         next_tokens = self.model.compute_logits(hidden[rows_t]).argmax(dim=-1).tolist()
         # NOTE: only now: a pass that raised has not put these tokens in the draft cache.
