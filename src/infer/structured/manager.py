@@ -15,7 +15,6 @@ and finishes a request whose grammar has ended (``stop``) or cannot go on (``err
 
 from __future__ import annotations
 
-import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,8 +22,6 @@ import torch
 
 from infer.core.request import Request
 from infer.structured.grammar import GrammarError, compile_grammar
-
-logger = logging.getLogger("infer.engine")
 
 
 class StructuredOutputManager:
@@ -112,6 +109,3 @@ class StructuredOutputManager:
             if not matcher.consume_token(token):
                 return f"error: the grammar could not take token {token}: {matcher.get_error()}"
         return "stop" if matcher.is_stopped() else None
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
