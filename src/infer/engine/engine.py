@@ -14,7 +14,7 @@ import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import torch
 
@@ -25,6 +25,7 @@ from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.validation import check_prompt
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.scheduler import Scheduler
+from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.runner.attention import KVCache
@@ -243,6 +244,8 @@ class LLMEngine:
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []
         self.step_times = StepTimeTotals()
+        # Step records for the live view or a recorded run; None (and no cost) otherwise.
+        self.trace: StepTrace | None = None
         self.weights_bytes = model_weight_bytes(self.model)
         self._log_startup()
 
@@ -520,6 +523,12 @@ class LLMEngine:
         st.sample += timings.sample
         st.update += t3 - t2
         st.propose += t4 - t3
+        trace = self.trace
+        if trace is not None:
+            if trace.sink is None and t4 - trace.last_poll > VIEWER_IDLE_SECONDS:
+                self.trace = None  # the viewer has gone
+            else:
+                trace.record(self.scheduler, sched, st.steps, t4 - t0)
         return outputs
 
     def _advance_grammar(self, request: Request) -> None:
@@ -648,6 +657,23 @@ class LLMEngine:
             spec_decode_num_accepted_tokens_total=c.spec_accepted_tokens,
             spec_decode_accepted_per_position=tuple(c.spec_accepted_per_position),
         )
+
+    def poll_trace(self, since_step: int = 0) -> TracePoll:
+        """The live view's poll: the step records after ``since_step`` and a snapshot of the
+        queues and blocks now. Steps are recorded from the first poll until polls stop for
+        ``VIEWER_IDLE_SECONDS``."""
+        if self.trace is None:
+            self.trace = StepTrace()
+        trace = self.trace
+        trace.last_poll = time.perf_counter()
+        steps = self.step_times.steps
+        snapshot = take_snapshot(self.scheduler, steps, trace.last_poll - trace.started)
+        return TracePoll(tuple(trace.since(since_step)), snapshot)
+
+    def record_trace(self, sink: IO[str] | None) -> None:
+        """Write every following step's record and snapshot to ``sink`` as JSON lines (see
+        ``engine/trace.py``); ``None`` stops recording."""
+        self.trace = StepTrace(sink=sink) if sink is not None else None
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()

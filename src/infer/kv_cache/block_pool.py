@@ -92,6 +92,12 @@ class BlockPool:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def block_states(self) -> str:
+        """One character per block: ``u`` in use, ``c`` free with a cached prefix, ``.`` empty."""
+        return "".join(
+            "u" if b.ref_count else ("c" if b.block_hash is not None else ".") for b in self.blocks
+        )
+
     def lookup(
         self, parent: BlockHash | None, token_ids: Sequence[int], extra: ExtraKeys
     ) -> Block | None:

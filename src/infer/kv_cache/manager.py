@@ -40,6 +40,7 @@ NO_HIT = PrefixHit([], [])
 class KVManager(ABC):
     block_size: int
     pool: BlockPool
+    num_swap_blocks: int = 0  # host slots for swapped-out blocks
 
     def __init__(self) -> None:
         self._blocks: dict[str, list[Block]] = {}
@@ -70,6 +71,15 @@ class KVManager(ABC):
 
     def is_swapped(self, request: Request) -> bool:
         return False
+
+    def num_swapped_blocks_of(self, request: Request) -> int:
+        """Host slots the request's swapped-out KV occupies (0 when it is not swapped)."""
+        return 0
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Host slots in use by swapped-out requests."""
+        return 0
 
     def end_step(self) -> None:
         """Called once per schedule: release host slots whose copies are now done."""
@@ -165,6 +175,13 @@ class PagedKVManager(KVManager):
 
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self._swapped
+
+    def num_swapped_blocks_of(self, request: Request) -> int:
+        return len(self._swapped.get(request.request_id, ()))
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        return sum(len(slots) for slots in self._swapped.values())
 
     def end_step(self) -> None:
         self._host_free.extend(self._host_release)
