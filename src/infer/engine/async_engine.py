@@ -259,6 +259,11 @@ class AsyncEngine:
         self._accepting = False
 
     @property
+    def accepting(self) -> bool:
+        """False once the server drains or shuts down."""
+        return self._accepting
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

@@ -14,10 +14,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from infer.core.outputs import RequestOutput
 from infer.engine.async_engine import AsyncEngine
 from infer.server import metrics as metrics_mod
 from infer.server.chat import create_chat_completion, render_chat
 from infer.server.completions import create_completion
+from infer.server.dashboard import Dashboard, install_dashboard
 from infer.server.errors import APIError, install_error_handlers
 from infer.server.middleware import (
     AccessLogMiddleware,
@@ -75,12 +77,21 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     """The HTTP app over ``engine`` (an ``LLMEngine``, already loaded)."""
     served = settings.served_model_names
     metrics = metrics_mod.ServerMetrics(served[0], engine.max_model_len, lambda: async_engine.stats)
+    dashboard: Dashboard | None = None
+
+    def on_finished(out: RequestOutput) -> None:
+        metrics.observe_finished(out)
+        if dashboard is not None:
+            dashboard.observe_finished(out)
+
     async_engine = AsyncEngine(
         engine,
         max_queued_requests=engine.config.scheduler.max_queued_requests,
         request_timeout=settings.request_timeout,
-        on_finished=metrics.observe_finished,
+        on_finished=on_finished,
     )
+    if settings.dashboard:
+        dashboard = Dashboard(async_engine, served[0])
     serving = Serving(async_engine, engine.tokenizer, settings, engine.max_model_len,
                       str(engine.model_path))  # fmt: skip
     prefix_caching = engine.config.cache.enable_prefix_caching
@@ -195,9 +206,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             out["step_seconds"] = {**dataclasses.asdict(step_times), "total": step_times.total}
         return out
 
+    if dashboard is not None:
+        install_dashboard(app, dashboard)
+
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:
-        return JSONResponse({"service": "infer", "models": list(served), "docs": "/docs"})
+        links = {"docs": "/docs"} | ({"dashboard": "/dashboard"} if dashboard else {})
+        return JSONResponse({"service": "infer", "models": list(served), **links})
 
     def openapi() -> dict[str, Any]:
         """FastAPI's schema plus what it cannot see: the SSE event bodies (referenced by the

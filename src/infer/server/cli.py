@@ -35,6 +35,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait and run before it is aborted")  # fmt: skip
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")  # fmt: skip
+    g.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="do not serve the live view of the engine at /dashboard")  # fmt: skip
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in its own process (the default), apart from HTTP "
                    "work; --no-engine-process runs it on a thread of the server process")  # fmt: skip
@@ -110,6 +112,7 @@ def serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         chat_template=chat_template,
         drain_timeout=args.drain_timeout,
+        dashboard=args.dashboard,
     )
     app = build_app(engine, settings)
     cap = engine.capacity
@@ -124,6 +127,9 @@ def serve(args: argparse.Namespace) -> int:
         sc.max_queued_requests if sc.max_queued_requests is not None else "none",
         "required" if settings.api_key else "off",
     )  # fmt: skip
+    if settings.dashboard:
+        key = "?api_key=<key>" if settings.api_key else ""
+        logger.info("live view: http://%s:%d/dashboard%s", args.host, args.port, key)
     uv_config = uvicorn.Config(
         app,
         host=args.host,

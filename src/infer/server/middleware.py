@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from urllib.parse import parse_qs
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,6 +19,7 @@ from infer.server.errors import APIError
 access_logger = logging.getLogger("infer.access")
 
 OPEN_PATHS = frozenset({"/health"})
+DASHBOARD_ASSETS = "/dashboard/static/"
 
 
 async def _send_error(send: Send, error: APIError, headers: dict[str, str] | None = None) -> None:
@@ -62,20 +64,29 @@ class AccessLogMiddleware:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every route but /health (401 otherwise)."""
+    """``Authorization: Bearer <key>`` on every route but /health (401 otherwise).
+
+    A browser cannot add that header to a page load or an ``EventSource``, so the dashboard's
+    routes also take the key as ``?api_key=``; its static assets (page code and the vendored
+    chart library, nothing secret) need none.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope["path"] if scope["type"] == "http" else ""
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(DASHBOARD_ASSETS):
             return await self.app(scope, receive, send)
         given = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 given = value
                 break
+        if not given and path.startswith("/dashboard"):
+            key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+            given = f"Bearer {key[0]}".encode() if key else b""
         if not hmac.compare_digest(given, self.expected):
             why = "missing API key" if not given else "incorrect API key"
             error = APIError(

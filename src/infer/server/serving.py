@@ -60,6 +60,7 @@ class ServerSettings:
     request_timeout: float | None = None
     chat_template: str | None = None
     drain_timeout: float = 30.0
+    dashboard: bool = True  # serve the live view at /dashboard
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
