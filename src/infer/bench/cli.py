@@ -187,6 +187,11 @@ def cmd_micro(args: argparse.Namespace) -> int:
     from infer.bench.report import collect_environment, now_iso
 
     model, origin = toy_model_path(args.model)
+    if args.trace:
+        from infer.bench.micro.common import record_traces
+
+        record_traces(args.trace)
+        print(f"step traces: {args.trace}/<case>.jsonl (open them in /dashboard)", flush=True)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     failed = 0
     for name in names:
@@ -349,6 +354,9 @@ def register(subparsers) -> None:
     mi.add_argument("--seed", type=int, default=0)
     mi.add_argument("--out", default=DEFAULT_OUT)
     mi.add_argument("--no-save", action="store_true")
+    mi.add_argument("--trace", metavar="DIR", default=None,
+                    help="write each case's step trace (JSON lines) to DIR/<case>.jsonl, for the "
+                    "live view's replay (/dashboard, 'open trace')")  # fmt: skip
     mi.set_defaults(func=cmd_micro)
 
     ab = sub.add_parser("ablation", help="start infer serve per rung and run the workloads")

@@ -32,8 +32,9 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
     cases = []
     for name, n, batch, plen, gen in CASES:
         reqs = [MicroRequest(prompt_ids(tok, plen, rng, words), gen) for _ in range(n)]
-        seq = run_case(model, {"max_num_seqs": 1}, reqs, repeats)
-        bat = run_case(model, {"max_num_seqs": batch, "batching_mode": "continuous"}, reqs, repeats)
+        seq = run_case(model, {"max_num_seqs": 1}, reqs, repeats, name=f"{name}-sequential")
+        bat = run_case(model, {"max_num_seqs": batch, "batching_mode": "continuous"}, reqs,
+                       repeats, name=f"{name}-batched")  # fmt: skip
         cases.append(
             {
                 "case": name,

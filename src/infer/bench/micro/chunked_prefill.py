@@ -64,9 +64,8 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
     for c in CASES:
         reqs = requests_for(c, tok, rng, words)
         seqs = len(reqs)
-        normal = run_case(
-            model, {"max_num_seqs": seqs, "max_num_batched_tokens": NORMAL_BUDGET}, reqs, repeats
-        )
+        normal = run_case(model, {"max_num_seqs": seqs, "max_num_batched_tokens": NORMAL_BUDGET},
+                          reqs, repeats, name=f"{c.name}-normal")  # fmt: skip
         chunked = run_case(
             model,
             {
@@ -76,6 +75,7 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
             },
             reqs,
             repeats,
+            name=f"{c.name}-chunked",
         )
         out = {"case": c.name, "chunk": c.chunk, "budget": c.budget}
         for label, r in (("normal", normal), ("chunked", chunked)):

@@ -267,15 +267,43 @@ def median_run(runs: Sequence[MicroRun]) -> MicroRun:
     return ordered[len(ordered) // 2]
 
 
+_trace_dir: Path | None = None
+
+
+def record_traces(folder: str | Path | None) -> None:
+    """Have :func:`run_case` write each case's step trace to ``folder/<name>.jsonl`` (one
+    ``{"step", "snapshot"}`` line per engine step of its last repeat: the file the live view's
+    replay opens); ``None`` stops."""
+    global _trace_dir
+    _trace_dir = Path(folder) if folder is not None else None
+    if _trace_dir is not None:
+        _trace_dir.mkdir(parents=True, exist_ok=True)
+
+
 def run_case(
-    model: str, options: dict, requests: Sequence[MicroRequest], repeats: int = 3
+    model: str,
+    options: dict,
+    requests: Sequence[MicroRequest],
+    repeats: int = 3,
+    name: str = "",
 ) -> MicroRun:
-    """Build an engine with ``options``, warm it up, replay the case ``repeats`` times."""
+    """Build an engine with ``options``, warm it up, replay the case ``repeats`` times.
+
+    With :func:`record_traces` on, the last repeat's steps are written to ``<name>.jsonl``.
+    """
     engine = make_engine(model, **options)
     warm_up(engine, engine.spec.vocab_size)
     runs = []
-    for _ in range(repeats):
+    for i in range(repeats):
         if options.get("enable_prefix_caching"):
             engine.reset_prefix_cache()  # each repeat starts cold, like the first
-        runs.append(run_engine(engine, requests))
+        if _trace_dir is not None and name and i == repeats - 1:
+            with (_trace_dir / f"{name}.jsonl").open("w") as sink:
+                engine.record_trace(sink)
+                try:
+                    runs.append(run_engine(engine, requests))
+                finally:
+                    engine.record_trace(None)
+        else:
+            runs.append(run_engine(engine, requests))
     return median_run(runs)

@@ -71,7 +71,8 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
             "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
         }
         for label, on in (("no_cache", False), ("prefix_cache", True)):
-            r = run_case(model, base | {"enable_prefix_caching": on}, reqs, repeats)
+            r = run_case(model, base | {"enable_prefix_caching": on}, reqs, repeats,
+                         name=f"{c.name}-{label}")  # fmt: skip
             s = r.summary()
             s["cached_tokens"] = sum(rec.num_cached_tokens for rec in r.records)
             q = r.stats.get("prefix_cache_queries_total", 0)

@@ -72,7 +72,13 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
         out = {"case": c.name, "params": base}
         for policy in ("fcfs", "priority"):
             out[policy] = _summary(
-                run_case(model, base | {"scheduling_policy": policy}, reqs, repeats)
+                run_case(
+                    model,
+                    base | {"scheduling_policy": policy},
+                    reqs,
+                    repeats,
+                    name=f"{c.name}-{policy}",
+                )  # fmt: skip
             )
         cases.append(out)
     result = {"suite": "scheduling", "cases": cases, "swap": swap_vs_recompute(repeats, seed)}
@@ -113,7 +119,9 @@ def swap_vs_recompute(repeats: int = 3, seed: int = 0) -> dict | None:
     }
     out: dict = {"case": SWAP_CASE, "model": str(model), "params": base}
     for mode in ("recompute", "swap"):
-        out[mode] = _summary(run_case(str(model), base | {"preemption_mode": mode}, reqs, repeats))
+        run = run_case(str(model), base | {"preemption_mode": mode}, reqs, repeats,
+                       name=f"{SWAP_CASE}-{mode}")  # fmt: skip
+        out[mode] = _summary(run)
     return out
 
 

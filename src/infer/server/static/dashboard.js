@@ -13,7 +13,10 @@ const apiKey = new URLSearchParams(location.search).get("api_key");
 function hueOf(text) {
   let h = 2166136261;
   for (let i = 0; i < text.length; i++) h = Math.imul(h ^ text.charCodeAt(i), 16777619);
-  return ((h >>> 0) % 360);
+  // A final mix, so ids that differ in one character get far-apart hues.
+  h = Math.imul(h ^ (h >>> 16), 2246822507);
+  h = Math.imul(h ^ (h >>> 13), 3266489909);
+  return ((h ^ (h >>> 16)) >>> 0) % 360;
 }
 const requestColour = (rid) => `hsl(${hueOf(rid)}, 65%, 48%)`;
 const css = getComputedStyle(document.documentElement);
@@ -274,6 +277,8 @@ function openTrace(text) {
   $("scrub").max = frames.length - 1;
   $("model").textContent = "recorded trace";
   $("latency-caption").textContent = "latency is shown live only";
+  for (const k in lat) lat[k].length = 0;
+  latency.setData([lat.t, lat.ttft50, lat.ttft99, lat.itl50, lat.itl99, lat.tps]);
   showFrame(0);
   play(true);
 }
