@@ -357,7 +357,7 @@ def test_metrics_use_vllm_names_with_model_label(client, server):
 
 def test_reset_prefix_cache_needs_prefix_caching(server):
     r = httpx.post(server.url + "/reset_prefix_cache", headers=server.headers)
-    assert r.status_code == 400 and "prefix caching" in r.json()["error"]["message"]
+    assert r.status_code == 409 and "prefix caching" in r.json()["error"]["message"]
 
 
 def test_access_log_has_a_line_per_request(client, server):

@@ -15,6 +15,10 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
@@ -123,7 +127,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # A temperature this small divides the logits into infinities: it is greedy in all but
+        # name (vLLM draws the same line).
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

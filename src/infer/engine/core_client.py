@@ -74,7 +74,15 @@ class ThreadCore:
 
 
 # What the server reads off the engine once, at start-up.
-_ATTRS = ("model_name", "max_model_len", "model_path", "capacity", "eos_token_ids", "config")
+_ATTRS = (
+    "model_name",
+    "max_model_len",
+    "model_path",
+    "capacity",
+    "eos_token_ids",
+    "config",
+    "spec",
+)
 
 
 def _child(conn, config: EngineConfig, log_level: int, torch_threads: int | None) -> None:

@@ -201,7 +201,10 @@ def _apply_penalties(row: torch.Tensor, request: Request, num_proposed: int = 0)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
         vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        # A penalty near 0 makes infinities (and -inf * 0 = nan): keep the row samplable.
+        big = torch.finfo(row.dtype).max
+        row[seen] = torch.nan_to_num(vals, nan=float("-inf"), posinf=big, neginf=float("-inf"))
     if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
         out = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
         counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
@@ -223,6 +226,7 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop_sorted[:, 0] = False  # even when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     min_p = torch.tensor([p.min_p for p in params], device=logits.device)[:, None]

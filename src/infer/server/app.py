@@ -21,6 +21,7 @@ from infer.server.chat import create_chat_completion, render_chat
 from infer.server.completions import create_completion
 from infer.server.dashboard import Dashboard, install_dashboard
 from infer.server.errors import APIError, install_error_handlers
+from infer.server.fim import fim_tokens
 from infer.server.middleware import (
     AccessLogMiddleware,
     APIKeyMiddleware,
@@ -28,6 +29,7 @@ from infer.server.middleware import (
     OverloadMiddleware,
 )
 from infer.server.protocol import (
+    VOCAB_BOUND,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
@@ -54,6 +56,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "missing or wrong API key"),
         (404, "unknown model"),
         (413, "body over --max-request-bytes"),
+        (409, "the server's set-up does not allow it (e.g. prefix caching is off)"),
         (429, "waiting queue full"),
         (500, "the engine failed on this request"),
         (503, "shutting down"),
@@ -62,7 +65,27 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def _streamed(model: type) -> dict[int | str, dict[str, Any]]:
-    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    # One SSE event (OpenAPI before 3.2: `schema` of an event stream describes each event): its
+    # data is the JSON chunk, an error object, or the closing [DONE].
+    chunk = {"anyOf": [{"$ref": f"#/components/schemas/{model.__name__}"},
+                       {"$ref": "#/components/schemas/ErrorResponse"}]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": chunk,
+                    },  # fmt: skip
+                ]
+            },
+        },
+    }
     return {
         200: {
             "description": "JSON body, or with stream=true an SSE stream of "
@@ -188,7 +211,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def reset_prefix_cache() -> dict[str, bool]:
         """Drop every cached prefix block (needs --enable-prefix-caching)."""
         if not prefix_caching:
-            raise APIError(400, "prefix caching is off (start with --enable-prefix-caching)")
+            raise APIError(409, "prefix caching is off (start with --enable-prefix-caching)")
         ok = await async_engine.call("reset_prefix_cache")
         return {"reset": bool(ok)}
 
@@ -216,7 +239,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     def openapi() -> dict[str, Any]:
         """FastAPI's schema plus what it cannot see: the SSE event bodies (referenced by the
-        streaming routes) and the vocabulary bound of /detokenize's token ids."""
+        streaming routes) and the vocabulary's bound on every token id the model reads."""
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
@@ -228,9 +251,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 for name, sub_schema in extra.pop("$defs", {}).items():
                     schemas.setdefault(name, sub_schema)
                 schemas.setdefault(model.__name__, extra)
-            tokens = schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {})
-            if "items" in tokens:
-                tokens["items"]["maximum"] = len(serving.tokenizer) - 1
+            _bound_token_ids(schema, min(len(serving.tokenizer), engine.spec.vocab_size) - 1)
+            if fim_tokens(serving.tokenizer) is None:  # no fill-in-the-middle: suffix stays empty
+                props = schemas["CompletionRequest"]["properties"]
+                props["suffix"] = {
+                    "anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}],
+                    "description": "this model has no fill-in-the-middle tokens",
+                }
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -244,6 +271,49 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(AccessLogMiddleware)
     return app
+
+
+def _bound_token_ids(node: Any, max_id: int) -> None:
+    """Give every schema marked ``VOCAB_BOUND`` (an input token id, or the token-id keys of
+    ``logit_bias``) the vocabulary's bound, in place."""
+    if isinstance(node, list):
+        for item in node:
+            _bound_token_ids(item, max_id)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.pop(VOCAB_BOUND, False):
+        node["maximum"] = max_id
+    names = node.get("propertyNames")
+    if isinstance(names, dict) and names.pop(VOCAB_BOUND, False):
+        node["propertyNames"] = {"type": "string", "pattern": uint_at_most_regex(max_id)}
+        node.pop("patternProperties", None)
+        node["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
+    for value in node.values():
+        _bound_token_ids(value, max_id)
+
+
+def uint_at_most_regex(n: int) -> str:
+    """A regex matching exactly the decimal integers 0..n (no sign, no leading zeros)::
+
+    n = 1023 -> ^(0|[1-9][0-9]{0,2}|[1-9][0-9]{3}...)  narrowed digit by digit:
+                0[0-9]{3} is excluded, 10[0-1][0-9], 102[0-3] ...
+    """
+    digits = str(n)
+    width = len(digits)
+    alts = ["0"] if n >= 0 else []
+    if width >= 2:
+        alts.append(f"[1-9][0-9]{{0,{width - 2}}}")  # every shorter number
+    for i, d in enumerate(digits):  # same width: equal to n up to i, then smaller at i
+        low = 1 if i == 0 else 0
+        high = int(d) - 1
+        if high >= low:
+            rest = width - i - 1
+            tail = f"[0-9]{{{rest}}}" if rest else ""
+            alts.append(f"{digits[:i]}[{low}-{high}]{tail}")
+    if n > 0:
+        alts.append(digits)
+    return "^(" + "|".join(alts) + ")$"
 
 
 def _version() -> str:

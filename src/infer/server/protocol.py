@@ -11,18 +11,43 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # ---- shared pieces ----------------------------------------------------------------------------
 
 TokenId = Annotated[int, Field(ge=0)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# A token id the model reads: the published schema bounds it by the vocabulary (the app fills
+# in the maximum where it sees VOCAB_BOUND; see ``app.openapi``).
+VOCAB_BOUND = "x-vocab-bound"
+InputTokenId = Annotated[int, Field(ge=0, json_schema_extra={VOCAB_BOUND: True})]
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$",
+                                  json_schema_extra={VOCAB_BOUND: True})]  # fmt: skip
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# +-2**53: every seed is exact as a float too, so any JSON validator agrees with the server.
+Seed = Annotated[int, Field(ge=-(2**53), le=2**53)]
 MAX_N = 128  # choices per request: each is a full sequence in the batch
 MAX_LOGPROBS = 20
 
 
+def _integral_floats_to_int(value: Any) -> Any:
+    """``1.0`` -> ``1`` throughout a body: JSON Schema counts a number with no fraction as an
+    integer, so a schema-valid body may write one so (strings and bools stay refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_floats_to_int(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral_floats_to_int(v) for k, v in value.items()}
+    return value
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_integers(cls, data: Any) -> Any:
+        return _integral_floats_to_int(data)
 
 
 class _Response(BaseModel):
@@ -44,7 +69,7 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -60,7 +85,7 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="vLLM: logprobs of the prompt tokens, + top-k"
     )
-    logit_bias: dict[str, float] | None = Field(
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
     )
     user: str | None = Field(None, description="accepted and ignored")
@@ -69,9 +94,12 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        ..., description="a string, strings, token ids, or lists of token ids"
-    )
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[InputTokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[InputTokenId], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(..., description="a string, strings, token ids, or lists of token ids")
     max_tokens: int | None = Field(16, ge=1, description="null: up to the context length")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -134,6 +162,17 @@ class NamedToolChoice(_Request):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
+    # top_logprobs >= 1 needs logprobs: true (a rule the server enforces; stated for clients).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "required": ["top_logprobs"],
+                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+            },
+            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        }  # fmt: skip
+    )
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(
         None, ge=1, description="deprecated alias of max_completion_tokens"
@@ -165,6 +204,15 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 class TokenizeRequest(_Request):
     """``POST /tokenize``: either ``prompt`` or chat ``messages``."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -175,7 +223,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[InputTokenId]
 
 
 # ---- responses --------------------------------------------------------------------------------

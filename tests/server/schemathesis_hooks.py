@@ -1,0 +1,72 @@
+"""Schemathesis hooks for the fuzzing test (loaded through ``SCHEMATHESIS_HOOKS``).
+
+The published schema states every rule about one field's value. The few rules that relate two
+fields' values are stated in it too (``if``/``then``), but schemathesis' coverage phase does not
+honour those, and a JSON schema cannot compare two numbers at all; ``filter_failure`` lets a
+400 for a body that breaks one of them pass, so that "a schema-valid request is never refused"
+is checked on everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+
+
+def _tool_names(tools: Any) -> set[str]:
+    if not isinstance(tools, list):
+        return set()
+    return {
+        t["function"]["name"]
+        for t in tools
+        if isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+    }
+
+
+def _ints(*values: Any) -> bool:
+    """All numbers (JSON Schema counts 5.0 as an integer)."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def breaks_a_cross_field_rule(body: dict) -> bool:
+    n, best_of = body.get("n", 1), body.get("best_of")
+    if _ints(n, best_of) and (best_of < n or (body.get("stream") is True and best_of > n)):
+        return True  # best_of must be >= n, and == n when streaming
+    min_tokens = body.get("min_tokens", 0)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+    if _ints(min_tokens, max_tokens) and min_tokens > max_tokens:
+        return True
+    if body.get("continue_final_message") is True and body.get("add_generation_prompt", True):
+        return True  # the two are exclusive, and add_generation_prompt defaults to true
+    top = body.get("top_logprobs")
+    if _ints(top) and top >= 1 and body.get("logprobs") is not True and "messages" in body:
+        return True
+    tools = body.get("tools")
+    if isinstance(tools, list) and len(_tool_names(tools)) < sum(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
+    ):
+        return True  # two tools with one name (or a nameless one)
+    choice = body.get("tool_choice")
+    if choice == "required" and not _tool_names(body.get("tools")):
+        return True
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        return not (isinstance(name, str) and name in _tool_names(body.get("tools")))
+    return False
+
+
+@schemathesis.hook
+def filter_failure(context: Any, failure: Any, case: Any, response: Any) -> bool:
+    """Keep every failure but a 400 for a body that breaks a rule between two fields (see
+    above), and a prompt refused for not fitting the context: how many tokens a text makes is
+    the tokenizer's business, not something a schema can bound."""
+    if response.status_code != 400:
+        return True
+    body = case.body
+    if isinstance(body, dict) and breaks_a_cross_field_rule(body):
+        return False
+    return "context length" not in response.text
