@@ -96,3 +96,13 @@ def test_manager_eviction_under_pressure_then_everything_returned():
     assert kv.prefix_stats.evictions == 4
     kv.free(b)
     assert kv.num_free_blocks == 4
+
+
+def test_block_states_marks_used_cached_and_empty():
+    pool = BlockPool(4, enable_caching=True)
+    a, b, _ = pool.allocate(3)
+    pool.cache_block(a, None, [1, 2], ())
+    pool.free([a])
+    assert pool.block_states() == "cuu."
+    pool.free([b])
+    assert pool.block_states() == "c.u."

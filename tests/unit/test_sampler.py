@@ -278,3 +278,21 @@ def test_logprobs_only_for_requests_that_ask():
     out = Sampler().sample(LOGITS.expand(2, -1), [req("a", logprobs=1), req("b")])
     assert out[0].logprob is not None and len(out[0].logprob.top) == 1
     assert out[1].logprob is None
+
+
+# ---- extreme values (found by fuzzing the API: each used to fail its whole batch) ------------
+
+
+def test_tiny_temperature_is_greedy():
+    assert draw(LOGITS, n=50, temperature=5e-324) == Counter({0: 50})
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    assert draw(LOGITS, n=50, temperature=1.0, top_p=5e-324) == Counter({0: 50})
+
+
+def test_repetition_penalty_near_zero_still_samples_a_token():
+    # Token 1 was seen: dividing its positive logit by ~0 makes it (finitely) the only choice.
+    logits = torch.tensor([0.5, 1.0, 0.2, -3.0])
+    got = draw(logits, n=50, temperature=1.0, repetition_penalty=5e-324, prompt=(1, 3))
+    assert got == Counter({1: 50})
