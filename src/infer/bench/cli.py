@@ -511,6 +511,12 @@ def register(subparsers) -> None:
     so.add_argument("--out", default=f"{DEFAULT_OUT}/structured", help="report folder")
     so.set_defaults(func=_offline_bench("structured"))
 
+    from infer.bench.overload import add_parser as add_overload
+
+    add_overload(sub)
+    from infer.bench.dashboard import add_parser as add_dashboard
+
+    add_dashboard(sub)
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
     pr.add_argument("--model", default=None, help=model_help)
     pr.add_argument("--dtype", default="bfloat16")
