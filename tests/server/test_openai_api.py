@@ -309,7 +309,10 @@ def test_openapi_schema_describes_the_api(server):
     post = spec["paths"]["/v1/completions"]["post"]
     ok = post["responses"]["200"]["content"]
     assert ok["application/json"]["schema"]["$ref"].endswith("/CompletionResponse")
-    assert ok["text/event-stream"]["schema"]["$ref"].endswith("/CompletionStreamResponse")
+    # Each SSE event: its data is a JSON chunk (or an error) or the closing [DONE].
+    data = ok["text/event-stream"]["schema"]["properties"]["data"]["anyOf"]
+    assert data[0] == {"const": "[DONE]"}
+    assert data[1]["contentSchema"]["anyOf"][0]["$ref"].endswith("/CompletionStreamResponse")
     # Every reference resolves (the SSE event bodies included).
     refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)))
     assert refs and refs <= set(schemas), refs - set(schemas)

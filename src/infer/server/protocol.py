@@ -20,8 +20,10 @@ TokenId = Annotated[int, Field(ge=0)]
 # in the maximum where it sees VOCAB_BOUND; see ``app.openapi``).
 VOCAB_BOUND = "x-vocab-bound"
 InputTokenId = Annotated[int, Field(ge=0, json_schema_extra={VOCAB_BOUND: True})]
-TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$",
-                                  json_schema_extra={VOCAB_BOUND: True})]  # fmt: skip
+# logit_bias: the bounds are published here and enforced by SamplingParams, whose errors say
+# "keys must be token ids" and "[-100, 100]" rather than pydantic's pattern and bound messages.
+TokenIdKey = Annotated[str, Field(json_schema_extra={VOCAB_BOUND: True})]
+Bias = Annotated[float, Field(json_schema_extra={"minimum": -100, "maximum": 100})]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # +-2**53: every seed is exact as a float too, so any JSON validator agrees with the server.
 Seed = Annotated[int, Field(ge=-(2**53), le=2**53)]
@@ -85,7 +87,7 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="vLLM: logprobs of the prompt tokens, + top-k"
     )
-    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
     )
     user: str | None = Field(None, description="accepted and ignored")
