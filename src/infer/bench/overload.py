@@ -1,9 +1,9 @@
 """``infer bench overload``: how fast an overloaded server says no.
 
 Starts ``infer serve`` with a small bound (``--max-num-seqs 4 --max-queued-requests 8`` by
-default) and fires ``--requests`` requests at once from ``--processes`` client processes (each an
-asyncio client with its own connections, all released at the same instant), so the client is not
-the bottleneck. Reports how many got 429 (and whether each carried ``Retry-After``), the 429s'
+default) and fires ``--requests`` requests at once from ``--processes`` client processes (each writes raw
+HTTP/1.1 on connections it opened beforehand, all released at the same instant), so the client
+is not the bottleneck. Reports how many got 429 (and whether each carried ``Retry-After``), the 429s'
 latency percentiles as the clients measured them, and whether every accepted request completed
 with its full token count. Rounds repeat and the median round is kept.
 """
@@ -23,28 +23,45 @@ from pathlib import Path
 MAX_TOKENS = 16
 
 
+async def _http_post(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> tuple[int, dict[str, str], bytes]:
+    """One request on a kept-alive connection, with as little client work as possible (raw
+    HTTP/1.1 over asyncio streams: an HTTP library's own overhead would be what is measured)."""
+    writer.write(request)
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {
+        k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)
+    }
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return status, headers, body
+
+
 async def _fire(url: str, n: int, start_at: float) -> list[dict]:
-    import httpx
+    host, port = url.split("//")[1].split(":")
+    payload = json.dumps({"model": "m", "prompt": "Hello there", "max_tokens": MAX_TOKENS,
+                          "ignore_eos": True, "temperature": 0}).encode()  # fmt: skip
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+    # Open the connections first, so the burst measures the server, not TCP handshakes.
+    conns = [await asyncio.open_connection(host, int(port)) for _ in range(n)]
 
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        body = {"model": "m", "prompt": "Hello there", "max_tokens": MAX_TOKENS,
-                "ignore_eos": True, "temperature": 0}  # fmt: skip
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict:
+        t0 = time.perf_counter()
+        status, headers, body = await _http_post(reader, writer, request)
+        ms = 1000 * (time.perf_counter() - t0)
+        tokens = json.loads(body)["usage"]["completion_tokens"] if status == 200 else None
+        writer.close()
+        return {"status": status, "ms": ms, "retry_after": headers.get("retry-after"),
+                "tokens": tokens}  # fmt: skip
 
-        async def one() -> dict:
-            t0 = time.perf_counter()
-            r = await client.post(url + "/v1/completions", json=body)
-            ms = 1000 * (time.perf_counter() - t0)
-            tokens = (
-                r.json().get("usage", {}).get("completion_tokens") if r.status_code == 200 else None
-            )
-            return {"status": r.status_code, "ms": ms, "retry_after": r.headers.get("retry-after"),
-                    "tokens": tokens}  # fmt: skip
-
-        # Open the connections first, so the burst measures the server, not TCP handshakes.
-        await asyncio.gather(*(client.get(url + "/health") for _ in range(n)))
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        return await asyncio.gather(*(one() for _ in range(n)))
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    return await asyncio.gather(*(one(r, w) for r, w in conns))
 
 
 def _client(url: str, n: int, start_at: float, out: mp.Queue) -> None:
