@@ -6,6 +6,8 @@
 const MAX_STEPS = 300;
 const MAX_LATENCY_POINTS = 240;
 const MAX_ROWS = 40;
+// Two updates a second: on a small machine the browser's own rendering competes with the engine.
+const LIVE_INTERVAL_S = 0.5;
 const $ = (id) => document.getElementById(id);
 const apiKey = new URLSearchParams(location.search).get("api_key");
 
@@ -223,16 +225,17 @@ function goLive() {
   stopReplay();
   clearSteps();
   $("replay-controls").hidden = true;
-  const q = new URLSearchParams({ interval: "0.25" });
+  const q = new URLSearchParams({ interval: String(LIVE_INTERVAL_S) });
   if (apiKey) q.set("api_key", apiKey);
   source = new EventSource(`/dashboard/events?${q}`);
   source.onopen = () => setMode("live", "live");
   source.onerror = () => setMode("off", "disconnected (retrying)");
   source.onmessage = (msg) => {
     const ev = JSON.parse(msg.data);
+    ev.steps.forEach(pushStep);
+    if (document.hidden) return;  // a background tab keeps its data but draws nothing
     $("model").textContent = ev.model;
     $("preemptions").dataset.serverTotal = ev.server.preemptions_total;
-    ev.steps.forEach(pushStep);
     $("gen-tps").textContent = ev.throughput.generation_tok_s.toFixed(0);
     pushLatency(ev);
     latency.setData([lat.t, lat.ttft50, lat.ttft99, lat.itl50, lat.itl99, lat.tps]);
@@ -277,6 +280,7 @@ function openTrace(text) {
   $("scrub").max = frames.length - 1;
   $("model").textContent = "recorded trace";
   $("latency-caption").textContent = "latency is shown live only";
+  $("gen-tps").textContent = "—";
   for (const k in lat) lat[k].length = 0;
   latency.setData([lat.t, lat.ttft50, lat.ttft99, lat.itl50, lat.itl99, lat.tps]);
   showFrame(0);
