@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -141,7 +140,7 @@ def screenshots(url: str, folder: Path, trace: Path | None, concurrency: int) ->
 def run(args: argparse.Namespace) -> int:
     from infer.bench.engine import llama_100m
     from infer.bench.peers import start_server, stop_server, wait_healthy
-    from infer.bench.report import collect_environment, now_iso
+    from infer.bench.report import collect_environment, now_iso, save_report
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,9 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "screenshots": [str(p) for p in shots],
         "environment": collect_environment(),
     }
-    (out / "dashboard.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "dashboard.md").write_text(render(report))
-    print(render(report), flush=True)
+    save_report(report, render(report), out, "dashboard")
     return 0
 
 

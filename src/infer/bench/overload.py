@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     rounds.sort(key=lambda s: s["refused_ms"]["p99"] or 0)
     median = rounds[len(rounds) // 2]
     p99s = [s["refused_ms"]["p99"] for s in rounds if s["refused_ms"]["p99"] is not None]
-    from infer.bench.report import collect_environment, now_iso
+    from infer.bench.report import collect_environment, now_iso, save_report
 
     report = {
         "schema": "infer.bench.overload/1",
@@ -157,9 +157,7 @@ def run(args: argparse.Namespace) -> int:
         "pass": bool(p99s) and statistics.median(p99s) < 50.0,
         "environment": collect_environment(),
     }
-    (out / "overload.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "overload.md").write_text(render(report))
-    print(render(report), flush=True)
+    save_report(report, render(report), out, "overload")
     return 0
 
 

@@ -112,6 +112,13 @@ def save_json(report: dict, path: str | Path) -> Path:
     return path
 
 
+def save_report(report: dict, markdown: str, folder: str | Path, stem: str) -> None:
+    """``folder/stem.json`` and ``folder/stem.md``, and the markdown on stdout."""
+    save_json(report, Path(folder) / f"{stem}.json")
+    (Path(folder) / f"{stem}.md").write_text(markdown)
+    print(markdown, flush=True)
+
+
 def load_report(path: str | Path) -> dict:
     """Load a serving report written by :func:`save_json` (checks the schema tag)."""
     path = Path(path)
