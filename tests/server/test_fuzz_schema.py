@@ -39,7 +39,9 @@ def _fuzz(server, max_examples: int, seed: int, tmp_path: Path) -> None:
            "--max-examples", str(max_examples), "--seed", str(seed), "--workers", "1",
            "--request-timeout", "30", "--no-color", "--report", "junit",
            "--report-dir", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
+    # Run in tmp_path: schemathesis keeps its example database in the working directory.
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=1500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
     # Afterwards the server is healthy, idle, and has every KV block back.
     assert httpx.get(server.url + "/health").status_code == 200
