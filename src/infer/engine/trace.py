@@ -155,7 +155,6 @@ class StepTrace:
 
     def record(self, scheduler: Any, sched: SchedulerOutput, step: int, duration: float) -> None:
         elapsed = time.perf_counter() - self.started
-        num_swapped = sum(1 for r in scheduler.waiting if scheduler.kv.is_swapped(r))
         rec = StepRecord(
             step=step,
             time=elapsed,
@@ -165,7 +164,7 @@ class StepTrace:
             token_budget=scheduler.config.max_num_batched_tokens,
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
-            num_swapped=num_swapped,
+            num_swapped=scheduler.kv.num_swapped_requests,
             preempted=tuple(sched.preempted),
             swapped_out_blocks=len(sched.swap_out),
             swapped_in_blocks=len(sched.swap_in),

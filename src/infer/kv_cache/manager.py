@@ -81,6 +81,11 @@ class KVManager(ABC):
         """Host slots in use by swapped-out requests."""
         return 0
 
+    @property
+    def num_swapped_requests(self) -> int:
+        """Requests whose KV is in host memory."""
+        return 0
+
     def end_step(self) -> None:
         """Called once per schedule: release host slots whose copies are now done."""
 
@@ -182,6 +187,10 @@ class PagedKVManager(KVManager):
     @property
     def num_swapped_blocks(self) -> int:
         return sum(len(slots) for slots in self._swapped.values())
+
+    @property
+    def num_swapped_requests(self) -> int:
+        return len(self._swapped)
 
     def end_step(self) -> None:
         self._host_free.extend(self._host_release)

@@ -287,8 +287,6 @@ def _bound_token_ids(node: Any, max_id: int) -> None:
     names = node.get("propertyNames")
     if isinstance(names, dict) and names.pop(VOCAB_BOUND, False):
         node["propertyNames"] = {"type": "string", "pattern": uint_at_most_regex(max_id)}
-        node.pop("patternProperties", None)
-        node["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
     for value in node.values():
         _bound_token_ids(value, max_id)
 
@@ -296,12 +294,12 @@ def _bound_token_ids(node: Any, max_id: int) -> None:
 def uint_at_most_regex(n: int) -> str:
     """A regex matching exactly the decimal integers 0..n (no sign, no leading zeros)::
 
-    n = 1023 -> ^(0|[1-9][0-9]{0,2}|[1-9][0-9]{3}...)  narrowed digit by digit:
-                0[0-9]{3} is excluded, 10[0-1][0-9], 102[0-3] ...
+    n = 1023 -> ^(0|[1-9][0-9]{0,2}|10[0-1][0-9]{1}|102[0-2]|1023)$
+                  |  shorter numbers  | n's width, smaller than n at one digit | n |
     """
     digits = str(n)
     width = len(digits)
-    alts = ["0"] if n >= 0 else []
+    alts = ["0"]
     if width >= 2:
         alts.append(f"[1-9][0-9]{{0,{width - 2}}}")  # every shorter number
     for i, d in enumerate(digits):  # same width: equal to n up to i, then smaller at i
