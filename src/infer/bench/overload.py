@@ -83,14 +83,12 @@ def burst(url: str, num_requests: int, processes: int) -> list[dict]:
     return results
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
-
-
 def summarize(results: list[dict]) -> dict:
+    from infer.bench.metrics import percentile
+
+    def pct(values: list[float], p: float) -> float | None:
+        return percentile(values, p) if values else None
+
     refused = [r for r in results if r["status"] == 429]
     accepted = [r for r in results if r["status"] == 200]
     ms = [r["ms"] for r in refused]
@@ -102,12 +100,12 @@ def summarize(results: list[dict]) -> dict:
         "all_429_have_retry_after": all(r["retry_after"] for r in refused),
         "accepted_full_tokens": all(r["tokens"] == MAX_TOKENS for r in accepted),
         "refused_ms": {
-            "p50": _pct(ms, 50),
-            "p90": _pct(ms, 90),
-            "p99": _pct(ms, 99),
+            "p50": pct(ms, 50),
+            "p90": pct(ms, 90),
+            "p99": pct(ms, 99),
             "max": max(ms) if ms else None,
         },  # fmt: skip
-        "accepted_ms_p50": _pct([r["ms"] for r in accepted], 50),
+        "accepted_ms_p50": pct([r["ms"] for r in accepted], 50),
     }
 
 
