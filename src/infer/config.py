@@ -187,17 +187,35 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes run the model: ``tensor_parallel_size`` ranks each hold a slice of
+    every layer (torch.distributed: gloo on CPU, NCCL on CUDA)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @staticmethod
     def from_kwargs(**kwargs) -> EngineConfig:
         """Build from flat keyword options (``LLM(model=..., block_size=8, ...)``)."""
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
-        parts: dict[type, dict] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        parts: dict[type, dict] = {
+            ModelConfig: {},
+            CacheConfig: {},
+            SchedulerConfig: {},
+            ParallelConfig: {},
+        }
         fields = {cls: set(cls.__dataclass_fields__) for cls in parts}
         for key, value in kwargs.items():
             for cls, names in fields.items():
@@ -220,4 +238,5 @@ class EngineConfig:
             cache=CacheConfig(**parts[CacheConfig]),
             scheduler=SchedulerConfig(**parts[SchedulerConfig]),
             speculative=speculative,
+            parallel=ParallelConfig(**parts[ParallelConfig]),
         )

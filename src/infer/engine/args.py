@@ -11,6 +11,7 @@ from infer.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     parse_bytes,
@@ -100,6 +101,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-wait-steps", type=int, default=None)
     g.add_argument("--max-queued-requests", type=int, default=None)
 
+    g = parser.add_argument_group("parallelism")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split every layer over N processes (torch.distributed: gloo on CPU, NCCL on "
+        "CUDA, one GPU per rank); on CPU each rank gets its share of the cores",
+    )
+
     g = parser.add_argument_group("speculative decoding")
     g.add_argument(
         "--speculative-config",
@@ -146,4 +157,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_queued_requests=args.max_queued_requests,
         ),
         speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
+        parallel=ParallelConfig(tensor_parallel_size=getattr(args, "tensor_parallel_size", 1)),
     )

@@ -27,6 +27,7 @@ from typing import Any
 
 from infer.core.outputs import RequestOutput
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
+from infer.distributed import EngineDeadError
 
 logger = logging.getLogger("infer.engine")
 
@@ -183,6 +184,8 @@ class _Loop:
             outputs = engine.step()
             self.num_steps += 1
             return outputs
+        except EngineDeadError:
+            raise  # the loop ends; the transport reports why (EngineStopped)
         except Exception as e:  # noqa: BLE001
             # Not a forward-pass failure (those fail their batch inside step()): we cannot tell
             # which request broke it, so fail every unfinished one and keep serving.

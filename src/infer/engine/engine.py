@@ -23,6 +23,9 @@ from infer.core.outputs import RequestOutput
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.validation import check_prompt
+from infer.distributed import EngineDeadError
+from infer.distributed.executor import KVSetup, TensorParallelWorkers
+from infer.distributed.parallel_state import check_tensor_parallel, get_tensor_parallel
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.scheduler import Scheduler
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
@@ -181,6 +184,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(mc.dtype, self.spec.torch_dtype, self.device)
         t0 = time.perf_counter()
         check_quantization(mc.quantization, self.device)
+        self.tp_workers = self._start_tensor_parallel()
         self.model = load_model(self.model_path, self.dtype, self.device)
         if mc.quantization:
             quantize_linears(self.model, mc.quantization)
@@ -215,11 +219,20 @@ class LLMEngine:
                 cc.enable_prefix_caching,
                 num_swap_blocks=self.num_swap_blocks,
             )
+        if self.tp_workers is not None:
+            self.tp_workers.broadcast(
+                KVSetup(
+                    self.capacity.num_blocks,
+                    self.capacity.block_size,
+                    cc.kv_cache_dtype,
+                    self.num_swap_blocks,
+                )
+            )
         self.kv_cache = KVCache(
             self.spec.num_layers,
             self.capacity.num_blocks,
             self.capacity.block_size,
-            self.spec.num_kv_heads,
+            self.spec.num_kv_heads // self.tp_size,
             self.spec.head_dim,
             self.dtype,
             self.device,
@@ -235,6 +248,7 @@ class LLMEngine:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
         )
+        self.runner.workers = self.tp_workers
         self.proposer = self._build_proposer()
         # Constrained decoding: built on the first request that asks for it.
         self.structured: StructuredOutputManager | None = None
@@ -248,6 +262,35 @@ class LLMEngine:
         self.trace: StepTrace | None = None
         self.weights_bytes = model_weight_bytes(self.model)
         self._log_startup()
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.parallel.tensor_parallel_size
+
+    def _start_tensor_parallel(self) -> TensorParallelWorkers | None:
+        """With ``tensor_parallel_size`` N > 1: spawn ranks 1..N-1 and join their group (this
+        process is rank 0), after checking the model and options can be split."""
+        size = self.tp_size
+        if size == 1:
+            return None
+        check_tensor_parallel(size, self.spec)
+        if self.config.speculative is not None:
+            raise ValueError("speculative decoding does not run with tensor parallelism yet")
+        if get_tensor_parallel().size > 1:
+            raise RuntimeError("another tensor-parallel engine is running in this process")
+        return TensorParallelWorkers(
+            size,
+            self.model_path,
+            self.dtype,
+            self.device,
+            self.config.model.quantization,
+            self.config.model.seed,
+        )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
     def _build_proposer(self) -> Proposer | None:
         spec_cfg = self.config.speculative
@@ -287,7 +330,9 @@ class LLMEngine:
         cc, sc = self.config.cache, self.config.scheduler
         s = self.spec
         value_bytes, scale_bytes = kv_value_bytes(cc.kv_cache_dtype, self.dtype.itemsize)
-        bpt = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, value_bytes, scale_bytes)
+        # Per rank: each tensor-parallel rank caches only its share of the KV heads.
+        kv_heads = s.num_kv_heads // self.tp_size
+        bpt = kv_bytes_per_token(s.num_layers, kv_heads, s.head_dim, value_bytes, scale_bytes)
         block_size = self.max_model_len if cc.kv_cache_backend == "contiguous" else cc.block_size
         if cc.num_kv_blocks is not None:
             return KVCapacity(bpt, block_size, cc.num_kv_blocks)
@@ -492,7 +537,12 @@ class LLMEngine:
             return outputs
         try:
             sampled, timings, prompt_logprobs = self.runner.execute(sched, self.scheduler.requests)
+        except EngineDeadError:
+            raise
         except Exception as e:  # noqa: BLE001 - one failed batch must not kill the engine
+            if self.tp_workers is not None:
+                # The other ranks may be inside a collective this rank never reached.
+                raise self.tp_workers.dead(e) from e
             logger.exception(
                 "forward pass failed; failing the %d requests in it", len(sched.chunks)
             )

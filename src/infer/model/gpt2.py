@@ -13,6 +13,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from infer.distributed.parallel_state import (
+    COLUMN,
+    ROW,
+    ROW_BIAS,
+    VOCAB,
+    Shard,
+    all_reduce,
+    embed,
+    get_tensor_parallel,
+)
 from infer.model.layers import CausalLM, WeightSource, activation, embedding, transposed
 from infer.runner.attention import AttentionContext
 
@@ -52,18 +62,21 @@ class GPT2Attention(nn.Module):
     def __init__(self, cfg: GPT2Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        # Tensor parallelism: this rank's heads (column-parallel c_attn, row-parallel c_proj).
+        self.num_heads = get_tensor_parallel().local(cfg.num_heads, "n_head")
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
-        self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        width = self.num_heads * self.head_dim
+        self.c_attn = nn.Linear(cfg.hidden_size, 3 * width)
+        self.c_proj = nn.Linear(width, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        t, hidden = x.shape
+        t = x.shape[0]
         q, k, v = self.c_attn(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         out = attn.attend(self.layer_idx, q, k, v, scale=self.scale)
-        return self.c_proj(out.reshape(t, hidden))
+        return all_reduce(self.c_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
 
 class GPT2Block(nn.Module):
@@ -72,13 +85,14 @@ class GPT2Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.attn = GPT2Attention(cfg, layer_idx)
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        width = get_tensor_parallel().local(cfg.intermediate_size, "n_inner")
+        self.c_fc = nn.Linear(cfg.hidden_size, width)
+        self.c_proj = nn.Linear(width, cfg.hidden_size)
         self.act = activation(cfg.activation)
 
     def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn)
-        return x + self.c_proj(self.act(self.c_fc(self.ln_2(x))))
+        return x + all_reduce(self.c_proj(self.act(self.c_fc(self.ln_2(x)))))
 
 
 class GPT2LMHeadModel(CausalLM):
@@ -88,7 +102,7 @@ class GPT2LMHeadModel(CausalLM):
     def __init__(self, cfg: GPT2Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wte = embedding(cfg.vocab_size, cfg.hidden_size, vocab_parallel=True)
         self.wpe = embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
@@ -115,7 +129,7 @@ class GPT2LMHeadModel(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
+        x = embed(self.wte.weight, input_ids) + self.wpe(positions)
         for block in self.h:
             x = block(x, attn)
         return self.ln_f(x)
@@ -130,26 +144,27 @@ class GPT2LMHeadModel(CausalLM):
     def weight_sources(self) -> dict[str, WeightSource]:
         p = "transformer."
 
-        def plain(name: str) -> WeightSource:
-            return WeightSource((p + name,))
+        def plain(name: str, shard: Shard | None = None) -> WeightSource:
+            return WeightSource((p + name,), shard=shard)
 
-        def conv1d(name: str) -> WeightSource:
-            return WeightSource((p + name,), transposed)
+        def conv1d(name: str, shard: Shard) -> WeightSource:
+            return WeightSource((p + name,), transposed, shard)
 
-        src = {
-            name: plain(name) for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")
-        }
+        src = {name: plain(name) for name in ("wpe.weight", "ln_f.weight", "ln_f.bias")}
+        src["wte.weight"] = plain("wte.weight", VOCAB)
+        # c_attn is q, k and v side by side: each third is cut on its own.
+        qkv = Shard(dim=0, parts=3)
         for i in range(self.cfg.num_layers):
             h = f"h.{i}"
             for ln in ("ln_1", "ln_2"):
                 src[f"{h}.{ln}.weight"] = plain(f"{h}.{ln}.weight")
                 src[f"{h}.{ln}.bias"] = plain(f"{h}.{ln}.bias")
-            for ours, theirs in (
-                ("attn.c_attn", "attn.c_attn"),
-                ("attn.c_proj", "attn.c_proj"),
-                ("c_fc", "mlp.c_fc"),
-                ("c_proj", "mlp.c_proj"),
+            for ours, theirs, weight_shard, bias_shard in (
+                ("attn.c_attn", "attn.c_attn", qkv, qkv),
+                ("attn.c_proj", "attn.c_proj", ROW, ROW_BIAS),
+                ("c_fc", "mlp.c_fc", COLUMN, COLUMN),
+                ("c_proj", "mlp.c_proj", ROW, ROW_BIAS),
             ):
-                src[f"{h}.{ours}.weight"] = conv1d(f"{h}.{theirs}.weight")
-                src[f"{h}.{ours}.bias"] = plain(f"{h}.{theirs}.bias")
+                src[f"{h}.{ours}.weight"] = conv1d(f"{h}.{theirs}.weight", weight_shard)
+                src[f"{h}.{ours}.bias"] = plain(f"{h}.{theirs}.bias", bias_shard)
         return src

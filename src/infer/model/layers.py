@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.distributed.parallel_state import Shard, all_reduce, gather_vocab, get_tensor_parallel
 from infer.runner.kernels import CpuKernels, cpu_kernels
 
 if TYPE_CHECKING:
@@ -28,11 +29,13 @@ class WeightSource:
 
     ``names`` are read in order; with no ``transform`` one tensor is used as is and several are
     stacked along dim 0 (the fused projections). ``transform`` (float32 in, float32 out) covers
-    the rest: Conv1D transposes, Gemma's ``1 + weight`` norms.
+    the rest: Conv1D transposes, Gemma's ``1 + weight`` norms. ``shard`` says how the result
+    is cut under tensor parallelism (None: every rank holds all of it).
     """
 
     names: tuple[str, ...]
     transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    shard: Shard | None = None
 
 
 class CausalLM(nn.Module):
@@ -78,11 +81,18 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def project_to_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden @ W_vocab^T`` in the model's dtype; pre-packed when the runner packed it."""
+        """``hidden @ W_vocab^T`` in the model's dtype; pre-packed when the runner packed it.
+
+        Under tensor parallelism each rank scores its slice of the vocabulary and the slices
+        are gathered, so every rank returns all ``[N, vocab]`` scores."""
         packed = getattr(self, "packed_logits", None)
         if packed is not None:
-            return packed(hidden)
-        return F.linear(hidden, self.vocab_projection_weight())
+            logits = packed(hidden)
+        else:
+            logits = F.linear(hidden, self.vocab_projection_weight())
+        if get_tensor_parallel().size == 1:
+            return logits
+        return gather_vocab(logits, self.spec.vocab_size)
 
 
 def fused_kernels(x: torch.Tensor) -> CpuKernels | None:
@@ -130,12 +140,15 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
-def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
-    """An uninitialised ``nn.Embedding`` (the loader fills it).
+def embedding(num_embeddings: int, dim: int, vocab_parallel: bool = False) -> nn.Embedding:
+    """An uninitialised ``nn.Embedding`` (the loader fills it); ``vocab_parallel``: this rank's
+    slice of the vocabulary under tensor parallelism.
 
     NOTE: the default init calls ``normal_``, whose first use on the meta device costs seconds
     (it imports torch's reference ops); passing the weight skips it.
     """
+    if vocab_parallel:
+        num_embeddings = get_tensor_parallel().vocab_rows(num_embeddings)
     return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
 
 
@@ -177,6 +190,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
         super().__init__()
+        # Tensor parallelism: gate/up column-parallel, down row-parallel (+ all-reduce).
+        intermediate = get_tensor_parallel().local(intermediate, "intermediate_size")
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
@@ -187,9 +202,9 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         kernels = fused_kernels(gate_up)
         if kernels is not None and self.fused_act is not None and gate_up.dim() == 2:
-            return self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act))
+            return all_reduce(self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return all_reduce(self.down_proj(self.act(gate) * up))
 
 
 def plus_one(tensors: list[torch.Tensor]) -> torch.Tensor:

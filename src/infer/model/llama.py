@@ -20,6 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from infer.distributed.parallel_state import (
+    COLUMN,
+    ROW,
+    ROW_BIAS,
+    VOCAB,
+    all_reduce,
+    embed,
+    get_tensor_parallel,
+)
 from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, embedding, plus_one
 from infer.model.rope import RopeConfig, apply_rope, rope_config_from_dict, rope_params, rope_tables
 from infer.runner.attention import AttentionContext
@@ -128,13 +137,13 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # Tensor parallelism: this rank's heads (column-parallel qkv, row-parallel o_proj).
+        tp = get_tensor_parallel()
+        self.num_heads = tp.local(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.local(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx]
         self.qkv_proj = nn.Linear(
@@ -164,7 +173,7 @@ class DecoderAttention(nn.Module):
                 sliding_window=self.sliding_window,
                 kv_stored=True,
             )
-            return self.o_proj(out.reshape(t, self.q_size))
+            return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -175,7 +184,7 @@ class DecoderAttention(nn.Module):
         out = attn.attend(
             self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
         )
-        return self.o_proj(out.reshape(t, self.q_size))
+        return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
@@ -216,13 +225,15 @@ class DecoderLM(CausalLM):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vocab_parallel=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            else nn.Linear(
+                cfg.hidden_size, get_tensor_parallel().vocab_rows(cfg.vocab_size), bias=False
+            )
         )
         # Layers with equal rope settings share one cos/sin table (Gemma 3 has two kinds).
         self._ropes = sorted(set(cfg.ropes), key=cfg.ropes.index)
@@ -242,7 +253,7 @@ class DecoderLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = embed(self.embed_tokens.weight, input_ids)
         if self.cfg.embed_scale is not None:
             x = x * self.embed_scale
         trig = [
@@ -276,11 +287,11 @@ class DecoderLM(CausalLM):
             return WeightSource(names, norm_transform)
 
         src: dict[str, WeightSource] = {
-            "embed_tokens.weight": WeightSource(("model.embed_tokens.weight",)),
+            "embed_tokens.weight": WeightSource(("model.embed_tokens.weight",), shard=VOCAB),
             "norm.weight": norm(("model.norm.weight",)),
         }
         if self.lm_head is not None:
-            src["lm_head.weight"] = WeightSource(("lm_head.weight",))
+            src["lm_head.weight"] = WeightSource(("lm_head.weight",), shard=VOCAB)
         # Llama calls the pre-MLP norm "post_attention_layernorm"; Gemma uses that name for the
         # norm on the attention output and "pre_feedforward_layernorm" before the MLP.
         mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
@@ -289,27 +300,33 @@ class DecoderLM(CausalLM):
             a = f"{hf}.self_attn"
             qkv = ("q_proj", "k_proj", "v_proj")
             src[f"{ours}.attn.qkv_proj.weight"] = WeightSource(
-                tuple(f"{a}.{p}.weight" for p in qkv)
+                tuple(f"{a}.{p}.weight" for p in qkv), shard=COLUMN
             )
             if cfg.qkv_bias:
                 src[f"{ours}.attn.qkv_proj.bias"] = WeightSource(
-                    tuple(f"{a}.{p}.bias" for p in qkv)
+                    tuple(f"{a}.{p}.bias" for p in qkv), shard=COLUMN
                 )
-            src[f"{ours}.attn.o_proj.weight"] = WeightSource((f"{a}.o_proj.weight",))
+            src[f"{ours}.attn.o_proj.weight"] = WeightSource((f"{a}.o_proj.weight",), shard=ROW)
             if cfg.o_bias:
-                src[f"{ours}.attn.o_proj.bias"] = WeightSource((f"{a}.o_proj.bias",))
+                src[f"{ours}.attn.o_proj.bias"] = WeightSource(
+                    (f"{a}.o_proj.bias",), shard=ROW_BIAS
+                )
             if cfg.qk_norm:
                 src[f"{ours}.attn.q_norm.weight"] = norm((f"{a}.q_norm.weight",))
                 src[f"{ours}.attn.k_norm.weight"] = norm((f"{a}.k_norm.weight",))
             m = f"{hf}.mlp"
             gate_up = (f"{m}.gate_proj.weight", f"{m}.up_proj.weight")
-            src[f"{ours}.mlp.gate_up_proj.weight"] = WeightSource(gate_up)
-            src[f"{ours}.mlp.down_proj.weight"] = WeightSource((f"{m}.down_proj.weight",))
+            src[f"{ours}.mlp.gate_up_proj.weight"] = WeightSource(gate_up, shard=COLUMN)
+            src[f"{ours}.mlp.down_proj.weight"] = WeightSource(
+                (f"{m}.down_proj.weight",), shard=ROW
+            )
             if cfg.mlp_bias:
                 src[f"{ours}.mlp.gate_up_proj.bias"] = WeightSource(
-                    (f"{m}.gate_proj.bias", f"{m}.up_proj.bias")
+                    (f"{m}.gate_proj.bias", f"{m}.up_proj.bias"), shard=COLUMN
                 )
-                src[f"{ours}.mlp.down_proj.bias"] = WeightSource((f"{m}.down_proj.bias",))
+                src[f"{ours}.mlp.down_proj.bias"] = WeightSource(
+                    (f"{m}.down_proj.bias",), shard=ROW_BIAS
+                )
             src[f"{ours}.attn_norm.weight"] = norm((f"{hf}.input_layernorm.weight",))
             src[f"{ours}.mlp_norm.weight"] = norm((f"{hf}.{mlp_norm}.weight",))
             if cfg.sandwich_norms:

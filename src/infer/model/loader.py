@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from infer.distributed.parallel_state import get_tensor_parallel
 from infer.model.layers import CausalLM, WeightSource
 from infer.model.registry import UnsupportedArchitectureError, model_class
 from infer.model.spec import ModelSpec, config_dtype, token_ids
@@ -284,6 +285,8 @@ def _fill(
     """Copy (and convert) checkpoint tensors into ``param``; the pieces of a fused parameter
     go straight into their rows, with no intermediate concatenation."""
     pieces = [source.transform(tensors)] if source.transform is not None else tensors
+    if source.shard is not None:
+        pieces = source.shard.cut(pieces, get_tensor_parallel())
     trailing = {tuple(t.shape[1:]) for t in pieces}
     rows = sum(t.shape[0] for t in pieces)
     if len(trailing) != 1 or (rows, *trailing.pop()) != tuple(param.shape):

@@ -16,14 +16,34 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from infer.core.messages import Sampled, SchedulerOutput
 from infer.core.request import Request, TokenLogprob
+from infer.distributed.parallel_state import get_tensor_parallel
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
 from infer.runner.sampler import Sampler, token_logprob
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's model inputs as plain data: all a tensor-parallel rank needs to run it (the
+    driver sends it to the others each step; sampling stays with the driver)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    seqs: list[SequenceSlice]
+    sample_rows: list[int]  # rows whose logits are sampled
+    prompt_rows: list[int]  # rows whose logits give prompt logprobs
+    swap_out: list[tuple[int, int]]  # (device block, host block)
+    swap_in: list[tuple[int, int]]  # (host block, device block)
+
+
+class BatchSender(Protocol):
+    def send(self, batch: StepBatch) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +73,14 @@ class ModelRunner:
         self.model = model
         # Steps skip the module code where every kernel is there (decode_fast.py).
         self.fast_decoder: FastDecoder | None = None
-        if max_num_seqs and device.type == "cpu" and os.environ.get(FAST_DECODE_ENV, "1") != "0":
+        # The fast path calls its kernels straight on whole weights: no tensor parallelism.
+        tp_size = get_tensor_parallel().size
+        if (
+            max_num_seqs
+            and device.type == "cpu"
+            and tp_size == 1
+            and os.environ.get(FAST_DECODE_ENV, "1") != "0"
+        ):
             rows = max(max_num_seqs, max_num_batched_tokens)
             self.fast_decoder = FastDecoder.build(model, kv_cache, rows)
         self.kv_cache = kv_cache
@@ -62,6 +89,8 @@ class ModelRunner:
         # Constrained decoding (infer.structured): set by the engine on first use.
         self.structured = None
         self._sync = device.type == "cuda"
+        # Tensor parallelism: the driver's link to the other ranks (set by the engine).
+        self.workers: BatchSender | None = None
         # Host memory for swapped-out KV blocks: same layout as the device cache's blocks (the
         # values, and their scales when the cache is quantized).
         self.swap_space: list[torch.Tensor] = []
@@ -72,19 +101,19 @@ class ModelRunner:
                 torch.zeros(shape, dtype=view.dtype, pin_memory=device.type == "cuda")
             )
 
-    def swap_blocks(self, out: SchedulerOutput) -> None:
+    def swap_blocks(self, batch: StepBatch) -> None:
         """Copy swap-outs (device -> host) first, then swap-ins (host -> device)."""
-        if not out.swap_out and not out.swap_in:
+        if not batch.swap_out and not batch.swap_in:
             return
         assert self.swap_space, "swap requested without swap space"
         for device_blocks, host_blocks in zip(
             self.kv_cache.block_views(), self.swap_space, strict=True
         ):
-            if out.swap_out:
-                src, dst = zip(*out.swap_out, strict=True)
+            if batch.swap_out:
+                src, dst = zip(*batch.swap_out, strict=True)
                 host_blocks[:, :, list(dst)] = device_blocks[:, :, list(src)].to("cpu")
-            if out.swap_in:
-                src, dst = zip(*out.swap_in, strict=True)
+            if batch.swap_in:
+                src, dst = zip(*batch.swap_in, strict=True)
                 device_blocks[:, :, list(dst)] = host_blocks[:, :, list(src)].to(self.device)
 
     def forward(
@@ -96,20 +125,18 @@ class ModelRunner:
             return self.fast_decoder.forward(input_ids, positions, ctx)
         return self.model(input_ids, positions, ctx)
 
-    @torch.inference_mode()
-    def execute(
+    def prepare(
         self, out: SchedulerOutput, requests: dict[str, Request]
-    ) -> tuple[dict[str, Sampled], StepTimings, dict[str, list[tuple[int, TokenLogprob]]]]:
-        """Run one step: its sampled tokens, timings, and prompt logprobs by request."""
-        t0 = time.perf_counter()
-        self.swap_blocks(out)
+    ) -> tuple[StepBatch, list[Request], list[list[int]], list[tuple[str, int]]]:
+        """The step's model inputs, and what sampling needs: the sampled requests, their
+        proposals (speculative decoding), and ``(request id, position)`` of each prompt row."""
         token_ids: list[int] = []
         positions: list[int] = []
         seqs: list[SequenceSlice] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
-        # (request id, flat row, position of the prompt token it predicts)
-        prompt_rows: list[tuple[str, int, int]] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[tuple[str, int]] = []  # the prompt token each prompt row predicts
         proposals: list[list[int]] = []  # per sampled chunk (speculative decoding)
         for chunk in out.chunks:
             n = len(chunk.token_ids)
@@ -129,26 +156,54 @@ class ModelRunner:
                 for i in range(n):
                     target = chunk.num_computed_tokens + i + 1
                     if target < num_prompt:
-                        prompt_rows.append((chunk.request_id, first_row + i, target))
+                        prompt_rows.append(first_row + i)
+                        prompt_targets.append((chunk.request_id, target))
             if chunk.sample:
                 # A chunk with k proposals is scored at its last k + 1 rows.
                 end = len(token_ids)
                 sample_rows.extend(range(end - 1 - chunk.num_spec_tokens, end))
                 sample_reqs.append(requests[chunk.request_id])
                 proposals.append(chunk.spec_token_ids)
-        ids_t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        ctx = AttentionContext(self.kv_cache, seqs, self.device)
-        t1 = time.perf_counter()
+        batch = StepBatch(
+            token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in
+        )
+        return batch, sample_reqs, proposals, prompt_targets
 
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
+        one forward pass, and float32 logits of the sampled rows and of the prompt rows."""
+        self.swap_blocks(batch)
+        ids_t = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        ctx = AttentionContext(self.kv_cache, batch.seqs, self.device)
         hidden = self.forward(ids_t, pos_t, ctx)
-        logits = None
-        if sample_rows:
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = prompt_logits = None
+        if batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[rows])
-        prompt_lps = self._prompt_logprobs(hidden, prompt_rows, requests) if prompt_rows else {}
+        if batch.prompt_rows:
+            rows = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
+            prompt_logits = self.model.compute_logits(hidden[rows]).float()
         if self._sync:
             torch.cuda.synchronize(self.device)
+        return logits, prompt_logits
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, requests: dict[str, Request]
+    ) -> tuple[dict[str, Sampled], StepTimings, dict[str, list[tuple[int, TokenLogprob]]]]:
+        """Run one step: its sampled tokens, timings, and prompt logprobs by request."""
+        t0 = time.perf_counter()
+        batch, sample_reqs, proposals, prompt_targets = self.prepare(out, requests)
+        if self.workers is not None:  # the other tensor-parallel ranks run the same batch
+            self.workers.send(batch)
+        t1 = time.perf_counter()
+
+        logits, prompt_logits = self.run(batch)
+        prompt_lps = {}
+        if prompt_logits is not None:
+            prompt_lps = self._prompt_logprobs(prompt_logits, prompt_targets, requests)
         t2 = time.perf_counter()
 
         sampled: dict[str, Sampled] = {}
@@ -167,13 +222,15 @@ class ModelRunner:
         return sampled, StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2), prompt_lps
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, rows: list[tuple[str, int, int]], requests: dict[str, Request]
+        self,
+        logits: torch.Tensor,
+        targets: list[tuple[str, int]],
+        requests: dict[str, Request],
     ) -> dict[str, list[tuple[int, TokenLogprob]]]:
-        """Each listed row's log-probability of the prompt token it predicts, + top-k."""
-        index = torch.tensor([r for _, r, _ in rows], dtype=torch.long, device=self.device)
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+        """Each prompt row's log-probability of the prompt token it predicts, + top-k."""
+        logprobs = torch.log_softmax(logits, dim=-1)
         out: dict[str, list[tuple[int, TokenLogprob]]] = {}
-        for j, (request_id, _, position) in enumerate(rows):
+        for j, (request_id, position) in enumerate(targets):
             request = requests[request_id]
             k = request.sampling_params.prompt_logprobs or 0
             token = request.prompt_token_ids[position]
