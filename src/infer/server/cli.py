@@ -9,10 +9,11 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
-from infer.config import parse_bytes
+from infer.config import EngineConfig, parse_bytes
 from infer.engine.args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger("infer.server")
@@ -46,6 +47,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--no-access-log", dest="access_log", action="store_false")
 
+    g = parser.add_argument_group('replicas (Ray Serve; the ray extra: pip install -e ".[ray]")')
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="run N engine replicas on Ray Serve behind this one endpoint, with a "
+                   "router (see docs/replicas.md)")  # fmt: skip
+    g.add_argument("--router-policy", default="prefix",
+                   choices=["prefix", "round-robin", "least-loaded"],
+                   help="how the router picks a replica: the one most likely to hold the "
+                   "prompt's prefix in its cache (default), in turn, or the least loaded")  # fmt: skip
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of "
+                   "starting a local one")  # fmt: skip
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="Ray CPUs each replica reserves (default: 1, or a fair share of a "
+                   "local machine with fewer cores than replicas)")  # fmt: skip
+    g.add_argument("--router-max-load-gap", type=int, default=4,
+                   help="prefix policy: send to the replica holding the prefix unless it has "
+                   "more than this many requests in flight beyond the least-loaded one")  # fmt: skip
+
 
 def register(subparsers) -> None:
     """Add ``infer serve`` to the ``infer`` command."""
@@ -71,9 +90,25 @@ def _configure_logging(level: str, access_log: bool) -> None:
     logging.getLogger("infer.access").setLevel(logging.INFO if access_log else logging.WARNING)
 
 
+def start_engine(config: EngineConfig, engine_process: bool, torch_threads: int | None) -> Any:
+    """The engine ``build_app`` serves: the loop in its own process (``EngineProcess``) or an
+    ``LLMEngine`` whose loop will run on a thread of this process. Also used by each replica
+    of ``--data-parallel-size``."""
+    if engine_process:
+        from infer.engine.core_client import EngineProcess
+
+        return EngineProcess(config, torch_threads=torch_threads)
+    from infer.engine.engine import LLMEngine
+
+    if torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    return LLMEngine(config)
+
+
 def serve(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level, args.access_log)
-    from infer.engine.engine import LLMEngine
     from infer.server.app import build_app
     from infer.server.serving import ServerSettings
 
@@ -89,17 +124,22 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad option: say which, no traceback
         logger.error("%s", e)
         return 2
+    if args.data_parallel_size < 1:
+        logger.error("--data-parallel-size must be >= 1, got %d", args.data_parallel_size)
+        return 2
+    if args.data_parallel_size > 1 or args.ray_address:
+        try:  # ray is imported only down this path
+            from infer.cluster.app import serve_cluster
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "ray":
+                raise
+            from infer.cluster import RAY_INSTALL_HINT
+
+            logger.error("%s (%s)", RAY_INSTALL_HINT, e)
+            return 2
+        return serve_cluster(args, config, chat_template)
     try:
-        if args.engine_process:
-            from infer.engine.core_client import EngineProcess
-
-            engine = EngineProcess(config, torch_threads=args.torch_threads)
-        else:
-            if args.torch_threads is not None:
-                import torch
-
-                torch.set_num_threads(args.torch_threads)
-            engine = LLMEngine(config)
+        engine = start_engine(config, args.engine_process, args.torch_threads)
     except (ValueError, RuntimeError, OSError) as e:
         logger.debug("engine start-up failure", exc_info=True)  # --log-level debug: the trace
         logger.error("the engine could not start: %s", e)

@@ -1,0 +1,179 @@
+"""``infer serve --data-parallel-size N``: N replicas and a router on Ray Serve, one endpoint.
+
+``build_application`` assembles the Serve application (one deployment per replica, named
+``replica-0`` .. ``replica-{N-1}`` so the router can address each, and the ``Router`` ingress);
+``serve_cluster`` is the command: start Ray locally (or join ``--ray-address``), run the app on
+``--host``/``--port``, block until SIGINT/SIGTERM, then take it down. ``build`` is the same app
+for ``serve run``::
+
+    serve run infer.cluster.app:build model=path/to/folder replicas=2 policy=prefix \\
+        enable_prefix_caching=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray import serve
+
+from infer.cluster.policy import POLICIES
+from infer.cluster.replica import InferReplica, ReplicaSpec
+from infer.cluster.router import Router, RouterSpec
+from infer.config import EngineConfig
+from infer.server.serving import ServerSettings
+
+logger = logging.getLogger("infer.cluster")
+
+APP_NAME = "infer"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The replicas, the router and how much of Ray each replica reserves."""
+
+    replica: ReplicaSpec
+    router: RouterSpec
+    num_replicas: int = 2
+    replica_cpus: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.router.policy not in POLICIES:
+            raise ValueError(f"unknown router policy {self.router.policy!r}: choose one of "
+                             f"{', '.join(POLICIES)}")  # fmt: skip
+        if self.replica_cpus < 0:
+            raise ValueError(f"replica_cpus must be >= 0, got {self.replica_cpus}")
+
+
+def build_application(spec: ClusterSpec) -> serve.Application:
+    """The Serve application: ``spec.num_replicas`` replica deployments behind the router."""
+    replicas = [
+        InferReplica.options(
+            name=f"replica-{i}", ray_actor_options={"num_cpus": spec.replica_cpus}
+        ).bind(spec.replica)
+        for i in range(spec.num_replicas)
+    ]
+    return Router.options(name="router").bind(spec.router, *replicas)
+
+
+def cluster_spec(args: argparse.Namespace, config: EngineConfig, chat_template: str | None,
+                 replica_cpus: float) -> ClusterSpec:  # fmt: skip
+    """The spec from ``infer serve``'s options; builds a built-in model here, once, first."""
+    from infer.engine.model_source import resolve_model_path
+
+    model_path = resolve_model_path(config.model.model)
+    names = tuple(args.served_model_name or [config.model.model or "small"])
+    settings = ServerSettings(
+        served_model_names=names,
+        api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
+        request_timeout=args.request_timeout,
+        chat_template=chat_template,
+        drain_timeout=args.drain_timeout,
+        dashboard=args.dashboard,
+    )
+    torch_threads = args.torch_threads or max(1, int(replica_cpus))
+    replica = ReplicaSpec(engine=config, settings=settings, engine_process=args.engine_process,
+                          torch_threads=torch_threads, log_level=args.log_level)  # fmt: skip
+    router = RouterSpec(policy=args.router_policy,
+                        tokenizer_path=str(config.model.tokenizer or model_path),
+                        chat_template=chat_template, max_load_gap=args.router_max_load_gap,
+                        log_level=args.log_level)  # fmt: skip
+    return ClusterSpec(replica=replica, router=router, num_replicas=args.data_parallel_size,
+                       replica_cpus=replica_cpus)  # fmt: skip
+
+
+def serve_cluster(args: argparse.Namespace, config: EngineConfig, chat_template: str | None) -> int:
+    """Run the replicas and the router until SIGINT/SIGTERM; the exit status."""
+    n = args.data_parallel_size
+    if args.ray_address:
+        ray.init(address=args.ray_address, logging_level=logging.WARNING)
+    else:
+        # A fresh local Ray on this machine, never one found in the environment.
+        os.environ.pop("RAY_ADDRESS", None)
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+    joined = bool(args.ray_address)
+    try:
+        cpus = float(ray.cluster_resources().get("CPU", 0.0))
+        replica_cpus = args.replica_cpus
+        if replica_cpus is None:  # 1 each, or a fair share where there are too few cores
+            replica_cpus = min(1.0, cpus / n) if cpus else 0.0
+        try:
+            spec = cluster_spec(args, config, chat_template, replica_cpus)
+        except (ValueError, OSError) as e:
+            logger.error("%s", e)
+            return 2
+        serve.start(http_options={"host": args.host, "port": args.port})
+        logger.info("starting %d replicas (%.2g CPUs each, of %g) and the %s router on "
+                    "http://%s:%d", n, replica_cpus, cpus, spec.router.policy, args.host,
+                    args.port)  # fmt: skip
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            serve.run(build_application(spec), name=APP_NAME, route_prefix="/")
+        except Exception as e:  # noqa: BLE001 - a replica or the router failed to start
+            logger.error("the replicas could not start: %s", e)
+            return 1
+        logger.info("serving %s on http://%s:%d with %d replicas (router policy %s)",
+                    ", ".join(spec.replica.settings.served_model_names), args.host, args.port,
+                    n, spec.router.policy)  # fmt: skip
+        while not stop.wait(1.0):
+            pass
+        logger.info("shutting down: draining the replicas")
+        return 0
+    finally:
+        try:
+            if joined:  # other applications may live on that cluster: remove only ours
+                serve.delete(APP_NAME)
+            else:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def build(args: dict[str, Any]) -> serve.Application:
+    """The application for ``serve run infer.cluster.app:build key=value ...``.
+
+    Keys: ``model`` (required), ``replicas`` (2), ``policy`` (prefix), ``served_model_name``,
+    ``enable_prefix_caching`` (false), ``max_num_seqs``, ``max_queued_requests``,
+    ``block_size``, ``replica_cpus`` (1), ``torch_threads`` (1), ``max_load_gap`` (4).
+    """
+    from infer.engine.model_source import resolve_model_path
+
+    known = {"model", "replicas", "policy", "served_model_name", "enable_prefix_caching",
+             "max_num_seqs", "max_queued_requests", "block_size", "replica_cpus",
+             "torch_threads", "max_load_gap"}  # fmt: skip
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown arguments {unknown}; known: {sorted(known)}")
+    if "model" not in args:
+        raise ValueError("model=PATH is required")
+    model = str(args["model"])
+    flag = str(args.get("enable_prefix_caching", "false")).lower() in ("1", "true", "yes")
+    engine_kwargs: dict[str, Any] = {"model": model, "enable_prefix_caching": flag}
+    for key in ("max_num_seqs", "max_queued_requests", "block_size"):
+        if key in args:
+            engine_kwargs[key] = int(args[key])
+    config = EngineConfig.from_kwargs(**engine_kwargs)
+    settings = ServerSettings(served_model_names=(str(args.get("served_model_name", model)),))
+    threads = int(args.get("torch_threads", 1))
+    spec = ClusterSpec(
+        replica=ReplicaSpec(engine=config, settings=settings, torch_threads=threads),
+        router=RouterSpec(
+            policy=str(args.get("policy", "prefix")),
+            tokenizer_path=str(resolve_model_path(model)),
+            max_load_gap=int(args.get("max_load_gap", 4)),
+        ),  # fmt: skip
+        num_replicas=int(args.get("replicas", 2)),
+        replica_cpus=float(args.get("replica_cpus", 1.0)),
+    )
+    return build_application(spec)

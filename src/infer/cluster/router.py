@@ -1,0 +1,309 @@
+"""The ingress deployment: one OpenAI endpoint in front of the replicas.
+
+For ``/v1/completions`` and ``/v1/chat/completions`` the router tokenizes the prompt the way
+the server does (same tokenizer, same chat template rendering), hashes its full blocks the way
+the prefix cache does, asks the routing policy for a replica and streams that replica's answer
+back unchanged (status, headers, SSE chunk by chunk). A client that disconnects cancels the
+replica call, which delivers ``http.disconnect`` to the replica's app and aborts the engine
+request. ``/metrics`` sums the replicas' metrics and adds the router's own; ``/health`` and
+``/reset_prefix_cache`` go to every replica; anything else to one of them in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from infer.cluster.asgi import ForwardedRequest, ResponseStart
+from infer.cluster.metrics import merge_metrics
+from infer.cluster.policy import RoutingPolicy, make_policy, prompt_block_hashes
+from infer.kv_cache.block_pool import BlockHash
+
+logger = logging.getLogger("infer.cluster")
+
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+BROADCAST_PATHS = ("/health", "/reset_prefix_cache")
+# Tokenize off the event loop above this many characters (as the server does).
+_INLINE_TOKENIZE_CHARS = 16_384
+# Routing-time samples kept for /router/stats percentiles.
+_RECENT = 4096
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The router's options (pickled to its actor)."""
+
+    policy: str = "prefix"
+    tokenizer_path: str = ""
+    chat_template: str | None = None
+    max_load_gap: int = 4
+    log_level: str = "info"
+
+
+class _ChatRendering:
+    """What ``infer.server.chat.render_chat`` reads of a ``Serving``: the tokenizer and the
+    ``--chat-template`` override."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
+        from infer.server.serving import ServerSettings
+
+        self.tokenizer = tokenizer
+        self.settings = ServerSettings(served_model_names=("router",), chat_template=chat_template)
+
+
+@serve.deployment(max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+class Router:
+    """Routes each request to a replica chosen by the policy; see the module docstring."""
+
+    async def __init__(self, spec: RouterSpec, *replicas: DeploymentHandle) -> None:
+        from prometheus_client import disable_created_metrics
+
+        from infer.model.tokenizer import load_tokenizer
+        from infer.server.cli import _configure_logging
+
+        _configure_logging(spec.log_level, access_log=False)
+        if not replicas:
+            raise ValueError("the router needs at least one replica")
+        self.spec = spec
+        self.replicas = list(replicas)
+        self.names = [f"replica-{i}" for i in range(len(replicas))]
+        infos = await asyncio.gather(*(h.info.remote() for h in self.replicas))
+        self.block_size = infos[0].block_size
+        if any(i.block_size != self.block_size for i in infos):
+            raise ValueError("the replicas' KV block sizes differ")
+        kwargs = {}
+        if spec.policy == "prefix":
+            # A replica can cache at most its pool's blocks: remember no more than that.
+            kwargs = {"capacity_blocks": min(i.num_blocks for i in infos),
+                      "max_load_gap": spec.max_load_gap}  # fmt: skip
+        self.policy: RoutingPolicy = make_policy(spec.policy, len(replicas), **kwargs)
+        self.needs_hashes = spec.policy == "prefix"
+        self.tokenizer = load_tokenizer(spec.tokenizer_path) if self.needs_hashes else None
+        self.chat = _ChatRendering(self.tokenizer, spec.chat_template)
+        self._any = 0  # round-robin over replicas for the un-routed paths
+
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.m_requests = Counter("infer:router_requests", "Generation requests sent, by replica "
+                                  "and routing reason.", ["replica", "reason"],
+                                  registry=self.registry)  # fmt: skip
+        self.m_in_flight = Gauge("infer:router_requests_in_flight", "Generation requests in "
+                                 "flight, by replica.", ["replica"], registry=self.registry)  # fmt: skip
+        self.m_routing = Histogram("infer:router_routing_seconds", "Request arrival at the "
+                                   "router to the replica call (read body, tokenize, hash, "
+                                   "choose).", registry=self.registry,
+                                   buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01,
+                                            0.02, 0.05, 0.1))  # fmt: skip
+        self.m_matched = Counter("infer:router_prefix_matched_blocks", "Prompt blocks the "
+                                 "chosen replica was sent before (prefix policy).",
+                                 registry=self.registry)  # fmt: skip
+        for name in self.names:
+            self.m_in_flight.labels(name)
+        self.recent_routing: deque[float] = deque(maxlen=_RECENT)
+        logger.info("router: %d replicas, policy %s, block size %d", len(replicas),
+                    spec.policy, self.block_size)  # fmt: skip
+
+    # ---- the endpoint -------------------------------------------------------------------------
+    async def __call__(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        body = await request.body()
+        forwarded = ForwardedRequest(
+            method=request.method,
+            path=request.url.path,
+            query_string=request.url.query.encode(),
+            headers=tuple(request.headers.raw),
+            body=body,
+            client=(request.client.host, request.client.port) if request.client else None,
+        )
+        path = forwarded.path
+        if request.method == "POST" and path in ROUTED_PATHS:
+            return await self._generate(forwarded, arrived, request)
+        if path == "/metrics" and request.method == "GET":
+            return await self._metrics(forwarded)
+        if path == "/router/stats" and request.method == "GET":
+            return JSONResponse(self.stats())
+        if path in BROADCAST_PATHS:
+            if path == "/reset_prefix_cache" and request.method == "POST":
+                self._forget_prefixes()
+            return await self._broadcast(forwarded)
+        replica = self._any
+        self._any = (self._any + 1) % len(self.replicas)
+        return await self._forward(replica, forwarded, request, on_end=None)
+
+    async def _generate(self, fwd: ForwardedRequest, arrived: float, raw: Request) -> Response:
+        hashes: list[BlockHash] = []
+        if self.needs_hashes:
+            hashes = await self._block_hashes(fwd.path, fwd.body)
+        decision = self.policy.choose(hashes)
+        replica = decision.replica
+        self.policy.start(replica, hashes)
+        name = self.names[replica]
+        self.m_requests.labels(name, decision.reason).inc()
+        self.m_in_flight.labels(name).inc()
+        self.m_matched.inc(decision.matched_blocks)
+        elapsed = time.perf_counter() - arrived
+        self.m_routing.observe(elapsed)
+        self.recent_routing.append(elapsed)
+        ended = False
+
+        def on_end() -> None:
+            nonlocal ended
+            if not ended:  # exactly once, however the response ends
+                ended = True
+                self.policy.finish(replica)
+                self.m_in_flight.labels(name).dec()
+
+        try:
+            return await self._forward(replica, fwd, raw, on_end=on_end)
+        except BaseException:
+            on_end()
+            raise
+
+    async def _forward(self, replica: int, fwd: ForwardedRequest, raw: Request,
+                       on_end: Any) -> Response:  # fmt: skip
+        """Call the replica; return its answer as it comes (an SSE stream chunk by chunk)."""
+        gen = self.replicas[replica].options(stream=True).handle.remote(fwd)
+        try:
+            start = await gen.__anext__()
+        except BaseException:
+            gen.cancel()
+            raise
+        assert isinstance(start, ResponseStart)
+        headers = _response_headers(start)
+        if (start.header("content-type") or "").startswith("text/event-stream"):
+
+            async def body():
+                try:
+                    async for chunk in gen:
+                        yield chunk
+                finally:  # done, or the client went away: stop the replica's side too
+                    gen.cancel()
+                    if on_end is not None:
+                        on_end()
+
+            return StreamingResponse(body(), status_code=start.status, headers=headers)
+        try:  # a plain body: collect it, so the client gets a Content-Length
+            chunks = [chunk async for chunk in gen]
+        finally:
+            gen.cancel()
+            if on_end is not None:
+                on_end()
+        return Response(b"".join(chunks), status_code=start.status, headers=headers)
+
+    async def _call(self, replica: int, fwd: ForwardedRequest) -> tuple[ResponseStart, bytes]:
+        """One whole response from ``replica``."""
+        pieces = [p async for p in self.replicas[replica].options(stream=True).handle.remote(fwd)]
+        start = pieces[0]
+        assert isinstance(start, ResponseStart)
+        return start, b"".join(p for p in pieces[1:] if isinstance(p, bytes))
+
+    async def _broadcast(self, fwd: ForwardedRequest) -> Response:
+        """Send to every replica: the first failure is the answer, else replica 0's answer."""
+        answers = await asyncio.gather(*(self._call(i, fwd) for i in range(len(self.replicas))))
+        start, body = next(((s, b) for s, b in answers if s.status >= 400), answers[0])
+        return Response(body, status_code=start.status, headers=_response_headers(start))
+
+    async def _metrics(self, fwd: ForwardedRequest) -> Response:
+        answers = await asyncio.gather(*(self._call(i, fwd) for i in range(len(self.replicas))))
+        bad = next(((s, b) for s, b in answers if s.status != 200), None)
+        if bad is not None:  # e.g. a 401 without the API key: the replicas' answer stands
+            return Response(bad[1], status_code=bad[0].status, headers=_response_headers(bad[0]))
+        text = merge_metrics([b.decode() for _, b in answers])
+        own = generate_latest(self.registry).decode()
+        return Response(text + own, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- routing ------------------------------------------------------------------------------
+    async def _block_hashes(self, path: str, body: bytes) -> list[BlockHash]:
+        """The prompt's block hashes, or none when the body cannot be read as a prompt (the
+        replica then answers the error)."""
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                return []
+            salt = data.get("cache_salt")
+            salt = salt if isinstance(salt, str) else None
+            if len(body) > _INLINE_TOKENIZE_CHARS:
+                ids = await asyncio.to_thread(self._prompt_ids, path, data)
+            else:
+                ids = self._prompt_ids(path, data)
+        except Exception:  # noqa: BLE001 - a bad body is the replica's to reject, with its error
+            logger.debug("no prompt hashes for this body", exc_info=True)
+            return []
+        return prompt_block_hashes(ids, self.block_size, salt) if ids else []
+
+    def _prompt_ids(self, path: str, data: dict[str, Any]) -> list[int]:
+        """The first prompt's token ids, as the server computes them."""
+        if path == "/v1/chat/completions":
+            from pydantic import TypeAdapter
+
+            from infer.server.chat import render_chat
+            from infer.server.protocol import ChatMessage
+
+            messages = TypeAdapter(list[ChatMessage]).validate_python(data.get("messages"))
+            if not messages:
+                return []
+            return render_chat(
+                self.chat,  # type: ignore[arg-type] - the two attributes render_chat reads
+                messages,
+                add_generation_prompt=bool(data.get("add_generation_prompt", True)),
+                continue_final_message=bool(data.get("continue_final_message", False)),
+                kwargs=data.get("chat_template_kwargs"),
+            )
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # several prompts: route by the first
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        return []
+
+    def _forget_prefixes(self) -> None:
+        """After /reset_prefix_cache nothing is cached anywhere: start affinity afresh."""
+        held = getattr(self.policy, "held", None)
+        if held is not None:
+            for h in held:
+                h.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """The router's counters, for ``GET /router/stats`` and the benchmark."""
+        recent = sorted(self.recent_routing)
+
+        def pct(q: float) -> float | None:
+            return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None
+
+        return {
+            "policy": self.policy.name,
+            "replicas": self.names,
+            "sent": list(self.policy.sent),
+            "in_flight": list(self.policy.in_flight),
+            "routing_seconds": {
+                "count": len(recent),
+                "p50": pct(0.5),
+                "p99": pct(0.99),
+                "mean": sum(recent) / len(recent) if recent else None,
+            },  # fmt: skip
+        }
+
+
+_HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
+
+
+def _response_headers(start: ResponseStart) -> dict[str, str]:
+    """The replica's headers minus the framing ones, which this response sets itself."""
+    out: dict[str, str] = {}
+    for k, v in start.headers:
+        if k.lower() not in _HOP_BY_HOP:
+            out[k.decode("latin-1")] = v.decode("latin-1")
+    return out
