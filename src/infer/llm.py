@@ -20,13 +20,25 @@ PromptInput = str | Sequence[int]
 class LLM:
     """Generate text offline, many prompts at once, with continuous batching.
 
-    ``engine_options`` are the fields of ``ModelConfig``, ``CacheConfig`` and
-    ``SchedulerConfig`` (``max_num_seqs=16``, ``enable_prefix_caching=True``, ...).
+    ``engine_options`` are the fields of ``ModelConfig``, ``CacheConfig``,
+    ``SchedulerConfig`` and ``ParallelConfig`` (``max_num_seqs=16``,
+    ``enable_prefix_caching=True``, ``tensor_parallel_size=2``, ...). With tensor parallelism,
+    :meth:`close` (or a ``with`` block) stops the worker processes.
     """
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -181,7 +181,9 @@ class TensorParallelWorkers:
         if self._closed:
             return
         rank = sentinels[ready[0]]
-        code = self.procs[rank - 1].exitcode
+        proc = self.procs[rank - 1]
+        proc.join(5)  # reap it: its exit code is unknown until then
+        code = proc.exitcode
         self.failure = f"tensor parallel worker rank {rank} exited (code {code})"
         logger.error("%s: the engine stops at its next step", self.failure)
 

@@ -9,9 +9,10 @@ With ``--tensor-parallel-size N`` every rank holds a slice of each weight matrix
         head:  each rank scores its ids                            -> all-gather, cut to V
 
 So a layer costs two all-reduces of ``[tokens, hidden]`` (after attention, after the MLP) and
-the KV cache of a rank holds only its ``num_kv_heads / N`` heads. The group is process-wide
-state, set once (:func:`set_tensor_parallel`) before the model is built: the layers read it at
-construction to size their slices, and at run time to reduce.
+the KV cache of a rank holds only its ``num_kv_heads / N`` heads. The group is set for the
+process (:func:`set_tensor_parallel`) before the model is built; each layer keeps the one it
+was built under, to size its slices and to reduce at run time (so a one-rank model can run in
+the same process as a tensor-parallel one).
 """
 
 from __future__ import annotations
@@ -44,6 +45,31 @@ class TensorParallel:
         """Rows of the vocabulary each rank holds (the last rank's tail is padding)."""
         return -(-vocab_size // self.size)
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks in place (a no-op without tensor parallelism)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of a vocab-parallel embedding: ``weight`` is this rank's ``[V/N, h]`` slice."""
+        if self.size == 1:
+            return torch.nn.functional.embedding(ids, weight)
+        rows = weight.shape[0]
+        local = ids - self.rank * rows
+        foreign = (local < 0) | (local >= rows)
+        out = torch.nn.functional.embedding(local.masked_fill(foreign, 0), weight)
+        out.masked_fill_(foreign.unsqueeze(-1), 0)
+        return self.all_reduce(out)
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """``[N, V/N]`` scores of this rank's ids -> ``[N, V]`` on every rank."""
+        if self.size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[..., :vocab_size]
+
 
 _CURRENT = TensorParallel()
 
@@ -65,37 +91,6 @@ def check_tensor_parallel(size: int, spec: Any) -> None:
     tp = TensorParallel(size=size)
     tp.local(spec.num_heads, "num_attention_heads")
     tp.local(spec.num_kv_heads, "num_key_value_heads")
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks in place (a no-op without tensor parallelism)."""
-    tp = _CURRENT
-    if tp.size > 1:
-        torch.distributed.all_reduce(x, group=tp.group)
-    return x
-
-
-def embed(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of a vocab-parallel embedding: ``weight`` is this rank's ``[V/N, h]`` slice."""
-    tp = _CURRENT
-    if tp.size == 1:
-        return torch.nn.functional.embedding(ids, weight)
-    rows = weight.shape[0]
-    local = ids - tp.rank * rows
-    foreign = (local < 0) | (local >= rows)
-    out = torch.nn.functional.embedding(local.masked_fill(foreign, 0), weight)
-    out.masked_fill_(foreign.unsqueeze(-1), 0)
-    return all_reduce(out)
-
-
-def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[N, V/N]`` scores of this rank's ids -> ``[N, V]`` on every rank."""
-    tp = _CURRENT
-    if tp.size == 1:
-        return logits
-    parts = [torch.empty_like(logits) for _ in range(tp.size)]
-    torch.distributed.all_gather(parts, logits.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ class ThreadCore:
             self._thread.join(timeout)
 
     def close(self) -> None:
-        pass
+        self.engine.close()
 
 
 # What the server reads off the engine once, at start-up.
@@ -116,7 +116,14 @@ def _child(conn, config: EngineConfig, log_level: int, torch_threads: int | None
             items.append(Stop())
         return items
 
-    run_engine_loop(engine, next_commands, conn.send)
+    try:
+        run_engine_loop(engine, next_commands, conn.send)
+    except BaseException as e:  # noqa: BLE001 - say why before the pipe closes
+        with contextlib.suppress(OSError):
+            conn.send([EngineStopped(error=f"the engine died: {e}")])
+        raise
+    finally:
+        engine.close()
 
 
 def _exit_with_parent() -> None:
@@ -138,9 +145,11 @@ class EngineProcess:
 
         ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads or locks
         self._conn, child_conn = ctx.Pipe()
+        # A daemonic process may not start processes of its own: with tensor parallelism the
+        # engine starts its workers, so it is not one (it still dies with us: PDEATHSIG).
         self._proc = ctx.Process(target=_child, name="infer-engine",
                                  args=(child_conn, config, logging.getLogger().level, torch_threads),
-                                 daemon=True)  # fmt: skip
+                                 daemon=config.parallel.tensor_parallel_size == 1)  # fmt: skip
         self._proc.start()
         child_conn.close()
         self._send_lock = threading.Lock()

@@ -19,8 +19,6 @@ from infer.distributed.parallel_state import (
     ROW_BIAS,
     VOCAB,
     Shard,
-    all_reduce,
-    embed,
     get_tensor_parallel,
 )
 from infer.model.layers import CausalLM, WeightSource, activation, embedding, transposed
@@ -63,7 +61,8 @@ class GPT2Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         # Tensor parallelism: this rank's heads (column-parallel c_attn, row-parallel c_proj).
-        self.num_heads = get_tensor_parallel().local(cfg.num_heads, "n_head")
+        self.tp = get_tensor_parallel()
+        self.num_heads = self.tp.local(cfg.num_heads, "n_head")
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
@@ -76,7 +75,7 @@ class GPT2Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.c_attn(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         out = attn.attend(self.layer_idx, q, k, v, scale=self.scale)
-        return all_reduce(self.c_proj(out.reshape(t, self.num_heads * self.head_dim)))
+        return self.tp.all_reduce(self.c_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
 
 class GPT2Block(nn.Module):
@@ -85,14 +84,15 @@ class GPT2Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.attn = GPT2Attention(cfg, layer_idx)
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        width = get_tensor_parallel().local(cfg.intermediate_size, "n_inner")
+        self.tp = get_tensor_parallel()
+        width = self.tp.local(cfg.intermediate_size, "n_inner")
         self.c_fc = nn.Linear(cfg.hidden_size, width)
         self.c_proj = nn.Linear(width, cfg.hidden_size)
         self.act = activation(cfg.activation)
 
     def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn)
-        return x + all_reduce(self.c_proj(self.act(self.c_fc(self.ln_2(x)))))
+        return x + self.tp.all_reduce(self.c_proj(self.act(self.c_fc(self.ln_2(x)))))
 
 
 class GPT2LMHeadModel(CausalLM):
@@ -102,6 +102,7 @@ class GPT2LMHeadModel(CausalLM):
     def __init__(self, cfg: GPT2Config) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = get_tensor_parallel()
         self.wte = embedding(cfg.vocab_size, cfg.hidden_size, vocab_parallel=True)
         self.wpe = embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
@@ -129,7 +130,7 @@ class GPT2LMHeadModel(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        x = embed(self.wte.weight, input_ids) + self.wpe(positions)
+        x = self.tp.embed(self.wte.weight, input_ids) + self.wpe(positions)
         for block in self.h:
             x = block(x, attn)
         return self.ln_f(x)

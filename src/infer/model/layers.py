@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.distributed.parallel_state import Shard, all_reduce, gather_vocab, get_tensor_parallel
+from infer.distributed.parallel_state import Shard, TensorParallel, get_tensor_parallel
 from infer.runner.kernels import CpuKernels, cpu_kernels
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ class CausalLM(nn.Module):
     # (prefix, replacement) pairs tried when a checkpoint tensor name is not found as is.
     checkpoint_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
     spec: ModelSpec
+    # The tensor-parallel group the model was built under (its layers keep it too).
+    tp: TensorParallel = TensorParallel()
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> Any:
@@ -90,9 +92,9 @@ class CausalLM(nn.Module):
             logits = packed(hidden)
         else:
             logits = F.linear(hidden, self.vocab_projection_weight())
-        if get_tensor_parallel().size == 1:
+        if self.tp.size == 1:
             return logits
-        return gather_vocab(logits, self.spec.vocab_size)
+        return self.tp.gather_vocab(logits, self.spec.vocab_size)
 
 
 def fused_kernels(x: torch.Tensor) -> CpuKernels | None:
@@ -191,7 +193,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
         super().__init__()
         # Tensor parallelism: gate/up column-parallel, down row-parallel (+ all-reduce).
-        intermediate = get_tensor_parallel().local(intermediate, "intermediate_size")
+        self.tp = get_tensor_parallel()
+        intermediate = self.tp.local(intermediate, "intermediate_size")
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
@@ -202,9 +205,11 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         kernels = fused_kernels(gate_up)
         if kernels is not None and self.fused_act is not None and gate_up.dim() == 2:
-            return all_reduce(self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act)))
+            return self.tp.all_reduce(
+                self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act))
+            )
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return all_reduce(self.down_proj(self.act(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 def plus_one(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -25,8 +25,6 @@ from infer.distributed.parallel_state import (
     ROW,
     ROW_BIAS,
     VOCAB,
-    all_reduce,
-    embed,
     get_tensor_parallel,
 )
 from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, embedding, plus_one
@@ -138,7 +136,7 @@ class DecoderAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         # Tensor parallelism: this rank's heads (column-parallel qkv, row-parallel o_proj).
-        tp = get_tensor_parallel()
+        self.tp = tp = get_tensor_parallel()
         self.num_heads = tp.local(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.local(cfg.num_kv_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
@@ -173,7 +171,7 @@ class DecoderAttention(nn.Module):
                 sliding_window=self.sliding_window,
                 kv_stored=True,
             )
-            return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+            return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -184,7 +182,7 @@ class DecoderAttention(nn.Module):
         out = attn.attend(
             self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
         )
-        return all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
@@ -225,15 +223,14 @@ class DecoderLM(CausalLM):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = get_tensor_parallel()
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vocab_parallel=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Linear(
-                cfg.hidden_size, get_tensor_parallel().vocab_rows(cfg.vocab_size), bias=False
-            )
+            else nn.Linear(cfg.hidden_size, self.tp.vocab_rows(cfg.vocab_size), bias=False)
         )
         # Layers with equal rope settings share one cos/sin table (Gemma 3 has two kinds).
         self._ropes = sorted(set(cfg.ropes), key=cfg.ropes.index)
@@ -253,7 +250,7 @@ class DecoderLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
-        x = embed(self.embed_tokens.weight, input_ids)
+        x = self.tp.embed(self.embed_tokens.weight, input_ids)
         if self.cfg.embed_scale is not None:
             x = x * self.embed_scale
         trig = [

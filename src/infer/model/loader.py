@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from infer.distributed.parallel_state import get_tensor_parallel
+from infer.distributed.parallel_state import TensorParallel
 from infer.model.layers import CausalLM, WeightSource
 from infer.model.registry import UnsupportedArchitectureError, model_class
 from infer.model.spec import ModelSpec, config_dtype, token_ids
@@ -262,7 +262,7 @@ def load_model(
                 used.add(found)
                 t = handles[file].get_tensor(found)
                 tensors.append(t.float() if source.transform is not None else t)
-            _fill(params[pname], pname, source, tensors)
+            _fill(params[pname], pname, source, tensors, model.tp)
     finally:
         handles.clear()
     unused = sorted(n for n in index if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
@@ -280,13 +280,17 @@ def load_model(
 
 
 def _fill(
-    param: torch.Tensor, pname: str, source: WeightSource, tensors: list[torch.Tensor]
+    param: torch.Tensor,
+    pname: str,
+    source: WeightSource,
+    tensors: list[torch.Tensor],
+    tp: TensorParallel,
 ) -> None:
     """Copy (and convert) checkpoint tensors into ``param``; the pieces of a fused parameter
     go straight into their rows, with no intermediate concatenation."""
     pieces = [source.transform(tensors)] if source.transform is not None else tensors
     if source.shard is not None:
-        pieces = source.shard.cut(pieces, get_tensor_parallel())
+        pieces = source.shard.cut(pieces, tp)
     trailing = {tuple(t.shape[1:]) for t in pieces}
     rows = sum(t.shape[0] for t in pieces)
     if len(trailing) != 1 or (rows, *trailing.pop()) != tuple(param.shape):

@@ -22,7 +22,7 @@ import torch
 
 from infer.core.messages import Sampled, SchedulerOutput
 from infer.core.request import Request, TokenLogprob
-from infer.distributed.parallel_state import get_tensor_parallel
+from infer.distributed.parallel_state import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
 from infer.runner.sampler import Sampler, token_logprob
@@ -74,7 +74,7 @@ class ModelRunner:
         # Steps skip the module code where every kernel is there (decode_fast.py).
         self.fast_decoder: FastDecoder | None = None
         # The fast path calls its kernels straight on whole weights: no tensor parallelism.
-        tp_size = get_tensor_parallel().size
+        tp_size = getattr(model, "tp", TensorParallel()).size
         if (
             max_num_seqs
             and device.type == "cpu"
