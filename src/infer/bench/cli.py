@@ -517,6 +517,9 @@ def register(subparsers) -> None:
     from infer.bench.dashboard import add_parser as add_dashboard
 
     add_dashboard(sub)
+    from infer.bench.tensor_parallel import add_parser as add_tensor_parallel
+
+    add_tensor_parallel(sub)
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
     pr.add_argument("--model", default=None, help=model_help)
     pr.add_argument("--dtype", default="bfloat16")

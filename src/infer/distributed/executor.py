@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from infer.distributed import EngineDeadError
-from infer.distributed.parallel_state import TensorParallel, set_tensor_parallel
+from infer.model.parallel import TensorParallel, set_tensor_parallel
 
 logger = logging.getLogger("infer.distributed")
 
@@ -108,7 +108,7 @@ class TensorParallelWorkers:
 
     Construction spawns the workers and joins the process group; the caller then builds its
     own slice of the model (the layers read the group from
-    :func:`~infer.distributed.parallel_state.get_tensor_parallel`).
+    :func:`~infer.model.parallel.get_tensor_parallel`).
     """
 
     def __init__(
@@ -150,7 +150,8 @@ class TensorParallelWorkers:
             proc.start()
             self.procs.append(proc)
         # The driver's own share of the cores: its thread count, not its affinity (the HTTP
-        # server may share this process).
+        # server may share this process). Restored by close().
+        self._threads_before = torch.get_num_threads()
         torch.set_num_threads(num_threads)
         try:
             dist.init_process_group(
@@ -220,6 +221,7 @@ class TensorParallelWorkers:
             dist.destroy_process_group()
         finally:
             set_tensor_parallel(TensorParallel())
+            torch.set_num_threads(self._threads_before)
 
     def _kill(self) -> None:
         for proc in self.procs:

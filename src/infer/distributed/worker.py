@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from infer.distributed.executor import IDLE_TIMEOUT, KVSetup, WorkerArgs
-from infer.distributed.parallel_state import TensorParallel, set_tensor_parallel
+from infer.model.parallel import TensorParallel, set_tensor_parallel
 
 logger = logging.getLogger("infer.distributed")
 

@@ -25,12 +25,12 @@ from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.validation import check_prompt
 from infer.distributed import EngineDeadError
 from infer.distributed.executor import KVSetup, TensorParallelWorkers
-from infer.distributed.parallel_state import check_tensor_parallel, get_tensor_parallel
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.scheduler import Scheduler
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
+from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.runner.attention import KVCache
 from infer.runner.prepack import model_weight_bytes, prepack_linears
 from infer.runner.quant import check_quantization, quantize_linears

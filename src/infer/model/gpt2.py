@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer.distributed.parallel_state import (
+from infer.model.layers import CausalLM, WeightSource, activation, embedding, transposed
+from infer.model.parallel import (
     COLUMN,
     ROW,
     ROW_BIAS,
@@ -21,7 +22,6 @@ from infer.distributed.parallel_state import (
     Shard,
     get_tensor_parallel,
 )
-from infer.model.layers import CausalLM, WeightSource, activation, embedding, transposed
 from infer.runner.attention import AttentionContext
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.distributed.parallel_state import Shard, TensorParallel, get_tensor_parallel
+from infer.model.parallel import Shard, TensorParallel, get_tensor_parallel
 from infer.runner.kernels import CpuKernels, cpu_kernels
 
 if TYPE_CHECKING:

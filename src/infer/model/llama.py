@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer.distributed.parallel_state import (
+from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, embedding, plus_one
+from infer.model.parallel import (
     COLUMN,
     ROW,
     ROW_BIAS,
     VOCAB,
     get_tensor_parallel,
 )
-from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, embedding, plus_one
 from infer.model.rope import RopeConfig, apply_rope, rope_config_from_dict, rope_params, rope_tables
 from infer.runner.attention import AttentionContext
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from infer.distributed.parallel_state import TensorParallel
 from infer.model.layers import CausalLM, WeightSource
+from infer.model.parallel import TensorParallel
 from infer.model.registry import UnsupportedArchitectureError, model_class
 from infer.model.spec import ModelSpec, config_dtype, token_ids
 

@@ -22,7 +22,7 @@ import torch
 
 from infer.core.messages import Sampled, SchedulerOutput
 from infer.core.request import Request, TokenLogprob
-from infer.distributed.parallel_state import TensorParallel
+from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
 from infer.runner.sampler import Sampler, token_logprob
