@@ -121,7 +121,8 @@ class PrefixAware(RoutingPolicy):
     has more than ``max_load_gap`` requests in flight beyond the least-loaded one: then caching
     loses to queueing, and the least-loaded replica gets it (and from then on also holds the
     prefix, so a hot prefix spreads over replicas as its load grows). No match at all: the
-    least-loaded replica. Ties in match length go to the less loaded, then as ``least_loaded``.
+    least-loaded replica, and among equally loaded ones the one remembering the fewest blocks,
+    so new prefixes spread evenly over the caches. Ties in match length go to the less loaded.
     """
 
     name = "prefix"
@@ -135,6 +136,12 @@ class PrefixAware(RoutingPolicy):
         self.capacity_blocks = capacity_blocks
         self.max_load_gap = max_load_gap
         self.held: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def least_loaded(self) -> int:
+        return min(
+            range(self.num_replicas),
+            key=lambda i: (self.in_flight[i], len(self.held[i]), self.sent[i], i),
+        )
 
     def matched(self, replica: int, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the prompt ``replica`` was sent before."""

@@ -1,0 +1,235 @@
+"""Two replicas on a local Ray Serve behind one endpoint: ``infer serve --data-parallel-size 2``
+as a real process, driven over HTTP.
+
+Each server starts its own local Ray (about 20 s on 2 cores) and the module starts two, one per
+policy compared. The routing workload is sent one request at a time, so the router's choices and
+the engines' caches (and so the hit rates) are the same on any machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from infer.cluster.workload import SharedPrefixWorkload
+from tests.server.conftest import ServerProcess, start_server
+
+pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[ray]"')
+pytestmark = pytest.mark.ray
+
+# The KV pool of each replica: the workload's 8 prefixes of 8 blocks fit two pools together
+# (4 prefixes each) but not one, so where a prefix is sent decides whether it is still cached.
+REPLICA_FLAGS = ("--data-parallel-size", "2", "--enable-prefix-caching", "--num-kv-blocks", "40",
+                 "--max-num-seqs", "2", "--max-queued-requests", "2")  # fmt: skip
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a prime number."},
+]
+
+
+@pytest.fixture(scope="module")
+def prefix_server(llama_checkpoint, server_logs) -> Iterator[ServerProcess]:
+    yield from start_server(llama_checkpoint, server_logs, *REPLICA_FLAGS,
+                            "--router-policy", "prefix")  # fmt: skip
+
+
+def metric_values(server: ServerProcess) -> dict[str, float]:
+    """The endpoint's /metrics as ``name{labels}`` -> value (histogram buckets left out)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "_bucket{" not in line:
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def total(values: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of ``name``'s samples whose labels include ``labels``."""
+    got = 0.0
+    for key, value in values.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            got += value
+    return got
+
+
+def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
+    """Poll until nothing runs or waits on any replica, every KV block is free and the router
+    has nothing in flight."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metric_values(server)
+        stats = httpx.get(server.url + "/router/stats", timeout=30).json()
+        idle = (
+            total(m, "vllm:num_requests_running") == 0
+            and total(m, "vllm:num_requests_waiting") == 0
+            and total(m, "infer:kv_cache_free_blocks") == total(m, "infer:kv_cache_total_blocks")
+            and stats["in_flight"] == [0, 0]
+        )
+        if idle:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the replicas did not go idle: {stats} {m}")
+        time.sleep(0.1)
+
+
+def run_workload(server: ServerProcess) -> tuple[float, list[float]]:
+    """The 8 prefixes x 16 requests workload, one request at a time; the prefix cache hit rate
+    over it and each replica's share of its requests (from the router's counter)."""
+    before = metric_values(server)
+    with server.client() as c:
+        assert c.post("/reset_prefix_cache").status_code == 200
+        for _, ids in SharedPrefixWorkload().requests():
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 4,
+                                                "ignore_eos": True})  # fmt: skip
+            assert r.status_code == 200, r.text
+    after = metric_values(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    hit_rate = delta("vllm:prefix_cache_hits_total") / delta("vllm:prefix_cache_queries_total")
+    sent = [delta("infer:router_requests_total", replica=f"replica-{i}") for i in range(2)]
+    assert sum(sent) == 128
+    return hit_rate, [s / sum(sent) for s in sent]
+
+
+def test_completions_and_chat_through_the_router(prefix_server):
+    client = openai.OpenAI(base_url=prefix_server.base_url, api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    got = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
+                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert got.usage.completion_tokens == 8
+    streamed = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
+                                         temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == got.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,
+                                          temperature=0)  # fmt: skip
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,
+                                                 temperature=0, stream=True))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content
+    # the same chat again: the router tokenized it, and sends it where it went before
+    stats = httpx.get(prefix_server.url + "/router/stats").json()
+    assert stats["policy"] == "prefix" and sum(stats["sent"]) == 4
+    # errors pass through with their status and body
+    with pytest.raises(openai.NotFoundError, match="model"):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    bad = httpx.post(prefix_server.base_url + "/completions", content=b"{not json",
+                     headers={"content-type": "application/json"})  # fmt: skip
+    assert bad.status_code == 400 and "error" in bad.json()
+    assert httpx.get(prefix_server.url + "/health").json() == {"status": "ok"}
+    wait_idle(prefix_server)
+
+
+def test_text_prompts_with_a_shared_prefix_stay_on_one_replica(prefix_server):
+    before = metric_values(prefix_server)
+    long_doc = "The quick brown fox jumps over the lazy dog near the river bank. " * 12
+    with prefix_server.client() as c:
+        for q in ("Who jumps?", "Where is the dog?", "What colour is the fox?", "Why?"):
+            r = c.post("/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 2,
+                "messages": [{"role": "system", "content": long_doc},
+                             {"role": "user", "content": q}]})  # fmt: skip
+            assert r.status_code == 200, r.text
+    after = metric_values(prefix_server)
+    hits = [total(after, "infer:router_requests_total", replica=f"replica-{i}", reason="prefix-hit")
+            - total(before, "infer:router_requests_total", replica=f"replica-{i}",
+                    reason="prefix-hit") for i in range(2)]  # fmt: skip
+    assert sorted(hits) == [0, 3]  # the first one chose a replica; the other three followed
+    cached = total(after, "vllm:prefix_cache_hits_total") - total(
+        before, "vllm:prefix_cache_hits_total"
+    )
+    assert cached > 0
+
+
+def test_aborted_streams_free_everything(prefix_server):
+    before = metric_values(prefix_server)
+    long = {"model": "tiny", "max_tokens": 560, "ignore_eos": True, "stream": True}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=prefix_server.url, timeout=60) as c:
+
+            async def dropped(prompt: str) -> int:
+                events = 0
+                async with c.stream("POST", "/v1/completions",
+                                    json={**long, "prompt": prompt}) as r:  # fmt: skip
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        events += line.startswith("data: ")
+                        if events == 3:
+                            break  # leaving the block closes the connection mid-stream
+                return events
+
+            assert await asyncio.gather(dropped("Once upon a time"), dropped("In a galaxy")) == [
+                3, 3]  # fmt: skip
+
+    asyncio.run(run())
+    after = wait_idle(prefix_server)
+    aborted = total(after, "vllm:request_success_total", finished_reason="abort") - total(
+        before, "vllm:request_success_total", finished_reason="abort"
+    )
+    assert aborted == 2
+    # and the replicas serve on
+    with prefix_server.client() as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200
+
+
+def test_prefix_routing_doubles_the_hit_rate_of_round_robin(prefix_server, llama_checkpoint,
+                                                            server_logs):  # fmt: skip
+    prefix_rate, prefix_shares = run_workload(prefix_server)
+    gen = start_server(llama_checkpoint, server_logs, *REPLICA_FLAGS,
+                       "--router-policy", "round-robin")  # fmt: skip
+    rr_server = next(gen)
+    try:
+        rr_rate, rr_shares = run_workload(rr_server)
+        overload_passes_through(rr_server)
+    finally:
+        gen.close()
+    print(f"hit rate: prefix {prefix_rate:.3f} (shares {prefix_shares}), "
+          f"round-robin {rr_rate:.3f} (shares {rr_shares})")  # fmt: skip
+    assert prefix_rate >= 2 * rr_rate
+    assert max(prefix_shares) <= 0.6
+    assert rr_shares == [0.5, 0.5]
+
+
+def overload_passes_through(server: ServerProcess) -> None:
+    """429 with Retry-After from a replica's full queue reaches the client unchanged."""
+    long = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=32)) as c:  # fmt: skip
+            return await asyncio.gather(*[c.post("/v1/completions", json=long)
+                                          for _ in range(12)])  # fmt: skip
+
+    results = asyncio.run(run())
+    rejected = [r for r in results if r.status_code == 429]
+    accepted = [r for r in results if r.status_code == 200]
+    assert len(rejected) + len(accepted) == 12 and rejected, [r.status_code for r in results]
+    for r in rejected:
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+    assert all(r.json()["usage"]["completion_tokens"] == 200 for r in accepted)
+    wait_idle(server)
+
+
+def test_metrics_are_the_sum_of_the_replicas(prefix_server):
+    m = metric_values(prefix_server)
+    assert total(m, "infer:kv_cache_total_blocks") == 80  # 2 x 40
+    requests = total(m, "infer:router_requests_total")
+    finished = total(m, "vllm:request_success_total")
+    # every request the engines finished was routed (the 404 and 400 above never reached one)
+    assert requests >= finished > 0
+    assert re.search(r"^infer:router_routing_seconds_count \d", httpx.get(
+        prefix_server.url + "/metrics").text, re.M)  # fmt: skip
