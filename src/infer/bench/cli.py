@@ -520,6 +520,9 @@ def register(subparsers) -> None:
     from infer.bench.tensor_parallel import add_parser as add_tensor_parallel
 
     add_tensor_parallel(sub)
+    from infer.bench.router import add_parser as add_router
+
+    add_router(sub)
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
     pr.add_argument("--model", default=None, help=model_help)
     pr.add_argument("--dtype", default="bfloat16")

@@ -1,0 +1,245 @@
+"""Routing policies through two replicas on Ray Serve (needs the ray and bench extras).
+
+    infer bench router [--model DIR] [--runs 3] [--out bench-results/router]
+
+For each policy (prefix-aware, round-robin, least-loaded) start ``infer serve
+--data-parallel-size 2 --enable-prefix-caching --router-policy P``, then run the shared-prefix
+workload (:class:`infer.cluster.workload.SharedPrefixWorkload`: 8 sessions with a prefix of
+their own take turns, 16 requests each) ``--runs`` times with ``--concurrency`` requests in
+flight, the caches reset before each run. Reported per policy: TTFT p50 (median over runs of
+each run's p50, measured at the client from the streamed first token), the prefix cache hit
+rate (the replicas' summed ``vllm:prefix_cache_hits / queries``), each replica's share of the
+requests, and the router's own cost per request (request arrival in the router to the replica
+call: read the body, tokenize, hash, choose; from ``/router/stats``).
+
+Each replica's KV pool (``--num-kv-blocks``) defaults to half the prefixes plus room for the
+requests in flight: the prefixes fit the two caches together, not one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("prefix", "round-robin", "least-loaded")
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``infer bench router``."""
+    p = sub.add_parser("router", help="replica routing policies on Ray Serve: TTFT, hit rate")
+    p.add_argument("--model", default=None,
+                   help="model folder (default: a random-init ~100M Llama, built once)")  # fmt: skip
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--prefix-tokens", type=int, default=512)
+    p.add_argument("--suffix-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="per replica (see above)")
+    p.add_argument("--out", default="bench-results/router", help="report folder")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from infer.bench import require_bench_extra
+
+    require_bench_extra("infer bench router")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        from infer.cluster import RAY_INSTALL_HINT
+
+        print(RAY_INSTALL_HINT, file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model: Path, policy: str, args: argparse.Namespace, blocks: int, log: Path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "infer.server", "--model", str(model), "--served-model-name",
+           "m", "--port", str(port), "--dtype", args.dtype, "--data-parallel-size", "2",
+           "--enable-prefix-caching", "--router-policy", policy, "--num-kv-blocks", str(blocks),
+           "--block-size", str(args.block_size), "--torch-threads", "1", "--no-dashboard"]  # fmt: skip
+    out = open(log, "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not start; see {log}")
+
+
+def _counters(url: str) -> dict[str, float]:
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(("vllm:prefix_cache_", "infer:router_requests_total")):
+            key, value = line.rsplit(" ", 1)
+            name = key.split("{")[0]
+            if name.startswith("infer:router"):
+                name = key[key.index('replica="') + 9 :].split('"')[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+async def _one_run(url: str, requests: list[list[int]], concurrency: int,
+                   max_tokens: int) -> list[float]:  # fmt: skip
+    """The TTFT of every request (seconds), ``concurrency`` at a time in workload order."""
+    import httpx
+
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for ids in requests:
+        queue.put_nowait(ids)
+    ttfts: list[float] = []
+    body = {"model": "m", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}  # fmt: skip
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                ids = queue.get_nowait()
+                t0 = time.perf_counter()
+                first = None
+                async with client.stream("POST", "/v1/completions",
+                                         json={**body, "prompt": ids}) as r:  # fmt: skip
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
+                    async for line in r.aiter_lines():
+                        if first is None and line.startswith("data: {"):
+                            first = time.perf_counter() - t0
+                assert first is not None
+                ttfts.append(first)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return ttfts
+
+
+def run(args: argparse.Namespace) -> int:
+    """``infer bench router``: writes ``router.json`` and ``router.md`` under ``--out``."""
+    import httpx
+
+    from infer.bench.engine import llama_100m
+    from infer.cluster.workload import SharedPrefixWorkload
+
+    model = Path(args.model) if args.model else llama_100m(None)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    workload = SharedPrefixWorkload(prefix_tokens=args.prefix_tokens,
+                                    suffix_tokens=args.suffix_tokens, vocab_size=vocab)  # fmt: skip
+    prefix_blocks = args.prefix_tokens // args.block_size
+    per_request = -(-(args.suffix_tokens + args.max_tokens) // args.block_size) + 1
+    blocks = args.num_kv_blocks or (
+        workload.num_prefixes // 2 * prefix_blocks + args.concurrency * per_request * 2
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "config": {
+            **{k: v for k, v in vars(args).items() if k != "func"},
+            "model": str(model),
+            "num_kv_blocks_per_replica": blocks,
+            "requests_per_run": len(workload.requests()),
+            "cpus": os.cpu_count(),
+        },  # fmt: skip
+        "policies": {},
+    }
+    for policy in args.policies.split(","):
+        proc, url = _start(model, policy, args, blocks, out / f"server-{policy}.log")
+        try:
+            # warm-up: compile kernels, first-request costs (not measured)
+            asyncio.run(_one_run(url, [r for _, r in workload.requests()[:4]], 2, 2))
+            p50s, rates, shares = [], [], []
+            for i in range(args.runs):
+                w = SharedPrefixWorkload(prefix_tokens=args.prefix_tokens,
+                                         suffix_tokens=args.suffix_tokens, vocab_size=vocab,
+                                         seed=i + 1)  # fmt: skip
+                httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+                before = _counters(url)
+                ttfts = asyncio.run(_one_run(url, [r for _, r in w.requests()],
+                                             args.concurrency, args.max_tokens))  # fmt: skip
+                after = _counters(url)
+                d = {k: after[k] - before.get(k, 0.0) for k in after}
+                p50s.append(statistics.median(ttfts))
+                rates.append(d["vllm:prefix_cache_hits_total"]
+                             / d["vllm:prefix_cache_queries_total"])  # fmt: skip
+                sent = [d.get(f"replica-{j}", 0.0) for j in range(2)]
+                shares.append(max(sent) / sum(sent))
+                print(f"{policy} run {i}: TTFT p50 {p50s[-1] * 1e3:.1f} ms, hit rate "
+                      f"{rates[-1]:.3f}, busiest replica {shares[-1]:.0%}", flush=True)  # fmt: skip
+            stats = httpx.get(url + "/router/stats", timeout=30).json()
+            results["policies"][policy] = {
+                "ttft_p50_ms": statistics.median(p50s) * 1e3,
+                "ttft_p50_runs_ms": [x * 1e3 for x in p50s],
+                "hit_rate": statistics.median(rates),
+                "hit_rate_runs": rates,
+                "busiest_replica_share": max(shares),
+                "routing_ms": {k: (v * 1e3 if v is not None else None)
+                               for k, v in stats["routing_seconds"].items() if k != "count"},
+                "routing_samples": stats["routing_seconds"]["count"],
+            }  # fmt: skip
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    (out / "router.json").write_text(json.dumps(results, indent=2))
+    (out / "router.md").write_text(render(results))
+    print(render(results))
+    return 0
+
+
+def render(results: dict[str, Any]) -> str:
+    """The markdown report."""
+    c = results["config"]
+    lines = [
+        "# Replicas on Ray Serve: routing policies",
+        "",
+        f"`infer bench router` on {c['cpus']} CPU cores: 2 replicas of `{Path(c['model']).name}` "
+        f"({c['dtype']}, 1 torch thread each), {c['num_kv_blocks_per_replica']} KV blocks of "
+        f"{c['block_size']} tokens per replica. Workload: 8 prefixes of {c['prefix_tokens']} "
+        f"tokens x 16 requests ({c['requests_per_run']} per run, sessions taking turns in a "
+        f"random order per round), a {c['suffix_tokens']}-token suffix each, {c['max_tokens']} "
+        f"output tokens, {c['concurrency']} in flight; caches reset before each of "
+        f"{c['runs']} runs.",
+        "",
+        "| policy | TTFT p50 (ms, median of runs) | runs | hit rate | busiest replica | "
+        "router cost p50 / p99 / mean (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, p in results["policies"].items():
+        r = p["routing_ms"]
+        runs = ", ".join(f"{x:.0f}" for x in p["ttft_p50_runs_ms"])
+        lines.append(f"| {name} | {p['ttft_p50_ms']:.1f} | {runs} | {p['hit_rate']:.3f} | "
+                     f"{p['busiest_replica_share']:.0%} | {r['p50']:.2f} / {r['p99']:.2f} / "
+                     f"{r['mean']:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
