@@ -21,6 +21,15 @@ def test_a_dead_worker_stops_the_engine_with_its_rank(tiny_checkpoints):
         assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
         worker = llm.engine.tp_workers.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
-        worker.join(30)
         with pytest.raises(EngineDeadError, match=r"worker rank 1 exited \(code -9\)"):
             llm.generate([[5, 6, 7]], params)
+
+
+def test_a_failed_start_stops_the_workers(tiny_checkpoints):
+    # The KV plan fails after the worker has started: it must not be left behind, and the next
+    # tensor-parallel engine in this process starts.
+    with pytest.raises(ValueError, match="smaller than one block"):
+        LLM(str(tiny_checkpoints["llama"]), tensor_parallel_size=2, kv_cache_memory=16)
+    with LLM(str(tiny_checkpoints["llama"]), tensor_parallel_size=2) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+        assert len(out[0].outputs[0].token_ids) == 2

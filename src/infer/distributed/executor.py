@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -184,6 +185,10 @@ class TensorParallelWorkers:
         rank = sentinels[ready[0]]
         proc = self.procs[rank - 1]
         proc.join(5)  # reap it: its exit code is unknown until then
+        for _ in range(100):  # another thread may be the one reaping it
+            if proc.exitcode is not None:
+                break
+            time.sleep(0.01)
         code = proc.exitcode
         self.failure = f"tensor parallel worker rank {rank} exited (code {code})"
         logger.error("%s: the engine stops at its next step", self.failure)

@@ -164,6 +164,14 @@ class _OutputState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        self.tp_workers: TensorParallelWorkers | None = None
+        try:
+            self._setup(config)
+        except BaseException:
+            self.close()  # tensor parallelism: do not leave workers waiting on us
+            raise
+
+    def _setup(self, config: EngineConfig) -> None:
         from infer.engine.model_source import resolve_model_path
         from infer.model.loader import load_model, load_model_spec
         from infer.model.tokenizer import load_tokenizer
