@@ -40,7 +40,7 @@ def prefix_server(llama_checkpoint, server_logs) -> Iterator[ServerProcess]:
 
 def metric_values(server: ServerProcess) -> dict[str, float]:
     """The endpoint's /metrics as ``name{labels}`` -> value (histogram buckets left out)."""
-    text = httpx.get(server.url + "/metrics", timeout=30).text
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#") and "_bucket{" not in line:
@@ -67,7 +67,7 @@ def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metric_values(server)
-        stats = httpx.get(server.url + "/router/stats", timeout=30).json()
+        stats = httpx.get(server.url + "/router/stats", headers=server.headers, timeout=30).json()
         idle = (
             total(m, "vllm:num_requests_running") == 0
             and total(m, "vllm:num_requests_waiting") == 0
@@ -188,10 +188,13 @@ def test_aborted_streams_free_everything(prefix_server):
 def test_prefix_routing_doubles_the_hit_rate_of_round_robin(prefix_server, llama_checkpoint,
                                                             server_logs):  # fmt: skip
     prefix_rate, prefix_shares = run_workload(prefix_server)
+    # (this one with an API key: the replicas check it, and the router on its own route)
     gen = start_server(llama_checkpoint, server_logs, *REPLICA_FLAGS,
-                       "--router-policy", "round-robin")  # fmt: skip
+                       "--router-policy", "round-robin", api_key="router-key")  # fmt: skip
     rr_server = next(gen)
     try:
+        for path in ("/metrics", "/router/stats", "/v1/models"):
+            assert httpx.get(rr_server.url + path).status_code == 401, path
         rr_rate, rr_shares = run_workload(rr_server)
         overload_passes_through(rr_server)
     finally:
@@ -208,7 +211,7 @@ def overload_passes_through(server: ServerProcess) -> None:
     long = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
     async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120,
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=server.headers,
                                      limits=httpx.Limits(max_connections=32)) as c:  # fmt: skip
             return await asyncio.gather(*[c.post("/v1/completions", json=long)
                                           for _ in range(12)])  # fmt: skip

@@ -48,6 +48,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="per replica (see above)")
+    p.add_argument("--overhead-requests", type=int, default=200,
+                   help="sequential 1-token requests timed through the router and through a "
+                   "single server (0: skip)")  # fmt: skip
     p.add_argument("--out", default="bench-results/router", help="report folder")
     p.set_defaults(func=_run)
 
@@ -72,12 +75,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model: Path, policy: str, args: argparse.Namespace, blocks: int, log: Path):
+def _start(model: Path, policy: str | None, args: argparse.Namespace, blocks: int, log: Path):
+    """``infer serve`` with two replicas under ``policy``, or one plain server (``None``)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "infer.server", "--model", str(model), "--served-model-name",
-           "m", "--port", str(port), "--dtype", args.dtype, "--data-parallel-size", "2",
-           "--enable-prefix-caching", "--router-policy", policy, "--num-kv-blocks", str(blocks),
-           "--block-size", str(args.block_size), "--torch-threads", "1", "--no-dashboard"]  # fmt: skip
+           "m", "--port", str(port), "--dtype", args.dtype, "--enable-prefix-caching",
+           "--num-kv-blocks", str(blocks), "--block-size", str(args.block_size),
+           "--torch-threads", "1", "--no-dashboard"]  # fmt: skip
+    if policy is not None:
+        cmd += ["--data-parallel-size", "2", "--router-policy", policy]
     out = open(log, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
@@ -85,17 +91,20 @@ def _start(model: Path, policy: str, args: argparse.Namespace, blocks: int, log:
     import httpx
 
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server did not start; see {log}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server did not start; see {log}")
+    except BaseException:  # Ctrl+C included: never leave a server (and its Ray) behind
+        _stop(proc)
+        raise
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -142,6 +151,62 @@ async def _one_run(url: str, requests: list[list[int]], concurrency: int,
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return ttfts
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+# The overhead phase's prompt: text, so the router's tokenization and hashing are in its cost.
+OVERHEAD_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 32
+
+
+def _sequential_latencies(url: str, n: int) -> list[float]:
+    """Client-side latency of ``n`` one-at-a-time requests for 1 token of a ~2,000-character
+    text prompt."""
+    import httpx
+
+    body = {"model": "m", "prompt": OVERHEAD_PROMPT, "max_tokens": 1, "ignore_eos": True}
+    out = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for i in range(n + 10):  # the first 10 warm the path up
+            t0 = time.perf_counter()
+            c.post("/v1/completions", json=body).raise_for_status()
+            if i >= 10:
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+def overhead(model: Path, args: argparse.Namespace, blocks: int, out: Path) -> dict[str, Any]:
+    """What the router path adds per request: the same sequential 1-token requests through two
+    replicas (prefix policy) and through one plain server; and the router's own routing time,
+    with nothing else running."""
+    import httpx
+
+    proc, url = _start(model, "prefix", args, blocks, out / "server-overhead-replicas.log")
+    try:
+        routed = _sequential_latencies(url, args.overhead_requests)
+        stats = httpx.get(url + "/router/stats", timeout=30).json()
+    finally:
+        _stop(proc)
+    proc, url = _start(model, None, args, blocks, out / "server-overhead-single.log")
+    try:
+        direct = _sequential_latencies(url, args.overhead_requests)
+    finally:
+        _stop(proc)
+    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
+    return {
+        "requests": args.overhead_requests,
+        "routed_ms": {"p50": q(routed, 50), "p99": q(routed, 99)},
+        "direct_ms": {"p50": q(direct, 50), "p99": q(direct, 99)},
+        "prompt_chars": len(OVERHEAD_PROMPT),
+        "routing_idle_ms": {k: stats["routing_seconds"][k] * 1e3 for k in ("p50", "p99", "mean")},
+        "decision_idle_ms": {k: stats["decision_seconds"][k] * 1e3 for k in ("p50", "p99", "mean")},
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,14 +269,14 @@ def run(args: argparse.Namespace) -> int:
                 "busiest_replica_share": max(shares),
                 "routing_ms": {k: (v * 1e3 if v is not None else None)
                                for k, v in stats["routing_seconds"].items() if k != "count"},
+                "decision_ms": {k: (v * 1e3 if v is not None else None)
+                                for k, v in stats["decision_seconds"].items() if k != "count"},
                 "routing_samples": stats["routing_seconds"]["count"],
             }  # fmt: skip
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop(proc)
+    if args.overhead_requests > 0:
+        results["overhead"] = overhead(model, args, blocks, out)
     (out / "router.json").write_text(json.dumps(results, indent=2))
     (out / "router.md").write_text(render(results))
     print(render(results))
@@ -233,13 +298,34 @@ def render(results: dict[str, Any]) -> str:
         f"{c['runs']} runs.",
         "",
         "| policy | TTFT p50 (ms, median of runs) | runs | hit rate | busiest replica | "
-        "router cost p50 / p99 / mean (ms) |",
-        "|---|---|---|---|---|---|",
+        "router cost p50 / p99 / mean (ms) | of which deciding, p50 (ms) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, p in results["policies"].items():
         r = p["routing_ms"]
         runs = ", ".join(f"{x:.0f}" for x in p["ttft_p50_runs_ms"])
         lines.append(f"| {name} | {p['ttft_p50_ms']:.1f} | {runs} | {p['hit_rate']:.3f} | "
                      f"{p['busiest_replica_share']:.0%} | {r['p50']:.2f} / {r['p99']:.2f} / "
-                     f"{r['mean']:.2f} |")  # fmt: skip
+                     f"{r['mean']:.2f} | {p['decision_ms']['p50']:.3f} |")  # fmt: skip
+    o = results.get("overhead")
+    if o:
+        r, d = o["routed_ms"], o["direct_ms"]
+        i, k = o["routing_idle_ms"], o["decision_idle_ms"]
+        lines += [
+            "",
+            f"Per-request cost of the router path ({o['requests']} sequential requests for one "
+            f"token of a {o['prompt_chars']}-character text prompt, nothing else running):",
+            "",
+            "| path | latency p50 (ms) | p99 (ms) |",
+            "|---|---|---|",
+            f"| client -> Serve proxy -> router -> replica (2 replicas) | {r['p50']:.2f} | "
+            f"{r['p99']:.2f} |",
+            f"| client -> one plain `infer serve` | {d['p50']:.2f} | {d['p99']:.2f} |",
+            "",
+            "The router's own work per request (arrival in the router to the replica call) "
+            f"with nothing else running: p50 {i['p50']:.3f} ms, p99 {i['p99']:.3f} ms, mean "
+            f"{i['mean']:.3f} ms; of which deciding (tokenize, hash the blocks, choose): p50 "
+            f"{k['p50']:.3f} ms, p99 {k['p99']:.3f} ms. The rest of the router path's extra "
+            "latency is Ray Serve's: the proxy, and one more process hop each way.",
+        ]
     return "\n".join(lines) + "\n"

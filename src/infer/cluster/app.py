@@ -86,7 +86,7 @@ def cluster_spec(args: argparse.Namespace, config: EngineConfig, chat_template: 
     router = RouterSpec(policy=args.router_policy,
                         tokenizer_path=str(config.model.tokenizer or model_path),
                         chat_template=chat_template, max_load_gap=args.router_max_load_gap,
-                        log_level=args.log_level)  # fmt: skip
+                        log_level=args.log_level, api_key=args.api_key or None)  # fmt: skip
     return ClusterSpec(replica=replica, router=router, num_replicas=args.data_parallel_size,
                        replica_cpus=replica_cpus)  # fmt: skip
 

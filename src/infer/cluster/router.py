@@ -12,6 +12,7 @@ request. ``/metrics`` sums the replicas' metrics and adds the router's own; ``/h
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -49,6 +50,7 @@ class RouterSpec:
     chat_template: str | None = None
     max_load_gap: int = 4
     log_level: str = "info"
+    api_key: str | None = None  # guards /router/stats (the replicas guard everything else)
 
 
 class _ChatRendering:
@@ -110,7 +112,8 @@ class Router:
                                  registry=self.registry)  # fmt: skip
         for name in self.names:
             self.m_in_flight.labels(name)
-        self.recent_routing: deque[float] = deque(maxlen=_RECENT)
+        # (arrival -> replica call, of which: tokenize + hash + choose) per recent request
+        self.recent_routing: deque[tuple[float, float]] = deque(maxlen=_RECENT)
         logger.info("router: %d replicas, policy %s, block size %d", len(replicas),
                     spec.policy, self.block_size)  # fmt: skip
 
@@ -132,6 +135,12 @@ class Router:
         if path == "/metrics" and request.method == "GET":
             return await self._metrics(forwarded)
         if path == "/router/stats" and request.method == "GET":
+            if not self._authorized(request):
+                return JSONResponse({"error": {"message": "missing or wrong API key: send "
+                                               "'Authorization: Bearer <key>'",
+                                               "type": "invalid_request_error",
+                                               "code": "invalid_api_key"}},
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
             return JSONResponse(self.stats())
         if path in BROADCAST_PATHS:
             if path == "/reset_prefix_cache" and request.method == "POST":
@@ -141,7 +150,15 @@ class Router:
         self._any = (self._any + 1) % len(self.replicas)
         return await self._forward(replica, forwarded, request, on_end=None)
 
+    def _authorized(self, request: Request) -> bool:
+        """The replicas check the key on what they answer; the router's own route does here."""
+        if not self.spec.api_key:
+            return True
+        given = request.headers.get("authorization", "").encode()
+        return hmac.compare_digest(given, f"Bearer {self.spec.api_key}".encode())
+
     async def _generate(self, fwd: ForwardedRequest, arrived: float, raw: Request) -> Response:
+        decide_from = time.perf_counter()
         hashes: list[BlockHash] = []
         if self.needs_hashes:
             hashes = await self._block_hashes(fwd.path, fwd.body)
@@ -152,9 +169,9 @@ class Router:
         self.m_requests.labels(name, decision.reason).inc()
         self.m_in_flight.labels(name).inc()
         self.m_matched.inc(decision.matched_blocks)
-        elapsed = time.perf_counter() - arrived
-        self.m_routing.observe(elapsed)
-        self.recent_routing.append(elapsed)
+        now = time.perf_counter()
+        self.m_routing.observe(now - arrived)
+        self.recent_routing.append((now - arrived, now - decide_from))
         ended = False
 
         def on_end() -> None:
@@ -183,16 +200,19 @@ class Router:
         headers = _response_headers(start)
         if (start.header("content-type") or "").startswith("text/event-stream"):
 
+            def cleanup() -> None:  # done, or the client went away: stop the replica's side
+                gen.cancel()
+                if on_end is not None:
+                    on_end()
+
             async def body():
                 try:
                     async for chunk in gen:
                         yield chunk
-                finally:  # done, or the client went away: stop the replica's side too
-                    gen.cancel()
-                    if on_end is not None:
-                        on_end()
+                finally:
+                    cleanup()
 
-            return StreamingResponse(body(), status_code=start.status, headers=headers)
+            return _RelayResponse(body(), cleanup, status_code=start.status, headers=headers)
         try:  # a plain body: collect it, so the client gets a Content-Length
             chunks = [chunk async for chunk in gen]
         finally:
@@ -277,24 +297,41 @@ class Router:
                 h.clear()
 
     def stats(self) -> dict[str, Any]:
-        """The router's counters, for ``GET /router/stats`` and the benchmark."""
-        recent = sorted(self.recent_routing)
+        """The router's counters, for ``GET /router/stats`` and the benchmark: routing time per
+        request (arrival -> replica call) and its decision part (tokenize, hash, choose; the
+        rest is reading the body from Serve's proxy), over the last requests."""
 
-        def pct(q: float) -> float | None:
-            return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None
+        def summary(xs: list[float]) -> dict[str, float | int | None]:
+            xs = sorted(xs)
+            if not xs:
+                return {"count": 0, "p50": None, "p99": None, "mean": None}
+            at = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+            return {"count": len(xs), "p50": at(0.5), "p99": at(0.99), "mean": sum(xs) / len(xs)}
 
         return {
             "policy": self.policy.name,
             "replicas": self.names,
             "sent": list(self.policy.sent),
             "in_flight": list(self.policy.in_flight),
-            "routing_seconds": {
-                "count": len(recent),
-                "p50": pct(0.5),
-                "p99": pct(0.99),
-                "mean": sum(recent) / len(recent) if recent else None,
-            },  # fmt: skip
+            "routing_seconds": summary([r for r, _ in self.recent_routing]),
+            "decision_seconds": summary([d for _, d in self.recent_routing]),
         }
+
+
+class _RelayResponse(StreamingResponse):
+    """A streamed replica answer that cleans up even when the client leaves before the first
+    chunk was asked for (then the body generator never started, and its ``finally`` never
+    runs)."""
+
+    def __init__(self, content: Any, cleanup: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
 
 
 _HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
