@@ -42,6 +42,15 @@ def test_shared_prefix_outputs_identical_and_prefill_skipped(options, make_llm):
     assert all(r.num_cached_tokens >= (shared_blocks - 1) * bs for r in rest)
 
 
+def test_blocks_of_a_request_that_ends_in_its_prefill_step_are_cached(make_llm):
+    llm = make_llm("llama", enable_prefix_caching=True, block_size=4)
+    prompt = list(range(10, 110))
+    one = SamplingParams(max_tokens=1, temperature=0)
+    assert llm.generate([prompt], one)[0].num_cached_tokens == 0
+    # All but the block holding the last prompt token (never served from the cache).
+    assert llm.generate([prompt], one)[0].num_cached_tokens == 96
+
+
 def test_multi_turn_reuses_previous_turn_including_decoded_blocks(make_llm):
     llm = make_llm("llama", enable_prefix_caching=True, block_size=4)
     ref = make_llm("llama", block_size=4)

@@ -355,6 +355,9 @@ class Scheduler:
                 counters.generation_tokens += 1
                 status = self._check_stop(request, token.token_id)
                 if status is not None:
+                    # Its blocks go to the prefix cache before they are freed, even when the
+                    # request ends in the step that computed them (max_tokens=1).
+                    self.kv.commit_full_blocks(request)
                     self.finish_request(request.request_id, status)
                     break
             else:
