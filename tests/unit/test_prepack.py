@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from infer.runner.kernels import cpu_kernels
-from infer.runner.prepack import AmxLinear, PackedLinear, prepack_linears
+from infer.runner.prepack import PackedLinear, TiledLinear, prepack_linears
 
 
 class _Tiny(nn.Module):
@@ -31,9 +31,10 @@ def _onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _amx() -> bool:
+def _tiled() -> bool:
+    """AMX or AVX-512 BF16: the CPUs the tiled kernel runs on."""
     kernels = cpu_kernels()
-    return kernels is not None and kernels.has_amx
+    return kernels is not None and kernels.linear_kind >= 1
 
 
 @pytest.mark.skipif(not _onednn(), reason="torch built without oneDNN")
@@ -44,7 +45,7 @@ def test_packed_model_gives_the_same_logits():
     with torch.inference_mode():
         want = model(ids)
         assert prepack_linears(model) == 3  # proj, back and the tied vocabulary projection
-        assert isinstance(model.proj, AmxLinear if _amx() else PackedLinear)
+        assert isinstance(model.proj, TiledLinear if _tiled() else PackedLinear)
         assert isinstance(model.back, PackedLinear)
         assert isinstance(model.packed_logits, PackedLinear)  # 50 words: not AMX-shaped
         got = model(ids)
@@ -59,22 +60,24 @@ def test_float32_and_switched_off_models_are_left_alone(monkeypatch):
     assert prepack_linears(model) == 0 and isinstance(model.proj, nn.Linear)
 
 
-def test_amx_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("INFER_AMX_LINEAR", "0")
+def test_tiled_linear_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("INFER_TILED_LINEAR", "0")
     model = _Tiny(torch.bfloat16)
     prepack_linears(model)
-    assert not isinstance(model.proj, AmxLinear)
+    assert not isinstance(model.proj, TiledLinear)
 
 
-@pytest.mark.skipif(not _amx(), reason="no AMX on this CPU (or no C++ compiler)")
+@pytest.mark.skipif(
+    not _tiled(), reason="neither AMX nor AVX-512 BF16 on this CPU (or no C++ compiler)"
+)
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130, 300])
-def test_amx_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
+def test_tiled_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
     torch.manual_seed(rows)
     n, k = 96, 256
     weight = (torch.randn(n, k) * 0.05).bfloat16()
     bias = torch.randn(n).bfloat16()
     x = torch.randn(rows, k).bfloat16()
-    layer = AmxLinear(weight, bias, cpu_kernels())
+    layer = TiledLinear(weight, bias, cpu_kernels())
     with torch.inference_mode():
         got = layer(x)
         # float32 sums of bf16 products, one rounding at the end: within an ulp of bf16
@@ -87,15 +90,17 @@ def test_amx_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
         assert torch.equal(layer(x.view(1, rows, k))[0], got)
         assert layer(x[:0]).shape == (0, n)
     with pytest.raises(ValueError, match="rejected"):  # column scales are for int8 weights
-        cpu_kernels().amx_linear(x, layer.packed_weight, None, n, scales=torch.ones(n))
+        cpu_kernels().tiled_linear(x, layer.packed_weight, None, n, scales=torch.ones(n))
 
 
-@pytest.mark.skipif(not _amx(), reason="no AMX on this CPU (or no C++ compiler)")
-def test_amx_linear_without_bias_and_nan_passes_through():
+@pytest.mark.skipif(
+    not _tiled(), reason="neither AMX nor AVX-512 BF16 on this CPU (or no C++ compiler)"
+)
+def test_tiled_linear_without_bias_and_nan_passes_through():
     weight = torch.ones(16, 32).bfloat16()
     x = torch.ones(2, 32).bfloat16()
     x[1, 0] = float("nan")
-    layer = AmxLinear(weight, None, cpu_kernels())
+    layer = TiledLinear(weight, None, cpu_kernels())
     with torch.inference_mode():
         y = layer(x)
     assert torch.equal(y[0], torch.full((16,), 32.0).bfloat16())

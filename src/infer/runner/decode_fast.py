@@ -8,18 +8,18 @@ order as the module code, straight from precomputed arguments into buffers alloc
     x = embed(ids)                                   (the residual stream, in place)
     for each layer:
         x, normed = x + pending, attn_norm(...)      add_rms_norm
-        qkv = qkv_proj(normed)                       amx linear (bf16 or int8 weights)
+        qkv = qkv_proj(normed)                       tiled linear (bf16 or int8 weights)
         rope(q, k) in place; k, v -> cache          rope_write_kv
         attn = decode_attention(q, cache)            (q read in place from qkv; in a step with
                                                       prefill chunks: AttentionContext.attend)
         o = o_proj(attn)
         x, normed = x + o, mlp_norm(...)
-        pending = down(act(gate) * up)(normed)       amx linear, act_mul, amx linear
+        pending = down(act(gate) * up)(normed)       tiled linear, act_mul, tiled linear
     hidden = norm(x + pending)
 
 The results are bit-for-bit those of the module path (same kernels, same inputs; tested). It
 takes every step that fits its buffers (max(max_num_seqs, max_num_batched_tokens) rows), and only
-models where every piece has its kernel: CPU bfloat16, AMX linear layers, a decoder without
+models where every piece has its kernel: CPU bfloat16, tiled linear layers, a decoder without
 q/k norms, sandwich norms or an embedding scale, one rope for every layer, and a supported
 activation; anything else takes the module path.
 """
@@ -34,7 +34,7 @@ from infer.model.llama import DecoderLM
 from infer.runner.attention import AttentionContext, KVCache
 from infer.runner.kernels import ACT_MUL_CODES, CpuKernels, cpu_kernels
 from infer.runner.kv_quant import KIND_CODES
-from infer.runner.prepack import AmxLinear
+from infer.runner.prepack import TiledLinear
 from infer.runner.quant import Int8Linear
 
 logger = logging.getLogger("infer.runner")
@@ -42,7 +42,7 @@ logger = logging.getLogger("infer.runner")
 
 def _linear_args(module: torch.nn.Module) -> tuple | None:
     """(packed weight ptr, bytes per weight, column scales ptr, bias ptr, N, K), or None."""
-    if isinstance(module, AmxLinear):
+    if isinstance(module, TiledLinear):
         weight, scales, bias = module.packed_weight, None, module.bias
     elif isinstance(module, Int8Linear) and module.mode == "amx":
         weight, scales, bias = module.q, module.scale, module.fbias

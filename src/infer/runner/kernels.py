@@ -1,6 +1,6 @@
 """CPU kernels in C++, compiled on first use and loaded with ctypes.
 
-The sources (``csrc/*.cpp``: paged decode attention, the AMX linear layer) are plain C++ with
+The sources (``csrc/*.cpp``: paged decode attention, the tiled linear layer) are plain C++ with
 OpenMP and no torch headers, so they build in a few seconds with the system's ``g++`` (or
 ``$CXX``) and need nothing at install time. The shared library is cached under
 ``$INFER_CACHE_DIR/kernels`` (default ``~/.cache/infer/kernels``), keyed by the sources, the
@@ -94,10 +94,12 @@ class CpuKernels:
             i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
         self.has_amx = bool(bind("infer_amx_available")())
-        self._pack = bind("infer_amx_pack_weight", ptr, ptr, i64, i64)
-        self._pack_int8 = bind("infer_amx_pack_int8", ptr, ptr, i64, i64)
+        # 2: AMX, 1: AVX-512 BF16 (bf16 weights only), 0: no tiled linear kernel on this CPU.
+        self.linear_kind = int(bind("infer_packed_linear_kind")())
+        self._pack = bind("infer_tile_pack_weight", ptr, ptr, i64, i64)
+        self._pack_int8 = bind("infer_tile_pack_int8", ptr, ptr, i64, i64)
         self._linear = bind(
-            "infer_amx_linear", ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i32, i32
+            "infer_tiled_linear", ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i32, i32
         )
         self._add_rms_norm = bind("infer_add_rms_norm", ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32)
         self._rope_write_kv = bind(
@@ -137,7 +139,7 @@ class CpuKernels:
         rc = self._linear(x, weight, weight_bytes, scales, bias, y, m, k, n, 0,
                           torch.get_num_threads())  # fmt: skip
         if rc != 0:
-            raise ValueError(f"AMX linear kernel rejected its inputs (code {rc})")
+            raise ValueError(f"tiled linear kernel rejected its inputs (code {rc})")
 
     def decode_attention_into(self, dtype: int, kind: int, query: int, q_stride: int,
                               k_cache: int, v_cache: int, k_scales: int | None,
@@ -259,24 +261,28 @@ class CpuKernels:
         self._argmax_rows(logits.data_ptr(), out.data_ptr(), rows, cols, torch.get_num_threads())
         return out
 
-    def amx_linear_supports(self, weight: torch.Tensor) -> bool:
-        """Whether the AMX kernels take this ``[N, K]`` weight (bf16 or int8, N % 16, K % 32)."""
+    def tiled_linear_supports(self, weight: torch.Tensor) -> bool:
+        """Whether the tiled linear kernel takes this ``[N, K]`` weight (N % 16, K % 32): bf16
+        with AMX or AVX-512 BF16, int8 with AMX only."""
         n, k = weight.shape
-        ok_dtype = weight.dtype in (torch.bfloat16, torch.int8)
-        return self.has_amx and ok_dtype and n % 16 == 0 and k % 32 == 0
+        if weight.dtype == torch.int8:
+            ok_dtype = self.has_amx
+        else:
+            ok_dtype = weight.dtype == torch.bfloat16 and self.linear_kind >= 1
+        return ok_dtype and n % 16 == 0 and k % 32 == 0
 
-    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``[N, K]`` bf16 or int8 weight -> the tile layout :meth:`amx_linear` streams (a flat
+    def tile_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` bf16 or int8 weight -> the tile layout :meth:`tiled_linear` streams (a flat
         copy of the same dtype)."""
         w = weight.detach().contiguous()
         packed = torch.empty(w.numel(), dtype=w.dtype)
         pack = self._pack_int8 if w.dtype == torch.int8 else self._pack
         rc = pack(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
         if rc != 0:
-            raise ValueError(f"cannot pack a {tuple(w.shape)} weight for AMX (code {rc})")
+            raise ValueError(f"cannot pack a {tuple(w.shape)} weight in tiles (code {rc})")
         return packed
 
-    def amx_linear(
+    def tiled_linear(
         self,
         x: torch.Tensor,
         packed: torch.Tensor,
@@ -285,7 +291,7 @@ class CpuKernels:
         scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``(x @ W^T) * scales + bias`` for ``x`` ``[M, K]`` contiguous bf16 and ``packed``
-        from :meth:`amx_pack` (bf16; or int8 with float32 ``scales`` ``[N]``, one per output
+        from :meth:`tile_pack` (bf16; or int8 with float32 ``scales`` ``[N]``, one per output
         channel); ``bias`` float32 ``[N]`` or None. Returns ``[M, N]`` bf16."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)

@@ -3,18 +3,20 @@
 ``F.linear`` on a bfloat16 CPU tensor re-lays out the weight for oneDNN's blocked kernels on every
 call. Two replacements for ``nn.Linear`` (and for the vocabulary projection) avoid that:
 
-- :class:`AmxLinear` (CPUs with AMX, where the C++ kernels build): the weight in AMX's tile
-  layout, multiplied by :func:`infer.runner.kernels.CpuKernels.amx_linear`, which streams each
-  weight from memory once per call. Decode is bound by reading weights: measured on a 2-core
-  Sapphire Rapids VM, the ~110M Llama's 49 projections take 8.1 ms at 1 row and 13.2 ms at 64
-  rows, against 10.3 and 16.0 ms with oneDNN's packed weights. A row's result does not depend
-  on the other rows of the batch, so a token gets the same bits whatever it is batched with.
+- :class:`TiledLinear` (CPUs with AMX or AVX-512 BF16, where the C++ kernels build): the
+  weight in AMX's tile layout, multiplied by :func:`infer.runner.kernels.CpuKernels.tiled_linear`
+  (AMX tiles, else ``VDPBF16PS`` on the same layout), which streams each weight from memory once
+  per call. Decode is bound by reading weights: measured on a 2-core Sapphire Rapids VM, the
+  ~110M Llama's 49 projections take 8.1 ms at 1 row and 13.2 ms at 64 rows, against 10.3 and
+  16.0 ms with oneDNN's packed weights (a 2-core Zen 5 VM without AMX: 0.02 vs 0.04 ms for the
+  768 x 2304 qkv at 1 row, 1.9 vs 5.8 ms at 512 rows). A row's result does not depend on the
+  other rows of the batch, so a token gets the same bits whatever it is batched with.
 - :class:`PackedLinear` (elsewhere): the weight pre-packed for oneDNN (``torch.ops.mkldnn``, what
   inductor uses for the same purpose): about half the time of ``F.linear``'s per-call reorder at
   decode sizes, the same kernel's results bit for bit.
 
 Neither applies to float32 models, other devices, or when ``INFER_PREPACK_WEIGHTS=0`` is set;
-``INFER_AMX_LINEAR=0`` keeps oneDNN where AMX would be used.
+``INFER_TILED_LINEAR=0`` keeps oneDNN where the tiled kernel would be used.
 """
 
 from __future__ import annotations
@@ -56,15 +58,16 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class AmxLinear(nn.Module):
-    """``y = x @ W^T + b`` by the AMX kernel; ``W`` in its tile layout, ``b`` kept in float32."""
+class TiledLinear(nn.Module):
+    """``y = x @ W^T + b`` by the tiled kernel (AMX, else AVX-512 BF16); ``W`` in its tile
+    layout, ``b`` kept in float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CpuKernels):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self._kernels = kernels
-        self.register_buffer("packed_weight", kernels.amx_pack(weight), persistent=False)
+        self.register_buffer("packed_weight", kernels.tile_pack(weight), persistent=False)
         fbias = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", fbias, persistent=False)
 
@@ -76,7 +79,7 @@ class AmxLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        y = self._kernels.amx_linear(flat, self.packed_weight, self.bias, self.out_features)
+        y = self._kernels.tiled_linear(flat, self.packed_weight, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -103,19 +106,19 @@ def _onednn_available() -> bool:
     )
 
 
-def amx_kernels() -> CpuKernels | None:
-    if os.environ.get("INFER_AMX_LINEAR", "1") == "0":
+def tiled_linear_kernels() -> CpuKernels | None:
+    if os.environ.get("INFER_TILED_LINEAR", "1") == "0":
         return None
     kernels = cpu_kernels()
-    return kernels if kernels is not None and kernels.has_amx else None
+    return kernels if kernels is not None and kernels.linear_kind >= 1 else None
 
 
 def _candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> list:
     """Packed modules to try for this weight, fastest first (each built on demand)."""
     out = []
-    kernels = amx_kernels()
-    if kernels is not None and kernels.amx_linear_supports(weight):
-        out.append(lambda: AmxLinear(weight, bias, kernels))
+    kernels = tiled_linear_kernels()
+    if kernels is not None and kernels.tiled_linear_supports(weight):
+        out.append(lambda: TiledLinear(weight, bias, kernels))
     if _onednn_available():
         out.append(lambda: PackedLinear(weight, bias))
     return out
@@ -162,7 +165,7 @@ def replace_linears(
 
 
 def count_kinds(modules: list[nn.Module], kind=lambda m: type(m).__name__) -> str:
-    """``"40 AmxLinear, 9 PackedLinear"``: a log line's summary of what was made."""
+    """``"40 TiledLinear, 9 PackedLinear"``: a log line's summary of what was made."""
     counts: dict[str, int] = {}
     for m in modules:
         counts[kind(m)] = counts.get(kind(m), 0) + 1
@@ -171,7 +174,7 @@ def count_kinds(modules: list[nn.Module], kind=lambda m: type(m).__name__) -> st
 
 @torch.inference_mode()
 def prepack_linears(model: nn.Module) -> int:
-    """Swap every bfloat16 CPU ``nn.Linear`` of ``model`` for an :class:`AmxLinear` or a
+    """Swap every bfloat16 CPU ``nn.Linear`` of ``model`` for an :class:`TiledLinear` or a
     :class:`PackedLinear`, and pack the vocabulary projection (``model.packed_logits``).
     Returns how many weights were packed."""
     checked: dict[type, bool] = {}  # module type -> its probe agreed with F.linear

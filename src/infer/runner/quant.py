@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.config import QUANTIZATIONS
-from infer.runner.prepack import amx_kernels, count_kinds, replace_linears
+from infer.runner.prepack import count_kinds, replace_linears, tiled_linear_kernels
 
 logger = logging.getLogger("infer.runner")
 
@@ -83,14 +83,14 @@ class Int8Linear(nn.Module):
         self.dtype = weight.dtype
         q, scale = quantize_int8(weight)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), False)
-        self._kernels = amx_kernels() if weight.device.type == "cpu" else None
+        self._kernels = tiled_linear_kernels() if weight.device.type == "cpu" else None
         if (
             self._kernels is not None
             and self.dtype == torch.bfloat16
-            and self._kernels.amx_linear_supports(q)
+            and self._kernels.tiled_linear_supports(q)
         ):
             self.mode = "amx"
-            self.register_buffer("q", self._kernels.amx_pack(q), False)
+            self.register_buffer("q", self._kernels.tile_pack(q), False)
             self.register_buffer("scale", scale.contiguous(), False)
             fbias = None if bias is None else bias.detach().float().contiguous()
             self.register_buffer("fbias", fbias, False)
@@ -123,7 +123,7 @@ class Int8Linear(nn.Module):
             return x.new_empty(*x.shape[:-1], self.out_features)
         if self.mode == "amx":
             assert self._kernels is not None
-            y = self._kernels.amx_linear(
+            y = self._kernels.tiled_linear(
                 flat.contiguous(), self.q, self.fbias, self.out_features, scales=self.scale
             )
         elif self.mode == "int8pack":

@@ -274,6 +274,98 @@ void amx_linear(const uint16_t* x, const W* packed, const float* col_scale, cons
 
 #endif  // INFER_HAVE_AMX
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define INFER_HAVE_AVX512_BF16 1
+
+// Without AMX (AMD Zen 4/5, Cooper Lake): the same packed tiles through VDPBF16PS, which
+// multiplies a broadcast bf16 pair of x by a tile row (16 outputs x one pair of K) and adds
+// into 16 float32 lanes. A block of MR rows x NB column blocks keeps MR * NB accumulators in
+// registers and walks K once; each weight row is loaded once per block and used MR times.
+//
+//   for kb, r:  w[j]   = tile (nb + j, kb) row r              (NB loads, 64 bytes each)
+//               x[i]   = broadcast x[m0 + i][kb*32 + 2r .. +1]
+//               acc[i][j] += x[i] . w[j]                      (pairwise, float32)
+//
+// Each row's sums run over K in the same order whatever the other rows are.
+template <int MR, int NB, bool kOutF32>
+inline void dp_block(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
+                     int64_t m0, int64_t K, int64_t N, int64_t nb) {
+  const int64_t kblocks = K / 32;
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint16_t* xr = x + m0 * K;
+  const uint16_t* wb = w + nb * kblocks * 512;
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const uint16_t* tile = wb + kb * 512;
+    for (int r = 0; r < 16; ++r) {
+      __m512bh wv[NB];
+      for (int j = 0; j < NB; ++j)
+        wv[j] = (__m512bh)_mm512_loadu_si512(tile + j * kblocks * 512 + r * 32);
+      const int64_t k = kb * 32 + 2 * r;
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xr + i * K + k, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t col = (nb + j) * 16;
+    const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m512 v = _mm512_add_ps(acc[i][j], b);
+      if (kOutF32)
+        _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * N + col, v);
+      else
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + (m0 + i) * N + col),
+            infer_simd::to_bf16x16(v));
+    }
+  }
+}
+
+template <int NB, bool kOutF32>
+inline void dp_rows(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
+                    int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t nb) {
+  switch (rows) {
+    case 1: dp_block<1, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
+    case 2: dp_block<2, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
+    case 3: dp_block<3, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
+    case 4: dp_block<4, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
+    case 5: dp_block<5, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
+    default: dp_block<6, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
+  }
+}
+
+// Threads split the column panels (4 blocks = 64 outputs); rows go in chunks that stay in L2,
+// 6 rows at a time, the panel's weights read from memory on the first pass, from cache after.
+template <bool kOutF32>
+void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
+               int64_t M, int64_t K, int64_t N, int num_threads) {
+  constexpr int64_t kChunkRows = 96, kRows = 6, kPanel = 4;
+  const int64_t nblocks = N / 16, npanels = (nblocks + kPanel - 1) / kPanel;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t p = 0; p < npanels; ++p) {
+    const int64_t nb = p * kPanel, nbs = nblocks - nb < kPanel ? nblocks - nb : kPanel;
+    for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
+      const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
+      for (int64_t m0 = c0; m0 < c1; m0 += kRows) {
+        const int64_t rows = c1 - m0 < kRows ? c1 - m0 : kRows;
+        switch (nbs) {
+          case 1: dp_rows<1, kOutF32>(x, packed, bias, y, m0, rows, K, N, nb); break;
+          case 2: dp_rows<2, kOutF32>(x, packed, bias, y, m0, rows, K, N, nb); break;
+          case 3: dp_rows<3, kOutF32>(x, packed, bias, y, m0, rows, K, N, nb); break;
+          default: dp_rows<4, kOutF32>(x, packed, bias, y, m0, rows, K, N, nb); break;
+        }
+      }
+    }
+  }
+}
+
+#endif  // INFER_HAVE_AVX512_BF16
+
 // W [N, K] row-major (bf16 or int8) -> the packed tile layout above. N % 16 == 0, K % 32 == 0.
 template <typename T>
 int pack_tiles(const T* weight, T* packed, int64_t N, int64_t K) {
@@ -304,31 +396,60 @@ int infer_amx_available() {
 #endif
 }
 
-int infer_amx_pack_weight(const uint16_t* weight, uint16_t* packed, int64_t N, int64_t K) {
+// Which kernel infer_tiled_linear runs here: 2 AMX, 1 AVX-512 BF16 (bf16 weights only), 0 none.
+int infer_packed_linear_kind() {
+#ifdef INFER_HAVE_AMX
+  if (amx_permitted()) return 2;
+#endif
+#ifdef INFER_HAVE_AVX512_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int infer_tile_pack_weight(const uint16_t* weight, uint16_t* packed, int64_t N, int64_t K) {
   return pack_tiles(weight, packed, N, K);
 }
 
-int infer_amx_pack_int8(const int8_t* weight, int8_t* packed, int64_t N, int64_t K) {
+int infer_tile_pack_int8(const int8_t* weight, int8_t* packed, int64_t N, int64_t K) {
   return pack_tiles(weight, packed, N, K);
 }
 
-// y = (x . W^T) * col_scale + bias. x [M, K] bf16; packed from infer_amx_pack_weight (bf16,
-// col_scale null) or infer_amx_pack_int8 (weight_bytes 1, col_scale float32 [N]); bias float32
+// y = (x . W^T) * col_scale + bias. x [M, K] bf16; packed from infer_tile_pack_weight (bf16,
+// col_scale null) or infer_tile_pack_int8 (weight_bytes 1, col_scale float32 [N]); bias float32
 // [N] or null; y [M, N] bf16 (out_f32 = 0) or float32 (out_f32 = 1).
-int infer_amx_linear(const uint16_t* x, const void* packed, int weight_bytes,
+int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
                      const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
                      int64_t N, int out_f32, int num_threads) {
 #ifdef INFER_HAVE_AMX
   if (N % 16 || K % 32 || M <= 0) return 1;
   if (weight_bytes != 2 && (weight_bytes != 1 || !col_scale)) return 1;
   if (weight_bytes == 2 && col_scale) return 1;  // column scales belong to int8 weights
-  if (!amx_permitted()) return 2;
+  if (!amx_permitted()) {
+#ifdef INFER_HAVE_AVX512_BF16
+    if (weight_bytes != 2) return 2;
+    const auto* w = static_cast<const uint16_t*>(packed);
+    if (out_f32) dp_linear<true>(x, w, bias, y, M, K, N, num_threads);
+    else dp_linear<false>(x, w, bias, y, M, K, N, num_threads);
+    return 0;
+#else
+    return 2;
+#endif
+  }
   const auto* w16 = static_cast<const uint16_t*>(packed);
   const auto* w8 = static_cast<const int8_t*>(packed);
   if (weight_bytes == 2 && out_f32) amx_linear<true>(x, w16, col_scale, bias, y, M, K, N, num_threads);
   else if (weight_bytes == 2) amx_linear<false>(x, w16, col_scale, bias, y, M, K, N, num_threads);
   else if (out_f32) amx_linear<true>(x, w8, col_scale, bias, y, M, K, N, num_threads);
   else amx_linear<false>(x, w8, col_scale, bias, y, M, K, N, num_threads);
+  return 0;
+#elif defined(INFER_HAVE_AVX512_BF16)
+  if (N % 16 || K % 32 || M <= 0 || col_scale) return 1;
+  if (weight_bytes != 2) return 2;  // int8 weights are widened in AMX tiles only
+  const auto* w = static_cast<const uint16_t*>(packed);
+  if (out_f32) dp_linear<true>(x, w, bias, y, M, K, N, num_threads);
+  else dp_linear<false>(x, w, bias, y, M, K, N, num_threads);
   return 0;
 #else
   (void)x; (void)packed; (void)weight_bytes; (void)col_scale; (void)bias; (void)y; (void)M;
