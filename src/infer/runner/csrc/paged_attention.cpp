@@ -147,6 +147,7 @@ inline __m512 sum16(const __m512* v) {
 // stream at every block; prefetching by hand (K: the next 16 keys, V: 16 rows ahead) measured
 // 15 -> 21 GB/s at 64 x 128 and 16 x 1024 tokens (12 heads x 64, bf16, 2 threads).
 constexpr int64_t kPrefetchRows = 16;
+constexpr int64_t kKeysAhead = 32;  // keys between a key row's prefetch and its use
 
 // 16 stored cache values -> 16 float32 (before their row's scale).
 template <int kKind, typename KvT>
@@ -261,16 +262,19 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
       // Scores, laid out [nq][n] (the padding past n is written over by the next head's row
       // or lies past the end), scaled.
       const __m512 vscale = _mm512_set1_ps(scale);
-      const int64_t row_bytes = (h1 - h0) * head_dim * static_cast<int64_t>(sizeof(KvT));
+      const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(KvT));
       for (int64_t j0 = 0; j0 < npad; j0 += 16) {
-        if (j0 + 16 < npad) {  // the next 16 keys' rows, while these are multiplied
-          for (int i = 0; i < 16; ++i) {
-            const char* r = reinterpret_cast<const char*>(krows[j0 + 16 + i]);
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
-          }
-        }
         for (int64_t h = 0; h < nq; ++h) {
           const int64_t off = (h / group) * head_dim;
+          // The rows of the keys kKeysAhead on, one kv head's part with each kv head's scores:
+          // a burst of every row at once (24 KiB) stalled on the CPU's miss buffers
+          // (measured 25 -> 20-22 ms for 12 layers x 16 sequences x 1024 keys on Zen 5).
+          if (h % group == 0 && j0 + kKeysAhead < npad) {
+            for (int64_t i = j0 + kKeysAhead; i < j0 + kKeysAhead + 16 && i < npad; ++i) {
+              const char* r = reinterpret_cast<const char*>(krows[i] + off);
+              for (int64_t o = 0; o < head_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+            }
+          }
           __m512 acc[16];
           for (int i = 0; i < 16; ++i) {
             const KvT* k = krows[j0 + i] + off;
