@@ -387,15 +387,6 @@ int pack_tiles(const T* weight, T* packed, int64_t N, int64_t K) {
 
 extern "C" {
 
-// 1 when this build and this process can run the AMX kernels.
-int infer_amx_available() {
-#ifdef INFER_HAVE_AMX
-  return amx_permitted() ? 1 : 0;
-#else
-  return 0;
-#endif
-}
-
 // Which kernel infer_tiled_linear runs here: 2 AMX, 1 AVX-512 BF16 (bf16 weights only), 0 none.
 int infer_packed_linear_kind() {
 #ifdef INFER_HAVE_AMX
@@ -420,42 +411,33 @@ int infer_tile_pack_int8(const int8_t* weight, int8_t* packed, int64_t N, int64_
 // col_scale null) or infer_tile_pack_int8 (weight_bytes 1, col_scale float32 [N]); bias float32
 // [N] or null; y [M, N] bf16 (out_f32 = 0) or float32 (out_f32 = 1).
 int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
-                     const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
-                     int64_t N, int out_f32, int num_threads) {
-#ifdef INFER_HAVE_AMX
+                       const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
+                       int64_t N, int out_f32, int num_threads) {
   if (N % 16 || K % 32 || M <= 0) return 1;
   if (weight_bytes != 2 && (weight_bytes != 1 || !col_scale)) return 1;
   if (weight_bytes == 2 && col_scale) return 1;  // column scales belong to int8 weights
-  if (!amx_permitted()) {
+  const int kind = infer_packed_linear_kind();
+#ifdef INFER_HAVE_AMX
+  if (kind == 2) {
+    const auto* w16 = static_cast<const uint16_t*>(packed);
+    const auto* w8 = static_cast<const int8_t*>(packed);
+    if (weight_bytes == 2 && out_f32) amx_linear<true>(x, w16, col_scale, bias, y, M, K, N, num_threads);
+    else if (weight_bytes == 2) amx_linear<false>(x, w16, col_scale, bias, y, M, K, N, num_threads);
+    else if (out_f32) amx_linear<true>(x, w8, col_scale, bias, y, M, K, N, num_threads);
+    else amx_linear<false>(x, w8, col_scale, bias, y, M, K, N, num_threads);
+    return 0;
+  }
+#endif
 #ifdef INFER_HAVE_AVX512_BF16
-    if (weight_bytes != 2) return 2;
+  if (kind == 1 && weight_bytes == 2) {  // int8 weights are widened in AMX tiles only
     const auto* w = static_cast<const uint16_t*>(packed);
     if (out_f32) dp_linear<true>(x, w, bias, y, M, K, N, num_threads);
     else dp_linear<false>(x, w, bias, y, M, K, N, num_threads);
     return 0;
-#else
-    return 2;
-#endif
   }
-  const auto* w16 = static_cast<const uint16_t*>(packed);
-  const auto* w8 = static_cast<const int8_t*>(packed);
-  if (weight_bytes == 2 && out_f32) amx_linear<true>(x, w16, col_scale, bias, y, M, K, N, num_threads);
-  else if (weight_bytes == 2) amx_linear<false>(x, w16, col_scale, bias, y, M, K, N, num_threads);
-  else if (out_f32) amx_linear<true>(x, w8, col_scale, bias, y, M, K, N, num_threads);
-  else amx_linear<false>(x, w8, col_scale, bias, y, M, K, N, num_threads);
-  return 0;
-#elif defined(INFER_HAVE_AVX512_BF16)
-  if (N % 16 || K % 32 || M <= 0 || col_scale) return 1;
-  if (weight_bytes != 2) return 2;  // int8 weights are widened in AMX tiles only
-  const auto* w = static_cast<const uint16_t*>(packed);
-  if (out_f32) dp_linear<true>(x, w, bias, y, M, K, N, num_threads);
-  else dp_linear<false>(x, w, bias, y, M, K, N, num_threads);
-  return 0;
-#else
-  (void)x; (void)packed; (void)weight_bytes; (void)col_scale; (void)bias; (void)y; (void)M;
-  (void)K; (void)N; (void)out_f32; (void)num_threads;
-  return 2;
 #endif
+  (void)x; (void)packed; (void)bias; (void)y; (void)out_f32; (void)num_threads; (void)kind;
+  return 2;
 }
 
 }  // extern "C"
