@@ -109,6 +109,16 @@ class ServerProcess:
             time.sleep(0.05)
         raise AssertionError(f"server did not go idle: {stats}")
 
+    def stream_and_kill(self, pid: int, body: dict) -> list[str]:
+        """Stream ``body`` from /completions, SIGKILL ``pid`` once the first event has arrived,
+        and return the ``data:`` payloads received up to the end of the stream."""
+        with httpx.stream("POST", self.base_url + "/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            os.kill(pid, signal.SIGKILL)
+            return [line[6:] for line in lines if line.startswith("data: ")]
+
     def terminate(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -4,9 +4,7 @@ engine process gives errors with a clear message and a server that exits non-zer
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 
 import httpx
 import openai
@@ -59,12 +57,7 @@ def test_killed_engine_fails_the_stream_and_the_server_exits_non_zero(
     try:
         pid = int(re.search(r"engine runs in process (\d+)", server.log()).group(1))
         body = {"prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass
-            os.kill(pid, signal.SIGKILL)
-            events = [line[6:] for line in lines if line.startswith("data: ")]
+        events = server.stream_and_kill(pid, body)
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert "engine process exited" in error["message"]

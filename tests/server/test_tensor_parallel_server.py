@@ -4,11 +4,8 @@ the text is the one-rank text, and a worker that dies ends the server with a cle
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 
-import httpx
 import openai
 import pytest
 from tests.server.conftest import ServerProcess
@@ -42,12 +39,7 @@ def test_two_ranks_serve_the_one_rank_text_until_a_worker_dies(
 
         worker = int(re.search(r"worker pids (\d+)", server.log()).group(1))
         body = {"prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass
-            os.kill(worker, signal.SIGKILL)
-            events = [line[6:] for line in lines if line.startswith("data: ")]
+        events = server.stream_and_kill(worker, body)
         assert events[-1] == "[DONE]"
         message = json.loads(events[-2])["error"]["message"]
         assert "tensor parallel worker rank 1 exited (code -9)" in message

@@ -27,6 +27,7 @@ from infer.cluster.policy import POLICIES
 from infer.cluster.replica import InferReplica, ReplicaSpec
 from infer.cluster.router import Router, RouterSpec
 from infer.config import EngineConfig
+from infer.server.cli import server_settings
 from infer.server.serving import ServerSettings
 
 logger = logging.getLogger("infer.cluster")
@@ -71,15 +72,7 @@ def cluster_spec(args: argparse.Namespace, config: EngineConfig, chat_template: 
 
     model_path = resolve_model_path(config.model.model)
     names = tuple(args.served_model_name or [config.model.model or "small"])
-    settings = ServerSettings(
-        served_model_names=names,
-        api_key=args.api_key or None,
-        max_request_bytes=args.max_request_bytes,
-        request_timeout=args.request_timeout,
-        chat_template=chat_template,
-        drain_timeout=args.drain_timeout,
-        dashboard=args.dashboard,
-    )
+    settings = server_settings(args, names, chat_template)
     torch_threads = args.torch_threads or max(1, int(replica_cpus))
     replica = ReplicaSpec(engine=config, settings=settings, engine_process=args.engine_process,
                           torch_threads=torch_threads, log_level=args.log_level)  # fmt: skip

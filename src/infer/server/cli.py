@@ -9,12 +9,15 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from infer.config import EngineConfig, parse_bytes
 from infer.engine.args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from infer.server.serving import ServerSettings
 
 logger = logging.getLogger("infer.server")
 
@@ -66,6 +69,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "more than this many requests in flight beyond the least-loaded one")  # fmt: skip
 
 
+def server_settings(
+    args: argparse.Namespace, names: tuple[str, ...], chat_template: str | None
+) -> ServerSettings:
+    """The HTTP front end's settings from the flags of :func:`add_server_args`."""
+    from infer.server.serving import ServerSettings  # not at import: `infer --help` stays fast
+
+    return ServerSettings(
+        served_model_names=names,
+        api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
+        request_timeout=args.request_timeout,
+        chat_template=chat_template,
+        drain_timeout=args.drain_timeout,
+        dashboard=args.dashboard,
+    )
+
+
 def register(subparsers) -> None:
     """Add ``infer serve`` to the ``infer`` command."""
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
@@ -110,7 +130,6 @@ def start_engine(config: EngineConfig, engine_process: bool, torch_threads: int 
 def serve(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level, args.access_log)
     from infer.server.app import build_app
-    from infer.server.serving import ServerSettings
 
     chat_template = None
     if args.chat_template is not None:
@@ -145,15 +164,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("the engine could not start: %s", e)
         return 1
     names = tuple(args.served_model_name or [engine.model_name])
-    settings = ServerSettings(
-        served_model_names=names,
-        api_key=args.api_key or None,
-        max_request_bytes=args.max_request_bytes,
-        request_timeout=args.request_timeout,
-        chat_template=chat_template,
-        drain_timeout=args.drain_timeout,
-        dashboard=args.dashboard,
-    )
+    settings = server_settings(args, names, chat_template)
     app = build_app(engine, settings)
     cap = engine.capacity
     sc = config.scheduler
