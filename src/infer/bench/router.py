@@ -32,6 +32,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from infer.bench.report import save_report
+
 POLICIES = ("prefix", "round-robin", "least-loaded")
 
 
@@ -280,9 +282,7 @@ def run(args: argparse.Namespace) -> int:
             _stop(proc)
     if args.overhead_requests > 0:
         results["overhead"] = overhead(model, args, blocks, out)
-    (out / "router.json").write_text(json.dumps(results, indent=2))
-    (out / "router.md").write_text(render(results))
-    print(render(results))
+    save_report(results, render(results), out, "router")
     return 0
 
 
