@@ -14,11 +14,12 @@ Writes ``tensor_parallel.md`` and ``.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
+
+from infer.bench.report import save_report
 
 ALL_REDUCE_ITERS = 300
 
@@ -74,10 +75,6 @@ def measure_all_reduce(hidden: int, rows: list[int]) -> dict[int, float]:
 def measure_throughput(args: argparse.Namespace, model: Path, size: int) -> dict:
     from infer import LLM, SamplingParams
 
-    rng = random.Random(0)
-    prompts = [
-        [rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.concurrency)
-    ]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     with LLM(
         str(model),
@@ -86,6 +83,12 @@ def measure_throughput(args: argparse.Namespace, model: Path, size: int) -> dict
         max_num_seqs=args.concurrency,
         max_model_len=args.input_len + args.output_len + 16,
     ) as llm:
+        vocab = min(llm.engine.spec.vocab_size, len(llm.tokenizer))
+        rng = random.Random(0)  # the same prompts at every size
+        prompts = [
+            [rng.randrange(min(100, vocab // 2), vocab) for _ in range(args.input_len)]
+            for _ in range(args.concurrency)
+        ]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
         rates, step_ms = [], []
         for _ in range(args.runs):
@@ -131,11 +134,7 @@ def run(args: argparse.Namespace) -> int:
         "all_reduce_us": all_reduce,
         "throughput": throughput,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tensor_parallel.json").write_text(json.dumps(result, indent=2))
-    (out / "tensor_parallel.md").write_text(render(result))
-    print(render(result))
+    save_report(result, render(result), args.out, "tensor_parallel")
     return 0
 
 
