@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from infer.kv_cache.sizing import check_kv_cache_dtype
 from infer.runner import kv_quant
-from infer.runner.kernels import cpu_kernels
+from infer.runner.kernels import PrefillChunks, cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -266,6 +266,17 @@ class AttentionContext:
             self._prefills.append(_PrefillSeq(start, start + n, past, context))
         self._all_decode = self._decode is not None and not self._prefills
         self._kernels = cpu_kernels() if self.device.type == "cpu" else None
+        # Prompt chunks for the C++ prefill kernel (CPU, AVX-512 BF16): one call per layer for
+        # every chunk of the step, reading K and V in place through the block tables.
+        self._chunks: PrefillChunks | None = None
+        if self._prefills and self._kernels is not None and self._kernels.has_prefill_attention:
+            pidx = np.nonzero(~is_decode)[0]
+            self._chunks = PrefillChunks(
+                q_starts=torch.from_numpy(starts[pidx].astype(np.int64)),
+                q_lens=torch.from_numpy(new_tokens[pidx].copy()),
+                pasts=torch.from_numpy(computed[pidx].copy()),
+                block_tables=torch.from_numpy(np.ascontiguousarray(tables[pidx])),
+            )
 
     @property
     def all_decode(self) -> bool:
@@ -354,10 +365,20 @@ class AttentionContext:
 
         if self._all_decode:
             return self._attend_decode(layer_idx, q, scale, sliding_window, gqa)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._decode is not None:
             rows = self._decode.rows
             out[rows] = self._attend_decode(layer_idx, q[rows], scale, sliding_window, gqa)
+        kernels = self._kernels
+        if (
+            self._chunks is not None
+            and kernels is not None
+            and kernels.can_prefill(q, self.kv_cache)
+        ):
+            kernels.prefill_attention(
+                q, out, self.kv_cache, layer_idx, self._chunks, scale, sliding_window
+            )
+            return out
         for pf in self._prefills:
             qs = q[pf.start : pf.end].transpose(0, 1)  # [H, n, D]
             if pf.slots is None:

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,6 +113,11 @@ class CpuKernels:
         )  # fmt: skip
         self._act_mul = bind("infer_act_mul", ptr, ptr, i64, i64, i32, i32)
         self._argmax_rows = bind("infer_argmax_rows", ptr, ptr, i64, i64, i32)
+        self._prefill = bind(
+            "infer_prefill_attention", ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
+            i64, i64, i64, i64, i64, i64, f32, i64, i32,
+        )  # fmt: skip
+        self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
 
     # ---- calls by address: the one place each C signature is spelled out. The tensor methods
     # below and runner/decode_fast.py (which passes addresses it computed once) both use them.
@@ -363,6 +369,78 @@ class CpuKernels:
             window or 0,
         )
         return out
+
+    def can_prefill(self, query: torch.Tensor, cache: KVCache) -> bool:
+        """Whether :meth:`prefill_attention` takes this query over ``cache``: AVX-512 BF16,
+        bf16 query and plain bf16 cache, ``head_dim`` a multiple of 32 up to 256."""
+        d = query.shape[-1]
+        return (
+            self.has_prefill_attention
+            and query.dtype == torch.bfloat16
+            and cache.kind is None
+            and cache.dtype == torch.bfloat16
+            and d % 32 == 0
+            and d <= 256
+        )
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        cache: KVCache,
+        layer_idx: int,
+        chunks: PrefillChunks,
+        scale: float,
+        window: int | None,
+    ) -> None:
+        """Causal attention of the prompt chunks' query rows to their paged contexts (their
+        own K and V already stored), written into those rows of ``out``.
+
+        Args:
+            query: ``[T, H, D]`` bf16 (rows may be strided, heads contiguous within a row).
+            out: ``[T, H, D]`` bf16, same layout rules; rows of other tokens are left alone.
+            chunks: which rows, at which positions, over which block tables.
+        """
+        t, h, d = query.shape
+        if query.stride(2) != 1 or query.stride(1) != d:
+            query = query.contiguous()
+        assert out.stride(2) == 1 and out.stride(1) == d
+        key_cache, value_cache = cache.layer(layer_idx)
+        rc = self._prefill(
+            query.data_ptr(),
+            query.stride(0),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            chunks.block_tables.data_ptr(),
+            chunks.q_starts.data_ptr(),
+            chunks.q_lens.data_ptr(),
+            chunks.pasts.data_ptr(),
+            chunks.q_starts.shape[0],
+            h,
+            key_cache.shape[1],
+            d,
+            cache.block_size,
+            chunks.block_tables.shape[1],
+            scale,
+            window or 0,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"prefill attention kernel rejected its inputs (code {rc})")
+
+
+@dataclass(frozen=True)
+class PrefillChunks:
+    """The prompt chunks of a step, for :meth:`CpuKernels.prefill_attention`: chunk ``i`` is
+    query rows ``q_starts[i] .. q_starts[i] + q_lens[i] - 1`` at positions ``pasts[i] ..``, over
+    the blocks of ``block_tables[i]``."""
+
+    q_starts: torch.Tensor  # [P] int64
+    q_lens: torch.Tensor  # [P] int64
+    pasts: torch.Tensor  # [P] int64
+    block_tables: torch.Tensor  # [P, max_blocks] int32, contiguous
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

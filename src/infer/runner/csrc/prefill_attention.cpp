@@ -1,0 +1,333 @@
+// Prefill attention over the paged KV cache, for CPUs with AVX-512 BF16 (Zen 4/5, Sapphire
+// Rapids and later): a prompt chunk of n tokens attends causally to its sequence's past and to
+// itself, read in place from the cache through the block table (this step's K and V are stored
+// before attention is called).
+//
+//   query  : [T, heads, head_dim] bf16 rows of the step (row stride q_stride elements)
+//   cache  : [num_slots, kv_heads, head_dim] bf16 (one layer), slot = table[p / bs] * bs + p % bs
+//   out    : [T, heads, head_dim] bf16 (row stride out_stride elements); only the prefill rows
+//            are written
+//
+// A work item is one (sequence, kv head). It packs the keys and values it can see once, in the
+// layouts VDPBF16PS multiplies from, then walks its queries in tiles of about 48 (query, head)
+// rows: all the group's query heads of a kv head share the packed keys and values (GQA).
+//
+//   keys   Kp[jb][p][16] : word p (the bf16 pair of dims 2p, 2p+1) of keys jb*16 .. jb*16+15
+//   values Vw[j2][d]     : the bf16 pair (v[2 j2][d], v[2 j2 + 1][d]), keys taken two by two
+//
+//   key column c of a tile = absolute key position base + c;  for a tile of queries [qa, qb):
+//
+//        c_start (16-aligned)                        c_end = past + qb - base
+//          |<---------------- scores S[rows][c] ------------->|
+//   row r: |  -inf | visible keys lo(pos) .. pos | -inf ......|    pos = past + qa + r / group
+//
+// Scores are float32 (scale applied after the dot products), the softmax is float32, and its
+// unnormalized probabilities are rounded to bf16 for the value products, as torch's CPU flash
+// attention does for bf16; each row is divided by its float32 sum at the end.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <omp.h>
+
+#include "simd.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INFER_HAVE_PREFILL_ATTENTION 1
+
+namespace {
+
+using infer_simd::exp16;
+
+constexpr int kRowsPerTile = 48;  // (query, head) rows per tile: scores stay in L2 up to ~4K keys
+
+inline int64_t slot_of(const int32_t* table, int64_t pos, int64_t block_size) {
+  return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+}
+
+// Keys [base, base + nk) of kv head kvh -> Kp (zero keys up to a multiple of 16).
+void pack_keys(const uint16_t* cache, const int32_t* table, int64_t block_size, int64_t slot_stride,
+               int64_t kvh, int64_t head_dim, int64_t base, int64_t nk, uint32_t* kp) {
+  const int64_t pairs = head_dim / 2, nkb = (nk + 15) / 16;
+  for (int64_t jb = 0; jb < nkb; ++jb) {
+    uint32_t* dst = kp + jb * pairs * 16;
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      const int64_t j = jb * 16 + jj;
+      if (j < nk) {
+        const uint16_t* row = cache + slot_of(table, base + j, block_size) * slot_stride + kvh * head_dim;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(row);
+        for (int64_t p = 0; p < pairs; ++p) dst[p * 16 + jj] = src[p];
+      } else {
+        for (int64_t p = 0; p < pairs; ++p) dst[p * 16 + jj] = 0;
+      }
+    }
+  }
+}
+
+// Values [base, base + nk) of kv head kvh -> Vw (a zero value pairs with an odd last key; pairs
+// up to a multiple of 8, so every 16-column chunk of probabilities has its 8 value pairs).
+void pack_values(const uint16_t* cache, const int32_t* table, int64_t block_size,
+                 int64_t slot_stride, int64_t kvh, int64_t head_dim, int64_t base, int64_t nk,
+                 uint32_t* vw) {
+  const int64_t npairs = (nk + 15) / 16 * 8;
+  for (int64_t j2 = 0; j2 < npairs; ++j2) {
+    uint32_t* dst = vw + j2 * head_dim;
+    const int64_t j0 = 2 * j2, j1 = 2 * j2 + 1;
+    if (j0 >= nk) {
+      std::memset(dst, 0, head_dim * 4);
+      continue;
+    }
+    const uint16_t* a = cache + slot_of(table, base + j0, block_size) * slot_stride + kvh * head_dim;
+    if (j1 < nk) {
+      const uint16_t* b = cache + slot_of(table, base + j1, block_size) * slot_stride + kvh * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 32) {  // interleave 32 dims of a and b
+        const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
+        const __m512i lo_idx = _mm512_set_epi16(
+            47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+        _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(va, lo_idx, vb));
+        _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
+      }
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = a[d];
+    }
+  }
+}
+
+// S[i][jb*16 ..] = q_i . k for MR rows and NB blocks of 16 keys, float32.
+template <int MR, int NB>
+inline void qk_block(const uint16_t* const* qrows, const uint32_t* kp, int64_t pairs, float* s,
+                     int64_t s_stride) {
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh kv[NB];
+    for (int j = 0; j < NB; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(kp + (j * pairs + p) * 16);
+    for (int i = 0; i < MR; ++i) {
+      uint32_t w;
+      std::memcpy(&w, qrows[i] + 2 * p, 4);
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv, kv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(s + i * s_stride + j * 16, acc[i][j]);
+}
+
+template <int NB>
+inline void qk_rows(int rows, const uint16_t* const* qrows, const uint32_t* kp, int64_t pairs,
+                    float* s, int64_t s_stride) {
+  switch (rows) {
+    case 1: qk_block<1, NB>(qrows, kp, pairs, s, s_stride); break;
+    case 2: qk_block<2, NB>(qrows, kp, pairs, s, s_stride); break;
+    case 3: qk_block<3, NB>(qrows, kp, pairs, s, s_stride); break;
+    case 4: qk_block<4, NB>(qrows, kp, pairs, s, s_stride); break;
+    case 5: qk_block<5, NB>(qrows, kp, pairs, s, s_stride); break;
+    default: qk_block<6, NB>(qrows, kp, pairs, s, s_stride); break;
+  }
+}
+
+// out_i[d0 ..] = inv_i * sum_j p_i[j] v_j for MR rows and NB blocks of 16 dims, over npairs key
+// pairs; rounded to bf16 into the rows' outputs.
+template <int MR, int NB>
+inline void pv_block(const uint16_t* pr, int64_t p_stride, const uint32_t* vw, int64_t head_dim,
+                     int64_t npairs, const float* inv, uint16_t* const* orows) {
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t j2 = 0; j2 < npairs; ++j2) {
+    __m512bh vv[NB];
+    for (int j = 0; j < NB; ++j) vv[j] = (__m512bh)_mm512_loadu_si512(vw + j2 * head_dim + j * 16);
+    for (int i = 0; i < MR; ++i) {
+      uint32_t w;
+      std::memcpy(&w, pr + i * p_stride + 2 * j2, 4);
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pv, vv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const __m512 s = _mm512_set1_ps(inv[i]);
+    for (int j = 0; j < NB; ++j) infer_simd::store_bf16x16(orows[i] + j * 16, _mm512_mul_ps(acc[i][j], s));
+  }
+}
+
+template <int NB>
+inline void pv_rows(int rows, const uint16_t* pr, int64_t p_stride, const uint32_t* vw,
+                    int64_t head_dim, int64_t npairs, const float* inv, uint16_t* const* orows) {
+  switch (rows) {
+    case 1: pv_block<1, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
+    case 2: pv_block<2, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
+    case 3: pv_block<3, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
+    case 4: pv_block<4, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
+    case 5: pv_block<5, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
+    default: pv_block<6, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
+  }
+}
+
+struct Buffers {
+  std::vector<uint32_t> kp, vw;
+  std::vector<float> s, inv;
+  std::vector<uint16_t> p;
+  std::vector<const uint16_t*> qrows;
+  std::vector<uint16_t*> orows;
+  std::vector<int64_t> lo, hi;  // per row: first and last visible key column
+};
+
+// One (sequence, kv head): queries [0, n) at positions past .. past + n - 1.
+void attend_item(const uint16_t* query, int64_t q_stride, const uint16_t* key_cache,
+                 const uint16_t* value_cache, uint16_t* out, int64_t out_stride,
+                 const int32_t* table, int64_t q_start, int64_t n, int64_t past, int64_t kvh,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                 float scale, int64_t window, Buffers& buf) {
+  const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  auto first_key = [&](int64_t pos) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; };
+  const int64_t base = first_key(past) / 16 * 16;  // every column index is relative to base
+  const int64_t nk = past + n - base;
+  const int64_t nk16 = (nk + 15) / 16 * 16;
+  buf.kp.resize(nk16 * pairs);
+  buf.vw.resize(nk16 / 2 * head_dim);
+  pack_keys(key_cache, table, block_size, slot_stride, kvh, head_dim, base, nk, buf.kp.data());
+  pack_values(value_cache, table, block_size, slot_stride, kvh, head_dim, base, nk, buf.vw.data());
+
+  const int64_t tile_queries = kRowsPerTile / group > 0 ? kRowsPerTile / group : 1;
+  for (int64_t qa = 0; qa < n; qa += tile_queries) {
+    const int64_t qb = qa + tile_queries < n ? qa + tile_queries : n;
+    const int64_t rows = (qb - qa) * group;
+    const int64_t c_start = (first_key(past + qa) - base) / 16 * 16;
+    const int64_t c_end = past + qb - base;
+    const int64_t ncols = (c_end - c_start + 15) / 16 * 16;
+    buf.s.resize(rows * ncols);
+    buf.p.resize(rows * ncols);
+    buf.inv.resize(rows);
+    buf.qrows.resize(rows);
+    buf.orows.resize(rows);
+    buf.lo.resize(rows);
+    buf.hi.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t qi = qa + r / group, h = kvh * group + r % group;
+      buf.qrows[r] = query + (q_start + qi) * q_stride + h * head_dim;
+      buf.orows[r] = out + (q_start + qi) * out_stride + h * head_dim;
+      buf.lo[r] = first_key(past + qi) - base - c_start;
+      buf.hi[r] = past + qi - base - c_start;  // inclusive
+    }
+    // Scores, 6 rows x 64 keys at a time.
+    const uint32_t* kp0 = buf.kp.data() + c_start / 16 * pairs * 16;
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+      const int mr = static_cast<int>(rows - r0 < 6 ? rows - r0 : 6);
+      for (int64_t c = 0; c < ncols; c += 64) {
+        const int nb = static_cast<int>((ncols - c) / 16 < 4 ? (ncols - c) / 16 : 4);
+        const uint32_t* kp = kp0 + c / 16 * pairs * 16;
+        float* s = buf.s.data() + r0 * ncols + c;
+        const uint16_t* const* q = buf.qrows.data() + r0;
+        switch (nb) {
+          case 1: qk_rows<1>(mr, q, kp, pairs, s, ncols); break;
+          case 2: qk_rows<2>(mr, q, kp, pairs, s, ncols); break;
+          case 3: qk_rows<3>(mr, q, kp, pairs, s, ncols); break;
+          default: qk_rows<4>(mr, q, kp, pairs, s, ncols); break;
+        }
+      }
+    }
+    // Softmax rows: visible columns [lo, hi]; everything else becomes probability 0.
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = buf.s.data() + r * ncols;
+      uint16_t* p = buf.p.data() + r * ncols;
+      const __m512i lo = _mm512_set1_epi32(static_cast<int>(buf.lo[r]));
+      const __m512i hi = _mm512_set1_epi32(static_cast<int>(buf.hi[r]));
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < ncols; c += 16) {
+        const __m512i col = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(c)));
+        const __mmask16 ok = _mm512_cmpge_epi32_mask(col, lo) & _mm512_cmple_epi32_mask(col, hi);
+        const __m512 v = _mm512_maskz_mul_ps(ok, _mm512_loadu_ps(s + c), vscale);
+        _mm512_storeu_ps(s + c, v);
+        vmax = _mm512_mask_max_ps(vmax, ok, vmax, v);
+      }
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < ncols; c += 16) {
+        const __m512i col = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(c)));
+        const __mmask16 ok = _mm512_cmpge_epi32_mask(col, lo) & _mm512_cmple_epi32_mask(col, hi);
+        const __m512 e = _mm512_maskz_mov_ps(ok, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m)));
+        vsum = _mm512_add_ps(vsum, e);
+        infer_simd::store_bf16x16(p + c, e);
+      }
+      const float sum = _mm512_reduce_add_ps(vsum);
+      buf.inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+    }
+    // Values, 6 rows x 64 dims at a time, over the tile's key pairs.
+    const uint32_t* vw0 = buf.vw.data() + c_start / 2 * head_dim;
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+      const int mr = static_cast<int>(rows - r0 < 6 ? rows - r0 : 6);
+      for (int64_t d = 0; d < head_dim; d += 64) {
+        const int nb = static_cast<int>((head_dim - d) / 16 < 4 ? (head_dim - d) / 16 : 4);
+        uint16_t* orows[6];
+        for (int i = 0; i < mr; ++i) orows[i] = buf.orows[r0 + i] + d;
+        const uint16_t* pr = buf.p.data() + r0 * ncols;
+        const float* inv = buf.inv.data() + r0;
+        switch (nb) {
+          case 1: pv_rows<1>(mr, pr, ncols, vw0 + d, head_dim, ncols / 2, inv, orows); break;
+          case 2: pv_rows<2>(mr, pr, ncols, vw0 + d, head_dim, ncols / 2, inv, orows); break;
+          case 3: pv_rows<3>(mr, pr, ncols, vw0 + d, head_dim, ncols / 2, inv, orows); break;
+          default: pv_rows<4>(mr, pr, ncols, vw0 + d, head_dim, ncols / 2, inv, orows); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// Whether infer_prefill_attention runs on this CPU (AVX-512 BF16).
+int infer_prefill_attention_available() {
+#ifdef INFER_HAVE_PREFILL_ATTENTION
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Prefill attention of num_seqs prompt chunks (bf16 query, cache and out; head_dim a multiple
+// of 32, at most 256). Chunk i: query rows q_starts[i] .. q_starts[i] + q_lens[i] - 1 at
+// positions pasts[i] .. , its block table row block_tables[i * max_blocks ..]. window > 0: a
+// query at position p sees keys p - window < j <= p.
+int infer_prefill_attention(const uint16_t* query, int64_t q_stride, const uint16_t* key_cache,
+                            const uint16_t* value_cache, uint16_t* out, int64_t out_stride,
+                            const int32_t* block_tables, const int64_t* q_starts,
+                            const int64_t* q_lens, const int64_t* pasts, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                            int num_threads) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+  if (head_dim % 32 != 0 || head_dim > 256) return 2;
+#ifdef INFER_HAVE_PREFILL_ATTENTION
+  const int64_t items = num_seqs * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+  {
+    Buffers buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = item / num_kv_heads, kvh = item % num_kv_heads;
+      if (q_lens[i] <= 0) continue;
+      attend_item(query, q_stride, key_cache, value_cache, out, out_stride,
+                  block_tables + i * max_blocks, q_starts[i], q_lens[i], pasts[i], kvh,
+                  num_heads, num_kv_heads, head_dim, block_size, scale, window, buf);
+    }
+  }
+  return 0;
+#else
+  (void)query; (void)q_stride; (void)key_cache; (void)value_cache; (void)out; (void)out_stride;
+  (void)block_tables; (void)q_starts; (void)q_lens; (void)pasts; (void)num_seqs;
+  (void)block_size; (void)max_blocks; (void)scale; (void)window; (void)num_threads;
+  return 3;
+#endif
+}
+
+}  // extern "C"
