@@ -339,14 +339,17 @@ inline void dp_rows(const uint16_t* x, const uint16_t* w, const float* bias, voi
   }
 }
 
-// Threads split the column panels (4 blocks = 64 outputs); rows go in chunks that stay in L2,
-// 6 rows at a time, the panel's weights read from memory on the first pass, from cache after.
+// Threads take the column panels (4 blocks = 64 outputs) one at a time, first come first
+// served: when a thread loses its core for a while (the HTTP process and the client share this
+// machine's cores with the engine), the others take its remaining panels instead of waiting for
+// it at the end of the call. Rows go in chunks that stay in L2, 6 rows at a time, the panel's
+// weights read from memory on the first pass, from cache after.
 template <bool kOutF32>
 void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
                int64_t M, int64_t K, int64_t N, int num_threads) {
   constexpr int64_t kChunkRows = 96, kRows = 6, kPanel = 4;
   const int64_t nblocks = N / 16, npanels = (nblocks + kPanel - 1) / kPanel;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
   for (int64_t p = 0; p < npanels; ++p) {
     const int64_t nb = p * kPanel, nbs = nblocks - nb < kPanel ? nblocks - nb : kPanel;
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
