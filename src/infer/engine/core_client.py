@@ -19,6 +19,7 @@ reader thread sees the pipe close and reports ``EngineStopped(error=...)``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import queue
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from infer.config import EngineConfig
+from infer.core.outputs import RequestOutput
 from infer.engine.core_loop import EngineStopped, Stop, run_engine_loop
 
 logger = logging.getLogger("infer.engine")
@@ -116,14 +118,30 @@ def _child(conn, config: EngineConfig, log_level: int, torch_threads: int | None
             items.append(Stop())
         return items
 
+    def emit(replies: list) -> None:
+        conn.send(thin_for_pipe(replies))
+
     try:
-        run_engine_loop(engine, next_commands, conn.send)
+        run_engine_loop(engine, next_commands, emit)
     except BaseException as e:  # noqa: BLE001 - say why before the pipe closes
         with contextlib.suppress(OSError):
             conn.send([EngineStopped(error=f"the engine died: {e}")])
         raise
     finally:
         engine.close()
+
+
+def thin_for_pipe(replies: list) -> list:
+    """The replies as they cross the pipe: an unfinished request's output carries its timings
+    without ``token_times``, which only the final output needs (the server's ITL histogram);
+    sent whole every step, they made each step's message grow with every request's length
+    (64 streams of 2,000 tokens: ~1 MB pickled and unpickled per step)."""
+    thinned = []
+    for r in replies:
+        if isinstance(r, RequestOutput) and not r.finished and r.timings and r.timings.token_times:
+            r = dataclasses.replace(r, timings=dataclasses.replace(r.timings, token_times=[]))
+        thinned.append(r)
+    return thinned
 
 
 def _exit_with_parent() -> None:
