@@ -40,7 +40,8 @@ namespace {
 
 using infer_simd::exp16;
 
-constexpr int kRowsPerTile = 48;  // (query, head) rows per tile: scores stay in L2 up to ~4K keys
+constexpr int kRowsPerTile = 48;
+constexpr int64_t kValueChunkBytes = 16384;  // value pairs per pass: 16 KiB of them  // (query, head) rows per tile: scores stay in L2 up to ~4K keys
 
 inline int64_t slot_of(const int32_t* table, int64_t pos, int64_t block_size) {
   return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
@@ -99,7 +100,7 @@ void pack_values(const uint16_t* cache, const int32_t* table, int64_t block_size
 // S[i][jb*16 ..] = q_i . k for MR rows and NB blocks of 16 keys, float32.
 template <int MR, int NB>
 inline void qk_block(const uint16_t* const* qrows, const uint32_t* kp, int64_t pairs, float* s,
-                     int64_t s_stride) {
+                     int64_t s_stride, __m512 scale) {
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -114,30 +115,31 @@ inline void qk_block(const uint16_t* const* qrows, const uint32_t* kp, int64_t p
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(s + i * s_stride + j * 16, acc[i][j]);
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(s + i * s_stride + j * 16, _mm512_mul_ps(acc[i][j], scale));
 }
 
 template <int NB>
 inline void qk_rows(int rows, const uint16_t* const* qrows, const uint32_t* kp, int64_t pairs,
-                    float* s, int64_t s_stride) {
+                    float* s, int64_t s_stride, __m512 scale) {
   switch (rows) {
-    case 1: qk_block<1, NB>(qrows, kp, pairs, s, s_stride); break;
-    case 2: qk_block<2, NB>(qrows, kp, pairs, s, s_stride); break;
-    case 3: qk_block<3, NB>(qrows, kp, pairs, s, s_stride); break;
-    case 4: qk_block<4, NB>(qrows, kp, pairs, s, s_stride); break;
-    case 5: qk_block<5, NB>(qrows, kp, pairs, s, s_stride); break;
-    default: qk_block<6, NB>(qrows, kp, pairs, s, s_stride); break;
+    case 1: qk_block<1, NB>(qrows, kp, pairs, s, s_stride, scale); break;
+    case 2: qk_block<2, NB>(qrows, kp, pairs, s, s_stride, scale); break;
+    case 3: qk_block<3, NB>(qrows, kp, pairs, s, s_stride, scale); break;
+    case 4: qk_block<4, NB>(qrows, kp, pairs, s, s_stride, scale); break;
+    case 5: qk_block<5, NB>(qrows, kp, pairs, s, s_stride, scale); break;
+    default: qk_block<6, NB>(qrows, kp, pairs, s, s_stride, scale); break;
   }
 }
 
-// out_i[d0 ..] = inv_i * sum_j p_i[j] v_j for MR rows and NB blocks of 16 dims, over npairs key
-// pairs; rounded to bf16 into the rows' outputs.
+// acc_i[d0 ..] (+)= sum_j p_i[j] v_j for MR rows and NB blocks of 16 dims, over npairs key
+// pairs; float32 sums kept in acc (row i at acc + i * head_dim), started from zero if first.
 template <int MR, int NB>
 inline void pv_block(const uint16_t* pr, int64_t p_stride, const uint32_t* vw, int64_t head_dim,
-                     int64_t npairs, const float* inv, uint16_t* const* orows) {
+                     int64_t npairs, bool first, float* acc_rows) {
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j)
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_rows + i * head_dim + j * 16);
   for (int64_t j2 = 0; j2 < npairs; ++j2) {
     __m512bh vv[NB];
     for (int j = 0; j < NB; ++j) vv[j] = (__m512bh)_mm512_loadu_si512(vw + j2 * head_dim + j * 16);
@@ -148,28 +150,26 @@ inline void pv_block(const uint16_t* pr, int64_t p_stride, const uint32_t* vw, i
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pv, vv[j]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    const __m512 s = _mm512_set1_ps(inv[i]);
-    for (int j = 0; j < NB; ++j) infer_simd::store_bf16x16(orows[i] + j * 16, _mm512_mul_ps(acc[i][j], s));
-  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_rows + i * head_dim + j * 16, acc[i][j]);
 }
 
 template <int NB>
 inline void pv_rows(int rows, const uint16_t* pr, int64_t p_stride, const uint32_t* vw,
-                    int64_t head_dim, int64_t npairs, const float* inv, uint16_t* const* orows) {
+                    int64_t head_dim, int64_t npairs, bool first, float* acc) {
   switch (rows) {
-    case 1: pv_block<1, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
-    case 2: pv_block<2, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
-    case 3: pv_block<3, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
-    case 4: pv_block<4, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
-    case 5: pv_block<5, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
-    default: pv_block<6, NB>(pr, p_stride, vw, head_dim, npairs, inv, orows); break;
+    case 1: pv_block<1, NB>(pr, p_stride, vw, head_dim, npairs, first, acc); break;
+    case 2: pv_block<2, NB>(pr, p_stride, vw, head_dim, npairs, first, acc); break;
+    case 3: pv_block<3, NB>(pr, p_stride, vw, head_dim, npairs, first, acc); break;
+    case 4: pv_block<4, NB>(pr, p_stride, vw, head_dim, npairs, first, acc); break;
+    case 5: pv_block<5, NB>(pr, p_stride, vw, head_dim, npairs, first, acc); break;
+    default: pv_block<6, NB>(pr, p_stride, vw, head_dim, npairs, first, acc); break;
   }
 }
 
 struct Buffers {
   std::vector<uint32_t> kp, vw;
-  std::vector<float> s, inv;
+  std::vector<float> s, inv, o;
   std::vector<uint16_t> p;
   std::vector<const uint16_t*> qrows;
   std::vector<uint16_t*> orows;
@@ -214,68 +214,85 @@ void attend_item(const uint16_t* query, int64_t q_stride, const uint16_t* key_ca
       buf.lo[r] = first_key(past + qi) - base - c_start;
       buf.hi[r] = past + qi - base - c_start;  // inclusive
     }
-    // Scores, 6 rows x 64 keys at a time.
+    // Scores, scaled: a block of 64 keys (in L1) against every row, 6 rows at a time.
+    const __m512 vscale = _mm512_set1_ps(scale);
     const uint32_t* kp0 = buf.kp.data() + c_start / 16 * pairs * 16;
-    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-      const int mr = static_cast<int>(rows - r0 < 6 ? rows - r0 : 6);
-      for (int64_t c = 0; c < ncols; c += 64) {
-        const int nb = static_cast<int>((ncols - c) / 16 < 4 ? (ncols - c) / 16 : 4);
-        const uint32_t* kp = kp0 + c / 16 * pairs * 16;
+    for (int64_t c = 0; c < ncols; c += 64) {
+      const int nb = static_cast<int>((ncols - c) / 16 < 4 ? (ncols - c) / 16 : 4);
+      const uint32_t* kp = kp0 + c / 16 * pairs * 16;
+      for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+        const int mr = static_cast<int>(rows - r0 < 6 ? rows - r0 : 6);
         float* s = buf.s.data() + r0 * ncols + c;
         const uint16_t* const* q = buf.qrows.data() + r0;
         switch (nb) {
-          case 1: qk_rows<1>(mr, q, kp, pairs, s, ncols); break;
-          case 2: qk_rows<2>(mr, q, kp, pairs, s, ncols); break;
-          case 3: qk_rows<3>(mr, q, kp, pairs, s, ncols); break;
-          default: qk_rows<4>(mr, q, kp, pairs, s, ncols); break;
+          case 1: qk_rows<1>(mr, q, kp, pairs, s, ncols, vscale); break;
+          case 2: qk_rows<2>(mr, q, kp, pairs, s, ncols, vscale); break;
+          case 3: qk_rows<3>(mr, q, kp, pairs, s, ncols, vscale); break;
+          default: qk_rows<4>(mr, q, kp, pairs, s, ncols, vscale); break;
         }
       }
     }
-    // Softmax rows: visible columns [lo, hi]; everything else becomes probability 0.
+    // Softmax rows: visible columns [lo, hi]; everything else becomes probability 0. Only the
+    // 16-column chunks that straddle lo or hi need a mask.
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t r = 0; r < rows; ++r) {
       float* s = buf.s.data() + r * ncols;
       uint16_t* p = buf.p.data() + r * ncols;
-      const __m512i lo = _mm512_set1_epi32(static_cast<int>(buf.lo[r]));
-      const __m512i hi = _mm512_set1_epi32(static_cast<int>(buf.hi[r]));
-      __m512 vmax = _mm512_set1_ps(-INFINITY);
-      for (int64_t c = 0; c < ncols; c += 16) {
+      const int64_t lo = buf.lo[r], hi = buf.hi[r];
+      const int64_t c_lo = lo / 16 * 16, c_hi = hi / 16 * 16;  // first and last chunk used
+      auto mask_of = [&](int64_t c) -> __mmask16 {
         const __m512i col = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(c)));
-        const __mmask16 ok = _mm512_cmpge_epi32_mask(col, lo) & _mm512_cmple_epi32_mask(col, hi);
-        const __m512 v = _mm512_maskz_mul_ps(ok, _mm512_loadu_ps(s + c), vscale);
-        _mm512_storeu_ps(s + c, v);
-        vmax = _mm512_mask_max_ps(vmax, ok, vmax, v);
+        return _mm512_cmpge_epi32_mask(col, _mm512_set1_epi32(static_cast<int>(lo))) &
+               _mm512_cmple_epi32_mask(col, _mm512_set1_epi32(static_cast<int>(hi)));
+      };
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = c_lo; c <= c_hi; c += 16) {
+        const __mmask16 ok = (c == c_lo || c == c_hi) ? mask_of(c) : 0xffff;
+        vmax = _mm512_mask_max_ps(vmax, ok, vmax, _mm512_loadu_ps(s + c));
       }
       const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
       __m512 vsum = _mm512_setzero_ps();
-      for (int64_t c = 0; c < ncols; c += 16) {
-        const __m512i col = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(c)));
-        const __mmask16 ok = _mm512_cmpge_epi32_mask(col, lo) & _mm512_cmple_epi32_mask(col, hi);
-        const __m512 e = _mm512_maskz_mov_ps(ok, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m)));
+      for (int64_t c = 0; c < c_lo; c += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), _mm256_setzero_si256());
+      for (int64_t c = c_lo; c <= c_hi; c += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m));
+        if (c == c_lo || c == c_hi) e = _mm512_maskz_mov_ps(mask_of(c), e);
         vsum = _mm512_add_ps(vsum, e);
-        infer_simd::store_bf16x16(p + c, e);
+        // Values in [0, 1], never NaN or denormal (exp16 stops at e^-87): the BF16 instruction
+        // rounds them to nearest even like the integer path.
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), (__m256i)_mm512_cvtneps_pbh(e));
       }
+      for (int64_t c = c_hi + 16; c < ncols; c += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), _mm256_setzero_si256());
       const float sum = _mm512_reduce_add_ps(vsum);
       buf.inv[r] = sum > 0.f ? 1.f / sum : 0.f;
     }
-    // Values, 6 rows x 64 dims at a time, over the tile's key pairs.
+    // Values: 16 KiB of value pairs at a time (in L1) into every row's float32 sums.
     const uint32_t* vw0 = buf.vw.data() + c_start / 2 * head_dim;
-    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-      const int mr = static_cast<int>(rows - r0 < 6 ? rows - r0 : 6);
-      for (int64_t d = 0; d < head_dim; d += 64) {
-        const int nb = static_cast<int>((head_dim - d) / 16 < 4 ? (head_dim - d) / 16 : 4);
-        uint16_t* orows[6];
-        for (int i = 0; i < mr; ++i) orows[i] = buf.orows[r0 + i] + d;
-        const uint16_t* pr = buf.p.data() + r0 * ncols;
-        const float* inv = buf.inv.data() + r0;
-        switch (nb) {
-          case 1: pv_rows<1>(mr, pr, ncols, vw0 + d, head_dim, ncols / 2, inv, orows); break;
-          case 2: pv_rows<2>(mr, pr, ncols, vw0 + d, head_dim, ncols / 2, inv, orows); break;
-          case 3: pv_rows<3>(mr, pr, ncols, vw0 + d, head_dim, ncols / 2, inv, orows); break;
-          default: pv_rows<4>(mr, pr, ncols, vw0 + d, head_dim, ncols / 2, inv, orows); break;
+    const int64_t npairs = ncols / 2;
+    const int64_t chunk = kValueChunkBytes / (head_dim * 4);
+    buf.o.resize(rows * head_dim);
+    for (int64_t j0 = 0; j0 < npairs; j0 += chunk) {
+      const int64_t nj = npairs - j0 < chunk ? npairs - j0 : chunk;
+      for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+        const int mr = static_cast<int>(rows - r0 < 6 ? rows - r0 : 6);
+        const uint16_t* pr = buf.p.data() + r0 * ncols + 2 * j0;
+        for (int64_t d = 0; d < head_dim; d += 64) {
+          const int nb = static_cast<int>((head_dim - d) / 16 < 4 ? (head_dim - d) / 16 : 4);
+          const uint32_t* vw = vw0 + j0 * head_dim + d;
+          float* acc = buf.o.data() + r0 * head_dim + d;
+          switch (nb) {
+            case 1: pv_rows<1>(mr, pr, ncols, vw, head_dim, nj, j0 == 0, acc); break;
+            case 2: pv_rows<2>(mr, pr, ncols, vw, head_dim, nj, j0 == 0, acc); break;
+            case 3: pv_rows<3>(mr, pr, ncols, vw, head_dim, nj, j0 == 0, acc); break;
+            default: pv_rows<4>(mr, pr, ncols, vw, head_dim, nj, j0 == 0, acc); break;
+          }
         }
       }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 inv = _mm512_set1_ps(buf.inv[r]);
+      for (int64_t d = 0; d < head_dim; d += 16)
+        infer_simd::store_bf16x16(buf.orows[r] + d,
+                                  _mm512_mul_ps(_mm512_loadu_ps(buf.o.data() + r * head_dim + d), inv));
     }
   }
 }
