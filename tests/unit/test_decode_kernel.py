@@ -8,6 +8,8 @@ import torch
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.kernels import cpu_kernels
 
+from ._kernel_helpers import count_calls, shuffled_block_tables
+
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler for the CPU kernels")
 
@@ -38,16 +40,7 @@ def test_kernel_matches_direct_attention(dtype, tol, heads, kv_heads, head_dim, 
     lens = [1, 5, 17, 33, 7]
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    # Shuffled, non-overlapping block tables of different lengths.
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in lens:
-        need = -(-n // block_size)
-        tables.append(perm[used : used + need])
-        used += need
-    padded = torch.zeros(len(lens), max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = torch.tensor(t)
+    tables, padded = shuffled_block_tables(gen, lens, block_size, num_blocks)
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
 
@@ -76,14 +69,7 @@ def test_attention_context_uses_kernel_and_agrees_with_torch_path(monkeypatch):
     k = torch.randn(3, 2, 16, generator=gen)
     v = torch.randn(3, 2, 16, generator=gen)
 
-    calls = []
-    original = type(kernels).decode_attention
-
-    def spy(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(kernels), "decode_attention", spy)
+    calls = count_calls(monkeypatch, type(kernels), "decode_attention")
     with_kernel = AttentionContext(cache, seqs, "cpu").attend(0, q, k, v, scale=0.25)
     ctx = AttentionContext(cache, seqs, "cpu")
     ctx._kernels = None

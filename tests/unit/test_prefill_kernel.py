@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.kernels import PrefillChunks, cpu_kernels
 
+from ._kernel_helpers import count_calls, shuffled_block_tables
+
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(
     kernels is None or not kernels.has_prefill_attention,
@@ -20,20 +22,6 @@ def _paged_cache(gen, kv_heads, head_dim, block_size, num_blocks):
     cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, "cpu")
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=gen))
     return cache
-
-
-def _tables(gen, lens, block_size, num_blocks):
-    """Shuffled, non-overlapping block tables, padded with zeros to one width."""
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in lens:
-        need = -(-n // block_size)
-        tables.append(perm[used : used + need])
-        used += need
-    padded = torch.zeros(len(lens), max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = torch.tensor(t)
-    return tables, padded
 
 
 def _reference(q, cache, table, past, n, scale, window):
@@ -66,7 +54,9 @@ def test_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, window):
     chunks = [(100, 0), (33, 70), (1, 5), (64, 300), (7, 0)]  # (n, past)
     num_blocks = sum(-(-(n + past) // block_size) for n, past in chunks) + 3
     cache = _paged_cache(gen, kv_heads, head_dim, block_size, num_blocks)
-    tables, padded = _tables(gen, [n + past for n, past in chunks], block_size, num_blocks)
+    tables, padded = shuffled_block_tables(
+        gen, [n + past for n, past in chunks], block_size, num_blocks
+    )
     total = sum(n for n, _ in chunks)
     # The query as a strided view of a fused projection, as the model hands it over.
     qkv = torch.randn(total, heads + 2 * kv_heads, head_dim, generator=gen).to(torch.bfloat16)
@@ -103,17 +93,38 @@ def test_attention_context_uses_kernel_and_agrees_with_sdpa_path(monkeypatch):
     k = torch.randn(15, 2, 64, generator=gen).to(torch.bfloat16)
     v = torch.randn(15, 2, 64, generator=gen).to(torch.bfloat16)
 
-    calls = []
-    original = type(kernels).prefill_attention
-
-    def spy(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(kernels), "prefill_attention", spy)
+    calls = count_calls(monkeypatch, type(kernels), "prefill_attention")
     with_kernel = AttentionContext(cache, seqs, "cpu").attend(0, q, k, v, scale=0.125)
     ctx = AttentionContext(cache, seqs, "cpu")
     ctx._chunks = None
     with_sdpa = ctx.attend(0, q, k, v, scale=0.125)
     assert calls == [1]
+    torch.testing.assert_close(with_kernel.float(), with_sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_cache_matches_the_dequantizing_sdpa_path(kv_dtype):
+    """An int8 / fp8 cache is read as value * scale rounded to bf16, as KVCache.gather gives
+    the SDPA path: the kernel and that path agree on a mixed step."""
+    gen = torch.Generator().manual_seed(2)
+    cache = KVCache(1, 40, 4, 2, 64, torch.bfloat16, "cpu", kv_dtype=kv_dtype)
+    seqs = [
+        SequenceSlice(0, 23, [5, 10, 11, 3, 7, 20]),  # fresh prompt
+        SequenceSlice(9, 6, [1, 2, 8, 0]),  # a later chunk over stored keys
+        SequenceSlice(6, 1, [30, 31]),  # decode
+    ]
+    t = sum(s.num_new_tokens for s in seqs)
+    q = torch.randn(t, 4, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(t, 2, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(t, 2, 64, generator=gen).to(torch.bfloat16)
+    # Past tokens of the later chunk and the decode: store some keys first.
+    past = torch.randn(40 * 4, 2, 64, generator=gen).to(torch.bfloat16)
+    cache.store(0, torch.arange(40 * 4), past, -past)
+    assert kernels.can_prefill(q, cache)
+    ctx = AttentionContext(cache, seqs, "cpu")
+    assert ctx._chunks is not None
+    with_kernel = ctx.attend(0, q, k, v, scale=0.125)
+    ctx = AttentionContext(cache, seqs, "cpu")
+    ctx._chunks = None
+    with_sdpa = ctx.attend(0, q, k, v, scale=0.125)
     torch.testing.assert_close(with_kernel.float(), with_sdpa.float(), atol=2e-2, rtol=2e-2)

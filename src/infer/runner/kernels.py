@@ -114,8 +114,8 @@ class CpuKernels:
         self._act_mul = bind("infer_act_mul", ptr, ptr, i64, i64, i32, i32)
         self._argmax_rows = bind("infer_argmax_rows", ptr, ptr, i64, i64, i32)
         self._prefill = bind(
-            "infer_prefill_attention", ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr,
-            i64, i64, i64, i64, i64, i64, f32, i64, i32,
+            "infer_prefill_attention", ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
+            ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
         self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
 
@@ -372,12 +372,12 @@ class CpuKernels:
 
     def can_prefill(self, query: torch.Tensor, cache: KVCache) -> bool:
         """Whether :meth:`prefill_attention` takes this query over ``cache``: AVX-512 BF16,
-        bf16 query and plain bf16 cache, ``head_dim`` a multiple of 32 up to 256."""
+        bf16 query and cache (or an int8 / fp8 cache read as bf16), ``head_dim`` a multiple of
+        32 up to 256."""
         d = query.shape[-1]
         return (
             self.has_prefill_attention
             and query.dtype == torch.bfloat16
-            and cache.kind is None
             and cache.dtype == torch.bfloat16
             and d % 32 == 0
             and d <= 256
@@ -406,11 +406,15 @@ class CpuKernels:
             query = query.contiguous()
         assert out.stride(2) == 1 and out.stride(1) == d
         key_cache, value_cache = cache.layer(layer_idx)
+        k_scales, v_scales = cache.layer_scales(layer_idx)
         rc = self._prefill(
             query.data_ptr(),
             query.stride(0),
+            KIND_CODES[cache.kind],
             key_cache.data_ptr(),
             value_cache.data_ptr(),
+            _ptr(k_scales),
+            _ptr(v_scales),
             out.data_ptr(),
             out.stride(0),
             chunks.block_tables.data_ptr(),

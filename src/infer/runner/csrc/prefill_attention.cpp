@@ -4,7 +4,9 @@
 // before attention is called).
 //
 //   query  : [T, heads, head_dim] bf16 rows of the step (row stride q_stride elements)
-//   cache  : [num_slots, kv_heads, head_dim] bf16 (one layer), slot = table[p / bs] * bs + p % bs
+//   cache  : [num_slots, kv_heads, head_dim] (one layer), slot = table[p / bs] * bs + p % bs;
+//            bf16, or int8 / float8 with a bf16 scale per (slot, kv head), dequantized to bf16
+//            as they are packed
 //   out    : [T, heads, head_dim] bf16 (row stride out_stride elements); only the prefill rows
 //            are written
 //
@@ -40,23 +42,46 @@ namespace {
 
 using infer_simd::exp16;
 
-constexpr int kRowsPerTile = 48;
-constexpr int64_t kValueChunkBytes = 16384;  // value pairs per pass: 16 KiB of them  // (query, head) rows per tile: scores stay in L2 up to ~4K keys
+constexpr int kRowsPerTile = 48;  // (query, head) rows per tile: scores stay in L2 up to ~4K keys
+constexpr int64_t kValueChunkBytes = 16384;  // value pairs per pass: 16 KiB of them
 
 inline int64_t slot_of(const int32_t* table, int64_t pos, int64_t block_size) {
   return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
 }
 
+// One layer's K or V cache as bf16 rows: the stored rows themselves for a bf16 cache; for an
+// int8 or float8 cache each row dequantized (value * its row's bf16 scale, in float32, rounded
+// to bf16: what the torch path's KVCache.gather gives) into a scratch row.
+struct KvRows {
+  const void* cache;
+  const uint16_t* scales;  // [num_slots, kv_heads] bf16, or null for a plain cache
+  int kind;
+  int64_t num_kv_heads, head_dim;
+
+  const uint16_t* row(int64_t slot, int64_t kvh, uint16_t* scratch) const {
+    const int64_t at = (slot * num_kv_heads + kvh) * head_dim;
+    if (kind == kKvPlain) return static_cast<const uint16_t*>(cache) + at;
+    const float s = infer_simd::bf16_to_f32(scales[slot * num_kv_heads + kvh]);
+    const uint8_t* q = static_cast<const uint8_t*>(cache) + at;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float v = kind == kKvInt8 ? static_cast<float>(static_cast<int8_t>(q[d]))
+                                      : infer_simd::fp8e4m3_to_f32(q[d]);
+      scratch[d] = infer_simd::f32_to_bf16(v * s);
+    }
+    return scratch;
+  }
+};
+
 // Keys [base, base + nk) of kv head kvh -> Kp (zero keys up to a multiple of 16).
-void pack_keys(const uint16_t* cache, const int32_t* table, int64_t block_size, int64_t slot_stride,
-               int64_t kvh, int64_t head_dim, int64_t base, int64_t nk, uint32_t* kp) {
-  const int64_t pairs = head_dim / 2, nkb = (nk + 15) / 16;
+void pack_keys(const KvRows& keys, const int32_t* table, int64_t block_size, int64_t kvh,
+               int64_t base, int64_t nk, uint16_t* scratch, uint32_t* kp) {
+  const int64_t pairs = keys.head_dim / 2, nkb = (nk + 15) / 16;
   for (int64_t jb = 0; jb < nkb; ++jb) {
     uint32_t* dst = kp + jb * pairs * 16;
     for (int64_t jj = 0; jj < 16; ++jj) {
       const int64_t j = jb * 16 + jj;
       if (j < nk) {
-        const uint16_t* row = cache + slot_of(table, base + j, block_size) * slot_stride + kvh * head_dim;
+        const uint16_t* row = keys.row(slot_of(table, base + j, block_size), kvh, scratch);
         const uint32_t* src = reinterpret_cast<const uint32_t*>(row);
         for (int64_t p = 0; p < pairs; ++p) dst[p * 16 + jj] = src[p];
       } else {
@@ -68,9 +93,9 @@ void pack_keys(const uint16_t* cache, const int32_t* table, int64_t block_size, 
 
 // Values [base, base + nk) of kv head kvh -> Vw (a zero value pairs with an odd last key; pairs
 // up to a multiple of 8, so every 16-column chunk of probabilities has its 8 value pairs).
-void pack_values(const uint16_t* cache, const int32_t* table, int64_t block_size,
-                 int64_t slot_stride, int64_t kvh, int64_t head_dim, int64_t base, int64_t nk,
-                 uint32_t* vw) {
+void pack_values(const KvRows& values, const int32_t* table, int64_t block_size, int64_t kvh,
+                 int64_t base, int64_t nk, uint16_t* scratch, uint32_t* vw) {
+  const int64_t head_dim = values.head_dim;
   const int64_t npairs = (nk + 15) / 16 * 8;
   for (int64_t j2 = 0; j2 < npairs; ++j2) {
     uint32_t* dst = vw + j2 * head_dim;
@@ -79,9 +104,9 @@ void pack_values(const uint16_t* cache, const int32_t* table, int64_t block_size
       std::memset(dst, 0, head_dim * 4);
       continue;
     }
-    const uint16_t* a = cache + slot_of(table, base + j0, block_size) * slot_stride + kvh * head_dim;
+    const uint16_t* a = values.row(slot_of(table, base + j0, block_size), kvh, scratch);
     if (j1 < nk) {
-      const uint16_t* b = cache + slot_of(table, base + j1, block_size) * slot_stride + kvh * head_dim;
+      const uint16_t* b = values.row(slot_of(table, base + j1, block_size), kvh, scratch + head_dim);
       for (int64_t d = 0; d < head_dim; d += 32) {  // interleave 32 dims of a and b
         const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
         const __m512i lo_idx = _mm512_set_epi16(
@@ -170,28 +195,28 @@ inline void pv_rows(int rows, const uint16_t* pr, int64_t p_stride, const uint32
 struct Buffers {
   std::vector<uint32_t> kp, vw;
   std::vector<float> s, inv, o;
-  std::vector<uint16_t> p;
+  std::vector<uint16_t> p, scratch;
   std::vector<const uint16_t*> qrows;
   std::vector<uint16_t*> orows;
   std::vector<int64_t> lo, hi;  // per row: first and last visible key column
 };
 
 // One (sequence, kv head): queries [0, n) at positions past .. past + n - 1.
-void attend_item(const uint16_t* query, int64_t q_stride, const uint16_t* key_cache,
-                 const uint16_t* value_cache, uint16_t* out, int64_t out_stride,
+void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
+                 const KvRows& values, uint16_t* out, int64_t out_stride,
                  const int32_t* table, int64_t q_start, int64_t n, int64_t past, int64_t kvh,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  float scale, int64_t window, Buffers& buf) {
   const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
-  const int64_t slot_stride = num_kv_heads * head_dim;
   auto first_key = [&](int64_t pos) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; };
   const int64_t base = first_key(past) / 16 * 16;  // every column index is relative to base
   const int64_t nk = past + n - base;
   const int64_t nk16 = (nk + 15) / 16 * 16;
   buf.kp.resize(nk16 * pairs);
   buf.vw.resize(nk16 / 2 * head_dim);
-  pack_keys(key_cache, table, block_size, slot_stride, kvh, head_dim, base, nk, buf.kp.data());
-  pack_values(value_cache, table, block_size, slot_stride, kvh, head_dim, base, nk, buf.vw.data());
+  buf.scratch.resize(2 * head_dim);
+  pack_keys(keys, table, block_size, kvh, base, nk, buf.scratch.data(), buf.kp.data());
+  pack_values(values, table, block_size, kvh, base, nk, buf.scratch.data(), buf.vw.data());
 
   const int64_t tile_queries = kRowsPerTile / group > 0 ? kRowsPerTile / group : 1;
   for (int64_t qa = 0; qa < n; qa += tile_queries) {
@@ -311,12 +336,15 @@ int infer_prefill_attention_available() {
 #endif
 }
 
-// Prefill attention of num_seqs prompt chunks (bf16 query, cache and out; head_dim a multiple
-// of 32, at most 256). Chunk i: query rows q_starts[i] .. q_starts[i] + q_lens[i] - 1 at
+// Prefill attention of num_seqs prompt chunks (bf16 query and out; head_dim a multiple of 32,
+// at most 256). kv_kind 0: a bf16 cache; 1 int8, 2 float8 e4m3, each with bf16 scales
+// [num_slots, kv_heads]. Chunk i: query rows q_starts[i] .. q_starts[i] + q_lens[i] - 1 at
 // positions pasts[i] .. , its block table row block_tables[i * max_blocks ..]. window > 0: a
 // query at position p sees keys p - window < j <= p.
-int infer_prefill_attention(const uint16_t* query, int64_t q_stride, const uint16_t* key_cache,
-                            const uint16_t* value_cache, uint16_t* out, int64_t out_stride,
+int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind,
+                            const void* key_cache, const void* value_cache,
+                            const uint16_t* key_scales, const uint16_t* value_scales,
+                            uint16_t* out, int64_t out_stride,
                             const int32_t* block_tables, const int64_t* q_starts,
                             const int64_t* q_lens, const int64_t* pasts, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -324,7 +352,10 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, const uint1
                             int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
   if (head_dim % 32 != 0 || head_dim > 256) return 2;
+  if (kv_kind < 0 || kv_kind > 2 || (kv_kind != kKvPlain && (!key_scales || !value_scales))) return 4;
 #ifdef INFER_HAVE_PREFILL_ATTENTION
+  const KvRows keys{key_cache, key_scales, kv_kind, num_kv_heads, head_dim};
+  const KvRows values{value_cache, value_scales, kv_kind, num_kv_heads, head_dim};
   const int64_t items = num_seqs * num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -333,7 +364,7 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, const uint1
     for (int64_t item = 0; item < items; ++item) {
       const int64_t i = item / num_kv_heads, kvh = item % num_kv_heads;
       if (q_lens[i] <= 0) continue;
-      attend_item(query, q_stride, key_cache, value_cache, out, out_stride,
+      attend_item(query, q_stride, keys, values, out, out_stride,
                   block_tables + i * max_blocks, q_starts[i], q_lens[i], pasts[i], kvh,
                   num_heads, num_kv_heads, head_dim, block_size, scale, window, buf);
     }
@@ -341,6 +372,7 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, const uint1
   return 0;
 #else
   (void)query; (void)q_stride; (void)key_cache; (void)value_cache; (void)out; (void)out_stride;
+  (void)key_scales; (void)value_scales;
   (void)block_tables; (void)q_starts; (void)q_lens; (void)pasts; (void)num_seqs;
   (void)block_size; (void)max_blocks; (void)scale; (void)window; (void)num_threads;
   return 3;
