@@ -28,3 +28,6 @@ def test_unfinished_outputs_drop_token_times_and_the_final_one_keeps_them():
     assert len(running.timings.token_times) == 2000
     # Per step, a long stream costs a fixed few hundred bytes, not its whole history.
     assert len(pickle.dumps(thinned[0])) < len(pickle.dumps(running)) // 20
+    # A short one goes as it is (cheaper than copying it).
+    short = _output("c", 10, False)
+    assert thin_for_pipe([short])[0] is short

@@ -131,14 +131,23 @@ def _child(conn, config: EngineConfig, log_level: int, torch_threads: int | None
         engine.close()
 
 
+_THIN_AFTER_TOKENS = 64
+
+
 def thin_for_pipe(replies: list) -> list:
     """The replies as they cross the pipe: an unfinished request's output carries its timings
     without ``token_times``, which only the final output needs (the server's ITL histogram);
     sent whole every step, they made each step's message grow with every request's length
-    (64 streams of 2,000 tokens: ~1 MB pickled and unpickled per step)."""
+    (64 streams of 2,000 tokens: ~1 MB pickled and unpickled per step). Short lists go as they
+    are: copying the output costs more than pickling a few dozen floats."""
     thinned = []
     for r in replies:
-        if isinstance(r, RequestOutput) and not r.finished and r.timings and r.timings.token_times:
+        if (
+            isinstance(r, RequestOutput)
+            and not r.finished
+            and r.timings
+            and len(r.timings.token_times) > _THIN_AFTER_TOKENS
+        ):
             r = dataclasses.replace(r, timings=dataclasses.replace(r.timings, token_times=[]))
         thinned.append(r)
     return thinned
