@@ -135,11 +135,12 @@ _THIN_AFTER_TOKENS = 64
 
 
 def thin_for_pipe(replies: list) -> list:
-    """The replies as they cross the pipe: an unfinished request's output carries its timings
-    without ``token_times``, which only the final output needs (the server's ITL histogram);
-    sent whole every step, they made each step's message grow with every request's length
-    (64 streams of 2,000 tokens: ~1 MB pickled and unpickled per step). Short lists go as they
-    are: copying the output costs more than pickling a few dozen floats."""
+    """The replies as they cross the pipe: an unfinished request's output carries only the
+    timestamps of this step's new tokens, not its whole ``token_times`` (the server side puts
+    the list back together: :class:`TokenTimesMirror`). Sent whole every step, they made each
+    step's message grow with every request's length (64 streams of 2,000 tokens: ~1 MB pickled
+    and unpickled per step). Short lists go whole: copying the output costs more than pickling
+    a few dozen floats."""
     thinned = []
     for r in replies:
         if (
@@ -148,9 +149,34 @@ def thin_for_pipe(replies: list) -> list:
             and r.timings
             and len(r.timings.token_times) > _THIN_AFTER_TOKENS
         ):
-            r = dataclasses.replace(r, timings=dataclasses.replace(r.timings, token_times=[]))
+            tail = r.timings.token_times[len(r.timings.token_times) - len(r.new_token_ids) :]
+            r = dataclasses.replace(r, timings=dataclasses.replace(r.timings, token_times=tail))
         thinned.append(r)
     return thinned
+
+
+class TokenTimesMirror:
+    """The server side of :func:`thin_for_pipe`: keeps each running request's ``token_times``
+    and gives every output that arrives the whole list again, so consumers (the metrics, an
+    abort that reuses the last output's timings) see what an in-process engine gives them."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, list[float]] = {}
+
+    def restore(self, replies: list) -> None:
+        for r in replies:
+            if not isinstance(r, RequestOutput) or r.timings is None:
+                continue
+            times = r.timings.token_times
+            if r.finished:
+                self._times.pop(r.request_id, None)
+            elif len(times) >= r.num_output_tokens:  # sent whole
+                self._times[r.request_id] = times
+            else:  # the tail: the tokens before it are the ones already held
+                held = self._times.setdefault(r.request_id, [])
+                del held[max(0, r.num_output_tokens - len(times)) :]
+                held.extend(times)
+                r.timings.token_times = held
 
 
 def _exit_with_parent() -> None:
@@ -203,6 +229,8 @@ class EngineProcess:
         return self._proc.pid
 
     def start(self, on_replies: Replies) -> None:
+        mirror = TokenTimesMirror()
+
         def read() -> None:
             while True:
                 try:
@@ -214,6 +242,7 @@ class EngineProcess:
                         code = self._proc.exitcode
                     on_replies([EngineStopped(error=f"the engine process exited (code {code})")])
                     return
+                mirror.restore(replies)
                 on_replies(replies)
                 if any(isinstance(r, EngineStopped) for r in replies):
                     return
