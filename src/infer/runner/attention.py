@@ -173,8 +173,19 @@ class _PrefillSeq:
     start: int
     end: int
     num_computed: int
-    slots: torch.Tensor | None  # [context_len] context slots; None when no past (fresh prompt)
+    reads_cache: bool  # attends to K/V read back from the cache (a past, or a quantized cache)
+    block_table: torch.Tensor  # [1, max_blocks] int32, this sequence's row of the step's tables
+    block_size: int
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    _slots: torch.Tensor | None = None
+
+    def slots(self, device: torch.device) -> torch.Tensor | None:
+        """[context_len] slots of the context, or None when the chunk's own K/V are attended
+        (the SDPA path only: the prefill kernel reads the block table itself)."""
+        if self.reads_cache and self._slots is None:
+            context = _table_slots(self.block_table.long(), self.block_size)
+            self._slots = context[0, : self.num_computed + self.end - self.start].to(device)
+        return self._slots
 
     def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
         """[n, L] True where query i (position num_computed + i) may see key j; None = causal."""
@@ -257,13 +268,12 @@ class AttentionContext:
         self._prefills: list[_PrefillSeq] = []
         for i in np.nonzero(~is_decode)[0]:
             start, n, past = int(starts[i]), int(new_tokens[i]), int(computed[i])
-            context = None
             # A quantized cache is read back even for a fresh prompt, so a prompt attends to the
             # same (rounded) keys and values however it is chunked.
-            if past > 0 or kv_cache.quantized:
-                context = _table_slots(block_tables[i : i + 1].long(), bs)[0, : past + n]
-                context = context.to(self.device)
-            self._prefills.append(_PrefillSeq(start, start + n, past, context))
+            reads_cache = past > 0 or kv_cache.quantized
+            self._prefills.append(
+                _PrefillSeq(start, start + n, past, reads_cache, block_tables[i : i + 1], bs)
+            )
         self._all_decode = self._decode is not None and not self._prefills
         self._kernels = cpu_kernels() if self.device.type == "cpu" else None
         # Prompt chunks for the C++ prefill kernel (CPU, AVX-512 BF16): one call per layer for
@@ -381,11 +391,12 @@ class AttentionContext:
             return out
         for pf in self._prefills:
             qs = q[pf.start : pf.end].transpose(0, 1)  # [H, n, D]
-            if pf.slots is None:
+            slots = pf.slots(self.device)
+            if slots is None:
                 ks = k[pf.start : pf.end].transpose(0, 1)
                 vs = v[pf.start : pf.end].transpose(0, 1)
             else:
-                kg, vg = self.kv_cache.gather(layer_idx, pf.slots)
+                kg, vg = self.kv_cache.gather(layer_idx, slots)
                 ks, vs = kg.transpose(0, 1), vg.transpose(0, 1)  # [Hkv, L, D]
             mask = pf.mask(sliding_window, self.device)
             # NOTE: 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel

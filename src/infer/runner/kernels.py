@@ -401,7 +401,7 @@ class CpuKernels:
             out: ``[T, H, D]`` bf16, same layout rules; rows of other tokens are left alone.
             chunks: which rows, at which positions, over which block tables.
         """
-        t, h, d = query.shape
+        _, h, d = query.shape
         if query.stride(2) != 1 or query.stride(1) != d:
             query = query.contiguous()
         assert out.stride(2) == 1 and out.stride(1) == d

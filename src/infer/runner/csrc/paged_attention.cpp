@@ -71,7 +71,7 @@ void decode_attention(const T* query, int64_t q_stride, const KvT* key_cache,
       }
       // Scores: one pass over the keys, every query head of the group at once.
       for (int64_t j = start; j < len; ++j) {
-        const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
+        const int64_t slot = infer_simd::paged_slot(table, j, block_size);
         const KvT* k = key_cache + slot * slot_stride + kvh * head_dim;
         const float ks = kv_scale(key_scales, slot, num_kv_heads, kvh);
         for (int64_t g = 0; g < group; ++g) {
@@ -98,7 +98,7 @@ void decode_attention(const T* query, int64_t q_stride, const KvT* key_cache,
       // Weighted sum of the values: one pass over the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = start; j < len; ++j) {
-        const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
+        const int64_t slot = infer_simd::paged_slot(table, j, block_size);
         const KvT* v = value_cache + slot * slot_stride + kvh * head_dim;
         const float vs = kv_scale(value_scales, slot, num_kv_heads, kvh);
         for (int64_t g = 0; g < group; ++g) {
@@ -249,7 +249,7 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
       slots.resize(npad);
       for (int64_t j = 0; j < npad; ++j) {
         const int64_t p = start + (j < n ? j : 0);  // padding keys repeat the first one
-        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+        const int64_t slot = infer_simd::paged_slot(table, p, block_size);
         slots[j] = slot;
         krows[j] = key_cache + slot * slot_stride + h0 * head_dim;
         if (j < n) vrows[j] = value_cache + slot * slot_stride + h0 * head_dim;

@@ -41,13 +41,10 @@
 namespace {
 
 using infer_simd::exp16;
+using infer_simd::paged_slot;
 
 constexpr int kRowsPerTile = 48;  // (query, head) rows per tile: scores stay in L2 up to ~4K keys
 constexpr int64_t kValueChunkBytes = 16384;  // value pairs per pass: 16 KiB of them
-
-inline int64_t slot_of(const int32_t* table, int64_t pos, int64_t block_size) {
-  return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-}
 
 // One layer's K or V cache as bf16 rows: the stored rows themselves for a bf16 cache; for an
 // int8 or float8 cache each row dequantized (value * its row's bf16 scale, in float32, rounded
@@ -81,7 +78,7 @@ void pack_keys(const KvRows& keys, const int32_t* table, int64_t block_size, int
     for (int64_t jj = 0; jj < 16; ++jj) {
       const int64_t j = jb * 16 + jj;
       if (j < nk) {
-        const uint16_t* row = keys.row(slot_of(table, base + j, block_size), kvh, scratch);
+        const uint16_t* row = keys.row(paged_slot(table, base + j, block_size), kvh, scratch);
         const uint32_t* src = reinterpret_cast<const uint32_t*>(row);
         for (int64_t p = 0; p < pairs; ++p) dst[p * 16 + jj] = src[p];
       } else {
@@ -104,9 +101,9 @@ void pack_values(const KvRows& values, const int32_t* table, int64_t block_size,
       std::memset(dst, 0, head_dim * 4);
       continue;
     }
-    const uint16_t* a = values.row(slot_of(table, base + j0, block_size), kvh, scratch);
+    const uint16_t* a = values.row(paged_slot(table, base + j0, block_size), kvh, scratch);
     if (j1 < nk) {
-      const uint16_t* b = values.row(slot_of(table, base + j1, block_size), kvh, scratch + head_dim);
+      const uint16_t* b = values.row(paged_slot(table, base + j1, block_size), kvh, scratch + head_dim);
       for (int64_t d = 0; d < head_dim; d += 32) {  // interleave 32 dims of a and b
         const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
         const __m512i lo_idx = _mm512_set_epi16(

@@ -1,4 +1,5 @@
-// Shared helpers of the CPU kernels: bfloat16 <-> float32 and exp, scalar and AVX-512.
+// Shared helpers of the CPU kernels: paged-cache slots, bfloat16 <-> float32 and exp, scalar
+// and AVX-512.
 #pragma once
 
 #include <cmath>
@@ -14,6 +15,11 @@
 enum KvKind { kKvPlain = 0, kKvInt8 = 1, kKvFp8 = 2 };
 
 namespace infer_simd {
+
+// The cache slot of position pos of a sequence with this block table row.
+inline int64_t paged_slot(const int32_t* table, int64_t pos, int64_t block_size) {
+  return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+}
 
 inline float bf16_to_f32(uint16_t x) {  // the bf16 bits are the high half of the float's
   uint32_t u = static_cast<uint32_t>(x) << 16;
