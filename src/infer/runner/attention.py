@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.kv_cache.sizing import check_kv_cache_dtype
-from infer.runner import kv_quant
+from infer.runner import hugepages, kv_quant
 from infer.runner.kernels import PrefillChunks, cpu_kernels
 
 
@@ -79,7 +79,7 @@ class KVCache:
         self.kind = check_kv_cache_dtype(kv_dtype)
         num_slots = num_blocks * block_size
         storage = dtype if self.kind is None else kv_quant.STORAGE_DTYPES[self.kind]
-        self.tensor = torch.zeros(
+        self.tensor = hugepages.zeros(
             2, num_layers, num_slots, num_kv_heads, head_dim, dtype=storage, device=device
         )
         self.scales: torch.Tensor | None = None

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from infer.runner import hugepages
 from infer.runner.kv_quant import KIND_CODES
 
 if TYPE_CHECKING:
@@ -281,7 +282,7 @@ class CpuKernels:
         """``[N, K]`` bf16 or int8 weight -> the tile layout :meth:`tiled_linear` streams (a flat
         copy of the same dtype)."""
         w = weight.detach().contiguous()
-        packed = torch.empty(w.numel(), dtype=w.dtype)
+        packed = hugepages.empty(w.numel(), dtype=w.dtype)
         pack = self._pack_int8 if w.dtype == torch.int8 else self._pack
         rc = pack(w.data_ptr(), packed.data_ptr(), w.shape[0], w.shape[1])
         if rc != 0:
