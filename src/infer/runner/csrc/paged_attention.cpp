@@ -145,9 +145,12 @@ inline __m512 sum16(const __m512* v) {
 // with the accumulators in registers: one pass over the value rows of those heads.
 // Rows of the cache are gathered through the block table, so the hardware prefetchers lose the
 // stream at every block; prefetching by hand (K: the next 16 keys, V: 16 rows ahead) measured
-// 15 -> 21 GB/s at 64 x 128 and 16 x 1024 tokens (12 heads x 64, bf16, 2 threads).
+// 15 -> 21 GB/s at 64 x 128 and 16 x 1024 tokens (12 heads x 64, bf16, 2 threads). Each pass
+// also asks for its first rows all at once before it starts, and keys are fetched 16 ahead
+// into L1, not 32 (32 rows of 12 heads are a whole 48 KiB L1): 16 x 128 tokens 1.95 -> 1.75 ms,
+// 16 x 1100 15.2 -> 14.8 ms for 12 layers on Zen 5 with the cache on huge pages.
 constexpr int64_t kPrefetchRows = 16;
-constexpr int64_t kKeysAhead = 32;  // keys between a key row's prefetch and its use
+constexpr int64_t kKeysAhead = 16;  // keys between a key row's prefetch and its use
 
 // 16 stored cache values -> 16 float32 (before their row's scale).
 template <int kKind, typename KvT>
@@ -169,6 +172,10 @@ void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, in
     for (int c = 0; c < kLanes; ++c) acc[h][c] = _mm512_setzero_ps();
   const int64_t hk0 = hq0 / group, hk1 = (hq0 + count - 1) / group + 1;
   const int64_t ahead_bytes = (hk1 - hk0) * head_dim * static_cast<int64_t>(sizeof(KvT));
+  for (int64_t j = 0; j < kPrefetchRows && j < n; ++j) {  // the first rows, all at once
+    const char* r = reinterpret_cast<const char*>(vrows[j] + hk0 * head_dim);
+    for (int64_t o = 0; o < ahead_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
+  }
   for (int64_t j = 0; j < n; ++j) {
     const KvT* vrow = vrows[j];
     if (j + kPrefetchRows < n) {
@@ -253,6 +260,12 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
         slots[j] = slot;
         krows[j] = key_cache + slot * slot_stride + h0 * head_dim;
         if (j < n) vrows[j] = value_cache + slot * slot_stride + h0 * head_dim;
+      }
+      // The first kKeysAhead keys' rows, all at once (the loop below prefetches the rest).
+      const int64_t item_bytes = (h1 - h0) * head_dim * static_cast<int64_t>(sizeof(KvT));
+      for (int64_t j = 0; j < kKeysAhead && j < npad; ++j) {
+        const char* r = reinterpret_cast<const char*>(krows[j]);
+        for (int64_t o = 0; o < item_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
       }
       const uint16_t* qb = query + b * q_stride + h0 * group * head_dim;
       if constexpr (kScaled) {  // the query in float32, for FMAs with dequantized keys
