@@ -288,6 +288,16 @@ void amx_linear(const uint16_t* x, const W* packed, const float* col_scale, cons
 //               acc[i][j] += x[i] . w[j]                      (pairwise, float32)
 //
 // Each row's sums run over K in the same order whatever the other rows are.
+// 16 float32 sums -> y[at .. at + 15], float32 or rounded to bf16.
+template <bool kOutF32>
+inline void store_out16(void* y, int64_t at, __m512 v) {
+  if (kOutF32)
+    _mm512_storeu_ps(static_cast<float*>(y) + at, v);
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + at),
+                        infer_simd::to_bf16x16(v));
+}
+
 template <int MR, int NB, bool kOutF32>
 inline void dp_block(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
                      int64_t m0, int64_t K, int64_t N, int64_t nb) {
@@ -315,15 +325,7 @@ inline void dp_block(const uint16_t* x, const uint16_t* w, const float* bias, vo
   for (int j = 0; j < NB; ++j) {
     const int64_t col = (nb + j) * 16;
     const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) {
-      const __m512 v = _mm512_add_ps(acc[i][j], b);
-      if (kOutF32)
-        _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * N + col, v);
-      else
-        _mm256_storeu_si256(
-            reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + (m0 + i) * N + col),
-            infer_simd::to_bf16x16(v));
-    }
+    for (int i = 0; i < MR; ++i) store_out16<kOutF32>(y, (m0 + i) * N + col, _mm512_add_ps(acc[i][j], b));
   }
 }
 
@@ -369,15 +371,7 @@ inline void dp_tall_block(const int32_t* xp, const uint16_t* w, const float* bia
   }
   const int64_t col = nb * 16;
   const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
-  for (int i = 0; i < MR; ++i) {
-    const __m512 v = _mm512_add_ps(acc[i], b);
-    if (kOutF32)
-      _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * N + col, v);
-    else
-      _mm256_storeu_si256(
-          reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + (m0 + i) * N + col),
-          infer_simd::to_bf16x16(v));
-  }
+  for (int i = 0; i < MR; ++i) store_out16<kOutF32>(y, (m0 + i) * N + col, _mm512_add_ps(acc[i], b));
 }
 
 // The interleaved x, kept per calling thread (up to 256 KiB: freeing it every call would
