@@ -11,7 +11,10 @@ import torch
 from infer.runner import hugepages
 from infer.runner.attention import KVCache
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="madvise is Linux's")
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="transparent huge pages are Linux's, and this kernel is built without them",
+)
 
 
 def _vm_flags(address: int) -> list[str]:
