@@ -41,6 +41,17 @@
 
 namespace {
 
+#ifdef INFER_HAVE_AVX512
+// 16 float32 sums -> y[at .. at + 15], float32 or rounded to bf16: every block's epilogue.
+template <bool kOutF32>
+inline void store_out16(void* y, int64_t at, __m512 v) {
+  if (kOutF32)
+    _mm512_storeu_ps(static_cast<float*>(y) + at, v);
+  else
+    infer_simd::store_bf16x16(static_cast<uint16_t*>(y) + at, v);
+}
+#endif
+
 #ifdef INFER_HAVE_AMX
 
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -83,7 +94,6 @@ void configure_tiles(int full, int tail_rows) {
   _tile_loadconfig(&cfg);
 }
 
-using infer_simd::to_bf16x16;
 
 // int8 weights: a tile's 512 bytes -> 512 bf16 (exact for integers), into a small ring that
 // runs kRingAhead tiles ahead of the multiplies, with the int8 stream prefetched further ahead
@@ -162,13 +172,7 @@ inline void amx_block(const uint16_t* x, const W* w, const float* col_scale, con
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 v = col_scale ? _mm512_fmadd_ps(_mm512_load_ps(acc + r * 16), cs, b)
                                : _mm512_add_ps(_mm512_load_ps(acc + r * 16), b);
-    if (kOutF32) {
-      _mm512_storeu_ps(static_cast<float*>(y) + (m0 + r) * N + nb * 16, v);
-    } else {
-      _mm256_storeu_si256(
-          reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + (m0 + r) * N + nb * 16),
-          to_bf16x16(v));
-    }
+    store_out16<kOutF32>(y, (m0 + r) * N + nb * 16, v);
   }
 }
 
@@ -206,12 +210,7 @@ inline void amx_block_2x2(const uint16_t* x, const uint16_t* w, const float* bia
     const int64_t col = (nb + (t & 1)) * 16, row0 = m0 + (t >> 1) * 16;
     const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
     for (int64_t r = 0; r < 16; ++r) {
-      const __m512 v = _mm512_add_ps(_mm512_load_ps(acc[t] + r * 16), b);
-      if (kOutF32)
-        _mm512_storeu_ps(static_cast<float*>(y) + (row0 + r) * N + col, v);
-      else
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + (row0 + r) * N + col),
-                            to_bf16x16(v));
+      store_out16<kOutF32>(y, (row0 + r) * N + col, _mm512_add_ps(_mm512_load_ps(acc[t] + r * 16), b));
     }
   }
 }
@@ -288,16 +287,6 @@ void amx_linear(const uint16_t* x, const W* packed, const float* col_scale, cons
 //               acc[i][j] += x[i] . w[j]                      (pairwise, float32)
 //
 // Each row's sums run over K in the same order whatever the other rows are.
-// 16 float32 sums -> y[at .. at + 15], float32 or rounded to bf16.
-template <bool kOutF32>
-inline void store_out16(void* y, int64_t at, __m512 v) {
-  if (kOutF32)
-    _mm512_storeu_ps(static_cast<float*>(y) + at, v);
-  else
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + at),
-                        infer_simd::to_bf16x16(v));
-}
-
 template <int MR, int NB, bool kOutF32>
 inline void dp_block(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
                      int64_t m0, int64_t K, int64_t N, int64_t nb) {
