@@ -17,7 +17,9 @@ order as the module code, straight from precomputed arguments into buffers alloc
         pending = down(act(gate) * up)(normed)       tiled linear, act_mul, tiled linear
     hidden = norm(x + pending)
 
-The results are bit-for-bit those of the module path (same kernels, same inputs; tested). It
+In an all-decode step the loop over the layers itself is one C++ call (csrc/decode_layers.cpp:
+the same kernel calls, from ``ctypes`` structures built once). The results are bit-for-bit those
+of the module path (same kernels, same inputs; tested). It
 takes every step that fits its buffers (max(max_num_seqs, max_num_batched_tokens) rows), and only
 models where every piece has its kernel: CPU bfloat16, tiled linear layers, a decoder without
 q/k norms, sandwich norms or an embedding scale, one rope for every layer, and a supported
@@ -32,7 +34,14 @@ import torch
 
 from infer.model.llama import DecoderLM
 from infer.runner.attention import AttentionContext, KVCache
-from infer.runner.kernels import ACT_MUL_CODES, CpuKernels, cpu_kernels
+from infer.runner.kernels import (
+    ACT_MUL_CODES,
+    CpuKernels,
+    DecodeLayer,
+    DecodeModel,
+    LinearArgs,
+    cpu_kernels,
+)
 from infer.runner.kv_quant import KIND_CODES
 from infer.runner.prepack import TiledLinear
 from infer.runner.quant import Int8Linear
@@ -56,6 +65,12 @@ def _linear_args(module: torch.nn.Module) -> tuple | None:
         module.out_features,
         module.in_features,
     )
+
+
+def _c_layer(layer: tuple) -> DecodeLayer:
+    (_, attn_norm, mlp_norm, qkv, o, gate_up, down, scale, window, kc, vc, ks, vs) = layer
+    return DecodeLayer(attn_norm, mlp_norm, LinearArgs(*qkv), LinearArgs(*o),
+                       LinearArgs(*gate_up), LinearArgs(*down), scale, window, kc, vc, ks, vs)  # fmt: skip
 
 
 class FastDecoder:
@@ -98,6 +113,14 @@ class FastDecoder:
             buf(cfg.hidden_size),
         )
         self.cos, self.sin = buf(self.head_dim), buf(self.head_dim)  # fmt: skip
+        # The same, for the C++ loop over the layers (all-decode steps).
+        self.c_layers = (DecodeLayer * len(layers))(*(_c_layer(layer) for layer in layers))
+        self.c_model = DecodeModel(
+            self.hidden, self.inter, self.qkv_n, self.heads, self.kv_heads, self.head_dim,
+            cache.block_size, self.eps, self.act, self.kind,
+            *(t.data_ptr() for t in (self.x, self.normed, self.qkv, self.attn, self.o,
+                                     self.gate_up, self.act_out, self.down)),
+        )  # fmt: skip
 
     @staticmethod
     def build(model: torch.nn.Module, cache: KVCache, max_rows: int) -> FastDecoder | None:
@@ -182,6 +205,10 @@ class FastDecoder:
         if all_decode:
             tables, lens = ctx.decode_tables()
             tp, lp, max_blocks = tables.data_ptr(), lens.data_ptr(), tables.shape[1]
+        if all_decode:  # every layer in one C++ call
+            k.decode_layers_into(self.c_layers, len(self.layers), self.c_model, rows, cos, sin,
+                                 slots, tp, lp, max_blocks)  # fmt: skip
+            return self._final_norm(rows, self.down.data_ptr())
         bs, h, hkv, d = self.cache.block_size, self.heads, self.kv_heads, self.head_dim  # fmt: skip
         pending = None
         for (i, attn_norm, mlp_norm, qkv_args, o_args, gu_args, down_args, scale, window,
@@ -205,7 +232,11 @@ class FastDecoder:
             k.act_mul_into(gu, act, rows, self.inter, self.act)
             self._linear(act, down_args, down, rows)
             pending = down
+        return self._final_norm(rows, pending)
+
+    def _final_norm(self, rows: int, pending: int) -> torch.Tensor:
         out = self.out[:rows]
-        k.add_rms_norm_into(xp, pending, self.final_norm, xp, out.data_ptr(), rows, self.hidden,
-                            self.eps)  # fmt: skip
+        xp = self.x.data_ptr()
+        self.k.add_rms_norm_into(xp, pending, self.final_norm, xp, out.data_ptr(), rows,
+                                 self.hidden, self.eps)  # fmt: skip
         return out

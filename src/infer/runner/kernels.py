@@ -79,6 +79,34 @@ def _build(compiler: str) -> Path:
     return target
 
 
+class LinearArgs(ctypes.Structure):
+    """One packed linear layer, as csrc/decode_layers.cpp's ``InferLinear``."""
+
+    _fields_ = [("weight", ctypes.c_void_p), ("weight_bytes", ctypes.c_int64),
+                ("col_scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]  # fmt: skip
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's weights and cache, as ``InferDecodeLayer``."""
+
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
+                ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs),
+                ("down", LinearArgs), ("scale", ctypes.c_float), ("window", ctypes.c_int64),
+                ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p),
+                ("key_scales", ctypes.c_void_p), ("value_scales", ctypes.c_void_p)]  # fmt: skip
+
+
+class DecodeModel(ctypes.Structure):
+    """The model's shapes and the step buffers, as ``InferDecodeModel``."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in ("hidden", "inter", "qkv_n", "num_heads",
+                                                      "num_kv_heads", "head_dim", "block_size")),
+                ("eps", ctypes.c_float), ("act", ctypes.c_int), ("kv_kind", ctypes.c_int),
+                *((name, ctypes.c_void_p) for name in ("x", "normed", "qkv", "attn", "o",
+                                                       "gate_up", "act_out", "down"))]  # fmt: skip
+
+
 class CpuKernels:
     """Typed wrappers over the compiled library."""
 
@@ -119,6 +147,9 @@ class CpuKernels:
             ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
         self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
+        self._decode_layers = bind(
+            "infer_decode_layers", ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32
+        )
 
     # ---- calls by address: the one place each C signature is spelled out. The tensor methods
     # below and runner/decode_fast.py (which passes addresses it computed once) both use them.
@@ -159,6 +190,16 @@ class CpuKernels:
                           block_size, max_blocks, scale, window, torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise ValueError(f"decode attention kernel rejected its inputs (code {rc})")
+
+    def decode_layers_into(self, layers: ctypes.Array, num_layers: int, model: DecodeModel,
+                           rows: int, cos: int, sin: int, slots: int, block_tables: int,
+                           context_lens: int, max_blocks: int) -> None:  # fmt: skip
+        """Every decoder layer of an all-decode step in one call: see csrc/decode_layers.cpp."""
+        rc = self._decode_layers(ctypes.addressof(layers), num_layers, ctypes.addressof(model),
+                                 rows, cos, sin, slots, block_tables, context_lens, max_blocks,
+                                 torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"decode layer {rc // 100 - 1} failed in a kernel (code {rc % 100})")
 
     # ---- fused element-wise steps (bfloat16, contiguous rows) --------------------------------
     def add_rms_norm(
