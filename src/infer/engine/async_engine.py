@@ -13,8 +13,7 @@
 The engine loop (``core_loop``) runs on a thread of this process (``ThreadCore``: the offline
 and test set-up) or in a process of its own (``EngineProcess``: what ``infer serve`` does by
 default). Everything on this side runs on the event loop, so no locks: replies arrive through
-``call_soon_threadsafe`` from the engine thread, or are read off the engine process's pipe by
-the event loop itself, and are routed to the request streams here.
+``call_soon_threadsafe`` and are routed to the request streams here.
 
 Admission control happens here, on the event loop, before anything is queued: when the engine's
 waiting queue (as of the last step) plus the adds it has not acknowledged yet reach
@@ -254,10 +253,7 @@ class AsyncEngine:
         """Start the engine loop; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        if isinstance(self.core, EngineProcess):
-            self.core.start(self._dispatch, self._loop)  # read on this loop: no thread hop
-        else:
-            self.core.start(self._post)
+        self.core.start(self._post)
 
     def stop_accepting(self) -> None:
         self._accepting = False

@@ -1,25 +1,23 @@
 """Where the engine loop runs: a thread of this process, or a process of its own.
 
 Both clients take commands (``core_loop.AddRequest``, ...) through ``send`` and hand every list
-of replies the loop emits to ``on_replies``: called on a background thread of this process, or
-for an ``EngineProcess`` started with an event loop, on that loop::
+of replies the loop emits to ``on_replies``, called on a background thread of this process::
 
     ThreadCore    event loop ── SimpleQueue ──► engine thread: run_engine_loop(LLMEngine)
                   event loop ◄── on_replies ◄──┘
 
     EngineProcess event loop ── pipe ──► engine process: run_engine_loop(LLMEngine)
-                  event loop ◄── on_replies ◄── pipe (add_reader) ◄──┘
+                  event loop ◄── on_replies ◄── reader thread ◄── pipe ◄──┘
 
 In its own process the engine has its own GIL: the forward pass never waits for HTTP parsing,
 tokenization or SSE writing in the server process, and a step's outputs cross the pipe as one
 pickled list. The child ignores SIGINT (Ctrl+C in a terminal reaches the whole process group;
 the server drains, then sends ``Stop``), and dies with its parent. If it dies on its own, the
-reader sees the pipe close and reports ``EngineStopped(error=...)``.
+reader thread sees the pipe close and reports ``EngineStopped(error=...)``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -230,24 +228,19 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def start(self, on_replies: Replies, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Deliver the engine's replies to ``on_replies``.
-
-        With ``loop``, the pipe is read on that event loop (``add_reader``) and ``on_replies``
-        runs there: no reader thread to wake and hand the GIL to on every step (the server's
-        case). Without it, a reader thread calls ``on_replies``.
-        """
+    def start(self, on_replies: Replies) -> None:
         mirror = TokenTimesMirror()
-        if loop is not None:
-            self._read_in_loop(loop, on_replies, mirror)
-            return
 
         def read() -> None:
             while True:
                 try:
                     replies = self._conn.recv()
                 except (EOFError, OSError):
-                    on_replies([self._exited()])
+                    code = self._proc.exitcode
+                    if code is None:
+                        self._proc.join(5)
+                        code = self._proc.exitcode
+                    on_replies([EngineStopped(error=f"the engine process exited (code {code})")])
                     return
                 mirror.restore(replies)
                 on_replies(replies)
@@ -256,34 +249,6 @@ class EngineProcess:
 
         self._reader = threading.Thread(target=read, name="infer-engine-reader", daemon=True)
         self._reader.start()
-
-    def _read_in_loop(
-        self, loop: asyncio.AbstractEventLoop, on_replies: Replies, mirror: TokenTimesMirror
-    ) -> None:
-        conn, fd = self._conn, self._conn.fileno()
-
-        def readable() -> None:
-            # Every message that has started to arrive. The engine writes a message in one go,
-            # so recv() returns as soon as the rest is in the pipe.
-            try:
-                while conn.poll(0):
-                    replies = conn.recv()
-                    mirror.restore(replies)
-                    on_replies(replies)
-                    if any(isinstance(r, EngineStopped) for r in replies):
-                        loop.remove_reader(fd)
-                        return
-            except (EOFError, OSError):
-                loop.remove_reader(fd)
-                on_replies([self._exited()])
-
-        loop.add_reader(fd, readable)
-
-    def _exited(self) -> EngineStopped:
-        """Why the pipe closed: the child's exit code (it exits right after closing it)."""
-        if self._proc.exitcode is None:
-            self._proc.join(5)
-        return EngineStopped(error=f"the engine process exited (code {self._proc.exitcode})")
 
     def send(self, command: Any) -> None:
         with self._send_lock, contextlib.suppress(OSError, BrokenPipeError):
