@@ -116,13 +116,16 @@ def test_argmax_rows_matches_torch_with_ties_and_nan():
 def test_act_mul_rounds_denormal_results_like_torch():
     # Products below bf16's smallest normal (~1.2e-38) are rounded, not flushed to zero: the
     # BF16 conversion instruction would flush them, so such vectors take the integer rounding.
-    gate_up = torch.zeros(2, 64, dtype=torch.bfloat16)
+    gate_up = torch.zeros(3, 64, dtype=torch.bfloat16)
     gate_up[:, :32] = torch.linspace(0.5, 1.0, 32)
     gate_up[0, 32:] = torch.linspace(1e-39, 9e-39, 32)  # bf16 denormals
-    gate_up[1, 32:] = torch.linspace(1.0, 2.0, 32)  # a row of plain values beside them
+    gate_up[1, 32:] = -torch.linspace(1e-39, 9e-39, 32)  # negative ones
+    gate_up[2, 32:] = torch.linspace(1.0, 2.0, 32)  # plain values...
+    gate_up[2, 32:64:5] = 3e-39  # ...with a denormal in some lanes of each vector
     got = kernels.act_mul(gate_up, "silu")
     gate, up = gate_up.split(32, dim=-1)
     want = F.silu(gate) * up
-    assert (want[0] != 0).all() and (want[0].abs() < 1.1754944e-38).all()
+    denormal = (want != 0) & (want.abs() < 1.1754944e-38)
+    assert denormal[:2].all() and denormal[2].sum() == 7
     assert _ulps(got, want) <= 1
-    assert (got[0] != 0).all()
+    assert (got[denormal] != 0).all()

@@ -182,34 +182,27 @@ class FastDecoder:
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` (a view of a buffer the next call overwrites)."""
         rows = input_ids.shape[0]
-        all_decode = ctx.all_decode
         k = self.k
         x, normed = self.x[:rows], self.normed[:rows]
         torch.index_select(self.model.embed_tokens.weight, 0, input_ids, out=x)
         torch.index_select(self.cos_table, 0, positions, out=self.cos[:rows])
         torch.index_select(self.sin_table, 0, positions, out=self.sin[:rows])
-        xp, np_, qkv, attn = (
-            x.data_ptr(),
-            normed.data_ptr(),
-            self.qkv.data_ptr(),
-            self.attn.data_ptr(),
-        )
+        cos, sin, slots = self.cos.data_ptr(), self.sin.data_ptr(), ctx.slot_mapping.data_ptr()
+        if ctx.all_decode:  # every layer in one C++ call
+            tables, lens = ctx.decode_tables()
+            k.decode_layers_into(self.c_layers, len(self.layers), self.c_model, rows, cos, sin,
+                                 slots, tables.data_ptr(), lens.data_ptr(), tables.shape[1])  # fmt: skip
+            return self._final_norm(rows, self.down.data_ptr())
+        xp, np_, qkv = x.data_ptr(), normed.data_ptr(), self.qkv.data_ptr()
         o, gu, act, down = (
             self.o.data_ptr(),
             self.gate_up.data_ptr(),
             self.act_out.data_ptr(),
             self.down.data_ptr(),
         )
-        cos, sin, slots = self.cos.data_ptr(), self.sin.data_ptr(), ctx.slot_mapping.data_ptr()
-        tp = lp = max_blocks = 0  # the decode kernel's block tables, in all-decode steps
-        if all_decode:
-            tables, lens = ctx.decode_tables()
-            tp, lp, max_blocks = tables.data_ptr(), lens.data_ptr(), tables.shape[1]
-        if all_decode:  # every layer in one C++ call
-            k.decode_layers_into(self.c_layers, len(self.layers), self.c_model, rows, cos, sin,
-                                 slots, tp, lp, max_blocks)  # fmt: skip
-            return self._final_norm(rows, self.down.data_ptr())
-        bs, h, hkv, d = self.cache.block_size, self.heads, self.kv_heads, self.head_dim  # fmt: skip
+        # Prefill chunks in the step: the same kernels from Python, with the attention module's
+        # own code for attention.
+        h, hkv, d = self.heads, self.kv_heads, self.head_dim
         pending = None
         for (i, attn_norm, mlp_norm, qkv_args, o_args, gu_args, down_args, scale, window,
              kc, vc, ks, vs) in self.layers:  # fmt: skip
@@ -218,15 +211,10 @@ class FastDecoder:
             self._linear(np_, qkv_args, qkv, rows)
             k.rope_write_kv_into(qkv, cos, sin, self.kind, kc, vc, ks, vs, slots, rows,
                                  self.qkv_n, h, hkv, d)  # fmt: skip
-            if all_decode:
-                k.decode_attention_into(1, self.kind, qkv, self.qkv_n, kc, vc, ks, vs, attn, tp,
-                                        lp, rows, h, hkv, d, bs, max_blocks, scale, window)  # fmt: skip
-                self._linear(attn, o_args, o, rows)
-            else:  # prefill chunks in the step: the attention module's own code for attention
-                q, key, value = self._qkv_views(rows)
-                out = ctx.attend(i, q, key, value, scale=scale, sliding_window=window or None,
-                                 kv_stored=True).reshape(rows, h * d).contiguous()  # fmt: skip
-                self._linear(out.data_ptr(), o_args, o, rows)
+            q, key, value = self._qkv_views(rows)
+            out = ctx.attend(i, q, key, value, scale=scale, sliding_window=window or None,
+                             kv_stored=True).reshape(rows, h * d).contiguous()  # fmt: skip
+            self._linear(out.data_ptr(), o_args, o, rows)
             k.add_rms_norm_into(xp, o, mlp_norm, xp, np_, rows, self.hidden, self.eps)
             self._linear(np_, gu_args, gu, rows)
             k.act_mul_into(gu, act, rows, self.inter, self.act)

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <omp.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {

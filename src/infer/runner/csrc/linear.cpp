@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <omp.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)

@@ -22,6 +22,7 @@
 #include <vector>
 #include <omp.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
