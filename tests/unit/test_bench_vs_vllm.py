@@ -17,6 +17,8 @@ from infer.bench.decode_curve import decode_steps, longest_overshoot, with_conte
 from infer.bench.peers import port_is_free, server_command, start_server, stop_server
 from infer.bench.vs_vllm import (
     Cell,
+    OtherLoad,
+    _involuntary_switches,
     check_targets,
     client_command,
     finish,
@@ -305,3 +307,36 @@ def test_offline_worker_usage_without_subcommand():
         [sys.executable, "-m", "infer.bench.vs_vllm"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 1 and "infer bench vs-vllm" in out.stderr
+
+
+def test_involuntary_switches_reads_the_status_line():
+    status = "Name:\tpython\nvoluntary_ctxt_switches:\t12\nnonvoluntary_ctxt_switches:\t345\n"
+    assert _involuntary_switches(status) == 345
+    assert _involuntary_switches("Name:\tx\n") == 0
+
+
+def test_server_figures_count_the_server_groups_cpu():
+    # A stand-in server in its own process group burns 0.3 s of CPU (its own clock, so the
+    # figure does not depend on the machine's speed), then reports and waits.
+    burn = (
+        "import sys, time\n"
+        "sys.stdin.readline()\n"
+        "while time.process_time() < 0.3: pass\n"
+        "print('done', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        load = OtherLoad(proc.pid)
+        t0 = time.perf_counter()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "done"
+        figures = load.server()
+        wall = time.perf_counter() - t0
+        assert figures["server_cpu_cores"] * wall >= 0.25
+        assert figures["server_preempted_per_s"] >= 0
+    finally:
+        proc.kill()
+        proc.wait()

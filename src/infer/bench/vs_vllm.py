@@ -276,6 +276,33 @@ def _group_cpu_s(pgid: int | None) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def _involuntary_switches(status: str) -> int:
+    """``nonvoluntary_ctxt_switches`` of one ``/proc/<pid>/task/<tid>/status`` text."""
+    for line in status.splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _group_preemptions(pgid: int | None) -> int:
+    """Times the threads of process group ``pgid`` lost their core while runnable (the sum of
+    their ``nonvoluntary_ctxt_switches``; threads that have exited are not counted)."""
+    if pgid is None:
+        return 0
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            rest = text[text.rfind(")") + 2 :].split()
+            if int(rest[2]) != pgid:
+                continue
+            for status in stat.parent.glob("task/*/status"):
+                total += _involuntary_switches(status.read_text())
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 def _own_cpu_s() -> float:
     """CPU seconds of this driver and its reaped children (the ``vllm bench`` clients)."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -289,6 +316,18 @@ class OtherLoad:
         self.pgid = server_pgid
         self.t0 = time.perf_counter()
         self.busy0, self.own0, self.srv0 = _busy_cpu_s(), _own_cpu_s(), _group_cpu_s(server_pgid)
+        self.pre0 = _group_preemptions(server_pgid)
+
+    def server(self) -> dict:
+        """The server's own figures over the span: CPU in cores, and how often per second its
+        threads were preempted (another process took their core). On a machine with as many
+        cores as engine threads, each preemption stalls the engine's other threads too: the
+        figure that explains what the HTTP server and the client cost it."""
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        return {
+            "server_cpu_cores": max(_group_cpu_s(self.pgid) - self.srv0, 0.0) / wall,
+            "server_preempted_per_s": max(_group_preemptions(self.pgid) - self.pre0, 0) / wall,
+        }
 
     def cores(self) -> float:
         wall = time.perf_counter() - self.t0
@@ -403,6 +442,7 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
     rc = run_logged(cmd, ctx["client_env"], out / "logs" / f"{stem}.log", args.cell_timeout)
     row["client_wall_s"] = time.perf_counter() - t0
     row["other_cpu_cores"] = other.cores()
+    row.update(other.server())
     path = out / "results" / f"{stem}.json"
     if rc != 0 or not path.exists():
         row["error"] = f"client exited {rc} (see {row['log']})"
@@ -464,7 +504,9 @@ def _one_line(row: dict) -> str:
         f"{r['output_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
         f"TPOT p50 {r['tpot_p50_ms']:.1f} ms, ITL p50/p99 {r['itl_p50_ms']:.1f}/"
         f"{r['itl_p99_ms']:.1f} ms, {r['completed']}/{row['num_prompts']} done, "
-        f"load {row['load_before'][0]:.2f}, other CPU {row['other_cpu_cores']:.2f} cores"
+        f"load {row['load_before'][0]:.2f}, other CPU {row['other_cpu_cores']:.2f} cores, "
+        f"server {row.get('server_cpu_cores', 0):.2f} cores, preempted "
+        f"{row.get('server_preempted_per_s', 0):.0f}/s"
     )
     return text + (f" ({row['error']})" if "error" in row else "")
 
@@ -693,11 +735,15 @@ def render(report: dict) -> str:
         "Load: `os.getloadavg()` (1/5/15 min) before the warm-up and before the measured run; "
         "other CPU: cores busy with processes other than this driver, the client and the "
         "server during the measured run (from `/proc/stat`); ⚠ disturbed above "
-        f"{QUIET_CORES} cores.",
+        f"{QUIET_CORES} cores. Server CPU: the server's processes, in cores; preempted /s: how "
+        "often per second one of its threads lost its core to another process while it could "
+        "run (`nonvoluntary_ctxt_switches`), which on a machine with as many cores as engine "
+        "threads stalls the engine's other threads too.",
         "",
         "| round | peer | cell | output tok/s | TTFT p50 | TPOT p50 | ITL p50 / p99 | done "
-        "| load before warm-up | load before run | other CPU (cores) |",
-        "|---:|---|---|---:|---:|---:|---|---|---|---|---:|",
+        "| load before warm-up | load before run | other CPU (cores) | server CPU (cores) "
+        "| server preempted /s |",
+        "|---:|---|---|---:|---:|---:|---|---|---|---|---:|---:|---:|",
     ]
     for r in report["runs"]:
         res = r.get("result", {})
@@ -712,7 +758,8 @@ def render(report: dict) -> str:
             f"| {r['round']} | {r['peer']} | {r['cell']} | {_fmt(res.get('output_tok_s'))} "
             f"| {_fmt(res.get('ttft_p50_ms'))} | {_fmt(res.get('tpot_p50_ms'))} "
             f"| {_fmt(res.get('itl_p50_ms'))} / {_fmt(res.get('itl_p99_ms'))} | {status} "
-            f"| {la} | {lb} | {_fmt(r.get('other_cpu_cores'), 2)} |"
+            f"| {la} | {lb} | {_fmt(r.get('other_cpu_cores'), 2)} "
+            f"| {_fmt(r.get('server_cpu_cores'), 2)} | {_fmt(r.get('server_preempted_per_s'), 0)} |"
         )
     for rnd in report.get("offline", {}).get("rounds", []):
         res = rnd.get("result", {})
@@ -720,7 +767,7 @@ def render(report: dict) -> str:
         lines.append(
             f"| {rnd['round']} | offline | 64x64@16 | {_fmt(res.get('output_tok_s'))} | | | "
             f"| {'⚠ ' + rnd['error'] if 'error' in rnd else ''} | | {lb} "
-            f"| {_fmt(rnd.get('other_cpu_cores'), 2)} |"
+            f"| {_fmt(rnd.get('other_cpu_cores'), 2)} | | |"
         )
     v = report["versions"]
     lines += [
