@@ -318,16 +318,19 @@ class OtherLoad:
         self.busy0, self.own0, self.srv0 = _busy_cpu_s(), _own_cpu_s(), _group_cpu_s(server_pgid)
         self.pre0 = _group_preemptions(server_pgid)
 
-    def server(self) -> dict:
-        """The server's own figures over the span: CPU in cores, and how often per second its
-        threads were preempted (another process took their core). On a machine with as many
-        cores as engine threads, each preemption stalls the engine's other threads too: the
-        figure that explains what the HTTP server and the client cost it."""
-        wall = max(time.perf_counter() - self.t0, 1e-9)
-        return {
-            "server_cpu_cores": max(_group_cpu_s(self.pgid) - self.srv0, 0.0) / wall,
-            "server_preempted_per_s": max(_group_preemptions(self.pgid) - self.pre0, 0) / wall,
-        }
+    def server(self, duration_s: float | None) -> dict:
+        """The server's own figures over the span, per second of the client's measured
+        ``duration_s`` (the span also holds the client's start-up, when the server idles): its
+        CPU in cores, and how often its threads were preempted (another process took their
+        core while they could run). On a machine with as many cores as engine threads, each
+        preemption stalls the engine's other threads too: the figure behind what the HTTP
+        server and the client cost it."""
+        cpu_s = max(_group_cpu_s(self.pgid) - self.srv0, 0.0)
+        preempted = max(_group_preemptions(self.pgid) - self.pre0, 0)
+        if not duration_s:
+            return {}
+        return {"server_cpu_cores": cpu_s / duration_s,
+                "server_preempted_per_s": preempted / duration_s}  # fmt: skip
 
     def cores(self) -> float:
         wall = time.perf_counter() - self.t0
@@ -442,13 +445,13 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
     rc = run_logged(cmd, ctx["client_env"], out / "logs" / f"{stem}.log", args.cell_timeout)
     row["client_wall_s"] = time.perf_counter() - t0
     row["other_cpu_cores"] = other.cores()
-    row.update(other.server())
     path = out / "results" / f"{stem}.json"
     if rc != 0 or not path.exists():
         row["error"] = f"client exited {rc} (see {row['log']})"
         return row
     res = parse_result(json.loads(path.read_text()))
     row["result"] = res
+    row.update(other.server(res["duration_s"]))
     if res["failed"] or res["completed"] < n:
         row["error"] = f"{res['completed']}/{n} requests completed (see {row['log']})"
     return row
