@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -42,6 +43,35 @@ def test_dropped_stream_frees_blocks_in_the_child(server):
         assert server.debug()["num_running"] == 1
     stats = server.wait_idle()
     assert stats["kv_usage"] == 0.0
+
+
+def test_replies_bigger_than_the_pipe_buffer_cross_whole(server):
+    # prompt_logprobs of a long prompt make one step's reply hundreds of KiB: it reaches the
+    # server in parts, while other streams' replies keep coming. (Reading the pipe on the event
+    # loop once took a partly arrived reply for the engine's death.)
+    prompt = [10 + (i * 7) % 400 for i in range(900)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "prompt_logprobs": 20}
+    stream_body = {"prompt": "Once", "max_tokens": 64, "ignore_eos": True, "stream": True}
+
+    def big() -> list:
+        r = httpx.post(server.base_url + "/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["prompt_logprobs"]
+
+    def streamed() -> int:
+        with httpx.stream("POST", server.base_url + "/completions", json=stream_body,
+                          timeout=120) as r:  # fmt: skip
+            return sum(1 for line in r.iter_lines() if line.startswith("data: {"))
+
+    with ThreadPoolExecutor(6) as pool:
+        bigs = [pool.submit(big) for _ in range(3)]
+        streams = [pool.submit(streamed) for _ in range(3)]
+        for f in bigs:
+            block = f.result()
+            assert block[0] is None and len(block) == len(prompt)
+            assert all(len(entry) >= 20 for entry in block[1:])
+        assert [f.result() for f in streams] == [64] * 3
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_sigterm_stops_both_processes(server):
