@@ -50,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,11 +261,9 @@ def _busy_cpu_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _group_cpu_s(pgid: int | None) -> float:
-    """CPU seconds of the live processes of process group ``pgid`` (with reaped children)."""
-    if pgid is None:
-        return 0.0
-    total = 0
+def _group_procs(pgid: int) -> Iterator[tuple[Path, list[str]]]:
+    """The ``/proc/<pid>`` folder and the ``stat`` fields after the command name (state first)
+    of each live process of process group ``pgid``."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
@@ -272,8 +271,15 @@ def _group_cpu_s(pgid: int | None) -> float:
             continue
         rest = text[text.rfind(")") + 2 :].split()
         if int(rest[2]) == pgid:
-            total += sum(int(x) for x in rest[11:15])  # utime stime cutime cstime
-    return total / os.sysconf("SC_CLK_TCK")
+            yield stat.parent, rest
+
+
+def _group_cpu_s(pgid: int | None) -> float:
+    """CPU seconds of the live processes of process group ``pgid`` (with reaped children)."""
+    if pgid is None:
+        return 0.0
+    total = sum(sum(int(x) for x in rest[11:15]) for _, rest in _group_procs(pgid))
+    return total / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime, in clock ticks
 
 
 def _involuntary_switches(status: str) -> int:
@@ -290,16 +296,12 @@ def _group_preemptions(pgid: int | None) -> int:
     if pgid is None:
         return 0
     total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-            rest = text[text.rfind(")") + 2 :].split()
-            if int(rest[2]) != pgid:
-                continue
-            for status in stat.parent.glob("task/*/status"):
+    for proc, _ in _group_procs(pgid):
+        for status in proc.glob("task/*/status"):
+            try:
                 total += _involuntary_switches(status.read_text())
-        except (OSError, ValueError):
-            continue
+            except OSError:  # the thread has just exited
+                continue
     return total
 
 
