@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from infer.runner.kernels import cpu_kernels
-from infer.runner.prepack import PackedLinear, TiledLinear, prepack_linears
+from infer.runner.prepack import (
+    PackedLinear,
+    TiledLinear,
+    onednn_bf16_available,
+    prepack_linears,
+)
 
 
 class _Tiny(nn.Module):
@@ -27,17 +32,15 @@ class _Tiny(nn.Module):
         return packed(h) if packed is not None else nn.functional.linear(h, self.embed.weight)
 
 
-def _onednn() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def _tiled() -> bool:
     """AMX or AVX-512 BF16: the CPUs the tiled kernel runs on."""
     kernels = cpu_kernels()
     return kernels is not None and kernels.linear_kind >= 1
 
 
-@pytest.mark.skipif(not _onednn(), reason="torch built without oneDNN")
+@pytest.mark.skipif(
+    not onednn_bf16_available(), reason="no oneDNN bfloat16 packing (torch build or CPU)"
+)
 def test_packed_model_gives_the_same_logits():
     torch.manual_seed(0)
     model = _Tiny(torch.bfloat16)

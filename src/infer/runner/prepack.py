@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from functools import cache
 
 import torch
 from torch import nn
@@ -98,12 +99,22 @@ def _usable(weight: torch.Tensor) -> bool:
     return os.environ.get("INFER_PREPACK_WEIGHTS", "1") != "0"
 
 
-def _onednn_available() -> bool:
+@cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU (it refuses without AVX-512 or
+    AVX-NE-CONVERT, e.g. on AMD Zen 3)."""
     if not torch.backends.mkldnn.is_available():
         return False
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not hasattr(
         torch.ops.mkldnn, "_linear_pointwise"
-    )
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), None)
+    except RuntimeError as exc:
+        logger.info("no oneDNN bfloat16 weight packing on this CPU: %s", str(exc).splitlines()[0])
+        return False
+    return True
 
 
 def tiled_linear_kernels() -> CpuKernels | None:
@@ -119,7 +130,7 @@ def _candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> list:
     kernels = tiled_linear_kernels()
     if kernels is not None and kernels.tiled_linear_supports(weight):
         out.append(lambda: TiledLinear(weight, bias, kernels))
-    if _onednn_available():
+    if onednn_bf16_available():
         out.append(lambda: PackedLinear(weight, bias))
     return out
 
