@@ -33,7 +33,7 @@ class _Tiny(nn.Module):
 
 
 def _tiled() -> bool:
-    """AMX or AVX-512 BF16: the CPUs the tiled kernel runs on."""
+    """AMX, AVX-512 BF16 or AVX2 FMA: the CPUs the tiled kernel runs on."""
     kernels = cpu_kernels()
     return kernels is not None and kernels.linear_kind >= 1
 
@@ -55,6 +55,24 @@ def test_packed_model_gives_the_same_logits():
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.skipif(
+    onednn_bf16_available() or not _tiled(), reason="oneDNN packs bf16 here, or no tiled kernel"
+)
+def test_without_onednn_only_the_tiled_shapes_are_packed():
+    torch.manual_seed(0)
+    model = _Tiny(torch.bfloat16)
+    ids = torch.tensor([1, 7, 9, 44])
+    with torch.inference_mode():
+        want = model(ids)
+        assert prepack_linears(model) == 1
+        assert isinstance(model.proj, TiledLinear)
+        assert type(model.back) is nn.Linear  # K = 48: F.linear, as before
+        assert getattr(model, "packed_logits", None) is None
+        got = model(ids)
+    # The tiled kernel sums K in another order than torch's bf16 matmul: within bf16 rounding.
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
 def test_float32_and_switched_off_models_are_left_alone(monkeypatch):
     model = _Tiny(torch.float32)
     assert prepack_linears(model) == 0 and isinstance(model.proj, nn.Linear)
@@ -71,7 +89,7 @@ def test_tiled_linear_can_be_switched_off(monkeypatch):
 
 
 @pytest.mark.skipif(
-    not _tiled(), reason="neither AMX nor AVX-512 BF16 on this CPU (or no C++ compiler)"
+    not _tiled(), reason="no AMX, AVX-512 BF16 or AVX2 on this CPU (or no C++ compiler)"
 )
 @pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 24, 32, 33, 64, 65, 130, 300])
 def test_tiled_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
@@ -97,7 +115,7 @@ def test_tiled_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
 
 
 @pytest.mark.skipif(
-    not _tiled(), reason="neither AMX nor AVX-512 BF16 on this CPU (or no C++ compiler)"
+    not _tiled(), reason="no AMX, AVX-512 BF16 or AVX2 on this CPU (or no C++ compiler)"
 )
 def test_tiled_linear_without_bias_and_nan_passes_through():
     weight = torch.ones(16, 32).bfloat16()

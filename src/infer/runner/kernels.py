@@ -123,7 +123,8 @@ class CpuKernels:
             "infer_decode_attention", i32, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
             i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
-        # 2: AMX, 1: AVX-512 BF16 (bf16 weights only), 0: no tiled linear kernel on this CPU.
+        # 2: AMX, 1: AVX-512 BF16, 3: AVX2 FMA (1, 3: bf16 weights only), 0: no tiled linear
+        # kernel on this CPU.
         self.linear_kind = int(bind("infer_packed_linear_kind")())
         self.has_amx = self.linear_kind == 2
         self._pack = bind("infer_tile_pack_weight", ptr, ptr, i64, i64)

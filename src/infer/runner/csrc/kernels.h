@@ -22,8 +22,17 @@ int infer_decode_attention(int dtype, int kv_kind, const void* query, int64_t q_
                            int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
                            int64_t window, int num_threads);
+int infer_decode_attention_avx2(int kv_kind, const uint16_t* query, int64_t q_stride,
+                                const void* key_cache, const void* value_cache,
+                                const uint16_t* key_scales, const uint16_t* value_scales,
+                                uint16_t* out, const int32_t* block_tables,
+                                const int32_t* context_lens, int64_t batch, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                int64_t max_blocks, float scale, int64_t window, int num_threads);
 int infer_act_mul(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter, int act,
                   int num_threads);
+int infer_fma_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
+                     int64_t M, int64_t K, int64_t N, int out_f32, int num_threads);
 int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
                        const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
                        int64_t N, int out_f32, int num_threads);

@@ -364,23 +364,6 @@ inline void dp_tall_block(const int32_t* xp, const uint16_t* w, const float* bia
   for (int i = 0; i < MR; ++i) store_out16<kOutF32>(y, (m0 + i) * N + col, _mm512_add_ps(acc[i], b));
 }
 
-// The interleaved x, kept per calling thread (up to 256 KiB: freeing it every call would
-// give it back to the OS and fault its pages in again).
-inline int32_t* tall_x_buffer(int64_t bytes) {
-  struct Buffer {
-    void* data = nullptr;
-    int64_t bytes = 0;
-    ~Buffer() { std::free(data); }
-  };
-  thread_local Buffer buf;
-  if (buf.bytes < bytes) {
-    std::free(buf.data);
-    buf.data = std::aligned_alloc(64, bytes);
-    buf.bytes = bytes;
-  }
-  return static_cast<int32_t*>(buf.data);
-}
-
 template <bool kOutF32>
 inline void dp_rows_tall(const int32_t* xp, const uint16_t* w, const float* bias, void* y,
                          int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t nb) {
@@ -421,7 +404,7 @@ void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, voi
   const int64_t nblocks = N / 16, npanels = (nblocks + kPanel - 1) / kPanel;
   if (M > kRows && M <= kTallMaxRows) {
     const int64_t kpairs = K / 2, padded = (M + 15) / 16 * 16;
-    int32_t* xp = tall_x_buffer(padded * kpairs * 4);
+    auto* xp = static_cast<int32_t*>(infer_simd::thread_scratch(padded * kpairs * 4));
     const auto* x32 = reinterpret_cast<const int32_t*>(x);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -479,13 +462,16 @@ int pack_tiles(const T* weight, T* packed, int64_t N, int64_t K) {
 
 extern "C" {
 
-// Which kernel infer_tiled_linear runs here: 2 AMX, 1 AVX-512 BF16 (bf16 weights only), 0 none.
+// Which kernel infer_tiled_linear runs here: 2 AMX, 1 AVX-512 BF16, 3 AVX2 FMA on widened
+// weights (linear_avx2.cpp; 1 and 3: bf16 weights only), 0 none.
 int infer_packed_linear_kind() {
 #ifdef INFER_HAVE_AMX
   if (amx_permitted()) return 2;
 #endif
-#ifdef INFER_HAVE_AVX512_BF16
+#if defined(INFER_HAVE_AVX512_BF16)
   return 1;
+#elif defined(INFER_HAVE_AVX2)
+  return 3;
 #else
   return 0;
 #endif
@@ -527,6 +513,11 @@ int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
     else dp_linear<false>(x, w, bias, y, M, K, N, num_threads);
     return 0;
   }
+#endif
+#ifdef INFER_HAVE_AVX2
+  if (kind == 3 && weight_bytes == 2)
+    return infer_fma_linear(x, static_cast<const uint16_t*>(packed), bias, y, M, K, N, out_f32,
+                            num_threads);
 #endif
   (void)x; (void)packed; (void)bias; (void)y; (void)out_f32; (void)num_threads; (void)kind;
   return 2;

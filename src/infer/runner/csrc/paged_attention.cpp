@@ -14,7 +14,7 @@
 // Work is split over (sequence, kv head) pairs; each pair reads its K and V rows once for all
 // `group` query heads that share them (GQA), keeps scores in float32 and writes the output in the
 // query's dtype. Plain C++ with OpenMP (the same runtime torch uses); an AVX-512 path for the
-// common shapes.
+// common shapes, and an AVX2 one (paged_attention_avx2.cpp) for bfloat16 elsewhere.
 
 #include <cmath>
 #include <cstdint>
@@ -374,6 +374,14 @@ int infer_decode_attention(int dtype, int kv_kind, const void* query, int64_t q_
     else decode_attention_avx512<kKvFp8>(INFER_ARGS(uint16_t, uint8_t));
     return 0;
   }
+#endif
+#ifdef INFER_HAVE_AVX2
+  if (dtype == 1 && head_dim % 8 == 0 && head_dim <= 512)
+    return infer_decode_attention_avx2(kv_kind, static_cast<const uint16_t*>(query), q_stride,
+                                       key_cache, value_cache, key_scales, value_scales,
+                                       static_cast<uint16_t*>(out), block_tables, context_lens,
+                                       batch, num_heads, num_kv_heads, head_dim, block_size,
+                                       max_blocks, scale, window, num_threads);
 #endif
   if (dtype == 0) {
     if (kv_kind == kKvPlain) decode_attention<float, float, kKvPlain>(INFER_ARGS(float, float));

@@ -1,14 +1,19 @@
-// Shared helpers of the CPU kernels: paged-cache slots, bfloat16 <-> float32 and exp, scalar
-// and AVX-512.
+// Shared helpers of the CPU kernels: paged-cache slots, bfloat16 <-> float32 and exp, scalar,
+// AVX2 and AVX-512; a per-thread scratch buffer.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define INFER_HAVE_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define INFER_HAVE_AVX2 1
 #endif
 
 // How the KV cache stores its values (the Python side's kv_quant.KIND_CODES).
@@ -76,6 +81,101 @@ inline uint8_t f32_to_fp8e4m3(float x) {
   if (exp > 8 || (exp == 8 && q == 15)) return sign | 0x7e;
   return sign | static_cast<uint8_t>(((exp + 7) << 3) | (q - 8));
 }
+
+// A per-thread scratch buffer of at least `bytes` (64-byte aligned), kept between calls: freeing
+// it every call would give it back to the OS and fault its pages in again.
+inline void* thread_scratch(int64_t bytes) {
+  struct Buffer {
+    void* data = nullptr;
+    int64_t bytes = 0;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer buf;
+  if (buf.bytes < bytes) {
+    std::free(buf.data);
+    buf.data = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    buf.bytes = bytes;
+  }
+  return buf.data;
+}
+
+#ifdef INFER_HAVE_AVX2
+
+// 8 bf16 -> 8 float32.
+inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// 8 float32 -> 8 bf16, rounded to nearest even as torch rounds (a NaN stays a NaN, quieted).
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  const __m256i hi = _mm256_srli_epi32(r, 16);  // 8 x 16 bits in 32-bit lanes
+  return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+}
+
+inline void store_bf16x8(uint16_t* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16x8(v));
+}
+
+// e^x, float32 lanes, as exp16 below: 2^(x log2 e) as an integer power and a degree-5
+// polynomial on [-0.5, 0.5]; -87 and below give e^-87, above 88.72 +inf.
+inline __m256 exp8(__m256 x_in) {
+  const __m256 x = _mm256_min_ps(_mm256_max_ps(x_in, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, k);
+  __m256 p = _mm256_set1_ps(1.3333558146428443e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6180399924896104e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256 overflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(88.72f), _CMP_GT_OQ);
+  return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY),
+                          overflow);
+}
+
+// Eight vectors -> one: lane i of the result is the sum of the 8 lanes of v[i].
+inline __m256 sum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float reduce_add8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline float reduce_max8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// 8 int8 -> 8 float32.
+inline __m256 load_i8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 8 float8 e4m3 -> 8 float32, as load_fp8x16 below (through float16, F16C).
+inline __m256 load_fp8x8(const uint8_t* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.f));
+}
+
+#endif  // INFER_HAVE_AVX2
 
 #ifdef INFER_HAVE_AVX512
 

@@ -1,0 +1,197 @@
+// Linear layers on CPUs with AVX2 and FMA but neither AMX nor AVX-512 BF16 (AMD Zen 2/3, Intel
+// before Cooper Lake): y[M, N] = x[M, K] . W[N, K]^T (+ bias), on linear.cpp's packed tiles.
+//
+// No instruction here multiplies bf16, so each 64-byte tile row (16 outputs x one bf16 pair of
+// K) is widened in registers: the pair's low half shifted up is the float32 weight of k, its
+// high half masked is the weight of k + 1. Each widened vector then feeds one float32 FMA per
+// row of x, with x widened to float32 once per call and laid out so the rows of a group sit
+// side by side for each k:
+//
+//   xg      : [groups][K][R] float32, xg[g][k][i] = x[g*R + i][k] (rows past M are 0)
+//   tile row: | n0:(k, k+1) | n1:(k, k+1) | ... | n15:(k, k+1) |   (bf16 pairs, 2 x 32 bytes)
+//               \_ lo = pair << 16: W[n][k];  hi = pair & 0xffff0000: W[n][k+1]
+//   acc[i][n] = fma(x[i][k+1], hi[n], fma(x[i][k], lo[n], acc[i][n]))     for k = 0, 2, 4, ...
+//
+// Every (row, output) is one chain of FMAs in the order of K, from zero, then + bias and one
+// rounding: the same bits whatever the other rows are and whichever block shape ran it.
+//
+// Shapes (16 ymm registers): decode (M <= 64) runs 12 rows x 8 outputs (12 accumulators), so
+// each widened weight feeds 12 rows; prefill runs 6 rows x 16 outputs, which loads x half as
+// often per multiply, over 96-row chunks that stay in L2 while a panel of columns is walked.
+
+#include <cstdint>
+#include <omp.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#ifdef INFER_HAVE_AVX2
+
+namespace {
+
+constexpr int64_t kTallRows = 8;      // decode: rows per pass over a half block
+constexpr int64_t kTallMaxRows = 64;  // up to this many rows, the decode shape
+constexpr int64_t kBlockRows = 4;     // prefill: rows per block
+constexpr int64_t kChunkRows = 96;    // prefill: rows walked against one panel
+constexpr int64_t kPanel = 4;         // prefill: 16-column blocks per panel
+
+template <bool kOutF32>
+inline void store_out8(void* y, int64_t at, __m256 v) {
+  if (kOutF32)
+    _mm256_storeu_ps(static_cast<float*>(y) + at, v);
+  else
+    infer_simd::store_bf16x8(static_cast<uint16_t*>(y) + at, v);
+}
+
+// x [M, K] bf16 -> xg with groups of R rows (see the top of the file).
+inline void widen_rows(const uint16_t* x, float* xg, int64_t M, int64_t K, int64_t R,
+                       int num_threads) {
+  const int64_t groups = (M + R - 1) / R;
+#pragma omp parallel for num_threads(num_threads) collapse(2) schedule(static)
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t k = 0; k < K; k += 8) {
+      float* dst = xg + (g * K + k) * R;
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t m = g * R + i;
+        for (int64_t j = 0; j < 8; ++j)
+          dst[j * R + i] = m < M ? infer_simd::bf16_to_f32(x[m * K + k + j]) : 0.f;
+      }
+    }
+}
+
+// MR rows (MR <= 8) of group xg (groups of R rows) against outputs half*8 .. half*8 + 7 of the
+// 16-column block whose tiles start at wb.
+template <int MR, bool kOutF32>
+inline void tall_block(const float* xg, int64_t R, const uint16_t* wb, int half, const float* bias,
+                       void* y, int64_t m0, int64_t K, int64_t N, int64_t col) {
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* w = wb + half * 16;
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kp * 32) + 4096, _MM_HINT_T0);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kp * 32));
+    const float* x0 = xg + 2 * kp * R;
+    const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + i), lo, acc[i]);
+    const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + R + i), hi, acc[i]);
+  }
+  const __m256 b = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
+  for (int i = 0; i < MR; ++i) store_out8<kOutF32>(y, (m0 + i) * N + col, _mm256_add_ps(acc[i], b));
+}
+
+template <bool kOutF32>
+inline void tall_rows(const float* xg, int64_t R, const uint16_t* wb, int half, const float* bias,
+                      void* y, int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t col) {
+  switch (rows) {
+    case 1: tall_block<1, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
+    case 2: tall_block<2, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
+    case 3: tall_block<3, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
+    case 4: tall_block<4, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
+    case 5: tall_block<5, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
+    case 6: tall_block<6, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
+    case 7: tall_block<7, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
+    default: tall_block<8, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
+  }
+}
+
+// MR rows (MR <= 6) of group xg (groups of kBlockRows) against the 16 outputs of one block.
+template <int MR, bool kOutF32>
+inline void wide_block(const float* xg, const uint16_t* wb, const float* bias, void* y,
+                       int64_t m0, int64_t K, int64_t N, int64_t col) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    const auto* w = reinterpret_cast<const __m256i*>(wb + kp * 32);
+    const float* x0 = xg + 2 * kp * kBlockRows;
+    const __m256 lo0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w), 16));
+    const __m256 lo1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w + 1), 16));
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x0 + i);
+      acc[i][0] = _mm256_fmadd_ps(xv, lo0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, lo1, acc[i][1]);
+    }
+    const __m256 hi0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w), hi_mask));
+    const __m256 hi1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w + 1), hi_mask));
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x0 + kBlockRows + i);
+      acc[i][0] = _mm256_fmadd_ps(xv, hi0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, hi1, acc[i][1]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m256 b = bias ? _mm256_loadu_ps(bias + col + 8 * h) : _mm256_setzero_ps();
+    for (int i = 0; i < MR; ++i)
+      store_out8<kOutF32>(y, (m0 + i) * N + col + 8 * h, _mm256_add_ps(acc[i][h], b));
+  }
+}
+
+template <bool kOutF32>
+inline void wide_rows(const float* xg, const uint16_t* wb, const float* bias, void* y, int64_t m0,
+                      int64_t rows, int64_t K, int64_t N, int64_t col) {
+  switch (rows) {
+    case 1: wide_block<1, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    case 2: wide_block<2, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    case 3: wide_block<3, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    case 4: wide_block<4, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    case 5: wide_block<5, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    default: wide_block<6, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+  }
+}
+
+// Up to 64 rows: threads take contiguous runs of 16-column blocks (guided, as the AVX-512 path
+// does, so each thread's weights stay one forward stream); within a block, each half is walked
+// once per 12 rows, the later passes from cache. More rows: threads take 64-column panels one at
+// a time; within a panel, 96-row chunks in 6-row blocks.
+template <bool kOutF32>
+void fma_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
+                int64_t M, int64_t K, int64_t N, int num_threads) {
+  const int64_t nblocks = N / 16, block_elems = (K / 32) * 512;
+  const bool tall = M <= kTallMaxRows;
+  // Decode: as few passes of up to 8 rows as cover M, balanced (12 rows: 6 + 6, not 8 + 4).
+  const int64_t passes = (M + kTallRows - 1) / kTallRows;
+  const int64_t R = tall ? (M + passes - 1) / passes : kBlockRows;
+  const int64_t groups = (M + R - 1) / R;
+  auto* xg = static_cast<float*>(infer_simd::thread_scratch(groups * R * K * 4));
+  widen_rows(x, xg, M, K, R, num_threads);
+  if (tall) {
+#pragma omp parallel for num_threads(num_threads) schedule(guided)
+    for (int64_t b = 0; b < nblocks; ++b)
+      for (int half = 0; half < 2; ++half)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t m0 = g * R, rows = M - m0 < R ? M - m0 : R;
+          tall_rows<kOutF32>(xg + g * R * K, R, packed + b * block_elems, half, bias, y, m0,
+                             rows, K, N, b * 16 + half * 8);
+        }
+    return;
+  }
+  const int64_t npanels = (nblocks + kPanel - 1) / kPanel;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+  for (int64_t p = 0; p < npanels; ++p) {
+    const int64_t b1 = (p + 1) * kPanel < nblocks ? (p + 1) * kPanel : nblocks;
+    for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
+      const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
+      for (int64_t b = p * kPanel; b < b1; ++b)
+        for (int64_t m0 = c0; m0 < c1; m0 += kBlockRows) {
+          const int64_t rows = c1 - m0 < kBlockRows ? c1 - m0 : kBlockRows;
+          wide_rows<kOutF32>(xg + m0 * K, packed + b * block_elems, bias, y, m0, rows, K, N,
+                             b * 16);
+        }
+    }
+  }
+}
+
+}  // namespace
+
+// bf16 packed tiles only (int8 weights are widened in AMX tiles).
+int infer_fma_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
+                     int64_t M, int64_t K, int64_t N, int out_f32, int num_threads) {
+  if (out_f32) fma_linear<true>(x, packed, bias, y, M, K, N, num_threads);
+  else fma_linear<false>(x, packed, bias, y, M, K, N, num_threads);
+  return 0;
+}
+
+#endif  // INFER_HAVE_AVX2

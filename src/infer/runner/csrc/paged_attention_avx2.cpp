@@ -1,0 +1,209 @@
+// Decode attention over the paged KV cache on CPUs with AVX2 and FMA but not AVX-512 BF16 (AMD
+// Zen 2/3, Intel Haswell to Ice Lake client): paged_attention.cpp's bfloat16 path in 8-lane
+// float32 vectors, for a bf16, int8 or float8 cache.
+//
+// A work item is one sequence and a run of its kv heads [h0, h1), whose K (then V) rows sit next
+// to each other in each slot's row of the cache. Per item:
+//
+//   scores  S[h][j] = (q_h . k_j) * scale (* key scale)    8 keys at a time per query head:
+//                                                          8 accumulators, reduced together
+//   softmax per query head in float32 (vector exp)         (* value scale, for a scaled cache)
+//   values  out[h] = sum_j S[h][j] v_j                     one pass over the value rows, every
+//                                                          query head of the item at once,
+//                                                          sums in L1
+//
+// The scalar path's std::exp alone cost more than the rest of the kernel. Rows are gathered
+// through the block table, so the keys are prefetched by hand 16 rows ahead.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <omp.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#ifdef INFER_HAVE_AVX2
+
+namespace {
+
+constexpr int64_t kKeysAhead = 16;  // keys between a key row's prefetch and its use
+constexpr int64_t kRowsAhead = 8;   // value rows between a row's prefetch and its use
+
+// 8 stored cache values -> 8 float32 (before their row's scale).
+template <int kKind, typename KvT>
+inline __m256 load_kv8(const KvT* p) {
+  if constexpr (kKind == kKvInt8) return infer_simd::load_i8x8(reinterpret_cast<const int8_t*>(p));
+  else if constexpr (kKind == kKvFp8) return infer_simd::load_fp8x8(reinterpret_cast<const uint8_t*>(p));
+  else return infer_simd::load_bf16x8(reinterpret_cast<const uint16_t*>(p));
+}
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* r = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+}
+
+// Softmax of one head's n scores in place, in float32.
+inline void softmax(float* s, int64_t n) {
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+  float m = infer_simd::reduce_max8(vmax);
+  for (; j < n; ++j) m = s[j] > m ? s[j] : m;
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = infer_simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = infer_simd::reduce_add8(vsum);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  const __m256 vinv = _mm256_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+  for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), vinv));
+  for (; j < n; ++j) s[j] *= sum > 0.f ? 1.f / sum : 0.f;
+}
+
+template <int kKind, typename KvT>
+void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* key_cache,
+                           const KvT* value_cache, const uint16_t* key_scales,
+                           const uint16_t* value_scales, uint16_t* out,
+                           const int32_t* block_tables, const int32_t* context_lens,
+                           int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                           int64_t window, int num_threads) {
+  constexpr bool kScaled = kKind != kKvPlain;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int lanes = static_cast<int>(head_dim / 8);
+  int64_t splits = (2 * num_threads + batch - 1) / batch;
+  if (splits > num_kv_heads) splits = num_kv_heads;
+  if (splits < 1) splits = 1;
+  const int64_t heads_per_item = (num_kv_heads + splits - 1) / splits;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores, qf, vacc;
+    std::vector<const KvT*> krows;
+    std::vector<int64_t> slots;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < batch * splits; ++item) {
+      const int64_t b = item / splits;
+      const int64_t h0 = (item % splits) * heads_per_item;
+      const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
+      if (h0 >= h1) continue;
+      const int64_t nq = (h1 - h0) * group;  // query heads of this item
+      const int64_t len = context_lens[b];
+      const int64_t start = (window > 0 && len > window) ? len - window : 0;
+      const int64_t n = len - start;
+      uint16_t* ob = out + (b * num_heads + h0 * group) * head_dim;
+      if (n <= 0) {
+        std::memset(ob, 0, nq * head_dim * 2);
+        continue;
+      }
+      const int64_t npad = (n + 7) / 8 * 8;
+      const int32_t* table = block_tables + b * max_blocks;
+      scores.resize(nq * npad);
+      krows.resize(npad);
+      slots.resize(npad);
+      for (int64_t j = 0; j < npad; ++j) {
+        const int64_t slot = infer_simd::paged_slot(table, start + (j < n ? j : 0), block_size);
+        slots[j] = slot;  // padding keys repeat the first one
+        krows[j] = key_cache + slot * slot_stride + h0 * head_dim;
+      }
+      const int64_t item_bytes = (h1 - h0) * head_dim * static_cast<int64_t>(sizeof(KvT));
+      for (int64_t j = 0; j < kKeysAhead && j < npad; ++j) prefetch_bytes(krows[j], item_bytes);
+      const uint16_t* qb = query + b * q_stride + h0 * group * head_dim;
+      qf.resize(nq * head_dim);
+      for (int64_t i = 0; i < nq * head_dim; ++i) qf[i] = infer_simd::bf16_to_f32(qb[i]);
+      // Scores, laid out [nq][n] (a head's padding past n is written over by the next head's).
+      const __m256 vscale = _mm256_set1_ps(scale);
+      for (int64_t j0 = 0; j0 < npad; j0 += 8) {
+        for (int64_t i = j0 + kKeysAhead; i < j0 + kKeysAhead + 8 && i < npad; ++i)
+          prefetch_bytes(krows[i], item_bytes);
+        for (int64_t h = 0; h < nq; ++h) {
+          const int64_t off = (h / group) * head_dim;
+          const float* qh = qf.data() + h * head_dim;
+          __m256 acc[8];
+          for (int i = 0; i < 8; ++i) {
+            const KvT* k = krows[j0 + i] + off;
+            __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qh), load_kv8<kKind>(k));
+            for (int c = 1; c < lanes; ++c)
+              s = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c * 8), load_kv8<kKind>(k + c * 8), s);
+            acc[i] = s;
+          }
+          __m256 r = _mm256_mul_ps(infer_simd::sum8(acc), vscale);
+          if constexpr (kScaled) {
+            alignas(32) float ks[8];
+            const int64_t kvh = h0 + h / group;
+            for (int i = 0; i < 8; ++i)
+              ks[i] = infer_simd::bf16_to_f32(key_scales[slots[j0 + i] * num_kv_heads + kvh]);
+            r = _mm256_mul_ps(r, _mm256_load_ps(ks));
+          }
+          if (n - j0 >= 8) {
+            _mm256_storeu_ps(scores.data() + h * n + j0, r);
+          } else {
+            alignas(32) float tail[8];
+            _mm256_store_ps(tail, r);
+            std::memcpy(scores.data() + h * n + j0, tail, (n - j0) * sizeof(float));
+          }
+        }
+      }
+      for (int64_t h = 0; h < nq; ++h) {
+        float* sg = scores.data() + h * n;
+        softmax(sg, n);
+        if constexpr (kScaled) {
+          const int64_t kvh = h0 + h / group;
+          for (int64_t j = 0; j < n; ++j)
+            sg[j] *= infer_simd::bf16_to_f32(value_scales[slots[j] * num_kv_heads + kvh]);
+        }
+      }
+      // Values: every query head of the item in one pass over its value rows.
+      vacc.assign(nq * head_dim, 0.f);
+      float* acc = vacc.data();
+      auto vrow = [&](int64_t j) { return value_cache + slots[j] * slot_stride + h0 * head_dim; };
+      for (int64_t j = 0; j < kRowsAhead && j < n; ++j) prefetch_bytes(vrow(j), item_bytes);
+      for (int64_t j = 0; j < n; ++j) {
+        if (j + kRowsAhead < n) prefetch_bytes(vrow(j + kRowsAhead), item_bytes);
+        const KvT* row = vrow(j);
+        for (int64_t h = 0; h < nq; ++h) {
+          const __m256 p = _mm256_set1_ps(scores[h * n + j]);
+          const KvT* v = row + (h / group) * head_dim;
+          float* a = acc + h * head_dim;
+          for (int c = 0; c < lanes; ++c)
+            _mm256_storeu_ps(a + c * 8, _mm256_fmadd_ps(p, load_kv8<kKind>(v + c * 8),
+                                                        _mm256_loadu_ps(a + c * 8)));
+        }
+      }
+      for (int64_t i = 0; i + 8 <= nq * head_dim; i += 8)
+        infer_simd::store_bf16x8(ob + i, _mm256_loadu_ps(acc + i));
+    }
+  }
+}
+
+}  // namespace
+
+// infer_decode_attention's bfloat16 path on AVX2 (head_dim a multiple of 8): same arguments.
+int infer_decode_attention_avx2(int kv_kind, const uint16_t* query, int64_t q_stride,
+                                const void* key_cache, const void* value_cache,
+                                const uint16_t* key_scales, const uint16_t* value_scales,
+                                uint16_t* out, const int32_t* block_tables,
+                                const int32_t* context_lens, int64_t batch, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                int64_t max_blocks, float scale, int64_t window,
+                                int num_threads) {
+#define INFER_ARGS(KV)                                                                         \
+  query, q_stride, static_cast<const KV*>(key_cache), static_cast<const KV*>(value_cache),     \
+      key_scales, value_scales, out, block_tables, context_lens, batch, num_heads,             \
+      num_kv_heads, head_dim, block_size, max_blocks, scale, window, num_threads
+  if (kv_kind == kKvPlain) decode_attention_avx2<kKvPlain>(INFER_ARGS(uint16_t));
+  else if (kv_kind == kKvInt8) decode_attention_avx2<kKvInt8>(INFER_ARGS(int8_t));
+  else decode_attention_avx2<kKvFp8>(INFER_ARGS(uint8_t));
+#undef INFER_ARGS
+  return 0;
+}
+
+#endif  // INFER_HAVE_AVX2
