@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -19,12 +20,14 @@ from infer.bench.vs_vllm import (
     Cell,
     OtherLoad,
     _involuntary_switches,
+    _vllm_dtype_note,
     check_targets,
     client_command,
     finish,
     median_result,
     parse_result,
     parse_workloads,
+    peer_dtype,
 )
 
 
@@ -230,6 +233,16 @@ def test_server_commands_share_the_serving_flags():
     assert env["VLLM_TARGET_DEVICE"] == "cpu"
     cmd, _ = server_command("infer", Path("/m"), 1, "bfloat16", 4, '--torch-threads "1"')
     assert cmd[-2:] == ["--torch-threads", "1"]
+
+
+def test_vllm_may_serve_in_its_own_dtype():
+    args = argparse.Namespace(dtype="bfloat16", vllm_dtype=None)
+    assert peer_dtype("vllm", args) == peer_dtype("infer", args) == "bfloat16"
+    args.vllm_dtype = "float32"
+    assert (peer_dtype("infer", args), peer_dtype("vllm", args)) == ("bfloat16", "float32")
+    cfg = {"dtype": "bfloat16", "vllm_dtype": "float32"}
+    assert _vllm_dtype_note(cfg) == " (vLLM: `--dtype float32`)"
+    assert _vllm_dtype_note({"dtype": "bfloat16"}) == ""
 
 
 def _free_port() -> int:

@@ -14,7 +14,7 @@ from ._kernel_helpers import count_calls, shuffled_block_tables
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(
     kernels is None or not kernels.has_prefill_attention,
-    reason="the prefill kernel needs a C++ compiler and AVX-512 BF16",
+    reason="the prefill kernel needs a C++ compiler and AVX-512 BF16 or AVX2",
 )
 
 

@@ -440,6 +440,12 @@ def register(subparsers) -> None:
     vs.add_argument("--warmup-output-len", type=int, default=16,
                     help="output tokens of the warm-up run (C prompts) before each cell")  # fmt: skip
     vs.add_argument("--dtype", default="bfloat16")
+    vs.add_argument(
+        "--vllm-dtype",
+        default=None,
+        help="vLLM's dtype where it differs from --dtype (float32 on a CPU without AVX-512, "
+        "where vLLM's bf16 matmuls are slow)",
+    )
     vs.add_argument("--max-num-seqs", type=int, default=64)
     vs.add_argument("--max-model-len", type=int, default=2048)
     vs.add_argument("--served-name", default=None, help="served model name (default: folder name)")

@@ -459,6 +459,11 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
     return row
 
 
+def peer_dtype(peer: str, args: argparse.Namespace) -> str:
+    """The dtype ``peer`` serves in: ``--dtype``, or ``--vllm-dtype`` for vLLM where given."""
+    return (args.vllm_dtype or args.dtype) if peer == "vllm" else args.dtype
+
+
 def run_peer_round(peer: str, round_idx: int, cells: list[Cell], ctx: dict) -> dict:
     """Start ``peer``'s server, measure every cell, stop it (always)."""
     from infer.bench.peers import server_command, start_server, stop_server, wait_healthy
@@ -469,7 +474,7 @@ def run_peer_round(peer: str, round_idx: int, cells: list[Cell], ctx: dict) -> d
         peer,
         ctx["model"],
         args.port,
-        args.dtype,
+        peer_dtype(peer, args),
         args.max_num_seqs,
         extra,
         max_model_len=args.max_model_len,
@@ -660,6 +665,11 @@ def _fmt(x: float | None, nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _vllm_dtype_note(cfg: dict) -> str:
+    vdt = cfg.get("vllm_dtype") or cfg["dtype"]
+    return "" if vdt == cfg["dtype"] else f" (vLLM: `--dtype {vdt}`)"
+
+
 def render(report: dict) -> str:
     """The Markdown report of :func:`run`'s JSON."""
     cfg, med = report["config"], report["medians"]
@@ -669,7 +679,7 @@ def render(report: dict) -> str:
         "",
         f"{report['created']}. Model `{cfg['model']}` served as `{cfg['served_name']}`, "
         f"`--dtype {cfg['dtype']} --max-num-seqs {cfg['max_num_seqs']} --max-model-len "
-        f"{cfg['max_model_len']}` for both; infer extra args: `{cfg['infer_args'] or '-'}`, "
+        f"{cfg['max_model_len']}` for both{_vllm_dtype_note(cfg)}; infer extra args: `{cfg['infer_args'] or '-'}`, "
         f"vLLM extra args: `{cfg['vllm_args'] or '-'}`. Servers run one at a time; "
         f"{cfg['runs']} round(s), the peers' order alternating; medians over rounds. "
         f"Client: `vllm bench serve`, random prompts, `--ignore-eos --temperature 0`, "
@@ -854,6 +864,7 @@ def run(args: argparse.Namespace) -> int:
             "served_name": ctx["served_name"],
             "peers": peers,
             "dtype": args.dtype,
+            "vllm_dtype": peer_dtype("vllm", args),
             "max_num_seqs": args.max_num_seqs,
             "max_model_len": args.max_model_len,
             "runs": args.runs,

@@ -276,7 +276,7 @@ class AttentionContext:
             )
         self._all_decode = self._decode is not None and not self._prefills
         self._kernels = cpu_kernels() if self.device.type == "cpu" else None
-        # Prompt chunks for the C++ prefill kernel (CPU, AVX-512 BF16): one call per layer for
+        # Prompt chunks for the C++ prefill kernel (CPU, AVX-512 BF16 or AVX2): one call per layer for
         # every chunk of the step, reading K and V in place through the block tables.
         self._chunks: PrefillChunks | None = None
         if self._prefills and self._kernels is not None and self._kernels.has_prefill_attention:

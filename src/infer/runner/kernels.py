@@ -312,7 +312,7 @@ class CpuKernels:
 
     def tiled_linear_supports(self, weight: torch.Tensor) -> bool:
         """Whether the tiled linear kernel takes this ``[N, K]`` weight (N % 16, K % 32): bf16
-        with AMX or AVX-512 BF16, int8 with AMX only."""
+        with AMX, AVX-512 BF16 or AVX2, int8 with AMX only."""
         n, k = weight.shape
         if weight.dtype == torch.int8:
             ok_dtype = self.has_amx
@@ -414,7 +414,7 @@ class CpuKernels:
         return out
 
     def can_prefill(self, query: torch.Tensor, cache: KVCache) -> bool:
-        """Whether :meth:`prefill_attention` takes this query over ``cache``: AVX-512 BF16,
+        """Whether :meth:`prefill_attention` takes this query over ``cache``: AVX-512 BF16 or AVX2,
         bf16 query and cache (or an int8 / fp8 cache read as bf16), ``head_dim`` a multiple of
         32 up to 256."""
         d = query.shape[-1]

@@ -3,15 +3,19 @@
 ``F.linear`` on a bfloat16 CPU tensor re-lays out the weight for oneDNN's blocked kernels on every
 call. Two replacements for ``nn.Linear`` (and for the vocabulary projection) avoid that:
 
-- :class:`TiledLinear` (CPUs with AMX or AVX-512 BF16, where the C++ kernels build): the
+- :class:`TiledLinear` (CPUs with AMX, AVX-512 BF16 or AVX2, where the C++ kernels build): the
   weight in AMX's tile layout, multiplied by :func:`infer.runner.kernels.CpuKernels.tiled_linear`
-  (AMX tiles, else ``VDPBF16PS`` on the same layout), which streams each weight from memory once
-  per call. Decode is bound by reading weights: measured on a 2-core Sapphire Rapids VM, the
-  ~110M Llama's 49 projections take 8.1 ms at 1 row and 13.2 ms at 64 rows, against 10.3 and
-  16.0 ms with oneDNN's packed weights (a 2-core Zen 5 VM without AMX: 0.02 vs 0.04 ms for the
-  768 x 2304 qkv at 1 row, 1.9 vs 5.8 ms at 512 rows). A row's result does not depend on the
-  other rows of the batch, so a token gets the same bits whatever it is batched with.
-- :class:`PackedLinear` (elsewhere): the weight pre-packed for oneDNN (``torch.ops.mkldnn``, what
+  (AMX tiles, else ``VDPBF16PS`` on the same layout, else float32 FMAs on weights widened in
+  registers), which streams each weight from memory once per call. Decode is bound by reading
+  weights: measured on a 2-core Sapphire Rapids VM, the ~110M Llama's 49 projections take 8.1 ms
+  at 1 row and 13.2 ms at 64 rows, against 10.3 and 16.0 ms with oneDNN's packed weights (a
+  2-core Zen 5 VM without AMX: 0.02 vs 0.04 ms for the 768 x 2304 qkv at 1 row, 1.9 vs 5.8 ms at
+  512 rows; a 2-core Zen 3 VM, AVX2 only, where oneDNN packs no bf16 and ``F.linear`` takes
+  torch's slow bf16 path: the whole model at 16 rows 28 vs 195 ms). A row's result does not
+  depend on the other rows of the batch, so a token gets the same bits whatever it is batched
+  with.
+- :class:`PackedLinear` (elsewhere, where oneDNN packs bf16: AVX-512 or AVX-NE-CONVERT): the
+  weight pre-packed for oneDNN (``torch.ops.mkldnn``, what
   inductor uses for the same purpose): about half the time of ``F.linear``'s per-call reorder at
   decode sizes, the same kernel's results bit for bit.
 
@@ -60,7 +64,7 @@ class PackedLinear(nn.Module):
 
 
 class TiledLinear(nn.Module):
-    """``y = x @ W^T + b`` by the tiled kernel (AMX, else AVX-512 BF16); ``W`` in its tile
+    """``y = x @ W^T + b`` by the tiled kernel (AMX, else AVX-512 BF16, else AVX2); ``W`` in its tile
     layout, ``b`` kept in float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CpuKernels):

@@ -1,7 +1,7 @@
 // Prefill attention over the paged KV cache, for CPUs with AVX-512 BF16 (Zen 4/5, Sapphire
-// Rapids and later): a prompt chunk of n tokens attends causally to its sequence's past and to
-// itself, read in place from the cache through the block table (this step's K and V are stored
-// before attention is called).
+// Rapids and later) or AVX2 (the same layouts widened to float32 in registers): a prompt chunk of
+// n tokens attends causally to its sequence's past and to itself, read in place from the cache
+// through the block table (this step's K and V are stored before attention is called).
 //
 //   query  : [T, heads, head_dim] bf16 rows of the step (row stride q_stride elements)
 //   cache  : [num_slots, kv_heads, head_dim] (one layer), slot = table[p / bs] * bs + p % bs;
@@ -36,11 +36,15 @@
 #include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INFER_PREFILL_AVX512 1
+#elif defined(INFER_HAVE_AVX2)
+#define INFER_PREFILL_AVX2 1
+#endif
+#if defined(INFER_PREFILL_AVX512) || defined(INFER_PREFILL_AVX2)
 #define INFER_HAVE_PREFILL_ATTENTION 1
 
 namespace {
 
-using infer_simd::exp16;
 using infer_simd::paged_slot;
 
 constexpr int kRowsPerTile = 48;  // (query, head) rows per tile: scores stay in L2 up to ~4K keys
@@ -104,6 +108,9 @@ void pack_values(const KvRows& values, const int32_t* table, int64_t block_size,
     const uint16_t* a = values.row(paged_slot(table, base + j0, block_size), kvh, scratch);
     if (j1 < nk) {
       const uint16_t* b = values.row(paged_slot(table, base + j1, block_size), kvh, scratch + head_dim);
+#ifdef INFER_PREFILL_AVX2
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = a[d] | static_cast<uint32_t>(b[d]) << 16;
+#else
       for (int64_t d = 0; d < head_dim; d += 32) {  // interleave 32 dims of a and b
         const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
         const __m512i lo_idx = _mm512_set_epi16(
@@ -113,11 +120,14 @@ void pack_values(const KvRows& values, const int32_t* table, int64_t block_size,
         _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(va, lo_idx, vb));
         _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
       }
+#endif
     } else {
       for (int64_t d = 0; d < head_dim; ++d) dst[d] = a[d];
     }
   }
 }
+
+#ifdef INFER_PREFILL_AVX512
 
 // S[i][jb*16 ..] = q_i . k for MR rows and NB blocks of 16 keys, float32.
 template <int MR, int NB>
@@ -189,10 +199,199 @@ inline void pv_rows(int rows, const uint16_t* pr, int64_t p_stride, const uint32
   }
 }
 
+using Prob = uint16_t;  // probabilities, rounded to bf16 for the value products
+constexpr int64_t kTileRows = 6;  // rows per micro-kernel call
+
+// Scores of rows r0 .. r0 + mr - 1 against nb blocks of 16 keys (nb <= 4), scaled.
+inline void qk_tile(int nb, int mr, const uint16_t* const* q, const uint32_t* kp, int64_t pairs,
+                    float* s, int64_t s_stride, float scale) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  switch (nb) {
+    case 1: qk_rows<1>(mr, q, kp, pairs, s, s_stride, vscale); break;
+    case 2: qk_rows<2>(mr, q, kp, pairs, s, s_stride, vscale); break;
+    case 3: qk_rows<3>(mr, q, kp, pairs, s, s_stride, vscale); break;
+    default: qk_rows<4>(mr, q, kp, pairs, s, s_stride, vscale); break;
+  }
+}
+
+// Value sums of mr rows over npairs key pairs, for nb blocks of 16 dims (nb <= 4).
+inline void pv_tile(int nb, int mr, const Prob* pr, int64_t p_stride, const uint32_t* vw,
+                    int64_t head_dim, int64_t npairs, bool first, float* acc) {
+  switch (nb) {
+    case 1: pv_rows<1>(mr, pr, p_stride, vw, head_dim, npairs, first, acc); break;
+    case 2: pv_rows<2>(mr, pr, p_stride, vw, head_dim, npairs, first, acc); break;
+    case 3: pv_rows<3>(mr, pr, p_stride, vw, head_dim, npairs, first, acc); break;
+    default: pv_rows<4>(mr, pr, p_stride, vw, head_dim, npairs, first, acc); break;
+  }
+}
+
+// One row's softmax: visible columns [lo, hi]; everything else becomes probability 0. Only the
+// 16-column chunks that straddle lo or hi need a mask. Returns 1 / the sum of the row.
+inline float softmax_row(const float* s, Prob* p, int64_t lo, int64_t hi, int64_t ncols) {
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t c_lo = lo / 16 * 16, c_hi = hi / 16 * 16;  // first and last chunk used
+  auto mask_of = [&](int64_t c) -> __mmask16 {
+    const __m512i col = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(c)));
+    return _mm512_cmpge_epi32_mask(col, _mm512_set1_epi32(static_cast<int>(lo))) &
+           _mm512_cmple_epi32_mask(col, _mm512_set1_epi32(static_cast<int>(hi)));
+  };
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = c_lo; c <= c_hi; c += 16) {
+    const __mmask16 ok = (c == c_lo || c == c_hi) ? mask_of(c) : 0xffff;
+    vmax = _mm512_mask_max_ps(vmax, ok, vmax, _mm512_loadu_ps(s + c));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < c_lo; c += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), _mm256_setzero_si256());
+  for (int64_t c = c_lo; c <= c_hi; c += 16) {
+    __m512 e = infer_simd::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m));
+    if (c == c_lo || c == c_hi) e = _mm512_maskz_mov_ps(mask_of(c), e);
+    vsum = _mm512_add_ps(vsum, e);
+    // Values in [0, 1], never NaN or denormal (exp16 stops at e^-87): the BF16 instruction
+    // rounds them to nearest even like the integer path.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  for (int64_t c = c_hi + 16; c < ncols; c += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), _mm256_setzero_si256());
+  const float sum = _mm512_reduce_add_ps(vsum);
+  return sum > 0.f ? 1.f / sum : 0.f;
+}
+
+// out = bf16(o * inv), head_dim values.
+inline void store_row(uint16_t* out, const float* o, float inv, int64_t head_dim) {
+  const __m512 v = _mm512_set1_ps(inv);
+  for (int64_t d = 0; d < head_dim; d += 16)
+    infer_simd::store_bf16x16(out + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), v));
+}
+
+#endif  // INFER_PREFILL_AVX512
+
+#ifdef INFER_PREFILL_AVX2
+
+// AVX2: no bf16 products, so the packed words are widened in registers as linear_avx2.cpp does
+// (a word's low half shifted up is the even element, its high half masked the odd one) and
+// multiplied in float32 FMAs; the probabilities are kept as float32 values rounded to bf16 (the
+// same numbers the bf16 path multiplies).
+using Prob = float;
+constexpr int64_t kTileRows = 4;
+
+inline __m256 word_lo(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+inline __m256 word_hi(__m256i w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// acc[i][h] (+)= sum_p a_i[2p] * lo(w[p][h]) + a_i[2p+1] * hi(w[p][h]): MR rows of float32 a
+// (row i at a + i * a_stride) against 16 lanes of packed words (w + p * w_stride, two vectors).
+template <int MR>
+inline void fma_words(const float* a, int64_t a_stride, const uint32_t* w, int64_t w_stride,
+                      int64_t n, __m256 (&acc)[MR][2]) {
+  for (int64_t p = 0; p < n; ++p) {
+    const auto* wp = reinterpret_cast<const __m256i*>(w + p * w_stride);
+    const __m256 lo0 = word_lo(_mm256_loadu_si256(wp)), lo1 = word_lo(_mm256_loadu_si256(wp + 1));
+    for (int i = 0; i < MR; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * a_stride + 2 * p);
+      acc[i][0] = _mm256_fmadd_ps(x, lo0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(x, lo1, acc[i][1]);
+    }
+    const __m256 hi0 = word_hi(_mm256_loadu_si256(wp)), hi1 = word_hi(_mm256_loadu_si256(wp + 1));
+    for (int i = 0; i < MR; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * a_stride + 2 * p + 1);
+      acc[i][0] = _mm256_fmadd_ps(x, hi0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(x, hi1, acc[i][1]);
+    }
+  }
+}
+
+template <int MR>
+inline void qk_block(const float* qf, int64_t head_dim, const uint32_t* kp, int64_t pairs,
+                     float* s, int64_t s_stride, __m256 scale) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  fma_words<MR>(qf, head_dim, kp, 16, pairs, acc);
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(s + i * s_stride + 8 * h, _mm256_mul_ps(acc[i][h], scale));
+}
+
+inline void qk_tile(int nb, int mr, const uint16_t* const* q, const uint32_t* kp, int64_t pairs,
+                    float* s, int64_t s_stride, float scale) {
+  const int64_t head_dim = 2 * pairs;
+  alignas(32) float qf[kTileRows * 256];  // the rows in float32 (head_dim <= 256)
+  for (int i = 0; i < mr; ++i)
+    for (int64_t d = 0; d < head_dim; ++d) qf[i * head_dim + d] = infer_simd::bf16_to_f32(q[i][d]);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int j = 0; j < nb; ++j) {
+    const uint32_t* kb = kp + j * pairs * 16;
+    switch (mr) {
+      case 1: qk_block<1>(qf, head_dim, kb, pairs, s + j * 16, s_stride, vscale); break;
+      case 2: qk_block<2>(qf, head_dim, kb, pairs, s + j * 16, s_stride, vscale); break;
+      case 3: qk_block<3>(qf, head_dim, kb, pairs, s + j * 16, s_stride, vscale); break;
+      default: qk_block<4>(qf, head_dim, kb, pairs, s + j * 16, s_stride, vscale); break;
+    }
+  }
+}
+
+template <int MR>
+inline void pv_block(const Prob* pr, int64_t p_stride, const uint32_t* vw, int64_t head_dim,
+                     int64_t npairs, bool first, float* acc_rows) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h)
+      acc[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_rows + i * head_dim + 8 * h);
+  fma_words<MR>(pr, p_stride, vw, head_dim, npairs, acc);
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_rows + i * head_dim + 8 * h, acc[i][h]);
+}
+
+inline void pv_tile(int nb, int mr, const Prob* pr, int64_t p_stride, const uint32_t* vw,
+                    int64_t head_dim, int64_t npairs, bool first, float* acc) {
+  for (int j = 0; j < nb; ++j) {
+    switch (mr) {
+      case 1: pv_block<1>(pr, p_stride, vw + j * 16, head_dim, npairs, first, acc + j * 16); break;
+      case 2: pv_block<2>(pr, p_stride, vw + j * 16, head_dim, npairs, first, acc + j * 16); break;
+      case 3: pv_block<3>(pr, p_stride, vw + j * 16, head_dim, npairs, first, acc + j * 16); break;
+      default: pv_block<4>(pr, p_stride, vw + j * 16, head_dim, npairs, first, acc + j * 16); break;
+    }
+  }
+}
+
+inline float softmax_row(const float* s, Prob* p, int64_t lo, int64_t hi, int64_t ncols) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t c_lo = lo / 8 * 8, c_hi = hi / 8 * 8;
+  auto visible = [&](int64_t c) {  // lanes with lo <= column <= hi
+    const __m256i col = _mm256_add_epi32(iota, _mm256_set1_epi32(static_cast<int>(c)));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lo)), col);
+    const __m256i above = _mm256_cmpgt_epi32(col, _mm256_set1_epi32(static_cast<int>(hi)));
+    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_or_si256(below, above), _mm256_set1_epi32(-1)));
+  };
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (int64_t c = c_lo; c <= c_hi; c += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + c), visible(c)));
+  const __m256 m = _mm256_set1_ps(infer_simd::reduce_max8(vmax));
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t c = 0; c < c_lo; c += 8) _mm256_storeu_ps(p + c, _mm256_setzero_ps());
+  for (int64_t c = c_lo; c <= c_hi; c += 8) {
+    const __m256 e = _mm256_and_ps(infer_simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), m)), visible(c));
+    vsum = _mm256_add_ps(vsum, e);
+    _mm256_storeu_ps(p + c, infer_simd::round_bf16x8(e));
+  }
+  for (int64_t c = c_hi + 8; c < ncols; c += 8) _mm256_storeu_ps(p + c, _mm256_setzero_ps());
+  const float sum = infer_simd::reduce_add8(vsum);
+  return sum > 0.f ? 1.f / sum : 0.f;
+}
+
+inline void store_row(uint16_t* out, const float* o, float inv, int64_t head_dim) {
+  const __m256 v = _mm256_set1_ps(inv);
+  for (int64_t d = 0; d < head_dim; d += 8)
+    infer_simd::store_bf16x8(out + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), v));
+}
+
+#endif  // INFER_PREFILL_AVX2
+
 struct Buffers {
   std::vector<uint32_t> kp, vw;
   std::vector<float> s, inv, o;
-  std::vector<uint16_t> p, scratch;
+  std::vector<Prob> p;
+  std::vector<uint16_t> scratch;
   std::vector<const uint16_t*> qrows;
   std::vector<uint16_t*> orows;
   std::vector<int64_t> lo, hi;  // per row: first and last visible key column
@@ -236,57 +435,20 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
       buf.lo[r] = first_key(past + qi) - base - c_start;
       buf.hi[r] = past + qi - base - c_start;  // inclusive
     }
-    // Scores, scaled: a block of 64 keys (in L1) against every row, 6 rows at a time.
-    const __m512 vscale = _mm512_set1_ps(scale);
+    // Scores, scaled: a block of 64 keys (in L1) against every row, kTileRows rows at a time.
     const uint32_t* kp0 = buf.kp.data() + c_start / 16 * pairs * 16;
     for (int64_t c = 0; c < ncols; c += 64) {
       const int nb = static_cast<int>((ncols - c) / 16 < 4 ? (ncols - c) / 16 : 4);
       const uint32_t* kp = kp0 + c / 16 * pairs * 16;
-      for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-        const int mr = static_cast<int>(rows - r0 < 6 ? rows - r0 : 6);
-        float* s = buf.s.data() + r0 * ncols + c;
-        const uint16_t* const* q = buf.qrows.data() + r0;
-        switch (nb) {
-          case 1: qk_rows<1>(mr, q, kp, pairs, s, ncols, vscale); break;
-          case 2: qk_rows<2>(mr, q, kp, pairs, s, ncols, vscale); break;
-          case 3: qk_rows<3>(mr, q, kp, pairs, s, ncols, vscale); break;
-          default: qk_rows<4>(mr, q, kp, pairs, s, ncols, vscale); break;
-        }
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+        const int mr = static_cast<int>(rows - r0 < kTileRows ? rows - r0 : kTileRows);
+        qk_tile(nb, mr, buf.qrows.data() + r0, kp, pairs, buf.s.data() + r0 * ncols + c, ncols,
+                scale);
       }
     }
-    // Softmax rows: visible columns [lo, hi]; everything else becomes probability 0. Only the
-    // 16-column chunks that straddle lo or hi need a mask.
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* s = buf.s.data() + r * ncols;
-      uint16_t* p = buf.p.data() + r * ncols;
-      const int64_t lo = buf.lo[r], hi = buf.hi[r];
-      const int64_t c_lo = lo / 16 * 16, c_hi = hi / 16 * 16;  // first and last chunk used
-      auto mask_of = [&](int64_t c) -> __mmask16 {
-        const __m512i col = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(c)));
-        return _mm512_cmpge_epi32_mask(col, _mm512_set1_epi32(static_cast<int>(lo))) &
-               _mm512_cmple_epi32_mask(col, _mm512_set1_epi32(static_cast<int>(hi)));
-      };
-      __m512 vmax = _mm512_set1_ps(-INFINITY);
-      for (int64_t c = c_lo; c <= c_hi; c += 16) {
-        const __mmask16 ok = (c == c_lo || c == c_hi) ? mask_of(c) : 0xffff;
-        vmax = _mm512_mask_max_ps(vmax, ok, vmax, _mm512_loadu_ps(s + c));
-      }
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t c = 0; c < c_lo; c += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), _mm256_setzero_si256());
-      for (int64_t c = c_lo; c <= c_hi; c += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m));
-        if (c == c_lo || c == c_hi) e = _mm512_maskz_mov_ps(mask_of(c), e);
-        vsum = _mm512_add_ps(vsum, e);
-        // Values in [0, 1], never NaN or denormal (exp16 stops at e^-87): the BF16 instruction
-        // rounds them to nearest even like the integer path.
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), (__m256i)_mm512_cvtneps_pbh(e));
-      }
-      for (int64_t c = c_hi + 16; c < ncols; c += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), _mm256_setzero_si256());
-      const float sum = _mm512_reduce_add_ps(vsum);
-      buf.inv[r] = sum > 0.f ? 1.f / sum : 0.f;
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      buf.inv[r] = softmax_row(buf.s.data() + r * ncols, buf.p.data() + r * ncols, buf.lo[r],
+                               buf.hi[r], ncols);
     // Values: 16 KiB of value pairs at a time (in L1) into every row's float32 sums.
     const uint32_t* vw0 = buf.vw.data() + c_start / 2 * head_dim;
     const int64_t npairs = ncols / 2;
@@ -294,28 +456,18 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
     buf.o.resize(rows * head_dim);
     for (int64_t j0 = 0; j0 < npairs; j0 += chunk) {
       const int64_t nj = npairs - j0 < chunk ? npairs - j0 : chunk;
-      for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-        const int mr = static_cast<int>(rows - r0 < 6 ? rows - r0 : 6);
-        const uint16_t* pr = buf.p.data() + r0 * ncols + 2 * j0;
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+        const int mr = static_cast<int>(rows - r0 < kTileRows ? rows - r0 : kTileRows);
+        const Prob* pr = buf.p.data() + r0 * ncols + 2 * j0;
         for (int64_t d = 0; d < head_dim; d += 64) {
           const int nb = static_cast<int>((head_dim - d) / 16 < 4 ? (head_dim - d) / 16 : 4);
-          const uint32_t* vw = vw0 + j0 * head_dim + d;
-          float* acc = buf.o.data() + r0 * head_dim + d;
-          switch (nb) {
-            case 1: pv_rows<1>(mr, pr, ncols, vw, head_dim, nj, j0 == 0, acc); break;
-            case 2: pv_rows<2>(mr, pr, ncols, vw, head_dim, nj, j0 == 0, acc); break;
-            case 3: pv_rows<3>(mr, pr, ncols, vw, head_dim, nj, j0 == 0, acc); break;
-            default: pv_rows<4>(mr, pr, ncols, vw, head_dim, nj, j0 == 0, acc); break;
-          }
+          pv_tile(nb, mr, pr, ncols, vw0 + j0 * head_dim + d, head_dim, nj, j0 == 0,
+                  buf.o.data() + r0 * head_dim + d);
         }
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 inv = _mm512_set1_ps(buf.inv[r]);
-      for (int64_t d = 0; d < head_dim; d += 16)
-        infer_simd::store_bf16x16(buf.orows[r] + d,
-                                  _mm512_mul_ps(_mm512_loadu_ps(buf.o.data() + r * head_dim + d), inv));
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      store_row(buf.orows[r], buf.o.data() + r * head_dim, buf.inv[r], head_dim);
   }
 }
 
