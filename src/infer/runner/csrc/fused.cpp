@@ -108,6 +108,28 @@ int infer_add_rms_norm(const uint16_t* x, const uint16_t* h, const uint16_t* wei
       }
       continue;
     }
+#elif defined(INFER_HAVE_AVX2)
+    if (dim % 8 == 0) {
+      using namespace infer_simd;
+      __m256 vss = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 8) {
+        __m256 v = load_bf16x8(xr + d);
+        if (h) {
+          v = round_bf16x8(_mm256_add_ps(v, load_bf16x8(h + r * dim + d)));
+          store_bf16x8(res + d, v);
+        }
+        vss = _mm256_fmadd_ps(v, v, vss);
+      }
+      const float inv = 1.f / std::sqrt(reduce_add8(vss) / static_cast<float>(dim) + eps);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      const uint16_t* src = h ? res : xr;
+      uint16_t* o = out + r * dim;
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 normed = round_bf16x8(_mm256_mul_ps(load_bf16x8(src + d), vinv));
+        store_bf16x8(o + d, _mm256_mul_ps(load_bf16x8(weight + d), normed));
+      }
+      continue;
+    }
 #endif
     float ss = 0.f;
     // Pass 1: the residual sum (rounded as torch rounds x + h in bf16) and its square sum.
@@ -224,6 +246,24 @@ int infer_act_mul(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t 
           a = _mm512_div_ps(x, _mm512_add_ps(one, exp16(y2)));
         }
         store_bf16x16(o + i, _mm512_mul_ps(round_bf16x16(a), load_bf16x16(u + i)));
+      }
+    }
+#elif defined(INFER_HAVE_AVX2)
+    {
+      using namespace infer_simd;
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 x = load_bf16x8(g + i);
+        __m256 a;
+        if (act == 0) {
+          a = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        } else {
+          const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+          const __m256 y2 = _mm256_mul_ps(_mm256_set1_ps(-2.f * 0.7978845608028654f),
+                                          _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+          a = _mm256_div_ps(x, _mm256_add_ps(one, exp8(y2)));
+        }
+        store_bf16x8(o + i, _mm256_mul_ps(round_bf16x8(a), load_bf16x8(u + i)));
       }
     }
 #endif

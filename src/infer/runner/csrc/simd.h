@@ -107,23 +107,26 @@ inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// 8 float32 -> 8 bf16, rounded to nearest even as torch rounds (a NaN stays a NaN, quieted).
-inline __m128i to_bf16x8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-  const __m256i hi = _mm256_srli_epi32(r, 16);  // 8 x 16 bits in 32-bit lanes
-  return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-}
-
-// float32 -> nearest bf16 (ties to even), kept as float32; for finite values.
-inline __m256 round_bf16x8(__m256 v) {
+// float32 lanes rounded to nearest even bf16 as torch rounds them (a NaN stays a NaN, quieted),
+// in the high half of each 32-bit lane; the low half is left over.
+inline __m256i round_bf16_bits8(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+}
+
+// 8 float32 -> 8 bf16.
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i hi = _mm256_srli_epi32(round_bf16_bits8(v), 16);  // 8 x 16 bits in 32-bit lanes
+  return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+}
+
+// float32 -> nearest bf16, kept as float32.
+inline __m256 round_bf16x8(__m256 v) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(round_bf16_bits8(v), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
 inline void store_bf16x8(uint16_t* p, __m256 v) {
