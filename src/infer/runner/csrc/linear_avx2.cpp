@@ -15,9 +15,12 @@
 // Every (row, output) is one chain of FMAs in the order of K, from zero, then + bias and one
 // rounding: the same bits whatever the other rows are and whichever block shape ran it.
 //
-// Shapes (16 ymm registers): decode (M <= 64) runs 12 rows x 8 outputs (12 accumulators), so
-// each widened weight feeds 12 rows; prefill runs 6 rows x 16 outputs, which loads x half as
-// often per multiply, over 96-row chunks that stay in L2 while a panel of columns is walked.
+// Shape (16 ymm registers): blocks of 4 rows x 16 outputs, 8 accumulators, so each broadcast of
+// x feeds two FMAs and each widened weight four. Measured on a 2-core Zen 3 VM (the ~110M
+// Llama's 12 layers of linears): against passes of up to 8 rows x 8 outputs, 7.6 -> 4.6 ms at 1
+// row (half a 64-byte tile row per pass had each line walked twice), 4-10% faster at 8-64 rows.
+// With 12 accumulators GCC spilled them to the stack every iteration (46 GFLOP/s on one core,
+// whose FMA peak is 100); with 8 it does not (~85).
 
 #include <cstdint>
 #include <omp.h>
@@ -29,11 +32,9 @@
 
 namespace {
 
-constexpr int64_t kTallRows = 8;      // decode: rows per pass over a half block
-constexpr int64_t kTallMaxRows = 64;  // up to this many rows, the decode shape
-constexpr int64_t kBlockRows = 4;     // prefill: rows per block
-constexpr int64_t kChunkRows = 96;    // prefill: rows walked against one panel
-constexpr int64_t kPanel = 4;         // prefill: 16-column blocks per panel
+constexpr int64_t kBlockRows = 4;   // rows per block (4 x 16 outputs: 8 accumulators)
+constexpr int64_t kChunkRows = 96;  // rows walked against one panel
+constexpr int64_t kPanel = 4;       // 16-column blocks per panel
 
 template <bool kOutF32>
 inline void store_out8(void* y, int64_t at, __m256 v) {
@@ -43,11 +44,11 @@ inline void store_out8(void* y, int64_t at, __m256 v) {
     infer_simd::store_bf16x8(static_cast<uint16_t*>(y) + at, v);
 }
 
-// x [M, K] bf16 -> xg with groups of R rows (see the top of the file).
-inline void widen_rows(const uint16_t* x, float* xg, int64_t M, int64_t K, int64_t R,
-                       int num_threads) {
+// x [M, K] bf16 -> xg with groups of R rows (see the top of the file); called inside a parallel
+// region, whose threads share the work.
+inline void widen_rows(const uint16_t* x, float* xg, int64_t M, int64_t K, int64_t R) {
   const int64_t groups = (M + R - 1) / R;
-#pragma omp parallel for num_threads(num_threads) collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(static)
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t k = 0; k < K; k += 8) {
       float* dst = xg + (g * K + k) * R;
@@ -59,48 +60,10 @@ inline void widen_rows(const uint16_t* x, float* xg, int64_t M, int64_t K, int64
     }
 }
 
-// MR rows (MR <= 8) of group xg (groups of R rows) against outputs half*8 .. half*8 + 7 of the
-// 16-column block whose tiles start at wb.
+// MR rows (MR <= 4) of group xg (groups of kBlockRows) against the 16 outputs of one block.
 template <int MR, bool kOutF32>
-inline void tall_block(const float* xg, int64_t R, const uint16_t* wb, int half, const float* bias,
-                       void* y, int64_t m0, int64_t K, int64_t N, int64_t col) {
-  __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const uint16_t* w = wb + half * 16;
-  for (int64_t kp = 0; kp < K / 2; ++kp) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + kp * 32) + 4096, _MM_HINT_T0);
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kp * 32));
-    const float* x0 = xg + 2 * kp * R;
-    const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + i), lo, acc[i]);
-    const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));
-    for (int i = 0; i < MR; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + R + i), hi, acc[i]);
-  }
-  const __m256 b = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
-  for (int i = 0; i < MR; ++i) store_out8<kOutF32>(y, (m0 + i) * N + col, _mm256_add_ps(acc[i], b));
-}
-
-template <bool kOutF32>
-inline void tall_rows(const float* xg, int64_t R, const uint16_t* wb, int half, const float* bias,
-                      void* y, int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t col) {
-  switch (rows) {
-    case 1: tall_block<1, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
-    case 2: tall_block<2, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
-    case 3: tall_block<3, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
-    case 4: tall_block<4, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
-    case 5: tall_block<5, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
-    case 6: tall_block<6, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
-    case 7: tall_block<7, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
-    default: tall_block<8, kOutF32>(xg, R, wb, half, bias, y, m0, K, N, col); break;
-  }
-}
-
-// MR rows (MR <= 6) of group xg (groups of kBlockRows) against the 16 outputs of one block.
-template <int MR, bool kOutF32>
-inline void wide_block(const float* xg, const uint16_t* wb, const float* bias, void* y,
-                       int64_t m0, int64_t K, int64_t N, int64_t col) {
+inline void fma_block(const float* xg, const uint16_t* wb, const float* bias, void* y,
+                      int64_t m0, int64_t K, int64_t N, int64_t col) {
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
@@ -130,56 +93,41 @@ inline void wide_block(const float* xg, const uint16_t* wb, const float* bias, v
 }
 
 template <bool kOutF32>
-inline void wide_rows(const float* xg, const uint16_t* wb, const float* bias, void* y, int64_t m0,
-                      int64_t rows, int64_t K, int64_t N, int64_t col) {
+inline void block_rows(const float* xg, const uint16_t* wb, const float* bias, void* y,
+                       int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t col) {
   switch (rows) {
-    case 1: wide_block<1, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-    case 2: wide_block<2, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-    case 3: wide_block<3, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-    case 4: wide_block<4, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-    case 5: wide_block<5, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-    default: wide_block<6, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    case 1: fma_block<1, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    case 2: fma_block<2, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    case 3: fma_block<3, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
+    default: fma_block<4, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
   }
 }
 
-// Up to 64 rows: threads take contiguous runs of 16-column blocks (guided, as the AVX-512 path
-// does, so each thread's weights stay one forward stream); within a block, each half is walked
-// once per 12 rows, the later passes from cache. More rows: threads take 64-column panels one at
-// a time; within a panel, 96-row chunks in 6-row blocks.
+// One parallel region: x is widened, then (after the loop's barrier) threads take 64-column
+// panels one at a time; within a panel, 96-row chunks (in L2) in 4-row blocks, the panel's
+// weights read from memory on the first chunk.
 template <bool kOutF32>
 void fma_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
                 int64_t M, int64_t K, int64_t N, int num_threads) {
   const int64_t nblocks = N / 16, block_elems = (K / 32) * 512;
-  const bool tall = M <= kTallMaxRows;
-  // Decode: as few passes of up to 8 rows as cover M, balanced (12 rows: 6 + 6, not 8 + 4).
-  const int64_t passes = (M + kTallRows - 1) / kTallRows;
-  const int64_t R = tall ? (M + passes - 1) / passes : kBlockRows;
-  const int64_t groups = (M + R - 1) / R;
-  auto* xg = static_cast<float*>(infer_simd::thread_scratch(groups * R * K * 4));
-  widen_rows(x, xg, M, K, R, num_threads);
-  if (tall) {
-#pragma omp parallel for num_threads(num_threads) schedule(guided)
-    for (int64_t b = 0; b < nblocks; ++b)
-      for (int half = 0; half < 2; ++half)
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t m0 = g * R, rows = M - m0 < R ? M - m0 : R;
-          tall_rows<kOutF32>(xg + g * R * K, R, packed + b * block_elems, half, bias, y, m0,
-                             rows, K, N, b * 16 + half * 8);
-        }
-    return;
-  }
   const int64_t npanels = (nblocks + kPanel - 1) / kPanel;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-  for (int64_t p = 0; p < npanels; ++p) {
-    const int64_t b1 = (p + 1) * kPanel < nblocks ? (p + 1) * kPanel : nblocks;
-    for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
-      const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
-      for (int64_t b = p * kPanel; b < b1; ++b)
-        for (int64_t m0 = c0; m0 < c1; m0 += kBlockRows) {
-          const int64_t rows = c1 - m0 < kBlockRows ? c1 - m0 : kBlockRows;
-          wide_rows<kOutF32>(xg + m0 * K, packed + b * block_elems, bias, y, m0, rows, K, N,
-                             b * 16);
-        }
+  const int64_t groups = (M + kBlockRows - 1) / kBlockRows;
+  auto* xg = static_cast<float*>(infer_simd::thread_scratch(groups * kBlockRows * K * 4));
+#pragma omp parallel num_threads(num_threads)
+  {
+    widen_rows(x, xg, M, K, kBlockRows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < npanels; ++p) {
+      const int64_t b1 = (p + 1) * kPanel < nblocks ? (p + 1) * kPanel : nblocks;
+      for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
+        const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
+        for (int64_t b = p * kPanel; b < b1; ++b)
+          for (int64_t m0 = c0; m0 < c1; m0 += kBlockRows) {
+            const int64_t rows = c1 - m0 < kBlockRows ? c1 - m0 : kBlockRows;
+            block_rows<kOutF32>(xg + m0 * K, packed + b * block_elems, bias, y, m0, rows, K, N,
+                               b * 16);
+          }
+      }
     }
   }
 }
