@@ -376,7 +376,7 @@ int infer_decode_attention(int dtype, int kv_kind, const void* query, int64_t q_
   }
 #endif
 #ifdef INFER_HAVE_AVX2
-  if (dtype == 1 && head_dim % 8 == 0 && head_dim <= 512)
+  if (dtype == 1 && head_dim % 16 == 0 && head_dim <= 512)
     return infer_decode_attention_avx2(kv_kind, static_cast<const uint16_t*>(query), q_stride,
                                        key_cache, value_cache, key_scales, value_scales,
                                        static_cast<uint16_t*>(out), block_tables, context_lens,
