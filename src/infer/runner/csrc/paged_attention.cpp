@@ -214,25 +214,17 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t pairs = head_dim / 32;  // 32 bf16 per dpbf16 instruction
   const int lanes = static_cast<int>(head_dim / 16);  // 16 float32 per accumulator
-  int64_t splits = (2 * num_threads + batch - 1) / batch;
-  if (splits > num_kv_heads) splits = num_kv_heads;
-  if (splits < 1) splits = 1;
-  const int64_t heads_per_item = (num_kv_heads + splits - 1) / splits;
+  const infer_simd::DecodeSplit split(batch, num_kv_heads, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scores, qf, vacc;
     std::vector<const KvT*> krows, vrows;
     std::vector<int64_t> slots;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < batch * splits; ++item) {
-      const int64_t b = item / splits;
-      const int64_t h0 = (item % splits) * heads_per_item;
-      const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
+    for (int64_t i = 0; i < split.count(batch); ++i) {
+      const auto [b, h0, h1, start, n] = split.item(i, context_lens, window);
       if (h0 >= h1) continue;
       const int64_t nq = (h1 - h0) * group;  // query heads of this item
-      const int64_t len = context_lens[b];
-      const int64_t start = (window > 0 && len > window) ? len - window : 0;
-      const int64_t n = len - start;
       if (n <= 0) {
         std::memset(out + (b * num_heads + h0 * group) * head_dim, 0, nq * head_dim * 2);
         continue;

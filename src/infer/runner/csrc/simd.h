@@ -26,6 +26,36 @@ inline int64_t paged_slot(const int32_t* table, int64_t pos, int64_t block_size)
   return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
 }
 
+// Decode attention's work items: a sequence and a run of its kv heads [h0, h1), whose K (then
+// V) rows sit next to each other in each slot's row of the cache. Items are split across heads
+// only as far as needed to keep every thread busy. Keys [start, start + n) are visible (a
+// sliding window drops the older ones).
+struct DecodeItem {
+  int64_t b, h0, h1, start, n;
+};
+
+struct DecodeSplit {
+  int64_t splits, heads_per_item, num_kv_heads;
+
+  DecodeSplit(int64_t batch, int64_t kv_heads, int num_threads) : num_kv_heads(kv_heads) {
+    splits = (2 * num_threads + batch - 1) / batch;
+    if (splits > num_kv_heads) splits = num_kv_heads;
+    if (splits < 1) splits = 1;
+    heads_per_item = (num_kv_heads + splits - 1) / splits;
+  }
+
+  int64_t count(int64_t batch) const { return batch * splits; }
+
+  // Item i; h0 >= h1 for an empty one.
+  DecodeItem item(int64_t i, const int32_t* context_lens, int64_t window) const {
+    const int64_t b = i / splits, h0 = (i % splits) * heads_per_item;
+    const int64_t h1 = h0 + heads_per_item < num_kv_heads ? h0 + heads_per_item : num_kv_heads;
+    const int64_t len = context_lens[b];
+    const int64_t start = (window > 0 && len > window) ? len - window : 0;
+    return {b, h0, h1, start, len - start};
+  }
+};
+
 inline float bf16_to_f32(uint16_t x) {  // the bf16 bits are the high half of the float's
   uint32_t u = static_cast<uint32_t>(x) << 16;
   float f;
