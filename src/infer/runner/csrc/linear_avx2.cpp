@@ -66,19 +66,18 @@ inline void fma_block(const float* xg, const uint16_t* wb, const float* bias, vo
                       int64_t m0, int64_t K, int64_t N, int64_t col) {
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  using infer_simd::pair_hi;
+  using infer_simd::pair_lo;
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const auto* w = reinterpret_cast<const __m256i*>(wb + kp * 32);
     const float* x0 = xg + 2 * kp * kBlockRows;
-    const __m256 lo0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w), 16));
-    const __m256 lo1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w + 1), 16));
+    const __m256 lo0 = pair_lo(_mm256_loadu_si256(w)), lo1 = pair_lo(_mm256_loadu_si256(w + 1));
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x0 + i);
       acc[i][0] = _mm256_fmadd_ps(xv, lo0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(xv, lo1, acc[i][1]);
     }
-    const __m256 hi0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w), hi_mask));
-    const __m256 hi1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w + 1), hi_mask));
+    const __m256 hi0 = pair_hi(_mm256_loadu_si256(w)), hi1 = pair_hi(_mm256_loadu_si256(w + 1));
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x0 + kBlockRows + i);
       acc[i][0] = _mm256_fmadd_ps(xv, hi0, acc[i][0]);

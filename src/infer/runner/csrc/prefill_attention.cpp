@@ -274,10 +274,8 @@ inline void store_row(uint16_t* out, const float* o, float inv, int64_t head_dim
 using Prob = float;
 constexpr int64_t kTileRows = 4;
 
-inline __m256 word_lo(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
-inline __m256 word_hi(__m256i w) {
-  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
+using infer_simd::pair_hi;
+using infer_simd::pair_lo;
 
 // acc[i][h] (+)= sum_p a_i[2p] * lo(w[p][h]) + a_i[2p+1] * hi(w[p][h]): MR rows of float32 a
 // (row i at a + i * a_stride) against 16 lanes of packed words (w + p * w_stride, two vectors).
@@ -286,13 +284,13 @@ inline void fma_words(const float* a, int64_t a_stride, const uint32_t* w, int64
                       int64_t n, __m256 (&acc)[MR][2]) {
   for (int64_t p = 0; p < n; ++p) {
     const auto* wp = reinterpret_cast<const __m256i*>(w + p * w_stride);
-    const __m256 lo0 = word_lo(_mm256_loadu_si256(wp)), lo1 = word_lo(_mm256_loadu_si256(wp + 1));
+    const __m256 lo0 = pair_lo(_mm256_loadu_si256(wp)), lo1 = pair_lo(_mm256_loadu_si256(wp + 1));
     for (int i = 0; i < MR; ++i) {
       const __m256 x = _mm256_broadcast_ss(a + i * a_stride + 2 * p);
       acc[i][0] = _mm256_fmadd_ps(x, lo0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(x, lo1, acc[i][1]);
     }
-    const __m256 hi0 = word_hi(_mm256_loadu_si256(wp)), hi1 = word_hi(_mm256_loadu_si256(wp + 1));
+    const __m256 hi0 = pair_hi(_mm256_loadu_si256(wp)), hi1 = pair_hi(_mm256_loadu_si256(wp + 1));
     for (int i = 0; i < MR; ++i) {
       const __m256 x = _mm256_broadcast_ss(a + i * a_stride + 2 * p + 1);
       acc[i][0] = _mm256_fmadd_ps(x, hi0, acc[i][0]);

@@ -163,6 +163,13 @@ inline void store_bf16x8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16x8(v));
 }
 
+// 8 words, each a pair of bf16 (low half: element 2i, high half: element 2i + 1), -> the 8
+// even elements (lo) or the 8 odd ones (hi) as float32: the bf16 bits are a float's high half.
+inline __m256 pair_lo(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+inline __m256 pair_hi(__m256i w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // e^x, float32 lanes, as exp16 below: 2^(x log2 e) as an integer power and a degree-5
 // polynomial on [-0.5, 0.5]; -87 and below give e^-87, above 88.72 +inf.
 inline __m256 exp8(__m256 x_in) {
