@@ -221,8 +221,8 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
     std::vector<const KvT*> krows, vrows;
     std::vector<int64_t> slots;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < split.count(batch); ++i) {
-      const auto [b, h0, h1, start, n] = split.item(i, context_lens, window);
+    for (int64_t item = 0; item < split.count(batch); ++item) {
+      const auto [b, h0, h1, start, n] = split.item(item, context_lens, window);
       if (h0 >= h1) continue;
       const int64_t nq = (h1 - h0) * group;  // query heads of this item
       if (n <= 0) {

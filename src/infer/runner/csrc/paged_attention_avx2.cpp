@@ -13,7 +13,7 @@
 //                                                          sums in L1
 //
 // The scalar path's std::exp alone cost more than the rest of the kernel. Rows are gathered
-// through the block table, so the keys are prefetched by hand 16 rows ahead.
+// through the block table, so they are prefetched by hand (keys 64 rows ahead, values 32).
 
 #include <cmath>
 #include <cstdint>
@@ -83,9 +83,10 @@ inline void softmax(float* s, int64_t n) {
     s[j] = std::exp(s[j] - m);
     sum += s[j];
   }
-  const __m256 vinv = _mm256_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
   for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), vinv));
-  for (; j < n; ++j) s[j] *= sum > 0.f ? 1.f / sum : 0.f;
+  for (; j < n; ++j) s[j] *= inv;
 }
 
 template <int kKind, typename KvT>
@@ -107,8 +108,8 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
     std::vector<const KvT*> krows;
     std::vector<int64_t> slots;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < split.count(batch); ++i) {
-      const auto [b, h0, h1, start, n] = split.item(i, context_lens, window);
+    for (int64_t item = 0; item < split.count(batch); ++item) {
+      const auto [b, h0, h1, start, n] = split.item(item, context_lens, window);
       if (h0 >= h1) continue;
       const int64_t nq = (h1 - h0) * group;  // query heads of this item
       uint16_t* ob = out + (b * num_heads + h0 * group) * head_dim;

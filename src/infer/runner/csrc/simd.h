@@ -153,12 +153,6 @@ inline __m128i to_bf16x8(__m256 v) {
   return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
 }
 
-// float32 -> nearest bf16, kept as float32.
-inline __m256 round_bf16x8(__m256 v) {
-  return _mm256_castsi256_ps(
-      _mm256_and_si256(round_bf16_bits8(v), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
 inline void store_bf16x8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16x8(v));
 }
@@ -169,6 +163,9 @@ inline __m256 pair_lo(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(
 inline __m256 pair_hi(__m256i w) {
   return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
+
+// float32 -> nearest bf16, kept as float32 (the rounded bits' high half).
+inline __m256 round_bf16x8(__m256 v) { return pair_hi(round_bf16_bits8(v)); }
 
 // e^x, float32 lanes, as exp16 below: 2^(x log2 e) as an integer power and a degree-5
 // polynomial on [-0.5, 0.5]; -87 and below give e^-87, above 88.72 +inf.
