@@ -336,8 +336,9 @@ inline void dp_rows(const uint16_t* x, const uint16_t* w, const float* bias, voi
 // from memory on the first pass and again from cache on up to ten more, and those passes wait
 // on the multiplies alone. Instead: up to 16 rows against one 16-column block, so one pass of
 // 16 rows takes all 16 accumulators and each 64-byte weight row feeds 16 multiplies while the
-// next weights stream in (prefetched kTallAheadBytes ahead: one stream per thread, which the
-// hardware prefetcher alone keeps too short). x is first interleaved as xp[K/2][16] int32 bf16
+// next weights stream in (prefetched kTallAheadBytes ahead into L2: one stream per thread, which
+// the hardware prefetcher alone keeps too short; into L1 it was slower on Zen 4's 32 KiB L1, the
+// ~110M Llama's linears at 8 rows 8.1 -> 6.8 ms, 16 rows 9.3 -> 8.6, same elsewhere). x is first interleaved as xp[K/2][16] int32 bf16
 // pairs, so the 16 rows' pairs for one k share a cache line (the rows of x lie K apart: at
 // K = 2048 sixteen of them fall in one L1 set). The ~110M Llama's linear layers at 16 rows on
 // Zen 5: 6.6-7.0 -> 4.5 ms (the weights' read alone: 4.2 ms); 64 rows 16.7 -> 16.2; from ~80 rows
@@ -353,7 +354,7 @@ inline void dp_tall_block(const int32_t* xp, const uint16_t* w, const float* bia
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   const uint16_t* wb = w + nb * kblocks * 512;
   for (int64_t kp = 0; kp < K / 2; ++kp) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb + kp * 32) + kTallAheadBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kp * 32) + kTallAheadBytes, _MM_HINT_T1);
     const __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + kp * 32);
     const int32_t* xk = xp + kp * 16;
     for (int i = 0; i < MR; ++i)

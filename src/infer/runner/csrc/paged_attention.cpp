@@ -145,9 +145,11 @@ inline __m512 sum16(const __m512* v) {
 // Rows of the cache are gathered through the block table, so the hardware prefetchers lose the
 // stream at every block; prefetching by hand (K: the next 16 keys, V: 16 rows ahead) measured
 // 15 -> 21 GB/s at 64 x 128 and 16 x 1024 tokens (12 heads x 64, bf16, 2 threads). Each pass
-// also asks for its first rows all at once before it starts, and keys are fetched 16 ahead
-// into L1, not 32 (32 rows of 12 heads are a whole 48 KiB L1): 16 x 128 tokens 1.95 -> 1.75 ms,
-// 16 x 1100 15.2 -> 14.8 ms for 12 layers on Zen 5 with the cache on huge pages.
+// also asks for its first rows all at once before it starts. The prefetches go to L2, not L1:
+// 16 rows of 12 heads are 24 KiB, most of a 32 KiB L1 (Zen 4), so fetched into L1 they pushed
+// out the rows in use; into L2, 12 layers x 16 x 1024 tokens took 30-35 -> 20-22 ms on Zen 4
+// (~30 GB/s, a plain read's rate there), 16 x 128 3.4-4.3 -> 2.2-2.5 ms. (On Zen 5's 48 KiB L1,
+// keys 16 ahead into L1 had measured 1.95 -> 1.75 ms against 32 ahead at 16 x 128.)
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kKeysAhead = 16;  // keys between a key row's prefetch and its use
 
@@ -172,7 +174,7 @@ void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, in
   const int64_t row_bytes = (nq / group) * head_dim * static_cast<int64_t>(sizeof(KvT));
   auto prefetch_row = [&](int64_t j) {
     const char* r = reinterpret_cast<const char*>(vrows[j]);
-    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
   };
   for (int64_t j = 0; j < kPrefetchRows && j < n; ++j) prefetch_row(j);  // the first, at once
   for (int64_t j = 0; j < n; ++j) {
@@ -246,7 +248,7 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
       const int64_t item_bytes = (h1 - h0) * head_dim * static_cast<int64_t>(sizeof(KvT));
       for (int64_t j = 0; j < kKeysAhead && j < npad; ++j) {
         const char* r = reinterpret_cast<const char*>(krows[j]);
-        for (int64_t o = 0; o < item_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+        for (int64_t o = 0; o < item_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
       }
       const uint16_t* qb = query + b * q_stride + h0 * group * head_dim;
       if constexpr (kScaled) {  // the query in float32, for FMAs with dequantized keys
@@ -266,7 +268,7 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
           if (h % group == 0 && j0 + kKeysAhead < npad) {
             for (int64_t i = j0 + kKeysAhead; i < j0 + kKeysAhead + 16 && i < npad; ++i) {
               const char* r = reinterpret_cast<const char*>(krows[i] + off);
-              for (int64_t o = 0; o < head_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+              for (int64_t o = 0; o < head_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
             }
           }
           __m512 acc[16];
