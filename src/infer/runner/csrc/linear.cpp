@@ -338,17 +338,18 @@ inline void dp_rows(const uint16_t* x, const uint16_t* w, const float* bias, voi
 // 16 rows takes all 16 accumulators and each 64-byte weight row feeds 16 multiplies while the
 // next weights stream in (prefetched kTallAheadBytes ahead into L2: one stream per thread, which
 // the hardware prefetcher alone keeps too short; into L1 it was slower on Zen 4's 32 KiB L1, the
-// ~110M Llama's linears at 8 rows 8.1 -> 6.8 ms, 16 rows 9.3 -> 8.6, same elsewhere). x is first interleaved as xp[K/2][16] int32 bf16
-// pairs, so the 16 rows' pairs for one k share a cache line (the rows of x lie K apart: at
-// K = 2048 sixteen of them fall in one L1 set). The ~110M Llama's linear layers at 16 rows on
-// Zen 5: 6.6-7.0 -> 4.5 ms (the weights' read alone: 4.2 ms); 64 rows 16.7 -> 16.2; from ~80 rows
-// the 6 x 4 blocks win.
+// ~110M Llama's linears at 8 rows 8.1 -> 6.8 ms, 16 rows 9.3 -> 8.6, same elsewhere). x is
+// first interleaved as xp[K/2][pass rows] int32 bf16 pairs, so a pass's rows' pairs for one k
+// share a cache line (the rows of x lie K apart: at K = 2048 sixteen of them fall in one L1
+// set). The ~110M Llama's linear layers at 16 rows on Zen 5: 6.6-7.0 -> 4.5 ms (the weights'
+// read alone: 4.2 ms); 64 rows 16.7 -> 16.2; from ~80 rows the 6 x 4 blocks win.
 constexpr int64_t kTallAheadBytes = 8192;
 constexpr int64_t kTallMaxRows = 64;
 
 template <int MR, bool kOutF32>
-inline void dp_tall_block(const int32_t* xp, const uint16_t* w, const float* bias, void* y,
-                          int64_t m0, int64_t K, int64_t N, int64_t nb) {
+inline void dp_tall_block(const int32_t* xp, int64_t xp_stride, const uint16_t* w,
+                          const float* bias, void* y, int64_t m0, int64_t K, int64_t N,
+                          int64_t nb) {
   const int64_t kblocks = K / 32;
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -356,7 +357,7 @@ inline void dp_tall_block(const int32_t* xp, const uint16_t* w, const float* bia
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     _mm_prefetch(reinterpret_cast<const char*>(wb + kp * 32) + kTallAheadBytes, _MM_HINT_T1);
     const __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + kp * 32);
-    const int32_t* xk = xp + kp * 16;
+    const int32_t* xk = xp + kp * xp_stride;
     for (int i = 0; i < MR; ++i)
       acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xk[i]), wv);
   }
@@ -366,29 +367,33 @@ inline void dp_tall_block(const int32_t* xp, const uint16_t* w, const float* bia
 }
 
 template <bool kOutF32>
-inline void dp_rows_tall(const int32_t* xp, const uint16_t* w, const float* bias, void* y,
-                         int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t nb) {
+inline void dp_rows_tall(const int32_t* xp, int64_t xp_stride, const uint16_t* w,
+                         const float* bias, void* y, int64_t m0, int64_t rows, int64_t K,
+                         int64_t N, int64_t nb) {
+#define INFER_TALL(R) dp_tall_block<R, kOutF32>(xp, xp_stride, w, bias, y, m0, K, N, nb)
   switch (rows) {
-    case 1: dp_tall_block<1, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 2: dp_tall_block<2, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 3: dp_tall_block<3, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 4: dp_tall_block<4, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 5: dp_tall_block<5, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 6: dp_tall_block<6, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 7: dp_tall_block<7, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 8: dp_tall_block<8, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 9: dp_tall_block<9, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 10: dp_tall_block<10, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 11: dp_tall_block<11, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 12: dp_tall_block<12, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 13: dp_tall_block<13, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 14: dp_tall_block<14, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    case 15: dp_tall_block<15, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
-    default: dp_tall_block<16, kOutF32>(xp, w, bias, y, m0, K, N, nb); break;
+    case 1: INFER_TALL(1); break;
+    case 2: INFER_TALL(2); break;
+    case 3: INFER_TALL(3); break;
+    case 4: INFER_TALL(4); break;
+    case 5: INFER_TALL(5); break;
+    case 6: INFER_TALL(6); break;
+    case 7: INFER_TALL(7); break;
+    case 8: INFER_TALL(8); break;
+    case 9: INFER_TALL(9); break;
+    case 10: INFER_TALL(10); break;
+    case 11: INFER_TALL(11); break;
+    case 12: INFER_TALL(12); break;
+    case 13: INFER_TALL(13); break;
+    case 14: INFER_TALL(14); break;
+    case 15: INFER_TALL(15); break;
+    default: INFER_TALL(16); break;
   }
+#undef INFER_TALL
 }
 
-// Up to 64 rows (decode): x interleaved, then 16-row passes over one column block at a time.
+// Up to 64 rows (decode): x interleaved, then passes of up to 16 rows over one column block at a
+// time.
 // Threads take contiguous runs of blocks, long ones first and shorter toward the end
 // (schedule(guided)): each thread's weights stay one forward stream for the prefetch, a
 // thread that loses its core to the HTTP process or the client for a while has its remaining
@@ -404,20 +409,23 @@ void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, voi
   constexpr int64_t kChunkRows = 96, kRows = 6, kPanel = 4;
   const int64_t nblocks = N / 16, npanels = (nblocks + kPanel - 1) / kPanel;
   if (M > kRows && M <= kTallMaxRows) {
-    const int64_t kpairs = K / 2, padded = (M + 15) / 16 * 16;
-    auto* xp = static_cast<int32_t*>(infer_simd::thread_scratch(padded * kpairs * 4));
+    // Rows split evenly over the passes (33 rows: 11 + 11 + 11, not 16 + 16 + 1, whose
+    // one-row pass re-read the weights for one multiply each: the ~110M Llama's linears at 33
+    // rows 20.3 -> 18.1 ms, 17 rows 11.9 -> 9.8 on Zen 4); x interleaved per pass, pass_rows words per pair.
+    const int64_t kpairs = K / 2, passes = (M + 15) / 16, pass_rows = (M + passes - 1) / passes;
+    auto* xp = static_cast<int32_t*>(infer_simd::thread_scratch(passes * pass_rows * kpairs * 4));
     const auto* x32 = reinterpret_cast<const int32_t*>(x);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for
       for (int64_t kp = 0; kp < kpairs; ++kp)
-        for (int64_t m = 0; m < padded; ++m)
-          xp[((m / 16) * kpairs + kp) * 16 + m % 16] = m < M ? x32[m * kpairs + kp] : 0;
+        for (int64_t m = 0; m < M; ++m)
+          xp[((m / pass_rows) * kpairs + kp) * pass_rows + m % pass_rows] = x32[m * kpairs + kp];
 #pragma omp for schedule(guided)
       for (int64_t b = 0; b < nblocks; ++b)
-        for (int64_t m0 = 0; m0 < M; m0 += 16) {
-          const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-          dp_rows_tall<kOutF32>(xp + m0 * kpairs, packed, bias, y, m0, rows, K, N, b);
+        for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+          const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
+          dp_rows_tall<kOutF32>(xp + m0 * kpairs, pass_rows, packed, bias, y, m0, rows, K, N, b);
         }
     }
     return;
