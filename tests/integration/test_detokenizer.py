@@ -43,3 +43,17 @@ def test_held_back_prefix_is_released_when_it_does_not_complete(tok):
     d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["abx"]))
     out = "".join(d.add_tokens([i]) for i in ids) + d.finish()
     assert out == "abc abd" and d.stop_string is None
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_text_is_the_tokenizers_own_decode(tok, skip_special_tokens):
+    """The incremental text (through the Rust decoder where the tokenizer allows) is exactly
+    what ``tokenizer.decode`` gives for the whole output, special tokens kept or skipped."""
+    special = [i for i in (tok.bos_token_id, tok.eos_token_id) if i is not None]
+    assert special
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    ids = ids[:5] + special + ids[5:] + special
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    d = IncrementalDetokenizer(tok, [], params)
+    out = "".join(d.add_tokens([i]) for i in ids) + d.finish()
+    assert out == tok.decode(ids, skip_special_tokens=skip_special_tokens)

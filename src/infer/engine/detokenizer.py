@@ -20,9 +20,20 @@ from infer.core.sampling_params import SamplingParams
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context (leading-space handling)
 
 
+def fast_decode(tokenizer):
+    """``tokenizer.decode`` (ids, skip_special_tokens=...) or, for a fast tokenizer that does no
+    clean-up of its own, the Rust tokenizer's decode it wraps: the same text without
+    transformers' Python layer (~1.2 vs ~3.7 us a call; two calls per token per request)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
+        self._decode_ids = fast_decode(tokenizer)
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
@@ -39,7 +50,7 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(tokens, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the text that can be emitted now (possibly empty)."""
