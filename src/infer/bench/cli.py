@@ -1,4 +1,4 @@
-"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|quant|spec|structured|prefix|results``.
+"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|kernels|quant|spec|structured|prefix|results``.
 
 Registered by :mod:`infer.cli`. Building the parser imports nothing from the ``bench`` extra;
 each command checks for the extra first (:func:`infer.bench.require_bench_extra`) and imports
@@ -491,6 +491,19 @@ def register(subparsers) -> None:
                     help="before each context, wait up to S s for other processes to quiet down")  # fmt: skip
     dc.add_argument("--out", default=f"{DEFAULT_OUT}/decode_curve", help="report folder")
     dc.set_defaults(func=_offline_bench("decode_curve"))
+
+    kn = sub.add_parser(
+        "kernels", help="this tree's C++ CPU kernels vs another revision's, side by side"
+    )
+    kn.add_argument("--against", default="HEAD", help="git revision or folder of kernel sources")
+    kn.add_argument("--cases", default="linear,decode,prefill", help="linear, decode, prefill")
+    kn.add_argument("--rows", default="1,16,33,64,256", help="linear: rows of x")
+    kn.add_argument("--decode", default="16x128,16x1024,64x128", help="sequences x tokens")
+    kn.add_argument("--prefill", default="1x1024,16x64", help="sequences x tokens")
+    kn.add_argument("--repeats", type=int, default=9, help="turns; each side's minimum is kept")
+    kn.add_argument("--seed", type=int, default=0)
+    kn.add_argument("--out", default=f"{DEFAULT_OUT}/kernels", help="report folder")
+    kn.set_defaults(func=_offline_bench("kernels"))
 
     qu = sub.add_parser(
         "quant", help="int8 weights / int8 and fp8 KV: decode speed, perplexity, capacity"

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("infer.runner")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = sorted(_CSRC.glob("*.cpp"))
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ACT_MUL_CODES = {"silu": 0, "gelu_tanh": 1}
 """Activations :meth:`CpuKernels.act_mul` fuses, by the name :mod:`infer.model.layers` gives them."""
@@ -57,8 +56,11 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str) -> Path:
-    files = sorted([*_SOURCES, *_CSRC.glob("*.h")])
+def build_library(compiler: str, csrc: Path = _CSRC) -> Path:
+    """Compile the kernel sources of folder ``csrc`` (``*.cpp``, ``*.h``) into a shared library,
+    or return the cached one built from the same sources, compiler and CPU flags."""
+    sources = sorted(csrc.glob("*.cpp"))
+    files = sorted([*sources, *csrc.glob("*.h")])
     source = b"".join(p.name.encode() + p.read_bytes() for p in files)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
@@ -70,7 +72,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    cmd += [*map(str, _SOURCES), "-o", tmp]
+    cmd += [*map(str, sources), "-o", tmp]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(tmp)
@@ -494,18 +496,23 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def find_compiler() -> str | None:
+    """``$CXX``, else ``g++``, else ``c++`` on the PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 @cache
 def cpu_kernels() -> CpuKernels | None:
     """The compiled CPU kernels, or None (with the reason logged) when they are unavailable."""
     if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels disabled by INFER_CPU_KERNELS=0; using the torch attention path")
         return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = find_compiler()
     if compiler is None:
         logger.warning("no C++ compiler found; using the slower torch attention path")
         return None
     try:
-        path = _build(compiler)
+        path = build_library(compiler)
         return CpuKernels(ctypes.CDLL(str(path)))
     except (OSError, RuntimeError) as exc:
         logger.warning("could not build the CPU kernels (%s); using the torch attention path", exc)

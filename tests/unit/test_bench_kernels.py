@@ -1,0 +1,57 @@
+"""``infer bench kernels``: two builds of the C++ kernels timed side by side, outputs compared."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from infer.bench import kernels as kb
+from infer.runner.kernels import _CSRC, cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels on this machine")
+
+
+def _args(out: Path, against: str, **kw) -> argparse.Namespace:
+    base = dict(against=against, cases="linear,decode,prefill", rows="1,17", decode="2x40",
+                prefill="1x40", repeats=1, seed=0, out=str(out))  # fmt: skip
+    return argparse.Namespace(**(base | kw))
+
+
+def test_the_same_sources_give_the_same_bits_in_every_case(tmp_path):
+    assert kb.run(_args(tmp_path, str(_CSRC))) == 0
+    report = json.loads((tmp_path / "kernels.json").read_text())
+    sizes = [(r["case"], r["size"]) for r in report["rows"]]
+    assert sizes == [("linear", "1 rows"), ("linear", "17 rows"), ("decode", "2 x 40"),
+                     ("prefill", "1 x 40")]  # fmt: skip
+    for r in report["rows"]:
+        assert r["same_bits"] and r["a_ms"] > 0 and r["b_ms"] > 0
+    assert "| linear | 17 rows |" in (tmp_path / "kernels.md").read_text()
+
+
+def test_bad_revisions_and_cases_are_named(tmp_path):
+    with pytest.raises(SystemExit, match="cannot read the kernels at 'no-such-revision'"):
+        kb.run(_args(tmp_path, "no-such-revision"))
+    with pytest.raises(SystemExit, match=r"unknown case\(s\) gemm"):
+        kb.run(_args(tmp_path, str(_CSRC), cases="linear,gemm"))
+    with pytest.raises(SystemExit, match="bad size '16by128'"):
+        kb.parse_pairs("16by128")
+
+
+def test_a_kernel_that_computes_otherwise_is_reported(tmp_path):
+    """A changed copy of the sources (decode attention scaling its scores twice) is built (~10 s)
+    and its different outputs are reported, and make the command fail."""
+    changed = tmp_path / "csrc"
+    shutil.copytree(_CSRC, changed)
+    src = changed / "paged_attention.cpp"
+    entry = "                           int64_t max_blocks, float scale, int64_t window, int num_threads) {\n"
+    text = src.read_text()
+    assert entry in text
+    src.write_text(text.replace(entry, entry + "  scale *= 2.f;\n", 1))
+    out = tmp_path / "out"
+    assert kb.run(_args(out, str(changed), cases="decode")) == 1
+    (row,) = json.loads((out / "kernels.json").read_text())["rows"]
+    assert row["case"] == "decode" and not row["same_bits"]
