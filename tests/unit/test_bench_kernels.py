@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from infer.bench import kernels as kb
-from infer.runner.kernels import _CSRC, cpu_kernels
+from infer.runner.kernels import CSRC, cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels on this machine")
 
@@ -22,7 +22,7 @@ def _args(out: Path, against: str, **kw) -> argparse.Namespace:
 
 
 def test_the_same_sources_give_the_same_bits_in_every_case(tmp_path):
-    assert kb.run(_args(tmp_path, str(_CSRC))) == 0
+    assert kb.run(_args(tmp_path, str(CSRC))) == 0
     report = json.loads((tmp_path / "kernels.json").read_text())
     sizes = [(r["case"], r["size"]) for r in report["rows"]]
     assert sizes == [("linear", "1 rows"), ("linear", "17 rows"), ("decode", "2 x 40"),
@@ -36,7 +36,7 @@ def test_bad_revisions_and_cases_are_named(tmp_path):
     with pytest.raises(SystemExit, match="cannot read the kernels at 'no-such-revision'"):
         kb.run(_args(tmp_path, "no-such-revision"))
     with pytest.raises(SystemExit, match=r"unknown case\(s\) gemm"):
-        kb.run(_args(tmp_path, str(_CSRC), cases="linear,gemm"))
+        kb.run(_args(tmp_path, str(CSRC), cases="linear,gemm"))
     with pytest.raises(SystemExit, match="bad size '16by128'"):
         kb.parse_pairs("16by128")
 
@@ -45,7 +45,7 @@ def test_a_kernel_that_computes_otherwise_is_reported(tmp_path):
     """A changed copy of the sources (decode attention scaling its scores twice) is built (~10 s)
     and its different outputs are reported, and make the command fail."""
     changed = tmp_path / "csrc"
-    shutil.copytree(_CSRC, changed)
+    shutil.copytree(CSRC, changed)
     src = changed / "paged_attention.cpp"
     entry = "                           int64_t max_blocks, float scale, int64_t window, int num_threads) {\n"
     text = src.read_text()

@@ -37,7 +37,7 @@ import torch
 
 from infer.runner.attention import KVCache
 from infer.runner.kernels import (
-    _CSRC,
+    CSRC,
     CpuKernels,
     PrefillChunks,
     build_library,
@@ -46,6 +46,10 @@ from infer.runner.kernels import (
 
 HIDDEN, LAYERS, HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 768, 12, 12, 64, 2048, 32000, 16
 CASES = ("linear", "decode", "prefill")
+
+Outputs = torch.Tensor | list[torch.Tensor]
+Case = tuple[Callable[[CpuKernels], Callable[[], Outputs]], float, str]
+"""A case: (library -> its call on the case's tensors, work per call (GFLOP or GB), unit)."""
 
 
 def parse_pairs(spec: str) -> list[tuple[int, int]]:
@@ -67,11 +71,10 @@ def sources_at(against: str, workdir: Path) -> Path:
         if not any(folder.glob("*.cpp")):
             raise SystemExit(f"{folder} holds no *.cpp kernel sources")
         return folder
-    rel = _CSRC.relative_to(_repo_root())
-    archive = subprocess.run(
-        ["git", "-C", str(_repo_root()), "archive", against, str(rel)],
-        capture_output=True,
-    )
+    root = _repo_root()
+    rel = CSRC.relative_to(root)
+    archive = subprocess.run(["git", "-C", str(root), "archive", against, str(rel)],
+                             capture_output=True)  # fmt: skip
     if archive.returncode != 0:
         err = archive.stderr.decode(errors="replace").strip()
         raise SystemExit(f"cannot read the kernels at {against!r}: {err}")
@@ -81,7 +84,7 @@ def sources_at(against: str, workdir: Path) -> Path:
 
 def _repo_root() -> Path:
     out = subprocess.run(
-        ["git", "-C", str(_CSRC), "rev-parse", "--show-toplevel"], capture_output=True, text=True
+        ["git", "-C", str(CSRC), "rev-parse", "--show-toplevel"], capture_output=True, text=True
     )
     if out.returncode != 0:
         raise SystemExit("--against REV needs a git checkout of infer; give a folder instead")
@@ -89,7 +92,7 @@ def _repo_root() -> Path:
 
 
 def side_by_side(
-    calls: list[Callable[[], torch.Tensor | list[torch.Tensor]]], repeats: int
+    calls: list[Callable[[], Outputs]], repeats: int
 ) -> tuple[list[float], list[bool]]:
     """Each call's minimum time over ``repeats`` turns (they take turns), and whether each
     call's outputs equal the first call's bit for bit."""
@@ -104,11 +107,11 @@ def side_by_side(
     return best, same
 
 
-def _as_list(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+def _as_list(x: Outputs) -> list[torch.Tensor]:
     return [t.clone() for t in (x if isinstance(x, list) else [x])]
 
 
-def linear_case(libs: list[CpuKernels], rows: int, gen: torch.Generator) -> Callable:
+def linear_case(libs: list[CpuKernels], rows: int, gen: torch.Generator) -> Case:
     shapes = [(3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
     shapes = shapes * LAYERS + [(VOCAB, HIDDEN)]
     weights = [torch.randn(n, k, generator=gen).mul_(0.05).bfloat16() for n, k in shapes]
@@ -123,7 +126,7 @@ def linear_case(libs: list[CpuKernels], rows: int, gen: torch.Generator) -> Call
     xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (HIDDEN, INTER)}
     flops = 2 * rows * sum(n * k for n, k in shapes)
 
-    def run(lib: CpuKernels) -> Callable[[], list[torch.Tensor]]:
+    def calls(lib: CpuKernels) -> Callable[[], list[torch.Tensor]]:
         def call() -> list[torch.Tensor]:
             return [
                 lib.tiled_linear(xs[k], p, None, n)
@@ -132,7 +135,7 @@ def linear_case(libs: list[CpuKernels], rows: int, gen: torch.Generator) -> Call
 
         return call
 
-    return run, flops / 1e9, "GFLOP/s"
+    return calls, flops / 1e9, "GFLOP/s"
 
 
 def _cache(num_blocks: int) -> KVCache:
@@ -141,7 +144,7 @@ def _cache(num_blocks: int) -> KVCache:
     return cache
 
 
-def decode_case(seqs: int, tokens: int, gen: torch.Generator) -> Callable:
+def decode_case(seqs: int, tokens: int, gen: torch.Generator) -> Case:
     per_seq = (tokens + BLOCK - 1) // BLOCK
     cache = _cache(seqs * per_seq)
     tables = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq).int().contiguous()
@@ -149,7 +152,7 @@ def decode_case(seqs: int, tokens: int, gen: torch.Generator) -> Callable:
     query = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen).bfloat16()
     scale = HEAD_DIM**-0.5
 
-    def run(lib: CpuKernels) -> Callable[[], list[torch.Tensor]]:
+    def calls(lib: CpuKernels) -> Callable[[], list[torch.Tensor]]:
         def call() -> list[torch.Tensor]:
             return [lib.decode_attention(query, cache, i, tables, lens, scale, None)
                     for i in range(LAYERS)]  # fmt: skip
@@ -157,10 +160,10 @@ def decode_case(seqs: int, tokens: int, gen: torch.Generator) -> Callable:
         return call
 
     kv_bytes = LAYERS * seqs * tokens * 2 * HEADS * HEAD_DIM * 2
-    return run, kv_bytes / 1e9, "GB/s"
+    return calls, kv_bytes / 1e9, "GB/s"
 
 
-def prefill_case(seqs: int, tokens: int, gen: torch.Generator) -> Callable:
+def prefill_case(seqs: int, tokens: int, gen: torch.Generator) -> Case:
     per_seq = (tokens + BLOCK - 1) // BLOCK
     cache = _cache(seqs * per_seq)
     tables = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq).int().contiguous()
@@ -172,7 +175,7 @@ def prefill_case(seqs: int, tokens: int, gen: torch.Generator) -> Callable:
     )
     query = torch.randn(seqs * tokens, HEADS, HEAD_DIM, generator=gen).bfloat16()
 
-    def run(lib: CpuKernels) -> Callable[[], torch.Tensor]:
+    def calls(lib: CpuKernels) -> Callable[[], torch.Tensor]:
         def call() -> torch.Tensor:
             out = torch.zeros_like(query)
             lib.prefill_attention(query, out, cache, 0, chunks, HEAD_DIM**-0.5, None)
@@ -181,7 +184,7 @@ def prefill_case(seqs: int, tokens: int, gen: torch.Generator) -> Callable:
         return call
 
     causal_flops = seqs * HEADS * tokens * (tokens + 1) / 2 * HEAD_DIM * 2 * 2
-    return run, causal_flops / 1e9, "GFLOP/s"
+    return calls, causal_flops / 1e9, "GFLOP/s"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,12 +202,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         b_src = sources_at(args.against, Path(tmp))
-        libs = [
-            CpuKernels(ctypes.CDLL(str(build_library(compiler, src)))) for src in (_CSRC, b_src)
-        ]
+        libs = [CpuKernels(ctypes.CDLL(str(build_library(compiler, src)))) for src in (CSRC, b_src)]
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[dict] = []
-    plan: list[tuple[str, str, Callable]] = []
+    plan: list[tuple[str, str, Callable[[], Case]]] = []
     for case in cases:
         if case == "linear":
             for m in (int(x) for x in args.rows.split(",")):
@@ -215,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
             for s, t in sizes:
                 plan.append((case, f"{s} x {t}", lambda s=s, t=t, make=make: make(s, t, gen)))
     for case, size, make in plan:
-        runner, work, unit = make()
-        (ta, tb), (_, same) = side_by_side([runner(libs[0]), runner(libs[1])], args.repeats)
+        calls, work, unit = make()
+        (ta, tb), (_, same) = side_by_side([calls(libs[0]), calls(libs[1])], args.repeats)
         row = {"case": case, "size": size, "a_ms": ta * 1e3, "b_ms": tb * 1e3,
                "b_over_a": tb / ta, "unit": unit, "a_rate": work / ta, "b_rate": work / tb,
                "same_bits": same}  # fmt: skip

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("infer.runner")
 
-_CSRC = Path(__file__).parent / "csrc"
+CSRC = Path(__file__).parent / "csrc"
+"""The kernel sources (``*.cpp``, ``*.h``) :func:`cpu_kernels` builds."""
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ACT_MUL_CODES = {"silu": 0, "gelu_tanh": 1}
 """Activations :meth:`CpuKernels.act_mul` fuses, by the name :mod:`infer.model.layers` gives them."""
@@ -56,7 +57,7 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build_library(compiler: str, csrc: Path = _CSRC) -> Path:
+def build_library(compiler: str, csrc: Path = CSRC) -> Path:
     """Compile the kernel sources of folder ``csrc`` (``*.cpp``, ``*.h``) into a shared library,
     or return the cached one built from the same sources, compiler and CPU flags."""
     sources = sorted(csrc.glob("*.cpp"))
