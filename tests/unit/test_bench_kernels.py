@@ -42,8 +42,8 @@ def test_bad_revisions_and_cases_are_named(tmp_path):
 
 
 def test_a_kernel_that_computes_otherwise_is_reported(tmp_path):
-    """A changed copy of the sources (decode attention scaling its scores twice) is built (~10 s)
-    and its different outputs are reported, and make the command fail."""
+    """A changed copy of the sources (decode attention scaling its scores twice) is built (~10 s);
+    its different outputs are reported and make the command fail."""
     changed = tmp_path / "csrc"
     shutil.copytree(CSRC, changed)
     src = changed / "paged_attention.cpp"
