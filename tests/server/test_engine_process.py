@@ -77,6 +77,9 @@ def test_replies_bigger_than_the_pipe_buffer_cross_whole(server):
 def test_sigterm_stops_both_processes(server):
     assert server.terminate() == 0
     assert "engine runs in process" in server.log() and "Traceback" not in server.log()
+    # The engine process froze its start-up heap before serving (engine/heap.py).
+    frozen = int(re.search(r"\((\d+) start-up objects frozen", server.log()).group(1))
+    assert frozen > 10_000
 
 
 def test_killed_engine_fails_the_stream_and_the_server_exits_non_zero(

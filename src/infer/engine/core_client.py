@@ -31,6 +31,7 @@ from typing import Any
 from infer.config import EngineConfig
 from infer.core.outputs import RequestOutput
 from infer.engine.core_loop import EngineStopped, Stop, run_engine_loop
+from infer.engine.heap import freeze_startup_heap
 
 logger = logging.getLogger("infer.engine")
 
@@ -105,6 +106,7 @@ def _child(conn, config: EngineConfig, log_level: int, torch_threads: int | None
         return
     info = {name: getattr(engine, name) for name in _ATTRS}
     info["startup_stats"] = engine.get_stats()
+    info["frozen_objects"] = freeze_startup_heap()
     conn.send(("ok", info))
 
     def next_commands(block: bool) -> list:
@@ -222,7 +224,8 @@ class EngineProcess:
         self.tokenizer = load_tokenizer(
             config.model.tokenizer or resolve_model_path(config.model.model)
         )
-        logger.info("engine runs in process %d", self._proc.pid)
+        logger.info("engine runs in process %d (%d start-up objects frozen out of the garbage "
+                    "collector's full passes)", self._proc.pid, self.frozen_objects)  # fmt: skip
 
     @property
     def pid(self) -> int | None:

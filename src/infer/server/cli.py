@@ -15,6 +15,7 @@ import uvicorn
 
 from infer.config import EngineConfig, parse_bytes
 from infer.engine.args import add_engine_args, engine_config_from_args
+from infer.engine.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from infer.server.serving import ServerSettings
@@ -191,6 +192,9 @@ def serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=30,
     )
     server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
+    # The engine (in this process with --no-engine-process) and the app are built: keep full
+    # garbage collections from walking their objects mid-stream (engine/heap.py).
+    logger.debug("froze %d start-up objects", freeze_startup_heap())
     server.run()
     return server.exit_code
 
