@@ -4,7 +4,10 @@ engine process gives errors with a clear message and a server that exits non-zer
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -98,3 +101,42 @@ def test_killed_engine_fails_the_stream_and_the_server_exits_non_zero(
         assert "the engine died" in server.log()
     finally:
         server.kill()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to bind")
+def test_cpu_bind_gives_the_engine_main_thread_a_core_of_its_own(llama_checkpoint, server_logs):
+    cores = sorted(os.sched_getaffinity(0))
+    server = ServerProcess(llama_checkpoint, "--cpu-bind", "auto", log_dir=server_logs)
+    try:
+        engine_pid = int(re.search(r"engine runs in process (\d+)", server.log()).group(1))
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        got = client.completions.create(model="tiny", prompt="Once", max_tokens=8, temperature=0)
+        assert got.usage.completion_tokens == 8
+        rest = set(cores[1:])
+        for tid in map(int, os.listdir(f"/proc/{engine_pid}/task")):
+            want = {cores[0]} if tid == engine_pid else rest
+            assert os.sched_getaffinity(tid) == want, (tid, engine_pid)
+        server_threads = os.listdir(f"/proc/{server.proc.pid}/task")
+        assert server_threads and all(
+            os.sched_getaffinity(int(tid)) == rest for tid in server_threads
+        )
+        assert f"cores: engine main thread {cores[0]}" in server.log()
+    finally:
+        assert server.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cpu-bind", "0-4096"], "are not available to this process"),
+        (["--cpu-bind", "x"], "'x' is not a core number or range"),
+        (["--cpu-bind", "auto", "--no-engine-process"], "needs the engine in its own process"),
+    ],
+)
+def test_cpu_bind_refuses_what_it_cannot_do(llama_checkpoint, args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "infer.server", "--model", str(llama_checkpoint), *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr

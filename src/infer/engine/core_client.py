@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -30,6 +31,7 @@ from typing import Any
 
 from infer.config import EngineConfig
 from infer.core.outputs import RequestOutput
+from infer.engine.affinity import CpuBinding, bind_engine_threads, bind_process
 from infer.engine.core_loop import EngineStopped, Stop, run_engine_loop
 from infer.engine.heap import freeze_startup_heap
 
@@ -88,11 +90,21 @@ _ATTRS = (
 )
 
 
-def _child(conn, config: EngineConfig, log_level: int, torch_threads: int | None) -> None:
+def _child(
+    conn,
+    config: EngineConfig,
+    log_level: int,
+    torch_threads: int | None,
+    binding: CpuBinding | None = None,
+) -> None:
     """The engine process: build the engine, then run the loop over the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _exit_with_parent()
+    if binding is not None:  # before torch starts its threads: they stay on the bound cores
+        os.sched_setaffinity(0, {binding.main} | binding.workers)
+        if torch_threads is None:
+            torch_threads = binding.num_threads
     if torch_threads is not None:
         import torch
 
@@ -107,6 +119,8 @@ def _child(conn, config: EngineConfig, log_level: int, torch_threads: int | None
     info = {name: getattr(engine, name) for name in _ATTRS}
     info["startup_stats"] = engine.get_stats()
     info["frozen_objects"] = freeze_startup_heap()
+    if binding is not None:  # start-up ran the kernels: every compute thread exists now
+        bind_engine_threads(binding)
     conn.send(("ok", info))
 
     def next_commands(block: bool) -> list:
@@ -181,6 +195,10 @@ class TokenTimesMirror:
                 r.timings.token_times = held
 
 
+def _cores(cores: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(cores)))
+
+
 def _exit_with_parent() -> None:
     """Linux: get SIGKILL when the parent dies, so a killed server leaves no engine behind."""
     with contextlib.suppress(Exception):
@@ -194,7 +212,12 @@ def _exit_with_parent() -> None:
 class EngineProcess:
     """The engine loop in a child process; exposes what the server reads off an engine."""
 
-    def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        torch_threads: int | None = None,
+        binding: CpuBinding | None = None,
+    ) -> None:
         from infer.engine.model_source import resolve_model_path
         from infer.model.tokenizer import load_tokenizer
 
@@ -203,7 +226,8 @@ class EngineProcess:
         # A daemonic process may not start processes of its own: with tensor parallelism the
         # engine starts its workers, so it is not one (it still dies with us: PDEATHSIG).
         self._proc = ctx.Process(target=_child, name="infer-engine",
-                                 args=(child_conn, config, logging.getLogger().level, torch_threads),
+                                 args=(child_conn, config, logging.getLogger().level, torch_threads,
+                                       binding),
                                  daemon=config.parallel.tensor_parallel_size == 1)  # fmt: skip
         self._proc.start()
         child_conn.close()
@@ -226,6 +250,10 @@ class EngineProcess:
         )
         logger.info("engine runs in process %d (%d start-up objects frozen out of the garbage "
                     "collector's full passes)", self._proc.pid, self.frozen_objects)  # fmt: skip
+        if binding is not None:  # after the spawn: the child started with every core
+            bind_process(binding.server)
+            logger.info("cores: engine main thread %d, its other threads %s, server %s",
+                        binding.main, _cores(binding.workers), _cores(binding.server))  # fmt: skip
 
     @property
     def pid(self) -> int | None:

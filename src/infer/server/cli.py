@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from infer.config import EngineConfig, parse_bytes
+from infer.engine.affinity import CpuBinding, plan_cpu_binding
 from infer.engine.args import add_engine_args, engine_config_from_args
 from infer.engine.heap import freeze_startup_heap
 
@@ -48,6 +49,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads for the engine's torch (default: torch's choice; 1 is "
                    "far steadier on a small, shared CPU box - see docs/server.md)")  # fmt: skip
+    g.add_argument("--cpu-bind", default="off", metavar="off|auto|CORES",
+                   help="give the engine's main thread the first core to itself; its other compute "
+                   "threads (one per other core) and the server process share the rest: auto = "
+                   "every core this process may use, or a list like 0-3 (Linux; default off; "
+                   "see docs/server.md)")  # fmt: skip
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--no-access-log", dest="access_log", action="store_false")
 
@@ -111,14 +117,19 @@ def _configure_logging(level: str, access_log: bool) -> None:
     logging.getLogger("infer.access").setLevel(logging.INFO if access_log else logging.WARNING)
 
 
-def start_engine(config: EngineConfig, engine_process: bool, torch_threads: int | None) -> Any:
+def start_engine(
+    config: EngineConfig,
+    engine_process: bool,
+    torch_threads: int | None,
+    binding: CpuBinding | None = None,
+) -> Any:
     """The engine ``build_app`` serves: the loop in its own process (``EngineProcess``) or an
     ``LLMEngine`` whose loop will run on a thread of this process. Also used by each replica
     of ``--data-parallel-size``."""
     if engine_process:
         from infer.engine.core_client import EngineProcess
 
-        return EngineProcess(config, torch_threads=torch_threads)
+        return EngineProcess(config, torch_threads=torch_threads, binding=binding)
     from infer.engine.engine import LLMEngine
 
     if torch_threads is not None:
@@ -126,6 +137,22 @@ def start_engine(config: EngineConfig, engine_process: bool, torch_threads: int 
 
         torch.set_num_threads(torch_threads)
     return LLMEngine(config)
+
+
+def cpu_binding(args: argparse.Namespace, config: EngineConfig) -> CpuBinding | None:
+    """What ``--cpu-bind`` asks for, refused (ValueError) where it cannot apply."""
+    if args.cpu_bind == "off":
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("--cpu-bind works on Linux only")
+    if not args.engine_process:
+        raise ValueError(
+            "--cpu-bind needs the engine in its own process (drop --no-engine-process)"
+        )
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--cpu-bind does not combine with --tensor-parallel-size (each rank "
+                         "binds its own cores)")  # fmt: skip
+    return plan_cpu_binding(args.cpu_bind)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -148,6 +175,9 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("--data-parallel-size must be >= 1, got %d", args.data_parallel_size)
         return 2
     if args.data_parallel_size > 1 or args.ray_address:
+        if args.cpu_bind != "off":
+            logger.error("--cpu-bind is for one engine; replicas get their cores from Ray")
+            return 2
         try:  # ray is imported only down this path
             from infer.cluster.app import serve_cluster
         except ImportError as e:
@@ -159,7 +189,12 @@ def serve(args: argparse.Namespace) -> int:
             return 2
         return serve_cluster(args, config, chat_template)
     try:
-        engine = start_engine(config, args.engine_process, args.torch_threads)
+        binding = cpu_binding(args, config)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    try:
+        engine = start_engine(config, args.engine_process, args.torch_threads, binding)
     except (ValueError, RuntimeError, OSError) as e:
         logger.debug("engine start-up failure", exc_info=True)  # --log-level debug: the trace
         logger.error("the engine could not start: %s", e)
