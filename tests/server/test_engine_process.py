@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -112,6 +113,15 @@ def test_cpu_bind_gives_the_engine_main_thread_a_core_of_its_own(llama_checkpoin
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         got = client.completions.create(model="tiny", prompt="Once", max_tokens=8, temperature=0)
         assert got.usage.completion_tokens == 8
+        # A new grammar compiles on a helper thread the main thread starts: off its core too.
+        task = Path(f"/proc/{engine_pid}/task")
+        before = len(list(task.iterdir()))
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        assert len(list(task.iterdir())) > before  # the grammar pool's thread
         rest = set(cores[1:])
         for tid in map(int, os.listdir(f"/proc/{engine_pid}/task")):
             want = {cores[0]} if tid == engine_pid else rest

@@ -91,14 +91,27 @@ def _threads() -> list[int]:
     return [int(tid) for tid in os.listdir("/proc/self/task")]
 
 
+_helper_cores: frozenset[int] | None = None  # set in a bound engine process
+
+
 def bind_engine_threads(binding: CpuBinding) -> None:
     """In the engine process, once its compute threads exist: the calling (main) thread on its
-    core, every other thread on the workers' cores."""
+    core, every other thread on the workers' cores. Threads started later by the main thread
+    inherit its core; helper threads move off it with :func:`leave_main_core`."""
+    global _helper_cores
+    _helper_cores = binding.workers
     main = os.getpid()  # the engine process's main thread runs the loop
     for tid in _threads():
         cores = {binding.main} if tid == main else set(binding.workers)
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(tid, cores)
+
+
+def leave_main_core() -> None:
+    """For a helper thread (grammar compilation, ...) at its start: in a bound engine process,
+    go to the workers' cores rather than share the main thread's; elsewhere, nothing."""
+    if _helper_cores is not None:
+        os.sched_setaffinity(0, _helper_cores)
 
 
 def bind_process(cores: frozenset[int]) -> None:

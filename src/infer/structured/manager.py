@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from infer.core.request import Request
+from infer.engine.affinity import leave_main_core
 from infer.structured.grammar import GrammarError, compile_grammar
 
 
@@ -31,7 +32,10 @@ class StructuredOutputManager:
         self._eos = list(eos_token_ids)
         self._llg_tokenizer = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        # Started from the engine's main thread: with --cpu-bind, off its core (engine/affinity.py).
+        self._pool = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="grammar", initializer=leave_main_core
+        )
         self.matchers: dict[str, object] = {}  # request id -> llguidance.LLMatcher
         self._built: set[tuple] = set()  # cache keys of grammars built before
 
