@@ -87,24 +87,24 @@ def plan_cpu_binding(spec: str, allowed: set[int] | None = None) -> CpuBinding |
     return CpuBinding(cores[0], workers, frozenset(allowed - set(cores)) or workers)
 
 
-def _threads() -> list[int]:
-    return [int(tid) for tid in os.listdir("/proc/self/task")]
+def bind_process(cores: frozenset[int]) -> None:
+    """Every thread of this process (and so every thread it starts later) on ``cores``."""
+    for tid in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cores)
 
 
 _helper_cores: frozenset[int] | None = None  # set in a bound engine process
 
 
 def bind_engine_threads(binding: CpuBinding) -> None:
-    """In the engine process, once its compute threads exist: the calling (main) thread on its
-    core, every other thread on the workers' cores. Threads started later by the main thread
+    """In the engine process's main thread, once its compute threads exist: every thread on the
+    workers' cores, then the calling (main) thread alone on its core. Threads it starts later
     inherit its core; helper threads move off it with :func:`leave_main_core`."""
     global _helper_cores
     _helper_cores = binding.workers
-    main = os.getpid()  # the engine process's main thread runs the loop
-    for tid in _threads():
-        cores = {binding.main} if tid == main else set(binding.workers)
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(tid, cores)
+    bind_process(binding.workers)
+    os.sched_setaffinity(0, {binding.main})  # 0: the calling thread
 
 
 def leave_main_core() -> None:
@@ -112,10 +112,3 @@ def leave_main_core() -> None:
     go to the workers' cores rather than share the main thread's; elsewhere, nothing."""
     if _helper_cores is not None:
         os.sched_setaffinity(0, _helper_cores)
-
-
-def bind_process(cores: frozenset[int]) -> None:
-    """Every thread of this process (and so every thread it starts later) on ``cores``."""
-    for tid in _threads():
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(tid, cores)
