@@ -172,13 +172,10 @@ void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, in
   const int lanes = static_cast<int>(head_dim / 16);
   std::memset(acc, 0, nq * head_dim * sizeof(float));
   const int64_t row_bytes = (nq / group) * head_dim * static_cast<int64_t>(sizeof(KvT));
-  auto prefetch_row = [&](int64_t j) {
-    const char* r = reinterpret_cast<const char*>(vrows[j]);
-    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
-  };
-  for (int64_t j = 0; j < kPrefetchRows && j < n; ++j) prefetch_row(j);  // the first, at once
+  for (int64_t j = 0; j < kPrefetchRows && j < n; ++j)  // the first, at once
+    infer_simd::prefetch_l2(vrows[j], row_bytes);
   for (int64_t j = 0; j < n; ++j) {
-    if (j + kPrefetchRows < n) prefetch_row(j + kPrefetchRows);
+    if (j + kPrefetchRows < n) infer_simd::prefetch_l2(vrows[j + kPrefetchRows], row_bytes);
     const KvT* vrow = vrows[j];
     for (int64_t h = 0; h < nq; ++h) {
       const __m512 p = _mm512_set1_ps(scores[h * n + j]);
@@ -246,10 +243,8 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
       }
       // The first kKeysAhead keys' rows, all at once (the loop below prefetches the rest).
       const int64_t item_bytes = (h1 - h0) * head_dim * static_cast<int64_t>(sizeof(KvT));
-      for (int64_t j = 0; j < kKeysAhead && j < npad; ++j) {
-        const char* r = reinterpret_cast<const char*>(krows[j]);
-        for (int64_t o = 0; o < item_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
-      }
+      for (int64_t j = 0; j < kKeysAhead && j < npad; ++j)
+        infer_simd::prefetch_l2(krows[j], item_bytes);
       const uint16_t* qb = query + b * q_stride + h0 * group * head_dim;
       if constexpr (kScaled) {  // the query in float32, for FMAs with dequantized keys
         qf.resize(nq * head_dim);
@@ -266,10 +261,8 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
           // a burst of every row at once (24 KiB) stalled on the CPU's miss buffers
           // (measured 25 -> 20-22 ms for 12 layers x 16 sequences x 1024 keys on Zen 5).
           if (h % group == 0 && j0 + kKeysAhead < npad) {
-            for (int64_t i = j0 + kKeysAhead; i < j0 + kKeysAhead + 16 && i < npad; ++i) {
-              const char* r = reinterpret_cast<const char*>(krows[i] + off);
-              for (int64_t o = 0; o < head_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
-            }
+            for (int64_t i = j0 + kKeysAhead; i < j0 + kKeysAhead + 16 && i < npad; ++i)
+              infer_simd::prefetch_l2(krows[i] + off, head_bytes);
           }
           __m512 acc[16];
           for (int i = 0; i < 16; ++i) {

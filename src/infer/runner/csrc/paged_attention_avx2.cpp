@@ -62,11 +62,6 @@ inline void load_kv16(const KvT* p, __m256& lo, __m256& hi) {
 // Position within a 16-value chunk of value i in unpack order (i < 8: lo, else hi).
 inline int unpack_position(int i) { return (i & 3) + ((i & 4) << 1) + ((i & 8) >> 1); }
 
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* r = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
-}
-
 // Softmax of one head's n scores in place, in float32.
 inline void softmax(float* s, int64_t n) {
   __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -131,7 +126,7 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
         krows[j] = key_cache + slot * slot_stride + h0 * head_dim;
       }
       const int64_t item_bytes = (h1 - h0) * head_dim * static_cast<int64_t>(sizeof(KvT));
-      for (int64_t j = 0; j < kKeysAhead && j < npad; ++j) prefetch_bytes(krows[j], item_bytes);
+      for (int64_t j = 0; j < kKeysAhead && j < npad; ++j) infer_simd::prefetch_l2(krows[j], item_bytes);
       const uint16_t* qb = query + b * q_stride + h0 * group * head_dim;
       qf.resize(nq * head_dim);
       for (int64_t i = 0; i < nq * head_dim; ++i) {
@@ -142,7 +137,7 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
       const __m256 vscale = _mm256_set1_ps(scale);
       for (int64_t j0 = 0; j0 < npad; j0 += 8) {
         for (int64_t i = j0 + kKeysAhead; i < j0 + kKeysAhead + 8 && i < npad; ++i)
-          prefetch_bytes(krows[i], item_bytes);
+          infer_simd::prefetch_l2(krows[i], item_bytes);
         for (int64_t h = 0; h < nq; ++h) {
           const int64_t off = (h / group) * head_dim;
           const float* qh = qf.data() + h * head_dim;
@@ -192,9 +187,9 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
       vacc.assign(nq * head_dim, 0.f);
       float* acc = vacc.data();
       auto vrow = [&](int64_t j) { return value_cache + slots[j] * slot_stride + h0 * head_dim; };
-      for (int64_t j = 0; j < kRowsAhead && j < n; ++j) prefetch_bytes(vrow(j), item_bytes);
+      for (int64_t j = 0; j < kRowsAhead && j < n; ++j) infer_simd::prefetch_l2(vrow(j), item_bytes);
       for (int64_t j = 0; j < n; ++j) {
-        if (j + kRowsAhead < n) prefetch_bytes(vrow(j + kRowsAhead), item_bytes);
+        if (j + kRowsAhead < n) infer_simd::prefetch_l2(vrow(j + kRowsAhead), item_bytes);
         const KvT* row = vrow(j);
         for (int64_t h = 0; h < nq; ++h) {
           const __m256 p = _mm256_set1_ps(scores[h * n + j]);

@@ -26,6 +26,15 @@ inline int64_t paged_slot(const int32_t* table, int64_t pos, int64_t block_size)
   return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
 }
 
+#if defined(INFER_HAVE_AVX512) || defined(INFER_HAVE_AVX2)
+// Bytes [p, p + bytes) into L2, a cache line at a time: for cache rows gathered through a block
+// table, which the hardware prefetchers cannot follow (why L2 and not L1: paged_attention.cpp).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* r = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
+}
+#endif
+
 // Decode attention's work items: a sequence and a run of its kv heads [h0, h1), whose K (then
 // V) rows sit next to each other in each slot's row of the cache. Items are split across heads
 // only as far as needed to keep every thread busy. Keys [start, start + n) are visible (a
