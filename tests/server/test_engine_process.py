@@ -135,6 +135,16 @@ def test_cpu_bind_gives_the_engine_main_thread_a_core_of_its_own(llama_checkpoin
         assert server.terminate() == 0
 
 
+def test_cpu_bind_on_one_core_says_it_binds_nothing(llama_checkpoint, server_logs):
+    core = min(os.sched_getaffinity(0))
+    server = ServerProcess(llama_checkpoint, "--cpu-bind", str(core), log_dir=server_logs)
+    try:
+        assert f"--cpu-bind {core}: one core, so nothing to bind" in server.log()
+        assert "cores: engine main thread" not in server.log()
+    finally:
+        assert server.terminate() == 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -193,6 +193,8 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    if binding is None and args.cpu_bind != "off":
+        logger.warning("--cpu-bind %s: one core, so nothing to bind", args.cpu_bind)
     try:
         engine = start_engine(config, args.engine_process, args.torch_threads, binding)
     except (ValueError, RuntimeError, OSError) as e:
