@@ -152,7 +152,12 @@ def cpu_binding(args: argparse.Namespace, config: EngineConfig) -> CpuBinding | 
     if config.parallel.tensor_parallel_size > 1:
         raise ValueError("--cpu-bind does not combine with --tensor-parallel-size (each rank "
                          "binds its own cores)")  # fmt: skip
-    return plan_cpu_binding(args.cpu_bind)
+    if args.data_parallel_size > 1 or args.ray_address:
+        raise ValueError("--cpu-bind is for one engine; replicas get their cores from Ray")
+    binding = plan_cpu_binding(args.cpu_bind)
+    if binding is None:
+        logger.warning("--cpu-bind %s: one core, so nothing to bind", args.cpu_bind)
+    return binding
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -174,10 +179,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         logger.error("--data-parallel-size must be >= 1, got %d", args.data_parallel_size)
         return 2
+    try:
+        binding = cpu_binding(args, config)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
     if args.data_parallel_size > 1 or args.ray_address:
-        if args.cpu_bind != "off":
-            logger.error("--cpu-bind is for one engine; replicas get their cores from Ray")
-            return 2
         try:  # ray is imported only down this path
             from infer.cluster.app import serve_cluster
         except ImportError as e:
@@ -188,13 +195,6 @@ def serve(args: argparse.Namespace) -> int:
             logger.error("%s (%s)", RAY_INSTALL_HINT, e)
             return 2
         return serve_cluster(args, config, chat_template)
-    try:
-        binding = cpu_binding(args, config)
-    except ValueError as e:
-        logger.error("%s", e)
-        return 2
-    if binding is None and args.cpu_bind != "off":
-        logger.warning("--cpu-bind %s: one core, so nothing to bind", args.cpu_bind)
     try:
         engine = start_engine(config, args.engine_process, args.torch_threads, binding)
     except (ValueError, RuntimeError, OSError) as e:
