@@ -25,6 +25,7 @@ from infer.bench.vs_vllm import (
     client_command,
     finish,
     median_result,
+    paired_ratios,
     parse_result,
     parse_workloads,
     peer_dtype,
@@ -220,6 +221,30 @@ def test_finish_writes_json_and_markdown(tmp_path):
     assert "VLLM_TARGET_DEVICE=cpu vllm serve /m" in md
     data = json.loads((tmp_path / "vs_vllm.json").read_text())
     assert data["medians"]["infer"]["64x64@16"]["output_tok_s"] == 500.0
+    assert data["paired_ratios"]["64x64@16"] == {"runs": [2.5], "median": 2.5}
+    assert "Paired by round" not in md  # one round: nothing to pair beyond the table
+    report["runs"] = runs + [r | {"round": 1} | _row(r["result"]["output_tok_s"] / 2) for r in runs]
+    report["runs"][-1] |= _row(125.0)  # round 1: 250 / 125
+    finish(report, tmp_path)
+    md = (tmp_path / "vs_vllm.md").read_text()
+    assert "- 64x64@16: median 2.25x (rounds: 2.50, 2.00)" in md
+
+
+def test_paired_ratios_pair_peers_within_each_round():
+    def run(peer, rnd, tok, cell="1024x128@16"):
+        return {"peer": peer, "cell": cell, "round": rnd, **_row(tok)}
+
+    runs = [
+        run("infer", 0, 150.0), run("vllm", 0, 100.0),  # 1.5
+        run("vllm", 1, 120.0), run("infer", 1, 168.0),  # 1.4
+        run("infer", 2, 160.0), {"peer": "vllm", "cell": "1024x128@16", "round": 2, "error": "x"},
+        run("infer", 3, 130.0), run("vllm", 3, 80.0),  # 1.625
+        run("infer", 0, 500.0, "64x64@16"),
+    ]  # fmt: skip
+    got = paired_ratios(runs, ["1024x128@16", "64x64@16"])
+    assert got["1024x128@16"]["runs"] == pytest.approx([1.5, 1.4, 1.625])
+    assert got["1024x128@16"]["median"] == pytest.approx(1.5)
+    assert "64x64@16" not in got  # no vLLM run to pair with
 
 
 def test_server_commands_share_the_serving_flags():

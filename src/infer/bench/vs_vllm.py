@@ -16,7 +16,11 @@ tokens) at C = 1, 16, 64 and ``1024x128`` at C = 16; ``INxOUT@C+C`` names other 
 A *round* starts each peer in turn (the order alternates round by round, so a load that comes
 and goes on a shared machine does not always hit the same peer), and for each cell runs a short
 warm-up (C prompts of the cell's input length, 16 output tokens, other prompts) and then the
-measured run. ``--runs N`` makes N rounds; the report keeps the median of each metric. Prompts
+measured run. ``--runs N`` makes N rounds; the report keeps the median of each metric, and for
+each cell also the median of the per-round ratios (infer over vLLM of the same round): on a
+machine whose speed drifts, that pairing is the steadier figure. To pin one cell down, run it
+alone with more rounds (``--workloads 1024x128@16 --runs 6``): its two servers then run minutes
+apart, not the length of a whole round of cells. Prompts
 depend only on ``--seed``, the round and the cell, so both peers get the same prompts; a round's
 warm-up and measured prompts differ (nothing is reused from a prefix cache). The client's
 endpoint ready-check is skipped (``--ready-check-timeout-sec 0``): the driver waits for
@@ -241,6 +245,29 @@ def check_targets(cells: dict, offline: dict | None = None) -> list[dict]:
                 loss <= HTTP_LOSS_TARGET,
                 f"{100 * loss:+.1f}% ({http:.1f} vs {off:.1f} tok/s)",
             )
+    return out
+
+
+def paired_ratios(runs: list[dict], cell_keys: list[str]) -> dict:
+    """Per cell, infer's output tok/s over vLLM's *of the same round*, and their median.
+
+    The peers of one round run minutes apart, the rounds maybe an hour apart; on a shared
+    machine whose speed drifts, the ratio within a round is steadier than the ratio of the
+    peers' medians over all rounds.
+    """
+    out: dict = {}
+    for key in cell_keys:
+        by_round: dict[int, dict[str, float]] = {}
+        for r in runs:
+            if r["cell"] == key and "error" not in r and r.get("result"):
+                by_round.setdefault(r["round"], {})[r["peer"]] = r["result"]["output_tok_s"]
+        ratios = [
+            v["infer"] / v["vllm"]
+            for _, v in sorted(by_round.items())
+            if v.get("infer") and v.get("vllm")
+        ]
+        if ratios:
+            out[key] = {"runs": ratios, "median": statistics.median(ratios)}
     return out
 
 
@@ -739,6 +766,19 @@ def render(report: dict) -> str:
             f"⚠ {len(disturbed)} of {len(report['runs'])} measured runs had other processes "
             f"using more than {QUIET_CORES} cores (see *Every run*): figures from a busy machine.",
         ]
+    paired = report.get("paired_ratios") or {}
+    if any(len(v["runs"]) > 1 for v in paired.values()):
+        lines += [
+            "",
+            "Paired by round (infer / vLLM of the same round, whose servers ran minutes apart; "
+            "steadier than the ratio of medians when the machine's speed drifts between rounds):",
+            "",
+        ]
+        for key in keys:
+            if key in paired:
+                p = paired[key]
+                each = ", ".join(f"{x:.2f}" for x in p["runs"])
+                lines.append(f"- {key}: median {p['median']:.2f}x (rounds: {each})")
     lines += ["", "## Targets", ""]
     for t in report["targets"]:
         mark = {"pass": "PASS", "miss": "MISS", "n/a": "n/a"}[t["status"]]
@@ -928,6 +968,7 @@ def finish(report: dict, out: Path) -> None:
             if runs:
                 med.setdefault(peer, {})[c["key"]] = median_result(runs)
     report["medians"] = med
+    report["paired_ratios"] = paired_ratios(report["runs"], [c["key"] for c in report["cells"]])
     offline = None
     if "offline" in report:
         ok = [r["result"] for r in report["offline"]["rounds"] if "result" in r]
