@@ -25,6 +25,7 @@ from infer.bench.vs_vllm import (
     client_command,
     finish,
     median_result,
+    paired_http_loss,
     paired_ratios,
     parse_result,
     parse_workloads,
@@ -245,6 +246,25 @@ def test_paired_ratios_pair_peers_within_each_round():
     assert got["1024x128@16"]["runs"] == pytest.approx([1.5, 1.4, 1.625])
     assert got["1024x128@16"]["median"] == pytest.approx(1.5)
     assert "64x64@16" not in got  # no vLLM run to pair with
+
+
+def test_paired_http_loss_compares_each_round_with_its_offline_run():
+    runs = [
+        {"peer": "infer", "cell": "64x64@16", "round": 1, **_row(760.0)},
+        {"peer": "infer", "cell": "64x64@16", "round": 0, **_row(720.0)},
+        {"peer": "vllm", "cell": "64x64@16", "round": 0, **_row(400.0)},
+        {"peer": "infer", "cell": "64x64@1", "round": 0, **_row(100.0)},
+        {"peer": "infer", "cell": "64x64@16", "round": 2, **_row(700.0)},
+    ]
+    offline = [
+        {"round": 0, "result": {"output_tok_s": 800.0}},
+        {"round": 1, "result": {"output_tok_s": 800.0}},
+        {"round": 2, "error": "offline run exited 1"},
+    ]
+    got = paired_http_loss(runs, offline)
+    assert got["runs"] == pytest.approx([0.10, 0.05])  # round order; round 2 has no pair
+    assert got["median"] == pytest.approx(0.075)
+    assert paired_http_loss(runs, []) is None
 
 
 def test_server_commands_share_the_serving_flags():

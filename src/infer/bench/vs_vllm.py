@@ -271,6 +271,21 @@ def paired_ratios(runs: list[dict], cell_keys: list[str]) -> dict:
     return out
 
 
+def paired_http_loss(runs: list[dict], offline_rounds: list[dict]) -> dict | None:
+    """1 - infer's 64x64@16 tok/s over HTTP / the offline engine's, round by round (the offline
+    run goes right before infer's server), and the median; None without a pair."""
+    offline = {r["round"]: r["result"]["output_tok_s"] for r in offline_rounds if r.get("result")}
+    losses = [
+        1 - r["result"]["output_tok_s"] / offline[r["round"]]
+        for r in sorted(runs, key=lambda r: r["round"])
+        if r["peer"] == "infer"
+        and r["cell"] == "64x64@16"
+        and r.get("result")
+        and offline.get(r["round"])
+    ]
+    return {"runs": losses, "median": statistics.median(losses)} if losses else None
+
+
 def _cell_order(key: str) -> tuple[int, int, int]:
     w, c = key.split("@")
     i, o = w.split("x")
@@ -759,6 +774,13 @@ def render(report: dict) -> str:
             f"{', '.join(_fmt(x) for x in off.get('output_tok_s_runs', []))}); "
             f"`--infer-args` do not apply to it.",
         ]
+        loss = report["offline"].get("paired_loss")
+        if loss and len(loss["runs"]) > 1:
+            each = ", ".join(f"{100 * x:.1f}%" for x in loss["runs"])
+            lines.append(
+                f"HTTP's loss paired by round (each round's offline run against the infer server "
+                f"that followed it): median {100 * loss['median']:.1f}% (rounds: {each})."
+            )
     disturbed = [r for r in report["runs"] if (r.get("other_cpu_cores") or 0) > QUIET_CORES]
     if disturbed:
         lines += [
@@ -979,6 +1001,9 @@ def finish(report: dict, out: Path) -> None:
                 "output_tok_s_runs": [x["output_tok_s"] for x in ok],
             }
         report["offline"]["median"] = offline
+        report["offline"]["paired_loss"] = paired_http_loss(
+            report["runs"], report["offline"]["rounds"]
+        )
     report["targets"] = check_targets(med, offline)
     (out / "vs_vllm.json").write_text(json.dumps(report, indent=1) + "\n")
     md = render(report)
