@@ -237,13 +237,15 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
                              int64_t max_blocks, float scale, int64_t window, int num_threads) {
   constexpr bool kScaled = kKind != kKvPlain;
   const int64_t group = num_heads / num_kv_heads;
-  if constexpr (kHeadDim > 0) head_dim = kHeadDim;  // a constant from here on
+  if constexpr (kHeadDim > 0) head_dim = kHeadDim;
   const int64_t slot_stride = num_kv_heads * head_dim;
-  const int64_t pairs = head_dim / 32;  // 32 bf16 per dpbf16 instruction
-  const int lanes = static_cast<int>(head_dim / 16);  // 16 float32 per accumulator
   const infer_simd::DecodeSplit split(batch, num_kv_heads, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
+    // Loop bounds, here inside the region: it gets outside variables by reference, so a
+    // constant head_dim assigned out there would not be one in here (nor unroll the loops).
+    const int64_t pairs = (kHeadDim > 0 ? kHeadDim : head_dim) / 32;  // 32 bf16 per dpbf16
+    const int64_t lanes = (kHeadDim > 0 ? kHeadDim : head_dim) / 16;  // 16 float32 per vector
     std::vector<float> scores, qf, vacc;
     std::vector<const KvT*> krows, vrows;
     std::vector<int64_t> slots;
@@ -299,7 +301,7 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
               __m512 s = _mm512_setzero_ps();
               if constexpr (kScaled) {
                 const float* qh = qf.data() + h * head_dim;
-                for (int c = 0; c < lanes; ++c)
+                for (int64_t c = 0; c < lanes; ++c)
                   s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), load_kv16<kKind>(k + c * 16),
                                       s);
               } else {
