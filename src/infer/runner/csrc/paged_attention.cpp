@@ -161,59 +161,84 @@ inline __m512 load_kv16(const KvT* p) {
   else return load_bf16x16(reinterpret_cast<const uint16_t*>(p));
 }
 
+// Rows [j, j + R) of the values into every head's sums (R FMAs per sum, in row order). A bf16
+// cache's 32-dim slices load as 16 words whose low halves (the even dims) and high halves (the
+// odd dims) are each a float32 after a shift or a mask: the sums of a slice lie as its 16 even
+// dims, then its 16 odd ones (one widening instruction per 16 values instead of two).
+template <int R, int kKind, typename KvT, int kHeadDim>
+inline void add_value_rows(const float* scores, int64_t n, int64_t j, const KvT* const* vrows,
+                           int64_t nkv, int64_t group, int64_t hd, float* acc) {
+  for (int64_t kv = 0; kv < nkv; ++kv)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kv * group + g;
+      __m512 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(scores[h * n + j + r]);
+      float* a = acc + h * hd;
+      if constexpr (kKind == kKvPlain) {
+        const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+        for (int64_t c = 0; c < hd / 32; ++c) {
+          __m512 even = _mm512_load_ps(a + c * 32), odd = _mm512_load_ps(a + c * 32 + 16);
+          for (int r = 0; r < R; ++r) {
+            const __m512i w = _mm512_loadu_si512(vrows[j + r] + kv * hd + c * 32);
+            even = _mm512_fmadd_ps(p[r], _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), even);
+            odd = _mm512_fmadd_ps(p[r], _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask)), odd);
+          }
+          _mm512_store_ps(a + c * 32, even);
+          _mm512_store_ps(a + c * 32 + 16, odd);
+        }
+      } else {
+        for (int64_t c = 0; c < hd / 16; ++c) {
+          __m512 s = _mm512_load_ps(a + c * 16);
+          for (int r = 0; r < R; ++r)
+            s = _mm512_fmadd_ps(p[r], load_kv16<kKind>(vrows[j + r] + kv * hd + c * 16), s);
+          _mm512_store_ps(a + c * 16, s);
+        }
+      }
+    }
+}
+
 // out[h] = sum_j p[h][j] * v_j[h] for all nq = nkv * group query heads of an item in one pass
 // over its value rows, each read once, front to back, with the sums in L1 (acc, nq x head_dim,
 // 64-byte aligned). Register-sized groups of heads took one pass per group, reading every row
 // twice (half of it each time): 5-7% slower over 16-64 sequences x 100-1100 tokens, same bits.
-// Two rows per visit of a head's sums halve their loads and stores; each sum still takes its
-// rows one FMA at a time, in order, so the bits are those of one row at a time. kHeadDim > 0
-// fixes head_dim at compile time (the lane loops unroll); 0 reads it from head_dim. With the
-// heads walked as (kv head, group member), no division per row: 12 layers on Zen 4, 16 x 96
-// tokens 1.75 -> 1.66 ms, 64 x 128 11.4 -> 11.0, 16 x 1024 20.5 -> 20.2 (the cache's read
-// bounds those); from L2, 2 x 160, 30 -> 24 us a layer. (For a scaled cache, p already carries
-// each row's scale.)
+// Four rows per visit of a head's sums (add_value_rows) cut their loads and stores fourfold;
+// each sum still takes its rows one FMA at a time, in order, so the bits are those of one row at
+// a time. kHeadDim > 0 fixes head_dim at compile time (the lane loops unroll); 0 reads it from
+// head_dim. With the heads walked as (kv head, group member), no division per row. Measured
+// on Zen 4, 12 layers: two rows per visit, 16 x 96 tokens 1.75 -> 1.66 ms, 64 x 128 11.4 ->
+// 11.0, 16 x 1024 20.5 -> 20.2 (the cache's read bounds those); from L2, 2 x 160, 30 -> 24 us
+// a layer; then four rows and the even/odd widening, 16 x 512 11.7 -> 10.9 ms, 64 x 128 11.1
+// -> 10.7, 16 x 1024 18.3 -> 16.4 and 22.1 -> 22.1 in two runs (2 x 160, 0.34 -> 0.36 ms, is
+// the one case it slows). (For a scaled cache, p already carries each row's scale.)
 template <int kKind, typename KvT, int kHeadDim>
 void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, int64_t nkv,
                      int64_t group, int64_t head_dim, float* acc, uint16_t* ob) {
+  constexpr int kRows = 4;
   const int64_t hd = kHeadDim > 0 ? kHeadDim : head_dim;
-  const int64_t lanes = hd / 16, nq = nkv * group;
+  const int64_t nq = nkv * group;
   std::memset(acc, 0, nq * hd * sizeof(float));
   const int64_t row_bytes = nkv * hd * static_cast<int64_t>(sizeof(KvT));
   for (int64_t j = 0; j < kPrefetchRows && j < n; ++j)  // the first, at once
     infer_simd::prefetch_l2(vrows[j], row_bytes);
   int64_t j = 0;
-  for (; j + 2 <= n; j += 2) {
-    for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + 2 && r < n; ++r)
+  for (; j + kRows <= n; j += kRows) {
+    for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + kRows && r < n; ++r)
       infer_simd::prefetch_l2(vrows[r], row_bytes);
-    for (int64_t kv = 0; kv < nkv; ++kv) {
-      const KvT* v0 = vrows[j] + kv * hd;
-      const KvT* v1 = vrows[j + 1] + kv * hd;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kv * group + g;
-        const __m512 p0 = _mm512_set1_ps(scores[h * n + j]);
-        const __m512 p1 = _mm512_set1_ps(scores[h * n + j + 1]);
-        float* a = acc + h * hd;
-        for (int64_t c = 0; c < lanes; ++c) {
-          const __m512 s =
-              _mm512_fmadd_ps(p0, load_kv16<kKind>(v0 + c * 16), _mm512_load_ps(a + c * 16));
-          _mm512_store_ps(a + c * 16, _mm512_fmadd_ps(p1, load_kv16<kKind>(v1 + c * 16), s));
-        }
-      }
-    }
+    add_value_rows<kRows, kKind, KvT, kHeadDim>(scores, n, j, vrows, nkv, group, hd, acc);
   }
   for (; j < n; ++j)
-    for (int64_t kv = 0; kv < nkv; ++kv)
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kv * group + g;
-        const __m512 p = _mm512_set1_ps(scores[h * n + j]);
-        const KvT* v = vrows[j] + kv * hd;
-        float* a = acc + h * hd;
-        for (int64_t c = 0; c < lanes; ++c)
-          _mm512_store_ps(a + c * 16, _mm512_fmadd_ps(p, load_kv16<kKind>(v + c * 16),
-                                                       _mm512_load_ps(a + c * 16)));
-      }
-  for (int64_t i = 0; i < nq * hd; i += 16)
-    infer_simd::store_bf16x16(ob + i, _mm512_load_ps(acc + i));
+    add_value_rows<1, kKind, KvT, kHeadDim>(scores, n, j, vrows, nkv, group, hd, acc);
+  if constexpr (kKind == kKvPlain) {  // even and odd dims back into one row of bf16
+    for (int64_t i = 0; i < nq * hd; i += 32) {
+      using infer_simd::to_bf16x16;
+      const __m512i even = _mm512_cvtepu16_epi32(to_bf16x16(_mm512_load_ps(acc + i)));
+      const __m512i odd = _mm512_cvtepu16_epi32(to_bf16x16(_mm512_load_ps(acc + i + 16)));
+      _mm512_storeu_si512(ob + i, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    }
+  } else {
+    for (int64_t i = 0; i < nq * hd; i += 16)
+      infer_simd::store_bf16x16(ob + i, _mm512_load_ps(acc + i));
+  }
 }
 
 // The bfloat16-query path with head_dim a multiple of 32 (up to 256), in AVX-512, over a bf16,
