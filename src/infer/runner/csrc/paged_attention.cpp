@@ -262,13 +262,13 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
                              int64_t max_blocks, float scale, int64_t window, int num_threads) {
   constexpr bool kScaled = kKind != kKvPlain;
   const int64_t group = num_heads / num_kv_heads;
-  if constexpr (kHeadDim > 0) head_dim = kHeadDim;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const infer_simd::DecodeSplit split(batch, num_kv_heads, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
     // Loop bounds, here inside the region: it gets outside variables by reference, so a
-    // constant head_dim assigned out there would not be one in here (nor unroll the loops).
+    // constant computed out there would not be one in here (nor unroll the loops). The caller
+    // picks kHeadDim > 0 only where head_dim equals it.
     const int64_t pairs = (kHeadDim > 0 ? kHeadDim : head_dim) / 32;  // 32 bf16 per dpbf16
     const int64_t lanes = (kHeadDim > 0 ? kHeadDim : head_dim) / 16;  // 16 float32 per vector
     std::vector<float> scores, qf, vacc;
