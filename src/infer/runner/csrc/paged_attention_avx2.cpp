@@ -87,7 +87,7 @@ inline void softmax(float* s, int64_t n) {
   for (; j < n; ++j) s[j] *= inv;
 }
 
-template <int kKind, typename KvT>
+template <int kKind, typename KvT, int kHeadDim>
 void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* key_cache,
                            const KvT* value_cache, const uint16_t* key_scales,
                            const uint16_t* value_scales, uint16_t* out,
@@ -98,10 +98,13 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
   constexpr bool kScaled = kKind != kKvPlain;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
-  const int lanes = static_cast<int>(head_dim / 8);  // even: head_dim % 16 == 0
   const infer_simd::DecodeSplit split(batch, num_kv_heads, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
+    // Inside the region, where a compile-time kHeadDim keeps the lane loops unrolled (the
+    // region gets outside variables by reference); the caller picks kHeadDim > 0 only where
+    // head_dim equals it.
+    const int64_t lanes = (kHeadDim > 0 ? kHeadDim : head_dim) / 8;  // even: head_dim % 16 == 0
     std::vector<float> scores, qf, vacc;
     std::vector<const KvT*> krows;
     std::vector<int64_t> slots;
@@ -139,7 +142,7 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
         for (int64_t i = j0 + kKeysAhead; i < j0 + kKeysAhead + 8 && i < npad; ++i)
           infer_simd::prefetch_l2(krows[i], item_bytes);
         for (int64_t h = 0; h < nq; ++h) {
-          const int64_t off = (h / group) * head_dim;
+          const int64_t kv = group == 1 ? h : h / group, off = kv * head_dim;
           const float* qh = qf.data() + h * head_dim;
           // The 8 keys side by side, 16 dims at a time: 8 independent FMA chains, and each
           // piece of the query loaded once for all of them.
@@ -147,7 +150,7 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
           for (int i = 0; i < 8; ++i) k[i] = krows[j0 + i] + off;
           __m256 acc[8];
           for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-          for (int c = 0; c < lanes; c += 2) {
+          for (int64_t c = 0; c < lanes; c += 2) {
             const __m256 q0 = _mm256_loadu_ps(qh + c * 8), q1 = _mm256_loadu_ps(qh + c * 8 + 8);
             for (int i = 0; i < 8; ++i) {
               __m256 lo, hi;
@@ -158,7 +161,7 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
           __m256 r = _mm256_mul_ps(infer_simd::sum8(acc), vscale);
           if constexpr (kScaled) {
             alignas(32) float ks[8];
-            const int64_t kvh = h0 + h / group;
+            const int64_t kvh = h0 + kv;
             for (int i = 0; i < 8; ++i)
               ks[i] = infer_simd::bf16_to_f32(key_scales[slots[j0 + i] * num_kv_heads + kvh]);
             r = _mm256_mul_ps(r, _mm256_load_ps(ks));
@@ -188,20 +191,48 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
       float* acc = vacc.data();
       auto vrow = [&](int64_t j) { return value_cache + slots[j] * slot_stride + h0 * head_dim; };
       for (int64_t j = 0; j < kRowsAhead && j < n; ++j) infer_simd::prefetch_l2(vrow(j), item_bytes);
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + kRowsAhead < n) infer_simd::prefetch_l2(vrow(j + kRowsAhead), item_bytes);
-        const KvT* row = vrow(j);
-        for (int64_t h = 0; h < nq; ++h) {
-          const __m256 p = _mm256_set1_ps(scores[h * n + j]);
-          const KvT* v = row + (h / group) * head_dim;
-          float* a = acc + h * head_dim;
-          for (int c = 0; c < lanes; c += 2) {
-            __m256 lo, hi;
-            load_kv16<kKind>(v + c * 8, lo, hi);
-            _mm256_storeu_ps(a + c * 8, _mm256_fmadd_ps(p, lo, _mm256_loadu_ps(a + c * 8)));
-            _mm256_storeu_ps(a + c * 8 + 8, _mm256_fmadd_ps(p, hi, _mm256_loadu_ps(a + c * 8 + 8)));
+      // Two rows per visit of a head's sums (their loads and stores halved); each sum still
+      // takes its rows one FMA at a time, in order: the bits of one row at a time.
+      int64_t j = 0;
+      for (; j + 2 <= n; j += 2) {
+        for (int64_t r = j + kRowsAhead; r < j + kRowsAhead + 2 && r < n; ++r)
+          infer_simd::prefetch_l2(vrow(r), item_bytes);
+        const KvT* row0 = vrow(j);
+        const KvT* row1 = vrow(j + 1);
+        for (int64_t kv = 0; kv < h1 - h0; ++kv)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g;
+            const __m256 p0 = _mm256_set1_ps(scores[h * n + j]);
+            const __m256 p1 = _mm256_set1_ps(scores[h * n + j + 1]);
+            const KvT* v0 = row0 + kv * head_dim;
+            const KvT* v1 = row1 + kv * head_dim;
+            float* a = acc + h * head_dim;
+            for (int64_t c = 0; c < lanes; c += 2) {
+              __m256 lo0, hi0, lo1, hi1;
+              load_kv16<kKind>(v0 + c * 8, lo0, hi0);
+              load_kv16<kKind>(v1 + c * 8, lo1, hi1);
+              const __m256 slo = _mm256_fmadd_ps(p0, lo0, _mm256_loadu_ps(a + c * 8));
+              const __m256 shi = _mm256_fmadd_ps(p0, hi0, _mm256_loadu_ps(a + c * 8 + 8));
+              _mm256_storeu_ps(a + c * 8, _mm256_fmadd_ps(p1, lo1, slo));
+              _mm256_storeu_ps(a + c * 8 + 8, _mm256_fmadd_ps(p1, hi1, shi));
+            }
           }
-        }
+      }
+      for (; j < n; ++j) {
+        const KvT* row = vrow(j);
+        for (int64_t kv = 0; kv < h1 - h0; ++kv)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g;
+            const __m256 p = _mm256_set1_ps(scores[h * n + j]);
+            const KvT* v = row + kv * head_dim;
+            float* a = acc + h * head_dim;
+            for (int64_t c = 0; c < lanes; c += 2) {
+              __m256 lo, hi;
+              load_kv16<kKind>(v + c * 8, lo, hi);
+              _mm256_storeu_ps(a + c * 8, _mm256_fmadd_ps(p, lo, _mm256_loadu_ps(a + c * 8)));
+              _mm256_storeu_ps(a + c * 8 + 8, _mm256_fmadd_ps(p, hi, _mm256_loadu_ps(a + c * 8 + 8)));
+            }
+          }
       }
       if constexpr (kUnpackOrder<kKind>) {  // back in order, 16 at a time
         for (int64_t i = 0; i < nq * head_dim; i += 16) {
@@ -231,9 +262,15 @@ int infer_decode_attention_avx2(int kv_kind, const uint16_t* query, int64_t q_st
   query, q_stride, static_cast<const KV*>(key_cache), static_cast<const KV*>(value_cache),     \
       key_scales, value_scales, out, block_tables, context_lens, batch, num_heads,             \
       num_kv_heads, head_dim, block_size, max_blocks, scale, window, num_threads
-  if (kv_kind == kKvPlain) decode_attention_avx2<kKvPlain>(INFER_ARGS(uint16_t));
-  else if (kv_kind == kKvInt8) decode_attention_avx2<kKvInt8>(INFER_ARGS(int8_t));
-  else decode_attention_avx2<kKvFp8>(INFER_ARGS(uint8_t));
+  // The common head sizes with head_dim a compile-time constant (unrolled lanes).
+#define INFER_BY_HEAD_DIM(KIND, KV)                                                             \
+  if (head_dim == 64) decode_attention_avx2<KIND, KV, 64>(INFER_ARGS(KV));                      \
+  else if (head_dim == 128) decode_attention_avx2<KIND, KV, 128>(INFER_ARGS(KV));               \
+  else decode_attention_avx2<KIND, KV, 0>(INFER_ARGS(KV));
+  if (kv_kind == kKvPlain) { INFER_BY_HEAD_DIM(kKvPlain, uint16_t) }
+  else if (kv_kind == kKvInt8) { INFER_BY_HEAD_DIM(kKvInt8, int8_t) }
+  else { INFER_BY_HEAD_DIM(kKvFp8, uint8_t) }
+#undef INFER_BY_HEAD_DIM
 #undef INFER_ARGS
   return 0;
 }
