@@ -230,7 +230,8 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
               __m256 lo, hi;
               load_kv16<kKind>(v + c * 8, lo, hi);
               _mm256_storeu_ps(a + c * 8, _mm256_fmadd_ps(p, lo, _mm256_loadu_ps(a + c * 8)));
-              _mm256_storeu_ps(a + c * 8 + 8, _mm256_fmadd_ps(p, hi, _mm256_loadu_ps(a + c * 8 + 8)));
+              _mm256_storeu_ps(a + c * 8 + 8,
+                               _mm256_fmadd_ps(p, hi, _mm256_loadu_ps(a + c * 8 + 8)));
             }
           }
       }
