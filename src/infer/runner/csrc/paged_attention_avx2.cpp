@@ -87,6 +87,32 @@ inline void softmax(float* s, int64_t n) {
   for (; j < n; ++j) s[j] *= inv;
 }
 
+// Value rows j .. j + R - 1 (rows[r]) into every head's sums: R FMAs per sum, one row at a
+// time, in order (the bits of one row at a time); kHeadDim > 0 fixes head_dim (unrolled lanes).
+template <int R, int kKind, typename KvT, int kHeadDim>
+inline void add_value_rows(const float* scores, int64_t n, int64_t j, const KvT* const* rows,
+                           int64_t nkv, int64_t group, int64_t head_dim, float* acc) {
+  const int64_t hd = kHeadDim > 0 ? kHeadDim : head_dim;
+  for (int64_t kv = 0; kv < nkv; ++kv)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kv * group + g;
+      __m256 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm256_set1_ps(scores[h * n + j + r]);
+      float* a = acc + h * hd;
+      for (int64_t c = 0; c < hd / 8; c += 2) {
+        __m256 slo = _mm256_loadu_ps(a + c * 8), shi = _mm256_loadu_ps(a + c * 8 + 8);
+        for (int r = 0; r < R; ++r) {
+          __m256 lo, hi;
+          load_kv16<kKind>(rows[r] + kv * hd + c * 8, lo, hi);
+          slo = _mm256_fmadd_ps(p[r], lo, slo);
+          shi = _mm256_fmadd_ps(p[r], hi, shi);
+        }
+        _mm256_storeu_ps(a + c * 8, slo);
+        _mm256_storeu_ps(a + c * 8 + 8, shi);
+      }
+    }
+}
+
 template <int kKind, typename KvT, int kHeadDim>
 void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* key_cache,
                            const KvT* value_cache, const uint16_t* key_scales,
@@ -191,49 +217,19 @@ void decode_attention_avx2(const uint16_t* query, int64_t q_stride, const KvT* k
       float* acc = vacc.data();
       auto vrow = [&](int64_t j) { return value_cache + slots[j] * slot_stride + h0 * head_dim; };
       for (int64_t j = 0; j < kRowsAhead && j < n; ++j) infer_simd::prefetch_l2(vrow(j), item_bytes);
-      // Two rows per visit of a head's sums (their loads and stores halved); each sum still
-      // takes its rows one FMA at a time, in order: the bits of one row at a time.
+      // Two rows per visit of a head's sums (their loads and stores halved).
       int64_t j = 0;
       for (; j + 2 <= n; j += 2) {
         for (int64_t r = j + kRowsAhead; r < j + kRowsAhead + 2 && r < n; ++r)
           infer_simd::prefetch_l2(vrow(r), item_bytes);
-        const KvT* row0 = vrow(j);
-        const KvT* row1 = vrow(j + 1);
-        for (int64_t kv = 0; kv < h1 - h0; ++kv)
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv * group + g;
-            const __m256 p0 = _mm256_set1_ps(scores[h * n + j]);
-            const __m256 p1 = _mm256_set1_ps(scores[h * n + j + 1]);
-            const KvT* v0 = row0 + kv * head_dim;
-            const KvT* v1 = row1 + kv * head_dim;
-            float* a = acc + h * head_dim;
-            for (int64_t c = 0; c < lanes; c += 2) {
-              __m256 lo0, hi0, lo1, hi1;
-              load_kv16<kKind>(v0 + c * 8, lo0, hi0);
-              load_kv16<kKind>(v1 + c * 8, lo1, hi1);
-              const __m256 slo = _mm256_fmadd_ps(p0, lo0, _mm256_loadu_ps(a + c * 8));
-              const __m256 shi = _mm256_fmadd_ps(p0, hi0, _mm256_loadu_ps(a + c * 8 + 8));
-              _mm256_storeu_ps(a + c * 8, _mm256_fmadd_ps(p1, lo1, slo));
-              _mm256_storeu_ps(a + c * 8 + 8, _mm256_fmadd_ps(p1, hi1, shi));
-            }
-          }
+        const KvT* rows[2] = {vrow(j), vrow(j + 1)};
+        add_value_rows<2, kKind, KvT, kHeadDim>(scores.data(), n, j, rows, h1 - h0, group,
+                                                head_dim, acc);
       }
       for (; j < n; ++j) {
-        const KvT* row = vrow(j);
-        for (int64_t kv = 0; kv < h1 - h0; ++kv)
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv * group + g;
-            const __m256 p = _mm256_set1_ps(scores[h * n + j]);
-            const KvT* v = row + kv * head_dim;
-            float* a = acc + h * head_dim;
-            for (int64_t c = 0; c < lanes; c += 2) {
-              __m256 lo, hi;
-              load_kv16<kKind>(v + c * 8, lo, hi);
-              _mm256_storeu_ps(a + c * 8, _mm256_fmadd_ps(p, lo, _mm256_loadu_ps(a + c * 8)));
-              _mm256_storeu_ps(a + c * 8 + 8,
-                               _mm256_fmadd_ps(p, hi, _mm256_loadu_ps(a + c * 8 + 8)));
-            }
-          }
+        const KvT* rows[1] = {vrow(j)};
+        add_value_rows<1, kKind, KvT, kHeadDim>(scores.data(), n, j, rows, h1 - h0, group,
+                                                head_dim, acc);
       }
       if constexpr (kUnpackOrder<kKind>) {  // back in order, 16 at a time
         for (int64_t i = 0; i < nq * head_dim; i += 16) {
