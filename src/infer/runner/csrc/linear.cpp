@@ -417,10 +417,14 @@ void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, voi
     const auto* x32 = reinterpret_cast<const int32_t*>(x);
 #pragma omp parallel num_threads(num_threads)
     {
+      // Walked as (pass, row) rather than dividing m: an integer division per element made
+      // this copy ~0.4 ms of a 13 ms decode step (the ~110M Llama at 16 rows, Zen 4).
 #pragma omp for
       for (int64_t kp = 0; kp < kpairs; ++kp)
-        for (int64_t m = 0; m < M; ++m)
-          xp[((m / pass_rows) * kpairs + kp) * pass_rows + m % pass_rows] = x32[m * kpairs + kp];
+        for (int64_t p = 0, m = 0; p < passes; ++p) {
+          int32_t* dst = xp + (p * kpairs + kp) * pass_rows;
+          for (int64_t r = 0; r < pass_rows && m < M; ++r, ++m) dst[r] = x32[m * kpairs + kp];
+        }
 #pragma omp for schedule(guided)
       for (int64_t b = 0; b < nblocks; ++b)
         for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
