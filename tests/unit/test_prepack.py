@@ -91,7 +91,7 @@ def test_tiled_linear_can_be_switched_off(monkeypatch):
 @pytest.mark.skipif(
     not _tiled(), reason="no AMX, AVX-512 BF16 or AVX2 on this CPU (or no C++ compiler)"
 )
-@pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 24, 32, 33, 64, 65, 130, 300])
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 24, 31, 32, 33, 48, 64, 65, 130, 300])
 def test_tiled_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
     torch.manual_seed(rows)
     n, k = 96, 256

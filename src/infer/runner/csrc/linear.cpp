@@ -366,6 +366,53 @@ inline void dp_tall_block(const int32_t* xp, int64_t xp_stride, const uint16_t* 
   for (int i = 0; i < MR; ++i) store_out16<kOutF32>(y, (m0 + i) * N + col, _mm512_add_ps(acc[i], b));
 }
 
+// xp[p][kp][r] = x32[p * pass_rows + r][kp]: each pass's rows side by side for every pair of K.
+// A full pass of 16 rows goes as 16 x 16 blocks transposed in registers; others one by one.
+inline void transpose16_epi32(__m512i a[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: rows i, i+1 paired by column
+    t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane L of a[i + c]: rows i..i+3 at column 4L + c
+    a[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    a[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    a[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    a[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane L of the four row groups into column 4L + c
+    const __m512i v1 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0x88);
+    const __m512i v2 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0xdd);
+    const __m512i w1 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0x88);
+    const __m512i w2 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0xdd);
+    t[c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+    t[4 + c] = _mm512_shuffle_i32x4(v2, w2, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(v2, w2, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) a[i] = t[i];
+}
+
+inline void interleave_pairs(const int32_t* x32, int32_t* xp, int64_t M, int64_t kpairs,
+                             int64_t pass_rows) {
+  int64_t m0 = 0;
+  if (pass_rows == 16 && kpairs % 16 == 0)
+    for (; m0 + 16 <= M; m0 += 16) {
+      int32_t* dst = xp + m0 * kpairs;
+      for (int64_t kp = 0; kp < kpairs; kp += 16) {
+        __m512i a[16];
+        for (int r = 0; r < 16; ++r) a[r] = _mm512_loadu_si512(x32 + (m0 + r) * kpairs + kp);
+        transpose16_epi32(a);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (kp + j) * 16, a[j]);
+      }
+    }
+  for (int64_t m = m0; m < M; ++m) {
+    int32_t* dst = xp + (m / pass_rows) * kpairs * pass_rows + m % pass_rows;
+    const int32_t* src = x32 + m * kpairs;
+    for (int64_t kp = 0; kp < kpairs; ++kp) dst[kp * pass_rows] = src[kp];
+  }
+}
+
 template <bool kOutF32>
 inline void dp_rows_tall(const int32_t* xp, int64_t xp_stride, const uint16_t* w,
                          const float* bias, void* y, int64_t m0, int64_t rows, int64_t K,
@@ -413,18 +460,16 @@ void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, voi
     // one-row pass re-read the weights for one multiply each: the ~110M Llama's linears at 33
     // rows 20.3 -> 18.1 ms, 17 rows 11.9 -> 9.8 on Zen 4); x interleaved per pass, pass_rows words per pair.
     const int64_t kpairs = K / 2, passes = (M + 15) / 16, pass_rows = (M + passes - 1) / passes;
-    auto* xp = static_cast<int32_t*>(infer_simd::thread_scratch(passes * pass_rows * kpairs * 4));
     const auto* x32 = reinterpret_cast<const int32_t*>(x);
 #pragma omp parallel num_threads(num_threads)
     {
-      // Walked as (pass, row) rather than dividing m: an integer division per element made
-      // this copy ~0.4 ms of a 13 ms decode step (the ~110M Llama at 16 rows, Zen 4).
-#pragma omp for
-      for (int64_t kp = 0; kp < kpairs; ++kp)
-        for (int64_t p = 0, m = 0; p < passes; ++p) {
-          int32_t* dst = xp + (p * kpairs + kp) * pass_rows;
-          for (int64_t r = 0; r < pass_rows && m < M; ++r, ++m) dst[r] = x32[m * kpairs + kp];
-        }
+      // Each thread interleaves the whole of x into its own scratch: no barrier before the
+      // blocks, and no scratch lines written by one core and then read by the other on every
+      // call (a shared copy, split over the threads, took ~3% of a decode step's samples, most
+      // of them stores waiting for the lines to come back from the other core).
+      auto* xp = static_cast<int32_t*>(
+          infer_simd::thread_scratch(passes * pass_rows * kpairs * 4));
+      interleave_pairs(x32, xp, M, kpairs, pass_rows);
 #pragma omp for schedule(guided)
       for (int64_t b = 0; b < nblocks; ++b)
         for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
