@@ -238,6 +238,12 @@ class AttentionContext:
             computed[i] = seq.num_computed_tokens
         block_tables = torch.from_numpy(tables)
         self.num_tokens = int(new_tokens.sum())
+        self._kernels = cpu_kernels() if self.device.type == "cpu" else None
+        self._chunks: PrefillChunks | None = None
+        self._prefills: list[_PrefillSeq] = []
+        if num_seqs and (new_tokens == 1).all():  # one new token each: all decode rows
+            self._init_all_decode(block_tables, tables, computed)
+            return
 
         # Every scheduled token's slot: its sequence's table entry for its position.
         seq_of_token = np.repeat(np.arange(num_seqs), new_tokens)
@@ -265,7 +271,6 @@ class AttentionContext:
                 context_lens=torch.from_numpy(lens.astype(np.int32)).to(self.device),
                 block_size=bs,
             )
-        self._prefills: list[_PrefillSeq] = []
         for i in np.nonzero(~is_decode)[0]:
             start, n, past = int(starts[i]), int(new_tokens[i]), int(computed[i])
             # A quantized cache is read back even for a fresh prompt, so a prompt attends to the
@@ -275,10 +280,8 @@ class AttentionContext:
                 _PrefillSeq(start, start + n, past, reads_cache, block_tables[i : i + 1], bs)
             )
         self._all_decode = self._decode is not None and not self._prefills
-        self._kernels = cpu_kernels() if self.device.type == "cpu" else None
         # Prompt chunks for the C++ prefill kernel (CPU, AVX-512 BF16 or AVX2): one call per layer for
         # every chunk of the step, reading K and V in place through the block tables.
-        self._chunks: PrefillChunks | None = None
         if self._prefills and self._kernels is not None and self._kernels.has_prefill_attention:
             pidx = np.nonzero(~is_decode)[0]
             self._chunks = PrefillChunks(
@@ -287,6 +290,24 @@ class AttentionContext:
                 pasts=torch.from_numpy(computed[pidx].copy()),
                 block_tables=torch.from_numpy(np.ascontiguousarray(tables[pidx])),
             )
+
+    def _init_all_decode(
+        self, block_tables: torch.Tensor, tables: np.ndarray, computed: np.ndarray
+    ) -> None:
+        """A step of decode rows only (the common one): row i is sequence i's token at position
+        ``computed[i]``; the general path's repeats and gathers reduce to this. Python here runs
+        with caches the kernels left cold, so every operation saved counts several times over."""
+        bs = self.kv_cache.block_size
+        seq = np.arange(len(computed))
+        slots = tables[seq, computed // bs].astype(np.int64) * bs + computed % bs
+        self.slot_mapping = torch.from_numpy(slots).to(self.device)
+        self._decode = _DecodeGroup(
+            rows=torch.from_numpy(seq).to(self.device),
+            block_tables=block_tables.to(self.device),
+            context_lens=torch.from_numpy((computed + 1).astype(np.int32)).to(self.device),
+            block_size=bs,
+        )
+        self._all_decode = True
 
     @property
     def all_decode(self) -> bool:

@@ -180,8 +180,12 @@ class ModelRunner:
         hidden = self.forward(ids_t, pos_t, ctx)
         logits = prompt_logits = None
         if batch.sample_rows:
-            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
+            n = len(batch.sample_rows)
+            if n == len(batch.token_ids) and batch.sample_rows[-1] == n - 1:
+                sampled = hidden  # every row, in order (decode): no gather
+            else:
+                sampled = hidden[torch.tensor(batch.sample_rows, device=self.device)]
+            logits = self.model.compute_logits(sampled)
         if batch.prompt_rows:
             rows = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
             prompt_logits = self.model.compute_logits(hidden[rows]).float()
