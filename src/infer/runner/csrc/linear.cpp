@@ -368,31 +368,6 @@ inline void dp_tall_block(const int32_t* xp, int64_t xp_stride, const uint16_t* 
 
 // xp[p][kp][r] = x32[p * pass_rows + r][kp]: each pass's rows side by side for every pair of K.
 // A full pass of 16 rows goes as 16 x 16 blocks transposed in registers; others one by one.
-inline void transpose16_epi32(__m512i a[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: rows i, i+1 paired by column
-    t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // lane L of a[i + c]: rows i..i+3 at column 4L + c
-    a[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    a[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    a[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    a[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // gather lane L of the four row groups into column 4L + c
-    const __m512i v1 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0x88);
-    const __m512i v2 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0xdd);
-    const __m512i w1 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0x88);
-    const __m512i w2 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0xdd);
-    t[c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    t[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
-    t[4 + c] = _mm512_shuffle_i32x4(v2, w2, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(v2, w2, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) a[i] = t[i];
-}
-
 inline void interleave_pairs(const int32_t* x32, int32_t* xp, int64_t M, int64_t kpairs,
                              int64_t pass_rows) {
   int64_t m0 = 0;
@@ -402,7 +377,7 @@ inline void interleave_pairs(const int32_t* x32, int32_t* xp, int64_t M, int64_t
       for (int64_t kp = 0; kp < kpairs; kp += 16) {
         __m512i a[16];
         for (int r = 0; r < 16; ++r) a[r] = _mm512_loadu_si512(x32 + (m0 + r) * kpairs + kp);
-        transpose16_epi32(a);
+        infer_simd::transpose16x16(a);
         for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (kp + j) * 16, a[j]);
       }
     }

@@ -301,6 +301,32 @@ inline __m512 exp16(__m512 x_in) {
                             _mm512_set1_ps(INFINITY));
 }
 
+// r[i][e] -> r[e][i] for 16 vectors of 16 32-bit words, in registers (three rounds of shuffles).
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i+1, words 4L .. 4L+3
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], lane L: word 4L + k of rows 4i .. 4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // word 4L + k of all 16 rows: lane L of r[k], r[4+k], r[8+k], r[12+k]
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44);
+    const __m512i ab_hi = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    t[8 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 // 16 int8 -> 16 float32.
 inline __m512 load_i8x16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
