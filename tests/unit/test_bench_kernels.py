@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels on
 
 def _args(out: Path, against: str, **kw) -> argparse.Namespace:
     base = dict(against=against, cases="linear,decode,prefill", rows="1,17", decode="2x40",
-                prefill="1x40", repeats=1, seed=0, out=str(out))  # fmt: skip
+                prefill="1x40", step="2x20", step_count=8, model=None, repeats=1, seed=0,
+                out=str(out))  # fmt: skip
     return argparse.Namespace(**(base | kw))
 
 
@@ -55,3 +56,13 @@ def test_a_kernel_that_computes_otherwise_is_reported(tmp_path):
     assert kb.run(_args(out, str(changed), cases="decode")) == 1
     (row,) = json.loads((out / "kernels.json").read_text())["rows"]
     assert row["case"] == "decode" and not row["same_bits"]
+
+
+def test_the_step_case_times_the_real_decode_step_with_each_library(tmp_path, tiny_checkpoints):
+    """Both libraries run the tiny Llama's layer loop in turns; the engine still decodes."""
+    out = tmp_path / "out"
+    assert kb.run(_args(out, str(CSRC), cases="step", model=str(tiny_checkpoints["llama"]))) == 0
+    (row,) = json.loads((out / "kernels.json").read_text())["rows"]
+    assert row["case"] == "step" and row["size"] == "2 x 20" and row["same_bits"] is None
+    assert row["a_ms"] > 0 and row["b_ms"] > 0
+    assert "| step | 2 x 20 |" in (out / "kernels.md").read_text()

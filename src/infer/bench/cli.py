@@ -496,10 +496,14 @@ def register(subparsers) -> None:
         "kernels", help="this tree's C++ CPU kernels vs another revision's, side by side"
     )
     kn.add_argument("--against", default="HEAD", help="git revision or folder of kernel sources")
-    kn.add_argument("--cases", default="linear,decode,prefill", help="linear, decode, prefill")
+    kn.add_argument("--cases", default="linear,decode,prefill",
+                    help="linear, decode, prefill, step")  # fmt: skip
     kn.add_argument("--rows", default="1,16,33,64,256", help="linear: rows of x")
     kn.add_argument("--decode", default="16x128,16x1024,64x128", help="sequences x tokens")
     kn.add_argument("--prefill", default="1x1024,16x64", help="sequences x tokens")
+    kn.add_argument("--step", default="16x96", help="step: sequences x prompt tokens")
+    kn.add_argument("--step-count", type=int, default=200, help="step: decode steps in all")
+    kn.add_argument("--model", default=None, help="step: " + model_help)
     kn.add_argument("--repeats", type=int, default=9, help="turns; each side's minimum is kept")
     kn.add_argument("--seed", type=int, default=0)
     kn.add_argument("--out", default=f"{DEFAULT_OUT}/kernels", help="report folder")

@@ -18,7 +18,13 @@ heads of 64, MLP 2048, vocabulary 32000; bf16):
 - ``decode``: 12 layers of paged decode attention at 16 x 128, 16 x 1024 and 64 x 128
   (sequences x tokens, ``--decode``), blocks in random order; GB/s of K and V read;
 - ``prefill``: one layer of prefill attention, 1 x 1024 and 16 x 64 tokens (``--prefill``);
-  GFLOP/s of the causal products.
+  GFLOP/s of the causal products;
+- ``step``: the engine's whole decode step on that model (built once, as for ``infer bench
+  engine``), 16 x 96 tokens (``--step``) and ``--step-count`` steps: the two libraries run the
+  layer loop (every kernel of an all-decode step but the LM head) in turns of two steps, and
+  each side's figure is its median step. What a kernel change buys where it runs, with the
+  Python, the other kernels and the cold caches of a real step around it; the outputs are not
+  compared (the other cases compare bits).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import ctypes
 import json
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -35,6 +42,10 @@ from pathlib import Path
 
 import torch
 
+from infer.bench.engine import llama_100m
+from infer.config import EngineConfig
+from infer.core.sampling_params import SamplingParams
+from infer.engine.engine import LLMEngine
 from infer.runner.attention import KVCache
 from infer.runner.kernels import (
     CSRC,
@@ -45,7 +56,7 @@ from infer.runner.kernels import (
 )
 
 HIDDEN, LAYERS, HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 768, 12, 12, 64, 2048, 32000, 16
-CASES = ("linear", "decode", "prefill")
+CASES = ("linear", "decode", "prefill", "step")
 
 Outputs = torch.Tensor | list[torch.Tensor]
 Case = tuple[Callable[[CpuKernels], Callable[[], Outputs]], float, str]
@@ -187,6 +198,43 @@ def prefill_case(seqs: int, tokens: int, gen: torch.Generator) -> Case:
     return calls, causal_flops / 1e9, "GFLOP/s"
 
 
+def step_times(
+    libs: list[CpuKernels], seqs: int, tokens: int, steps: int, model: str | None, seed: int
+) -> tuple[float, float]:
+    """Median decode step (seconds) with ``libs[0]`` and with ``libs[1]`` running the layer loop:
+    ``seqs`` sequences of ``tokens`` random prompt tokens, ``steps`` steps in turns of two."""
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=str(llama_100m(model)),
+            dtype="bfloat16",
+            max_model_len=tokens + steps + 8,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=max(seqs * tokens, 2048),
+        )
+    )
+    fast = engine.runner.fast_decoder
+    if fast is None:
+        raise SystemExit("step: no fast decode path here (it needs the tiled linear kernels)")
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(seqs):
+        prompt = torch.randint(3, engine.spec.vocab_size, (tokens,), generator=gen).tolist()
+        engine.add_request(f"step-{i}", prompt, params)
+    while engine.scheduler.num_waiting or any(
+        r.num_output_tokens == 0 for r in engine.scheduler.running
+    ):
+        engine.step()  # the prompts' prefill, then every sequence decodes
+    times: list[list[float]] = [[], []]
+    for k in range(steps):
+        side = (k // 2) % 2
+        fast.k = libs[side]
+        t0 = time.perf_counter()
+        engine.step()
+        times[side].append(time.perf_counter() - t0)
+    fast.k = libs[0]
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def run(args: argparse.Namespace) -> int:
     """``infer bench kernels``: ``kernels.json`` and ``kernels.md`` under ``--out``."""
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -207,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     plan: list[tuple[str, str, Callable[[], Case]]] = []
     for case in cases:
+        if case == "step":
+            continue  # after the others: it loads a model
         if case == "linear":
             for m in (int(x) for x in args.rows.split(",")):
                 plan.append((case, f"{m} rows", lambda m=m: linear_case(libs, m, gen)))
@@ -223,6 +273,14 @@ def run(args: argparse.Namespace) -> int:
                "same_bits": same}  # fmt: skip
         rows.append(row)
         print(_line(row), flush=True)
+    if "step" in cases:
+        for s, t in parse_pairs(args.step):
+            ta, tb = step_times(libs, s, t, args.step_count, args.model, args.seed)
+            row = {"case": "step", "size": f"{s} x {t}", "a_ms": ta * 1e3, "b_ms": tb * 1e3,
+                   "b_over_a": tb / ta, "unit": "steps/s", "a_rate": 1 / ta, "b_rate": 1 / tb,
+                   "same_bits": None}  # fmt: skip
+            rows.append(row)
+            print(_line(row), flush=True)
     report = {
         "schema": "infer.bench.kernels/1",
         "against": args.against,
@@ -234,13 +292,17 @@ def run(args: argparse.Namespace) -> int:
     (out / "kernels.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "kernels.md").write_text(render(report))
     print(f"report: {out / 'kernels.md'} (+ kernels.json)")
-    return 0 if all(r["same_bits"] for r in rows) else 1
+    return 0 if all(r["same_bits"] is not False for r in rows) else 1
 
 
 def _line(r: dict) -> str:
     return (f"{r['case']:8s} {r['size']:>10s}: A {r['a_ms']:8.2f} ms ({r['a_rate']:6.1f} {r['unit']})"
             f"  B {r['b_ms']:8.2f} ms ({r['b_rate']:6.1f})  B/A {r['b_over_a']:.2f}"
-            f"  {'same bits' if r['same_bits'] else 'OUTPUTS DIFFER'}")  # fmt: skip
+            f"  {_bits(r['same_bits'], 'same bits', 'OUTPUTS DIFFER')}")  # fmt: skip
+
+
+def _bits(same: bool | None, yes: str, no: str) -> str:
+    return "not compared" if same is None else yes if same else no
 
 
 def render(report: dict) -> str:
@@ -248,7 +310,7 @@ def render(report: dict) -> str:
         f"# Kernels: this tree (A) vs `{report['against']}` (B)",
         "",
         f"One process, {report['threads']} threads, A and B taking turns; minimum of "
-        f"{report['repeats']} turns each.",
+        f"{report['repeats']} turns each (``step``: the median of each side's steps).",
         "",
         "| case | size | A ms | B ms | B / A | A rate | B rate | outputs |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -257,6 +319,6 @@ def render(report: dict) -> str:
         lines.append(
             f"| {r['case']} | {r['size']} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | "
             f"{r['b_over_a']:.2f} | {r['a_rate']:.1f} {r['unit']} | {r['b_rate']:.1f} {r['unit']} | "
-            f"{'same bits' if r['same_bits'] else '**differ**'} |"
+            f"{_bits(r['same_bits'], 'same bits', '**differ**')} |"
         )
     return "\n".join(lines) + "\n"
