@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from infer.core.request import RequestStatus
+from infer.core.request import Request, RequestStatus
+from infer.core.sampling_params import SamplingParams
 
 from ._factories import fake_sample, make_request, make_scheduler, run_to_completion
 
@@ -169,9 +170,6 @@ def test_abort_frees_blocks_immediately():
 
 
 def test_eos_stops_unless_ignored_and_min_tokens_respected():
-    from infer.core.request import Request
-    from infer.core.sampling_params import SamplingParams
-
     s = make_scheduler()
     r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=2), eos_token_ids=(0,))
     s.add_request(r)
@@ -252,3 +250,12 @@ def test_host_slots_freed_by_swap_in_are_not_reused_in_the_same_step():
     kv.end_step()
     assert kv.num_free_swap_blocks == 2
     kv.free(a)
+
+
+def test_token_ids_is_the_slice_of_all_token_ids_for_every_range():
+    r = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=10))
+    r.output_token_ids.extend([5, 6, 7])
+    n = r.num_tokens
+    for start in range(n + 2):
+        for end in range(start, n + 3):
+            assert r.token_ids(start, end) == r.all_token_ids[start:end], (start, end)

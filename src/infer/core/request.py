@@ -147,6 +147,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a step's decode chunk
+        is one token of a context that may be thousands long)."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return prompt[start:] + self.output_token_ids[: end - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -281,7 +281,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        tokens = request.all_token_ids[start : start + n]
+        tokens = request.token_ids(start, start + n)
         num_spec = 0
         if start + 1 == request.num_tokens and n > 1:  # the last token + n - 1 proposals
             num_spec = n - 1
