@@ -58,11 +58,53 @@ def test_a_kernel_that_computes_otherwise_is_reported(tmp_path):
     assert row["case"] == "decode" and not row["same_bits"]
 
 
-def test_the_step_case_times_the_real_decode_step_with_each_library(tmp_path, tiny_checkpoints):
-    """Both libraries run the tiny Llama's layer loop in turns; the engine still decodes."""
+def test_the_step_case_times_the_real_decode_step_with_each_library(
+    tmp_path, tiny_checkpoints, monkeypatch
+):
+    """Both libraries run the tiny Llama's layer loop, A B B A, and the engine still decodes."""
+    from infer.runner import kernels as rk
+
+    if rk.cpu_kernels().linear_kind < 1:
+        pytest.skip("the fast decode path needs the tiled linear kernels")
+    calls: list[int] = []
+    real = rk.CpuKernels.decode_layers_into
+
+    def counted(self, *args):
+        calls.append(id(self))
+        return real(self, *args)
+
+    monkeypatch.setattr(rk.CpuKernels, "decode_layers_into", counted)
     out = tmp_path / "out"
-    assert kb.run(_args(out, str(CSRC), cases="step", model=str(tiny_checkpoints["llama"]))) == 0
+    args = _args(out, str(CSRC), cases="step", model=str(tiny_checkpoints["llama"]))
+    assert kb.run(args) == 0
     (row,) = json.loads((out / "kernels.json").read_text())["rows"]
     assert row["case"] == "step" and row["size"] == "2 x 20" and row["same_bits"] is None
     assert row["a_ms"] > 0 and row["b_ms"] > 0
     assert "| step | 2 x 20 |" in (out / "kernels.md").read_text()
+    timed = calls[-8:]  # the 8 timed steps, after the prompts' prefill and first decode
+    assert len(set(timed)) == 2 and timed[0] == timed[3] == timed[4] == timed[7] != timed[1]
+    with pytest.raises(SystemExit, match="at least 4"):
+        kb.run(_args(out, str(CSRC), cases="step", step_count=3))
+
+
+def test_a_step_that_fails_its_requests_stops_the_step_case(
+    tmp_path, tiny_checkpoints, monkeypatch
+):
+    """A library whose layer loop fails (here: B raises) gives no timing, not empty steps."""
+    from infer.runner import kernels as rk
+
+    if rk.cpu_kernels().linear_kind < 1:
+        pytest.skip("the fast decode path needs the tiled linear kernels")
+    real = rk.CpuKernels.decode_layers_into
+    seen: list[int] = []
+
+    def b_fails(self, *args):
+        seen.append(id(self))
+        if len(set(seen)) > 1 and id(self) != seen[0]:
+            raise ValueError("B cannot run this loop")
+        return real(self, *args)
+
+    monkeypatch.setattr(rk.CpuKernels, "decode_layers_into", b_fails)
+    args = _args(tmp_path, str(CSRC), cases="step", model=str(tiny_checkpoints["llama"]))
+    with pytest.raises(SystemExit, match="library B failed"):
+        kb.run(args)

@@ -1,6 +1,7 @@
 """The C++ CPU kernels of this checkout against another revision's, side by side in one process.
 
-    infer bench kernels [--against REV | DIR] [--cases linear,decode,prefill] [--repeats 9]
+    infer bench kernels [--against REV | DIR] [--cases linear,decode,prefill,step] [--repeats 9]
+                        [--step 16x96] [--step-count 200] [--model DIR]
                         [--out bench-results/kernels]
 
 Builds ``runner/csrc`` twice, as it is in this tree (A) and as it is at ``--against`` (B: a git
@@ -21,8 +22,8 @@ heads of 64, MLP 2048, vocabulary 32000; bf16):
   GFLOP/s of the causal products;
 - ``step``: the engine's whole decode step on that model (built once, as for ``infer bench
   engine``), 16 x 96 tokens (``--step``) and ``--step-count`` steps: the two libraries run the
-  layer loop (every kernel of an all-decode step but the LM head) in turns of two steps, and
-  each side's figure is its median step. What a kernel change buys where it runs, with the
+  layer loop and final norm (the kernels of an all-decode step but the LM head) in the order
+  A B B A, and each side's figure is its median step. What a kernel change buys where it runs, with the
   Python, the other kernels and the cold caches of a real step around it; the outputs are not
   compared (the other cases compare bits).
 """
@@ -202,7 +203,9 @@ def step_times(
     libs: list[CpuKernels], seqs: int, tokens: int, steps: int, model: str | None, seed: int
 ) -> tuple[float, float]:
     """Median decode step (seconds) with ``libs[0]`` and with ``libs[1]`` running the layer loop:
-    ``seqs`` sequences of ``tokens`` random prompt tokens, ``steps`` steps in turns of two."""
+    ``seqs`` sequences of ``tokens`` random prompt tokens, ``steps`` steps in the order A B B A
+    (each side as often early as late, so a steady drift and the growing contexts cancel).
+    Exits with a message if a step failed a request (a library that cannot run the loop)."""
     engine = LLMEngine(
         EngineConfig.from_kwargs(
             model=str(llama_100m(model)),
@@ -224,13 +227,22 @@ def step_times(
         r.num_output_tokens == 0 for r in engine.scheduler.running
     ):
         engine.step()  # the prompts' prefill, then every sequence decodes
+    before = {r.request_id: r.num_output_tokens for r in engine.scheduler.running}
     times: list[list[float]] = [[], []]
     for k in range(steps):
-        side = (k // 2) % 2
+        side = (0, 1, 1, 0)[k % 4]
         fast.k = libs[side]
         t0 = time.perf_counter()
         engine.step()
         times[side].append(time.perf_counter() - t0)
+        running = engine.scheduler.running
+        if len(running) != seqs or any(
+            r.num_output_tokens != before.get(r.request_id, -1) + k + 1 for r in running
+        ):
+            raise SystemExit(
+                f"step: a decode step with library {'AB'[side]} failed its requests "
+                "(see the log above); no timing"
+            )
     fast.k = libs[0]
     return statistics.median(times[0]), statistics.median(times[1])
 
@@ -274,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(_line(row), flush=True)
     if "step" in cases:
+        if args.step_count < 4:
+            raise SystemExit(f"--step-count {args.step_count}: at least 4 (A B B A)")
         for s, t in parse_pairs(args.step):
             ta, tb = step_times(libs, s, t, args.step_count, args.model, args.seed)
             row = {"case": "step", "size": f"{s} x {t}", "a_ms": ta * 1e3, "b_ms": tb * 1e3,

@@ -148,8 +148,8 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without building the whole list (a step's decode chunk
-        is one token of a context that may be thousands long)."""
+        """``all_token_ids[start:end]`` (``0 <= start <= end``) without building the whole
+        list (a step's decode chunk is one token of a context that may be thousands long)."""
         prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
         if end <= n:
             return prompt[start:end]

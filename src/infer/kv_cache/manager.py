@@ -261,11 +261,10 @@ class PagedKVManager(KVManager):
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         if num_full <= len(hashes):
             return
-        tokens = request.all_token_ids
         extra = _extra_keys(request)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
-            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+            chunk = request.token_ids(i * self.block_size, (i + 1) * self.block_size)
             parent = self.pool.cache_block(blocks[i], parent, chunk, extra)
             hashes.append(parent)
 

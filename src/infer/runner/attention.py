@@ -298,7 +298,7 @@ class AttentionContext:
         ``computed[i]``; the general path's repeats and gathers reduce to this. Python here runs
         with caches the kernels left cold, so every operation saved counts several times over."""
         bs = self.kv_cache.block_size
-        seq = np.arange(len(computed))
+        seq = np.arange(len(computed), dtype=np.int64)
         slots = tables[seq, computed // bs].astype(np.int64) * bs + computed % bs
         self.slot_mapping = torch.from_numpy(slots).to(self.device)
         self._decode = _DecodeGroup(

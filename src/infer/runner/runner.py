@@ -181,6 +181,7 @@ class ModelRunner:
         logits = prompt_logits = None
         if batch.sample_rows:
             n = len(batch.sample_rows)
+            # prepare() lists sample rows strictly increasing: n of n rows are 0 .. n-1.
             if n == len(batch.token_ids) and batch.sample_rows[-1] == n - 1:
                 sampled = hidden  # every row, in order (decode): no gather
             else:

@@ -445,7 +445,7 @@ void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, voi
       auto* xp = static_cast<int32_t*>(
           infer_simd::thread_scratch(passes * pass_rows * kpairs * 4));
       interleave_pairs(x32, xp, M, kpairs, pass_rows);
-#pragma omp for schedule(guided)
+#pragma omp for schedule(guided) nowait  // the region's end joins the threads
       for (int64_t b = 0; b < nblocks; ++b)
         for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
           const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
