@@ -64,6 +64,15 @@ struct KvRows {
     if (kind == kKvPlain) return static_cast<const uint16_t*>(cache) + at;
     const float s = infer_simd::bf16_to_f32(scales[slot * num_kv_heads + kvh]);
     const uint8_t* q = static_cast<const uint8_t*>(cache) + at;
+#ifdef INFER_HAVE_AVX512
+    // 16 at a time (a NaN byte reads as 480 here, as in the decode kernel; never stored).
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      const __m512 v = kind == kKvInt8 ? infer_simd::load_i8x16(reinterpret_cast<const int8_t*>(q) + d)
+                                       : infer_simd::load_fp8x16(q + d);
+      infer_simd::store_bf16x16(scratch + d, _mm512_mul_ps(v, _mm512_set1_ps(s)));
+    }
+    return scratch;
+#endif
     for (int64_t d = 0; d < head_dim; ++d) {
       const float v = kind == kKvInt8 ? static_cast<float>(static_cast<int8_t>(q[d]))
                                       : infer_simd::fp8e4m3_to_f32(q[d]);
