@@ -30,47 +30,45 @@ using infer_simd::round_bf16;
 // One head's row of D values (float32) into a quantized cache: scale = absmax / qmax rounded
 // up to bf16 (qmax 127 for int8, 448 for e4m3), each value stored as round(value * (1 / scale)).
 inline void store_head(const float* x, int64_t d, int kind, void* dst, uint16_t* scale) {
+  // On AVX-512 the same values 16 at a time (the prefill stores every row of a prompt).
 #ifdef INFER_HAVE_AVX512
-  if (d % 16 == 0) {  // the same values, 16 at a time (the prefill stores every row of a prompt)
-    using namespace infer_simd;
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16)  // NaN lanes ignored, as fmax does (second operand)
-      vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), vmax);
-    const float qmax = kind == kKvInt8 ? 127.f : 448.f;
-    const uint16_t s = f32_to_bf16_up(_mm512_reduce_max_ps(vmax) / qmax);
-    *scale = s;
-    const float sf = bf16_to_f32(s);
-    const __m512 vinv = _mm512_set1_ps(sf > 0.f ? 1.f / sf : 0.f);
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv);
-      __m128i bytes;
-      if (kind == kKvInt8) {
-        __m512 q = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
-        bytes = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q));
-      } else {
-        bytes = to_fp8x16(y);
-      }
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(dst) + i), bytes);
-    }
-    return;
-  }
-#endif
+  const int64_t vec_end = d / 16 * 16;
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < vec_end; i += 16)  // NaN lanes ignored, as fmax does (second operand)
+    vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), vmax);
+  float absmax = vec_end > 0 ? _mm512_reduce_max_ps(vmax) : 0.f;
+#else
+  const int64_t vec_end = 0;
   float absmax = 0.f;
-  for (int64_t i = 0; i < d; ++i) absmax = std::fmax(absmax, std::fabs(x[i]));
+#endif
+  for (int64_t i = vec_end; i < d; ++i) absmax = std::fmax(absmax, std::fabs(x[i]));
   const uint16_t s = infer_simd::f32_to_bf16_up(absmax / (kind == kKvInt8 ? 127.f : 448.f));
   *scale = s;
   const float sf = bf16_to_f32(s);
   const float inv = sf > 0.f ? 1.f / sf : 0.f;
-  if (kind == kKvInt8) {
-    int8_t* o = static_cast<int8_t*>(dst);
-    for (int64_t i = 0; i < d; ++i) {
-      const float q = std::nearbyint(x[i] * inv);
-      o[i] = static_cast<int8_t>(q > 127.f ? 127.f : (q < -127.f ? -127.f : q));
+  auto* o = static_cast<uint8_t*>(dst);
+#ifdef INFER_HAVE_AVX512
+  for (int64_t i = 0; i < vec_end; i += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv));
+    __m128i bytes;
+    if (kind == kKvInt8) {
+      __m512 q = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+      bytes = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q));
+    } else {
+      bytes = infer_simd::to_fp8x16(y);
     }
-  } else {
-    uint8_t* o = static_cast<uint8_t*>(dst);
-    for (int64_t i = 0; i < d; ++i) o[i] = infer_simd::f32_to_fp8e4m3(x[i] * inv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), bytes);
+  }
+#endif
+  for (int64_t i = vec_end; i < d; ++i) {
+    if (kind == kKvInt8) {
+      const float q = std::nearbyint(x[i] * inv);
+      o[i] = static_cast<uint8_t>(
+          static_cast<int8_t>(q > 127.f ? 127.f : (q < -127.f ? -127.f : q)));
+    } else {
+      o[i] = infer_simd::f32_to_fp8e4m3(x[i] * inv);
+    }
   }
 }
 
