@@ -91,6 +91,30 @@ def test_tiled_linear_can_be_switched_off(monkeypatch):
 @pytest.mark.skipif(
     not _tiled(), reason="no AMX, AVX-512 BF16 or AVX2 on this CPU (or no C++ compiler)"
 )
+@pytest.mark.parametrize("rows", [7, 16, 31, 33, 64, 300])
+def test_tiled_linear_bits_do_not_depend_on_the_thread_count(rows):
+    """1, 2 and 3-4 threads (the decode rows' x copied per thread, or split and shared)."""
+    torch.manual_seed(rows)
+    weight = (torch.randn(96, 256) * 0.05).bfloat16()
+    xs = [torch.randn(rows, 256).bfloat16() for _ in range(2)]
+    layer = TiledLinear(weight, None, cpu_kernels())
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(2)
+            want = [layer(x) for x in xs]
+            for threads in (1, 3, 4):
+                torch.set_num_threads(threads)
+                # x alternates, so a part of the copy left out would show the other x's values
+                for x, w in zip(xs, want, strict=True):
+                    assert torch.equal(layer(x), w), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(
+    not _tiled(), reason="no AMX, AVX-512 BF16 or AVX2 on this CPU (or no C++ compiler)"
+)
 @pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 24, 31, 32, 33, 48, 64, 65, 130, 300])
 def test_tiled_linear_matches_a_float32_reference_and_is_batch_invariant(rows):
     torch.manual_seed(rows)

@@ -366,15 +366,16 @@ inline void dp_tall_block(const int32_t* xp, int64_t xp_stride, const uint16_t* 
   for (int i = 0; i < MR; ++i) store_out16<kOutF32>(y, (m0 + i) * N + col, _mm512_add_ps(acc[i], b));
 }
 
-// xp[p][kp][r] = x32[p * pass_rows + r][kp]: each pass's rows side by side for every pair of K.
-// A full pass of 16 rows goes as 16 x 16 blocks transposed in registers; others one by one.
+// xp[p][kp][r] = x32[p * pass_rows + r][kp] for the pairs kp in [kp0, kp1) (multiples of 16):
+// each pass's rows side by side for every pair of K. A full pass of 16 rows goes as 16 x 16
+// blocks transposed in registers; other rows one word at a time.
 inline void interleave_pairs(const int32_t* x32, int32_t* xp, int64_t M, int64_t kpairs,
-                             int64_t pass_rows) {
+                             int64_t pass_rows, int64_t kp0, int64_t kp1) {
   int64_t m0 = 0;
-  if (pass_rows == 16 && kpairs % 16 == 0)
+  if (pass_rows == 16)
     for (; m0 + 16 <= M; m0 += 16) {
       int32_t* dst = xp + m0 * kpairs;
-      for (int64_t kp = 0; kp < kpairs; kp += 16) {
+      for (int64_t kp = kp0; kp < kp1; kp += 16) {
         __m512i a[16];
         for (int r = 0; r < 16; ++r) a[r] = _mm512_loadu_si512(x32 + (m0 + r) * kpairs + kp);
         infer_simd::transpose16x16(a);
@@ -384,7 +385,7 @@ inline void interleave_pairs(const int32_t* x32, int32_t* xp, int64_t M, int64_t
   for (int64_t m = m0; m < M; ++m) {
     int32_t* dst = xp + (m / pass_rows) * kpairs * pass_rows + m % pass_rows;
     const int32_t* src = x32 + m * kpairs;
-    for (int64_t kp = 0; kp < kpairs; ++kp) dst[kp * pass_rows] = src[kp];
+    for (int64_t kp = kp0; kp < kp1; ++kp) dst[kp * pass_rows] = src[kp];
   }
 }
 
@@ -436,15 +437,26 @@ void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, voi
     // rows 20.3 -> 18.1 ms, 17 rows 11.9 -> 9.8 on Zen 4); x interleaved per pass, pass_rows words per pair.
     const int64_t kpairs = K / 2, passes = (M + 15) / 16, pass_rows = (M + passes - 1) / passes;
     const auto* x32 = reinterpret_cast<const int32_t*>(x);
+    const int64_t xp_bytes = passes * pass_rows * kpairs * 4;
+    // On two threads each interleaves the whole of x into its own scratch: no barrier before
+    // the blocks, and no scratch lines written by one core and then read by the other on every
+    // call (a shared copy, split over the threads, took ~3% of a decode step's samples on a
+    // 2-core Zen 4, most of them stores waiting for lines to come back from the other core).
+    // With more threads that copy's cost would grow with their number: they split one shared
+    // copy and meet at the loop's barrier (not measured on such a machine).
+    const bool own_copy = num_threads <= 2;
+    auto* shared = own_copy ? nullptr : static_cast<int32_t*>(infer_simd::thread_scratch(xp_bytes));
 #pragma omp parallel num_threads(num_threads)
     {
-      // Each thread interleaves the whole of x into its own scratch: no barrier before the
-      // blocks, and no scratch lines written by one core and then read by the other on every
-      // call (a shared copy, split over the threads, took ~3% of a decode step's samples, most
-      // of them stores waiting for the lines to come back from the other core).
-      auto* xp = static_cast<int32_t*>(
-          infer_simd::thread_scratch(passes * pass_rows * kpairs * 4));
-      interleave_pairs(x32, xp, M, kpairs, pass_rows);
+      int32_t* xp = shared;
+      if (own_copy) {
+        xp = static_cast<int32_t*>(infer_simd::thread_scratch(xp_bytes));
+        interleave_pairs(x32, xp, M, kpairs, pass_rows, 0, kpairs);
+      } else {
+#pragma omp for
+        for (int64_t kb = 0; kb < kpairs / 16; ++kb)
+          interleave_pairs(x32, xp, M, kpairs, pass_rows, kb * 16, kb * 16 + 16);
+      }
 #pragma omp for schedule(guided) nowait  // the region's end joins the threads
       for (int64_t b = 0; b < nblocks; ++b)
         for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
