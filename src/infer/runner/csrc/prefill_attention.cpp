@@ -71,13 +71,13 @@ struct KvRows {
                                        : infer_simd::load_fp8x16(q + d);
       infer_simd::store_bf16x16(scratch + d, _mm512_mul_ps(v, _mm512_set1_ps(s)));
     }
-    return scratch;
-#endif
+#else
     for (int64_t d = 0; d < head_dim; ++d) {
       const float v = kind == kKvInt8 ? static_cast<float>(static_cast<int8_t>(q[d]))
                                       : infer_simd::fp8e4m3_to_f32(q[d]);
       scratch[d] = infer_simd::f32_to_bf16(v * s);
     }
+#endif
     return scratch;
   }
 
