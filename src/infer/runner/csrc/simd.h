@@ -373,6 +373,56 @@ inline __m128i to_fp8x16(__m512 v) {
   return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
 }
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define INFER_HAVE_FP8_TABLES 1
+// 64 float8 e4m3 -> 64 bfloat16 in order, exactly (every e4m3 value is a bf16 value), in six
+// instructions: the bytes' 7 magnitude bits index two 128-entry tables (VPERMI2B), the bf16's
+// high and low bytes; the sign bit joins the high byte; interleaving the two within 128-bit
+// lanes makes the words. The bytes are first moved (VPERMB) so that the interleave leaves the
+// words in order. The arithmetic conversion above (load_fp8x16) takes ~9 instructions per 16
+// values, and made the fp8 cache's decode attention compute-bound where int8's is not.
+//
+//   x (64 bytes) --order--> lane k: [x[8k .. 8k+7], x[32+8k .. 32+8k+7]]
+//   lo = LO[x & 127], hi = HI[x & 127] | (x & 0x80)
+//   w0 = unpacklo(lo, hi): lane k = words 8k .. 8k+7   -> bf16 0 .. 31
+//   w1 = unpackhi(lo, hi): lane k = words 32+8k .. +7  -> bf16 32 .. 63
+struct Fp8Bf16Tables {
+  __m512i hi0, hi1, lo0, lo1, order;
+};
+
+inline Fp8Bf16Tables make_fp8_bf16_tables() {
+  alignas(64) uint8_t hi[128], lo[128], order[64];
+  for (int m = 0; m < 128; ++m) {
+    const float v = fp8e4m3_to_f32(static_cast<uint8_t>(m));
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    hi[m] = static_cast<uint8_t>(u >> 24);
+    lo[m] = static_cast<uint8_t>(u >> 16);
+  }
+  for (int k = 0; k < 4; ++k)
+    for (int i = 0; i < 8; ++i) {
+      order[16 * k + i] = static_cast<uint8_t>(8 * k + i);
+      order[16 * k + 8 + i] = static_cast<uint8_t>(32 + 8 * k + i);
+    }
+  return {_mm512_load_si512(hi), _mm512_load_si512(hi + 64), _mm512_load_si512(lo),
+          _mm512_load_si512(lo + 64), _mm512_load_si512(order)};
+}
+
+inline const Fp8Bf16Tables& fp8_bf16_tables() {
+  static const Fp8Bf16Tables tables = make_fp8_bf16_tables();
+  return tables;
+}
+
+inline void fp8x64_to_bf16(const uint8_t* p, const Fp8Bf16Tables& t, __m512i& w0, __m512i& w1) {
+  const __m512i x = _mm512_permutexvar_epi8(t.order, _mm512_loadu_si512(p));
+  const __m512i sign = _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(0x80)));
+  const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi0, x, t.hi1), sign);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, x, t.lo1);
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+#endif
+
 #endif  // INFER_HAVE_AVX512
 
 }  // namespace infer_simd
