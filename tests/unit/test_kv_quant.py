@@ -111,33 +111,38 @@ def test_decode_kernel_on_a_quantized_cache_matches_dequantized_attention(
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 12, 64), (8, 2, 64), (4, 2, 128)])
-def test_fp8_decode_reads_every_byte_as_the_bf16_value_it_holds(heads, kv_heads, head_dim):
-    """Every e4m3 value is a bf16 value: with unit scales, a cache of fp8 bytes (all 254
-    finite codes, subnormals and both zeros included) must give the bits of a bf16 cache that
-    holds their values."""
+def test_decode_reads_every_byte_as_the_bf16_value_it_holds(kind, heads, kv_heads, head_dim):
+    """Every e4m3 value and every int8 the cache stores (-127 .. 127) is a bf16 value: with unit
+    scales, a cache of such bytes (every code, subnormals and both zeros included) must give the
+    bits of a bf16 cache that holds their values."""
     gen = torch.Generator().manual_seed(5)
     block_size, num_blocks = 4, 32
     num_slots = block_size * num_blocks
-    fp8 = KVCache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, "cpu",
-                  kv_dtype="fp8")  # fmt: skip
+    quantized = KVCache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, "cpu",
+                        kv_dtype=kind)  # fmt: skip
     plain = KVCache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, "cpu")
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    # Small magnitudes only in most places (softmax keeps every score in play), every code
-    # somewhere.
-    small = codes[(codes & 0x7F) < 0x38]
+    if kind == "fp8":
+        codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+        small = codes[(codes & 0x7F) < 0x38]  # |value| < 1
+        decode = lambda raw: raw.view(torch.float8_e4m3fn).to(torch.bfloat16)  # noqa: E731
+    else:
+        codes = torch.arange(-127, 128, dtype=torch.int8)
+        small = codes[codes.abs() <= 2]
+        decode = lambda raw: raw.to(torch.bfloat16)  # noqa: E731
+    # Small magnitudes in most places (softmax keeps every score in play), every code somewhere.
     raw = small[torch.randint(len(small), (2, num_slots, kv_heads, head_dim), generator=gen)]
-    raw.view(-1)[: len(codes)] = codes
-    raw.view(2, -1)[1, : len(codes)] = codes
-    fp8.tensor.copy_(raw[:, None])
-    assert fp8.scales is not None
-    fp8.scales.fill_(1.0)
-    plain.tensor.copy_(raw[:, None].view(torch.float8_e4m3fn).to(torch.bfloat16))
+    raw.view(2, -1)[:, : len(codes)] = codes
+    quantized.tensor.copy_(raw[:, None])
+    assert quantized.scales is not None
+    quantized.scales.fill_(1.0)
+    plain.tensor.copy_(decode(raw)[:, None])
     lens = torch.tensor([1, 7, 33, 70, 128], dtype=torch.int32)
     tables = torch.randperm(num_blocks, generator=gen)[:30].view(5, 6).int()
-    tables = torch.cat([tables.repeat(1, 6), tables[:, :2]], 1)[:, :32]  # long contexts wrap
+    tables = tables.repeat(1, 6)[:, :32]  # long contexts come back to the same blocks
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16)
-    got = kernels.decode_attention(q, fp8, 0, tables, lens, head_dim**-0.5, None)
+    got = kernels.decode_attention(q, quantized, 0, tables, lens, head_dim**-0.5, None)
     want = kernels.decode_attention(q, plain, 0, tables, lens, head_dim**-0.5, None)
     assert torch.isfinite(got.float()).all()
     assert torch.equal(got, want)

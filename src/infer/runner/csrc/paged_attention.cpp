@@ -153,27 +153,30 @@ inline __m512 sum16(const __m512* v) {
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kKeysAhead = 16;  // keys between a key row's prefetch and its use
 
-// An fp8 cache read through the bf16 tables (simd.h): its rows are turned into bf16 rows, a
-// kv head at a time, and go through the bf16 cache's code from there. For head_dim a multiple of
-// 64 fixed at compile time; other fp8 shapes widen 16 values at a time arithmetically.
+// A one-byte cache read through the bf16 tables (simd.h): its rows are turned into bf16 rows, a
+// kv head at a time, and go through the bf16 cache's code from there (the scales still apply
+// to scores and softmax weights). For head_dim a multiple of 64 fixed at compile time; other
+// shapes widen 16 values at a time arithmetically.
 template <int kKind, int kHeadDim>
-constexpr bool kFp8AsBf16 =
-#ifdef INFER_HAVE_FP8_TABLES
-    kKind == kKvFp8 && kHeadDim > 0 && kHeadDim % 64 == 0;
+constexpr bool kBytesAsBf16 =
+#ifdef INFER_HAVE_BYTE_TABLES
+    kKind != kKvPlain && kHeadDim > 0 && kHeadDim % 64 == 0;
 #else
     false;
 #endif
 
-#ifdef INFER_HAVE_FP8_TABLES
-// rows[r][0 .. kHeadDim) (fp8) -> out + r * kHeadDim (bf16), for r < count.
-template <int kHeadDim>
-inline void fp8_rows_to_bf16(const uint8_t* const* rows, int64_t offset, int count,
-                             uint16_t* out) {
-  const infer_simd::Fp8Bf16Tables& t = infer_simd::fp8_bf16_tables();
+#ifdef INFER_HAVE_BYTE_TABLES
+// rows[r][offset .. offset + kHeadDim) (one-byte values) -> out + r * kHeadDim (bf16).
+template <int kKind, int kHeadDim, typename KvT>
+inline void byte_rows_to_bf16(const KvT* const* rows, int64_t offset, int count,
+                              uint16_t* out) {
+  constexpr bool kInt8 = kKind == kKvInt8;
+  const infer_simd::ByteBf16Tables& t = infer_simd::byte_bf16_tables<kInt8>();
   for (int r = 0; r < count; ++r)
     for (int64_t c = 0; c < kHeadDim / 64; ++c) {
       __m512i w0, w1;
-      infer_simd::fp8x64_to_bf16(rows[r] + offset + c * 64, t, w0, w1);
+      infer_simd::bytes64_to_bf16<kInt8>(
+          reinterpret_cast<const uint8_t*>(rows[r] + offset + c * 64), t, w0, w1);
       _mm512_store_si512(out + r * kHeadDim + c * 64, w0);
       _mm512_store_si512(out + r * kHeadDim + c * 64 + 32, w1);
     }
@@ -195,15 +198,14 @@ inline __m512 load_kv16(const KvT* p) {
 template <int R, int kKind, typename KvT, int kHeadDim>
 inline void add_value_rows(const float* scores, int64_t n, int64_t j, const KvT* const* vrows,
                            int64_t nkv, int64_t group, int64_t hd, float* acc) {
-  constexpr bool kAsBf16 = kKind == kKvPlain || kFp8AsBf16<kKind, kHeadDim>;
-  [[maybe_unused]] alignas(64) uint16_t conv[kFp8AsBf16<kKind, kHeadDim> ? R * kHeadDim : 1];
+  constexpr bool kAsBf16 = kKind == kKvPlain || kBytesAsBf16<kKind, kHeadDim>;
+  [[maybe_unused]] alignas(64) uint16_t conv[kBytesAsBf16<kKind, kHeadDim> ? R * kHeadDim : 1];
   for (int64_t kv = 0; kv < nkv; ++kv) {
     // This kv head's part of each row, as bf16 words.
     const uint16_t* wrows[R];
-    if constexpr (kFp8AsBf16<kKind, kHeadDim>) {
-#ifdef INFER_HAVE_FP8_TABLES
-      fp8_rows_to_bf16<kHeadDim>(reinterpret_cast<const uint8_t* const*>(vrows + j), kv * hd, R,
-                                 conv);
+    if constexpr (kBytesAsBf16<kKind, kHeadDim>) {
+#ifdef INFER_HAVE_BYTE_TABLES
+      byte_rows_to_bf16<kKind, kHeadDim>(vrows + j, kv * hd, R, conv);
 #endif
       for (int r = 0; r < R; ++r) wrows[r] = conv + r * kHeadDim;
     } else if constexpr (kKind == kKvPlain) {
@@ -269,7 +271,7 @@ void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, in
   }
   for (; j < n; ++j)
     add_value_rows<1, kKind, KvT, kHeadDim>(scores, n, j, vrows, nkv, group, hd, acc);
-  if constexpr (kKind == kKvPlain || kFp8AsBf16<kKind, kHeadDim>) {
+  if constexpr (kKind == kKvPlain || kBytesAsBf16<kKind, kHeadDim>) {
     // even and odd dims back into one row of bf16
     for (int64_t i = 0; i < nq * hd; i += 32) {
       using infer_simd::to_bf16x16;
@@ -292,7 +294,7 @@ void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, in
 // tokens). Items are split across heads only as far as needed to keep every thread busy.
 //
 // Scores: 16 keys at a time per query head into 16 accumulators reduced together (sum16): BF16
-// dot products on a bf16 cache and on an fp8 one read as bf16 (kFp8AsBf16), float32 FMAs on
+// dot products on a bf16 cache and on a one-byte one read as bf16 (kBytesAsBf16), float32 FMAs on
 // dequantized bytes otherwise. Softmax in float32.
 // Values: every query head of the item in one pass over the value rows, sums in L1.
 template <int kKind, typename KvT, int kHeadDim>
@@ -315,8 +317,8 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
     const int64_t pairs = (kHeadDim > 0 ? kHeadDim : head_dim) / 32;  // 32 bf16 per dpbf16
     const int64_t lanes = (kHeadDim > 0 ? kHeadDim : head_dim) / 16;  // 16 float32 per vector
     std::vector<float> scores, qf, vacc;
-    // 16 key rows of one kv head as bf16 (an fp8 cache read through the tables).
-    [[maybe_unused]] alignas(64) uint16_t kconv[kFp8AsBf16<kKind, kHeadDim> ? 16 * kHeadDim : 1];
+    // 16 key rows of one kv head as bf16 (a one-byte cache read through the tables).
+    [[maybe_unused]] alignas(64) uint16_t kconv[kBytesAsBf16<kKind, kHeadDim> ? 16 * kHeadDim : 1];
     std::vector<const KvT*> krows, vrows;
     std::vector<int64_t> slots;
 #pragma omp for schedule(dynamic, 1)
@@ -346,7 +348,7 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
       for (int64_t j = 0; j < kKeysAhead && j < npad; ++j)
         infer_simd::prefetch_l2(krows[j], item_bytes);
       const uint16_t* qb = query + b * q_stride + h0 * group * head_dim;
-      if constexpr (kScaled && !kFp8AsBf16<kKind, kHeadDim>) {  // float32, for FMAs
+      if constexpr (kScaled && !kBytesAsBf16<kKind, kHeadDim>) {  // float32, for FMAs
         qf.resize(nq * head_dim);
         for (int64_t i = 0; i < nq * head_dim; ++i) qf[i] = infer_simd::bf16_to_f32(qb[i]);
       }
@@ -356,10 +358,9 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
       const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(KvT));
       for (int64_t j0 = 0; j0 < npad; j0 += 16) {
         for (int64_t kv = 0; kv < h1 - h0; ++kv) {
-#ifdef INFER_HAVE_FP8_TABLES
-          if constexpr (kFp8AsBf16<kKind, kHeadDim>)  // once for all `group` query heads
-            fp8_rows_to_bf16<kHeadDim>(reinterpret_cast<const uint8_t* const*>(&krows[j0]),
-                                       kv * head_dim, 16, kconv);
+#ifdef INFER_HAVE_BYTE_TABLES
+          if constexpr (kBytesAsBf16<kKind, kHeadDim>)  // once for all `group` query heads
+            byte_rows_to_bf16<kKind, kHeadDim>(&krows[j0], kv * head_dim, 16, kconv);
 #endif
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kv * group + g, off = kv * head_dim;
@@ -374,7 +375,7 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
             for (int i = 0; i < 16; ++i) {
               const KvT* k = krows[j0 + i] + off;
               __m512 s = _mm512_setzero_ps();
-              if constexpr (kFp8AsBf16<kKind, kHeadDim>) {
+              if constexpr (kBytesAsBf16<kKind, kHeadDim>) {
                 const uint16_t* qh = qb + h * head_dim;
                 const uint16_t* kw = kconv + i * kHeadDim;
                 for (int64_t c = 0; c < pairs; ++c)

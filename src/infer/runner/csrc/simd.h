@@ -374,26 +374,30 @@ inline __m128i to_fp8x16(__m512 v) {
 }
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#define INFER_HAVE_FP8_TABLES 1
-// 64 float8 e4m3 -> 64 bfloat16 in order, exactly (every e4m3 value is a bf16 value), in six
-// instructions: the bytes' 7 magnitude bits index two 128-entry tables (VPERMI2B), the bf16's
-// high and low bytes; the sign bit joins the high byte; interleaving the two within 128-bit
-// lanes makes the words. The bytes are first moved (VPERMB) so that the interleave leaves the
-// words in order. The arithmetic conversion above (load_fp8x16) takes ~9 instructions per 16
-// values, and made the fp8 cache's decode attention compute-bound where int8's is not.
+#define INFER_HAVE_BYTE_TABLES 1
+// 64 one-byte cache values -> 64 bfloat16 in order, exactly (every e4m3 value and every integer
+// of magnitude up to 127 is a bf16 value), in six or seven instructions: a byte's 7 magnitude
+// bits index two 128-entry tables (VPERMI2B), the bf16's high and low bytes; the sign bit joins
+// the high byte; interleaving the two within 128-bit lanes makes the words. e4m3 is
+// sign-magnitude already; an int8 is made so first (its absolute value: the cache never holds
+// -128). The bytes are first moved (VPERMB) so that the interleave leaves the words in order.
+// The arithmetic widening (load_fp8x16 above, ~9 instructions per 16 values; int8's two per 16
+// and a float32 FMA per value) made the one-byte caches' decode attention compute-bound.
 //
 //   x (64 bytes) --order--> lane k: [x[8k .. 8k+7], x[32+8k .. 32+8k+7]]
-//   lo = LO[x & 127], hi = HI[x & 127] | (x & 0x80)
+//   lo = LO[|x|], hi = HI[|x|] | (x & 0x80)
 //   w0 = unpacklo(lo, hi): lane k = words 8k .. 8k+7   -> bf16 0 .. 31
 //   w1 = unpackhi(lo, hi): lane k = words 32+8k .. +7  -> bf16 32 .. 63
-struct Fp8Bf16Tables {
+struct ByteBf16Tables {
   __m512i hi0, hi1, lo0, lo1, order;
 };
 
-inline Fp8Bf16Tables make_fp8_bf16_tables() {
+// kInt8: the magnitudes are the integers 0 .. 127; else e4m3 codes.
+template <bool kInt8>
+inline ByteBf16Tables make_byte_bf16_tables() {
   alignas(64) uint8_t hi[128], lo[128], order[64];
   for (int m = 0; m < 128; ++m) {
-    const float v = fp8e4m3_to_f32(static_cast<uint8_t>(m));
+    const float v = kInt8 ? static_cast<float>(m) : fp8e4m3_to_f32(static_cast<uint8_t>(m));
     uint32_t u;
     std::memcpy(&u, &v, 4);
     hi[m] = static_cast<uint8_t>(u >> 24);
@@ -408,16 +412,19 @@ inline Fp8Bf16Tables make_fp8_bf16_tables() {
           _mm512_load_si512(lo + 64), _mm512_load_si512(order)};
 }
 
-inline const Fp8Bf16Tables& fp8_bf16_tables() {
-  static const Fp8Bf16Tables tables = make_fp8_bf16_tables();
+template <bool kInt8>
+inline const ByteBf16Tables& byte_bf16_tables() {
+  static const ByteBf16Tables tables = make_byte_bf16_tables<kInt8>();
   return tables;
 }
 
-inline void fp8x64_to_bf16(const uint8_t* p, const Fp8Bf16Tables& t, __m512i& w0, __m512i& w1) {
+template <bool kInt8>
+inline void bytes64_to_bf16(const uint8_t* p, const ByteBf16Tables& t, __m512i& w0, __m512i& w1) {
   const __m512i x = _mm512_permutexvar_epi8(t.order, _mm512_loadu_si512(p));
   const __m512i sign = _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(0x80)));
-  const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi0, x, t.hi1), sign);
-  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, x, t.lo1);
+  const __m512i mag = kInt8 ? _mm512_abs_epi8(x) : x;  // the tables read bits 0-6 only
+  const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi0, mag, t.hi1), sign);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, mag, t.lo1);
   w0 = _mm512_unpacklo_epi8(lo, hi);
   w1 = _mm512_unpackhi_epi8(lo, hi);
 }
