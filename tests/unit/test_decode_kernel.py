@@ -32,7 +32,8 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, scale, window):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,window", [(12, 12, 64, None), (8, 2, 128, 5), (4, 1, 32, None)]
+    "heads,kv_heads,head_dim,window",
+    [(12, 12, 64, None), (8, 2, 128, 5), (16, 4, 64, None), (4, 1, 32, None)],
 )
 def test_kernel_matches_direct_attention(dtype, tol, heads, kv_heads, head_dim, window):
     gen = torch.Generator().manual_seed(0)

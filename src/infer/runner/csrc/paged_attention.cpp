@@ -183,6 +183,15 @@ inline void byte_rows_to_bf16(const KvT* const* rows, int64_t offset, int count,
 }
 #endif
 
+// Query heads sharing a kv head (GQA) score 16 keys at a time against the keys turned
+// pair-major (16 x 16 transposes of 32-bit dim pairs, once per kv head): each head's 16 scores
+// are then head_dim / 2 DPBF16PS with a broadcast query pair, and no 16-way reduction. With one
+// query head per kv head nothing amortizes the transposes, and the row-major loop stays.
+constexpr int64_t kMinGroupForPairs = 2;
+template <int kKind, int kHeadDim>
+constexpr bool kKeysAsPairs =
+    kHeadDim > 0 && kHeadDim % 32 == 0 && (kKind == kKvPlain || kBytesAsBf16<kKind, kHeadDim>);
+
 // 16 stored cache values -> 16 float32 (before their row's scale).
 template <int kKind, typename KvT>
 inline __m512 load_kv16(const KvT* p) {
@@ -362,6 +371,56 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
           if constexpr (kBytesAsBf16<kKind, kHeadDim>)  // once for all `group` query heads
             byte_rows_to_bf16<kKind, kHeadDim>(&krows[j0], kv * head_dim, 16, kconv);
 #endif
+          if constexpr (kKeysAsPairs<kKind, kHeadDim>) {
+            if (group >= kMinGroupForPairs) {
+              const int64_t off = kv * head_dim;
+              if (j0 + kKeysAhead < npad) {
+                for (int64_t i = j0 + kKeysAhead; i < j0 + kKeysAhead + 16 && i < npad; ++i)
+                  infer_simd::prefetch_l2(krows[i] + off, head_bytes);
+              }
+              // The 16 keys' rows as bf16, turned pair-major: kt[p] = dims (2p, 2p+1) of keys
+              // 0 .. 15, once for all `group` query heads.
+              alignas(64) __m512i kt[kHeadDim / 2];
+              for (int64_t blk = 0; blk < kHeadDim / 32; ++blk) {
+                __m512i rows[16];
+                for (int i = 0; i < 16; ++i) {
+                  const uint16_t* row;
+                  if constexpr (kKind == kKvPlain) row = reinterpret_cast<const uint16_t*>(krows[j0 + i] + off);
+                  else row = kconv + i * kHeadDim;
+                  rows[i] = _mm512_loadu_si512(row + blk * 32);
+                }
+                infer_simd::transpose16x16(rows);
+                for (int w = 0; w < 16; ++w) kt[blk * 16 + w] = rows[w];
+              }
+              __m512 ksc = vscale;
+              if constexpr (kScaled) {
+                alignas(64) float ks[16];
+                const int64_t kvh = h0 + kv;
+                for (int i = 0; i < 16; ++i)
+                  ks[i] = infer_simd::bf16_to_f32(key_scales[slots[j0 + i] * num_kv_heads + kvh]);
+                ksc = _mm512_mul_ps(vscale, _mm512_load_ps(ks));
+              }
+              const int64_t cnt = n - j0 >= 16 ? 16 : n - j0;
+              for (int64_t g = 0; g < group; ++g) {
+                const int64_t h = kv * group + g;
+                int32_t qp[kHeadDim / 2];  // the query's dim pairs, as 32-bit words
+                std::memcpy(qp, qb + h * head_dim, sizeof(qp));
+                __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                               _mm512_setzero_ps()};
+                for (int64_t p = 0; p < kHeadDim / 2; p += 4)
+                  for (int u = 0; u < 4; ++u)
+                    a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_set1_epi32(qp[p + u]),
+                                            (__m512bh)kt[p + u]);
+                const __m512 s = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+                // The scores of a key come out of the transpose in the order key scales (or
+                // vscale) are laid out: lane i is key j0 + i.
+                _mm512_mask_storeu_ps(scores.data() + h * n + j0,
+                                      static_cast<__mmask16>((1u << cnt) - 1),
+                                      _mm512_mul_ps(s, ksc));
+              }
+              continue;
+            }
+          }
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kv * group + g, off = kv * head_dim;
             // The rows of the keys kKeysAhead on, one kv head's part with each kv head's scores:
