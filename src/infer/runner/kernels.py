@@ -64,7 +64,11 @@ def build_library(compiler: str, csrc: Path = CSRC) -> Path:
     files = sorted([*sources, *csrc.glob("*.h")])
     source = b"".join(p.name.encode() + p.read_bytes() for p in files)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    # The compiler's path too: a wrapper script that adds flags (-mno-avx512f, to test the AVX2
+    # build) prints the same --version as the compiler it wraps.
+    key = hashlib.sha256(
+        source + version.encode() + compiler.encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
     target = _cache_dir() / f"infer_cpu_{key}.so"
     if target.exists():
         return target

@@ -304,7 +304,8 @@ void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, in
 //
 // Scores: 16 keys at a time per query head into 16 accumulators reduced together (sum16): BF16
 // dot products on a bf16 cache and on a one-byte one read as bf16 (kBytesAsBf16), float32 FMAs on
-// dequantized bytes otherwise. Softmax in float32.
+// dequantized bytes otherwise; with several query heads per kv head (kKeysAsPairs), against the
+// 16 keys turned pair-major once, one DPBF16PS per dim pair and no reduction. Softmax in float32.
 // Values: every query head of the item in one pass over the value rows, sums in L1.
 template <int kKind, typename KvT, int kHeadDim>
 void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT* key_cache,
@@ -361,8 +362,8 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
         qf.resize(nq * head_dim);
         for (int64_t i = 0; i < nq * head_dim; ++i) qf[i] = infer_simd::bf16_to_f32(qb[i]);
       }
-      // Scores, laid out [nq][n] (the padding past n is written over by the next head's row
-      // or lies past the end), scaled.
+      // Scores, laid out [nq][n] (masked stores: the padding keys' scores are never written),
+      // scaled.
       const __m512 vscale = _mm512_set1_ps(scale);
       const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(KvT));
       for (int64_t j0 = 0; j0 < npad; j0 += 16) {

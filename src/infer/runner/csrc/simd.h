@@ -376,7 +376,7 @@ inline __m128i to_fp8x16(__m512 v) {
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define INFER_HAVE_BYTE_TABLES 1
 // 64 one-byte cache values -> 64 bfloat16 in order, exactly (every e4m3 value and every integer
-// of magnitude up to 127 is a bf16 value), in six or seven instructions: a byte's 7 magnitude
+// of magnitude up to 127 is a bf16 value), in 7 instructions (8 for int8): a byte's 7 magnitude
 // bits index two 128-entry tables (VPERMI2B), the bf16's high and low bytes; the sign bit joins
 // the high byte; interleaving the two within 128-bit lanes makes the words. e4m3 is
 // sign-magnitude already; an int8 is made so first (its absolute value: the cache never holds
