@@ -192,6 +192,14 @@ template <int kKind, int kHeadDim>
 constexpr bool kKeysAsPairs =
     kHeadDim > 0 && kHeadDim % 32 == 0 && (kKind == kKvPlain || kBytesAsBf16<kKind, kHeadDim>);
 
+// The scales of kv head kvh at 16 slots, as float32 lanes.
+inline __m512 key_scales16(const uint16_t* scales, const int64_t* slots, int64_t num_kv_heads,
+                           int64_t kvh) {
+  alignas(64) float ks[16];
+  for (int i = 0; i < 16; ++i) ks[i] = infer_simd::bf16_to_f32(scales[slots[i] * num_kv_heads + kvh]);
+  return _mm512_load_ps(ks);
+}
+
 // 16 stored cache values -> 16 float32 (before their row's scale).
 template <int kKind, typename KvT>
 inline __m512 load_kv16(const KvT* p) {
@@ -394,13 +402,9 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
                 for (int w = 0; w < 16; ++w) kt[blk * 16 + w] = rows[w];
               }
               __m512 ksc = vscale;
-              if constexpr (kScaled) {
-                alignas(64) float ks[16];
-                const int64_t kvh = h0 + kv;
-                for (int i = 0; i < 16; ++i)
-                  ks[i] = infer_simd::bf16_to_f32(key_scales[slots[j0 + i] * num_kv_heads + kvh]);
-                ksc = _mm512_mul_ps(vscale, _mm512_load_ps(ks));
-              }
+              if constexpr (kScaled)
+                ksc = _mm512_mul_ps(vscale, key_scales16(key_scales, &slots[j0], num_kv_heads,
+                                                         h0 + kv));
               const int64_t cnt = n - j0 >= 16 ? 16 : n - j0;
               for (int64_t g = 0; g < group; ++g) {
                 const int64_t h = kv * group + g;
@@ -455,13 +459,8 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
               acc[i] = s;
             }
             __m512 r = _mm512_mul_ps(sum16(acc), vscale);
-            if constexpr (kScaled) {
-              alignas(64) float ks[16];
-              const int64_t kvh = h0 + kv;
-              for (int i = 0; i < 16; ++i)
-                ks[i] = infer_simd::bf16_to_f32(key_scales[slots[j0 + i] * num_kv_heads + kvh]);
-              r = _mm512_mul_ps(r, _mm512_load_ps(ks));
-            }
+            if constexpr (kScaled)
+              r = _mm512_mul_ps(r, key_scales16(key_scales, &slots[j0], num_kv_heads, h0 + kv));
             const int64_t cnt = n - j0 >= 16 ? 16 : n - j0;
             _mm512_mask_storeu_ps(scores.data() + h * n + j0,
                                   static_cast<__mmask16>((1u << cnt) - 1), r);
