@@ -65,7 +65,7 @@ struct KvRows {
     const float s = infer_simd::bf16_to_f32(scales[slot * num_kv_heads + kvh]);
     const uint8_t* q = static_cast<const uint8_t*>(cache) + at;
 #ifdef INFER_HAVE_AVX512
-    // 16 at a time (a NaN byte reads as 480 here, as in the decode kernel; never stored).
+    // 16 at a time (a NaN byte reads as 480 here, as load_fp8x16 reads it; never stored).
     for (int64_t d = 0; d < head_dim; d += 16) {
       const __m512 v = kind == kKvInt8 ? infer_simd::load_i8x16(reinterpret_cast<const int8_t*>(q) + d)
                                        : infer_simd::load_fp8x16(q + d);
