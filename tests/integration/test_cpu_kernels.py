@@ -73,8 +73,8 @@ def test_fast_decode_path_gives_the_module_paths_bits(kind, quant, make_llm, mon
     so the same tokens and the same logprobs, bit for bit."""
     fast_llm = make_llm(kind, dtype="bfloat16", **quant)
     kernels = cpu_kernels()
-    if kernels.linear_kind < 1 or (quant and not kernels.has_amx):
-        pytest.skip("the fast decode path needs tiled linear layers (int8 weights: AMX)")
+    if kernels.linear_kind < 1 or (quant and not kernels.linear_int8):
+        pytest.skip("the fast decode path needs tiled linear layers (int8 weights: AMX or VBMI)")
     assert fast_llm.engine.runner.fast_decoder is not None
     fast = _tokens_and_logprobs(fast_llm, PROMPTS)
     monkeypatch.setenv("INFER_FAST_DECODE", "0")

@@ -59,13 +59,48 @@ def test_int8_linear_matches_the_dequantized_weight(dtype, rows):
     assert got.dtype == dtype and got.shape == (rows, 64)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max(), rtol=tol)
-    if dtype == torch.bfloat16 and cpu_kernels() is not None and cpu_kernels().has_amx:
-        assert layer.mode == "amx"
+    if dtype == torch.bfloat16 and cpu_kernels() is not None and cpu_kernels().linear_int8:
+        assert layer.mode == "tiled"
         with torch.inference_mode():  # a row alone gives the same bits as in its batch
             assert torch.equal(layer(x[-1:])[0], got[-1])
     assert layer.weight_bytes == 64 * 96 + 64 * 4
     with torch.inference_mode():
         assert layer(x[:0]).shape == (0, 64)
+
+
+def _int8_tiled() -> bool:
+    return cpu_kernels() is not None and cpu_kernels().linear_int8
+
+
+@pytest.mark.skipif(not _int8_tiled(), reason="no int8 tiled kernel here (AMX or AVX-512 VBMI)")
+@pytest.mark.parametrize("n", [16, 48, 96])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 33, 64, 65, 130])
+def test_int8_tiled_kernel_is_exact_in_float32_and_batch_invariant(rows, n):
+    """Every path of the int8 kernel (a few rows, tall decode passes, prefill panels; 1-4 column
+    blocks at a panel's end): float32 sums of bf16 x times the integers, scaled per column, one
+    rounding to bf16; a row's bits do not depend on its batch or on the thread count."""
+    torch.manual_seed(rows * 7 + n)
+    k = 256
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    w[0, 5] = 0.9  # an outlier column scale
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
+    layer = Int8Linear(w, bias)
+    assert layer.mode == "tiled"
+    q, scale = quantize_int8(w)
+    want = ((x.float() @ q.float().T) * scale + bias.float()).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            got = layer(x)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=2**-7)
+            for r in {0, rows // 2, rows - 1}:
+                assert torch.equal(layer(x[r : r + 1])[0], got[r])
+            for threads in (1, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(layer(x), got), threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_fp8_linear_reference_math():

@@ -53,7 +53,7 @@ def _linear_args(module: torch.nn.Module) -> tuple | None:
     """(packed weight ptr, bytes per weight, column scales ptr, bias ptr, N, K), or None."""
     if isinstance(module, TiledLinear):
         weight, scales, bias = module.packed_weight, None, module.bias
-    elif isinstance(module, Int8Linear) and module.mode == "amx":
+    elif isinstance(module, Int8Linear) and module.mode == "tiled":
         weight, scales, bias = module.q, module.scale, module.fbias
     else:
         return None

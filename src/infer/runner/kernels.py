@@ -130,10 +130,12 @@ class CpuKernels:
             "infer_decode_attention", i32, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
             i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
-        # 2: AMX, 1: AVX-512 BF16, 3: AVX2 FMA (1, 3: bf16 weights only), 0: no tiled linear
-        # kernel on this CPU.
+        # 2: AMX, 1: AVX-512 BF16, 3: AVX2 FMA (bf16 weights only), 0: no tiled linear kernel
+        # on this CPU.
         self.linear_kind = int(bind("infer_packed_linear_kind")())
         self.has_amx = self.linear_kind == 2
+        # int8 weights: AMX, or AVX-512 BF16 with VBMI's byte tables
+        self.linear_int8 = bool(bind("infer_packed_linear_int8")())
         self._pack = bind("infer_tile_pack_weight", ptr, ptr, i64, i64)
         self._pack_int8 = bind("infer_tile_pack_int8", ptr, ptr, i64, i64)
         self._linear = bind(
@@ -319,10 +321,10 @@ class CpuKernels:
 
     def tiled_linear_supports(self, weight: torch.Tensor) -> bool:
         """Whether the tiled linear kernel takes this ``[N, K]`` weight (N % 16, K % 32): bf16
-        with AMX, AVX-512 BF16 or AVX2, int8 with AMX only."""
+        with AMX, AVX-512 BF16 or AVX2; int8 with AMX or AVX-512 BF16 and VBMI."""
         n, k = weight.shape
         if weight.dtype == torch.int8:
-            ok_dtype = self.has_amx
+            ok_dtype = self.linear_int8
         else:
             ok_dtype = weight.dtype == torch.bfloat16 and self.linear_kind >= 1
         return ok_dtype and n % 16 == 0 and k % 32 == 0

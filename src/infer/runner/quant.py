@@ -6,9 +6,9 @@ pre-quantized checkpoint is needed.
 
 - ``int8``: weight-only, symmetric, one float32 scale per output channel
   (``scale = absmax(row) / 127``, ``q = round(w / scale)``). Activations stay in the model's
-  dtype. On CPUs with AMX the C++ kernel reads the int8 tiles and widens them in cache, so decode
-  streams half the bytes of bf16; elsewhere torch's ``_weight_int8pack_mm`` (bf16) or a
-  dequantize-then-matmul reference.
+  dtype. On CPUs with AMX, or AVX-512 BF16 with VBMI (AMD Zen 4/5), the C++ kernel reads the
+  int8 tiles and widens them to bf16 in cache or registers, so decode streams half the bytes of
+  bf16; elsewhere torch's ``_weight_int8pack_mm`` (bf16) or a dequantize-then-matmul reference.
 - ``fp8``: e4m3 weights with a float32 scale per output channel, and each activation row
   quantized to e4m3 on the fly, multiplied by ``torch._scaled_mm`` (a CUDA GPU with fp8 matmuls,
   compute capability 8.9 or newer; anything else is refused at start-up).
@@ -89,7 +89,7 @@ class Int8Linear(nn.Module):
             and self.dtype == torch.bfloat16
             and self._kernels.tiled_linear_supports(q)
         ):
-            self.mode = "amx"
+            self.mode = "tiled"
             self.register_buffer("q", self._kernels.tile_pack(q), False)
             self.register_buffer("scale", scale.contiguous(), False)
             fbias = None if bias is None else bias.detach().float().contiguous()
@@ -121,7 +121,7 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if self.mode == "amx":
+        if self.mode == "tiled":
             assert self._kernels is not None
             y = self._kernels.tiled_linear(
                 flat.contiguous(), self.q, self.fbias, self.out_features, scales=self.scale

@@ -51,6 +51,17 @@ inline void store_out16(void* y, int64_t at, __m512 v) {
   else
     infer_simd::store_bf16x16(static_cast<uint16_t*>(y) + at, v);
 }
+
+// Row m, columns col .. col + 15 of y = acc * col_scale (int8 weights) + bias (adding zero
+// without one, so a -0 sum comes out +0 on every path).
+template <bool kOutF32>
+inline void store_cols(void* y, int64_t m, int64_t N, int64_t col, __m512 acc,
+                       const float* col_scale, const float* bias) {
+  const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+  const __m512 v = col_scale ? _mm512_fmadd_ps(acc, _mm512_loadu_ps(col_scale + col), b)
+                             : _mm512_add_ps(acc, b);
+  store_out16<kOutF32>(y, m * N + col, v);
+}
 #endif
 
 #ifdef INFER_HAVE_AMX
@@ -289,14 +300,13 @@ void amx_linear(const uint16_t* x, const W* packed, const float* col_scale, cons
 //
 // Each row's sums run over K in the same order whatever the other rows are.
 template <int MR, int NB, bool kOutF32>
-inline void dp_block(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
-                     int64_t m0, int64_t K, int64_t N, int64_t nb) {
+inline void dp_block(const uint16_t* x, const uint16_t* wb, const float* col_scale,
+                     const float* bias, void* y, int64_t m0, int64_t K, int64_t N, int64_t nb) {
   const int64_t kblocks = K / 32;
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   const uint16_t* xr = x + m0 * K;
-  const uint16_t* wb = w + nb * kblocks * 512;
   for (int64_t kb = 0; kb < kblocks; ++kb) {
     const uint16_t* tile = wb + kb * 512;
     for (int r = 0; r < 16; ++r) {
@@ -312,24 +322,25 @@ inline void dp_block(const uint16_t* x, const uint16_t* w, const float* bias, vo
       }
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    const int64_t col = (nb + j) * 16;
-    const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) store_out16<kOutF32>(y, (m0 + i) * N + col, _mm512_add_ps(acc[i][j], b));
-  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MR; ++i)
+      store_cols<kOutF32>(y, m0 + i, N, (nb + j) * 16, acc[i][j], col_scale, bias);
 }
 
 template <int NB, bool kOutF32>
-inline void dp_rows(const uint16_t* x, const uint16_t* w, const float* bias, void* y,
-                    int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t nb) {
+inline void dp_rows(const uint16_t* x, const uint16_t* wb, const float* col_scale,
+                    const float* bias, void* y, int64_t m0, int64_t rows, int64_t K, int64_t N,
+                    int64_t nb) {
+#define INFER_ROWS(R) dp_block<R, NB, kOutF32>(x, wb, col_scale, bias, y, m0, K, N, nb)
   switch (rows) {
-    case 1: dp_block<1, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
-    case 2: dp_block<2, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
-    case 3: dp_block<3, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
-    case 4: dp_block<4, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
-    case 5: dp_block<5, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
-    default: dp_block<6, NB, kOutF32>(x, w, bias, y, m0, K, N, nb); break;
+    case 1: INFER_ROWS(1); break;
+    case 2: INFER_ROWS(2); break;
+    case 3: INFER_ROWS(3); break;
+    case 4: INFER_ROWS(4); break;
+    case 5: INFER_ROWS(5); break;
+    default: INFER_ROWS(6); break;
   }
+#undef INFER_ROWS
 }
 
 // From 7 to 64 rows (decode of a few dozen sequences) the 6-row blocks above read each weight
@@ -347,13 +358,11 @@ constexpr int64_t kTallAheadBytes = 8192;
 constexpr int64_t kTallMaxRows = 64;
 
 template <int MR, bool kOutF32>
-inline void dp_tall_block(const int32_t* xp, int64_t xp_stride, const uint16_t* w,
-                          const float* bias, void* y, int64_t m0, int64_t K, int64_t N,
-                          int64_t nb) {
-  const int64_t kblocks = K / 32;
+inline void dp_tall_block(const int32_t* xp, int64_t xp_stride, const uint16_t* wb,
+                          const float* col_scale, const float* bias, void* y, int64_t m0,
+                          int64_t K, int64_t N, int64_t nb) {
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-  const uint16_t* wb = w + nb * kblocks * 512;
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     _mm_prefetch(reinterpret_cast<const char*>(wb + kp * 32) + kTallAheadBytes, _MM_HINT_T1);
     const __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + kp * 32);
@@ -361,10 +370,90 @@ inline void dp_tall_block(const int32_t* xp, int64_t xp_stride, const uint16_t* 
     for (int i = 0; i < MR; ++i)
       acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xk[i]), wv);
   }
-  const int64_t col = nb * 16;
-  const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
-  for (int i = 0; i < MR; ++i) store_out16<kOutF32>(y, (m0 + i) * N + col, _mm512_add_ps(acc[i], b));
+  for (int i = 0; i < MR; ++i) store_cols<kOutF32>(y, m0 + i, N, nb * 16, acc[i], col_scale, bias);
 }
+
+#ifdef INFER_HAVE_BYTE_TABLES
+#define INFER_HAVE_INT8_DP 1
+// int8 weights (a float32 scale per output channel) without AMX: the same tiles at one byte
+// per weight, two tile rows (64 bytes) at a time widened to bf16 in registers by two byte-table
+// lookups (simd.h: exact, every integer up to 127 is a bf16), then the bf16 kernels' multiplies
+// in the bf16 kernels' order, so a row's bits are the same on every path and in every batch:
+//
+//   int8 tile rows r, r + 1 (64 bytes) --bytes64_to_bf16--> w0 = row r, w1 = row r + 1
+//   acc += x pair (k, k+1) . w0;  acc += x pair (k+2, k+3) . w1;  y = acc * col_scale + bias
+//
+// Decode streams half the bytes of bf16; the lookups cost ~8 instructions per 64 weights next
+// to 2 x rows multiplies. Prefill widens a panel once into L2 and runs the bf16 blocks on it.
+constexpr int64_t kTallAheadBytes8 = kTallAheadBytes / 2;
+
+template <int MR, bool kOutF32>
+inline void dp_tall_block8(const int32_t* xp, int64_t xp_stride, const uint8_t* wb,
+                           const float* col_scale, const float* bias, void* y, int64_t m0,
+                           int64_t K, int64_t N, int64_t nb) {
+  const auto& t = infer_simd::byte_bf16_tables<true>();
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; kp += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kp * 32) + kTallAheadBytes8, _MM_HINT_T1);
+    __m512i w0, w1;
+    infer_simd::packed_int8x64_to_bf16(wb + kp * 32, t, w0, w1);
+    const int32_t* xk = xp + kp * xp_stride;
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xk[i]), (__m512bh)w0);
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xk[xp_stride + i]),
+                                (__m512bh)w1);
+  }
+  for (int i = 0; i < MR; ++i) store_cols<kOutF32>(y, m0 + i, N, nb * 16, acc[i], col_scale, bias);
+}
+
+// A few rows (decode of up to 4 sequences, where the weights' stream is the bound): NB column
+// blocks side by side, so MR * NB accumulators chain their multiplies independently.
+template <int MR, int NB, bool kOutF32>
+inline void dp_block8(const uint16_t* x, const uint8_t* wb, const float* col_scale,
+                      const float* bias, void* y, int64_t m0, int64_t K, int64_t N, int64_t nb) {
+  const auto& t = infer_simd::byte_bf16_tables<true>();
+  const int64_t kblocks = K / 32;
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint16_t* xr = x + m0 * K;
+  for (int64_t kp = 0; kp < K / 2; kp += 2) {
+    __m512bh x0[MR], x1[MR];
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair[2];
+      std::memcpy(pair, xr + i * K + 2 * kp, 8);
+      x0[i] = (__m512bh)_mm512_set1_epi32(pair[0]);
+      x1[i] = (__m512bh)_mm512_set1_epi32(pair[1]);
+    }
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* row = wb + j * kblocks * 512 + kp * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kTallAheadBytes8, _MM_HINT_T1);
+      __m512i w0, w1;
+      infer_simd::packed_int8x64_to_bf16(row, t, w0, w1);
+      for (int i = 0; i < MR; ++i) {
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x0[i], (__m512bh)w0);
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x1[i], (__m512bh)w1);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MR; ++i)
+      store_cols<kOutF32>(y, m0 + i, N, (nb + j) * 16, acc[i][j], col_scale, bias);
+}
+
+// Blocks [nb, nb + nbs) of int8 tiles -> bf16 tiles at dst, in the same layout.
+inline void widen_blocks8(const uint8_t* wb, uint16_t* dst, int64_t nbs, int64_t K) {
+  const auto& t = infer_simd::byte_bf16_tables<true>();
+  for (int64_t i = 0; i < nbs * K * 16; i += 64) {
+    __m512i w0, w1;
+    infer_simd::packed_int8x64_to_bf16(wb + i, t, w0, w1);
+    _mm512_store_si512(dst + i, w0);
+    _mm512_store_si512(dst + i + 32, w1);
+  }
+}
+#endif  // INFER_HAVE_BYTE_TABLES
 
 // xp[p][kp][r] = x32[p * pass_rows + r][kp] for the pairs kp in [kp0, kp1) (multiples of 16):
 // each pass's rows side by side for every pair of K. A full pass of 16 rows goes as 16 x 16
@@ -389,11 +478,20 @@ inline void interleave_pairs(const int32_t* x32, int32_t* xp, int64_t M, int64_t
   }
 }
 
-template <bool kOutF32>
-inline void dp_rows_tall(const int32_t* xp, int64_t xp_stride, const uint16_t* w,
-                         const float* bias, void* y, int64_t m0, int64_t rows, int64_t K,
-                         int64_t N, int64_t nb) {
-#define INFER_TALL(R) dp_tall_block<R, kOutF32>(xp, xp_stride, w, bias, y, m0, K, N, nb)
+// W: uint16_t (bf16 weights) or uint8_t (int8 weights, byte tables).
+template <bool kOutF32, typename W>
+inline void dp_rows_tall(const int32_t* xp, int64_t xp_stride, const W* wb,
+                         const float* col_scale, const float* bias, void* y, int64_t m0,
+                         int64_t rows, int64_t K, int64_t N, int64_t nb) {
+#ifdef INFER_HAVE_INT8_DP
+#define INFER_TALL(R)                                                                        \
+  if constexpr (sizeof(W) == 1)                                                              \
+    dp_tall_block8<R, kOutF32>(xp, xp_stride, wb, col_scale, bias, y, m0, K, N, nb);         \
+  else                                                                                       \
+    dp_tall_block<R, kOutF32>(xp, xp_stride, wb, col_scale, bias, y, m0, K, N, nb)
+#else
+#define INFER_TALL(R) dp_tall_block<R, kOutF32>(xp, xp_stride, wb, col_scale, bias, y, m0, K, N, nb)
+#endif
   switch (rows) {
     case 1: INFER_TALL(1); break;
     case 2: INFER_TALL(2); break;
@@ -426,12 +524,42 @@ inline void dp_rows_tall(const int32_t* xp, int64_t xp_stride, const uint16_t* w
 // More rows (prefill): threads take the column panels (4 blocks = 64 outputs) one at a time,
 // first come first served; rows go in chunks that stay in L2, 6 at a time, the panel's
 // weights read from memory on the first pass, from cache after.
-template <bool kOutF32>
-void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
-               int64_t M, int64_t K, int64_t N, int num_threads) {
+template <bool kOutF32, typename W>
+void dp_linear(const uint16_t* x, const W* packed, const float* col_scale, const float* bias,
+               void* y, int64_t M, int64_t K, int64_t N, int num_threads) {
+  constexpr bool kInt8 = sizeof(W) == 1;
   constexpr int64_t kChunkRows = 96, kRows = 6, kPanel = 4;
   const int64_t nblocks = N / 16, npanels = (nblocks + kPanel - 1) / kPanel;
-  if (M > kRows && M <= kTallMaxRows) {
+  const int64_t block_elems = K * 16;  // one column block's weights
+  // int8 weights take the tall passes from 5 rows (dp_block8 keeps 4 x 4 accumulators at most).
+  const int64_t tall_from = kInt8 ? 5 : kRows + 1;
+#ifdef INFER_HAVE_INT8_DP
+  if constexpr (kInt8)
+    if (M < tall_from) {
+      // Up to 4 rows: each thread a contiguous run of column panels, one stream of weights.
+#pragma omp parallel for num_threads(num_threads) schedule(guided)
+      for (int64_t p = 0; p < npanels; ++p) {
+        const int64_t nb = p * kPanel, nbs = nblocks - nb < kPanel ? nblocks - nb : kPanel;
+        const W* wb = packed + nb * block_elems;
+#define INFER_SMALL(R)                                                                        \
+  switch (nbs) {                                                                             \
+    case 1: dp_block8<R, 1, kOutF32>(x, wb, col_scale, bias, y, 0, K, N, nb); break;         \
+    case 2: dp_block8<R, 2, kOutF32>(x, wb, col_scale, bias, y, 0, K, N, nb); break;         \
+    case 3: dp_block8<R, 3, kOutF32>(x, wb, col_scale, bias, y, 0, K, N, nb); break;         \
+    default: dp_block8<R, 4, kOutF32>(x, wb, col_scale, bias, y, 0, K, N, nb); break;        \
+  }
+        switch (M) {
+          case 1: INFER_SMALL(1); break;
+          case 2: INFER_SMALL(2); break;
+          case 3: INFER_SMALL(3); break;
+          default: INFER_SMALL(4); break;
+        }
+#undef INFER_SMALL
+      }
+      return;
+    }
+#endif
+  if (M >= tall_from && M <= kTallMaxRows) {
     // Rows split evenly over the passes (33 rows: 11 + 11 + 11, not 16 + 16 + 1, whose
     // one-row pass re-read the weights for one multiply each: the ~110M Llama's linears at 33
     // rows 20.3 -> 18.1 ms, 17 rows 11.9 -> 9.8 on Zen 4); x interleaved per pass, pass_rows words per pair.
@@ -458,26 +586,44 @@ void dp_linear(const uint16_t* x, const uint16_t* packed, const float* bias, voi
           interleave_pairs(x32, xp, M, kpairs, pass_rows, kb * 16, kb * 16 + 16);
       }
 #pragma omp for schedule(guided) nowait  // the region's end joins the threads
-      for (int64_t b = 0; b < nblocks; ++b)
+      for (int64_t b = 0; b < nblocks; ++b) {
+        // int8: every pass widens the block's weights again, in registers. Widening a block
+        // once into scratch for the passes left its first read of memory with no multiplies
+        // to overlap (~110M Llama's linears at 32 rows: 17.3 ms per pass vs 22.4 widened once).
+        const W* wb = packed + b * block_elems;
         for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
           const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
-          dp_rows_tall<kOutF32>(xp + m0 * kpairs, pass_rows, packed, bias, y, m0, rows, K, N, b);
+          dp_rows_tall<kOutF32>(xp + m0 * kpairs, pass_rows, wb, col_scale, bias, y, m0, rows, K,
+                                N, b);
         }
+      }
     }
     return;
   }
+  // int8 weights: each panel widened once into the thread's scratch (it stays in L2 for the
+  // chunks' passes), then the bf16 blocks.
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
   for (int64_t p = 0; p < npanels; ++p) {
     const int64_t nb = p * kPanel, nbs = nblocks - nb < kPanel ? nblocks - nb : kPanel;
+    const uint16_t* wb;
+    if constexpr (kInt8) {
+#ifdef INFER_HAVE_INT8_DP
+      auto* widened = static_cast<uint16_t*>(infer_simd::thread_scratch<1>(kPanel * block_elems * 2));
+      widen_blocks8(packed + nb * block_elems, widened, nbs, K);
+      wb = widened;
+#endif
+    } else {
+      wb = packed + nb * block_elems;
+    }
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
       const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
       for (int64_t m0 = c0; m0 < c1; m0 += kRows) {
         const int64_t rows = c1 - m0 < kRows ? c1 - m0 : kRows;
         switch (nbs) {
-          case 1: dp_rows<1, kOutF32>(x, packed, bias, y, m0, rows, K, N, nb); break;
-          case 2: dp_rows<2, kOutF32>(x, packed, bias, y, m0, rows, K, N, nb); break;
-          case 3: dp_rows<3, kOutF32>(x, packed, bias, y, m0, rows, K, N, nb); break;
-          default: dp_rows<4, kOutF32>(x, packed, bias, y, m0, rows, K, N, nb); break;
+          case 1: dp_rows<1, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb); break;
+          case 2: dp_rows<2, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb); break;
+          case 3: dp_rows<3, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb); break;
+          default: dp_rows<4, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb); break;
         }
       }
     }
@@ -522,12 +668,35 @@ int infer_packed_linear_kind() {
 #endif
 }
 
+// Whether infer_tiled_linear takes int8 weights here: with AMX, or AVX-512 BF16 with VBMI's
+// byte tables.
+int infer_packed_linear_int8() {
+  const int kind = infer_packed_linear_kind();
+#ifdef INFER_HAVE_INT8_DP
+  if (kind == 1) return 1;
+#endif
+  return kind == 2 ? 1 : 0;
+}
+
 int infer_tile_pack_weight(const uint16_t* weight, uint16_t* packed, int64_t N, int64_t K) {
   return pack_tiles(weight, packed, N, K);
 }
 
+// int8: the AMX tiles; on the AVX-512 BF16 kernel each 64 bytes of them further as
+// packed_int8x64_to_bf16 reads them (simd.h).
 int infer_tile_pack_int8(const int8_t* weight, int8_t* packed, int64_t N, int64_t K) {
-  return pack_tiles(weight, packed, N, K);
+  const int rc = pack_tiles(weight, packed, N, K);
+#ifdef INFER_HAVE_INT8_DP
+  if (rc == 0 && infer_packed_linear_kind() == 1) {
+#pragma omp parallel for
+    for (int64_t i = 0; i < N * K; i += 64) {
+      int8_t group[64];
+      std::memcpy(group, packed + i, 64);
+      infer_simd::pack_sign_magnitude64(group, reinterpret_cast<uint8_t*>(packed + i));
+    }
+  }
+#endif
+  return rc;
 }
 
 // y = (x . W^T) * col_scale + bias. x [M, K] bf16; packed from infer_tile_pack_weight (bf16,
@@ -552,10 +721,18 @@ int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
   }
 #endif
 #ifdef INFER_HAVE_AVX512_BF16
-  if (kind == 1 && weight_bytes == 2) {  // int8 weights are widened in AMX tiles only
+  if (kind == 1 && weight_bytes == 2) {
     const auto* w = static_cast<const uint16_t*>(packed);
-    if (out_f32) dp_linear<true>(x, w, bias, y, M, K, N, num_threads);
-    else dp_linear<false>(x, w, bias, y, M, K, N, num_threads);
+    if (out_f32) dp_linear<true>(x, w, col_scale, bias, y, M, K, N, num_threads);
+    else dp_linear<false>(x, w, col_scale, bias, y, M, K, N, num_threads);
+    return 0;
+  }
+#endif
+#ifdef INFER_HAVE_INT8_DP
+  if (kind == 1 && weight_bytes == 1) {
+    const auto* w = static_cast<const uint8_t*>(packed);
+    if (out_f32) dp_linear<true>(x, w, col_scale, bias, y, M, K, N, num_threads);
+    else dp_linear<false>(x, w, col_scale, bias, y, M, K, N, num_threads);
     return 0;
   }
 #endif
