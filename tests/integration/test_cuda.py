@@ -66,6 +66,20 @@ def test_fp8_engine_serves_every_prompt_and_returns_every_block(make_llm, cuda_d
     assert not Fp8Linear.scaled_mm_failed
 
 
+def test_decode_attention_never_runs_cudnn_sdpa(make_llm, cuda_device):
+    """cuDNN's SDPA plans every (batch, longest context) shape it has not seen (~40 ms on an
+    H200) and decode meets a new one every step: the engine's attention must run on another
+    backend. Requests of several lengths, so prefill and decode both run."""
+    llm = make_llm("llama", device=cuda_device, dtype="bfloat16")
+    prompts = [p * (1 + i % 3) for i, p in enumerate(PROMPTS)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        outs = llm.generate(prompts, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    names = {e.key for e in prof.key_averages()}
+    assert any("scaled_dot_product" in n for n in names), sorted(names)[:40]
+    assert not [n for n in names if "cudnn_attention" in n]
+
+
 def test_kv_budget_is_a_share_of_the_gpus_memory(tiny_checkpoints, cuda_device):
     """--gpu-memory-utilization: the KV cache fills that share of the whole GPU, less what is
     already in use (the weights), to within one block."""
