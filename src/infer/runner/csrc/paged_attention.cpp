@@ -208,50 +208,96 @@ inline __m512 load_kv16(const KvT* p) {
   else return load_bf16x16(reinterpret_cast<const uint16_t*>(p));
 }
 
-// Rows [j, j + R) of the values into every head's sums (R FMAs per sum, in row order). A bf16
-// cache's 32-dim slices load as 16 words whose low halves (the even dims) and high halves (the
-// odd dims) are each a float32 after a shift or a mask: the sums of a slice lie as its 16 even
-// dims, then its 16 odd ones (one widening instruction per 16 values instead of two).
-template <int R, int kKind, typename KvT, int kHeadDim>
+// Rows [j, j + R) of the values into every head's sums (R FMAs per sum, in row order): the
+// float32 path of one-byte caches without the byte tables.
+template <int R, int kKind, typename KvT>
 inline void add_value_rows(const float* scores, int64_t n, int64_t j, const KvT* const* vrows,
                            int64_t nkv, int64_t group, int64_t hd, float* acc) {
-  constexpr bool kAsBf16 = kKind == kKvPlain || kBytesAsBf16<kKind, kHeadDim>;
-  [[maybe_unused]] alignas(64) uint16_t conv[kBytesAsBf16<kKind, kHeadDim> ? R * kHeadDim : 1];
-  for (int64_t kv = 0; kv < nkv; ++kv) {
-    // This kv head's part of each row, as bf16 words.
-    const uint16_t* wrows[R];
-    if constexpr (kBytesAsBf16<kKind, kHeadDim>) {
-#ifdef INFER_HAVE_BYTE_TABLES
-      byte_rows_to_bf16<kKind, kHeadDim>(vrows + j, kv * hd, R, conv);
-#endif
-      for (int r = 0; r < R; ++r) wrows[r] = conv + r * kHeadDim;
-    } else if constexpr (kKind == kKvPlain) {
-      for (int r = 0; r < R; ++r) wrows[r] = reinterpret_cast<const uint16_t*>(vrows[j + r]) + kv * hd;
-    }
+  for (int64_t kv = 0; kv < nkv; ++kv)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = kv * group + g;
       __m512 p[R];
       for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(scores[h * n + j + r]);
       float* a = acc + h * hd;
-      if constexpr (kAsBf16) {
-        const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-        for (int64_t c = 0; c < hd / 32; ++c) {
-          __m512 even = _mm512_load_ps(a + c * 32), odd = _mm512_load_ps(a + c * 32 + 16);
-          for (int r = 0; r < R; ++r) {
-            const __m512i w = _mm512_loadu_si512(wrows[r] + c * 32);
-            even = _mm512_fmadd_ps(p[r], _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), even);
-            odd = _mm512_fmadd_ps(p[r], _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask)), odd);
+      for (int64_t c = 0; c < hd / 16; ++c) {
+        __m512 s = _mm512_load_ps(a + c * 16);
+        for (int r = 0; r < R; ++r)
+          s = _mm512_fmadd_ps(p[r], load_kv16<kKind>(vrows[j + r] + kv * hd + c * 16), s);
+        _mm512_store_ps(a + c * 16, s);
+      }
+    }
+}
+
+// Rows [j, j + 2 * kPairs) of the values into every head's sums as bf16 dot products: rows
+// 2i and 2i + 1 interleaved word by word (once per kv head, for all its query heads), so one
+// DPBF16PS multiplies 16 dims of both rows by the head's pair of softmax weights (bf16, pb:
+// [nq][n2], n2 even) and adds both: half the multiplies of float32 FMAs on widened rows, and
+// no widening. The interleave works within 128-bit lanes, so a 32-dim slice's sums lie as
+//
+//   acc[0 .. 15]  = dims 0-3, 8-11, 16-19, 24-27     (UNPCKLWD of the two rows)
+//   acc[16 .. 31] = dims 4-7, 12-15, 20-23, 28-31    (UNPCKHWD)
+//
+// and are put back in order once, at the end. Rows past the context (an odd count's last
+// pair) weigh 0. A one-byte cache's rows are first read as bf16 through the byte tables.
+template <int kPairs, int kKind, typename KvT, int kHeadDim>
+inline void add_value_pairs(const uint16_t* pb, int64_t n2, int64_t n, int64_t j,
+                            const KvT* const* vrows, int64_t nkv, int64_t group, int64_t hd,
+                            float* acc, uint16_t* ibuf) {
+  constexpr int R = 2 * kPairs;
+  [[maybe_unused]] alignas(64) uint16_t conv[kBytesAsBf16<kKind, kHeadDim> ? R * kHeadDim : 1];
+  const KvT* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = vrows[j + r < n ? j + r : j];  // weight 0 past n
+  for (int64_t kv = 0; kv < nkv; ++kv) {
+    const uint16_t* wrows[R];
+    if constexpr (kBytesAsBf16<kKind, kHeadDim>) {
+#ifdef INFER_HAVE_BYTE_TABLES
+      byte_rows_to_bf16<kKind, kHeadDim>(rows, kv * hd, R, conv);
+#endif
+      for (int r = 0; r < R; ++r) wrows[r] = conv + r * kHeadDim;
+    } else {
+      for (int r = 0; r < R; ++r) wrows[r] = reinterpret_cast<const uint16_t*>(rows[r]) + kv * hd;
+    }
+    // A pair's words: in registers when head_dim is fixed (64: 4 vectors a pair, 128: 8), else
+    // in ibuf (L1).
+    constexpr int64_t kSlices = kHeadDim > 0 ? kHeadDim / 32 : 1;
+    [[maybe_unused]] __m512i iv[kPairs][kSlices][2];
+    for (int i = 0; i < kPairs; ++i)
+      for (int64_t c = 0; c < hd / 32; ++c) {
+        const __m512i x = _mm512_loadu_si512(wrows[2 * i] + c * 32);
+        const __m512i y = _mm512_loadu_si512(wrows[2 * i + 1] + c * 32);
+        if constexpr (kHeadDim > 0) {
+          iv[i][c][0] = _mm512_unpacklo_epi16(x, y);
+          iv[i][c][1] = _mm512_unpackhi_epi16(x, y);
+        } else {
+          _mm512_store_si512(ibuf + (i * hd + c * 32) * 2, _mm512_unpacklo_epi16(x, y));
+          _mm512_store_si512(ibuf + (i * hd + c * 32) * 2 + 32, _mm512_unpackhi_epi16(x, y));
+        }
+      }
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kv * group + g;
+      __m512bh pp[kPairs];
+      for (int i = 0; i < kPairs; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, pb + h * n2 + j + 2 * i, 4);
+        pp[i] = (__m512bh)_mm512_set1_epi32(pair);
+      }
+      float* a = acc + h * hd;
+      for (int64_t c = 0; c < hd / 32; ++c) {
+        __m512 lo = _mm512_load_ps(a + c * 32), hi = _mm512_load_ps(a + c * 32 + 16);
+        for (int i = 0; i < kPairs; ++i) {
+          __m512i wlo, whi;
+          if constexpr (kHeadDim > 0) {
+            wlo = iv[i][c][0];
+            whi = iv[i][c][1];
+          } else {
+            wlo = _mm512_load_si512(ibuf + (i * hd + c * 32) * 2);
+            whi = _mm512_load_si512(ibuf + (i * hd + c * 32) * 2 + 32);
           }
-          _mm512_store_ps(a + c * 32, even);
-          _mm512_store_ps(a + c * 32 + 16, odd);
+          lo = _mm512_dpbf16_ps(lo, pp[i], (__m512bh)wlo);
+          hi = _mm512_dpbf16_ps(hi, pp[i], (__m512bh)whi);
         }
-      } else {
-        for (int64_t c = 0; c < hd / 16; ++c) {
-          __m512 s = _mm512_load_ps(a + c * 16);
-          for (int r = 0; r < R; ++r)
-            s = _mm512_fmadd_ps(p[r], load_kv16<kKind>(vrows[j + r] + kv * hd + c * 16), s);
-          _mm512_store_ps(a + c * 16, s);
-        }
+        _mm512_store_ps(a + c * 32, lo);
+        _mm512_store_ps(a + c * 32 + 16, hi);
       }
     }
   }
@@ -261,42 +307,62 @@ inline void add_value_rows(const float* scores, int64_t n, int64_t j, const KvT*
 // over its value rows, each read once, front to back, with the sums in L1 (acc, nq x head_dim,
 // 64-byte aligned). Register-sized groups of heads took one pass per group, reading every row
 // twice (half of it each time): 5-7% slower over 16-64 sequences x 100-1100 tokens, same bits.
-// Four rows per visit of a head's sums (add_value_rows) cut their loads and stores fourfold;
-// each sum still takes its rows one FMA at a time, in order, so the bits are those of one row at
-// a time. kHeadDim > 0 fixes head_dim at compile time (the lane loops unroll); 0 reads it from
-// head_dim. With the heads walked as (kv head, group member), no division per row. Measured
-// on Zen 4, 12 layers: two rows per visit, 16 x 96 tokens 1.75 -> 1.66 ms, 64 x 128 11.4 ->
-// 11.0, 16 x 1024 20.5 -> 20.2 (the cache's read bounds those); from L2, 2 x 160, 30 -> 24 us
-// a layer; then four rows and the even/odd widening, 16 x 512 11.7 -> 10.9 ms, 64 x 128 11.1
-// -> 10.7, 16 x 1024 18.3 -> 16.4 and 22.1 -> 22.1 in two runs (2 x 160, 0.34 -> 0.36 ms, is
-// the one case it slows). (For a scaled cache, p already carries each row's scale.)
+// Several rows per visit of a head's sums cut their loads and stores (two rows per visit, 16 x
+// 96 tokens 1.75 -> 1.66 ms, 64 x 128 11.4 -> 11.0 on Zen 4; then four, with a widening per
+// 16 values, 16 x 512 11.7 -> 10.9). A bf16 cache, or a one-byte one read as bf16, goes by row
+// pairs (add_value_pairs): the softmax weights rounded to bf16, as the prefill kernel's are.
+// kHeadDim > 0 fixes head_dim at compile time (the lane loops unroll); 0 reads it from
+// head_dim. (For a scaled cache, p already carries each row's scale.)
 template <int kKind, typename KvT, int kHeadDim>
 void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, int64_t nkv,
                      int64_t group, int64_t head_dim, float* acc, uint16_t* ob) {
   constexpr int kRows = 4;
+  constexpr bool kPaired = kKind == kKvPlain || kBytesAsBf16<kKind, kHeadDim>;
   const int64_t hd = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t nq = nkv * group;
   std::memset(acc, 0, nq * hd * sizeof(float));
   const int64_t row_bytes = nkv * hd * static_cast<int64_t>(sizeof(KvT));
   for (int64_t j = 0; j < kPrefetchRows && j < n; ++j)  // the first, at once
     infer_simd::prefetch_l2(vrows[j], row_bytes);
-  int64_t j = 0;
-  for (; j + kRows <= n; j += kRows) {
-    for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + kRows && r < n; ++r)
-      infer_simd::prefetch_l2(vrows[r], row_bytes);
-    add_value_rows<kRows, kKind, KvT, kHeadDim>(scores, n, j, vrows, nkv, group, hd, acc);
-  }
-  for (; j < n; ++j)
-    add_value_rows<1, kKind, KvT, kHeadDim>(scores, n, j, vrows, nkv, group, hd, acc);
-  if constexpr (kKind == kKvPlain || kBytesAsBf16<kKind, kHeadDim>) {
-    // even and odd dims back into one row of bf16
+  if constexpr (kPaired) {
+    // The weights as bf16, [nq][n2]: rows j, j + 1 (j even) one 32-bit word; 0 past n.
+    const int64_t n2 = (n + 1) / 2 * 2;
+    auto* pb = static_cast<uint16_t*>(infer_simd::thread_scratch<1>((nq * n2 + 4 * hd) * 2 + 64));
+    uint16_t* ibuf = pb + (nq * n2 + 31) / 32 * 32;  // kRows interleaved rows, 64-byte aligned
+    for (int64_t h = 0; h < nq; ++h) {
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+        _mm256_mask_storeu_epi16(pb + h * n2 + j, m,
+                                 infer_simd::to_bf16x16(_mm512_maskz_loadu_ps(m, scores + h * n + j)));
+      }
+      if (n2 > n) pb[h * n2 + n] = 0;
+    }
+    int64_t j = 0;
+    for (; j + kRows <= n2; j += kRows) {
+      for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + kRows && r < n; ++r)
+        infer_simd::prefetch_l2(vrows[r], row_bytes);
+      add_value_pairs<kRows / 2, kKind, KvT, kHeadDim>(pb, n2, n, j, vrows, nkv, group, hd, acc,
+                                                       ibuf);
+    }
+    if (j < n2)
+      add_value_pairs<1, kKind, KvT, kHeadDim>(pb, n2, n, j, vrows, nkv, group, hd, acc, ibuf);
+    // each 32-dim slice's two halves back in dim order (see add_value_pairs), rounded to bf16
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second =
+        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t i = 0; i < nq * hd; i += 32) {
-      using infer_simd::to_bf16x16;
-      const __m512i even = _mm512_cvtepu16_epi32(to_bf16x16(_mm512_load_ps(acc + i)));
-      const __m512i odd = _mm512_cvtepu16_epi32(to_bf16x16(_mm512_load_ps(acc + i + 16)));
-      _mm512_storeu_si512(ob + i, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+      const __m512 lo = _mm512_load_ps(acc + i), hi = _mm512_load_ps(acc + i + 16);
+      infer_simd::store_bf16x16(ob + i, _mm512_permutex2var_ps(lo, first, hi));
+      infer_simd::store_bf16x16(ob + i + 16, _mm512_permutex2var_ps(lo, second, hi));
     }
   } else {
+    int64_t j = 0;
+    for (; j + kRows <= n; j += kRows) {
+      for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + kRows && r < n; ++r)
+        infer_simd::prefetch_l2(vrows[r], row_bytes);
+      add_value_rows<kRows, kKind, KvT>(scores, n, j, vrows, nkv, group, hd, acc);
+    }
+    for (; j < n; ++j) add_value_rows<1, kKind, KvT>(scores, n, j, vrows, nkv, group, hd, acc);
     for (int64_t i = 0; i < nq * hd; i += 16)
       infer_simd::store_bf16x16(ob + i, _mm512_load_ps(acc + i));
   }
@@ -334,7 +400,7 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
     // picks kHeadDim > 0 only where head_dim equals it.
     const int64_t pairs = (kHeadDim > 0 ? kHeadDim : head_dim) / 32;  // 32 bf16 per dpbf16
     const int64_t lanes = (kHeadDim > 0 ? kHeadDim : head_dim) / 16;  // 16 float32 per vector
-    std::vector<float> scores, qf, vacc;
+    std::vector<float> scores, qf, vacc, vsc;
     // 16 key rows of one kv head as bf16 (a one-byte cache read through the tables).
     [[maybe_unused]] alignas(64) uint16_t kconv[kBytesAsBf16<kKind, kHeadDim> ? 16 * kHeadDim : 1];
     std::vector<const KvT*> krows, vrows;
@@ -455,7 +521,15 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
           }
         }
       }
-      // Softmax per query head, in float32 (times each value row's scale, for a scaled cache).
+      // Softmax per query head, in float32 (times each value row's scale, for a scaled cache:
+      // gathered once per kv head for its query heads, a scalar load per row that, repeated
+      // per query head, took ~15% of the kernel with 32 query heads on 8 kv heads).
+      if constexpr (kScaled) {
+        vsc.resize((h1 - h0) * n);
+        for (int64_t kv = 0; kv < h1 - h0; ++kv)
+          for (int64_t j = 0; j < n; ++j)
+            vsc[kv * n + j] = infer_simd::bf16_to_f32(value_scales[slots[j] * num_kv_heads + h0 + kv]);
+      }
       for (int64_t h = 0; h < nq; ++h) {
         float* sg = scores.data() + h * n;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -474,14 +548,12 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
         const float sum = _mm512_reduce_add_ps(vsum);
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         const __m512 vinv = _mm512_set1_ps(inv);
+        [[maybe_unused]] const float* vs = vsc.data() + (h / group) * n;
         for (j = 0; j < n; j += 16) {
           const __mmask16 mask = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
-          _mm512_mask_storeu_ps(sg + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sg + j), vinv));
-        }
-        if constexpr (kScaled) {
-          const int64_t kvh = h0 + h / group;
-          for (j = 0; j < n; ++j)
-            sg[j] *= infer_simd::bf16_to_f32(value_scales[slots[j] * num_kv_heads + kvh]);
+          __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sg + j), vinv);
+          if constexpr (kScaled) w = _mm512_mul_ps(w, _mm512_maskz_loadu_ps(mask, vs + j));
+          _mm512_mask_storeu_ps(sg + j, mask, w);
         }
       }
       // Values: every query head of the item in one pass over its value rows.
