@@ -208,26 +208,6 @@ inline __m512 load_kv16(const KvT* p) {
   else return load_bf16x16(reinterpret_cast<const uint16_t*>(p));
 }
 
-// Rows [j, j + R) of the values into every head's sums (R FMAs per sum, in row order): the
-// float32 path of one-byte caches without the byte tables.
-template <int R, int kKind, typename KvT>
-inline void add_value_rows(const float* scores, int64_t n, int64_t j, const KvT* const* vrows,
-                           int64_t nkv, int64_t group, int64_t hd, float* acc) {
-  for (int64_t kv = 0; kv < nkv; ++kv)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t h = kv * group + g;
-      __m512 p[R];
-      for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(scores[h * n + j + r]);
-      float* a = acc + h * hd;
-      for (int64_t c = 0; c < hd / 16; ++c) {
-        __m512 s = _mm512_load_ps(a + c * 16);
-        for (int r = 0; r < R; ++r)
-          s = _mm512_fmadd_ps(p[r], load_kv16<kKind>(vrows[j + r] + kv * hd + c * 16), s);
-        _mm512_store_ps(a + c * 16, s);
-      }
-    }
-}
-
 // Rows [j, j + 2 * kPairs) of the values into every head's sums as bf16 dot products: rows
 // 2i and 2i + 1 interleaved word by word (once per kv head, for all its query heads), so one
 // DPBF16PS multiplies 16 dims of both rows by the head's pair of softmax weights (bf16, pb:
@@ -238,13 +218,15 @@ inline void add_value_rows(const float* scores, int64_t n, int64_t j, const KvT*
 //   acc[16 .. 31] = dims 4-7, 12-15, 20-23, 28-31    (UNPCKHWD)
 //
 // and are put back in order once, at the end. Rows past the context (an odd count's last
-// pair) weigh 0. A one-byte cache's rows are first read as bf16 through the byte tables.
+// pair) weigh 0. A one-byte cache's rows are first made bf16 (exactly: every int8 and e4m3
+// value is one), through the byte tables or 16 values at a time arithmetically.
 template <int kPairs, int kKind, typename KvT, int kHeadDim>
 inline void add_value_pairs(const uint16_t* pb, int64_t n2, int64_t n, int64_t j,
                             const KvT* const* vrows, int64_t nkv, int64_t group, int64_t hd,
                             float* acc, uint16_t* ibuf) {
   constexpr int R = 2 * kPairs;
-  [[maybe_unused]] alignas(64) uint16_t conv[kBytesAsBf16<kKind, kHeadDim> ? R * kHeadDim : 1];
+  constexpr int64_t kConvDim = kHeadDim > 0 ? kHeadDim : 256;
+  [[maybe_unused]] alignas(64) uint16_t conv[kKind != kKvPlain ? R * kConvDim : 1];
   const KvT* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = vrows[j + r < n ? j + r : j];  // weight 0 past n
   for (int64_t kv = 0; kv < nkv; ++kv) {
@@ -254,6 +236,13 @@ inline void add_value_pairs(const uint16_t* pb, int64_t n2, int64_t n, int64_t j
       byte_rows_to_bf16<kKind, kHeadDim>(rows, kv * hd, R, conv);
 #endif
       for (int r = 0; r < R; ++r) wrows[r] = conv + r * kHeadDim;
+    } else if constexpr (kKind != kKvPlain) {
+      for (int r = 0; r < R; ++r) {
+        for (int64_t c = 0; c < hd / 16; ++c)
+          infer_simd::store_bf16x16(conv + r * kConvDim + c * 16,
+                                    load_kv16<kKind>(rows[r] + kv * hd + c * 16));
+        wrows[r] = conv + r * kConvDim;
+      }
     } else {
       for (int r = 0; r < R; ++r) wrows[r] = reinterpret_cast<const uint16_t*>(rows[r]) + kv * hd;
     }
@@ -309,62 +298,50 @@ inline void add_value_pairs(const uint16_t* pb, int64_t n2, int64_t n, int64_t j
 // twice (half of it each time): 5-7% slower over 16-64 sequences x 100-1100 tokens, same bits.
 // Several rows per visit of a head's sums cut their loads and stores (two rows per visit, 16 x
 // 96 tokens 1.75 -> 1.66 ms, 64 x 128 11.4 -> 11.0 on Zen 4; then four, with a widening per
-// 16 values, 16 x 512 11.7 -> 10.9). A bf16 cache, or a one-byte one read as bf16, goes by row
-// pairs (add_value_pairs): the softmax weights rounded to bf16, as the prefill kernel's are.
+// 16 values, 16 x 512 11.7 -> 10.9); then by row pairs (add_value_pairs), every cache kind read
+// as bf16 and the softmax weights rounded to bf16, as the prefill kernel's are (16 x 1,100
+// tokens: 12 on 12 heads 1.04x, 32 on 8 1.13x, 14 on 2 1.24x; more with a one-byte cache).
 // kHeadDim > 0 fixes head_dim at compile time (the lane loops unroll); 0 reads it from
 // head_dim. (For a scaled cache, p already carries each row's scale.)
 template <int kKind, typename KvT, int kHeadDim>
 void weighted_values(const float* scores, int64_t n, const KvT* const* vrows, int64_t nkv,
                      int64_t group, int64_t head_dim, float* acc, uint16_t* ob) {
   constexpr int kRows = 4;
-  constexpr bool kPaired = kKind == kKvPlain || kBytesAsBf16<kKind, kHeadDim>;
   const int64_t hd = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t nq = nkv * group;
   std::memset(acc, 0, nq * hd * sizeof(float));
   const int64_t row_bytes = nkv * hd * static_cast<int64_t>(sizeof(KvT));
   for (int64_t j = 0; j < kPrefetchRows && j < n; ++j)  // the first, at once
     infer_simd::prefetch_l2(vrows[j], row_bytes);
-  if constexpr (kPaired) {
-    // The weights as bf16, [nq][n2]: rows j, j + 1 (j even) one 32-bit word; 0 past n.
-    const int64_t n2 = (n + 1) / 2 * 2;
-    auto* pb = static_cast<uint16_t*>(infer_simd::thread_scratch<1>((nq * n2 + 4 * hd) * 2 + 64));
-    uint16_t* ibuf = pb + (nq * n2 + 31) / 32 * 32;  // kRows interleaved rows, 64-byte aligned
-    for (int64_t h = 0; h < nq; ++h) {
-      for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 m = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
-        _mm256_mask_storeu_epi16(pb + h * n2 + j, m,
-                                 infer_simd::to_bf16x16(_mm512_maskz_loadu_ps(m, scores + h * n + j)));
-      }
-      if (n2 > n) pb[h * n2 + n] = 0;
+  // The weights as bf16, [nq][n2]: rows j, j + 1 (j even) one 32-bit word; 0 past n.
+  const int64_t n2 = (n + 1) / 2 * 2;
+  auto* pb = static_cast<uint16_t*>(infer_simd::thread_scratch<1>((nq * n2 + 4 * hd) * 2 + 64));
+  uint16_t* ibuf = pb + (nq * n2 + 31) / 32 * 32;  // kRows interleaved rows, 64-byte aligned
+  for (int64_t h = 0; h < nq; ++h) {
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+      _mm256_mask_storeu_epi16(pb + h * n2 + j, m,
+                               infer_simd::to_bf16x16(_mm512_maskz_loadu_ps(m, scores + h * n + j)));
     }
-    int64_t j = 0;
-    for (; j + kRows <= n2; j += kRows) {
-      for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + kRows && r < n; ++r)
-        infer_simd::prefetch_l2(vrows[r], row_bytes);
-      add_value_pairs<kRows / 2, kKind, KvT, kHeadDim>(pb, n2, n, j, vrows, nkv, group, hd, acc,
-                                                       ibuf);
-    }
-    if (j < n2)
-      add_value_pairs<1, kKind, KvT, kHeadDim>(pb, n2, n, j, vrows, nkv, group, hd, acc, ibuf);
-    // each 32-dim slice's two halves back in dim order (see add_value_pairs), rounded to bf16
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second =
-        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t i = 0; i < nq * hd; i += 32) {
-      const __m512 lo = _mm512_load_ps(acc + i), hi = _mm512_load_ps(acc + i + 16);
-      infer_simd::store_bf16x16(ob + i, _mm512_permutex2var_ps(lo, first, hi));
-      infer_simd::store_bf16x16(ob + i + 16, _mm512_permutex2var_ps(lo, second, hi));
-    }
-  } else {
-    int64_t j = 0;
-    for (; j + kRows <= n; j += kRows) {
-      for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + kRows && r < n; ++r)
-        infer_simd::prefetch_l2(vrows[r], row_bytes);
-      add_value_rows<kRows, kKind, KvT>(scores, n, j, vrows, nkv, group, hd, acc);
-    }
-    for (; j < n; ++j) add_value_rows<1, kKind, KvT>(scores, n, j, vrows, nkv, group, hd, acc);
-    for (int64_t i = 0; i < nq * hd; i += 16)
-      infer_simd::store_bf16x16(ob + i, _mm512_load_ps(acc + i));
+    if (n2 > n) pb[h * n2 + n] = 0;
+  }
+  int64_t j = 0;
+  for (; j + kRows <= n2; j += kRows) {
+    for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + kRows && r < n; ++r)
+      infer_simd::prefetch_l2(vrows[r], row_bytes);
+    add_value_pairs<kRows / 2, kKind, KvT, kHeadDim>(pb, n2, n, j, vrows, nkv, group, hd, acc,
+                                                     ibuf);
+  }
+  if (j < n2)
+    add_value_pairs<1, kKind, KvT, kHeadDim>(pb, n2, n, j, vrows, nkv, group, hd, acc, ibuf);
+  // each 32-dim slice's two halves back in dim order (see add_value_pairs), rounded to bf16
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t i = 0; i < nq * hd; i += 32) {
+    const __m512 lo = _mm512_load_ps(acc + i), hi = _mm512_load_ps(acc + i + 16);
+    infer_simd::store_bf16x16(ob + i, _mm512_permutex2var_ps(lo, first, hi));
+    infer_simd::store_bf16x16(ob + i + 16, _mm512_permutex2var_ps(lo, second, hi));
   }
 }
 
