@@ -13,7 +13,7 @@ from typing import Literal
 
 from infer.kv_cache.sizing import check_kv_cache_dtype
 
-QUANTIZATIONS = ("int8", "fp8")
+QUANTIZATIONS = ("int8", "w8a8", "fp8")
 BatchingMode = Literal["continuous", "static"]
 KVBackend = Literal["paged", "contiguous"]
 SchedulingPolicy = Literal["fcfs", "priority"]

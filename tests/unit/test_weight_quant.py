@@ -12,10 +12,12 @@ from infer.runner.kernels import cpu_kernels
 from infer.runner.quant import (
     Fp8Linear,
     Int8Linear,
+    W8A8Linear,
     check_quantization,
     dequantize,
     quantize_fp8,
     quantize_int8,
+    w8a8_available,
 )
 
 
@@ -103,6 +105,59 @@ def test_int8_tiled_kernel_is_exact_in_float32_and_batch_invariant(rows, n):
         torch.set_num_threads(before)
 
 
+def _w8a8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The w8a8 math, exactly: rows of x rounded to int8 at absmax / 127 (nearest even), an
+    integer matmul, then float32 scales and bias."""
+    xf = x.float()
+    absmax = xf.abs().amax(dim=1, keepdim=True)
+    # one float32 division, as the kernel does (torch's 127.0 / t multiplies by 1 / t)
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, torch.zeros_like(absmax))
+    xq = torch.round(xf * inv).long()
+    q, scale = quantize_int8(w)
+    sums = (xq @ q.long().T).float()  # exact integers
+    x_scale = torch.where(
+        absmax > 0, absmax / torch.full_like(absmax, 127.0), torch.zeros_like(absmax)
+    )
+    return torch.addcmul(bias.float(), sums, x_scale * scale)
+
+
+@pytest.mark.skipif(not w8a8_available(torch.device("cpu")), reason="no AVX-512 VNNI kernel")
+@pytest.mark.parametrize("n", [16, 48])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 33, 70])
+def test_w8a8_kernel_is_the_integer_math_and_batch_invariant(rows, n):
+    torch.manual_seed(rows + n)
+    k = 96
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    w[0, 1] = 0.9  # an outlier column
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
+    x[-1, 2] = 30.0  # an outlier row
+    x[0] = 0.0  # a zero row: scale 0, the bias alone
+    layer = W8A8Linear(w, bias)
+    want = _w8a8_reference(x, w, bias)
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            got = layer(x.float())  # float32 in: float32 out, no rounding to bf16
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            assert torch.equal(got[0], bias.float())
+            got16 = layer(x)
+            assert got16.dtype == torch.bfloat16 and torch.equal(got16, want.bfloat16())
+            for r in {0, rows // 2, rows - 1}:
+                assert torch.equal(layer(x[r : r + 1])[0], got16[r])
+            for threads in (1, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(layer(x), got16), threads
+    finally:
+        torch.set_num_threads(before)
+    assert layer.weight_bytes == n * k + n * 8
+    # against the float product, rows without an outlier: activation rounding costs ~1% of the
+    # output's scale (the outlier row's step is 30 / 127: that is what w8a8 trades)
+    if rows > 1:
+        exact = x[:-1].float() @ w.float().T + bias.float()
+        assert (want[:-1] - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
 def test_fp8_linear_reference_math():
     w = _weight(2, n=32, k=64)
     layer = Fp8Linear(w, None)
@@ -113,8 +168,11 @@ def test_fp8_linear_reference_math():
 
 
 def test_quantization_start_up_errors_name_the_option_and_choices():
-    with pytest.raises(ValueError, match=r"--quantization 'int4'.*int8, fp8"):
+    with pytest.raises(ValueError, match=r"--quantization 'int4'.*int8, w8a8, fp8"):
         EngineConfig.from_kwargs(quantization="int4")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"--quantization w8a8 needs a CPU with AVX-512 VNNI"):
+            check_quantization("w8a8", torch.device("cuda"))
     with pytest.raises(ValueError, match=r"--quantization fp8 needs a CUDA GPU.*int8"):
         check_quantization("fp8", torch.device("cpu"))
     check_quantization("int8", torch.device("cpu"))

@@ -36,6 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         help="quantize the weights at load: int8 (per-output-channel scales, CPU and CUDA) | "
+        "w8a8 (int8 weights and per-row int8 activations, CPUs with AVX-512 VNNI) | "
         "fp8 (e4m3, CUDA with fp8 matmuls)",
     )
 

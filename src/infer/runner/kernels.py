@@ -137,6 +137,11 @@ class CpuKernels:
         # int8 weights: AMX, or AVX-512 BF16 with VBMI's byte tables
         self.linear_int8 = bool(bind("infer_packed_linear_int8")())
         self._pack = bind("infer_tile_pack_weight", ptr, ptr, i64, i64)
+        self.has_w8a8 = bool(bind("infer_w8a8_supported")())
+        self._w8a8_pack = bind("infer_w8a8_pack", ptr, ptr, ptr, i64, i64)
+        self._w8a8_linear = bind(
+            "infer_w8a8_linear", ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32
+        )
         self._pack_int8 = bind("infer_tile_pack_int8", ptr, ptr, i64, i64)
         self._linear = bind(
             "infer_tiled_linear", ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i32, i32
@@ -364,6 +369,37 @@ class CpuKernels:
             k,
             out_features,
         )
+        return out
+
+    def w8a8_pack(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, K]`` int8 weight -> (the layout :meth:`w8a8_linear` streams, int32 column sums)."""
+        q = q.detach().contiguous()
+        packed = hugepages.empty(q.numel(), dtype=torch.int8)
+        colsum = torch.empty(q.shape[0], dtype=torch.int32)
+        rc = self._w8a8_pack(q.data_ptr(), packed.data_ptr(), colsum.data_ptr(), *q.shape)
+        if rc != 0:
+            raise ValueError(f"cannot pack a {tuple(q.shape)} weight for w8a8 (code {rc})")
+        return packed, colsum
+
+    def w8a8_linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        colsum: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_features: int,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        """``x`` ``[M, K]`` contiguous bf16, each row quantized to int8 (absmax / 127), times the
+        packed int8 weight; ``* row scale * scales + bias`` (float32 ``[N]``). bf16 or float32."""
+        m, k = x.shape
+        out = torch.empty(m, out_features, dtype=out_dtype)
+        rc = self._w8a8_linear(x.data_ptr(), packed.data_ptr(), colsum.data_ptr(),
+                               scales.data_ptr(), _ptr(bias), out.data_ptr(), m, k, out_features,
+                               int(out_dtype == torch.float32), torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"w8a8 linear kernel rejected its inputs (code {rc})")
         return out
 
     @staticmethod

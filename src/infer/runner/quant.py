@@ -9,6 +9,11 @@ pre-quantized checkpoint is needed.
   dtype. On CPUs with AMX, or AVX-512 BF16 with VBMI (AMD Zen 4/5), the C++ kernel reads the
   int8 tiles and widens them to bf16 in cache or registers, so decode streams half the bytes of
   bf16; elsewhere torch's ``_weight_int8pack_mm`` (bf16) or a dequantize-then-matmul reference.
+- ``w8a8``: the same int8 weights, and each activation row quantized to int8 when the layer
+  runs (symmetric, absmax / 127): the C++ kernel multiplies bytes by bytes with AVX-512 VNNI
+  (VPDPBUSD, 64 multiply-adds an instruction, twice bf16's), so it helps where the multiplies
+  bind (batches of sequences, prefill), not only where the weights' bytes do. CPUs with
+  AVX-512 VNNI only; anything else is refused at start-up.
 - ``fp8``: e4m3 weights with a float32 scale per output channel, and each activation row
   quantized to e4m3 on the fly, multiplied by ``torch._scaled_mm`` (a CUDA GPU with fp8 matmuls,
   compute capability 8.9 or newer; anything else is refused at start-up).
@@ -59,6 +64,14 @@ def fp8_matmul_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def w8a8_available(device: torch.device) -> bool:
+    """int8 x int8 linears: the CPU kernel, built with AVX-512 VNNI."""
+    if device.type != "cpu":
+        return False
+    kernels = tiled_linear_kernels()
+    return kernels is not None and kernels.has_w8a8
+
+
 def check_quantization(method: str | None, device: torch.device) -> None:
     """A clear start-up error for an unknown method or fp8 on a device without fp8 matmuls."""
     if method is None:
@@ -66,6 +79,11 @@ def check_quantization(method: str | None, device: torch.device) -> None:
     if method not in QUANTIZATIONS:
         raise ValueError(
             f"--quantization {method!r} is not supported (choices: {', '.join(QUANTIZATIONS)})"
+        )
+    if method == "w8a8" and not w8a8_available(device):
+        raise ValueError(
+            f"--quantization w8a8 needs a CPU with AVX-512 VNNI and the C++ kernels (a g++); "
+            f"this engine runs on {device}: use --quantization int8"
         )
     if method == "fp8" and not fp8_matmul_available(device):
         raise ValueError(
@@ -135,6 +153,40 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class W8A8Linear(nn.Module):
+    """``y = (xq @ q^T) * x_scale * scale + b``: int8 weights (a scale per output channel) and
+    each row of x quantized to int8 (a scale per row) as the layer runs, through the VNNI kernel.
+    Output in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        kernels = tiled_linear_kernels()
+        assert kernels is not None and kernels.has_w8a8, "check_quantization refuses this"
+        self._kernels = kernels
+        q, scale = quantize_int8(weight)
+        packed, colsum = kernels.w8a8_pack(q)
+        self.register_buffer("packed", packed, False)
+        self.register_buffer("colsum", colsum, False)
+        self.register_buffer("scale", scale.contiguous(), False)
+        fbias = None if bias is None else bias.detach().float().contiguous()
+        self.register_buffer("fbias", fbias, False)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() + self.scale.numel() * 4 + self.colsum.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        y = self._kernels.w8a8_linear(
+            flat.to(torch.bfloat16).contiguous(), self.packed, self.colsum, self.scale,
+            self.fbias, self.out_features, torch.float32 if x.dtype == torch.float32 else torch.bfloat16,
+        )  # fmt: skip
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
 class Fp8Linear(nn.Module):
     """``y = x @ (q * scale)^T + b`` with e4m3 weights and per-row e4m3 activations, through
     ``torch._scaled_mm`` (CUDA, compute capability 8.9+)."""
@@ -177,7 +229,7 @@ class Fp8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-QUANTIZED_LINEARS = {"int8": Int8Linear, "fp8": Fp8Linear}
+QUANTIZED_LINEARS = {"int8": Int8Linear, "w8a8": W8A8Linear, "fp8": Fp8Linear}
 
 
 @torch.inference_mode()
