@@ -10,7 +10,7 @@ import torch
 from infer import SamplingParams
 from infer.model import load_model, load_tokenizer
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-from infer.runner.quant import quantize_linears
+from infer.runner.quant import quantize_linears, w8a8_available
 
 from .conftest import PROMPTS
 
@@ -39,7 +39,8 @@ def _teacher_forced_logits(path, dtype, device, quantization=None, kv_dtype="aut
 # (quantization, kv cache dtype) -> (least top-1 agreement, largest logit error / logit range).
 # Measured on these random-weight checkpoints (whose next-token distributions are flat, so
 # top-1 flips easily): int8 weights 0.92-0.98 / 0.017-0.055, int8 KV 0.92-1.00 / 0.011-0.029,
-# fp8 KV (3 mantissa bits) 0.77-0.93 / 0.045-0.134, both int8 0.91-0.98 / 0.020-0.072. A wrong
+# fp8 KV (3 mantissa bits) 0.77-0.93 / 0.045-0.134, both int8 0.91-0.98 / 0.020-0.072, w8a8
+# (int8 activations too) 0.865-0.969 / 0.026-0.093. A wrong
 # scale or layout lands near chance. The trained `small` model's held-out perplexity is the
 # quality measure (`infer bench quant`).
 BOUNDS = {
@@ -47,12 +48,15 @@ BOUNDS = {
     (None, "int8"): (0.88, 0.05),
     (None, "fp8"): (0.70, 0.20),
     ("int8", "int8"): (0.88, 0.10),
+    ("w8a8", "auto"): (0.80, 0.15),
 }
 
 
 @pytest.mark.parametrize("kind", ARCHS)
 @pytest.mark.parametrize("quant", list(BOUNDS))
 def test_quantized_logits_stay_close_to_the_model(kind, quant, tiny_checkpoints, engine_device):
+    if quant[0] == "w8a8" and not w8a8_available(torch.device(engine_device)):
+        pytest.skip("w8a8 needs a CPU with AVX-512 VNNI")
     path = tiny_checkpoints[kind]
     want = _teacher_forced_logits(path, torch.float32, engine_device)
     got = _teacher_forced_logits(
@@ -106,12 +110,15 @@ def test_quantized_kv_greedy_tokens_do_not_depend_on_batching(
         assert counters.preemptions_swap > 0
 
 
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
 @pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3"])
-def test_bf16_with_int8_weights_and_kv_serves_every_prompt(kind, make_llm):
-    llm = make_llm(kind, dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")
+def test_bf16_with_int8_weights_and_kv_serves_every_prompt(kind, weights, make_llm, engine_device):
+    if weights == "w8a8" and not w8a8_available(torch.device(engine_device)):
+        pytest.skip("w8a8 needs a CPU with AVX-512 VNNI")
+    llm = make_llm(kind, dtype="bfloat16", quantization=weights, kv_cache_dtype="int8")
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
-    alone = make_llm(kind, dtype="bfloat16", quantization="int8", kv_cache_dtype="int8",
+    alone = make_llm(kind, dtype="bfloat16", quantization=weights, kv_cache_dtype="int8",
                      max_num_seqs=1).generate(PROMPTS, GREEDY)  # fmt: skip
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
 

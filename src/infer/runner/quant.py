@@ -163,8 +163,17 @@ class W8A8Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         kernels = tiled_linear_kernels()
         assert kernels is not None and kernels.has_w8a8, "check_quantization refuses this"
+        assert self.in_features % 16 == 0, "make_w8a8_linear keeps such layers"
         self._kernels = kernels
         q, scale = quantize_int8(weight)
+        # The kernel takes 16 outputs at a time: a vocabulary of 32,001 gets 15 zero rows,
+        # whose outputs are cut off.
+        self.padded = -self.out_features % 16
+        if self.padded:
+            q = torch.cat([q, q.new_zeros(self.padded, self.in_features)])
+            scale = torch.cat([scale, scale.new_ones(self.padded)])
+            if bias is not None:
+                bias = torch.cat([bias, bias.new_zeros(self.padded)])
         packed, colsum = kernels.w8a8_pack(q)
         self.register_buffer("packed", packed, False)
         self.register_buffer("colsum", colsum, False)
@@ -180,11 +189,24 @@ class W8A8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
+        out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
         y = self._kernels.w8a8_linear(
             flat.to(torch.bfloat16).contiguous(), self.packed, self.colsum, self.scale,
-            self.fbias, self.out_features, torch.float32 if x.dtype == torch.float32 else torch.bfloat16,
+            self.fbias, self.out_features + self.padded, out_dtype,
         )  # fmt: skip
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if self.padded:
+            y = y[:, : self.out_features]
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def make_w8a8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> W8A8Linear | None:
+    """A ``W8A8Linear``, or None (the layer stays as it is) for an input width the kernel does
+    not take (not a multiple of 16)."""
+    if weight.shape[1] % 16:
+        logger.warning("w8a8: a %s weight stays unquantized (in features %% 16 != 0)",
+                       tuple(weight.shape))  # fmt: skip
+        return None
+    return W8A8Linear(weight, bias)
 
 
 class Fp8Linear(nn.Module):
@@ -229,7 +251,7 @@ class Fp8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-QUANTIZED_LINEARS = {"int8": Int8Linear, "w8a8": W8A8Linear, "fp8": Fp8Linear}
+QUANTIZED_LINEARS = {"int8": Int8Linear, "w8a8": make_w8a8_linear, "fp8": Fp8Linear}
 
 
 @torch.inference_mode()
