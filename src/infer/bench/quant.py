@@ -41,7 +41,15 @@ ACCURACY_CASES = [  # (label, weights, kv cache dtype)
     ("int8 KV", None, "int8"),
     ("int8 weights + int8 KV", "int8", "int8"),
     ("fp8 KV", None, "fp8"),
+    ("w8a8", "w8a8", "auto"),  # where the CPU has AVX-512 VNNI
 ]
+
+
+def _weight_methods() -> list[str | None]:
+    """bf16, int8 and, where the CPU takes it, w8a8."""
+    from infer.runner.quant import w8a8_available
+
+    return [None, "int8"] + (["w8a8"] if w8a8_available(torch.device("cpu")) else [])
 
 
 def _engine(model: Path, quantization: str | None = None, **options) -> LLMEngine:
@@ -70,7 +78,7 @@ def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -
 
 def speed(model: Path, runs: int) -> dict:
     out = {}
-    for quant in (None, "int8"):
+    for quant in _weight_methods():
         engine = _engine(model, quant, max_num_seqs=64, max_model_len=1024)
         run_load(engine, 4, 4, 64, 8, seed=99)  # warm-up
         b1 = [decode_step_ms(engine, 1, 64, 64) for _ in range(runs)]
@@ -130,6 +138,8 @@ def accuracy() -> dict:
     windows = held_out_windows(model_dir)
     rows = {}
     for label, quant, kv in ACCURACY_CASES:
+        if quant not in _weight_methods():
+            continue
         rows[label] = {"weights": quant or "bf16", "kv": kv, "perplexity": perplexity(
             model_dir, windows, quant, kv)}  # fmt: skip
         print(f"small {label}: perplexity {rows[label]['perplexity']:.3f}", flush=True)
@@ -188,7 +198,7 @@ def render(r: dict) -> str:
         f"{r['machine']['torch']}. Model for speed and capacity: `{r['model']}` (bf16). Medians "
         f"of {r['runs']} runs.",
         "",
-        "## Decode speed: bf16 vs int8 weights",
+        "## Decode speed: bf16 vs int8 weights (and w8a8: int8 activations too)",
         "",
         "| weights | weights MiB | batch-1 decode step ms | tok/s C=16 | tok/s C=64 |",
         "|---|---:|---:|---:|---:|",
@@ -203,6 +213,14 @@ def render(r: dict) -> str:
         f"int8 / bf16: batch-1 decode {b['decode_b1_ms'] / q['decode_b1_ms']:.2f}x faster "
         f"(target >= 1.6x); C=16 {q['tok_s_c16'] / b['tok_s_c16']:.2f}x, "
         f"C=64 {q['tok_s_c64'] / b['tok_s_c64']:.2f}x.",
+        *(
+            [
+                f"w8a8 / bf16: batch-1 decode {b['decode_b1_ms'] / w['decode_b1_ms']:.2f}x faster; "
+                f"C=16 {w['tok_s_c16'] / b['tok_s_c16']:.2f}x, C=64 {w['tok_s_c64'] / b['tok_s_c64']:.2f}x."
+            ]
+            if (w := sp.get("w8a8"))
+            else []
+        ),  # fmt: skip
         "",
         f"## Held-out perplexity of `small` (bf16; {acc['windows']} windows of "
         f"{acc['tokens_per_window']} tokens)",
