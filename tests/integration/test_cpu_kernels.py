@@ -67,14 +67,19 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(kind, make_llm):
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
-@pytest.mark.parametrize("quant", [{}, {"quantization": "int8", "kv_cache_dtype": "int8"}])
+@pytest.mark.parametrize(
+    "quant",
+    [{}, {"quantization": "int8", "kv_cache_dtype": "int8"}, {"quantization": "w8a8"}],
+)
 def test_fast_decode_path_gives_the_module_paths_bits(kind, quant, make_llm, monkeypatch):
     """All-decode steps skip the module code (runner/decode_fast.py): same kernels, same order,
     so the same tokens and the same logprobs, bit for bit."""
-    fast_llm = make_llm(kind, dtype="bfloat16", **quant)
     kernels = cpu_kernels()
     if kernels.linear_kind < 1 or (quant and not kernels.linear_int8):
         pytest.skip("the fast decode path needs tiled linear layers (int8 weights: AMX or VBMI)")
+    if quant.get("quantization") == "w8a8" and not kernels.has_w8a8:
+        pytest.skip("w8a8 needs AVX-512 VNNI")
+    fast_llm = make_llm(kind, dtype="bfloat16", **quant)
     assert fast_llm.engine.runner.fast_decoder is not None
     fast = _tokens_and_logprobs(fast_llm, PROMPTS)
     monkeypatch.setenv("INFER_FAST_DECODE", "0")

@@ -8,7 +8,7 @@ order as the module code, straight from precomputed arguments into buffers alloc
     x = embed(ids)                                   (the residual stream, in place)
     for each layer:
         x, normed = x + pending, attn_norm(...)      add_rms_norm
-        qkv = qkv_proj(normed)                       tiled linear (bf16 or int8 weights)
+        qkv = qkv_proj(normed)                       tiled linear (bf16, int8 or w8a8 weights)
         rope(q, k) in place; k, v -> cache          rope_write_kv
         attn = decode_attention(q, cache)            (q read in place from qkv; in a step with
                                                       prefill chunks: AttentionContext.attend)
@@ -44,17 +44,21 @@ from infer.runner.kernels import (
 )
 from infer.runner.kv_quant import KIND_CODES
 from infer.runner.prepack import TiledLinear
-from infer.runner.quant import Int8Linear
+from infer.runner.quant import Int8Linear, W8A8Linear
 
 logger = logging.getLogger("infer.runner")
 
 
 def _linear_args(module: torch.nn.Module) -> tuple | None:
-    """(packed weight ptr, bytes per weight, column scales ptr, bias ptr, N, K), or None."""
+    """(packed weight ptr, bytes per weight, column scales ptr, bias ptr, N, K, column sums ptr
+    (w8a8 only)), or None."""
+    colsum = None
     if isinstance(module, TiledLinear):
         weight, scales, bias = module.packed_weight, None, module.bias
     elif isinstance(module, Int8Linear) and module.mode == "tiled":
         weight, scales, bias = module.q, module.scale, module.fbias
+    elif isinstance(module, W8A8Linear) and not module.padded:
+        weight, scales, bias, colsum = module.packed, module.scale, module.fbias, module.colsum
     else:
         return None
     return (
@@ -64,6 +68,7 @@ def _linear_args(module: torch.nn.Module) -> tuple | None:
         None if bias is None else bias.data_ptr(),
         module.out_features,
         module.in_features,
+        None if colsum is None else colsum.data_ptr(),
     )
 
 
@@ -173,8 +178,8 @@ class FastDecoder:
         )
 
     def _linear(self, x: int, args: tuple, y: int, rows: int) -> None:
-        w, wbytes, scales, bias, n, k = args
-        self.k.linear_into(x, w, wbytes, scales, bias, y, rows, k, n)
+        w, wbytes, scales, bias, n, k, colsum = args
+        self.k.linear_into(x, w, wbytes, scales, bias, y, rows, k, n, colsum)
 
     @torch.inference_mode()
     def forward(

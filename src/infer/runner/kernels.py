@@ -91,7 +91,8 @@ class LinearArgs(ctypes.Structure):
 
     _fields_ = [("weight", ctypes.c_void_p), ("weight_bytes", ctypes.c_int64),
                 ("col_scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]  # fmt: skip
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("colsum", ctypes.c_void_p)]  # fmt: skip
 
 
 class DecodeLayer(ctypes.Structure):
@@ -188,9 +189,14 @@ class CpuKernels:
             raise ValueError(f"act_mul kernel rejected activation code {act}")
 
     def linear_into(self, x: int, weight: int, weight_bytes: int, scales: int | None,
-                    bias: int | None, y: int, m: int, k: int, n: int) -> None:  # fmt: skip
-        rc = self._linear(x, weight, weight_bytes, scales, bias, y, m, k, n, 0,
-                          torch.get_num_threads())  # fmt: skip
+                    bias: int | None, y: int, m: int, k: int, n: int,
+                    colsum: int | None = None) -> None:  # fmt: skip
+        """The tiled linear kernel on raw pointers; with ``colsum``, the w8a8 one."""
+        threads = torch.get_num_threads()
+        if colsum is not None:
+            rc = self._w8a8_linear(x, weight, colsum, scales, bias, y, m, k, n, 0, threads)
+        else:
+            rc = self._linear(x, weight, weight_bytes, scales, bias, y, m, k, n, 0, threads)
         if rc != 0:
             raise ValueError(f"tiled linear kernel rejected its inputs (code {rc})")
 

@@ -14,13 +14,15 @@
 
 extern "C" {
 
-// One linear layer's packed weight (infer_tiled_linear's arguments).
+// One linear layer's packed weight (infer_tiled_linear's arguments; with colsum,
+// infer_w8a8_linear's).
 struct InferLinear {
   const void* weight;
   int64_t weight_bytes;
   const float* col_scale;  // int8 weights only
   const float* bias;
   int64_t n, k;
+  const int32_t* colsum;  // w8a8 weights only
 };
 
 struct InferDecodeLayer {
@@ -51,6 +53,9 @@ int infer_decode_layers(const InferDecodeLayer* layers, int64_t num_layers,
                         const uint16_t* sin, const int64_t* slots, const int32_t* block_tables,
                         const int32_t* context_lens, int64_t max_blocks, int num_threads) {
   auto linear = [&](const InferLinear& w, const uint16_t* in, uint16_t* out) {
+    if (w.colsum)
+      return infer_w8a8_linear(in, static_cast<const int8_t*>(w.weight), w.colsum, w.col_scale,
+                               w.bias, out, rows, w.k, w.n, 0, num_threads);
     return infer_tiled_linear(in, w.weight, static_cast<int>(w.weight_bytes), w.col_scale,
                               w.bias, out, rows, w.k, w.n, 0, num_threads);
   };

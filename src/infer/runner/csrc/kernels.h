@@ -33,6 +33,9 @@ int infer_act_mul(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t 
                   int num_threads);
 int infer_fma_linear(const uint16_t* x, const uint16_t* packed, const float* bias, void* y,
                      int64_t M, int64_t K, int64_t N, int out_f32, int num_threads);
+int infer_w8a8_linear(const uint16_t* x, const int8_t* packed, const int32_t* colsum,
+                      const float* w_scale, const float* bias, void* y, int64_t M, int64_t K,
+                      int64_t N, int out_f32, int num_threads);
 int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
                        const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
                        int64_t N, int out_f32, int num_threads);

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <omp.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
