@@ -70,6 +70,21 @@ def test_int8_linear_matches_the_dequantized_weight(dtype, rows):
         assert layer(x[:0]).shape == (0, 64)
 
 
+def _assert_batch_and_thread_invariant(layer: torch.nn.Module, x: torch.Tensor, got: torch.Tensor):
+    """A row alone gives its bits in the batch; 1 and 3 threads give the batch's bits."""
+    rows = x.shape[0]
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for r in {0, rows // 2, rows - 1}:
+                assert torch.equal(layer(x[r : r + 1])[0], got[r])
+            for threads in (1, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(layer(x), got), threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def _int8_tiled() -> bool:
     return cpu_kernels() is not None and cpu_kernels().linear_int8
 
@@ -91,18 +106,10 @@ def test_int8_tiled_kernel_is_exact_in_float32_and_batch_invariant(rows, n):
     assert layer.mode == "tiled"
     q, scale = quantize_int8(w)
     want = ((x.float() @ q.float().T) * scale + bias.float()).bfloat16()
-    before = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            got = layer(x)
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=2**-7)
-            for r in {0, rows // 2, rows - 1}:
-                assert torch.equal(layer(x[r : r + 1])[0], got[r])
-            for threads in (1, 3):
-                torch.set_num_threads(threads)
-                assert torch.equal(layer(x), got), threads
-    finally:
-        torch.set_num_threads(before)
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=2**-7)
+    _assert_batch_and_thread_invariant(layer, x, got)
 
 
 def _w8a8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -135,21 +142,13 @@ def test_w8a8_kernel_is_the_integer_math_and_batch_invariant(rows, n):
     x[0] = 0.0  # a zero row: scale 0, the bias alone
     layer = W8A8Linear(w, bias)
     want = _w8a8_reference(x, w, bias)
-    before = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            got = layer(x.float())  # float32 in: float32 out, no rounding to bf16
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-            assert torch.equal(got[0], bias.float())
-            got16 = layer(x)
-            assert got16.dtype == torch.bfloat16 and torch.equal(got16, want.bfloat16())
-            for r in {0, rows // 2, rows - 1}:
-                assert torch.equal(layer(x[r : r + 1])[0], got16[r])
-            for threads in (1, 3):
-                torch.set_num_threads(threads)
-                assert torch.equal(layer(x), got16), threads
-    finally:
-        torch.set_num_threads(before)
+    with torch.inference_mode():
+        got = layer(x.float())  # float32 in: float32 out, no rounding to bf16
+        got16 = layer(x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(got[0], bias.float())
+    assert got16.dtype == torch.bfloat16 and torch.equal(got16, want.bfloat16())
+    _assert_batch_and_thread_invariant(layer, x, got16)
     assert layer.weight_bytes == n * k + n * 8
     # against the float product, rows without an outlier: activation rounding costs ~1% of the
     # output's scale (the outlier row's step is 30 / 127: that is what w8a8 trades)
