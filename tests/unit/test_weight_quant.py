@@ -110,6 +110,14 @@ def test_int8_tiled_kernel_is_exact_in_float32_and_batch_invariant(rows, n):
         got = layer(x)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=2**-7)
     _assert_batch_and_thread_invariant(layer, x, got)
+    # The float32 sums, before rounding to bf16: the same bits for a row alone (the few-rows
+    # path) as in the batch (tall passes, prefill panels): one summation order on every path.
+    sums = cpu_kernels().tiled_linear(x, layer.q, None, n, layer.scale, torch.float32)
+    for r in {0, rows // 2, rows - 1}:
+        alone = cpu_kernels().tiled_linear(x[r : r + 1], layer.q, None, n, layer.scale,
+                                           torch.float32)  # fmt: skip
+        assert torch.equal(alone[0], sums[r])
+    torch.testing.assert_close(sums, (x.float() @ q.float().T) * scale, atol=1e-6, rtol=1e-5)
 
 
 def _w8a8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -155,6 +163,37 @@ def test_w8a8_kernel_is_the_integer_math_and_batch_invariant(rows, n):
     if rows > 1:
         exact = x[:-1].float() @ w.float().T + bias.float()
         assert (want[:-1] - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
+@pytest.mark.skipif(not w8a8_available(torch.device("cpu")), reason="no AVX-512 VNNI kernel")
+def test_w8a8_rows_with_nan_or_inf_come_out_nan_and_leave_the_others_alone():
+    """A NaN from an earlier layer must not turn into plausible numbers (the maximum of a row
+    with a NaN would skip it, and NaN converts to a byte like any other)."""
+    w = (torch.randn(16, 64) * 0.05).bfloat16()
+    x = torch.randn(4, 64).bfloat16()
+    layer = W8A8Linear(w, None)
+    with torch.inference_mode():
+        clean = layer(x)
+        x[1, 5], x[2, 7] = float("nan"), float("inf")
+        x[3] = 1e-38  # 127 / absmax is not finite: a zero row
+        got = layer(x)
+    assert torch.isnan(got[1]).all() and torch.isnan(got[2]).all()
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+@pytest.mark.skipif(not _int8_tiled(), reason="no int8 tiled kernel here (AMX or AVX-512 VBMI)")
+def test_int8_tile_pack_takes_minus_128_or_refuses_it():
+    """quantize_int8 never makes -128, but the packer must not read it back as another value."""
+    q = torch.full((16, 32), -128, dtype=torch.int8)
+    kernels = cpu_kernels()
+    try:
+        packed = kernels.tile_pack(q)
+    except ValueError as e:  # the AVX-512 BF16 kernel's sign-and-magnitude bytes: refused
+        assert "cannot pack" in str(e)
+        return
+    x = torch.ones(1, 32).bfloat16()  # AMX reads the bytes as they are
+    y = kernels.tiled_linear(x, packed, None, 16, torch.ones(16), torch.float32)
+    assert torch.equal(y, torch.full((1, 16), -4096.0))
 
 
 def test_fp8_linear_reference_math():

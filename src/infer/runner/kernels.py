@@ -358,23 +358,19 @@ class CpuKernels:
         bias: torch.Tensor | None,
         out_features: int,
         scales: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
         """``(x @ W^T) * scales + bias`` for ``x`` ``[M, K]`` contiguous bf16 and ``packed``
         from :meth:`tile_pack` (bf16; or int8 with float32 ``scales`` ``[N]``, one per output
-        channel); ``bias`` float32 ``[N]`` or None. Returns ``[M, N]`` bf16."""
+        channel); ``bias`` float32 ``[N]`` or None. Returns ``[M, N]`` bf16 (or float32, the
+        sums unrounded)."""
         m, k = x.shape
-        out = torch.empty(m, out_features, dtype=torch.bfloat16)
-        self.linear_into(
-            x.data_ptr(),
-            packed.data_ptr(),
-            packed.element_size(),
-            _ptr(scales),
-            _ptr(bias),
-            out.data_ptr(),
-            m,
-            k,
-            out_features,
-        )
+        out = torch.empty(m, out_features, dtype=out_dtype)
+        rc = self._linear(x.data_ptr(), packed.data_ptr(), packed.element_size(), _ptr(scales),
+                          _ptr(bias), out.data_ptr(), m, k, out_features,
+                          int(out_dtype == torch.float32), torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"tiled linear kernel rejected its inputs (code {rc})")
         return out
 
     def w8a8_pack(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

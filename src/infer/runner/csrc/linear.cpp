@@ -380,11 +380,12 @@ inline void dp_tall_block(const int32_t* xp, int64_t xp_stride, const uint16_t* 
 // lookups (simd.h: exact, every integer up to 127 is a bf16), then the bf16 kernels' multiplies
 // in the bf16 kernels' order, so a row's bits are the same on every path and in every batch:
 //
-//   int8 tile rows r, r + 1 (64 bytes) --bytes64_to_bf16--> w0 = row r, w1 = row r + 1
+//   int8 tile rows r, r + 1 (64 bytes) --packed_int8x64_to_bf16--> w0 = row r, w1 = row r + 1
 //   acc += x pair (k, k+1) . w0;  acc += x pair (k+2, k+3) . w1;  y = acc * col_scale + bias
 //
-// Decode streams half the bytes of bf16; the lookups cost ~8 instructions per 64 weights next
-// to 2 x rows multiplies. Prefill widens a panel once into L2 and runs the bf16 blocks on it.
+// Decode streams half the bytes of bf16; the lookups cost 5 instructions per 64 weights next
+// to 2 x rows multiplies. Prefill's first 4 rows of a panel widen its weights while
+// multiplying and store them (L2) for the bf16 blocks of the other rows.
 constexpr int64_t kTallAheadBytes8 = kTallAheadBytes / 2;
 
 template <int MR, bool kOutF32>
@@ -665,7 +666,7 @@ int pack_tiles(const T* weight, T* packed, int64_t N, int64_t K) {
 extern "C" {
 
 // Which kernel infer_tiled_linear runs here: 2 AMX, 1 AVX-512 BF16, 3 AVX2 FMA on widened
-// weights (linear_avx2.cpp; 1 and 3: bf16 weights only), 0 none.
+// weights (linear_avx2.cpp; bf16 weights only), 0 none. int8 weights: infer_packed_linear_int8.
 int infer_packed_linear_kind() {
 #ifdef INFER_HAVE_AMX
   if (amx_permitted()) return 2;
@@ -699,6 +700,8 @@ int infer_tile_pack_int8(const int8_t* weight, int8_t* packed, int64_t N, int64_
   const int rc = pack_tiles(weight, packed, N, K);
 #ifdef INFER_HAVE_INT8_DP
   if (rc == 0 && infer_packed_linear_kind() == 1) {
+    for (int64_t i = 0; i < N * K; ++i)  // sign and magnitude hold -127 .. 127 only
+      if (weight[i] == -128) return 3;
 #pragma omp parallel for
     for (int64_t i = 0; i < N * K; i += 64) {
       int8_t group[64];

@@ -15,7 +15,8 @@
 //   acc[r]   : 16 int32 sums (one per output) = sum_k (xq + 128) * Wq
 //   y[r]     = float(acc[r] - 128 * colsum) * (x_scale[r] * w_scale) + bias
 //
-// The integer sums are exact (|sum| <= K * 255 * 127 < 2^31 for K < 66,000), so a row's result
+// The integer sums are exact (|sum| <= K * 255 * 127 < 2^31 for K < 66,000; the wrapping
+// arithmetic stays exact after the offset comes off up to twice that), so a row's result
 // depends on nothing but its own values: the same bits in any batch, any pass, any thread count.
 
 #include <cmath>
@@ -37,12 +38,19 @@ constexpr int64_t kPassRows = 16;
 constexpr int64_t kAheadBytes = 4096;  // weight prefetch distance into L2, as the bf16 kernel's
 
 // Row m of x (bf16, K values) -> its scale and its bytes xq + 128 into the pass-interleaved xp.
+// A row with a NaN or an infinity gets a NaN scale (its outputs NaN, as a float matmul's would
+// be non-finite); a row too small for 127 / absmax to be finite is a zero row.
 inline float quantize_row(const uint16_t* x, int64_t K, int32_t* xp, int64_t pass_rows) {
   __m512 vmax = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16)
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(infer_simd::load_bf16x16(x + k)));
+  __mmask16 unordered = 0;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = infer_simd::load_bf16x16(x + k);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+  }
   const float absmax = _mm512_reduce_max_ps(vmax);
-  const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
+  const bool finite = !unordered && std::isfinite(absmax);
+  const float inv = finite && absmax > 0.f && std::isfinite(127.f / absmax) ? 127.f / absmax : 0.f;
   const __m512 vinv = _mm512_set1_ps(inv);
   for (int64_t k = 0; k < K; k += 16) {
     // |x * inv| <= 127 (rounded to nearest even, as the reference rounds)
@@ -52,7 +60,8 @@ inline float quantize_row(const uint16_t* x, int64_t K, int32_t* xp, int64_t pas
     _mm_store_si128(reinterpret_cast<__m128i*>(words), b);
     for (int i = 0; i < 4; ++i) xp[(k / 4 + i) * pass_rows] = words[i];
   }
-  return absmax > 0.f ? absmax / 127.f : 0.f;
+  if (!finite) return NAN;
+  return inv > 0.f ? absmax / 127.f : 0.f;
 }
 
 // Rows [m0, m0 + MR) (one pass, xp interleaved for it) times column block nb.

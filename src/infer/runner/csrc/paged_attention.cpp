@@ -228,7 +228,7 @@ inline void add_value_pairs(const uint16_t* pb, int64_t n2, int64_t n, int64_t j
   constexpr int64_t kConvDim = kHeadDim > 0 ? kHeadDim : 256;
   [[maybe_unused]] alignas(64) uint16_t conv[kKind != kKvPlain ? R * kConvDim : 1];
   const KvT* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = vrows[j + r < n ? j + r : j];  // weight 0 past n
+  for (int r = 0; r < R; ++r) rows[r] = vrows[j + r < n ? j + r : j];  // read as zeros past n
   for (int64_t kv = 0; kv < nkv; ++kv) {
     const uint16_t* wrows[R];
     if constexpr (kBytesAsBf16<kKind, kHeadDim>) {
@@ -253,7 +253,10 @@ inline void add_value_pairs(const uint16_t* pb, int64_t n2, int64_t n, int64_t j
     for (int i = 0; i < kPairs; ++i)
       for (int64_t c = 0; c < hd / 32; ++c) {
         const __m512i x = _mm512_loadu_si512(wrows[2 * i] + c * 32);
-        const __m512i y = _mm512_loadu_si512(wrows[2 * i + 1] + c * 32);
+        // past the context (only ever the second row of the last pair): zeros, so that an
+        // infinity in the row it repeats cannot make 0 * inf
+        const __m512i y = j + 2 * i + 1 < n ? _mm512_loadu_si512(wrows[2 * i + 1] + c * 32)
+                                            : _mm512_setzero_si512();
         if constexpr (kHeadDim > 0) {
           iv[i][c][0] = _mm512_unpacklo_epi16(x, y);
           iv[i][c][1] = _mm512_unpackhi_epi16(x, y);
@@ -525,7 +528,7 @@ void decode_attention_avx512(const uint16_t* query, int64_t q_stride, const KvT*
         const float sum = _mm512_reduce_add_ps(vsum);
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         const __m512 vinv = _mm512_set1_ps(inv);
-        [[maybe_unused]] const float* vs = vsc.data() + (h / group) * n;
+        [[maybe_unused]] const float* vs = kScaled ? vsc.data() + (h / group) * n : nullptr;
         for (j = 0; j < n; j += 16) {
           const __mmask16 mask = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
           __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sg + j), vinv);
