@@ -73,7 +73,8 @@ def w8a8_available(device: torch.device) -> bool:
 
 
 def check_quantization(method: str | None, device: torch.device) -> None:
-    """A clear start-up error for an unknown method or fp8 on a device without fp8 matmuls."""
+    """A clear start-up error for an unknown method, w8a8 without its CPU kernel, or fp8 on a
+    device without fp8 matmuls."""
     if method is None:
         return
     if method not in QUANTIZATIONS:

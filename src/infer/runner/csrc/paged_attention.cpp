@@ -217,8 +217,8 @@ inline __m512 load_kv16(const KvT* p) {
 //   acc[0 .. 15]  = dims 0-3, 8-11, 16-19, 24-27     (UNPCKLWD of the two rows)
 //   acc[16 .. 31] = dims 4-7, 12-15, 20-23, 28-31    (UNPCKHWD)
 //
-// and are put back in order once, at the end. Rows past the context (an odd count's last
-// pair) weigh 0. A one-byte cache's rows are first made bf16 (exactly: every int8 and e4m3
+// and are put back in order once, at the end. A row past the context (an odd count's last
+// pair) weighs 0 and is read as zeros. A one-byte cache's rows are first made bf16 (exactly: every int8 and e4m3
 // value is one), through the byte tables or 16 values at a time arithmetically.
 template <int kPairs, int kKind, typename KvT, int kHeadDim>
 inline void add_value_pairs(const uint16_t* pb, int64_t n2, int64_t n, int64_t j,
