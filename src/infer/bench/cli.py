@@ -458,6 +458,12 @@ def register(subparsers) -> None:
     )
     vs.add_argument("--vllm-args", default="", help="extra vllm serve flags (write with =)")
     vs.add_argument(
+        "--vllm-model",
+        default=None,
+        help="the folder vLLM serves where it differs from --model (a checkpoint quantized ahead "
+        "of time in vLLM's format, against infer quantizing --model at load)",
+    )
+    vs.add_argument(
         "--offline",
         action="store_true",
         help="also the offline engine at C=16 on 64x64 (LLM.generate), vs infer over HTTP",

@@ -501,6 +501,11 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
     return row
 
 
+def _vllm_model_note(cfg: dict) -> str:
+    folder = cfg.get("vllm_model")
+    return f" (vLLM serving `{folder}` instead, under the same name)" if folder else ""
+
+
 def peer_dtype(peer: str, args: argparse.Namespace) -> str:
     """The dtype ``peer`` serves in: ``--dtype``, or ``--vllm-dtype`` for vLLM where given."""
     return (args.vllm_dtype or args.dtype) if peer == "vllm" else args.dtype
@@ -514,7 +519,7 @@ def run_peer_round(peer: str, round_idx: int, cells: list[Cell], ctx: dict) -> d
     extra = args.infer_args if peer == "infer" else args.vllm_args
     cmd, env = server_command(
         peer,
-        ctx["model"],
+        ctx["vllm_model"] if peer == "vllm" and ctx["vllm_model"] else ctx["model"],
         args.port,
         peer_dtype(peer, args),
         args.max_num_seqs,
@@ -721,7 +726,7 @@ def render(report: dict) -> str:
         "",
         f"{report['created']}. Model `{cfg['model']}` served as `{cfg['served_name']}`, "
         f"`--dtype {cfg['dtype']} --max-num-seqs {cfg['max_num_seqs']} --max-model-len "
-        f"{cfg['max_model_len']}` for both{_vllm_dtype_note(cfg)}; infer extra args: `{cfg['infer_args'] or '-'}`, "
+        f"{cfg['max_model_len']}` for both{_vllm_dtype_note(cfg)}{_vllm_model_note(cfg)}; infer extra args: `{cfg['infer_args'] or '-'}`, "
         f"vLLM extra args: `{cfg['vllm_args'] or '-'}`. Servers run one at a time; "
         f"{cfg['runs']} round(s), the peers' order alternating; medians over rounds. "
         f"Client: `vllm bench serve`, random prompts, `--ignore-eos --temperature 0`, "
@@ -912,6 +917,7 @@ def run(args: argparse.Namespace) -> int:
         "out": out,
         "model": model,
         "served_name": args.served_name or model.name,
+        "vllm_model": Path(args.vllm_model).resolve() if args.vllm_model else None,
         "base_url": f"http://127.0.0.1:{args.port}",
         "vllm_bin": vllm_bin,
         "vllm_env": VLLM_ENV,
@@ -924,6 +930,7 @@ def run(args: argparse.Namespace) -> int:
         "config": {
             "model": str(model),
             "served_name": ctx["served_name"],
+            "vllm_model": args.vllm_model and str(ctx["vllm_model"]),
             "peers": peers,
             "dtype": args.dtype,
             "vllm_dtype": peer_dtype("vllm", args),
