@@ -735,20 +735,15 @@ int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
   }
 #endif
 #ifdef INFER_HAVE_AVX512_BF16
-  if (kind == 1 && weight_bytes == 2) {
-    const auto* w = static_cast<const uint16_t*>(packed);
+  auto dp = [&](const auto* w) {  // bf16 (uint16_t) or int8 (uint8_t, byte tables) weights
     if (out_f32) dp_linear<true>(x, w, col_scale, bias, y, M, K, N, num_threads);
     else dp_linear<false>(x, w, col_scale, bias, y, M, K, N, num_threads);
     return 0;
-  }
-#endif
+  };
+  if (kind == 1 && weight_bytes == 2) return dp(static_cast<const uint16_t*>(packed));
 #ifdef INFER_HAVE_INT8_DP
-  if (kind == 1 && weight_bytes == 1) {
-    const auto* w = static_cast<const uint8_t*>(packed);
-    if (out_f32) dp_linear<true>(x, w, col_scale, bias, y, M, K, N, num_threads);
-    else dp_linear<false>(x, w, col_scale, bias, y, M, K, N, num_threads);
-    return 0;
-  }
+  if (kind == 1 && weight_bytes == 1) return dp(static_cast<const uint8_t*>(packed));
+#endif
 #endif
 #ifdef INFER_HAVE_AVX2
   if (kind == 3 && weight_bytes == 2)
