@@ -33,7 +33,7 @@ def make_llm(tiny_checkpoints, engine_device):
     def factory(kind: str = "llama", **options) -> LLM:
         options.setdefault("dtype", "float32")
         options.setdefault("device", engine_device)
-        if engine_device.startswith("cuda") and options.get("num_kv_blocks") is None:
+        if str(options["device"]).startswith("cuda") and options.get("num_kv_blocks") is None:
             # A GPU's default budget is a share of its whole memory: two engines alive in one
             # test would leave the second none. 2 GiB is what a CPU engine takes at most.
             options.setdefault("kv_cache_memory", "2GiB")

@@ -7,6 +7,8 @@ cuda`` (transformers, the oracle, then runs there too). These skip without CUDA.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -98,6 +100,24 @@ def test_kv_budget_is_a_share_of_the_gpus_memory(tiny_checkpoints, cuda_device):
         assert [len(o.outputs[0].token_ids) for o in out] == [16, 16]
         kv = llm.engine.kv_manager
         assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_a_dropped_engines_memory_goes_to_the_next(tiny_checkpoints, cuda_device):
+    """An engine dropped in this process leaves its KV cache in torch's caching allocator (still
+    taken, to the driver): the next engine's budget counts it as free, instead of finding the
+    GPU full and refusing to start."""
+    path = str(tiny_checkpoints["llama"])
+    options = dict(device=cuda_device, dtype="bfloat16", gpu_memory_utilization=0.05)
+    llm = LLM(path, **options)
+    first = llm.engine.capacity.num_blocks
+    del llm
+    gc.collect()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert cached > 0.04 * torch.cuda.mem_get_info()[1]  # the first cache, not given back
+    with LLM(path, **options) as llm:
+        assert abs(llm.engine.capacity.num_blocks - first) <= 1
+        out = llm.generate(PROMPTS[:2], GREEDY)
+        assert [len(o.outputs[0].token_ids) for o in out] == [16, 16]
 
 
 def test_tensor_parallel_over_gpus(tiny_checkpoints, cuda_device):

@@ -351,7 +351,11 @@ class LLMEngine:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
+            # What torch's caching allocator holds but no tensor uses (an engine dropped earlier
+            # in this process, say) is free to this one: the allocator hands it out first.
+            reserved = torch.cuda.memory_reserved(self.device)
+            cached = reserved - torch.cuda.memory_allocated(self.device)
+            used = total - free - cached
             budget = max(int(total * cc.gpu_memory_utilization) - used, 0)
             # A draft model, loaded after this plan, takes its weights out of the same memory.
             budget = max(budget - self._draft_weight_bytes(), 0)
