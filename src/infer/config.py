@@ -42,7 +42,9 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
-    quantization: str | None = None  # None | int8 | fp8: weights quantized at load
+    quantization: str | None = None  # None | int8 | w8a8 | fp8: weights quantized at load
+    # With a quantization: the vocabulary projection too (False keeps it in the model's dtype).
+    quantize_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

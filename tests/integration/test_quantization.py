@@ -10,7 +10,7 @@ import torch
 from infer import SamplingParams
 from infer.model import load_model, load_tokenizer
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-from infer.runner.quant import quantize_linears, w8a8_available
+from infer.runner.quant import Int8Linear, W8A8Linear, quantize_linears, w8a8_available
 
 from .conftest import PROMPTS
 
@@ -151,3 +151,30 @@ def test_one_byte_cache_holds_about_twice_the_tokens_in_the_same_memory(
         assert len(out.outputs[0].token_ids) == 16
         assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_total_blocks
     assert tokens["int8"] == tokens["fp8"] >= 1.9 * tokens["auto"]
+
+
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+def test_no_quantize_lm_head_keeps_the_vocabulary_projection(weights, make_llm, engine_device):
+    """--no-quantize-lm-head: every layer quantized, the vocabulary projection giving the
+    unquantized model's scores bit for bit (and the quantized one not)."""
+    if weights == "w8a8" and not w8a8_available(torch.device(engine_device)):
+        pytest.skip("w8a8 needs a CPU with AVX-512 VNNI")
+    plain, kept, whole = (
+        make_llm("llama", dtype="bfloat16", **options)
+        for options in ({}, dict(quantization=weights, quantize_lm_head=False),
+                        dict(quantization=weights))
+    )  # fmt: skip
+    models = [llm.engine.runner.model for llm in (plain, kept, whole)]
+    hidden = torch.randn(5, models[0].vocab_projection_weight().shape[1], dtype=torch.bfloat16,
+                         device=engine_device)  # fmt: skip
+    with torch.inference_mode():
+        scores = [m.project_to_vocab(hidden) for m in models]
+    assert torch.equal(scores[1], scores[0])
+    assert not torch.equal(scores[2], scores[0])
+
+    def quantized(model):
+        return sum(isinstance(m, (Int8Linear, W8A8Linear)) for m in model.modules())
+
+    assert quantized(models[1]) == quantized(models[2]) - 1 > 0
+    outs = kept.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)

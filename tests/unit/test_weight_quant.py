@@ -3,11 +3,14 @@ matmul, and the start-up errors."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from infer.config import EngineConfig
+from infer.engine.args import add_engine_args, engine_config_from_args
 from infer.runner.kernels import cpu_kernels
 from infer.runner.quant import (
     Fp8Linear,
@@ -215,3 +218,13 @@ def test_quantization_start_up_errors_name_the_option_and_choices():
         check_quantization("fp8", torch.device("cpu"))
     check_quantization("int8", torch.device("cpu"))
     check_quantization(None, torch.device("cpu"))
+
+
+def test_quantize_lm_head_flag_reaches_the_engine_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    default = engine_config_from_args(parser.parse_args(["--quantization", "w8a8"]))
+    kept = engine_config_from_args(
+        parser.parse_args(["--quantization", "w8a8", "--no-quantize-lm-head"])
+    )
+    assert default.model.quantize_lm_head and not kept.model.quantize_lm_head

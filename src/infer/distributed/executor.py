@@ -60,6 +60,7 @@ class WorkerArgs:
     dtype: torch.dtype
     device: str
     quantization: str | None
+    quantize_lm_head: bool
     seed: int
     num_threads: int
     cores: tuple[int, ...] | None
@@ -119,6 +120,7 @@ class TensorParallelWorkers:
         dtype: torch.dtype,
         device: torch.device,
         quantization: str | None,
+        quantize_lm_head: bool,
         seed: int,
     ) -> None:
         self.size = size
@@ -138,6 +140,7 @@ class TensorParallelWorkers:
                 dtype=dtype,
                 device=str(rank_device(device, rank)),
                 quantization=quantization,
+                quantize_lm_head=quantize_lm_head,
                 seed=seed,
                 num_threads=num_threads,
                 cores=groups[rank] if device.type == "cpu" else None,

@@ -67,7 +67,7 @@ def _serve(args: WorkerArgs) -> None:
     torch.manual_seed(args.seed)
     model = load_model(args.model_path, args.dtype, device)
     if args.quantization:
-        quantize_linears(model, args.quantization)
+        quantize_linears(model, args.quantization, lm_head=args.quantize_lm_head)
     else:
         prepack_linears(model)
 

@@ -39,6 +39,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "w8a8 (int8 weights and per-row int8 activations, CPUs with AVX-512 VNNI) | "
         "fp8 (e4m3, CUDA with fp8 matmuls)",
     )
+    g.add_argument(
+        "--quantize-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=m.quantize_lm_head,
+        help="with --quantization, quantize the vocabulary projection too (default); "
+        "--no-quantize-lm-head keeps it in the model's dtype, as vLLM does",
+    )
 
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=c.block_size)
@@ -135,6 +142,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             seed=args.seed,
             quantization=args.quantization,
+            quantize_lm_head=args.quantize_lm_head,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

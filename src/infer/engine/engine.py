@@ -195,7 +195,7 @@ class LLMEngine:
         self.tp_workers = self._start_tensor_parallel()
         self.model = load_model(self.model_path, self.dtype, self.device)
         if mc.quantization:
-            quantize_linears(self.model, mc.quantization)
+            quantize_linears(self.model, mc.quantization, lm_head=mc.quantize_lm_head)
         else:
             prepack_linears(self.model)
         self.load_seconds = time.perf_counter() - t0
@@ -292,6 +292,7 @@ class LLMEngine:
             self.dtype,
             self.device,
             self.config.model.quantization,
+            self.config.model.quantize_lm_head,
             self.config.model.seed,
         )
 

@@ -147,11 +147,14 @@ def _agrees(packed: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def replace_linears(
-    model: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module | None]
+    model: nn.Module,
+    make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module | None],
+    layers: bool = True,
+    vocab: bool = True,
 ) -> list[nn.Module]:
-    """Swap every ``nn.Linear`` of ``model`` for ``make(weight, bias)`` and set
-    ``model.packed_logits = make(vocabulary projection weight, None)``; ``make`` returning None
-    keeps that layer as it is. Returns the modules made.
+    """Swap every ``nn.Linear`` of ``model`` for ``make(weight, bias)`` (``layers``) and set
+    ``model.packed_logits = make(vocabulary projection weight, None)`` (``vocab``); ``make``
+    returning None keeps that layer as it is. Returns the modules made.
 
     The vocabulary projection is read through ``project_to_vocab``, never called as a module, so
     an untied ``lm_head`` is left in place and only its replacement is used."""
@@ -160,7 +163,7 @@ def replace_linears(
     linears = [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and m.weight is not vocab_weight
+        if layers and isinstance(m, nn.Linear) and m.weight is not vocab_weight
     ]
     made = []
     for name, module in linears:
@@ -171,7 +174,7 @@ def replace_linears(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         made.append(new)
-    if vocab_weight is not None:
+    if vocab and vocab_weight is not None:
         new = make(vocab_weight, None)
         if new is not None:
             model.packed_logits = new
@@ -188,10 +191,10 @@ def count_kinds(modules: list[nn.Module], kind=lambda m: type(m).__name__) -> st
 
 
 @torch.inference_mode()
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, layers: bool = True) -> int:
     """Swap every bfloat16 CPU ``nn.Linear`` of ``model`` for an :class:`TiledLinear` or a
-    :class:`PackedLinear`, and pack the vocabulary projection (``model.packed_logits``).
-    Returns how many weights were packed."""
+    :class:`PackedLinear` (unless ``layers`` is False), and pack the vocabulary projection
+    (``model.packed_logits``). Returns how many weights were packed."""
     checked: dict[type, bool] = {}  # module type -> its probe agreed with F.linear
 
     def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
@@ -208,7 +211,7 @@ def prepack_linears(model: nn.Module) -> int:
                 return packed
         return None
 
-    made = replace_linears(model, pack)
+    made = replace_linears(model, pack, layers=layers)
     if made:
         logger.info("packed %d linear weights (%s)", len(made), count_kinds(made))
     return len(made)

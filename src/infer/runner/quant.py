@@ -1,8 +1,8 @@
-"""Weight quantization at load time: ``--quantization int8 | fp8``.
+"""Weight quantization at load time: ``--quantization int8 | w8a8 | fp8``.
 
-Every linear layer (and the vocabulary projection; the embedding table stays in the model's
-dtype) is replaced by a quantized one, from the checkpoint's own bf16 / fp32 weights: no
-pre-quantized checkpoint is needed.
+Every linear layer (and the vocabulary projection, unless ``--no-quantize-lm-head``; the
+embedding table stays in the model's dtype) is replaced by a quantized one, from the
+checkpoint's own bf16 / fp32 weights: no pre-quantized checkpoint is needed.
 
 - ``int8``: weight-only, symmetric, one float32 scale per output channel
   (``scale = absmax(row) / 127``, ``q = round(w / scale)``). Activations stay in the model's
@@ -28,7 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.config import QUANTIZATIONS
-from infer.runner.prepack import count_kinds, replace_linears, tiled_linear_kernels
+from infer.runner.prepack import (
+    count_kinds,
+    prepack_linears,
+    replace_linears,
+    tiled_linear_kernels,
+)
 
 logger = logging.getLogger("infer.runner")
 
@@ -256,10 +261,14 @@ QUANTIZED_LINEARS = {"int8": Int8Linear, "w8a8": make_w8a8_linear, "fp8": Fp8Lin
 
 
 @torch.inference_mode()
-def quantize_linears(model: nn.Module, method: str) -> int:
-    """Replace every ``nn.Linear`` of ``model`` (and its vocabulary projection, as
-    ``model.packed_logits``) by a ``method``-quantized one. Returns how many were quantized."""
-    made = replace_linears(model, QUANTIZED_LINEARS[method])
+def quantize_linears(model: nn.Module, method: str, lm_head: bool = True) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (and, with ``lm_head``, its vocabulary
+    projection, as ``model.packed_logits``) by a ``method``-quantized one; without it the
+    vocabulary projection stays in the model's dtype (pre-packed where a CPU kernel takes it).
+    Returns how many were quantized."""
+    made = replace_linears(model, QUANTIZED_LINEARS[method], vocab=lm_head)
+    if not lm_head:
+        prepack_linears(model, layers=False)
     logger.info(
         "quantized %d linear weights to %s (%s)",
         len(made),
