@@ -171,6 +171,10 @@ def test_no_quantize_lm_head_keeps_the_vocabulary_projection(weights, make_llm, 
         scores = [m.project_to_vocab(hidden) for m in models]
     assert torch.equal(scores[1], scores[0])
     assert not torch.equal(scores[2], scores[0])
+    # Packed as the unquantized model's is (the bf16 CPU kernel), not left to F.linear.
+    assert type(getattr(models[1], "packed_logits", None)) is type(
+        getattr(models[0], "packed_logits", None)
+    )
 
     def quantized(model):
         return sum(isinstance(m, (Int8Linear, W8A8Linear)) for m in model.modules())

@@ -197,6 +197,8 @@ class LLMEngine:
         if mc.quantization:
             quantize_linears(self.model, mc.quantization, lm_head=mc.quantize_lm_head)
         else:
+            if not mc.quantize_lm_head:
+                logger.warning("--no-quantize-lm-head does nothing without --quantization")
             prepack_linears(self.model)
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)

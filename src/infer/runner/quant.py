@@ -267,7 +267,8 @@ def quantize_linears(model: nn.Module, method: str, lm_head: bool = True) -> int
     vocabulary projection stays in the model's dtype (pre-packed where a CPU kernel takes it).
     Returns how many were quantized."""
     made = replace_linears(model, QUANTIZED_LINEARS[method], vocab=lm_head)
-    if not lm_head:
+    if getattr(model, "packed_logits", None) is None:
+        # Kept in the model's dtype, by choice or because the method refused its shape.
         prepack_linears(model, layers=False)
     logger.info(
         "quantized %d linear weights to %s (%s)",
