@@ -10,7 +10,14 @@ import torch
 from infer import SamplingParams
 from infer.model import load_model, load_tokenizer
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-from infer.runner.quant import Int8Linear, W8A8Linear, quantize_linears, w8a8_available
+from infer.runner.quant import (
+    Fp8Linear,
+    Int8Linear,
+    W8A8Linear,
+    fp8_matmul_available,
+    quantize_linears,
+    w8a8_available,
+)
 
 from .conftest import PROMPTS
 
@@ -153,12 +160,14 @@ def test_one_byte_cache_holds_about_twice_the_tokens_in_the_same_memory(
     assert tokens["int8"] == tokens["fp8"] >= 1.9 * tokens["auto"]
 
 
-@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+@pytest.mark.parametrize("weights", ["int8", "w8a8", "fp8"])
 def test_no_quantize_lm_head_keeps_the_vocabulary_projection(weights, make_llm, engine_device):
     """--no-quantize-lm-head: every layer quantized, the vocabulary projection giving the
     unquantized model's scores bit for bit (and the quantized one not)."""
     if weights == "w8a8" and not w8a8_available(torch.device(engine_device)):
         pytest.skip("w8a8 needs a CPU with AVX-512 VNNI")
+    if weights == "fp8" and not fp8_matmul_available(torch.device(engine_device)):
+        pytest.skip("fp8 needs a CUDA GPU with fp8 matmuls")
     plain, kept, whole = (
         make_llm("llama", dtype="bfloat16", **options)
         for options in ({}, dict(quantization=weights, quantize_lm_head=False),
@@ -177,7 +186,7 @@ def test_no_quantize_lm_head_keeps_the_vocabulary_projection(weights, make_llm, 
     )
 
     def quantized(model):
-        return sum(isinstance(m, (Int8Linear, W8A8Linear)) for m in model.modules())
+        return sum(isinstance(m, (Int8Linear, W8A8Linear, Fp8Linear)) for m in model.modules())
 
     assert quantized(models[1]) == quantized(models[2]) - 1 > 0
     outs = kept.generate(PROMPTS, GREEDY)
