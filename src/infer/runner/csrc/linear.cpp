@@ -331,16 +331,9 @@ template <int NB, bool kOutF32>
 inline void dp_rows(const uint16_t* x, const uint16_t* wb, const float* col_scale,
                     const float* bias, void* y, int64_t m0, int64_t rows, int64_t K, int64_t N,
                     int64_t nb) {
-#define INFER_ROWS(R) dp_block<R, NB, kOutF32>(x, wb, col_scale, bias, y, m0, K, N, nb)
-  switch (rows) {
-    case 1: INFER_ROWS(1); break;
-    case 2: INFER_ROWS(2); break;
-    case 3: INFER_ROWS(3); break;
-    case 4: INFER_ROWS(4); break;
-    case 5: INFER_ROWS(5); break;
-    default: INFER_ROWS(6); break;
-  }
-#undef INFER_ROWS
+  infer_simd::with_count<6>(rows, [&](auto r) {
+    dp_block<decltype(r)::value, NB, kOutF32>(x, wb, col_scale, bias, y, m0, K, N, nb);
+  });
 }
 
 // From 7 to 64 rows (decode of a few dozen sequences) the 6-row blocks above read each weight
@@ -481,34 +474,15 @@ template <bool kOutF32, typename W>
 inline void dp_rows_tall(const int32_t* xp, int64_t xp_stride, const W* wb,
                          const float* col_scale, const float* bias, void* y, int64_t m0,
                          int64_t rows, int64_t K, int64_t N, int64_t nb) {
+  infer_simd::with_count<16>(rows, [&](auto r) {
+    constexpr int R = decltype(r)::value;
 #ifdef INFER_HAVE_INT8_DP
-#define INFER_TALL(R)                                                                        \
-  if constexpr (sizeof(W) == 1)                                                              \
-    dp_tall_block8<R, kOutF32>(xp, xp_stride, wb, col_scale, bias, y, m0, K, N, nb);         \
-  else                                                                                       \
-    dp_tall_block<R, kOutF32>(xp, xp_stride, wb, col_scale, bias, y, m0, K, N, nb)
-#else
-#define INFER_TALL(R) dp_tall_block<R, kOutF32>(xp, xp_stride, wb, col_scale, bias, y, m0, K, N, nb)
+    if constexpr (sizeof(W) == 1)
+      dp_tall_block8<R, kOutF32>(xp, xp_stride, wb, col_scale, bias, y, m0, K, N, nb);
+    else
 #endif
-  switch (rows) {
-    case 1: INFER_TALL(1); break;
-    case 2: INFER_TALL(2); break;
-    case 3: INFER_TALL(3); break;
-    case 4: INFER_TALL(4); break;
-    case 5: INFER_TALL(5); break;
-    case 6: INFER_TALL(6); break;
-    case 7: INFER_TALL(7); break;
-    case 8: INFER_TALL(8); break;
-    case 9: INFER_TALL(9); break;
-    case 10: INFER_TALL(10); break;
-    case 11: INFER_TALL(11); break;
-    case 12: INFER_TALL(12); break;
-    case 13: INFER_TALL(13); break;
-    case 14: INFER_TALL(14); break;
-    case 15: INFER_TALL(15); break;
-    default: INFER_TALL(16); break;
-  }
-#undef INFER_TALL
+      dp_tall_block<R, kOutF32>(xp, xp_stride, wb, col_scale, bias, y, m0, K, N, nb);
+  });
 }
 
 // Up to 64 rows (decode): x interleaved, then passes of up to 16 rows over one column block at a
@@ -539,20 +513,12 @@ void dp_linear(const uint16_t* x, const W* packed, const float* col_scale, const
       for (int64_t p = 0; p < npanels; ++p) {
         const int64_t nb = p * kPanel, nbs = nblocks - nb < kPanel ? nblocks - nb : kPanel;
         const W* wb = packed + nb * block_elems;
-#define INFER_SMALL(R)                                                                        \
-  switch (nbs) {                                                                             \
-    case 1: dp_block8<R, 1, kOutF32>(x, wb, col_scale, bias, y, 0, K, N, nb); break;         \
-    case 2: dp_block8<R, 2, kOutF32>(x, wb, col_scale, bias, y, 0, K, N, nb); break;         \
-    case 3: dp_block8<R, 3, kOutF32>(x, wb, col_scale, bias, y, 0, K, N, nb); break;         \
-    default: dp_block8<R, 4, kOutF32>(x, wb, col_scale, bias, y, 0, K, N, nb); break;        \
-  }
-        switch (M) {
-          case 1: INFER_SMALL(1); break;
-          case 2: INFER_SMALL(2); break;
-          case 3: INFER_SMALL(3); break;
-          default: INFER_SMALL(4); break;
-        }
-#undef INFER_SMALL
+        infer_simd::with_count<4>(M, [&](auto r) {
+          infer_simd::with_count<4>(nbs, [&](auto b) {
+            dp_block8<decltype(r)::value, decltype(b)::value, kOutF32>(x, wb, col_scale, bias,
+                                                                        y, 0, K, N, nb);
+          });
+        });
       }
       return;
     }
@@ -612,15 +578,10 @@ void dp_linear(const uint16_t* x, const W* packed, const float* col_scale, const
 #ifdef INFER_HAVE_INT8_DP
       auto* widened = static_cast<uint16_t*>(infer_simd::thread_scratch<1>(kPanel * block_elems * 2));
       const W* w8 = packed + nb * block_elems;
-#define INFER_WIDEN(NB) \
-  dp_block8<kWidenRows, NB, kOutF32, true>(x, w8, col_scale, bias, y, 0, K, N, nb, widened)
-      switch (nbs) {
-        case 1: INFER_WIDEN(1); break;
-        case 2: INFER_WIDEN(2); break;
-        case 3: INFER_WIDEN(3); break;
-        default: INFER_WIDEN(4); break;
-      }
-#undef INFER_WIDEN
+      infer_simd::with_count<4>(nbs, [&](auto b) {
+        dp_block8<kWidenRows, decltype(b)::value, kOutF32, true>(x, w8, col_scale, bias, y, 0,
+                                                                  K, N, nb, widened);
+      });
       wb = widened;
       first = kWidenRows;
 #endif
@@ -631,12 +592,9 @@ void dp_linear(const uint16_t* x, const W* packed, const float* col_scale, const
       const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
       for (int64_t m0 = c0 > first ? c0 : first; m0 < c1; m0 += kRows) {
         const int64_t rows = c1 - m0 < kRows ? c1 - m0 : kRows;
-        switch (nbs) {
-          case 1: dp_rows<1, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb); break;
-          case 2: dp_rows<2, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb); break;
-          case 3: dp_rows<3, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb); break;
-          default: dp_rows<4, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb); break;
-        }
+        infer_simd::with_count<4>(nbs, [&](auto b) {
+          dp_rows<decltype(b)::value, kOutF32>(x, wb, col_scale, bias, y, m0, rows, K, N, nb);
+        });
       }
     }
   }

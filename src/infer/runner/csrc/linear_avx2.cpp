@@ -94,12 +94,9 @@ inline void fma_block(const float* xg, const uint16_t* wb, const float* bias, vo
 template <bool kOutF32>
 inline void block_rows(const float* xg, const uint16_t* wb, const float* bias, void* y,
                        int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t col) {
-  switch (rows) {
-    case 1: fma_block<1, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-    case 2: fma_block<2, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-    case 3: fma_block<3, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-    default: fma_block<4, kOutF32>(xg, wb, bias, y, m0, K, N, col); break;
-  }
+  infer_simd::with_count<4>(rows, [&](auto r) {
+    fma_block<decltype(r)::value, kOutF32>(xg, wb, bias, y, m0, K, N, col);
+  });
 }
 
 // One parallel region: x is widened, then (after the loop's barrier) threads take 64-column

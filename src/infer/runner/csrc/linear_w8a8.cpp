@@ -95,27 +95,10 @@ template <bool kOutF32>
 void w8a8_rows(const int32_t* xp, int64_t pass_rows, const int8_t* wb, const int32_t* colsum,
                const float* w_scale, const float* x_scale, const float* bias, void* y,
                int64_t m0, int64_t rows, int64_t K, int64_t N, int64_t nb) {
-#define INFER_W8(R) \
-  w8a8_block<R, kOutF32>(xp, pass_rows, wb, colsum, w_scale, x_scale, bias, y, m0, K, N, nb)
-  switch (rows) {
-    case 1: INFER_W8(1); break;
-    case 2: INFER_W8(2); break;
-    case 3: INFER_W8(3); break;
-    case 4: INFER_W8(4); break;
-    case 5: INFER_W8(5); break;
-    case 6: INFER_W8(6); break;
-    case 7: INFER_W8(7); break;
-    case 8: INFER_W8(8); break;
-    case 9: INFER_W8(9); break;
-    case 10: INFER_W8(10); break;
-    case 11: INFER_W8(11); break;
-    case 12: INFER_W8(12); break;
-    case 13: INFER_W8(13); break;
-    case 14: INFER_W8(14); break;
-    case 15: INFER_W8(15); break;
-    default: INFER_W8(16); break;
-  }
-#undef INFER_W8
+  infer_simd::with_count<16>(rows, [&](auto r) {
+    w8a8_block<decltype(r)::value, kOutF32>(xp, pass_rows, wb, colsum, w_scale, x_scale, bias,
+                                            y, m0, K, N, nb);
+  });
 }
 
 // Each thread quantizes all of x into its own scratch (no barrier, no lines shared between

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -20,6 +22,20 @@
 enum KvKind { kKvPlain = 0, kKvInt8 = 1, kKvFp8 = 2 };
 
 namespace infer_simd {
+
+// f(std::integral_constant<int, R>{}) with R = n for 1 <= n < Max, else R = Max: the kernels'
+// blocks take their row and column-block counts as template arguments (their accumulators
+// live in registers), and a step's counts are known only at run time.
+template <int Max, int R = 1, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (R == Max) {
+    f(std::integral_constant<int, R>{});
+  } else if (n == R) {
+    f(std::integral_constant<int, R>{});
+  } else {
+    with_count<Max, R + 1>(n, std::forward<F>(f));
+  }
+}
 
 // The cache slot of position pos of a sequence with this block table row.
 inline int64_t paged_slot(const int32_t* table, int64_t pos, int64_t block_size) {
