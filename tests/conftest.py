@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from infer.testing.checkpoints import KINDS, build_all
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. The variable is
+# read when the kernels are defined, so before anything imports infer.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+from infer.testing.checkpoints import KINDS, build_all  # noqa: E402
 
 
 # `pytest tests/integration --device cuda` runs the engine and model tests on a GPU, with
@@ -15,6 +31,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--device", default="cpu", help="device of the engine and model tests: cpu | cuda | cuda:N"
     )
+    # The engine tests' attention on CUDA (the default: triton, with CUDA graphs for decode).
+    parser.addoption("--attention-backend", default=None, help="auto | torch | triton")
+    parser.addoption("--enforce-eager", action="store_true", help="CUDA: no graphs")
+
+
+@pytest.fixture(scope="session")
+def engine_options(request: pytest.FixtureRequest) -> dict:
+    """Engine options every engine test takes from the command line (unless it sets its own)."""
+    options: dict = {}
+    backend = request.config.getoption("--attention-backend")
+    if backend:
+        options["attention_backend"] = backend
+    if request.config.getoption("--enforce-eager"):
+        options["enforce_eager"] = True
+    return options
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from typing import Literal
 from infer.kv_cache.sizing import check_kv_cache_dtype
 
 QUANTIZATIONS = ("int8", "w8a8", "fp8")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 BatchingMode = Literal["continuous", "static"]
 KVBackend = Literal["paged", "contiguous"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -45,8 +46,18 @@ class ModelConfig:
     quantization: str | None = None  # None | int8 | w8a8 | fp8: weights quantized at load
     # With a quantization: the vocabulary projection too (False keeps it in the model's dtype).
     quantize_lm_head: bool = True
+    # Attention on CUDA: "triton" (paged kernels that read the block tables), "torch" (gather +
+    # SDPA, the reference); "auto" is triton where it is installed. The CPU has its own kernels.
+    attention_backend: str = "auto"
+    # CUDA: run every step eagerly (no CUDA graphs for decode steps), as vLLM's --enforce-eager.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend {self.attention_backend!r} is not supported "
+                f"(choices: {', '.join(ATTENTION_BACKENDS)})"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

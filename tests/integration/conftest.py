@@ -27,10 +27,12 @@ GEN_TOKENS = 24
 
 
 @pytest.fixture
-def make_llm(tiny_checkpoints, engine_device):
+def make_llm(tiny_checkpoints, engine_device, engine_options):
     created: list[LLM] = []
 
     def factory(kind: str = "llama", **options) -> LLM:
+        for name, value in engine_options.items():
+            options.setdefault(name, value)
         options.setdefault("dtype", "float32")
         options.setdefault("device", engine_device)
         if str(options["device"]).startswith("cuda") and options.get("num_kv_blocks") is None:

@@ -75,6 +75,7 @@ class KVSetup:
     block_size: int
     kv_cache_dtype: str
     num_swap_blocks: int
+    attention_backend: str = "auto"
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

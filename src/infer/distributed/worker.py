@@ -88,7 +88,14 @@ def _serve(args: WorkerArgs) -> None:
         device,
         kv_dtype=setup.kv_cache_dtype,
     )
-    runner = ModelRunner(model, kv_cache, device, args.seed, num_swap_blocks=setup.num_swap_blocks)
+    runner = ModelRunner(
+        model,
+        kv_cache,
+        device,
+        args.seed,
+        num_swap_blocks=setup.num_swap_blocks,
+        attention_backend=setup.attention_backend,
+    )
     while (batch := receive()) is not None:
         runner.run(batch)
     dist.destroy_process_group()

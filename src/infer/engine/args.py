@@ -47,6 +47,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-quantize-lm-head keeps it in the model's dtype, as vLLM does",
     )
 
+    g.add_argument(
+        "--attention-backend",
+        default=m.attention_backend,
+        choices=["auto", "torch", "triton"],
+        help="attention on CUDA: triton (paged kernels that read the block tables) | torch "
+        "(gather + SDPA, the reference) | auto (triton where installed)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step eagerly, without CUDA graphs for decode steps",
+    )
+
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=c.block_size)
     g.add_argument(
@@ -143,6 +156,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
+            attention_backend=getattr(args, "attention_backend", "auto"),
+            enforce_eager=getattr(args, "enforce_eager", False),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

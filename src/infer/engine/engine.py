@@ -236,6 +236,7 @@ class LLMEngine:
                     self.capacity.block_size,
                     cc.kv_cache_dtype,
                     self.num_swap_blocks,
+                    mc.attention_backend,
                 )
             )
         self.kv_cache = KVCache(
@@ -257,9 +258,17 @@ class LLMEngine:
             num_swap_blocks=self.num_swap_blocks,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
+            attention_backend=mc.attention_backend,
+            enforce_eager=mc.enforce_eager,
+            max_model_len=self.max_model_len,
+            num_spec_tokens=(
+                config.speculative.num_speculative_tokens if config.speculative else 0
+            ),
         )
         self.runner.workers = self.tp_workers
         self.proposer = self._build_proposer()
+        # Last: the graphs' memory comes out of what the weights, KV cache and draft left.
+        self.runner.capture_graphs()
         # Constrained decoding: built on the first request that asks for it.
         self.structured: StructuredOutputManager | None = None
         self._compiling: dict[str, tuple[Request, futures.Future]] = {}

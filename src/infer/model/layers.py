@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.model.parallel import Shard, TensorParallel, get_tensor_parallel
+from infer.runner.gpu import triton_fused
 from infer.runner.kernels import CpuKernels, cpu_kernels
 
 if TYPE_CHECKING:
@@ -122,6 +123,8 @@ class RMSNorm(nn.Module):
         if kernels is not None and self.weight.dtype == x.dtype:
             flat = x.reshape(-1, x.shape[-1]).contiguous()
             return kernels.add_rms_norm(flat, None, self.weight, self.eps)[1].view(x.shape)
+        if triton_fused.fused_enabled(x) and self.weight.dtype == x.dtype:
+            return triton_fused.add_rms_norm(x, None, self.weight, self.eps)[1]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -138,6 +141,8 @@ class RMSNorm(nn.Module):
         kernels = fused_kernels(x)
         if kernels is not None and self.weight.dtype == x.dtype and x.dim() == 2:
             return kernels.add_rms_norm(x.contiguous(), h.contiguous(), self.weight, self.eps)
+        if triton_fused.fused_enabled(x) and self.weight.dtype == x.dtype == h.dtype:
+            return triton_fused.add_rms_norm(x, h, self.weight, self.eps)
         x = x + h
         return x, self(x)
 
@@ -207,6 +212,10 @@ class GatedMLP(nn.Module):
         if kernels is not None and self.fused_act is not None and gate_up.dim() == 2:
             return self.tp.all_reduce(
                 self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act))
+            )
+        if self.fused_act is not None and triton_fused.fused_enabled(gate_up):
+            return self.tp.all_reduce(
+                self.down_proj(triton_fused.act_and_mul(gate_up, self.fused_act))
             )
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.tp.all_reduce(self.down_proj(self.act(gate) * up))

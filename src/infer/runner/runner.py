@@ -26,6 +26,7 @@ from infer.core.request import Request, TokenLogprob
 from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
+from infer.runner.gpu.cuda_step import CudaStep, resolve_attention_backend
 from infer.runner.sampler import Sampler, token_logprob
 
 # Attention on CUDA without cuDNN's: it plans each (batch, longest context) shape it has not
@@ -80,26 +81,54 @@ class ModelRunner:
         num_swap_blocks: int = 0,
         max_num_seqs: int = 0,
         max_num_batched_tokens: int = 0,
+        *,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        max_model_len: int = 0,
+        num_spec_tokens: int = 0,
     ):
         self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        # The one place the device's backend is chosen: on CUDA the Triton step (step buffers,
+        # paged attention kernels, CUDA graphs for decode), or torch's (gather + SDPA, eager).
+        self.attention_backend = resolve_attention_backend(attention_backend, device)
+        self.cuda_step: CudaStep | None = None
+        if self.attention_backend == "triton":
+            sizes = {}
+            if max_num_seqs:
+                sizes = dict(
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+                )
+            if max_model_len:
+                sizes["max_model_len"] = max_model_len
+            self.cuda_step = CudaStep(
+                model,
+                kv_cache,
+                device,
+                num_spec_tokens=num_spec_tokens,
+                enforce_eager=enforce_eager,
+                **sizes,
+            )
         # Steps skip the module code where every kernel is there (decode_fast.py).
         self.fast_decoder: FastDecoder | None = None
         # The fast path calls its kernels straight on whole weights: no tensor parallelism.
         tp_size = getattr(model, "tp", TensorParallel()).size
         if (
             max_num_seqs
-            and device.type == "cpu"
+            and self.attention_backend == "cpu"
             and tp_size == 1
             and os.environ.get(FAST_DECODE_ENV, "1") != "0"
         ):
             rows = max(max_num_seqs, max_num_batched_tokens)
             self.fast_decoder = FastDecoder.build(model, kv_cache, rows)
-        self.kv_cache = kv_cache
-        self.device = device
         self.sampler = Sampler(device, seed)
         # Constrained decoding (infer.structured): set by the engine on first use.
         self.structured = None
-        self._sync = device.type == "cuda"
+        # The torch path waits for the GPU at the end of the forward pass (its timings); the
+        # Triton step never does: the sampled ids' copy to the host is the step's one wait.
+        self._sync = device.type == "cuda" and self.cuda_step is None
         # Tensor parallelism: the driver's link to the other ranks (set by the engine).
         self.workers: BatchSender | None = None
         # Host memory for swapped-out KV blocks: same layout as the device cache's blocks (the
@@ -126,6 +155,11 @@ class ModelRunner:
             if batch.swap_in:
                 src, dst = zip(*batch.swap_in, strict=True)
                 device_blocks[:, :, list(dst)] = host_blocks[:, :, list(src)].to(self.device)
+
+    def capture_graphs(self) -> None:
+        """Capture the CUDA graphs of decode steps (CUDA with the Triton backend, not eager)."""
+        if self.cuda_step is not None:
+            self.cuda_step.capture()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
@@ -188,10 +222,13 @@ class ModelRunner:
         """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
         one forward pass, and float32 logits of the sampled rows and of the prompt rows."""
         self.swap_blocks(batch)
-        ids_t = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        ctx = AttentionContext(self.kv_cache, batch.seqs, self.device)
-        hidden = self.forward(ids_t, pos_t, ctx)
+        if self.cuda_step is not None:
+            hidden = self.cuda_step.forward(batch)
+        else:
+            ids_t = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+            pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+            ctx = AttentionContext(self.kv_cache, batch.seqs, self.device)
+            hidden = self.forward(ids_t, pos_t, ctx)
         logits = prompt_logits = None
         if batch.sample_rows:
             n = len(batch.sample_rows)

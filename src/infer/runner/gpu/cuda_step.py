@@ -1,0 +1,177 @@
+"""The forward pass of a step on a GPU: step buffers, Triton attention, CUDA graphs for decode.
+
+::
+
+    StepBatch ─ StepInputs.fill (pinned host -> fixed device buffers, non-blocking)
+        decode rows, fits a bucket, no prompt logprobs ─► DecodeGraphs.replay(bucket)[:n]
+        otherwise                                     ─► model(ids, positions, context) eagerly
+
+No step synchronises here: the sampler's one device-to-host copy of the sampled ids is the
+step's only wait on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer.runner.gpu import triton_attention as ta
+from infer.runner.gpu.graphs import DecodeGraphs, capture_sizes
+from infer.runner.gpu.step import GpuAttentionContext, StepInputs, StepShape, is_decode_rows
+
+if TYPE_CHECKING:
+    from infer.runner.attention import KVCache
+    from infer.runner.runner import StepBatch
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_ROWS = 512
+"""Decode steps of more rows than this run eagerly (vLLM's default capture limit)."""
+
+MAX_SPLITS = 32
+"""The most parts the decode kernel cuts one row's keys into (batch 1 at a long context)."""
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto|torch|triton`` -> the backend the runner uses on ``device`` (``cpu`` on a CPU,
+    where the C++ kernels or torch run). ``triton`` on a CPU runs only under Triton's
+    interpreter (``TRITON_INTERPRET=1``: tests)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not (name == "triton" and interpreted):
+        if name == "triton":
+            raise ValueError("--attention-backend triton runs on CUDA GPUs (use --device cuda)")
+        return "cpu"
+    if name == "auto":
+        return "triton" if ta.triton_available() else "torch"
+    if name == "triton" and not ta.triton_available():
+        raise ValueError("--attention-backend triton needs the triton package (pip install triton)")
+    return name
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(rows: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many parts the decode kernel cuts each row's keys into for a step of ``rows`` rows:
+    enough programs (rows x kv heads x splits) for two per multiprocessor, so a small batch at
+    a long context still fills the GPU. A function of the rows only (a graph bucket's size,
+    eager steps included), so graphs and eager steps attend with the same sums; a short row
+    leaves its extra splits empty (they exit at once)."""
+    if device.type != "cuda":
+        return 2 if rows <= 2 else 1  # the interpreter: exercise both passes
+    sms = _multiprocessors(device)
+    return max(1, min(MAX_SPLITS, -(-2 * sms // (rows * num_kv_heads))))
+
+
+class CudaStep:
+    """Runs a step's forward pass on the Triton backend; see the module doc."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int = 8192,
+        num_spec_tokens: int = 0,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        bs = kv_cache.block_size
+        decode_rows = max_num_seqs * (1 + num_spec_tokens)
+        self.shape = StepShape(
+            max_rows=max(max_num_batched_tokens + max_model_len, decode_rows),
+            max_table_rows=max(decode_rows, max_num_seqs),
+            max_seqs=max_num_seqs,
+            max_blocks=-(-max_model_len // bs),
+        )
+        self.inputs = StepInputs(self.shape, device)
+        spec = model.spec
+        tp_size = getattr(model, "tp", None)
+        tp_size = tp_size.size if tp_size is not None else 1
+        self._heads = spec.num_heads // tp_size
+        self._kv_heads = spec.num_kv_heads // tp_size
+        self._head_dim = spec.head_dim
+        # Decode steps are sized by bucket whether or not graphs replay them (see _splits).
+        self.sizes = capture_sizes(min(decode_rows, MAX_GRAPH_ROWS))
+        self.graphs: DecodeGraphs | None = None
+        if not enforce_eager and tp_size == 1:
+            self.graphs = DecodeGraphs(self._bucket_forward, self.sizes, device)
+        # Split-K buffers per number of splits, each sized for the most rows that use it.
+        rows_for: dict[int, int] = {}
+        for rows in range(1, self.shape.max_table_rows + 1):
+            rows_for[self._splits(rows)] = rows
+        self._workspaces = {
+            splits: ta.decode_workspace(rows, self._heads, self._head_dim, splits, device)
+            for splits, rows in rows_for.items()
+            if splits > 1
+        }
+
+    def _splits(self, rows: int) -> int:
+        """Decode splits for a step of ``rows`` rows: by its graph bucket's size when it has one
+        (so an eager step attends as its padded replay would)."""
+        bucket = next((size for size in self.sizes if size >= rows), rows)
+        return decode_splits(bucket, self._kv_heads, self.device)
+
+    def _decode_args(self, rows: int) -> dict:
+        splits = self._splits(rows)
+        workspace = self._workspaces.get(splits) if splits > 1 else None
+        if splits > 1 and (workspace is None or workspace.acc.shape[0] < rows):
+            workspace = ta.decode_workspace(rows, self._heads, self._head_dim, splits, self.device)
+        return dict(num_splits=splits, workspace=workspace)
+
+    def _bucket_forward(self, rows: int) -> torch.Tensor:
+        """The model on the buffers' first ``rows`` decode rows (what a graph captures)."""
+        ctx = GpuAttentionContext(
+            self.kv_cache,
+            num_tokens=rows,
+            **self._decode_args(rows),
+            **self.inputs.decode_context_views(rows),
+        )
+        return self.model(self.inputs.ids[1][:rows], self.inputs.positions[1][:rows], ctx)
+
+    def capture(self) -> None:
+        """Capture the decode graphs (start-up; after the KV cache exists)."""
+        if self.graphs is None:
+            return
+        # Capture-time inputs: padding rows only (no KV written, nothing attended).
+        self.inputs.slots[1].fill_(-1)
+        self.inputs.context_lens[1].zero_()
+        self.graphs.capture()
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's ``T`` rows."""
+        n = len(batch.token_ids)
+        seqs = batch.seqs
+        decode = is_decode_rows(seqs)
+        bucket = None
+        if decode and self.graphs is not None and not batch.prompt_rows:
+            bucket = self.graphs.bucket(n)
+        inputs = self.inputs
+        width = max(len(s.block_table) for s in seqs)
+        table_rows = n if decode else len(seqs)
+        if not self.shape.covers(max(n, bucket or 0), len(seqs), table_rows, width):
+            # Larger than planned (a tensor-parallel rank's defaults): buffers for this step.
+            shape = StepShape(n, max(table_rows, 1), len(seqs), width)
+            inputs = StepInputs(shape, self.device)
+            bucket = None
+        ids, positions, fields = inputs.fill(
+            batch.token_ids, batch.positions, seqs, self.kv_cache.block_size, bucket
+        )
+        if bucket is not None:
+            assert self.graphs is not None
+            return self.graphs.replay(bucket)[:n]
+        ctx = GpuAttentionContext(
+            self.kv_cache, num_tokens=n, **(self._decode_args(n) if decode else {}), **fields
+        )
+        return self.model(ids, positions, ctx)

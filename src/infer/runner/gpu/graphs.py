@@ -1,0 +1,94 @@
+"""CUDA graphs of the decode forward pass, one per batch-size bucket.
+
+A decode step of ``n`` rows replays the graph of the smallest bucket ``B >= n``; rows ``n..B``
+are padding (token 0 at position 0, slot -1: stored nowhere, context 0: attends to nothing), so
+every replay reads the same buffers at the same addresses. Buckets as vLLM's capture sizes::
+
+    1 2 4 8 16 24 32 40 ... (steps of 8) ... max
+
+Graphs are captured largest first into one shared memory pool: the activations of one replay
+are dead before the next starts, so the pool holds about one large bucket's worth.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_rows: int) -> list[int]:
+    """The bucket sizes for decode steps of up to ``max_rows`` rows (ascending)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_rows]
+    sizes += range(8, max_rows + 1, 8)
+    if max_rows not in sizes:
+        sizes.append(max_rows)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """One captured forward per bucket.
+
+    ``forward(B)`` runs the model on the step buffers' first ``B`` rows and returns the final
+    hidden states ``[B, hidden]``; its output tensor is what a replay refreshes. On a device
+    without CUDA graphs (the CPU, in tests) ``capture`` records nothing and ``replay`` calls
+    ``forward`` on the same padded buffers: what the padding does to outputs is testable
+    without a GPU.
+    """
+
+    def __init__(
+        self, forward: Callable[[int], torch.Tensor], sizes: list[int], device: torch.device
+    ) -> None:
+        self.forward = forward
+        self.sizes = sorted(sizes)
+        self.device = device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    def bucket(self, rows: int) -> int | None:
+        """The smallest bucket holding ``rows`` rows, or None (run eagerly)."""
+        for size in self.sizes:
+            if size >= rows:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if self.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            # Warm-up outside the graph: Triton compiles, cuBLAS picks its kernels.
+            self.forward(size)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
+        logger.info(
+            "captured %d CUDA graphs for decode steps of 1..%d rows in %.1fs, %.0f MiB",
+            len(self.sizes),
+            self.sizes[-1],
+            self.capture_seconds,
+            self.capture_bytes / 2**20,
+        )
+
+    def replay(self, size: int) -> torch.Tensor:
+        """The hidden states ``[size, hidden]`` of the bucket's forward on the current buffers."""
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self.forward(size)
+        graph.replay()
+        return self.outputs[size]

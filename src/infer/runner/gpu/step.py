@@ -1,0 +1,340 @@
+"""A step's inputs in persistent device buffers, and the attention context that reads them.
+
+The host fills pinned buffers (numpy views, no tensors built from lists) and each field is one
+non-blocking copy to a device buffer whose address never changes, so a CUDA graph captured on
+these buffers replays any later step of its size::
+
+    host (pinned)                                  device (fixed addresses)
+    input_ids    [max_rows] int64   ── copy [:n] ─►  input_ids
+    positions    [max_rows] int64                     positions
+    slots        [max_rows] int32                     slots          -1: padding, stored nowhere
+    context_lens [max_rows] int32                     context_lens   decode rows; 0: padding
+    tables       [max_table_rows, max_blocks] int32   tables         one row per decode row,
+                                                                     or per sequence (prefill)
+    query_start  [max_seqs + 1] int32                 query_start    prefill steps
+    num_computed [max_seqs] int32                     num_computed   prefill steps
+
+Two shapes of step:
+
+- **decode rows**: every token is its own query with its own context (a decode, or a token of a
+  speculative verify chunk: token j of a chunk after c cached tokens sees c + j + 1 keys). Row r
+  reads ``tables[r]`` and ``context_lens[r]``; one decode-kernel launch per layer. This is the
+  step CUDA graphs replay, padded to a bucket with rows of context 0 and slot -1.
+- **mixed** (any prefill chunk): sequence s owns rows ``query_start[s] .. query_start[s+1]``, at
+  positions ``num_computed[s] + i``, causal over its cached past and itself; one prefill-kernel
+  launch per layer for every sequence of the step (a decode is a chunk of one).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from infer.runner import kv_quant
+from infer.runner.gpu import triton_attention as ta
+from infer.runner.gpu import triton_fused
+
+if TYPE_CHECKING:
+    from infer.runner.attention import KVCache, SequenceSlice
+
+
+def _interpreted(x: torch.Tensor) -> bool:
+    """Triton's interpreter on CPU tensors (tests): the fused rope + store runs there too."""
+    return (
+        x.device.type == "cpu"
+        and triton_fused.triton is not None
+        and (os.environ.get("TRITON_INTERPRET") == "1")
+    )
+
+
+def is_decode_rows(seqs: list[SequenceSlice]) -> bool:
+    """Whether every query of the step can be attended as a decode row."""
+    return bool(seqs) and all(s.num_new_tokens == 1 or s.as_decode_rows for s in seqs)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The most a step can hold: rows (tokens), decode rows' tables, sequences."""
+
+    max_rows: int
+    max_table_rows: int
+    max_seqs: int
+    max_blocks: int  # blocks of one sequence's table (max_model_len / block_size, rounded up)
+
+    def covers(self, num_rows: int, num_seqs: int, table_rows: int, width: int) -> bool:
+        return (
+            num_rows <= self.max_rows
+            and num_seqs <= self.max_seqs
+            and table_rows <= self.max_table_rows
+            and width <= self.max_blocks
+        )
+
+
+class GpuAttentionContext:
+    """What the model's attention layers call for one forward pass on the Triton backend.
+
+    Same interface as :class:`infer.runner.attention.AttentionContext` (``attend``,
+    ``can_store_rotated``, ``all_decode``, ``num_tokens``); every tensor is a view of the step
+    buffers, so a context built for a graph bucket at capture stays valid for every replay.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        *,
+        num_tokens: int,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        context_lens: torch.Tensor | None = None,
+        query_start: torch.Tensor | None = None,
+        num_computed: torch.Tensor | None = None,
+        max_query_len: int = 1,
+        num_splits: int = 1,
+        workspace: object | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.num_tokens = num_tokens
+        self.slot_mapping = slots
+        self.tables = tables
+        self.context_lens = context_lens
+        self.query_start = query_start
+        self.num_computed = num_computed
+        self.max_query_len = max_query_len
+        self.num_splits = num_splits
+        self.workspace = workspace
+
+    @property
+    def all_decode(self) -> bool:
+        return self.context_lens is not None
+
+    def can_store_rotated(self, qkv: torch.Tensor) -> bool:
+        """Whether :meth:`rotate_and_store` takes this fused projection: one kernel for rope
+        on q and k and the KV store (a cache in the activations' dtype)."""
+        return (
+            self.kv_cache.kind is None
+            and qkv.dtype == self.kv_cache.dtype
+            and qkv.dim() == 2
+            and qkv.stride(1) == 1
+            and (triton_fused.fused_enabled(qkv) or _interpreted(qkv))
+        )
+
+    def rotate_and_store(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rope on q and k of ``qkv`` in place and k, v stored, in one kernel; ``q, k, v``
+        views (then :meth:`attend` with ``kv_stored=True``)."""
+        k_cache, v_cache = self.kv_cache.layer(layer_idx)
+        triton_fused.rope_and_store(
+            qkv, cos, sin, k_cache, v_cache, self.slot_mapping, num_heads, num_kv_heads, head_dim
+        )
+        t = qkv.shape[0]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q = qkv[:, :q_size].view(t, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(t, num_kv_heads, head_dim)
+        return q, k, v
+
+    def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        cache = self.kv_cache
+        k_cache, v_cache = cache.layer(layer_idx)
+        if cache.kind is None:
+            ta.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+            return
+        kq, ks = kv_quant.quantize(k, cache.kind)
+        vq, vs = kv_quant.quantize(v, cache.kind)
+        ta.store_kv(kq, vq, k_cache, v_cache, self.slot_mapping)
+        k_scales, v_scales = cache.layer_scales(layer_idx)
+        assert k_scales is not None and v_scales is not None
+        ta.store_kv(
+            ks[..., None],
+            vs[..., None],
+            k_scales[..., None],
+            v_scales[..., None],
+            self.slot_mapping,
+        )
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        kv_stored: bool = False,
+    ) -> torch.Tensor:
+        """Store ``k, v`` at the step's slots, then attend ``q`` ``[T, H, D]`` through the block
+        tables; ``[T, H, D]``."""
+        if not kv_stored:
+            self._store(layer_idx, k, v)
+        cache = self.kv_cache
+        k_cache, v_cache = cache.layer(layer_idx)
+        k_scales, v_scales = cache.layer_scales(layer_idx)
+        common = dict(
+            block_size=cache.block_size,
+            scale=scale,
+            sliding_window=sliding_window,
+            k_scales=k_scales,
+            v_scales=v_scales,
+            kv_kind=cache.kind,
+        )
+        if self.context_lens is not None:
+            return ta.paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                self.tables,
+                self.context_lens,
+                num_splits=self.num_splits,
+                workspace=self.workspace,
+                **common,
+            )
+        assert self.query_start is not None and self.num_computed is not None
+        return ta.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.tables,
+            self.query_start,
+            self.num_computed,
+            self.max_query_len,
+            **common,
+        )
+
+
+class StepInputs:
+    """Pinned host buffers and their device twins for the step's model inputs (see module doc).
+
+    ``fill`` writes a step on the host and issues one non-blocking copy per field; before it
+    writes the host buffers again it waits for the previous copies (an event), so a step with
+    nothing sampled (no synchronisation of its own) cannot have its inputs overwritten in flight.
+    """
+
+    def __init__(self, shape: StepShape, device: torch.device) -> None:
+        self.shape = shape
+        self.device = device
+        pin = device.type == "cuda"
+
+        def pair(*size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            host = torch.zeros(*size, dtype=dtype, pin_memory=pin)
+            return host, torch.zeros(*size, dtype=dtype, device=device)
+
+        self.ids = pair(shape.max_rows, dtype=torch.long)
+        self.positions = pair(shape.max_rows, dtype=torch.long)
+        self.slots = pair(shape.max_rows, dtype=torch.int32)
+        self.context_lens = pair(shape.max_table_rows, dtype=torch.int32)
+        self.tables = pair(shape.max_table_rows, shape.max_blocks, dtype=torch.int32)
+        self.query_start = pair(shape.max_seqs + 1, dtype=torch.int32)
+        self.num_computed = pair(shape.max_seqs, dtype=torch.int32)
+        # numpy views of the host halves: filled without building tensors
+        self._np = {
+            name: getattr(self, name)[0].numpy()
+            for name in (
+                "ids",
+                "positions",
+                "slots",
+                "context_lens",
+                "tables",
+                "query_start",
+                "num_computed",
+            )
+        }
+        self._copied = torch.cuda.Event() if pin else None
+
+    def _wait_for_last_copy(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def _upload(self, name: str, n: int) -> torch.Tensor:
+        host, dev = getattr(self, name)
+        if n:
+            dev[:n].copy_(host[:n], non_blocking=True)
+        return dev[:n]
+
+    def decode_context_views(self, rows: int) -> dict[str, torch.Tensor]:
+        """The device views a decode-rows step of ``rows`` rows reads (a graph's inputs)."""
+        return dict(
+            slots=self.slots[1][:rows],
+            tables=self.tables[1][:rows],
+            context_lens=self.context_lens[1][:rows],
+        )
+
+    def fill(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        seqs: list[SequenceSlice],
+        block_size: int,
+        padded_rows: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Write one step; returns ``(input_ids, positions, context fields)`` device views.
+
+        ``padded_rows`` (decode rows only): pad to this many rows (a graph bucket) with rows
+        that store nothing and attend to nothing."""
+        self._wait_for_last_copy()
+        n = len(token_ids)
+        rows = padded_rows or n
+        a = self._np
+        a["ids"][:n] = token_ids
+        a["positions"][:n] = positions
+        computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+        new = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))
+        pos = a["positions"][:n]
+        seq_of_token = np.repeat(np.arange(len(seqs)), new)
+        tables = a["tables"]
+        fields: dict
+        if is_decode_rows(seqs):
+            # one table row per token (a verify chunk repeats its sequence's table)
+            r = 0
+            for s, k in zip(seqs, new, strict=True):
+                t = s.block_table
+                for _ in range(k):
+                    tables[r, : len(t)] = t
+                    r += 1
+            blocks = tables[np.arange(n), pos // block_size]
+            a["slots"][:n] = blocks * block_size + pos % block_size
+            a["context_lens"][:n] = pos + 1
+            if rows > n:
+                a["ids"][n:rows] = 0
+                a["positions"][n:rows] = 0
+                a["slots"][n:rows] = -1
+                a["context_lens"][n:rows] = 0
+            self._upload("tables", rows)
+            fields = dict(
+                slots=self._upload("slots", rows),
+                tables=self.tables[1][:rows],
+                context_lens=self._upload("context_lens", rows),
+            )
+        else:
+            for i, s in enumerate(seqs):
+                tables[i, : len(s.block_table)] = s.block_table
+            blocks = tables[seq_of_token, pos // block_size]
+            a["slots"][:n] = blocks * block_size + pos % block_size
+            a["query_start"][0] = 0
+            a["query_start"][1 : len(seqs) + 1] = np.cumsum(new)
+            a["num_computed"][: len(seqs)] = computed
+            self._upload("tables", len(seqs))
+            fields = dict(
+                slots=self._upload("slots", n),
+                tables=self.tables[1][: len(seqs)],
+                query_start=self._upload("query_start", len(seqs) + 1),
+                num_computed=self._upload("num_computed", len(seqs)),
+                max_query_len=int(new.max()),
+            )
+        ids = self._upload("ids", rows)
+        positions_t = self._upload("positions", rows)
+        if self._copied is not None:
+            self._copied.record()
+        return ids, positions_t, fields
