@@ -12,12 +12,27 @@ kernels a CUDA graph replays, so what padding does to outputs is checked on ever
 from __future__ import annotations
 
 import pytest
+import torch
 
 from infer import SamplingParams
 
 from .conftest import PROMPTS
 
 pytest.importorskip("triton")
+
+# The Triton step's device: the GPU when there is one (whatever --device says), else the CPU
+# under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def make_llm(make_llm):
+    def factory(kind: str = "llama", **options):
+        options.setdefault("device", DEVICE)
+        return make_llm(kind, **options)
+
+    return factory
+
 
 NUM_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -32,7 +47,21 @@ def _want(hf_greedy, kind: str, prompts=FEW) -> list[list[int]]:
     return [t[:NUM_TOKENS] for t in hf_greedy(kind)[: len(prompts)]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "gpt2"])
+# The interpreter is slow (~10 s an engine here): the default run keeps the kinds that add
+# something (gemma3: sliding windows and q/k norms; gpt2: learned positions); the
+# rest run with -m slow, and every one runs on a GPU.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("llama", marks=SLOW),
+        pytest.param("qwen3", marks=SLOW),
+        "gemma3",
+        "gpt2",
+    ],
+)
 def test_greedy_matches_transformers(kind, make_llm, hf_greedy):
     llm = make_llm(kind, attention_backend="triton", block_size=4, max_num_seqs=4)
     assert llm.engine.runner.cuda_step is not None
@@ -42,14 +71,16 @@ def test_greedy_matches_transformers(kind, make_llm, hf_greedy):
 MODES = {
     # a tight budget and chunks of 5 after blocks of 4: chunks start mid-block over a paged past
     "chunked": dict(prefill_chunk_size=5, block_size=4, max_num_seqs=3),
-    "prefix_cache": dict(enable_prefix_caching=True, block_size=4, max_num_seqs=2),
     "preempt_recompute": dict(num_kv_blocks=14, block_size=4, max_num_seqs=5),
     "preempt_swap": dict(num_kv_blocks=14, block_size=4, max_num_seqs=5, preemption_mode="swap"),
     "contiguous": dict(kv_cache_backend="contiguous", max_num_seqs=3),
 }
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(
+    "mode",
+    [pytest.param(m, marks=SLOW) if m in ("preempt_swap", "contiguous") else m for m in MODES],
+)
 def test_graphs_and_eager_give_transformers_tokens(mode, make_llm, hf_greedy):
     """Padded buckets (graphs) and exact-size eager steps: the same tokens, transformers'."""
     want = _want(hf_greedy, "llama")
@@ -79,7 +110,7 @@ def test_shared_prefix_hits_read_the_cached_blocks(make_llm, hf_greedy):
     assert llm.engine.kv_manager.pool.stats.hits > 0
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", [pytest.param("int8", marks=SLOW), "fp8"])
 def test_quantized_kv_cache_matches_the_torch_path(kv_dtype, make_llm):
     """A one-byte cache: the Triton kernels dequantize inside; greedy tokens equal the torch
     path's over the same rounded keys and values."""
@@ -103,6 +134,7 @@ def test_speculative_verify_rows_replay_and_match(make_llm, hf_greedy):
     assert llm.engine.scheduler.counters.spec_draft_tokens > 0
 
 
+@SLOW
 def test_sampling_with_a_seed_is_reproducible(make_llm):
     params = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     a = make_llm("llama", attention_backend="triton", max_num_seqs=4)

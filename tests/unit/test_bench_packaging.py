@@ -76,6 +76,7 @@ def test_default_report_folder_is_outside_the_source_tree():
         ["bench", "vs-vllm"],
         ["bench", "decode-curve"],
         ["bench", "prefix"],
+        ["bench", "gpu"],
         ["bench", "results"],
     ):
         args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|kernels|quant|spec|structured|prefix|results``.
+"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|kernels|quant|spec|structured|gpu|prefix|results``.
 
 Registered by :mod:`infer.cli`. Building the parser imports nothing from the ``bench`` extra;
 each command checks for the extra first (:func:`infer.bench.require_bench_extra`) and imports
@@ -74,6 +74,77 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-save", action="store_true", help="print tables only")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+
+
+def add_gpu_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``infer bench gpu`` (:mod:`infer.bench.gpu`; also ``benchmarks/bench_gpu.py``).
+    List options left unset take the full run's default, or ``--quick``'s (``full | quick``)."""
+    p.add_argument("--out", default=f"{DEFAULT_OUT}/gpu", help="report folder (gpu.md, gpu.json)")
+    p.add_argument("--model", default=None, help="model folder (default: the 1B-shape Llama)")
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="where the 1B-shape Llama is built once and reused "
+        "(default ~/.cache/infer/bench/llama-1b-shape)",
+    )
+    p.add_argument("--quick", action="store_true", help="fewer cells, the same targets")
+    p.add_argument(
+        "--modes",
+        default="graphs,eager,torch-eager",
+        help="engines: graphs (triton + CUDA graphs), eager (triton, enforce_eager), "
+        "torch-eager (torch attention, enforce_eager: the old path)",
+    )
+    p.add_argument(
+        "--concurrency", default=None, help="C of the PxO loads (1,16,64,256 | 1,64,256)"
+    )
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--long",
+        default=None,
+        help="more loads, INxOUT@C[+C], comma-separated (1024x128@16 | none)",
+    )
+    p.add_argument("--requests-per-c", type=int, default=None, help="requests per load / C (2 | 1)")
+    p.add_argument("--buckets", default=None, help="decode batch sizes (1,8,32,128,256 | 1,32,256)")
+    p.add_argument("--bucket-modes", default="graphs,eager", help="modes whose buckets are timed")
+    p.add_argument(
+        "--bucket-steps", type=int, default=None, help="steps timed per bucket (20 | 12)"
+    )
+    p.add_argument("--skip-buckets", action="store_true")
+    p.add_argument("--skip-roofline", action="store_true")
+    p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers generate_batch")
+    p.add_argument("--hf-prompts", default=None, help="generate_batch sizes (1,16,64,256 | 64,256)")
+    p.add_argument(
+        "--hf-c1-tokens",
+        type=int,
+        default=None,
+        help="new tokens of the 1-prompt generate_batch, which is slow (32 | 16)",
+    )
+    p.add_argument("--kernel-batches", default=None, help="(16,64,256 | 16,256)")
+    p.add_argument("--kernel-contexts", default=None, help="(512,2048,8192 | 512,8192)")
+    p.add_argument(
+        "--kernel-torch-contexts",
+        default=None,
+        help="contexts also timed on the torch path (512,2048 | 2048)",
+    )
+    p.add_argument(
+        "--kernel-splits", default=None, help="num_splits at batch 1 (1,2,4,8,16,32 | 1,4,16)"
+    )
+    p.add_argument("--kernel-split-context", type=int, default=8192)
+    p.add_argument("--kernel-reps", type=int, default=None, help="timed samples (20 | 10)")
+    p.add_argument("--kernel-max-gb", type=float, default=20.0, help="skip larger K/V caches")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", default="8GiB", help="KV budget of each engine")
+    p.add_argument("--read-gib", type=float, default=None, help="roofline read size (4 on CUDA)")
+    p.add_argument("--matmul-n", type=int, default=None, help="roofline matmul size (8192 on CUDA)")
+    p.add_argument("--seed", type=int, default=0)
+    # A dry run of the whole flow on a machine without a GPU: --device cpu --tiny.
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
 
 
 @needs_bench_extra
@@ -278,6 +349,14 @@ def _offline_bench(module: str) -> Callable[[argparse.Namespace], int]:
         return int(importlib.import_module(f"infer.bench.{module}").run(args) or 0)
 
     return cmd
+
+
+def cmd_gpu(args: argparse.Namespace) -> int:
+    """``infer bench gpu``: needs CUDA, not the ``bench`` extra (it uses no HTTP client, SDK
+    or plots), so a bare GPU machine runs it with infer's runtime dependencies alone."""
+    from infer.bench.gpu import run
+
+    return run(args)
 
 
 def _micro_chart(name: str, result: dict, path: Path) -> Path | None:
@@ -552,6 +631,14 @@ def register(subparsers) -> None:
     from infer.bench.router import add_parser as add_router
 
     add_router(sub)
+    gp = sub.add_parser(
+        "gpu",
+        help="one CUDA GPU: a 1B-shape Llama's roofline, engine modes (CUDA graphs / eager / "
+        "torch), decode buckets, the Triton attention kernel, transformers' generate_batch",
+    )
+    add_gpu_args(gp)
+    gp.set_defaults(func=cmd_gpu)
+
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
     pr.add_argument("--model", default=None, help=model_help)
     pr.add_argument("--dtype", default="bfloat16")

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# One call on a bare GPU machine (docs/benchmarks.md, "On a lent GPU machine"): install the
+# carried wheels, run the GPU tests, then `infer bench gpu`; every phase under its own timeout so
+# the whole script ends inside GPU_CHECK_BUDGET seconds.
+#
+#   bash scripts/gpu_check.sh        # from the repository root, with .whl/ carried alongside
+#
+# Results land in $OUT (default bench-results/gpu-check): tests.log, bench.log, gpu.md, gpu.json
+# (and integration.log): at most five files. Environment (defaults in brackets):
+#   GPU_CHECK_BUDGET [400]           seconds for the whole script; the bench gets what is left
+#   GPU_CHECK_TESTS [1]              0 skips the GPU test files
+#   GPU_CHECK_TEST_FILES             [tests/*/test_*cuda*.py tests/*/test_*triton*.py]
+#   GPU_CHECK_PYTEST_ARGS            [-q -rfE --maxfail=5]
+#   GPU_CHECK_TEST_TIMEOUT [180]
+#   GPU_CHECK_INTEGRATION [0]        1: also `pytest tests/integration --device cuda` (minutes)
+#   GPU_CHECK_INTEGRATION_ARGS []    e.g. "--attention-backend torch --enforce-eager"
+#   GPU_CHECK_INTEGRATION_TIMEOUT [240]
+#   GPU_CHECK_BENCH [1]              0 skips infer bench gpu
+#   GPU_CHECK_BENCH_ARGS []          e.g. "--quick", "--skip-hf", "--modes graphs,torch-eager"
+#   GPU_CHECK_BENCH_MIN [60]         seconds the bench needs at least, else it is skipped
+set -u
+cd "$(dirname "$0")/.."
+START=$(date +%s)
+OUT=${OUT:-$PWD/bench-results/gpu-check}
+mkdir -p "$OUT"
+BUDGET=${GPU_CHECK_BUDGET:-400}
+elapsed() { echo $(($(date +%s) - START)); }
+phase() { echo "== [$(elapsed)s] $*"; }
+TESTS_RC=- INTEGRATION_RC=- BENCH_RC=-
+
+phase "machine"
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader ||
+    echo "nvidia-smi failed"
+command -v g++ >/dev/null || echo "no g++: infer's C++ CPU kernels fall back to torch"
+
+phase "wheels"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl 2>&1 | grep -v "WARNING: Running pip as" ||
+        true
+else
+    echo "no .whl/ here: name it in the call's carry (fastapi, uvicorn, openai, ... are missing)"
+fi
+export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python3 - <<'EOF'
+import importlib
+versions = []
+for name in ("torch", "triton", "transformers", "fastapi", "pydantic", "openai", "llguidance"):
+    try:
+        versions.append(f"{name} {importlib.import_module(name).__version__}")
+    except Exception as e:  # noqa: BLE001
+        versions.append(f"{name} MISSING ({type(e).__name__})")
+import torch
+print(", ".join(versions), "| CUDA", torch.version.cuda, "| available:", torch.cuda.is_available())
+EOF
+
+if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
+    shopt -s nullglob
+    # shellcheck disable=SC2206  # the globs are meant to expand
+    files=(${GPU_CHECK_TEST_FILES:-tests/*/test_*cuda*.py tests/*/test_*triton*.py})
+    shopt -u nullglob
+    phase "GPU tests: ${files[*]}"
+    # shellcheck disable=SC2086
+    timeout -k 10 "${GPU_CHECK_TEST_TIMEOUT:-180}" python3 -m pytest -p no:cacheprovider \
+        ${GPU_CHECK_PYTEST_ARGS:--q -rfE --maxfail=5} "${files[@]}" >"$OUT/tests.log" 2>&1
+    TESTS_RC=$?
+    tail -n 25 "$OUT/tests.log"
+    phase "GPU tests: rc=$TESTS_RC"
+fi
+
+if [ "${GPU_CHECK_INTEGRATION:-0}" = 1 ]; then
+    phase "integration tests on cuda ${GPU_CHECK_INTEGRATION_ARGS:-}"
+    # shellcheck disable=SC2086
+    timeout -k 10 "${GPU_CHECK_INTEGRATION_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider \
+        -q -rfE tests/integration --device cuda ${GPU_CHECK_INTEGRATION_ARGS:-} \
+        >"$OUT/integration.log" 2>&1
+    INTEGRATION_RC=$?
+    tail -n 15 "$OUT/integration.log"
+    phase "integration tests: rc=$INTEGRATION_RC"
+fi
+
+if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
+    left=$((BUDGET - $(elapsed) - 5))
+    if [ "$left" -lt "${GPU_CHECK_BENCH_MIN:-60}" ]; then
+        phase "bench skipped: ${left}s left of GPU_CHECK_BUDGET=$BUDGET"
+    else
+        phase "infer bench gpu ${GPU_CHECK_BENCH_ARGS:-} (limit ${left}s)"
+        # SIGTERM at the limit: the bench writes what it measured, then its summary.
+        set -o pipefail
+        # shellcheck disable=SC2086
+        timeout -s TERM -k 20 "$left" python3 -m infer.cli bench gpu --out "$OUT" \
+            ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+        BENCH_RC=$?
+        set +o pipefail
+    fi
+fi
+
+ls -l "$OUT"
+phase "done: tests rc=$TESTS_RC, integration rc=$INTEGRATION_RC, bench rc=$BENCH_RC"

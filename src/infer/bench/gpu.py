@@ -1,0 +1,1373 @@
+"""One GPU, one process, every number the CUDA path is judged by: ``infer bench gpu``.
+
+    infer bench gpu [--out bench-results/gpu] [--quick] [--modes graphs,eager,torch-eager]
+                    [--concurrency 1,16,64,256] [--skip-buckets] [--skip-kernels] [--skip-hf]
+
+(``python benchmarks/bench_gpu.py`` runs the same; ``scripts/gpu_check.sh`` runs it on a lent
+machine after the GPU tests.) Sections, each timed, printed as it finishes and written to
+``gpu.json`` / ``gpu.md`` under ``--out`` straight away, so a run cut short keeps what it had:
+
+1. **model**: a random-weight bf16 Llama of Llama 3.2 1B's shape (hidden 2048, 16 layers, 32 query
+   / 8 KV heads of 64, MLP 8192, vocab 128256, tied embeddings: 1.24B parameters), built on the
+   GPU once into ``~/.cache/infer/bench/llama-1b-shape`` with a BPE tokenizer (``--model DIR``
+   uses another folder).
+2. **roofline**: HBM read rate (a sum over a 4 GiB bf16 tensor, median), bf16 matmul TFLOP/s, and
+   the weight-read limit of one decode step (weight bytes / read rate).
+3. **engine**: the offline engine per ``--modes`` (``graphs``: Triton paged attention and CUDA
+   graphs; ``eager``: Triton, no graphs; ``torch-eager``: gather + SDPA, no graphs, the old
+   path), one engine per mode, closed loop at C = ``--concurrency`` on 128-token prompts / 128
+   greedy tokens (2C requests, C in flight) and 1024 / 128 at C = 16: output tok/s, ITL and
+   TTFT p50. Then, per ``--bucket-modes``, the time of a pure decode step at batch sizes
+   ``--buckets`` (B requests decoding, ``engine.step()`` timed, median).
+4. **kernels**: ``infer.runner.gpu.triton_attention.paged_decode_attention`` on the model's
+   heads at batch x context, K/V bytes read per call against the measured read rate, today's
+   torch path (index_select gather + masked SDPA) beside it, and split-K at batch 1, 8k.
+5. **hf**: transformers' own continuous batching (``generate_batch``, a persistent manager) on
+   the same prompts: tok/s, and infer (graphs) / transformers.
+
+An exception in one section (or one mode) is recorded in the report and the rest runs. The
+report ends with the issue's targets, each MET / MISS / N/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import importlib
+import json
+import logging
+import math
+import platform
+import signal
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA_1B_DIR = Path.home() / ".cache/infer/bench/llama-1b-shape"
+TINY_DIR = Path.home() / ".cache/infer/bench/llama-tiny-gpu-bench"
+
+# Llama 3.2 1B's shape (no llama3 rope scaling: plain rope at theta 500k).
+LLAMA_1B_SHAPE: dict[str, Any] = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+}
+# ``--tiny``: the same code path in seconds on a CPU (a dry run of the whole flow).
+TINY_SHAPE: dict[str, Any] = {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+}
+
+MODES: dict[str, dict[str, Any]] = {
+    "graphs": {"attention_backend": "triton", "enforce_eager": False},
+    "eager": {"attention_backend": "triton", "enforce_eager": True},
+    "torch-eager": {"attention_backend": "torch", "enforce_eager": True},
+}
+
+# Defaults of the list options: (full run, --quick). An explicit flag wins over both.
+DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "concurrency": ("1,16,64,256", "1,64,256"),
+    "long": ("1024x128@16", ""),
+    "requests_per_c": (2, 1),
+    "buckets": ("1,8,32,128,256", "1,32,256"),
+    "bucket_steps": (20, 12),
+    "hf_prompts": ("1,16,64,256", "64,256"),
+    "hf_c1_tokens": (32, 16),
+    "kernel_batches": ("16,64,256", "16,256"),
+    "kernel_contexts": ("512,2048,8192", "512,8192"),
+    "kernel_torch_contexts": ("512,2048", "2048"),
+    "kernel_splits": ("1,2,4,8,16,32", "1,4,16"),
+    "kernel_reps": (20, 10),
+}
+
+# The issue's targets (H100 figures for the tok/s ones).
+TARGET_B1_RATIO = 1.5
+TARGET_C256_TOKS = 40_000.0
+TARGET_C64_TOKS = 15_000.0
+TARGET_VS_HF = 10.0
+TARGET_ATTN_ROOF = 0.70
+TARGET_SPLIT_SPEEDUP = 4.0
+
+
+class _Interrupted(BaseException):
+    """SIGTERM (``timeout``): finish the report with what there is, then stop."""
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the list options left unset from :data:`DEFAULTS` (full, or ``--quick``)."""
+    for name, (full, quick) in DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+def ints(text: str | int) -> list[int]:
+    """``"1,16,64"`` -> ``[1, 16, 64]`` (empty text: none)."""
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def parse_loads(text: str) -> list[tuple[int, int, int]]:
+    """``"1024x128@16,512x64@4+8"`` -> ``[(1024, 128, 16), (512, 64, 4), (512, 64, 8)]``."""
+    loads = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        shape, _, cs = item.partition("@")
+        pin, _, pout = shape.partition("x")
+        if not (cs and pout):
+            raise SystemExit(f"--long {item!r}: write INxOUT@C (e.g. 1024x128@16)")
+        loads += [(int(pin), int(pout), int(c)) for c in cs.split("+")]
+    return loads
+
+
+def load_key(prompt_len: int, output_len: int, c: int) -> str:
+    return f"{prompt_len}x{output_len}@{c}"
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[], Any],
+    device: torch.device,
+    reps: int,
+    inner: int = 1,
+    warmup: int = 2,
+    graph: bool = False,
+    how: dict | None = None,
+) -> list[float]:
+    """Milliseconds per call of ``fn``, ``reps`` samples of ``inner`` calls each (CUDA events
+    on a GPU, the wall clock elsewhere), after ``warmup`` calls.
+
+    ``graph``: on CUDA, the ``inner`` calls are captured in one CUDA graph and each sample is a
+    replay, so a kernel shorter than its launch from Python is timed, not the launch (falls
+    back to plain calls if the capture fails). ``how["timing"]`` says which ran.
+    """
+    how = how if how is not None else {}
+    how["timing"] = "events" if device.type == "cuda" else "wall clock"
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+
+    def calls() -> None:
+        for _ in range(inner):
+            fn()
+
+    run = calls
+    if graph and device.type == "cuda":
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                calls()
+            torch.cuda.current_stream(device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                calls()
+            g.replay()
+            run = g.replay
+            how["timing"] = "cuda graph"
+        except Exception as e:  # noqa: BLE001 - time the plain calls instead
+            how["timing"] = f"events (graph capture failed: {type(e).__name__}: {e})"[:200]
+        _sync(device)
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / inner)
+        else:
+            t = time.perf_counter()
+            run()
+            out.append((time.perf_counter() - t) * 1000 / inner)
+    return out
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - a missing or broken package is just absent here
+        return None
+
+
+def llama_params(cfg: dict) -> int:
+    """Parameters of a Llama with ``cfg`` (a config.json dict): embeddings (once when tied),
+    attention, MLP and norms."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    emb = cfg["vocab_size"] * h
+    attn = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+    mlp = 3 * h * cfg["intermediate_size"]
+    total = emb + layers * (attn + mlp + 2 * h) + h
+    return total if cfg.get("tie_word_embeddings", False) else total + emb
+
+
+# ---- 1. model -----------------------------------------------------------------------------------
+def build_model(out: Path, shape: dict, device: torch.device) -> dict:
+    """Build (or reuse) a random bf16 Llama of ``shape`` with a BPE tokenizer in ``out``."""
+    info: dict[str, Any] = {"path": str(out)}
+    if (out / "config.json").exists():
+        info["reused"] = True
+        return info
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infer.data.train_tokenizer import train_bpe_tokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t = time.perf_counter()
+    # The model's vocab is larger than the tokenizer's (the corpus gives the 1B's ~9k tokens, the
+    # tiny model's half on purpose): prompts are ids below the tokenizer's size, outputs any id.
+    tok = train_bpe_tokenizer(tmp, vocab_size=min(shape["vocab_size"] // 2, 32000))
+    info["tokenizer_s"] = time.perf_counter() - t
+    shape = dict(shape)
+    theta = shape.pop("rope_theta")
+    cfg = LlamaConfig(
+        **shape,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        initializer_range=0.02,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    _sync(device)
+    info["init_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    model.save_pretrained(tmp)
+    info["save_s"] = time.perf_counter() - t
+    del model
+    _free(device)
+    tmp.rename(out)
+    info["reused"] = False
+    return info
+
+
+def describe_model(path: Path) -> dict:
+    cfg = json.loads((path / "config.json").read_text())
+    params = llama_params(cfg)
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+    )
+    shape = {k: cfg.get(k) for k in keys}
+    if not shape["head_dim"]:
+        shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    from infer.model.tokenizer import load_tokenizer
+
+    return {
+        "params": params,
+        "weight_bytes": 2 * params,
+        "shape": shape,
+        "tokenizer_vocab": len(load_tokenizer(path)),
+    }
+
+
+# ---- 2. roofline --------------------------------------------------------------------------------
+def roofline(device: torch.device, read_bytes: int, matmul_n: int, reps: int = 10) -> dict:
+    x = torch.ones(read_bytes // 2, dtype=torch.bfloat16, device=device)
+    read = time_ms(x.sum, device, reps)
+    del x
+    _free(device)
+    n = matmul_n
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    mm = time_ms(functools.partial(torch.matmul, a, b), device, reps)
+    del a, b
+    _free(device)
+    med = statistics.median(read)
+    return {
+        "read_bytes": read_bytes,
+        "read_ms": med,
+        "read_GBps": read_bytes / (med / 1000) / 1e9,
+        "read_GBps_best": read_bytes / (min(read) / 1000) / 1e9,
+        "matmul_n": n,
+        "matmul_TFLOPs": 2 * n**3 / (statistics.median(mm) / 1000) / 1e12,
+    }
+
+
+# ---- 3. engine ----------------------------------------------------------------------------------
+def prompts_for(vocab: int, n: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """The prompts :func:`infer.bench.engine.run_load` draws for ``seed`` (random ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(n)]
+
+
+def make_engine(model: Path, mode: str, args: argparse.Namespace):
+    from infer.config import EngineConfig
+    from infer.engine.engine import LLMEngine
+
+    kw: dict[str, Any] = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "device": args.device,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        **MODES[mode],
+    }
+    if args.kv_cache_memory:
+        kw["kv_cache_memory"] = args.kv_cache_memory
+    return LLMEngine(EngineConfig.from_kwargs(**kw))
+
+
+def runner_info(engine: Any) -> dict[str, str]:
+    """What the runner says about its attention backend and CUDA graphs (attribute names that
+    mention them), to show which path actually ran."""
+    words = ("graph", "backend", "eager", "triton", "attention")
+    found = {}
+    for obj_name in ("runner", "model"):
+        obj = getattr(engine, obj_name, None)
+        for k, v in (vars(obj) if obj is not None else {}).items():
+            if any(w in k.lower() for w in words) and not isinstance(v, torch.nn.Module):
+                found[f"{obj_name}.{k}"] = repr(v)[:120]
+    step = getattr(getattr(engine, "runner", None), "cuda_step", None)
+    if step is not None:
+        found["runner.cuda_step"] = type(step).__name__
+        graphs = getattr(step, "graphs", None)
+        found["decode graphs"] = (
+            "none (eager)"
+            if graphs is None
+            else (
+                f"{len(getattr(graphs, 'graphs', {}))} captured for batch "
+                f"{getattr(graphs, 'sizes', ['?'])[0]}..{getattr(graphs, 'sizes', ['?'])[-1]} in "
+                f"{getattr(graphs, 'capture_seconds', 0):.1f}s, "
+                f"{getattr(graphs, 'capture_bytes', 0) / 2**20:.0f} MiB"
+            )
+        )
+    return found
+
+
+def decode_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
+    """Median time of ``engine.step()`` with exactly ``batch`` requests decoding (their prompts
+    prefilled first), then the requests are aborted."""
+    from infer.core.sampling_params import SamplingParams
+
+    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    ids = [f"bucket{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, prompts_for(vocab, batch, prompt_len, seed), strict=True):
+        engine.add_request(rid, prompt, params)
+    started: set[str] = set()
+    for _ in range(10_000):
+        for out in engine.step():
+            if out.num_output_tokens >= 1:
+                started.add(out.request_id)
+        if len(started) == batch:
+            break
+    sched = engine.scheduler
+    times, rows = [], []
+    try:
+        if len(started) != batch:
+            raise RuntimeError(f"only {len(started)} of {batch} requests started decoding")
+        for _ in range(3):  # the bucket's first replays (or captures)
+            engine.step()
+        if sched.num_waiting or sched.num_running != batch:
+            raise RuntimeError(
+                f"not a pure decode batch: {sched.num_running} running, {sched.num_waiting} waiting"
+            )
+        device = engine.device
+        for _ in range(steps):
+            _sync(device)
+            t = time.perf_counter()
+            outs = engine.step()
+            _sync(device)
+            times.append((time.perf_counter() - t) * 1000)
+            rows.append(len(outs))
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return {
+        "batch": batch,
+        "ms": statistics.median(times),
+        "ms_min": min(times),
+        "steps": steps,
+        "outputs_per_step_min": min(rows),
+    }
+
+
+def engine_mode(
+    model: Path,
+    mode: str,
+    args: argparse.Namespace,
+    loads: list,
+    buckets: list,
+    log: Callable[[str], None],
+    res: dict | None = None,
+) -> dict:
+    """One mode: build the engine, warm it, run every load and (for bucket modes) the decode
+    buckets, filling ``res`` as it goes (a run cut short keeps what it had); the engine is freed
+    on the way out."""
+    from infer.bench.engine import run_load
+
+    res = {} if res is None else res
+    res.update(settings=MODES[mode], loads={}, buckets={}, failures=0)
+    t = time.perf_counter()
+    engine = make_engine(model, mode, args)
+    try:
+        res["startup_s"] = time.perf_counter() - t
+        res["runner_info"] = runner_info(engine)
+        res["kv_tokens"] = engine.capacity.num_tokens
+        log(f"{mode}: engine up in {res['startup_s']:.1f}s ({res['kv_tokens']} KV tokens)")
+        t = time.perf_counter()
+        run_load(engine, 4, 4, args.prompt_len, 8, seed=99)
+        biggest = max((c for _, _, c in loads), default=1)
+        run_load(engine, biggest, biggest, args.prompt_len, 4, seed=98)
+        res["warmup_s"] = time.perf_counter() - t
+        for pin, pout, c in loads:
+            key = load_key(pin, pout, c)
+            n = max(args.requests_per_c * c, 2 if c == 1 else c)
+            try:
+                row = run_load(engine, c, n, pin, pout, seed=args.seed)
+            except Exception as e:  # noqa: BLE001 - one failed cell must not lose the rest
+                res["failures"] += 1
+                res["loads"][key] = {"error": f"{type(e).__name__}: {e}"}
+                log(f"{mode} {key}: FAILED {type(e).__name__}: {e}")
+                continue
+            res["loads"][key] = row
+            log(
+                f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
+                f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 {row['ttft_ms']['p50']:.0f} ms "
+                f"({row['wall_s']:.1f}s)"
+            )
+        for b in buckets:
+            try:
+                res["buckets"][str(b)] = r = decode_step_ms(
+                    engine, b, args.bucket_steps, args.prompt_len, seed=1000 + b
+                )
+                log(f"{mode} decode step at batch {b}: {r['ms']:.3f} ms")
+            except Exception as e:  # noqa: BLE001
+                res["failures"] += 1
+                res["buckets"][str(b)] = {"error": f"{type(e).__name__}: {e}"}
+                log(f"{mode} bucket {b}: FAILED {type(e).__name__}: {e}")
+    finally:
+        engine.close()
+        del engine
+        _free(torch.device(args.device))
+    return res
+
+
+# ---- 4. kernels ---------------------------------------------------------------------------------
+def torch_decode_attention(q, k_cache, v_cache, gather, mask, scale):
+    """Today's torch path on CUDA (``AttentionContext._attend_decode``): gather every context
+    row with index_select, then masked SDPA. ``gather`` [R, L] slots; ``mask`` [R, 1, 1, L]."""
+    import torch.nn.functional as F
+
+    r, length = gather.shape
+    ks = k_cache.index_select(0, gather.reshape(-1)).view(r, length, *k_cache.shape[1:])
+    vs = v_cache.index_select(0, gather.reshape(-1)).view(r, length, *v_cache.shape[1:])
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :],
+        ks.transpose(1, 2),
+        vs.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k_cache.shape[1],
+    )
+    return o[:, :, 0, :]
+
+
+def _kernel_case(
+    attn: Callable,
+    r: int,
+    length: int,
+    shape: dict,
+    device: torch.device,
+    reps: int,
+    splits: list[int],
+    with_torch: bool,
+    min_bytes: int,
+    workspace: Callable | None = None,
+) -> dict:
+    """Time one batch x context: the kernel at each of ``splits``, and the torch path.
+
+    The cache holds ``copies`` disjoint sets of shuffled blocks (``min_bytes`` of K/V in all)
+    and consecutive calls cycle through them, so a small case reads HBM rather than L2; each
+    sample is a CUDA graph of at least ``4 * min_bytes`` of reads (see :func:`time_ms`).
+    ``workspace(rows, heads, dim, splits, device)``: split-K buffers made once, outside timing.
+    """
+    h, hkv, d, bs = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block_size"]
+    kv_bytes = r * length * hkv * d * 2 * 2
+    copies = max(1, math.ceil(min_bytes / kv_bytes))
+    inner = copies * max(1, math.ceil(4 * min_bytes / (copies * kv_bytes)))
+    blocks_per_seq = math.ceil(length / bs)
+    num_blocks = copies * r * blocks_per_seq
+    gen = torch.Generator(device=device).manual_seed(r * 100003 + length)
+    k_cache = torch.randn(
+        num_blocks * bs, hkv, d, dtype=torch.bfloat16, device=device, generator=gen
+    )
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
+    tables = tables.view(copies, r, blocks_per_seq)
+    q = torch.randn(r, h, d, dtype=torch.bfloat16, device=device, generator=gen)
+    lens = torch.full((r,), length, dtype=torch.int32, device=device)
+    scale = d**-0.5
+    row: dict[str, Any] = {
+        "batch": r,
+        "context": length,
+        "kv_bytes": kv_bytes,
+        "copies": copies,
+        "calls_per_sample": inner,
+        "splits_ms": {},
+    }
+    outs: dict[int, torch.Tensor] = {}
+    how: dict[str, str] = {}
+    for split in splits:
+        out = outs[split] = torch.empty_like(q)
+        kw: dict[str, Any] = {"block_size": bs, "scale": scale, "num_splits": split, "out": out}
+        if split > 1 and workspace is not None:
+            kw["workspace"] = workspace(r, h, d, split, device)
+        i = [0]
+
+        def fn(kw: dict = kw, i: list = i) -> Any:
+            c = i[0] % copies
+            i[0] += 1
+            return attn(q, k_cache, v_cache, tables[c], lens, **kw)
+
+        ms = time_ms(fn, device, reps, inner=inner, graph=True, how=how)
+        row["splits_ms"][str(split)] = statistics.median(ms)
+        attn(q, k_cache, v_cache, tables[0], lens, **kw)  # this split's output of copy 0
+    row["timing"] = how.get("timing")
+    best = min(row["splits_ms"], key=row["splits_ms"].get)
+    row["ms"] = row["splits_ms"].get("1", row["splits_ms"][best])
+    row["best_split"], row["best_ms"] = int(best), row["splits_ms"][best]
+    row["GBps"] = kv_bytes / (row["ms"] / 1000) / 1e9
+    if len(outs) > 1:
+        first = outs[splits[0]].float()
+        row["split_max_abs_diff"] = max(
+            (o.float() - first).abs().max().item() for o in outs.values()
+        )
+    if with_torch:
+        offsets = torch.arange(bs, device=device)
+        gathers = (tables.long()[..., None] * bs + offsets).flatten(2)[..., :length]
+        mask = (torch.arange(length, device=device)[None, :] < lens[:, None].long())[:, None, None]
+        j = [0]
+
+        def torch_fn() -> Any:
+            c = j[0] % copies
+            j[0] += 1
+            return torch_decode_attention(q, k_cache, v_cache, gathers[c], mask, scale)
+
+        torch_how: dict[str, str] = {}
+        ms = time_ms(torch_fn, device, reps, inner=inner, graph=True, how=torch_how)
+        row["torch_ms"] = statistics.median(ms)
+        row["torch_timing"] = torch_how.get("timing")
+        row["torch_GBps"] = kv_bytes / (row["torch_ms"] / 1000) / 1e9
+        want = torch_decode_attention(q, k_cache, v_cache, gathers[0], mask, scale).float()
+        row["max_abs_err"] = (outs[splits[0]].float() - want).abs().max().item()
+    return row
+
+
+def kernel_bench(
+    args: argparse.Namespace,
+    shape: dict,
+    read_GBps: float | None,
+    log: Callable[[str], None],
+    attn: Callable | None = None,
+    workspace: Callable | None = None,
+    min_bytes: int | None = None,
+    res: dict | None = None,
+) -> dict:
+    """The Triton paged decode attention kernel over batch x context, the torch path beside it
+    on ``--kernel-torch-contexts``, and split-K at batch 1 (``attn``, ``workspace``: tests).
+    ``min_bytes``: K/V cycled through per case (default 256 MiB on CUDA, 5x an H100's L2).
+    ``res`` is filled as the cases finish."""
+    res = {} if res is None else res
+    if attn is None:
+        try:
+            ta = importlib.import_module("infer.runner.gpu.triton_attention")
+        except ImportError as e:
+            res["skipped"] = f"infer.runner.gpu.triton_attention is not importable: {e}"
+            return res
+        attn, workspace = ta.paged_decode_attention, getattr(ta, "decode_workspace", None)
+    device = torch.device(args.device)
+    res.update(shape=shape, rows=[], skipped_cases=[], failures=0)
+    torch_ctx = set(ints(args.kernel_torch_contexts))
+    if min_bytes is None:
+        min_bytes = 256 << 20 if device.type == "cuda" else 64 << 10
+    for r in ints(args.kernel_batches):
+        for length in ints(args.kernel_contexts):
+            kv_bytes = r * length * shape["kv_heads"] * shape["head_dim"] * 4
+            if kv_bytes > args.kernel_max_gb * 1e9:
+                res["skipped_cases"].append(f"{r}x{length}: {kv_bytes / 1e9:.2f} GB of K/V")
+                continue
+            try:
+                row = _kernel_case(
+                    attn,
+                    r,
+                    length,
+                    shape,
+                    device,
+                    args.kernel_reps,
+                    [1],
+                    length in torch_ctx,
+                    min_bytes,
+                    workspace,
+                )
+            except Exception as e:  # noqa: BLE001 - one failed cell must not lose the rest
+                row = {"batch": r, "context": length, "error": f"{type(e).__name__}: {e}"}
+                res["failures"] += 1
+                log(f"kernel {r}x{length}: FAILED {row['error']}")
+            else:
+                if read_GBps:
+                    row["pct_of_read"] = row["GBps"] / read_GBps
+                torch_us = f", torch {1000 * row['torch_ms']:.1f} us" if "torch_ms" in row else ""
+                log(
+                    f"kernel {r}x{length}: {1000 * row['ms']:.1f} us, {row['GBps']:,.0f} GB/s"
+                    f"{torch_us} ({row['timing']})"
+                )
+            res["rows"].append(row)
+            _free(device)
+    splits = ints(args.kernel_splits)
+    if splits:
+        length = args.kernel_split_context
+        try:
+            row = _kernel_case(
+                attn,
+                1,
+                length,
+                shape,
+                device,
+                args.kernel_reps,
+                splits,
+                False,
+                min_bytes,
+                workspace,
+            )
+            one = row["splits_ms"].get("1")
+            row["speedup"] = one / row["best_ms"] if one else None
+            if read_GBps:
+                row["best_pct_of_read"] = row["kv_bytes"] / (row["best_ms"] / 1e3) / 1e9 / read_GBps
+            res["split"] = row
+            times = ", ".join(f"{s}: {1000 * ms:.1f} us" for s, ms in row["splits_ms"].items())
+            log(f"kernel split-K 1x{length}: {times}")
+        except Exception as e:  # noqa: BLE001
+            res["split"] = {"error": f"{type(e).__name__}: {e}"}
+            res["failures"] += 1
+            log(f"kernel split-K: FAILED {res['split']['error']}")
+        _free(device)
+    return res
+
+
+# ---- 5. transformers ----------------------------------------------------------------------------
+def hf_bench(
+    model: Path,
+    vocab: int,
+    args: argparse.Namespace,
+    log: Callable[[str], None],
+    res: dict | None = None,
+) -> dict:
+    """transformers' continuous batching (``generate_batch``) on the engine's prompts, with a
+    persistent manager sized for the largest count, warmed up once; fills ``res``."""
+    res = {} if res is None else res
+    import inspect
+
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    device = torch.device(args.device)
+    counts = ints(args.hf_prompts)
+    t = time.perf_counter()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.bfloat16, attn_implementation="sdpa", device_map=str(device)
+        )
+    except Exception:  # noqa: BLE001 - older versions / no accelerate: load, then move
+        hf = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).to(device)
+    hf.eval()
+    res.update(version=transformers.__version__, load_s=time.perf_counter() - t)
+    sig = inspect.signature(hf.generate_batch).parameters
+    kw: dict[str, Any] = {}
+    if "persistent_manager" in sig:
+        kw["persistent_manager"] = True
+    if "continuous_batching_config" in sig:
+        try:
+            from transformers import ContinuousBatchingConfig
+        except ImportError:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        fields = inspect.signature(ContinuousBatchingConfig).parameters
+        opts = {"max_requests_per_batch": max(counts)}
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(
+            **{k: v for k, v in opts.items() if k in fields}
+        )
+    res["options"] = {k: repr(v)[:200] for k, v in kw.items()}
+    # Its warnings (the persistent manager's, once a call) would fill the console's tail.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+
+    def gen_config(n_new: int) -> GenerationConfig:
+        # eos None: transformers disables it (-1), so every request runs to max_new_tokens.
+        return GenerationConfig(
+            max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+
+    prompts = prompts_for(vocab, max(counts), args.prompt_len, args.seed)
+    t = time.perf_counter()
+    hf.generate_batch(inputs=prompts[: max(counts)], generation_config=gen_config(4), **kw)
+    res["warmup_s"] = time.perf_counter() - t
+    res["attn_implementation"] = getattr(hf.config, "_attn_implementation", None)
+    res["rows"] = {}
+    try:
+        for n in counts:
+            n_new = args.hf_c1_tokens if n == 1 else args.output_len
+            _sync(device)
+            t = time.perf_counter()
+            outs = hf.generate_batch(inputs=prompts[:n], generation_config=gen_config(n_new), **kw)
+            _sync(device)
+            wall = time.perf_counter() - t
+            tokens = sum(len(o.generated_tokens) for o in outs.values())
+            errors = [o.error for o in outs.values() if getattr(o, "error", None)]
+            res["rows"][str(n)] = row = {
+                "prompts": n,
+                "max_new_tokens": n_new,
+                "tokens": tokens,
+                "wall_s": wall,
+                "tok_s": tokens / wall,
+                "errors": errors[:3],
+            }
+            log(
+                f"transformers generate_batch {n} prompts x {n_new}: {row['tok_s']:,.0f} tok/s "
+                f"({tokens} tokens in {wall:.1f}s)"
+            )
+    finally:
+        destroy = getattr(hf, "destroy_cached_continuous_batching_manager", None)
+        if destroy is not None:
+            with contextlib.suppress(Exception):
+                destroy()
+        del hf
+        _free(device)
+    return res
+
+
+# ---- targets and the report ---------------------------------------------------------------------
+def _get(d: Any, *keys: Any) -> Any:
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _status(ok: bool | None) -> str:
+    return "N/A" if ok is None else ("MET" if ok else "MISS")
+
+
+def targets(report: dict) -> list[dict]:
+    """The issue's targets with the measured value and MET / MISS (N/A: not measured)."""
+    p, o = report.get("prompt_len", 128), report.get("output_len", 128)
+    graphs = _get(report, "engine", "graphs") or {}
+    limit = _get(report, "roofline", "weight_read_ms")
+    rows: list[dict] = []
+
+    def add(target: str, measured: str | None, ok: bool | None) -> None:
+        rows.append({"target": target, "measured": measured, "status": _status(ok)})
+
+    itl1 = _get(graphs, "loads", load_key(p, o, 1), "itl_ms", "p50")
+    ratio = itl1 / limit if itl1 and limit else None
+    add(
+        f"batch-1 decode step <= {TARGET_B1_RATIO}x weight-read limit (graphs, C=1 ITL p50)",
+        ratio and f"{itl1:.3f} ms = {ratio:.2f}x {limit:.3f} ms",
+        None if ratio is None else ratio <= TARGET_B1_RATIO,
+    )
+    for c, want in ((256, TARGET_C256_TOKS), (64, TARGET_C64_TOKS)):
+        toks = _get(graphs, "loads", load_key(p, o, c), "output_tok_s")
+        add(
+            f"C={c} {p}/{o} >= {want:,.0f} tok/s (graphs; an H100 figure)",
+            toks and f"{toks:,.0f} tok/s",
+            None if toks is None else toks >= want,
+        )
+
+    g_b = _get(graphs, "buckets") or {}
+    e_b = _get(report, "engine", "eager", "buckets") or {}
+    pairs = sorted(
+        (int(b), g["ms"], e_b[b]["ms"])
+        for b, g in g_b.items()
+        if "ms" in g and "ms" in (e_b.get(b) or {})
+    )
+    worst = max(pairs, key=lambda x: x[1] / x[2]) if pairs else None
+    add(
+        "graphs faster than eager at every decode bucket",
+        worst
+        and f"{len(pairs)} buckets; worst graphs/eager {worst[1] / worst[2]:.2f} at "
+        f"batch {worst[0]}",
+        None if worst is None else all(g < e for _, g, e in pairs),
+    )
+
+    for n in (64, 256):
+        ours = _get(graphs, "loads", load_key(p, o, n), "output_tok_s")
+        theirs = _get(report, "hf", "rows", str(n), "tok_s")
+        r = ours / theirs if ours and theirs else None
+        add(
+            f">= {TARGET_VS_HF:.0f}x transformers generate_batch at {n} (tok/s)",
+            r and f"{ours:,.0f} / {theirs:,.0f} = {r:.1f}x",
+            None if r is None else r >= TARGET_VS_HF,
+        )
+
+    cells = [
+        row
+        for row in _get(report, "kernels", "rows") or []
+        if "pct_of_read" in row and 16 <= row["batch"] <= 256 and 512 <= row["context"] <= 8192
+    ]
+    low = min(cells, key=lambda x: x["pct_of_read"]) if cells else None
+    add(
+        f"decode attention >= {100 * TARGET_ATTN_ROOF:.0f}% of the read rate (batch 16-256, "
+        "context 512-8192)",
+        low
+        and f"{len(cells)} cells; lowest {100 * low['pct_of_read']:.0f}% at "
+        f"{low['batch']}x{low['context']}",
+        None if low is None else low["pct_of_read"] >= TARGET_ATTN_ROOF,
+    )
+
+    split = _get(report, "kernels", "split") or {}
+    sp = split.get("speedup")
+    add(
+        f"batch 1 at {split.get('context', 8192)}: split-K >= {TARGET_SPLIT_SPEEDUP:.0f}x "
+        "one split",
+        sp and f"{sp:.2f}x (best: {split['best_split']} splits)",
+        None if sp is None else sp >= TARGET_SPLIT_SPEEDUP,
+    )
+    return rows
+
+
+def _f(x: Any, fmt: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _ratio(a: float | None, b: float | None, fmt: str = ".2f", suffix: str = "") -> str:
+    return format(a / b, fmt) + suffix if a and b else "-"
+
+
+def _last_line(text: str | None, width: int = 160) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1][:width] if lines else ""
+
+
+def _table(header: list[str], rows: list[list[Any]], align: str = "") -> list[str]:
+    """A markdown table; ``align`` has one letter per column, ``r`` right-aligned."""
+    sep = ["---:" if c == "r" else "---" for c in align.ljust(len(header), "l")[: len(header)]]
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(sep) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def render_markdown(r: dict) -> str:
+    m, model, roof = r.get("machine", {}), r.get("model", {}), r.get("roofline", {})
+    eng, kern, hf = r.get("engine", {}), r.get("kernels", {}), r.get("hf", {})
+    p, o = r.get("prompt_len", 128), r.get("output_len", 128)
+    built = "reused" if model.get("reused") else f"built in {_f(model.get('build_s'), '.1f')} s"
+    lines = [
+        "# infer on one GPU: `infer bench gpu`",
+        "",
+        f"Device: **{m.get('device', '?')}**; torch {m.get('torch')} (CUDA {m.get('cuda')}), "
+        f"triton {m.get('triton')}, transformers {m.get('transformers')}, python "
+        f"{m.get('python')}. Total {_f(r.get('total_s'), '.0f')} s.",
+        "",
+        f"Model: `{model.get('path', '?')}`: {model.get('params', 0) / 1e9:.3f}B parameters, "
+        f"{model.get('weight_bytes', 0) / 1e9:.2f} GB in bf16 ({built}); tokenizer vocab "
+        f"{model.get('tokenizer_vocab', '?')}.",
+        "",
+        "## Sections",
+        "",
+    ]
+    lines += _table(
+        ["section", "status", "seconds", "note"],
+        [
+            [name, s["status"], f"{s['seconds']:.1f}", _last_line(s.get("error") or s.get("note"))]
+            for name, s in r.get("sections", {}).items()
+        ],
+        "llr",
+    )
+    if roof:
+        lines += [
+            "",
+            "## Roofline (same run)",
+            "",
+            f"- HBM read: {_f(roof.get('read_GBps'), ',.0f')} GB/s (median; best "
+            f"{_f(roof.get('read_GBps_best'), ',.0f')}), a sum over "
+            f"{roof.get('read_bytes', 0) / 2**30:.1f} GiB of bf16",
+            f"- bf16 matmul {roof.get('matmul_n')}^3: {_f(roof.get('matmul_TFLOPs'), '.0f')} "
+            "TFLOP/s",
+            f"- weight-read limit of one decode step (weight bytes / read rate): "
+            f"{_f(roof.get('weight_read_ms'), '.3f')} ms",
+        ]
+    if eng:
+        base = _get(eng, "torch-eager", "loads") or {}
+        rows = []
+        for mode, res in eng.items():
+            if "error" in res and not res.get("loads"):
+                rows.append([mode, "-", f"failed: {_last_line(res['error'], 120)}", "", "", "", ""])
+            for key, row in res.get("loads", {}).items():
+                if "error" in row:
+                    rows.append([mode, key, f"failed: {row['error'][:120]}", "", "", "", ""])
+                    continue
+                rows.append(
+                    [
+                        mode,
+                        key,
+                        f"{row['output_tok_s']:,.0f}",
+                        _ratio(row["output_tok_s"], _get(base, key, "output_tok_s"), suffix="x"),
+                        f"{row['itl_ms']['p50']:.2f}",
+                        f"{row['ttft_ms']['p50']:.0f}",
+                        f"{row['mean_step_ms']:.2f}",
+                    ]
+                )
+        lines += ["", "## Offline engine, closed loop (C in flight, greedy, ignore_eos)", ""]
+        lines += _table(
+            [
+                "mode",
+                "PxO@C",
+                "output tok/s",
+                "vs torch-eager",
+                "ITL p50 ms",
+                "TTFT p50 ms",
+                "mean step ms",
+            ],
+            rows,
+            "llrrrrr",
+        )
+        rows = []
+        for mode, res in eng.items():
+            itl = _get(res, "loads", load_key(p, o, 1), "itl_ms", "p50")
+            lim = roof.get("weight_read_ms")
+            ratio = f"{itl:.3f} / {lim:.3f} ms = {itl / lim:.2f}x" if itl and lim else "-"
+            info = "; ".join(f"{k}={v}" for k, v in (res.get("runner_info") or {}).items())
+            rows.append(
+                [
+                    mode,
+                    _f(res.get("startup_s"), ".1f"),
+                    _f(res.get("warmup_s"), ".1f"),
+                    ratio,
+                    info[:300],
+                ]
+            )
+        lines.append("")
+        lines += _table(
+            ["mode", "engine start s", "warm-up s", "C=1 ITL p50 / weight-read limit", "runner"],
+            rows,
+            "lrrr",
+        )
+        bucket_modes = [mo for mo, res in eng.items() if res.get("buckets")]
+        if bucket_modes:
+            sizes = sorted({int(b) for mo in bucket_modes for b in eng[mo]["buckets"]})
+            rows = []
+            for b in sizes:
+                cells = [
+                    _f(
+                        eng[mo]["buckets"].get(str(b), {}).get("ms"),
+                        ".3f",
+                        "failed" if "error" in eng[mo]["buckets"].get(str(b), {}) else "-",
+                    )
+                    for mo in bucket_modes
+                ]
+                g = _get(eng, "graphs", "buckets", str(b), "ms")
+                e = _get(eng, "eager", "buckets", str(b), "ms")
+                rows.append([b, *cells, _ratio(g, e)])
+            lines += ["", "## Decode step per batch size (pure decode, `engine.step()`, median ms)"]
+            lines += [""] + _table(["batch", *bucket_modes, "graphs / eager"], rows, "r" * 9)
+    if kern:
+        lines += ["", "## Decode attention kernel (Triton paged vs torch gather + SDPA)", ""]
+        if "skipped" in kern:
+            lines.append(f"Skipped: {kern['skipped']}")
+        else:
+            sh = kern.get("shape", {})
+            lines += [
+                f"{sh.get('heads')} query / {sh.get('kv_heads')} KV heads of {sh.get('head_dim')}, "
+                f"block size {sh.get('block_size')}, bf16. K/V bytes = batch x context x KV heads "
+                "x dim x 2 B x 2. Median over samples, each a CUDA graph of calls cycling through "
+                "copies of the cache (blocks shuffled) so reads miss L2.",
+                "",
+            ]
+            rows = []
+            for row in kern.get("rows", []):
+                if "error" in row:
+                    rows.append([row["batch"], row["context"], f"failed: {row['error'][:100]}"])
+                    continue
+                t_ms = row.get("torch_ms")
+                pct = row.get("pct_of_read")
+                rows.append(
+                    [
+                        row["batch"],
+                        row["context"],
+                        f"{row['kv_bytes'] / 1e6:,.1f}",
+                        f"{1000 * row['ms']:.1f}",
+                        f"{row['GBps']:,.0f}",
+                        _f(None if pct is None else 100 * pct, ".0f"),
+                        _f(None if t_ms is None else 1000 * t_ms, ".1f"),
+                        _f(row.get("torch_GBps"), ",.0f"),
+                        _ratio(t_ms, row["ms"]),
+                        _f(row.get("max_abs_err"), ".2e"),
+                    ]
+                )
+            lines += _table(
+                [
+                    "batch",
+                    "context",
+                    "K/V MB",
+                    "triton us",
+                    "GB/s",
+                    "% of read",
+                    "torch us",
+                    "torch GB/s",
+                    "triton speed-up",
+                    "max abs err vs torch",
+                ],
+                rows,
+                "r" * 10,
+            )
+            lines += [f"\nSkipped: {s}" for s in kern.get("skipped_cases", [])]
+            split = kern.get("split", {})
+            if "splits_ms" in split:
+                one = split["splits_ms"].get("1")
+                lines += ["", f"Split-K at batch 1, context {split['context']}:", ""]
+                lines += _table(
+                    ["num_splits", "us", "speed-up vs 1"],
+                    [
+                        [s, f"{1000 * ms:.1f}", _ratio(one, ms)]
+                        for s, ms in split["splits_ms"].items()
+                    ],
+                    "rrr",
+                )
+            elif "error" in split:
+                lines.append(f"\nSplit-K failed: {split['error']}")
+    if hf.get("rows"):
+        graphs = _get(eng, "graphs", "loads") or {}
+        rows = []
+        for n, row in hf["rows"].items():
+            ours = _get(graphs, load_key(p, o, int(n)), "output_tok_s")
+            rows.append(
+                [
+                    n,
+                    row["max_new_tokens"],
+                    row["tokens"],
+                    f"{row['wall_s']:.1f}",
+                    f"{row['tok_s']:,.0f}",
+                    _f(ours, ",.0f"),
+                    _ratio(ours, row["tok_s"], ".1f"),
+                ]
+            )
+        lines += [
+            "",
+            f"## transformers {hf.get('version')} `generate_batch` (persistent manager)",
+            "",
+            f"The same {p}-token prompts, greedy, attention `{hf.get('attn_implementation')}`, "
+            f"options {hf.get('options')}. infer's cells keep C in flight over "
+            f"{r.get('requests_per_c', 2)}xC requests.",
+            "",
+        ]
+        lines += _table(
+            [
+                "prompts",
+                "new tokens",
+                "tokens",
+                "s",
+                "tok/s",
+                "infer graphs tok/s",
+                "infer / transformers",
+            ],
+            rows,
+            "r" * 7,
+        )
+    elif "error" in hf:
+        lines += ["", f"transformers generate_batch failed: {_last_line(hf['error'])}"]
+    lines += ["", "## Targets", ""]
+    lines += _table(
+        ["target", "measured", "status"],
+        [
+            [t["target"], t["measured"] or "-", f"**{t['status']}**"]
+            for t in r.get("targets") or targets(r)
+        ],
+    )
+    return "\n".join(lines) + "\n"
+
+
+def summary(r: dict) -> str:
+    """A compact tail for the console (the device tool shows the last 12,000 characters)."""
+    m, roof = r.get("machine", {}), r.get("roofline", {})
+    lines = [
+        "",
+        "=" * 30 + " infer bench gpu: summary " + "=" * 30,
+        f"{m.get('device')} | torch {m.get('torch')} triton {m.get('triton')} transformers "
+        f"{m.get('transformers')} | total {_f(r.get('total_s'), '.0f')} s",
+    ]
+    if roof:
+        lines.append(
+            f"read {_f(roof.get('read_GBps'), ',.0f')} GB/s, bf16 matmul "
+            f"{_f(roof.get('matmul_TFLOPs'), '.0f')} TFLOP/s, weight-read limit "
+            f"{_f(roof.get('weight_read_ms'), '.3f')} ms"
+        )
+    for name, s in r.get("sections", {}).items():
+        note = _last_line(s.get("error") or s.get("note"), 200)
+        lines.append(
+            f"  {name}: {s['status']} in {s['seconds']:.1f}s" + (f" -- {note}" if note else "")
+        )
+    for mode, res in r.get("engine", {}).items():
+        cells = [
+            f"{k} {v['output_tok_s']:,.0f}"
+            for k, v in res.get("loads", {}).items()
+            if "output_tok_s" in v
+        ]
+        buckets = [f"{b}:{v['ms']:.2f}" for b, v in res.get("buckets", {}).items() if "ms" in v]
+        if "error" in res and not cells:
+            lines.append(f"  {mode}: failed -- {_last_line(res['error'], 200)}")
+            continue
+        line = f"  {mode}: tok/s " + ", ".join(cells)
+        lines.append(line + (f" | step ms at batch {' '.join(buckets)}" if buckets else ""))
+    for n, row in (_get(r, "hf", "rows") or {}).items():
+        lines.append(f"  transformers generate_batch {n} prompts: {row['tok_s']:,.0f} tok/s")
+    lines.append("targets:")
+    for t in r.get("targets") or []:
+        lines.append(f"  [{t['status']:4}] {t['target']}: {t['measured'] or '-'}")
+    return "\n".join(lines)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+class _Sections:
+    """Runs each section, times it, records errors, and rewrites the report after each."""
+
+    def __init__(self, report: dict, out: Path) -> None:
+        self.report, self.out = report, out
+
+    def write(self) -> None:
+        self.report["targets"] = targets(self.report)
+        (self.out / "gpu.json").write_text(json.dumps(self.report, indent=2, default=str))
+        (self.out / "gpu.md").write_text(render_markdown(self.report))
+
+    def run(self, name: str, fn: Callable[[], Any], device: torch.device) -> Any:
+        print(f"== {name} ...", flush=True)
+        t = time.perf_counter()
+        entry: dict[str, Any] = {"status": "ok"}
+        result = None
+        try:
+            result = fn()
+            if isinstance(result, dict) and "skipped" in result:
+                entry.update(status="skipped", note=result["skipped"])
+            elif isinstance(result, dict) and result.get("failures"):
+                entry.update(status="partial", note=f"{result['failures']} cell(s) failed")
+        except _Interrupted:
+            entry.update(status="interrupted", error="stopped by SIGTERM (timeout)")
+            raise
+        except Exception as e:  # noqa: BLE001 - the other sections still run
+            entry.update(status="error", error=traceback.format_exc()[-2000:])
+            print(f"!! {name} failed: {type(e).__name__}: {e}", flush=True)
+        finally:
+            entry["seconds"] = time.perf_counter() - t
+            self.report["sections"][name] = entry
+            _free(device)
+            self.write()
+            print(f"== {name}: {entry['status']} in {entry['seconds']:.1f}s", flush=True)
+        return result
+
+
+def _log(msg: str) -> None:
+    print(f"   {msg}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``infer bench gpu``: every section in turn; writes ``gpu.json`` and ``gpu.md``.
+
+    Exit status: 0 when every section ran, 1 when one failed (or a cell of one), 2 without
+    CUDA, 3 when stopped by SIGTERM (the report then holds what was measured)."""
+    args = resolve_args(args)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            "infer bench gpu needs a CUDA GPU, and torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}). Run it on a GPU machine (scripts/gpu_check.sh).",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    report: dict[str, Any] = {
+        "machine": {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "triton": _version("triton"),
+            "transformers": _version("transformers"),
+            "python": platform.python_version(),
+            "host": platform.node(),
+        },
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "requests_per_c": args.requests_per_c,
+        "sections": {},
+    }
+    sections = _Sections(report, out)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Interrupted()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    interrupted = False
+    try:
+        _run_sections(args, device, report, sections)
+    except _Interrupted:
+        interrupted = True
+        print("!! stopped by SIGTERM: the report holds what was measured", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        report["total_s"] = time.perf_counter() - t_start
+        sections.write()
+        print(summary(report), flush=True)
+        print(f"report: {out / 'gpu.md'} and {out / 'gpu.json'}", flush=True)
+    if interrupted:
+        return 3
+    failed = any(s["status"] in ("error", "partial") for s in report["sections"].values())
+    return 1 if failed or any("error" in res for res in report.get("engine", {}).values()) else 0
+
+
+def _run_sections(
+    args: argparse.Namespace, device: torch.device, report: dict, sections: _Sections
+) -> None:
+    if args.model:
+        model_dir = Path(args.model)
+    elif args.model_dir:
+        model_dir = Path(args.model_dir)
+    else:
+        model_dir = TINY_DIR if args.tiny else LLAMA_1B_DIR
+    shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
+
+    def model_section() -> dict:
+        t = time.perf_counter()
+        info = {"path": str(model_dir), "reused": True}
+        if not args.model:
+            info = build_model(model_dir, shape, device)
+        info["build_s"] = time.perf_counter() - t
+        info.update(describe_model(model_dir))
+        report["model"] = info
+        _log(
+            f"{info['params'] / 1e9:.3f}B parameters, {info['weight_bytes'] / 1e9:.2f} GB, "
+            f"{'reused' if info['reused'] else 'built'} in {info['build_s']:.1f}s"
+        )
+        return info
+
+    model = sections.run("model", model_section, device)
+    if model is None:
+        return  # nothing else can run without it
+
+    if not args.skip_roofline:
+
+        def roof_section() -> dict:
+            gib = (
+                args.read_gib
+                if args.read_gib is not None
+                else (4.0 if device.type == "cuda" else 0.25)
+            )
+            n = args.matmul_n or (8192 if device.type == "cuda" else 1024)
+            roof = roofline(device, int(gib * 2**30), n)
+            roof["weight_read_ms"] = model["weight_bytes"] / (roof["read_GBps"] * 1e9) * 1000
+            report["roofline"] = roof
+            _log(
+                f"read {roof['read_GBps']:,.0f} GB/s, bf16 matmul {roof['matmul_TFLOPs']:.0f} "
+                f"TFLOP/s, weight-read limit {roof['weight_read_ms']:.3f} ms"
+            )
+            return roof
+
+        sections.run("roofline", roof_section, device)
+
+    if not args.skip_engine:
+        loads = [(args.prompt_len, args.output_len, c) for c in ints(args.concurrency)]
+        loads += parse_loads(args.long)
+        bucket_modes = set() if args.skip_buckets else set(args.bucket_modes.split(","))
+        report["engine"] = {}
+        for mode in [m for m in args.modes.split(",") if m]:
+            if mode not in MODES:
+                report["engine"][mode] = {"error": f"unknown mode (choices: {', '.join(MODES)})"}
+                continue
+            buckets = ints(args.buckets) if mode in bucket_modes else []
+
+            def mode_section(mode: str = mode, buckets: list = buckets) -> dict:
+                res = report["engine"][mode] = {}
+                try:
+                    return engine_mode(model_dir, mode, args, loads, buckets, _log, res)
+                except Exception:
+                    res["error"] = traceback.format_exc()[-2000:]
+                    raise
+
+            sections.run(f"engine {mode}", mode_section, device)
+
+    if not args.skip_kernels:
+        kshape = {
+            "heads": model["shape"]["num_attention_heads"],
+            "kv_heads": model["shape"]["num_key_value_heads"],
+            "head_dim": model["shape"]["head_dim"],
+            "block_size": 16,
+        }
+
+        def kernel_section() -> dict:
+            res = report["kernels"] = {}
+            read = _get(report, "roofline", "read_GBps")
+            return kernel_bench(args, kshape, read, _log, res=res)
+
+        sections.run("kernels", kernel_section, device)
+
+    if not args.skip_hf:
+
+        def hf_section() -> dict:
+            vocab = min(model["shape"]["vocab_size"], model["tokenizer_vocab"])
+            res = report["hf"] = {}
+            try:
+                return hf_bench(model_dir, vocab, args, _log, res)
+            except Exception:
+                res["error"] = traceback.format_exc()[-2000:]
+                raise
+
+        sections.run("transformers generate_batch", hf_section, device)

@@ -1,0 +1,270 @@
+"""``infer bench gpu`` without a GPU: the targets and the report from made-up results, the
+refusal without CUDA, the kernel section's bookkeeping against a reference kernel, and the
+whole flow on a tiny model on the CPU (the hidden ``--device cpu --tiny``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from infer.bench import gpu
+from infer.bench.cli import add_gpu_args
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_gpu_args(p)
+    return gpu.resolve_args(p.parse_args(list(argv)))
+
+
+def _load(tok_s: float, itl: float = 1.0) -> dict:
+    return {
+        "output_tok_s": tok_s,
+        "itl_ms": {"p50": itl},
+        "ttft_ms": {"p50": 20.0},
+        "mean_step_ms": itl,
+    }
+
+
+def _hf(n: int, tok_s: float) -> dict:
+    tokens = n * 128
+    return {"prompts": n, "max_new_tokens": 128, "tokens": tokens, "wall_s": tokens / tok_s,
+            "tok_s": tok_s}  # fmt: skip
+
+
+def _report(**over) -> dict:
+    r = {
+        "machine": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.5"},
+        "model": {"path": "/m", "params": 1_235_814_400, "weight_bytes": 2_471_628_800},
+        "prompt_len": 128,
+        "output_len": 128,
+        "sections": {"model": {"status": "ok", "seconds": 20.0}},
+        "roofline": {"read_GBps": 3000.0, "weight_read_ms": 0.8, "matmul_TFLOPs": 700.0},
+        "engine": {
+            "graphs": {
+                "loads": {
+                    "128x128@1": _load(900.0, itl=1.1),
+                    "128x128@64": _load(16_000.0),
+                    "128x128@256": _load(41_000.0),
+                },
+                "buckets": {"1": {"ms": 1.0}, "256": {"ms": 5.0}},
+            },
+            "eager": {"loads": {}, "buckets": {"1": {"ms": 3.0}, "256": {"ms": 6.0}}},
+            "torch-eager": {"loads": {"128x128@64": _load(3200.0)}},
+        },
+        "kernels": {
+            "rows": [
+                {
+                    "batch": 16,
+                    "context": 512,
+                    "kv_bytes": 1,
+                    "ms": 1,
+                    "GBps": 2400.0,
+                    "pct_of_read": 0.8,
+                },
+                {
+                    "batch": 256,
+                    "context": 8192,
+                    "kv_bytes": 1,
+                    "ms": 1,
+                    "GBps": 2700.0,
+                    "pct_of_read": 0.9,
+                },
+                # batch 1 is outside the target's range: its 10% does not count
+                {
+                    "batch": 1,
+                    "context": 512,
+                    "kv_bytes": 1,
+                    "ms": 1,
+                    "GBps": 300.0,
+                    "pct_of_read": 0.1,
+                },
+            ],  # fmt: skip
+            "split": {
+                "context": 8192,
+                "splits_ms": {"1": 0.5, "8": 0.1},
+                "best_split": 8,
+                "best_ms": 0.1,
+                "speedup": 5.0,
+            },  # fmt: skip
+        },
+        "hf": {"rows": {"64": _hf(64, 1000.0), "256": _hf(256, 4000.0)}},
+    }
+    r.update(over)
+    return r
+
+
+def _status(rows: list[dict]) -> dict[str, str]:
+    return {row["target"].split(" (")[0]: row["status"] for row in rows}
+
+
+def test_every_target_met():
+    rows = gpu.targets(_report())
+    assert [r["status"] for r in rows] == ["MET"] * 8, rows
+    assert "1.100 ms = 1.38x 0.800 ms" in rows[0]["measured"]
+    assert "lowest 80% at 16x512" in rows[6]["measured"]
+
+
+def test_misses_and_unmeasured_targets():
+    r = _report()
+    r["engine"]["graphs"]["loads"]["128x128@1"]["itl_ms"]["p50"] = 1.3  # 1.63x the limit
+    r["engine"]["graphs"]["loads"]["128x128@256"]["output_tok_s"] = 39_999.0
+    r["engine"]["graphs"]["buckets"]["256"]["ms"] = 6.0  # a tie with eager is not faster
+    r["hf"]["rows"]["256"]["tok_s"] = 4200.0  # 41,000 / 4,200 = 9.8x
+    r["kernels"]["rows"][0]["pct_of_read"] = 0.69
+    r["kernels"]["split"]["speedup"] = 3.9
+    del r["engine"]["graphs"]["loads"]["128x128@64"]
+    got = _status(gpu.targets(r))
+    assert got == {
+        "batch-1 decode step <= 1.5x weight-read limit": "MISS",
+        "C=256 128/128 >= 40,000 tok/s": "MISS",
+        "C=64 128/128 >= 15,000 tok/s": "N/A",
+        "graphs faster than eager at every decode bucket": "MISS",
+        ">= 10x transformers generate_batch at 64": "N/A",
+        ">= 10x transformers generate_batch at 256": "MISS",
+        "decode attention >= 70% of the read rate": "MISS",
+        "batch 1 at 8192: split-K >= 4x one split": "MISS",
+    }
+
+
+def test_an_empty_report_is_all_not_measured_and_still_renders():
+    r = {"sections": {"model": {"status": "error", "seconds": 1.0, "error": "Traceback\nBoom"}}}
+    assert {t["status"] for t in gpu.targets(r)} == {"N/A"}
+    md = gpu.render_markdown(r)
+    assert "| model | error | 1.0 | Boom |" in md
+    assert md.count("**N/A**") == 8
+    assert "Boom" in gpu.summary(r)
+
+
+def test_markdown_tables_from_a_result():
+    r = _report()
+    r["targets"] = gpu.targets(r)
+    md = gpu.render_markdown(r)
+    assert "Device: **NVIDIA H100 80GB HBM3**" in md
+    assert "1.236B parameters, 2.47 GB" in md
+    # graphs vs the torch-eager baseline at C=64: 16,000 / 3,200
+    assert "| graphs | 128x128@64 | 16,000 | 5.00x | 1.00 | 20 | 1.00 |" in md
+    assert "| 1 | 1.000 | 3.000 | 0.33 |" in md  # the bucket table: graphs, eager, ratio
+    assert "| 8 | 100.0 | 5.00 |" in md  # split-K
+    assert "| 64 | 128 | 8192 | 8.2 | 1,000 | 16,000 | 16.0 |" in md
+    assert md.count("**MET**") == 8
+    for line in md.splitlines():  # every table row has its header's column count
+        if line.startswith("|"):
+            assert line.count("|") >= 3, line
+    tail = gpu.summary(r)
+    assert "[MET ] C=256 128/128" in tail and len(tail) < 12_000
+
+
+def test_options_and_quick_defaults():
+    full, quick = _args(), _args("--quick", "--buckets", "1,2")
+    assert gpu.ints(full.concurrency) == [1, 16, 64, 256]
+    assert gpu.parse_loads(full.long) == [(1024, 128, 16)]
+    assert gpu.parse_loads(quick.long) == [] and gpu.ints(quick.buckets) == [1, 2]
+    assert gpu.parse_loads("512x64@4+8") == [(512, 64, 4), (512, 64, 8)]
+    with pytest.raises(SystemExit, match="INxOUT@C"):
+        gpu.parse_loads("512x64")
+
+
+def test_llama_1b_shape_has_1_24b_parameters():
+    assert gpu.llama_params(gpu.LLAMA_1B_SHAPE) == 1_235_814_400
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_refuses_without_cuda(tmp_path, capsys):
+    from infer.cli import main
+
+    assert main(["bench", "gpu", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def _reference_attention(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale,
+                         num_splits=1, out=None, workspace=None):  # fmt: skip
+    """Row by row through the block table, in float32: what the kernel must compute."""
+    res = torch.empty_like(q) if out is None else out
+    g = q.shape[1] // k_cache.shape[1]
+    for r in range(q.shape[0]):
+        n = int(context_lens[r])
+        blocks = block_tables[r, : math.ceil(n / block_size)].long()
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        k = k_cache[slots].float().repeat_interleave(g, dim=1)  # [n, H, D]
+        v = v_cache[slots].float().repeat_interleave(g, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * scale, dim=-1)
+        res[r] = torch.einsum("hn,nhd->hd", w, v).to(res.dtype)
+    return res
+
+
+def test_kernel_section_against_a_reference_kernel():
+    args = _args("--kernel-batches", "2,3", "--kernel-contexts", "40,64", "--kernel-torch-contexts",
+                 "40", "--kernel-splits", "1,2", "--kernel-split-context", "64", "--kernel-reps",
+                 "2", "--device", "cpu", "--kernel-max-gb", "0.00002")  # fmt: skip
+    shape = {"heads": 4, "kv_heads": 2, "head_dim": 16, "block_size": 16}
+    logs: list[str] = []
+    res = gpu.kernel_bench(args, shape, 10.0, logs.append, attn=_reference_attention, min_bytes=1)
+    cells = {(row["batch"], row["context"]): row for row in res["rows"]}
+    # 3 x 64 x 2 heads x 16 x 2 B x 2 = 24,576 bytes is over the 20 kB cap
+    assert res["skipped_cases"] == ["3x64: 0.00 GB of K/V"]
+    assert set(cells) == {(2, 40), (2, 64), (3, 40)}
+    row = cells[(2, 40)]
+    assert row["kv_bytes"] == 2 * 40 * 2 * 16 * 4 and row["copies"] >= 1
+    assert row["max_abs_err"] < 0.02  # the torch gather + SDPA path agrees with the reference
+    assert row["GBps"] > 0 and row["pct_of_read"] == row["GBps"] / 10.0
+    assert "torch_ms" not in cells[(2, 64)]
+    assert res["split"]["splits_ms"].keys() == {"1", "2"} and res["split"]["speedup"] > 0
+    assert res["failures"] == 0 and len(logs) == 4
+
+
+def test_kernel_section_skips_without_the_module(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "infer.runner.gpu.triton_attention", None)
+    res = gpu.kernel_bench(_args("--device", "cpu"), {}, None, print)
+    assert "not importable" in res["skipped"]
+
+
+def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
+    """Model build, roofline, the torch-eager engine with its buckets, a failing mode, the
+    report files: what runs on a GPU, shrunk (kernels and transformers skipped)."""
+    out = tmp_path / "out"
+    args = _args(
+        "--device", "cpu", "--tiny", "--model-dir", str(tmp_path / "model"), "--out", str(out),
+        "--modes", "torch-eager,nonsense", "--bucket-modes", "torch-eager", "--concurrency",
+        "1,4", "--long", "48x4@2", "--prompt-len", "16", "--output-len", "4", "--buckets", "1,3",
+        "--bucket-steps", "3", "--max-num-seqs", "8", "--kv-cache-memory", "16MiB",
+        "--read-gib", "0.01", "--matmul-n", "64", "--skip-kernels", "--skip-hf",
+    )  # fmt: skip
+    assert gpu.run(args) == 1  # the unknown mode
+    report = json.loads((out / "gpu.json").read_text())
+    assert report["model"]["params"] == gpu.llama_params(gpu.TINY_SHAPE)
+    assert not report["model"]["reused"]
+    te = report["engine"]["torch-eager"]
+    assert set(te["loads"]) == {"16x4@1", "16x4@4", "48x4@2"}
+    assert te["loads"]["16x4@4"]["completed"] == 8  # 2 x C requests
+    assert {b: v["batch"] for b, v in te["buckets"].items()} == {"1": 1, "3": 3}
+    assert all(v["outputs_per_step_min"] == v["batch"] for v in te["buckets"].values())
+    assert "unknown mode" in report["engine"]["nonsense"]["error"]
+    assert report["sections"]["engine torch-eager"]["status"] == "ok"
+    assert report["roofline"]["weight_read_ms"] > 0
+    md = (out / "gpu.md").read_text()
+    assert "| torch-eager | 16x4@4 |" in md and "## Targets" in md
+    assert "targets:" in capsys.readouterr().out
+    # A second run reuses the model folder.
+    args.modes = "torch-eager"
+    assert gpu.run(args) == 0
+    assert json.loads((out / "gpu.json").read_text())["model"]["reused"]
+
+
+def test_runner_info_names_the_attention_path_and_the_graphs():
+    from types import SimpleNamespace as NS
+
+    graphs = NS(graphs={1: 0, 2: 0}, sizes=[1, 2], capture_seconds=1.5, capture_bytes=3 << 20)
+    engine = NS(runner=NS(attention_backend="triton", cuda_step=NS(graphs=graphs)), model=None)
+    info = gpu.runner_info(engine)
+    assert info["runner.attention_backend"] == "'triton'"
+    assert info["decode graphs"] == "2 captured for batch 1..2 in 1.5s, 3 MiB"
+    engine.runner.cuda_step.graphs = None
+    assert gpu.runner_info(engine)["decode graphs"] == "none (eager)"
