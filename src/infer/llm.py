@@ -31,7 +31,7 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine's worker processes (tensor parallelism); a no-op otherwise."""
+        """Stop the engine's worker processes (tensor parallelism) and drop its CUDA graphs."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

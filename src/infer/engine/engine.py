@@ -308,9 +308,13 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        """Stop the tensor-parallel workers, if any, and drop the CUDA graphs (the engine
+        cannot step afterwards)."""
         if self.tp_workers is not None:
             self.tp_workers.close()
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
 
     def _build_proposer(self) -> Proposer | None:
         spec_cfg = self.config.speculative

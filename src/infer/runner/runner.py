@@ -161,6 +161,11 @@ class ModelRunner:
         if self.cuda_step is not None:
             self.cuda_step.capture()
 
+    def close(self) -> None:
+        """Release what the device step holds beyond tensors (the CUDA graphs)."""
+        if self.cuda_step is not None:
+            self.cuda_step.close()
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:

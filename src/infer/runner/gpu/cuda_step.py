@@ -102,11 +102,12 @@ class CudaStep:
         self._heads = spec.num_heads // tp_size
         self._kv_heads = spec.num_kv_heads // tp_size
         self._head_dim = spec.head_dim
+        self._tp_size = tp_size
         # Decode steps are sized by bucket whether or not graphs replay them (see _splits).
         self.sizes = capture_sizes(min(decode_rows, MAX_GRAPH_ROWS))
         self.graphs: DecodeGraphs | None = None
         if not enforce_eager and tp_size == 1:
-            self.graphs = DecodeGraphs(self._bucket_forward, self.sizes, device)
+            self.graphs = DecodeGraphs(self.sizes, device)
         # Split-K buffers per number of splits, each sized for the most rows that use it.
         rows_for: dict[int, int] = {}
         for rows in range(1, self.shape.max_table_rows + 1):
@@ -147,30 +148,43 @@ class CudaStep:
         # Capture-time inputs: padding rows only (no KV written, nothing attended).
         self.inputs.slots[1].fill_(-1)
         self.inputs.context_lens[1].zero_()
-        self.graphs.capture()
+        self.graphs.capture(self._bucket_forward)
+
+    def close(self) -> None:
+        """Drop the graphs (and their memory pool) now rather than when collected."""
+        self.graphs = None
+
+    @property
+    def graph_bytes(self) -> int:
+        """GPU memory the capture took (its pool, and what its warm-up first loaded)."""
+        return self.graphs.capture_bytes if self.graphs is not None else 0
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the step's ``T`` rows."""
         n = len(batch.token_ids)
         seqs = batch.seqs
         decode = is_decode_rows(seqs)
+        # A decode step runs padded to its bucket, replayed or not: graphs and eager steps then
+        # run the same kernels on the same shapes (cuBLAS picks by shape), so their tokens are
+        # the same. Not under tensor parallelism: every rank must reduce the same shapes.
         bucket = None
-        if decode and self.graphs is not None and not batch.prompt_rows:
-            bucket = self.graphs.bucket(n)
+        if decode and self._tp_size == 1:
+            bucket = next((size for size in self.sizes if size >= n), None)
         inputs = self.inputs
         width = max(len(s.block_table) for s in seqs)
-        table_rows = n if decode else len(seqs)
-        if not self.shape.covers(max(n, bucket or 0), len(seqs), table_rows, width):
+        rows = bucket or n
+        if not self.shape.covers(rows, len(seqs), rows if decode else len(seqs), width):
             # Larger than planned (a tensor-parallel rank's defaults): buffers for this step.
-            shape = StepShape(n, max(table_rows, 1), len(seqs), width)
-            inputs = StepInputs(shape, self.device)
+            table_rows = n if decode else len(seqs)
+            inputs = StepInputs(StepShape(n, table_rows, len(seqs), width), self.device)
             bucket = None
         ids, positions, fields = inputs.fill(
             batch.token_ids, batch.positions, seqs, self.kv_cache.block_size, bucket
         )
         if bucket is not None:
-            assert self.graphs is not None
-            return self.graphs.replay(bucket)[:n]
+            if self.graphs is not None:
+                return self.graphs.replay(bucket, self._bucket_forward)[:n]
+            return self._bucket_forward(bucket)[:n]
         ctx = GpuAttentionContext(
             self.kv_cache, num_tokens=n, **(self._decode_args(n) if decode else {}), **fields
         )

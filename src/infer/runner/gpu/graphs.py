@@ -33,17 +33,15 @@ def capture_sizes(max_rows: int) -> list[int]:
 class DecodeGraphs:
     """One captured forward per bucket.
 
-    ``forward(B)`` runs the model on the step buffers' first ``B`` rows and returns the final
-    hidden states ``[B, hidden]``; its output tensor is what a replay refreshes. On a device
-    without CUDA graphs (the CPU, in tests) ``capture`` records nothing and ``replay`` calls
-    ``forward`` on the same padded buffers: what the padding does to outputs is testable
-    without a GPU.
+    ``forward(B)`` (given to :meth:`capture` and :meth:`replay`, not kept: the runner that owns
+    the graphs owns the model, and no cycle keeps a dropped engine's memory alive) runs the model
+    on the step buffers' first ``B`` rows and returns the final hidden states ``[B, hidden]``;
+    its output tensor is what a replay refreshes. On a device without CUDA graphs (the CPU, in
+    tests) ``capture`` records nothing and ``replay`` calls ``forward`` on the same padded
+    buffers: what the padding does to outputs is testable without a GPU.
     """
 
-    def __init__(
-        self, forward: Callable[[int], torch.Tensor], sizes: list[int], device: torch.device
-    ) -> None:
-        self.forward = forward
+    def __init__(self, sizes: list[int], device: torch.device) -> None:
         self.sizes = sorted(sizes)
         self.device = device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -59,7 +57,7 @@ class DecodeGraphs:
         return None
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, forward: Callable[[int], torch.Tensor]) -> None:
         if self.device.type != "cuda":
             return
         t0 = time.perf_counter()
@@ -68,11 +66,11 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             # Warm-up outside the graph: Triton compiles, cuBLAS picks its kernels.
-            self.forward(size)
+            forward(size)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(size)
+                self.outputs[size] = forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
@@ -85,10 +83,11 @@ class DecodeGraphs:
             self.capture_bytes / 2**20,
         )
 
-    def replay(self, size: int) -> torch.Tensor:
-        """The hidden states ``[size, hidden]`` of the bucket's forward on the current buffers."""
+    def replay(self, size: int, forward: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """The hidden states ``[size, hidden]`` of the bucket's forward on the current buffers
+        (``forward`` runs only where nothing was captured)."""
         graph = self.graphs.get(size)
         if graph is None:
-            return self.forward(size)
+            return forward(size)
         graph.replay()
         return self.outputs[size]
