@@ -111,6 +111,14 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         "--bucket-steps", type=int, default=None, help="steps timed per bucket (20 | 12)"
     )
     p.add_argument("--skip-buckets", action="store_true")
+    p.add_argument(
+        "--profile",
+        default="1,256",
+        help="decode batch sizes profiled with torch.profiler: GPU busy time, idle share, "
+        "kernels per step, top kernels, host split ('' for none)",
+    )
+    p.add_argument("--profile-mode", default="graphs", help="the mode whose steps are profiled")
+    p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--skip-roofline", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-kernels", action="store_true")

@@ -390,9 +390,10 @@ def runner_info(engine: Any) -> dict[str, str]:
     return found
 
 
-def decode_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
-    """Median time of ``engine.step()`` with exactly ``batch`` requests decoding (their prompts
-    prefilled first), then the requests are aborted."""
+@contextlib.contextmanager
+def _decoding(engine: Any, batch: int, steps: int, prompt_len: int, seed: int):
+    """``batch`` requests decoding in ``engine`` (prompts prefilled, first replays done): a
+    pure decode batch for the body to step; aborted on the way out."""
     from infer.core.sampling_params import SamplingParams
 
     vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
@@ -401,24 +402,36 @@ def decode_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: i
     for rid, prompt in zip(ids, prompts_for(vocab, batch, prompt_len, seed), strict=True):
         engine.add_request(rid, prompt, params)
     started: set[str] = set()
-    for _ in range(10_000):
-        for out in engine.step():
-            if out.num_output_tokens >= 1:
-                started.add(out.request_id)
-        if len(started) == batch:
-            break
-    sched = engine.scheduler
-    times, rows = [], []
     try:
+        for _ in range(10_000):
+            for out in engine.step():
+                if out.num_output_tokens >= 1:
+                    started.add(out.request_id)
+            if len(started) == batch:
+                break
         if len(started) != batch:
             raise RuntimeError(f"only {len(started)} of {batch} requests started decoding")
         for _ in range(3):  # the bucket's first replays (or captures)
             engine.step()
+        sched = engine.scheduler
         if sched.num_waiting or sched.num_running != batch:
             raise RuntimeError(
                 f"not a pure decode batch: {sched.num_running} running, {sched.num_waiting} waiting"
             )
-        device = engine.device
+        yield
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def decode_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
+    """Median time of ``engine.step()`` with exactly ``batch`` requests decoding (their prompts
+    prefilled first), then the requests are aborted."""
+    times, rows = [], []
+    device = engine.device
+    with _decoding(engine, batch, steps, prompt_len, seed):
         for _ in range(steps):
             _sync(device)
             t = time.perf_counter()
@@ -426,17 +439,61 @@ def decode_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: i
             _sync(device)
             times.append((time.perf_counter() - t) * 1000)
             rows.append(len(outs))
-    finally:
-        for rid in ids:
-            engine.abort_request(rid)
-        while engine.has_unfinished_requests():
-            engine.step()
     return {
         "batch": batch,
         "ms": statistics.median(times),
         "ms_min": min(times),
         "steps": steps,
         "outputs_per_step_min": min(rows),
+    }
+
+
+HOST_PARTS = ("schedule", "prepare", "forward", "sample", "update")
+
+
+def profile_decode(engine: Any, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
+    """Where a pure decode step's time goes at ``batch``: ``torch.profiler`` over ``steps``
+    steps gives the GPU's busy time per step (the sum of its kernels' durations), its idle
+    share of the wall time, kernels per step and the top kernels; the engine's own counters
+    split the host's time (schedule, prepare, forward launch, sample incl. the wait for the
+    GPU, update + detokenization)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = engine.device
+    with _decoding(engine, batch, steps, prompt_len, seed):
+        before = {k: getattr(engine.step_times, k) for k in HOST_PARTS}
+        _sync(device)
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            _sync(device)
+            wall_ms = (time.perf_counter() - t) * 1000 / steps
+        host = {k: (getattr(engine.step_times, k) - before[k]) * 1000 / steps for k in HOST_PARTS}
+    kernels = []
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(evt, "self_cuda_time_total", 0)
+        if str(getattr(evt, "device_type", "")).endswith("CUDA") and dev_us > 0:
+            kernels.append((evt.key, evt.count, dev_us))
+    kernels.sort(key=lambda k: -k[2])
+    busy_ms = sum(k[2] for k in kernels) / 1000 / steps
+    return {
+        "batch": batch,
+        "steps": steps,
+        "wall_ms": wall_ms,
+        "gpu_busy_ms": busy_ms,
+        "gpu_idle_share": max(0.0, 1 - busy_ms / wall_ms) if wall_ms else None,
+        "kernels_per_step": sum(k[1] for k in kernels) / steps,
+        "host_ms": host,
+        "top_kernels": [
+            {"name": name[:90], "per_step": n / steps, "us_per_step": us / steps}
+            for name, n, us in kernels[:12]
+        ],
     }
 
 
@@ -448,13 +505,16 @@ def engine_mode(
     buckets: list,
     log: Callable[[str], None],
     res: dict | None = None,
+    profile_buckets: list | None = None,
 ) -> dict:
     """One mode: build the engine, warm it, run every load and (for bucket modes) the decode
     buckets, filling ``res`` as it goes (a run cut short keeps what it had); the engine is freed
     on the way out."""
     from infer.bench.engine import run_load
+    from infer.engine.heap import freeze_startup_heap
 
     res = {} if res is None else res
+    profile_buckets = profile_buckets or []
     res.update(settings=MODES[mode], loads={}, buckets={}, failures=0)
     t = time.perf_counter()
     engine = make_engine(model, mode, args)
@@ -468,6 +528,9 @@ def engine_mode(
         biggest = max((c for _, _, c in loads), default=1)
         run_load(engine, biggest, biggest, args.prompt_len, 4, seed=98)
         res["warmup_s"] = time.perf_counter() - t
+        # As the server's engine process does once built: full collections would walk the
+        # start-up heap every so often, a stall of milliseconds in the middle of a step.
+        freeze_startup_heap()
         for pin, pout, c in loads:
             key = load_key(pin, pout, c)
             n = max(args.requests_per_c * c, 2 if c == 1 else c)
@@ -494,7 +557,22 @@ def engine_mode(
                 res["failures"] += 1
                 res["buckets"][str(b)] = {"error": f"{type(e).__name__}: {e}"}
                 log(f"{mode} bucket {b}: FAILED {type(e).__name__}: {e}")
+        for b in profile_buckets:
+            try:
+                res.setdefault("profile", {})[str(b)] = r = profile_decode(
+                    engine, b, args.profile_steps, args.prompt_len, seed=2000 + b
+                )
+                log(
+                    f"{mode} profile at batch {b}: {r['wall_ms']:.3f} ms/step, GPU busy "
+                    f"{r['gpu_busy_ms']:.3f} ms ({r['kernels_per_step']:.0f} kernels), host "
+                    + " ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items())
+                )
+            except Exception as e:  # noqa: BLE001
+                res["failures"] += 1
+                res.setdefault("profile", {})[str(b)] = {"error": f"{type(e).__name__}: {e}"}
+                log(f"{mode} profile {b}: FAILED {type(e).__name__}: {e}")
     finally:
+        gc.unfreeze()
         engine.close()
         del engine
         _free(torch.device(args.device))
@@ -1019,6 +1097,7 @@ def render_markdown(r: dict) -> str:
                 rows.append([b, *cells, _ratio(g, e)])
             lines += ["", "## Decode step per batch size (pure decode, `engine.step()`, median ms)"]
             lines += [""] + _table(["batch", *bucket_modes, "graphs / eager"], rows, "r" * 9)
+        lines += profile_markdown(eng)
     if kern:
         lines += ["", "## Decode attention kernel (Triton paged vs torch gather + SDPA)", ""]
         if "skipped" in kern:
@@ -1135,6 +1214,34 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_markdown(eng: dict) -> list[str]:
+    """The ``--profile`` tables: per mode and batch, the step's wall time against the GPU's
+    busy time, the host's split, and the top kernels."""
+    lines: list[str] = []
+    for mode, res in eng.items():
+        for b, p in (res.get("profile") or {}).items():
+            if "error" in p:
+                lines += ["", f"## Profile: {mode}, batch {b}: failed: {p['error'][:200]}"]
+                continue
+            host = p["host_ms"]
+            lines += [
+                "",
+                f"## Profile: {mode}, decode at batch {b} (torch.profiler, {p['steps']} steps)",
+                "",
+                f"- wall {p['wall_ms']:.3f} ms/step; GPU busy {p['gpu_busy_ms']:.3f} ms "
+                f"(idle {100 * (p['gpu_idle_share'] or 0):.0f}%); "
+                f"{p['kernels_per_step']:.0f} kernels per step",
+                "- host ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()),
+                "",
+            ]
+            rows = [
+                [k["name"], f"{k['per_step']:.1f}", f"{k['us_per_step']:.1f}"]
+                for k in p["top_kernels"]
+            ]
+            lines += _table(["kernel", "calls/step", "us/step"], rows, "lrr")
+    return lines
+
+
 def summary(r: dict) -> str:
     """A compact tail for the console (the device tool shows the last 12,000 characters)."""
     m, roof = r.get("machine", {}), r.get("roofline", {})
@@ -1167,6 +1274,17 @@ def summary(r: dict) -> str:
             continue
         line = f"  {mode}: tok/s " + ", ".join(cells)
         lines.append(line + (f" | step ms at batch {' '.join(buckets)}" if buckets else ""))
+        for b, p in (res.get("profile") or {}).items():
+            if "wall_ms" in p:
+                top = "; ".join(
+                    f"{k['name'][:40]} {k['us_per_step']:.0f}us" for k in p["top_kernels"][:4]
+                )
+                lines.append(
+                    f"    profile b={b}: wall {p['wall_ms']:.2f} ms, GPU busy "
+                    f"{p['gpu_busy_ms']:.2f} ms, {p['kernels_per_step']:.0f} kernels; host "
+                    + " ".join(f"{k} {v:.2f}" for k, v in p["host_ms"].items())
+                    + f" | top: {top}"
+                )
     for n, row in (_get(r, "hf", "rows") or {}).items():
         lines.append(f"  transformers generate_batch {n} prompts: {row['tok_s']:,.0f} tok/s")
     lines.append("targets:")
@@ -1333,11 +1451,14 @@ def _run_sections(
                 report["engine"][mode] = {"error": f"unknown mode (choices: {', '.join(MODES)})"}
                 continue
             buckets = ints(args.buckets) if mode in bucket_modes else []
+            profiled = ints(args.profile) if args.profile and mode == args.profile_mode else []
 
-            def mode_section(mode: str = mode, buckets: list = buckets) -> dict:
+            def mode_section(
+                mode: str = mode, buckets: list = buckets, profiled: list = profiled
+            ) -> dict:
                 res = report["engine"][mode] = {}
                 try:
-                    return engine_mode(model_dir, mode, args, loads, buckets, _log, res)
+                    return engine_mode(model_dir, mode, args, loads, buckets, _log, res, profiled)
                 except Exception:
                     res["error"] = traceback.format_exc()[-2000:]
                     raise
