@@ -7,9 +7,9 @@ One batched pass over ``[B, vocab]`` float32 logits:
     -> greedy rows: argmax
     -> other rows: temperature, top-k, top-p, min-p, then a draw
 
-A seeded request draws from its own ``torch.Generator`` (created at its first sample), so its
-tokens do not depend on what else is in the batch. Unseeded requests share the engine's
-generator. Logprobs are of the model's raw distribution (before penalties and temperature),
+Draws are batched (inverse CDF at a uniform draw per row, :meth:`Sampler._draw`). A seeded request draws its
+noise from its own ``torch.Generator`` (created at its first sample), so its tokens do not depend
+on what else is in the batch. Unseeded requests share the engine's generator. Logprobs are of the model's raw distribution (before penalties and temperature),
 as vLLM reports them.
 """
 
@@ -73,9 +73,11 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
-            for j, row in enumerate(random_rows):
-                drawn = torch.multinomial(probs[j], 1, generator=self._generator(requests[row]))
-                tokens[row] = drawn[0]
+            drawn = self._draw(probs, [requests[i] for i in random_rows])
+            if len(random_rows) == len(requests):
+                tokens = drawn
+            else:
+                tokens[torch.tensor(random_rows, device=tokens.device)] = drawn
 
         token_list = tokens.tolist()
         out = []
@@ -86,6 +88,20 @@ class Sampler:
                 lp = token_logprob(raw_logprobs[row], token_id, k)
             out.append(SampledToken(token_id, lp))
         return out
+
+    def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row of ``probs`` in a few batched kernels, by inverting each row's
+        CDF at a uniform draw: the first token whose running sum reaches ``u * total``, which is
+        token i with probability ``p_i`` (zero-probability tokens add nothing to the sum and are
+        never picked). Unseeded rows take their ``u`` from the engine's generator in one call;
+        a seeded request's from its own generator, so its draws do not depend on its batch.
+        (A row-by-row ``torch.multinomial`` cost ~0.7 ms a row of 32,000 on a CPU and a launch
+        or two per row on a GPU; this is ~0.03 ms a row.)"""
+        u = torch.rand(len(requests), 1, generator=self._shared, device=probs.device)
+        for row, request in enumerate(requests):
+            if request.sampling_params.seed is not None:
+                u[row].uniform_(generator=self._generator(request))
+        return _invert_cdf(probs, u)
 
     @torch.inference_mode()
     def verify(
@@ -155,14 +171,10 @@ class Sampler:
                         if not accepted:
                             residual = p.clone()
                             residual[draft] = 0.0
-                            token = int(torch.multinomial(residual, 1, generator=gen)[0])
+                            token = _draw_one(residual, gen)
                 else:  # every proposal accepted: one more token from the last row
                     accepted = False
-                    token = (
-                        argmax[row]
-                        if greedy
-                        else int(torch.multinomial(probs_of[row], 1, generator=gen)[0])
-                    )
+                    token = argmax[row] if greedy else _draw_one(probs_of[row], gen)
                 lp = None
                 if k is not None and raw_logprobs is not None:
                     lp = token_logprob(raw_logprobs[row], token, k)
@@ -171,6 +183,23 @@ class Sampler:
                     break
             out.append(emitted)
         return out
+
+
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[R, V]`` probabilities and ``[R, 1]`` uniforms in [0, 1) -> ``[R]`` tokens: the first
+    whose running sum reaches ``(1 - u) * total``. ``1 - u`` is in (0, 1], so the target is
+    positive and at most the total: the token picked always has positive probability, however
+    the float32 sums round."""
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (1 - u) * cdf[:, -1:])
+    return picked.clamp_max_(probs.shape[-1] - 1)[:, 0]
+
+
+def _draw_one(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One token from a ``[V]`` row, consuming ``gen`` as :meth:`Sampler._draw` does for a
+    seeded row (one uniform), so a request draws alike on the sample and verify paths."""
+    u = torch.empty(1, 1, device=probs.device).uniform_(generator=gen)
+    return int(_invert_cdf(probs[None], u)[0])
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
