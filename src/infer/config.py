@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from infer.kv_cache.sizing import check_kv_cache_dtype
@@ -77,7 +77,9 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit pool size; overrides the memory budget
     kv_cache_memory: int | None = None  # bytes for KV; None: a default budget (see engine)
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
+    # None: on wherever it applies (EngineConfig decides, and says why where it does not);
+    # True / False: what the user asked for (True where it cannot work is an error).
+    enable_prefix_caching: bool | None = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out KV blocks
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8: one byte per value
 
@@ -93,7 +95,14 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.enable_prefix_caching and self.kv_cache_backend != "paged":
-            raise ValueError("prefix caching needs the paged KV cache backend")
+            raise ValueError(
+                "prefix caching needs the paged KV cache backend "
+                "(drop --enable-prefix-caching or --kv-cache-backend contiguous)"
+            )
+        if self.enable_prefix_caching and not self.use_kv_cache:
+            raise ValueError(
+                "prefix caching needs the KV cache (drop --enable-prefix-caching or --no-kv-cache)"
+            )
         check_kv_cache_dtype(self.kv_cache_dtype)
 
 
@@ -218,6 +227,24 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Why prefix caching is off though nobody turned it off (None: it is on, or was asked off).
+    prefix_caching_off_reason: str | None = field(default=None, init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Prefix caching is on by default, as in vLLM, except where it cannot apply.
+        cache = self.cache
+        reason = None
+        if cache.enable_prefix_caching is None:
+            if cache.kv_cache_backend != "paged":
+                reason = "the contiguous KV backend shares no blocks"
+            elif not cache.use_kv_cache:
+                reason = "--no-kv-cache keeps no KV between steps"
+            elif self.scheduler.batching_mode == "static":
+                reason = "static batching is a comparison mode (--enable-prefix-caching adds it)"
+            object.__setattr__(
+                self, "cache", replace(cache, enable_prefix_caching=reason is None)
+            )
+        object.__setattr__(self, "prefix_caching_off_reason", reason)
 
     @staticmethod
     def from_kwargs(**kwargs) -> EngineConfig:

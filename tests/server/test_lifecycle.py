@@ -19,8 +19,8 @@ PREFIX = "The import statement combines two operations; it searches for the name
 
 @pytest.fixture(scope="module")
 def server(llama_checkpoint, server_logs):
-    yield from start_server(llama_checkpoint, server_logs, "--enable-prefix-caching",
-                            "--drain-timeout", "20")  # fmt: skip
+    # Prefix caching is on by default: no flag asks for it.
+    yield from start_server(llama_checkpoint, server_logs, "--drain-timeout", "20")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,13 @@ def slow_server(llama_checkpoint, server_logs):
     """Every engine step sleeps 10 ms: 1000 tokens take >= 10 s, ten times the 1 s timeout,
     however fast the machine."""
     yield from start_server(llama_checkpoint, server_logs, "--request-timeout", "1.0",
-                            env={STEP_DELAY_ENV: "0.01"})  # fmt: skip
+                            "--no-enable-prefix-caching", env={STEP_DELAY_ENV: "0.01"})  # fmt: skip
+
+
+def test_reset_prefix_cache_is_refused_with_prefix_caching_off(slow_server):
+    r = httpx.post(slow_server.url + "/reset_prefix_cache")
+    assert r.status_code == 409
+    assert "--no-enable-prefix-caching" in r.json()["error"]["message"]
 
 
 def test_request_timeout_ends_with_abort(slow_server):

@@ -25,8 +25,10 @@ def test_ladder_adds_one_optimisation_per_rung():
     assert "--batching-mode static" in flags[0] and "--kv-cache-backend contiguous" in flags[0]
     assert "--batching-mode continuous" in flags[1] and "contiguous" in flags[1]
     assert "--kv-cache-backend paged" in flags[2] and "chunk" not in flags[2]
-    assert flags[3].endswith("--prefill-chunk-size 256")
-    assert flags[4].startswith(flags[3]) and flags[4].endswith("--enable-prefix-caching")
+    # prefix caching is on by default: every rung before its own turns it off by name
+    assert all(f.endswith(" --no-enable-prefix-caching") for f in flags[2:4])
+    assert flags[3].removesuffix(" --no-enable-prefix-caching").endswith("--prefill-chunk-size 256")
+    assert flags[4] == flags[3].replace("--no-enable-prefix-caching", "--enable-prefix-caching")
     with_compile = ladder(256, "--compile")
     assert with_compile[-1].name == "+compiled_decode"
     assert with_compile[-1].flags[-1] == "--compile"

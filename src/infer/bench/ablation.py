@@ -37,9 +37,12 @@ def ladder(chunk: int, compile_flag: str | None = None) -> list[Rung]:
     """The rungs in order; ``compile_flag`` (a server flag) adds a last ``+compiled_decode`` rung."""
     static = ("--batching-mode", "static", "--kv-cache-backend", "contiguous")
     cont = ("--batching-mode", "continuous", "--kv-cache-backend", "contiguous")
+    # Prefix caching is on by default: the rungs before its own name it off.
+    off = ("--no-enable-prefix-caching",)
     paged = ("--batching-mode", "continuous", "--kv-cache-backend", "paged")
     chunked = (*paged, "--prefill-chunk-size", str(chunk))
     prefix = (*chunked, "--enable-prefix-caching")
+    paged, chunked = (*paged, *off), (*chunked, *off)
     rungs = [
         Rung("static+contiguous", static),
         Rung("continuous+contiguous", cont),

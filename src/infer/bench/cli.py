@@ -652,6 +652,11 @@ def register(subparsers) -> None:
     pr.add_argument("--dtype", default="bfloat16")
     pr.add_argument("--runs", type=int, default=5)
     pr.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
+    pr.add_argument(
+        "--loads",
+        default="64x64@16,64x64@64,1024x128@16",
+        help="nothing-shared cells, PROMPTxOUTPUT@C (on vs off)",
+    )
     pr.add_argument("--out", default=f"{DEFAULT_OUT}/prefix", help="report folder")
     pr.set_defaults(func=_offline_bench("prefix"))
 

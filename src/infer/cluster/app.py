@@ -137,7 +137,7 @@ def build(args: dict[str, Any]) -> serve.Application:
     """The application for ``serve run infer.cluster.app:build key=value ...``.
 
     Keys: ``model`` (required), ``replicas`` (2), ``policy`` (prefix), ``served_model_name``,
-    ``enable_prefix_caching`` (false), ``max_num_seqs``, ``max_queued_requests``,
+    ``enable_prefix_caching`` (true), ``max_num_seqs``, ``max_queued_requests``,
     ``block_size``, ``replica_cpus`` (1), ``torch_threads`` (1), ``max_load_gap`` (4).
     """
     from infer.engine.model_source import resolve_model_path
@@ -151,7 +151,7 @@ def build(args: dict[str, Any]) -> serve.Application:
     if "model" not in args:
         raise ValueError("model=PATH is required")
     model = str(args["model"])
-    flag = str(args.get("enable_prefix_caching", "false")).lower() in ("1", "true", "yes")
+    flag = str(args.get("enable_prefix_caching", "true")).lower() in ("1", "true", "yes")
     engine_kwargs: dict[str, Any] = {"model": model, "enable_prefix_caching": flag}
     for key in ("max_num_seqs", "max_queued_requests", "block_size"):
         if key in args:

@@ -83,7 +83,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         "--prefix-caching",
         dest="enable_prefix_caching",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of identical prompt prefixes (default: on, except with the "
+        "contiguous backend, --no-kv-cache and static batching); --no-enable-prefix-caching "
+        "turns it off",
     )
     g.add_argument(
         "--kv-cache-dtype",

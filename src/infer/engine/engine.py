@@ -426,9 +426,10 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."),
             self.device,
         )
+        cc = self.config.cache
         logger.info(
             "KV cache (%s): %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB); "
-            "max concurrency at %d tokens: %.1f",
+            "max concurrency at %d tokens: %.1f; prefix caching %s",
             self.config.cache.kv_cache_dtype
             if self.config.cache.kv_cache_dtype != "auto"
             else str(self.dtype).removeprefix("torch."),
@@ -439,6 +440,9 @@ class LLMEngine:
             cap.total_bytes / 2**20,
             self.max_model_len,
             cap.num_tokens / self.max_model_len,
+            "on"
+            if cc.enable_prefix_caching
+            else f"off ({self.config.prefix_caching_off_reason or 'as asked'})",
         )
 
     # ---- requests -----------------------------------------------------------------------------

@@ -209,9 +209,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.post("/reset_prefix_cache", tags=["ops"], responses=_ERRORS)
     async def reset_prefix_cache() -> dict[str, bool]:
-        """Drop every cached prefix block (needs --enable-prefix-caching)."""
+        """Drop every cached prefix block (409 when prefix caching is off)."""
         if not prefix_caching:
-            raise APIError(409, "prefix caching is off (start with --enable-prefix-caching)")
+            raise APIError(
+                409,
+                "prefix caching is off (it is on unless --no-enable-prefix-caching, the "
+                "contiguous KV backend, --no-kv-cache or static batching)",
+            )
         ok = await async_engine.call("reset_prefix_cache")
         return {"reset": bool(ok)}
 

@@ -212,7 +212,9 @@ def serve(args: argparse.Namespace) -> int:
         "%s, API key %s",
         ", ".join(names), engine.model_path, args.host, args.port, engine.max_model_len,
         cap.num_tokens, cap.num_blocks, cap.block_size, cap.total_bytes / 2**20, sc.max_num_seqs,
-        sc.max_num_batched_tokens, "on" if config.cache.enable_prefix_caching else "off",
+        sc.max_num_batched_tokens,
+        "on" if config.cache.enable_prefix_caching
+        else f"off ({config.prefix_caching_off_reason or '--no-enable-prefix-caching'})",
         sc.max_queued_requests if sc.max_queued_requests is not None else "none",
         "required" if settings.api_key else "off",
     )  # fmt: skip

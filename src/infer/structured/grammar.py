@@ -7,6 +7,7 @@ from functools import lru_cache
 
 from infer.core.sampling_params import InvalidRequestError
 from infer.core.structured import StructuredOutputs
+from infer.structured.ascii_regex import ascii_regex, ascii_schema
 
 
 class GrammarError(InvalidRequestError):
@@ -28,11 +29,13 @@ def _compile(key: tuple, param: str) -> str:
             schema = json.loads(value)
             if not isinstance(schema, dict | bool):
                 raise GrammarError("the JSON schema must be an object", param=param)
+            # ECMA-262 patterns: \d, \w, \s are ASCII there (ascii_regex.py)
+            value = json.dumps(ascii_schema(schema))
             grammar = LLMatcher.grammar_from_json_schema(value, defaults=_COMPACT)
         elif kind == "json_object":
             grammar = LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_COMPACT)
         elif kind == "regex":
-            grammar = LLMatcher.grammar_from_regex(value)
+            grammar = LLMatcher.grammar_from_regex(ascii_regex(value))
         elif kind == "choice":
             grammar = grammar_from("choice", json.dumps(list(value)))
         else:
