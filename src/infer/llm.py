@@ -34,6 +34,8 @@ class LLM:
         """Stop the engine's worker processes (tensor parallelism) and drop its CUDA graphs."""
         self.engine.close()
 
+    shutdown = close  # vLLM's name
+
     def __enter__(self) -> LLM:
         return self
 

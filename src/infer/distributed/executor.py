@@ -5,9 +5,12 @@ when one dies.
 
     driver = rank 0 (the engine)                     worker rank r = 1 .. N-1
     ──────────────────────────────────               ────────────────────────────────
-    spawn the workers ─────────────────────────────► init_process_group(rank r)
-    init_process_group(rank 0)                       load its slice of every layer
+    TCPStore (the rendezvous), spawn the workers ──► connect, set joined/r
+    wait: every joined/r, or a rank's exit,          init_process_group(rank r)
+          or the start-up deadline                   load its slice of every layer
+    init_process_group(rank 0)                       set ready/r
     load its slice of every layer
+    wait: every ready/r (same watch)
     plan the KV cache ── broadcast KVSetup ────────► KVCache(num_kv_heads / N heads)
     each step: schedule, prepare a StepBatch
                ── broadcast StepBatch ─────────────► runner.run(batch)
@@ -19,6 +22,17 @@ The scheduler, the KV block manager and the sampler exist once, in the driver: w
 run forward passes, in lockstep with it. A worker that dies closes its sockets, and the
 driver's next collective raises at once (gloo: "connection closed by peer"); the engine then
 stops with :class:`EngineDeadError` naming the rank, never waiting on a dead peer.
+
+Nothing waits without a bound. Start-up: the driver polls the rendezvous store and the ranks'
+processes, so a rank that exits before it joins or while it loads (an import error, a shard
+that does not load, a main module that cannot be re-imported) ends start-up at once with its
+rank, exit code and last lines of output, and one that neither joins nor dies ends it at the
+deadline (``INFER_TP_STARTUP_TIMEOUT`` seconds; default 120 + 60 per GB of checkpoint). Steps:
+the model's collectives run in a group whose timeout is ``INFER_TP_STEP_TIMEOUT`` seconds
+(default 300), so a rank that stalls, or ranks that disagree on a step, raise within it; only
+the workers' wait for the next step (a group of its own, gloo) may last as long as the engine
+idles. Each worker's output goes to a file the driver forwards to its own stderr line by line
+(and quotes from when the rank fails).
 """
 
 from __future__ import annotations
@@ -27,7 +41,10 @@ import contextlib
 import datetime
 import logging
 import os
+import shutil
 import socket
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -40,12 +57,41 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from infer.distributed import EngineDeadError
+from infer.distributed.spawn import spawnable_main
 from infer.model.parallel import TensorParallel, set_tensor_parallel
 
 logger = logging.getLogger("infer.distributed")
 
 # Idle workers wait in a broadcast for the next step; the engine may idle for days.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
+STARTUP_TIMEOUT_ENV = "INFER_TP_STARTUP_TIMEOUT"
+STEP_TIMEOUT_ENV = "INFER_TP_STEP_TIMEOUT"
+FAULT_ENV = "INFER_TP_FAULT"
+"""Test hook: ``RANK:PHASE`` makes that worker misbehave at ``start`` (exit before joining),
+``load`` (exit after loading), ``hang`` (never report ready) or ``skip-step`` (skip its first
+batch's forward pass: its collectives never come, a mismatched step)."""
+STORE_KEY = "infer/{}/{}"  # store keys: infer/joined/<rank>, infer/ready/<rank>
+
+
+def step_timeout() -> datetime.timedelta:
+    """How long one of the model's collectives may wait for the other ranks."""
+    return datetime.timedelta(seconds=float(os.environ.get(STEP_TIMEOUT_ENV, "300")))
+
+
+def startup_timeout(model_path: Path) -> float:
+    """Seconds a rank may take to join and load: ``INFER_TP_STARTUP_TIMEOUT``, else 120 s + 60 s
+    per GB of the checkpoint's weight files."""
+    if os.environ.get(STARTUP_TIMEOUT_ENV):
+        return float(os.environ[STARTUP_TIMEOUT_ENV])
+    size = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    return 120.0 + 60.0 * size / 1e9
+
+
+def fault(rank: int) -> str | None:
+    """The test hook's phase for ``rank`` (see :data:`FAULT_ENV`), or None."""
+    value = os.environ.get(FAULT_ENV, "")
+    who, _, phase = value.partition(":")
+    return phase if who == str(rank) else None
 
 
 @dataclass(frozen=True)
@@ -54,7 +100,7 @@ class WorkerArgs:
 
     rank: int
     size: int
-    init_method: str
+    store_port: int
     backend: str
     model_path: Path
     dtype: torch.dtype
@@ -65,6 +111,7 @@ class WorkerArgs:
     num_threads: int
     cores: tuple[int, ...] | None
     log_level: int
+    log_path: str  # the worker's stdout and stderr go here (the driver forwards them)
 
 
 @dataclass(frozen=True)
@@ -125,17 +172,70 @@ class TensorParallelWorkers:
         seed: int,
     ) -> None:
         self.size = size
+        self.procs: list = []
+        self.failure: str | None = None
+        self._closed = False
+        self._ready = False
+        self._group = False
+        self._threads_before = torch.get_num_threads()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        timeout = step_timeout()
+        self._startup_timeout = startup_timeout(model_path)
+        self._deadline = time.monotonic() + self._startup_timeout
+        self._logs = Path(tempfile.mkdtemp(prefix="infer-tp-"))
+        self._forwarder = _LogForwarder()
+        try:
+            port = _free_port()
+            self.store = dist.TCPStore(
+                "127.0.0.1", port, size, is_master=True, timeout=timeout,
+                wait_for_workers=False,
+            )  # fmt: skip
+            self._spawn(size, port, backend, model_path, dtype, device, quantization,
+                        quantize_lm_head, seed)  # fmt: skip
+            self._await_all("joined", "join the process group")
+            # The driver's own share of the cores: its thread count, not its affinity (the HTTP
+            # server may share this process). Restored by close().
+            torch.set_num_threads(self._num_threads)
+            dist.init_process_group(
+                backend, store=self.store, rank=0, world_size=size, timeout=timeout
+            )
+            self._group = True
+            # Step batches are Python objects sent over gloo (even when the model uses NCCL),
+            # in a group of their own: waiting for the next step may last as long as the engine
+            # idles, while the model's collectives time out.
+            self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        except BaseException:
+            self._abort()
+            raise
+        set_tensor_parallel(TensorParallel(rank=0, size=size, group=dist.group.WORLD))
+        self._watchdog = threading.Thread(target=self._watch, name="infer-tp-watchdog", daemon=True)
+        self._watchdog.start()
+        logger.info(
+            "tensor parallel: %d ranks over %s, %d threads each, worker pids %s; step timeout "
+            "%.0fs, start-up deadline %.0fs",
+            size,
+            backend,
+            self._num_threads,
+            ", ".join(str(p.pid) for p in self.procs),
+            timeout.total_seconds(),
+            self._startup_timeout,
+        )
+
+    def _spawn(self, size, port, backend, model_path, dtype, device, quantization,
+               quantize_lm_head, seed) -> None:  # fmt: skip
+        from infer.distributed.worker import worker_main
+
         groups = core_groups(size)
-        num_threads = max(min(torch.get_num_threads(), len(groups[0])), 1)
+        self._num_threads = max(min(torch.get_num_threads(), len(groups[0])), 1)
         ctx = mp.get_context("spawn")
-        self.procs = []
         for rank in range(1, size):
+            log_path = self._logs / f"rank{rank}.log"
+            log_path.touch()
+            self._forwarder.add(log_path)
             args = WorkerArgs(
                 rank=rank,
                 size=size,
-                init_method=init_method,
+                store_port=port,
                 backend=backend,
                 model_path=model_path,
                 dtype=dtype,
@@ -143,42 +243,53 @@ class TensorParallelWorkers:
                 quantization=quantization,
                 quantize_lm_head=quantize_lm_head,
                 seed=seed,
-                num_threads=num_threads,
+                num_threads=self._num_threads,
                 cores=groups[rank] if device.type == "cpu" else None,
                 log_level=logging.getLogger().level,
+                log_path=str(log_path),
             )
-            from infer.distributed.worker import worker_main
-
             proc = ctx.Process(
                 target=worker_main, args=(args,), name=f"infer-tp-{rank}", daemon=True
             )
-            proc.start()
+            with spawnable_main():
+                proc.start()
             self.procs.append(proc)
-        # The driver's own share of the cores: its thread count, not its affinity (the HTTP
-        # server may share this process). Restored by close().
-        self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(num_threads)
+        self._forwarder.start()
+
+    def _await_all(self, what: str, doing: str) -> None:
+        """Wait until every worker has set ``infer/<what>/<rank>``; a worker that exits first,
+        or the start-up deadline, ends the wait with an error naming the rank."""
+        pending = set(range(1, self.size))
+        while pending:
+            for rank in sorted(pending):
+                if self.store.check([STORE_KEY.format(what, rank)]):
+                    pending.discard(rank)
+                    continue
+                proc = self.procs[rank - 1]
+                if not proc.is_alive():
+                    proc.join(1)
+                    raise RuntimeError(
+                        f"tensor parallel rank {rank} exited (code {proc.exitcode}) before it "
+                        f"could {doing}{self._tail(rank)}"
+                    )
+            if pending and time.monotonic() > self._deadline:
+                ranks = ", ".join(map(str, sorted(pending)))
+                raise RuntimeError(
+                    f"tensor parallel rank(s) {ranks} did not {doing} within "
+                    f"{self._startup_timeout:.0f}s (set {STARTUP_TIMEOUT_ENV} for a longer "
+                    f"start-up){self._tail(min(pending))}"
+                )
+            if pending:
+                time.sleep(0.02)
+
+    def _tail(self, rank: int, lines: int = 12) -> str:
+        """The rank's last lines of output, quoted for an error message."""
         try:
-            dist.init_process_group(
-                backend, init_method=init_method, rank=0, world_size=size, timeout=IDLE_TIMEOUT
-            )
-        except Exception:
-            self._kill()
-            raise
-        # Step batches are Python objects: they go over gloo even when the model uses NCCL.
-        self.control = dist.new_group(backend="gloo") if backend != "gloo" else None
-        set_tensor_parallel(TensorParallel(rank=0, size=size, group=dist.group.WORLD))
-        self.failure: str | None = None
-        self._closed = False
-        self._watchdog = threading.Thread(target=self._watch, name="infer-tp-watchdog", daemon=True)
-        self._watchdog.start()
-        logger.info(
-            "tensor parallel: %d ranks over %s, %d threads each, worker pids %s",
-            size,
-            backend,
-            num_threads,
-            ", ".join(str(p.pid) for p in self.procs),
-        )
+            text = (self._logs / f"rank{rank}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        last = [ln for ln in text.splitlines() if ln.strip()][-lines:]
+        return (": its last output:\n  " + "\n  ".join(last)) if last else " (it printed nothing)"
 
     def _watch(self) -> None:
         """Name the first worker that exits while the engine still needs it."""
@@ -195,10 +306,15 @@ class TensorParallelWorkers:
             time.sleep(0.01)
         code = proc.exitcode
         self.failure = f"tensor parallel worker rank {rank} exited (code {code})"
-        logger.error("%s: the engine stops at its next step", self.failure)
+        logger.error("%s: the engine stops at its next step%s", self.failure, self._tail(rank))
 
     def broadcast(self, obj: Any) -> None:
-        """Send ``obj`` (a StepBatch, a KVSetup, or None: stop) to every worker."""
+        """Send ``obj`` (a StepBatch, a KVSetup, or None: stop) to every worker. The first one
+        (the KV set-up) waits for every worker to have loaded its slice, under the start-up
+        deadline."""
+        if not self._ready:
+            self._await_all("ready", "load its slice of the model")
+            self._ready = True
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         try:
@@ -220,20 +336,70 @@ class TensorParallelWorkers:
         if self._closed:
             return
         self._closed = True
-        if self.failure is None:
+        if self.failure is None and self._ready:
             with contextlib.suppress(RuntimeError):
                 dist.broadcast_object_list([None], src=0, group=self.control)
-        for proc in self.procs:
-            proc.join(10)
-        self._kill()
-        try:
-            dist.destroy_process_group()
-        finally:
-            set_tensor_parallel(TensorParallel())
-            torch.set_num_threads(self._threads_before)
+            for proc in self.procs:
+                proc.join(10)
+        self._abort()
 
-    def _kill(self) -> None:
+    def _abort(self) -> None:
+        """Kill and reap every worker still running, leave the group, restore this process."""
+        self._closed = True
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
-                proc.join(5)
+        for proc in self.procs:
+            proc.join(10)
+        self._forwarder.stop()
+        try:
+            if self._group:
+                dist.destroy_process_group()
+        finally:
+            self._group = False
+            set_tensor_parallel(TensorParallel())
+            torch.set_num_threads(self._threads_before)
+            shutil.rmtree(self._logs, ignore_errors=True)
+
+
+class _LogForwarder:
+    """Copies what the workers write to their log files onto this process's stderr, line by
+    line, from a thread (a worker's output must not be lost, nor interleave mid-line)."""
+
+    def __init__(self) -> None:
+        self._files: list[Path] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, path: Path) -> None:
+        self._files.append(path)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="infer-tp-logs", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        handles = [open(p, errors="replace") for p in self._files]  # noqa: SIM115
+        partial = ["" for _ in handles]
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                for i, f in enumerate(handles):
+                    chunk = f.read()
+                    if not chunk:
+                        continue
+                    *lines, partial[i] = (partial[i] + chunk).split("\n")
+                    for line in lines:
+                        sys.stderr.write(line + "\n")
+                    sys.stderr.flush()
+                if stopping:
+                    return
+                self._stop.wait(0.1)
+        finally:
+            for f in handles:
+                f.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)

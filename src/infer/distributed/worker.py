@@ -3,34 +3,35 @@ with the driver (see :mod:`infer.distributed.executor`)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
+import time
 
 import torch
 import torch.distributed as dist
 
-from infer.distributed.executor import IDLE_TIMEOUT, KVSetup, WorkerArgs
+from infer.distributed.executor import STORE_KEY, IDLE_TIMEOUT, KVSetup, WorkerArgs, fault, step_timeout
+from infer.distributed.spawn import leave_shutdown_to_parent
 from infer.model.parallel import TensorParallel, set_tensor_parallel
 
 logger = logging.getLogger("infer.distributed")
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL when the driver dies, so a killed engine leaves no worker behind."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _redirect_output(path: str) -> None:
+    """This process's stdout and stderr (Python's and any library's) to ``path``, which the
+    driver forwards to its own stderr and quotes when this rank fails."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def worker_main(args: WorkerArgs) -> None:
     """Join the group, build this rank's slice, then run every batch the driver broadcasts
     until it sends None. Any error ends the process: the driver's next collective then fails
     at once instead of waiting on a rank that is out of step."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
-    _die_with_parent()
+    _redirect_output(args.log_path)
+    leave_shutdown_to_parent()  # the driver decides when to stop
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -52,14 +53,18 @@ def _serve(args: WorkerArgs) -> None:
     from infer.runner.quant import quantize_linears
     from infer.runner.runner import ModelRunner
 
+    phase = fault(args.rank)
+    timeout = step_timeout()
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, is_master=False,
+                          timeout=timeout)  # fmt: skip
+    if phase == "start":
+        raise RuntimeError(f"{FAULT_NOTE}: exit before joining")
+    store.set(STORE_KEY.format("joined", args.rank), "1")
     dist.init_process_group(
-        args.backend,
-        init_method=args.init_method,
-        rank=args.rank,
-        world_size=args.size,
-        timeout=IDLE_TIMEOUT,
+        args.backend, store=store, rank=args.rank, world_size=args.size, timeout=timeout
     )
-    control = dist.new_group(backend="gloo") if args.backend != "gloo" else None
+    # The driver's step batches arrive in a group of their own, without a deadline (idle).
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     set_tensor_parallel(TensorParallel(rank=args.rank, size=args.size, group=dist.group.WORLD))
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -70,6 +75,13 @@ def _serve(args: WorkerArgs) -> None:
         quantize_linears(model, args.quantization, lm_head=args.quantize_lm_head)
     else:
         prepack_linears(model)
+
+    if phase == "load":
+        raise RuntimeError(f"{FAULT_NOTE}: exit after loading")
+    if phase == "hang":
+        while True:  # never reports ready
+            time.sleep(1)
+    store.set(STORE_KEY.format("ready", args.rank), "1")
 
     def receive():
         box = [None]
@@ -96,6 +108,13 @@ def _serve(args: WorkerArgs) -> None:
         num_swap_blocks=setup.num_swap_blocks,
         attention_backend=setup.attention_backend,
     )
+    skip = phase == "skip-step"
     while (batch := receive()) is not None:
+        if skip:  # the test hook: this rank's collectives for this step never come
+            skip = False
+            continue
         runner.run(batch)
     dist.destroy_process_group()
+
+
+FAULT_NOTE = "INFER_TP_FAULT test hook"

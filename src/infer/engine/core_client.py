@@ -24,13 +24,13 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from infer.config import EngineConfig
 from infer.core.outputs import RequestOutput
+from infer.distributed.spawn import leave_shutdown_to_parent, spawnable_main
 from infer.engine.affinity import CpuBinding, bind_engine_threads, bind_process
 from infer.engine.core_loop import EngineStopped, Stop, run_engine_loop
 from infer.engine.heap import freeze_startup_heap
@@ -98,9 +98,10 @@ def _child(
     binding: CpuBinding | None = None,
 ) -> None:
     """The engine process: build the engine, then run the loop over the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    # The server decides when to stop: a SIGTERM or SIGINT sent to the whole process group
+    # (systemd, kill -- -PGID, Ctrl-C) must drain through it, not kill the engine mid-stream.
+    leave_shutdown_to_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _exit_with_parent()
     if binding is not None:  # before torch starts its threads: they stay on the bound cores
         os.sched_setaffinity(0, {binding.main} | binding.workers)
         if torch_threads is None:
@@ -199,16 +200,6 @@ def _cores(cores: frozenset[int]) -> str:
     return ",".join(map(str, sorted(cores)))
 
 
-def _exit_with_parent() -> None:
-    """Linux: get SIGKILL when the parent dies, so a killed server leaves no engine behind."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 class EngineProcess:
     """The engine loop in a child process; exposes what the server reads off an engine."""
 
@@ -229,7 +220,8 @@ class EngineProcess:
                                  args=(child_conn, config, logging.getLogger().level, torch_threads,
                                        binding),
                                  daemon=config.parallel.tensor_parallel_size == 1)  # fmt: skip
-        self._proc.start()
+        with spawnable_main():
+            self._proc.start()
         child_conn.close()
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None

@@ -8,9 +8,11 @@ thread (``infer.engine.async_engine``).
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import time
+import weakref
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,8 +298,13 @@ class LLMEngine:
         if self.config.speculative is not None:
             raise ValueError("speculative decoding does not run with tensor parallelism yet")
         if get_tensor_parallel().size > 1:
-            raise RuntimeError("another tensor-parallel engine is running in this process")
-        return TensorParallelWorkers(
+            gc.collect()  # an engine dropped but not yet collected: its finalizer closes it
+        if get_tensor_parallel().size > 1:
+            raise RuntimeError(
+                "another tensor-parallel engine is running in this process: close it first "
+                "(llm.close() or llm.shutdown(), or build it in a `with LLM(...) as llm:` block)"
+            )
+        workers = TensorParallelWorkers(
             size,
             self.model_path,
             self.dtype,
@@ -306,12 +313,17 @@ class LLMEngine:
             self.config.model.quantize_lm_head,
             self.config.model.seed,
         )
+        # Dropping the engine, or the interpreter's exit, stops the ranks and leaves the group,
+        # so the next tensor-parallel engine in this process starts cleanly.
+        self._tp_finalizer = weakref.finalize(self, workers.close)
+        return workers
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and drop the CUDA graphs (the engine
         cannot step afterwards)."""
         if self.tp_workers is not None:
             self.tp_workers.close()
+            self._tp_finalizer.detach()
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
