@@ -32,6 +32,7 @@ class ServerProcess:
         log_dir: Path,
         api_key: str | None = None,
         env: dict[str, str] | None = None,
+        new_session: bool = False,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,7 +48,10 @@ class ServerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                    OMP_NUM_THREADS="1", **(env or {}))  # fmt: skip
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # new_session: the server leads a process group of its own (and its children), which a
+        # test can signal as a whole, as systemd or `kill -- -PGID` do.
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)  # fmt: skip
         self._wait_ready()
 
     @property
@@ -152,9 +156,11 @@ def start_server(
     *args: str,
     api_key: str | None = None,
     env: dict[str, str] | None = None,
+    new_session: bool = False,
 ):
     """A context-managed server: yields it, terminates it after."""
-    server = ServerProcess(model, *args, log_dir=log_dir, api_key=api_key, env=env)
+    server = ServerProcess(model, *args, log_dir=log_dir, api_key=api_key, env=env,
+                           new_session=new_session)  # fmt: skip
     try:
         yield server
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import httpx
@@ -142,5 +143,43 @@ def test_sigterm_past_the_drain_timeout_ends_streams_with_abort(llama_checkpoint
         assert time.monotonic() - t0 < 20
         log = server.log()
         assert "up to 0.5s" in log and "Traceback" not in log and "CancelledError" not in log
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_sigterm_to_the_whole_process_group_drains(tensor_parallel, llama_checkpoint, server_logs):
+    """systemd's default stop, `kill -TERM -- -PGID`: the signal reaches the engine process (and
+    the tensor-parallel rank) too. They leave shutdown to the server, which drains: every stream
+    gets all its tokens and [DONE], and the server exits 0. (Each step sleeps 10 ms, so the
+    streams are in flight when the signal comes, however fast the machine.)"""
+    import concurrent.futures
+
+    args = ["--drain-timeout", "60", "--tensor-parallel-size", str(tensor_parallel)]
+    gen = start_server(llama_checkpoint, server_logs, *args, env={STEP_DELAY_ENV: "0.01"},
+                       new_session=True)  # fmt: skip
+    server = next(gen)
+    try:
+
+        def stream() -> list[str]:
+            body = {**LONG, "max_tokens": 150, "stream": True, "temperature": 0}
+            with httpx.stream("POST", server.base_url + "/completions", json=body,
+                              timeout=120) as r:  # fmt: skip
+                return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(stream) for _ in range(3)]
+            server.wait_running(3)
+            os.killpg(server.proc.pid, signal.SIGTERM)
+            for f in streams:
+                events = f.result()
+                assert events[-1] == "[DONE]"
+                final = json.loads(events[-2])
+                assert final["choices"][0]["finish_reason"] == "length"
+                text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+                assert text  # every chunk arrived
+        assert server.proc.wait(60) == 0
+        log = server.log()
+        assert "engine stopped" not in log and "Traceback" not in log
     finally:
         gen.close()

@@ -17,7 +17,10 @@ import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -84,6 +87,56 @@ def cluster_spec(args: argparse.Namespace, config: EngineConfig, chat_template: 
                        replica_cpus=replica_cpus)  # fmt: skip
 
 
+REPLICA_STARTUP_TIMEOUT_ENV = "INFER_REPLICA_STARTUP_TIMEOUT"
+
+
+def replica_startup_timeout(config: EngineConfig) -> float:
+    """Seconds the replicas may take to start: ``INFER_REPLICA_STARTUP_TIMEOUT``, else 300 s +
+    60 s per GB of the checkpoint's weight files (each replica loads the model)."""
+    if os.environ.get(REPLICA_STARTUP_TIMEOUT_ENV):
+        return float(os.environ[REPLICA_STARTUP_TIMEOUT_ENV])
+    from infer.engine.model_source import resolve_model_path
+
+    try:
+        path = Path(resolve_model_path(config.model.model))
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    except (OSError, ValueError):
+        size = 0
+    return 300.0 + 60.0 * size / 1e9
+
+
+def start_within(run: Callable[[], object], timeout: float, stop: threading.Event) -> str | None:
+    """Call ``run`` (Serve's deploy, which waits for every replica to be up) on a thread and
+    wait at most ``timeout`` seconds, or until ``stop`` (a signal): None once it returned, else
+    why start-up failed. A replica that can neither start nor fail (a hung load) then ends
+    ``infer serve`` with an error instead of an endless wait; the caller tears Serve down."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def target() -> None:
+        try:
+            run()
+        except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
+            outcome["error"] = e
+        else:
+            outcome["error"] = None
+
+    thread = threading.Thread(target=target, name="infer-replicas-start", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline and not stop.is_set():
+        thread.join(0.2)
+    if "error" not in outcome:
+        if stop.is_set():
+            return "stopped by a signal while the replicas were starting"
+        return (
+            f"the replicas did not start within {timeout:g}s (a replica that hangs while "
+            f"loading? set {REPLICA_STARTUP_TIMEOUT_ENV} for a longer start-up)"
+        )
+    if outcome["error"] is not None:
+        return f"the replicas could not start: {outcome['error']}"
+    return None
+
+
 def serve_cluster(args: argparse.Namespace, config: EngineConfig, chat_template: str | None) -> int:
     """Run the replicas and the router until SIGINT/SIGTERM; the exit status."""
     n = args.data_parallel_size
@@ -111,10 +164,11 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig, chat_template:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        try:
-            serve.run(build_application(spec), name=APP_NAME, route_prefix="/")
-        except Exception as e:  # noqa: BLE001 - a replica or the router failed to start
-            logger.error("the replicas could not start: %s", e)
+        app = build_application(spec)
+        timeout = replica_startup_timeout(config)
+        error = start_within(lambda: serve.run(app, name=APP_NAME, route_prefix="/"), timeout, stop)
+        if error is not None:
+            logger.error("%s", error)
             return 1
         logger.info("serving %s on http://%s:%d with %d replicas (router policy %s)",
                     ", ".join(spec.replica.settings.served_model_names), args.host, args.port,
