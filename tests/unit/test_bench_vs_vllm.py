@@ -50,6 +50,56 @@ def test_workloads_default_cells_and_explicit_concurrency():
             parse_workloads(bad)
 
 
+def test_shared_prefix_workloads_use_vllms_prefix_repetition_dataset():
+    cells = parse_workloads("shared512/8+32x64@16+64,shared1024+16x64@16")
+    assert [c.key for c in cells] == [
+        "shared512/8+32x64@16",
+        "shared512/8+32x64@64",
+        "shared1024/4+16x64@16",  # 4 prefixes unless told
+    ]
+    with pytest.raises(ValueError, match="no default concurrency"):
+        parse_workloads("shared512+32x64")
+    cmd = client_command(Path("vllm"), cells[0], base_url="u", model_name="m", tokenizer=Path("t"),
+                         num_prompts=64, seed=1, result_dir=Path("r"), result_filename="f")  # fmt: skip
+    flags = dict(zip(cmd[3::1], cmd[4::1], strict=False))
+    assert flags["--dataset-name"] == "prefix_repetition"
+    assert flags["--prefix-repetition-prefix-len"] == "512"
+    assert flags["--prefix-repetition-suffix-len"] == "32"
+    assert flags["--prefix-repetition-num-prefixes"] == "8"
+    assert flags["--prefix-repetition-output-len"] == "64"
+    assert "--random-input-len" not in flags
+
+
+def test_prefix_counters_read_both_peers_metric_names(tmp_path):
+    import http.server
+    import threading
+
+    from infer.bench.vs_vllm import prefix_counters
+
+    body = (
+        b"# HELP vllm:prefix_cache_queries_total x\n"
+        b'vllm:prefix_cache_queries_total{model_name="m",engine="0"} 1000.0\n'
+        b'vllm:prefix_cache_hits_total{model_name="m",engine="0"} 750.0\n'
+    )
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert prefix_counters(f"http://127.0.0.1:{server.server_port}") == (1000.0, 750.0)
+    finally:
+        server.shutdown()
+    assert prefix_counters("http://127.0.0.1:9") is None  # nothing listening
+
+
 def test_client_command_uses_vllm_bench_flags():
     cmd = client_command(
         Path("/venv/bin/vllm"),

@@ -69,15 +69,24 @@ HTTP_LOSS_TARGET = 0.05
 
 @dataclass(frozen=True)
 class Cell:
-    """One measured cell: prompts of ``input_len`` tokens, ``output_len`` out, C in flight."""
+    """One measured cell: prompts of ``input_len`` tokens, ``output_len`` out, C in flight.
+
+    With ``prefix_len`` the prompts share prefixes (``vllm bench serve``'s ``prefix_repetition``
+    dataset): ``num_prefixes`` distinct ``prefix_len``-token prefixes, each prompt one of them
+    followed by ``input_len`` unique tokens, as requests sharing long system prompts are."""
 
     input_len: int
     output_len: int
     concurrency: int
+    prefix_len: int = 0
+    num_prefixes: int = 0
 
     @property
     def workload(self) -> str:
-        return f"{self.input_len}x{self.output_len}"
+        base = f"{self.input_len}x{self.output_len}"
+        if self.prefix_len:
+            return f"shared{self.prefix_len}/{self.num_prefixes}+{base}"
+        return base
 
     @property
     def key(self) -> str:
@@ -85,23 +94,28 @@ class Cell:
 
 
 def parse_workloads(spec: str) -> list[Cell]:
-    """``"64x64,1024x128"`` -> the default cells of each; ``"64x64@1+16"`` -> C = 1 and 16."""
+    """``"64x64,1024x128"`` -> the default cells of each; ``"64x64@1+16"`` -> C = 1 and 16;
+    ``"shared512/4+32x64@16+64"`` -> 4 shared 512-token prefixes + 32 unique tokens, 64 out."""
     cells: list[Cell] = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
-        m = re.fullmatch(r"(\d+)x(\d+)(?:@(\d+(?:\+\d+)*))?", item)
+        m = re.fullmatch(r"(?:shared(\d+)(?:/(\d+))?\+)?(\d+)x(\d+)(?:@(\d+(?:\+\d+)*))?", item)
         if not m:
-            raise ValueError(f"bad workload {item!r}: write INxOUT or INxOUT@C or INxOUT@C+C")
-        name = f"{int(m[1])}x{int(m[2])}"
-        if m[3]:
-            concurrencies = [int(c) for c in m[3].split("+")]
-        elif name in DEFAULT_WORKLOADS:
+            raise ValueError(
+                f"bad workload {item!r}: write INxOUT, INxOUT@C, INxOUT@C+C or "
+                "sharedPREFIX/NUM+INxOUT@C"
+            )
+        prefix_len, num_prefixes = int(m[1] or 0), int(m[2] or (4 if m[1] else 0))
+        name = f"{int(m[3])}x{int(m[4])}"
+        if m[5]:
+            concurrencies = [int(c) for c in m[5].split("+")]
+        elif name in DEFAULT_WORKLOADS and not prefix_len:
             concurrencies = list(DEFAULT_WORKLOADS[name])
         else:
-            raise ValueError(f"workload {name!r} has no default concurrency: write {name}@C")
+            raise ValueError(f"workload {item!r} has no default concurrency: write {item}@C")
         for c in concurrencies:
-            cell = Cell(int(m[1]), int(m[2]), c)
+            cell = Cell(int(m[3]), int(m[4]), c, prefix_len, num_prefixes)
             if c < 1 or cell.input_len < 1 or cell.output_len < 1:
                 raise ValueError(f"bad workload {item!r}: lengths and C must be positive")
             if cell not in cells:
@@ -113,7 +127,10 @@ def parse_workloads(spec: str) -> list[Cell]:
 
 def cell_seed(base: int, round_idx: int, cell: Cell, warmup: bool) -> int:
     """The client's ``--seed`` (its random prompts): the same for every peer, new per round/cell."""
-    return base + 1000 * round_idx + 10 * cell.concurrency + (7 if warmup else 0) + cell.input_len
+    return (
+        base + 1000 * round_idx + 10 * cell.concurrency + (7 if warmup else 0) + cell.input_len
+        + cell.prefix_len
+    )  # fmt: skip
 
 
 def client_command(
@@ -132,9 +149,8 @@ def client_command(
     """``vllm bench serve`` for one cell (``output_len`` overrides the cell's, for warm-ups)."""
     flags = [
         ("--backend", "openai"), ("--base-url", base_url), ("--endpoint", "/v1/completions"),
-        ("--model", model_name), ("--tokenizer", tokenizer), ("--dataset-name", "random"),
-        ("--random-input-len", cell.input_len),
-        ("--random-output-len", output_len or cell.output_len),
+        ("--model", model_name), ("--tokenizer", tokenizer),
+        *_dataset_flags(cell, output_len or cell.output_len),
         ("--ignore-eos",), ("--temperature", 0),
         ("--num-prompts", num_prompts), ("--max-concurrency", cell.concurrency), ("--seed", seed),
         ("--percentile-metrics", PERCENTILE_METRICS), ("--metric-percentiles", METRIC_PERCENTILES),
@@ -142,6 +158,18 @@ def client_command(
         ("--save-result",), ("--result-dir", result_dir), ("--result-filename", result_filename),
     ]  # fmt: skip
     return [str(vllm_bin), "bench", "serve", *(str(x) for flag in flags for x in flag)]
+
+
+def _dataset_flags(cell: Cell, output_len: int) -> list[tuple]:
+    """The client's prompts: random ids, or shared prefixes + random suffixes."""
+    if not cell.prefix_len:
+        return [("--dataset-name", "random"), ("--random-input-len", cell.input_len),
+                ("--random-output-len", output_len)]  # fmt: skip
+    return [("--dataset-name", "prefix_repetition"),
+            ("--prefix-repetition-prefix-len", cell.prefix_len),
+            ("--prefix-repetition-suffix-len", cell.input_len),
+            ("--prefix-repetition-num-prefixes", cell.num_prefixes),
+            ("--prefix-repetition-output-len", output_len)]  # fmt: skip
 
 
 def parse_result(data: dict) -> dict:
@@ -435,6 +463,27 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> i
                 proc.wait()
 
 
+def prefix_counters(base_url: str) -> tuple[float, float] | None:
+    """``(queries, hits)`` of the server's prefix cache, in tokens, from its ``/metrics``
+    (``vllm:prefix_cache_queries_total`` / ``..._hits_total``: the same names on both peers),
+    or None where it has none."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    sums = {"queries": 0.0, "hits": 0.0}
+    found = False
+    for line in text.splitlines():
+        for name in sums:
+            if line.startswith(f"vllm:prefix_cache_{name}_total"):
+                sums[name] += float(line.rsplit(" ", 1)[1])
+                found = True
+    return (sums["queries"], sums["hits"]) if found else None
+
+
 def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: int | None) -> dict:
     """Warm-up then measured ``vllm bench serve`` for one cell; the parsed result and context."""
     args, out = ctx["args"], ctx["out"]
@@ -485,15 +534,24 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
     row["quiet_wait"] = wait_quiet(args.wait_quiet, server_pgid)
     row["load_before"] = list(os.getloadavg())
     other = OtherLoad(server_pgid)
+    cache_before = prefix_counters(ctx["base_url"])
     t0 = time.perf_counter()
     rc = run_logged(cmd, ctx["client_env"], out / "logs" / f"{stem}.log", args.cell_timeout)
     row["client_wall_s"] = time.perf_counter() - t0
+    cache_after = prefix_counters(ctx["base_url"])
+    if cache_before and cache_after and cache_after[0] > cache_before[0]:
+        # the prefix cache's hit rate over the measured run (tokens), from the server's /metrics
+        row["prefix_hit_rate"] = (cache_after[1] - cache_before[1]) / (
+            cache_after[0] - cache_before[0]
+        )
     row["other_cpu_cores"] = other.cores()
     path = out / "results" / f"{stem}.json"
     if rc != 0 or not path.exists():
         row["error"] = f"client exited {rc} (see {row['log']})"
         return row
     res = parse_result(json.loads(path.read_text()))
+    if "prefix_hit_rate" in row:
+        res["prefix_hit_rate"] = row["prefix_hit_rate"]
     row["result"] = res
     row.update(other.server(res["duration_s"]))
     if res["failed"] or res["completed"] < n:
@@ -564,6 +622,7 @@ def _one_line(row: dict) -> str:
         f"load {row['load_before'][0]:.2f}, other CPU {row['other_cpu_cores']:.2f} cores, "
         f"server {row.get('server_cpu_cores', 0):.2f} cores, preempted "
         f"{row.get('server_preempted_per_s', 0):.0f}/s"
+        + (f", prefix hits {100 * r['prefix_hit_rate']:.0f}%" if "prefix_hit_rate" in r else "")
     )
     return text + (f" ({row['error']})" if "error" in row else "")
 
