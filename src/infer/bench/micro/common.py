@@ -225,10 +225,15 @@ def random_toy_checkpoint(folder: str | Path | None = None, vocab_size: int = 38
 
 
 def make_engine(model: str, **options):
-    """An ``LLMEngine`` for ``model`` with engine options (the fields of ``infer.config``)."""
+    """An ``LLMEngine`` for ``model`` with engine options (the fields of ``infer.config``).
+
+    Prefix caching is off unless a case turns it on: each micro-benchmark measures one
+    optimisation against its absence, and the engine's default (on) would mix cache hits into
+    the others."""
     from infer.config import EngineConfig
     from infer.engine.engine import LLMEngine
 
+    options.setdefault("enable_prefix_caching", False)
     return LLMEngine(EngineConfig.from_kwargs(model=model, **options))
 
 
