@@ -22,39 +22,20 @@ from infer.core.sampling_params import SamplingParams
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context (leading-space handling)
 
 
-def _rust_backend(tokenizer):
-    """The Rust tokenizer a fast tokenizer wraps when it does no clean-up of its own, else None."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return None
-    return backend
-
-
-def _decode_stream(backend, context: list[int], skip_special_tokens: bool):
-    """tokenizers' own incremental decoder primed with ``context`` (one Rust call per token,
-    where the offsets below take two decodes and Python's slicing), or None where this
-    tokenizers release has no primed ``DecodeStream``."""
-    try:
-        from tokenizers.decoders import DecodeStream
-
-        return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
-    except (ImportError, TypeError):
-        return None
-
-
 def fast_decode(tokenizer) -> Callable[..., str]:
     """``tokenizer.decode`` (ids, skip_special_tokens=...) or, for a fast tokenizer that does no
     clean-up of its own, the Rust tokenizer's decode it wraps: the same text without
     transformers' Python layer (~1.2 vs ~3.7 us a call; two calls per token per request)."""
-    backend = _rust_backend(tokenizer)
-    return tokenizer.decode if backend is None else backend.decode
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self._decode_ids = fast_decode(tokenizer)
-        self._backend = _rust_backend(tokenizer)
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
@@ -64,11 +45,6 @@ class IncrementalDetokenizer:
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
-        self._stream = (
-            None
-            if self._backend is None
-            else _decode_stream(self._backend, self._tokens, self.skip_special_tokens)
-        )
         self.text = ""  # all output text decided so far (after a stop cut, final)
         self._sent = 0  # characters of `text` already emitted
         self.stop_string: str | None = None
@@ -80,17 +56,6 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the text that can be emitted now (possibly empty)."""
-        stream = self._stream
-        if stream is not None:
-            backend = self._backend
-            for token_id in token_ids:
-                if self.stop_string is not None:
-                    break
-                self.num_output_tokens += 1
-                piece = stream.step(backend, token_id)
-                if piece:
-                    self._append(piece)
-            return self._take(final=False)
         for token_id in token_ids:
             if self.stop_string is not None:
                 break
