@@ -140,3 +140,37 @@ def test_sampling_with_a_seed_is_reproducible(make_llm):
     a = make_llm("llama", attention_backend="triton", max_num_seqs=4)
     b = make_llm("llama", attention_backend="triton", max_num_seqs=4, enforce_eager=True)
     assert _tokens(a, FEW[:3], params) == _tokens(b, FEW[:3], params)
+
+
+def test_deferred_outputs_stop_strings_aborts_and_n(make_llm):
+    """On the GPU step a step's outputs are made during the next step's forward pass: stop
+    strings, stop ids, max_tokens, n > 1 and an abort mid-way give what the torch path gives,
+    and the last outputs are not left behind."""
+    ref = make_llm("llama", block_size=4)
+    llm = make_llm("llama", attention_backend="triton", block_size=4, max_num_seqs=4)
+    assert llm.engine._defer_outputs
+    greedy = ref.generate(FEW[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    text = greedy[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # a stop string in the middle
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]),
+        SamplingParams(
+            max_tokens=12, temperature=0, stop_token_ids=[greedy[1].outputs[0].token_ids[3]]
+        ),
+        SamplingParams(max_tokens=5, temperature=0.9, seed=3, n=2, ignore_eos=True),
+    ]
+    want = ref.generate(FEW[:3], params)
+    got = llm.generate(FEW[:3], params)
+    for w, g in zip(want, got, strict=True):
+        assert [(o.text, o.token_ids, o.finish_reason) for o in g.outputs] == [
+            (o.text, o.token_ids, o.finish_reason) for o in w.outputs
+        ]
+    engine = llm.engine
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("a")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs and outs[-1].finished and outs[-1].finish_reason == "abort"

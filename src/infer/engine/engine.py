@@ -278,6 +278,13 @@ class LLMEngine:
         self._spec_log_interval = float(os.environ.get(SPEC_LOG_ENV, "10"))
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []
+        # On the GPU step the outputs of a step's requests (detokenization, stop strings, the
+        # RequestOutputs) are made during the next step's forward pass, which the host would
+        # otherwise wait out: see step(). Not with speculative decoding (proposals read the
+        # outputs at once) nor for steps with constrained requests (their grammars advance at
+        # once).
+        self._defer_outputs = self.runner.cuda_step is not None and self.proposer is None
+        self._deferred: list[Request] = []
         self.step_times = StepTimeTotals()
         # Step records for the live view or a recorded run; None (and no cost) otherwise.
         self.trace: StepTrace | None = None
@@ -566,11 +573,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (
-            self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._compiling)
+            self.scheduler.has_unfinished_requests()
+            or bool(self._pending)
+            or bool(self._compiling)
+            or bool(self._deferred)
         )
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, run the batch, apply its tokens; the outputs to emit.
+
+        With deferred outputs (the GPU step), a step's progressed requests get their outputs
+        made while the next step's forward pass runs on the device::
+
+            step N   : schedule N | launch N | outputs of N-1 (host) | wait N | update N
+            step N+1 : schedule   | launch   | outputs of N          | wait   | update
+
+        so a token reaches its stream one step later, and the host's per-request work (the
+        detokenizer above all) costs no device time. A step with nothing to run emits what is
+        still deferred at once."""
         if self._compiling:
             self._admit_compiled(wait=not self.scheduler.has_unfinished_requests())
         outputs, self._pending = self._pending, []
@@ -578,9 +599,21 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
+            outputs.extend(self._drain_deferred())
             return outputs
+        defer = self._defer_outputs and (self.structured is None or not self.structured.matchers)
+        drained: list[RequestOutput] = []
+        drain_time = [0.0]
+
+        def while_running() -> None:
+            t = time.perf_counter()
+            drained.extend(self._drain_deferred())
+            drain_time[0] = time.perf_counter() - t
+
         try:
-            sampled, timings, prompt_logprobs = self.runner.execute(sched, self.scheduler.requests)
+            sampled, timings, prompt_logprobs = self.runner.execute(
+                sched, self.scheduler.requests, while_running if self._deferred else None
+            )
         except EngineDeadError:
             raise
         except Exception as e:  # noqa: BLE001 - one failed batch must not kill the engine
@@ -590,17 +623,25 @@ class LLMEngine:
             logger.exception(
                 "forward pass failed; failing the %d requests in it", len(sched.chunks)
             )
+            outputs.extend(drained)
+            outputs.extend(self._drain_deferred())
             for chunk in sched.chunks:
                 self._finish(
                     chunk.request_id, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}"
                 )
             outputs, self._pending = outputs + self._pending, []
             return outputs
+        outputs.extend(drained)
+        if not defer:  # what an earlier step deferred goes first
+            outputs.extend(self._drain_deferred())
         t2 = time.perf_counter()
         for request in self.scheduler.update_from_output(sched, sampled, prompt_logprobs):
             if self.structured is not None and not request.is_finished:
                 self._advance_grammar(request)
-            outputs.append(self._make_output(request))
+            if defer:
+                self._deferred.append(request)
+            else:
+                outputs.append(self._make_output(request))
         outputs.extend(self._pending)
         self._pending = []
         t3 = time.perf_counter()
@@ -613,9 +654,9 @@ class LLMEngine:
         st.steps += 1
         st.schedule += t1 - t0
         st.prepare += timings.prepare
-        st.forward += timings.forward
+        st.forward += timings.forward - drain_time[0]
         st.sample += timings.sample
-        st.update += t3 - t2
+        st.update += t3 - t2 + drain_time[0]
         st.propose += t4 - t3
         trace = self.trace
         if trace is not None:
@@ -624,6 +665,12 @@ class LLMEngine:
             else:
                 trace.record(self.scheduler, sched, st.steps, t4 - t0)
         return outputs
+
+    def _drain_deferred(self) -> list[RequestOutput]:
+        """The outputs of the requests an earlier step deferred (see :meth:`step`); a request
+        whose output went out meanwhile (aborted, failed) has no state left and is skipped."""
+        requests, self._deferred = self._deferred, []
+        return [self._make_output(r) for r in requests if r.request_id in self._states]
 
     def _advance_grammar(self, request: Request) -> None:
         """Feed a constrained request's new tokens to its matcher; end it when the grammar has

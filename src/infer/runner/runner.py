@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -252,9 +253,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, requests: dict[str, Request]
+        self,
+        out: SchedulerOutput,
+        requests: dict[str, Request],
+        while_running: Callable[[], None] | None = None,
     ) -> tuple[dict[str, Sampled], StepTimings, dict[str, list[tuple[int, TokenLogprob]]]]:
-        """Run one step: its sampled tokens, timings, and prompt logprobs by request."""
+        """Run one step: its sampled tokens, timings, and prompt logprobs by request.
+
+        ``while_running`` is called once the forward pass is launched and before anything waits
+        for it: on a GPU (asynchronous) the host's work there overlaps the device's."""
         t0 = time.perf_counter()
         batch, sample_reqs, proposals, prompt_targets = self.prepare(out, requests)
         if self.workers is not None:  # the other tensor-parallel ranks run the same batch
@@ -262,6 +269,8 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         logits, prompt_logits = self.run(batch)
+        if while_running is not None:
+            while_running()
         prompt_lps = {}
         if prompt_logits is not None:
             prompt_lps = self._prompt_logprobs(prompt_logits, prompt_targets, requests)
