@@ -274,6 +274,20 @@ def test_finish_writes_json_and_markdown(tmp_path):
     assert data["medians"]["infer"]["64x64@16"]["output_tok_s"] == 500.0
     assert data["paired_ratios"]["64x64@16"] == {"runs": [2.5], "median": 2.5}
     assert "Paired by round" not in md  # one round: nothing to pair beyond the table
+    shared = "shared512/4+32x64@16"  # a shared-prefix cell: ordered, shown with its hit rate
+    report["cells"].append({"key": shared})
+    runs = list(runs)  # report["runs"] grows below
+    for r in runs:
+        row = r | {"cell": shared} | _row(r["result"]["output_tok_s"])
+        row["result"] = row["result"] | {"prefix_hit_rate": 0.9}
+        report["runs"].append(row)
+    finish(report, tmp_path)
+    assert (
+        "| shared512/4+32x64 | 16 | 500.0 | 200.0 | 2.50x |"
+        in (tmp_path / "vs_vllm.md").read_text()
+    )
+    assert "prefix cache hit rate 90% / 90%" in (tmp_path / "vs_vllm.md").read_text()
+    report["cells"].pop()
     report["runs"] = runs + [r | {"round": 1} | _row(r["result"]["output_tok_s"] / 2) for r in runs]
     report["runs"][-1] |= _row(125.0)  # round 1: 250 / 125
     finish(report, tmp_path)

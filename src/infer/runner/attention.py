@@ -356,12 +356,7 @@ class AttentionContext:
             num_kv_heads,
             head_dim,
         )
-        t = qkv.shape[0]
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        q = qkv[:, :q_size].view(t, num_heads, head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
-        v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, num_kv_heads, head_dim)
-        return q, k, v
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def attend(
         self,
@@ -465,6 +460,18 @@ class AttentionContext:
             enable_gqa=gqa,
         )
         return o[:, :, 0, :]
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[T, (H + 2 Hkv) D]`` fused projection -> ``q [T, H, D], k, v [T, Hkv, D]`` views."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(t, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, num_kv_heads, head_dim)
+    return q, k, v
 
 
 def _table_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from infer.runner import kv_quant
+from infer.runner.attention import split_qkv
 from infer.runner.gpu import triton_attention as ta
 from infer.runner.gpu import triton_fused
 
@@ -138,12 +139,7 @@ class GpuAttentionContext:
         triton_fused.rope_and_store(
             qkv, cos, sin, k_cache, v_cache, self.slot_mapping, num_heads, num_kv_heads, head_dim
         )
-        t = qkv.shape[0]
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        q = qkv[:, :q_size].view(t, num_heads, head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
-        v = qkv[:, q_size + kv_size :].view(t, num_kv_heads, head_dim)
-        return q, k, v
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         cache = self.kv_cache
