@@ -241,9 +241,7 @@ class EngineConfig:
                 reason = "--no-kv-cache keeps no KV between steps"
             elif self.scheduler.batching_mode == "static":
                 reason = "static batching is a comparison mode (--enable-prefix-caching adds it)"
-            object.__setattr__(
-                self, "cache", replace(cache, enable_prefix_caching=reason is None)
-            )
+            object.__setattr__(self, "cache", replace(cache, enable_prefix_caching=reason is None))
         object.__setattr__(self, "prefix_caching_off_reason", reason)
 
     @staticmethod

@@ -10,7 +10,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from infer.distributed.executor import STORE_KEY, IDLE_TIMEOUT, KVSetup, WorkerArgs, fault, step_timeout
+from infer.distributed.executor import (
+    IDLE_TIMEOUT,
+    STORE_KEY,
+    KVSetup,
+    WorkerArgs,
+    fault,
+    step_timeout,
+)
 from infer.distributed.spawn import leave_shutdown_to_parent
 from infer.model.parallel import TensorParallel, set_tensor_parallel
 
