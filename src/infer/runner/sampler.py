@@ -62,8 +62,7 @@ class Sampler:
             r.num_output_tokens < r.sampling_params.min_tokens for r in requests
         ):
             logits = logits.clone()
-            for row, request in enumerate(requests):
-                _apply_penalties(logits[row], request)
+            _apply_penalties(logits, requests, [0] * len(requests))
         if allowed is not None:
             if logits.data_ptr() == raw.data_ptr():
                 logits = logits.clone()
@@ -138,9 +137,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(p.needs_penalties or p.min_tokens or p.logit_bias for p in params):
             logits = logits.clone()
-            for request, rows in zip(requests, rows_of, strict=True):
-                for j, row in enumerate(rows):
-                    _apply_penalties(logits[row], request, num_proposed=j)
+            proposed = [j for rows in rows_of for j in range(len(rows))]
+            _apply_penalties(logits, row_requests, proposed)
         if allowed is not None:  # constrained requests have no proposals: one row each
             request_rows, mask = allowed
             logits = logits.clone()
@@ -210,34 +208,71 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return kernels.argmax_rows(logits.contiguous())
 
 
-def _apply_penalties(row: torch.Tensor, request: Request, num_proposed: int = 0) -> None:
-    """Penalties for the token after the output and ``num_proposed`` accepted proposals.
+def _apply_penalties(logits: torch.Tensor, requests: list[Request], proposed: list[int]) -> None:
+    """In place on ``[B, V]`` logits: row ``i`` gets its request's logit bias, then ``min_tokens``
+    (EOS and stop ids banned until the output, with ``proposed[i]`` accepted proposals before
+    the row's token, is long enough), then the repetition penalty (over prompt and output), then
+    presence and frequency penalties (over the output).
 
-    Only ``min_tokens`` looks at the proposals: the proposers propose nothing for requests
-    with repetition, presence or frequency penalties (see ``spec_decode``).
+    Batched: the rows' ids are gathered on the host into a few flat lists and applied with a
+    few indexed kernels, each list one host-to-device copy for the whole batch (a loop over rows
+    made a copy, a wait for the GPU, and several kernels per row). Only ``min_tokens`` looks at
+    the proposals: the proposers propose nothing for requests with repetition, presence or
+    frequency penalties (see ``spec_decode``).
     """
-    p = request.sampling_params
-    if p.logit_bias:
-        ids, biases = zip(*p.logit_bias, strict=True)
-        index = torch.tensor(ids, dtype=torch.long, device=row.device)
-        row.index_add_(0, index, torch.tensor(biases, dtype=row.dtype, device=row.device))
-    if request.num_output_tokens + num_proposed < p.min_tokens:
-        banned = set(p.stop_token_ids)
-        if not p.ignore_eos:
-            banned.update(request.eos_token_ids)
-        if banned:
-            row[list(banned)] = float("-inf")
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
-        vals = row[seen]
-        vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    device = logits.device
+    bias_rows, bias_ids, bias_vals = [], [], []
+    ban_rows, ban_ids = [], []
+    rep_rows, rep_ids, rep_pen = [], [], [1.0] * len(requests)
+    out_rows, out_ids, presence, frequency = [], [], [0.0] * len(requests), [0.0] * len(requests)
+    for row, (request, num_proposed) in enumerate(zip(requests, proposed, strict=True)):
+        p = request.sampling_params
+        for token_id, bias in p.logit_bias:
+            bias_rows.append(row)
+            bias_ids.append(token_id)
+            bias_vals.append(bias)
+        if request.num_output_tokens + num_proposed < p.min_tokens:
+            banned = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned.update(request.eos_token_ids)
+            ban_rows += [row] * len(banned)
+            ban_ids += banned
+        if p.repetition_penalty != 1.0:
+            seen = set(request.all_token_ids)
+            rep_rows += [row] * len(seen)
+            rep_ids += seen
+            rep_pen[row] = p.repetition_penalty
+        if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+            out_rows += [row] * len(request.output_token_ids)
+            out_ids += request.output_token_ids
+            presence[row], frequency[row] = p.presence_penalty, p.frequency_penalty
+
+    def index(rows: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.tensor([rows, ids], dtype=torch.long).to(device, non_blocking=True)
+        return both[0], both[1]
+
+    if bias_rows:
+        values = torch.tensor(bias_vals, dtype=logits.dtype).to(device, non_blocking=True)
+        logits.index_put_(index(bias_rows, bias_ids), values, accumulate=True)
+    if ban_rows:
+        logits.index_put_(index(ban_rows, ban_ids), torch.tensor(float("-inf"), device=device))
+    if rep_rows:
+        seen_mask = torch.zeros_like(logits, dtype=torch.bool)
+        seen_mask.index_put_(index(rep_rows, rep_ids), torch.tensor(True, device=device))
+        pen = torch.tensor(rep_pen, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
+        vals = torch.where(logits > 0, logits / pen, logits * pen)
         # A penalty near 0 makes infinities (and -inf * 0 = nan): keep the row samplable.
-        big = torch.finfo(row.dtype).max
-        row[seen] = torch.nan_to_num(vals, nan=float("-inf"), posinf=big, neginf=float("-inf"))
-    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-        out = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
-        counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        big = torch.finfo(logits.dtype).max
+        vals = torch.nan_to_num(vals, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+        logits.copy_(torch.where(seen_mask, vals, logits))
+    if out_rows:
+        counts = torch.zeros_like(logits)
+        counts.index_put_(
+            index(out_rows, out_ids), torch.ones(len(out_ids), device=device), accumulate=True
+        )
+        freq = torch.tensor(frequency, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
+        pres = torch.tensor(presence, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
+        logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
