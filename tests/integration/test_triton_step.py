@@ -174,3 +174,26 @@ def test_deferred_outputs_stop_strings_aborts_and_n(make_llm):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs and outs[-1].finished and outs[-1].finish_reason == "abort"
+
+
+def test_prompt_logprobs_and_a_mixed_batch_gather_the_right_rows(make_llm):
+    """Prompt-logprob rows and the sampled rows of a step with prefill chunks go to the LM head
+    through index buffers on the device: the same numbers as the torch path's."""
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    ref = make_llm("llama", block_size=4).generate(FEW[:3], params)
+    got = make_llm("llama", attention_backend="triton", block_size=4).generate(FEW[:3], params)
+    for w, g in zip(ref, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        want_lp = [lp.logprob for lp in w.prompt_logprobs[1:]]
+        got_lp = [lp.logprob for lp in g.prompt_logprobs[1:]]
+        assert got_lp == pytest.approx(want_lp, abs=1e-4)
+
+
+def test_requests_stopped_while_the_next_step_runs_leave_no_generator(make_llm):
+    """A seeded request whose stop string is found while its next step runs (deferred outputs)
+    still has that step's draw made, which re-creates its generator: the engine forgets it."""
+    llm = make_llm("llama", attention_backend="triton", block_size=4, max_num_seqs=4)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=5, stop=["e", "a", " "])
+    outs = llm.generate(FEW[:4], params)
+    assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+    assert not llm.engine.runner.sampler._generators

@@ -64,7 +64,10 @@ def test_act_and_mul_matches_torch(dtype, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (32, 8, 64), (6, 6, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 2, 16), (32, 8, 64), (6, 6, 128), (14, 2, 64), (24, 8, 128)],
+)
 def test_rope_and_store_rotates_in_place_and_stores_kv(dtype, heads, kv_heads, head_dim):
     """q and k rotated as apply_rope does; k and v land at their slots; slot -1 stores nothing
     and every other cache row is untouched."""

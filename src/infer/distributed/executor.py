@@ -123,6 +123,10 @@ class KVSetup:
     kv_cache_dtype: str
     num_swap_blocks: int
     attention_backend: str = "auto"
+    # the driver's step sizes, for the workers' step buffers (the GPU step)
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    max_model_len: int = 0
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

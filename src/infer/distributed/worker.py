@@ -113,7 +113,10 @@ def _serve(args: WorkerArgs) -> None:
         device,
         args.seed,
         num_swap_blocks=setup.num_swap_blocks,
+        max_num_seqs=setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
         attention_backend=setup.attention_backend,
+        max_model_len=setup.max_model_len,
     )
     skip = phase == "skip-step"
     while (batch := receive()) is not None:

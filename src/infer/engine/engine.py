@@ -239,6 +239,9 @@ class LLMEngine:
                     cc.kv_cache_dtype,
                     self.num_swap_blocks,
                     mc.attention_backend,
+                    sc.max_num_seqs,
+                    sc.max_num_batched_tokens,
+                    self.max_model_len,
                 )
             )
         self.kv_cache = KVCache(
@@ -284,7 +287,7 @@ class LLMEngine:
         # outputs at once) nor for steps with constrained requests (their grammars advance at
         # once).
         self._defer_outputs = self.runner.cuda_step is not None and self.proposer is None
-        self._deferred: list[Request] = []
+        self._deferred: list[tuple[Request, _OutputState]] = []
         self.step_times = StepTimeTotals()
         # Step records for the live view or a recorded run; None (and no cost) otherwise.
         self.trace: StepTrace | None = None
@@ -634,12 +637,15 @@ class LLMEngine:
         outputs.extend(drained)
         if not defer:  # what an earlier step deferred goes first
             outputs.extend(self._drain_deferred())
+        for request_id in sampled:
+            if request_id not in self._states:  # finished while this step ran (a stop string
+                self.runner.sampler.forget(request_id)  # found meanwhile): its draw re-made it
         t2 = time.perf_counter()
         for request in self.scheduler.update_from_output(sched, sampled, prompt_logprobs):
             if self.structured is not None and not request.is_finished:
                 self._advance_grammar(request)
             if defer:
-                self._deferred.append(request)
+                self._deferred.append((request, self._states[request.request_id]))
             else:
                 outputs.append(self._make_output(request))
         outputs.extend(self._pending)
@@ -667,10 +673,33 @@ class LLMEngine:
         return outputs
 
     def _drain_deferred(self) -> list[RequestOutput]:
-        """The outputs of the requests an earlier step deferred (see :meth:`step`); a request
-        whose output went out meanwhile (aborted, failed) has no state left and is skipped."""
-        requests, self._deferred = self._deferred, []
-        return [self._make_output(r) for r in requests if r.request_id in self._states]
+        """The outputs of the requests an earlier step deferred (see :meth:`step`). A request
+        whose output went out meanwhile (aborted, failed: its state is gone, or is a new
+        request's under the same id) is skipped; one whose output cannot be made ends with an
+        error output instead of being lost."""
+        deferred, self._deferred = self._deferred, []
+        outputs = []
+        for request, state in deferred:
+            if self._states.get(request.request_id) is not state:
+                continue
+            try:
+                outputs.append(self._make_output(request))
+            except Exception as e:  # noqa: BLE001 - one request's output must not lose the rest
+                logger.exception("making the output of %s failed", request.request_id)
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                self._states.pop(request.request_id, None)
+                self.runner.sampler.forget(request.request_id)
+                outputs.append(
+                    RequestOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        new_text="",
+                        finished=True,
+                        finish_reason="error",
+                        error=f"{type(e).__name__}: {e}",
+                    )
+                )
+        return outputs
 
     def _advance_grammar(self, request: Request) -> None:
         """Feed a constrained request's new tokens to its matcher; end it when the grammar has

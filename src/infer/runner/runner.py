@@ -157,6 +157,11 @@ class ModelRunner:
                 src, dst = zip(*batch.swap_in, strict=True)
                 device_blocks[:, :, list(dst)] = host_blocks[:, :, list(src)].to(self.device)
 
+    def _row_index(self, name: str, rows: list[int]) -> torch.Tensor:
+        if self.cuda_step is not None:  # no waiting copy on the GPU step
+            return self.cuda_step.inputs.row_index(name, rows)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs of decode steps (CUDA with the Triton backend, not eager)."""
         if self.cuda_step is not None:
@@ -242,10 +247,10 @@ class ModelRunner:
             if n == len(batch.token_ids) and batch.sample_rows[-1] == n - 1:
                 sampled = hidden  # every row, in order (decode): no gather
             else:
-                sampled = hidden[torch.tensor(batch.sample_rows, device=self.device)]
+                sampled = hidden[self._row_index("sample_rows", batch.sample_rows)]
             logits = self.model.compute_logits(sampled)
         if batch.prompt_rows:
-            rows = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
+            rows = self._row_index("prompt_rows", batch.prompt_rows)
             prompt_logits = self.model.compute_logits(hidden[rows]).float()
         if self._sync:
             torch.cuda.synchronize(self.device)

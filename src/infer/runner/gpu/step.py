@@ -234,6 +234,9 @@ class StepInputs:
         self.tables = pair(shape.max_table_rows, shape.max_blocks, dtype=torch.int32)
         self.query_start = pair(shape.max_seqs + 1, dtype=torch.int32)
         self.num_computed = pair(shape.max_seqs, dtype=torch.int32)
+        # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
+        self.sample_rows = pair(shape.max_rows, dtype=torch.long)
+        self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
         # numpy views of the host halves: filled without building tensors
         self._np = {
             name: getattr(self, name)[0].numpy()
@@ -245,6 +248,8 @@ class StepInputs:
                 "tables",
                 "query_start",
                 "num_computed",
+                "sample_rows",
+                "prompt_rows",
             )
         }
         self._copied = torch.cuda.Event() if pin else None
@@ -257,6 +262,20 @@ class StepInputs:
         host, dev = getattr(self, name)
         if n:
             dev[:n].copy_(host[:n], non_blocking=True)
+        return dev[:n]
+
+    def row_index(self, name: str, rows: list[int]) -> torch.Tensor:
+        """``rows`` (``name``: ``"sample_rows"`` or ``"prompt_rows"``) as a device index, copied
+        without waiting: a tensor built from a list would be a pageable copy, which waits for
+        the forward pass queued before it (and so for the host work meant to overlap it)."""
+        host, dev = getattr(self, name)
+        n = len(rows)
+        if n > host.shape[0]:
+            return torch.tensor(rows, dtype=torch.long, device=self.device)
+        self._np[name][:n] = rows
+        dev[:n].copy_(host[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return dev[:n]
 
     def decode_context_views(self, rows: int) -> dict[str, torch.Tensor]:

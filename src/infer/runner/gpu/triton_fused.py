@@ -110,7 +110,13 @@ if triton is not None:
         HEADS_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr,
     ):
-        """One program per token: rotate its q and k heads in place, store k and v."""
+        """One program per token: rotate its q heads in place; rotate its k heads in place
+        and store them with v in the cache.
+
+        Each head is loaded, rotated and stored by the same loop iteration (a k head goes to
+        the qkv row and to the cache from the same registers): nothing reads back a value
+        another warp wrote, which would need a barrier (a k head's tile row differs between
+        loops whenever the number of q heads is not a multiple of ``HEADS_PAD``)."""
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF_PAD)
         hd = tl.arange(0, HEADS_PAD)
@@ -122,30 +128,33 @@ if triton is not None:
         cos_hi = cos_hi.to(tl.float32)
         sin_hi = sin_hi.to(tl.float32)
         head_dim = 2 * HALF
-        total = NUM_HEADS + NUM_KV_HEADS  # q and k heads are rotated alike
         row = qkv_ptr + t * stride_t
+        dt = qkv_ptr.dtype.element_ty
         # x * cos rounded to the activation dtype first, then + swapped * sin (torch's addcmul)
-        for start in range(0, total, HEADS_PAD):
+        for start in range(0, NUM_HEADS, HEADS_PAD):
             heads = start + hd
-            m = (heads < total)[:, None] & dmask[None, :]
+            m = (heads < NUM_HEADS)[:, None] & dmask[None, :]
             p = row + heads[:, None] * head_dim + d[None, :]
             lo = tl.load(p, mask=m, other=0.0).to(tl.float32)
             hi = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
-            dt = qkv_ptr.dtype.element_ty
             new_lo = ((lo * cos_lo[None, :]).to(dt).to(tl.float32) + hi * sin_lo[None, :]).to(dt)
             new_hi = ((hi * cos_hi[None, :]).to(dt).to(tl.float32) + lo * sin_hi[None, :]).to(dt)
             tl.store(p, new_lo, mask=m)
             tl.store(p + HALF, new_hi, mask=m)
         slot = tl.load(slots_ptr + t).to(tl.int64)
-        if slot >= 0:
-            for start in range(0, NUM_KV_HEADS, HEADS_PAD):
-                heads = start + hd
-                m = (heads < NUM_KV_HEADS)[:, None] & dmask[None, :]
-                src = row + (NUM_HEADS + heads)[:, None] * head_dim + d[None, :]
+        for start in range(0, NUM_KV_HEADS, HEADS_PAD):
+            heads = start + hd
+            m = (heads < NUM_KV_HEADS)[:, None] & dmask[None, :]
+            p = row + (NUM_HEADS + heads)[:, None] * head_dim + d[None, :]
+            lo = tl.load(p, mask=m, other=0.0).to(tl.float32)
+            hi = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+            k_lo = ((lo * cos_lo[None, :]).to(dt).to(tl.float32) + hi * sin_lo[None, :]).to(dt)
+            k_hi = ((hi * cos_hi[None, :]).to(dt).to(tl.float32) + lo * sin_hi[None, :]).to(dt)
+            tl.store(p, k_lo, mask=m)
+            tl.store(p + HALF, k_hi, mask=m)
+            if slot >= 0:
                 dst = slot * stride_slot + heads[:, None] * head_dim + d[None, :]
-                k_lo = tl.load(src, mask=m, other=0.0)
-                k_hi = tl.load(src + HALF, mask=m, other=0.0)
-                v_src = src + NUM_KV_HEADS * head_dim
+                v_src = p + NUM_KV_HEADS * head_dim
                 v_lo = tl.load(v_src, mask=m, other=0.0)
                 v_hi = tl.load(v_src + HALF, mask=m, other=0.0)
                 tl.store(k_cache_ptr + dst, k_lo, mask=m)
