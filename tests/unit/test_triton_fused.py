@@ -96,3 +96,26 @@ def test_rope_and_store_rotates_in_place_and_stores_kv(dtype, heads, kv_heads, h
     untouched = [s for s in range(10) if s not in (7, 0, 3)]
     assert torch.equal(k_cache[untouched], k_before[untouched])
     assert torch.equal(v_cache[untouched], v_before[untouched])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="a race between warps shows only on a GPU")
+def test_rope_and_store_caches_the_rotated_keys_at_scale():
+    """28 q heads on 4 kv heads (a head tile of 16 does not divide 28): every cached key is the
+    rotated k of its token, over 4,096 tokens, three times (each k head is stored from the
+    registers that rotated it; reading it back from qkv raced between warps)."""
+    heads, kv_heads, head_dim, t = 28, 4, 128, 4096
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    for _ in range(3):
+        width = (heads + 2 * kv_heads) * head_dim
+        qkv = torch.randn(t, width, generator=g, device=DEVICE).to(torch.bfloat16)
+        angles = torch.randn(t, head_dim // 2, generator=g, device=DEVICE)
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(torch.bfloat16)
+        sin = torch.cat((-angles.sin(), angles.sin()), -1).to(torch.bfloat16)
+        k_cache = torch.zeros(t, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.arange(t, dtype=torch.int32, device=DEVICE)
+        triton_fused.rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads,
+                                    head_dim)  # fmt: skip
+        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+        assert torch.equal(k_cache, k)
