@@ -14,6 +14,8 @@ from typing import Literal
 from infer.kv_cache.sizing import check_kv_cache_dtype
 
 QUANTIZATIONS = ("int8", "w8a8", "fp8")
+# Quantized checkpoints (read as they are stored): --quantization names them to assert it.
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 BatchingMode = Literal["continuous", "static"]
 KVBackend = Literal["paged", "contiguous"]
@@ -43,7 +45,9 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
-    quantization: str | None = None  # None | int8 | w8a8 | fp8: weights quantized at load
+    # None | int8 | w8a8 | fp8: weights quantized at load; gptq | awq: the checkpoint is (read
+    # from its quantization_config anyway; naming it checks that it is)
+    quantization: str | None = None
     # With a quantization: the vocabulary projection too (False keeps it in the model's dtype).
     quantize_lm_head: bool = True
     # Attention on CUDA: "triton" (paged kernels that read the block tables), "torch" (gather +
@@ -60,10 +64,11 @@ class ModelConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+        choices = QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
+        if self.quantization is not None and self.quantization not in choices:
             raise ValueError(
                 f"--quantization {self.quantization!r} is not supported "
-                f"(choices: {', '.join(QUANTIZATIONS)})"
+                f"(choices: {', '.join(choices)})"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 
 import torch
 
-from infer.config import EngineConfig
+from infer.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
 from infer.core.outputs import RequestOutput
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
@@ -175,7 +175,7 @@ class LLMEngine:
 
     def _setup(self, config: EngineConfig) -> None:
         from infer.engine.model_source import resolve_model_path
-        from infer.model.loader import load_model, load_model_spec
+        from infer.model.loader import load_model, load_model_spec, quantized_format
         from infer.model.tokenizer import load_tokenizer
 
         self.config = config
@@ -193,11 +193,25 @@ class LLMEngine:
         self.spec = load_model_spec(self.model_path)
         self.dtype = resolve_dtype(mc.dtype, self.spec.torch_dtype, self.device)
         t0 = time.perf_counter()
-        check_quantization(mc.quantization, self.device)
+        self.checkpoint_quantization = quantized_format(self.model_path)
+        self.load_quantization = load_quantization = self._load_quantization()
+        check_quantization(load_quantization, self.device)
         self.tp_workers = self._start_tensor_parallel()
         self.model = load_model(self.model_path, self.dtype, self.device)
-        if mc.quantization:
-            quantize_linears(self.model, mc.quantization, lm_head=mc.quantize_lm_head)
+        if self.checkpoint_quantization is not None:
+            q = self.checkpoint_quantization
+            logger.info(
+                "%s checkpoint (%d-bit, group %d%s): weights dequantized to %s at load (infer "
+                "has no 4-bit kernels yet: they take %s's memory)",
+                q.method.upper(),
+                q.bits,
+                q.group_size,
+                ", act-order" if q.desc_act else "",
+                str(self.dtype).removeprefix("torch."),
+                str(self.dtype).removeprefix("torch."),
+            )
+        if load_quantization:
+            quantize_linears(self.model, load_quantization, lm_head=mc.quantize_lm_head)
         else:
             if not mc.quantize_lm_head:
                 logger.warning("--no-quantize-lm-head does nothing without --quantization")
@@ -294,6 +308,18 @@ class LLMEngine:
         self.weights_bytes = model_weight_bytes(self.model)
         self._log_startup()
 
+    def _load_quantization(self) -> str | None:
+        """The method to quantize the weights with at load (None: none). ``--quantization
+        gptq|awq`` names the checkpoint's own format: checked, nothing to do at load."""
+        asked = self.config.model.quantization
+        ckpt = self.checkpoint_quantization
+        if asked in CHECKPOINT_QUANTIZATIONS:
+            if ckpt is None or ckpt.method != asked:
+                have = f"a {ckpt.method} checkpoint" if ckpt else "not a quantized checkpoint"
+                raise ValueError(f"--quantization {asked}: {self.model_path} is {have}")
+            return None
+        return asked
+
     @property
     def tp_size(self) -> int:
         return self.config.parallel.tensor_parallel_size
@@ -319,7 +345,7 @@ class LLMEngine:
             self.model_path,
             self.dtype,
             self.device,
-            self.config.model.quantization,
+            self.load_quantization,
             self.config.model.quantize_lm_head,
             self.config.model.seed,
         )

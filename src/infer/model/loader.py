@@ -18,6 +18,12 @@ import torch
 
 from infer.model.layers import CausalLM, WeightSource
 from infer.model.parallel import TensorParallel
+from infer.model.quantized_checkpoint import (
+    QuantizedCheckpointError,
+    QuantizedFormat,
+    dequantize,
+    read_format,
+)
 from infer.model.registry import UnsupportedArchitectureError, model_class
 from infer.model.spec import ModelSpec, config_dtype, token_ids
 
@@ -236,6 +242,7 @@ def load_model(
     cls, parsed, spec = _parse(model_dir)
     dtype = resolve_dtype(dtype, spec)
     index = checkpoint_index(model_dir)
+    quantized = quantized_format(model_dir)
 
     with torch.device("meta"):
         model = cls(parsed)
@@ -253,6 +260,10 @@ def load_model(
             tensors = []
             for name in source.names:
                 file, found = _lookup(index, name, cls.checkpoint_aliases)
+                if file is None and quantized is not None and name.endswith(".weight"):
+                    t = _dequantized(index, name, quantized, handles, used, model_dir)
+                    tensors.append(t)
+                    continue
                 if file is None:
                     raise ModelLoadError(
                         f"tensor {name!r} (for {pname}) is missing from the checkpoint in {model_dir}"
@@ -277,6 +288,54 @@ def load_model(
     model.init_buffers(device, dtype)
     model.requires_grad_(False)
     return model.eval()
+
+
+def quantized_format(model_dir: Path) -> QuantizedFormat | None:
+    """The GPTQ / AWQ format of ``model_dir``'s checkpoint, None for a plain one."""
+    try:
+        return read_format(read_config(model_dir))
+    except QuantizedCheckpointError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def _dequantized(
+    index: dict[str, Path],
+    name: str,
+    fmt: QuantizedFormat,
+    handles: dict[Path, Any],
+    used: set[str],
+    model_dir: Path,
+) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight ``name`` (``X.weight``) of a quantized checkpoint, from
+    ``X.qweight``, ``X.qzeros``, ``X.scales`` (and GPTQ's ``X.g_idx``)."""
+    from safetensors import safe_open
+
+    prefix = name[: -len("weight")]
+    parts = ["qweight", "qzeros", "scales"] + (["g_idx"] if fmt.method == "gptq" else [])
+    tensors: dict[str, torch.Tensor] = {}
+    for part in parts:
+        key = prefix + part
+        if key not in index:
+            if part == "g_idx" and not fmt.desc_act:
+                continue  # optional without act-order: groups follow the input rows
+            if part == "qweight":
+                raise ModelLoadError(
+                    f"tensor {name!r} is missing from the checkpoint in {model_dir} (and so is "
+                    f"{key!r}: not a {fmt.method} layer either)"
+                )
+            raise ModelLoadError(
+                f"tensor {key!r} is missing from the {fmt.method} checkpoint in {model_dir}"
+            )
+        file = index[key]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        tensors[part] = handles[file].get_tensor(key)
+        used.add(key)
+    try:
+        return dequantize(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"],
+                          tensors.get("g_idx"))  # fmt: skip
+    except QuantizedCheckpointError as e:
+        raise ModelLoadError(f"{prefix[:-1]}: {e}") from None
 
 
 def _fill(

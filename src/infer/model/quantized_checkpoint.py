@@ -1,0 +1,151 @@
+"""Pre-quantized checkpoints: GPTQ and AWQ folders, read as those formats define their tensors.
+
+A quantized linear layer ``X`` is stored as ``X.qweight``, ``X.qzeros``, ``X.scales`` (and for
+GPTQ ``X.g_idx``) instead of ``X.weight``; ``config.json``'s ``quantization_config`` says how.
+4-bit values are packed eight to an int32, lowest nibble first, but the two formats pack along
+different axes::
+
+    GPTQ  qweight [in / 8, out]    nibble k of qweight[r, j] = q[8 r + k, j]      (input rows)
+          qzeros  [groups, out / 8] nibble k of qzeros[g, c] = z[g, 8 c + k]      (output cols)
+          scales  [groups, out]     g_idx [in]: the group of each input row (desc_act: any
+                                    order; without it, i // group_size)
+          "gptq" checkpoints (AutoGPTQ's format) store each zero minus one: z = stored + 1
+          (so its zeros run 1..16, without wrapping); "gptq_v2" stores it as is. 8-bit GPTQ
+          packs four bytes to an int32 the same way.
+    AWQ   qweight [in, out / 8]     nibble k of qweight[i, c] = q[i, 8 c + ORDER[k]]  (output
+          qzeros  [groups, out / 8] cols, interleaved: ORDER = 0 2 4 6 1 3 5 7)
+          scales  [groups, out]     group of input row i: i // group_size
+
+    weight[j, i] = scales[g(i), j] * (q[i, j] - z[g(i), j])
+
+:func:`dequantize` turns one layer back into a ``[out, in]`` float32 matrix, exactly (the
+products of small integers and a float16 scale are exact in float32). The loader uses it to
+serve these folders in the model's dtype; 4-bit kernels that keep the weights packed are the
+next step (the memory is then bf16's, not 4-bit's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+METHODS = ("gptq", "awq")
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column of nibble k within a packed int32
+
+
+class QuantizedCheckpointError(ValueError):
+    """A quantized checkpoint infer cannot read; the message names the field or tensor."""
+
+
+@dataclass(frozen=True)
+class QuantizedFormat:
+    """What ``quantization_config`` says about a GPTQ or AWQ checkpoint."""
+
+    method: str  # "gptq" | "awq"
+    bits: int
+    group_size: int  # -1: one group over the whole input
+    desc_act: bool = False
+    zeros_minus_one: bool = False  # GPTQ's "gptq" checkpoint format
+
+
+def read_format(config: dict[str, Any]) -> QuantizedFormat | None:
+    """The quantized format of a ``config.json``, None for a plain checkpoint; raises
+    :class:`QuantizedCheckpointError` naming the field for one infer cannot read."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise QuantizedCheckpointError("config.json: quantization_config must be an object")
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in METHODS:
+        raise QuantizedCheckpointError(
+            f"config.json: quantization_config.quant_method {qc.get('quant_method')!r} is not "
+            f"supported (infer reads {', '.join(METHODS)})"
+        )
+    bits = qc.get("bits", qc.get("w_bit"))
+    allowed = (4, 8) if method == "gptq" else (4,)
+    if bits not in allowed:
+        raise QuantizedCheckpointError(
+            f"config.json: quantization_config.bits is {bits!r}: infer reads "
+            f"{' or '.join(map(str, allowed))}-bit {method}"
+        )
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or not (group == -1 or group > 0):
+        raise QuantizedCheckpointError(
+            f"config.json: quantization_config.group_size {group!r} must be a positive integer "
+            "or -1"
+        )
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise QuantizedCheckpointError(
+                f"config.json: quantization_config.version {version!r}: infer reads AWQ's "
+                "GEMM layout only"
+            )
+        if qc.get("zero_point", True) is False:
+            raise QuantizedCheckpointError(
+                "config.json: quantization_config.zero_point false (symmetric AWQ) is not supported"
+            )
+        return QuantizedFormat("awq", 4, group)
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise QuantizedCheckpointError(
+            f"config.json: quantization_config.checkpoint_format {fmt!r} is not supported "
+            "(gptq, gptq_v2)"
+        )
+    return QuantizedFormat(
+        "gptq", bits, group, desc_act=bool(qc.get("desc_act", False)), zeros_minus_one=fmt == "gptq"
+    )
+
+
+def _nibbles(packed: torch.Tensor, axis: int, bits: int = 4) -> torch.Tensor:
+    """int32 ``packed`` -> its ``bits``-bit values (``32 / bits`` per int32 along ``axis``, 0:
+    rows, 1: columns), lowest first."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    if axis == 0:  # [r, j, k] -> rows 8 r + k
+        return values.permute(0, 2, 1).reshape(-1, packed.shape[1])
+    return values.reshape(packed.shape[0], -1)
+
+
+def dequantize(
+    fmt: QuantizedFormat,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One layer's ``[out, in]`` float32 weight from its packed tensors (see the module doc)."""
+    if fmt.method == "gptq":
+        q = _nibbles(qweight, axis=0, bits=fmt.bits)  # [in, out]
+        z = _nibbles(qzeros, axis=1, bits=fmt.bits)  # [groups, out]
+        if fmt.zeros_minus_one:
+            z = z + 1
+    else:
+        order = torch.tensor(_AWQ_ORDER)
+        inverse = torch.argsort(order)  # column 8c + m sits in nibble inverse[m]
+
+        def unpack(packed: torch.Tensor) -> torch.Tensor:
+            values = _nibbles(packed, axis=1).view(packed.shape[0], -1, 8)
+            return values[:, :, inverse].reshape(packed.shape[0], -1)
+
+        q, z = unpack(qweight), unpack(qzeros)
+    in_features, out_features = q.shape
+    if scales.shape[1] != out_features or z.shape != scales.shape:
+        raise QuantizedCheckpointError(
+            f"qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
+            f"{tuple(scales.shape)} do not describe one layer"
+        )
+    if g_idx is None:
+        group = fmt.group_size if fmt.group_size > 0 else in_features
+        g_idx = torch.arange(in_features) // group
+    g = g_idx.long()
+    if g.shape != (in_features,) or int(g.max()) >= scales.shape[0] or int(g.min()) < 0:
+        raise QuantizedCheckpointError(
+            f"g_idx {tuple(g_idx.shape)} does not map {in_features} input rows to "
+            f"{scales.shape[0]} groups"
+        )
+    w = scales.float()[g] * (q - z[g]).float()  # [in, out]
+    return w.t().contiguous()

@@ -1,0 +1,181 @@
+"""GPTQ and AWQ checkpoints load as their formats define them.
+
+The tests write the tiny Llama's linear layers in each layout from known integers (4-bit values,
+zeros, float16 scales), packing them here from the formats' definitions, beside a plain
+checkpoint holding the matrices those integers stand for. infer serves the quantized folder
+with exactly the plain folder's logits (the dequantized products are exact in float32) and
+transformers' greedy tokens; act-order (``desc_act``: groups in any order, ``g_idx``) is
+honoured; a checkpoint it cannot read fails at start-up naming the field or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infer import LLM, SamplingParams
+
+from .conftest import PROMPTS
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP = 16
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM layout: nibble k holds column 8c + ORDER[k]
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 bit patterns (< 2^32) as the int32s a checkpoint stores."""
+    return torch.from_numpy(x.numpy().astype(np.uint32).view(np.int32))
+
+
+def pack_rows(q: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """GPTQ's qweight: ``[in, out]`` values -> ``[in / n, out]`` (n = 32 / bits), value k of
+    row r = q[n r + k], lowest bits first."""
+    n = 32 // bits
+    out = torch.zeros(q.shape[0] // n, q.shape[1], dtype=torch.int64)
+    for k in range(n):
+        out |= q[k::n].long() << (bits * k)
+    return _int32(out)
+
+
+def pack_cols(q: torch.Tensor, order=None, bits: int = 4) -> torch.Tensor:
+    """``[R, C]`` values -> ``[R, C / n]``, value k of column c = q[:, n c + order[k]]."""
+    n = 32 // bits
+    order = order or tuple(range(n))
+    out = torch.zeros(q.shape[0], q.shape[1] // n, dtype=torch.int64)
+    for k in range(n):
+        out |= q[:, order[k] :: n].long() << (bits * k)
+    return _int32(out)
+
+
+def _layers(state: dict) -> list[str]:
+    return [
+        n[: -len(".weight")] for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS
+    ]
+
+
+def write_quantized(
+    src, dst_ref, dst_q, method: str, desc_act: bool = False, seed: int = 0, bits: int = 4
+):
+    """The tiny checkpoint at ``src`` with its linears replaced by integer-made matrices: plain
+    at ``dst_ref``, in ``method``'s layout at ``dst_q``."""
+    gen = torch.Generator().manual_seed(seed)
+    state = load_file(str(src / "model.safetensors"))
+    plain, packed = (
+        dict(state),
+        {k: v for k, v in state.items() if not k.endswith(tuple(f"{n}.weight" for n in LINEARS))},
+    )
+    for layer in _layers(state):
+        out_f, in_f = state[layer + ".weight"].shape
+        groups = in_f // GROUP
+        # GPTQ's "gptq" format stores zero - 1 in a nibble: its zeros are 1..16 (AWQ's 0..15)
+        top = (1 << bits) - 1
+        low = 1 if method == "gptq" else 0
+        q = torch.randint(0, top + 1, (in_f, out_f), generator=gen)
+        z = torch.randint(low, low + top + 1, (groups, out_f), generator=gen)
+        z[0, :8] = low  # extreme groups too
+        z[-1, -8:] = low + top
+        scales = (0.02 + 0.08 * torch.rand(groups, out_f, generator=gen)).half()
+        g_idx = torch.arange(in_f) // GROUP
+        if desc_act:  # act-order: input rows belong to groups in a shuffled order
+            g_idx = g_idx[torch.randperm(in_f, generator=gen)]
+        w = (scales.float()[g_idx] * (q - z[g_idx]).float()).t().contiguous()
+        plain[layer + ".weight"] = w
+        if method == "gptq":
+            packed[layer + ".qweight"] = pack_rows(q, bits)
+            packed[layer + ".qzeros"] = pack_cols(z - 1, bits=bits)  # "gptq" stores zero - 1
+            packed[layer + ".g_idx"] = g_idx.int()
+        else:
+            packed[layer + ".qweight"] = pack_cols(q, AWQ_ORDER)
+            packed[layer + ".qzeros"] = pack_cols(z, AWQ_ORDER)
+        packed[layer + ".scales"] = scales
+    for dst, tensors in ((dst_ref, plain), (dst_q, packed)):
+        shutil.copytree(src, dst)
+        save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst_q / "config.json").read_text())
+    if method == "gptq":
+        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": GROUP,
+                                         "desc_act": desc_act, "sym": False,
+                                         "checkpoint_format": "gptq"}  # fmt: skip
+    else:
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP,
+                                         "version": "gemm", "zero_point": True}  # fmt: skip
+    (dst_q / "config.json").write_text(json.dumps(config))
+
+
+def _logits_and_tokens(path) -> tuple[torch.Tensor, list[list[int]]]:
+    with LLM(str(path), dtype="float32", block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                         prompt_logprobs=1))  # fmt: skip
+        lps = torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
+        return lps, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    ("method", "desc_act", "bits"),
+    [("gptq", False, 4), ("gptq", True, 4), ("gptq", False, 8), ("awq", False, 4)],
+)
+def test_quantized_checkpoint_serves_the_dequantized_model(
+    method, desc_act, bits, tiny_checkpoints, tmp_path
+):
+    ref, quant = tmp_path / "ref", tmp_path / method
+    write_quantized(tiny_checkpoints["llama"], ref, quant, method, desc_act, bits=bits)
+    want_lps, want_tokens = _logits_and_tokens(ref)
+    got_lps, got_tokens = _logits_and_tokens(quant)
+    assert torch.equal(got_lps, want_lps)  # the same float32 weights, to the bit
+    assert got_tokens == want_tokens
+    # and the plain folder is what transformers computes
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ref)
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    for prompt, tokens in zip(PROMPTS[:4], want_tokens, strict=True):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            g = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        assert g[0, len(ids) :].tolist() == tokens
+
+
+def test_quantization_flag_names_the_checkpoints_format(tiny_checkpoints, tmp_path):
+    ref, quant = tmp_path / "ref", tmp_path / "gptq"
+    write_quantized(tiny_checkpoints["llama"], ref, quant, "gptq")
+    with LLM(str(quant), dtype="float32", quantization="gptq") as llm:
+        assert llm.engine.checkpoint_quantization.method == "gptq"
+    with pytest.raises(ValueError, match=r"--quantization awq: .* is a gptq checkpoint"):
+        LLM(str(quant), dtype="float32", quantization="awq")
+    with pytest.raises(ValueError, match="is not a quantized checkpoint"):
+        LLM(str(ref), dtype="float32", quantization="gptq")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c["quantization_config"].update(bits=3), "quantization_config.bits is 3"),
+        (lambda c: c["quantization_config"].update(quant_method="bitsandbytes"),
+         "quant_method 'bitsandbytes' is not supported"),
+        (lambda c: c["quantization_config"].update(group_size=0), "group_size 0"),
+    ],
+)  # fmt: skip
+def test_unreadable_quantization_configs_name_the_field(edit, message, tiny_checkpoints, tmp_path):
+    ref, quant = tmp_path / "ref", tmp_path / "gptq"
+    write_quantized(tiny_checkpoints["llama"], ref, quant, "gptq")
+    config = json.loads((quant / "config.json").read_text())
+    edit(config)
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=message):
+        LLM(str(quant), dtype="float32")
+
+
+def test_a_missing_qzeros_tensor_is_named(tiny_checkpoints, tmp_path):
+    ref, quant = tmp_path / "ref", tmp_path / "awq"
+    write_quantized(tiny_checkpoints["llama"], ref, quant, "awq")
+    state = load_file(str(quant / "model.safetensors"))
+    del state["model.layers.0.self_attn.k_proj.qzeros"]
+    save_file(state, str(quant / "model.safetensors"))
+    with pytest.raises(Exception, match=r"'model.layers.0.self_attn.k_proj.qzeros' is missing"):
+        LLM(str(quant), dtype="float32")
