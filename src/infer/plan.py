@@ -85,7 +85,17 @@ class CapacityPlan:
 
 
 def safetensors_num_params(model_dir: Path) -> int:
-    """Parameter count from safetensors headers only (8-byte length + JSON), no tensor data."""
+    """Parameter count from safetensors headers only (8-byte length + JSON), no tensor data.
+
+    A GPTQ / AWQ folder counts each packed ``qweight`` as the weights it unpacks to (the engine
+    dequantizes them at load) and leaves out its zeros, scales and group indices."""
+    config_path = model_dir / "config.json"
+    qc = (
+        json.loads(config_path.read_text()).get("quantization_config")
+        if config_path.is_file()
+        else None
+    )
+    per_int32 = 32 // int((qc or {}).get("bits", 4)) if isinstance(qc, dict) else 1
     total = 0
     for f in sorted(model_dir.glob("*.safetensors")):
         with f.open("rb") as fh:
@@ -94,10 +104,12 @@ def safetensors_num_params(model_dir: Path) -> int:
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
+            if qc and name.endswith((".qzeros", ".scales", ".g_idx")):
+                continue
             count = 1
             for d in meta["shape"]:
                 count *= d
-            total += count
+            total += count * per_int32 if qc and name.endswith(".qweight") else count
     return total
 
 

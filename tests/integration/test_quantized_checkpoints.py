@@ -179,3 +179,14 @@ def test_a_missing_qzeros_tensor_is_named(tiny_checkpoints, tmp_path):
     save_file(state, str(quant / "model.safetensors"))
     with pytest.raises(Exception, match=r"'model.layers.0.self_attn.k_proj.qzeros' is missing"):
         LLM(str(quant), dtype="float32")
+
+
+def test_plan_counts_a_quantized_folder_as_the_weights_it_unpacks_to(tiny_checkpoints, tmp_path):
+    """`infer plan --model` reads headers only: a packed qweight counts as the weights it holds
+    (the engine dequantizes them at load), its zeros and scales not at all."""
+    from infer.plan import safetensors_num_params
+
+    for method, bits in (("gptq", 4), ("gptq", 8), ("awq", 4)):
+        ref, quant = tmp_path / f"ref-{method}{bits}", tmp_path / f"{method}{bits}"
+        write_quantized(tiny_checkpoints["llama"], ref, quant, method, bits=bits)
+        assert safetensors_num_params(quant) == safetensors_num_params(ref)
