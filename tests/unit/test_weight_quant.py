@@ -209,8 +209,8 @@ def test_fp8_linear_reference_math():
 
 
 def test_quantization_start_up_errors_name_the_option_and_choices():
-    with pytest.raises(ValueError, match=r"--quantization 'int4'.*int8, w8a8, fp8"):
-        EngineConfig.from_kwargs(quantization="int4")
+    with pytest.raises(ValueError, match=r"--quantization 'int3'.*int8, w8a8, fp8, int4"):
+        EngineConfig.from_kwargs(quantization="int3")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"--quantization w8a8 needs a CPU with AVX-512 VNNI"):
             check_quantization("w8a8", torch.device("cuda"))

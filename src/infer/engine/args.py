@@ -37,7 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="quantize the weights at load: int8 (per-output-channel scales, CPU and CUDA) | "
         "w8a8 (int8 weights and per-row int8 activations, CPUs with AVX-512 VNNI) | "
-        "fp8 (e4m3, CUDA with fp8 matmuls) | gptq | awq (the checkpoint is one: checked; "
+        "fp8 (e4m3, CUDA with fp8 matmuls) | int4 (4 bits in groups of 32, a scale and zero "
+        "per group; vocabulary projection in int8) | gptq | awq (the checkpoint is one: checked; "
         "GPTQ / AWQ folders are read from their quantization_config either way)",
     )
     g.add_argument(

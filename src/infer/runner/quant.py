@@ -14,6 +14,11 @@ checkpoint's own bf16 / fp32 weights: no pre-quantized checkpoint is needed.
   (VPDPBUSD, 64 multiply-adds an instruction, twice bf16's), so it helps where the multiplies
   bind (batches of sequences, prefill), not only where the weights' bytes do. CPUs with
   AVX-512 VNNI only; anything else is refused at start-up.
+- ``int4``: 4-bit weights in groups of 32 inputs, a float16 scale and a zero per group
+  (:mod:`infer.runner.int4`); on CPUs with AVX-512 VNNI each activation row's groups go to int8
+  and the kernel multiplies bytes by nibbles; elsewhere the weight is dequantized per product.
+  The vocabulary projection is quantized to int8 instead (4 bits there costs the most accuracy
+  for the fewest bytes), unless ``--no-quantize-lm-head`` keeps it in the model's dtype.
 - ``fp8``: e4m3 weights with a float32 scale per output channel, and each activation row
   quantized to e4m3 on the fly, multiplied by ``torch._scaled_mm`` (a CUDA GPU with fp8 matmuls,
   compute capability 8.9 or newer; anything else is refused at start-up).
@@ -22,12 +27,14 @@ checkpoint's own bf16 / fp32 weights: no pre-quantized checkpoint is needed.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infer.config import QUANTIZATIONS
+from infer.runner.int4 import INT4_GROUP_SIZE, Int4Linear
 from infer.runner.prepack import (
     count_kinds,
     prepack_linears,
@@ -257,7 +264,27 @@ class Fp8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-QUANTIZED_LINEARS = {"int8": Int8Linear, "w8a8": make_w8a8_linear, "fp8": Fp8Linear}
+def make_int4_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear | None:
+    """An ``Int4Linear`` (group size ``INFER_INT4_GROUP_SIZE``, default 32; asymmetric unless
+    ``INFER_INT4_SYMMETRIC=1``: the knobs ``infer bench quant`` measures), or None (the layer
+    stays as it is) for an input width the groups do not divide."""
+    group = int(os.environ.get("INFER_INT4_GROUP_SIZE", INT4_GROUP_SIZE))
+    if group != -1 and weight.shape[1] % group:
+        logger.warning("int4: a %s weight stays unquantized (in features %% %d != 0)",
+                       tuple(weight.shape), group)  # fmt: skip
+        return None
+    symmetric = os.environ.get("INFER_INT4_SYMMETRIC", "0") == "1"
+    return Int4Linear.from_weight(weight, bias, group, symmetric)
+
+
+QUANTIZED_LINEARS = {
+    "int8": Int8Linear,
+    "w8a8": make_w8a8_linear,
+    "fp8": Fp8Linear,
+    "int4": make_int4_linear,
+}
+# What each method makes of the vocabulary projection, where not the same as its layers'.
+VOCAB_LINEARS = {"int4": Int8Linear}
 
 
 @torch.inference_mode()
@@ -266,7 +293,10 @@ def quantize_linears(model: nn.Module, method: str, lm_head: bool = True) -> int
     projection, as ``model.packed_logits``) by a ``method``-quantized one; without it the
     vocabulary projection stays in the model's dtype (pre-packed where a CPU kernel takes it).
     Returns how many were quantized."""
-    made = replace_linears(model, QUANTIZED_LINEARS[method], vocab=lm_head)
+    made = replace_linears(model, QUANTIZED_LINEARS[method], vocab=False)
+    if lm_head:
+        made += replace_linears(model, VOCAB_LINEARS.get(method, QUANTIZED_LINEARS[method]),
+                                layers=False)  # fmt: skip
     if getattr(model, "packed_logits", None) is None:
         # Kept in the model's dtype, by choice or because the method refused its shape.
         prepack_linears(model, layers=False)

@@ -1,0 +1,188 @@
+// Linear layers with 4-bit weights (--quantization int4, GPTQ and AWQ checkpoints) on CPUs with
+// AVX-512 VNNI: y[M, N] = sum over groups g of  w_scale[g][n] * x_scale[m][g]
+//                          * (sum_{k in g} xq[m][k] * q[n][k]  -  zero[g][n] * xsum[m][g])  + bias
+//
+// Weights: values q 0..15 with, per group of `group` inputs and per output, a float16 scale and
+// an integer zero (weight = scale * (q - zero)). Activations: each row's values in each group
+// quantized to int8 when the layer runs (symmetric, absmax / 127, rounded to nearest even), so
+// the group's sum is one integer dot product. VPDPBUSD multiplies 4 unsigned bytes (the weights,
+// 0..15, unpacked from their nibbles with an AND and a shift) by 4 signed bytes (x) into an
+// int32 lane: 128 multiply-adds per 64-byte load of packed weights, half the bytes int8 reads.
+//
+//   packed W : [N/16][K/8] rows of 64 bytes: row o of block nb holds, for each of the block's
+//              16 outputs c and j = 0..3, the byte  q[n][8o + j] | q[n][8o + 4 + j] << 4
+//              (n = 16 nb + c): the low nibbles are the 4-input "quad" 2o of all 16 outputs,
+//              the high nibbles quad 2o + 1, each in the order VPDPBUSD reads
+//   scales   : [N/16][K/group][16] float16     zeros : [N/16][K/group][16] uint8
+//   xp       : per pass of up to 8 rows, [K/4][pass rows] 32-bit words (row r's 4 bytes of
+//              quad kq), so one broadcast feeds a row's multiply
+//
+// A group's integer sum is exact (|sum| <= group * 15 * 127), and its float epilogue runs in
+// group order, so a row's result depends on nothing but its own values: the same bits in any
+// batch, any pass and any thread count.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define INFER_HAVE_INT4 1
+#endif
+
+namespace {
+
+#ifdef INFER_HAVE_INT4
+constexpr int64_t kPassRows = 8;       // 8 int32 + 8 float32 accumulators stay in registers
+constexpr int64_t kAheadBytes = 2048;  // weight prefetch distance into L2
+
+// Row x (bf16, K values) -> per group: its int8 values into the pass-interleaved xp, its scale
+// and the sum of its int8 values. A group with a NaN or an infinity gets a NaN scale (its
+// outputs NaN, as a float matmul's would be non-finite); an all-zero group a zero scale.
+inline void quantize_row(const uint16_t* x, int64_t K, int64_t group, int32_t* xp,
+                         int64_t pass_rows, float* x_scale, int32_t* x_sum) {
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 unordered = 0;
+    for (int64_t k = g0; k < g0 + group; k += 16) {
+      const __m512 v = infer_simd::load_bf16x16(x + k);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    }
+    const float absmax = _mm512_reduce_max_ps(vmax);
+    const bool finite = !unordered && std::isfinite(absmax);
+    const float inv =
+        finite && absmax > 0.f && std::isfinite(127.f / absmax) ? 127.f / absmax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = g0; k < g0 + group; k += 16) {
+      const __m512i q =
+          _mm512_cvtps_epi32(_mm512_mul_ps(infer_simd::load_bf16x16(x + k), vinv));
+      sum = _mm512_add_epi32(sum, q);
+      alignas(16) int32_t words[4];
+      _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtepi32_epi8(q));
+      for (int i = 0; i < 4; ++i) xp[(k / 4 + i) * pass_rows] = words[i];
+    }
+    x_sum[g] = _mm512_reduce_add_epi32(sum);
+    x_scale[g] = !finite ? NAN : (inv > 0.f ? absmax / 127.f : 0.f);
+  }
+}
+
+// Rows [m0, m0 + MR) of one pass (xp interleaved for it) times column block nb.
+template <int MR, bool kOutF32>
+inline void int4_block(const int32_t* xp, int64_t pass_rows, const float* x_scale,
+                       const int32_t* x_sum, const uint8_t* wb, const uint16_t* sb,
+                       const uint8_t* zb, const float* bias, void* y, int64_t m0, int64_t K,
+                       int64_t N, int64_t nb, int64_t group) {
+  const int64_t groups = K / group;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 out[MR];
+  for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+    for (int64_t o = g * group / 8; o < (g + 1) * group / 8; ++o) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + o * 64) + kAheadBytes, _MM_HINT_T1);
+      const __m512i w = _mm512_loadu_si512(wb + o * 64);
+      const __m512i lo = _mm512_and_si512(w, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      const int32_t* x0 = xp + (2 * o) * pass_rows;
+      const int32_t* x1 = x0 + pass_rows;
+      for (int i = 0; i < MR; ++i) {
+        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(x0[i]));
+        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(x1[i]));
+      }
+    }
+    const __m512 ws = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 16)));
+    const __m512i z =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zb + g * 16)));
+    for (int i = 0; i < MR; ++i) {
+      const int64_t at = (m0 + i) * groups + g;
+      const __m512i t =
+          _mm512_sub_epi32(acc[i], _mm512_mullo_epi32(z, _mm512_set1_epi32(x_sum[at])));
+      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),
+                               _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[at])), out[i]);
+    }
+  }
+  const int64_t col = nb * 16;
+  const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+  for (int i = 0; i < MR; ++i) {
+    const __m512 v = _mm512_add_ps(out[i], b);
+    if (kOutF32)
+      _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * N + col, v);
+    else
+      infer_simd::store_bf16x16(static_cast<uint16_t*>(y) + (m0 + i) * N + col, v);
+  }
+}
+
+// Each thread quantizes all of x into its own scratch (x is M x K bytes against M x K x N
+// multiply-adds; no barrier, no lines shared between cores), then threads take contiguous runs
+// of column blocks, each block's weights read from memory once and from cache for its further
+// passes of up to 8 rows (rows split evenly over the passes).
+template <bool kOutF32>
+void int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                 const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                 int64_t N, int64_t group, int num_threads) {
+  const int64_t passes = (M + kPassRows - 1) / kPassRows;
+  const int64_t pass_rows = (M + passes - 1) / passes;
+  const int64_t nblocks = N / 16, kquads = K / 4, groups = K / group;
+#pragma omp parallel num_threads(num_threads)
+  {
+    auto* xp = static_cast<int32_t*>(infer_simd::thread_scratch(
+        (passes * pass_rows * kquads + 2 * M * groups) * 4));
+    auto* x_scale = reinterpret_cast<float*>(xp + passes * pass_rows * kquads);
+    auto* x_sum = reinterpret_cast<int32_t*>(x_scale + M * groups);
+    for (int64_t m = 0; m < M; ++m)
+      quantize_row(x + m * K, K, group,
+                   xp + (m / pass_rows) * pass_rows * kquads + m % pass_rows, pass_rows,
+                   x_scale + m * groups, x_sum + m * groups);
+#pragma omp for schedule(guided) nowait  // the region's end joins the threads
+    for (int64_t b = 0; b < nblocks; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+        const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
+        infer_simd::with_count<kPassRows>(rows, [&](auto r) {
+          int4_block<decltype(r)::value, kOutF32>(
+              xp + m0 * kquads, pass_rows, x_scale, x_sum, packed + b * K * 8,
+              scales + b * groups * 16, zeros + b * groups * 16, bias, y, m0, K, N, b, group);
+        });
+      }
+  }
+}
+#endif  // INFER_HAVE_INT4
+
+}  // namespace
+
+extern "C" {
+
+int infer_int4_supported() {
+#ifdef INFER_HAVE_INT4
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// y [M, N] (bf16, or float32 with out_f32) from x [M, K] bf16 and a weight packed as above
+// (runner/quant.py's pack_int4 builds it). N % 16 == 0, group % 16 == 0, K % group == 0.
+int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                      const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                      int64_t N, int64_t group, int out_f32, int num_threads) {
+  if (N % 16 || group <= 0 || group % 16 || K % group || M <= 0) return 1;
+#ifdef INFER_HAVE_INT4
+  if (out_f32)
+    int4_linear<true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+  else
+    int4_linear<false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+  return 0;
+#else
+  (void)x; (void)packed; (void)scales; (void)zeros; (void)bias; (void)y; (void)out_f32;
+  (void)num_threads;
+  return 2;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,225 @@
+"""4-bit weights: ``--quantization int4`` at load, and GPTQ / AWQ checkpoints kept in 4 bits.
+
+A weight ``[N, K]`` is cut along its inputs into groups of ``group_size`` (32, 64, 128; or the
+whole row); each group of each output has a float16 scale and an integer zero, and each weight
+is a value ``q`` in 0..15::
+
+    weight[n, k] = scale[n, k // group_size] * (q[n, k] - zero[n, k // group_size])
+
+:func:`quantize_int4` makes them from a bf16 / float32 weight (asymmetric by default: the
+group's range, widened to hold 0, split into 15 steps; or symmetric, zero 8 and
+``scale = absmax / 7``). GPTQ and AWQ folders bring their own (:mod:`infer.model.quantized_checkpoint`
+unpacks them), and GPTQ's act-order ``g_idx`` becomes an input permutation: the layer gathers
+its inputs into group order before the product.
+
+On CPUs with AVX-512 VNNI the C++ kernel (``csrc/linear_int4.cpp``) multiplies the packed
+nibbles by each activation row's groups quantized to int8 (absmax / 127 per group), one exact
+integer dot product per group, and reads half int8's bytes: decode at small batch is bound by
+those bytes. Elsewhere (CPUs without VNNI, CUDA) the weight is dequantized to the model's dtype
+for each product: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.runner.prepack import tiled_linear_kernels
+
+logger = logging.getLogger("infer.runner")
+
+INT4_GROUP_SIZE = 32
+"""The default group of ``--quantization int4`` (held-out perplexity: docs/quantization.md)."""
+
+_FP16_MIN_NORMAL = 2.0**-14
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> ``(q uint8 [N, K] in 0..15, scales float16 [N, G], zeros uint8 [N, G])``
+    with ``G = K / group_size`` (``group_size`` -1: one group per row). The scales are rounded
+    to float16 before the weights are divided by them, so dequantizing gives exactly the values
+    the kernel multiplies by."""
+    n, k = weight.shape
+    group = k if group_size == -1 else group_size
+    if group <= 0 or k % group:
+        raise ValueError(f"int4: {k} inputs do not split into groups of {group_size}")
+    w = weight.detach().float().reshape(n, k // group, group)
+    if symmetric:
+        scale = w.abs().amax(dim=2) / 7.0
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo = w.amin(dim=2).clamp(max=0.0)
+        hi = w.amax(dim=2).clamp(min=0.0)
+        scale = (hi - lo) / 15.0
+    scale16 = scale.clamp(_FP16_MIN_NORMAL, 65504.0).to(torch.float16)
+    s = scale16.float()
+    if not symmetric:
+        zero = torch.round(-lo / s).clamp(0, 15)
+    q = (torch.round(w / s[..., None]) + zero[..., None]).clamp(0, 15)
+    return q.reshape(n, k).to(torch.uint8), scale16, zero.to(torch.uint8)
+
+
+def dequantize_int4(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``scale * (q - zero)`` per group, ``[N, K]`` in ``dtype`` (exact in float32)."""
+    n, k = q.shape
+    groups = scales.shape[1]
+    w = q.float().view(n, groups, k // groups) - zeros.float()[..., None]
+    return (w * scales.float()[..., None]).view(n, k).to(dtype)
+
+
+def pack_int4(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout (``csrc/linear_int4.cpp``): q ``[N, K]`` (N % 16 == 0, K % 8 == 0)
+    -> packed ``[N/16, K/8, 16, 4]`` bytes, each ``q[n, 8o + j] | q[n, 8o + 4 + j] << 4``; scales
+    and zeros ``[N, G]`` -> ``[N/16, G, 16]``.
+
+    ::
+
+        q row n (one output):  k = 8o+0 .. 8o+3 | 8o+4 .. 8o+7
+                                   low nibbles  |  high nibbles   of the 4 bytes (n, o, 0..3)
+        64-byte row o of block nb: outputs c = 0..15, 4 bytes each (VPDPBUSD's order)
+    """
+    n, k = q.shape
+    g = scales.shape[1]
+    nib = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # nb, o, c, j, half
+    packed = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()
+    return (
+        packed,
+        scales.view(n // 16, 16, g).transpose(1, 2).contiguous(),
+        zeros.view(n // 16, 16, g).transpose(1, 2).contiguous(),
+    )
+
+
+def int4_kernel_reference(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    """What the kernel computes, in float64: each row's groups quantized to int8 exactly as the
+    kernel does it (float32 ``127 / absmax``, rounded to nearest even), integer dot products per
+    group, then the scales. For tests."""
+    m, k = x.shape
+    groups = scales.shape[1]
+    group = k // groups
+    xg = x.float().view(m, groups, group)
+    absmax = xg.abs().amax(dim=2)
+    inv = torch.where(absmax > 0, torch.tensor(127.0) / absmax, torch.zeros_like(absmax))
+    xq = torch.round(xg * inv[..., None]).to(torch.int64)  # [m, G, group]
+    x_scale = torch.where(absmax > 0, absmax / 127.0, torch.zeros_like(absmax)).double()
+    qg = q.to(torch.int64).view(q.shape[0], groups, group)  # [n, G, group]
+    dots = torch.einsum("mgk,ngk->mng", xq, qg)
+    dots = dots - zeros.to(torch.int64)[None] * xq.sum(dim=2)[:, None, :]
+    w_scale = scales.double()[None]  # [1, n, G]
+    return (dots.double() * w_scale * x_scale[:, None, :]).sum(dim=2)
+
+
+def int4_kernel_available(device: torch.device) -> bool:
+    """4-bit products through the C++ kernel: a CPU with AVX-512 VNNI."""
+    if device.type != "cpu":
+        return False
+    kernels = tiled_linear_kernels()
+    return kernels is not None and kernels.has_int4
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` held in 4 bits (module docstring); through the VNNI kernel
+    (each activation row's groups in int8) on CPUs that have it, else dequantized per call."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        perm: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = self.in_features // scales.shape[1]
+        self.dtype = dtype
+        self.register_buffer("perm", perm, False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), False)
+        kernels = tiled_linear_kernels() if q.device.type == "cpu" else None
+        if (
+            kernels is not None
+            and kernels.has_int4
+            and self.group_size % 16 == 0
+            and dtype in (torch.bfloat16, torch.float32)
+        ):
+            self.mode = "kernel"
+            self._kernels = kernels
+            # The kernel takes 16 outputs at a time: pad with zero rows, cut off after.
+            self.padded = -self.out_features % 16
+            if self.padded:
+                q = torch.cat([q, q.new_zeros(self.padded, self.in_features)])
+                scales = torch.cat([scales, scales.new_zeros(self.padded, scales.shape[1])])
+                zeros = torch.cat([zeros, zeros.new_zeros(self.padded, zeros.shape[1])])
+            packed, s, z = pack_int4(q, scales, zeros)
+            self.register_buffer("packed", packed, False)
+            self.register_buffer("scales", s, False)
+            self.register_buffer("zeros", z, False)
+            fbias = None if bias is None else bias.detach().float()
+            if fbias is not None and self.padded:
+                fbias = torch.cat([fbias, fbias.new_zeros(self.padded)])
+            self.register_buffer("fbias", fbias, False)
+            return
+        self.mode = "dequant"
+        self.padded = 0
+        self.register_buffer("packed", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), False)
+        self.register_buffer("scales", scales.contiguous(), False)
+        self.register_buffer("zeros", zeros.contiguous(), False)
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int = INT4_GROUP_SIZE,
+        symmetric: bool = False,
+    ) -> Int4Linear:
+        q, scales, zeros = quantize_int4(weight, group_size, symmetric)
+        return cls(q, scales, zeros, bias, weight.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * 2 + self.zeros.numel()
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The ``[N, K]`` weight in the model's dtype, inputs in group order (after ``perm``)."""
+        if self.mode == "kernel":
+            n = self.out_features + self.padded
+            nib = self.packed.view(n // 16, self.in_features // 8, 16, 4)
+            both = torch.stack([nib & 15, nib >> 4], dim=-1)  # nb, o, c, j, half
+            q = both.permute(0, 2, 1, 4, 3).reshape(n, self.in_features)
+            g = self.scales.shape[1]
+            scales = self.scales.transpose(1, 2).reshape(n, g)
+            zeros = self.zeros.transpose(1, 2).reshape(n, g)
+            return dequantize_int4(q, scales, zeros, self.dtype)[: self.out_features]
+        q = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).view(self.out_features, -1)
+        return dequantize_int4(q, self.scales, self.zeros, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
+        if self.mode == "kernel":
+            out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+            y = self._kernels.int4_linear(
+                flat.to(torch.bfloat16).contiguous(), self.packed, self.scales, self.zeros,
+                self.fbias, self.out_features + self.padded, self.group_size, out_dtype,
+            )  # fmt: skip
+            if self.padded:
+                y = y[:, : self.out_features]
+            y = y.to(x.dtype)
+        else:
+            y = F.linear(flat, self.dequantized_weight().to(x.dtype), self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,151 @@
+"""4-bit weights: the quantizer's bounds, the packed layout, and the VNNI kernel against an exact
+integer / float64 reference over shapes, groups, zero and extreme groups; batch and thread
+invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.runner.int4 import (
+    Int4Linear,
+    dequantize_int4,
+    int4_kernel_available,
+    int4_kernel_reference,
+    quantize_int4,
+)
+
+needs_kernel = pytest.mark.skipif(
+    not int4_kernel_available(torch.device("cpu")), reason="needs AVX-512 VNNI and a g++"
+)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group", [32, 64, -1])
+def test_quantize_int4_error_is_at_most_half_a_step(group, symmetric):
+    torch.manual_seed(0)
+    w = torch.randn(48, 128) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different size
+    w[3, :32] = 0.0  # an all-zero group
+    w[5, 40] = 300.0  # an extreme one
+    q, scales, zeros = quantize_int4(w, group, symmetric)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert scales.dtype == torch.float16 and zeros.dtype == torch.uint8
+    got = dequantize_int4(q, scales, zeros, torch.float32)
+    g = 128 if group == -1 else group
+    step = scales.float().repeat_interleave(g, dim=1)
+    assert torch.all((got - w).abs() <= step * 0.5 + 1e-6 * w.abs())
+    assert torch.all(got[3, :32] == 0)  # zero stays exactly zero (it is in every range)
+
+
+def test_quantize_int4_refuses_groups_that_do_not_divide():
+    with pytest.raises(ValueError, match="96 inputs do not split into groups of 64"):
+        quantize_int4(torch.randn(16, 96), 64)
+
+
+@pytest.mark.parametrize("n", [32, 17])
+def test_packed_layout_round_trips_to_the_quantized_weight(n):
+    """The kernel's packing (and the plain packing of the dequantizing path) give back exactly
+    ``scale * (q - zero)``, for an output count the kernel has to pad."""
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (n, 64), dtype=torch.uint8)
+    scales = torch.rand(n, 2).to(torch.float16)
+    zeros = torch.randint(0, 17, (n, 2), dtype=torch.uint8)  # GPTQ's zeros reach 16
+    want = dequantize_int4(q, scales, zeros, torch.float32)
+    layer = Int4Linear(q, scales, zeros, None, torch.float32)
+    assert torch.equal(layer.dequantized_weight(), want)
+    if layer.mode == "kernel":
+        assert layer.packed.shape == ((n + 15) // 16, 8, 16, 4)
+        assert layer.weight_bytes == layer.packed.numel() + 3 * layer.scales.numel()
+
+
+SHAPES = [  # (rows, in, out, group)
+    (1, 256, 32, 32),
+    (3, 512, 48, 64),
+    (8, 128, 16, 128),
+    (9, 256, 64, 256),  # one group per row
+    (17, 64, 80, 32),
+    (40, 96, 16, 32),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n,group", SHAPES)
+def test_kernel_matches_the_integer_reference(m, k, n, group):
+    torch.manual_seed(m * 1000 + k)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = (torch.rand(n, k // group) * 0.1).to(torch.float16)
+    zeros = torch.randint(0, 17, (n, k // group), dtype=torch.uint8)
+    scales[0, 0] = 0  # a group that contributes nothing
+    x = (torch.randn(m, k) * 3).bfloat16()
+    x[0, :group] = 0  # an all-zero activation group
+    if m > 2:
+        x[2, 5] = 1e4  # an extreme activation (its group's other values round to 0)
+    layer = Int4Linear(q, scales, zeros, None, torch.float32)
+    assert layer.mode == "kernel"
+    want = int4_kernel_reference(x, q, scales, zeros)
+    got = layer(x.float()).double()
+    tol = 1e-5 * want.abs().max().item() + 1e-6
+    assert (got - want).abs().max().item() <= tol
+    # bf16 model: the same sums, rounded once
+    got16 = Int4Linear(q, scales, zeros, None, torch.bfloat16)(x)
+    torch.testing.assert_close(got16.float(), want.float().bfloat16().float(), atol=tol, rtol=8e-3)
+
+
+@needs_kernel
+def test_kernel_is_close_to_the_float_product_and_adds_bias():
+    torch.manual_seed(2)
+    w, b = torch.randn(40, 256), torch.randn(40)
+    x = torch.randn(5, 256).bfloat16()
+    layer = Int4Linear.from_weight(w.bfloat16(), b.bfloat16())
+    want = F.linear(x.float(), layer.dequantized_weight().float(), b.bfloat16().float())
+    got = layer(x).float()
+    assert got.shape == (5, 40)
+    # int8 activations per group of 32: ~0.5% of a row's scale
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@needs_kernel
+def test_a_rows_result_depends_on_nothing_but_the_row():
+    """The same token gives the same bits alone, in any batch (any pass of rows) and with any
+    thread count."""
+    torch.manual_seed(3)
+    layer = Int4Linear.from_weight(torch.randn(96, 512).bfloat16(), None)
+    x = torch.randn(21, 512).bfloat16()
+    batched = layer(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single_thread = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batched, single_thread)
+    for i in (0, 7, 20):
+        assert torch.equal(layer(x[i : i + 1])[0], batched[i])
+
+
+@needs_kernel
+def test_a_non_finite_row_stays_in_its_row():
+    layer = Int4Linear.from_weight(torch.randn(16, 64).bfloat16(), None)
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 3] = float("inf")
+    y = layer(x)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+
+
+def test_act_order_permutation_gathers_inputs_into_group_order():
+    """GPTQ's act-order: the layer holds its weight in group order and gathers x the same way,
+    so the product is the original one."""
+    torch.manual_seed(4)
+    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
+    scales = (torch.rand(32, 2) * 0.1).to(torch.float16)
+    zeros = torch.full((32, 2), 8, dtype=torch.uint8)
+    perm = torch.randperm(64)
+    plain = Int4Linear(q, scales, zeros, None, torch.float32)
+    w_grouped = plain.dequantized_weight()
+    w_original = torch.empty_like(w_grouped)
+    w_original[:, perm] = w_grouped  # input perm[i] of the checkpoint is column i in group order
+    permuted = Int4Linear(q, scales, zeros, None, torch.float32, perm=perm)
+    x = torch.randn(4, 64)
+    want = F.linear(x, w_original)
+    assert (permuted(x) - want).abs().max() <= 0.02 * want.abs().max()
