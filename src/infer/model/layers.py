@@ -83,6 +83,11 @@ class CausalLM(nn.Module):
         """The ``[vocab, hidden]`` weight of the output projection (tied or not)."""
         raise NotImplementedError
 
+    def cuda_graph_safe(self) -> bool:
+        """Whether a step's work is fixed by its shape, so a CUDA graph can replay it (False
+        for a mixture of experts: which experts run depends on the tokens)."""
+        return True
+
     def project_to_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ W_vocab^T`` in the model's dtype; pre-packed when the runner packed it.
 
@@ -193,14 +198,28 @@ FUSED_ACTIVATIONS = {
 
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul (and, on CPU bf16,
-    ``act(gate) * up`` in one kernel)."""
+    ``act(gate) * up`` in one kernel).
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
+    ``reduce=False`` leaves a tensor-parallel rank's partial sum unreduced (a mixture of
+    experts sums its experts first and reduces once); ``width_field`` names the config field of
+    ``intermediate`` in the error when the ranks cannot split it."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act: str,
+        bias: bool,
+        *,
+        reduce: bool = True,
+        width_field: str = "intermediate_size",
+    ) -> None:
         super().__init__()
         # Tensor parallelism: gate/up column-parallel, down row-parallel (+ all-reduce).
         self.tp = get_tensor_parallel()
-        intermediate = self.tp.local(intermediate, "intermediate_size")
+        intermediate = self.tp.local(intermediate, width_field)
         self.intermediate = intermediate
+        self.reduce = reduce
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
@@ -210,15 +229,13 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         kernels = fused_kernels(gate_up)
         if kernels is not None and self.fused_act is not None and gate_up.dim() == 2:
-            return self.tp.all_reduce(
-                self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act))
-            )
-        if self.fused_act is not None and triton_fused.fused_enabled(gate_up):
-            return self.tp.all_reduce(
-                self.down_proj(triton_fused.act_and_mul(gate_up, self.fused_act))
-            )
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+            out = self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act))
+        elif self.fused_act is not None and triton_fused.fused_enabled(gate_up):
+            out = self.down_proj(triton_fused.act_and_mul(gate_up, self.fused_act))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(self.act(gate) * up)
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 def plus_one(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -9,7 +9,9 @@ Per layer::
 
 The "(...)" steps are switched on by :class:`DecoderConfig` flags (Qwen 3 and Gemma 3 add the
 q/k norms; Gemma 3 adds the post norms, an embedding scale and per-layer sliding windows with
-their own rope base). The subclasses only translate their ``config.json`` dialect.
+their own rope base). In a mixture of experts (Mixtral, Qwen MoE: ``DecoderConfig.moe``) a
+sparse layer's gated MLP is a :class:`~infer.model.moe.SparseMoE` instead. The subclasses only
+translate their ``config.json`` dialect.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, embedding, plus_one
+from infer.model.moe import MoEConfig, SparseMoE, moe_weight_sources, parse_moe
 from infer.model.parallel import (
     COLUMN,
     ROW,
@@ -58,6 +61,7 @@ class DecoderConfig:
     embed_scale: float | None = None
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
+    moe: MoEConfig | None = None  # Mixtral, Qwen MoE: experts in the layers it marks sparse
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -67,6 +71,12 @@ class DecoderConfig:
             )
         if len(self.ropes) != self.num_layers or len(self.sliding_windows) != self.num_layers:
             raise ValueError("per-layer rope/sliding window settings must cover every layer")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError("per-layer expert settings must cover every layer")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` routes to experts (else it has the dense MLP)."""
+        return self.moe is not None and self.moe.sparse_layers[layer_idx]
 
 
 def require(config: dict[str, Any], key: str) -> Any:
@@ -192,7 +202,13 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, eps)
         self.attn = DecoderAttention(cfg, layer_idx)
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.mlp_bias)
+        self.mlp: GatedMLP | SparseMoE
+        if cfg.moe is not None and cfg.is_sparse(layer_idx):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.activation)
+        else:
+            self.mlp = GatedMLP(
+                cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.mlp_bias
+            )
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms else None
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norms else None
 
@@ -269,6 +285,10 @@ class DecoderLM(CausalLM):
     def vocab_projection_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def cuda_graph_safe(self) -> bool:
+        # Which experts run (and on how many rows) is read back from the device each step.
+        return self.cfg.moe is None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.project_to_vocab(hidden).float()
         cap = self.cfg.final_logit_softcap
@@ -311,19 +331,10 @@ class DecoderLM(CausalLM):
             if cfg.qk_norm:
                 src[f"{ours}.attn.q_norm.weight"] = norm((f"{a}.q_norm.weight",))
                 src[f"{ours}.attn.k_norm.weight"] = norm((f"{a}.k_norm.weight",))
-            m = f"{hf}.mlp"
-            gate_up = (f"{m}.gate_proj.weight", f"{m}.up_proj.weight")
-            src[f"{ours}.mlp.gate_up_proj.weight"] = WeightSource(gate_up, shard=COLUMN)
-            src[f"{ours}.mlp.down_proj.weight"] = WeightSource(
-                (f"{m}.down_proj.weight",), shard=ROW
-            )
-            if cfg.mlp_bias:
-                src[f"{ours}.mlp.gate_up_proj.bias"] = WeightSource(
-                    (f"{m}.gate_proj.bias", f"{m}.up_proj.bias"), shard=COLUMN
-                )
-                src[f"{ours}.mlp.down_proj.bias"] = WeightSource(
-                    (f"{m}.down_proj.bias",), shard=ROW_BIAS
-                )
+            if cfg.moe is not None and cfg.is_sparse(i):
+                src.update(moe_weight_sources(f"{ours}.mlp", hf, cfg.moe))
+            else:
+                src.update(self._dense_mlp_sources(ours, f"{hf}.mlp"))
             src[f"{ours}.attn_norm.weight"] = norm((f"{hf}.input_layernorm.weight",))
             src[f"{ours}.mlp_norm.weight"] = norm((f"{hf}.{mlp_norm}.weight",))
             if cfg.sandwich_norms:
@@ -333,6 +344,23 @@ class DecoderLM(CausalLM):
                 src[f"{ours}.post_mlp_norm.weight"] = norm(
                     (f"{hf}.post_feedforward_layernorm.weight",)
                 )
+        return src
+
+    def _dense_mlp_sources(self, ours: str, m: str) -> dict[str, WeightSource]:
+        """A dense layer's gated MLP (``m``: its checkpoint prefix, ``model.layers.{i}.mlp``)."""
+        src = {
+            f"{ours}.mlp.gate_up_proj.weight": WeightSource(
+                (f"{m}.gate_proj.weight", f"{m}.up_proj.weight"), shard=COLUMN
+            ),
+            f"{ours}.mlp.down_proj.weight": WeightSource((f"{m}.down_proj.weight",), shard=ROW),
+        }
+        if self.cfg.mlp_bias:
+            src[f"{ours}.mlp.gate_up_proj.bias"] = WeightSource(
+                (f"{m}.gate_proj.bias", f"{m}.up_proj.bias"), shard=COLUMN
+            )
+            src[f"{ours}.mlp.down_proj.bias"] = WeightSource(
+                (f"{m}.down_proj.bias",), shard=ROW_BIAS
+            )
         return src
 
 
@@ -357,3 +385,25 @@ class MistralForCausalLM(DecoderLM):
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
         return uniform_decoder_config(config)
+
+
+class MixtralForCausalLM(DecoderLM):
+    """Mixtral: Mistral whose every MLP is a mixture of experts (softmax over the experts, the
+    top ``num_experts_per_tok`` of ``num_local_experts``, renormalised over those k)."""
+
+    architecture = "MixtralForCausalLM"
+
+    @classmethod
+    def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
+        num_layers = require(config, "num_hidden_layers")
+        moe = parse_moe(
+            config,
+            num_layers,
+            experts_fields=("num_local_experts", "num_experts"),
+            width_field="intermediate_size",
+            float32_weights=True,
+            norm_topk_prob=True,
+            checkpoint_block="block_sparse_moe",
+            checkpoint_projs=("w1", "w3", "w2"),
+        )
+        return uniform_decoder_config(config, moe=moe)

@@ -7,16 +7,24 @@ from typing import Any
 from infer.model.gemma3 import Gemma3ForCausalLM
 from infer.model.gpt2 import GPT2LMHeadModel
 from infer.model.layers import CausalLM
-from infer.model.llama import LlamaForCausalLM, MistralForCausalLM
-from infer.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from infer.model.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
+from infer.model.qwen import (
+    Qwen2ForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     cls.architecture: cls
     for cls in (
         LlamaForCausalLM,
         MistralForCausalLM,
+        MixtralForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeForCausalLM,
         Gemma3ForCausalLM,
         GPT2LMHeadModel,
     )
@@ -25,8 +33,11 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 MODEL_TYPES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
+    "mixtral": MixtralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }

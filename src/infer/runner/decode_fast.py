@@ -22,8 +22,8 @@ the same kernel calls, from ``ctypes`` structures built once). The results are b
 of the module path (same kernels, same inputs; tested). It
 takes every step that fits its buffers (max(max_num_seqs, max_num_batched_tokens) rows), and only
 models where every piece has its kernel: CPU bfloat16, tiled linear layers, a decoder without
-q/k norms, sandwich norms or an embedding scale, one rope for every layer, and a supported
-activation; anything else takes the module path.
+q/k norms, sandwich norms, an embedding scale or experts, one rope for every layer, and a
+supported activation; anything else takes the module path.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import logging
 
 import torch
 
+from infer.model.layers import GatedMLP
 from infer.model.llama import DecoderLM
 from infer.runner.attention import AttentionContext, KVCache
 from infer.runner.kernels import (
@@ -136,6 +137,8 @@ class FastDecoder:
         cfg = model.cfg
         if cfg.qk_norm or cfg.sandwich_norms or cfg.embed_scale is not None:
             return None
+        if not all(isinstance(layer.mlp, GatedMLP) for layer in model.layers):
+            return None  # a mixture of experts: its layers route rows (model/moe.py)
         if len(set(cfg.ropes)) != 1 or model.embed_tokens.weight.dtype != torch.bfloat16:
             return None
         if cfg.head_dim % 2 or cfg.head_dim > 512:

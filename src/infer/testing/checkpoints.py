@@ -22,7 +22,19 @@ from pathlib import Path
 from typing import Any
 
 VERSION = "v3"
-KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "llama_sharded")
+KINDS = (
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "gpt2",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "llama_sharded",
+)
 VOCAB_SIZE = 1024
 GEMMA3_SLIDING_WINDOW = 16
 MISTRAL_SLIDING_WINDOW = 12
@@ -131,6 +143,55 @@ def _gemma3_config(special: dict[str, int]) -> Any:
     )
 
 
+def _mixtral_config(special: dict[str, int]) -> Any:
+    from transformers import MixtralConfig
+
+    # Every layer sparse: top-2 of 8 experts, each as wide as intermediate_size.
+    return MixtralConfig(
+        **{**_TINY, "intermediate_size": 64},
+        **special,
+        num_hidden_layers=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
+
+
+def _qwen2_moe_config(special: dict[str, int]) -> Any:
+    from transformers import Qwen2MoeConfig
+
+    # Layer 1 stays dense (mlp_only_layers); top-3 of 8 small experts, not renormalised, and a
+    # shared expert of its own width.
+    return Qwen2MoeConfig(
+        **_TINY,
+        **special,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_moe_config(special: dict[str, int]) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    # q/k norms and head_dim 32 as in qwen3; top-4 of 8 experts, renormalised.
+    return Qwen3MoeConfig(
+        **_TINY,
+        **special,
+        num_hidden_layers=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+
+
 def _gpt2_config(special: dict[str, int]) -> Any:
     from transformers import GPT2Config
 
@@ -145,6 +206,9 @@ _RECIPES: dict[str, tuple[Callable[[dict[str, int]], Any], str]] = {
     "qwen3": (_qwen3_config, "Qwen3ForCausalLM"),
     "gemma3": (_gemma3_config, "Gemma3ForCausalLM"),
     "gpt2": (_gpt2_config, "GPT2LMHeadModel"),
+    "mixtral": (_mixtral_config, "MixtralForCausalLM"),
+    "qwen2_moe": (_qwen2_moe_config, "Qwen2MoeForCausalLM"),
+    "qwen3_moe": (_qwen3_moe_config, "Qwen3MoeForCausalLM"),
     "llama_sharded": (_llama_config, "LlamaForCausalLM"),
 }
 

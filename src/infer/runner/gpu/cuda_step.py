@@ -106,8 +106,11 @@ class CudaStep:
         # Decode steps are sized by bucket whether or not graphs replay them (see _splits).
         self.sizes = capture_sizes(min(decode_rows, MAX_GRAPH_ROWS))
         self.graphs: DecodeGraphs | None = None
-        if not enforce_eager and tp_size == 1:
+        graph_safe = getattr(model, "cuda_graph_safe", lambda: True)()
+        if not enforce_eager and tp_size == 1 and graph_safe:
             self.graphs = DecodeGraphs(self.sizes, device)
+        elif not graph_safe and not enforce_eager:
+            logger.info("no CUDA graphs: the model's experts are chosen per step (eager decode)")
         # Split-K buffers per number of splits, each sized for the most rows that use it.
         rows_for: dict[int, int] = {}
         for rows in range(1, self.shape.max_table_rows + 1):
