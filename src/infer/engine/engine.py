@@ -32,6 +32,7 @@ from infer.engine.scheduler import Scheduler
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
+from infer.model.moe import describe_experts
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.runner.attention import KVCache
 from infer.runner.prepack import model_weight_bytes, prepack_linears
@@ -474,6 +475,9 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."),
             self.device,
         )
+        experts = describe_experts(self.model, model_weight_bytes)
+        if experts is not None:
+            logger.info(experts)
         cc = self.config.cache
         logger.info(
             "KV cache (%s): %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB); "
