@@ -13,7 +13,7 @@ from typing import Literal
 
 from infer.kv_cache.sizing import check_kv_cache_dtype
 
-QUANTIZATIONS = ("int8", "w8a8", "fp8", "int4")
+QUANTIZATIONS = ("int8", "w8a8", "fp8", "int4", "w4a8")
 # Quantized checkpoints (read as they are stored): --quantization names them to assert it.
 CHECKPOINT_QUANTIZATIONS = ("gptq", "awq")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -45,7 +45,7 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
-    # None | int8 | w8a8 | fp8 | int4: weights quantized at load; gptq | awq: the checkpoint is (read
+    # None | int8 | w8a8 | fp8 | int4 | w4a8: weights quantized at load; gptq | awq: the checkpoint is (read
     # from its quantization_config anyway; naming it checks that it is)
     quantization: str | None = None
     # With a quantization: the vocabulary projection too (False keeps it in the model's dtype).

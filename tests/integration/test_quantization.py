@@ -10,6 +10,7 @@ import torch
 from infer import SamplingParams
 from infer.model import load_model, load_tokenizer
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
+from infer.runner.int4 import Int4Linear
 from infer.runner.quant import (
     Fp8Linear,
     Int8Linear,
@@ -56,14 +57,18 @@ BOUNDS = {
     (None, "fp8"): (0.70, 0.20),
     ("int8", "int8"): (0.88, 0.10),
     ("w8a8", "auto"): (0.80, 0.15),
+    # 4 bits in groups of 32 on these random weights (float32: both dequantized per product):
+    # 0.35-0.62 / 0.27-0.52; a wrong nibble order or zero lands near chance (1 / 1024)
+    ("int4", "auto"): (0.30, 0.65),
+    ("w4a8", "auto"): (0.30, 0.65),
 }
 
 
 @pytest.mark.parametrize("kind", ARCHS)
 @pytest.mark.parametrize("quant", list(BOUNDS))
 def test_quantized_logits_stay_close_to_the_model(kind, quant, tiny_checkpoints, engine_device):
-    if quant[0] == "w8a8" and not w8a8_available(torch.device(engine_device)):
-        pytest.skip("w8a8 needs a CPU with AVX-512 VNNI")
+    if quant[0] in ("w8a8", "w4a8") and not w8a8_available(torch.device(engine_device)):
+        pytest.skip(f"{quant[0]} needs a CPU with AVX-512 VNNI")
     path = tiny_checkpoints[kind]
     want = _teacher_forced_logits(path, torch.float32, engine_device)
     got = _teacher_forced_logits(
@@ -117,11 +122,11 @@ def test_quantized_kv_greedy_tokens_do_not_depend_on_batching(
         assert counters.preemptions_swap > 0
 
 
-@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+@pytest.mark.parametrize("weights", ["int8", "w8a8", "int4", "w4a8"])
 @pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3"])
 def test_bf16_with_int8_weights_and_kv_serves_every_prompt(kind, weights, make_llm, engine_device):
-    if weights == "w8a8" and not w8a8_available(torch.device(engine_device)):
-        pytest.skip("w8a8 needs a CPU with AVX-512 VNNI")
+    if weights in ("w8a8", "w4a8") and not w8a8_available(torch.device(engine_device)):
+        pytest.skip(f"{weights} needs a CPU with AVX-512 VNNI")
     llm = make_llm(kind, dtype="bfloat16", quantization=weights, kv_cache_dtype="int8")
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
@@ -160,7 +165,7 @@ def test_one_byte_cache_holds_about_twice_the_tokens_in_the_same_memory(
     assert tokens["int8"] == tokens["fp8"] >= 1.9 * tokens["auto"]
 
 
-@pytest.mark.parametrize("weights", ["int8", "w8a8", "fp8"])
+@pytest.mark.parametrize("weights", ["int8", "w8a8", "fp8", "int4"])
 def test_no_quantize_lm_head_keeps_the_vocabulary_projection(weights, make_llm, engine_device):
     """--no-quantize-lm-head: every layer quantized, the vocabulary projection giving the
     unquantized model's scores bit for bit (and the quantized one not)."""
@@ -186,7 +191,8 @@ def test_no_quantize_lm_head_keeps_the_vocabulary_projection(weights, make_llm, 
     )
 
     def quantized(model):
-        return sum(isinstance(m, (Int8Linear, W8A8Linear, Fp8Linear)) for m in model.modules())
+        kinds = (Int8Linear, W8A8Linear, Fp8Linear, Int4Linear)
+        return sum(isinstance(m, kinds) for m in model.modules())
 
     assert quantized(models[1]) == quantized(models[2]) - 1 > 0
     outs = kept.generate(PROMPTS, GREEDY)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
+from infer.runner.int4 import Int4Linear, int4_kernel_available
 
 from .conftest import PROMPTS
 
@@ -69,6 +70,8 @@ def write_quantized(
         dict(state),
         {k: v for k, v in state.items() if not k.endswith(tuple(f"{n}.weight" for n in LINEARS))},
     )
+    orders: dict[int, torch.Tensor] = {}  # act-order: one per input width, as GPTQ's (its
+    # order sorts the inputs' Hessian diagonal, the same for layers that share their input)
     for layer in _layers(state):
         out_f, in_f = state[layer + ".weight"].shape
         groups = in_f // GROUP
@@ -82,7 +85,9 @@ def write_quantized(
         scales = (0.02 + 0.08 * torch.rand(groups, out_f, generator=gen)).half()
         g_idx = torch.arange(in_f) // GROUP
         if desc_act:  # act-order: input rows belong to groups in a shuffled order
-            g_idx = g_idx[torch.randperm(in_f, generator=gen)]
+            if in_f not in orders:
+                orders[in_f] = torch.randperm(in_f, generator=gen)
+            g_idx = g_idx[orders[in_f]]
         w = (scales.float()[g_idx] * (q - z[g_idx]).float()).t().contiguous()
         plain[layer + ".weight"] = w
         if method == "gptq":
@@ -107,12 +112,20 @@ def write_quantized(
     (dst_q / "config.json").write_text(json.dumps(config))
 
 
-def _logits_and_tokens(path) -> tuple[torch.Tensor, list[list[int]]]:
-    with LLM(str(path), dtype="float32", block_size=4) as llm:
+def _logits_and_tokens(path, dtype="float32", int4_layers=None):
+    with LLM(str(path), dtype=dtype, block_size=4) as llm:
         outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                                                          prompt_logprobs=1))  # fmt: skip
         lps = torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
+        if int4_layers is not None:
+            int4 = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int4Linear)]
+            assert len(int4) == int4_layers
+            assert all(m.mode == ("kernel" if dtype == "bfloat16" else "dequant") for m in int4)
         return lps, [o.outputs[0].token_ids for o in outs]
+
+
+# The tiny Llama's fused layers (qkv, o, gate_up, down) x 3 decoder layers
+FUSED_LAYERS = 12
 
 
 @pytest.mark.parametrize(
@@ -122,11 +135,17 @@ def _logits_and_tokens(path) -> tuple[torch.Tensor, list[list[int]]]:
 def test_quantized_checkpoint_serves_the_dequantized_model(
     method, desc_act, bits, tiny_checkpoints, tmp_path
 ):
+    """float32: the 4-bit layers stay 4-bit (dequantized per product: float32 activations are
+    not rounded to a kernel's bf16) and give the plain model's logits; 8-bit ones are
+    dequantized at load."""
     ref, quant = tmp_path / "ref", tmp_path / method
     write_quantized(tiny_checkpoints["llama"], ref, quant, method, desc_act, bits=bits)
     want_lps, want_tokens = _logits_and_tokens(ref)
-    got_lps, got_tokens = _logits_and_tokens(quant)
-    assert torch.equal(got_lps, want_lps)  # the same float32 weights, to the bit
+    got_lps, got_tokens = _logits_and_tokens(quant, int4_layers=FUSED_LAYERS if bits == 4 else 0)
+    if desc_act:  # inputs gathered into group order: the same products, summed in another order
+        torch.testing.assert_close(got_lps, want_lps, rtol=0, atol=1e-4)
+    else:
+        assert torch.equal(got_lps, want_lps)  # the same float32 weights, to the bit
     assert got_tokens == want_tokens
     # and the plain folder is what transformers computes
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,6 +158,25 @@ def test_quantized_checkpoint_serves_the_dequantized_model(
         with torch.no_grad():
             g = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
         assert g[0, len(ids) :].tolist() == tokens
+
+
+@pytest.mark.skipif(not int4_kernel_available(torch.device("cpu")), reason="no int4 CPU kernel")
+@pytest.mark.parametrize(("method", "desc_act"), [("gptq", False), ("gptq", True), ("awq", False)])
+def test_bf16_4bit_kernel_is_as_close_to_float32_as_the_plain_bf16_model(
+    method, desc_act, tiny_checkpoints, tmp_path
+):
+    """bf16: the C++ kernel multiplies the 4-bit integers exactly (the plain bf16 model holds
+    the same weights rounded to bf16), so its logits sit as close to the float32 model's as the
+    plain bf16 model's do. A wrong nibble, zero, scale or permutation lands far off."""
+    ref, quant = tmp_path / "ref", tmp_path / method
+    write_quantized(tiny_checkpoints["llama"], ref, quant, method, desc_act)
+    exact, _ = _logits_and_tokens(ref)
+    plain, _ = _logits_and_tokens(ref, "bfloat16")
+    got, _ = _logits_and_tokens(quant, "bfloat16", int4_layers=FUSED_LAYERS)
+    plain_err, got_err = (plain - exact).abs().mean(), (got - exact).abs().mean()
+    print(f"{method} desc_act={desc_act}: mean |logprob error| plain bf16 {plain_err:.4f}, "
+          f"4-bit kernel {got_err:.4f}")  # fmt: skip
+    assert got_err <= 1.5 * plain_err
 
 
 def test_quantization_flag_names_the_checkpoints_format(tiny_checkpoints, tmp_path):

@@ -12,13 +12,22 @@ from infer.runner.int4 import (
     Int4Linear,
     dequantize_int4,
     int4_kernel_available,
-    int4_kernel_reference,
     quantize_int4,
+    w4a8_kernel_reference,
 )
 
 needs_kernel = pytest.mark.skipif(
-    not int4_kernel_available(torch.device("cpu")), reason="needs AVX-512 VNNI and a g++"
+    not int4_kernel_available(torch.device("cpu")), reason="needs AVX-512 BF16 and a g++"
 )
+needs_w4a8 = pytest.mark.skipif(
+    not int4_kernel_available(torch.device("cpu"), int8_activations=True),
+    reason="needs AVX-512 VNNI and a g++",
+)
+
+
+def _bf16_reference(x, q, scales, zeros):
+    """The int4 kernel's product in float64: x as it is times the dequantized weight."""
+    return x.double() @ dequantize_int4(q, scales, zeros, torch.float64).t()
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -69,9 +78,7 @@ SHAPES = [  # (rows, in, out, group)
 ]
 
 
-@needs_kernel
-@pytest.mark.parametrize("m,k,n,group", SHAPES)
-def test_kernel_matches_the_integer_reference(m, k, n, group):
+def _random_layer(m, k, n, group):
     torch.manual_seed(m * 1000 + k)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales = (torch.rand(n, k // group) * 0.1).to(torch.float16)
@@ -80,37 +87,62 @@ def test_kernel_matches_the_integer_reference(m, k, n, group):
     x = (torch.randn(m, k) * 3).bfloat16()
     x[0, :group] = 0  # an all-zero activation group
     if m > 2:
-        x[2, 5] = 1e4  # an extreme activation (its group's other values round to 0)
+        x[2, 5] = 1e4  # an extreme activation (in w4a8, its group's other values round to 0)
+    return x, q, scales, zeros
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n,group", SHAPES)
+def test_int4_kernel_matches_the_dequantized_product(m, k, n, group):
+    x, q, scales, zeros = _random_layer(m, k, n, group)
     layer = Int4Linear(q, scales, zeros, None, torch.float32)
     assert layer.mode == "kernel"
-    want = int4_kernel_reference(x, q, scales, zeros)
+    want = _bf16_reference(x, q, scales, zeros)
+    got = layer(x.float()).double()
+    # float32 sums that carry 128 + q for each weight (the kernel's doc): ~1e-6 of the row
+    tol = 1e-5 * (x.double().abs() @ torch.full((k, n), 128.0 * 0.1, dtype=torch.float64))
+    assert torch.all((got - want).abs() <= tol + 1e-6)
+    # bf16 model: the same sums, rounded once
+    got16 = Int4Linear(q, scales, zeros, None, torch.bfloat16)(x)
+    assert torch.all((got16.double() - want).abs() <= tol + want.abs() / 128)
+
+
+@needs_w4a8
+@pytest.mark.parametrize("m,k,n,group", SHAPES)
+def test_w4a8_kernel_matches_the_integer_reference(m, k, n, group):
+    x, q, scales, zeros = _random_layer(m, k, n, group)
+    layer = Int4Linear(q, scales, zeros, None, torch.float32, int8_activations=True)
+    assert layer.mode == "kernel"
+    want = w4a8_kernel_reference(x, q, scales, zeros)
     got = layer(x.float()).double()
     tol = 1e-5 * want.abs().max().item() + 1e-6
     assert (got - want).abs().max().item() <= tol
-    # bf16 model: the same sums, rounded once
-    got16 = Int4Linear(q, scales, zeros, None, torch.bfloat16)(x)
+    got16 = Int4Linear(q, scales, zeros, None, torch.bfloat16, int8_activations=True)(x)
     torch.testing.assert_close(got16.float(), want.float().bfloat16().float(), atol=tol, rtol=8e-3)
 
 
-@needs_kernel
-def test_kernel_is_close_to_the_float_product_and_adds_bias():
+@needs_w4a8
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_kernels_are_close_to_the_float_product_and_add_bias(int8_activations):
     torch.manual_seed(2)
     w, b = torch.randn(40, 256), torch.randn(40)
     x = torch.randn(5, 256).bfloat16()
-    layer = Int4Linear.from_weight(w.bfloat16(), b.bfloat16())
+    layer = Int4Linear.from_weight(w.bfloat16(), b.bfloat16(), int8_activations=int8_activations)
     want = F.linear(x.float(), layer.dequantized_weight().float(), b.bfloat16().float())
     got = layer(x).float()
     assert got.shape == (5, 40)
-    # int8 activations per group of 32: ~0.5% of a row's scale
-    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    # bf16 output rounding; int8 activations per group of 32: ~0.5% of a row's scale
+    assert (got - want).abs().max() <= (0.02 if int8_activations else 0.008) * want.abs().max()
 
 
-@needs_kernel
-def test_a_rows_result_depends_on_nothing_but_the_row():
+@needs_w4a8
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_a_rows_result_depends_on_nothing_but_the_row(int8_activations):
     """The same token gives the same bits alone, in any batch (any pass of rows) and with any
     thread count."""
     torch.manual_seed(3)
-    layer = Int4Linear.from_weight(torch.randn(96, 512).bfloat16(), None)
+    layer = Int4Linear.from_weight(torch.randn(96, 512).bfloat16(), None,
+                                   int8_activations=int8_activations)  # fmt: skip
     x = torch.randn(21, 512).bfloat16()
     batched = layer(x)
     threads = torch.get_num_threads()
@@ -124,9 +156,11 @@ def test_a_rows_result_depends_on_nothing_but_the_row():
         assert torch.equal(layer(x[i : i + 1])[0], batched[i])
 
 
-@needs_kernel
-def test_a_non_finite_row_stays_in_its_row():
-    layer = Int4Linear.from_weight(torch.randn(16, 64).bfloat16(), None)
+@needs_w4a8
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_a_non_finite_row_stays_in_its_row(int8_activations):
+    layer = Int4Linear.from_weight(torch.randn(16, 64).bfloat16(), None,
+                                   int8_activations=int8_activations)  # fmt: skip
     x = torch.randn(3, 64).bfloat16()
     x[1, 3] = float("inf")
     y = layer(x)

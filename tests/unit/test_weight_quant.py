@@ -209,7 +209,7 @@ def test_fp8_linear_reference_math():
 
 
 def test_quantization_start_up_errors_name_the_option_and_choices():
-    with pytest.raises(ValueError, match=r"--quantization 'int3'.*int8, w8a8, fp8, int4"):
+    with pytest.raises(ValueError, match=r"--quantization 'int3'.*int8, w8a8, fp8, int4, w4a8"):
         EngineConfig.from_kwargs(quantization="int3")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"--quantization w8a8 needs a CPU with AVX-512 VNNI"):

@@ -35,6 +35,7 @@ from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.model.moe import describe_experts
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.runner.attention import KVCache
+from infer.runner.int4 import keep_checkpoint_int4
 from infer.runner.prepack import model_weight_bytes, prepack_linears
 from infer.runner.quant import check_quantization, quantize_linears
 from infer.runner.runner import ModelRunner
@@ -200,17 +201,7 @@ class LLMEngine:
         self.tp_workers = self._start_tensor_parallel()
         self.model = load_model(self.model_path, self.dtype, self.device)
         if self.checkpoint_quantization is not None:
-            q = self.checkpoint_quantization
-            logger.info(
-                "%s checkpoint (%d-bit, group %d%s): weights dequantized to %s at load (infer "
-                "has no 4-bit kernels yet: they take %s's memory)",
-                q.method.upper(),
-                q.bits,
-                q.group_size,
-                ", act-order" if q.desc_act else "",
-                str(self.dtype).removeprefix("torch."),
-                str(self.dtype).removeprefix("torch."),
-            )
+            self._log_checkpoint_quantization(load_quantization)
         if load_quantization:
             quantize_linears(self.model, load_quantization, lm_head=mc.quantize_lm_head)
         else:
@@ -308,6 +299,26 @@ class LLMEngine:
         self.trace: StepTrace | None = None
         self.weights_bytes = model_weight_bytes(self.model)
         self._log_startup()
+
+    def _log_checkpoint_quantization(self, load_quantization: str | None) -> None:
+        """A GPTQ / AWQ checkpoint: keep its 4-bit layers as they are (unless ``--quantization``
+        requantizes the model), and say what each layer became."""
+        q = self.checkpoint_quantization
+        assert q is not None
+        kept = [] if load_quantization else keep_checkpoint_int4(self.model)
+        modes = sorted({m.mode for m in kept})
+        dtype = str(self.dtype).removeprefix("torch.")
+        logger.info(
+            "%s checkpoint (%d-bit, group %d%s): %d linear layers kept in 4 bits (%s), the "
+            "others dequantized to %s",
+            q.method.upper(),
+            q.bits,
+            q.group_size,
+            ", act-order" if q.desc_act else "",
+            len(kept),
+            ", ".join(modes) or "none",
+            dtype,
+        )
 
     def _load_quantization(self) -> str | None:
         """The method to quantize the weights with at load (None: none). ``--quantization

@@ -21,8 +21,11 @@ from infer.model.parallel import TensorParallel
 from infer.model.quantized_checkpoint import (
     QuantizedCheckpointError,
     QuantizedFormat,
-    dequantize,
+    UnpackedLayer,
+    checkpoint_int4_parts,
+    layer_weight,
     read_format,
+    unpack,
 )
 from infer.model.registry import UnsupportedArchitectureError, model_class
 from infer.model.spec import ModelSpec, config_dtype, token_ids
@@ -255,14 +258,18 @@ def load_model(
 
     handles: dict[Path, Any] = {}
     used: set[str] = set()
+    # 4-bit layers whose integers a 4-bit linear can take as they are (runner/int4.py).
+    model.checkpoint_int4 = {}
     try:
         for pname, source in sources.items():
             tensors = []
+            unpacked = []
             for name in source.names:
                 file, found = _lookup(index, name, cls.checkpoint_aliases)
                 if file is None and quantized is not None and name.endswith(".weight"):
-                    t = _dequantized(index, name, quantized, handles, used, model_dir)
-                    tensors.append(t)
+                    layer = _unpacked(index, name, quantized, handles, used, model_dir)
+                    unpacked.append(layer)
+                    tensors.append(layer_weight(layer))
                     continue
                 if file is None:
                     raise ModelLoadError(
@@ -274,6 +281,10 @@ def load_model(
                 t = handles[file].get_tensor(found)
                 tensors.append(t.float() if source.transform is not None else t)
             _fill(params[pname], pname, source, tensors, model.tp)
+            if len(unpacked) == len(source.names) and quantized is not None:
+                kept = checkpoint_int4_parts(quantized, unpacked, source, model.tp)
+                if kept is not None:
+                    model.checkpoint_int4[pname] = kept
     finally:
         handles.clear()
     unused = sorted(n for n in index if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
@@ -298,15 +309,15 @@ def quantized_format(model_dir: Path) -> QuantizedFormat | None:
         raise ModelLoadError(str(e)) from None
 
 
-def _dequantized(
+def _unpacked(
     index: dict[str, Path],
     name: str,
     fmt: QuantizedFormat,
     handles: dict[Path, Any],
     used: set[str],
     model_dir: Path,
-) -> torch.Tensor:
-    """The float32 ``[out, in]`` weight ``name`` (``X.weight``) of a quantized checkpoint, from
+) -> UnpackedLayer:
+    """The integers of weight ``name`` (``X.weight``) of a quantized checkpoint, from
     ``X.qweight``, ``X.qzeros``, ``X.scales`` (and GPTQ's ``X.g_idx``)."""
     from safetensors import safe_open
 
@@ -332,8 +343,8 @@ def _dequantized(
         tensors[part] = handles[file].get_tensor(key)
         used.add(key)
     try:
-        return dequantize(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"],
-                          tensors.get("g_idx"))  # fmt: skip
+        return unpack(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"],
+                       tensors.get("g_idx"))  # fmt: skip
     except QuantizedCheckpointError as e:
         raise ModelLoadError(f"{prefix[:-1]}: {e}") from None
 

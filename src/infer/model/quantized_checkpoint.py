@@ -110,14 +110,26 @@ def _nibbles(packed: torch.Tensor, axis: int, bits: int = 4) -> torch.Tensor:
     return values.reshape(packed.shape[0], -1)
 
 
-def dequantize(
+@dataclass(frozen=True)
+class UnpackedLayer:
+    """One layer's integers as ``[out, in]`` rows: ``weight[j, i] = scales[j, g_idx[i]] *
+    (q[j, i] - zeros[j, g_idx[i]])``."""
+
+    q: torch.Tensor  # uint8 [out, in]
+    zeros: torch.Tensor  # uint8 [out, groups]
+    scales: torch.Tensor  # [out, groups], as stored (GPTQ and AWQ store float16)
+    g_idx: torch.Tensor  # int64 [in]
+
+
+def unpack(
     fmt: QuantizedFormat,
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
     g_idx: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One layer's ``[out, in]`` float32 weight from its packed tensors (see the module doc)."""
+) -> UnpackedLayer:
+    """One layer's packed tensors as integers (see the module doc); raises
+    :class:`QuantizedCheckpointError` for tensors that do not describe one layer."""
     if fmt.method == "gptq":
         q = _nibbles(qweight, axis=0, bits=fmt.bits)  # [in, out]
         z = _nibbles(qzeros, axis=1, bits=fmt.bits)  # [groups, out]
@@ -127,11 +139,11 @@ def dequantize(
         order = torch.tensor(_AWQ_ORDER)
         inverse = torch.argsort(order)  # column 8c + m sits in nibble inverse[m]
 
-        def unpack(packed: torch.Tensor) -> torch.Tensor:
+        def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
             values = _nibbles(packed, axis=1).view(packed.shape[0], -1, 8)
             return values[:, :, inverse].reshape(packed.shape[0], -1)
 
-        q, z = unpack(qweight), unpack(qzeros)
+        q, z = unpack_columns(qweight), unpack_columns(qzeros)
     in_features, out_features = q.shape
     if scales.shape[1] != out_features or z.shape != scales.shape:
         raise QuantizedCheckpointError(
@@ -147,5 +159,67 @@ def dequantize(
             f"g_idx {tuple(g_idx.shape)} does not map {in_features} input rows to "
             f"{scales.shape[0]} groups"
         )
-    w = scales.float()[g] * (q - z[g]).float()  # [in, out]
-    return w.t().contiguous()
+    # 8-bit zeros reach 256 in the "gptq" format (stored 255, plus one): int16 holds them.
+    small = torch.uint8 if fmt.bits == 4 else torch.int16
+    return UnpackedLayer(q.t().to(small).contiguous(), z.t().to(small).contiguous(),
+                         scales.t().contiguous(), g)  # fmt: skip
+
+
+def dequantize(
+    fmt: QuantizedFormat,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One layer's ``[out, in]`` float32 weight from its packed tensors (see the module doc)."""
+    return layer_weight(unpack(fmt, qweight, qzeros, scales, g_idx))
+
+
+def layer_weight(layer: UnpackedLayer) -> torch.Tensor:
+    """The ``[out, in]`` float32 weight of an unpacked layer (exact: small integers times a
+    16-bit scale)."""
+    g = layer.g_idx
+    return layer.scales.float()[:, g] * (layer.q.float() - layer.zeros.float()[:, g])
+
+
+@dataclass(frozen=True)
+class Int4Parts:
+    """A 4-bit layer as :class:`infer.runner.int4.Int4Linear` takes it: inputs in group order
+    (``perm[i]``: the checkpoint's input at position i; None when they already are), ``q``
+    ``[out, in]``, ``scales`` float16 and ``zeros`` ``[out, groups]``."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    perm: torch.Tensor | None
+
+
+def checkpoint_int4_parts(
+    fmt: QuantizedFormat, layers: list[UnpackedLayer], source: Any, tp: Any
+) -> Int4Parts | None:
+    """The 4-bit layer one parameter is made of (its checkpoint layers stacked along the
+    outputs: fused q/k/v, gate/up), or None where it must stay dequantized: 8-bit, scales not
+    float16, a transform, a tensor-parallel shard, parts with different act-order
+    permutations, or groups of unequal size."""
+    if fmt.bits != 4 or source.transform is not None or (tp.size > 1 and source.shard):
+        return None
+    if any(layer.scales.dtype != torch.float16 for layer in layers):
+        return None
+    g_idx = layers[0].g_idx
+    if any(not torch.equal(layer.g_idx, g_idx) for layer in layers[1:]):
+        return None
+    groups = layers[0].scales.shape[1]
+    if len(g_idx) % groups or not torch.equal(
+        torch.bincount(g_idx, minlength=groups), torch.full((groups,), len(g_idx) // groups)
+    ):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    in_order = torch.equal(perm, torch.arange(len(g_idx)))
+    q = torch.cat([layer.q for layer in layers])
+    return Int4Parts(
+        q if in_order else q[:, perm].contiguous(),
+        torch.cat([layer.scales for layer in layers]),
+        torch.cat([layer.zeros for layer in layers]),
+        None if in_order else perm,
+    )

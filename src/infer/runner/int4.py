@@ -1,4 +1,4 @@
-"""4-bit weights: ``--quantization int4`` at load, and GPTQ / AWQ checkpoints kept in 4 bits.
+"""4-bit weights: ``--quantization int4 | w4a8`` at load, and GPTQ / AWQ checkpoints kept in 4 bits.
 
 A weight ``[N, K]`` is cut along its inputs into groups of ``group_size`` (32, 64, 128; or the
 whole row); each group of each output has a float16 scale and an integer zero, and each weight
@@ -12,11 +12,17 @@ group's range, widened to hold 0, split into 15 steps; or symmetric, zero 8 and
 unpacks them), and GPTQ's act-order ``g_idx`` becomes an input permutation: the layer gathers
 its inputs into group order before the product.
 
-On CPUs with AVX-512 VNNI the C++ kernel (``csrc/linear_int4.cpp``) multiplies the packed
-nibbles by each activation row's groups quantized to int8 (absmax / 127 per group), one exact
-integer dot product per group, and reads half int8's bytes: decode at small batch is bound by
-those bytes. Elsewhere (CPUs without VNNI, CUDA) the weight is dequantized to the model's dtype
-for each product: correct, not fast.
+The C++ kernels (``csrc/linear_int4.cpp``) read the packed nibbles, half int8's bytes (decode
+at small batch is bound by those bytes), and unpack them in registers:
+
+- ``int4`` (GPTQ / AWQ folders too): activations as they are, bf16 (CPUs with AVX-512 BF16);
+  the products are the dequantized weight's, to float32 rounding.
+- ``w4a8``: each activation row's groups quantized to int8 (absmax / 127 per group) and one
+  exact integer dot product per group (CPUs with AVX-512 VNNI): fewer instructions per
+  weight, for batches and prefill, at the cost of 8-bit activations.
+
+Elsewhere (CPUs without them, CUDA) the weight is dequantized to the model's dtype for each
+product: correct, not fast.
 """
 
 from __future__ import annotations
@@ -98,12 +104,12 @@ def pack_int4(
     )
 
 
-def int4_kernel_reference(
+def w4a8_kernel_reference(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 ) -> torch.Tensor:
-    """What the kernel computes, in float64: each row's groups quantized to int8 exactly as the
-    kernel does it (float32 ``127 / absmax``, rounded to nearest even), integer dot products per
-    group, then the scales. For tests."""
+    """What the w4a8 kernel computes, in float64: each row's groups quantized to int8 exactly as
+    the kernel does it (float32 ``127 / absmax``, rounded to nearest even), integer dot products
+    per group, then the scales. For tests."""
     m, k = x.shape
     groups = scales.shape[1]
     group = k // groups
@@ -119,17 +125,21 @@ def int4_kernel_reference(
     return (dots.double() * w_scale * x_scale[:, None, :]).sum(dim=2)
 
 
-def int4_kernel_available(device: torch.device) -> bool:
-    """4-bit products through the C++ kernel: a CPU with AVX-512 VNNI."""
+def int4_kernel_available(device: torch.device, int8_activations: bool = False) -> bool:
+    """4-bit products through the C++ kernel: a CPU with AVX-512 BF16 (``int8_activations``:
+    AVX-512 VNNI)."""
     if device.type != "cpu":
         return False
     kernels = tiled_linear_kernels()
-    return kernels is not None and kernels.has_int4
+    if kernels is None:
+        return False
+    return kernels.has_w4a8 if int8_activations else kernels.has_int4
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ W^T + b`` with ``W`` held in 4 bits (module docstring); through the VNNI kernel
-    (each activation row's groups in int8) on CPUs that have it, else dequantized per call."""
+    """``y = x @ W^T + b`` with ``W`` held in 4 bits (module docstring); through the C++ kernel
+    where the CPU has it (``int8_activations``: each activation row's groups in int8), else
+    dequantized per call."""
 
     def __init__(
         self,
@@ -139,19 +149,21 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         perm: torch.Tensor | None = None,
+        int8_activations: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = self.in_features // scales.shape[1]
         self.dtype = dtype
+        self.int8_activations = int8_activations
         self.register_buffer("perm", perm, False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), False)
         kernels = tiled_linear_kernels() if q.device.type == "cpu" else None
         if (
             kernels is not None
-            and kernels.has_int4
+            and (kernels.has_w4a8 if int8_activations else kernels.has_int4)
             and self.group_size % 16 == 0
-            and dtype in (torch.bfloat16, torch.float32)
+            and dtype == torch.bfloat16  # a float32 model's activations stay float32
         ):
             self.mode = "kernel"
             self._kernels = kernels
@@ -183,9 +195,10 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None,
         group_size: int = INT4_GROUP_SIZE,
         symmetric: bool = False,
+        int8_activations: bool = False,
     ) -> Int4Linear:
         q, scales, zeros = quantize_int4(weight, group_size, symmetric)
-        return cls(q, scales, zeros, bias, weight.dtype)
+        return cls(q, scales, zeros, bias, weight.dtype, int8_activations=int8_activations)
 
     @property
     def weight_bytes(self) -> int:
@@ -215,7 +228,8 @@ class Int4Linear(nn.Module):
             out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
             y = self._kernels.int4_linear(
                 flat.to(torch.bfloat16).contiguous(), self.packed, self.scales, self.zeros,
-                self.fbias, self.out_features + self.padded, self.group_size, out_dtype,
+                self.fbias, self.out_features + self.padded, self.group_size,
+                self.int8_activations, out_dtype,
             )  # fmt: skip
             if self.padded:
                 y = y[:, : self.out_features]
@@ -223,3 +237,24 @@ class Int4Linear(nn.Module):
         else:
             y = F.linear(flat, self.dequantized_weight().to(x.dtype), self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def keep_checkpoint_int4(model: nn.Module) -> list[Int4Linear]:
+    """Swap each linear layer of a GPTQ / AWQ model whose 4-bit integers the loader kept
+    (``model.checkpoint_int4``, parameter name -> :class:`~infer.model.quantized_checkpoint.Int4Parts`)
+    for an :class:`Int4Linear` over them, so its weight takes 4 bits, not the dequantized
+    copy's 16. Returns the layers made; the others stay dequantized."""
+    parts_by_name = getattr(model, "checkpoint_int4", None) or {}
+    made = []
+    for pname, parts in parts_by_name.items():
+        path = pname.removesuffix(".weight")
+        module = model.get_submodule(path)
+        if not isinstance(module, nn.Linear) or module.weight.shape != parts.q.shape:
+            continue  # the vocabulary projection (read as a weight), or a reshaped one
+        new = Int4Linear(parts.q, parts.scales, parts.zeros, module.bias, module.weight.dtype,
+                         parts.perm)  # fmt: skip
+        parent_name, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+        made.append(new)
+    model.checkpoint_int4 = {}
+    return made

@@ -168,9 +168,11 @@ class CpuKernels:
         self._w8a8_linear = bind(
             "infer_w8a8_linear", ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32
         )
-        self.has_int4 = bool(bind("infer_int4_supported")())
+        int4_kinds = int(bind("infer_int4_supported")())
+        self.has_int4 = bool(int4_kinds & 1)  # 4-bit weights x bf16: AVX-512 BF16
+        self.has_w4a8 = bool(int4_kinds & 2)  # 4-bit weights x int8: AVX-512 VNNI
         self._int4_linear = bind(
-            "infer_int4_linear", ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32
+            "infer_int4_linear", ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32
         )
         self._pack_int8 = bind("infer_tile_pack_int8", ptr, ptr, i64, i64)
         self._linear = bind(
@@ -442,16 +444,18 @@ class CpuKernels:
         bias: torch.Tensor | None,
         out_features: int,
         group_size: int,
+        int8_activations: bool = False,
         out_dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
-        """``x`` ``[M, K]`` contiguous bf16 (each row's groups quantized to int8 as the layer
-        runs) times a 4-bit weight from :func:`infer.runner.int4.pack_int4` (its float16
-        ``scales`` and uint8 ``zeros`` per group and output), ``+ bias`` (float32 ``[N]``)."""
+        """``x`` ``[M, K]`` contiguous bf16 (with ``int8_activations``, each row's groups
+        quantized to int8 as the layer runs) times a 4-bit weight from
+        :func:`infer.runner.int4.pack_int4` (its float16 ``scales`` and uint8 ``zeros`` per
+        group and output), ``+ bias`` (float32 ``[N]``)."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=out_dtype)
         rc = self._int4_linear(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                                zeros.data_ptr(), _ptr(bias), out.data_ptr(), m, k, out_features,
-                               group_size, int(out_dtype == torch.float32),
+                               group_size, int(int8_activations), int(out_dtype == torch.float32),
                                torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise ValueError(f"int4 linear kernel rejected its inputs (code {rc})")

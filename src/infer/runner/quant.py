@@ -15,10 +15,12 @@ checkpoint's own bf16 / fp32 weights: no pre-quantized checkpoint is needed.
   bind (batches of sequences, prefill), not only where the weights' bytes do. CPUs with
   AVX-512 VNNI only; anything else is refused at start-up.
 - ``int4``: 4-bit weights in groups of 32 inputs, a float16 scale and a zero per group
-  (:mod:`infer.runner.int4`); on CPUs with AVX-512 VNNI each activation row's groups go to int8
-  and the kernel multiplies bytes by nibbles; elsewhere the weight is dequantized per product.
-  The vocabulary projection is quantized to int8 instead (4 bits there costs the most accuracy
-  for the fewest bytes), unless ``--no-quantize-lm-head`` keeps it in the model's dtype.
+  (:mod:`infer.runner.int4`), activations in the model's dtype: the C++ kernel unpacks the
+  nibbles to bf16 in registers (CPUs with AVX-512 BF16); elsewhere the weight is dequantized
+  per product. ``w4a8``: the same weights and each activation row's groups quantized to int8,
+  multiplied byte by nibble with VNNI (CPUs with AVX-512 VNNI only). For both, the vocabulary
+  projection is quantized to int8 instead (4 bits there costs the most accuracy for the fewest
+  bytes), unless ``--no-quantize-lm-head`` keeps it in the model's dtype.
 - ``fp8``: e4m3 weights with a float32 scale per output channel, and each activation row
   quantized to e4m3 on the fly, multiplied by ``torch._scaled_mm`` (a CUDA GPU with fp8 matmuls,
   compute capability 8.9 or newer; anything else is refused at start-up).
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.config import QUANTIZATIONS
-from infer.runner.int4 import INT4_GROUP_SIZE, Int4Linear
+from infer.runner.int4 import INT4_GROUP_SIZE, Int4Linear, int4_kernel_available
 from infer.runner.prepack import (
     count_kinds,
     prepack_linears,
@@ -97,6 +99,11 @@ def check_quantization(method: str | None, device: torch.device) -> None:
         raise ValueError(
             f"--quantization w8a8 needs a CPU with AVX-512 VNNI and the C++ kernels (a g++); "
             f"this engine runs on {device}: use --quantization int8"
+        )
+    if method == "w4a8" and not int4_kernel_available(device, int8_activations=True):
+        raise ValueError(
+            f"--quantization w4a8 needs a CPU with AVX-512 VNNI and the C++ kernels (a g++); "
+            f"this engine runs on {device}: use --quantization int4"
         )
     if method == "fp8" and not fp8_matmul_available(device):
         raise ValueError(
@@ -264,7 +271,9 @@ class Fp8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def make_int4_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear | None:
+def make_int4_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, int8_activations: bool = False
+) -> Int4Linear | None:
     """An ``Int4Linear`` (group size ``INFER_INT4_GROUP_SIZE``, default 32; asymmetric unless
     ``INFER_INT4_SYMMETRIC=1``: the knobs ``infer bench quant`` measures), or None (the layer
     stays as it is) for an input width the groups do not divide."""
@@ -274,7 +283,11 @@ def make_int4_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Lin
                        tuple(weight.shape), group)  # fmt: skip
         return None
     symmetric = os.environ.get("INFER_INT4_SYMMETRIC", "0") == "1"
-    return Int4Linear.from_weight(weight, bias, group, symmetric)
+    return Int4Linear.from_weight(weight, bias, group, symmetric, int8_activations)
+
+
+def make_w4a8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear | None:
+    return make_int4_linear(weight, bias, int8_activations=True)
 
 
 QUANTIZED_LINEARS = {
@@ -282,9 +295,10 @@ QUANTIZED_LINEARS = {
     "w8a8": make_w8a8_linear,
     "fp8": Fp8Linear,
     "int4": make_int4_linear,
+    "w4a8": make_w4a8_linear,
 }
 # What each method makes of the vocabulary projection, where not the same as its layers'.
-VOCAB_LINEARS = {"int4": Int8Linear}
+VOCAB_LINEARS = {"int4": Int8Linear, "w4a8": Int8Linear}
 
 
 @torch.inference_mode()

@@ -38,7 +38,8 @@ int infer_w8a8_linear(const uint16_t* x, const int8_t* packed, const int32_t* co
                       int64_t N, int out_f32, int num_threads);
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                       const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
-                      int64_t N, int64_t group, int out_f32, int num_threads);
+                      int64_t N, int64_t group, int int8_activations, int out_f32,
+                      int num_threads);
 int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
                        const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
                        int64_t N, int out_f32, int num_threads);

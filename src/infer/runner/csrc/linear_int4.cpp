@@ -1,25 +1,37 @@
-// Linear layers with 4-bit weights (--quantization int4, GPTQ and AWQ checkpoints) on CPUs with
-// AVX-512 VNNI: y[M, N] = sum over groups g of  w_scale[g][n] * x_scale[m][g]
-//                          * (sum_{k in g} xq[m][k] * q[n][k]  -  zero[g][n] * xsum[m][g])  + bias
+// Linear layers with 4-bit weights (--quantization int4 | w4a8, GPTQ and AWQ checkpoints) on
+// AVX-512 CPUs. Weights: values q 0..15 with, per group of `group` inputs and per output, a
+// float16 scale and an integer zero (weight = scale * (q - zero)). Two kernels read them:
 //
-// Weights: values q 0..15 with, per group of `group` inputs and per output, a float16 scale and
-// an integer zero (weight = scale * (q - zero)). Activations: each row's values in each group
-// quantized to int8 when the layer runs (symmetric, absmax / 127, rounded to nearest even), so
-// the group's sum is one integer dot product. VPDPBUSD multiplies 4 unsigned bytes (the weights,
-// 0..15, unpacked from their nibbles with an AND and a shift) by 4 signed bytes (x) into an
-// int32 lane: 128 multiply-adds per 64-byte load of packed weights, half the bytes int8 reads.
+// int4 (activations stay bf16; AVX-512 BF16):
+//   y[m][n] = sum_g w_scale[g][n] * (sum_{k in g} x[m][k] * (128 + q[n][k])
+//                                    - (128 + zero[g][n]) * xsum[m][g])  + bias
+//   Each nibble becomes the bf16 number 128 + q by one OR (0x4300 is 128.0, and 128..255 are
+//   exact in bf16's 8 significant bits), so VDPBF16PS multiplies it with no table; the 128s
+//   and the zero come off once per group against the group's float sum of x. The float32 sum
+//   carries the 128s (the cancellation costs ~7 bits of float32's 24, far below bf16's 8).
+//
+// w4a8 (activations to int8; AVX-512 VNNI):
+//   y[m][n] = sum_g w_scale[g][n] * x_scale[m][g]
+//             * (sum_{k in g} xq[m][k] * q[n][k]  -  zero[g][n] * xsum[m][g])  + bias
+//   each row's values in each group quantized to int8 when the layer runs (symmetric,
+//   absmax / 127, rounded to nearest even), so the group's sum is one exact integer dot
+//   product: VPDPBUSD multiplies 4 unsigned bytes (the weights, unpacked from their nibbles
+//   with an AND and a shift) by 4 signed bytes (x), 128 multiply-adds per 64-byte load.
 //
 //   packed W : [N/16][K/8] rows of 64 bytes: row o of block nb holds, for each of the block's
 //              16 outputs c and j = 0..3, the byte  q[n][8o + j] | q[n][8o + 4 + j] << 4
 //              (n = 16 nb + c): the low nibbles are the 4-input "quad" 2o of all 16 outputs,
 //              the high nibbles quad 2o + 1, each in the order VPDPBUSD reads
 //   scales   : [N/16][K/group][16] float16     zeros : [N/16][K/group][16] uint8
-//   xp       : per pass of up to 8 rows, [K/4][pass rows] 32-bit words (row r's 4 bytes of
+//   xp (w4a8): per pass of up to 8 rows, [K/4][pass rows] 32-bit words (row r's 4 bytes of
 //              quad kq), so one broadcast feeds a row's multiply
+//   bf16 unpacking (int4): a byte lane holds q[n][8o + j] (low nibble) for j = 0..3; one
+//              VPSHUFB per pair of inputs spreads bytes (j, j + 1) of each output into the
+//              two 16-bit halves of its 32-bit lane, the pair order VDPBF16PS reads
 //
-// A group's integer sum is exact (|sum| <= group * 15 * 127), and its float epilogue runs in
-// group order, so a row's result depends on nothing but its own values: the same bits in any
-// batch, any pass and any thread count.
+// Every sum runs in a fixed order (group by group, inputs in order) and a row's result
+// depends on nothing but its own values: the same bits in any batch, any pass and any thread
+// count.
 
 #include <cmath>
 #include <cstdint>
@@ -30,15 +42,123 @@
 #include "simd.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define INFER_HAVE_W4A8 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define INFER_HAVE_INT4 1
 #endif
 
 namespace {
 
-#ifdef INFER_HAVE_INT4
-constexpr int64_t kPassRows = 8;       // 8 int32 + 8 float32 accumulators stay in registers
+#if defined(INFER_HAVE_INT4) || defined(INFER_HAVE_W4A8)
+constexpr int64_t kPassRows = 8;       // 8 group + 8 row accumulators stay in registers
 constexpr int64_t kAheadBytes = 2048;  // weight prefetch distance into L2
 
+// Rows split into passes of at most kPassRows, evenly.
+struct Passes {
+  int64_t rows;
+  explicit Passes(int64_t M) {
+    const int64_t passes = (M + kPassRows - 1) / kPassRows;
+    rows = (M + passes - 1) / passes;
+  }
+};
+
+// 16 float32 sums of row m -> y[m][col .. col + 15] (+ bias), float32 or rounded to bf16.
+template <bool kOutF32>
+inline void store_row(void* y, int64_t m, int64_t N, int64_t col, __m512 v, const float* bias) {
+  v = _mm512_add_ps(v, bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps());
+  if (kOutF32)
+    _mm512_storeu_ps(static_cast<float*>(y) + m * N + col, v);
+  else
+    infer_simd::store_bf16x16(static_cast<uint16_t*>(y) + m * N + col, v);
+}
+#endif
+
+#ifdef INFER_HAVE_INT4
+// Rows [m0, m0 + MR) of x (bf16, row-major) times column block nb, activations as they are.
+template <int MR, bool kOutF32>
+inline void int4_bf16_block(const uint16_t* x, const float* x_sum, const uint8_t* wb,
+                            const uint16_t* sb, const uint8_t* zb, const float* bias, void* y,
+                            int64_t m0, int64_t K, int64_t N, int64_t nb, int64_t group) {
+  const int64_t groups = K / group;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i offset = _mm512_set1_epi16(0x4300);  // bf16 128.0
+  // Per 128-bit lane (4 outputs x 4 bytes): bytes (j, j + 1) of each output -> two 16-bit words
+  const __m512i pair01 = _mm512_broadcast_i32x4(_mm_setr_epi8(
+      0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
+  const __m512i pair23 = _mm512_broadcast_i32x4(_mm_setr_epi8(
+      2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
+  const uint16_t* xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = x + (m0 + i) * K;
+  __m512 out[MR];
+  for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t o = g * group / 8; o < (g + 1) * group / 8; ++o) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + o * 64) + kAheadBytes, _MM_HINT_T1);
+      const __m512i w = _mm512_loadu_si512(wb + o * 64);
+      const __m512i lo = _mm512_and_si512(w, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      const __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_shuffle_epi8(lo, pair01), offset);
+      const __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_shuffle_epi8(lo, pair23), offset);
+      const __m512bh w2 = (__m512bh)_mm512_or_si512(_mm512_shuffle_epi8(hi, pair01), offset);
+      const __m512bh w3 = (__m512bh)_mm512_or_si512(_mm512_shuffle_epi8(hi, pair23), offset);
+      for (int i = 0; i < MR; ++i) {
+        int32_t pairs[4];
+        std::memcpy(pairs, xr[i] + 8 * o, 16);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[0]), w0);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[1]), w1);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[2]), w2);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[3]), w3);
+      }
+    }
+    const __m512 ws = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 16)));
+    const __m512 z = _mm512_cvtepi32_ps(_mm512_add_epi32(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zb + g * 16))),
+        _mm512_set1_epi32(128)));
+    for (int i = 0; i < MR; ++i) {
+      const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(x_sum[(m0 + i) * groups + g]), acc[i]);
+      out[i] = _mm512_fmadd_ps(t, ws, out[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) store_row<kOutF32>(y, m0 + i, N, nb * 16, out[i], bias);
+}
+
+// Each thread sums x's groups into its own scratch, then threads take contiguous runs of
+// column blocks, each block's weights read from memory once and from cache for its further
+// passes of up to 8 rows.
+template <bool kOutF32>
+void int4_bf16_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                      const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                      int64_t N, int64_t group, int num_threads) {
+  const int64_t pass_rows = Passes(M).rows, nblocks = N / 16, groups = K / group;
+#pragma omp parallel num_threads(num_threads)
+  {
+    auto* x_sum = static_cast<float*>(infer_simd::thread_scratch(M * groups * 4));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t k = g * group; k < (g + 1) * group; k += 16)
+          s = _mm512_add_ps(s, infer_simd::load_bf16x16(x + m * K + k));
+        x_sum[m * groups + g] = _mm512_reduce_add_ps(s);
+      }
+#pragma omp for schedule(guided) nowait  // the region's end joins the threads
+    for (int64_t b = 0; b < nblocks; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+        const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
+        infer_simd::with_count<kPassRows>(rows, [&](auto r) {
+          int4_bf16_block<decltype(r)::value, kOutF32>(
+              x, x_sum, packed + b * K * 8, scales + b * groups * 16, zeros + b * groups * 16,
+              bias, y, m0, K, N, b, group);
+        });
+      }
+  }
+}
+#endif  // INFER_HAVE_INT4
+
+#ifdef INFER_HAVE_W4A8
 // Row x (bf16, K values) -> per group: its int8 values into the pass-interleaved xp, its scale
 // and the sum of its int8 values. A group with a NaN or an infinity gets a NaN scale (its
 // outputs NaN, as a float matmul's would be non-finite); an all-zero group a zero scale.
@@ -73,7 +193,7 @@ inline void quantize_row(const uint16_t* x, int64_t K, int64_t group, int32_t* x
 
 // Rows [m0, m0 + MR) of one pass (xp interleaved for it) times column block nb.
 template <int MR, bool kOutF32>
-inline void int4_block(const int32_t* xp, int64_t pass_rows, const float* x_scale,
+inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scale,
                        const int32_t* x_sum, const uint8_t* wb, const uint16_t* sb,
                        const uint8_t* zb, const float* bias, void* y, int64_t m0, int64_t K,
                        int64_t N, int64_t nb, int64_t group) {
@@ -108,15 +228,7 @@ inline void int4_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
                                _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[at])), out[i]);
     }
   }
-  const int64_t col = nb * 16;
-  const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
-  for (int i = 0; i < MR; ++i) {
-    const __m512 v = _mm512_add_ps(out[i], b);
-    if (kOutF32)
-      _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * N + col, v);
-    else
-      infer_simd::store_bf16x16(static_cast<uint16_t*>(y) + (m0 + i) * N + col, v);
-  }
+  for (int i = 0; i < MR; ++i) store_row<kOutF32>(y, m0 + i, N, nb * 16, out[i], bias);
 }
 
 // Each thread quantizes all of x into its own scratch (x is M x K bytes against M x K x N
@@ -124,11 +236,10 @@ inline void int4_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
 // of column blocks, each block's weights read from memory once and from cache for its further
 // passes of up to 8 rows (rows split evenly over the passes).
 template <bool kOutF32>
-void int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                  const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
                  int64_t N, int64_t group, int num_threads) {
-  const int64_t passes = (M + kPassRows - 1) / kPassRows;
-  const int64_t pass_rows = (M + passes - 1) / passes;
+  const int64_t pass_rows = Passes(M).rows, passes = (M + pass_rows - 1) / pass_rows;
   const int64_t nblocks = N / 16, kquads = K / 4, groups = K / group;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -145,44 +256,57 @@ void int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
       for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
         const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
         infer_simd::with_count<kPassRows>(rows, [&](auto r) {
-          int4_block<decltype(r)::value, kOutF32>(
+          w4a8_block<decltype(r)::value, kOutF32>(
               xp + m0 * kquads, pass_rows, x_scale, x_sum, packed + b * K * 8,
               scales + b * groups * 16, zeros + b * groups * 16, bias, y, m0, K, N, b, group);
         });
       }
   }
 }
-#endif  // INFER_HAVE_INT4
+#endif  // INFER_HAVE_W4A8
 
 }  // namespace
 
 extern "C" {
 
+// 1: the int4 kernel (bf16 activations), 2: the w4a8 one (int8 activations), 3: both.
 int infer_int4_supported() {
+  int kinds = 0;
 #ifdef INFER_HAVE_INT4
-  return 1;
-#else
-  return 0;
+  kinds |= 1;
 #endif
+#ifdef INFER_HAVE_W4A8
+  kinds |= 2;
+#endif
+  return kinds;
 }
 
 // y [M, N] (bf16, or float32 with out_f32) from x [M, K] bf16 and a weight packed as above
-// (runner/quant.py's pack_int4 builds it). N % 16 == 0, group % 16 == 0, K % group == 0.
+// (runner/int4.py's pack_int4 builds it); int8_activations picks the w4a8 kernel.
+// N % 16 == 0, group % 16 == 0, K % group == 0.
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                       const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
-                      int64_t N, int64_t group, int out_f32, int num_threads) {
+                      int64_t N, int64_t group, int int8_activations, int out_f32,
+                      int num_threads) {
   if (N % 16 || group <= 0 || group % 16 || K % group || M <= 0) return 1;
+  if (int8_activations) {
+#ifdef INFER_HAVE_W4A8
+    if (out_f32) w4a8_linear<true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    else w4a8_linear<false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    return 0;
+#endif
+  } else {
 #ifdef INFER_HAVE_INT4
-  if (out_f32)
-    int4_linear<true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
-  else
-    int4_linear<false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
-  return 0;
-#else
+    if (out_f32)
+      int4_bf16_linear<true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    else
+      int4_bf16_linear<false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    return 0;
+#endif
+  }
   (void)x; (void)packed; (void)scales; (void)zeros; (void)bias; (void)y; (void)out_f32;
   (void)num_threads;
   return 2;
-#endif
 }
 
 }  // extern "C"
