@@ -69,7 +69,13 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(kind, make_llm):
 @pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
 @pytest.mark.parametrize(
     "quant",
-    [{}, {"quantization": "int8", "kv_cache_dtype": "int8"}, {"quantization": "w8a8"}],
+    [
+        {},
+        {"quantization": "int8", "kv_cache_dtype": "int8"},
+        {"quantization": "w8a8"},
+        {"quantization": "int4"},
+        {"quantization": "w4a8", "kv_cache_dtype": "int8"},
+    ],
 )
 def test_fast_decode_path_gives_the_module_paths_bits(kind, quant, make_llm, monkeypatch):
     """All-decode steps skip the module code (runner/decode_fast.py): same kernels, same order,
@@ -81,6 +87,10 @@ def test_fast_decode_path_gives_the_module_paths_bits(kind, quant, make_llm, mon
         pytest.skip("tiled int8 weights need AMX or AVX-512 BF16 with VBMI")
     if quant.get("quantization") == "w8a8" and not kernels.has_w8a8:
         pytest.skip("w8a8 needs AVX-512 VNNI")
+    if quant.get("quantization") == "int4" and not kernels.has_int4:
+        pytest.skip("int4 needs AVX-512 BF16")
+    if quant.get("quantization") == "w4a8" and not kernels.has_w4a8:
+        pytest.skip("w4a8 needs AVX-512 VNNI")
     fast_llm = make_llm(kind, dtype="bfloat16", **quant)
     assert fast_llm.engine.runner.fast_decoder is not None
     fast = _tokens_and_logprobs(fast_llm, PROMPTS)

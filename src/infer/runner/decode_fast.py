@@ -35,6 +35,7 @@ import torch
 from infer.model.layers import GatedMLP
 from infer.model.llama import DecoderLM
 from infer.runner.attention import AttentionContext, KVCache
+from infer.runner.int4 import Int4Linear
 from infer.runner.kernels import (
     ACT_MUL_CODES,
     CpuKernels,
@@ -52,8 +53,18 @@ logger = logging.getLogger("infer.runner")
 
 def _linear_args(module: torch.nn.Module) -> tuple | None:
     """(packed weight ptr, bytes per weight, column scales ptr, bias ptr, N, K, column sums ptr
-    (w8a8 only)), or None."""
+    (w8a8 only), group scales ptr, group zeros ptr, group size, int8 activations (4-bit
+    only)), or None."""
     colsum = None
+    if isinstance(module, Int4Linear):
+        if module.mode != "kernel" or module.padded or module.perm is not None:
+            return None
+        bias = module.fbias
+        return (
+            module.packed.data_ptr(), 0, None, None if bias is None else bias.data_ptr(),
+            module.out_features, module.in_features, None, module.scales.data_ptr(),
+            module.zeros.data_ptr(), module.group_size, int(module.int8_activations),
+        )  # fmt: skip
     if isinstance(module, TiledLinear):
         weight, scales, bias = module.packed_weight, None, module.bias
     elif isinstance(module, Int8Linear) and module.mode == "tiled":
@@ -70,6 +81,10 @@ def _linear_args(module: torch.nn.Module) -> tuple | None:
         module.out_features,
         module.in_features,
         None if colsum is None else colsum.data_ptr(),
+        None,
+        None,
+        0,
+        0,
     )
 
 
@@ -181,8 +196,8 @@ class FastDecoder:
         )
 
     def _linear(self, x: int, args: tuple, y: int, rows: int) -> None:
-        w, wbytes, scales, bias, n, k, colsum = args
-        self.k.linear_into(x, w, wbytes, scales, bias, y, rows, k, n, colsum)
+        w, wbytes, scales, bias, n, k, *extra = args
+        self.k.linear_into(x, w, wbytes, scales, bias, y, rows, k, n, *extra)
 
     @torch.inference_mode()
     def forward(

@@ -117,7 +117,9 @@ class LinearArgs(ctypes.Structure):
     _fields_ = [("weight", ctypes.c_void_p), ("weight_bytes", ctypes.c_int64),
                 ("col_scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("colsum", ctypes.c_void_p)]  # fmt: skip
+                ("colsum", ctypes.c_void_p), ("group_scales", ctypes.c_void_p),
+                ("group_zeros", ctypes.c_void_p), ("group_size", ctypes.c_int64),
+                ("int8_activations", ctypes.c_int64)]  # fmt: skip
 
 
 class DecodeLayer(ctypes.Structure):
@@ -221,10 +223,16 @@ class CpuKernels:
 
     def linear_into(self, x: int, weight: int, weight_bytes: int, scales: int | None,
                     bias: int | None, y: int, m: int, k: int, n: int,
-                    colsum: int | None = None) -> None:  # fmt: skip
-        """The tiled linear kernel on raw pointers; with ``colsum``, the w8a8 one."""
+                    colsum: int | None = None, group_scales: int | None = None,
+                    group_zeros: int | None = None, group_size: int = 0,
+                    int8_activations: int = 0) -> None:  # fmt: skip
+        """The tiled linear kernel on raw pointers; with ``colsum``, the w8a8 one; with a
+        ``group_size``, the 4-bit one."""
         threads = torch.get_num_threads()
-        if colsum is not None:
+        if group_size:
+            rc = self._int4_linear(x, weight, group_scales, group_zeros, bias, y, m, k, n,
+                                   group_size, int8_activations, 0, threads)  # fmt: skip
+        elif colsum is not None:
             rc = self._w8a8_linear(x, weight, colsum, scales, bias, y, m, k, n, 0, threads)
         else:
             rc = self._linear(x, weight, weight_bytes, scales, bias, y, m, k, n, 0, threads)

@@ -15,7 +15,7 @@
 extern "C" {
 
 // One linear layer's packed weight (infer_tiled_linear's arguments; with colsum,
-// infer_w8a8_linear's).
+// infer_w8a8_linear's; with a group size, infer_int4_linear's).
 struct InferLinear {
   const void* weight;
   int64_t weight_bytes;
@@ -23,6 +23,10 @@ struct InferLinear {
   const float* bias;
   int64_t n, k;
   const int32_t* colsum;  // w8a8 weights only
+  const uint16_t* group_scales;  // 4-bit weights only: float16 [n/16][k/group][16]
+  const uint8_t* group_zeros;    // and their zeros
+  int64_t group_size;            // 0: not 4-bit
+  int64_t int8_activations;      // 4-bit: the w4a8 kernel
 };
 
 struct InferDecodeLayer {
@@ -53,6 +57,10 @@ int infer_decode_layers(const InferDecodeLayer* layers, int64_t num_layers,
                         const uint16_t* sin, const int64_t* slots, const int32_t* block_tables,
                         const int32_t* context_lens, int64_t max_blocks, int num_threads) {
   auto linear = [&](const InferLinear& w, const uint16_t* in, uint16_t* out) {
+    if (w.group_size)
+      return infer_int4_linear(in, static_cast<const uint8_t*>(w.weight), w.group_scales,
+                               w.group_zeros, w.bias, out, rows, w.k, w.n, w.group_size,
+                               static_cast<int>(w.int8_activations), 0, num_threads);
     if (w.colsum)
       return infer_w8a8_linear(in, static_cast<const int8_t*>(w.weight), w.colsum, w.col_scale,
                                w.bias, out, rows, w.k, w.n, 0, num_threads);
