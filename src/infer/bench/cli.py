@@ -611,6 +611,17 @@ def register(subparsers) -> None:
     qu.add_argument("--out", default=f"{DEFAULT_OUT}/quant", help="report folder")
     qu.set_defaults(func=_offline_bench("quant"))
 
+    i4 = sub.add_parser(
+        "int4", help="4-bit weights: batch-1 decode vs the memory's read rate, perplexity"
+    )
+    i4.add_argument("--model", default=None, help="a bf16 checkpoint (default: a ~1B Llama)")
+    i4.add_argument("--methods", default="bf16,int8,int4,w4a8", help="weight formats, in turns")
+    i4.add_argument("--runs", type=int, default=3)
+    i4.add_argument("--skip-speed", action="store_true")
+    i4.add_argument("--skip-accuracy", action="store_true")
+    i4.add_argument("--out", default=f"{DEFAULT_OUT}/int4", help="report folder")
+    i4.set_defaults(func=_offline_bench("int4"))
+
     sd = sub.add_parser(
         "spec", help="speculative decoding: n-gram and draft-model proposals vs plain decoding"
     )
