@@ -87,16 +87,48 @@ class CapacityPlan:
 def safetensors_num_params(model_dir: Path) -> int:
     """Parameter count from safetensors headers only (8-byte length + JSON), no tensor data.
 
-    A GPTQ / AWQ folder counts each packed ``qweight`` as the weights it unpacks to (the engine
-    dequantizes them at load) and leaves out its zeros, scales and group indices."""
-    config_path = model_dir / "config.json"
-    qc = (
-        json.loads(config_path.read_text()).get("quantization_config")
-        if config_path.is_file()
-        else None
-    )
-    per_int32 = 32 // int((qc or {}).get("bits", 4)) if isinstance(qc, dict) else 1
+    A GPTQ / AWQ folder counts each packed ``qweight`` as the weights it unpacks to and leaves
+    out its zeros, scales and group indices."""
+    qc = _quantization_config(model_dir)
+    per_int32 = 32 // int(qc.get("bits", qc.get("w_bit", 4))) if qc else 1
     total = 0
+    for name, count in _tensor_sizes(model_dir):
+        if qc and name.endswith((".qzeros", ".scales", ".g_idx")):
+            continue
+        total += count * per_int32 if qc and name.endswith(".qweight") else count
+    return total
+
+
+def safetensors_weight_bytes(model_dir: Path, dtype_bytes: int) -> int:
+    """Bytes of the weights as the engine holds them, from the safetensors headers: every tensor
+    at ``dtype_bytes`` per value, but a 4-bit GPTQ / AWQ layer as it stays (half a byte per
+    weight, and per group and output a float16 scale and a one-byte zero); 8-bit GPTQ layers
+    are dequantized at load, so they count as the weights they unpack to."""
+    qc = _quantization_config(model_dir)
+    if not qc or int(qc.get("bits", qc.get("w_bit", 4))) != 4:
+        return safetensors_num_params(model_dir) * dtype_bytes
+    total = 0
+    for name, count in _tensor_sizes(model_dir):
+        if name.endswith(".qweight"):
+            total += count * 4  # an int32 holds 8 weights: 4 bytes, as held
+        elif name.endswith(".scales"):
+            total += count * 3  # float16 scale + uint8 zero per group and output
+        elif not name.endswith((".qzeros", ".g_idx")):
+            total += count * dtype_bytes
+    return total
+
+
+def _quantization_config(model_dir: Path) -> dict | None:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        return None
+    qc = json.loads(config_path.read_text()).get("quantization_config")
+    return qc if isinstance(qc, dict) else None
+
+
+def _tensor_sizes(model_dir: Path) -> list[tuple[str, int]]:
+    """(name, number of values) of every tensor in the folder's safetensors files."""
+    out = []
     for f in sorted(model_dir.glob("*.safetensors")):
         with f.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
@@ -104,13 +136,11 @@ def safetensors_num_params(model_dir: Path) -> int:
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
-            if qc and name.endswith((".qzeros", ".scales", ".g_idx")):
-                continue
             count = 1
             for d in meta["shape"]:
                 count *= d
-            total += count * per_int32 if qc and name.endswith(".qweight") else count
-    return total
+            out.append((name, count))
+    return out
 
 
 def plan_from_folder(
@@ -134,7 +164,7 @@ def plan_from_folder(
         head_dim=spec.head_dim,
         kv_dtype_bytes=DTYPE_BYTES[kv_dtype] if kv_dtype else wbytes,
         kv_scale_bytes=_scale_bytes(kv_dtype),
-        weights_bytes=safetensors_num_params(model_dir) * wbytes,
+        weights_bytes=safetensors_weight_bytes(model_dir, wbytes),
         memory_bytes=memory,
         concurrency=concurrency,
         context_len=context_len or spec.max_position_embeddings,

@@ -219,12 +219,22 @@ def test_a_missing_qzeros_tensor_is_named(tiny_checkpoints, tmp_path):
         LLM(str(quant), dtype="float32")
 
 
-def test_plan_counts_a_quantized_folder_as_the_weights_it_unpacks_to(tiny_checkpoints, tmp_path):
-    """`infer plan --model` reads headers only: a packed qweight counts as the weights it holds
-    (the engine dequantizes them at load), its zeros and scales not at all."""
-    from infer.plan import safetensors_num_params
+def test_plan_counts_a_quantized_folder_as_the_engine_holds_it(tiny_checkpoints, tmp_path):
+    """`infer plan --model` reads headers only: a packed qweight counts as the weights it holds;
+    in bytes, a 4-bit layer as the engine keeps it (half a byte a weight, 3 bytes a group and
+    output), an 8-bit one as the dequantized weights; the start-up's count agrees."""
+    from infer.plan import safetensors_num_params, safetensors_weight_bytes
 
     for method, bits in (("gptq", 4), ("gptq", 8), ("awq", 4)):
         ref, quant = tmp_path / f"ref-{method}{bits}", tmp_path / f"{method}{bits}"
         write_quantized(tiny_checkpoints["llama"], ref, quant, method, bits=bits)
         assert safetensors_num_params(quant) == safetensors_num_params(ref)
+        state = load_file(str(quant / "model.safetensors"))
+        linear = sum(v.numel() * (32 // bits) for k, v in state.items() if k.endswith(".qweight"))
+        groups = sum(v.numel() for k, v in state.items() if k.endswith(".scales"))
+        plain = safetensors_num_params(ref) * 4
+        want = plain if bits == 8 else plain - linear * 4 + linear // 2 + groups * 3
+        assert safetensors_weight_bytes(quant, 4) == want
+        if bits == 4:
+            with LLM(str(quant), dtype="float32") as llm:
+                assert llm.engine.weights_bytes == want
