@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from infer import SamplingParams
 
@@ -218,3 +219,18 @@ def test_a_draft_model_shares_the_kv_budget_without_shrinking_the_default(
     shared = make_llm("llama", kv_cache_memory="8MiB", block_size=4, speculative_config=spec)
     target, draft = shared.engine.capacity.num_blocks, shared.engine.proposer.kv.num_total_blocks
     assert draft == 2 * target and target + draft <= plain.engine.capacity.num_blocks
+
+
+@pytest.mark.parametrize("quantization", ["int4", "w4a8"])
+def test_speculation_over_4bit_weights_changes_nothing_but_speed(quantization, make_llm):
+    """bf16 with 4-bit weights: the kernels' rows do not depend on their batch, so verifying
+    k + 1 proposed tokens in one pass gives plain decoding's greedy tokens."""
+    from infer.runner.int4 import int4_kernel_available
+
+    if not int4_kernel_available(torch.device("cpu"), int8_activations=quantization == "w4a8"):
+        pytest.skip(f"no {quantization} CPU kernel here")
+    options = dict(dtype="bfloat16", quantization=quantization, block_size=4)
+    plain = _tokens(make_llm("llama", **options).generate(PROMPTS, GREEDY))
+    spec = make_llm("llama", speculative_config=NGRAM, **options)
+    assert _tokens(spec.generate(PROMPTS, GREEDY)) == plain
+    assert spec.engine.get_stats().spec_decode_num_drafts_total > 0
