@@ -68,6 +68,24 @@ def test_fp8_engine_serves_every_prompt_and_returns_every_block(make_llm, cuda_d
     assert not Fp8Linear.scaled_mm_failed
 
 
+def test_int4_weights_on_cuda_give_the_cpus_dequantized_products(
+    make_llm, tiny_checkpoints, cuda_device
+):
+    """4-bit weights on a GPU: the torch path (dequantized per product) gives the CPU's float32
+    logits, and an engine serves every prompt with its 4-bit layers on the device."""
+    from infer.runner.int4 import Int4Linear
+
+    path = tiny_checkpoints["llama"]
+    want = _teacher_forced_logits(path, torch.float32, "cpu", quantization="int4")
+    got = _teacher_forced_logits(path, torch.float32, cuda_device, quantization="int4").cpu()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    llm = make_llm("llama", device=cuda_device, dtype="bfloat16", quantization="int4")
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.packed.device.type == "cuda" for m in layers)
+
+
 def test_decode_attention_never_runs_cudnn_sdpa(make_llm, cuda_device):
     """cuDNN's SDPA plans every (batch, longest context) shape it has not seen (~40 ms on an
     H200) and decode meets a new one every step: the torch backend's attention must run on

@@ -251,8 +251,10 @@ def keep_checkpoint_int4(model: nn.Module) -> list[Int4Linear]:
         module = model.get_submodule(path)
         if not isinstance(module, nn.Linear) or module.weight.shape != parts.q.shape:
             continue  # the vocabulary projection (read as a weight), or a reshaped one
-        new = Int4Linear(parts.q, parts.scales, parts.zeros, module.bias, module.weight.dtype,
-                         parts.perm)  # fmt: skip
+        device = module.weight.device  # the loader's integers are on the CPU
+        perm = None if parts.perm is None else parts.perm.to(device)
+        new = Int4Linear(parts.q.to(device), parts.scales.to(device), parts.zeros.to(device),
+                         module.bias, module.weight.dtype, perm)  # fmt: skip
         parent_name, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         made.append(new)
