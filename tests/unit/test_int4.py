@@ -52,8 +52,9 @@ def test_quantize_int4_refuses_groups_that_do_not_divide():
         quantize_int4(torch.randn(16, 96), 64)
 
 
+@pytest.mark.parametrize("int8_activations", [False, True])
 @pytest.mark.parametrize("n", [32, 17])
-def test_packed_layout_round_trips_to_the_quantized_weight(n):
+def test_packed_layout_round_trips_to_the_quantized_weight(n, int8_activations):
     """The kernel's packing (and the plain packing of the dequantizing path) give back exactly
     ``scale * (q - zero)``, for an output count the kernel has to pad."""
     torch.manual_seed(1)
@@ -61,10 +62,11 @@ def test_packed_layout_round_trips_to_the_quantized_weight(n):
     scales = torch.rand(n, 2).to(torch.float16)
     zeros = torch.randint(0, 17, (n, 2), dtype=torch.uint8)  # GPTQ's zeros reach 16
     want = dequantize_int4(q, scales, zeros, torch.float32)
-    layer = Int4Linear(q, scales, zeros, None, torch.float32)
-    assert torch.equal(layer.dequantized_weight(), want)
+    for dtype in (torch.float32, torch.bfloat16):  # the dequantizing path, the kernel's
+        layer = Int4Linear(q, scales, zeros, None, dtype, int8_activations=int8_activations)
+        assert torch.equal(layer.dequantized_weight(), want.to(dtype))
     if layer.mode == "kernel":
-        assert layer.packed.shape == ((n + 15) // 16, 8, 16, 4)
+        assert layer.packed.shape == ((n + 15) // 16, 8, 64)
         assert layer.weight_bytes == layer.packed.numel() + 3 * layer.scales.numel()
 
 
@@ -76,6 +78,17 @@ SHAPES = [  # (rows, in, out, group)
     (17, 64, 80, 32),
     (40, 96, 16, 32),
 ]
+
+
+def _kernel_f32(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's float32 sums (before the bf16 rounding a bf16 model's layer applies)."""
+    assert layer.mode == "kernel"
+    y = layer._kernels.int4_linear(
+        x.bfloat16().contiguous(), layer.packed, layer.scales, layer.zeros, None,
+        layer.out_features + layer.padded, layer.group_size, layer.int8_activations,
+        torch.float32,
+    )  # fmt: skip
+    return y[:, : layer.out_features].double()
 
 
 def _random_layer(m, k, n, group):
@@ -95,10 +108,9 @@ def _random_layer(m, k, n, group):
 @pytest.mark.parametrize("m,k,n,group", SHAPES)
 def test_int4_kernel_matches_the_dequantized_product(m, k, n, group):
     x, q, scales, zeros = _random_layer(m, k, n, group)
-    layer = Int4Linear(q, scales, zeros, None, torch.float32)
-    assert layer.mode == "kernel"
+    layer = Int4Linear(q, scales, zeros, None, torch.bfloat16)
     want = _bf16_reference(x, q, scales, zeros)
-    got = layer(x.float()).double()
+    got = _kernel_f32(layer, x)
     # float32 sums that carry 128 + q for each weight (the kernel's doc): ~1e-6 of the row
     tol = 1e-5 * (x.double().abs() @ torch.full((k, n), 128.0 * 0.1, dtype=torch.float64))
     assert torch.all((got - want).abs() <= tol + 1e-6)
@@ -111,10 +123,9 @@ def test_int4_kernel_matches_the_dequantized_product(m, k, n, group):
 @pytest.mark.parametrize("m,k,n,group", SHAPES)
 def test_w4a8_kernel_matches_the_integer_reference(m, k, n, group):
     x, q, scales, zeros = _random_layer(m, k, n, group)
-    layer = Int4Linear(q, scales, zeros, None, torch.float32, int8_activations=True)
-    assert layer.mode == "kernel"
+    layer = Int4Linear(q, scales, zeros, None, torch.bfloat16, int8_activations=True)
     want = w4a8_kernel_reference(x, q, scales, zeros)
-    got = layer(x.float()).double()
+    got = _kernel_f32(layer, x)
     tol = 1e-5 * want.abs().max().item() + 1e-6
     assert (got - want).abs().max().item() <= tol
     got16 = Int4Linear(q, scales, zeros, None, torch.bfloat16, int8_activations=True)(x)

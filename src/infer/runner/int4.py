@@ -81,27 +81,46 @@ def dequantize_int4(
 
 
 def pack_int4(
-    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, int8_activations: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout (``csrc/linear_int4.cpp``): q ``[N, K]`` (N % 16 == 0, K % 8 == 0)
-    -> packed ``[N/16, K/8, 16, 4]`` bytes, each ``q[n, 8o + j] | q[n, 8o + 4 + j] << 4``; scales
-    and zeros ``[N, G]`` -> ``[N/16, G, 16]``.
+    """The kernels' layouts (``csrc/linear_int4.cpp``): q ``[N, K]`` (N % 16 == 0, K % 8 == 0)
+    -> packed ``[N/16, K/8, 64]`` bytes; scales and zeros ``[N, G]`` -> ``[N/16, G, 16]``.
 
     ::
 
-        q row n (one output):  k = 8o+0 .. 8o+3 | 8o+4 .. 8o+7
-                                   low nibbles  |  high nibbles   of the 4 bytes (n, o, 0..3)
-        64-byte row o of block nb: outputs c = 0..15, 4 bytes each (VPDPBUSD's order)
+        64 bytes per (16 outputs, 8 inputs k = 8o .. 8o+7); output c's 4 bytes:
+        int4  two 16-bit words h = 0, 1; nibble r of word h = q[n, 8o + 2r + h]
+        w4a8  byte j = 0..3: low nibble q[n, 8o + j], high nibble q[n, 8o + 4 + j]
     """
     n, k = q.shape
     g = scales.shape[1]
-    nib = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # nb, o, c, j, half
-    packed = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()
+    if int8_activations:
+        nib = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # nb, o, c, j, half
+        packed = nib[..., 0] | (nib[..., 1] << 4)
+    else:
+        nib = q.view(n // 16, 16, k // 8, 4, 2).permute(0, 2, 1, 4, 3)  # nb, o, c, h, r
+        packed = torch.stack([nib[..., 0] | (nib[..., 1] << 4), nib[..., 2] | (nib[..., 3] << 4)],
+                             dim=-1)  # fmt: skip
     return (
-        packed,
+        packed.reshape(n // 16, k // 8, 64).contiguous(),
         scales.view(n // 16, 16, g).transpose(1, 2).contiguous(),
         zeros.view(n // 16, 16, g).transpose(1, 2).contiguous(),
     )
+
+
+def unpack_int4(packed: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
+    """:func:`pack_int4`'s packed bytes back to q ``[N, K]``."""
+    blocks, octets = packed.shape[:2]
+    lo, hi = packed & 15, packed >> 4
+    if int8_activations:
+        both = torch.stack([lo, hi], dim=-1).view(blocks, octets, 16, 4, 2)  # nb, o, c, j, half
+        q = both.permute(0, 2, 1, 4, 3)  # nb, c, o, half, j
+    else:
+        b = torch.stack([lo, hi], dim=-1).view(
+            blocks, octets, 16, 2, 2, 2
+        )  # nb, o, c, h, byte, nib
+        q = b.reshape(blocks, octets, 16, 2, 4).permute(0, 2, 1, 4, 3)  # nb, c, o, r, h
+    return q.reshape(blocks * 16, octets * 8)
 
 
 def w4a8_kernel_reference(
@@ -173,7 +192,7 @@ class Int4Linear(nn.Module):
                 q = torch.cat([q, q.new_zeros(self.padded, self.in_features)])
                 scales = torch.cat([scales, scales.new_zeros(self.padded, scales.shape[1])])
                 zeros = torch.cat([zeros, zeros.new_zeros(self.padded, zeros.shape[1])])
-            packed, s, z = pack_int4(q, scales, zeros)
+            packed, s, z = pack_int4(q, scales, zeros, int8_activations)
             self.register_buffer("packed", packed, False)
             self.register_buffer("scales", s, False)
             self.register_buffer("zeros", z, False)
@@ -208,9 +227,7 @@ class Int4Linear(nn.Module):
         """The ``[N, K]`` weight in the model's dtype, inputs in group order (after ``perm``)."""
         if self.mode == "kernel":
             n = self.out_features + self.padded
-            nib = self.packed.view(n // 16, self.in_features // 8, 16, 4)
-            both = torch.stack([nib & 15, nib >> 4], dim=-1)  # nb, o, c, j, half
-            q = both.permute(0, 2, 1, 4, 3).reshape(n, self.in_features)
+            q = unpack_int4(self.packed, self.int8_activations)
             g = self.scales.shape[1]
             scales = self.scales.transpose(1, 2).reshape(n, g)
             zeros = self.zeros.transpose(1, 2).reshape(n, g)

@@ -5,10 +5,11 @@
 // int4 (activations stay bf16; AVX-512 BF16):
 //   y[m][n] = sum_g w_scale[g][n] * (sum_{k in g} x[m][k] * (128 + q[n][k])
 //                                    - (128 + zero[g][n]) * xsum[m][g])  + bias
-//   Each nibble becomes the bf16 number 128 + q by one OR (0x4300 is 128.0, and 128..255 are
-//   exact in bf16's 8 significant bits), so VDPBF16PS multiplies it with no table; the 128s
-//   and the zero come off once per group against the group's float sum of x. The float32 sum
-//   carries the 128s (the cancellation costs ~7 bits of float32's 24, far below bf16's 8).
+//   Each nibble becomes the bf16 number 128 + q by one ternary-logic op ((w >> 4r) & 0xF |
+//   0x4300: 0x4300 is 128.0, and 128..255 are exact in bf16's 8 significant bits), so
+//   VDPBF16PS multiplies it with no table; the 128s and the zero come off once per group
+//   against the group's float sum of x. The float32 sum carries the 128s (the cancellation
+//   costs ~7 bits of float32's 24, far below bf16's 8).
 //
 // w4a8 (activations to int8; AVX-512 VNNI):
 //   y[m][n] = sum_g w_scale[g][n] * x_scale[m][g]
@@ -18,16 +19,17 @@
 //   product: VPDPBUSD multiplies 4 unsigned bytes (the weights, unpacked from their nibbles
 //   with an AND and a shift) by 4 signed bytes (x), 128 multiply-adds per 64-byte load.
 //
-//   packed W : [N/16][K/8] rows of 64 bytes: row o of block nb holds, for each of the block's
-//              16 outputs c and j = 0..3, the byte  q[n][8o + j] | q[n][8o + 4 + j] << 4
-//              (n = 16 nb + c): the low nibbles are the 4-input "quad" 2o of all 16 outputs,
-//              the high nibbles quad 2o + 1, each in the order VPDPBUSD reads
+//   packed W : [N/16][K/8] rows of 64 bytes (o: 8 inputs) of block nb (16 outputs n = 16 nb + c),
+//              in one of two layouts:
+//     int4:  output c's 32-bit lane holds two 16-bit words h = 0, 1; nibble r (bits 4r..4r+3)
+//            of word h is q[n][8o + 2r + h], so (w >> 4r) masked is the input pair (8o + 2r,
+//            8o + 2r + 1) of all 16 outputs, in the pair order VDPBF16PS reads
+//     w4a8:  output c's 4 bytes j = 0..3 are q[n][8o + j] | q[n][8o + 4 + j] << 4: the low
+//            nibbles are the 4-input "quad" 2o of all 16 outputs, the high nibbles quad 2o + 1,
+//            in the order VPDPBUSD reads
 //   scales   : [N/16][K/group][16] float16     zeros : [N/16][K/group][16] uint8
 //   xp (w4a8): per pass of up to 8 rows, [K/4][pass rows] 32-bit words (row r's 4 bytes of
 //              quad kq), so one broadcast feeds a row's multiply
-//   bf16 unpacking (int4): a byte lane holds q[n][8o + j] (low nibble) for j = 0..3; one
-//              VPSHUFB per pair of inputs spreads bytes (j, j + 1) of each output into the
-//              two 16-bit halves of its 32-bit lane, the pair order VDPBF16PS reads
 //
 // Every sum runs in a fixed order (group by group, inputs in order) and a row's result
 // depends on nothing but its own values: the same bits in any batch, any pass and any thread
@@ -75,19 +77,18 @@ inline void store_row(void* y, int64_t m, int64_t N, int64_t col, __m512 v, cons
 #endif
 
 #ifdef INFER_HAVE_INT4
+// Two bf16 values read as one 32-bit word (may alias the uint16_t rows of x).
+typedef int32_t Pair __attribute__((may_alias));
+
 // Rows [m0, m0 + MR) of x (bf16, row-major) times column block nb, activations as they are.
 template <int MR, bool kOutF32>
 inline void int4_bf16_block(const uint16_t* x, const float* x_sum, const uint8_t* wb,
                             const uint16_t* sb, const uint8_t* zb, const float* bias, void* y,
                             int64_t m0, int64_t K, int64_t N, int64_t nb, int64_t group) {
   const int64_t groups = K / group;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i nibble = _mm512_set1_epi16(0x000F);
   const __m512i offset = _mm512_set1_epi16(0x4300);  // bf16 128.0
-  // Per 128-bit lane (4 outputs x 4 bytes): bytes (j, j + 1) of each output -> two 16-bit words
-  const __m512i pair01 = _mm512_broadcast_i32x4(_mm_setr_epi8(
-      0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
-  const __m512i pair23 = _mm512_broadcast_i32x4(_mm_setr_epi8(
-      2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
+  constexpr int kMaskOr = 0xEA;                      // ternary logic: (a & b) | c
   const uint16_t* xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = x + (m0 + i) * K;
   __m512 out[MR];
@@ -98,19 +99,19 @@ inline void int4_bf16_block(const uint16_t* x, const float* x_sum, const uint8_t
     for (int64_t o = g * group / 8; o < (g + 1) * group / 8; ++o) {
       _mm_prefetch(reinterpret_cast<const char*>(wb + o * 64) + kAheadBytes, _MM_HINT_T1);
       const __m512i w = _mm512_loadu_si512(wb + o * 64);
-      const __m512i lo = _mm512_and_si512(w, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-      const __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_shuffle_epi8(lo, pair01), offset);
-      const __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_shuffle_epi8(lo, pair23), offset);
-      const __m512bh w2 = (__m512bh)_mm512_or_si512(_mm512_shuffle_epi8(hi, pair01), offset);
-      const __m512bh w3 = (__m512bh)_mm512_or_si512(_mm512_shuffle_epi8(hi, pair23), offset);
+      const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(w, nibble, offset, kMaskOr);
+      const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), nibble,
+                                                                offset, kMaskOr);
+      const __m512bh w2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), nibble,
+                                                                offset, kMaskOr);
+      const __m512bh w3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), offset);
       for (int i = 0; i < MR; ++i) {
-        int32_t pairs[4];
-        std::memcpy(pairs, xr[i] + 8 * o, 16);
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[0]), w0);
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[1]), w1);
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[2]), w2);
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[3]), w3);
+        // x's input pairs (8o + 2r, 8o + 2r + 1) as 32-bit words, broadcast from memory
+        const Pair* xp = reinterpret_cast<const Pair*>(xr[i] + 8 * o);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xp[0]), w0);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xp[1]), w1);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xp[2]), w2);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xp[3]), w3);
       }
     }
     const __m512 ws = _mm512_cvtph_ps(
