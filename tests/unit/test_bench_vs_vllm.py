@@ -17,6 +17,7 @@ import pytest
 from infer.bench.decode_curve import decode_steps, longest_overshoot, with_context
 from infer.bench.peers import port_is_free, server_command, start_server, stop_server
 from infer.bench.vs_vllm import (
+    LLAMACPP_COUNT_NOTE,
     Cell,
     OtherLoad,
     _involuntary_switches,
@@ -30,6 +31,7 @@ from infer.bench.vs_vllm import (
     parse_result,
     parse_workloads,
     peer_dtype,
+    render,
 )
 
 
@@ -342,6 +344,135 @@ def test_server_commands_share_the_serving_flags():
     assert env["VLLM_TARGET_DEVICE"] == "cpu"
     cmd, _ = server_command("infer", Path("/m"), 1, "bfloat16", 4, '--torch-threads "1"')
     assert cmd[-2:] == ["--torch-threads", "1"]
+
+
+def test_llamacpp_server_command_one_slot_per_sequence_and_every_core(monkeypatch):
+    cmd, _ = server_command(
+        "llamacpp", Path("/g/m-q4km.gguf"), 8321, "bfloat16", 16, '--flash-attn "on"',
+        max_model_len=2048, served_name="llama-1b", llamacpp_binary="/b/llama-server", threads=2,
+    )  # fmt: skip
+    assert cmd == [
+        "/b/llama-server", "--model", "/g/m-q4km.gguf", "--host", "127.0.0.1", "--port", "8321",
+        "-np", "16", "-c", "32768", "-t", "2", "-tb", "2", "--alias", "llama-1b",
+        "--flash-attn", "on",
+    ]  # fmt: skip
+    monkeypatch.setenv("LLAMACPP_BIN", "/opt/llama-server")
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    cmd, _ = server_command("llamacpp", Path("/g.gguf"), 1, "bfloat16", 4, max_model_len=512)
+    assert cmd[0] == "/opt/llama-server" and "--dtype" not in cmd
+    assert cmd[cmd.index("-c") + 1] == "2048" and cmd[cmd.index("-t") + 1] == "7"
+    assert cmd[cmd.index("-tb") + 1] == "7"
+
+
+def test_llamacpp_output_tokens_are_counted_by_request():
+    # 62 of 64 requests completed, each with 64 tokens (--ignore-eos); the client re-tokenized
+    # llama-server's text and counted 1000. Per-request figures (--save-detailed): request i
+    # took 100 ms to its first token and 100 + 63 * (10 + i) ms in all: TPOT 10 + i ms.
+    n = 64
+    ttfts = [0.1] * 62 + [0.0, 0.0]
+    latencies = [0.1 + 0.063 * (10 + i) for i in range(62)] + [0.0, 0.0]
+    errors = [""] * 62 + ["Traceback ...\naiohttp.ClientOSError: [Errno 104] reset"] * 2
+    data = VLLM_RESULT | {
+        "completed": 62, "failed": 2, "total_output_tokens": 1000, "output_throughput": 100.0,
+        "ttfts": ttfts, "latencies": latencies, "errors": errors, "p50_tpot_ms": 99.0,
+    }  # fmt: skip
+    r = parse_result(data, output_len=n)
+    assert r["total_output_tokens"] == 62 * 64 and r["client_output_tokens"] == 1000
+    assert r["output_tok_s"] == pytest.approx(62 * 64 / 10.0)
+    assert r["tpot_p50_ms"] == pytest.approx(10 + 30.5) and r["client_tpot_p50_ms"] == 99.0
+    assert r["tpot_p99_ms"] == pytest.approx(10 + 0.99 * 61)
+    assert r["failed"] == 2 and r["errors"] == ["aiohttp.ClientOSError: [Errno 104] reset"]
+    plain = parse_result(data)  # other peers: the client's own count
+    assert plain["output_tok_s"] == 100.0 and plain["tpot_p50_ms"] == 99.0
+    assert "client_output_tokens" not in plain
+    summary = parse_result(VLLM_RESULT | {"completed": 4, "total_output_tokens": 70}, 64)
+    assert summary["output_tok_s"] == pytest.approx(25.6)  # no per-request figures: TPOT kept
+    assert summary["tpot_p50_ms"] == 30.0
+    cmd = client_command(Path("vllm"), Cell(64, 64, 1), base_url="u", model_name="m",
+                         tokenizer=Path("t"), num_prompts=4, seed=1, result_dir=Path("r"),
+                         result_filename="f", detailed=True)  # fmt: skip
+    assert "--save-detailed" in cmd
+    assert "--save-detailed" not in client_command(
+        Path("vllm"), Cell(64, 64, 1), base_url="u", model_name="m", tokenizer=Path("t"),
+        num_prompts=4, seed=1, result_dir=Path("r"), result_filename="f",
+    )  # fmt: skip
+
+
+def _llamacpp_report(peers: list[str]) -> dict:
+    runs = [
+        {"peer": p, "cell": "64x64@16", "round": rnd, "num_prompts": 64, **_row(tok)}
+        | {"load_before": [1.0, 1.0, 1.0], "other_cpu_cores": 0.0}
+        for rnd, scale in ((0, 1.0), (1, 0.5))
+        for p, tok in (("infer", 500.0 * scale), ("llamacpp", 250.0 * scale), ("vllm", 200.0))
+        if p in peers
+    ]
+    return {
+        "created": "now",
+        "argv": "infer bench vs-vllm",
+        "config": {
+            "model": "/m", "served_name": "m", "peers": peers, "dtype": "bfloat16",
+            "max_num_seqs": 16, "max_model_len": 2048, "infer_args": "--quantization int4",
+            "vllm_args": "", "runs": 2, "num_prompts": None, "warmup_output_len": 16,
+            "vllm_venv": "/venv", "llamacpp_model": "/g/m-q4km.gguf",
+            "llamacpp_bin": "/b/llama-server", "llamacpp_args": "", "llamacpp_threads": 2,
+        },
+        "cells": [{"key": "64x64@16"}],
+        "versions": {
+            "infer": "0.1", "torch": "2", "torch_threads": 2, "python": "3", "cpu": "x",
+            "cpus": 2, "platform": "linux", "llamacpp": "version: 1 (abc)\nbuilt with cc",
+        },
+        "client_env": {"A": "1"},
+        "servers": [],
+        "runs": runs,
+    }  # fmt: skip
+
+
+def test_report_names_the_other_peer_llamacpp(tmp_path):
+    report = _llamacpp_report(["infer", "llamacpp"])
+    finish(report, tmp_path)
+    md = (tmp_path / "vs_vllm.md").read_text()
+    assert md.startswith("# infer vs llama.cpp over HTTP")
+    assert "| workload | C | infer tok/s | llama.cpp tok/s | infer / llama.cpp |" in md
+    assert "| 64x64 | 16 | 375.0 | 187.5 | 2.00x |" in md  # medians of the two rounds
+    assert "done infer / llama.cpp" in md and "vLLM tok/s" not in md
+    assert "**PASS** 64x64@16: infer output tok/s >= 2x llama.cpp's: 2.00x" in md
+    assert "- 64x64@16: median 2.00x (rounds: 2.00, 2.00)" in md
+    assert "Paired by round (infer / llama.cpp of the same round" in md
+    assert "`-np 16 -c 32768 -t 2 -tb 2`" in md and "GGUF `/g/m-q4km.gguf`" in md
+    assert LLAMACPP_COUNT_NOTE in md
+    assert "`--version`: version: 1 (abc); built with cc" in md
+    data = json.loads((tmp_path / "vs_vllm.json").read_text())
+    assert data["paired_ratios"]["64x64@16"]["median"] == 2.0
+    assert data["paired_ratios_by_peer"]["llamacpp"] == data["paired_ratios"]
+    assert paired_ratios(report["runs"], ["64x64@16"]) == {}  # no vLLM run to pair with
+
+
+def test_report_with_vllm_and_llamacpp_has_a_table_for_each(tmp_path):
+    report = _llamacpp_report(["infer", "vllm", "llamacpp"])
+    md = render(report | {"medians": {}, "targets": []})  # before finish: nothing measured
+    assert md.startswith("# infer vs vLLM and llama.cpp over HTTP")
+    finish(report, tmp_path)
+    md = (tmp_path / "vs_vllm.md").read_text()
+    assert "infer vs vLLM:" in md and "infer vs llama.cpp:" in md
+    assert "| 64x64 | 16 | 375.0 | 200.0 | 1.88x |" in md
+    assert "| 64x64 | 16 | 375.0 | 187.5 | 2.00x |" in md
+    assert "vLLM extra args: `-`, llama.cpp extra args: `-`" in md
+    targets = {t["target"] for t in report["targets"]}
+    assert {"64x64@16: infer output tok/s >= 2x vLLM's",
+            "64x64@16: infer output tok/s >= 2x llama.cpp's"} <= targets  # fmt: skip
+    assert set(report["paired_ratios_by_peer"]) == {"vllm", "llamacpp"}
+
+
+def test_llamacpp_peer_needs_its_gguf(tmp_path):
+    from infer.bench.cli import main
+
+    with pytest.raises(SystemExit, match="--llamacpp-model"):
+        main(["bench", "vs-vllm", "--peers", "infer,llamacpp", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no such file"):
+        main(["bench", "vs-vllm", "--peers", "llamacpp", "--out", str(tmp_path),
+              "--llamacpp-model", str(tmp_path / "missing.gguf")])  # fmt: skip
+    with pytest.raises(SystemExit, match="unknown peer"):
+        main(["bench", "vs-vllm", "--peers", "infer,sglang", "--out", str(tmp_path)])
 
 
 def test_vllm_may_serve_in_its_own_dtype():

@@ -513,10 +513,15 @@ def register(subparsers) -> None:
 
     vs = sub.add_parser(
         "vs-vllm",
-        help="infer vs vLLM over HTTP, both driven by vllm bench serve (the serving yardstick)",
+        help="infer vs vLLM (or llama.cpp's llama-server) over HTTP, all driven by vllm bench "
+        "serve (the serving yardstick)",
     )
     vs.add_argument("--model", default=None, help=model_help)
-    vs.add_argument("--peers", default="infer,vllm", help="servers to run, one at a time")
+    vs.add_argument(
+        "--peers",
+        default="infer,vllm",
+        help="servers to run, one at a time: infer, vllm, llamacpp (comma-separated)",
+    )
     vs.add_argument(
         "--workloads",
         default="64x64,1024x128",
@@ -550,6 +555,19 @@ def register(subparsers) -> None:
         help="the folder vLLM serves where it differs from --model (a checkpoint quantized ahead "
         "of time in vLLM's format, against infer quantizing --model at load)",
     )
+    vs.add_argument(
+        "--llamacpp-model",
+        default=None,
+        metavar="GGUF",
+        help="the GGUF file llama-server serves (needed with --peers ...,llamacpp): --model "
+        "converted, e.g. by benchmarks/make_gguf.py, and quantized with llama-quantize",
+    )
+    vs.add_argument(
+        "--llamacpp-bin",
+        default=None,
+        help="llama.cpp's llama-server binary (default: $LLAMACPP_BIN, or llama-server on PATH)",
+    )
+    vs.add_argument("--llamacpp-args", default="", help="extra llama-server flags (write with =)")
     vs.add_argument(
         "--offline",
         action="store_true",

@@ -14,6 +14,8 @@ Peers (each installed in its own virtual environment, outside this repository):
 - ``infer``: ``python -m infer.server`` of this installation.
 - ``vllm``: vLLM's CPU build in the virtual environment ``$VLLM_VENV`` (default
   ``~/peers/vllm``, its ``bin/vllm``), its OpenMP threads bound to cores 0-1.
+- ``llamacpp`` (``infer bench vs-vllm`` only): llama.cpp's own ``llama-server`` on a GGUF file
+  (``$LLAMACPP_BIN``, or ``llama-server`` on ``PATH``), one slot per sequence, every core.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,6 +59,24 @@ def vllm_venv() -> Path:
     return Path(os.environ.get("VLLM_VENV", Path.home() / "peers" / "vllm"))
 
 
+def llamacpp_bin() -> str:
+    """llama.cpp's ``llama-server``: ``$LLAMACPP_BIN``, else the one on ``PATH``."""
+    return os.environ.get("LLAMACPP_BIN") or shutil.which("llama-server") or "llama-server"
+
+
+def llamacpp_version(binary: str | Path, timeout_s: float = 60) -> str | None:
+    """What ``llama-server --version`` prints (its build number and commit, the compiler), or
+    None where it cannot run."""
+    try:
+        r = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=timeout_s
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = "\n".join(x.strip() for x in (r.stdout, r.stderr) if x.strip())
+    return text or None
+
+
 def server_command(
     peer: str,
     model: Path,
@@ -66,8 +87,17 @@ def server_command(
     *,
     max_model_len: int = 1024,
     served_name: str = "m",
+    llamacpp_binary: str | Path | None = None,
+    threads: int | None = None,
 ) -> tuple[list[str], dict]:
-    """The command line and environment that start ``peer`` (``infer`` or ``vllm``) on ``model``."""
+    """The command line and environment that start ``peer`` on ``model``.
+
+    ``infer`` and ``vllm`` serve a model folder in ``dtype``. ``llamacpp`` serves a GGUF file
+    (``model``; its tensors' types are the file's, ``dtype`` does not apply) with ``llama-server``
+    (``llamacpp_binary``, default :func:`llamacpp_bin`): ``max_seqs`` parallel slots sharing a
+    context of ``max_seqs * max_model_len`` tokens (``max_model_len`` per slot), ``threads``
+    (default: every core) for decoding and for prompts alike.
+    """
     env = dict(os.environ)
     if peer == "infer":
         cmd = [
@@ -111,7 +141,30 @@ def server_command(
             *shlex.split(extra),
         ]
         return cmd, env
-    raise SystemExit(f"unknown peer {peer!r} (known: infer, vllm)")
+    if peer == "llamacpp":
+        n = str(threads or os.cpu_count() or 1)
+        cmd = [
+            str(llamacpp_binary or llamacpp_bin()),
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            str(max_seqs),
+            "-c",
+            str(max_seqs * max_model_len),
+            "-t",
+            n,
+            "-tb",
+            n,
+            "--alias",
+            served_name,
+            *shlex.split(extra),
+        ]
+        return cmd, env
+    raise SystemExit(f"unknown peer {peer!r} (known: infer, vllm, llamacpp)")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:

@@ -5,6 +5,14 @@
 
 (``python benchmarks/bench_vs_vllm.py`` runs the same.) The yardstick of serving speed.
 
+``--peers infer,llamacpp`` (or ``infer,vllm,llamacpp``) runs llama.cpp's own ``llama-server``
+(``--llamacpp-bin``, ``$LLAMACPP_BIN`` or the one on ``PATH``) on a GGUF of the model
+(``--llamacpp-model``) under the same client: ``-np`` max-num-seqs slots sharing ``-c``
+max-num-seqs * max-model-len tokens, ``-t``/``-tb`` every core, plus ``--llamacpp-args``. Its
+output tokens are counted by request (completed * the cell's output length, see
+:func:`parse_result`), as the client undercounts them; the report names each other peer in its
+own table and targets.
+
 Both servers run on the same model folder (the ~110M bf16 Llama of ``infer bench engine``, or
 ``--model``), ``--max-num-seqs 64 --max-model-len 2048 --dtype bfloat16``, on the same port,
 **one at a time**. The client is the outside one for both: ``vllm bench serve --backend openai
@@ -49,6 +57,7 @@ import platform
 import re
 import resource
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -65,6 +74,22 @@ PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 METRIC_PERCENTILES = "50,99"
 METRICS = ("ttft", "tpot", "itl", "e2el")
 HTTP_LOSS_TARGET = 0.05
+
+PEER_LABELS = {"infer": "infer", "vllm": "vLLM", "llamacpp": "llama.cpp"}
+"""The peers this driver runs, and how the report names each."""
+
+COUNT_BY_REQUEST = frozenset({"llamacpp"})
+"""Peers whose output tokens are counted as completed requests * the cell's output length (see
+:func:`parse_result`), not as ``vllm bench serve`` counts them."""
+
+
+def peer_label(peer: str) -> str:
+    return PEER_LABELS.get(peer, peer)
+
+
+def other_peers(peers: list[str]) -> list[str]:
+    """The peers infer is compared with: every other one that ran, in order (vLLM if none)."""
+    return [p for p in peers if p != "infer"] or ["vllm"]
 
 
 @dataclass(frozen=True)
@@ -145,8 +170,10 @@ def client_command(
     result_dir: Path,
     result_filename: str,
     output_len: int | None = None,
+    detailed: bool = False,
 ) -> list[str]:
-    """``vllm bench serve`` for one cell (``output_len`` overrides the cell's, for warm-ups)."""
+    """``vllm bench serve`` for one cell (``output_len`` overrides the cell's, for warm-ups;
+    ``detailed``: each request's figures go in the result JSON too, ``--save-detailed``)."""
     flags = [
         ("--backend", "openai"), ("--base-url", base_url), ("--endpoint", "/v1/completions"),
         ("--model", model_name), ("--tokenizer", tokenizer),
@@ -156,6 +183,7 @@ def client_command(
         ("--percentile-metrics", PERCENTILE_METRICS), ("--metric-percentiles", METRIC_PERCENTILES),
         ("--ready-check-timeout-sec", 0), ("--disable-tqdm",),
         ("--save-result",), ("--result-dir", result_dir), ("--result-filename", result_filename),
+        *([("--save-detailed",)] if detailed else []),
     ]  # fmt: skip
     return [str(vllm_bin), "bench", "serve", *(str(x) for flag in flags for x in flag)]
 
@@ -172,8 +200,18 @@ def _dataset_flags(cell: Cell, output_len: int) -> list[tuple]:
             ("--prefix-repetition-output-len", output_len)]  # fmt: skip
 
 
-def parse_result(data: dict) -> dict:
-    """The figures of one ``vllm bench serve --save-result`` JSON that the report uses."""
+def parse_result(data: dict, output_len: int | None = None) -> dict:
+    """The figures of one ``vllm bench serve --save-result`` JSON that the report uses.
+
+    ``output_len``: count output tokens by request, not as the client counted them: every
+    completed request produced exactly ``output_len`` tokens (all cells run ``--ignore-eos``),
+    so ``total_output_tokens`` is ``completed * output_len`` and output tok/s that over the
+    duration; the client's own count stays as ``client_output_tokens``. For llama-server, whose
+    ``usage`` (in the same last chunk as a ``choices`` entry) the client ignores: it re-tokenizes
+    the streamed text instead, which undercounts. Where the JSON has each request's figures
+    (``--save-detailed``), TPOT is recomputed the same way ((latency - TTFT) / (output_len - 1)
+    per request: the client divides by its own count) and the first distinct errors are kept.
+    """
     out = {
         "completed": int(data.get("completed", 0)),
         "failed": int(data.get("failed", 0) or 0),
@@ -188,6 +226,40 @@ def parse_result(data: dict) -> dict:
         out[f"{m}_p50_ms"] = data.get(f"p50_{m}_ms", data.get(f"median_{m}_ms"))
         out[f"{m}_p99_ms"] = data.get(f"p99_{m}_ms")
         out[f"{m}_mean_ms"] = data.get(f"mean_{m}_ms")
+    errors = [e for e in data.get("errors") or [] if e]
+    if errors:
+        out["errors"] = list(dict.fromkeys(e.strip().splitlines()[-1][:200] for e in errors))[:3]
+    if output_len is not None:
+        out.update(_count_by_request(data, output_len, out["completed"]))
+    return out
+
+
+def _count_by_request(data: dict, output_len: int, completed: int) -> dict:
+    """Output tokens, tok/s and (with per-request figures) TPOT with ``output_len`` tokens
+    for each completed request (see :func:`parse_result`)."""
+    from infer.bench.metrics import percentile
+
+    total = completed * output_len
+    duration = data.get("duration")
+    out: dict = {
+        "client_output_tokens": data.get("total_output_tokens"),
+        "total_output_tokens": total,
+        "output_tok_s": total / duration if duration else None,
+        "output_tokens_counted": "by request",
+    }
+    ttfts, latencies = data.get("ttfts"), data.get("latencies")
+    errors = data.get("errors") or [""] * len(ttfts or [])
+    if output_len > 1 and ttfts and latencies and len(ttfts) == len(latencies) == len(errors):
+        tpots = [
+            1000 * (lat - ttft) / (output_len - 1)
+            for ttft, lat, err in zip(ttfts, latencies, errors, strict=True)
+            if not err and ttft and ttft > 0
+        ]
+        if tpots:
+            out["tpot_p50_ms"] = percentile(tpots, 50)
+            out["tpot_p99_ms"] = percentile(tpots, 99)
+            out["tpot_mean_ms"] = statistics.fmean(tpots)
+            out["client_tpot_p50_ms"] = data.get("p50_tpot_ms", data.get("median_tpot_ms"))
     return out
 
 
@@ -214,10 +286,13 @@ def _get(results: dict, peer: str, key: str, metric: str) -> float | None:
     return row.get(metric)
 
 
-def check_targets(cells: dict, offline: dict | None = None) -> list[dict]:
+def check_targets(
+    cells: dict, offline: dict | None = None, others: tuple[str, ...] | list[str] = ("vllm",)
+) -> list[dict]:
     """The serving-speed targets, each ``pass``/``miss`` with its figure, or ``n/a``.
 
-    ``cells``: ``{peer: {cell key: median row}}``; ``offline``: the offline engine's median row.
+    ``cells``: ``{peer: {cell key: median row}}``; ``offline``: the offline engine's median row;
+    ``others``: the peers infer's throughput and latency targets are held against, each in turn.
     """
     out: list[dict] = []
 
@@ -225,29 +300,30 @@ def check_targets(cells: dict, offline: dict | None = None) -> list[dict]:
         status = "n/a" if ok is None else ("pass" if ok else "miss")
         out.append({"target": name, "status": status, "figure": figure})
 
-    def ratio_target(key: str, need: float) -> None:
+    def ratio_target(key: str, need: float, other: str) -> None:
         a = _get(cells, "infer", key, "output_tok_s")
-        b = _get(cells, "vllm", key, "output_tok_s")
-        name = f"{key}: infer output tok/s >= {need:g}x vLLM's"
+        b = _get(cells, other, key, "output_tok_s")
+        name = f"{key}: infer output tok/s >= {need:g}x {peer_label(other)}'s"
         if a is None or b is None or b <= 0:
             add(name, None, "not measured")
         else:
             add(name, a / b >= need, f"{a / b:.2f}x ({a:.1f} vs {b:.1f} tok/s)")
 
-    def le_target(key: str, metric: str, label: str) -> None:
+    def le_target(key: str, metric: str, label: str, other: str) -> None:
         a = _get(cells, "infer", key, metric)
-        b = _get(cells, "vllm", key, metric)
-        name = f"{key}: infer {label} <= vLLM's"
+        b = _get(cells, other, key, metric)
+        name = f"{key}: infer {label} <= {peer_label(other)}'s"
         if a is None or b is None:
             add(name, None, "not measured")
         else:
             add(name, a <= b, f"{a:.1f} vs {b:.1f} ms")
 
-    ratio_target("64x64@16", 2.0)
-    ratio_target("64x64@64", 2.0)
-    le_target("64x64@1", "tpot_p50_ms", "TPOT p50")
-    ratio_target("1024x128@16", 1.5)
-    le_target("1024x128@16", "ttft_p50_ms", "TTFT p50")
+    for other in others:
+        ratio_target("64x64@16", 2.0, other)
+        ratio_target("64x64@64", 2.0, other)
+        le_target("64x64@1", "tpot_p50_ms", "TPOT p50", other)
+        ratio_target("1024x128@16", 1.5, other)
+        le_target("1024x128@16", "ttft_p50_ms", "TTFT p50", other)
     keys = sorted(
         {k for k in cells.get("infer", {}) if k.endswith(("@1", "@16"))} | {"64x64@1", "64x64@16"},
         key=_cell_order,
@@ -276,8 +352,8 @@ def check_targets(cells: dict, offline: dict | None = None) -> list[dict]:
     return out
 
 
-def paired_ratios(runs: list[dict], cell_keys: list[str]) -> dict:
-    """Per cell, infer's output tok/s over vLLM's *of the same round*, and their median.
+def paired_ratios(runs: list[dict], cell_keys: list[str], other: str = "vllm") -> dict:
+    """Per cell, infer's output tok/s over ``other``'s *of the same round*, and their median.
 
     The peers of one round run minutes apart, the rounds maybe an hour apart; on a shared
     machine whose speed drifts, the ratio within a round is steadier than the ratio of the
@@ -290,9 +366,9 @@ def paired_ratios(runs: list[dict], cell_keys: list[str]) -> dict:
             if r["cell"] == key and "error" not in r and r.get("result"):
                 by_round.setdefault(r["round"], {})[r["peer"]] = r["result"]["output_tok_s"]
         ratios = [
-            v["infer"] / v["vllm"]
+            v["infer"] / v[other]
             for _, v in sorted(by_round.items())
-            if v.get("infer") and v.get("vllm")
+            if v.get("infer") and v.get(other)
         ]
         if ratios:
             out[key] = {"runs": ratios, "median": statistics.median(ratios)}
@@ -488,11 +564,13 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
     """Warm-up then measured ``vllm bench serve`` for one cell; the parsed result and context."""
     args, out = ctx["args"], ctx["out"]
     stem = f"round{round_idx}-{peer}-{cell.workload.replace('/', '_')}-c{cell.concurrency}"
+    by_request = peer in COUNT_BY_REQUEST
     common = {
         "base_url": ctx["base_url"],
         "model_name": ctx["served_name"],
         "tokenizer": ctx["model"],
         "result_dir": out / "results",
+        "detailed": by_request,
     }
     warm = client_command(
         ctx["vllm_bin"],
@@ -549,13 +627,15 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
     if rc != 0 or not path.exists():
         row["error"] = f"client exited {rc} (see {row['log']})"
         return row
-    res = parse_result(json.loads(path.read_text()))
+    res = parse_result(json.loads(path.read_text()), cell.output_len if by_request else None)
     if "prefix_hit_rate" in row:
         res["prefix_hit_rate"] = row["prefix_hit_rate"]
     row["result"] = res
     row.update(other.server(res["duration_s"]))
     if res["failed"] or res["completed"] < n:
         row["error"] = f"{res['completed']}/{n} requests completed (see {row['log']})"
+        if res.get("errors"):
+            row["error"] += f": {'; '.join(res['errors'])}"
     return row
 
 
@@ -574,16 +654,21 @@ def run_peer_round(peer: str, round_idx: int, cells: list[Cell], ctx: dict) -> d
     from infer.bench.peers import server_command, start_server, stop_server, wait_healthy
 
     args, out = ctx["args"], ctx["out"]
-    extra = args.infer_args if peer == "infer" else args.vllm_args
+    extra = {"infer": args.infer_args, "vllm": args.vllm_args}.get(peer, "")
+    model = ctx["vllm_model"] if peer == "vllm" and ctx["vllm_model"] else ctx["model"]
+    if peer == "llamacpp":
+        extra, model = args.llamacpp_args, ctx["llamacpp_model"]
     cmd, env = server_command(
         peer,
-        ctx["vllm_model"] if peer == "vllm" and ctx["vllm_model"] else ctx["model"],
+        model,
         args.port,
         peer_dtype(peer, args),
         args.max_num_seqs,
         extra,
         max_model_len=args.max_model_len,
         served_name=ctx["served_name"],
+        llamacpp_binary=ctx.get("llamacpp_bin"),
+        threads=ctx.get("llamacpp_threads"),
     )
     env_note = {k: env[k] for k in ctx["vllm_env"]} if peer == "vllm" else {}
     info: dict = {
@@ -780,28 +865,50 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def render(report: dict) -> str:
-    """The Markdown report of :func:`run`'s JSON."""
-    cfg, med = report["config"], report["medians"]
+def _config_line(cfg: dict, others: list[str]) -> str:
+    """What each server ran with: the shared flags, each peer's own, the extra arguments."""
+    flags = (
+        f"`--dtype {cfg['dtype']} --max-num-seqs {cfg['max_num_seqs']} --max-model-len "
+        f"{cfg['max_model_len']}`"
+    )
+    if "llamacpp" not in others:
+        return (
+            f"{flags} for both{_vllm_dtype_note(cfg)}{_vllm_model_note(cfg)}; infer extra args: "
+            f"`{cfg['infer_args'] or '-'}`, vLLM extra args: `{cfg['vllm_args'] or '-'}`."
+        )
+    seqs, ctx_len, threads = cfg["max_num_seqs"], cfg["max_model_len"], cfg.get("llamacpp_threads")
+    text = f"{flags} for infer"
+    if "vllm" in others:
+        text += f" and vLLM{_vllm_dtype_note(cfg)}{_vllm_model_note(cfg)}"
+    text += (
+        f"; llama.cpp's `llama-server` serves the GGUF `{cfg.get('llamacpp_model')}` (its own "
+        f"tensor types) with `-np {seqs} -c {seqs * ctx_len} -t {threads} -tb {threads}`: "
+        f"{seqs} slots of {ctx_len} tokens each; infer extra args: `{cfg['infer_args'] or '-'}`, "
+    )
+    if "vllm" in others:
+        text += f"vLLM extra args: `{cfg['vllm_args'] or '-'}`, "
+    return text + f"llama.cpp extra args: `{cfg.get('llamacpp_args') or '-'}`."
+
+
+LLAMACPP_COUNT_NOTE = (
+    "llama.cpp's output tokens are counted by request: every completed request produced "
+    "exactly the cell's output length (`--ignore-eos`), so its tok/s is completed * OUT / the "
+    "client's duration, and its TPOT per request (latency - TTFT) / (OUT - 1) (`vllm bench "
+    "serve` ignores the `usage` llama-server sends in the same last chunk as a `choices` entry, "
+    "re-tokenizes the streamed text and undercounts). Its ITL is the gap between streamed "
+    "chunks: llama-server holds back a token that ends inside a UTF-8 character and sends it "
+    "with the next one."
+)
+
+
+def _results_table(report: dict, other: str) -> list[str]:
+    """The medians of every cell, infer beside ``other``, with their ratio."""
+    med, o = report["medians"], peer_label(other)
     keys = [c["key"] for c in report["cells"]]
     lines = [
-        "# infer vs vLLM over HTTP (`vllm bench serve`, same machine, same prompts)",
-        "",
-        f"{report['created']}. Model `{cfg['model']}` served as `{cfg['served_name']}`, "
-        f"`--dtype {cfg['dtype']} --max-num-seqs {cfg['max_num_seqs']} --max-model-len "
-        f"{cfg['max_model_len']}` for both{_vllm_dtype_note(cfg)}{_vllm_model_note(cfg)}; infer extra args: `{cfg['infer_args'] or '-'}`, "
-        f"vLLM extra args: `{cfg['vllm_args'] or '-'}`. Servers run one at a time; "
-        f"{cfg['runs']} round(s), the peers' order alternating; medians over rounds. "
-        f"Client: `vllm bench serve`, random prompts, `--ignore-eos --temperature 0`, "
-        f"`--num-prompts {cfg['num_prompts'] or '4*C'} --max-concurrency C`; one warm-up run "
-        f"(C prompts, {cfg['warmup_output_len']} output tokens) before each measured run. "
-        "A `sharedP/N+INxOUT` workload is `vllm bench serve`'s `prefix_repetition` dataset: N "
-        "distinct P-token prefixes, each prompt one of them + IN unique tokens.",
-        "",
-        "## Results (medians)",
-        "",
-        "| workload | C | infer tok/s | vLLM tok/s | infer / vLLM | TTFT p50 ms infer / vLLM "
-        "| TPOT p50 ms infer / vLLM | ITL p50 ms infer / vLLM | ITL p99 ms infer / vLLM | done infer / vLLM |",
+        f"| workload | C | infer tok/s | {o} tok/s | infer / {o} | TTFT p50 ms infer / {o} "
+        f"| TPOT p50 ms infer / {o} | ITL p50 ms infer / {o} | ITL p99 ms infer / {o} "
+        f"| done infer / {o} |",
         "|---|---:|---:|---:|---:|---|---|---|---|---|",
     ]
 
@@ -814,7 +921,7 @@ def render(report: dict) -> str:
         return _fmt(row.get(metric), nd)
 
     def pair(key: str, metric: str) -> str:
-        return f"{cellv('infer', key, metric)} / {cellv('vllm', key, metric)}"
+        return f"{cellv('infer', key, metric)} / {cellv(other, key, metric)}"
 
     def done(peer: str, key: str) -> str:
         row = med.get(peer, {}).get(key)
@@ -827,20 +934,49 @@ def render(report: dict) -> str:
     for key in keys:
         w, c = key.split("@")
         a = _get(med, "infer", key, "output_tok_s")
-        b = _get(med, "vllm", key, "output_tok_s")
+        b = _get(med, other, key, "output_tok_s")
         ratio = f"{a / b:.2f}x" if a and b else "-"
         lines.append(
             f"| {w} | {c} | {cellv('infer', key, 'output_tok_s')} | "
-            f"{cellv('vllm', key, 'output_tok_s')} | {ratio} | {pair(key, 'ttft_p50_ms')} | "
+            f"{cellv(other, key, 'output_tok_s')} | {ratio} | {pair(key, 'ttft_p50_ms')} | "
             f"{pair(key, 'tpot_p50_ms')} | {pair(key, 'itl_p50_ms')} | {pair(key, 'itl_p99_ms')} | "
-            f"{done('infer', key)} / {done('vllm', key)} |"
+            f"{done('infer', key)} / {done(other, key)} |"
             + (
                 f" prefix cache hit rate {_pct(_get(med, 'infer', key, 'prefix_hit_rate'))} / "
-                f"{_pct(_get(med, 'vllm', key, 'prefix_hit_rate'))}"
+                f"{_pct(_get(med, other, key, 'prefix_hit_rate'))}"
                 if _get(med, "infer", key, "prefix_hit_rate") is not None
                 else ""
             )
         )
+    return lines
+
+
+def render(report: dict) -> str:
+    """The Markdown report of :func:`run`'s JSON."""
+    cfg = report["config"]
+    keys = [c["key"] for c in report["cells"]]
+    others = other_peers(cfg["peers"])
+    lines = [
+        f"# infer vs {' and '.join(peer_label(o) for o in others)} over HTTP (`vllm bench "
+        "serve`, same machine, same prompts)",
+        "",
+        f"{report['created']}. Model `{cfg['model']}` served as `{cfg['served_name']}`, "
+        f"{_config_line(cfg, others)} Servers run one at a time; "
+        f"{cfg['runs']} round(s), the peers' order alternating; medians over rounds. "
+        f"Client: `vllm bench serve`, random prompts, `--ignore-eos --temperature 0`, "
+        f"`--num-prompts {cfg['num_prompts'] or '4*C'} --max-concurrency C`; one warm-up run "
+        f"(C prompts, {cfg['warmup_output_len']} output tokens) before each measured run. "
+        "A `sharedP/N+INxOUT` workload is `vllm bench serve`'s `prefix_repetition` dataset: N "
+        "distinct P-token prefixes, each prompt one of them + IN unique tokens.",
+        "",
+    ]
+    if "llamacpp" in others:
+        lines += [LLAMACPP_COUNT_NOTE, ""]
+    lines += ["## Results (medians)", ""]
+    for i, other in enumerate(others):
+        if len(others) > 1:
+            lines += ([""] if i else []) + [f"infer vs {peer_label(other)}:", ""]
+        lines += _results_table(report, other)
     if "offline" in report:
         off = report["offline"]["median"]
         lines += [
@@ -864,12 +1000,16 @@ def render(report: dict) -> str:
             f"⚠ {len(disturbed)} of {len(report['runs'])} measured runs had other processes "
             f"using more than {QUIET_CORES} cores (see *Every run*): figures from a busy machine.",
         ]
-    paired = report.get("paired_ratios") or {}
-    if any(len(v["runs"]) > 1 for v in paired.values()):
+    by_peer = report.get("paired_ratios_by_peer") or {others[0]: report.get("paired_ratios")}
+    for other in others:
+        paired = by_peer.get(other) or {}
+        if not any(len(v["runs"]) > 1 for v in paired.values()):
+            continue
         lines += [
             "",
-            "Paired by round (infer / vLLM of the same round, whose servers ran minutes apart; "
-            "steadier than the ratio of medians when the machine's speed drifts between rounds):",
+            f"Paired by round (infer / {peer_label(other)} of the same round, whose servers ran "
+            "minutes apart; steadier than the ratio of medians when the machine's speed drifts "
+            "between rounds):",
             "",
         ]
         for key in keys:
@@ -931,6 +1071,15 @@ def render(report: dict) -> str:
         f"({v['torch_threads']} threads), Python {v['python']}",
         f"- vLLM {v.get('vllm')} (torch {v.get('vllm_torch')}, Python {v.get('vllm_python')}), "
         f"venv `{cfg['vllm_venv']}`",
+        *(
+            [
+                f"- llama.cpp: `{cfg.get('llamacpp_bin')}` (`--version`: "
+                f"{'; '.join((v.get('llamacpp') or 'unknown').splitlines())}), GGUF "
+                f"`{cfg.get('llamacpp_model')}`"
+            ]
+            if "llamacpp" in cfg["peers"]
+            else []
+        ),
         f"- CPU: {v['cpu']}, {v['cpus']} logical CPUs; {v['platform']}",
     ]
     if v.get("infer_modified_files"):
@@ -964,14 +1113,29 @@ def render(report: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     """``infer bench vs-vllm``: rounds of each peer in turn; ``vs_vllm.json`` + ``vs_vllm.md``."""
     from infer.bench.engine import llama_100m
-    from infer.bench.peers import VLLM_ENV, port_is_free, vllm_venv
+    from infer.bench.peers import VLLM_ENV, llamacpp_bin, llamacpp_version, port_is_free, vllm_venv
     from infer.bench.report import now_iso
 
     cells = parse_workloads(args.workloads)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    unknown = set(peers) - {"infer", "vllm"}
+    unknown = set(peers) - set(PEER_LABELS)
     if unknown:
-        raise SystemExit(f"unknown peer(s) {', '.join(sorted(unknown))} (known: infer, vllm)")
+        raise SystemExit(
+            f"unknown peer(s) {', '.join(sorted(unknown))} (known: {', '.join(PEER_LABELS)})"
+        )
+    gguf = binary = None
+    if "llamacpp" in peers:
+        if not args.llamacpp_model:
+            raise SystemExit("--peers llamacpp needs --llamacpp-model FILE.gguf")
+        gguf = Path(args.llamacpp_model).expanduser().resolve()
+        if not gguf.is_file():
+            raise SystemExit(f"--llamacpp-model {gguf}: no such file")
+        binary = str(Path(args.llamacpp_bin).expanduser()) if args.llamacpp_bin else llamacpp_bin()
+        if not (Path(binary).is_file() or shutil.which(binary)):
+            raise SystemExit(
+                f"llama-server not found ({binary}): give --llamacpp-bin or set $LLAMACPP_BIN"
+            )
+    threads = os.cpu_count() or 1
     venv = vllm_venv()
     vllm_bin = venv / "bin" / "vllm"
     if not vllm_bin.exists():
@@ -989,6 +1153,9 @@ def run(args: argparse.Namespace) -> int:
         "model": model,
         "served_name": args.served_name or model.name,
         "vllm_model": Path(args.vllm_model).resolve() if args.vllm_model else None,
+        "llamacpp_model": gguf,
+        "llamacpp_bin": binary,
+        "llamacpp_threads": threads,
         "base_url": f"http://127.0.0.1:{args.port}",
         "vllm_bin": vllm_bin,
         "vllm_env": VLLM_ENV,
@@ -1017,9 +1184,20 @@ def run(args: argparse.Namespace) -> int:
             "offline": args.offline,
             "vllm_venv": str(venv),
             "port": args.port,
+            **(
+                {
+                    "llamacpp_model": str(gguf),
+                    "llamacpp_bin": binary,
+                    "llamacpp_args": args.llamacpp_args,
+                    "llamacpp_threads": threads,
+                }
+                if gguf
+                else {}
+            ),
         },
         "cells": [{"key": c.key, **dataclasses.asdict(c)} for c in cells],
-        "versions": versions(venv / "bin" / "python"),
+        "versions": versions(venv / "bin" / "python")
+        | ({"llamacpp": llamacpp_version(binary)} if binary else {}),
         "client_env": VLLM_ENV,
         "servers": [],
         "runs": [],
@@ -1068,7 +1246,12 @@ def finish(report: dict, out: Path) -> None:
             if runs:
                 med.setdefault(peer, {})[c["key"]] = median_result(runs)
     report["medians"] = med
-    report["paired_ratios"] = paired_ratios(report["runs"], [c["key"] for c in report["cells"]])
+    keys = [c["key"] for c in report["cells"]]
+    others = other_peers(report["config"]["peers"])
+    by_peer = {other: paired_ratios(report["runs"], keys, other) for other in others}
+    report["paired_ratios"] = by_peer[others[0]]
+    if others != ["vllm"]:
+        report["paired_ratios_by_peer"] = by_peer
     offline = None
     if "offline" in report:
         ok = [r["result"] for r in report["offline"]["rounds"] if "result" in r]
@@ -1083,7 +1266,7 @@ def finish(report: dict, out: Path) -> None:
             report["runs"], report["offline"]["rounds"]
         )
     (out / "vs_vllm.json").write_text(json.dumps(report, indent=1) + "\n")  # first: kept if
-    report["targets"] = check_targets(med, offline)  # anything below fails
+    report["targets"] = check_targets(med, offline, others)  # anything below fails
     (out / "vs_vllm.json").write_text(json.dumps(report, indent=1) + "\n")
     md = render(report)
     (out / "vs_vllm.md").write_text(md)
