@@ -33,14 +33,16 @@ MODES = {
         num_kv_blocks=24, block_size=4, max_num_seqs=12, preemption_mode="swap"
     ),
 }
+# Swapping moves KV blocks, which no model looks into: one kind is enough (and keeps this file
+# well under a minute on two cores).
+CASES = [(k, m) for k in KINDS for m in MODES if m != "tiny_pool_swaps" or k == "mixtral"]
 
 
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("kind", "mode"), CASES)
 def test_greedy_matches_transformers(kind, mode, make_llm, hf_greedy):
     llm = make_llm(kind, **MODES[mode])
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == hf_greedy(kind)
