@@ -173,7 +173,7 @@ class SparseMoE(nn.Module):
                 False,
                 reduce=False,
                 width_field=moe.width_field,
-            )  # fmt: skip
+            )
             for _ in range(moe.num_experts)
         )
         self.shared_expert: GatedMLP | None = None
