@@ -138,12 +138,12 @@ def test_int8_experts_stay_close_to_the_model(kind, tiny_checkpoints):
     assert agree >= 0.8 and err.median().item() <= 0.05, (agree, err.median().item())
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "w8a8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8", "int4", "w4a8"])
 def test_bf16_experts_tokens_do_not_depend_on_the_batch(quantization, make_llm):
     from infer.runner.quant import w8a8_available
 
-    if quantization == "w8a8" and not w8a8_available(torch.device("cpu")):
-        pytest.skip("w8a8 needs a CPU with AVX-512 VNNI")
+    if quantization in ("w8a8", "w4a8") and not w8a8_available(torch.device("cpu")):
+        pytest.skip(f"{quantization} needs a CPU with AVX-512 VNNI")
     options = dict(dtype="bfloat16", quantization=quantization)
     batched = make_llm("qwen2_moe", max_num_seqs=8, **options)
     alone = make_llm("qwen2_moe", max_num_seqs=1, **options)
