@@ -54,7 +54,7 @@ namespace {
 
 #if defined(INFER_HAVE_INT4) || defined(INFER_HAVE_W4A8)
 constexpr int64_t kPassRows = 8;       // 8 group + 8 row accumulators stay in registers
-constexpr int64_t kAheadBytes = 2048;  // weight prefetch distance into L2
+constexpr int64_t kAheadBytes = 8192;  // weight prefetch distance into L2
 
 // Rows split into passes of at most kPassRows, evenly.
 struct Passes {
