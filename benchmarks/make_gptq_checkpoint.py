@@ -86,7 +86,6 @@ def convert(src: Path, dst: Path, group_size: int, symmetric: bool) -> None:
         "sym": symmetric, "checkpoint_format": "gptq", "true_sequential": True,
         "damp_percent": 0.01, "static_groups": False,
     }  # fmt: skip
-    config["torch_dtype"] = "float16"  # GPTQ kernels (vLLM's) run float16 activations
     (dst / "config.json").write_text(json.dumps(config, indent=2))
 
 
