@@ -201,7 +201,7 @@ class LLMEngine:
         self.tp_workers = self._start_tensor_parallel()
         self.model = load_model(self.model_path, self.dtype, self.device)
         if self.checkpoint_quantization is not None:
-            self._log_checkpoint_quantization(load_quantization)
+            self._keep_checkpoint_layers(load_quantization)
         if load_quantization:
             quantize_linears(self.model, load_quantization, lm_head=mc.quantize_lm_head)
         else:
@@ -300,7 +300,7 @@ class LLMEngine:
         self.weights_bytes = model_weight_bytes(self.model)
         self._log_startup()
 
-    def _log_checkpoint_quantization(self, load_quantization: str | None) -> None:
+    def _keep_checkpoint_layers(self, load_quantization: str | None) -> None:
         """A GPTQ / AWQ checkpoint: keep its 4-bit layers as they are (unless ``--quantization``
         requantizes the model), and say what each layer became."""
         q = self.checkpoint_quantization
