@@ -375,6 +375,7 @@ def test_llamacpp_output_tokens_are_counted_by_request():
     data = VLLM_RESULT | {
         "completed": 62, "failed": 2, "total_output_tokens": 1000, "output_throughput": 100.0,
         "ttfts": ttfts, "latencies": latencies, "errors": errors, "p50_tpot_ms": 99.0,
+        "itls": [[0.02] * 63 + [0.0001]] * 61 + [[0.03] * 63 + [0.0001]] + [[], []],
     }  # fmt: skip
     r = parse_result(data, output_len=n)
     assert r["total_output_tokens"] == 62 * 64 and r["client_output_tokens"] == 1000
@@ -382,6 +383,9 @@ def test_llamacpp_output_tokens_are_counted_by_request():
     assert r["tpot_p50_ms"] == pytest.approx(10 + 30.5) and r["client_tpot_p50_ms"] == 99.0
     assert r["tpot_p99_ms"] == pytest.approx(10 + 0.99 * 61)
     assert r["failed"] == 2 and r["errors"] == ["aiohttp.ClientOSError: [Errno 104] reset"]
+    # ITL without each stream's closing chunk (no token, ~0 ms after the last one)
+    assert r["itl_p50_ms"] == pytest.approx(20.0) and r["itl_p99_ms"] == pytest.approx(30.0)
+    assert r["client_itl_p50_ms"] == 29.0
     plain = parse_result(data)  # other peers: the client's own count
     assert plain["output_tok_s"] == 100.0 and plain["tpot_p50_ms"] == 99.0
     assert "client_output_tokens" not in plain

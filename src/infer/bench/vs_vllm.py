@@ -226,7 +226,7 @@ def parse_result(data: dict, output_len: int | None = None) -> dict:
         out[f"{m}_p50_ms"] = data.get(f"p50_{m}_ms", data.get(f"median_{m}_ms"))
         out[f"{m}_p99_ms"] = data.get(f"p99_{m}_ms")
         out[f"{m}_mean_ms"] = data.get(f"mean_{m}_ms")
-    errors = [e for e in data.get("errors") or [] if e]
+    errors = [e for e in data.get("errors") or [] if isinstance(e, str) and e.strip()]
     if errors:
         out["errors"] = list(dict.fromkeys(e.strip().splitlines()[-1][:200] for e in errors))[:3]
     if output_len is not None:
@@ -260,6 +260,18 @@ def _count_by_request(data: dict, output_len: int, completed: int) -> dict:
             out["tpot_p99_ms"] = percentile(tpots, 99)
             out["tpot_mean_ms"] = statistics.fmean(tpots)
             out["client_tpot_p50_ms"] = data.get("p50_tpot_ms", data.get("median_tpot_ms"))
+    itls = data.get("itls")
+    if itls and len(itls) == len(errors):
+        # llama-server ends each stream with a chunk of its own that carries no token (the
+        # finish reason and usage) right after the last one: its gap, ~0 ms, is no token's.
+        gaps = [
+            1000 * x for itl, err in zip(itls, errors, strict=True) if not err for x in itl[:-1]
+        ]
+        if gaps:
+            out["itl_p50_ms"] = percentile(gaps, 50)
+            out["itl_p99_ms"] = percentile(gaps, 99)
+            out["itl_mean_ms"] = statistics.fmean(gaps)
+            out["client_itl_p50_ms"] = data.get("p50_itl_ms", data.get("median_itl_ms"))
     return out
 
 
@@ -896,8 +908,9 @@ LLAMACPP_COUNT_NOTE = (
     "client's duration, and its TPOT per request (latency - TTFT) / (OUT - 1) (`vllm bench "
     "serve` ignores the `usage` llama-server sends in the same last chunk as a `choices` entry, "
     "re-tokenizes the streamed text and undercounts). Its ITL is the gap between streamed "
-    "chunks: llama-server holds back a token that ends inside a UTF-8 character and sends it "
-    "with the next one."
+    "chunks, one per token, less the closing chunk without a token that ends each of "
+    "llama-server's streams (a token that ends inside a UTF-8 character would go out with the "
+    "next one)."
 )
 
 
