@@ -118,6 +118,52 @@ def safetensors_weight_bytes(model_dir: Path, dtype_bytes: int) -> int:
     return total
 
 
+# Bytes a quantized linear weight [n, k] takes, by --quantization (the scales and zeros too).
+QUANTIZED_WEIGHT_BYTES = {
+    "int8": lambda n, k: n * k + 4 * n,
+    "w8a8": lambda n, k: n * k + 8 * n,
+    "fp8": lambda n, k: n * k + 4 * n,
+    "int4": lambda n, k: n * k // 2 + 3 * n * (k // 32),
+    "w4a8": lambda n, k: n * k // 2 + 3 * n * (k // 32),
+}
+_NOT_LINEAR = ("embed", "wte", "wpe", "lm_head", "norm", "ln_")
+
+
+def quantized_weight_bytes(model_dir: Path, dtype_bytes: int, method: str) -> int:
+    """Bytes of a plain folder's weights under ``--quantization method``, from the headers:
+    every linear layer's 2-D weight as the method holds it (int4: groups of 32), everything else
+    (embeddings, norms, biases, the vocabulary projection) at ``dtype_bytes``, plus the
+    vocabulary projection's quantized copy (int8 for the 4-bit methods), which the engine keeps
+    beside the embedding table."""
+    if method not in QUANTIZED_WEIGHT_BYTES:
+        raise SystemExit(
+            f"--quantization {method!r}: choose one of {', '.join(QUANTIZED_WEIGHT_BYTES)}"
+        )
+    header = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header.update(json.loads(fh.read(n)))
+    header.pop("__metadata__", None)
+    total, vocab = 0, None
+    for name, meta in header.items():
+        shape = meta["shape"]
+        count = 1
+        for d in shape:
+            count *= d
+        is_linear = len(shape) == 2 and name.endswith(".weight")
+        if is_linear and not any(part in name for part in _NOT_LINEAR):
+            total += QUANTIZED_WEIGHT_BYTES[method](*shape)
+            continue
+        total += count * dtype_bytes
+        if is_linear and ("lm_head" in name or (vocab is None and "embed" in name)):
+            vocab = shape
+    if vocab is not None:
+        vocab_method = "int8" if method in ("int4", "w4a8") else method
+        total += QUANTIZED_WEIGHT_BYTES[vocab_method](*vocab)
+    return total
+
+
 def _quantization_config(model_dir: Path) -> dict | None:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -151,6 +197,7 @@ def plan_from_folder(
     dtype: str = "auto",
     kv_dtype: str | None = None,
     block_size: int = 16,
+    quantization: str | None = None,
 ) -> CapacityPlan:
     from infer.model.loader import load_model_spec
 
@@ -164,7 +211,11 @@ def plan_from_folder(
         head_dim=spec.head_dim,
         kv_dtype_bytes=DTYPE_BYTES[kv_dtype] if kv_dtype else wbytes,
         kv_scale_bytes=_scale_bytes(kv_dtype),
-        weights_bytes=safetensors_weight_bytes(model_dir, wbytes),
+        weights_bytes=(
+            quantized_weight_bytes(model_dir, wbytes, quantization)
+            if quantization and not _quantization_config(model_dir)
+            else safetensors_weight_bytes(model_dir, wbytes)
+        ),
         memory_bytes=memory,
         concurrency=concurrency,
         context_len=context_len or spec.max_position_embeddings,
@@ -222,6 +273,12 @@ def register(subparsers) -> None:
         "--kv-dtype", default=None, choices=sorted(DTYPE_BYTES), help="default: weights dtype"
     )
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="weights quantized at load: int8 | w8a8 | fp8 | int4 | w4a8 (a GPTQ / AWQ folder "
+        "is counted as it is held either way)",
+    )
     g = p.add_argument_group("shape without a folder")
     g.add_argument("--layers", type=int)
     g.add_argument("--kv-heads", type=int)
@@ -245,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
             args.dtype,
             args.kv_dtype,
             args.block_size,
+            args.quantization,
         )
     else:
         missing = [

@@ -238,3 +238,16 @@ def test_plan_counts_a_quantized_folder_as_the_engine_holds_it(tiny_checkpoints,
         if bits == 4:
             with LLM(str(quant), dtype="float32") as llm:
                 assert llm.engine.weights_bytes == want
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_plan_with_quantization_counts_what_the_engine_holds(method, tiny_checkpoints):
+    """`infer plan --model DIR --quantization M` from the headers: within 1% of the bytes the
+    engine reports once it has quantized the model (float32: no packed bf16 copies)."""
+    from infer.plan import quantized_weight_bytes
+
+    path = tiny_checkpoints["llama"]
+    planned = quantized_weight_bytes(path, 4, method)
+    with LLM(str(path), dtype="float32", quantization=method) as llm:
+        held = llm.engine.weights_bytes
+    assert abs(planned - held) <= 0.01 * held, (planned, held)
