@@ -42,6 +42,15 @@ def llama_100m(model: str | None = None) -> Path:
 
 def build_llama_100m(out: Path) -> Path:
     """Random-init Llama: hidden 768, 12 layers, 12 heads, vocab 32000, tied embeddings (~110M)."""
+    return build_random_llama(
+        out, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=12, initializer_range=0.05,
+    )  # fmt: skip
+
+
+def build_random_llama(out: Path, **shape) -> Path:
+    """A random-init bf16 Llama of ``shape`` (LlamaConfig fields) with a 32,000-token BPE
+    tokenizer trained here, saved once into ``out`` (tied embeddings, 2,048 positions)."""
     if (out / "config.json").exists():
         return out
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -53,17 +62,12 @@ def build_llama_100m(out: Path) -> Path:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
-        initializer_range=0.05,
         dtype="bfloat16",
+        **shape,
     )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(tmp)

@@ -24,15 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from infer.bench.engine import run_load
+from infer.bench.engine import build_random_llama, run_load
 from infer.bench.quant import decode_step_ms, held_out_windows, perplexity
+from infer.bench.report import _cpu_model
 from infer.config import EngineConfig
 from infer.engine.engine import LLMEngine
 
@@ -52,26 +52,10 @@ ACCURACY_CASES = [  # (label, method, group, symmetric)
 
 def build_llama_1b(out: Path = LLAMA_1B_DIR) -> Path:
     """Random-init Llama of Llama 3.2 1B's shape, vocab 32000 (built once)."""
-    if (out / "config.json").exists():
-        return out
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from infer.data.train_tokenizer import train_bpe_tokenizer
-
-    tmp = out.with_name(out.name + ".tmp")
-    tok = train_bpe_tokenizer(tmp, vocab_size=32000)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
-        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-        initializer_range=0.02, dtype="bfloat16",
+    return build_random_llama(
+        out, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, initializer_range=0.02,
     )  # fmt: skip
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
 
 
 def decode_read_bytes(engine: LLMEngine) -> int:
@@ -178,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "machine": {"cpu": _cpu_name(), "threads": torch.get_num_threads(),
+        "machine": {"cpu": _cpu_model(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__},
         "model": str(model), "runs": args.runs,
     }  # fmt: skip
@@ -191,16 +175,6 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / "int4.md").write_text(text)
     print(text)
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def render(r: dict) -> str:
