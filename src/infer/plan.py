@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,23 +140,13 @@ def quantized_weight_bytes(model_dir: Path, dtype_bytes: int, method: str) -> in
         raise SystemExit(
             f"--quantization {method!r}: choose one of {', '.join(QUANTIZED_WEIGHT_BYTES)}"
         )
-    header = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header.update(json.loads(fh.read(n)))
-    header.pop("__metadata__", None)
     total, vocab = 0, None
-    for name, meta in header.items():
-        shape = meta["shape"]
-        count = 1
-        for d in shape:
-            count *= d
+    for name, shape in _tensor_shapes(model_dir):
         is_linear = len(shape) == 2 and name.endswith(".weight")
         if is_linear and not any(part in name for part in _NOT_LINEAR):
             total += QUANTIZED_WEIGHT_BYTES[method](*shape)
             continue
-        total += count * dtype_bytes
+        total += math.prod(shape) * dtype_bytes
         if is_linear and ("lm_head" in name or (vocab is None and "embed" in name)):
             vocab = shape
     if vocab is not None:
@@ -172,21 +163,20 @@ def _quantization_config(model_dir: Path) -> dict | None:
     return qc if isinstance(qc, dict) else None
 
 
-def _tensor_sizes(model_dir: Path) -> list[tuple[str, int]]:
-    """(name, number of values) of every tensor in the folder's safetensors files."""
+def _tensor_shapes(model_dir: Path) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every tensor in the folder's safetensors files, from their headers."""
     out = []
     for f in sorted(model_dir.glob("*.safetensors")):
         with f.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            count = 1
-            for d in meta["shape"]:
-                count *= d
-            out.append((name, count))
+        out += [(name, meta["shape"]) for name, meta in header.items() if name != "__metadata__"]
     return out
+
+
+def _tensor_sizes(model_dir: Path) -> list[tuple[str, int]]:
+    """(name, number of values) of every tensor in the folder's safetensors files."""
+    return [(name, math.prod(shape)) for name, shape in _tensor_shapes(model_dir)]
 
 
 def plan_from_folder(

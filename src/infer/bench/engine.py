@@ -151,14 +151,11 @@ def _copy_times(engine: LLMEngine) -> dict:
     }
 
 
-def roofline(weights_bytes: int, reps: int = 10) -> dict:
-    """Measured memory read bandwidth and matmul FLOP/s on this machine (best of ``reps``).
-
-    Bandwidth: the faster of two streaming reads over a float32 buffer the size of the weights
-    (a sum, and a dot product with itself); best-of rather than median because a shared box
-    only ever makes a pass slower, never faster.
-    """
-    buf = torch.ones(weights_bytes // 4, dtype=torch.float32)
+def read_rate(nbytes: int, reps: int = 10) -> float:
+    """Bytes per second of the faster of two streaming reads over a float32 buffer of
+    ``nbytes`` (a sum, and a dot product with itself), best of ``reps``: best-of rather than
+    median because a shared box only ever makes a pass slower, never faster."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
     best = float("inf")
     for fn in (torch.sum, lambda x: torch.dot(x, x)):
         fn(buf)
@@ -166,8 +163,13 @@ def roofline(weights_bytes: int, reps: int = 10) -> dict:
             t = time.perf_counter()
             fn(buf)
             best = min(best, time.perf_counter() - t)
-    bw = weights_bytes / best
-    del buf
+    return nbytes / best
+
+
+def roofline(weights_bytes: int, reps: int = 10) -> dict:
+    """Measured memory read bandwidth (:func:`read_rate` over a buffer the size of the
+    weights) and matmul FLOP/s on this machine (best of ``reps``)."""
+    bw = read_rate(weights_bytes, reps)
     flops = {}
     for dtype in (torch.bfloat16, torch.float32):
         a = torch.randn(2048, 2048, dtype=dtype)

@@ -25,12 +25,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from infer.bench.engine import build_random_llama, run_load
+from infer.bench.engine import build_random_llama, read_rate, run_load
 from infer.bench.quant import decode_step_ms, held_out_windows, perplexity
 from infer.bench.report import _cpu_model
 from infer.config import EngineConfig
@@ -75,19 +74,6 @@ def decode_read_bytes(engine: LLMEngine) -> int:
     if packed is None and embed is not None:
         total += embed.weight.numel() * embed.weight.element_size()  # read as the vocab matrix
     return total
-
-
-def read_rate(nbytes: int, reps: int = 10) -> float:
-    """Bytes per second of the best streaming read over a float32 buffer of ``nbytes``."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for fn in (torch.sum, lambda x: torch.dot(x, x)):
-        fn(buf)
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn(buf)
-            best = min(best, time.perf_counter() - t)
-    return nbytes / best
 
 
 def _engine(model: Path, method: str | None) -> LLMEngine:

@@ -18,10 +18,10 @@ different axes::
 
     weight[j, i] = scales[g(i), j] * (q[i, j] - z[g(i), j])
 
-:func:`dequantize` turns one layer back into a ``[out, in]`` float32 matrix, exactly (the
-products of small integers and a float16 scale are exact in float32). The loader uses it to
-serve these folders in the model's dtype; 4-bit kernels that keep the weights packed are the
-next step (the memory is then bf16's, not 4-bit's).
+:func:`unpack` turns one layer into its integers (``[out, in]`` rows), :func:`layer_weight`
+into its ``[out, in]`` float32 matrix, exactly (the products of small integers and a float16
+scale are exact in float32), and :func:`checkpoint_int4_parts` into what a 4-bit linear layer
+(``runner/int4.py``) holds, so 4-bit layers stay 4-bit.
 """
 
 from __future__ import annotations
@@ -163,17 +163,6 @@ def unpack(
     small = torch.uint8 if fmt.bits == 4 else torch.int16
     return UnpackedLayer(q.t().to(small).contiguous(), z.t().to(small).contiguous(),
                          scales.t().contiguous(), g)  # fmt: skip
-
-
-def dequantize(
-    fmt: QuantizedFormat,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    g_idx: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One layer's ``[out, in]`` float32 weight from its packed tensors (see the module doc)."""
-    return layer_weight(unpack(fmt, qweight, qzeros, scales, g_idx))
 
 
 def layer_weight(layer: UnpackedLayer) -> torch.Tensor:
