@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
+from infer.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from infer.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "InvalidRequestError"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "InvalidRequestError"]
 __version__ = "0.1.0"
 
 

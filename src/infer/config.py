@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from infer.kv_cache.sizing import check_kv_cache_dtype
+from infer.lora.request import LoRARequest
 
 QUANTIZATIONS = ("int8", "w8a8", "fp8", "int4", "w4a8")
 # Quantized checkpoints (read as they are stored): --quantization names them to assert it.
@@ -226,12 +227,77 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """``--enable-lora`` and its limits (vLLM's names and defaults); see ``infer.lora``."""
+
+    max_loras: int = 1  # adapters in slots at once (the most distinct adapters in one step)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory (default: max_loras)
+    lora_modules: tuple[LoRARequest, ...] = ()  # registered at start-up
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"--max-loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                f"({self.max_loras})"
+            )
+        names = [m.lora_name for m in self.lora_modules]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"--lora-modules names {duplicated[0]!r} twice")
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    @staticmethod
+    def from_options(enable_lora: bool, **options) -> LoRAConfig | None:
+        """From the flat options (``max_loras``, ``max_lora_rank``, ``max_cpu_loras``,
+        ``lora_modules``: ``LoRARequest``s or their CLI strings); None without ``enable_lora``
+        (and an error if LoRA options are given without it)."""
+        given = {k: v for k, v in options.items() if v is not None and v != () and v != []}
+        if not enable_lora:
+            if given:
+                raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --enable-lora")
+            return None
+        modules = tuple(parse_lora_module(m) for m in given.pop("lora_modules", ()))
+        return LoRAConfig(lora_modules=modules, **given)
+
+
+LORA_OPTIONS = ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules")
+
+
+def parse_lora_module(value: str | LoRARequest) -> LoRARequest:
+    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+    if isinstance(value, LoRARequest):
+        return value
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lora-modules: {value!r} is not valid JSON: {e}") from None
+        if not isinstance(obj, dict) or not obj.get("name") or not obj.get("path"):
+            raise ValueError(f'--lora-modules: {value!r} needs "name" and "path"')
+        return LoRARequest(str(obj["name"]), 0, str(obj["path"]), obj.get("base_model_name"))
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules: {value!r} is not name=path")
+    return LoRARequest(name, 0, path)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (no --enable-lora)
     # Why prefix caching is off though nobody turned it off (None: it is on, or was asked off).
     prefix_caching_off_reason: str | None = field(default=None, init=False, compare=False)
 
@@ -253,6 +319,10 @@ class EngineConfig:
     def from_kwargs(**kwargs) -> EngineConfig:
         """Build from flat keyword options (``LLM(model=..., block_size=8, ...)``)."""
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        lora = LoRAConfig.from_options(
+            kwargs.pop("enable_lora", False),
+            **{k: kwargs.pop(k) for k in LORA_OPTIONS if k in kwargs},
+        )
         parts: dict[type, dict] = {
             ModelConfig: {},
             CacheConfig: {},
@@ -282,4 +352,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts[SchedulerConfig]),
             speculative=speculative,
             parallel=ParallelConfig(**parts[ParallelConfig]),
+            lora=lora,
         )

@@ -13,6 +13,7 @@ from infer.config import EngineConfig
 from infer.core.outputs import CompletionOutput, GenerationResult, RequestOutput
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
+from infer.lora.request import LoRARequest
 
 PromptInput = str | Sequence[int]
 
@@ -53,8 +54,12 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion; results come back in prompt order."""
+        """Run every prompt to completion; results come back in prompt order.
+
+        ``lora_request``: one adapter for every prompt, or one per prompt (None: the base
+        model); needs ``LLM(..., enable_lora=True)``."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -65,6 +70,12 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"{len(loras)} LoRA requests for {len(prompt_list)} prompts")
         encoded = [self._encode(p) for p in prompt_list]
         for params in params_list:
             if params.structured_outputs is not None:  # a bad grammar raises here, naming it
@@ -85,6 +96,7 @@ class LLM:
                         params.for_choice(j),
                         priority=priority[i] if priority else 0,
                         cache_salt=cache_salt,
+                        lora_request=loras[i],
                     )
                     children[rid] = (i, j)
                     added.append(rid)

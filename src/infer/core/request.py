@@ -98,6 +98,7 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         max_model_len: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -105,6 +106,8 @@ class Request:
         self.eos_token_ids = tuple(eos_token_ids)
         self.priority = priority
         self.cache_salt = cache_salt
+        # The LoRA adapter the request runs with (None: the base model).
+        self.lora_name = lora_name
         self.timings = RequestTimings()
         if arrival_time is not None:
             self.timings.arrival = arrival_time

@@ -32,6 +32,7 @@ from infer.engine.scheduler import Scheduler
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
+from infer.lora.request import LoRARequest
 from infer.model.moe import describe_experts
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.runner.attention import KVCache
@@ -42,6 +43,7 @@ from infer.runner.runner import ModelRunner
 from infer.spec_decode import NgramProposer, Proposer
 
 if TYPE_CHECKING:
+    from infer.lora.manager import LoRAManager
     from infer.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("infer.engine")
@@ -208,6 +210,8 @@ class LLMEngine:
             if not mc.quantize_lm_head:
                 logger.warning("--no-quantize-lm-head does nothing without --quantization")
             prepack_linears(self.model)
+        # LoRA wraps the projections as they now are (packed or quantized).
+        self.lora = self._build_lora()
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)
 
@@ -260,7 +264,9 @@ class LLMEngine:
             self.device,
             kv_dtype=cc.kv_cache_dtype,
         )
-        self.scheduler = Scheduler(sc, cc, self.kv_manager)
+        self.scheduler = Scheduler(
+            sc, cc, self.kv_manager, max_loras=config.lora.max_loras if config.lora else 0
+        )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -270,13 +276,15 @@ class LLMEngine:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             attention_backend=mc.attention_backend,
-            enforce_eager=mc.enforce_eager,
+            # NOTE: which adapters a step's rows use is host data a CUDA graph cannot replay.
+            enforce_eager=mc.enforce_eager or self.lora is not None,
             max_model_len=self.max_model_len,
             num_spec_tokens=(
                 config.speculative.num_speculative_tokens if config.speculative else 0
             ),
         )
         self.runner.workers = self.tp_workers
+        self.runner.lora = self.lora
         self.proposer = self._build_proposer()
         # Last: the graphs' memory comes out of what the weights, KV cache and draft left.
         self.runner.capture_graphs()
@@ -299,6 +307,68 @@ class LLMEngine:
         self.trace: StepTrace | None = None
         self.weights_bytes = model_weight_bytes(self.model)
         self._log_startup()
+
+    def _build_lora(self) -> LoRAManager | None:
+        """``--enable-lora``: wrap the projections and read the start-up adapters."""
+        if self.config.lora is None:
+            return None
+        if self.tp_size > 1:
+            raise ValueError("--enable-lora does not run with tensor parallelism yet")
+        from infer.lora.manager import LoRAManager
+
+        lora = LoRAManager(self.model, self.config.lora)
+        logger.info(
+            "LoRA: %d slots of rank up to %d, %d adapters in host memory at most; loaded: %s",
+            self.config.lora.max_loras,
+            self.config.lora.max_lora_rank,
+            self.config.lora.host_capacity,
+            ", ".join(lora.registered) or "none yet",
+        )
+        return lora
+
+    def _resolve_lora(self, lora_request: LoRARequest | str | None) -> str | None:
+        """The adapter name a request runs with; a new ``LoRARequest`` is read and checked now.
+        Raises ``InvalidRequestError`` naming the problem."""
+        if lora_request is None:
+            return None
+        from infer.lora.adapter import LoRAError
+
+        if self.lora is None:
+            raise InvalidRequestError(
+                "LoRA adapters need an engine started with --enable-lora (enable_lora=True)",
+                param="model",
+            )
+        if isinstance(lora_request, str):
+            if not self.lora.is_registered(lora_request):
+                raise InvalidRequestError(
+                    f"LoRA adapter {lora_request!r} is not loaded", param="model"
+                )
+            return lora_request
+        try:
+            self.lora.register(lora_request)
+        except (LoRAError, OSError) as e:
+            raise InvalidRequestError(str(e), param="lora_request") from None
+        return lora_request.lora_name
+
+    # ---- LoRA adapters (the server's /v1/load_lora_adapter, /v1/unload_lora_adapter) ---------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Read, check and register an adapter; ``ValueError`` (``LoRAError``) says why not."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with --enable-lora")
+        self.lora.register(LoRARequest(name, 0, path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget an adapter (``KeyError`` if it is not loaded); requests already queued or
+        running with it finish with it."""
+        if self.lora is None or not self.lora.is_registered(name):
+            raise KeyError(name)
+        self.lora.unregister(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Registered adapters: name -> path."""
+        if self.lora is None:
+            return {}
+        return {name: r.lora_path for name, r in self.lora.registered.items()}
 
     def _keep_checkpoint_layers(self, load_quantization: str | None) -> None:
         """A GPTQ / AWQ checkpoint: keep its 4-bit layers as they are (unless ``--quantization``
@@ -518,8 +588,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> None:
-        """Queue one sequence. Raises ``InvalidRequestError`` naming the problem."""
+        """Queue one sequence. Raises ``InvalidRequestError`` naming the problem.
+
+        ``lora_request``: the adapter to run with, a ``LoRARequest`` (read now if new) or the
+        name of a loaded one."""
         n = len(prompt_token_ids)
         check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
         too_big = [t for t, _ in params.logit_bias if t >= self.spec.vocab_size]
@@ -533,6 +607,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"
             )
+        lora_name = self._resolve_lora(lora_request)
         request = Request(
             request_id,
             [int(t) for t in prompt_token_ids],
@@ -542,6 +617,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             arrival_time=arrival_time,
             max_model_len=self.max_model_len,
+            lora_name=lora_name,
         )
         longest = n + request.max_new_tokens
         if not self.kv_manager.can_ever_fit(longest):

@@ -49,9 +49,13 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, kv: KVManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache: CacheConfig, kv: KVManager, max_loras: int = 0
+    ) -> None:
         self.config = config
         self.kv = kv
+        # LoRA: the most distinct adapters the running requests may use (the runner's slots).
+        self.max_loras = max_loras
         self.recompute_every_step = not cache.use_kv_cache
         self.waiting = make_queue(config.scheduling_policy, config.max_wait_steps)
         self.running: list[Request] = []
@@ -166,8 +170,14 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order.
         admit = not preempted and (cfg.batching_mode == "continuous" or batch_was_empty)
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        skipped: list[Request] = []  # their adapter would need a slot the running ones hold
         while admit and len(self.waiting) and budget > 0:
             request = self.waiting.peek()
+            name = request.lora_name
+            if name is not None and name not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.pop())
+                continue
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, preempt):
                 break
             swapped = self.kv.is_swapped(request)
@@ -203,8 +213,12 @@ class Scheduler:
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.perf_counter()
             self.running.append(request)
+            if name is not None:
+                adapters.add(name)
             scheduled[request.request_id] = self._chunk(request, n)
             budget -= n
+        for request in reversed(skipped):  # back where they were, ahead of the rest
+            self.waiting.add_preempted(request)
 
         chunks = list(scheduled.values())
         num_decode = sum(

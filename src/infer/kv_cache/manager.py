@@ -311,4 +311,7 @@ class ContiguousKVManager(KVManager):
 
 
 def _extra_keys(request: Request) -> tuple:
-    return (request.cache_salt,) if request.cache_salt else ()
+    """What besides the tokens a block's KV depends on: the cache salt, and the LoRA adapter
+    (the same prompt under two adapters has different KV)."""
+    keys: tuple = (request.cache_salt,) if request.cache_salt else ()
+    return keys + (("lora", request.lora_name),) if request.lora_name else keys

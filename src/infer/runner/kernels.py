@@ -199,6 +199,10 @@ class CpuKernels:
         self._decode_layers = bind(
             "infer_decode_layers", ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32
         )
+        self._lora_apply = bind(
+            "infer_lora_apply", ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64,
+            ptr, ptr, ptr, ptr, i64, i32,
+        )  # fmt: skip
 
     # ---- calls by address: the one place each C signature is spelled out. The tensor methods
     # below and runner/decode_fast.py (which passes addresses it computed once) both use them.
@@ -260,6 +264,26 @@ class CpuKernels:
                                  torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise ValueError(f"decode layer {rc // 100 - 1} failed in a kernel (code {rc % 100})")
+
+    def lora_apply(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                   scale: torch.Tensor, rank: torch.Tensor, part_off: torch.Tensor,
+                   rows: torch.Tensor, groups: torch.Tensor) -> None:  # fmt: skip
+        """Add each row's LoRA update to ``y`` in place (csrc/lora.cpp has the layouts).
+
+        ``x [T, K]``, ``y [T, N]`` bf16 with unit column stride; ``a [S, P, R, K]``, ``bt [S, R,
+        N]`` bf16; ``scale`` float32 and ``rank`` int32 ``[S, P]``; ``part_off`` int64 ``[P+1]``;
+        ``rows`` int64: the step's adapter rows grouped by slot; ``groups`` int64 ``[3, G]``:
+        each group's slot, first index into ``rows`` and length."""
+        s, p, r, k = a.shape
+        g = groups.shape[1]
+        rc = self._lora_apply(
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), k, y.shape[1], a.data_ptr(),
+            bt.data_ptr(), scale.data_ptr(), rank.data_ptr(), part_off.data_ptr(), p, r,
+            rows.data_ptr(), groups[0].data_ptr(), groups[1].data_ptr(), groups[2].data_ptr(), g,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"LoRA kernel rejected its inputs (code {rc})")
 
     # ---- fused element-wise steps (bfloat16, contiguous rows) --------------------------------
     def add_rms_norm(

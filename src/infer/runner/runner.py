@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer.core.messages import Sampled, SchedulerOutput
 from infer.core.request import Request, TokenLogprob
+from infer.lora.manager import LoRAManager
 from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
@@ -53,6 +54,8 @@ class StepBatch:
     prompt_rows: list[int]  # rows whose logits give prompt logprobs
     swap_out: list[tuple[int, int]]  # (device block, host block)
     swap_in: list[tuple[int, int]]  # (host block, device block)
+    # LoRA: each row's adapter slot (-1: the base model); None when no row has an adapter.
+    row_lora_slots: list[int] | None = None
 
 
 class BatchSender(Protocol):
@@ -132,6 +135,8 @@ class ModelRunner:
         self._sync = device.type == "cuda" and self.cuda_step is None
         # Tensor parallelism: the driver's link to the other ranks (set by the engine).
         self.workers: BatchSender | None = None
+        # LoRA adapters (--enable-lora): slots for each step's adapters (set by the engine).
+        self.lora: LoRAManager | None = None
         # Host memory for swapped-out KV blocks: same layout as the device cache's blocks (the
         # values, and their scales when the cache is quantized).
         self.swap_space: list[torch.Tensor] = []
@@ -224,15 +229,33 @@ class ModelRunner:
                 sample_reqs.append(requests[chunk.request_id])
                 proposals.append(chunk.spec_token_ids)
         batch = StepBatch(
-            token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in
-        )
+            token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
+            self._lora_slots(out, requests),
+        )  # fmt: skip
         return batch, sample_reqs, proposals, prompt_targets
+
+    def _lora_slots(self, out: SchedulerOutput, requests: dict[str, Request]) -> list[int] | None:
+        """Each row's adapter slot, the step's adapters put in slots first (None: no row has
+        an adapter)."""
+        if self.lora is None:
+            return None
+        names = [requests[c.request_id].lora_name for c in out.chunks]
+        wanted = {n for n in names if n is not None}
+        if not wanted:
+            return None
+        slot_of = self.lora.activate(wanted)
+        rows: list[int] = []
+        for chunk, name in zip(out.chunks, names, strict=True):
+            rows.extend([-1 if name is None else slot_of[name]] * len(chunk.token_ids))
+        return rows
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
         one forward pass, and float32 logits of the sampled rows and of the prompt rows."""
         self.swap_blocks(batch)
+        if self.lora is not None:
+            self.lora.set_step(batch.row_lora_slots, self.device)
         if self.cuda_step is not None:
             hidden = self.cuda_step.forward(batch)
         else:
