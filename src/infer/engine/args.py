@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 
 from infer.config import (
+    LORA_OPTIONS,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -138,6 +140,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "CUDA, one GPU per rank); on CPU each rank gets its share of the cores",
     )
 
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT folders) over the base model; a request picks one by "
+        "its model field",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='adapters to load at start-up: name=path, or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}',
+    )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapters resident at once (the most distinct adapters in one step; default 1)",
+    )
+    g.add_argument(
+        "--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)"
+    )
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept read in host memory (default: --max-loras)",
+    )
+
     g = parser.add_argument_group("speculative decoding")
     g.add_argument(
         "--speculative-config",
@@ -188,4 +221,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
         parallel=ParallelConfig(tensor_parallel_size=getattr(args, "tensor_parallel_size", 1)),
+        lora=LoRAConfig.from_options(
+            getattr(args, "enable_lora", False),
+            **{k: getattr(args, k, None) for k in LORA_OPTIONS},
+        ),
     )

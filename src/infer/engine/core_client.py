@@ -87,6 +87,7 @@ _ATTRS = (
     "eos_token_ids",
     "config",
     "spec",
+    "lora_adapters",
 )
 
 

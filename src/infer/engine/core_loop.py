@@ -46,6 +46,7 @@ class AddRequest:
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    lora_name: str | None = None  # a loaded LoRA adapter (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class _Loop:
                         priority=cmd.priority,
                         cache_salt=cmd.cache_salt,
                         arrival_time=cmd.arrival_time,
+                        lora_request=cmd.lora_name,
                     )
                 except InvalidRequestError as e:
                     error = e

@@ -95,6 +95,10 @@ class EngineStats:
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    # LoRA (vLLM's lora_requests_info): slots, and the adapters of running / waiting requests.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float | None:
@@ -364,6 +368,7 @@ class LLMEngine:
             raise KeyError(name)
         self.lora.unregister(name)
 
+    @property
     def lora_adapters(self) -> dict[str, str]:
         """Registered adapters: name -> path."""
         if self.lora is None:
@@ -943,6 +948,21 @@ class LLMEngine:
             spec_decode_num_draft_tokens_total=c.spec_draft_tokens,
             spec_decode_num_accepted_tokens_total=c.spec_accepted_tokens,
             spec_decode_accepted_per_position=tuple(c.spec_accepted_per_position),
+            **self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> dict:
+        if self.config.lora is None:
+            return {}
+        sched = self.scheduler
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
+
+        return dict(
+            max_lora=self.config.lora.max_loras,
+            running_lora_adapters=names(sched.running),
+            waiting_lora_adapters=names(sched.waiting),
         )
 
     def poll_trace(self, since_step: int = 0) -> TracePoll:

@@ -22,6 +22,7 @@ from infer.server.completions import create_completion
 from infer.server.dashboard import Dashboard, install_dashboard
 from infer.server.errors import APIError, install_error_handlers
 from infer.server.fim import fim_tokens
+from infer.server.lora_routes import install_lora_routes, runtime_lora_updating
 from infer.server.middleware import (
     AccessLogMiddleware,
     APIKeyMiddleware,
@@ -117,6 +118,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         dashboard = Dashboard(async_engine, served[0])
     serving = Serving(async_engine, engine.tokenizer, settings, engine.max_model_len,
                       str(engine.model_path))  # fmt: skip
+    serving.lora_adapters = dict(getattr(engine, "lora_adapters", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 
     @asynccontextmanager
@@ -147,16 +149,24 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["openai"])
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=str(engine.model_path),
-                                         max_model_len=engine.max_model_len) for name in served])  # fmt: skip
+        """The served model names, then the loaded LoRA adapters (``parent``: the base)."""
+        return ModelList(data=[model_card(name) for name in (*served, *serving.lora_adapters)])
+
+    def model_card(name: str) -> ModelCard:
+        path = serving.lora_adapters.get(name) if name not in served else None
+        if path is not None:
+            return ModelCard(id=name, root=path, parent=served[0],
+                             max_model_len=engine.max_model_len)  # fmt: skip
+        return ModelCard(id=name, root=str(engine.model_path), max_model_len=engine.max_model_len)
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS,
              tags=["openai"])  # fmt: skip
     async def model(model_id: str) -> ModelCard:
         serving.check_model(model_id)
-        return ModelCard(
-            id=model_id, root=str(engine.model_path), max_model_len=engine.max_model_len
-        )
+        return model_card(model_id)
+
+    if engine.config.lora is not None and runtime_lora_updating():
+        install_lora_routes(app, serving, served)
 
     @app.get("/version", tags=["ops"])
     async def version() -> dict[str, str]:

@@ -14,6 +14,7 @@ several servers can live in one process (tests).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -127,6 +128,20 @@ class _EngineStatsCollector(Collector):
         for position, n in enumerate(getattr(s, "spec_decode_accepted_per_position", ()) or ()):
             per_position.add_metric([self.model_name, str(position)], float(n))
         yield per_position
+        if s is None or getattr(s, "max_lora", 0):
+            # vLLM's shape: the adapters in the labels, the sample's time as the value.
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "LoRA adapters of the running and waiting requests (comma-separated).",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            if s is not None:
+                info.add_metric(
+                    [str(s.max_lora), ",".join(s.running_lora_adapters),
+                     ",".join(s.waiting_lora_adapters)],
+                    time.time(),
+                )  # fmt: skip
+            yield info
 
 
 class ServerMetrics:

@@ -210,6 +210,20 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and unused)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(_Request):
     """``POST /tokenize``: either ``prompt`` or chat ``messages``."""
 
@@ -395,6 +409,7 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "infer"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -94,15 +94,21 @@ class Serving:
         self.model_path = model_path
         self.model_name = settings.served_model_names[0]
         self._token_str = lru_cache(maxsize=65536)(self._decode_one)
+        # LoRA adapters the engine has loaded: a request names one in its ``model`` field.
+        self.lora_adapters: dict[str, str] = {}  # name -> path
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
+        """The model a request names (a served name or a loaded LoRA adapter), else 404."""
         if name is None or name in self.settings.served_model_names:
             return name or self.model_name
+        if name in self.lora_adapters:
+            return name
+        served = [*self.settings.served_model_names, *self.lora_adapters]
         raise APIError(
             404,
             f"the model '{name}' does not exist; this server serves "
-            + ", ".join(repr(n) for n in self.settings.served_model_names),
+            + ", ".join(repr(n) for n in served),
             param="model",
             code="model_not_found",
         )
@@ -193,6 +199,8 @@ class Serving:
             raise bad_request(f"{len(prompts)} prompts x n={params.n} is more than the "
                               f"{MAX_SEQUENCES} sequences one request may ask for", param="n")  # fmt: skip
         arrival = time.perf_counter()
+        model = getattr(req, "model", None)
+        lora_name = model if model in self.lora_adapters else None
         adds = []
         for i, ids in enumerate(prompts):
             for j in range(params.n):
@@ -204,6 +212,7 @@ class Serving:
                         priority=req.priority,
                         cache_salt=req.cache_salt,
                         arrival_time=arrival,
+                        lora_name=lora_name,
                     )
                 )
         try:
