@@ -34,7 +34,7 @@ def build_lora_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
                         use_rslora=use_rslora, lora_dropout=0.0, **lora_options)  # fmt: skip
     peft_model = get_peft_model(model, config)
