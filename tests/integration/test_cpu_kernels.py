@@ -66,7 +66,7 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(kind, make_llm):
         assert _tokens_and_logprobs(llm, PROMPTS) == alone[0]
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize(
     "quant",
     [
@@ -101,6 +101,5 @@ def test_fast_decode_path_gives_the_module_paths_bits(kind, quant, make_llm, mon
 
 
 def test_fast_decode_path_is_not_taken_where_a_kernel_is_missing(make_llm):
-    assert make_llm("qwen3", dtype="bfloat16").engine.runner.fast_decoder is None  # q/k norms
     assert make_llm("gemma3", dtype="bfloat16").engine.runner.fast_decoder is None  # sandwich norms
     assert make_llm("llama", dtype="float32").engine.runner.fast_decoder is None

@@ -147,12 +147,46 @@ def test_bf16_experts_tokens_do_not_depend_on_the_batch(quantization, make_llm):
     options = dict(dtype="bfloat16", quantization=quantization)
     batched = make_llm("qwen2_moe", max_num_seqs=8, **options)
     alone = make_llm("qwen2_moe", max_num_seqs=1, **options)
-    # The fused decode path has no experts: the modules run, with packed (or int8) experts.
-    assert batched.engine.runner.fast_decoder is None
     if quantization or tiled_linear_kernels() is not None or onednn_bf16_available():
         layer = next(m for m in batched.engine.model.modules() if isinstance(m, SparseMoE))
         assert not isinstance(layer.experts[0].gate_up_proj, torch.nn.Linear)
+    if quantization is None and tiled_linear_kernels() is not None:
+        # Packed experts: the fused decode loop takes the steps, the C++ expert layer inside.
+        assert batched.engine.runner.fast_decoder is not None
     assert _tokens(batched.generate(PROMPTS, GREEDY)) == _tokens(alone.generate(PROMPTS, GREEDY))
+
+
+LOGPROBS = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+FAST_CASES = [(k, None) for k in KINDS] + [("qwen3_moe", q) for q in ("int8", "w8a8")]
+
+
+def _tokens_and_logprobs(llm):
+    outs = llm.generate(PROMPTS, LOGPROBS)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize(("kind", "quantization"), FAST_CASES)
+@pytest.mark.parametrize("max_num_seqs", [1, 5])
+def test_fast_decode_path_gives_the_module_paths_bits(kind, quantization, max_num_seqs,
+                                                      make_llm, monkeypatch):  # fmt: skip
+    """A mixture of experts' all-decode steps run in the fused C++ layer loop (Qwen 3's q/k
+    norms, the C++ expert layer for each sparse layer): the same tokens and logprobs, bit for
+    bit, as the module path, at batch 1 and a few rows."""
+    kernels = tiled_linear_kernels()
+    if kernels is None:
+        pytest.skip("the fast decode path needs tiled linear layers")
+    if quantization == "int8" and not kernels.linear_int8:
+        pytest.skip("tiled int8 weights need AMX or AVX-512 BF16 with VBMI")
+    if quantization == "w8a8" and not kernels.has_w8a8:
+        pytest.skip("w8a8 needs AVX-512 VNNI")
+    options = dict(dtype="bfloat16", quantization=quantization, max_num_seqs=max_num_seqs)
+    fast_llm = make_llm(kind, **options)
+    assert fast_llm.engine.runner.fast_decoder is not None
+    fast = _tokens_and_logprobs(fast_llm)
+    monkeypatch.setenv("INFER_FAST_DECODE", "0")
+    slow_llm = make_llm(kind, **options)
+    assert slow_llm.engine.runner.fast_decoder is None
+    assert _tokens_and_logprobs(slow_llm) == fast
 
 
 def _copy(src, dst):

@@ -1,6 +1,7 @@
 """The expert layer (model/moe.py) against transformers' own sparse blocks, on the routing edge
 cases: ties in the router's scores, every row sent to one expert, a batch of one, top-k equal
-to the number of experts; plus the config parsing (which layers are sparse, bad fields named)."""
+to the number of experts; the C++ layer (csrc/moe.cpp, CPU bf16) against the torch code on the
+same cases; plus the config parsing (which layers are sparse, bad fields named)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from infer.model.llama import MixtralForCausalLM
 from infer.model.moe import SparseMoE, parse_moe, route
 from infer.model.qwen import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
-HIDDEN, WIDTH, SHARED_WIDTH = 64, 32, 48
+HIDDEN, WIDTH, SHARED_WIDTH = 64, 32, 64
 
 
 def _hf_block(arch: str, num_experts: int, top_k: int, norm_topk_prob: bool = False):
@@ -244,3 +245,91 @@ def test_mixtral_top_k_error_names_num_local_experts():
     cfg = _qwen2_moe_config(num_experts=None, num_local_experts=8, num_experts_per_tok=9)
     with pytest.raises(ValueError, match="larger than num_local_experts=8"):
         MixtralForCausalLM.parse_config(cfg)
+
+
+# ---- the C++ layer (runner/moe_kernel.py, csrc/moe.cpp) -------------------------------------
+
+
+def _packed(arch: str, hf) -> SparseMoE:
+    """Our layer in bf16 with its experts packed for the CPU kernels (as the engine loads it);
+    skips where this CPU has no tiled linear kernel."""
+    from infer.runner.prepack import prepack_linears, tiled_linear_kernels
+
+    if tiled_linear_kernels() is None:
+        pytest.skip("the C++ expert layer needs the tiled linear kernels")
+    ours = _ours(arch, hf).to(torch.bfloat16)
+    prepack_linears(ours)
+    assert ours.cpu_kernel() is not None
+    return ours
+
+
+def _cpp_and_torch(ours: SparseMoE, x: torch.Tensor):
+    """(the C++ layer's output, the torch code's, each one's rows per expert)."""
+    with torch.inference_mode():
+        before = ours.expert_rows.clone()
+        got = ours(x)
+        mid = ours.expert_rows.clone()
+        want = ours.torch_forward(x)
+        after = ours.expert_rows.clone()
+    return got, want, mid - before, after - mid
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("rows", [1, 3, 40])  # decode (experts side by side), prefill sizes
+def test_cpp_layer_gives_the_torch_codes_experts_and_sums(arch, rows):
+    """Same experts for every row, the same sums to bf16 rounding (the router's float32 sums
+    and the softmax's exp are the kernel's own; everything after routing is the same kernels
+    and the same rounding, so rows whose weights round alike are equal bit for bit)."""
+    ours = _packed(arch, _hf_block(arch, num_experts=8, top_k=3, norm_topk_prob=True))
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got, want, cpp_rows, torch_rows = _cpp_and_torch(ours, x)
+    assert torch.equal(cpp_rows, torch_rows) and cpp_rows.sum() == rows * 3
+    assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+    assert (got == want).all(-1).float().mean() >= 0.5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("num_experts", [8, 128])  # torch.topk's selection and heap orders
+def test_cpp_layer_breaks_ties_as_torch_topk(arch, num_experts):
+    """Experts whose router rows are equal score equal logits: the C++ top-k keeps the ones
+    torch.topk keeps (so transformers' choice), row by row."""
+    hf = _hf_block(arch, num_experts=num_experts, top_k=2)
+    with torch.no_grad():
+        hf.gate.weight[1::2] = 0  # every odd expert scores 0
+        hf.gate.weight[4] = hf.gate.weight[2]  # 2 and 4 tie
+        hf.gate.weight[6] = hf.gate.weight[0] = 0
+    ours = _packed(arch, hf)
+    x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x[:6] = 0  # every expert scores 0: a tie across all of them
+    got, want, cpp_rows, torch_rows = _cpp_and_torch(ours, x)
+    assert torch.equal(cpp_rows, torch_rows)
+    for t in range(24):  # each row alone: its own experts, whatever the others chose
+        g, w, cr, tr = _cpp_and_torch(ours, x[t : t + 1])
+        assert torch.equal(cr, tr), t
+        assert torch.equal(g, w), t
+    assert torch.equal(got[:6], want[:6])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpp_layer_one_expert_takes_every_row(arch):
+    hf = _hf_block(arch, num_experts=8, top_k=1)
+    with torch.no_grad():
+        hf.gate.weight.zero_()
+        hf.gate.weight[5, 0] = 50.0
+    ours = _packed(arch, hf)
+    x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x[:, 0] = x[:, 0].abs() + 1
+    got, want, cpp_rows, torch_rows = _cpp_and_torch(ours, x)
+    assert cpp_rows.tolist() == torch_rows.tolist() == [0, 0, 0, 0, 0, 16, 0, 0]
+    assert torch.equal(got, want)
+
+
+def test_cpp_layer_top_k_equal_to_the_number_of_experts_and_empty_steps():
+    for arch in ARCHS:
+        ours = _packed(arch, _hf_block(arch, num_experts=4, top_k=4, norm_topk_prob=True))
+        x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(5)).bfloat16()
+        got, want, cpp_rows, _ = _cpp_and_torch(ours, x)
+        assert cpp_rows.tolist() == [9, 9, 9, 9]
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+        with torch.inference_mode():
+            assert ours(x[:0]).shape == (0, HIDDEN)

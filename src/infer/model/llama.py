@@ -22,7 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer.model.layers import CausalLM, GatedMLP, RMSNorm, WeightSource, embedding, plus_one
+from infer.model.layers import (
+    CausalLM,
+    GatedMLP,
+    RMSNorm,
+    WeightSource,
+    embedding,
+    fused_kernels,
+    plus_one,
+)
 from infer.model.moe import MoEConfig, SparseMoE, moe_weight_sources, parse_moe
 from infer.model.parallel import (
     COLUMN,
@@ -161,13 +169,26 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
+    def _norm_in_place(self, qkv: torch.Tensor, attn: AttentionContext) -> bool:
+        """Run the q/k norms in place on ``qkv`` by the fused decode loop's C++ kernel (CPU
+        bf16), so that the rope and KV store kernel takes the row next; False: not here."""
+        kernels = fused_kernels(qkv)
+        if self.q_norm is None or self.k_norm is None or kernels is None:
+            return False
+        if self.q_norm.weight.dtype != qkv.dtype or not attn.can_store_rotated(qkv):
+            return False
+        kernels.qk_norm_into(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], self.num_heads,
+                             self.num_kv_heads, self.head_dim, self.q_norm.weight.data_ptr(),
+                             self.k_norm.weight.data_ptr(), self.q_norm.eps)  # fmt: skip
+        return True
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
         t = x.shape[0]
         heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x)
-        if self.q_norm is None and attn.can_store_rotated(qkv):
+        if self._norm_in_place(qkv, attn) or (self.q_norm is None and attn.can_store_rotated(qkv)):
             # One kernel rotates q and k in place and stores k, v in the cache.
             q, k, v = attn.rotate_and_store(
                 self.layer_idx, qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim

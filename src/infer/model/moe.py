@@ -184,8 +184,37 @@ class SparseMoE(nn.Module):
                 width_field="shared_expert_intermediate_size",
             )  # fmt: skip
             self.shared_expert_gate = GateLinear(hidden, 1)
+        # Rows each expert has run on since load (the load statistics /metrics exports).
+        self.expert_rows = torch.zeros(moe.num_experts, dtype=torch.long, device="cpu")
+        self._kernel: Any = None  # runner/moe_kernel.py's MoEKernel, or None
+        self._kernel_key: tuple | None = None
+
+    def cpu_kernel(self) -> Any:
+        """The C++ layer (runner/moe_kernel.py) for these weights as they are now (packed or
+        quantized at load), or None where the torch code runs; built once per set of
+        weights."""
+        w = self.router.weight
+        key = (self.experts[0].gate_up_proj, self.experts[-1].down_proj, w.dtype, w.data_ptr())
+        if self._kernel_key is None or any(
+            a is not b if isinstance(a, nn.Module) else a != b
+            for a, b in zip(key, self._kernel_key, strict=True)
+        ):
+            from infer.runner.moe_kernel import build_moe_kernel
+
+            self._kernel = build_moe_kernel(self)
+            self._kernel_key = key
+        return self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2:
+            kernel = self.cpu_kernel()
+            if kernel is not None:  # one rank: nothing to reduce
+                return kernel(x)
+        return self.torch_forward(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer in torch ops (any device and dtype; what :meth:`forward` runs unless the
+        C++ layer takes the step)."""
         weights, experts = route(self.router(x), self.top_k, self.norm_topk_prob)
         if not self.float32_weights:
             weights = weights.to(x.dtype)
@@ -206,7 +235,9 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         rows = order % x.shape[0]
         pair_weights = weights.t().reshape(-1)[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read
+        bins = torch.bincount(flat, minlength=self.num_experts)
+        counts = bins.tolist()  # one host read
+        self.expert_rows += bins.cpu()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:

@@ -22,8 +22,10 @@ the same kernel calls, from ``ctypes`` structures built once). The results are b
 of the module path (same kernels, same inputs; tested). It
 takes every step that fits its buffers (max(max_num_seqs, max_num_batched_tokens) rows), and only
 models where every piece has its kernel: CPU bfloat16, tiled linear layers, a decoder without
-q/k norms, sandwich norms, an embedding scale or experts, one rope for every layer, and a
-supported activation; anything else takes the module path.
+sandwich norms or an embedding scale, one rope for every layer, and a supported activation;
+anything else takes the module path. Qwen 3's q/k norms run in place on the qkv row before the
+rope (``infer_qk_norm``); a sparse layer's MLP is one ``infer_moe`` call (csrc/moe.cpp, the
+function :class:`infer.model.moe.SparseMoE` itself calls on a CPU; runner/moe_kernel.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from infer.model.layers import GatedMLP
 from infer.model.llama import DecoderLM
+from infer.model.moe import SparseMoE
 from infer.runner.attention import AttentionContext, KVCache
 from infer.runner.int4 import Int4Linear
 from infer.runner.kernels import (
@@ -49,6 +52,11 @@ from infer.runner.prepack import TiledLinear
 from infer.runner.quant import Int8Linear, W8A8Linear
 
 logger = logging.getLogger("infer.runner")
+
+
+def _gated(mlp: GatedMLP | SparseMoE) -> GatedMLP:
+    """The layer's gated MLP, or a sparse layer's first expert (they share the activation)."""
+    return mlp.experts[0] if isinstance(mlp, SparseMoE) else mlp
 
 
 def _linear_args(module: torch.nn.Module) -> tuple | None:
@@ -88,10 +96,16 @@ def _linear_args(module: torch.nn.Module) -> tuple | None:
     )
 
 
+# A sparse layer's unused dense MLP slots.
+_NO_LINEAR = (None, 0, None, None, 0, 0, None, None, None, 0, 0)
+
+
 def _c_layer(layer: tuple) -> DecodeLayer:
-    (_, attn_norm, mlp_norm, qkv, o, gate_up, down, scale, window, kc, vc, ks, vs) = layer
+    (_, attn_norm, mlp_norm, qkv, o, gate_up, down, scale, window, kc, vc, ks, vs, qn, kn,
+     moe) = layer  # fmt: skip
     return DecodeLayer(attn_norm, mlp_norm, LinearArgs(*qkv), LinearArgs(*o),
-                       LinearArgs(*gate_up), LinearArgs(*down), scale, window, kc, vc, ks, vs)  # fmt: skip
+                       LinearArgs(*gate_up), LinearArgs(*down), scale, window, kc, vc, ks, vs,
+                       qn, kn, None if moe is None else moe.address)  # fmt: skip
 
 
 class FastDecoder:
@@ -108,7 +122,7 @@ class FastDecoder:
         self.hidden = cfg.hidden_size
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.act = ACT_MUL_CODES[model.layers[0].mlp.fused_act]
+        self.act = ACT_MUL_CODES[_gated(model.layers[0].mlp).fused_act]
         self.inter = cfg.intermediate_size
         self.kind = KIND_CODES[cache.kind]
         self.qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -150,10 +164,8 @@ class FastDecoder:
         if kernels is None or not isinstance(model, DecoderLM) or cache.dtype != torch.bfloat16:
             return None
         cfg = model.cfg
-        if cfg.qk_norm or cfg.sandwich_norms or cfg.embed_scale is not None:
+        if cfg.sandwich_norms or cfg.embed_scale is not None:
             return None
-        if not all(isinstance(layer.mlp, GatedMLP) for layer in model.layers):
-            return None  # a mixture of experts: its layers route rows (model/moe.py)
         if len(set(cfg.ropes)) != 1 or model.embed_tokens.weight.dtype != torch.bfloat16:
             return None
         if cfg.head_dim % 2 or cfg.head_dim > 512:
@@ -161,12 +173,24 @@ class FastDecoder:
         layers = []
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.attn, layer.mlp
-            linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                 mlp.down_proj)]  # fmt: skip
-            if any(a is None for a in linears) or mlp.fused_act is None:
+            moe = None
+            if isinstance(mlp, SparseMoE):  # one C++ call for the routing and the experts
+                moe = mlp.cpu_kernel()
+                if moe is None:
+                    return None
+                linears = [_linear_args(attn.qkv_proj), _linear_args(attn.o_proj), _NO_LINEAR,
+                           _NO_LINEAR]  # fmt: skip
+            else:
+                linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj,
+                                                     mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
+            if any(a is None for a in linears) or _gated(mlp).fused_act is None:
                 return None
             if layer.attn_norm.weight.dtype != torch.bfloat16:
                 return None
+            norms = (attn.q_norm, attn.k_norm)
+            if cfg.qk_norm and any(n is None or n.weight.dtype != torch.bfloat16 for n in norms):
+                return None
+            qn, kn = (None, None) if not cfg.qk_norm else (n.weight.data_ptr() for n in norms)
             k_cache, v_cache = cache.layer(i)
             k_scales, v_scales = cache.layer_scales(i)
             layers.append((
@@ -174,7 +198,7 @@ class FastDecoder:
                 attn.scale, attn.sliding_window or 0,
                 k_cache.data_ptr(), v_cache.data_ptr(),
                 None if k_scales is None else k_scales.data_ptr(),
-                None if v_scales is None else v_scales.data_ptr(),
+                None if v_scales is None else v_scales.data_ptr(), qn, kn, moe,
             ))  # fmt: skip
         fast = FastDecoder(model, cache, kernels, max_rows, layers)
         buffers = sum(b.numel() * b.element_size() for b in vars(fast).values()
@@ -228,10 +252,12 @@ class FastDecoder:
         h, hkv, d = self.heads, self.kv_heads, self.head_dim
         pending = None
         for (i, attn_norm, mlp_norm, qkv_args, o_args, gu_args, down_args, scale, window,
-             kc, vc, ks, vs) in self.layers:  # fmt: skip
+             kc, vc, ks, vs, qn, kn, moe) in self.layers:  # fmt: skip
             k.add_rms_norm_into(xp, pending, attn_norm, xp if pending else None, np_, rows,
                                 self.hidden, self.eps)  # fmt: skip
             self._linear(np_, qkv_args, qkv, rows)
+            if qn is not None:
+                k.qk_norm_into(qkv, self.qkv_n, rows, h, hkv, d, qn, kn, self.eps)
             k.rope_write_kv_into(qkv, cos, sin, self.kind, kc, vc, ks, vs, slots, rows,
                                  self.qkv_n, h, hkv, d)  # fmt: skip
             q, key, value = self._qkv_views(rows)
@@ -239,9 +265,12 @@ class FastDecoder:
                              kv_stored=True).reshape(rows, h * d).contiguous()  # fmt: skip
             self._linear(out.data_ptr(), o_args, o, rows)
             k.add_rms_norm_into(xp, o, mlp_norm, xp, np_, rows, self.hidden, self.eps)
-            self._linear(np_, gu_args, gu, rows)
-            k.act_mul_into(gu, act, rows, self.inter, self.act)
-            self._linear(act, down_args, down, rows)
+            if moe is not None:
+                k.moe_into(moe.args, np_, down, rows, self.hidden, self.act)
+            else:
+                self._linear(np_, gu_args, gu, rows)
+                k.act_mul_into(gu, act, rows, self.inter, self.act)
+                self._linear(act, down_args, down, rows)
             pending = down
         return self._final_norm(rows, pending)
 

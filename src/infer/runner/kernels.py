@@ -129,7 +129,21 @@ class DecodeLayer(ctypes.Structure):
                 ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs),
                 ("down", LinearArgs), ("scale", ctypes.c_float), ("window", ctypes.c_int64),
                 ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p),
-                ("key_scales", ctypes.c_void_p), ("value_scales", ctypes.c_void_p)]  # fmt: skip
+                ("key_scales", ctypes.c_void_p), ("value_scales", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("moe", ctypes.c_void_p)]  # fmt: skip
+
+
+class MoEArgs(ctypes.Structure):
+    """A mixture-of-experts layer's weights, as csrc/kernels.h's ``InferMoE``."""
+
+    _fields_ = [("router", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("num_experts", ctypes.c_int64),
+                ("top_k", ctypes.c_int64), ("inter", ctypes.c_int64),
+                ("norm_topk", ctypes.c_int64), ("float32_weights", ctypes.c_int64),
+                ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p),
+                ("shared_inter", ctypes.c_int64), ("shared_gate", ctypes.c_void_p),
+                ("expert_rows", ctypes.c_void_p)]  # fmt: skip
 
 
 class DecodeModel(ctypes.Structure):
@@ -196,6 +210,8 @@ class CpuKernels:
             ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
         self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
+        self._moe = bind("infer_moe", ptr, ptr, ptr, i64, i64, i32, i32)
+        self._qk_norm = bind("infer_qk_norm", ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, i32)
         self._decode_layers = bind(
             "infer_decode_layers", ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32
         )
@@ -242,6 +258,21 @@ class CpuKernels:
             rc = self._linear(x, weight, weight_bytes, scales, bias, y, m, k, n, 0, threads)
         if rc != 0:
             raise ValueError(f"tiled linear kernel rejected its inputs (code {rc})")
+
+    def moe_into(self, args: MoEArgs, x: int, out: int, rows: int, hidden: int, act: int) -> None:
+        """A mixture-of-experts layer (csrc/moe.cpp) over ``rows`` bf16 rows of ``x``."""
+        rc = self._moe(ctypes.addressof(args), x, out, rows, hidden, act, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"mixture-of-experts kernel failed (code {rc})")
+
+    def qk_norm_into(self, qkv: int, row_stride: int, rows: int, num_heads: int,
+                     num_kv_heads: int, head_dim: int, q_norm: int, k_norm: int,
+                     eps: float) -> None:  # fmt: skip
+        """Qwen 3's per-head RMSNorms of q and k, in place in a bf16 qkv row."""
+        rc = self._qk_norm(qkv, row_stride, rows, num_heads, num_kv_heads, head_dim, q_norm,
+                           k_norm, eps, torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"q/k norm kernel failed (code {rc})")
 
     def decode_attention_into(self, dtype: int, kind: int, query: int, q_stride: int,
                               k_cache: int, v_cache: int, k_scales: int | None,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-VERSION = "v3"
+VERSION = "v4"
 KINDS = (
     "llama",
     "llama3",
@@ -160,7 +160,7 @@ def _qwen2_moe_config(special: dict[str, int]) -> Any:
     from transformers import Qwen2MoeConfig
 
     # Layer 1 stays dense (mlp_only_layers); top-3 of 8 small experts, not renormalised, and a
-    # shared expert of its own width.
+    # shared expert of its own width (a multiple of 32, as the CPU's packed kernels need).
     return Qwen2MoeConfig(
         **_TINY,
         **special,
@@ -168,7 +168,7 @@ def _qwen2_moe_config(special: dict[str, int]) -> Any:
         num_experts=8,
         num_experts_per_tok=3,
         moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
+        shared_expert_intermediate_size=64,
         norm_topk_prob=False,
         mlp_only_layers=[1],
         tie_word_embeddings=False,

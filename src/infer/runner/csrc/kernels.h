@@ -44,4 +44,57 @@ int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
                        const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
                        int64_t N, int out_f32, int num_threads);
 
+// One linear layer's packed weight (infer_tiled_linear's arguments; with colsum,
+// infer_w8a8_linear's; with a group size, infer_int4_linear's).
+struct InferLinear {
+  const void* weight;
+  int64_t weight_bytes;
+  const float* col_scale;  // int8 weights only
+  const float* bias;
+  int64_t n, k;
+  const int32_t* colsum;  // w8a8 weights only
+  const uint16_t* group_scales;  // 4-bit weights only: float16 [n/16][k/group][16]
+  const uint8_t* group_zeros;    // and their zeros
+  int64_t group_size;            // 0: not 4-bit
+  int64_t int8_activations;      // 4-bit: the w4a8 kernel
+};
+
+// A mixture-of-experts layer's weights (csrc/moe.cpp; runner/moe_kernel.py builds it).
+struct InferMoE {
+  const uint16_t* router;      // [num_experts, hidden] bf16, row-major
+  const InferLinear* gate_up;  // [num_experts]: each expert's fused gate|up projection
+  const InferLinear* down;     // [num_experts]
+  int64_t num_experts, top_k, inter;
+  int64_t norm_topk;        // renormalise the k weights to sum to 1
+  int64_t float32_weights;  // Mixtral: the weights stay float32 into the product
+  const InferLinear* shared_gate_up;  // Qwen2-MoE's shared expert (null: none)
+  const InferLinear* shared_down;
+  int64_t shared_inter;
+  const uint16_t* shared_gate;  // [hidden] bf16: the shared expert's sigmoid gate
+  int64_t* expert_rows;         // [num_experts]: += the rows each expert ran on (null: none)
+};
+
+// Qwen 3's q and k norms: each q and k head of a fused qkv row (stride qkv_n) RMS-normed in
+// place, as infer_add_rms_norm normalises a row.
+int infer_qk_norm(uint16_t* qkv, int64_t qkv_n, int64_t rows, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t head_dim, const uint16_t* q_norm,
+                  const uint16_t* k_norm, float eps, int num_threads);
+
+int infer_moe(const InferMoE* m, const uint16_t* x, uint16_t* out, int64_t rows, int64_t hidden,
+              int act, int num_threads);
+
 }  // extern "C"
+
+// The kernel that multiplies by w: bf16 / int8 tiles, w8a8, or 4-bit groups.
+inline int infer_linear_run(const InferLinear& w, const uint16_t* in, uint16_t* out,
+                            int64_t rows, int num_threads) {
+  if (w.group_size)
+    return infer_int4_linear(in, static_cast<const uint8_t*>(w.weight), w.group_scales,
+                             w.group_zeros, w.bias, out, rows, w.k, w.n, w.group_size,
+                             static_cast<int>(w.int8_activations), 0, num_threads);
+  if (w.colsum)
+    return infer_w8a8_linear(in, static_cast<const int8_t*>(w.weight), w.colsum, w.col_scale,
+                             w.bias, out, rows, w.k, w.n, 0, num_threads);
+  return infer_tiled_linear(in, w.weight, static_cast<int>(w.weight_bytes), w.col_scale, w.bias,
+                            out, rows, w.k, w.n, 0, num_threads);
+}
