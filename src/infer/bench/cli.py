@@ -640,6 +640,16 @@ def register(subparsers) -> None:
     i4.add_argument("--out", default=f"{DEFAULT_OUT}/int4", help="report folder")
     i4.set_defaults(func=_offline_bench("int4"))
 
+    mo = sub.add_parser(
+        "moe", help="mixture of experts: batch-1 decode vs a dense model of the active bytes"
+    )
+    mo.add_argument("--model", default=None, help="a bf16 Qwen3-MoE (default: a random ~1B one)")
+    mo.add_argument("--dense-model", default=None, help="its dense twin (default: built)")
+    mo.add_argument("--paths", default="fast,modules,dense", help="what to time, in turns")
+    mo.add_argument("--runs", type=int, default=5)
+    mo.add_argument("--out", default=f"{DEFAULT_OUT}/moe", help="report folder")
+    mo.set_defaults(func=_offline_bench("moe"))
+
     sd = sub.add_parser(
         "spec", help="speculative decoding: n-gram and draft-model proposals vs plain decoding"
     )
