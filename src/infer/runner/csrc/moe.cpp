@@ -213,7 +213,7 @@ int infer_moe(const InferMoE* mp, const uint16_t* x, uint16_t* out, int64_t rows
   };
   int rc = 0;
   const int64_t n_active = static_cast<int64_t>(active.size());
-  if (num_threads > 1 && most <= 4 && n_active >= num_threads) {
+  if (num_threads > 1 && most <= 16 && n_active >= num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : rc)
     for (int64_t i = 0; i < n_active; ++i) rc |= run(active[i], 1);
   } else {
