@@ -33,7 +33,7 @@ from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_s
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.lora.request import LoRARequest
-from infer.model.moe import describe_experts
+from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.runner.attention import KVCache
 from infer.runner.int4 import keep_checkpoint_int4
@@ -99,6 +99,8 @@ class EngineStats:
     max_lora: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # A mixture of experts' load: (layer, rows each of its experts ran on) since start-up.
+    moe_expert_rows: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float | None:
@@ -292,6 +294,10 @@ class LLMEngine:
         self.proposer = self._build_proposer()
         # Last: the graphs' memory comes out of what the weights, KV cache and draft left.
         self.runner.capture_graphs()
+        # A mixture of experts' load statistics (get_stats), from the requests' steps only.
+        self._moe_layers = sparse_layers(self.model)
+        for _, layer in self._moe_layers:
+            layer.expert_rows.zero_()
         # Constrained decoding: built on the first request that asks for it.
         self.structured: StructuredOutputManager | None = None
         self._compiling: dict[str, tuple[Request, futures.Future]] = {}
@@ -949,6 +955,7 @@ class LLMEngine:
             spec_decode_num_accepted_tokens_total=c.spec_accepted_tokens,
             spec_decode_accepted_per_position=tuple(c.spec_accepted_per_position),
             **self._lora_stats(),
+            moe_expert_rows=expert_load(self._moe_layers),
         )
 
     def _lora_stats(self) -> dict:

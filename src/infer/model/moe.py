@@ -277,6 +277,26 @@ def moe_weight_sources(ours: str, hf_layer: str, moe: MoEConfig) -> dict[str, We
     return src
 
 
+def sparse_layers(model: nn.Module) -> list[tuple[int, SparseMoE]]:
+    """``(decoder layer index, its SparseMoE)`` for each sparse layer of ``model`` (none for a
+    dense model)."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, SparseMoE):
+            index = next((p for p in name.split(".") if p.isdigit()), "0")
+            out.append((int(index), m))
+    return out
+
+
+def expert_load(layers: list[tuple[int, SparseMoE]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``(layer, rows each expert ran on)`` for each of ``layers`` (:func:`sparse_layers`):
+    the counts since load (or since the engine zeroed them), as the steps left them."""
+    if not layers:
+        return ()
+    counts = torch.stack([m.expert_rows for _, m in layers]).tolist()
+    return tuple((i, tuple(c)) for (i, _), c in zip(layers, counts, strict=True))
+
+
 def describe_experts(model: nn.Module, nbytes: Callable[[nn.Module], int]) -> str | None:
     """A start-up log line: sparse layers, experts, and the bytes of the routed experts (all of
     them, and what one token reads: its k experts per layer) as ``nbytes`` counts a module's

@@ -128,6 +128,18 @@ class _EngineStatsCollector(Collector):
         for position, n in enumerate(getattr(s, "spec_decode_accepted_per_position", ()) or ()):
             per_position.add_metric([self.model_name, str(position)], float(n))
         yield per_position
+        load = getattr(s, "moe_expert_rows", ()) or ()
+        if s is None or load:
+            # A mixture of experts: which experts ran, on how many rows (layers x experts).
+            rows = CounterMetricFamily(
+                "infer:moe_expert_rows",
+                "Rows (tokens) each expert of each sparse layer has run on since start-up.",
+                labels=["model_name", "layer", "expert"],
+            )
+            for layer, counts in load:
+                for expert, n in enumerate(counts):
+                    rows.add_metric([self.model_name, str(layer), str(expert)], float(n))
+            yield rows
         if s is None or getattr(s, "max_lora", 0):
             # vLLM's shape: the adapters in the labels, the sample's time as the value.
             info = GaugeMetricFamily(
