@@ -46,15 +46,15 @@ def _float_reference(layer: LoRALinear, x: torch.Tensor, y: torch.Tensor, slots:
             if not r:
                 continue
             lo, hi = layer.offsets[p], layer.offsets[p + 1]
-            xa = layer.a[s, p, :r].float() @ x[row].float()
+            xa = layer.lora_a(s, p, r).float() @ x[row].float()
             out[row, lo:hi] += float(layer.scale[s, p]) * (xa @ layer.bt[s, :r, lo:hi].float())
     return out.to(y.dtype)
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels do not build here")
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_kernel_matches_float_math_and_leaves_other_rows_alone(rows):
-    layer, state = _random_layer(torch.bfloat16)
+@pytest.mark.parametrize(("rows", "k", "rank"), [(1, 40, 8), (7, 41, 8), (64, 40, 24)])
+def test_kernel_matches_float_math_and_leaves_other_rows_alone(rows, k, rank):
+    layer, state = _random_layer(torch.bfloat16, k=k, rank=rank)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, layer.in_features, generator=gen).to(torch.bfloat16)
     slots = [[-1, 2, 0, 1, 0][i % 5] for i in range(rows)]

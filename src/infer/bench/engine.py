@@ -77,17 +77,21 @@ def build_random_llama(out: Path, **shape) -> Path:
 
 def serve_closed_loop(
     engine: LLMEngine,
-    requests: Sequence[tuple[str, list[int], SamplingParams]],
+    requests: Sequence[
+        tuple[str, list[int], SamplingParams] | tuple[str, list[int], SamplingParams, dict]
+    ],
     concurrency: int,
 ) -> tuple[list[RequestOutput], float]:
-    """Serve ``(request id, prompt, params)`` in order, keeping ``concurrency`` in flight (a
-    new one joins as one finishes); the finished outputs and the wall time in seconds."""
+    """Serve ``(request id, prompt, params[, add_request options])`` in order, keeping
+    ``concurrency`` in flight (a new one joins as one finishes); the finished outputs and the
+    wall time in seconds."""
     next_id = in_flight = 0
     done: list[RequestOutput] = []
     t0 = time.perf_counter()
     while next_id < len(requests) or engine.has_unfinished_requests():
         while in_flight < concurrency and next_id < len(requests):
-            engine.add_request(*requests[next_id])
+            rid, prompt, params, *options = requests[next_id]
+            engine.add_request(rid, prompt, params, **(options[0] if options else {}))
             next_id += 1
             in_flight += 1
         for out in engine.step():

@@ -89,8 +89,12 @@ class LoRALinear(nn.Module):
         self.parts = parts
         self.state = state
         num_parts, n = len(parts), self.out_features
-        self.register_buffer("a", torch.zeros(num_slots, num_parts, max_rank, in_features,
-                                              dtype=dtype, device=device), persistent=False)  # fmt: skip
+        # The kernel's layouts (csrc/lora.cpp): A as (k, k+1) pairs per output, the rank
+        # rounded up to a vector of 16; B transposed.
+        max_rank = -(-max_rank // 16) * 16
+        self.register_buffer("a", torch.zeros(num_slots, num_parts, (in_features + 1) // 2,
+                                              max_rank, 2, dtype=dtype, device=device),
+                             persistent=False)  # fmt: skip
         self.register_buffer("bt", torch.zeros(num_slots, max_rank, n, dtype=dtype, device=device),
                              persistent=False)  # fmt: skip
         self.register_buffer("scale", torch.zeros(num_slots, num_parts), persistent=False)
@@ -124,10 +128,19 @@ class LoRALinear(nn.Module):
             if module is None:
                 continue
             r, lo, hi = module.rank, self.offsets[p], self.offsets[p + 1]
-            self.a[slot, p, :r].copy_(module.a)
+            a = module.a
+            if a.shape[1] % 2:  # K odd: the last pair's second element is 0
+                a = torch.cat([a, a.new_zeros(r, 1)], dim=1)
+            self.a[slot, p, :, :r].copy_(a.view(r, -1, 2).transpose(0, 1))
             self.bt[slot, :r, lo:hi].copy_(module.b.t())
             self.scale[slot, p] = module.scale
             self.rank[slot, p] = r
+
+    def lora_a(self, slot: int, part: int, rank: int) -> torch.Tensor:
+        """``lora_A`` ``[rank, in]`` of one part of the adapter in ``slot`` (from the kernel's
+        pair layout)."""
+        a = self.a[slot, part, :, :rank].transpose(0, 1).reshape(rank, -1)
+        return a[:, : self.in_features]
 
     def clear_slot(self, slot: int) -> None:
         self.rank[slot].zero_()
@@ -157,7 +170,7 @@ class LoRALinear(nn.Module):
                 if not r:
                     continue
                 lo, hi = self.offsets[p], self.offsets[p + 1]
-                xa = xs @ self.a[slot, p, :r].t()
+                xa = xs @ self.lora_a(slot, p, r).t()
                 delta[:, lo:hi] = (xa @ self.bt[slot, :r, lo:hi]) * scale[slot][p]
             y.index_add_(0, rows, delta)
         return y

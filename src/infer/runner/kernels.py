@@ -301,14 +301,16 @@ class CpuKernels:
                    rows: torch.Tensor, groups: torch.Tensor) -> None:  # fmt: skip
         """Add each row's LoRA update to ``y`` in place (csrc/lora.cpp has the layouts).
 
-        ``x [T, K]``, ``y [T, N]`` bf16 with unit column stride; ``a [S, P, R, K]``, ``bt [S, R,
-        N]`` bf16; ``scale`` float32 and ``rank`` int32 ``[S, P]``; ``part_off`` int64 ``[P+1]``;
-        ``rows`` int64: the step's adapter rows grouped by slot; ``groups`` int64 ``[3, G]``:
-        each group's slot, first index into ``rows`` and length."""
-        s, p, r, k = a.shape
+        ``x [T, K]``, ``y [T, N]`` bf16 with unit column stride; ``a [S, P, ceil(K/2), R, 2]``
+        (``R`` a multiple of 16), ``bt [S, R, N]`` bf16; ``scale`` float32 and ``rank`` int32
+        ``[S, P]``; ``part_off`` int64 ``[P+1]``; ``rows`` int64: the step's adapter rows
+        grouped by slot; ``groups`` int64 ``[3, G]``: each group's slot, first index into
+        ``rows`` and length."""
+        p, r = a.shape[1], a.shape[3]
         g = groups.shape[1]
         rc = self._lora_apply(
-            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), k, y.shape[1], a.data_ptr(),
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], y.shape[1],
+            a.data_ptr(),
             bt.data_ptr(), scale.data_ptr(), rank.data_ptr(), part_off.data_ptr(), p, r,
             rows.data_ptr(), groups[0].data_ptr(), groups[1].data_ptr(), groups[2].data_ptr(), g,
             torch.get_num_threads(),
