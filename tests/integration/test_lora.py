@@ -113,6 +113,31 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone(make_llm, tiny_chec
     assert len({tuple(t) for t in mixed[:5]}) == 5
 
 
+def test_fast_path_equals_module_path_with_adapters(make_llm, tiny_checkpoints, adapter_root,
+                                                    monkeypatch):  # fmt: skip
+    """The fused decode loop applies the same updates as the modules, bit for bit (logprobs
+    too), in all-decode steps and in steps with prefill chunks."""
+    loras = [adapter(tiny_checkpoints, adapter_root, "llama", n) for n in ADAPTERS]
+    choices: list[LoRARequest | None] = [None, *loras]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [PROMPTS[i % 6] for i in range(10)]
+    picks = [choices[i % 5] for i in range(10)]
+    options = dict(dtype="bfloat16", enable_lora=True, max_loras=4, prefill_chunk_size=6)
+    fast = make_llm("llama", **options)
+    if fast.engine.runner.fast_decoder is None:
+        pytest.skip("no fused decode loop on this machine")
+    got = fast.generate(prompts, params, lora_request=picks)
+    monkeypatch.setenv("INFER_FAST_DECODE", "0")
+    slow = make_llm("llama", **options)
+    assert slow.engine.runner.fast_decoder is None
+    want = slow.generate(prompts, params, lora_request=picks)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [lp.logprob for lp in g.outputs[0].logprobs] == [
+            lp.logprob for lp in w.outputs[0].logprobs
+        ]
+
+
 def test_more_adapters_than_slots_all_complete(make_llm, tiny_checkpoints, adapter_root):
     loras = [adapter(tiny_checkpoints, adapter_root, "llama", n) for n in ADAPTERS]
     llm = make_llm("llama", enable_lora=True, max_loras=1, max_cpu_loras=1)

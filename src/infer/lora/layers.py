@@ -16,13 +16,14 @@ On CPU with bfloat16 weights one C++ call does a projection's update for every g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from infer.lora.adapter import PROJECTIONS, LoRAModule
-from infer.runner.kernels import CpuKernels, cpu_kernels
+from infer.runner.kernels import CpuKernels, LoRAArgs, LoRAStepArgs, cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,13 @@ class LoRABatch:
     rows: torch.Tensor
     groups: torch.Tensor
     slots: tuple[tuple[int, int, int], ...]
+
+    @functools.cached_property
+    def c_step(self) -> LoRAStepArgs:
+        """The same for the C++ kernels (CPU tensors only)."""
+        g = self.groups
+        return LoRAStepArgs(self.rows.data_ptr(), g[0].data_ptr(), g[1].data_ptr(),
+                            g[2].data_ptr(), g.shape[1])  # fmt: skip
 
     @staticmethod
     def build(row_slots: list[int], device: torch.device) -> LoRABatch | None:
@@ -109,6 +117,11 @@ class LoRALinear(nn.Module):
         self._kernels: CpuKernels | None = (
             cpu_kernels() if dtype == torch.bfloat16 and device.type == "cpu" else None
         )
+        # The same buffers for the fused decode loop (runner/decode_fast.py).
+        self.c_args = LoRAArgs(
+            *(t.data_ptr() for t in (self.a, self.bt, self.scale, self.rank, self.part_off)),
+            num_parts, max_rank,
+        )  # fmt: skip
 
     @property
     def weight_bytes(self) -> int:

@@ -30,10 +30,12 @@ function :class:`infer.model.moe.SparseMoE` itself calls on a CPU; runner/moe_ke
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
 
+from infer.lora.layers import LoRALinear, LoRAState
 from infer.model.layers import GatedMLP
 from infer.model.llama import DecoderLM
 from infer.model.moe import SparseMoE
@@ -45,6 +47,7 @@ from infer.runner.kernels import (
     DecodeLayer,
     DecodeModel,
     LinearArgs,
+    LoRAArgs,
     cpu_kernels,
 )
 from infer.runner.kv_quant import KIND_CODES
@@ -100,12 +103,20 @@ def _linear_args(module: torch.nn.Module) -> tuple | None:
 _NO_LINEAR = (None, 0, None, None, 0, 0, None, None, None, 0, 0)
 
 
+def _unwrap(module: torch.nn.Module) -> tuple[torch.nn.Module, LoRAArgs | None]:
+    """A projection's own linear layer, and its LoRA slots if adapters wrap it."""
+    if isinstance(module, LoRALinear):
+        return module.base, module.c_args
+    return module, None
+
+
 def _c_layer(layer: tuple) -> DecodeLayer:
     (_, attn_norm, mlp_norm, qkv, o, gate_up, down, scale, window, kc, vc, ks, vs, qn, kn,
-     moe) = layer  # fmt: skip
+     moe, loras) = layer  # fmt: skip
+    lora_ptrs = (ctypes.c_void_p * 4)(*(None if a is None else ctypes.addressof(a) for a in loras))
     return DecodeLayer(attn_norm, mlp_norm, LinearArgs(*qkv), LinearArgs(*o),
                        LinearArgs(*gate_up), LinearArgs(*down), scale, window, kc, vc, ks, vs,
-                       qn, kn, None if moe is None else moe.address)  # fmt: skip
+                       qn, kn, None if moe is None else moe.address, lora_ptrs)  # fmt: skip
 
 
 class FastDecoder:
@@ -119,6 +130,7 @@ class FastDecoder:
         self.k = kernels
         self.layers = layers
         self.max_rows = max_rows
+        self.lora_state: LoRAState | None = None  # set by build() when adapters wrap the model
         self.hidden = cfg.hidden_size
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -178,11 +190,12 @@ class FastDecoder:
                 moe = mlp.cpu_kernel()
                 if moe is None:
                     return None
-                linears = [_linear_args(attn.qkv_proj), _linear_args(attn.o_proj), _NO_LINEAR,
-                           _NO_LINEAR]  # fmt: skip
+                projections = [attn.qkv_proj, attn.o_proj]
             else:
-                linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj,
-                                                     mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
+                projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            unwrapped = [_unwrap(m) for m in projections]
+            loras = tuple(a for _, a in unwrapped) + (None,) * (4 - len(unwrapped))
+            linears = [_linear_args(m) for m, _ in unwrapped] + [_NO_LINEAR] * (4 - len(unwrapped))
             if any(a is None for a in linears) or _gated(mlp).fused_act is None:
                 return None
             if layer.attn_norm.weight.dtype != torch.bfloat16:
@@ -198,9 +211,13 @@ class FastDecoder:
                 attn.scale, attn.sliding_window or 0,
                 k_cache.data_ptr(), v_cache.data_ptr(),
                 None if k_scales is None else k_scales.data_ptr(),
-                None if v_scales is None else v_scales.data_ptr(), qn, kn, moe,
+                None if v_scales is None else v_scales.data_ptr(), qn, kn, moe, loras,
             ))  # fmt: skip
         fast = FastDecoder(model, cache, kernels, max_rows, layers)
+        # LoRA adapters: the step's grouping, shared by every wrapper (lora/layers.py).
+        fast.lora_state = next(
+            (m.state for m in model.modules() if isinstance(m, LoRALinear)), None
+        )
         buffers = sum(b.numel() * b.element_size() for b in vars(fast).values()
                       if isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[0] == max_rows)  # fmt: skip
         logger.info("fast forward path: %d-token buffers, %.1f MiB", max_rows, buffers / 2**20)
@@ -235,6 +252,9 @@ class FastDecoder:
         torch.index_select(self.cos_table, 0, positions, out=self.cos[:rows])
         torch.index_select(self.sin_table, 0, positions, out=self.sin[:rows])
         cos, sin, slots = self.cos.data_ptr(), self.sin.data_ptr(), ctx.slot_mapping.data_ptr()
+        batch = None if self.lora_state is None else self.lora_state.batch
+        step = None if batch is None else batch.c_step
+        self.c_model.lora_step = None if step is None else ctypes.addressof(step)
         if ctx.all_decode:  # every layer in one C++ call
             tables, lens = ctx.decode_tables()
             k.decode_layers_into(self.c_layers, len(self.layers), self.c_model, rows, cos, sin,
@@ -251,11 +271,18 @@ class FastDecoder:
         # own code for attention.
         h, hkv, d = self.heads, self.kv_heads, self.head_dim
         pending = None
+        hidden, inter = self.hidden, self.inter
+
+        def lora(args: LoRAArgs | None, x: int, k_in: int, y: int, n: int) -> None:
+            if args is not None and step is not None:
+                k.lora_into(x, k_in, y, n, k_in, n, args, step)
+
         for (i, attn_norm, mlp_norm, qkv_args, o_args, gu_args, down_args, scale, window,
-             kc, vc, ks, vs, qn, kn, moe) in self.layers:  # fmt: skip
+             kc, vc, ks, vs, qn, kn, moe, loras) in self.layers:  # fmt: skip
             k.add_rms_norm_into(xp, pending, attn_norm, xp if pending else None, np_, rows,
                                 self.hidden, self.eps)  # fmt: skip
             self._linear(np_, qkv_args, qkv, rows)
+            lora(loras[0], np_, hidden, qkv, self.qkv_n)
             if qn is not None:
                 k.qk_norm_into(qkv, self.qkv_n, rows, h, hkv, d, qn, kn, self.eps)
             k.rope_write_kv_into(qkv, cos, sin, self.kind, kc, vc, ks, vs, slots, rows,
@@ -264,13 +291,16 @@ class FastDecoder:
             out = ctx.attend(i, q, key, value, scale=scale, sliding_window=window or None,
                              kv_stored=True).reshape(rows, h * d).contiguous()  # fmt: skip
             self._linear(out.data_ptr(), o_args, o, rows)
+            lora(loras[1], out.data_ptr(), h * d, o, hidden)
             k.add_rms_norm_into(xp, o, mlp_norm, xp, np_, rows, self.hidden, self.eps)
             if moe is not None:
                 k.moe_into(moe.args, np_, down, rows, self.hidden, self.act)
             else:
                 self._linear(np_, gu_args, gu, rows)
+                lora(loras[2], np_, hidden, gu, 2 * inter)
                 k.act_mul_into(gu, act, rows, self.inter, self.act)
                 self._linear(act, down_args, down, rows)
+                lora(loras[3], act, inter, down, hidden)
             pending = down
         return self._final_norm(rows, pending)
 

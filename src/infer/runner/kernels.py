@@ -122,6 +122,22 @@ class LinearArgs(ctypes.Structure):
                 ("int8_activations", ctypes.c_int64)]  # fmt: skip
 
 
+class LoRAArgs(ctypes.Structure):
+    """One projection's LoRA slots, as csrc/kernels.h's ``InferLoRA``."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("rank", ctypes.c_void_p), ("part_off", ctypes.c_void_p),
+                ("num_parts", ctypes.c_int64), ("max_rank", ctypes.c_int64)]  # fmt: skip
+
+
+class LoRAStepArgs(ctypes.Structure):
+    """A step's adapter rows grouped by slot, as ``InferLoRAStep``."""
+
+    _fields_ = [("rows", ctypes.c_void_p), ("group_slot", ctypes.c_void_p),
+                ("group_start", ctypes.c_void_p), ("group_len", ctypes.c_void_p),
+                ("num_groups", ctypes.c_int64)]  # fmt: skip
+
+
 class DecodeLayer(ctypes.Structure):
     """One decoder layer's weights and cache, as ``InferDecodeLayer``."""
 
@@ -131,7 +147,7 @@ class DecodeLayer(ctypes.Structure):
                 ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p),
                 ("key_scales", ctypes.c_void_p), ("value_scales", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("moe", ctypes.c_void_p)]  # fmt: skip
+                ("moe", ctypes.c_void_p), ("lora", ctypes.c_void_p * 4)]  # fmt: skip
 
 
 class MoEArgs(ctypes.Structure):
@@ -153,7 +169,8 @@ class DecodeModel(ctypes.Structure):
                                                       "num_kv_heads", "head_dim", "block_size")),
                 ("eps", ctypes.c_float), ("act", ctypes.c_int), ("kv_kind", ctypes.c_int),
                 *((name, ctypes.c_void_p) for name in ("x", "normed", "qkv", "attn", "o",
-                                                       "gate_up", "act_out", "down"))]  # fmt: skip
+                                                       "gate_up", "act_out", "down")),
+                ("lora_step", ctypes.c_void_p)]  # fmt: skip
 
 
 class CpuKernels:
@@ -295,6 +312,16 @@ class CpuKernels:
                                  torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise ValueError(f"decode layer {rc // 100 - 1} failed in a kernel (code {rc % 100})")
+
+    def lora_into(self, x: int, x_stride: int, y: int, y_stride: int, k: int, n: int,
+                  lora: LoRAArgs, step: LoRAStepArgs) -> None:  # fmt: skip
+        """:meth:`lora_apply` on raw pointers and the structures the fused decode loop takes."""
+        rc = self._lora_apply(x, x_stride, y, y_stride, k, n, lora.a, lora.bt, lora.scale,
+                              lora.rank, lora.part_off, lora.num_parts, lora.max_rank, step.rows,
+                              step.group_slot, step.group_start, step.group_len, step.num_groups,
+                              torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"LoRA kernel rejected its inputs (code {rc})")
 
     def lora_apply(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                    scale: torch.Tensor, rank: torch.Tensor, part_off: torch.Tensor,

@@ -9,7 +9,9 @@
 //   -> pending (added to x by the next layer's norm, or the final norm after the last)
 //
 // Qwen 3's q/k norms run on the qkv row before the rope; a sparse layer's MLP is infer_moe
-// (csrc/moe.cpp: router, top-k, the chosen experts only, their weighted sum).
+// (csrc/moe.cpp: router, top-k, the chosen experts only, their weighted sum). With LoRA
+// adapters, each adapted projection's output gets its rows' low-rank updates (csrc/lora.cpp)
+// right after the linear kernel.
 
 #include <cstdint>
 
@@ -30,6 +32,7 @@ struct InferDecodeLayer {
   const uint16_t* q_norm;  // Qwen 3's per-head RMSNorms of q and k, before rope (null: none)
   const uint16_t* k_norm;
   const InferMoE* moe;     // a mixture of experts in place of gate_up / act_mul / down
+  const InferLoRA* lora[4];  // LoRA slots of qkv, o, gate_up, down (null: not adapted)
 };
 
 // The model's shapes and the step buffers ([max_rows, width] bf16 each).
@@ -38,6 +41,7 @@ struct InferDecodeModel {
   float eps;
   int act, kv_kind;
   uint16_t *x, *normed, *qkv, *attn, *o, *gate_up, *act_out, *down;
+  const InferLoRAStep* lora_step;  // this step's adapter rows (null: none)
 };
 
 // Runs every layer over `rows` decode tokens; x holds their embeddings on entry and the
@@ -50,12 +54,22 @@ int infer_decode_layers(const InferDecodeLayer* layers, int64_t num_layers,
   auto linear = [&](const InferLinear& w, const uint16_t* in, uint16_t* out) {
     return infer_linear_run(w, in, out, rows, num_threads);
   };
+  // A projection's LoRA update, added to its output before anything reads it.
+  const InferLoRAStep* step = m->lora_step;
+  auto lora = [&](const InferLoRA* w, const uint16_t* in, int64_t k, uint16_t* out, int64_t n) {
+    if (!w || !step) return 0;
+    return infer_lora_apply(in, k, out, n, k, n, w->a, w->bt, w->scale, w->rank, w->part_off,
+                            w->num_parts, w->max_rank, step->rows, step->group_slot,
+                            step->group_start, step->group_len, step->num_groups, num_threads);
+  };
+  const int64_t q_size = m->num_heads * m->head_dim;
   for (int64_t i = 0; i < num_layers; ++i) {
     const InferDecodeLayer& l = layers[i];
     const uint16_t* pending = i > 0 ? m->down : nullptr;
     int rc = infer_add_rms_norm(m->x, pending, l.attn_norm, pending ? m->x : nullptr, m->normed,
                                 rows, m->hidden, m->eps, num_threads);
     if (!rc) rc = linear(l.qkv, m->normed, m->qkv);
+    if (!rc) rc = lora(l.lora[0], m->normed, m->hidden, m->qkv, m->qkv_n);
     if (!rc && l.q_norm) rc = infer_qk_norm(m->qkv, m->qkv_n, rows, m->num_heads,
                                            m->num_kv_heads, m->head_dim, l.q_norm, l.k_norm,
                                            m->eps, num_threads);
@@ -70,6 +84,7 @@ int infer_decode_layers(const InferDecodeLayer* layers, int64_t num_layers,
                                   m->head_dim, m->block_size, max_blocks, l.scale, l.window,
                                   num_threads);
     if (!rc) rc = linear(l.o, m->attn, m->o);
+    if (!rc) rc = lora(l.lora[1], m->attn, q_size, m->o, m->hidden);
     if (!rc)
       rc = infer_add_rms_norm(m->x, m->o, l.mlp_norm, m->x, m->normed, rows, m->hidden, m->eps,
                               num_threads);
@@ -77,8 +92,10 @@ int infer_decode_layers(const InferDecodeLayer* layers, int64_t num_layers,
       if (!rc) rc = infer_moe(l.moe, m->normed, m->down, rows, m->hidden, m->act, num_threads);
     } else {
       if (!rc) rc = linear(l.gate_up, m->normed, m->gate_up);
+      if (!rc) rc = lora(l.lora[2], m->normed, m->hidden, m->gate_up, 2 * m->inter);
       if (!rc) rc = infer_act_mul(m->gate_up, m->act_out, rows, m->inter, m->act, num_threads);
       if (!rc) rc = linear(l.down, m->act_out, m->down);
+      if (!rc) rc = lora(l.lora[3], m->act_out, m->inter, m->down, m->hidden);
     }
     if (rc) return static_cast<int>(100 * (i + 1)) + rc;
   }

@@ -59,6 +59,32 @@ struct InferLinear {
   int64_t int8_activations;      // 4-bit: the w4a8 kernel
 };
 
+// One projection's LoRA adapter slots, in csrc/lora.cpp's layouts (lora/layers.py's LoRALinear).
+struct InferLoRA {
+  const uint16_t* a;
+  const uint16_t* bt;
+  const float* scale;
+  const int32_t* rank;
+  const int64_t* part_off;
+  int64_t num_parts, max_rank;
+};
+
+// A step's adapter rows grouped by slot (lora/layers.py's LoRABatch).
+struct InferLoRAStep {
+  const int64_t* rows;
+  const int64_t* group_slot;
+  const int64_t* group_start;
+  const int64_t* group_len;
+  int64_t num_groups;
+};
+
+int infer_lora_apply(const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t y_stride,
+                     int64_t K, int64_t N, const uint16_t* A, const uint16_t* Bt,
+                     const float* scale, const int32_t* rank, const int64_t* part_off, int64_t P,
+                     int64_t R, const int64_t* rows, const int64_t* group_slot,
+                     const int64_t* group_start, const int64_t* group_len, int64_t num_groups,
+                     int num_threads);
+
 // A mixture-of-experts layer's weights (csrc/moe.cpp; runner/moe_kernel.py builds it).
 struct InferMoE {
   const uint16_t* router;      // [num_experts, hidden] bf16, row-major

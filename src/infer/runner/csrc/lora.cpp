@@ -30,6 +30,7 @@
 #include <vector>
 #include <omp.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
