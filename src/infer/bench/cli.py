@@ -650,6 +650,16 @@ def register(subparsers) -> None:
     mo.add_argument("--out", default=f"{DEFAULT_OUT}/moe", help="report folder")
     mo.set_defaults(func=_offline_bench("moe"))
 
+    lo = sub.add_parser(
+        "lora", help="LoRA adapters: output tok/s with requests spread over adapters vs base"
+    )
+    lo.add_argument("--model", default=None, help=model_help)
+    lo.add_argument("--adapters", type=int, default=8, help="adapters (all resident)")
+    lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--runs", type=int, default=3)
+    lo.add_argument("--out", default=f"{DEFAULT_OUT}/lora", help="report folder")
+    lo.set_defaults(func=_offline_bench("lora"))
+
     sd = sub.add_parser(
         "spec", help="speculative decoding: n-gram and draft-model proposals vs plain decoding"
     )

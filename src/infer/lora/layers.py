@@ -103,7 +103,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("a", torch.zeros(num_slots, num_parts, (in_features + 1) // 2,
                                               max_rank, 2, dtype=dtype, device=device),
                              persistent=False)  # fmt: skip
-        self.register_buffer("bt", torch.zeros(num_slots, max_rank, n, dtype=dtype, device=device),
+        self.register_buffer("bt", torch.zeros(num_slots, -(-n // 16), max_rank, 16,
+                                               dtype=dtype, device=device),
                              persistent=False)  # fmt: skip
         self.register_buffer("scale", torch.zeros(num_slots, num_parts), persistent=False)
         self.register_buffer("rank", torch.zeros(num_slots, num_parts, dtype=torch.int32),
@@ -134,9 +135,10 @@ class LoRALinear(nn.Module):
     def load_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
         """Put one adapter's pairs (one per part; None: the part is not adapted) in ``slot``."""
         self.a[slot].zero_()
-        self.bt[slot].zero_()
         self.scale[slot].zero_()
         self.rank[slot].zero_()
+        blocks, rank_cap = self.bt.shape[1], self.bt.shape[2]
+        b_full = torch.zeros(blocks * 16, rank_cap, dtype=self.bt.dtype, device=self.bt.device)
         for p, module in enumerate(modules):
             if module is None:
                 continue
@@ -145,9 +147,16 @@ class LoRALinear(nn.Module):
             if a.shape[1] % 2:  # K odd: the last pair's second element is 0
                 a = torch.cat([a, a.new_zeros(r, 1)], dim=1)
             self.a[slot, p, :, :r].copy_(a.view(r, -1, 2).transpose(0, 1))
-            self.bt[slot, :r, lo:hi].copy_(module.b.t())
+            b_full[lo:hi, :r] = module.b
             self.scale[slot, p] = module.scale
             self.rank[slot, p] = r
+        self.bt[slot].copy_(b_full.view(blocks, 16, rank_cap).transpose(1, 2))
+
+    def lora_b(self, slot: int) -> torch.Tensor:
+        """``[N, R]``: row ``o`` is the ``lora_B`` row of output column ``o`` (of the part that
+        owns it), from the kernel's blocks of 16 columns."""
+        blocks = self.bt[slot]  # [ceil(N / 16), R, 16]
+        return blocks.transpose(1, 2).reshape(-1, blocks.shape[1])[: self.out_features]
 
     def lora_a(self, slot: int, part: int, rank: int) -> torch.Tensor:
         """``lora_A`` ``[rank, in]`` of one part of the adapter in ``slot`` (from the kernel's
@@ -179,12 +188,13 @@ class LoRALinear(nn.Module):
             rows = batch.rows[start : start + count]
             xs = x.index_select(0, rows)
             delta = torch.zeros(count, self.out_features, dtype=y.dtype, device=y.device)
+            b = self.lora_b(slot)
             for p, r in enumerate(rank[slot]):
                 if not r:
                     continue
                 lo, hi = self.offsets[p], self.offsets[p + 1]
                 xa = xs @ self.lora_a(slot, p, r).t()
-                delta[:, lo:hi] = (xa @ self.bt[slot, :r, lo:hi]) * scale[slot][p]
+                delta[:, lo:hi] = (xa @ b[lo:hi, :r].t()) * scale[slot][p]
             y.index_add_(0, rows, delta)
         return y
 

@@ -329,7 +329,7 @@ class CpuKernels:
         """Add each row's LoRA update to ``y`` in place (csrc/lora.cpp has the layouts).
 
         ``x [T, K]``, ``y [T, N]`` bf16 with unit column stride; ``a [S, P, ceil(K/2), R, 2]``
-        (``R`` a multiple of 16), ``bt [S, R, N]`` bf16; ``scale`` float32 and ``rank`` int32
+        (``R`` a multiple of 16), ``bt [S, ceil(N/16), R, 16]`` bf16; ``scale`` float32 and ``rank`` int32
         ``[S, P]``; ``part_off`` int64 ``[P+1]``; ``rows`` int64: the step's adapter rows
         grouped by slot; ``groups`` int64 ``[3, G]``: each group's slot, first index into
         ``rows`` and length."""

@@ -13,12 +13,14 @@
 //   A   [S][P][K2][R][2]  A[s][p][k2][j] = (lora_A[j][2 k2], lora_A[j][2 k2 + 1]) of part p
 //                         (zero past its rank and past K): the pair order of VDPBF16PS, so one
 //                         instruction adds 16 outputs' products with x[2 k2], x[2 k2 + 1]
-//   Bt  [S][R][N]         Bt[s][j][o] = lora_B[o][j] of the part that owns output column o
+//   Bt  [S][N16][R][16]   Bt[s][o / 16][j][o % 16] = lora_B[o][j] of the part that owns
+//                         output column o (N16 = ceil(N / 16)): a tile of columns is one
+//                         contiguous run of memory
 //   part_off [P + 1]      part p owns columns part_off[p] .. part_off[p+1]
 //   scale[S][P], rank[S][P]   (rank 0: the adapter does not touch that part)
 //
 //   shrink : xa[i][p*R + j] = sum_k x[row_i][k] * lora_A_p[j][k]            (float32 sums)
-//   expand : y[row_i][o]   += scale[s][p] * sum_j xa[i][p*R + j] * Bt[s][j][o],  o in part p
+//   expand : y[row_i][o]   += scale[s][p] * sum_j xa[i][p*R + j] * lora_B[o][j],  o in part p
 //
 // Neither step reduces across a vector's lanes: the shrink's lanes are 16 outputs j, the
 // expand's 16 output columns. y is rounded to bf16 once, after the whole update. Each row's
@@ -41,6 +43,7 @@ using infer_simd::f32_to_bf16;
 constexpr int64_t kTile = 256;       // output columns per expand work item
 constexpr int64_t kRows = 8;         // rows sharing one pass over a block of A or Bt
 constexpr int64_t kChunk = 4 * kRows;  // rows per shrink work item (prefill groups split)
+constexpr int64_t kAhead = 16;        // software prefetch distance, in cache lines of A
 
 // The pair (x[2 k2], x[2 k2 + 1]) as one 32-bit word (the second 0 past an odd K).
 inline uint32_t x_pair(const uint16_t* x, int64_t k2, int64_t K) {
@@ -67,6 +70,9 @@ inline void shrink_block(const uint16_t* x, int64_t x_stride, const int64_t* row
   }
   const int64_t full = K / 2;  // pairs with both elements inside the row
   for (int64_t k2 = 0; k2 < full; ++k2) {
+    // One cache line of A a step, read once: fetch ahead (a lone core's streaming read
+    // otherwise waits on memory latency).
+    _mm_prefetch(reinterpret_cast<const char*>(a + (k2 + kAhead) * R * 2), _MM_HINT_T0);
     const __m512bh w = (__m512bh)_mm512_loadu_si512(a + k2 * R * 2);
     for (int i = 0; i < NR; ++i) {
       int32_t pair;
@@ -96,39 +102,45 @@ inline void shrink_block(const uint16_t* x, int64_t x_stride, const int64_t* row
 #endif
 }
 
-// y[rows[i]][o] += sc * sum_j xa_i[j] * bt[j][o] for o in [lo, hi), i < NR (xa_i = xi + i xs).
+// y[rows[i]][o] += sc * sum_j xa_i[j] * B[o][j] for o in [lo, hi), i < NR (xa_i = xi + i xs);
+// bt: the slot's blocks [N16][R][16].
 template <int NR>
-inline void expand_rows(const float* xi, int64_t xs, const uint16_t* bt, int64_t N, int64_t r,
+inline void expand_rows(const float* xi, int64_t xs, const uint16_t* bt, int64_t R, int64_t r,
                         int64_t lo, int64_t hi, float sc, uint16_t* y, int64_t y_stride,
                         const int64_t* rows) {
-  constexpr int n = NR;
-  int64_t o = lo;
 #ifdef INFER_HAVE_AVX512
   using namespace infer_simd;
-  for (; o < hi; o += 16) {
-    const __mmask16 m = hi - o >= 16 ? static_cast<__mmask16>(0xffff)
-                                     : static_cast<__mmask16>((1u << (hi - o)) - 1);
+  for (int64_t blk = lo / 16; blk * 16 < hi; ++blk) {
+    const int64_t o = blk * 16;
+    const int64_t first = lo > o ? lo - o : 0, last = hi < o + 16 ? hi - o : 16;
+    const __mmask16 m = static_cast<__mmask16>(((1u << last) - 1) & ~((1u << first) - 1));
+    const uint16_t* b = bt + blk * R * 16;
+    for (int64_t line = 0; line < R * 32; line += 64)  // the next block's rows, ahead
+      _mm_prefetch(reinterpret_cast<const char*>(b + R * 16 * kAhead / 4) + line, _MM_HINT_T0);
     __m512 acc[NR];
-    for (int i = 0; i < n; ++i) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < r; ++j) {
-      const __m512 b = maskz_load_bf16x16(m, bt + j * N + o);
-      for (int64_t i = 0; i < n; ++i)
-        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xi[i * xs + j]), b, acc[i]);
+      const __m512 bj = load_bf16x16(b + j * 16);
+      for (int i = 0; i < NR; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xi[i * xs + j]), bj, acc[i]);
     }
-    for (int64_t i = 0; i < n; ++i) {
+    for (int i = 0; i < NR; ++i) {
       uint16_t* yr = y + rows[i] * y_stride + o;
       const __m512 sum = _mm512_fmadd_ps(_mm512_set1_ps(sc), acc[i], maskz_load_bf16x16(m, yr));
       mask_store_bf16x16(yr, m, sum);
     }
   }
-#endif
-  for (; o < hi; ++o)
-    for (int64_t i = 0; i < n; ++i) {
+#else
+  for (int64_t o = lo; o < hi; ++o) {
+    const uint16_t* b = bt + (o / 16) * R * 16 + o % 16;
+    for (int i = 0; i < NR; ++i) {
       float acc = 0.f;
-      for (int64_t j = 0; j < r; ++j) acc += xi[i * xs + j] * bf16_to_f32(bt[j * N + o]);
+      for (int64_t j = 0; j < r; ++j) acc += xi[i * xs + j] * bf16_to_f32(b[j * 16]);
       uint16_t* yr = y + rows[i] * y_stride;
       yr[o] = f32_to_bf16(bf16_to_f32(yr[o]) + sc * acc);
     }
+  }
+#endif
 }
 
 // Runtime row counts (1..kRows) to the templates.
@@ -171,7 +183,7 @@ int infer_lora_apply(const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t y
   if (num_groups <= 0) return 0;
   if (P <= 0 || R <= 0 || R % 16 || part_off[P] != N) return 1;
   const int64_t num_rows = group_start[num_groups - 1] + group_len[num_groups - 1];
-  const int64_t PR = P * R, K2 = (K + 1) / 2;
+  const int64_t PR = P * R, K2 = (K + 1) / 2, N16 = (N + 15) / 16;
   std::vector<float> xa(static_cast<size_t>(num_rows * PR), 0.f);
   // The shrink's work items: (group, part, block of 16 outputs, chunk of rows), packed as
   // (group << 40) | (part << 32) | (block << 20) | chunk.
@@ -217,8 +229,8 @@ int infer_lora_apply(const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t y
         const float sc = scale[s * P + p];
         for (int64_t i0 = first; i0 < end; i0 += kRows) {
           const int64_t n = end - i0 < kRows ? end - i0 : kRows;
-          by_rows<Expand>(n, &xa[i0 * PR + p * R], PR, Bt + s * R * N, N, r, lo, hi, sc, y,
-                          y_stride, rows + i0);
+          by_rows<Expand>(n, &xa[i0 * PR + p * R], PR, Bt + s * N16 * R * 16, R, r, lo, hi,
+                          sc, y, y_stride, rows + i0);
         }
       }
     }
