@@ -47,7 +47,9 @@ def _float_reference(layer: LoRALinear, x: torch.Tensor, y: torch.Tensor, slots:
                 continue
             lo, hi = layer.offsets[p], layer.offsets[p + 1]
             xa = layer.lora_a(s, p, r).float() @ x[row].float()
-            out[row, lo:hi] += float(layer.scale[s, p]) * (xa @ layer.lora_b(s)[lo:hi, :r].float().t())
+            out[row, lo:hi] += float(layer.scale[s, p]) * (
+                xa @ layer.lora_b(s)[lo:hi, :r].float().t()
+            )
     return out.to(y.dtype)
 
 
