@@ -181,3 +181,23 @@ def test_triton_backend_runs_no_sdpa_and_replays_graphs(make_llm, cuda_device):
     names = {e.key for e in prof.key_averages()}
     assert not [n for n in names if "scaled_dot_product" in n], sorted(names)[:40]
     assert replays > 0
+
+
+def test_lora_adapters_on_cuda_give_the_cpus_tokens(make_llm, tiny_checkpoints, cuda_device,
+                                                    tmp_path):  # fmt: skip
+    """The torch LoRA path (no C++ kernel, eager steps): a batch mixing two adapters and the base
+    model gives the CPU engine's greedy tokens (float32)."""
+    pytest.importorskip("peft")
+    from infer import LoRARequest
+    from infer.testing.lora import build_lora_adapter
+
+    base = tiny_checkpoints["llama"]
+    loras = [LoRARequest(f"a{i}", i, str(build_lora_adapter(base, tmp_path / f"a{i}", rank=4 * i,
+                                                            seed=i))) for i in (1, 2)]  # fmt: skip
+    picks = [None, *loras] * 2
+    prompts = PROMPTS[: len(picks)]
+    gpu = make_llm("llama", device=cuda_device, enable_lora=True, max_loras=2)
+    cpu = make_llm("llama", device="cpu", enable_lora=True, max_loras=2)
+    got = gpu.generate(prompts, GREEDY, lora_request=picks)
+    want = cpu.generate(prompts, GREEDY, lora_request=picks)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

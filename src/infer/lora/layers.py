@@ -118,6 +118,9 @@ class LoRALinear(nn.Module):
         self._kernels: CpuKernels | None = (
             cpu_kernels() if dtype == torch.bfloat16 and device.type == "cpu" else None
         )
+        # rank and scale as host data too, for the torch path.
+        self._host_rank = [[0] * num_parts for _ in range(num_slots)]
+        self._host_scale = [[0.0] * num_parts for _ in range(num_slots)]
         # The same buffers for the fused decode loop (runner/decode_fast.py).
         self.c_args = LoRAArgs(
             *(t.data_ptr() for t in (self.a, self.bt, self.scale, self.rank, self.part_off)),
@@ -151,6 +154,8 @@ class LoRALinear(nn.Module):
             self.scale[slot, p] = module.scale
             self.rank[slot, p] = r
         self.bt[slot].copy_(b_full.view(blocks, 16, rank_cap).transpose(1, 2))
+        self._host_rank[slot] = [0 if m is None else m.rank for m in modules]
+        self._host_scale[slot] = [0.0 if m is None else m.scale for m in modules]
 
     def lora_b(self, slot: int) -> torch.Tensor:
         """``[N, R]``: row ``o`` is the ``lora_B`` row of output column ``o`` (of the part that
@@ -167,6 +172,8 @@ class LoRALinear(nn.Module):
     def clear_slot(self, slot: int) -> None:
         self.rank[slot].zero_()
         self.scale[slot].zero_()
+        self._host_rank[slot] = [0] * len(self.parts)
+        self._host_scale[slot] = [0.0] * len(self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -182,8 +189,7 @@ class LoRALinear(nn.Module):
 
     def _reference(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """torch ops per group, in the model's dtype: ``(x A^T) B^T * scale`` as PEFT rounds."""
-        rank = self.rank.tolist()
-        scale = self.scale.tolist()
+        rank, scale = self._host_rank, self._host_scale  # no device read-back (CUDA)
         for slot, start, count in batch.slots:
             rows = batch.rows[start : start + count]
             xs = x.index_select(0, rows)
