@@ -25,6 +25,7 @@ from infer.bench.vs_vllm import (
     check_targets,
     client_command,
     finish,
+    lora_server_args,
     median_result,
     paired_http_loss,
     paired_ratios,
@@ -32,6 +33,7 @@ from infer.bench.vs_vllm import (
     parse_workloads,
     peer_dtype,
     render,
+    server_groups,
 )
 
 
@@ -70,6 +72,72 @@ def test_shared_prefix_workloads_use_vllms_prefix_repetition_dataset():
     assert flags["--prefix-repetition-num-prefixes"] == "8"
     assert flags["--prefix-repetition-output-len"] == "64"
     assert "--random-input-len" not in flags
+
+
+def test_lora_workloads_spread_requests_over_the_adapters():
+    cells = parse_workloads("64x64@1+16,lora/64x64@16+1")
+    assert [c.key for c in cells] == ["64x64@1", "64x64@16", "lora/64x64@16", "lora/64x64@1"]
+    assert [c.lora for c in cells] == [False, False, True, True]
+    with pytest.raises(ValueError, match="no default concurrency"):
+        parse_workloads("lora/64x64")
+    assert server_groups(cells) == [(False, cells[:2]), (True, cells[2:])]
+    assert server_groups(cells[2:]) == [(True, cells[2:])]
+    common = {"base_url": "u", "model_name": "m", "tokenizer": Path("t"), "num_prompts": 64,
+              "seed": 1, "result_dir": Path("r"), "result_filename": "f"}  # fmt: skip
+    base = client_command(Path("vllm"), cells[1], **common)
+    assert "--lora-modules" not in base and "--lora-assignment" not in base
+    cmd = client_command(Path("vllm"), cells[2], **common, lora_modules=["a0", "a1"])
+    i = cmd.index("--lora-modules")
+    assert cmd[i + 1 : i + 3] == ["a0", "a1"] and "--lora-assignment" not in cmd  # random
+    assert cmd[cmd.index("--model") + 1] == "m"  # the base name; each request names an adapter
+    assert cmd[:-3] == base  # otherwise the same command
+    warm = client_command(Path("vllm"), cells[2], **common, lora_modules=["a0", "a1"],
+                          lora_assignment="round-robin")  # fmt: skip
+    assert warm[-2:] == ["--lora-assignment", "round-robin"]
+    assert lora_server_args(["a0=/p/0", "a1=/p/1"], 2, 16) == [
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+        "--lora-modules", "a0=/p/0", "a1=/p/1",
+    ]  # fmt: skip
+
+
+def test_lora_target_and_cost_in_the_report(tmp_path):
+    rows = {("infer", "64x64@16"): 500.0, ("infer", "lora/64x64@16"): 450.0,
+            ("vllm", "64x64@16"): 200.0, ("vllm", "lora/64x64@16"): 100.0}  # fmt: skip
+    cells = {p: {} for p, _ in rows}
+    for (peer, key), tok in rows.items():
+        cells[peer][key] = median_result([_row(tok)])
+    t = {x["target"]: x for x in check_targets(cells)}
+    lora = t["lora/64x64@16: infer output tok/s >= 1.5x vLLM's"]
+    assert lora["status"] == "pass" and "4.50x" in lora["figure"]
+    base = {p: {k: v for k, v in c.items() if not k.startswith("lora/")} for p, c in cells.items()}
+    assert not any(x["target"].startswith("lora/") for x in check_targets(base))
+    report = {
+        "created": "now", "argv": "infer bench vs-vllm",
+        "config": {"model": "/m", "served_name": "m", "peers": ["infer", "vllm"],
+                   "dtype": "bfloat16", "max_num_seqs": 64, "max_model_len": 2048,
+                   "infer_args": "", "vllm_args": "", "runs": 1, "num_prompts": None,
+                   "warmup_output_len": 16, "vllm_venv": "/venv",
+                   "lora_modules": ["a0=/p/0", "a1=/p/1"],
+                   "lora_server_args": "--enable-lora --max-loras 2 --max-lora-rank 16 "
+                   "--lora-modules a0=/p/0 a1=/p/1"},
+        "cells": [{"key": "64x64@16"}, {"key": "lora/64x64@16"}],
+        "versions": {"infer": "0.1", "torch": "2", "torch_threads": 2, "python": "3",
+                     "cpu": "x", "cpus": 2, "platform": "linux"},
+        "client_env": {"A": "1"},
+        "servers": [{"round": 0, "peer": "vllm", "lora": True, "server_log": "l",
+                     "server_command": "vllm serve /m --enable-lora", "server_env": {}}],
+        "runs": [{"peer": p, "cell": k, "round": 0, "num_prompts": 64, **_row(tok)}
+                 | {"load_before": [1.0, 1.0, 1.0], "other_cpu_cores": 0.0}
+                 for (p, k), tok in rows.items()],
+    }  # fmt: skip
+    finish(report, tmp_path)
+    md = (tmp_path / "vs_vllm.md").read_text()
+    assert "| lora/64x64 | 16 | 450.0 | 100.0 | 4.50x |" in md
+    assert (
+        "- lora/64x64@16: infer 90% (450.0 vs 500.0 tok/s); vLLM 50% (100.0 vs 200.0 tok/s)" in md
+    )
+    assert "`vllm bench serve --lora-modules a0 a1`" in md
+    assert "round 0 vllm LoRA server" in md
 
 
 def test_prefix_counters_read_both_peers_metric_names(tmp_path):
@@ -477,6 +545,10 @@ def test_llamacpp_peer_needs_its_gguf(tmp_path):
               "--llamacpp-model", str(tmp_path / "missing.gguf")])  # fmt: skip
     with pytest.raises(SystemExit, match="unknown peer"):
         main(["bench", "vs-vllm", "--peers", "infer,sglang", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="lora/ workloads need --lora-modules"):
+        main(["bench", "vs-vllm", "--workloads", "lora/64x64@16", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs a lora/ workload"):
+        main(["bench", "vs-vllm", "--lora-modules", "a=/p", "--out", str(tmp_path)])
 
 
 def test_vllm_may_serve_in_its_own_dtype():

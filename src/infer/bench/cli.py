@@ -569,6 +569,19 @@ def register(subparsers) -> None:
     )
     vs.add_argument("--llamacpp-args", default="", help="extra llama-server flags (write with =)")
     vs.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) for the lora/INxOUT@C workloads: both servers get "
+        "--enable-lora --max-loras --max-lora-rank --lora-modules, and each request names one "
+        "of the adapters, at random",
+    )
+    vs.add_argument(
+        "--max-loras", type=int, default=None, help="adapters resident at once (default: all)"
+    )
+    vs.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    vs.add_argument(
         "--offline",
         action="store_true",
         help="also the offline engine at C=16 on 64x64 (LLM.generate), vs infer over HTTP",

@@ -13,6 +13,14 @@ output tokens are counted by request (completed * the cell's output length, see
 :func:`parse_result`), as the client undercounts them; the report names each other peer in its
 own table and targets.
 
+``lora/INxOUT@C`` workloads with ``--lora-modules name=path ...`` (``--max-loras``, default all
+of them; ``--max-lora-rank``, default 16) measure LoRA serving: each peer starts a second server
+per round, after its base-model one, with ``--enable-lora --max-loras N --max-lora-rank R
+--lora-modules ...`` (the same flags on both), and the client names one adapter per request at
+random (``vllm bench serve --lora-modules name ...``, seeded: the same for both peers; the
+warm-up goes to every adapter in turn). ``--workloads 64x64@16,lora/64x64@16`` thus shows what
+the adapters cost each server, on the same prompts.
+
 Both servers run on the same model folder (the ~110M bf16 Llama of ``infer bench engine``, or
 ``--model``), ``--max-num-seqs 64 --max-model-len 2048 --dtype bfloat16``, on the same port,
 **one at a time**. The client is the outside one for both: ``vllm bench serve --backend openai
@@ -74,6 +82,8 @@ PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 METRIC_PERCENTILES = "50,99"
 METRICS = ("ttft", "tpot", "itl", "e2el")
 HTTP_LOSS_TARGET = 0.05
+LORA_TARGET_CELL = "lora/64x64@16"
+"""8 adapters of rank 16, requests spread over them: infer >= 1.5x vLLM's output tok/s."""
 
 PEER_LABELS = {"infer": "infer", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 """The peers this driver runs, and how the report names each."""
@@ -105,13 +115,16 @@ class Cell:
     concurrency: int
     prefix_len: int = 0
     num_prefixes: int = 0
+    lora: bool = False
+    """Requests spread over the LoRA adapters (``--lora-modules``), on a server started with
+    them; written ``lora/INxOUT@C``."""
 
     @property
     def workload(self) -> str:
         base = f"{self.input_len}x{self.output_len}"
         if self.prefix_len:
-            return f"shared{self.prefix_len}/{self.num_prefixes}+{base}"
-        return base
+            base = f"shared{self.prefix_len}/{self.num_prefixes}+{base}"
+        return f"lora/{base}" if self.lora else base
 
     @property
     def key(self) -> str:
@@ -120,27 +133,32 @@ class Cell:
 
 def parse_workloads(spec: str) -> list[Cell]:
     """``"64x64,1024x128"`` -> the default cells of each; ``"64x64@1+16"`` -> C = 1 and 16;
-    ``"shared512/4+32x64@16+64"`` -> 4 shared 512-token prefixes + 32 unique tokens, 64 out."""
+    ``"shared512/4+32x64@16+64"`` -> 4 shared 512-token prefixes + 32 unique tokens, 64 out;
+    ``"lora/64x64@16"`` -> requests spread over the LoRA adapters (``--lora-modules``)."""
     cells: list[Cell] = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
-        m = re.fullmatch(r"(?:shared(\d+)(?:/(\d+))?\+)?(\d+)x(\d+)(?:@(\d+(?:\+\d+)*))?", item)
+        lora = item.startswith("lora/")
+        m = re.fullmatch(
+            r"(?:shared(\d+)(?:/(\d+))?\+)?(\d+)x(\d+)(?:@(\d+(?:\+\d+)*))?",
+            item.removeprefix("lora/"),
+        )
         if not m:
             raise ValueError(
-                f"bad workload {item!r}: write INxOUT, INxOUT@C, INxOUT@C+C or "
-                "sharedPREFIX/NUM+INxOUT@C"
+                f"bad workload {item!r}: write INxOUT, INxOUT@C, INxOUT@C+C, "
+                "sharedPREFIX/NUM+INxOUT@C or lora/INxOUT@C"
             )
         prefix_len, num_prefixes = int(m[1] or 0), int(m[2] or (4 if m[1] else 0))
         name = f"{int(m[3])}x{int(m[4])}"
         if m[5]:
             concurrencies = [int(c) for c in m[5].split("+")]
-        elif name in DEFAULT_WORKLOADS and not prefix_len:
+        elif name in DEFAULT_WORKLOADS and not prefix_len and not lora:
             concurrencies = list(DEFAULT_WORKLOADS[name])
         else:
             raise ValueError(f"workload {item!r} has no default concurrency: write {item}@C")
         for c in concurrencies:
-            cell = Cell(int(m[3]), int(m[4]), c, prefix_len, num_prefixes)
+            cell = Cell(int(m[3]), int(m[4]), c, prefix_len, num_prefixes, lora)
             if c < 1 or cell.input_len < 1 or cell.output_len < 1:
                 raise ValueError(f"bad workload {item!r}: lengths and C must be positive")
             if cell not in cells:
@@ -171,9 +189,13 @@ def client_command(
     result_filename: str,
     output_len: int | None = None,
     detailed: bool = False,
+    lora_modules: list[str] | None = None,
+    lora_assignment: str | None = None,
 ) -> list[str]:
     """``vllm bench serve`` for one cell (``output_len`` overrides the cell's, for warm-ups;
-    ``detailed``: each request's figures go in the result JSON too, ``--save-detailed``)."""
+    ``detailed``: each request's figures go in the result JSON too, ``--save-detailed``;
+    ``lora_modules``: each request names one of these adapters as its model, at random (seeded
+    by ``seed``, so the same for every peer) or as ``lora_assignment`` says)."""
     flags = [
         ("--backend", "openai"), ("--base-url", base_url), ("--endpoint", "/v1/completions"),
         ("--model", model_name), ("--tokenizer", tokenizer),
@@ -184,6 +206,8 @@ def client_command(
         ("--ready-check-timeout-sec", 0), ("--disable-tqdm",),
         ("--save-result",), ("--result-dir", result_dir), ("--result-filename", result_filename),
         *([("--save-detailed",)] if detailed else []),
+        *([("--lora-modules", *lora_modules)] if lora_modules else []),
+        *([("--lora-assignment", lora_assignment)] if lora_modules and lora_assignment else []),
     ]  # fmt: skip
     return [str(vllm_bin), "bench", "serve", *(str(x) for flag in flags for x in flag)]
 
@@ -336,6 +360,8 @@ def check_targets(
         le_target("64x64@1", "tpot_p50_ms", "TPOT p50", other)
         ratio_target("1024x128@16", 1.5, other)
         le_target("1024x128@16", "ttft_p50_ms", "TTFT p50", other)
+        if LORA_TARGET_CELL in cells.get("infer", {}):
+            ratio_target(LORA_TARGET_CELL, 1.5, other)
     keys = sorted(
         {k for k in cells.get("infer", {}) if k.endswith(("@1", "@16"))} | {"64x64@1", "64x64@16"},
         key=_cell_order,
@@ -403,9 +429,13 @@ def paired_http_loss(runs: list[dict], offline_rounds: list[dict]) -> dict | Non
 
 
 def _cell_order(key: str) -> tuple[int, ...]:
-    """Plain cells first (by input, output, C), then shared-prefix ones (by prefix, count)."""
+    """Plain cells first (by input, output, C), then shared-prefix ones (by prefix, count), then
+    the LoRA ones in the same order."""
     cell = parse_workloads(key)[0]
-    return (cell.prefix_len, cell.num_prefixes, cell.input_len, cell.output_len, cell.concurrency)
+    return (
+        cell.lora, cell.prefix_len, cell.num_prefixes, cell.input_len, cell.output_len,
+        cell.concurrency,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,13 +614,19 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
         "result_dir": out / "results",
         "detailed": by_request,
     }
+    names = ctx["lora_names"] if cell.lora else []
+    # With adapters, the warm-up sends at least one request to each of them, in turn: none is
+    # loaded for the first time during the measured run.
+    n_warm = max(cell.concurrency, len(names))
     warm = client_command(
         ctx["vllm_bin"],
         cell,
-        num_prompts=cell.concurrency,
+        num_prompts=n_warm,
         seed=cell_seed(args.seed, round_idx, cell, warmup=True),
         result_filename=f"{stem}-warmup.json",
         output_len=min(args.warmup_output_len, cell.output_len),
+        lora_modules=names,
+        lora_assignment="round-robin" if names else None,
         **common,
     )
     n = args.num_prompts or 4 * cell.concurrency
@@ -600,6 +636,7 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
         num_prompts=n,
         seed=cell_seed(args.seed, round_idx, cell, warmup=False),
         result_filename=f"{stem}.json",
+        lora_modules=names,
         **common,
     )
     row: dict = {
@@ -617,7 +654,7 @@ def measure_cell(peer: str, cell: Cell, round_idx: int, ctx: dict, server_pgid: 
     warm_path = out / "results" / f"{stem}-warmup.json"
     warm_ok = rc == 0 and warm_path.exists()
     if warm_ok:  # vllm bench exits 0 even when every request failed
-        warm_ok = parse_result(json.loads(warm_path.read_text()))["completed"] == cell.concurrency
+        warm_ok = parse_result(json.loads(warm_path.read_text()))["completed"] == n_warm
     if not warm_ok:
         row["error"] = f"warm-up failed (client exit {rc}; see logs/{stem}-warmup.log)"
         return row
@@ -661,12 +698,33 @@ def peer_dtype(peer: str, args: argparse.Namespace) -> str:
     return (args.vllm_dtype or args.dtype) if peer == "vllm" else args.dtype
 
 
-def run_peer_round(peer: str, round_idx: int, cells: list[Cell], ctx: dict) -> dict:
-    """Start ``peer``'s server, measure every cell, stop it (always)."""
+def lora_server_args(modules: list[str], max_loras: int, max_rank: int) -> list[str]:
+    """The flags that serve the adapters ``modules`` (``name=path``), the same for infer and
+    vLLM."""
+    return [
+        "--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(max_rank),
+        "--lora-modules", *modules,
+    ]  # fmt: skip
+
+
+def server_groups(cells: list[Cell]) -> list[tuple[bool, list[Cell]]]:
+    """The cells each server of a round measures: the base model's on a plain server, then the
+    LoRA cells on one started with the adapters (only the groups that have cells)."""
+    groups = [(lora, [c for c in cells if c.lora == lora]) for lora in (False, True)]
+    return [(lora, group) for lora, group in groups if group]
+
+
+def run_peer_round(
+    peer: str, round_idx: int, cells: list[Cell], ctx: dict, lora: bool = False
+) -> dict:
+    """Start ``peer``'s server (with the LoRA adapters if ``lora``), measure every cell, stop it
+    (always)."""
     from infer.bench.peers import server_command, start_server, stop_server, wait_healthy
 
     args, out = ctx["args"], ctx["out"]
     extra = {"infer": args.infer_args, "vllm": args.vllm_args}.get(peer, "")
+    if lora:
+        extra = " ".join(x for x in (extra, shlex.join(ctx["lora_server_args"])) if x)
     model = ctx["vllm_model"] if peer == "vllm" and ctx["vllm_model"] else ctx["model"]
     if peer == "llamacpp":
         extra, model = args.llamacpp_args, ctx["llamacpp_model"]
@@ -686,9 +744,11 @@ def run_peer_round(peer: str, round_idx: int, cells: list[Cell], ctx: dict) -> d
     info: dict = {
         "server_command": shlex.join(cmd),
         "server_env": env_note,
-        "server_log": f"logs/round{round_idx}-{peer}-server.log",
+        "server_log": f"logs/round{round_idx}-{peer}{'-lora' if lora else ''}-server.log",
         "cells": {},
     }
+    if lora:
+        info["lora"] = True
     print(f"[round {round_idx}] starting {peer}: {shlex.join(cmd)}", flush=True)
     proc = start_server(cmd, env, out / info["server_log"], args.port)
     try:
@@ -914,6 +974,38 @@ LLAMACPP_COUNT_NOTE = (
 )
 
 
+def _lora_note(cfg: dict) -> str:
+    names = [m.split("=", 1)[0] for m in cfg["lora_modules"]]
+    return (
+        f"`lora/` cells: both servers started with `{cfg['lora_server_args']}` on top of the "
+        f"flags above (a server of its own, after the base model's), each request naming one of "
+        f"the {len(names)} adapters ({', '.join(names)}) as its model, at random (`vllm bench "
+        f"serve --lora-modules {' '.join(names)}`, seeded: the same adapters in the same order "
+        "for both peers); the warm-up sends at least one request to each adapter, in turn. The "
+        "other cells are the base model on a server without adapters, on the same prompts."
+    )
+
+
+def _lora_cost(report: dict) -> list[str]:
+    """Each peer's LoRA cells' output tok/s over its base model's on the same cell."""
+    med = report["medians"]
+    lines: list[str] = []
+    for key in (c["key"] for c in report["cells"]):
+        if not key.startswith("lora/"):
+            continue
+        base = key.removeprefix("lora/")
+        parts = []
+        for peer in report["config"]["peers"]:
+            a, b = _get(med, peer, key, "output_tok_s"), _get(med, peer, base, "output_tok_s")
+            if a and b:
+                parts.append(f"{peer_label(peer)} {a / b:.0%} ({a:.1f} vs {b:.1f} tok/s)")
+        if parts:
+            lines.append(f"- {key}: {'; '.join(parts)}")
+    if lines:
+        lines = ["", "With adapters, as a share of the base model's output tok/s:", "", *lines]
+    return lines
+
+
 def _results_table(report: dict, other: str) -> list[str]:
     """The medians of every cell, infer beside ``other``, with their ratio."""
     med, o = report["medians"], peer_label(other)
@@ -985,11 +1077,14 @@ def render(report: dict) -> str:
     ]
     if "llamacpp" in others:
         lines += [LLAMACPP_COUNT_NOTE, ""]
+    if cfg.get("lora_modules"):
+        lines += [_lora_note(cfg), ""]
     lines += ["## Results (medians)", ""]
     for i, other in enumerate(others):
         if len(others) > 1:
             lines += ([""] if i else []) + [f"infer vs {peer_label(other)}:", ""]
         lines += _results_table(report, other)
+    lines += _lora_cost(report)
     if "offline" in report:
         off = report["offline"]["median"]
         lines += [
@@ -1101,7 +1196,10 @@ def render(report: dict) -> str:
         )
     lines += ["", "## Commands", "", f"Driver: `{report['argv']}`", ""]
     for rnd in report["servers"]:
-        lines.append(f"- round {rnd['round']} {rnd['peer']} server (log `{rnd['server_log']}`):")
+        kind = " LoRA" if rnd.get("lora") else ""
+        lines.append(
+            f"- round {rnd['round']} {rnd['peer']}{kind} server (log `{rnd['server_log']}`):"
+        )
         env = " ".join(f"{k}={val}" for k, val in rnd["server_env"].items())
         lines.append(f"  `{(env + ' ') if env else ''}{rnd['server_command']}`")
         if "error" in rnd:
@@ -1136,6 +1234,19 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"unknown peer(s) {', '.join(sorted(unknown))} (known: {', '.join(PEER_LABELS)})"
         )
+    lora_modules = list(getattr(args, "lora_modules", None) or [])
+    if any(c.lora for c in cells) != bool(lora_modules):
+        raise SystemExit(
+            "lora/ workloads need --lora-modules name=path ..., and --lora-modules needs a "
+            "lora/ workload (e.g. --workloads 64x64@16,lora/64x64@16)"
+        )
+    if lora_modules and "llamacpp" in peers:
+        raise SystemExit("lora/ workloads run on infer and vLLM only")
+    lora_names = [m.split("=", 1)[0] for m in lora_modules]
+    if any("=" not in m for m in lora_modules) or len(set(lora_names)) != len(lora_names):
+        raise SystemExit("--lora-modules takes distinct name=path pairs")
+    max_loras = getattr(args, "max_loras", None) or len(lora_modules)
+    max_lora_rank = getattr(args, "max_lora_rank", 16)
     gguf = binary = None
     if "llamacpp" in peers:
         if not args.llamacpp_model:
@@ -1173,6 +1284,8 @@ def run(args: argparse.Namespace) -> int:
         "vllm_bin": vllm_bin,
         "vllm_env": VLLM_ENV,
         "client_env": client_env,
+        "lora_names": lora_names,
+        "lora_server_args": lora_server_args(lora_modules, max_loras, max_lora_rank),
     }
     report: dict = {
         "schema": "infer.bench.vs_vllm/1",
@@ -1197,6 +1310,16 @@ def run(args: argparse.Namespace) -> int:
             "offline": args.offline,
             "vllm_venv": str(venv),
             "port": args.port,
+            **(
+                {
+                    "lora_modules": lora_modules,
+                    "max_loras": max_loras,
+                    "max_lora_rank": max_lora_rank,
+                    "lora_server_args": shlex.join(ctx["lora_server_args"]),
+                }
+                if lora_modules
+                else {}
+            ),
             **(
                 {
                     "llamacpp_model": str(gguf),
@@ -1229,16 +1352,22 @@ def run(args: argparse.Namespace) -> int:
             for peer in order:
                 if args.offline and peer == "infer":
                     report["offline"]["rounds"].append({"round": r, **run_offline_round(r, ctx)})
-                info = run_peer_round(peer, r, cells, ctx)
-                rows = info.pop("cells")
-                report["servers"].append({"round": r, "peer": peer, **info})
-                report["runs"].extend(rows.values())
-                if "error" in info:
-                    for c in cells:
-                        if c.key not in rows:
-                            report["runs"].append(
-                                {"cell": c.key, "round": r, "peer": peer, "error": info["error"]}
-                            )
+                for lora, group in server_groups(cells):
+                    info = run_peer_round(peer, r, group, ctx, lora=lora)
+                    rows = info.pop("cells")
+                    report["servers"].append({"round": r, "peer": peer, **info})
+                    report["runs"].extend(rows.values())
+                    if "error" in info:
+                        for c in group:
+                            if c.key not in rows:
+                                report["runs"].append(
+                                    {
+                                        "cell": c.key,
+                                        "round": r,
+                                        "peer": peer,
+                                        "error": info["error"],
+                                    }
+                                )
             if args.offline and "infer" not in peers:
                 report["offline"]["rounds"].append({"round": r, **run_offline_round(r, ctx)})
     finally:
