@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from infer.core.lora_request import LoRARequest
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
-from infer.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from infer.llm import LLM

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from infer.core.lora_request import LoRARequest
 from infer.kv_cache.sizing import check_kv_cache_dtype
-from infer.lora.request import LoRARequest
 
 QUANTIZATIONS = ("int8", "w8a8", "fp8", "int4", "w4a8")
 # Quantized checkpoints (read as they are stored): --quantization names them to assert it.
@@ -228,7 +228,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """``--enable-lora`` and its limits (vLLM's names and defaults); see ``infer.lora``."""
+    """``--enable-lora`` and its limits (vLLM's names and defaults); see ``infer.runner.lora`` and docs/lora.md."""
 
     max_loras: int = 1  # adapters in slots at once (the most distinct adapters in one step)
     max_lora_rank: int = 16

@@ -10,10 +10,10 @@ import itertools
 from collections.abc import Sequence
 
 from infer.config import EngineConfig
+from infer.core.lora_request import LoRARequest
 from infer.core.outputs import CompletionOutput, GenerationResult, RequestOutput
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
-from infer.lora.request import LoRARequest
 
 PromptInput = str | Sequence[int]
 

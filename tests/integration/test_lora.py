@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from infer import InvalidRequestError, LoRARequest, SamplingParams
-from infer.lora.adapter import LoRAError
+from infer.runner.lora.adapter import LoRAError
 from infer.testing.lora import build_lora_adapter
 
 from .conftest import PROMPTS

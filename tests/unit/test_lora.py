@@ -8,8 +8,8 @@ import torch
 
 from infer.config import EngineConfig, LoRAConfig, parse_lora_module
 from infer.core.request import RequestStatus
-from infer.lora.layers import LoRABatch, LoRALinear, LoRAState
 from infer.runner.kernels import cpu_kernels
+from infer.runner.lora.layers import LoRABatch, LoRALinear, LoRAState
 
 from ._factories import fake_sample, make_request, make_scheduler
 
@@ -19,7 +19,7 @@ def _random_layer(dtype: torch.dtype, parts=(48, 16, 16), k=40, slots=3, rank=8,
     base = torch.nn.Linear(k, sum(parts), bias=False).to(dtype)
     state = LoRAState()
     layer = LoRALinear(base, k, parts, slots, rank, dtype, torch.device("cpu"), state)
-    from infer.lora.adapter import LoRAModule
+    from infer.runner.lora.adapter import LoRAModule
 
     for s in range(slots):
         modules = []

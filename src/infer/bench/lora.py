@@ -28,9 +28,9 @@ import torch
 from infer.bench.engine import LLAMA_100M_DIR, llama_100m, serve_closed_loop
 from infer.bench.report import _cpu_model
 from infer.config import EngineConfig
+from infer.core.lora_request import LoRARequest
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
-from infer.lora.request import LoRARequest
 
 CONCURRENCY, NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN = 16, 64, 64, 64
 

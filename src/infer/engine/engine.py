@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING
 import torch
 
 from infer.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
+from infer.core.lora_request import LoRARequest
 from infer.core.outputs import RequestOutput
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
@@ -32,7 +33,6 @@ from infer.engine.scheduler import Scheduler
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
-from infer.lora.request import LoRARequest
 from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.runner.attention import KVCache
@@ -43,7 +43,7 @@ from infer.runner.runner import ModelRunner
 from infer.spec_decode import NgramProposer, Proposer
 
 if TYPE_CHECKING:
-    from infer.lora.manager import LoRAManager
+    from infer.runner.lora.manager import LoRAManager
     from infer.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("infer.engine")
@@ -324,7 +324,7 @@ class LLMEngine:
             return None
         if self.tp_size > 1:
             raise ValueError("--enable-lora does not run with tensor parallelism yet")
-        from infer.lora.manager import LoRAManager
+        from infer.runner.lora.manager import LoRAManager
 
         lora = LoRAManager(self.model, self.config.lora)
         logger.info(
@@ -341,7 +341,7 @@ class LLMEngine:
         Raises ``InvalidRequestError`` naming the problem."""
         if lora_request is None:
             return None
-        from infer.lora.adapter import LoRAError
+        from infer.runner.lora.adapter import LoRAError
 
         if self.lora is None:
             raise InvalidRequestError(

@@ -35,7 +35,6 @@ import logging
 
 import torch
 
-from infer.lora.layers import LoRALinear, LoRAState
 from infer.model.layers import GatedMLP
 from infer.model.llama import DecoderLM
 from infer.model.moe import SparseMoE
@@ -51,6 +50,7 @@ from infer.runner.kernels import (
     cpu_kernels,
 )
 from infer.runner.kv_quant import KIND_CODES
+from infer.runner.lora.layers import LoRALinear, LoRAState
 from infer.runner.prepack import TiledLinear
 from infer.runner.quant import Int8Linear, W8A8Linear
 
@@ -214,7 +214,7 @@ class FastDecoder:
                 None if v_scales is None else v_scales.data_ptr(), qn, kn, moe, loras,
             ))  # fmt: skip
         fast = FastDecoder(model, cache, kernels, max_rows, layers)
-        # LoRA adapters: the step's grouping, shared by every wrapper (lora/layers.py).
+        # LoRA adapters: the step's grouping, shared by every wrapper (runner/lora/layers.py).
         fast.lora_state = next(
             (m.state for m in model.modules() if isinstance(m, LoRALinear)), None
         )

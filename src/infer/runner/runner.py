@@ -24,11 +24,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer.core.messages import Sampled, SchedulerOutput
 from infer.core.request import Request, TokenLogprob
-from infer.lora.manager import LoRAManager
 from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.decode_fast import FastDecoder
 from infer.runner.gpu.cuda_step import CudaStep, resolve_attention_backend
+from infer.runner.lora.manager import LoRAManager
 from infer.runner.sampler import Sampler, token_logprob
 
 # Attention on CUDA without cuDNN's: it plans each (batch, longest context) shape it has not

@@ -59,7 +59,8 @@ struct InferLinear {
   int64_t int8_activations;      // 4-bit: the w4a8 kernel
 };
 
-// One projection's LoRA adapter slots, in csrc/lora.cpp's layouts (lora/layers.py's LoRALinear).
+// One projection's LoRA adapter slots, in csrc/lora.cpp's layouts (LoRALinear in
+// runner/lora/layers.py).
 struct InferLoRA {
   const uint16_t* a;
   const uint16_t* bt;
@@ -69,7 +70,7 @@ struct InferLoRA {
   int64_t num_parts, max_rank;
 };
 
-// A step's adapter rows grouped by slot (lora/layers.py's LoRABatch).
+// A step's adapter rows grouped by slot (runner/lora/layers.py's LoRABatch).
 struct InferLoRAStep {
   const int64_t* rows;
   const int64_t* group_slot;

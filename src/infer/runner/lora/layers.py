@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infer.lora.adapter import PROJECTIONS, LoRAModule
 from infer.runner.kernels import CpuKernels, LoRAArgs, LoRAStepArgs, cpu_kernels
+from infer.runner.lora.adapter import PROJECTIONS, LoRAModule
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from infer.config import LoRAConfig
-from infer.lora.adapter import PROJECTIONS, LoRAAdapter, LoRAError, load_adapter
-from infer.lora.layers import (
+from infer.core.lora_request import LoRARequest
+from infer.runner.lora.adapter import PROJECTIONS, LoRAAdapter, LoRAError, load_adapter
+from infer.runner.lora.layers import (
     FUSED_PARTS,
     LoRABatch,
     LoRALinear,
@@ -31,9 +32,8 @@ from infer.lora.layers import (
     projection_shapes,
     wrap_projections,
 )
-from infer.lora.request import LoRARequest
 
-logger = logging.getLogger("infer.lora")
+logger = logging.getLogger("infer.runner")
 
 
 def check_lora_model(model: nn.Module) -> None:
