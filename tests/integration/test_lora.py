@@ -95,13 +95,16 @@ def test_each_adapter_matches_transformers_and_peft(kind, make_llm, tiny_checkpo
     assert llm.engine.lora.num_loads >= 4  # slots were reused
 
 
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_a_mixed_batch_gives_each_request_what_it_gets_alone(make_llm, tiny_checkpoints,
-                                                             adapter_root):  # fmt: skip
+                                                             adapter_root, quantization):  # fmt: skip
     """bf16 on the C++ kernel where it builds: rows of 4 adapters and the base model in one
-    step, each row's tokens exactly those of the same request run alone."""
+    step, each row's tokens exactly those of the same request run alone; also over int8 and
+    4-bit base weights (the adapters wrap whatever kernel the weights got)."""
     loras = [adapter(tiny_checkpoints, adapter_root, "llama", n) for n in ADAPTERS]
     choices: list[LoRARequest | None] = [None, *loras]
-    llm = make_llm("llama", dtype="bfloat16", enable_lora=True, max_loras=4)
+    llm = make_llm("llama", dtype="bfloat16", enable_lora=True, max_loras=4,
+                   quantization=quantization)  # fmt: skip
     prompts = PROMPTS[:5]
     mixed_prompts = [prompts[i % 5] for i in range(10)]
     mixed_loras = [choices[i % 5] for i in range(10)]

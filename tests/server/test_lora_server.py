@@ -36,7 +36,7 @@ def lora_server(llama_checkpoint, server_logs, adapters):
     yield from start_server(
         llama_checkpoint, server_logs, "--enable-lora", "--max-loras", "2", "--max-cpu-loras",
         "2", "--lora-modules", f"a1={adapters['a1']}",
-        f'{{"name": "a2", "path": "{adapters["a2"]}", "base_model_name": "tiny"}}',
+        f'{{"name": "a2", "path": "{adapters["a2"]}", "base_model_name": "tiny-base"}}',
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
     )  # fmt: skip
 
@@ -52,6 +52,7 @@ def test_adapters_are_listed_with_their_parent(lora_server, adapters):
     models = {m.id: m for m in OpenAI(base_url=lora_server.base_url, api_key="x").models.list()}
     assert {"tiny", "a1", "a2"} <= set(models)
     assert models["a1"].parent == "tiny" and models["a1"].root == str(adapters["a1"])
+    assert models["a2"].parent == "tiny-base"  # the JSON form's base_model_name
     assert getattr(models["tiny"], "parent", None) is None
 
 

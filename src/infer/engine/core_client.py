@@ -88,6 +88,7 @@ _ATTRS = (
     "config",
     "spec",
     "lora_adapters",
+    "lora_parents",
 )
 
 

@@ -381,6 +381,14 @@ class LLMEngine:
             return {}
         return {name: r.lora_path for name, r in self.lora.registered.items()}
 
+    @property
+    def lora_parents(self) -> dict[str, str]:
+        """Adapters registered with a ``base_model_name`` (vLLM's JSON ``--lora-modules``): name
+        -> that name, which ``/v1/models`` shows as the adapter's ``parent``."""
+        if self.lora is None:
+            return {}
+        return {n: r.base_model_name for n, r in self.lora.registered.items() if r.base_model_name}
+
     def _keep_checkpoint_layers(self, load_quantization: str | None) -> None:
         """A GPTQ / AWQ checkpoint: keep its 4-bit layers as they are (unless ``--quantization``
         requantizes the model), and say what each layer became."""

@@ -119,6 +119,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving = Serving(async_engine, engine.tokenizer, settings, engine.max_model_len,
                       str(engine.model_path))  # fmt: skip
     serving.lora_adapters = dict(getattr(engine, "lora_adapters", None) or {})
+    lora_parents = dict(getattr(engine, "lora_parents", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 
     @asynccontextmanager
@@ -155,7 +156,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     def model_card(name: str) -> ModelCard:
         path = serving.lora_adapters.get(name) if name not in served else None
         if path is not None:
-            return ModelCard(id=name, root=path, parent=served[0],
+            return ModelCard(id=name, root=path, parent=lora_parents.get(name, served[0]),
                              max_model_len=engine.max_model_len)  # fmt: skip
         return ModelCard(id=name, root=str(engine.model_path), max_model_len=engine.max_model_len)
 
