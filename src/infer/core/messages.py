@@ -1,8 +1,10 @@
 """The step's messages between the scheduler (which decides) and the runner (which computes).
 
-``SchedulerOutput`` says what one forward pass is spent on; ``SampledToken`` is what comes back
-for each chunk that reached the end of its sequence. Both sides import this module and nothing
-of each other.
+``SchedulerOutput`` says what one forward pass is spent on; the runner turns it into a
+``StepBatch`` (plain data: what every tensor-parallel rank needs to run the pass, sent to the
+others each step) and answers with a ``ModelRunnerOutput``: a ``SampledToken`` (or a run of
+them) for each chunk that reached the end of its sequence. Both sides import this module and
+nothing of each other.
 """
 
 from __future__ import annotations
@@ -10,6 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infer.core.request import TokenLogprob
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's share of a step: ``num_new_tokens`` queries after ``num_computed_tokens``."""
+
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: list[int]
+    # Attend each new token as its own decode row (context = the tokens up to it), through
+    # the decode path: for a few queries after a long context (speculative verification)
+    # that is the decode kernel instead of a gathered, masked prefill.
+    as_decode_rows: bool = False
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + self.num_new_tokens
 
 
 @dataclass(frozen=True)
@@ -70,3 +89,39 @@ class SampledToken:
 Sampled = SampledToken | list[SampledToken]
 """What the runner returns per sampled chunk: one token, or for a chunk with proposals the
 accepted proposals followed by one more token (1 .. num_spec_tokens + 1 tokens)."""
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's model inputs as plain data: all a tensor-parallel rank needs to run it (the
+    driver sends it to the others each step; sampling stays with the driver)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    seqs: list[SequenceSlice]
+    sample_rows: list[int]  # rows whose logits are sampled
+    prompt_rows: list[int]  # rows whose logits give prompt logprobs
+    swap_out: list[tuple[int, int]]  # (device block, host block)
+    swap_in: list[tuple[int, int]]  # (host block, device block)
+    # LoRA: each row's adapter slot (-1: the base model); None when no row has an adapter.
+    row_lora_slots: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    """Seconds spent in one step's parts (for the engine-overhead split in benchmarks)."""
+
+    prepare: float
+    forward: float
+    sample: float
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one step computed: the sampled tokens of each chunk that reached the end of its
+    sequence (by request id), where the time went, and prompt logprobs by request id as
+    ``(position, logprob)`` pairs."""
+
+    sampled: dict[str, Sampled]
+    timings: StepTimings
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)

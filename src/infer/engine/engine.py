@@ -750,7 +750,7 @@ class LLMEngine:
             drain_time[0] = time.perf_counter() - t
 
         try:
-            sampled, timings, prompt_logprobs = self.runner.execute(
+            result = self.runner.execute(
                 sched, self.scheduler.requests, while_running if self._deferred else None
             )
         except EngineDeadError:
@@ -773,11 +773,12 @@ class LLMEngine:
         outputs.extend(drained)
         if not defer:  # what an earlier step deferred goes first
             outputs.extend(self._drain_deferred())
+        sampled, timings = result.sampled, result.timings
         for request_id in sampled:
             if request_id not in self._states:  # finished while this step ran (a stop string
                 self.runner.sampler.forget(request_id)  # found meanwhile): its draw re-made it
         t2 = time.perf_counter()
-        for request in self.scheduler.update_from_output(sched, sampled, prompt_logprobs):
+        for request in self.scheduler.update_from_output(sched, sampled, result.prompt_logprobs):
             if self.structured is not None and not request.is_finished:
                 self._advance_grammar(request)
             if defer:

@@ -31,26 +31,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from infer.core.messages import SequenceSlice
 from infer.kv_cache.sizing import check_kv_cache_dtype
 from infer.runner import hugepages, kv_quant
 from infer.runner.kernels import PrefillChunks, cpu_kernels
-
-
-@dataclass(frozen=True)
-class SequenceSlice:
-    """One sequence's share of a step: ``num_new_tokens`` queries after ``num_computed_tokens``."""
-
-    num_computed_tokens: int
-    num_new_tokens: int
-    block_table: list[int]
-    # Attend each new token as its own decode row (context = the tokens up to it), through
-    # the decode path: for a few queries after a long context (speculative verification)
-    # that is the decode kernel instead of a gathered, masked prefill.
-    as_decode_rows: bool = False
-
-    @property
-    def context_len(self) -> int:
-        return self.num_computed_tokens + self.num_new_tokens
 
 
 class KVCache:

@@ -16,16 +16,22 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from infer.core.messages import Sampled, SchedulerOutput
+from infer.core.messages import (
+    ModelRunnerOutput,
+    Sampled,
+    SchedulerOutput,
+    SequenceSlice,
+    StepBatch,
+    StepTimings,
+)
 from infer.core.request import Request, TokenLogprob
 from infer.model.parallel import TensorParallel
-from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
+from infer.runner.attention import AttentionContext, KVCache
 from infer.runner.decode_fast import FastDecoder
 from infer.runner.gpu.cuda_step import CudaStep, resolve_attention_backend
 from infer.runner.lora.manager import LoRAManager
@@ -42,33 +48,8 @@ CUDA_SDPA_BACKENDS = [
 ]
 
 
-@dataclass(frozen=True)
-class StepBatch:
-    """One step's model inputs as plain data: all a tensor-parallel rank needs to run it (the
-    driver sends it to the others each step; sampling stays with the driver)."""
-
-    token_ids: list[int]
-    positions: list[int]
-    seqs: list[SequenceSlice]
-    sample_rows: list[int]  # rows whose logits are sampled
-    prompt_rows: list[int]  # rows whose logits give prompt logprobs
-    swap_out: list[tuple[int, int]]  # (device block, host block)
-    swap_in: list[tuple[int, int]]  # (host block, device block)
-    # LoRA: each row's adapter slot (-1: the base model); None when no row has an adapter.
-    row_lora_slots: list[int] | None = None
-
-
 class BatchSender(Protocol):
     def send(self, batch: StepBatch) -> None: ...
-
-
-@dataclass(frozen=True)
-class StepTimings:
-    """Seconds spent in one step's parts (for the engine-overhead split in benchmarks)."""
-
-    prepare: float
-    forward: float
-    sample: float
 
 
 FAST_DECODE_ENV = "INFER_FAST_DECODE"
@@ -285,7 +266,7 @@ class ModelRunner:
         out: SchedulerOutput,
         requests: dict[str, Request],
         while_running: Callable[[], None] | None = None,
-    ) -> tuple[dict[str, Sampled], StepTimings, dict[str, list[tuple[int, TokenLogprob]]]]:
+    ) -> ModelRunnerOutput:
         """Run one step: its sampled tokens, timings, and prompt logprobs by request.
 
         ``while_running`` is called once the forward pass is launched and before anything waits
@@ -317,7 +298,8 @@ class ModelRunner:
             for request, result in zip(sample_reqs, results, strict=True):
                 sampled[request.request_id] = result
         t3 = time.perf_counter()
-        return sampled, StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2), prompt_lps
+        timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
+        return ModelRunnerOutput(sampled, timings, prompt_lps)
 
     def _prompt_logprobs(
         self,
