@@ -22,16 +22,13 @@ comes from one run of this command on one machine:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from pathlib import Path
 
-import torch
-
 from infer.bench.engine import build_random_llama, read_rate, run_load
 from infer.bench.quant import decode_step_ms, held_out_windows, perplexity
-from infer.bench.report import _cpu_model
+from infer.bench.report import offline_machine, save_report
 from infer.config import EngineConfig
 from infer.engine.engine import LLMEngine
 
@@ -145,21 +142,15 @@ def accuracy() -> dict:
 
 def run(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else build_llama_1b()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "machine": {"cpu": _cpu_model(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": offline_machine(),
         "model": str(model), "runs": args.runs,
     }  # fmt: skip
     if not args.skip_speed:
         report["speed"] = speed(model, args.methods.split(","), args.runs)
     if not args.skip_accuracy:
         report["accuracy"] = accuracy()
-    (out_dir / "int4.json").write_text(json.dumps(report, indent=2))
-    text = render(report)
-    (out_dir / "int4.md").write_text(text)
-    print(text)
+    save_report(report, render(report), args.out, "int4")
     return 0
 
 

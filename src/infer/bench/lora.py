@@ -19,14 +19,13 @@ as one finishes), 64 requests a run; the cases take turns (A B C A B C ...) and 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 import torch
 
 from infer.bench.engine import LLAMA_100M_DIR, llama_100m, serve_closed_loop
-from infer.bench.report import _cpu_model
+from infer.bench.report import offline_machine, save_report
 from infer.config import EngineConfig
 from infer.core.lora_request import LoRARequest
 from infer.core.sampling_params import SamplingParams
@@ -115,20 +114,14 @@ def run(args: argparse.Namespace) -> int:
                                         strict=True)]  # fmt: skip
         row["vs_base"] = statistics.median(ratios)
     report = {
-        "machine": {"cpu": _cpu_model(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": offline_machine(),
         "model": str(model), "adapters": args.adapters, "rank": args.rank, "runs": args.runs,
         "fast_decoder": lora.runner.fast_decoder is not None,
         "adapter_mib": sum(lora.lora.host[n].nbytes for n in names if n in lora.lora.host)
         / 2**20 / 2,  # bf16 in the slots (the host copies are float32)
         "cases": rows,
     }  # fmt: skip
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "lora.json").write_text(json.dumps(report, indent=2))
-    text = render(report)
-    (out_dir / "lora.md").write_text(text)
-    print(text)
+    save_report(report, render(report), args.out, "lora")
     return 0
 
 

@@ -23,7 +23,6 @@ taking turns run after run (A B C A B C ...), with the bytes one decode step rea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 from infer.bench.quant import decode_step_ms
-from infer.bench.report import _cpu_model
+from infer.bench.report import offline_machine, save_report
 from infer.config import EngineConfig
 from infer.engine.engine import LLMEngine
 
@@ -146,18 +145,12 @@ def speed(moe: Path, dense: Path, paths: list[str], runs: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     moe = Path(args.model) if args.model else build_qwen3_moe()
     dense = Path(args.dense_model) if args.dense_model else build_dense_twin()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "machine": {"cpu": _cpu_model(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": offline_machine(),
         "model": str(moe), "dense_model": str(dense), "runs": args.runs,
         "speed": speed(moe, dense, args.paths.split(","), args.runs),
     }  # fmt: skip
-    (out_dir / "moe.json").write_text(json.dumps(report, indent=2))
-    text = render(report)
-    (out_dir / "moe.md").write_text(text)
-    print(text)
+    save_report(report, render(report), args.out, "moe")
     return 0
 
 

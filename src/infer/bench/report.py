@@ -105,6 +105,13 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:60] or "run"
 
 
+def offline_machine() -> dict:
+    """The CPU, torch's thread count and version: the machine line of an offline report."""
+    import torch
+
+    return {"cpu": _cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
 def save_json(report: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
