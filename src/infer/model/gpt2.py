@@ -8,7 +8,7 @@ without one (the original OpenAI conversion); both load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,7 +22,9 @@ from infer.model.parallel import (
     Shard,
     get_tensor_parallel,
 )
-from infer.runner.attention import AttentionContext
+
+if TYPE_CHECKING:  # the attention backend is the runner's: models only call it
+    from infer.runner.attention import AttentionContext
 
 
 @dataclass(frozen=True)

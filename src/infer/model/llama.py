@@ -17,7 +17,7 @@ translate their ``config.json`` dialect.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,7 +40,9 @@ from infer.model.parallel import (
     get_tensor_parallel,
 )
 from infer.model.rope import RopeConfig, apply_rope, rope_config_from_dict, rope_params, rope_tables
-from infer.runner.attention import AttentionContext
+
+if TYPE_CHECKING:  # the attention backend is the runner's: models only call it
+    from infer.runner.attention import AttentionContext
 
 
 @dataclass(frozen=True)
