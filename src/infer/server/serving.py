@@ -359,8 +359,15 @@ async def stream_events(
         stream.abort()  # no-op when every choice finished
 
 
+# Characters JSON leaves raw but Python's str.splitlines (and so httpx's iter_lines) splits
+# lines at: escaped, so a client reading the stream line by line never cuts an event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: str) -> bytes:
-    return f"data: {payload}\n\n".encode()
+    """One server-sent event of a JSON ``payload`` (characters that some line readers take for
+    line breaks written as JSON escapes: the same JSON, one line everywhere)."""
+    return f"data: {payload.translate(_LINE_BREAKS)}\n\n".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"
