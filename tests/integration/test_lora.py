@@ -164,6 +164,7 @@ def test_prefix_cache_never_shares_kv_between_adapters(make_llm, tiny_checkpoint
     again = llm.generate([prompt], GREEDY, lora_request=a)[0]
     assert again.num_cached_tokens > 0  # the same adapter: a hit, and the same tokens
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.lora.num_loads == 2  # two slots, two adapters: each copied in once
     assert other.outputs[0].token_ids == hf_greedy(tiny_checkpoints, "llama", b)[5]
 
 

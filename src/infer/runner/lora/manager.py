@@ -141,8 +141,10 @@ class LoRAManager:
             if name in where:
                 out[name] = where[name]
         for name in sorted(names - set(out)):
-            slot = next(
-                (s for s in self._slot_lru if self.slots[s] is None or self.slots[s] not in names),
+            # A free slot first, else the least recently used one this step does not need.
+            free = [s for s in self._slot_lru if self.slots[s] is None]
+            slot = (
+                free[0] if free else next(s for s in self._slot_lru if self.slots[s] not in names)
             )
             self._load(slot, self._host_adapter(name))
             out[name] = slot
