@@ -35,7 +35,7 @@ def _sampled(spec: StructuredOutputs, n: int = 20, **options) -> list[SamplingPa
             for s in range(n)]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "gpt2", "qwen3_moe", "mixtral"])
 def test_every_sampled_output_matches_its_constraint(kind, make_llm):
     llm = make_llm(kind)
     cases = {
