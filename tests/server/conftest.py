@@ -150,6 +150,17 @@ def server_logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("server-logs")
 
 
+def assert_start_fails(model: Path, flags: list[str], message: str) -> None:
+    """``infer.server`` with ``flags`` exits non-zero at start-up, ``message`` on stderr and no
+    traceback."""
+    cmd = [sys.executable, "-m", "infer.server", "--model", str(model),
+           "--port", str(free_port()), *flags]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def start_server(
     model: Path,
     log_dir: Path,

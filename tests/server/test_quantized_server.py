@@ -3,13 +3,10 @@ and bad quantization options stop it at start-up with a message that names them.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from openai import OpenAI
-from tests.server.conftest import free_port, start_server
+from tests.server.conftest import assert_start_fails, start_server
 
 from infer.runner.quant import w8a8_available
 
@@ -48,9 +45,4 @@ def test_quantized_server_streams_and_frees_every_block(quantized_server):
 def test_bad_quantization_options_stop_the_server_with_a_clear_message(
     flags, message, llama_checkpoint
 ):
-    cmd = [sys.executable, "-m", "infer.server", "--model", str(llama_checkpoint),
-           "--port", str(free_port()), *flags]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert message in done.stderr
-    assert "Traceback" not in done.stderr
+    assert_start_fails(llama_checkpoint, flags, message)

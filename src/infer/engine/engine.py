@@ -322,9 +322,7 @@ class LLMEngine:
         """``--enable-lora``: wrap the projections and read the start-up adapters."""
         if self.config.lora is None:
             return None
-        if self.tp_size > 1:
-            raise ValueError("--enable-lora does not run with tensor parallelism yet")
-        from infer.runner.lora.manager import LoRAManager
+        from infer.runner.lora.manager import LoRAManager  # refuses what it cannot adapt
 
         lora = LoRAManager(self.model, self.config.lora)
         logger.info(
