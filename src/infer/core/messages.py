@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infer.core.kv_transfer import KVPayload
 from infer.core.request import TokenLogprob
 
 
@@ -65,6 +66,18 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class KVImport:
+    """A transferred prompt KV to copy into a newly admitted request's blocks before the pass:
+    ``payload``'s blocks ``first_block ..`` go to ``block_ids`` (its earlier blocks were prefix
+    cache hits on this side)."""
+
+    request_id: str
+    payload: KVPayload
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     num_batched_tokens: int
@@ -74,6 +87,8 @@ class SchedulerOutput:
     # Block copies the runner performs before the forward pass, swap-outs first.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    # Transferred prompt KV to copy in (prefill/decode disaggregation), after the swaps.
+    kv_imports: list[KVImport] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -105,6 +120,8 @@ class StepBatch:
     swap_in: list[tuple[int, int]]  # (host block, device block)
     # LoRA: each row's adapter slot (-1: the base model); None when no row has an adapter.
     row_lora_slots: list[int] | None = None
+    # Transferred prompt KV to copy in after the swaps (never under tensor parallelism).
+    kv_imports: list[KVImport] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

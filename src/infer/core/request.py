@@ -19,6 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from infer.core.kv_transfer import KVPayload
 from infer.core.sampling_params import SamplingParams
 
 
@@ -99,6 +100,8 @@ class Request:
         arrival_time: float | None = None,
         max_model_len: int | None = None,
         lora_name: str | None = None,
+        hold_kv: bool = False,
+        kv_payload: KVPayload | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -108,6 +111,12 @@ class Request:
         self.cache_salt = cache_salt
         # The LoRA adapter the request runs with (None: the base model).
         self.lora_name = lora_name
+        # Prefill/decode disaggregation: keep the KV blocks after finishing, for export
+        # (prefill side); the prompt KV computed elsewhere, copied in at admission (decode side).
+        self.hold_kv = hold_kv
+        self.kv_payload = kv_payload
+        # Prompt tokens whose KV came from a payload at admission.
+        self.num_transferred_tokens = 0
         self.timings = RequestTimings()
         if arrival_time is not None:
             self.timings.arrival = arrival_time

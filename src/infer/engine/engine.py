@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING
 import torch
 
 from infer.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
+from infer.core.kv_transfer import KVPayload
 from infer.core.lora_request import LoRARequest
 from infer.core.outputs import RequestOutput
 from infer.core.request import Request, RequestStatus
@@ -101,6 +102,10 @@ class EngineStats:
     waiting_lora_adapters: tuple[str, ...] = ()
     # A mixture of experts' load: (layer, rows each of its experts ran on) since start-up.
     moe_expert_rows: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # Prefill/decode disaggregation: finished requests holding blocks for export (prefill
+    # side); prompt tokens whose KV arrived in a payload (decode side).
+    num_kv_held_requests: int = 0
+    kv_transferred_tokens_total: int = 0
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float | None:
@@ -126,6 +131,15 @@ class KVCapacity:
     @property
     def total_bytes(self) -> int:
         return self.num_tokens * self.bytes_per_token
+
+
+KV_HOLD_TIMEOUT_ENV = "INFER_KV_HOLD_TIMEOUT"
+
+
+def kv_hold_timeout() -> float:
+    """Seconds a finished ``hold_kv`` request's blocks wait for ``export_kv`` /
+    ``release_kv`` before they are freed anyway (the caller went away)."""
+    return float(os.environ.get(KV_HOLD_TIMEOUT_ENV, "60") or 60)
 
 
 MALLOC_ENV = "INFER_MALLOC_TUNING"
@@ -606,11 +620,16 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | str | None = None,
+        hold_kv: bool = False,
+        kv_payload: KVPayload | None = None,
     ) -> None:
         """Queue one sequence. Raises ``InvalidRequestError`` naming the problem.
 
         ``lora_request``: the adapter to run with, a ``LoRARequest`` (read now if new) or the
-        name of a loaded one."""
+        name of a loaded one. Prefill/decode disaggregation (``infer.core.kv_transfer``):
+        ``hold_kv`` keeps the request's blocks after it finishes, for ``export_kv`` and
+        ``release_kv``; ``kv_payload`` is the prompt's KV computed by another engine (one that
+        does not fit this prompt or this cache is set aside: the prompt is computed here)."""
         n = len(prompt_token_ids)
         check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
         too_big = [t for t, _ in params.logit_bias if t >= self.spec.vocab_size]
@@ -635,6 +654,8 @@ class LLMEngine:
             arrival_time=arrival_time,
             max_model_len=self.max_model_len,
             lora_name=lora_name,
+            hold_kv=hold_kv,
+            kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload),
         )
         longest = n + request.max_new_tokens
         if not self.kv_manager.can_ever_fit(longest):
@@ -654,6 +675,39 @@ class LLMEngine:
             self._admit_compiled(wait=False)
             return
         self.scheduler.add_request(request)
+
+    def _check_payload(self, request_id: str, prompt: list[int],
+                       payload: KVPayload | None) -> KVPayload | None:  # fmt: skip
+        """The payload if this engine can use it for this prompt, else None (logged)."""
+        if payload is None:
+            return None
+        why = payload.usable_for(prompt, self.kv_manager.block_size)
+        if why is None and self.tp_workers is not None:
+            why = "the cache is split over tensor-parallel ranks"
+        if why is None and payload.layout != self.runner.kv_layout(payload.num_blocks):
+            why = f"cache layout {payload.layout}, this cache's {self.runner.kv_layout(payload.num_blocks)}"
+        if why is not None:
+            logger.warning("request %s: transferred KV set aside (%s); computing the prompt",
+                           request_id, why)  # fmt: skip
+            return None
+        return payload
+
+    def export_kv(self, request_id: str) -> KVPayload:
+        """The prompt KV of a finished ``hold_kv`` request (all but its last prompt token,
+        whose logits the decode side computes), as whole blocks in the cache's layout."""
+        request = self.scheduler.held.get(request_id)
+        if request is None:
+            raise ValueError(f"no KV held for request {request_id!r}")
+        num_tokens = request.num_prompt_tokens - 1
+        block_size = self.kv_manager.block_size
+        table = self.kv_manager.block_table(request)[: -(-num_tokens // block_size)]
+        layout, arrays = self.runner.export_kv(table)
+        return KVPayload(tuple(request.prompt_token_ids[:num_tokens]), block_size, layout, arrays)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a finished ``hold_kv`` request's blocks (kept as prefix cache when it is on);
+        False if none were held."""
+        return self.scheduler.release_held(request_id)
 
     def _structured_manager(self) -> StructuredOutputManager:
         if self.structured is None:
@@ -696,6 +750,8 @@ class LLMEngine:
             request.timings.finished = time.perf_counter()
             self._pending.append(self._make_output(request))
             return
+        if self.scheduler.release_held(request_id):  # finished; its export is not wanted
+            return
         self._finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
@@ -731,6 +787,11 @@ class LLMEngine:
         still deferred at once."""
         if self._compiling:
             self._admit_compiled(wait=not self.scheduler.has_unfinished_requests())
+        if self.scheduler.held:
+            stale = self.scheduler.release_held_before(time.perf_counter() - kv_hold_timeout())
+            if stale:
+                logger.warning("freed the KV held for export of %s: not exported within %gs",
+                               ", ".join(stale), kv_hold_timeout())  # fmt: skip
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -963,6 +1024,8 @@ class LLMEngine:
             spec_decode_accepted_per_position=tuple(c.spec_accepted_per_position),
             **self._lora_stats(),
             moe_expert_rows=expert_load(self._moe_layers),
+            num_kv_held_requests=len(self.scheduler.held),
+            kv_transferred_tokens_total=c.transferred_tokens,
         )
 
     def _lora_stats(self) -> dict:

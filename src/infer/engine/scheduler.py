@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 
 from infer.config import CacheConfig, SchedulerConfig
-from infer.core.messages import Sampled, ScheduledChunk, SchedulerOutput
+from infer.core.messages import KVImport, Sampled, ScheduledChunk, SchedulerOutput
 from infer.core.request import Request, RequestStatus, TokenLogprob
 from infer.engine.queue import make_queue
-from infer.kv_cache.manager import NO_HIT, KVManager
+from infer.kv_cache.manager import NO_HIT, KVManager, PrefixHit
 
 
 @dataclass
@@ -39,6 +39,7 @@ class SchedulerCounters:
     recomputed_tokens: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    transferred_tokens: int = 0  # prompt tokens whose KV a payload brought (decode side)
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
     # Speculative decoding (vLLM's spec_decode metric names): verified proposal runs, proposed
     # tokens, accepted tokens, and accepted tokens by position in the proposal.
@@ -46,6 +47,10 @@ class SchedulerCounters:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+
+
+# A finished ``hold_kv`` request keeps its blocks for export only when it ended normally.
+_KEEPS_KV = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 class Scheduler:
@@ -60,6 +65,9 @@ class Scheduler:
         self.waiting = make_queue(config.scheduling_policy, config.max_wait_steps)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Finished requests whose KV blocks are kept for export (prefill/decode
+        # disaggregation: ``hold_kv``), until ``release_held``.
+        self.held: dict[str, Request] = {}
         self.counters = SchedulerCounters()
 
     # ---- intake -------------------------------------------------------------------------------
@@ -78,13 +86,33 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-        self.kv.free(request)
+        request.kv_payload = None
+        if request.hold_kv and status in _KEEPS_KV:
+            self.held[request_id] = request  # its blocks stay allocated until release_held
+        else:
+            self.kv.free(request)
         request.spec_token_ids = []
         request.status = status
         request.timings.finished = time.perf_counter()
         reason = status.finish_reason or "unknown"
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         return request
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a finished ``hold_kv`` request; False if none are held."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        return True
+
+    def release_held_before(self, finished_before: float) -> list[str]:
+        """Free the held blocks of requests that finished before this ``perf_counter`` time
+        (their export was never asked for: the caller went away); their ids."""
+        stale = [rid for rid, r in self.held.items() if (r.timings.finished or 0) < finished_before]
+        for rid in stale:
+            self.release_held(rid)
+        return stale
 
     @property
     def num_waiting(self) -> int:
@@ -105,6 +133,7 @@ class Scheduler:
         preempted: list[str] = []
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
+        kv_imports: list[KVImport] = []
         self.kv.end_step()
         self.waiting.tick()
         self.counters.steps += 1
@@ -119,6 +148,9 @@ class Scheduler:
                 budget += len(chunk.token_ids)
             self.running.remove(victim)
             victim.spec_token_ids = []  # proposals are for the step they were made for
+            for imp in [k for k in kv_imports if k.request_id == victim.request_id]:
+                kv_imports.remove(imp)  # not copied into blocks it no longer holds
+                victim.kv_payload = imp.payload  # used again when it is admitted again
             self.counters.preemptions += 1
             victim.num_preemptions += 1
             pairs = self.kv.swap_out(victim) if cfg.preemption_mode == "swap" else None
@@ -186,7 +218,12 @@ class Scheduler:
                 request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
             )
             hit = self.kv.lookup_prefix(request) if fresh else NO_HIT
-            num_cached = hit.num_blocks * self.kv.block_size
+            payload = request.kv_payload if fresh else None
+            if payload is not None and payload.num_tokens > hit.num_tokens(self.kv.block_size):
+                # Transferred KV covers the prompt past the cached blocks: computed, too.
+                extra = payload.num_tokens - hit.num_tokens(self.kv.block_size)
+                hit = PrefixHit(hit.blocks, hit.hashes, extra)
+            num_cached = hit.num_tokens(self.kv.block_size)
             any_prefill = any(len(c.token_ids) - c.num_spec_tokens > 1 for c in scheduled.values())
             n = self._num_tokens_to_run(request, budget, any_prefill, num_cached)
             if n == 0:
@@ -206,9 +243,18 @@ class Scheduler:
             if request.status == RequestStatus.WAITING:
                 self.counters.prompt_tokens += request.num_prompt_tokens
             if not swapped:
-                self.kv.record_prefix_query(request.num_tokens, num_cached)
+                num_hit = hit.num_blocks * self.kv.block_size
+                self.kv.record_prefix_query(request.num_tokens, num_hit)
                 request.num_computed_tokens = num_cached
-                request.num_cached_tokens = num_cached
+                request.num_cached_tokens = num_hit
+                request.num_transferred_tokens = hit.num_transferred_tokens
+                self.counters.transferred_tokens += hit.num_transferred_tokens
+                if hit.num_transferred_tokens:
+                    assert payload is not None
+                    table = self.kv.block_table(request)
+                    kv_imports.append(KVImport(request.request_id, payload, hit.num_blocks,
+                                               table[hit.num_blocks : payload.num_blocks]))  # fmt: skip
+                request.kv_payload = None  # the import (if any) holds it for this step
             request.status = RequestStatus.RUNNING
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.perf_counter()
@@ -228,8 +274,9 @@ class Scheduler:
         )
         num_tokens = sum(len(c.token_ids) for c in chunks)
         return SchedulerOutput(
-            chunks, num_tokens, num_tokens - num_decode, num_decode, preempted, swap_out, swap_in
-        )
+            chunks, num_tokens, num_tokens - num_decode, num_decode, preempted, swap_out,
+            swap_in, kv_imports,
+        )  # fmt: skip
 
     def stop_at_string(self, request: Request, num_output_tokens: int) -> None:
         """The detokenizer found a stop string ending after ``num_output_tokens`` tokens: the

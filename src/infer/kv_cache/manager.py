@@ -24,14 +24,20 @@ from infer.kv_cache.block_pool import Block, BlockHash, BlockPool, PrefixCacheSt
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Blocks found in the prefix cache for a request about to be admitted."""
+    """Blocks found in the prefix cache for a request about to be admitted, and how many
+    tokens past them arrive as a transferred payload (prefill/decode disaggregation)."""
 
     blocks: list[Block]
     hashes: list[BlockHash]
+    num_transferred_tokens: int = 0
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    def num_tokens(self, block_size: int) -> int:
+        """Tokens the request starts with computed."""
+        return self.num_blocks * block_size + self.num_transferred_tokens
 
 
 NO_HIT = PrefixHit([], [])
@@ -241,8 +247,8 @@ class PagedKVManager(KVManager):
         held = self._blocks.get(request.request_id)
         num_held = len(held) if held else hit.num_blocks
         target = request.num_computed_tokens + num_new_tokens
-        if hit.num_blocks:
-            target = max(target, hit.num_blocks * self.block_size + num_new_tokens)
+        if hit.num_blocks or hit.num_transferred_tokens:
+            target = max(target, hit.num_tokens(self.block_size) + num_new_tokens)
         need = self.blocks_needed(target) - num_held
         # Reviving cached free blocks also takes them off the free list: count them.
         num_revived = sum(1 for b in hit.blocks if b.ref_count == 0) if held is None else 0

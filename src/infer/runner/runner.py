@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Protocol
 
@@ -22,6 +23,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer.core.messages import (
+    KVImport,
     ModelRunnerOutput,
     Sampled,
     SchedulerOutput,
@@ -143,6 +145,46 @@ class ModelRunner:
                 src, dst = zip(*batch.swap_in, strict=True)
                 device_blocks[:, :, list(dst)] = host_blocks[:, :, list(src)].to(self.device)
 
+    # ---- prefill/decode disaggregation: whole blocks in the cache's layout -------------------
+    def kv_layout(self, num_blocks: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """``(dtype, shape)`` of each stored tensor's range of ``num_blocks`` blocks."""
+        out = []
+        for view in self.kv_cache.block_views():
+            shape = list(view.shape)
+            shape[2] = num_blocks
+            out.append((str(view.dtype).removeprefix("torch."), tuple(shape)))
+        return tuple(out)
+
+    @torch.inference_mode()
+    def export_kv(self, block_ids: list[int]) -> tuple[tuple, tuple]:
+        """These blocks of every stored tensor, copied to host memory: ``(layout, arrays)``
+        with each array the raw bytes (uint8 numpy) of a ``[2, layers, len(block_ids), ...]``
+        range."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        arrays = []
+        for view in self.kv_cache.block_views():
+            blocks = view.index_select(2, index).to("cpu").contiguous()
+            arrays.append(blocks.view(torch.uint8).numpy())
+        return self.kv_layout(len(block_ids)), tuple(arrays)
+
+    def import_kv(self, imports: list[KVImport]) -> None:
+        """Copy each transferred payload's blocks (from ``first_block`` on) into the blocks
+        the scheduler allocated for them."""
+        for imp in imports:
+            if not imp.block_ids:
+                continue
+            dst = torch.tensor(imp.block_ids, dtype=torch.long, device=self.device)
+            first, last = imp.first_block, imp.first_block + len(imp.block_ids)
+            views = self.kv_cache.block_views()
+            for view, array, (dtype, shape) in zip(
+                views, imp.payload.arrays, imp.payload.layout, strict=True
+            ):
+                with warnings.catch_warnings():  # read-only (Ray's object store): only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    raw = torch.from_numpy(array)
+                src = raw.view(getattr(torch, dtype)).view(shape)
+                view.index_copy_(2, dst, src[:, :, first:last].to(self.device))
+
     def _row_index(self, name: str, rows: list[int]) -> torch.Tensor:
         if self.cuda_step is not None:  # no waiting copy on the GPU step
             return self.cuda_step.inputs.row_index(name, rows)
@@ -211,7 +253,7 @@ class ModelRunner:
                 proposals.append(chunk.spec_token_ids)
         batch = StepBatch(
             token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
-            self._lora_slots(out, requests),
+            self._lora_slots(out, requests), out.kv_imports,
         )  # fmt: skip
         return batch, sample_reqs, proposals, prompt_targets
 
@@ -235,6 +277,8 @@ class ModelRunner:
         """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
         one forward pass, and float32 logits of the sampled rows and of the prompt rows."""
         self.swap_blocks(batch)
+        if batch.kv_imports:  # after the swap-outs: a block freed by one may be a target
+            self.import_kv(batch.kv_imports)
         if self.lora is not None:
             self.lora.set_step(batch.row_lora_slots, self.device)
         if self.cuda_step is not None:
