@@ -701,6 +701,9 @@ def register(subparsers) -> None:
     from infer.bench.router import add_parser as add_router
 
     add_router(sub)
+    from infer.bench.disagg import add_parser as add_disagg
+
+    add_disagg(sub)
     gp = sub.add_parser(
         "gpu",
         help="one CUDA GPU: a 1B-shape Llama's roofline, engine modes (CUDA graphs / eager / "
