@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from ray import serve
 
 from infer.cluster.policy import POLICIES
 from infer.cluster.replica import InferReplica, ReplicaSpec
-from infer.cluster.router import Router, RouterSpec
+from infer.cluster.router import Router, RouterSpec, replica_names
 from infer.config import EngineConfig
 from infer.server.cli import server_settings
 from infer.server.serving import ServerSettings
@@ -46,26 +46,42 @@ class ClusterSpec:
     router: RouterSpec
     num_replicas: int = 2
     replica_cpus: float = 1.0
+    # Disaggregated serving: the first ``num_prefill`` replicas prefill, the rest decode.
+    num_prefill: int = 0
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.num_prefill and not 0 < self.num_prefill < self.num_replicas:
+            raise ValueError(f"{self.num_prefill} prefill replicas of {self.num_replicas}: "
+                             "at least one of each role")  # fmt: skip
         if self.router.policy not in POLICIES:
             raise ValueError(f"unknown router policy {self.router.policy!r}: choose one of "
                              f"{', '.join(POLICIES)}")  # fmt: skip
         if self.replica_cpus < 0:
             raise ValueError(f"replica_cpus must be >= 0, got {self.replica_cpus}")
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Each replica's role, in order."""
+        if not self.num_prefill:
+            return ("both",) * self.num_replicas
+        num_decode = self.num_replicas - self.num_prefill
+        return ("prefill",) * self.num_prefill + ("decode",) * num_decode
+
 
 def build_application(spec: ClusterSpec) -> serve.Application:
-    """The Serve application: ``spec.num_replicas`` replica deployments behind the router."""
+    """The Serve application: ``spec.num_replicas`` replica deployments behind the router
+    (named ``replica-i``, or ``prefill-k`` / ``decode-k`` when disaggregated)."""
+    roles = spec.roles
     replicas = [
-        InferReplica.options(
-            name=f"replica-{i}", ray_actor_options={"num_cpus": spec.replica_cpus}
-        ).bind(spec.replica)
-        for i in range(spec.num_replicas)
+        InferReplica.options(name=name, ray_actor_options={"num_cpus": spec.replica_cpus}).bind(
+            replace(spec.replica, role=role)
+        )
+        for name, role in zip(replica_names(roles), roles, strict=True)
     ]
-    return Router.options(name="router").bind(spec.router, *replicas)
+    router = replace(spec.router, roles=roles if spec.num_prefill else ())
+    return Router.options(name="router").bind(router, *replicas)
 
 
 def cluster_spec(args: argparse.Namespace, config: EngineConfig, chat_template: str | None,
@@ -84,7 +100,8 @@ def cluster_spec(args: argparse.Namespace, config: EngineConfig, chat_template: 
                         chat_template=chat_template, max_load_gap=args.router_max_load_gap,
                         log_level=args.log_level, api_key=args.api_key or None)  # fmt: skip
     return ClusterSpec(replica=replica, router=router, num_replicas=args.data_parallel_size,
-                       replica_cpus=replica_cpus)  # fmt: skip
+                       replica_cpus=replica_cpus,
+                       num_prefill=getattr(args, "prefill_replicas", 0))  # fmt: skip
 
 
 REPLICA_STARTUP_TIMEOUT_ENV = "INFER_REPLICA_STARTUP_TIMEOUT"
@@ -170,9 +187,9 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig, chat_template:
         if error is not None:
             logger.error("%s", error)
             return 1
-        logger.info("serving %s on http://%s:%d with %d replicas (router policy %s)",
+        logger.info("serving %s on http://%s:%d with %d replicas (%s; router policy %s)",
                     ", ".join(spec.replica.settings.served_model_names), args.host, args.port,
-                    n, spec.router.policy)  # fmt: skip
+                    n, ", ".join(replica_names(spec.roles)), spec.router.policy)  # fmt: skip
         while not stop.wait(1.0):
             pass
         logger.info("shutting down: draining the replicas")

@@ -52,9 +52,11 @@ class ResponseStart:
 _DONE = object()
 
 
-async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+async def call_asgi(app: Any, request: ForwardedRequest,
+                    extensions: dict[str, Any] | None = None) -> AsyncIterator[ResponseStart | bytes]:  # fmt: skip
     """Run ``request`` through the ASGI ``app``; yield its ``ResponseStart``, then body chunks
-    as the app sends them (an SSE stream event by event).
+    as the app sends them (an SSE stream event by event). ``extensions`` are added to the ASGI
+    scope (a disaggregated replica's KV hand-off).
 
     Closing or cancelling the iteration early is a client disconnect: the app receives
     ``http.disconnect`` (infer aborts the engine request on it) and its sends fail, then it
@@ -94,6 +96,7 @@ async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[Respon
         "headers": [(k.lower(), v) for k, v in request.headers],
         "client": request.client,
         "server": ("127.0.0.1", 0),
+        **(extensions or {}),
     }
 
     async def run() -> None:

@@ -8,19 +8,28 @@ the app answers, so the replicas behave byte for byte like single servers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import ray
 from ray import serve
 
 from infer.cluster.asgi import ForwardedRequest, ResponseStart, call_asgi
+from infer.cluster.disagg import KVReceived, KVTicket, NoRoom, PrefillResult
 from infer.config import EngineConfig
+from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY, KVHandoff
 from infer.server.serving import ServerSettings
 
 logger = logging.getLogger("infer.cluster")
+
+# Test hook: seconds a decode replica waits before fetching a transferred KV payload.
+_FETCH_DELAY_S = float(os.environ.get("INFER_TEST_KV_FETCH_DELAY", "0") or 0)
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class ReplicaSpec:
     engine_process: bool = True
     torch_threads: int | None = None
     log_level: str = "info"
+    role: str = "both"  # "prefill" | "decode": disaggregated (infer.cluster.disagg)
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,9 @@ class ReplicaInfo:
     num_blocks: int
     prefix_caching: bool
     max_model_len: int
+    role: str = "both"
+    pid: int = 0  # the replica's process
+    engine_pid: int | None = None  # its engine's process (None: a thread of the replica)
 
 
 @serve.deployment(
@@ -58,7 +71,10 @@ class InferReplica:
 
         _configure_logging(spec.log_level, access_log=False)
         self.engine = start_engine(spec.engine, spec.engine_process, spec.torch_threads)
-        self.app = build_app(self.engine, spec.settings)
+        settings = spec.settings
+        if spec.role != "both":
+            settings = replace(settings, role=spec.role)
+        self.app = build_app(self.engine, settings)
         self.async_engine = self.app.state.async_engine
         # The app's lifespan starts the engine loop on this (Serve's user-code) event loop and,
         # on exit, drains in-flight requests and stops the engine.
@@ -70,24 +86,67 @@ class InferReplica:
         self.info_ = ReplicaInfo(
             block_size=cap.block_size,
             num_blocks=cap.num_blocks,
-            prefix_caching=spec.engine.cache.enable_prefix_caching,
+            prefix_caching=bool(spec.engine.cache.enable_prefix_caching),
             max_model_len=self.engine.max_model_len,
+            role=spec.role,
+            pid=os.getpid(),
+            engine_pid=getattr(self.engine, "pid", None),
         )
-        logger.info("replica ready: KV cache %d blocks of %d tokens", cap.num_blocks,
-                    cap.block_size)  # fmt: skip
+        logger.info("%s replica ready: KV cache %d blocks of %d tokens", spec.role,
+                    cap.num_blocks, cap.block_size)  # fmt: skip
 
     async def info(self) -> ReplicaInfo:
         """The KV geometry the router's prefix policy needs."""
         return self.info_
 
-    async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+    async def handle(self, request: ForwardedRequest, ticket: KVTicket | None = None
+                     ) -> AsyncIterator[ResponseStart | bytes | KVReceived | NoRoom]:  # fmt: skip
         """Answer one forwarded request: a ``ResponseStart``, then body chunks as they come.
+
+        With a ``ticket`` (a decode replica): ``NoRoom`` and nothing else when the KV pool has
+        too few free blocks for the prompt now; else the payload is fetched from the object
+        store (``KVReceived``) and the request runs from it.
 
         Cancelled by the router (its client disconnected): the app gets ``http.disconnect``
         and aborts the engine request, as a single server does.
         """
-        async for piece in call_asgi(self.app, request):
+        extensions = None
+        if ticket is not None:
+            free = self.async_engine.stats.num_free_blocks
+            if free < ticket.num_blocks:
+                yield NoRoom(free, ticket.num_blocks)
+                return
+            t0 = time.perf_counter()
+            if _FETCH_DELAY_S:  # test hook: a transfer that provably outlasts a client
+                await asyncio.sleep(_FETCH_DELAY_S)
+            payload = await ticket.ref
+            yield KVReceived(time.perf_counter() - t0, ticket.nbytes)
+            extensions = {KV_TRANSFER_SCOPE_KEY: KVHandoff("decode", payload)}
+        async for piece in call_asgi(self.app, request, extensions):
             yield piece
+
+    async def prefill(self, request: ForwardedRequest) -> PrefillResult:
+        """Run the prefill half of a request (one token, held KV), then export the prompt's
+        KV into the object store and release the blocks. The app's answer comes back as is;
+        the ticket only when the request succeeded."""
+        handoff = KVHandoff("prefill")
+        pieces = [p async for p in call_asgi(self.app, request, {KV_TRANSFER_SCOPE_KEY: handoff})]
+        start = pieces[0]
+        assert isinstance(start, ResponseStart)
+        body = b"".join(p for p in pieces[1:] if isinstance(p, bytes))
+        if start.status != 200 or len(handoff.request_ids) != 1:
+            for rid in handoff.request_ids:  # held only when the request finished
+                await asyncio.shield(self.async_engine.call("release_kv", rid))
+            return PrefillResult(start, body)
+        (rid,) = handoff.request_ids
+        t0 = time.perf_counter()
+        try:
+            payload = await self.async_engine.call("export_kv", rid)
+        finally:  # also when the router gave up (cancelled) meanwhile: never keep the blocks
+            await asyncio.shield(self.async_engine.call("release_kv", rid))
+        ticket = KVTicket(ray.put(payload), payload.nbytes, payload.num_tokens,
+                          payload.block_size)  # fmt: skip
+        return PrefillResult(start, body, ticket, time.perf_counter() - t0)
 
     async def check_health(self) -> None:
         """Serve's health probe: a dead engine makes the replica unhealthy (Serve restarts it)."""

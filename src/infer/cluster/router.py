@@ -27,9 +27,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from infer.cluster.asgi import ForwardedRequest, ResponseStart
+from infer.cluster.disagg import KVReceived, NoRoom, PrefillResult, split_request
 from infer.cluster.metrics import merge_metrics
-from infer.cluster.policy import RoutingPolicy, make_policy, prompt_block_hashes
+from infer.cluster.policy import LeastLoaded, RoutingPolicy, make_policy, prompt_block_hashes
 from infer.kv_cache.block_pool import BlockHash
+from infer.server.errors import APIError
+from infer.server.serving import SSE_DONE, sse
 
 logger = logging.getLogger("infer.cluster")
 
@@ -39,6 +42,8 @@ BROADCAST_PATHS = ("/health", "/reset_prefix_cache")
 _INLINE_TOKENIZE_CHARS = 16_384
 # Routing-time samples kept for /router/stats percentiles.
 _RECENT = 4096
+# Disaggregated: how long a request whose KV no decode replica has room for waits for room.
+DECODE_ROOM_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,22 @@ class RouterSpec:
     max_load_gap: int = 4
     log_level: str = "info"
     api_key: str | None = None  # guards /router/stats (the replicas guard everything else)
+    # Each replica's role, in the order the replicas are bound ("both" for all when empty):
+    # with prefill and decode replicas the router splits requests (infer.cluster.disagg).
+    roles: tuple[str, ...] = ()
+
+
+def replica_names(roles: tuple[str, ...]) -> list[str]:
+    """Deployment names: ``replica-i`` when every replica does both phases, else
+    ``prefill-k`` / ``decode-k``."""
+    if all(r == "both" for r in roles):
+        return [f"replica-{i}" for i in range(len(roles))]
+    seen: dict[str, int] = {}
+    names = []
+    for role in roles:
+        names.append(f"{role}-{seen.get(role, 0)}")
+        seen[role] = seen.get(role, 0) + 1
+    return names
 
 
 class _ChatRendering:
@@ -79,17 +100,28 @@ class Router:
             raise ValueError("the router needs at least one replica")
         self.spec = spec
         self.replicas = list(replicas)
-        self.names = [f"replica-{i}" for i in range(len(replicas))]
+        roles = spec.roles or ("both",) * len(replicas)
+        if len(roles) != len(replicas):
+            raise ValueError(f"{len(roles)} roles for {len(replicas)} replicas")
+        self.names = replica_names(roles)
         infos = await asyncio.gather(*(h.info.remote() for h in self.replicas))
+        self.infos = dict(zip(self.names, infos, strict=True))
         self.block_size = infos[0].block_size
         if any(i.block_size != self.block_size for i in infos):
             raise ValueError("the replicas' KV block sizes differ")
+        # Disaggregated: the policy picks among the prefill replicas (``self.routed`` maps its
+        # indices to replicas), the least-loaded decode replica continues the stream.
+        self.decode_ids = [i for i, r in enumerate(roles) if r == "decode"]
+        self.routed = [i for i, r in enumerate(roles) if r != "decode"]
+        if bool(self.decode_ids) != any(r == "prefill" for r in roles):
+            raise ValueError("prefill replicas need decode replicas and the other way round")
+        self.decode_policy = LeastLoaded(len(self.decode_ids)) if self.decode_ids else None
         kwargs = {}
         if spec.policy == "prefix":
             # A replica can cache at most its pool's blocks: remember no more than that.
-            kwargs = {"capacity_blocks": min(i.num_blocks for i in infos),
+            kwargs = {"capacity_blocks": min(infos[i].num_blocks for i in self.routed),
                       "max_load_gap": spec.max_load_gap}  # fmt: skip
-        self.policy: RoutingPolicy = make_policy(spec.policy, len(replicas), **kwargs)
+        self.policy: RoutingPolicy = make_policy(spec.policy, len(self.routed), **kwargs)
         self.needs_hashes = spec.policy == "prefix"
         self.tokenizer = load_tokenizer(spec.tokenizer_path) if self.needs_hashes else None
         self.chat = _ChatRendering(self.tokenizer, spec.chat_template)
@@ -112,6 +144,21 @@ class Router:
                                  registry=self.registry)  # fmt: skip
         for name in self.names:
             self.m_in_flight.labels(name)
+        self.m_transfers = Counter("infer:kv_transfers", "Prompt KV hand-offs from a prefill "
+                                   "replica to a decode replica.", registry=self.registry)  # fmt: skip
+        self.m_transfer_bytes = Counter("infer:kv_transfer_bytes", "Bytes of prompt KV handed "
+                                        "off.", registry=self.registry)  # fmt: skip
+        self.m_transfer_seconds = Histogram("infer:kv_transfer_seconds", "Per hand-off: export "
+                                            "on the prefill side (copy out, into the object "
+                                            "store) + fetch on the decode side.",
+                                            registry=self.registry,
+                                            buckets=(1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1,
+                                                     0.2, 0.5, 1.0, 2.0))  # fmt: skip
+        self.m_no_room = Counter("infer:kv_transfer_no_room", "Decode replicas that had no room "
+                                 "for a prompt's KV when asked.", registry=self.registry)  # fmt: skip
+        self.m_phase_failures = Counter("infer:disagg_replica_failures", "Calls to a prefill or "
+                                        "decode replica that failed (the replica died or "
+                                        "restarted).", ["phase"], registry=self.registry)  # fmt: skip
         # (arrival -> replica call, of which: tokenize + hash + choose) per recent request
         self.recent_routing: deque[tuple[float, float]] = deque(maxlen=_RECENT)
         logger.info("router: %d replicas, policy %s, block size %d", len(replicas),
@@ -146,6 +193,9 @@ class Router:
             if path == "/reset_prefix_cache" and request.method == "POST":
                 self._forget_prefixes()
             return await self._broadcast(forwarded)
+        named = request.query_params.get("replica")
+        if named in self.names:  # e.g. /dashboard?replica=decode-0: that replica's live view
+            return await self._forward(self.names.index(named), forwarded, request, on_end=None)
         replica = self._any
         self._any = (self._any + 1) % len(self.replicas)
         return await self._forward(replica, forwarded, request, on_end=None)
@@ -157,35 +207,126 @@ class Router:
         given = request.headers.get("authorization", "").encode()
         return hmac.compare_digest(given, f"Bearer {self.spec.api_key}".encode())
 
-    async def _generate(self, fwd: ForwardedRequest, arrived: float, raw: Request) -> Response:
-        decide_from = time.perf_counter()
-        hashes: list[BlockHash] = []
-        if self.needs_hashes:
-            hashes = await self._block_hashes(fwd.path, fwd.body)
-        decision = self.policy.choose(hashes)
-        replica = decision.replica
-        self.policy.start(replica, hashes)
+    def _track(self, policy: RoutingPolicy, local: int, replica: int, reason: str,
+               hashes: list[BlockHash] = ()) -> Any:  # fmt: skip
+        """Count a request started on ``replica`` (index ``local`` of ``policy``); the
+        function that ends it, exactly once, however the response ends."""
+        policy.start(local, hashes)
         name = self.names[replica]
-        self.m_requests.labels(name, decision.reason).inc()
+        self.m_requests.labels(name, reason).inc()
         self.m_in_flight.labels(name).inc()
-        self.m_matched.inc(decision.matched_blocks)
-        now = time.perf_counter()
-        self.m_routing.observe(now - arrived)
-        self.recent_routing.append((now - arrived, now - decide_from))
         ended = False
 
         def on_end() -> None:
             nonlocal ended
-            if not ended:  # exactly once, however the response ends
+            if not ended:
                 ended = True
-                self.policy.finish(replica)
+                policy.finish(local)
                 self.m_in_flight.labels(name).dec()
 
+        return on_end
+
+    async def _generate(self, fwd: ForwardedRequest, arrived: float, raw: Request) -> Response:
+        decide_from = time.perf_counter()
+        prefill_fwd = split_request(fwd) if self.decode_policy is not None else None
+        if self.decode_policy is not None and prefill_fwd is None:
+            # Not split (several prompts or choices, prompt logprobs): one decode replica
+            # runs both phases.
+            self.recent_routing.append((time.perf_counter() - arrived, 0.0))
+            return await self._decode_phase(fwd, None, raw)
+        hashes: list[BlockHash] = []
+        if self.needs_hashes:
+            hashes = await self._block_hashes(fwd.path, fwd.body)
+        decision = self.policy.choose(hashes)
+        replica = self.routed[decision.replica]
+        on_end = self._track(self.policy, decision.replica, replica, decision.reason, hashes)
+        self.m_matched.inc(decision.matched_blocks)
+        now = time.perf_counter()
+        self.m_routing.observe(now - arrived)
+        self.recent_routing.append((now - arrived, now - decide_from))
+        if prefill_fwd is not None:
+            try:
+                result = await self._prefill(replica, prefill_fwd)
+            except (asyncio.CancelledError, Exception) as e:
+                on_end()
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                self.m_phase_failures.labels("prefill").inc()
+                logger.warning("prefill on %s failed: %s", self.names[replica], e)
+                return _error(503, f"the prefill replica failed: {type(e).__name__}",
+                              "replica_failed")  # fmt: skip
+            on_end()
+            if result.ticket is None:  # an error answer (bad input, 429, ...): the client's
+                return Response(result.body, status_code=result.start.status,
+                                headers=_response_headers(result.start))  # fmt: skip
+            return await self._decode_phase(fwd, result, raw)
         try:
             return await self._forward(replica, fwd, raw, on_end=on_end)
         except BaseException:
             on_end()
             raise
+
+    async def _prefill(self, replica: int, fwd: ForwardedRequest) -> PrefillResult:
+        """The prefill replica's answer; cancelling (the client left) cancels its call, which
+        aborts the prefill or releases the KV it held."""
+        response = self.replicas[replica].prefill.remote(fwd)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+    async def _decode_phase(self, fwd: ForwardedRequest, prefill: PrefillResult | None,
+                            raw: Request) -> Response:  # fmt: skip
+        """Send the request (with the prefill's KV ticket, if any) to the least-loaded
+        decode replica that has room for it: one that has none answers ``NoRoom`` and the next
+        is asked; when none has, wait for room (up to ``DECODE_ROOM_WAIT_S``). A replica call
+        that fails before the response starts is retried once (on the next replica); then a
+        503 names the failure."""
+        assert self.decode_policy is not None
+        ticket = prefill.ticket if prefill is not None else None
+        policy = self.decode_policy
+        deadline = time.monotonic() + DECODE_ROOM_WAIT_S
+        failures = 0
+        while True:
+            order = sorted(range(policy.num_replicas),
+                           key=lambda i: (policy.in_flight[i], policy.sent[i], i))  # fmt: skip
+            for local in order:
+                replica = self.decode_ids[local]
+                on_end = self._track(policy, local, replica, "decode")
+                gen = self.replicas[replica].options(stream=True).handle.remote(fwd, ticket)
+                try:
+                    first = await gen.__anext__()
+                    if isinstance(first, KVReceived):
+                        assert prefill is not None
+                        self.m_transfers.inc()
+                        self.m_transfer_bytes.inc(first.nbytes)
+                        self.m_transfer_seconds.observe(prefill.export_seconds + first.seconds)
+                        first = await gen.__anext__()
+                except asyncio.CancelledError:
+                    gen.cancel()
+                    on_end()
+                    raise
+                except Exception as e:  # noqa: BLE001 - the replica died or restarted
+                    gen.cancel()
+                    on_end()
+                    failures += 1
+                    self.m_phase_failures.labels("decode").inc()
+                    logger.warning("decode on %s failed: %s", self.names[replica], e)
+                    if failures > 1:
+                        return _error(503, f"the decode replica failed: {type(e).__name__}",
+                                      "replica_failed")  # fmt: skip
+                    continue
+                if isinstance(first, NoRoom):
+                    gen.cancel()
+                    on_end()
+                    self.m_no_room.inc()
+                    continue
+                return await self._relay(gen, first, on_end)
+            if time.monotonic() > deadline:
+                return _error(503, f"no decode replica had room for this prompt's KV within "
+                              f"{DECODE_ROOM_WAIT_S:g}s", "no_room")  # fmt: skip
+            await asyncio.sleep(0.05)
 
     async def _forward(self, replica: int, fwd: ForwardedRequest, raw: Request,
                        on_end: Any) -> Response:  # fmt: skip
@@ -196,6 +337,11 @@ class Router:
         except BaseException:
             gen.cancel()
             raise
+        return await self._relay(gen, start, on_end)
+
+    async def _relay(self, gen: Any, start: Any, on_end: Any) -> Response:
+        """A replica's answer from its first piece on: an SSE stream relayed chunk by chunk
+        (a replica that dies mid-stream ends it with an error event), else the whole body."""
         assert isinstance(start, ResponseStart)
         headers = _response_headers(start)
         if (start.header("content-type") or "").startswith("text/event-stream"):
@@ -209,6 +355,13 @@ class Router:
                 try:
                     async for chunk in gen:
                         yield chunk
+                except Exception as e:  # noqa: BLE001 - the replica died mid-stream
+                    logger.warning("a replica failed mid-stream: %s", e)
+                    yield sse(json.dumps(APIError(502, f"the replica serving this stream "
+                                                  f"failed: {type(e).__name__}",
+                                                  type="server_error",
+                                                  code="replica_failed").body()))  # fmt: skip
+                    yield SSE_DONE
                 finally:
                     cleanup()
 
@@ -308,11 +461,19 @@ class Router:
             at = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
             return {"count": len(xs), "p50": at(0.5), "p99": at(0.99), "mean": sum(xs) / len(xs)}
 
+        sent = [0] * len(self.names)
+        in_flight = [0] * len(self.names)
+        for policy, ids in ((self.policy, self.routed), (self.decode_policy, self.decode_ids)):
+            for local, replica in enumerate(ids):
+                sent[replica] = policy.sent[local]  # type: ignore[union-attr]
+                in_flight[replica] = policy.in_flight[local]  # type: ignore[union-attr]
         return {
             "policy": self.policy.name,
             "replicas": self.names,
-            "sent": list(self.policy.sent),
-            "in_flight": list(self.policy.in_flight),
+            "roles": {n: i.role for n, i in self.infos.items()},
+            "pids": {n: {"replica": i.pid, "engine": i.engine_pid} for n, i in self.infos.items()},
+            "sent": sent,
+            "in_flight": in_flight,
             "routing_seconds": summary([r for r, _ in self.recent_routing]),
             "decision_seconds": summary([d for _, d in self.recent_routing]),
         }
@@ -332,6 +493,12 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._cleanup()
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    """An OpenAI-style error body from the router itself."""
+    body = APIError(status, message, type="server_error", code=code).body()
+    return JSONResponse(body, status_code=status)
 
 
 _HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}

@@ -21,7 +21,7 @@ engine with another cache layout refuses the payload instead of reading garbage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -62,3 +62,22 @@ class KVPayload:
         if tuple(prompt_token_ids[:n]) != self.token_ids:
             return "the payload's tokens are not this prompt's"
         return None
+
+
+KV_TRANSFER_SCOPE_KEY = "infer.kv_transfer"
+"""The ASGI scope key under which a disaggregated replica hands its app a :class:`KVHandoff`."""
+
+
+@dataclass
+class KVHandoff:
+    """What a disaggregated replica asks of one HTTP request it runs through infer's app.
+
+    ``role="prefill"``: the request's sequence keeps its KV after it finishes (``hold_kv``); the
+    app records the engine request ids here, for the replica to export and release. (The
+    router already asked for one token.) ``role="decode"``: the request's first sequence
+    starts from ``payload``.
+    """
+
+    role: str  # "prefill" | "decode"
+    payload: KVPayload | None = None
+    request_ids: list[str] = field(default_factory=list)

@@ -115,7 +115,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         on_finished=on_finished,
     )
     if settings.dashboard:
-        dashboard = Dashboard(async_engine, served[0])
+        dashboard = Dashboard(async_engine, served[0], settings.role)
     serving = Serving(async_engine, engine.tokenizer, settings, engine.max_model_len,
                       str(engine.model_path))  # fmt: skip
     serving.lora_adapters = dict(getattr(engine, "lora_adapters", None) or {})

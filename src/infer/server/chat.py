@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError
@@ -163,7 +164,9 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     params = serving.sampling_params(req, max_tokens, k, constraint)
     request_id = new_id("chatcmpl")
     raw.state.request_id = request_id
-    stream = await serving.submit(request_id, [ids], params, req)
+    stream = await serving.submit(
+        request_id, [ids], params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY)
+    )
     if req.stream:
         return SSEResponse(_stream(serving, req, raw, stream, request_id, model, mode))
     return await cancel_on_disconnect(

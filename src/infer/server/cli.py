@@ -61,6 +61,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run N engine replicas on Ray Serve behind this one endpoint, with a "
                    "router (see docs/replicas.md)")  # fmt: skip
+    g.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
+                   help="disaggregated serving: P replicas compute prompts and hand their KV "
+                   "to the decode replicas (with --decode-replicas; see docs/disaggregation.md)")  # fmt: skip
+    g.add_argument("--decode-replicas", type=int, default=0, metavar="D",
+                   help="disaggregated serving: D replicas take the prompt KV and stream the "
+                   "tokens")  # fmt: skip
     g.add_argument("--router-policy", default="prefix",
                    choices=["prefix", "round-robin", "least-loaded"],
                    help="how the router picks a replica: the one most likely to hold the "
@@ -160,6 +166,27 @@ def cpu_binding(args: argparse.Namespace, config: EngineConfig) -> CpuBinding | 
     return binding
 
 
+def disaggregation(args: argparse.Namespace, config: EngineConfig) -> None:
+    """Check ``--prefill-replicas`` / ``--decode-replicas`` (ValueError naming the problem)
+    and set ``--data-parallel-size`` to their sum."""
+    p, d = args.prefill_replicas, args.decode_replicas
+    if not p and not d:
+        return
+    if p < 1 or d < 1:
+        raise ValueError(f"disaggregated serving needs both --prefill-replicas and "
+                         f"--decode-replicas >= 1, got {p} and {d}")  # fmt: skip
+    if args.data_parallel_size not in (1, p + d):
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} but --prefill-replicas "
+                         f"{p} + --decode-replicas {d} = {p + d}: give one or make them agree")  # fmt: skip
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("disaggregated serving does not combine with --tensor-parallel-size "
+                         "(the transferred KV is one whole cache's)")  # fmt: skip
+    if config.cache.kv_cache_backend != "paged" or not config.cache.use_kv_cache:
+        raise ValueError("disaggregated serving moves paged KV blocks: it needs the paged KV "
+                         "cache")  # fmt: skip
+    args.data_parallel_size = p + d
+
+
 def serve(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level, args.access_log)
     from infer.server.app import build_app
@@ -178,6 +205,11 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if args.data_parallel_size < 1:
         logger.error("--data-parallel-size must be >= 1, got %d", args.data_parallel_size)
+        return 2
+    try:
+        disaggregation(args, config)
+    except ValueError as e:
+        logger.error("%s", e)
         return 2
     try:
         binding = cpu_binding(args, config)

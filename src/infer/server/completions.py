@@ -9,6 +9,7 @@ from dataclasses import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.engine.async_engine import RequestStream
@@ -125,7 +126,9 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)
     request_id = new_id("cmpl")
     raw.state.request_id = request_id
-    stream = await serving.submit(request_id, token_prompts, params, req)
+    stream = await serving.submit(
+        request_id, token_prompts, params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY)
+    )
     echo: list[str] | None = None
     if req.echo:
         echo = [p if isinstance(p, str) else serving.tokenizer.decode(p) for p in prompts]

@@ -77,9 +77,11 @@ class LatencyWindow:
 class Dashboard:
     """The event feed of the live view; one per app."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_name: str,
+                 role: str | None = None) -> None:  # fmt: skip
         self.async_engine = async_engine
         self.model_name = model_name
+        self.role = role  # "prefill" / "decode" on a disaggregated replica
         self.latency = LatencyWindow()
         self.num_viewers = 0
 
@@ -105,6 +107,8 @@ class Dashboard:
                 dt = max(1e-6, now - last[0])
                 event = poll.to_json()
                 event["model"] = self.model_name
+                if self.role:
+                    event["role"] = self.role
                 event["latency"] = self.latency.summary()
                 event["throughput"] = {
                     "prompt_tok_s": (stats.prompt_tokens_total - last[1]) / dt,

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from infer.core.kv_transfer import KVHandoff
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
@@ -61,6 +62,7 @@ class ServerSettings:
     chat_template: str | None = None
     drain_timeout: float = 30.0
     dashboard: bool = True  # serve the live view at /dashboard
+    role: str | None = None  # a disaggregated replica's role, shown by the live view
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -190,8 +192,12 @@ class Serving:
 
     # ---- fan-out ------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     req: _SamplingFields) -> RequestStream:  # fmt: skip
+                     req: _SamplingFields, kv: KVHandoff | None = None) -> RequestStream:  # fmt: skip
         """One engine request per (prompt, choice): choice index ``i * n + j``, id ``{id}-{index}``.
+
+        ``kv``: a disaggregated replica's hand-off (``infer.core.kv_transfer``): prefill
+        requests hold their KV for export, a decode request's first sequence starts from the
+        transferred payload.
 
         Raises ``APIError`` 429 when the queue is full, 400 when the engine refuses the request.
         """
@@ -213,8 +219,13 @@ class Serving:
                         cache_salt=req.cache_salt,
                         arrival_time=arrival,
                         lora_name=lora_name,
+                        hold_kv=kv is not None and kv.role == "prefill",
+                        kv_payload=kv.payload if kv is not None and not adds else None,
                     )
                 )
+        if kv is not None:
+            kv.request_ids.extend(a.request_id for a in adds)
+            kv.payload = None  # the AddRequest has it; the scope need not keep it alive
         try:
             stream = self.engine.add_group(adds)
         except QueueFullError as e:

@@ -10,6 +10,8 @@ const MAX_ROWS = 40;
 const LIVE_INTERVAL_S = 0.5;
 const $ = (id) => document.getElementById(id);
 const apiKey = new URLSearchParams(location.search).get("api_key");
+// Behind the replicas' router: ?replica=NAME shows that replica's view (each shows its role).
+const replica = new URLSearchParams(location.search).get("replica");
 
 // ---- colours -------------------------------------------------------------------------------
 function hueOf(text) {
@@ -227,6 +229,7 @@ function goLive() {
   $("replay-controls").hidden = true;
   const q = new URLSearchParams({ interval: String(LIVE_INTERVAL_S) });
   if (apiKey) q.set("api_key", apiKey);
+  if (replica) q.set("replica", replica);
   source = new EventSource(`/dashboard/events?${q}`);
   source.onopen = () => setMode("live", "live");
   source.onerror = () => setMode("off", "disconnected (retrying)");
@@ -234,7 +237,7 @@ function goLive() {
     const ev = JSON.parse(msg.data);
     ev.steps.forEach(pushStep);
     if (document.hidden) return;  // a background tab keeps its data but draws nothing
-    $("model").textContent = ev.model;
+    $("model").textContent = ev.role ? `${ev.model} (${ev.role} replica)` : ev.model;
     $("preemptions").dataset.serverTotal = ev.server.preemptions_total;
     $("gen-tps").textContent = ev.throughput.generation_tok_s.toFixed(0);
     pushLatency(ev);
