@@ -388,12 +388,11 @@ async def _workload(url: str, shorts: list[list[int]], longs: list[list[int]],
             await asyncio.gather(*tasks, return_exceptions=True)
 
     itls = []
-    coalesced = events_in = 0
+    coalesced = 0
     for r in short_recs:
         for (a, _), (b, k) in zip(r.events, r.events[1:], strict=False):
             if a >= ws and b <= we:
                 itls.append(b - a)
-                events_in += 1
                 coalesced += k > 1
     tokens = sum(k for r in short_recs + long_recs for t, k in r.events if ws <= t <= we)
     short_tokens = sum(k for r in short_recs for t, k in r.events if ws <= t <= we)
@@ -578,19 +577,41 @@ def _one(model: Path, mode: str, rnd: int, args: argparse.Namespace, out: Path,
     idle = _prompts(rng, args.idle_requests, args.long_prompt_tokens, vocab)
     warm = _prompts(rng, 2, args.long_prompt_tokens, vocab)
     t0 = time.monotonic()
-    proc, url = _start(model, mode, args, out / f"server-{mode}-{rnd}.log")
+    log = out / f"server-{mode}-{rnd}.log"
+    proc, url = _start(model, mode, args, log)
+    phase = "warm-up"
     try:
         started_s = time.monotonic() - t0
         asyncio.run(_warm_up(url, warm[0][: args.short_prompt_tokens], warm[1]))
         result: dict[str, Any] = {"start_s": started_s}
         if idle:
+            phase = "idle requests"
             result["idle"] = asyncio.run(_idle(url, idle))
+        phase = "workload"
         result.update(asyncio.run(_workload(url, shorts, longs, args, short_max)))
+    except Exception as e:
+        note = _stopped_note(proc, log)
+        raise RuntimeError(f"{phase}: {type(e).__name__}: {e!s:.300}{note}") from e
     finally:
         from infer.bench.router import _stop
 
         _stop(proc)
     return result
+
+
+def _stopped_note(proc: subprocess.Popen, log: Path) -> str:
+    """Why the server may have gone away under the benchmark (before it stopped it)."""
+    notes = []
+    if proc.poll() is not None:
+        notes.append(f"the server exited ({proc.returncode})")
+    try:
+        text = log.read_text(errors="replace").lower()
+    except OSError:
+        text = ""
+    if any(s in text for s in ("stopped by a signal", "shutting down", "raylet is terminated")):
+        notes.append("its log says it was stopped from outside this benchmark (a signal, "
+                     "`ray stop`?)")  # fmt: skip
+    return f" ({'; '.join(notes)}; see {log})" if notes else f" (see {log})"
 
 
 def _median(runs: list[dict[str, Any]], *path: str) -> float | None:
