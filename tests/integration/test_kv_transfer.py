@@ -1,6 +1,6 @@
 """Prefill on one engine, decode on another: the prompt's KV blocks move between them
-(``hold_kv`` / ``export_kv`` / ``release_kv`` on the prefill side, ``kv_payload`` on the decode
-side) and the tokens are exactly one engine's. The ``make_llm`` fixture checks, after each test,
+(``export_kv`` on the prefill side: the payload rides on the final output; ``kv_payload`` on the
+decode side) and the tokens are exactly one engine's. The ``make_llm`` fixture checks, after each test,
 that both engines are idle with every KV block back in the pool."""
 
 from __future__ import annotations
@@ -18,26 +18,28 @@ FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 SYSTEM = "You are a careful assistant that answers questions about the Python language. "
 
 
-def _run(engine) -> dict[str, list[int]]:
+def _run(engine, payloads: dict | None = None) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.kv_payload is not None:
+                assert out.finished
+                assert payloads is not None
+                payloads[out.request_id] = out.kv_payload
     return tokens
 
 
 def _prefill(engine, prompts: list[list[int]]):
-    """Prefill each prompt with ``hold_kv``; the exported payloads (pickled and back, as they
-    travel), every held block released."""
+    """Prefill each prompt with ``export_kv``: the payloads of the final outputs (pickled and
+    back, as they travel) and the first tokens; the blocks are free once the step is done."""
     for i, ids in enumerate(prompts):
-        engine.add_request(f"p{i}", ids, FIRST, hold_kv=True)
-    firsts = _run(engine)
-    assert engine.get_stats().num_kv_held_requests == len(prompts)
-    payloads = []
-    for i in range(len(prompts)):
-        payloads.append(pickle.loads(pickle.dumps(engine.export_kv(f"p{i}"))))
-        assert engine.release_kv(f"p{i}")
-    assert engine.get_stats().num_kv_held_requests == 0
+        engine.add_request(f"p{i}", ids, FIRST, export_kv=True)
+    got: dict = {}
+    firsts = _run(engine, got)
+    kv = engine.kv_manager
+    assert kv.num_free_blocks == kv.num_total_blocks and not engine.scheduler.held
+    payloads = [pickle.loads(pickle.dumps(got[f"p{i}"])) for i in range(len(prompts))]
     return payloads, [firsts[f"p{i}"] for i in range(len(prompts))]
 
 
@@ -115,34 +117,20 @@ def test_a_payload_that_does_not_fit_is_set_aside_and_the_prompt_computed(make_l
             assert got == want
 
 
-def test_held_blocks_are_freed_by_release_abort_or_timeout(make_llm, monkeypatch):
-    llm = make_llm("llama", block_size=4, enable_prefix_caching=True)
+def test_a_payload_comes_only_with_a_normal_finish(make_llm):
+    llm = make_llm("llama", block_size=4, prefill_chunk_size=8)
     engine = llm.engine
-    kv = engine.kv_manager
     prompt = list(range(10, 60))
-    for rid in ("a", "b", "c"):
-        engine.add_request(rid, prompt, FIRST, hold_kv=True)
-    _run(engine)
-    assert engine.get_stats().num_kv_held_requests == 3
-    assert kv.num_free_blocks < kv.num_total_blocks
-    assert engine.release_kv("a") and not engine.release_kv("a")
-    with pytest.raises(ValueError, match="no KV held"):
-        engine.export_kv("a")
-    engine.abort_request("b")  # the caller went away after the prefill finished
-    assert engine.get_stats().num_kv_held_requests == 1
-    monkeypatch.setenv("INFER_KV_HOLD_TIMEOUT", "0")
-    engine.step()  # a held request past the timeout is freed between steps
-    assert engine.get_stats().num_kv_held_requests == 0
-    assert kv.num_free_blocks == kv.num_total_blocks
-
-
-def test_aborted_or_failed_prefills_hold_nothing(make_llm):
-    llm = make_llm("llama", block_size=4)
-    engine = llm.engine
-    engine.add_request("a", list(range(10, 60)), FIRST, hold_kv=True)
-    engine.abort_request("a")  # before it ran
-    _run(engine)
-    assert engine.get_stats().num_kv_held_requests == 0
+    engine.add_request("gone", prompt, FIRST, export_kv=True)
+    engine.add_request("kept", prompt[:30], FIRST, export_kv=True)
+    engine.step()  # "gone" is mid-prefill
+    engine.abort_request("gone")
+    got: dict = {}
+    _run(engine, got)
+    assert list(got) == ["kept"] and got["kept"].num_tokens == 29
+    # The payload is the cache's own bytes: whole blocks, values then int8 scales if any.
+    assert got["kept"].num_blocks == 8 and len(got["kept"].arrays) == 1
+    assert got["kept"].nbytes == engine.runner.kv_cache.block_views()[0][:, :, :8].numel() * 4
 
 
 def test_decode_side_preempted_after_import_recomputes_correctly(make_llm):

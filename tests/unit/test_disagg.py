@@ -75,7 +75,7 @@ def test_preempted_before_its_step_gives_the_payload_back():
 def test_held_blocks_stay_until_released_and_only_after_a_normal_finish():
     s = make_scheduler(num_blocks=64, block_size=4)
     kept = make_request("kept", prompt_len=10, max_tokens=1)
-    kept.hold_kv = True
+    kept.export_kv = True
     s.add_request(kept)
     run_to_completion(s)
     assert list(s.held) == ["kept"] and s.kv.num_free_blocks == 61
@@ -83,21 +83,10 @@ def test_held_blocks_stay_until_released_and_only_after_a_normal_finish():
     assert s.release_held("kept") and not s.release_held("kept")
     assert s.kv.num_free_blocks == 64
     aborted = make_request("gone", prompt_len=10, max_tokens=1)
-    aborted.hold_kv = True
+    aborted.export_kv = True
     s.add_request(aborted)
     s.finish_request("gone", RequestStatus.FINISHED_ABORTED)
     assert not s.held and s.kv.num_free_blocks == 64
-
-
-def test_stale_held_requests_are_released():
-    s = make_scheduler(num_blocks=64, block_size=4)
-    for rid in ("a", "b"):
-        r = make_request(rid, prompt_len=6, max_tokens=1)
-        r.hold_kv = True
-        s.add_request(r)
-    run_to_completion(s)
-    s.held["b"].timings.finished = float("inf")  # "finished" after any deadline
-    assert s.release_held_before(1e18) == ["a"] and list(s.held) == ["b"]
 
 
 def test_payload_fit_checks_name_the_problem():

@@ -130,22 +130,20 @@ class InferReplica:
         KV into the object store and release the blocks. The app's answer comes back as is;
         the ticket only when the request succeeded."""
         handoff = KVHandoff("prefill")
-        pieces = [p async for p in call_asgi(self.app, request, {KV_TRANSFER_SCOPE_KEY: handoff})]
+        try:
+            pieces = [p async for p in call_asgi(self.app, request,
+                                                 {KV_TRANSFER_SCOPE_KEY: handoff})]  # fmt: skip
+        finally:  # the engine copied the KV out and freed the blocks in the finishing step
+            payloads = [self.async_engine.take_exported_kv(r) for r in handoff.request_ids]
         start = pieces[0]
         assert isinstance(start, ResponseStart)
         body = b"".join(p for p in pieces[1:] if isinstance(p, bytes))
-        if start.status != 200 or len(handoff.request_ids) != 1:
-            for rid in handoff.request_ids:  # held only when the request finished
-                await asyncio.shield(self.async_engine.call("release_kv", rid))
+        if start.status != 200 or len(payloads) != 1 or payloads[0] is None:
             return PrefillResult(start, body)
-        (rid,) = handoff.request_ids
+        payload = payloads[0]
         t0 = time.perf_counter()
-        try:
-            payload = await self.async_engine.call("export_kv", rid)
-        finally:  # also when the router gave up (cancelled) meanwhile: never keep the blocks
-            await asyncio.shield(self.async_engine.call("release_kv", rid))
-        ticket = KVTicket(ray.put(payload), payload.nbytes, payload.num_tokens,
-                          payload.block_size)  # fmt: skip
+        ref = ray.put(payload)
+        ticket = KVTicket(ref, payload.nbytes, payload.num_tokens, payload.block_size)
         return PrefillResult(start, body, ticket, time.perf_counter() - t0)
 
     async def check_health(self) -> None:

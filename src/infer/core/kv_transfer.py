@@ -1,8 +1,8 @@
 """A prompt's KV cache moving between engines (prefill/decode disaggregation). No torch.
 
-A *prefill* engine computes a prompt (``add_request(..., hold_kv=True)``, with
-``max_tokens=1``): when the request finishes, its KV blocks are not freed but held until the
-engine is asked to ``export_kv`` them (a :class:`KVPayload`) and to ``release_kv``. A *decode*
+A *prefill* engine computes a prompt (``add_request(..., export_kv=True)``, with
+``max_tokens=1``): in the step the request finishes, the engine copies its prompt KV out (a
+:class:`KVPayload`, on the final ``RequestOutput.kv_payload``), then frees the blocks. A *decode*
 engine takes the payload with the same prompt (``add_request(..., kv_payload=payload)``): at
 admission its scheduler counts the payload's tokens as computed, allocates the blocks, and the
 runner copies the payload into them before that step's forward pass. Only the prompt's last
@@ -72,8 +72,8 @@ KV_TRANSFER_SCOPE_KEY = "infer.kv_transfer"
 class KVHandoff:
     """What a disaggregated replica asks of one HTTP request it runs through infer's app.
 
-    ``role="prefill"``: the request's sequence keeps its KV after it finishes (``hold_kv``); the
-    app records the engine request ids here, for the replica to export and release. (The
+    ``role="prefill"``: the request's sequence exports its KV when it finishes (``export_kv``);
+    the app records the engine request ids here, for the replica to collect the payloads. (The
     router already asked for one token.) ``role="decode"``: the request's first sequence
     starts from ``payload``.
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from infer.core.request import RequestTimings, TokenLogprob
 
@@ -30,6 +31,8 @@ class RequestOutput:
     # With prompt_logprobs: every prompt token's (None for the first), in the request's first
     # output that carries a generated token (or its last, if it ends without one).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # An ``export_kv`` request's final output: its prompt KV (a ``core.kv_transfer.KVPayload``).
+    kv_payload: Any = None
 
 
 @dataclass(frozen=True)

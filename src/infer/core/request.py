@@ -100,7 +100,7 @@ class Request:
         arrival_time: float | None = None,
         max_model_len: int | None = None,
         lora_name: str | None = None,
-        hold_kv: bool = False,
+        export_kv: bool = False,
         kv_payload: KVPayload | None = None,
     ) -> None:
         self.request_id = request_id
@@ -111,9 +111,11 @@ class Request:
         self.cache_salt = cache_salt
         # The LoRA adapter the request runs with (None: the base model).
         self.lora_name = lora_name
-        # Prefill/decode disaggregation: keep the KV blocks after finishing, for export
-        # (prefill side); the prompt KV computed elsewhere, copied in at admission (decode side).
-        self.hold_kv = hold_kv
+        # Prefill/decode disaggregation: copy the prompt KV out when finishing (prefill side,
+        # into ``exported_kv``); the prompt KV computed elsewhere, copied in at admission
+        # (decode side).
+        self.export_kv = export_kv
+        self.exported_kv: KVPayload | None = None
         self.kv_payload = kv_payload
         # Prompt tokens whose KV came from a payload at admission.
         self.num_transferred_tokens = 0

@@ -241,6 +241,9 @@ class AsyncEngine:
         self.num_step_failures = 0
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
+        # Prompt KV of finished ``export_kv`` requests (prefill/decode disaggregation), taken
+        # off their final outputs until the replica collects it (take_exported_kv).
+        self.exported_kv: dict[str, Any] = {}
         self._call_ids = itertools.count()
         self._unacked_adds = 0  # adds sent but not yet acknowledged by the engine
         self._stopped: asyncio.Event | None = None  # created in start(), on the event loop
@@ -343,6 +346,10 @@ class AsyncEngine:
         self.core.send(CallEngine(call_id, method, args))
         return await future
 
+    def take_exported_kv(self, request_id: str) -> Any:
+        """The KV payload an ``export_kv`` request's final output brought, or None."""
+        return self.exported_kv.pop(request_id, None)
+
     def send(self, command: Any) -> None:
         """Send a command to the engine loop (``AbortRequests`` from a stream)."""
         if self.dead is None:
@@ -385,6 +392,9 @@ class AsyncEngine:
             else:  # Ack or RequestOutput
                 if isinstance(item, Ack):
                     self._unacked_adds -= 1
+                elif item.kv_payload is not None:  # for the replica: take_exported_kv
+                    self.exported_kv[item.request_id] = item.kv_payload
+                    item = dataclasses.replace(item, kv_payload=None)
                 stream = self._streams.get(item.request_id)
                 if stream is not None:
                     stream._put(item)

@@ -47,7 +47,7 @@ class AddRequest:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     lora_name: str | None = None  # a loaded LoRA adapter (None: the base model)
-    hold_kv: bool = False  # prefill/decode disaggregation (LLMEngine.add_request)
+    export_kv: bool = False  # prefill/decode disaggregation (LLMEngine.add_request)
     kv_payload: Any = None  # a KVPayload for the decode side
 
 
@@ -162,7 +162,7 @@ class _Loop:
                         cache_salt=cmd.cache_salt,
                         arrival_time=cmd.arrival_time,
                         lora_request=cmd.lora_name,
-                        hold_kv=cmd.hold_kv,
+                        export_kv=cmd.export_kv,
                         kv_payload=cmd.kv_payload,
                     )
                 except InvalidRequestError as e:

@@ -102,9 +102,7 @@ class EngineStats:
     waiting_lora_adapters: tuple[str, ...] = ()
     # A mixture of experts' load: (layer, rows each of its experts ran on) since start-up.
     moe_expert_rows: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    # Prefill/decode disaggregation: finished requests holding blocks for export (prefill
-    # side); prompt tokens whose KV arrived in a payload (decode side).
-    num_kv_held_requests: int = 0
+    # Prefill/decode disaggregation: prompt tokens whose KV arrived in a payload (decode side).
     kv_transferred_tokens_total: int = 0
 
     @property
@@ -131,15 +129,6 @@ class KVCapacity:
     @property
     def total_bytes(self) -> int:
         return self.num_tokens * self.bytes_per_token
-
-
-KV_HOLD_TIMEOUT_ENV = "INFER_KV_HOLD_TIMEOUT"
-
-
-def kv_hold_timeout() -> float:
-    """Seconds a finished ``hold_kv`` request's blocks wait for ``export_kv`` /
-    ``release_kv`` before they are freed anyway (the caller went away)."""
-    return float(os.environ.get(KV_HOLD_TIMEOUT_ENV, "60") or 60)
 
 
 MALLOC_ENV = "INFER_MALLOC_TUNING"
@@ -620,16 +609,17 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | str | None = None,
-        hold_kv: bool = False,
+        export_kv: bool = False,
         kv_payload: KVPayload | None = None,
     ) -> None:
         """Queue one sequence. Raises ``InvalidRequestError`` naming the problem.
 
         ``lora_request``: the adapter to run with, a ``LoRARequest`` (read now if new) or the
         name of a loaded one. Prefill/decode disaggregation (``infer.core.kv_transfer``):
-        ``hold_kv`` keeps the request's blocks after it finishes, for ``export_kv`` and
-        ``release_kv``; ``kv_payload`` is the prompt's KV computed by another engine (one that
-        does not fit this prompt or this cache is set aside: the prompt is computed here)."""
+        ``export_kv``: when the request ends normally, its prompt KV is copied out in that same
+        step (its final output's ``kv_payload``) before its blocks are freed; ``kv_payload`` is
+        the prompt's KV computed by another engine (one that does not fit this prompt or this
+        cache is set aside: the prompt is computed here)."""
         n = len(prompt_token_ids)
         check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
         too_big = [t for t, _ in params.logit_bias if t >= self.spec.vocab_size]
@@ -654,7 +644,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             max_model_len=self.max_model_len,
             lora_name=lora_name,
-            hold_kv=hold_kv,
+            export_kv=export_kv,
             kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload),
         )
         longest = n + request.max_new_tokens
@@ -692,22 +682,22 @@ class LLMEngine:
             return None
         return payload
 
-    def export_kv(self, request_id: str) -> KVPayload:
-        """The prompt KV of a finished ``hold_kv`` request (all but its last prompt token,
-        whose logits the decode side computes), as whole blocks in the cache's layout."""
-        request = self.scheduler.held.get(request_id)
-        if request is None:
-            raise ValueError(f"no KV held for request {request_id!r}")
-        num_tokens = request.num_prompt_tokens - 1
+    def _export_held(self) -> None:
+        """Copy out the prompt KV of the ``export_kv`` requests that just finished (all but
+        the last prompt token, whose logits the decode side computes; whole blocks in the
+        cache's layout) onto the request for its final output, then free their blocks (kept
+        as prefix cache when it is on)."""
         block_size = self.kv_manager.block_size
-        table = self.kv_manager.block_table(request)[: -(-num_tokens // block_size)]
-        layout, arrays = self.runner.export_kv(table)
-        return KVPayload(tuple(request.prompt_token_ids[:num_tokens]), block_size, layout, arrays)
-
-    def release_kv(self, request_id: str) -> bool:
-        """Free a finished ``hold_kv`` request's blocks (kept as prefix cache when it is on);
-        False if none were held."""
-        return self.scheduler.release_held(request_id)
+        for request_id, request in list(self.scheduler.held.items()):
+            num_tokens = request.num_prompt_tokens - 1
+            table = self.kv_manager.block_table(request)[: -(-num_tokens // block_size)]
+            try:
+                layout, arrays = self.runner.export_kv(table)
+                request.exported_kv = KVPayload(tuple(request.prompt_token_ids[:num_tokens]),
+                                                block_size, layout, arrays)  # fmt: skip
+            except Exception:  # noqa: BLE001 - the prefill stands; its KV does not travel
+                logger.exception("exporting the KV of %s failed", request_id)
+            self.scheduler.release_held(request_id)
 
     def _structured_manager(self) -> StructuredOutputManager:
         if self.structured is None:
@@ -750,8 +740,6 @@ class LLMEngine:
             request.timings.finished = time.perf_counter()
             self._pending.append(self._make_output(request))
             return
-        if self.scheduler.release_held(request_id):  # finished; its export is not wanted
-            return
         self._finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
@@ -787,11 +775,8 @@ class LLMEngine:
         still deferred at once."""
         if self._compiling:
             self._admit_compiled(wait=not self.scheduler.has_unfinished_requests())
-        if self.scheduler.held:
-            stale = self.scheduler.release_held_before(time.perf_counter() - kv_hold_timeout())
-            if stale:
-                logger.warning("freed the KV held for export of %s: not exported within %gs",
-                               ", ".join(stale), kv_hold_timeout())  # fmt: skip
+        if self.scheduler.held:  # finished outside a step's update (a stop string)
+            self._export_held()
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -837,7 +822,10 @@ class LLMEngine:
             if request_id not in self._states:  # finished while this step ran (a stop string
                 self.runner.sampler.forget(request_id)  # found meanwhile): its draw re-made it
         t2 = time.perf_counter()
-        for request in self.scheduler.update_from_output(sched, sampled, result.prompt_logprobs):
+        progressed = self.scheduler.update_from_output(sched, sampled, result.prompt_logprobs)
+        if self.scheduler.held:  # before their outputs are made: the payload rides on them
+            self._export_held()
+        for request in progressed:
             if self.structured is not None and not request.is_finished:
                 self._advance_grammar(request)
             if defer:
@@ -993,6 +981,7 @@ class LLMEngine:
             timings=request.timings,
             error=request.error,
             prompt_logprobs=prompt_logprobs,
+            kv_payload=request.exported_kv if request.is_finished else None,
         )
 
     # ---- introspection ------------------------------------------------------------------------
@@ -1024,7 +1013,6 @@ class LLMEngine:
             spec_decode_accepted_per_position=tuple(c.spec_accepted_per_position),
             **self._lora_stats(),
             moe_expert_rows=expert_load(self._moe_layers),
-            num_kv_held_requests=len(self.scheduler.held),
             kv_transferred_tokens_total=c.transferred_tokens,
         )
 

@@ -49,7 +49,7 @@ class SchedulerCounters:
     spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
-# A finished ``hold_kv`` request keeps its blocks for export only when it ended normally.
+# A finished ``export_kv`` request keeps its blocks for export only when it ended normally.
 _KEEPS_KV = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
@@ -65,8 +65,8 @@ class Scheduler:
         self.waiting = make_queue(config.scheduling_policy, config.max_wait_steps)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Finished requests whose KV blocks are kept for export (prefill/decode
-        # disaggregation: ``hold_kv``), until ``release_held``.
+        # Finished ``export_kv`` requests whose blocks are kept until the engine has copied
+        # their KV out (prefill/decode disaggregation), in the step they finished.
         self.held: dict[str, Request] = {}
         self.counters = SchedulerCounters()
 
@@ -87,7 +87,7 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.kv_payload = None
-        if request.hold_kv and status in _KEEPS_KV:
+        if request.export_kv and status in _KEEPS_KV:
             self.held[request_id] = request  # its blocks stay allocated until release_held
         else:
             self.kv.free(request)
@@ -99,20 +99,12 @@ class Scheduler:
         return request
 
     def release_held(self, request_id: str) -> bool:
-        """Free the blocks of a finished ``hold_kv`` request; False if none are held."""
+        """Free the blocks of a finished ``export_kv`` request; False if none are held."""
         request = self.held.pop(request_id, None)
         if request is None:
             return False
         self.kv.free(request)
         return True
-
-    def release_held_before(self, finished_before: float) -> list[str]:
-        """Free the held blocks of requests that finished before this ``perf_counter`` time
-        (their export was never asked for: the caller went away); their ids."""
-        stale = [rid for rid, r in self.held.items() if (r.timings.finished or 0) < finished_before]
-        for rid in stale:
-            self.release_held(rid)
-        return stale
 
     @property
     def num_waiting(self) -> int:

@@ -219,7 +219,7 @@ class Serving:
                         cache_salt=req.cache_salt,
                         arrival_time=arrival,
                         lora_name=lora_name,
-                        hold_kv=kv is not None and kv.role == "prefill",
+                        export_kv=kv is not None and kv.role == "prefill",
                         kv_payload=kv.payload if kv is not None and not adds else None,
                     )
                 )
