@@ -16,7 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster.test_ray_serve import metric_values, total
+# wait_idle: nothing runs or queues on either replica, every KV block free on both (a block
+# kept for export is not free), nothing in flight at the router.
+from tests.cluster.test_ray_serve import metric_values, total, wait_idle
 from tests.server.conftest import ServerProcess, start_server
 
 pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[ray]"')
@@ -54,26 +56,6 @@ def one_engine(llama_checkpoint):
 
 def router_stats(server: ServerProcess) -> dict:
     return httpx.get(server.url + "/router/stats", headers=server.headers, timeout=30).json()
-
-
-def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
-    """Poll until neither replica runs, queues or holds anything: every KV block free on both
-    (a block held for export is not free) and nothing in flight at the router."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metric_values(server)
-        stats = router_stats(server)
-        idle = (
-            total(m, "vllm:num_requests_running") == 0
-            and total(m, "vllm:num_requests_waiting") == 0
-            and total(m, "infer:kv_cache_free_blocks") == total(m, "infer:kv_cache_total_blocks")
-            and stats["in_flight"] == [0, 0]
-        )
-        if idle:
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the replicas did not go idle: {stats} {m}")
-        time.sleep(0.1)
 
 
 def test_split_requests_give_one_engines_tokens(pd_server, one_engine):

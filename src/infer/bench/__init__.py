@@ -36,6 +36,18 @@ def missing_bench_modules(modules: tuple[str, ...] = BENCH_EXTRA) -> list[str]:
     return missing
 
 
+def require_ray_and_bench_extras(command: str) -> None:
+    """Exit with status 2 naming the missing extra: ``bench``, or ``ray`` (the replicas)."""
+    require_bench_extra(command)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        from infer.cluster import RAY_INSTALL_HINT
+
+        print(RAY_INSTALL_HINT, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def require_bench_extra(command: str = "infer bench") -> None:
     """Exit with status 2 and a message naming the ``bench`` extra when it is not installed."""
     missing = missing_bench_modules()

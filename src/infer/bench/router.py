@@ -59,16 +59,9 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from infer.bench import require_bench_extra
+    from infer.bench import require_ray_and_bench_extras
 
-    require_bench_extra("infer bench router")
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        from infer.cluster import RAY_INSTALL_HINT
-
-        print(RAY_INSTALL_HINT, file=sys.stderr)
-        return 2
+    require_ray_and_bench_extras("infer bench router")
     return run(args)
 
 

@@ -119,9 +119,12 @@ class InferReplica:
             t0 = time.perf_counter()
             if _FETCH_DELAY_S:  # test hook: a transfer that provably outlasts a client
                 await asyncio.sleep(_FETCH_DELAY_S)
-            payload = await ticket.ref
-            yield KVReceived(time.perf_counter() - t0, ticket.nbytes)
-            extensions = {KV_TRANSFER_SCOPE_KEY: KVHandoff("decode", payload)}
+            extensions = {KV_TRANSFER_SCOPE_KEY: KVHandoff("decode", await ticket.ref)}
+            nbytes = ticket.nbytes
+            # NOTE: no reference to the object outlives the hand-off to the engine (the app
+            # drops the payload once it is sent): a stream must not pin it in the store.
+            del ticket
+            yield KVReceived(time.perf_counter() - t0, nbytes)
         async for piece in call_asgi(self.app, request, extensions):
             yield piece
 
