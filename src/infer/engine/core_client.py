@@ -32,7 +32,7 @@ from infer.config import EngineConfig
 from infer.core.outputs import RequestOutput
 from infer.distributed.spawn import leave_shutdown_to_parent, spawnable_main
 from infer.engine.affinity import CpuBinding, bind_engine_threads, bind_process
-from infer.engine.core_loop import EngineStopped, Stop, run_engine_loop
+from infer.engine.core_loop import AddRequest, EngineStopped, Stop, run_engine_loop
 from infer.engine.heap import freeze_startup_heap
 
 logger = logging.getLogger("infer.engine")
@@ -276,6 +276,22 @@ class EngineProcess:
         self._reader.start()
 
     def send(self, command: Any) -> None:
+        if isinstance(command, AddRequest) and command.kv_payload is not None:
+            # NOTE: a transferred KV payload is tens of MB: pickled and pushed through the pipe
+            # on the event loop, it froze every stream of this server until the engine, between
+            # two steps, had read it all (the decode side's inter-token latency showed it). A
+            # thread sends it; the lock, taken here and released there, keeps commands in order.
+            self._send_lock.acquire()
+
+            def send_bulky() -> None:
+                try:
+                    with contextlib.suppress(OSError, BrokenPipeError):
+                        self._conn.send(command)
+                finally:
+                    self._send_lock.release()
+
+            threading.Thread(target=send_bulky, name="infer-engine-send", daemon=True).start()
+            return
         with self._send_lock, contextlib.suppress(OSError, BrokenPipeError):
             self._conn.send(command)
 
