@@ -9,6 +9,8 @@ replica whose engine is killed must give clean errors, and the rest keep serving
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -173,6 +175,45 @@ def test_aborts_in_each_phase_free_every_block_on_both_sides(slow_pd_server):
     with server.client() as c:  # and both serve on
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200, r.text
+
+
+def wait_serving(server: ServerProcess, timeout: float = 120.0) -> None:
+    """Poll until a request goes through both replicas again (Serve replaced a dead one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})  # fmt: skip
+        if r.status_code == 200:
+            return
+        assert time.monotonic() < deadline, f"not serving again: {r.status_code} {r.text}"
+        time.sleep(0.5)
+
+
+def test_a_decode_replica_killed_mid_transfer_fails_or_retries_cleanly(slow_pd_server):
+    server = slow_pd_server
+    pids = router_stats(server)["pids"]
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5, "stream": True}
+
+    async def kill_while_transferring() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 30
+            while router_stats(server)["in_flight"] != [0, 1]:  # fetching (slowed by the hook)
+                assert not task.done() and time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            os.kill(pids["decode-0"]["replica"], signal.SIGKILL)
+            return await task
+
+    r = asyncio.run(kill_while_transferring())
+    # Retried once: on the replica Serve starts in its place (the stream, whole), or a 503
+    # naming the failure; never a hang.
+    if r.status_code == 200:
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "replica_failed", r.text
+    wait_serving(server)
+    assert router_stats(server)["pids"]["decode-0"]["replica"] != pids["decode-0"]["replica"]
+    wait_idle(server)
 
 
 def test_a_killed_decode_engine_gives_clean_errors_not_a_hang(slow_pd_server):

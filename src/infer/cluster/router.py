@@ -188,6 +188,7 @@ class Router:
                                                "type": "invalid_request_error",
                                                "code": "invalid_api_key"}},
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            await self._refresh_infos()
             return JSONResponse(self.stats())
         if path in BROADCAST_PATHS:
             if path == "/reset_prefix_cache" and request.method == "POST":
@@ -448,6 +449,23 @@ class Router:
         if held is not None:
             for h in held:
                 h.clear()
+
+    async def _refresh_infos(self, timeout: float = 2.0) -> None:
+        """Ask each replica again (Serve may have replaced one: new process ids); one that
+        does not answer in ``timeout`` seconds keeps what it said last."""
+
+        async def ask(handle: DeploymentHandle) -> Any:
+            response = handle.info.remote()
+            try:
+                return await asyncio.wait_for(response, timeout)
+            except Exception:  # noqa: BLE001 - down or restarting: keep the last answer
+                response.cancel()
+                return None
+
+        answers = await asyncio.gather(*(ask(h) for h in self.replicas))
+        for name, info in zip(self.names, answers, strict=True):
+            if info is not None:
+                self.infos[name] = info
 
     def stats(self) -> dict[str, Any]:
         """The router's counters, for ``GET /router/stats`` and the benchmark: routing time per
