@@ -177,3 +177,26 @@ def test_a_failing_call_raises_its_error(engine):
         return await bridge.call("reset_prefix_cache")
 
     assert run(engine, body) in (True, False)
+
+
+def test_exported_kv_is_kept_for_its_stream_only(engine):
+    from infer.core.outputs import RequestOutput
+
+    prompt = ids(engine, "The quick brown fox jumps over the lazy dog")
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+
+    async def body(bridge):
+        stream = bridge.add_group([AddRequest("p", prompt, one, export_kv=True)])
+        await stream.accepted()
+        finals = [out async for _, out in stream if out.finished]
+        payload = bridge.take_exported_kv("p")
+        # A payload whose stream is gone (its client left while the last step ran) is not kept.
+        late = RequestOutput("gone", [], "", finished=True, finish_reason="length",
+                             kv_payload=payload)  # fmt: skip
+        bridge._dispatch([late])
+        return finals, payload, dict(bridge.exported_kv)
+
+    finals, payload, left = run(engine, body)
+    assert finals[0].kv_payload is None  # taken off the output the stream sees
+    assert payload is not None and payload.token_ids == tuple(prompt[:-1])
+    assert left == {}

@@ -6,9 +6,10 @@ request in two phases::
     client ─► router ─► prefill-i.prefill(request with max_tokens=1)        (prefix-aware pick)
                           engine computes the prompt, holds its blocks,
                           exports them (KVPayload) ─► ray.put ─► KVTicket
-              router ─► decode-j.handle(request, ticket)                     (least-loaded pick)
+              router ─► decode-j.receive(ticket)                             (least-loaded pick)
                           room for the prompt's blocks?  no ─► NoRoom (router tries another)
-                          ray.get(ticket) ─► KVReceived ─► the app runs the request with the
+                          ray.get(ticket), kept under a key ─► KVReceived(key)
+              router ─► decode-j.handle(request, key): the app runs the request with the
                           payload: the engine copies it in and computes only the last prompt
                           token, then streams as usual  ─► the client's one ordinary stream
 
@@ -57,16 +58,18 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class KVReceived:
-    """First piece of a decode replica's answer: the payload is here (fetch time, size)."""
+    """A decode replica fetched the payload (fetch time, size) and keeps it under ``key`` for
+    the streaming call that follows."""
 
     seconds: float
     nbytes: int
+    key: str
 
 
 @dataclass(frozen=True)
 class NoRoom:
-    """A decode replica's whole answer when its KV pool cannot take the prompt now: the
-    router tries another decode replica, or waits."""
+    """A decode replica's answer to ``receive`` when its KV pool cannot take the prompt now:
+    the router tries another decode replica, or waits."""
 
     free_blocks: int
     needed_blocks: int

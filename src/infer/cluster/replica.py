@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
@@ -28,6 +29,9 @@ from infer.server.serving import ServerSettings
 
 logger = logging.getLogger("infer.cluster")
 
+# A payload fetched for a handle() call that never came (the router's client left) is dropped
+# after this many seconds.
+_RECEIVED_TTL_S = 60.0
 # Test hook: seconds a decode replica waits before fetching a transferred KV payload.
 _FETCH_DELAY_S = float(os.environ.get("INFER_TEST_KV_FETCH_DELAY", "0") or 0)
 
@@ -76,6 +80,8 @@ class InferReplica:
             settings = replace(settings, role=spec.role)
         self.app = build_app(self.engine, settings)
         self.async_engine = self.app.state.async_engine
+        # Decode side: payloads fetched by receive(), by key, until their handle() call.
+        self._received: dict[str, tuple[float, Any]] = {}
         # The app's lifespan starts the engine loop on this (Serve's user-code) event loop and,
         # on exit, drains in-flight requests and stops the engine.
         self._lifespan: AbstractAsyncContextManager[Any] = self.app.router.lifespan_context(
@@ -99,32 +105,45 @@ class InferReplica:
         """The KV geometry the router's prefix policy needs."""
         return self.info_
 
-    async def handle(self, request: ForwardedRequest, ticket: KVTicket | None = None
-                     ) -> AsyncIterator[ResponseStart | bytes | KVReceived | NoRoom]:  # fmt: skip
+    async def receive(self, ticket: KVTicket) -> KVReceived | NoRoom:
+        """A decode replica's half of a hand-off: ``NoRoom`` when the KV pool has too few free
+        blocks for the prompt now (checked, not reserved); else fetch the payload from the
+        object store and keep it for the :meth:`handle` call that names its key.
+
+        A call of its own, not an argument of the streaming one: Ray keeps a task's arguments
+        (the ticket's object reference) alive as long as the task, and a stream would pin the
+        payload in the object store until its last token.
+        """
+        free = self.async_engine.stats.num_free_blocks
+        if free < ticket.num_blocks:
+            return NoRoom(free, ticket.num_blocks)
+        t0 = time.perf_counter()
+        if _FETCH_DELAY_S:  # test hook: a transfer that provably outlasts a client
+            await asyncio.sleep(_FETCH_DELAY_S)
+        payload = await ticket.ref
+        now = time.monotonic()
+        for key in [k for k, (at, _) in self._received.items() if now - at > _RECEIVED_TTL_S]:
+            del self._received[key]  # fetched for a call that never came (the client left)
+        key = uuid.uuid4().hex
+        self._received[key] = (now, payload)
+        return KVReceived(time.perf_counter() - t0, ticket.nbytes, key)
+
+    async def handle(self, request: ForwardedRequest, received: str | None = None
+                     ) -> AsyncIterator[ResponseStart | bytes]:  # fmt: skip
         """Answer one forwarded request: a ``ResponseStart``, then body chunks as they come.
 
-        With a ``ticket`` (a decode replica): ``NoRoom`` and nothing else when the KV pool has
-        too few free blocks for the prompt now; else the payload is fetched from the object
-        store (``KVReceived``) and the request runs from it.
+        ``received``: the key of a payload :meth:`receive` fetched; the request runs from it
+        (a decode replica; a key that expired runs the prompt here).
 
         Cancelled by the router (its client disconnected): the app gets ``http.disconnect``
         and aborts the engine request, as a single server does.
         """
         extensions = None
-        if ticket is not None:
-            free = self.async_engine.stats.num_free_blocks
-            if free < ticket.num_blocks:
-                yield NoRoom(free, ticket.num_blocks)
-                return
-            t0 = time.perf_counter()
-            if _FETCH_DELAY_S:  # test hook: a transfer that provably outlasts a client
-                await asyncio.sleep(_FETCH_DELAY_S)
-            extensions = {KV_TRANSFER_SCOPE_KEY: KVHandoff("decode", await ticket.ref)}
-            nbytes = ticket.nbytes
-            # NOTE: no reference to the object outlives the hand-off to the engine (the app
-            # drops the payload once it is sent): a stream must not pin it in the store.
-            del ticket
-            yield KVReceived(time.perf_counter() - t0, nbytes)
+        kept = self._received.pop(received, None) if received is not None else None
+        if kept is not None:
+            # The app drops the payload once the engine has it: no reference outlives that.
+            extensions = {KV_TRANSFER_SCOPE_KEY: KVHandoff("decode", kept[1])}
+            del kept
         async for piece in call_asgi(self.app, request, extensions):
             yield piece
 
@@ -145,7 +164,7 @@ class InferReplica:
             return PrefillResult(start, body)
         payload = payloads[0]
         t0 = time.perf_counter()
-        ref = ray.put(payload)
+        ref = await asyncio.to_thread(ray.put, payload)  # not on the loop: tens of MB
         ticket = KVTicket(ref, payload.nbytes, payload.num_tokens, payload.block_size)
         return PrefillResult(start, body, ticket, time.perf_counter() - t0)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from ray import serve
+from ray.exceptions import ObjectLostError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -257,10 +258,13 @@ class Router:
                 return _error(503, f"the prefill replica failed: {type(e).__name__}",
                               "replica_failed")  # fmt: skip
             on_end()
-            if result.ticket is None:  # an error answer (bad input, 429, ...): the client's
+            if result.ticket is None and result.start.status != 200:
+                # An error answer (bad input, 429, ...): the client's, as one server gives it.
                 return Response(result.body, status_code=result.start.status,
                                 headers=_response_headers(result.start))  # fmt: skip
-            return await self._decode_phase(fwd, result, raw)
+            # (A success without a ticket: the KV could not be exported; the decode replica
+            # computes the prompt itself.)
+            return await self._decode_phase(fwd, result if result.ticket else None, raw)
         try:
             return await self._forward(replica, fwd, raw, on_end=on_end)
         except BaseException:
@@ -279,11 +283,13 @@ class Router:
 
     async def _decode_phase(self, fwd: ForwardedRequest, prefill: PrefillResult | None,
                             raw: Request) -> Response:  # fmt: skip
-        """Send the request (with the prefill's KV ticket, if any) to the least-loaded
-        decode replica that has room for it: one that has none answers ``NoRoom`` and the next
-        is asked; when none has, wait for room (up to ``DECODE_ROOM_WAIT_S``). A replica call
-        that fails before the response starts is retried once (on the next replica); then a
-        503 names the failure."""
+        """Send the request to the least-loaded decode replica that has room for it, with the
+        prefill's KV when there is one: that replica first fetches the payload (``receive``:
+        one without room answers ``NoRoom`` and the next is asked; when none has, wait for room,
+        up to ``DECODE_ROOM_WAIT_S``), then runs the request from it (``handle``). A payload
+        that cannot be fetched (its prefill replica died) is dropped: the decode replica
+        computes the prompt. A replica call that fails before the response starts is retried
+        once (on the next replica); then a 503 names the failure."""
         assert self.decode_policy is not None
         ticket = prefill.ticket if prefill is not None else None
         policy = self.decode_policy
@@ -295,21 +301,35 @@ class Router:
             for local in order:
                 replica = self.decode_ids[local]
                 on_end = self._track(policy, local, replica, "decode")
-                gen = self.replicas[replica].options(stream=True).handle.remote(fwd, ticket)
+                handle = self.replicas[replica]
+                gen = None
                 try:
+                    key = None
+                    if ticket is not None:
+                        received = await self._receive(handle, ticket)
+                        if isinstance(received, NoRoom):
+                            on_end()
+                            self.m_no_room.inc()
+                            continue
+                        if received is None:  # the payload is lost: compute the prompt there
+                            ticket = None
+                        else:
+                            assert prefill is not None
+                            key = received.key
+                            self.m_transfers.inc()
+                            self.m_transfer_bytes.inc(received.nbytes)
+                            self.m_transfer_seconds.observe(prefill.export_seconds +
+                                                            received.seconds)  # fmt: skip
+                    gen = handle.options(stream=True).handle.remote(fwd, key)
                     first = await gen.__anext__()
-                    if isinstance(first, KVReceived):
-                        assert prefill is not None
-                        self.m_transfers.inc()
-                        self.m_transfer_bytes.inc(first.nbytes)
-                        self.m_transfer_seconds.observe(prefill.export_seconds + first.seconds)
-                        first = await gen.__anext__()
                 except asyncio.CancelledError:
-                    gen.cancel()
+                    if gen is not None:
+                        gen.cancel()
                     on_end()
                     raise
                 except Exception as e:  # noqa: BLE001 - the replica died or restarted
-                    gen.cancel()
+                    if gen is not None:
+                        gen.cancel()
                     on_end()
                     failures += 1
                     self.m_phase_failures.labels("decode").inc()
@@ -318,16 +338,28 @@ class Router:
                         return _error(503, f"the decode replica failed: {type(e).__name__}",
                                       "replica_failed")  # fmt: skip
                     continue
-                if isinstance(first, NoRoom):
-                    gen.cancel()
-                    on_end()
-                    self.m_no_room.inc()
-                    continue
                 return await self._relay(gen, first, on_end)
             if time.monotonic() > deadline:
                 return _error(503, f"no decode replica had room for this prompt's KV within "
                               f"{DECODE_ROOM_WAIT_S:g}s", "no_room")  # fmt: skip
             await asyncio.sleep(0.05)
+
+    async def _receive(self, handle: DeploymentHandle, ticket: Any) -> KVReceived | NoRoom | None:
+        """A decode replica's ``receive`` of the payload; None when the payload itself is
+        lost (its owner, the prefill replica, died): the replica's own failures raise."""
+        response = handle.receive.remote(ticket)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except Exception as e:
+            if isinstance(e, ObjectLostError) or isinstance(getattr(e, "cause", None),
+                                                             ObjectLostError):  # fmt: skip
+                logger.warning("a transferred KV payload was lost (%s): computing the prompt "
+                               "on the decode replica", type(e).__name__)  # fmt: skip
+                return None
+            raise
 
     async def _forward(self, replica: int, fwd: ForwardedRequest, raw: Request,
                        on_end: Any) -> Response:  # fmt: skip

@@ -393,7 +393,8 @@ class AsyncEngine:
                 if isinstance(item, Ack):
                     self._unacked_adds -= 1
                 elif item.kv_payload is not None:  # for the replica: take_exported_kv
-                    self.exported_kv[item.request_id] = item.kv_payload
+                    if item.request_id in self._streams:  # not when its client has left
+                        self.exported_kv[item.request_id] = item.kv_payload
                     item = dataclasses.replace(item, kv_payload=None)
                 stream = self._streams.get(item.request_id)
                 if stream is not None:

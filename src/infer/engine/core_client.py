@@ -32,7 +32,14 @@ from infer.config import EngineConfig
 from infer.core.outputs import RequestOutput
 from infer.distributed.spawn import leave_shutdown_to_parent, spawnable_main
 from infer.engine.affinity import CpuBinding, bind_engine_threads, bind_process
-from infer.engine.core_loop import AddRequest, EngineStopped, Stop, run_engine_loop
+from infer.engine.core_loop import (
+    Ack,
+    AddRequest,
+    EngineStopped,
+    RequestFailedError,
+    Stop,
+    run_engine_loop,
+)
 from infer.engine.heap import freeze_startup_heap
 
 logger = logging.getLogger("infer.engine")
@@ -226,6 +233,8 @@ class EngineProcess:
             self._proc.start()
         child_conn.close()
         self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue | None = None  # see send()
+        self._on_replies: Replies | None = None
         self._reader: threading.Thread | None = None
         try:
             status, info = self._conn.recv()
@@ -255,6 +264,7 @@ class EngineProcess:
 
     def start(self, on_replies: Replies) -> None:
         mirror = TokenTimesMirror()
+        self._on_replies = on_replies
 
         def read() -> None:
             while True:
@@ -276,24 +286,36 @@ class EngineProcess:
         self._reader.start()
 
     def send(self, command: Any) -> None:
-        if isinstance(command, AddRequest) and command.kv_payload is not None:
-            # NOTE: a transferred KV payload is tens of MB: pickled and pushed through the pipe
-            # on the event loop, it froze every stream of this server until the engine, between
-            # two steps, had read it all (the decode side's inter-token latency showed it). A
-            # thread sends it; the lock, taken here and released there, keeps commands in order.
-            self._send_lock.acquire()
-
-            def send_bulky() -> None:
-                try:
-                    with contextlib.suppress(OSError, BrokenPipeError):
-                        self._conn.send(command)
-                finally:
-                    self._send_lock.release()
-
-            threading.Thread(target=send_bulky, name="infer-engine-send", daemon=True).start()
+        if self._outbox is None and not (
+            isinstance(command, AddRequest) and command.kv_payload is not None
+        ):
+            with self._send_lock, contextlib.suppress(OSError, BrokenPipeError):
+                self._conn.send(command)
             return
-        with self._send_lock, contextlib.suppress(OSError, BrokenPipeError):
-            self._conn.send(command)
+        # NOTE: a transferred KV payload is tens of MB: pickled and pushed through the pipe on
+        # the event loop, it froze every stream of this server until the engine, between two
+        # steps, had read it all (the decode side's inter-token latency showed it). From the
+        # first such command on, one thread sends every command, in order, from a queue.
+        if self._outbox is None:
+            self._outbox = queue.SimpleQueue()
+            threading.Thread(target=self._send_queued, name="infer-engine-send",
+                             daemon=True).start()  # fmt: skip
+        self._outbox.put(command)
+
+    def _send_queued(self) -> None:
+        assert self._outbox is not None
+        while True:
+            command = self._outbox.get()
+            try:
+                with self._send_lock:
+                    self._conn.send(command)
+            except (OSError, BrokenPipeError):
+                pass  # the engine is gone: the reader thread reports it
+            except Exception as e:  # noqa: BLE001 - e.g. no memory to pickle: fail the request
+                logger.exception("sending %s to the engine failed", type(command).__name__)
+                if isinstance(command, AddRequest) and self._on_replies is not None:
+                    self._on_replies([Ack(command.request_id, RequestFailedError(
+                        f"could not hand the request to the engine: {e}"))])  # fmt: skip
 
     def join(self, timeout: float) -> None:
         if self._reader is not None:

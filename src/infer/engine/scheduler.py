@@ -140,12 +140,15 @@ class Scheduler:
                 budget += len(chunk.token_ids)
             self.running.remove(victim)
             victim.spec_token_ids = []  # proposals are for the step they were made for
-            for imp in [k for k in kv_imports if k.request_id == victim.request_id]:
+            imported = [k for k in kv_imports if k.request_id == victim.request_id]
+            for imp in imported:
                 kv_imports.remove(imp)  # not copied into blocks it no longer holds
                 victim.kv_payload = imp.payload  # used again when it is admitted again
             self.counters.preemptions += 1
             victim.num_preemptions += 1
-            pairs = self.kv.swap_out(victim) if cfg.preemption_mode == "swap" else None
+            # NOTE: blocks whose import was just called off hold nothing yet: never swap them.
+            swap = cfg.preemption_mode == "swap" and not imported
+            pairs = self.kv.swap_out(victim) if swap else None
             if pairs is not None:
                 swap_out.extend(pairs)
                 self.counters.preemptions_swap += 1

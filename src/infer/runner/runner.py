@@ -163,7 +163,11 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         arrays = []
         for view in self.kv_cache.block_views():
-            blocks = view.index_select(2, index).to("cpu").contiguous()
+            shape = list(view.shape)
+            shape[2] = len(block_ids)
+            blocks = torch.empty(shape, dtype=view.dtype)  # host memory
+            for layer in range(shape[1]):  # one layer's device copy at a time (see import_kv)
+                blocks[:, layer] = view[:, layer].index_select(1, index).to("cpu")
             arrays.append(blocks.view(torch.uint8).numpy())
         return self.kv_layout(len(block_ids)), tuple(arrays)
 
@@ -183,7 +187,11 @@ class ModelRunner:
                     warnings.simplefilter("ignore", UserWarning)
                     raw = torch.from_numpy(array)
                 src = raw.view(getattr(torch, dtype)).view(shape)
-                view.index_copy_(2, dst, src[:, :, first:last].to(self.device))
+                # NOTE: layer by layer: a device copy of one layer's blocks at a time, not of
+                # the whole payload (on a GPU the cache leaves little memory beside it).
+                for layer in range(shape[1]):
+                    part = src[:, layer, first:last].to(self.device, non_blocking=True)
+                    view[:, layer].index_copy_(1, dst, part)
 
     def _row_index(self, name: str, rows: list[int]) -> torch.Tensor:
         if self.cuda_step is not None:  # no waiting copy on the GPU step
