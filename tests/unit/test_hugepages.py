@@ -50,9 +50,11 @@ def test_small_buffers_and_the_switch_leave_pages_alone(monkeypatch):
     assert not hugepages.advise_huge_pages(small)
     monkeypatch.setenv("INFER_HUGE_PAGES", "0")
     hugepages._madvise.cache_clear()
-    # Above glibc's largest mmap threshold (32 MiB, which the engine's malloc tuning sets):
-    # a mapping of its own, never heap memory that an earlier buffer had advised.
+    assert hugepages._madvise() is None  # switched off: no madvise to call at all
     big = hugepages.zeros(64 << 20, dtype=torch.uint8)
     assert not hugepages.advise_huge_pages(big)
-    assert "hg" not in _vm_flags(big.data_ptr() + (32 << 20))
+    # NOTE: the mapping's VmFlags are not checked: glibc carves even a 64 MiB buffer out of
+    # the heap's free top when it is large enough (the engine's malloc tuning keeps up to 1 GiB
+    # there), and that heap range may still carry an earlier advised buffer's flag (a full CI
+    # run showed it).
     assert not big.any()
