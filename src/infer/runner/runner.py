@@ -163,11 +163,16 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         arrays = []
         for view in self.kv_cache.block_views():
-            shape = list(view.shape)
-            shape[2] = len(block_ids)
-            blocks = torch.empty(shape, dtype=view.dtype)  # host memory
-            for layer in range(shape[1]):  # one layer's device copy at a time (see import_kv)
-                blocks[:, layer] = view[:, layer].index_select(1, index).to("cpu")
+            if self.device.type == "cpu":
+                # NOTE: one gather of every layer: gathering layer by layer from the strided
+                # per-layer views took 450 ms for a 1024-token payload instead of 7 ms.
+                blocks = view.index_select(2, index)
+            else:  # one layer's device copy at a time (see import_kv)
+                shape = list(view.shape)
+                shape[2] = len(block_ids)
+                blocks = torch.empty(shape, dtype=view.dtype, pin_memory=True)
+                for layer in range(shape[1]):
+                    blocks[:, layer] = view[:, layer].index_select(1, index).to("cpu")
             arrays.append(blocks.view(torch.uint8).numpy())
         return self.kv_layout(len(block_ids)), tuple(arrays)
 
