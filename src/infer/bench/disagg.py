@@ -164,40 +164,11 @@ def _display_cmd(model: Path, mode: str, args: argparse.Namespace) -> str:
 
 def _start(model: Path, mode: str, args: argparse.Namespace, log: Path):
     """``infer serve`` in ``mode`` on a free port, once ``/health`` answers 200."""
-    import httpx
-
-    from infer.bench.router import _free_port, _stop
+    from infer.bench.router import _free_port, launch_server
 
     port = _free_port()
     cmd, threads = _serve_cmd(model, mode, args, port)
-    out = open(log, "w")  # noqa: SIM115 - closed with the process
-    out.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
-    out.flush()
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not start; see {log}")
-    except BaseException:  # Ctrl+C included: never leave a server (and its Ray) behind
-        _stop(proc)
-        raise
-
-
-def _has_pd_flags() -> bool:
-    """Whether this ``infer serve`` knows ``--prefill-replicas`` (prefill/decode split)."""
-    out = subprocess.run([sys.executable, "-m", "infer.server", "--help"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    return "--prefill-replicas" in out.stdout
+    return launch_server(cmd, port, log, threads)
 
 
 def _parse_transfer_metrics(text: str) -> dict[str, float]:
@@ -677,10 +648,6 @@ def run(args: argparse.Namespace) -> int:
         "runs": {m: [] for m in modes},
         "errors": {},
     }
-    if "pd" in modes and not _has_pd_flags():
-        results["errors"]["pd"] = ["this `infer serve` has no --prefill-replicas flag"]
-        print(results["errors"]["pd"][0], file=sys.stderr, flush=True)
-        modes = [m for m in modes if m != "pd"]
     for rnd in range(args.runs):
         for mode in modes:
             print(f"{mode} round {rnd}: starting the server", flush=True)

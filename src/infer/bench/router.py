@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -80,19 +81,28 @@ def _start(model: Path, policy: str | None, args: argparse.Namespace, blocks: in
            "--torch-threads", "1", "--no-dashboard"]  # fmt: skip
     if policy is not None:
         cmd += ["--data-parallel-size", "2", "--router-policy", policy]
-    out = open(log, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    return launch_server(cmd, port, log, threads=1)
+
+
+def launch_server(cmd: list[str], port: int, log: Path, threads: int = 1):
+    """Start ``cmd`` (an ``infer serve`` listening on ``port``), its command line and output in
+    ``log``; ``(process, url)`` once ``/health`` answers 200. A server that exits, does not
+    come up within 600 s, or is interrupted (Ctrl+C) is stopped, with its Ray."""
     import httpx
 
+    out = open(log, "w")  # noqa: SIM115 - closed with the process
+    out.write(shlex.join(cmd) + "\n")
+    out.flush()
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
                     return proc, url
             except httpx.HTTPError:
                 pass

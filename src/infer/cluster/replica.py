@@ -148,9 +148,10 @@ class InferReplica:
             yield piece
 
     async def prefill(self, request: ForwardedRequest) -> PrefillResult:
-        """Run the prefill half of a request (one token, held KV), then export the prompt's
-        KV into the object store and release the blocks. The app's answer comes back as is;
-        the ticket only when the request succeeded."""
+        """Run the prefill half of a request (one token: the engine copies the prompt's KV out
+        in the step that finishes it and frees the blocks), then put that KV in the object
+        store. The app's answer comes back as is; the ticket only when the request
+        succeeded."""
         handoff = KVHandoff("prefill")
         try:
             pieces = [p async for p in call_asgi(self.app, request,

@@ -248,16 +248,14 @@ class Router:
         self.recent_routing.append((now - arrived, now - decide_from))
         if prefill_fwd is not None:
             try:
-                result = await self._prefill(replica, prefill_fwd)
-            except (asyncio.CancelledError, Exception) as e:
-                on_end()
-                if isinstance(e, asyncio.CancelledError):
-                    raise
+                result = await _cancelling(self.replicas[replica].prefill.remote(prefill_fwd))
+            except Exception as e:  # noqa: BLE001 - the replica died or restarted
                 self.m_phase_failures.labels("prefill").inc()
                 logger.warning("prefill on %s failed: %s", self.names[replica], e)
                 return _error(503, f"the prefill replica failed: {type(e).__name__}",
                               "replica_failed")  # fmt: skip
-            on_end()
+            finally:  # done, failed, or the client left (cancelled): the prefill is over
+                on_end()
             if result.ticket is None and result.start.status != 200:
                 # An error answer (bad input, 429, ...): the client's, as one server gives it.
                 return Response(result.body, status_code=result.start.status,
@@ -269,16 +267,6 @@ class Router:
             return await self._forward(replica, fwd, raw, on_end=on_end)
         except BaseException:
             on_end()
-            raise
-
-    async def _prefill(self, replica: int, fwd: ForwardedRequest) -> PrefillResult:
-        """The prefill replica's answer; cancelling (the client left) cancels its call, which
-        aborts the prefill or releases the KV it held."""
-        response = self.replicas[replica].prefill.remote(fwd)
-        try:
-            return await response
-        except asyncio.CancelledError:
-            response.cancel()
             raise
 
     async def _decode_phase(self, fwd: ForwardedRequest, prefill: PrefillResult | None,
@@ -347,12 +335,8 @@ class Router:
     async def _receive(self, handle: DeploymentHandle, ticket: Any) -> KVReceived | NoRoom | None:
         """A decode replica's ``receive`` of the payload; None when the payload itself is
         lost (its owner, the prefill replica, died): the replica's own failures raise."""
-        response = handle.receive.remote(ticket)
         try:
-            return await response
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
+            return await _cancelling(handle.receive.remote(ticket))
         except Exception as e:
             if isinstance(e, ObjectLostError) or isinstance(getattr(e, "cause", None),
                                                              ObjectLostError):  # fmt: skip
@@ -543,6 +527,16 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._cleanup()
+
+
+async def _cancelling(response: Any) -> Any:
+    """Await a replica call's result; cancelled (the client left), cancel the call too, so
+    the replica stops its side (a prefill is aborted in its engine)."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
