@@ -5,6 +5,12 @@
 others each step) and answers with a ``ModelRunnerOutput``: a ``SampledToken`` (or a run of
 them) for each chunk that reached the end of its sequence. Both sides import this module and
 nothing of each other.
+
+Messages made once per request per step (``SequenceSlice``, ``ScheduledChunk``,
+``SampledToken``, and ``core.outputs.RequestOutput``) are slotted dataclasses, not frozen ones,
+and are read-only by convention: a frozen dataclass's ``__init__`` sets every field through
+``object.__setattr__``, ~4x the cost of a plain one, which at 256 rows a step was ~1.5 ms of a
+~5 ms GPU decode step's host time. The others stay frozen.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from infer.core.kv_transfer import KVPayload
 from infer.core.request import TokenLogprob
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # per row: see the module doc
 class SequenceSlice:
     """One sequence's share of a step: ``num_new_tokens`` queries after ``num_computed_tokens``."""
 
@@ -32,7 +38,7 @@ class SequenceSlice:
         return self.num_computed_tokens + self.num_new_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # per row: see the module doc
 class ScheduledChunk:
     """One request's share of a step: feed ``token_ids`` at positions from ``num_computed_tokens``.
 
@@ -95,7 +101,7 @@ class SchedulerOutput:
         return not self.chunks
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # per row: see the module doc
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None

@@ -8,7 +8,7 @@ from typing import Any
 from infer.core.request import RequestTimings, TokenLogprob
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per request per step: see core/messages.py's doc
 class RequestOutput:
     """What one request gained in one engine step (a delta), plus its running totals.
 

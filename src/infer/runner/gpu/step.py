@@ -27,6 +27,7 @@ Two shapes of step:
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -210,6 +211,23 @@ class GpuAttentionContext:
         )
 
 
+def _write_rows(array: np.ndarray, rows: list[list[int]]) -> None:
+    """``array[i, :len(rows[i])] = rows[i]`` for every row, in one scatter (a numpy assignment
+    per row cost ~1 us: ~0.3 ms a step at 256 rows)::
+
+        rows  : [7 3] [9] [4 5 6]       lens 2 1 3
+        flat  : 7 3 9 4 5 6
+        row   : 0 0 1 2 2 2
+        col   : 0 1 0 0 1 2             (index in flat - where its row starts)
+    """
+    lens = np.fromiter(map(len, rows), np.int64, len(rows))
+    total = int(lens.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(rows), array.dtype, total)
+    row = np.repeat(np.arange(len(rows)), lens)
+    col = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    array[row, col] = flat
+
+
 class StepInputs:
     """Pinned host buffers and their device twins for the step's model inputs (see module doc).
 
@@ -312,12 +330,8 @@ class StepInputs:
         fields: dict
         if is_decode_rows(seqs):
             # one table row per token (a verify chunk repeats its sequence's table)
-            r = 0
-            for s, k in zip(seqs, new, strict=True):
-                t = s.block_table
-                for _ in range(k):
-                    tables[r, : len(t)] = t
-                    r += 1
+            _write_rows(tables, [s.block_table for s, k in zip(seqs, new, strict=True)
+                                 for _ in range(k)])  # fmt: skip
             blocks = tables[np.arange(n), pos // block_size]
             a["slots"][:n] = blocks * block_size + pos % block_size
             a["context_lens"][:n] = pos + 1
@@ -333,8 +347,7 @@ class StepInputs:
                 context_lens=self._upload("context_lens", rows),
             )
         else:
-            for i, s in enumerate(seqs):
-                tables[i, : len(s.block_table)] = s.block_table
+            _write_rows(tables, [s.block_table for s in seqs])
             blocks = tables[seq_of_token, pos // block_size]
             a["slots"][:n] = blocks * block_size + pos % block_size
             a["query_start"][0] = 0
