@@ -18,6 +18,12 @@
 #   GPU_CHECK_BENCH [1]              0 skips infer bench gpu
 #   GPU_CHECK_BENCH_ARGS []          e.g. "--quick", "--skip-hf", "--modes graphs,torch-eager"
 #   GPU_CHECK_BENCH_MIN [60]         seconds the bench needs at least, else it is skipped
+#   GPU_CHECK_PER_TEST_TIMEOUT [90]  pytest-timeout per test: a hung test fails with its traceback
+#   GPU_CHECK_SAVE_TRITON_CACHE [0]  1: $OUT/triton-cache.tgz, Triton's compiled kernels; unpacked
+#                                    into .triton-cache/ and carried, the next machine skips the
+#                                    compiles (kernels whose source changed compile again)
+# Each test's outcome, duration and traceback go to $OUT/report.log as it finishes (tests/gpu_report.py),
+# so a phase cut short by its timeout still says what failed.
 set -u
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -43,6 +49,13 @@ else
 fi
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TRITON_CACHE_DIR=$PWD/.triton-cache INFER_TEST_REPORT=$OUT/report.log
+mkdir -p "$TRITON_CACHE_DIR"
+echo "Triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files carried"
+PYTEST_PLUGINS=(-p no:cacheprovider -p tests.gpu_report)
+if python3 -c "import pytest_timeout" 2>/dev/null; then
+    PYTEST_PLUGINS+=(--timeout "${GPU_CHECK_PER_TEST_TIMEOUT:-90}")
+fi
 python3 - <<'EOF'
 import importlib
 versions = []
@@ -62,7 +75,7 @@ if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
     shopt -u nullglob
     phase "GPU tests: ${files[*]}"
     # shellcheck disable=SC2086
-    timeout -k 10 "${GPU_CHECK_TEST_TIMEOUT:-180}" python3 -m pytest -p no:cacheprovider \
+    timeout -k 10 "${GPU_CHECK_TEST_TIMEOUT:-180}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
         ${GPU_CHECK_PYTEST_ARGS:--q -rfE --maxfail=5} "${files[@]}" >"$OUT/tests.log" 2>&1
     TESTS_RC=$?
     tail -n 25 "$OUT/tests.log"
@@ -72,7 +85,7 @@ fi
 if [ "${GPU_CHECK_INTEGRATION:-0}" = 1 ]; then
     phase "integration tests on cuda ${GPU_CHECK_INTEGRATION_ARGS:-}"
     # shellcheck disable=SC2086
-    timeout -k 10 "${GPU_CHECK_INTEGRATION_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider \
+    timeout -k 10 "${GPU_CHECK_INTEGRATION_TIMEOUT:-240}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
         -q -rfE tests/integration --device cuda ${GPU_CHECK_INTEGRATION_ARGS:-} \
         >"$OUT/integration.log" 2>&1
     INTEGRATION_RC=$?
@@ -96,5 +109,10 @@ if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     fi
 fi
 
+if [ "${GPU_CHECK_SAVE_TRITON_CACHE:-0}" = 1 ]; then
+    tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && ls -l "$OUT/triton-cache.tgz"
+fi
+[ -f "$OUT/report.log" ] && grep -c "^passed" "$OUT/report.log" | sed 's/^/report: passed /' &&
+    grep -E "^(failed|error)" "$OUT/report.log"
 ls -l "$OUT"
 phase "done: tests rc=$TESTS_RC, integration rc=$INTEGRATION_RC, bench rc=$BENCH_RC"
