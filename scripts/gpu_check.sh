@@ -15,6 +15,7 @@
 #   GPU_CHECK_INTEGRATION [0]        1: also `pytest tests/integration --device cuda` (minutes)
 #   GPU_CHECK_INTEGRATION_ARGS []    e.g. "--attention-backend torch --enforce-eager"
 #   GPU_CHECK_INTEGRATION_TIMEOUT [240]
+#   GPU_CHECK_OMP_THREADS [2]        torch threads of each integration test process
 #   GPU_CHECK_BENCH [1]              0 skips infer bench gpu
 #   GPU_CHECK_BENCH_ARGS []          e.g. "--quick", "--skip-hf", "--modes graphs,torch-eager"
 #   GPU_CHECK_BENCH_MIN [60]         seconds the bench needs at least, else it is skipped
@@ -85,7 +86,10 @@ fi
 if [ "${GPU_CHECK_INTEGRATION:-0}" = 1 ]; then
     phase "integration tests on cuda ${GPU_CHECK_INTEGRATION_ARGS:-}"
     # shellcheck disable=SC2086
-    timeout -k 10 "${GPU_CHECK_INTEGRATION_TIMEOUT:-240}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
+    # Few threads a process: with xdist's workers, torch's CPU threads (the transformers oracle,
+    # the CPU-only tests) would oversubscribe the cores many times over (45 s tests).
+    OMP_NUM_THREADS=${GPU_CHECK_OMP_THREADS:-2} \
+        timeout -k 10 "${GPU_CHECK_INTEGRATION_TIMEOUT:-240}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
         -q -rfE tests/integration --device cuda ${GPU_CHECK_INTEGRATION_ARGS:-} \
         >"$OUT/integration.log" 2>&1
     INTEGRATION_RC=$?

@@ -131,11 +131,13 @@ def test_a_dropped_engines_memory_goes_to_the_next(tiny_checkpoints, cuda_device
     options = dict(device=cuda_device, dtype="bfloat16", gpu_memory_utilization=0.05)
     gc.collect()  # engines of earlier tests: gone before the first plan, as after the drop
     llm = LLM(path, **options)
-    first = llm.engine.capacity.num_blocks
-    del llm
+    cap = llm.engine.capacity
+    first, first_bytes = cap.num_blocks, cap.num_blocks * cap.block_size * cap.bytes_per_token
+    del llm, cap
     gc.collect()
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    assert cached > 0.04 * torch.cuda.mem_get_info()[1]  # the first cache, not given back
+    # The first cache, not given back (its share of the GPU less what was in use: not 5%).
+    assert cached >= first_bytes
     with LLM(path, **options) as llm:
         assert abs(llm.engine.capacity.num_blocks - first) <= 1
         out = llm.generate(PROMPTS[:2], GREEDY)

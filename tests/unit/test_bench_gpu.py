@@ -93,6 +93,16 @@ def _report(**over) -> dict:
             },  # fmt: skip
         },
         "hf": {"rows": {"64": _hf(64, 1000.0), "256": _hf(256, 4000.0)}},
+        "http": {
+            "load": "128x128@64",
+            "concurrency": 64,
+            "output_tok_s": 15_000.0,
+            "offline_tok_s": 16_000.0,
+            "ratio": 15_000.0 / 16_000.0,
+            "ttft_ms_p50": 30.0,
+            "itl_ms_p50": 2.5,
+            "server_start_s": 20.0,
+        },  # fmt: skip
     }
     r.update(over)
     return r
@@ -104,9 +114,10 @@ def _status(rows: list[dict]) -> dict[str, str]:
 
 def test_every_target_met():
     rows = gpu.targets(_report())
-    assert [r["status"] for r in rows] == ["MET"] * 8, rows
+    assert [r["status"] for r in rows] == ["MET"] * 9, rows
     assert "1.100 ms = 1.38x 0.800 ms" in rows[0]["measured"]
     assert "lowest 80% at 16x512" in rows[6]["measured"]
+    assert rows[7]["measured"] == "15,000 / 16,000 = 0.94x"
 
 
 def test_misses_and_unmeasured_targets():
@@ -118,6 +129,7 @@ def test_misses_and_unmeasured_targets():
     r["kernels"]["rows"][0]["pct_of_read"] = 0.69
     r["kernels"]["split"]["speedup"] = 3.9
     del r["engine"]["graphs"]["loads"]["128x128@64"]
+    r["http"].update(output_tok_s=14_000.0, ratio=14_000.0 / 16_000.0)  # 0.88x: > 10% slower
     got = _status(gpu.targets(r))
     assert got == {
         "batch-1 decode step <= 1.5x weight-read limit": "MISS",
@@ -127,6 +139,7 @@ def test_misses_and_unmeasured_targets():
         ">= 10x transformers generate_batch at 64": "N/A",
         ">= 10x transformers generate_batch at 256": "MISS",
         "decode attention >= 70% of the read rate": "MISS",
+        "HTTP": "MISS",
         "batch 1 at 8192: split-K >= 4x one split": "MISS",
     }
 
@@ -136,7 +149,7 @@ def test_an_empty_report_is_all_not_measured_and_still_renders():
     assert {t["status"] for t in gpu.targets(r)} == {"N/A"}
     md = gpu.render_markdown(r)
     assert "| model | error | 1.0 | Boom |" in md
-    assert md.count("**N/A**") == 8
+    assert md.count("**N/A**") == 9
     assert "Boom" in gpu.summary(r)
 
 
@@ -151,7 +164,8 @@ def test_markdown_tables_from_a_result():
     assert "| 1 | 1.000 | 3.000 | 0.33 |" in md  # the bucket table: graphs, eager, ratio
     assert "| 8 | 100.0 | 5.00 |" in md  # split-K
     assert "| 64 | 128 | 8192 | 8.2 | 1,000 | 16,000 | 16.0 |" in md
-    assert md.count("**MET**") == 8
+    assert md.count("**MET**") == 9
+    assert "| http / offline | 0.94 |  |  |" in md
     for line in md.splitlines():  # every table row has its header's column count
         if line.startswith("|"):
             assert line.count("|") >= 3, line

@@ -119,6 +119,12 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--profile-mode", default="graphs", help="the mode whose steps are profiled")
     p.add_argument("--profile-steps", type=int, default=10)
+    p.add_argument(
+        "--http",
+        default="64",
+        help="C of the PxO load also sent over HTTP to `infer serve` (same engine settings), "
+        "next to the offline figure ('' for none)",
+    )
     p.add_argument("--skip-roofline", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-kernels", action="store_true")

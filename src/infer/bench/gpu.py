@@ -108,6 +108,7 @@ TARGET_B1_RATIO = 1.5
 TARGET_C256_TOKS = 40_000.0
 TARGET_C64_TOKS = 15_000.0
 TARGET_VS_HF = 10.0
+TARGET_HTTP_RATIO = 0.9
 TARGET_ATTN_ROOF = 0.70
 TARGET_SPLIT_SPEEDUP = 4.0
 
@@ -966,6 +967,15 @@ def targets(report: dict) -> list[dict]:
         None if low is None else low["pct_of_read"] >= TARGET_ATTN_ROOF,
     )
 
+    http = report.get("http") or {}
+    ratio = http.get("ratio")
+    add(
+        f"HTTP (infer serve) within 10% of the offline engine at C={http.get('concurrency', 64)}"
+        " (tok/s)",
+        ratio and f"{http['output_tok_s']:,.0f} / {http['offline_tok_s']:,.0f} = {ratio:.2f}x",
+        None if ratio is None else ratio >= TARGET_HTTP_RATIO,
+    )
+
     split = _get(report, "kernels", "split") or {}
     sp = split.get("speedup")
     add(
@@ -1113,6 +1123,31 @@ def render_markdown(r: dict) -> str:
             lines += ["", "## Decode step per batch size (pure decode, `engine.step()`, median ms)"]
             lines += [""] + _table(["batch", *bucket_modes, "graphs / eager"], rows, "r" * 9)
         lines += profile_markdown(eng)
+    http = r.get("http") or {}
+    if http:
+        lines += ["", f"## Over HTTP: `infer serve` at {http.get('load', '-')}", ""]
+        if "output_tok_s" in http:
+            lines.append(
+                "The offline graphs cell's prompts and engine settings, streamed completions "
+                "(token-id prompts, usage counted), C in flight; server up in "
+                f"{_f(http.get('server_start_s'), '.1f')} s."
+            )
+            lines += [""] + _table(
+                ["", "output tok/s", "TTFT p50 ms", "ITL p50 ms"],
+                [
+                    [
+                        "http",
+                        _f(http["output_tok_s"], ",.0f"),
+                        _f(http.get("ttft_ms_p50"), ".0f"),
+                        _f(http.get("itl_ms_p50")),
+                    ],
+                    ["offline", _f(http.get("offline_tok_s"), ",.0f"), "", ""],
+                    ["http / offline", _f(http.get("ratio")), "", ""],
+                ],  # fmt: skip
+                "lrrr",
+            )
+        else:
+            lines.append("Did not run to the end: see the sections table.")
     if kern:
         lines += ["", "## Decode attention kernel (Triton paged vs torch gather + SDPA)", ""]
         if "skipped" in kern:
@@ -1309,6 +1344,12 @@ def summary(r: dict) -> str:
                     + " ".join(f"{k} {v:.2f}" for k, v in p["host_ms"].items())
                     + f" | top: {top}"
                 )
+    http = r.get("http") or {}
+    if "output_tok_s" in http:
+        lines.append(
+            f"  http {http['load']}: {http['output_tok_s']:,.0f} tok/s"
+            + (f" = {http['ratio']:.2f}x offline" if http.get("ratio") else "")
+        )
     for n, row in (_get(r, "hf", "rows") or {}).items():
         lines.append(f"  transformers generate_batch {n} prompts: {row['tok_s']:,.0f} tok/s")
     lines.append("targets:")
@@ -1419,6 +1460,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_sections(
     args: argparse.Namespace, device: torch.device, report: dict, sections: _Sections
 ) -> None:
+    out_dir = sections.out
     if args.model:
         model_dir = Path(args.model)
     elif args.model_dir:
@@ -1488,6 +1530,20 @@ def _run_sections(
                     raise
 
             sections.run(f"engine {mode}", mode_section, device)
+
+    if args.http and not args.skip_engine:
+
+        def http_section() -> dict:
+            from infer.bench.gpu_http import http_section as run_http
+
+            c = int(args.http)
+            load = (args.prompt_len, args.output_len, c)
+            offline = _get(report, "engine", "graphs", "loads", load_key(*load))
+            vocab = min(model["shape"]["vocab_size"], model["tokenizer_vocab"])
+            res = report["http"] = {}
+            return run_http(model_dir, args, load, vocab, offline, out_dir, _log, res)
+
+        sections.run("http", http_section, device)
 
     if not args.skip_kernels:
         kshape = {
