@@ -193,7 +193,8 @@ class Scheduler:
                 budget -= n
                 i += 1
         for request in self.running:  # proposals are for this step only
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
 
         # 2. Waiting requests, in policy order.
         admit = not preempted and (cfg.batching_mode == "continuous" or batch_was_empty)
@@ -344,13 +345,13 @@ class Scheduler:
             tokens = tokens + request.spec_token_ids[:num_spec]
         wants = request.sampling_params.prompt_logprobs is not None
         return ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=tokens,
-            num_computed_tokens=start,
-            block_table=self.kv.block_table(request),
-            sample=start + len(tokens) - num_spec == request.num_tokens,
-            num_spec_tokens=num_spec,
-            prompt_logprobs=wants and len(request.prompt_logprobs) < request.num_prompt_tokens,
+            request.request_id,
+            tokens,
+            start,
+            self.kv.block_table(request),
+            start + len(tokens) - num_spec == request.num_tokens,  # sample
+            num_spec,
+            wants and len(request.prompt_logprobs) < request.num_prompt_tokens,
         )
 
     # ---- results ------------------------------------------------------------------------------
@@ -381,9 +382,10 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             if chunk.prompt_logprobs and not request.prompt_logprobs:
                 request.prompt_logprobs.append(None)  # the first token has no context
-            for position, lp in (prompt_logprobs or {}).get(chunk.request_id, ()):
-                if position == len(request.prompt_logprobs):  # not again after a recompute
-                    request.prompt_logprobs.append(lp)
+            if prompt_logprobs:
+                for position, lp in prompt_logprobs.get(chunk.request_id, ()):
+                    if position == len(request.prompt_logprobs):  # not again after a recompute
+                        request.prompt_logprobs.append(lp)
             if not chunk.sample:
                 self.kv.commit_full_blocks(request)
                 continue

@@ -245,6 +245,16 @@ class PagedKVManager(KVManager):
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         held = self._blocks.get(request.request_id)
+        if held and hit is NO_HIT:  # a running request (every decode step): the short way
+            need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(held)
+            if need <= 0:
+                return True
+            if need > self.pool.num_free_blocks:
+                return False
+            new = self.pool.allocate(need)
+            assert new is not None
+            self._extend(request.request_id, new)
+            return True
         num_held = len(held) if held else hit.num_blocks
         target = request.num_computed_tokens + num_new_tokens
         if hit.num_blocks or hit.num_transferred_tokens:

@@ -54,6 +54,8 @@ class BatchSender(Protocol):
     def send(self, batch: StepBatch) -> None: ...
 
 
+NO_PROPOSALS: list[int] = []  # a decode chunk's proposals (read only, shared)
+
 FAST_DECODE_ENV = "INFER_FAST_DECODE"
 """Set to 0 to run every step through the model's modules (for measuring the fast path)."""
 
@@ -240,16 +242,18 @@ class ModelRunner:
         proposals: list[list[int]] = []  # per sampled chunk (speculative decoding)
         for chunk in out.chunks:
             n = len(chunk.token_ids)
+            start = chunk.num_computed_tokens
+            if n == 1 and chunk.sample:  # a decode (most rows of most steps): the short way
+                token_ids.append(chunk.token_ids[0])
+                positions.append(start)
+                seqs.append(SequenceSlice(start, 1, chunk.block_table))
+                sample_rows.append(len(token_ids) - 1)
+                sample_reqs.append(requests[chunk.request_id])
+                proposals.append(NO_PROPOSALS)
+                continue
             token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.num_computed_tokens, chunk.num_computed_tokens + n))
-            seqs.append(
-                SequenceSlice(
-                    chunk.num_computed_tokens,
-                    n,
-                    chunk.block_table,
-                    as_decode_rows=chunk.num_spec_tokens > 0,
-                )
-            )
+            positions.extend(range(start, start + n))
+            seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0))
             if chunk.prompt_logprobs:
                 num_prompt = requests[chunk.request_id].num_prompt_tokens
                 first_row = len(token_ids) - n
