@@ -946,9 +946,10 @@ class LLMEngine:
         ):
             request.stop_reason = detok.stop_string
             self.scheduler.stop_at_string(request, detok.num_output_tokens)
-        if request.is_finished:
+        finished = request.is_finished  # decided from here on
+        if finished:
             text += detok.finish()
-        new_ids = request.output_token_ids[state.num_sent_tokens :]
+        new_ids = request.output_token_ids[state.num_sent_tokens :]  # after a stop string's cut
         state.num_sent_tokens = request.num_output_tokens
         new_logprobs = request.output_logprobs[state.num_sent_logprobs :]
         state.num_sent_logprobs = len(request.output_logprobs)
@@ -956,11 +957,11 @@ class LLMEngine:
         if (
             request.sampling_params.prompt_logprobs is not None
             and not state.sent_prompt_logprobs
-            and (new_ids or request.is_finished)
+            and (new_ids or finished)
         ):
             prompt_logprobs = list(request.prompt_logprobs)
             state.sent_prompt_logprobs = True
-        if request.is_finished:
+        if finished:
             del self._states[request.request_id]
             self.runner.sampler.forget(request.request_id)
             if self.proposer is not None:
@@ -972,7 +973,7 @@ class LLMEngine:
             new_token_ids=new_ids,
             new_text=text,
             new_logprobs=new_logprobs,
-            finished=request.is_finished,
+            finished=finished,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -981,7 +982,7 @@ class LLMEngine:
             timings=request.timings,
             error=request.error,
             prompt_logprobs=prompt_logprobs,
-            kv_payload=request.exported_kv if request.is_finished else None,
+            kv_payload=request.exported_kv if finished else None,
         )
 
     # ---- introspection ------------------------------------------------------------------------
