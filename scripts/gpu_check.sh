@@ -19,6 +19,7 @@
 #   GPU_CHECK_BENCH [1]              0 skips infer bench gpu
 #   GPU_CHECK_BENCH_ARGS []          e.g. "--quick", "--skip-hf", "--modes graphs,torch-eager"
 #   GPU_CHECK_BENCH_MIN [60]         seconds the bench needs at least, else it is skipped
+#   GPU_CHECK_BENCH_FIRST [0]        1: the bench before the tests, for GPU_CHECK_BENCH_LIMIT [240] s
 #   GPU_CHECK_PER_TEST_TIMEOUT [90]  pytest-timeout per test: a hung test fails with its traceback
 #   GPU_CHECK_SAVE_TRITON_CACHE [0]  1: $OUT/triton-cache.tgz, Triton's compiled kernels; unpacked
 #                                    into .triton-cache/ and carried, the next machine skips the
@@ -69,48 +70,69 @@ import torch
 print(", ".join(versions), "| CUDA", torch.version.cuda, "| available:", torch.cuda.is_available())
 EOF
 
-if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
-    shopt -s nullglob
-    # shellcheck disable=SC2206  # the globs are meant to expand
-    files=(${GPU_CHECK_TEST_FILES:-tests/*/test_*cuda*.py tests/*/test_*triton*.py})
-    shopt -u nullglob
-    phase "GPU tests: ${files[*]}"
-    # shellcheck disable=SC2086
-    timeout -k 10 "${GPU_CHECK_TEST_TIMEOUT:-180}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
-        ${GPU_CHECK_PYTEST_ARGS:--q -rfE --maxfail=5} "${files[@]}" >"$OUT/tests.log" 2>&1
-    TESTS_RC=$?
-    tail -n 25 "$OUT/tests.log"
-    phase "GPU tests: rc=$TESTS_RC"
-fi
-
-if [ "${GPU_CHECK_INTEGRATION:-0}" = 1 ]; then
-    phase "integration tests on cuda ${GPU_CHECK_INTEGRATION_ARGS:-}"
-    # shellcheck disable=SC2086
-    # Few threads a process: with xdist's workers, torch's CPU threads (the transformers oracle,
-    # the CPU-only tests) would oversubscribe the cores many times over (45 s tests).
-    OMP_NUM_THREADS=${GPU_CHECK_OMP_THREADS:-2} \
-        timeout -k 10 "${GPU_CHECK_INTEGRATION_TIMEOUT:-240}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
-        -q -rfE tests/integration --device cuda ${GPU_CHECK_INTEGRATION_ARGS:-} \
-        >"$OUT/integration.log" 2>&1
-    INTEGRATION_RC=$?
-    tail -n 15 "$OUT/integration.log"
-    phase "integration tests: rc=$INTEGRATION_RC"
-fi
-
-if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-    left=$((BUDGET - $(elapsed) - 5))
-    if [ "$left" -lt "${GPU_CHECK_BENCH_MIN:-60}" ]; then
-        phase "bench skipped: ${left}s left of GPU_CHECK_BUDGET=$BUDGET"
-    else
-        phase "infer bench gpu ${GPU_CHECK_BENCH_ARGS:-} (limit ${left}s)"
-        # SIGTERM at the limit: the bench writes what it measured, then its summary.
-        set -o pipefail
+run_tests() {
+    if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
+        shopt -s nullglob
+        # shellcheck disable=SC2206  # the globs are meant to expand
+        files=(${GPU_CHECK_TEST_FILES:-tests/*/test_*cuda*.py tests/*/test_*triton*.py})
+        shopt -u nullglob
+        phase "GPU tests: ${files[*]}"
         # shellcheck disable=SC2086
-        timeout -s TERM -k 20 "$left" python3 -m infer.cli bench gpu --out "$OUT" \
-            ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-        BENCH_RC=$?
-        set +o pipefail
+        timeout -k 10 "${GPU_CHECK_TEST_TIMEOUT:-180}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
+            ${GPU_CHECK_PYTEST_ARGS:--q -rfE --maxfail=5} "${files[@]}" >"$OUT/tests.log" 2>&1
+        TESTS_RC=$?
+        tail -n 25 "$OUT/tests.log"
+        phase "GPU tests: rc=$TESTS_RC"
     fi
+}
+
+run_integration() {
+    if [ "${GPU_CHECK_INTEGRATION:-0}" = 1 ]; then
+        phase "integration tests on cuda ${GPU_CHECK_INTEGRATION_ARGS:-}"
+        # Few threads a process: with xdist's workers, torch's CPU threads (the transformers oracle,
+        # the CPU-only tests) would oversubscribe the cores many times over (45 s tests).
+        # shellcheck disable=SC2086
+        OMP_NUM_THREADS=${GPU_CHECK_OMP_THREADS:-2} \
+            timeout -k 10 "${GPU_CHECK_INTEGRATION_TIMEOUT:-240}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
+            -q -rfE tests/integration --device cuda ${GPU_CHECK_INTEGRATION_ARGS:-} \
+            >"$OUT/integration.log" 2>&1
+        INTEGRATION_RC=$?
+        tail -n 15 "$OUT/integration.log"
+        phase "integration tests: rc=$INTEGRATION_RC"
+    fi
+}
+
+run_bench() {
+    if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
+        left=$((BUDGET - $(elapsed) - 5))
+        if [ "${GPU_CHECK_BENCH_FIRST:-0}" = 1 ] && [ "$left" -gt "${GPU_CHECK_BENCH_LIMIT:-240}" ]; then
+            left=${GPU_CHECK_BENCH_LIMIT:-240}
+        fi
+        if [ "$left" -lt "${GPU_CHECK_BENCH_MIN:-60}" ]; then
+            phase "bench skipped: ${left}s left of GPU_CHECK_BUDGET=$BUDGET"
+        else
+            phase "infer bench gpu ${GPU_CHECK_BENCH_ARGS:-} (limit ${left}s)"
+            # SIGTERM at the limit: the bench writes what it measured, then its summary.
+            set -o pipefail
+            # shellcheck disable=SC2086
+            timeout -s TERM -k 20 "$left" python3 -m infer.cli bench gpu --out "$OUT" \
+                ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+            BENCH_RC=$?
+            set +o pipefail
+        fi
+    fi
+}
+
+# The bench first when its figures matter most (GPU_CHECK_BENCH_FIRST=1, at most
+# GPU_CHECK_BENCH_LIMIT seconds); else the tests, whose failures decide what the figures mean.
+if [ "${GPU_CHECK_BENCH_FIRST:-0}" = 1 ]; then
+    run_bench
+    run_tests
+    run_integration
+else
+    run_tests
+    run_integration
+    run_bench
 fi
 
 if [ "${GPU_CHECK_SAVE_TRITON_CACHE:-0}" = 1 ]; then
