@@ -41,6 +41,7 @@ from infer.server.serving import (
     stream_events,
     usage_totals,
 )
+from infer.server.stream_json import EventTemplate, chat_choice
 from infer.server.tools import (
     ToolMode,
     ToolStream,
@@ -213,6 +214,9 @@ def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: 
             request_id: str, model: str, mode: ToolMode) -> AsyncIterator[bytes]:  # fmt: skip
     created = int(time.time())
     tool_streams = [ToolStream(mode) for _ in stream.request_ids]
+    template = EventTemplate(
+        ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[])
+    )
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
         body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
@@ -227,6 +231,9 @@ def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: 
             logprobs = chat_logprobs(serving, out.new_logprobs, req.top_logprobs or 0)
         tools = tool_streams[index]
         content, calls = tools.feed(out.new_text, out.finished)
+        if logprobs is None and usage is None and not calls:  # most events
+            finish = _finish_reason(out, tools.calls) if out.finished else None
+            return template.event(chat_choice(index, content or None, finish, out.stop_reason))
         delta = DeltaMessage(content=content or None, tool_calls=calls or None)
         return chunk([ChatStreamChoice(
             index=index, delta=delta, logprobs=logprobs,

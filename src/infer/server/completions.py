@@ -34,6 +34,7 @@ from infer.server.serving import (
     stream_events,
     usage_totals,
 )
+from infer.server.stream_json import EventTemplate, completion_choice
 
 
 def _prompt_list(prompt) -> list[str | list[int]]:
@@ -195,6 +196,9 @@ def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream: Requ
     created = int(time.time())
     started = [False] * len(stream.request_ids)
     offsets = [0] * len(stream.request_ids)
+    template = EventTemplate(
+        CompletionStreamResponse(id=request_id, created=created, model=model, choices=[])
+    )
 
     def render(index: int, out: RequestOutput, usage: UsageInfo | None) -> bytes | None:
         text = out.new_text
@@ -219,6 +223,9 @@ def _stream(serving: Serving, req: CompletionRequest, raw: Request, stream: Requ
         prompt_lps = None
         if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
             prompt_lps = serving.prompt_logprobs(out.prompt_logprobs, req.prompt_logprobs)
+        if logprobs is None and prompt_lps is None and usage is None:  # most events
+            finish = out.finish_reason if out.finished else None
+            return template.event(completion_choice(index, text, finish, out.stop_reason))
         chunk = CompletionStreamResponse(
             id=request_id, created=created, model=model, usage=usage,
             choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
