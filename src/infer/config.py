@@ -56,6 +56,10 @@ class ModelConfig:
     attention_backend: str = "auto"
     # CUDA: run every step eagerly (no CUDA graphs for decode steps), as vLLM's --enforce-eager.
     enforce_eager: bool = False
+    # The Triton step: launch a decode step while the one before is still on the device (its
+    # input ids taken there), so the host's per-step work overlaps the device's. False: every
+    # step waits for the one before (vLLM's --async-scheduling, on here where it applies).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

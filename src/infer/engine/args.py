@@ -63,6 +63,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CUDA: run every step eagerly, without CUDA graphs for decode steps",
     )
+    g.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="CUDA (Triton step): wait for each decode step before scheduling the next, instead "
+        "of launching it while the one before runs",
+    )
 
     g = parser.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=c.block_size)
@@ -197,6 +204,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             quantize_lm_head=args.quantize_lm_head,
             attention_backend=getattr(args, "attention_backend", "auto"),
             enforce_eager=getattr(args, "enforce_eager", False),
+            async_scheduling=getattr(args, "async_scheduling", True),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -14,7 +14,7 @@ import os
 import time
 import weakref
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -23,6 +23,7 @@ import torch
 from infer.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
 from infer.core.kv_transfer import KVPayload
 from infer.core.lora_request import LoRARequest
+from infer.core.messages import SchedulerOutput
 from infer.core.outputs import RequestOutput
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
@@ -40,7 +41,7 @@ from infer.runner.attention import KVCache
 from infer.runner.int4 import keep_checkpoint_int4
 from infer.runner.prepack import model_weight_bytes, prepack_linears
 from infer.runner.quant import check_quantization, quantize_linears
-from infer.runner.runner import ModelRunner
+from infer.runner.runner import InFlightStep, ModelRunner, TokenFeed
 from infer.spec_decode import NgramProposer, Proposer
 
 if TYPE_CHECKING:
@@ -175,6 +176,14 @@ class _OutputState:
         self.num_sent_tokens = 0
         self.num_sent_logprobs = 0
         self.sent_prompt_logprobs = False
+
+
+@dataclass(frozen=True)
+class _AheadStep:
+    """A step launched ahead (async scheduling) and the requests it was planned for."""
+
+    step: InFlightStep
+    requests: list[Request]
 
 
 class LLMEngine:
@@ -315,6 +324,16 @@ class LLMEngine:
         # once).
         self._defer_outputs = self.runner.cuda_step is not None and self.proposer is None
         self._deferred: list[tuple[Request, _OutputState]] = []
+        # Async scheduling (the Triton step, one device): a decode step launched while the step
+        # before runs, with the requests it was planned for (see _launch_ahead).
+        self._async = (
+            config.model.async_scheduling
+            and self.runner.cuda_step is not None
+            and self.proposer is None
+            and self.tp_workers is None
+            and self.lora is None
+        )
+        self._ahead: _AheadStep | None = None
         self.step_times = StepTimeTotals()
         # Step records for the live view or a recorded run; None (and no cost) otherwise.
         self.trace: StepTrace | None = None
@@ -779,27 +798,35 @@ class LLMEngine:
             self._export_held()
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            sched = self._live_part(ahead)
+        if ahead is None or sched.is_empty:
+            ahead = None  # (every request it ran for ended meanwhile: its tokens are dropped)
+            sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
             outputs.extend(self._drain_deferred())
             return outputs
         defer = self._defer_outputs and (self.structured is None or not self.structured.matchers)
         drained: list[RequestOutput] = []
-        drain_time = [0.0]
-
-        def while_running() -> None:
-            t = time.perf_counter()
-            drained.extend(self._drain_deferred())
-            drain_time[0] = time.perf_counter() - t
-
+        drain_time = 0.0
         try:
-            result = self.runner.execute(
-                sched, self.scheduler.requests, while_running if self._deferred else None
-            )
+            if ahead is not None:
+                running = ahead.step
+            else:
+                running = self.runner.launch(sched, self.scheduler.requests)
+            # While the device runs it: the next step (async scheduling), earlier outputs.
+            self._ahead = self._launch_ahead(running)
+            t = time.perf_counter()
+            if self._deferred:
+                drained.extend(self._drain_deferred())
+            drain_time = time.perf_counter() - t
+            result = self.runner.collect(running)
         except EngineDeadError:
             raise
         except Exception as e:  # noqa: BLE001 - one failed batch must not kill the engine
+            self._ahead = None  # launched on this step's tokens
             if self.tp_workers is not None:
                 # The other ranks may be inside a collective this rank never reached.
                 raise self.tp_workers.dead(e) from e
@@ -844,9 +871,9 @@ class LLMEngine:
         st.steps += 1
         st.schedule += t1 - t0
         st.prepare += timings.prepare
-        st.forward += timings.forward - drain_time[0]
+        st.forward += timings.forward
         st.sample += timings.sample
-        st.update += t3 - t2 + drain_time[0]
+        st.update += t3 - t2 + drain_time
         st.propose += t4 - t3
         trace = self.trace
         if trace is not None:
@@ -855,6 +882,64 @@ class LLMEngine:
             else:
                 trace.record(self.scheduler, sched, st.steps, t4 - t0)
         return outputs
+
+    def _launch_ahead(self, running: InFlightStep) -> _AheadStep | None:
+        """Async scheduling: launch the step after ``running`` (a plain decode step whose
+        tokens are still on the device) now, its input ids taken from ``running``'s sampled
+        ids on the device, so the host's work for a step (collecting and applying the one
+        before, detokenizing, scheduling) overlaps the device's::
+
+            host   : plan+launch N+1 | outputs N-1 | wait N | apply N | plan+launch N+2 | ...
+            device : ...N...............................| N+1 ....................| N+2
+
+        None (the next step is scheduled once ``running``'s tokens are in) where the step
+        would not be the regular schedule's (:meth:`Scheduler.schedule_ahead`), or the batch
+        needs its tokens on the host first (logprobs, penalties, grammars, proposals)."""
+        if not self._async or running.pending is None:
+            return None
+        try:
+            return self._plan_and_launch(running)
+        except Exception:  # noqa: BLE001 - the regular step after this one computes it
+            logger.exception("launching a step ahead failed; scheduling it as usual")
+            return None
+
+    def _plan_and_launch(self, running: InFlightStep) -> _AheadStep | None:
+        out = running.out
+        assert running.pending is not None
+        if (
+            (self.structured is not None and self.structured.matchers)
+            or (self.structured is not None and self.structured.matchers)
+            or out.kv_imports
+            or out.swap_in
+            or out.swap_out
+            or not all(len(c.token_ids) == 1 and c.sample for c in out.chunks)
+        ):
+            return None
+        t0 = time.perf_counter()
+        nxt = self.scheduler.schedule_ahead(out)
+        self.step_times.schedule += time.perf_counter() - t0  # its launch: when it is collected
+        if nxt is None:
+            return None
+        row_of = {r.request_id: i for i, r in enumerate(running.sample_reqs)}
+        rows = list(range(len(nxt.chunks)))
+        feed = TokenFeed(running.pending.tokens, rows, [row_of[c.request_id] for c in nxt.chunks])
+        planned = [self.scheduler.requests[c.request_id] for c in nxt.chunks]
+        return _AheadStep(self.runner.launch(nxt, self.scheduler.requests, feed), planned)
+
+    def _live_part(self, ahead: _AheadStep) -> SchedulerOutput:
+        """The chunks of a step launched ahead whose requests are still the ones it was planned
+        for: one that ended since (a stop token in the step before, an abort, a stop string)
+        is dropped, even if a new request took its id."""
+        out = ahead.step.out
+        live = [
+            chunk
+            for chunk, request in zip(out.chunks, ahead.requests, strict=True)
+            if self.scheduler.requests.get(chunk.request_id) is request
+        ]
+        if len(live) == len(out.chunks):
+            return out
+        return replace(out, chunks=live, num_batched_tokens=len(live),
+                                   num_decode_tokens=len(live))  # fmt: skip
 
     def _drain_deferred(self) -> list[RequestOutput]:
         """The outputs of the requests an earlier step deferred (see :meth:`step`). A request

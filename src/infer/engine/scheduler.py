@@ -25,6 +25,10 @@ from infer.core.request import Request, RequestStatus, TokenLogprob
 from infer.engine.queue import make_queue
 from infer.kv_cache.manager import NO_HIT, KVManager, PrefixHit
 
+AHEAD_TOKEN = 0
+"""The input id a step planned ahead carries for a token not sampled yet (the runner replaces it
+on the device, :class:`infer.runner.runner.TokenFeed`)."""
+
 
 @dataclass
 class SchedulerCounters:
@@ -273,6 +277,50 @@ class Scheduler:
             chunks, num_tokens, num_tokens - num_decode, num_decode, preempted, swap_out,
             swap_in, kv_imports,
         )  # fmt: skip
+
+    def schedule_ahead(self, running: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after ``running`` (a decode step still on the device), planned before its
+        tokens are known: each of its requests decodes the token it is sampling (input ids
+        the runner takes on the device). None where that is not the step :meth:`schedule`
+        would make — admissions due, a request not in ``running``, no room without
+        preemption, proposals — so the caller waits for ``running`` and schedules as usual.
+
+        Positions count ``running``'s token (not yet in ``num_computed_tokens``)::
+
+            computed : ... c-1 | c            c: the token ``running`` feeds (position c)
+            ahead    :             c+1        the token it samples, fed at position c + 1
+
+        A request that ``running`` finishes (a stop token) is in the step anyway: its row is
+        computed and dropped (:meth:`update_from_output` skips requests that are gone), and it
+        writes only its own last, never-cached block, before any later step reuses it.
+        """
+        cfg = self.config
+        if (
+            self.recompute_every_step
+            or cfg.batching_mode != "continuous"
+            or (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
+            or len(running.chunks) != len(self.running)
+            or len(running.chunks) > cfg.max_num_batched_tokens
+        ):
+            return None
+        chunks: list[ScheduledChunk] = []
+        for chunk in running.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING or request.spec_token_ids:
+                return None
+            if request.num_output_tokens + 1 >= request.max_new_tokens:
+                continue  # ``running`` ends it (length): nothing after it
+            start = request.num_computed_tokens + 1
+            if not self.kv.allocate(request, 2):  # covers positions c and c + 1
+                return None  # preemption's business: the regular schedule's
+            chunks.append(ScheduledChunk(request.request_id, [AHEAD_TOKEN], start,
+                                         self.kv.block_table(request), True))  # fmt: skip
+        if not chunks:
+            return None
+        self.kv.end_step()
+        self.waiting.tick()
+        self.counters.steps += 1
+        return SchedulerOutput(chunks, len(chunks), 0, len(chunks))
 
     def stop_at_string(self, request: Request, num_output_tokens: int) -> None:
         """The detokenizer found a stop string ending after ``num_output_tokens`` tokens: the

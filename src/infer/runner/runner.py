@@ -17,6 +17,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -37,7 +38,7 @@ from infer.runner.attention import AttentionContext, KVCache
 from infer.runner.decode_fast import FastDecoder
 from infer.runner.gpu.cuda_step import CudaStep, resolve_attention_backend
 from infer.runner.lora.manager import LoRAManager
-from infer.runner.sampler import Sampler, token_logprob
+from infer.runner.sampler import PendingSample, Sampler, token_logprob
 
 # Attention on CUDA without cuDNN's: it plans each (batch, longest context) shape it has not
 # seen, ~40 ms of CPU time on an H200, and a decode batch's longest context grows by one token
@@ -58,6 +59,34 @@ NO_PROPOSALS: list[int] = []  # a decode chunk's proposals (read only, shared)
 
 FAST_DECODE_ENV = "INFER_FAST_DECODE"
 """Set to 0 to run every step through the model's modules (for measuring the fast path)."""
+
+
+@dataclass(frozen=True)
+class TokenFeed:
+    """Input ids of a step launched before the step it follows has reached the host: row
+    ``rows[i]`` of the new step takes ``tokens[sources[i]]`` (the earlier step's sampled ids, on
+    the device)."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    sources: list[int]
+
+
+@dataclass
+class InFlightStep:
+    """A launched step (:meth:`ModelRunner.launch`) until :meth:`ModelRunner.collect`."""
+
+    out: SchedulerOutput
+    requests: dict[str, Request]
+    sample_reqs: list[Request]
+    proposals: list[list[int]]
+    prompt_targets: list[tuple[str, int]]
+    logits: torch.Tensor | None
+    prompt_logits: torch.Tensor | None
+    pending: PendingSample | None  # the sampler's kernels queued at launch
+    t0: float  # launch began
+    t1: float  # inputs prepared
+    t2: float  # launched
 
 
 class ModelRunner:
@@ -290,17 +319,22 @@ class ModelRunner:
         return rows
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def run(
+        self, batch: StepBatch, feed: TokenFeed | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
-        one forward pass, and float32 logits of the sampled rows and of the prompt rows."""
+        one forward pass, and float32 logits of the sampled rows and of the prompt rows.
+        ``feed``: see :meth:`launch` (the Triton step only)."""
         self.swap_blocks(batch)
         if batch.kv_imports:  # after the swap-outs: a block freed by one may be a target
             self.import_kv(batch.kv_imports)
         if self.lora is not None:
             self.lora.set_step(batch.row_lora_slots, self.device)
         if self.cuda_step is not None:
-            hidden = self.cuda_step.forward(batch)
+            hidden = self.cuda_step.forward(batch, feed)
         else:
+            if feed is not None:
+                raise ValueError("a token feed needs the Triton step (its input buffers)")
             ids_t = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
             ctx = AttentionContext(self.kv_cache, batch.seqs, self.device)
@@ -332,34 +366,67 @@ class ModelRunner:
 
         ``while_running`` is called once the forward pass is launched and before anything waits
         for it: on a GPU (asynchronous) the host's work there overlaps the device's."""
+        step = self.launch(out, requests)
+        if while_running is not None:
+            while_running()
+        return self.collect(step)
+
+    @torch.inference_mode()
+    def launch(
+        self, out: SchedulerOutput, requests: dict[str, Request], feed: TokenFeed | None = None
+    ) -> InFlightStep:
+        """Queue a step's work without waiting for the device: inputs, forward pass, logits and,
+        where :meth:`Sampler.can_launch` takes the batch, the sampler's kernels and the copy of
+        the sampled ids (the rest of sampling is :meth:`collect`'s). ``feed`` (the Triton step
+        only): input ids that the step before samples, taken on the device."""
         t0 = time.perf_counter()
         batch, sample_reqs, proposals, prompt_targets = self.prepare(out, requests)
         if self.workers is not None:  # the other tensor-parallel ranks run the same batch
             self.workers.send(batch)
         t1 = time.perf_counter()
+        logits, prompt_logits = self.run(batch, feed)
+        pending = None
+        if (
+            logits is not None
+            and not any(proposals)
+            and (self.structured is None or not self.structured.matchers)
+            and Sampler.can_launch(sample_reqs)
+        ):
+            pending = self.sampler.launch(logits, sample_reqs)
+        return InFlightStep(out, requests, sample_reqs, proposals, prompt_targets, logits,
+                            prompt_logits, pending, t0, t1, time.perf_counter())  # fmt: skip
 
-        logits, prompt_logits = self.run(batch)
-        if while_running is not None:
-            while_running()
+    @torch.inference_mode()
+    def collect(self, step: InFlightStep) -> ModelRunnerOutput:
+        """A launched step's sampled tokens (waiting for them), timings and prompt logprobs."""
+        t_collect = time.perf_counter()
         prompt_lps = {}
-        if prompt_logits is not None:
-            prompt_lps = self._prompt_logprobs(prompt_logits, prompt_targets, requests)
-        t2 = time.perf_counter()
-
+        if step.prompt_logits is not None:
+            prompt_lps = self._prompt_logprobs(step.prompt_logits, step.prompt_targets,
+                                               step.requests)  # fmt: skip
         sampled: dict[str, Sampled] = {}
-        if logits is not None:
+        if step.logits is not None:
             results: list[Sampled]
-            # NOTE: computed here, not on a thread during the forward pass: on two cores that
-            # thread slowed the forward pass by about what it saved (measured).
-            allowed = None if self.structured is None else self.structured.bitmask(sample_reqs)
-            if any(proposals):
-                results = list(self.sampler.verify(logits, sample_reqs, proposals, allowed))
+            if step.pending is not None:
+                results = list(step.pending.result())
             else:
-                results = list(self.sampler.sample(logits, sample_reqs, allowed))
-            for request, result in zip(sample_reqs, results, strict=True):
+                # NOTE: computed here, not on a thread during the forward pass: on two cores
+                # that thread slowed the forward pass by about what it saved (measured).
+                allowed = (
+                    None if self.structured is None else self.structured.bitmask(step.sample_reqs)
+                )
+                if any(step.proposals):
+                    results = list(
+                        self.sampler.verify(step.logits, step.sample_reqs, step.proposals, allowed)
+                    )
+                else:
+                    results = list(self.sampler.sample(step.logits, step.sample_reqs, allowed))
+            for request, result in zip(step.sample_reqs, results, strict=True):
                 sampled[request.request_id] = result
         t3 = time.perf_counter()
-        timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
+        # forward: queueing the pass (on a GPU; the whole pass on a CPU); sample: from the
+        # collect on, the wait for the device included
+        timings = StepTimings(step.t1 - step.t0, step.t2 - step.t1, t3 - t_collect)
         return ModelRunnerOutput(sampled, timings, prompt_lps)
 
     def _prompt_logprobs(

@@ -23,6 +23,27 @@ from infer.runner.kernels import cpu_kernels
 from infer.structured.bitmask import apply_bitmask
 
 
+class PendingSample:
+    """A batch's sampled tokens on their way to the host: the device tensor (the next step's
+    inputs can be fed from it without the host, :meth:`Sampler.launch`) and its copy."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready: torch.cuda.Event | None = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens, None
+
+    def result(self) -> list[SampledToken]:
+        """The tokens (waits for the copy: the step's one wait on the device)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [SampledToken(t, None) for t in self._host.tolist()]
+
+
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
         self.device = torch.device(device)
@@ -87,6 +108,40 @@ class Sampler:
                 lp = token_logprob(raw_logprobs[row], token_id, k)
             out.append(SampledToken(token_id, lp))
         return out
+
+    @staticmethod
+    def can_launch(requests: list[Request]) -> bool:
+        """Whether :meth:`launch` samples this batch: no logprobs, penalties, logit bias or
+        pending ``min_tokens`` (what reads the host's request state or needs more copies)."""
+        for r in requests:
+            p = r.sampling_params
+            if (
+                p.logprobs is not None
+                or p.needs_penalties
+                or p.logit_bias
+                or r.num_output_tokens < p.min_tokens
+            ):
+                return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """:meth:`sample` for a batch :meth:`can_launch` takes, without waiting for the device:
+        the same kernels and draws (so the same tokens), queued, and their copy to the host
+        started. The next step can be launched on ``tokens`` before they reach the host."""
+        logits = logits.float()
+        params = [r.sampling_params for r in requests]
+        tokens = _argmax(logits)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
+            drawn = self._draw(probs, [requests[i] for i in random_rows])
+            if len(random_rows) == len(requests):
+                tokens = drawn
+            else:
+                rows = torch.tensor(random_rows, device=tokens.device)
+                tokens[rows] = drawn
+        return PendingSample(tokens)
 
     def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """One token per row of ``probs`` in a few batched kernels, by inverting each row's

@@ -25,7 +25,7 @@ from infer.runner.gpu.step import GpuAttentionContext, StepInputs, StepShape, is
 
 if TYPE_CHECKING:
     from infer.runner.attention import KVCache
-    from infer.runner.runner import StepBatch
+    from infer.runner.runner import StepBatch, TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +162,9 @@ class CudaStep:
         """GPU memory the capture took (its pool, and what its warm-up first loaded)."""
         return self.graphs.capture_bytes if self.graphs is not None else 0
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's ``T`` rows."""
+    def forward(self, batch: StepBatch, feed: TokenFeed | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's ``T`` rows; ``feed``: rows whose
+        input ids are taken on the device from the step before's sampled ids."""
         n = len(batch.token_ids)
         seqs = batch.seqs
         decode = is_decode_rows(seqs)
@@ -184,6 +185,10 @@ class CudaStep:
         ids, positions, fields = inputs.fill(
             batch.token_ids, batch.positions, seqs, self.kv_cache.block_size, bucket
         )
+        if feed is not None:  # queued after the step before's sampler and the copies above
+            rows = inputs.row_index("feed_rows", feed.rows)
+            sources = inputs.row_index("feed_sources", feed.sources)
+            ids.index_copy_(0, rows, feed.tokens.index_select(0, sources))
         if bucket is not None:
             if self.graphs is not None:
                 return self.graphs.replay(bucket, self._bucket_forward)[:n]

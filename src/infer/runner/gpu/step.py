@@ -255,6 +255,9 @@ class StepInputs:
         # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
         self.sample_rows = pair(shape.max_rows, dtype=torch.long)
         self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
+        # a step launched ahead: its rows fed the step before's sampled ids, and from where
+        self.feed_rows = pair(shape.max_table_rows, dtype=torch.long)
+        self.feed_sources = pair(shape.max_table_rows, dtype=torch.long)
         # numpy views of the host halves: filled without building tensors
         self._np = {
             name: getattr(self, name)[0].numpy()
@@ -268,6 +271,8 @@ class StepInputs:
                 "num_computed",
                 "sample_rows",
                 "prompt_rows",
+                "feed_rows",
+                "feed_sources",
             )
         }
         self._copied = torch.cuda.Event() if pin else None
@@ -283,7 +288,8 @@ class StepInputs:
         return dev[:n]
 
     def row_index(self, name: str, rows: list[int]) -> torch.Tensor:
-        """``rows`` (``name``: ``"sample_rows"`` or ``"prompt_rows"``) as a device index, copied
+        """``rows`` (``name``: ``"sample_rows"``, ``"prompt_rows"``, ``"feed_rows"`` or
+        ``"feed_sources"``) as a device index, copied
         without waiting: a tensor built from a list would be a pageable copy, which waits for
         the forward pass queued before it (and so for the host work meant to overlap it)."""
         host, dev = getattr(self, name)

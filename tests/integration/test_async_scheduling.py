@@ -1,0 +1,104 @@
+"""Async scheduling (the Triton step): a decode step launched while the step before is still on
+the device, its input ids taken there, gives the tokens of waiting for every step — requests
+that end by length, by a stop token while their next step is in flight, seeded sampling, an
+abort and a new request under the aborted one's id — and every KV block comes back.
+
+On a CPU the Triton step runs under Triton's interpreter (see test_triton_step.py); with a GPU
+it is the real thing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import SamplingParams
+
+from .conftest import PROMPTS
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPTIONS = dict(device=DEVICE, attention_backend="triton", block_size=4, max_num_seqs=4)
+
+
+def _count_ahead(llm) -> list[int]:
+    """Counts the steps the engine launches ahead (the engine's own method, wrapped)."""
+    engine, launched = llm.engine, [0]
+    plan = engine._plan_and_launch
+
+    def counting(running):
+        ahead = plan(running)
+        launched[0] += ahead is not None
+        return ahead
+
+    engine._plan_and_launch = counting
+    return launched
+
+
+def _params(stop_token: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),  # ends by length first
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=7, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True),
+    ]
+
+
+def _run_to_the_end(engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_steps_launched_ahead_give_the_waiting_steps_tokens(make_llm):
+    sync = make_llm("llama", async_scheduling=False, **OPTIONS)
+    prompts = PROMPTS[:4]
+    # A stop token the third prompt meets mid-way (its 5th greedy token): it ends while the
+    # step after is already launched.
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    stop_token = sync.generate([prompts[2]], plain)[0].outputs[0].token_ids[4]
+    want = [o.outputs[0].token_ids for o in sync.generate(prompts, _params(stop_token))]
+    assert len(want[2]) <= 5 and want[2][-1] == stop_token and len(want[1]) == 4
+
+    llm = make_llm("llama", **OPTIONS)
+    launched = _count_ahead(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, _params(stop_token))]
+    assert got == want
+    assert launched[0] >= 4  # most decode steps went ahead
+
+    # An abort while a step is in flight, and a new request under the aborted one's id: the
+    # in-flight step's token for the old request never reaches the new one.
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[5:8]]
+    engine.add_request("a", ids[0], greedy)
+    engine.add_request("b", ids[1], greedy)
+    b_tokens: list[int] = []
+    seen = 0
+    while seen < 3:  # a few decode steps in: the next one is launched ahead of its tokens
+        for out in engine.step():
+            if out.request_id == "a":
+                seen += len(out.new_token_ids)
+            else:
+                b_tokens += out.new_token_ids
+    assert engine._ahead is not None
+    engine.abort_request("a")
+    engine.add_request("a", ids[2], greedy)
+    tokens = _run_to_the_end(engine)
+    tokens["b"] = b_tokens + tokens["b"]
+    sync.engine.add_request("a", ids[2], greedy)
+    sync.engine.add_request("b", ids[1], greedy)
+    want_tokens = _run_to_the_end(sync.engine)
+    assert tokens["b"] == want_tokens["b"]
+    assert tokens["a"][-8:] == want_tokens["a"]  # after the aborted request's few
+    assert engine._ahead is None
+
+
+def test_async_scheduling_can_be_switched_off(make_llm):
+    llm = make_llm("llama", async_scheduling=False, **OPTIONS)
+    launched = _count_ahead(llm)
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert launched[0] == 0 and not llm.engine._async
