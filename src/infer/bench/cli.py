@@ -90,9 +90,10 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer cells, the same targets")
     p.add_argument(
         "--modes",
-        default="graphs,eager,torch-eager",
-        help="engines: graphs (triton + CUDA graphs), eager (triton, enforce_eager), "
-        "torch-eager (torch attention, enforce_eager: the old path)",
+        default="graphs,graphs-sync,eager,torch-eager",
+        help="engines: graphs (triton + CUDA graphs + async scheduling), graphs-sync (without "
+        "async scheduling), eager (triton, enforce_eager), torch-eager (torch attention, "
+        "enforce_eager: the old path)",
     )
     p.add_argument(
         "--concurrency", default=None, help="C of the PxO loads (1,16,64,256 | 1,64,256)"

@@ -1,6 +1,6 @@
 """One GPU, one process, every number the CUDA path is judged by: ``infer bench gpu``.
 
-    infer bench gpu [--out bench-results/gpu] [--quick] [--modes graphs,eager,torch-eager]
+    infer bench gpu [--out bench-results/gpu] [--quick] [--modes graphs,graphs-sync,eager,...]
                     [--concurrency 1,16,64,256] [--skip-buckets] [--skip-kernels] [--skip-hf]
 
 (``python benchmarks/bench_gpu.py`` runs the same; ``scripts/gpu_check.sh`` runs it on a lent
@@ -13,8 +13,9 @@ machine after the GPU tests.) Sections, each timed, printed as it finishes and w
    uses another folder).
 2. **roofline**: HBM read rate (a sum over a 4 GiB bf16 tensor, median), bf16 matmul TFLOP/s, and
    the weight-read limit of one decode step (weight bytes / read rate).
-3. **engine**: the offline engine per ``--modes`` (``graphs``: Triton paged attention and CUDA
-   graphs; ``eager``: Triton, no graphs; ``torch-eager``: gather + SDPA, no graphs, the old
+3. **engine**: the offline engine per ``--modes`` (``graphs``: Triton paged attention, CUDA
+   graphs and async scheduling; ``graphs-sync``: the same, each step waiting for the one
+   before; ``eager``: Triton, no graphs; ``torch-eager``: gather + SDPA, no graphs, the old
    path), one engine per mode, closed loop at C = ``--concurrency`` on 128-token prompts / 128
    greedy tokens (2C requests, C in flight) and 1024 / 128 at C = 16: output tok/s, ITL and
    TTFT p50. Then, per ``--bucket-modes``, the time of a pure decode step at batch sizes
@@ -22,6 +23,8 @@ machine after the GPU tests.) Sections, each timed, printed as it finishes and w
 4. **kernels**: ``infer.runner.gpu.triton_attention.paged_decode_attention`` on the model's
    heads at batch x context, K/V bytes read per call against the measured read rate, today's
    torch path (index_select gather + masked SDPA) beside it, and split-K at batch 1, 8k.
+4b. **http** (``--http C``): the graphs cell at C over HTTP (``infer serve``), beside the offline
+   figure (:mod:`infer.bench.gpu_http`).
 5. **hf**: transformers' own continuous batching (``generate_batch``, a persistent manager) on
    the same prompts: tok/s, and infer (graphs) / transformers.
 
@@ -83,6 +86,12 @@ TINY_SHAPE: dict[str, Any] = {
 
 MODES: dict[str, dict[str, Any]] = {
     "graphs": {"attention_backend": "triton", "enforce_eager": False},
+    # graphs without async scheduling: each step waits for the one before (what it buys)
+    "graphs-sync": {
+        "attention_backend": "triton",
+        "enforce_eager": False,
+        "async_scheduling": False,
+    },
     "eager": {"attention_backend": "triton", "enforce_eager": True},
     "torch-eager": {"attention_backend": "torch", "enforce_eager": True},
 }
