@@ -4,8 +4,9 @@ import pytest
 
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import SamplingParams
+from infer.engine.scheduler import AHEAD_TOKEN
 
-from ._factories import fake_sample, make_request, make_scheduler, run_to_completion
+from ._factories import EOS, fake_sample, make_request, make_scheduler, run_to_completion
 
 
 def test_every_request_completes_and_every_block_returns():
@@ -259,3 +260,95 @@ def test_token_ids_is_the_slice_of_all_token_ids_for_every_range():
     for start in range(n + 2):
         for end in range(start, n + 3):
             assert r.token_ids(start, end) == r.all_token_ids[start:end], (start, end)
+
+
+# ---- schedule_ahead (async scheduling) ----------------------------------------------------------
+def _token_for(step: int, rid: str, eos_at: dict[str, int]) -> int:
+    """The fake runner's token for ``rid`` at output index ``step``: EOS where asked."""
+    return EOS if eos_at.get(rid) == step else 10 + step
+
+
+def _drive(s, requests: dict[str, Request], eos_at: dict[str, int], ahead: bool) -> tuple:
+    """Run to completion as the engine does, planning each decode step ahead when it can: the
+    step planned ahead is applied after the one it follows, and rows of requests that ended
+    meanwhile are dropped by update_from_output. Returns the outputs and the steps planned
+    ahead."""
+    from infer.core.messages import SampledToken
+
+    def sample(out):
+        return {c.request_id: SampledToken(_token_for(s.requests[c.request_id].num_output_tokens,
+                                                      c.request_id, eos_at))
+                for c in out.chunks if c.sample and c.request_id in s.requests}  # fmt: skip
+
+    pending, planned = None, 0
+    for _ in range(1000):
+        if pending is None:
+            if not s.has_unfinished_requests():
+                break
+            pending = s.schedule()
+        nxt = s.schedule_ahead(pending) if ahead else None
+        if nxt is not None:
+            planned += 1
+            for c in nxt.chunks:
+                assert c.token_ids == [AHEAD_TOKEN] and c.sample
+                request = s.requests[c.request_id]
+                # room for the token being fed and the one planned: positions c and c + 1
+                assert len(c.block_table) * s.kv.block_size >= request.num_computed_tokens + 2
+        s.update_from_output(pending, sample(pending))
+        pending = nxt
+    return {rid: r.output_token_ids for rid, r in requests.items()}, planned
+
+
+def _fresh(**sched) -> tuple:
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, **sched)
+    requests = {f"r{i}": make_request(f"r{i}", prompt_len=3 + i, max_tokens=3 + 2 * i,
+                                      ignore_eos=False) for i in range(4)}  # fmt: skip
+    for r in requests.values():
+        s.add_request(r)
+    return s, requests
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_steps_planned_ahead_give_the_regular_schedules_tokens(prefix):
+    eos_at = {"r2": 2}  # r2 meets EOS while its next step is already planned
+    want, _ = _drive(*_fresh(prefix=prefix), eos_at, ahead=False)
+    s, requests = _fresh(prefix=prefix)
+    got, planned = _drive(s, requests, eos_at, ahead=True)
+    assert got == want and planned >= 5
+    assert len(want["r2"]) == 3 and want["r2"][-1] == EOS
+    assert [len(t) for t in (want["r0"], want["r1"], want["r3"])] == [3, 5, 9]
+    assert s.kv.num_free_blocks == 64
+
+
+def test_nothing_is_planned_ahead_where_the_regular_schedule_would_differ():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2)
+    for i in range(3):  # one waits for a slot: the running two may still decode ahead
+        s.add_request(make_request(f"r{i}", prompt_len=4, max_tokens=6))
+    out = s.schedule()  # the two prompts
+    s.update_from_output(out, fake_sample(out))
+    decode = s.schedule()
+    assert s.schedule_ahead(decode) is not None
+
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=6))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    decode = s.schedule()
+    s.add_request(make_request("b", prompt_len=4, max_tokens=6))  # a free slot: admission due
+    assert s.schedule_ahead(decode) is None
+
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, scheduling_policy="priority")
+    s.add_request(make_request("low", prompt_len=4, max_tokens=6, priority=5))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    decode = s.schedule()
+    s.add_request(make_request("high", prompt_len=4, max_tokens=6, priority=0))  # may preempt
+    assert s.schedule_ahead(decode) is None
+
+    s = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2)  # no block for position c+1
+    s.add_request(make_request("x", prompt_len=7, max_tokens=8))
+    s.add_request(make_request("y", prompt_len=3, max_tokens=8))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    decode = s.schedule()
+    assert s.schedule_ahead(decode) is None

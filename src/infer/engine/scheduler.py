@@ -282,8 +282,9 @@ class Scheduler:
         """The step after ``running`` (a decode step still on the device), planned before its
         tokens are known: each of its requests decodes the token it is sampling (input ids
         the runner takes on the device). None where that is not the step :meth:`schedule`
-        would make — admissions due, a request not in ``running``, no room without
-        preemption, proposals — so the caller waits for ``running`` and schedules as usual.
+        would make — admissions due, a waiting request that may preempt (priority), a request
+        not in ``running``, no room without preemption, proposals — so the caller waits for
+        ``running`` and schedules as usual.
 
         Positions count ``running``'s token (not yet in ``num_computed_tokens``)::
 
@@ -299,6 +300,7 @@ class Scheduler:
             self.recompute_every_step
             or cfg.batching_mode != "continuous"
             or (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
+            or (len(self.waiting) and cfg.scheduling_policy == "priority")  # may preempt
             or len(running.chunks) != len(self.running)
             or len(running.chunks) > cfg.max_num_batched_tokens
         ):
