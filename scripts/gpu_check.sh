@@ -14,6 +14,7 @@
 #   GPU_CHECK_TEST_TIMEOUT [180]
 #   GPU_CHECK_INTEGRATION [0]        1: also `pytest tests/integration --device cuda` (minutes)
 #   GPU_CHECK_INTEGRATION_ARGS []    e.g. "--attention-backend torch --enforce-eager"
+#   GPU_CHECK_INTEGRATION_PATHS [tests/integration]  what the integration run collects
 #   GPU_CHECK_INTEGRATION_TIMEOUT [240]
 #   GPU_CHECK_OMP_THREADS [2]        torch threads of each integration test process
 #   GPU_CHECK_BENCH [1]              0 skips infer bench gpu
@@ -94,7 +95,8 @@ run_integration() {
         # shellcheck disable=SC2086
         OMP_NUM_THREADS=${GPU_CHECK_OMP_THREADS:-2} \
             timeout -k 10 "${GPU_CHECK_INTEGRATION_TIMEOUT:-240}" python3 -m pytest "${PYTEST_PLUGINS[@]}" \
-            -q -rfE tests/integration --device cuda ${GPU_CHECK_INTEGRATION_ARGS:-} \
+            -q -rfE ${GPU_CHECK_INTEGRATION_PATHS:-tests/integration} --device cuda \
+            ${GPU_CHECK_INTEGRATION_ARGS:-} \
             >"$OUT/integration.log" 2>&1
         INTEGRATION_RC=$?
         tail -n 15 "$OUT/integration.log"
