@@ -97,7 +97,7 @@ class Sampler:
             if len(random_rows) == len(requests):
                 tokens = drawn
             else:
-                tokens[torch.tensor(random_rows, device=tokens.device)] = drawn
+                tokens[_to_device(random_rows, torch.long, tokens.device)] = drawn
 
         token_list = tokens.tolist()
         out = []
@@ -139,8 +139,7 @@ class Sampler:
             if len(random_rows) == len(requests):
                 tokens = drawn
             else:
-                rows = torch.tensor(random_rows, device=tokens.device)
-                tokens[rows] = drawn
+                tokens[_to_device(random_rows, torch.long, tokens.device)] = drawn
         return PendingSample(tokens)
 
     def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -310,10 +309,12 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], proposed: li
         values = torch.tensor(bias_vals, dtype=logits.dtype).to(device, non_blocking=True)
         logits.index_put_(index(bias_rows, bias_ids), values, accumulate=True)
     if ban_rows:
-        logits.index_put_(index(ban_rows, ban_ids), torch.tensor(float("-inf"), device=device))
+        logits.index_put_(index(ban_rows, ban_ids), torch.full((), float("-inf"), device=device))
     if rep_rows:
         seen_mask = torch.zeros_like(logits, dtype=torch.bool)
-        seen_mask.index_put_(index(rep_rows, rep_ids), torch.tensor(True, device=device))
+        seen_mask.index_put_(
+            index(rep_rows, rep_ids), torch.ones((), dtype=torch.bool, device=device)
+        )
         pen = torch.tensor(rep_pen, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
         vals = torch.where(logits > 0, logits / pen, logits * pen)
         # A penalty near 0 makes infinities (and -inf * 0 = nan): keep the row samplable.
@@ -330,26 +331,34 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], proposed: li
         logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A few host values as a device tensor without waiting for the device: a blocking copy
+    (``torch.tensor(values, device=...)``) synchronizes the stream, i.e. waits for the forward
+    pass queued before it, which would undo the host work meant to overlap that pass."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    device = logits.device
+    temps = _to_device([p.temperature for p in params], torch.float32, device)[:, None]
     logits = logits / temps
     top_k = [p.top_k for p in params]
     if any(k > 0 for k in top_k):
         vocab = logits.shape[-1]
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+        ks = _to_device([k if 0 < k < vocab else vocab for k in top_k], torch.long, device)
         kth = logits.sort(dim=-1, descending=True).values.gather(-1, (ks - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)[:, None]
-    if (top_p < 1.0).any():
+    if any(p.top_p < 1.0 for p in params):  # decided on the host: a device test would wait
+        top_p = _to_device([p.top_p for p in params], torch.float32, device)[:, None]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
         drop_sorted[:, 0] = False  # even when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    min_p = torch.tensor([p.min_p for p in params], device=logits.device)[:, None]
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
+        min_p = _to_device([p.min_p for p in params], torch.float32, device)[:, None]
         threshold = min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
