@@ -89,17 +89,7 @@ class Sampler:
                 logits = logits.clone()
             apply_bitmask(logits, *allowed)
 
-        tokens = _argmax(logits)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
-            drawn = self._draw(probs, [requests[i] for i in random_rows])
-            if len(random_rows) == len(requests):
-                tokens = drawn
-            else:
-                tokens[_to_device(random_rows, torch.long, tokens.device)] = drawn
-
-        token_list = tokens.tolist()
+        token_list = self._pick(logits, requests).tolist()
         out = []
         for row, token_id in enumerate(token_list):
             k = params[row].logprobs
@@ -129,7 +119,11 @@ class Sampler:
         """:meth:`sample` for a batch :meth:`can_launch` takes, without waiting for the device:
         the same kernels and draws (so the same tokens), queued, and their copy to the host
         started. The next step can be launched on ``tokens`` before they reach the host."""
-        logits = logits.float()
+        return PendingSample(self._pick(logits.float(), requests))
+
+    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's token on the device: the argmax of a greedy row, a draw from the
+        filtered distribution of the others (logits already biased, penalized, masked)."""
         params = [r.sampling_params for r in requests]
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -137,10 +131,9 @@ class Sampler:
             probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
             drawn = self._draw(probs, [requests[i] for i in random_rows])
             if len(random_rows) == len(requests):
-                tokens = drawn
-            else:
-                tokens[_to_device(random_rows, torch.long, tokens.device)] = drawn
-        return PendingSample(tokens)
+                return drawn
+            tokens[_to_device(random_rows, torch.long, tokens.device)] = drawn
+        return tokens
 
     def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """One token per row of ``probs`` in a few batched kernels, by inverting each row's
