@@ -68,6 +68,7 @@ def test_steps_launched_ahead_give_the_waiting_steps_tokens(make_llm):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, _params(stop_token))]
     assert got == want
     assert launched[0] >= 4  # most decode steps went ahead
+    assert llm.engine._ahead is None  # nothing left on the device once every request ended
 
     # An abort while a step is in flight, and a new request under the aborted one's id: the
     # in-flight step's token for the old request never reaches the new one.
@@ -102,3 +103,24 @@ def test_async_scheduling_can_be_switched_off(make_llm):
     launched = _count_ahead(llm)
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert launched[0] == 0 and not llm.engine._async
+
+
+def test_a_reused_id_does_not_lose_the_ended_requests_last_output(make_llm):
+    """A request the scheduler has ended whose last output is still deferred (made during the
+    next step's forward pass): adding a new request under its id makes that output first."""
+    llm = make_llm("llama", **OPTIONS)
+    engine = llm.engine
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("x", ids, params)
+    outs = []
+    while "x" in engine.scheduler.requests:
+        outs += engine.step()
+    assert not any(o.finished for o in outs)  # ended, its last output deferred
+    engine.add_request("x", ids, params)
+    outs += engine.step()
+    first = [o for o in outs if o.finished]
+    assert len(first) == 1 and first[0].num_output_tokens == 3
+    assert sum(len(o.new_token_ids) for o in outs[: outs.index(first[0]) + 1]) == 3
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -352,3 +352,16 @@ def test_nothing_is_planned_ahead_where_the_regular_schedule_would_differ():
     s.update_from_output(out, fake_sample(out))
     decode = s.schedule()
     assert s.schedule_ahead(decode) is None
+
+
+def test_nothing_is_planned_ahead_when_a_length_finish_frees_a_slot_for_a_waiting_request():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=2))
+    s.add_request(make_request("b", prompt_len=4, max_tokens=6))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    s.add_request(make_request("w", prompt_len=4, max_tokens=6))  # waits: both slots taken
+    decode = s.schedule()  # "a" samples its last token here: its slot is free next step
+    assert s.schedule_ahead(decode) is None
+    s.update_from_output(decode, fake_sample(decode))
+    assert {c.request_id for c in s.schedule().chunks} == {"b", "w"}

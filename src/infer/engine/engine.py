@@ -23,7 +23,7 @@ import torch
 from infer.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
 from infer.core.kv_transfer import KVPayload
 from infer.core.lora_request import LoRARequest
-from infer.core.messages import SchedulerOutput
+from infer.core.messages import ModelRunnerOutput, SchedulerOutput
 from infer.core.outputs import RequestOutput
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
@@ -483,6 +483,10 @@ class LLMEngine:
             self._tp_finalizer.detach()
         runner = getattr(self, "runner", None)
         if runner is not None:
+            if getattr(self, "_ahead", None) is not None:  # a step still on the device
+                self._ahead = None
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             runner.close()
 
     def _build_proposer(self) -> Proposer | None:
@@ -652,6 +656,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"
             )
+        if request_id in self._states:  # ended, its last output still deferred: make it now
+            self._pending.extend(self._drain_deferred())
         lora_name = self._resolve_lora(lora_request)
         request = Request(
             request_id,
@@ -841,6 +847,28 @@ class LLMEngine:
                 )
             outputs, self._pending = outputs + self._pending, []
             return outputs
+        try:
+            outputs = self._apply(sched, result, outputs, drained, drain_time, defer, t0, t1)
+        except BaseException:
+            self._ahead = None  # planned on the tokens this step failed to apply
+            raise
+        if self._ahead is not None and self._live_part(self._ahead).is_empty:
+            self._ahead = None  # every request it was launched for has ended (a stop string)
+        return outputs
+
+    def _apply(
+        self,
+        sched: SchedulerOutput,
+        result: ModelRunnerOutput,
+        outputs: list[RequestOutput],
+        drained: list[RequestOutput],
+        drain_time: float,
+        defer: bool,
+        t0: float,
+        t1: float,
+    ) -> list[RequestOutput]:
+        """The second half of :meth:`step`: a collected step's tokens applied, its outputs
+        made or deferred, the step's times and trace recorded."""
         outputs.extend(drained)
         if not defer:  # what an earlier step deferred goes first
             outputs.extend(self._drain_deferred())
@@ -908,7 +936,6 @@ class LLMEngine:
         assert running.pending is not None
         if (
             (self.structured is not None and self.structured.matchers)
-            or (self.structured is not None and self.structured.matchers)
             or out.kv_imports
             or out.swap_in
             or out.swap_out

@@ -305,11 +305,17 @@ class Scheduler:
             or len(running.chunks) > cfg.max_num_batched_tokens
         ):
             return None
-        chunks: list[ScheduledChunk] = []
-        for chunk in running.chunks:
-            request = self.requests.get(chunk.request_id)
+        requests = [self.requests.get(c.request_id) for c in running.chunks]
+        ending = 0  # requests ``running`` ends by length: their slots free up
+        for request in requests:
             if request is None or request.status != RequestStatus.RUNNING or request.spec_token_ids:
                 return None
+            ending += request.num_output_tokens + 1 >= request.max_new_tokens
+        if ending and len(self.waiting):
+            return None  # the regular schedule admits into the freed slots
+        chunks: list[ScheduledChunk] = []
+        for request in requests:
+            assert request is not None
             if request.num_output_tokens + 1 >= request.max_new_tokens:
                 continue  # ``running`` ends it (length): nothing after it
             start = request.num_computed_tokens + 1

@@ -81,7 +81,7 @@ class InFlightStep:
     sample_reqs: list[Request]
     proposals: list[list[int]]
     prompt_targets: list[tuple[str, int]]
-    logits: torch.Tensor | None
+    logits: torch.Tensor | None  # None once sampled at launch (``pending``)
     prompt_logits: torch.Tensor | None
     pending: PendingSample | None  # the sampler's kernels queued at launch
     t0: float  # launch began
@@ -393,6 +393,7 @@ class ModelRunner:
             and Sampler.can_launch(sample_reqs)
         ):
             pending = self.sampler.launch(logits, sample_reqs)
+            logits = None  # sampled: not kept alive beside the next step's
         return InFlightStep(out, requests, sample_reqs, proposals, prompt_targets, logits,
                             prompt_logits, pending, t0, t1, time.perf_counter())  # fmt: skip
 
@@ -404,25 +405,22 @@ class ModelRunner:
         if step.prompt_logits is not None:
             prompt_lps = self._prompt_logprobs(step.prompt_logits, step.prompt_targets,
                                                step.requests)  # fmt: skip
-        sampled: dict[str, Sampled] = {}
-        if step.logits is not None:
-            results: list[Sampled]
-            if step.pending is not None:
-                results = list(step.pending.result())
-            else:
-                # NOTE: computed here, not on a thread during the forward pass: on two cores
-                # that thread slowed the forward pass by about what it saved (measured).
-                allowed = (
-                    None if self.structured is None else self.structured.bitmask(step.sample_reqs)
+        results: list[Sampled] = []
+        if step.pending is not None:
+            results = list(step.pending.result())
+        elif step.logits is not None:
+            # NOTE: computed here, not on a thread during the forward pass: on two cores that
+            # thread slowed the forward pass by about what it saved (measured).
+            allowed = None if self.structured is None else self.structured.bitmask(step.sample_reqs)
+            if any(step.proposals):
+                results = list(
+                    self.sampler.verify(step.logits, step.sample_reqs, step.proposals, allowed)
                 )
-                if any(step.proposals):
-                    results = list(
-                        self.sampler.verify(step.logits, step.sample_reqs, step.proposals, allowed)
-                    )
-                else:
-                    results = list(self.sampler.sample(step.logits, step.sample_reqs, allowed))
-            for request, result in zip(step.sample_reqs, results, strict=True):
-                sampled[request.request_id] = result
+            else:
+                results = list(self.sampler.sample(step.logits, step.sample_reqs, allowed))
+        sampled: dict[str, Sampled] = {}
+        for request, result in zip(step.sample_reqs, results, strict=True):
+            sampled[request.request_id] = result
         t3 = time.perf_counter()
         # forward: queueing the pass (on a GPU; the whole pass on a CPU); sample: from the
         # collect on, the wait for the device included

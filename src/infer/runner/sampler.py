@@ -33,7 +33,7 @@ class PendingSample:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
             self._ready: torch.cuda.Event | None = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(tokens.device))  # the copy's stream
         else:
             self._host, self._ready = tokens, None
 
@@ -128,11 +128,16 @@ class Sampler:
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
-            drawn = self._draw(probs, [requests[i] for i in random_rows])
             if len(random_rows) == len(requests):
+                rows, picked = None, logits
+            else:  # a device index: indexing by a list would copy it blocking (a wait)
+                rows = _to_device(random_rows, torch.long, tokens.device)
+                picked = logits.index_select(0, rows)
+            probs = _filtered_probs(picked, [params[i] for i in random_rows])
+            drawn = self._draw(probs, [requests[i] for i in random_rows])
+            if rows is None:
                 return drawn
-            tokens[_to_device(random_rows, torch.long, tokens.device)] = drawn
+            tokens[rows] = drawn
         return tokens
 
     def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:

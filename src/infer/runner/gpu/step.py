@@ -299,7 +299,7 @@ class StepInputs:
         self._np[name][:n] = rows
         dev[:n].copy_(host[:n], non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         return dev[:n]
 
     def decode_context_views(self, rows: int) -> dict[str, torch.Tensor]:
@@ -370,5 +370,5 @@ class StepInputs:
         ids = self._upload("ids", rows)
         positions_t = self._upload("positions", rows)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         return ids, positions_t, fields
