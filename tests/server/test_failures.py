@@ -23,16 +23,16 @@ def engine(tiny_engine):
 
 
 def fail_next_forward(engine: LLMEngine, monkeypatch) -> None:
-    real = engine.runner.execute
+    real = engine.runner.launch  # a step's forward pass is queued by launch, waited by collect
     state = {"armed": True}
 
-    def execute(*args, **kwargs):
+    def launch(*args, **kwargs):
         if state["armed"]:
             state["armed"] = False
             raise RuntimeError("injected forward failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.runner, "launch", launch)
 
 
 def serve(engine: LLMEngine, body):
