@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from infer.bench.decode_curve import decode_steps, longest_overshoot, with_context
-from infer.bench.peers import port_is_free, server_command, start_server, stop_server
+from infer.bench.online import port_is_free, start_server, stop_server
+from infer.bench.peers import server_command
 from infer.bench.vs_vllm import (
     LLAMACPP_COUNT_NOTE,
     Cell,

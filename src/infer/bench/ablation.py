@@ -16,14 +16,13 @@ import asyncio
 import datetime as _dt
 import json
 import shlex
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from infer.bench import DEFAULT_OUT
+from infer.bench.online import free_port, launch_server, stop_server
 from infer.bench.report import render_markdown, slug
 
 
@@ -69,14 +68,9 @@ def model_context(model: str) -> int | None:
     return text.get("max_position_embeddings")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
-    """``python -m infer.server`` in a child process, its output in a log file."""
+    """``python -m infer.server`` with ``flags``, started and stopped as every online benchmark
+    does it (:mod:`infer.bench.online`); a context manager."""
 
     def __init__(
         self,
@@ -97,37 +91,14 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float | None = None) -> None:
-        import httpx
-
-        timeout_s = timeout_s or self.startup_timeout_s
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")  # noqa: SIM115 - kept open for the child's lifetime
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}; log: {self.log_path}\n"
-                    + self.log_path.read_text()[-2000:]
-                )
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"server not ready after {timeout_s:.0f}s; log: {self.log_path}")
+        self.proc, _ = launch_server(
+            self.cmd, self.port, self.log_path, timeout_s=timeout_s or self.startup_timeout_s
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_server(self.proc, grace_s=timeout_s)
+            self.proc = None
 
     def __enter__(self) -> ServerProcess:
         self.start()

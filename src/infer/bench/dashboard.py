@@ -139,7 +139,7 @@ def screenshots(url: str, folder: Path, trace: Path | None, concurrency: int) ->
 
 def run(args: argparse.Namespace) -> int:
     from infer.bench.engine import llama_100m
-    from infer.bench.peers import start_server, stop_server, wait_healthy
+    from infer.bench.online import start_server, stop_server, wait_healthy
     from infer.bench.report import collect_environment, now_iso, save_report
 
     out = Path(args.out)

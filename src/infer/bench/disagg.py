@@ -164,11 +164,12 @@ def _display_cmd(model: Path, mode: str, args: argparse.Namespace) -> str:
 
 def _start(model: Path, mode: str, args: argparse.Namespace, log: Path):
     """``infer serve`` in ``mode`` on a free port, once ``/health`` answers 200."""
-    from infer.bench.router import _free_port, launch_server
+    from infer.bench.online import free_port, launch_server
 
-    port = _free_port()
+    port = free_port()
     cmd, threads = _serve_cmd(model, mode, args, port)
-    return launch_server(cmd, port, log, threads)
+    return launch_server(cmd, port, log, env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+                         grace_s=120)  # fmt: skip
 
 
 def _parse_transfer_metrics(text: str) -> dict[str, float]:
@@ -480,10 +481,10 @@ def _gloo_worker(rank: int, port: int, nbytes: int, reps: int, out_dir: str) -> 
 def _gloo_transport(nbytes: int, reps: int, warm: int = 2) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from infer.bench.router import _free_port
+    from infer.bench.online import free_port
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_gloo_worker, args=(_free_port(), nbytes, reps + warm, d), nprocs=2, join=True)
+        mp.spawn(_gloo_worker, args=(free_port(), nbytes, reps + warm, d), nprocs=2, join=True)
         sent = json.loads(Path(d, "rank0.json").read_text())
         got = json.loads(Path(d, "rank1.json").read_text())
     xs = [b - a for a, b in zip(sent, got, strict=True)][warm:]
@@ -557,9 +558,9 @@ def _one(model: Path, mode: str, rnd: int, args: argparse.Namespace, out: Path,
         note = _stopped_note(proc, log)
         raise RuntimeError(f"{phase}: {type(e).__name__}: {e!s:.300}{note}") from e
     finally:
-        from infer.bench.router import _stop
+        from infer.bench.online import stop_server
 
-        _stop(proc)
+        stop_server(proc, grace_s=120)
     return result
 
 

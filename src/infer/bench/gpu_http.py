@@ -102,12 +102,12 @@ def http_section(
     the offline cell's prompts, stop it; ``res`` gets the figures and the ratio to ``offline``
     (that cell's row from the same run, if it ran)."""
     from infer.bench.gpu import load_key, prompts_for
-    from infer.bench.router import _free_port, _stop, launch_server
+    from infer.bench.online import free_port, launch_server, stop_server
 
     prompt_len, output_len, c = load
     n = max(args.requests_per_c * c, 2 if c == 1 else c)
     res.update(load=load_key(prompt_len, output_len, c), concurrency=c)
-    port = _free_port()
+    port = free_port()
     t = time.perf_counter()
     proc, url = launch_server(server_command(model, args, port), port, out / "http_server.log")
     try:
@@ -118,7 +118,7 @@ def http_section(
         row = asyncio.run(closed_loop(url, prompts_for(vocab, n, prompt_len, args.seed), c,
                                       output_len))  # fmt: skip
     finally:
-        _stop(proc)
+        stop_server(proc)
     res.update(row)
     want = n * output_len
     if row["output_tokens"] != want:

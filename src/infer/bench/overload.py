@@ -110,7 +110,7 @@ def summarize(results: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.bench.peers import start_server, stop_server, wait_healthy
+    from infer.bench.online import start_server, stop_server, wait_healthy
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

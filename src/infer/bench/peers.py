@@ -22,18 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -41,6 +36,7 @@ import torch
 from infer.bench.client import RequestRecord, new_client, stream_request
 from infer.bench.engine import llama_100m
 from infer.bench.metrics import percentile
+from infer.bench.online import start_server, stop_server, wait_healthy
 
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -165,79 +161,6 @@ def server_command(
         ]
         return cmd, env
     raise SystemExit(f"unknown peer {peer!r} (known: infer, vllm, llamacpp)")
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:
-    """Seconds until ``GET url/health`` answers 200; raises if ``proc`` exits or time runs out."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return time.perf_counter() - t0
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(1)
-    raise RuntimeError("server did not become healthy in time")
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when nothing listens on ``host:port`` (a bind succeeds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def wait_port_free(port: int, timeout_s: float = 30.0) -> bool:
-    t0 = time.perf_counter()
-    while not port_is_free(port):
-        if time.perf_counter() - t0 > timeout_s:
-            return False
-        time.sleep(0.5)
-    return True
-
-
-def start_server(cmd: list[str], env: dict, log_path: Path, port: int) -> subprocess.Popen:
-    """Start a server in its own session (process group), output to ``log_path``.
-
-    Refuses to start when ``port`` is taken: whatever listens there is not ours to stop.
-    """
-    if not port_is_free(port):
-        raise RuntimeError(f"port {port} is already in use; pick another with --port")
-    log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
-    log.write(f"$ {shlex.join(cmd)}\n")
-    log.flush()
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    proc.log_file = log  # type: ignore[attr-defined]
-    return proc
-
-
-def stop_server(proc: subprocess.Popen, port: int | None = None, grace_s: float = 60) -> None:
-    """SIGTERM the server's whole process group, SIGKILL what is left after ``grace_s``.
-
-    The group is killed even when the leader exited on time, so workers it spawned (vLLM's
-    engine core, infer's engine process) never outlive it; then waits for ``port`` to free.
-    """
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, if any
-    proc.wait()
-    log = getattr(proc, "log_file", None)
-    if log is not None:
-        log.close()
-    if port is not None and not wait_port_free(port):
-        print(f"warning: port {port} still busy after stopping the server", flush=True)
 
 
 async def closed_loop(

@@ -22,17 +22,14 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from infer.bench.online import free_port, launch_server, stop_server
 from infer.bench.report import save_report
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
@@ -66,51 +63,17 @@ def _run(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(model: Path, policy: str | None, args: argparse.Namespace, blocks: int, log: Path):
     """``infer serve`` with two replicas under ``policy``, or one plain server (``None``)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "infer.server", "--model", str(model), "--served-model-name",
            "m", "--port", str(port), "--dtype", args.dtype, "--enable-prefix-caching",
            "--num-kv-blocks", str(blocks), "--block-size", str(args.block_size),
            "--torch-threads", "1", "--no-dashboard"]  # fmt: skip
     if policy is not None:
         cmd += ["--data-parallel-size", "2", "--router-policy", policy]
-    return launch_server(cmd, port, log, threads=1)
-
-
-def launch_server(cmd: list[str], port: int, log: Path, threads: int = 1):
-    """Start ``cmd`` (an ``infer serve`` listening on ``port``), its command line and output in
-    ``log``; ``(process, url)`` once ``/health`` answers 200. A server that exits, does not
-    come up within 600 s, or is interrupted (Ctrl+C) is stopped, with its Ray."""
-    import httpx
-
-    out = open(log, "w")  # noqa: SIM115 - closed with the process
-    out.write(shlex.join(cmd) + "\n")
-    out.flush()
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not start; see {log}")
-    except BaseException:  # Ctrl+C included: never leave a server (and its Ray) behind
-        _stop(proc)
-        raise
+    return launch_server(cmd, port, log, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         grace_s=120)  # fmt: skip
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -159,14 +122,6 @@ async def _one_run(url: str, requests: list[list[int]], concurrency: int,
     return ttfts
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 # The overhead phase's prompt: text, so the router's tokenization and hashing are in its cost.
 OVERHEAD_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 32
 
@@ -199,12 +154,12 @@ def overhead(model: Path, args: argparse.Namespace, blocks: int, out: Path) -> d
         routed = _sequential_latencies(url, args.overhead_requests)
         stats = httpx.get(url + "/router/stats", timeout=30).json()
     finally:
-        _stop(proc)
+        stop_server(proc, grace_s=120)
     proc, url = _start(model, None, args, blocks, out / "server-overhead-single.log")
     try:
         direct = _sequential_latencies(url, args.overhead_requests)
     finally:
-        _stop(proc)
+        stop_server(proc, grace_s=120)
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
     return {
         "requests": args.overhead_requests,
@@ -282,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
                 "routing_samples": stats["routing_seconds"]["count"],
             }  # fmt: skip
         finally:
-            _stop(proc)
+            stop_server(proc, grace_s=120)
     if args.overhead_requests > 0:
         results["overhead"] = overhead(model, args, blocks, out)
     save_report(results, render(results), out, "router")

@@ -719,7 +719,8 @@ def run_peer_round(
 ) -> dict:
     """Start ``peer``'s server (with the LoRA adapters if ``lora``), measure every cell, stop it
     (always)."""
-    from infer.bench.peers import server_command, start_server, stop_server, wait_healthy
+    from infer.bench.online import start_server, stop_server, wait_healthy
+    from infer.bench.peers import server_command
 
     args, out = ctx["args"], ctx["out"]
     extra = {"infer": args.infer_args, "vllm": args.vllm_args}.get(peer, "")
@@ -1224,7 +1225,8 @@ def render(report: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     """``infer bench vs-vllm``: rounds of each peer in turn; ``vs_vllm.json`` + ``vs_vllm.md``."""
     from infer.bench.engine import llama_100m
-    from infer.bench.peers import VLLM_ENV, llamacpp_bin, llamacpp_version, port_is_free, vllm_venv
+    from infer.bench.online import port_is_free
+    from infer.bench.peers import VLLM_ENV, llamacpp_bin, llamacpp_version, vllm_venv
     from infer.bench.report import now_iso
 
     cells = parse_workloads(args.workloads)

@@ -1,0 +1,128 @@
+"""The servers the online benchmarks drive, started and stopped one way for all of them.
+
+A server runs in a process group of its own (its engine process, vLLM's engine core, a local
+Ray's workers go with it), its command line and output in a log file; it is ready once
+``GET /health`` answers 200; stopping it sends SIGTERM to the whole group, SIGKILL to what is
+left after a grace period, and waits for its port to free::
+
+    proc, url = launch_server(cmd, port, log)    # start_server + wait_healthy, stopped on failure
+    ...
+    stop_server(proc, port)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when nothing listens on ``host:port`` (a bind succeeds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_port_free(port: int, timeout_s: float = 30.0) -> bool:
+    t0 = time.perf_counter()
+    while not port_is_free(port):
+        if time.perf_counter() - t0 > timeout_s:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def start_server(cmd: list[str], env: dict | None, log_path: Path, port: int) -> subprocess.Popen:
+    """Start a server in its own session (process group), its command line and output to
+    ``log_path``. Refuses to start when ``port`` is taken: whatever listens there is not ours
+    to stop."""
+    if not port_is_free(port):
+        raise RuntimeError(f"port {port} is already in use; pick another with --port")
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
+    log.write(f"$ {shlex.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    proc.log_file = log  # type: ignore[attr-defined]
+    return proc
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:
+    """Seconds until ``GET url/health`` answers 200; raises (naming the log) if ``proc`` exits
+    or time runs out."""
+    log = getattr(getattr(proc, "log_file", None), "name", "its log")
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode} before becoming healthy; see {log}"
+            )
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.perf_counter() - t0
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server did not become healthy in {timeout_s:.0f} s; see {log}")
+
+
+def stop_server(proc: subprocess.Popen, port: int | None = None, grace_s: float = 60) -> None:
+    """SIGTERM the server (it drains and stops what it started: its engine process, its Ray),
+    then SIGKILL what is left of its process group after it exits or ``grace_s`` passes.
+
+    The group is killed even when the leader exited on time, so workers it spawned (vLLM's
+    engine core, infer's engine process) never outlive it; then waits for ``port`` to free."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, if any
+    proc.wait()
+    log = getattr(proc, "log_file", None)
+    if log is not None:
+        log.close()
+    if port is not None and not wait_port_free(port):
+        print(f"warning: port {port} still busy after stopping the server", flush=True)
+
+
+def launch_server(
+    cmd: list[str],
+    port: int,
+    log: Path,
+    env: dict | None = None,
+    timeout_s: float = 600,
+    grace_s: float = 60,
+) -> tuple[subprocess.Popen, str]:
+    """:func:`start_server` then :func:`wait_healthy`: ``(process, url)`` once ``/health``
+    answers 200. A server that exits, does not come up in time, or is interrupted (Ctrl+C) is
+    stopped, with its process group."""
+    proc = start_server(cmd, env, log, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s)
+    except BaseException:  # Ctrl+C included: never leave a server (and its Ray) behind
+        stop_server(proc, grace_s=grace_s)
+        raise
+    return proc, url
