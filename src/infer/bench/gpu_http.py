@@ -7,19 +7,18 @@ process and the client's streams cost::
 
     offline : serve_closed_loop(engine)            -> output tok/s
     http    : C clients -> infer serve (engine process) -> output tok/s (usage counts)
+
+The client is ``infer bench peers``' closed loop (:func:`infer.bench.peers.closed_loop`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 WARMUP_TOKENS = 4
 
@@ -37,57 +36,6 @@ def server_command(model: Path, args: argparse.Namespace, port: int) -> list[str
     return cmd
 
 
-async def closed_loop(
-    url: str, prompts: list[list[int]], concurrency: int, max_tokens: int
-) -> dict[str, Any]:
-    """``concurrency`` streams at a time over ``prompts``; output tokens from each stream's usage."""
-    import httpx
-
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for ids in prompts:
-        queue.put_nowait(ids)
-    body = {"model": "m", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
-    ttfts: list[float] = []
-    gaps: list[float] = []
-    tokens = [0]
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-
-        async def worker() -> None:
-            while not queue.empty():
-                ids = queue.get_nowait()
-                t0 = last = time.perf_counter()
-                first = True
-                async with client.stream("POST", "/v1/completions",
-                                         json={**body, "prompt": ids}) as r:  # fmt: skip
-                    if r.status_code != 200:
-                        raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        event = json.loads(line[6:])
-                        if event.get("usage"):
-                            tokens[0] += event["usage"]["completion_tokens"]
-                        if not event.get("choices"):
-                            continue
-                        now = time.perf_counter()
-                        (ttfts if first else gaps).append((now - (t0 if first else last)) * 1000)
-                        first, last = False, now
-
-        t = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t
-    return {
-        "requests": len(prompts),
-        "output_tokens": tokens[0],
-        "wall_s": wall,
-        "output_tok_s": tokens[0] / wall,
-        "ttft_ms_p50": statistics.median(ttfts) if ttfts else None,
-        "itl_ms_p50": statistics.median(gaps) if gaps else None,
-    }
-
-
 def http_section(
     model: Path,
     args: argparse.Namespace,
@@ -103,6 +51,7 @@ def http_section(
     (that cell's row from the same run, if it ran)."""
     from infer.bench.gpu import load_key, prompts_for
     from infer.bench.online import free_port, launch_server, stop_server
+    from infer.bench.peers import closed_loop, summarize
 
     prompt_len, output_len, c = load
     n = max(args.requests_per_c * c, 2 if c == 1 else c)
@@ -114,21 +63,26 @@ def http_section(
         res["server_start_s"] = time.perf_counter() - t
         log(f"http: infer serve up in {res['server_start_s']:.1f}s")
         warm = prompts_for(vocab, c, prompt_len, seed=97)
-        asyncio.run(closed_loop(url, warm, c, WARMUP_TOKENS))
-        row = asyncio.run(closed_loop(url, prompts_for(vocab, n, prompt_len, args.seed), c,
-                                      output_len))  # fmt: skip
+        asyncio.run(closed_loop(url + "/v1", warm, c, WARMUP_TOKENS))
+        records, wall = asyncio.run(closed_loop(url + "/v1", prompts_for(vocab, n, prompt_len,
+                                                                         args.seed), c, output_len))  # fmt: skip
     finally:
         stop_server(proc)
-    res.update(row)
-    want = n * output_len
-    if row["output_tokens"] != want:
-        raise RuntimeError(f"{row['output_tokens']} output tokens over HTTP, expected {want}")
+    row = summarize(records, wall)
+    tokens = sum(r.output_tokens or 0 for r in records)
+    if row["completed"] != n or tokens != n * output_len:
+        raise RuntimeError(
+            f"over HTTP {row['completed']} of {n} requests completed, {tokens} output tokens "
+            f"of {n * output_len}: {row['errors']}"
+        )
+    res.update(requests=n, output_tokens=tokens, wall_s=wall, output_tok_s=row["output_tok_s"],
+               ttft_ms_p50=row["ttft_ms"]["p50"], itl_ms_p50=row["itl_ms"]["p50"])  # fmt: skip
     offline_toks = (offline or {}).get("output_tok_s")
     res["offline_tok_s"] = offline_toks
-    res["ratio"] = row["output_tok_s"] / offline_toks if offline_toks else None
+    res["ratio"] = res["output_tok_s"] / offline_toks if offline_toks else None
     log(
-        f"http {res['load']}: {row['output_tok_s']:,.0f} tok/s, TTFT p50 "
-        f"{row['ttft_ms_p50']:.0f} ms, ITL p50 {row['itl_ms_p50']:.2f} ms"
+        f"http {res['load']}: {res['output_tok_s']:,.0f} tok/s, TTFT p50 "
+        f"{res['ttft_ms_p50']:.0f} ms, ITL p50 {res['itl_ms_p50']:.2f} ms"
         + (f"; offline {offline_toks:,.0f} tok/s = {res['ratio']:.2f}x" if offline_toks else "")
     )
     return res
