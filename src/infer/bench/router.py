@@ -92,34 +92,15 @@ def _counters(url: str) -> dict[str, float]:
 
 async def _one_run(url: str, requests: list[list[int]], concurrency: int,
                    max_tokens: int) -> list[float]:  # fmt: skip
-    """The TTFT of every request (seconds), ``concurrency`` at a time in workload order."""
-    import httpx
+    """The TTFT of every request (seconds), ``concurrency`` at a time in workload order
+    (``infer bench peers``' closed loop); any failed request fails the run."""
+    from infer.bench.peers import closed_loop
 
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for ids in requests:
-        queue.put_nowait(ids)
-    ttfts: list[float] = []
-    body = {"model": "m", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0}  # fmt: skip
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-
-        async def worker() -> None:
-            while not queue.empty():
-                ids = queue.get_nowait()
-                t0 = time.perf_counter()
-                first = None
-                async with client.stream("POST", "/v1/completions",
-                                         json={**body, "prompt": ids}) as r:  # fmt: skip
-                    if r.status_code != 200:
-                        raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
-                    async for line in r.aiter_lines():
-                        if first is None and line.startswith("data: {"):
-                            first = time.perf_counter() - t0
-                assert first is not None
-                ttfts.append(first)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return ttfts
+    records, _ = await closed_loop(url + "/v1", requests, concurrency, max_tokens)
+    failed = [r.error for r in records if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
+    return [r.ttft_s for r in sorted(records, key=lambda r: r.index)]
 
 
 # The overhead phase's prompt: text, so the router's tokenization and hashing are in its cost.
