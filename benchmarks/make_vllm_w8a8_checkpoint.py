@@ -17,8 +17,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from infer.bench.engine import llama_100m
 from infer.runner.quant import quantize_int8
+from infer.testing.bench_models import llama_100m
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

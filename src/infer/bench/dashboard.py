@@ -138,9 +138,9 @@ def screenshots(url: str, folder: Path, trace: Path | None, concurrency: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.bench.engine import llama_100m
     from infer.bench.online import start_server, stop_server, wait_healthy
     from infer.bench.report import collect_environment, now_iso, save_report
+    from infer.testing.bench_models import llama_100m
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -176,13 +176,13 @@ def run(args: argparse.Namespace) -> int:
     """``infer bench decode-curve``: writes ``decode_curve.json`` and ``decode_curve.md``."""
     import torch
 
-    from infer.bench.engine import llama_100m
     from infer.bench.report import now_iso
     from infer.bench.vs_vllm import OtherLoad, wait_quiet
     from infer.config import EngineConfig
     from infer.engine.engine import LLMEngine
     from infer.runner.kernels import cpu_kernels
     from infer.runner.runner import FAST_DECODE_ENV
+    from infer.testing.bench_models import llama_100m
 
     contexts = [int(c) for c in args.contexts.split(",") if c]
     out = Path(args.out)

@@ -613,8 +613,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """``infer bench disagg``: writes ``disagg.json`` and ``disagg.md`` under ``--out``."""
-    from infer.bench.engine import llama_100m
     from infer.bench.report import collect_environment
+    from infer.testing.bench_models import llama_100m
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]

@@ -26,11 +26,12 @@ import os
 import statistics
 from pathlib import Path
 
-from infer.bench.engine import build_random_llama, read_rate, run_load
+from infer.bench.engine import read_rate, run_load
 from infer.bench.quant import decode_step_ms, held_out_windows, perplexity
 from infer.bench.report import offline_machine, save_report
 from infer.config import EngineConfig
 from infer.engine.engine import LLMEngine
+from infer.testing.bench_models import build_random_llama
 
 LLAMA_1B_DIR = Path.home() / ".cache/infer/bench/llama-1b"
 ACCURACY_CASES = [  # (label, method, group, symmetric)

@@ -43,7 +43,6 @@ from pathlib import Path
 
 import torch
 
-from infer.bench.engine import llama_100m
 from infer.config import EngineConfig
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
@@ -55,6 +54,7 @@ from infer.runner.kernels import (
     build_library,
     find_compiler,
 )
+from infer.testing.bench_models import llama_100m
 
 HIDDEN, LAYERS, HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 768, 12, 12, 64, 2048, 32000, 16
 CASES = ("linear", "decode", "prefill", "step")

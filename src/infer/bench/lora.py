@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from infer.bench.engine import LLAMA_100M_DIR, llama_100m, serve_closed_loop
+from infer.bench.engine import serve_closed_loop
 from infer.bench.report import offline_machine, save_report
 from infer.config import EngineConfig
 from infer.core.lora_request import LoRARequest
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
+from infer.testing.bench_models import LLAMA_100M_DIR, llama_100m
 
 CONCURRENCY, NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN = 16, 64, 64, 64
 

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from infer.bench.client import RequestRecord, new_client, stream_request
-from infer.bench.engine import llama_100m
 from infer.bench.metrics import percentile
 from infer.bench.online import start_server, stop_server, wait_healthy
+from infer.testing.bench_models import llama_100m
 
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",

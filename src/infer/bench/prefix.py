@@ -28,11 +28,12 @@ from pathlib import Path
 
 import torch
 
-from infer.bench.engine import llama_100m, run_load
+from infer.bench.engine import run_load
 from infer.bench.gpu import parse_loads
 from infer.config import EngineConfig
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
+from infer.testing.bench_models import llama_100m
 
 
 class BookkeepingTimer:

@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
-from infer.bench.engine import llama_100m, run_load
+from infer.bench.engine import run_load
 from infer.config import EngineConfig
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
+from infer.testing.bench_models import llama_100m
 
 ACCURACY_CASES = [  # (label, weights, kv cache dtype)
     ("bf16", None, "auto"),

@@ -156,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     """``infer bench router``: writes ``router.json`` and ``router.md`` under ``--out``."""
     import httpx
 
-    from infer.bench.engine import llama_100m
     from infer.cluster.workload import SharedPrefixWorkload
+    from infer.testing.bench_models import llama_100m
 
     model = Path(args.model) if args.model else llama_100m(None)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]

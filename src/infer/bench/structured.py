@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     print("grammar engine", report["grammar_engine"], flush=True)
     report["xgrammar"] = xgrammar_engine(tokenizer, args.runs)
     print("xgrammar", report["xgrammar"], flush=True)
-    from infer.bench.engine import llama_100m
+    from infer.testing.bench_models import llama_100m
 
     models = {"small": "small", "llama-110m": str(llama_100m(None))}
     rows = {}

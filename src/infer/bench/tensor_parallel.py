@@ -109,8 +109,8 @@ def measure_throughput(args: argparse.Namespace, model: Path, size: int) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.bench.engine import llama_100m
     from infer.model.loader import load_model_spec
+    from infer.testing.bench_models import llama_100m
 
     model = llama_100m(args.model)
     spec = load_model_spec(model)

@@ -1224,10 +1224,10 @@ def render(report: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``infer bench vs-vllm``: rounds of each peer in turn; ``vs_vllm.json`` + ``vs_vllm.md``."""
-    from infer.bench.engine import llama_100m
     from infer.bench.online import port_is_free
     from infer.bench.peers import VLLM_ENV, llamacpp_bin, llamacpp_version, vllm_venv
     from infer.bench.report import now_iso
+    from infer.testing.bench_models import llama_100m
 
     cells = parse_workloads(args.workloads)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
