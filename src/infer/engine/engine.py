@@ -932,18 +932,10 @@ class LLMEngine:
             return None
 
     def _plan_and_launch(self, running: InFlightStep) -> _AheadStep | None:
-        out = running.out
+        # (A step with grammars has no ``pending``: the runner samples it at collect.)
         assert running.pending is not None
-        if (
-            (self.structured is not None and self.structured.matchers)
-            or out.kv_imports
-            or out.swap_in
-            or out.swap_out
-            or not all(len(c.token_ids) == 1 and c.sample for c in out.chunks)
-        ):
-            return None
         t0 = time.perf_counter()
-        nxt = self.scheduler.schedule_ahead(out)
+        nxt = self.scheduler.schedule_ahead(running.out)
         self.step_times.schedule += time.perf_counter() - t0  # its launch: when it is collected
         if nxt is None:
             return None

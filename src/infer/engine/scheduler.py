@@ -282,9 +282,10 @@ class Scheduler:
         """The step after ``running`` (a decode step still on the device), planned before its
         tokens are known: each of its requests decodes the token it is sampling (input ids
         the runner takes on the device). None where that is not the step :meth:`schedule`
-        would make — admissions due, a waiting request that may preempt (priority), a request
-        not in ``running``, no room without preemption, proposals — so the caller waits for
-        ``running`` and schedules as usual.
+        would make — ``running`` not plain decodes (prefill chunks, proposals, swaps, imports),
+        admissions due, a waiting request that may preempt (priority), a request not in
+        ``running``, no room without preemption — so the caller waits for ``running`` and
+        schedules as usual.
 
         Positions count ``running``'s token (not yet in ``num_computed_tokens``)::
 
@@ -303,21 +304,23 @@ class Scheduler:
             or (len(self.waiting) and cfg.scheduling_policy == "priority")  # may preempt
             or len(running.chunks) != len(self.running)
             or len(running.chunks) > cfg.max_num_batched_tokens
+            or running.swap_in
+            or running.swap_out
+            or running.kv_imports
+            or not all(len(c.token_ids) == 1 and c.sample for c in running.chunks)  # decodes
         ):
             return None
-        requests = [self.requests.get(c.request_id) for c in running.chunks]
-        ending = 0  # requests ``running`` ends by length: their slots free up
-        for request in requests:
+        continuing: list[Request] = []  # not ended by ``running`` (length): decoding after it
+        for chunk in running.chunks:
+            request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING or request.spec_token_ids:
                 return None
-            ending += request.num_output_tokens + 1 >= request.max_new_tokens
-        if ending and len(self.waiting):
-            return None  # the regular schedule admits into the freed slots
+            if request.num_output_tokens + 1 < request.max_new_tokens:
+                continuing.append(request)
+        if len(continuing) < len(running.chunks) and len(self.waiting):
+            return None  # the regular schedule admits into the slots length finishes free
         chunks: list[ScheduledChunk] = []
-        for request in requests:
-            assert request is not None
-            if request.num_output_tokens + 1 >= request.max_new_tokens:
-                continue  # ``running`` ends it (length): nothing after it
+        for request in continuing:
             start = request.num_computed_tokens + 1
             if not self.kv.allocate(request, 2):  # covers positions c and c + 1
                 return None  # preemption's business: the regular schedule's
@@ -400,6 +403,7 @@ class Scheduler:
             num_spec = n - 1
             tokens = tokens + request.spec_token_ids[:num_spec]
         wants = request.sampling_params.prompt_logprobs is not None
+        # Positional (the fields' order): keywords cost ~0.27 us a chunk, every request a step.
         return ScheduledChunk(
             request.request_id,
             tokens,

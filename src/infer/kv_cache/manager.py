@@ -245,29 +245,24 @@ class PagedKVManager(KVManager):
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         held = self._blocks.get(request.request_id)
-        if held and hit is NO_HIT:  # a running request (every decode step): the short way
-            need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(held)
-            if need <= 0:
-                return True
+        target = request.num_computed_tokens + num_new_tokens
+        if held and hit is NO_HIT:  # a running request (every decode step): no hit to weigh
+            need = self.blocks_needed(target) - len(held)
             if need > self.pool.num_free_blocks:
                 return False
-            new = self.pool.allocate(need)
-            assert new is not None
-            self._extend(request.request_id, new)
-            return True
-        num_held = len(held) if held else hit.num_blocks
-        target = request.num_computed_tokens + num_new_tokens
-        if hit.num_blocks or hit.num_transferred_tokens:
-            target = max(target, hit.num_tokens(self.block_size) + num_new_tokens)
-        need = self.blocks_needed(target) - num_held
-        # Reviving cached free blocks also takes them off the free list: count them.
-        num_revived = sum(1 for b in hit.blocks if b.ref_count == 0) if held is None else 0
-        if need + num_revived > self.pool.num_free_blocks:
-            return False
-        if held is None:
-            self.pool.touch(hit.blocks)
-            held = self._hold(request.request_id, list(hit.blocks))
-            self._hashes[request.request_id] = list(hit.hashes)
+        else:
+            num_held = len(held) if held else hit.num_blocks
+            if hit.num_blocks or hit.num_transferred_tokens:
+                target = max(target, hit.num_tokens(self.block_size) + num_new_tokens)
+            need = self.blocks_needed(target) - num_held
+            # Reviving cached free blocks also takes them off the free list: count them.
+            num_revived = sum(1 for b in hit.blocks if b.ref_count == 0) if held is None else 0
+            if need + num_revived > self.pool.num_free_blocks:
+                return False
+            if held is None:
+                self.pool.touch(hit.blocks)
+                held = self._hold(request.request_id, list(hit.blocks))
+                self._hashes[request.request_id] = list(hit.hashes)
         if need > 0:
             new = self.pool.allocate(need)
             assert new is not None
