@@ -148,3 +148,22 @@ class ModelRunnerOutput:
     sampled: dict[str, Sampled]
     timings: StepTimings
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunnerSetup:
+    """How a runner is built once the engine has planned the KV cache: the same for every
+    tensor-parallel rank (the driver sends it to the others), each of which allocates the
+    blocks for its own share of the KV heads."""
+
+    num_blocks: int
+    block_size: int
+    kv_cache_dtype: str = "auto"
+    num_swap_blocks: int = 0  # host blocks for preemption by swapping
+    attention_backend: str = "auto"
+    # The step sizes the device step's buffers are made for (the GPU step).
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    max_model_len: int = 0
+    enforce_eager: bool = False  # no CUDA graphs
+    num_spec_tokens: int = 0  # proposals verified per request and step

@@ -11,7 +11,7 @@ when one dies.
     init_process_group(rank 0)                       set ready/r
     load its slice of every layer
     wait: every ready/r (same watch)
-    plan the KV cache ── broadcast KVSetup ────────► KVCache(num_kv_heads / N heads)
+    plan the KV cache ── broadcast RunnerSetup ────► KVCache(num_kv_heads / N heads)
     each step: schedule, prepare a StepBatch
                ── broadcast StepBatch ─────────────► runner.run(batch)
                runner.run(batch)   ◄── all-reduce / all-gather inside every layer ──►
@@ -112,21 +112,6 @@ class WorkerArgs:
     cores: tuple[int, ...] | None
     log_level: int
     log_path: str  # the worker's stdout and stderr go here (the driver forwards them)
-
-
-@dataclass(frozen=True)
-class KVSetup:
-    """The driver's KV cache plan, which every rank allocates for its own heads."""
-
-    num_blocks: int
-    block_size: int
-    kv_cache_dtype: str
-    num_swap_blocks: int
-    attention_backend: str = "auto"
-    # the driver's step sizes, for the workers' step buffers (the GPU step)
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    max_model_len: int = 0
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -313,7 +298,7 @@ class TensorParallelWorkers:
         logger.error("%s: the engine stops at its next step%s", self.failure, self._tail(rank))
 
     def broadcast(self, obj: Any) -> None:
-        """Send ``obj`` (a StepBatch, a KVSetup, or None: stop) to every worker. The first one
+        """Send ``obj`` (a StepBatch, a RunnerSetup, or None: stop) to every worker. The first one
         (the KV set-up) waits for every worker to have loaded its slice, under the start-up
         deadline."""
         if not self._ready:

@@ -10,10 +10,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from infer.core.messages import RunnerSetup
 from infer.distributed.executor import (
     IDLE_TIMEOUT,
     STORE_KEY,
-    KVSetup,
     WorkerArgs,
     fault,
     step_timeout,
@@ -54,11 +54,7 @@ def worker_main(args: WorkerArgs) -> None:
 
 
 def _serve(args: WorkerArgs) -> None:
-    from infer.model.loader import load_model
-    from infer.runner.attention import KVCache
-    from infer.runner.prepack import prepack_linears
-    from infer.runner.quant import quantize_linears
-    from infer.runner.runner import ModelRunner
+    from infer.runner.backend import WeightsConfig, device_backend
 
     phase = fault(args.rank)
     timeout = step_timeout()
@@ -73,15 +69,11 @@ def _serve(args: WorkerArgs) -> None:
     # The driver's step batches arrive in a group of their own, without a deadline (idle).
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     set_tensor_parallel(TensorParallel(rank=args.rank, size=args.size, group=dist.group.WORLD))
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.manual_seed(args.seed)
-    model = load_model(args.model_path, args.dtype, device)
-    if args.quantization:
-        quantize_linears(model, args.quantization, lm_head=args.quantize_lm_head)
-    else:
-        prepack_linears(model)
+    # The same backend steps as the driver's (LLMEngine._setup), on this rank's device.
+    backend = device_backend(args.device, args.seed, make_current=True)
+    backend.load_model(
+        WeightsConfig(args.model_path, args.dtype, args.quantization, args.quantize_lm_head)
+    )
 
     if phase == "load":
         raise RuntimeError(f"{FAULT_NOTE}: exit after loading")
@@ -95,29 +87,8 @@ def _serve(args: WorkerArgs) -> None:
         dist.broadcast_object_list(box, src=0, group=control)
         return box[0]
 
-    setup: KVSetup = receive()
-    spec = model.spec
-    kv_cache = KVCache(
-        spec.num_layers,
-        setup.num_blocks,
-        setup.block_size,
-        spec.num_kv_heads // args.size,
-        spec.head_dim,
-        args.dtype,
-        device,
-        kv_dtype=setup.kv_cache_dtype,
-    )
-    runner = ModelRunner(
-        model,
-        kv_cache,
-        device,
-        args.seed,
-        num_swap_blocks=setup.num_swap_blocks,
-        max_num_seqs=setup.max_num_seqs,
-        max_num_batched_tokens=setup.max_num_batched_tokens,
-        attention_backend=setup.attention_backend,
-        max_model_len=setup.max_model_len,
-    )
+    setup: RunnerSetup = receive()
+    runner = backend.build_runner(setup)
     skip = phase == "skip-step"
     while (batch := receive()) is not None:
         if skip:  # the test hook: this rank's collectives for this step never come

@@ -18,18 +18,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-import torch
-
 from infer.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
 from infer.core.kv_transfer import KVPayload
 from infer.core.lora_request import LoRARequest
-from infer.core.messages import ModelRunnerOutput, SchedulerOutput
+from infer.core.messages import ModelRunnerOutput, RunnerSetup, SchedulerOutput
 from infer.core.outputs import RequestOutput
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.validation import check_prompt
 from infer.distributed import EngineDeadError
-from infer.distributed.executor import KVSetup, TensorParallelWorkers
+from infer.distributed.executor import TensorParallelWorkers
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.scheduler import Scheduler
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
@@ -37,11 +35,10 @@ from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManage
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
-from infer.runner.attention import KVCache
-from infer.runner.int4 import keep_checkpoint_int4
-from infer.runner.prepack import model_weight_bytes, prepack_linears
-from infer.runner.quant import check_quantization, quantize_linears
-from infer.runner.runner import InFlightStep, ModelRunner, TokenFeed
+from infer.runner.backend import WeightsConfig, device_backend
+from infer.runner.prepack import model_weight_bytes
+from infer.runner.quant import check_quantization
+from infer.runner.runner import InFlightStep, TokenFeed
 from infer.spec_decode import NgramProposer, Proposer
 
 if TYPE_CHECKING:
@@ -50,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("infer.engine")
 
-DEFAULT_CPU_KV_BYTES = 2 << 30  # KV budget on CPU when none is given
 SPEC_LOG_ENV = "INFER_SPEC_LOG_INTERVAL"
 """Seconds between the log lines on speculative decoding's acceptance (default 10)."""
 
@@ -132,44 +128,6 @@ class KVCapacity:
         return self.num_tokens * self.bytes_per_token
 
 
-MALLOC_ENV = "INFER_MALLOC_TUNING"
-"""Set to 0 to leave glibc's malloc settings alone (see :func:`keep_freed_memory`)."""
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc serve allocations up to 32 MiB from its heap and keep freed memory there.
-
-    A forward pass allocates its activations anew for every layer; above glibc's (adaptive)
-    mmap threshold each one is a fresh mapping whose pages the kernel faults in and zeroes on
-    first touch. Measured on a 2048-token prefill step of the ~110M Llama: 520-630 ms -> 380 ms
-    (the act(gate) * up kernel alone: ~10 ms -> 1.8 ms per layer). The cost is that the process
-    keeps up to its peak of temporaries (a few hundred MiB) instead of returning it. Returns
-    whether the settings were applied (False off glibc or with ``INFER_MALLOC_TUNING=0``).
-    """
-    import ctypes
-    import os
-
-    if os.environ.get(MALLOC_ENV, "1") == "0":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    dtype = getattr(torch, checkpoint_dtype, None) if checkpoint_dtype else None
-    if not isinstance(dtype, torch.dtype):
-        dtype = torch.float32
-    if dtype == torch.float16 and device.type == "cpu":
-        dtype = torch.bfloat16  # fp16 matmuls are slow on CPU; bf16 keeps the range
-    return dtype
-
-
 class _OutputState:
     def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
         self.detokenizer = detokenizer
@@ -197,37 +155,39 @@ class LLMEngine:
 
     def _setup(self, config: EngineConfig) -> None:
         from infer.engine.model_source import resolve_model_path
-        from infer.model.loader import load_model, load_model_spec, quantized_format
+        from infer.model.loader import load_model_spec, quantized_format
         from infer.model.tokenizer import load_tokenizer
 
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
-        self.device = torch.device(mc.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was given but CUDA is not available")
-        if self.device.type == "cpu":
-            keep_freed_memory()
-        torch.manual_seed(mc.seed)
+        # Everything that differs by device is the backend's (see infer.runner.backend); the
+        # tensor-parallel ranks build theirs in the same steps.
+        self.backend = device_backend(mc.device, mc.seed)
+        self.device = self.backend.device
 
         self.model_path = resolve_model_path(mc.model)
         # With no --model the built-in small model is served, under that name.
         self.model_name = mc.model or "small"
         self.spec = load_model_spec(self.model_path)
-        self.dtype = resolve_dtype(mc.dtype, self.spec.torch_dtype, self.device)
+        self.dtype = self.backend.resolve_dtype(mc.dtype, self.spec.torch_dtype)
         t0 = time.perf_counter()
         self.checkpoint_quantization = quantized_format(self.model_path)
         self.load_quantization = load_quantization = self._load_quantization()
         check_quantization(load_quantization, self.device)
         self.tp_workers = self._start_tensor_parallel()
-        self.model = load_model(self.model_path, self.dtype, self.device)
+        if not load_quantization and not mc.quantize_lm_head:
+            logger.warning("--no-quantize-lm-head does nothing without --quantization")
+        self.model = self.backend.load_model(
+            WeightsConfig(
+                self.model_path,
+                self.dtype,
+                load_quantization,
+                mc.quantize_lm_head,
+                keep_checkpoint_int4=self.checkpoint_quantization is not None,
+            )
+        )
         if self.checkpoint_quantization is not None:
-            self._keep_checkpoint_layers(load_quantization)
-        if load_quantization:
-            quantize_linears(self.model, load_quantization, lm_head=mc.quantize_lm_head)
-        else:
-            if not mc.quantize_lm_head:
-                logger.warning("--no-quantize-lm-head does nothing without --quantization")
-            prepack_linears(self.model)
+            self._log_checkpoint_layers(load_quantization)
         # LoRA wraps the projections as they now are (packed or quantized).
         self.lora = self._build_lora()
         self.load_seconds = time.perf_counter() - t0
@@ -259,48 +219,28 @@ class LLMEngine:
                 cc.enable_prefix_caching,
                 num_swap_blocks=self.num_swap_blocks,
             )
-        if self.tp_workers is not None:
-            self.tp_workers.broadcast(
-                KVSetup(
-                    self.capacity.num_blocks,
-                    self.capacity.block_size,
-                    cc.kv_cache_dtype,
-                    self.num_swap_blocks,
-                    mc.attention_backend,
-                    sc.max_num_seqs,
-                    sc.max_num_batched_tokens,
-                    self.max_model_len,
-                )
-            )
-        self.kv_cache = KVCache(
-            self.spec.num_layers,
+        setup = RunnerSetup(
             self.capacity.num_blocks,
             self.capacity.block_size,
-            self.spec.num_kv_heads // self.tp_size,
-            self.spec.head_dim,
-            self.dtype,
-            self.device,
-            kv_dtype=cc.kv_cache_dtype,
-        )
-        self.scheduler = Scheduler(
-            sc, cc, self.kv_manager, max_loras=config.lora.max_loras if config.lora else 0
-        )
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_cache,
-            self.device,
-            mc.seed,
-            num_swap_blocks=self.num_swap_blocks,
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            attention_backend=mc.attention_backend,
+            cc.kv_cache_dtype,
+            self.num_swap_blocks,
+            mc.attention_backend,
+            sc.max_num_seqs,
+            sc.max_num_batched_tokens,
+            self.max_model_len,
             # NOTE: which adapters a step's rows use is host data a CUDA graph cannot replay.
             enforce_eager=mc.enforce_eager or self.lora is not None,
-            max_model_len=self.max_model_len,
             num_spec_tokens=(
                 config.speculative.num_speculative_tokens if config.speculative else 0
             ),
         )
+        if self.tp_workers is not None:
+            self.tp_workers.broadcast(setup)
+        self.scheduler = Scheduler(
+            sc, cc, self.kv_manager, max_loras=config.lora.max_loras if config.lora else 0
+        )
+        self.runner = self.backend.build_runner(setup)
+        self.kv_cache = self.runner.kv_cache
         self.runner.workers = self.tp_workers
         self.runner.lora = self.lora
         self.proposer = self._build_proposer()
@@ -409,12 +349,12 @@ class LLMEngine:
             return {}
         return {n: r.base_model_name for n, r in self.lora.registered.items() if r.base_model_name}
 
-    def _keep_checkpoint_layers(self, load_quantization: str | None) -> None:
-        """A GPTQ / AWQ checkpoint: keep its 4-bit layers as they are (unless ``--quantization``
-        requantizes the model), and say what each layer became."""
+    def _log_checkpoint_layers(self, load_quantization: str | None) -> None:
+        """A GPTQ / AWQ checkpoint: say what each layer became (its 4-bit layers are kept as
+        they are unless ``--quantization`` requantizes the model)."""
         q = self.checkpoint_quantization
         assert q is not None
-        kept = [] if load_quantization else keep_checkpoint_int4(self.model)
+        kept = self.backend.kept_int4
         modes = sorted({m.mode for m in kept})
         dtype = str(self.dtype).removeprefix("torch.")
         logger.info(
@@ -485,8 +425,7 @@ class LLMEngine:
         if runner is not None:
             if getattr(self, "_ahead", None) is not None:  # a step still on the device
                 self._ahead = None
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                self.backend.synchronize()
             runner.close()
 
     def _build_proposer(self) -> Proposer | None:
@@ -538,20 +477,13 @@ class LLMEngine:
         shared_bpt = bpt + 2 * self._draft_bytes_per_token()
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # What torch's caching allocator holds but no tensor uses (an engine dropped earlier
-            # in this process, say) is free to this one: the allocator hands it out first.
-            reserved = torch.cuda.memory_reserved(self.device)
-            cached = reserved - torch.cuda.memory_allocated(self.device)
-            used = total - free - cached
-            budget = max(int(total * cc.gpu_memory_utilization) - used, 0)
-            # A draft model, loaded after this plan, takes its weights out of the same memory.
-            budget = max(budget - self._draft_weight_bytes(), 0)
         else:
-            # NOTE: by default enough for every sequence slot at full length, capped at 2 GiB.
-            wanted = sc.max_num_seqs * self.max_model_len * shared_bpt
-            budget = min(wanted, DEFAULT_CPU_KV_BYTES)
+            # A draft model, loaded after this plan, takes its weights out of the same memory.
+            budget = self.backend.kv_budget(
+                sc.max_num_seqs * self.max_model_len * shared_bpt,
+                cc.gpu_memory_utilization,
+                reserve=self._draft_weight_bytes(),
+            )
         budget = budget * bpt // shared_bpt
         num_blocks = budget // (bpt * block_size)
         if num_blocks < 1:
