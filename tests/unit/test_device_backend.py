@@ -1,0 +1,54 @@
+"""The device seam: what differs by device is the backend's (runner/backend.py)."""
+
+import pytest
+import torch
+
+from infer.core.messages import RunnerSetup
+from infer.runner.backend import (
+    DEFAULT_CPU_KV_BYTES,
+    CpuBackend,
+    WeightsConfig,
+    device_backend,
+)
+
+
+def test_cpu_backend_runs_fp16_checkpoints_in_bf16_unless_asked():
+    backend = device_backend("cpu")
+    assert isinstance(backend, CpuBackend)
+    assert backend.resolve_dtype("auto", "float16") == torch.bfloat16
+    assert backend.resolve_dtype("float16", "bfloat16") == torch.float16
+    assert backend.resolve_dtype("auto", None) == torch.float32
+    assert backend.resolve_dtype("auto", "not-a-dtype") == torch.float32
+
+
+def test_cpu_kv_budget_is_every_slot_at_full_length_capped():
+    backend = device_backend("cpu")
+    assert backend.kv_budget(1 << 20, 0.9, reserve=1 << 19) == 1 << 20
+    assert backend.kv_budget(DEFAULT_CPU_KV_BYTES * 3, 0.9) == DEFAULT_CPU_KV_BYTES
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="--device cuda was given but CUDA is not available"):
+        device_backend("cuda")
+
+
+def test_an_unknown_device_is_named():
+    with pytest.raises(ValueError, match="--device meta: infer runs on cpu or cuda"):
+        device_backend("meta")
+
+
+def test_build_runner_allocates_the_kv_cache_for_the_loaded_model(tiny_checkpoints):
+    backend = device_backend("cpu", seed=3)
+    model = backend.load_model(WeightsConfig(tiny_checkpoints["llama"], torch.float32))
+    runner = backend.build_runner(RunnerSetup(num_blocks=5, block_size=4, max_num_seqs=2))
+    cache = runner.kv_cache
+    spec = model.spec
+    assert runner.model is model
+    assert cache.num_blocks == 5 and cache.block_size == 4 and cache.dtype == torch.float32
+    assert tuple(cache.tensor.shape) == (2, spec.num_layers, 20, spec.num_kv_heads, spec.head_dim)
+
+
+def test_build_runner_needs_a_loaded_model():
+    with pytest.raises(AssertionError, match="load_model first"):
+        device_backend("cpu").build_runner(RunnerSetup(num_blocks=1, block_size=4))
