@@ -658,10 +658,15 @@ class LLMEngine:
 
     def _structured_manager(self) -> StructuredOutputManager:
         if self.structured is None:
+            from infer.engine.affinity import leave_main_core
             from infer.structured.manager import StructuredOutputManager
 
             self.structured = StructuredOutputManager(
-                self.tokenizer, self.spec.vocab_size, self.eos_token_ids
+                self.tokenizer,
+                self.spec.vocab_size,
+                self.eos_token_ids,
+                # Started from the engine's main thread: with --cpu-bind, off its core.
+                thread_initializer=leave_main_core,
             )
             self.runner.structured = self.structured
         return self.structured

@@ -24,7 +24,7 @@ from infer.model.parallel import (
 )
 
 if TYPE_CHECKING:  # the attention backend is the runner's: models only call it
-    from infer.runner.attention import AttentionContext
+    from infer.model.attention import Attention
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class GPT2Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.hidden_size, 3 * width)
         self.c_proj = nn.Linear(width, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: Attention) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.c_attn(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         out = attn.attend(self.layer_idx, q, k, v, scale=self.scale)
@@ -92,7 +92,7 @@ class GPT2Block(nn.Module):
         self.c_proj = nn.Linear(width, cfg.hidden_size)
         self.act = activation(cfg.activation)
 
-    def forward(self, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn)
         return x + self.tp.all_reduce(self.c_proj(self.act(self.c_fc(self.ln_2(x)))))
 
@@ -130,7 +130,7 @@ class GPT2LMHeadModel(CausalLM):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
         x = self.tp.embed(self.wte.weight, input_ids) + self.wpe(positions)
         for block in self.h:

@@ -15,13 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.model.ops import fused_ops
 from infer.model.parallel import Shard, TensorParallel, get_tensor_parallel
-from infer.runner.gpu import triton_fused
-from infer.runner.kernels import CpuKernels, cpu_kernels
 
 if TYPE_CHECKING:
+    from infer.model.attention import Attention
     from infer.model.spec import ModelSpec
-    from infer.runner.attention import AttentionContext
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class CausalLM(nn.Module):
         """Create non-checkpoint state (rope tables) once the parameters live on ``device``."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
         """``input_ids, positions``: ``[T]`` long -> final hidden states ``[T, hidden]``."""
         raise NotImplementedError
@@ -103,13 +102,6 @@ class CausalLM(nn.Module):
         return self.tp.gather_vocab(logits, self.spec.vocab_size)
 
 
-def fused_kernels(x: torch.Tensor) -> CpuKernels | None:
-    """The C++ kernels when ``x`` can take the fused bf16 CPU path (else None: use torch)."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return None
-    return cpu_kernels()
-
-
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, the statistics in float32.
 
@@ -124,12 +116,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = fused_kernels(x)
-        if kernels is not None and self.weight.dtype == x.dtype:
-            flat = x.reshape(-1, x.shape[-1]).contiguous()
-            return kernels.add_rms_norm(flat, None, self.weight, self.eps)[1].view(x.shape)
-        if triton_fused.fused_enabled(x) and self.weight.dtype == x.dtype:
-            return triton_fused.add_rms_norm(x, None, self.weight, self.eps)[1]
+        ops = fused_ops(x)
+        if ops is not None and self.weight.dtype == x.dtype:
+            return ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -143,11 +132,11 @@ class RMSNorm(nn.Module):
         are one pass over the activations."""
         if h is None:
             return x, self(x)
-        kernels = fused_kernels(x)
-        if kernels is not None and self.weight.dtype == x.dtype and x.dim() == 2:
-            return kernels.add_rms_norm(x.contiguous(), h.contiguous(), self.weight, self.eps)
-        if triton_fused.fused_enabled(x) and self.weight.dtype == x.dtype == h.dtype:
-            return triton_fused.add_rms_norm(x, h, self.weight, self.eps)
+        ops = fused_ops(x)
+        if ops is not None and self.weight.dtype == x.dtype:
+            fused = ops.add_rms_norm(x, h, self.weight, self.eps)
+            if fused is not None:
+                return fused
         x = x + h
         return x, self(x)
 
@@ -227,14 +216,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        kernels = fused_kernels(gate_up)
-        if kernels is not None and self.fused_act is not None and gate_up.dim() == 2:
-            out = self.down_proj(kernels.act_mul(gate_up.contiguous(), self.fused_act))
-        elif self.fused_act is not None and triton_fused.fused_enabled(gate_up):
-            out = self.down_proj(triton_fused.act_and_mul(gate_up, self.fused_act))
-        else:
+        act = None
+        if self.fused_act is not None:
+            ops = fused_ops(gate_up)
+            act = ops.act_mul(gate_up, self.fused_act) if ops is not None else None
+        if act is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            out = self.down_proj(self.act(gate) * up)
+            act = self.act(gate) * up
+        out = self.down_proj(act)
         return self.tp.all_reduce(out) if self.reduce else out
 
 

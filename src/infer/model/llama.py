@@ -28,10 +28,10 @@ from infer.model.layers import (
     RMSNorm,
     WeightSource,
     embedding,
-    fused_kernels,
     plus_one,
 )
 from infer.model.moe import MoEConfig, SparseMoE, moe_weight_sources, parse_moe
+from infer.model.ops import fused_ops
 from infer.model.parallel import (
     COLUMN,
     ROW,
@@ -42,7 +42,7 @@ from infer.model.parallel import (
 from infer.model.rope import RopeConfig, apply_rope, rope_config_from_dict, rope_params, rope_tables
 
 if TYPE_CHECKING:  # the attention backend is the runner's: models only call it
-    from infer.runner.attention import AttentionContext
+    from infer.model.attention import Attention
 
 
 @dataclass(frozen=True)
@@ -171,21 +171,20 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def _norm_in_place(self, qkv: torch.Tensor, attn: AttentionContext) -> bool:
+    def _norm_in_place(self, qkv: torch.Tensor, attn: Attention) -> bool:
         """Run the q/k norms in place on ``qkv`` by the fused decode loop's C++ kernel (CPU
         bf16), so that the rope and KV store kernel takes the row next; False: not here."""
-        kernels = fused_kernels(qkv)
-        if self.q_norm is None or self.k_norm is None or kernels is None:
+        ops = fused_ops(qkv)
+        if self.q_norm is None or self.k_norm is None or ops is None or not ops.fuses_qk_norm:
             return False
         if self.q_norm.weight.dtype != qkv.dtype or not attn.can_store_rotated(qkv):
             return False
-        kernels.qk_norm_into(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], self.num_heads,
-                             self.num_kv_heads, self.head_dim, self.q_norm.weight.data_ptr(),
-                             self.k_norm.weight.data_ptr(), self.q_norm.eps)  # fmt: skip
+        ops.qk_norm_into(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # fmt: skip
         return True
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
         t = x.shape[0]
         heads = self.num_heads + self.num_kv_heads
@@ -241,7 +240,7 @@ class DecoderLayer(nn.Module):
         pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: AttentionContext,
+        attn: Attention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, pending)`` -> the residual stream and this layer's output, not yet added to it
         (the next layer's norm adds it in the same pass; ``pending`` is None for layer 0)."""
@@ -287,7 +286,7 @@ class DecoderLM(CausalLM):
             self.register_buffer("embed_scale", scale, persistent=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
         x = self.tp.embed(self.embed_tokens.weight, input_ids)
         if self.cfg.embed_scale is not None:

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.model.layers import GatedMLP, WeightSource
+from infer.model.ops import build_moe_kernel
 from infer.model.parallel import COLUMN, ROW, get_tensor_parallel
 
 
@@ -190,17 +191,15 @@ class SparseMoE(nn.Module):
         self._kernel_key: tuple | None = None
 
     def cpu_kernel(self) -> Any:
-        """The C++ layer (runner/moe_kernel.py) for these weights as they are now (packed or
-        quantized at load), or None where the torch code runs; built once per set of
-        weights."""
+        """The C++ layer (runner/moe_kernel.py, lent through :mod:`infer.model.ops`) for these
+        weights as they are now (packed or quantized at load), or None where the torch code
+        runs; built once per set of weights."""
         w = self.router.weight
         key = (self.experts[0].gate_up_proj, self.experts[-1].down_proj, w.dtype, w.data_ptr())
         if self._kernel_key is None or any(
             a is not b if isinstance(a, nn.Module) else a != b
             for a, b in zip(key, self._kernel_key, strict=True)
         ):
-            from infer.runner.moe_kernel import build_moe_kernel
-
             self._kernel = build_moe_kernel(self)
             self._kernel_key = key
         return self._kernel

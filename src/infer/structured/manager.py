@@ -16,25 +16,32 @@ and finishes a request whose grammar has ended (``stop``) or cannot go on (``err
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from infer.core.request import Request
-from infer.engine.affinity import leave_main_core
 from infer.structured.grammar import GrammarError, compile_grammar
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        thread_initializer: Callable[[], None] | None = None,
+    ) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._llg_tokenizer = None
         self._lock = threading.Lock()
-        # Started from the engine's main thread: with --cpu-bind, off its core (engine/affinity.py).
+        # The engine's ``thread_initializer`` keeps the compile threads off its main thread's
+        # core under --cpu-bind (engine/affinity.py).
         self._pool = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="grammar", initializer=leave_main_core
+            max_workers=2, thread_name_prefix="grammar", initializer=thread_initializer
         )
         self.matchers: dict[str, object] = {}  # request id -> llguidance.LLMatcher
         self._built: set[tuple] = set()  # cache keys of grammars built before
