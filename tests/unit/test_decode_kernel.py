@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
+from infer.runner.attention.torch_ref import TORCH_ATTENTION
 from infer.runner.kernels import cpu_kernels
 
 from ._kernel_helpers import count_calls, shuffled_block_tables
@@ -72,8 +73,20 @@ def test_attention_context_uses_kernel_and_agrees_with_torch_path(monkeypatch):
 
     calls = count_calls(monkeypatch, type(kernels), "decode_attention")
     with_kernel = AttentionContext(cache, seqs, "cpu").attend(0, q, k, v, scale=0.25)
-    ctx = AttentionContext(cache, seqs, "cpu")
-    ctx._kernels = None
+    ctx = AttentionContext(cache, seqs, "cpu", TORCH_ATTENTION)
     with_torch = ctx.attend(0, q, k, v, scale=0.25)
     assert calls == [1]
     torch.testing.assert_close(with_kernel, with_torch, atol=1e-5, rtol=1e-5)
+
+
+def test_the_null_backend_attends_nothing_and_writes_nothing():
+    from infer.runner.attention.null import NULL_ATTENTION
+
+    cache = KVCache(1, 4, 4, 2, 16, torch.float32, "cpu")
+    seqs = [SequenceSlice(0, 3, [1]), SequenceSlice(5, 1, [2, 3])]
+    q = torch.randn(4, 4, 16)
+    k = torch.randn(4, 2, 16)
+    ctx = AttentionContext(cache, seqs, "cpu", NULL_ATTENTION)
+    assert ctx.attend(0, q, k, k, scale=0.25) is q
+    assert not ctx.can_store_rotated(torch.zeros(4, 128, dtype=torch.bfloat16))
+    assert cache.tensor.count_nonzero() == 0

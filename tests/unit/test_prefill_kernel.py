@@ -96,7 +96,7 @@ def test_attention_context_uses_kernel_and_agrees_with_sdpa_path(monkeypatch):
     calls = count_calls(monkeypatch, type(kernels), "prefill_attention")
     with_kernel = AttentionContext(cache, seqs, "cpu").attend(0, q, k, v, scale=0.125)
     ctx = AttentionContext(cache, seqs, "cpu")
-    ctx._chunks = None
+    ctx.prefill_chunks = None
     with_sdpa = ctx.attend(0, q, k, v, scale=0.125)
     assert calls == [1]
     torch.testing.assert_close(with_kernel.float(), with_sdpa.float(), atol=2e-2, rtol=2e-2)
@@ -122,9 +122,9 @@ def test_quantized_cache_matches_the_dequantizing_sdpa_path(kv_dtype):
     cache.store(0, torch.arange(40 * 4), past, -past)
     assert kernels.can_prefill(q, cache)
     ctx = AttentionContext(cache, seqs, "cpu")
-    assert ctx._chunks is not None
+    assert ctx.prefill_chunks is not None
     with_kernel = ctx.attend(0, q, k, v, scale=0.125)
     ctx = AttentionContext(cache, seqs, "cpu")
-    ctx._chunks = None
+    ctx.prefill_chunks = None
     with_sdpa = ctx.attend(0, q, k, v, scale=0.125)
     torch.testing.assert_close(with_kernel.float(), with_sdpa.float(), atol=2e-2, rtol=2e-2)

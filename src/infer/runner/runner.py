@@ -34,7 +34,7 @@ from infer.core.messages import (
 )
 from infer.core.request import Request, TokenLogprob
 from infer.model.parallel import TensorParallel
-from infer.runner.attention import AttentionContext, KVCache
+from infer.runner.attention import AttentionContext, KVCache, default_backend
 from infer.runner.decode_fast import FastDecoder
 from infer.runner.gpu.cuda_step import CudaStep, resolve_attention_backend
 from infer.runner.lora.manager import LoRAManager
@@ -111,6 +111,9 @@ class ModelRunner:
         # The one place the device's backend is chosen: on CUDA the Triton step (step buffers,
         # paged attention kernels, CUDA graphs for decode), or torch's (gather + SDPA, eager).
         self.attention_backend = resolve_attention_backend(attention_backend, device)
+        # The torch path's attention (runner/attention/backend.py): the C++ kernels on a CPU,
+        # else gather + SDPA; a measurement may swap in another (the null backend).
+        self.attention = default_backend(device)
         self.cuda_step: CudaStep | None = None
         if self.attention_backend == "triton":
             sizes = {}
@@ -337,7 +340,7 @@ class ModelRunner:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
             ids_t = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-            ctx = AttentionContext(self.kv_cache, batch.seqs, self.device)
+            ctx = AttentionContext(self.kv_cache, batch.seqs, self.device, self.attention)
             hidden = self.forward(ids_t, pos_t, ctx)
         logits = prompt_logits = None
         if batch.sample_rows:

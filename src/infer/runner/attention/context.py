@@ -1,8 +1,9 @@
-"""Attention over a paged KV cache, in plain torch (CPU and CUDA).
+"""One step's attention metadata over the paged KV cache, built once per step.
 
 Every model layer calls :meth:`AttentionContext.attend` with the step's fresh ``q, k, v``; the
-context writes ``k, v`` into the cache slots of the scheduled tokens and attends each query
-to its own sequence's context, read back through the block table.
+context's backend (``backend.py``: the C++ kernels, the torch reference, or none) writes ``k, v``
+into the cache slots of the scheduled tokens and attends each query to its own sequence's
+context, read back through the block table.
 
 Slots and blocks (block_size = 4 in the picture)::
 
@@ -29,98 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from infer.core.messages import SequenceSlice
-from infer.kv_cache.sizing import check_kv_cache_dtype
-from infer.runner import hugepages, kv_quant
-from infer.runner.kernels import PrefillChunks, cpu_kernels
-
-
-class KVCache:
-    """K and V for every layer: ``[2, num_layers, num_blocks * block_size, kv_heads, head_dim]``.
-
-    With ``kv_dtype`` ``"int8"`` or ``"fp8"`` the values are one byte each and ``scales``
-    ``[2, num_layers, num_slots, kv_heads]`` (bf16) holds each row's scale
-    (:mod:`infer.runner.kv_quant`); ``dtype`` is then the dtype values are read back in.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        kv_dtype: str = "auto",
-    ) -> None:
-        self.num_layers = num_layers
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.dtype = dtype
-        self.kind = check_kv_cache_dtype(kv_dtype)
-        num_slots = num_blocks * block_size
-        storage = dtype if self.kind is None else kv_quant.STORAGE_DTYPES[self.kind]
-        self.tensor = hugepages.zeros(
-            2, num_layers, num_slots, num_kv_heads, head_dim, dtype=storage, device=device
-        )
-        self.scales: torch.Tensor | None = None
-        if self.kind is not None:
-            self.scales = torch.zeros(
-                2, num_layers, num_slots, num_kv_heads, dtype=kv_quant.SCALE_DTYPE, device=device
-            )
-
-    @property
-    def quantized(self) -> bool:
-        return self.kind is not None
-
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored K and V of one layer (one-byte values when quantized)."""
-        return self.tensor[0, layer_idx], self.tensor[1, layer_idx]
-
-    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if self.scales is None:
-            return None, None
-        return self.scales[0, layer_idx], self.scales[1, layer_idx]
-
-    def store(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v`` ``[T, kv_heads, head_dim]`` at ``slots`` (quantizing them if needed)."""
-        k_cache, v_cache = self.layer(layer_idx)
-        if self.kind is None:
-            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
-            return
-        k_scales, v_scales = self.layer_scales(layer_idx)
-        assert k_scales is not None and v_scales is not None
-        for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
-            values, scale = kv_quant.quantize(x, self.kind)
-            cache.index_copy_(0, slots, values)
-            scales.index_copy_(0, slots, scale)
-
-    def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[len(slots), kv_heads, head_dim]`` at ``slots``, in ``dtype``."""
-        k_cache, v_cache = self.layer(layer_idx)
-        ks = k_cache.index_select(0, slots)
-        vs = v_cache.index_select(0, slots)
-        if self.kind is None:
-            return ks.to(self.dtype), vs.to(self.dtype)
-        k_scales, v_scales = self.layer_scales(layer_idx)
-        assert k_scales is not None and v_scales is not None
-        return (
-            kv_quant.dequantize(ks, k_scales.index_select(0, slots), self.kind, self.dtype),
-            kv_quant.dequantize(vs, v_scales.index_select(0, slots), self.kind, self.dtype),
-        )
-
-    def block_views(self) -> list[torch.Tensor]:
-        """Every stored tensor as ``[2, num_layers, num_blocks, block_size, ...]`` views: what a
-        block swap copies."""
-        views = []
-        for t in (self.tensor, self.scales):
-            if t is not None:
-                views.append(t.view(2, t.shape[1], self.num_blocks, self.block_size, *t.shape[3:]))
-        return views
+from infer.runner.attention.backend import AttentionBackend, default_backend
+from infer.runner.attention.cache import KVCache
+from infer.runner.kernels import PrefillChunks
 
 
 @dataclass
@@ -195,9 +109,10 @@ class AttentionContext:
     step's sequences become one ``[S, max_blocks]`` int32 tensor, and every token's cache slot is
     gathered from it (``slot = table[seq, pos // bs] * bs + pos % bs``).
 
-    Decode rows on the CPU go to the C++ kernel (:mod:`infer.runner.kernels`), which reads K and V
-    in place through the block tables; elsewhere (CUDA, other dtypes, ``INFER_CPU_KERNELS=0``)
-    the contexts are gathered and attended with SDPA.
+    ``backend`` computes the attention (default: :func:`default_backend` of the device): decode
+    rows on the CPU go to the C++ kernel (:mod:`infer.runner.kernels`), which reads K and V in
+    place through the block tables; elsewhere (CUDA, other dtypes, ``INFER_CPU_KERNELS=0``) the
+    contexts are gathered and attended with SDPA.
     """
 
     def __init__(
@@ -205,6 +120,7 @@ class AttentionContext:
         kv_cache: KVCache,
         sequences: list[SequenceSlice],
         device: torch.device | str,
+        backend: AttentionBackend | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.sequences = sequences
@@ -222,9 +138,9 @@ class AttentionContext:
             computed[i] = seq.num_computed_tokens
         block_tables = torch.from_numpy(tables)
         self.num_tokens = int(new_tokens.sum())
-        self._kernels = cpu_kernels() if self.device.type == "cpu" else None
-        self._chunks: PrefillChunks | None = None
-        self._prefills: list[_PrefillSeq] = []
+        self.backend = backend if backend is not None else default_backend(self.device)
+        self.prefill_chunks: PrefillChunks | None = None
+        self.prefills: list[_PrefillSeq] = []
         if num_seqs and (new_tokens == 1).all():  # one new token each: all decode rows
             self._init_all_decode(block_tables, tables, computed)
             return
@@ -238,7 +154,7 @@ class AttentionContext:
 
         as_rows = np.array([s.as_decode_rows for s in sequences], dtype=bool)
         is_decode = (new_tokens == 1) | as_rows
-        self._decode: _DecodeGroup | None = None
+        self.decode_group: _DecodeGroup | None = None
         if is_decode.any():
             # One row per token of the decoding sequences; token j of a sequence sees its
             # context up to and including itself (its K and V are stored before attention).
@@ -249,7 +165,7 @@ class AttentionContext:
                 np.cumsum(per_seq) - per_seq, per_seq
             )
             lens = computed[seq_rows] + 1 + within
-            self._decode = _DecodeGroup(
+            self.decode_group = _DecodeGroup(
                 rows=torch.from_numpy(starts[seq_rows] + within).to(self.device),
                 block_tables=block_tables[torch.from_numpy(seq_rows)].to(self.device),
                 context_lens=torch.from_numpy(lens.astype(np.int32)).to(self.device),
@@ -260,15 +176,15 @@ class AttentionContext:
             # A quantized cache is read back even for a fresh prompt, so a prompt attends to the
             # same (rounded) keys and values however it is chunked.
             reads_cache = past > 0 or kv_cache.quantized
-            self._prefills.append(
+            self.prefills.append(
                 _PrefillSeq(start, start + n, past, reads_cache, block_tables[i : i + 1], bs)
             )
-        self._all_decode = self._decode is not None and not self._prefills
+        self._all_decode = self.decode_group is not None and not self.prefills
         # Prompt chunks for the C++ prefill kernel (CPU, AVX-512 BF16 or AVX2): one call per layer for
         # every chunk of the step, reading K and V in place through the block tables.
-        if self._prefills and self._kernels is not None and self._kernels.has_prefill_attention:
+        if self.prefills and self.backend.wants_prefill_chunks:
             pidx = np.nonzero(~is_decode)[0]
-            self._chunks = PrefillChunks(
+            self.prefill_chunks = PrefillChunks(
                 q_starts=torch.from_numpy(starts[pidx].astype(np.int64)),
                 q_lens=torch.from_numpy(new_tokens[pidx].copy()),
                 pasts=torch.from_numpy(computed[pidx].copy()),
@@ -285,7 +201,7 @@ class AttentionContext:
         seq = np.arange(len(computed), dtype=np.int64)
         slots = tables[seq, computed // bs].astype(np.int64) * bs + computed % bs
         self.slot_mapping = torch.from_numpy(slots).to(self.device)
-        self._decode = _DecodeGroup(
+        self.decode_group = _DecodeGroup(
             rows=torch.from_numpy(seq).to(self.device),
             block_tables=block_tables.to(self.device),
             context_lens=torch.from_numpy((computed + 1).astype(np.int32)).to(self.device),
@@ -302,18 +218,12 @@ class AttentionContext:
         """The decode rows' ``[Bd, max_blocks]`` int32 block tables and ``[Bd]`` int32 context
         lengths, one per row (a sequence with several decode rows repeats its table), in the
         order of their rows in the batch."""
-        assert self._decode is not None
-        return self._decode.block_tables, self._decode.context_lens
+        assert self.decode_group is not None
+        return self.decode_group.block_tables, self.decode_group.context_lens
 
     def can_store_rotated(self, qkv: torch.Tensor) -> bool:
         """Whether :meth:`rotate_and_store` can take this fused projection (CPU bf16 kernels)."""
-        return (
-            self._kernels is not None
-            and qkv.dtype == torch.bfloat16
-            and self.kv_cache.dtype == torch.bfloat16
-            and qkv.dim() == 2
-            and qkv.stride(1) == 1
-        )
+        return self.backend.can_store_rotated(self, qkv)
 
     def rotate_and_store(
         self,
@@ -328,17 +238,8 @@ class AttentionContext:
         """Rope on q and k of ``qkv`` ``[T, (H + 2 Hkv) D]`` in place, k and v written to the
         cache, in one kernel; returns ``q, k, v`` views (then call :meth:`attend` with
         ``kv_stored=True``). ``cos, sin``: the step's rope rows, ``[T, 1, D]`` or ``[T, D]``."""
-        assert self._kernels is not None
-        self._kernels.rope_write_kv(
-            qkv,
-            cos.contiguous(),
-            sin.contiguous(),
-            self.kv_cache,
-            layer_idx,
-            self.slot_mapping,
-            num_heads,
-            num_kv_heads,
-            head_dim,
+        self.backend.rotate_and_store(
+            self, layer_idx, qkv, cos, sin, num_heads, num_kv_heads, head_dim
         )
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
@@ -365,85 +266,7 @@ class AttentionContext:
         Returns:
             ``[T, num_heads, head_dim]``.
         """
-        if not kv_stored:
-            kernels = self._kernels
-            if kernels is not None and kernels.can_store_kv(k, self.kv_cache):
-                kernels.store_kv(k, v, self.kv_cache, layer_idx, self.slot_mapping)
-            else:
-                self.kv_cache.store(layer_idx, self.slot_mapping, k, v)
-        gqa = q.shape[1] != k.shape[1]
-
-        if self._all_decode:
-            return self._attend_decode(layer_idx, q, scale, sliding_window, gqa)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if self._decode is not None:
-            rows = self._decode.rows
-            out[rows] = self._attend_decode(layer_idx, q[rows], scale, sliding_window, gqa)
-        kernels = self._kernels
-        if (
-            self._chunks is not None
-            and kernels is not None
-            and kernels.can_prefill(q, self.kv_cache)
-        ):
-            kernels.prefill_attention(
-                q, out, self.kv_cache, layer_idx, self._chunks, scale, sliding_window
-            )
-            return out
-        for pf in self._prefills:
-            qs = q[pf.start : pf.end].transpose(0, 1)  # [H, n, D]
-            slots = pf.slots(self.device)
-            if slots is None:
-                ks = k[pf.start : pf.end].transpose(0, 1)
-                vs = v[pf.start : pf.end].transpose(0, 1)
-            else:
-                kg, vg = self.kv_cache.gather(layer_idx, slots)
-                ks, vs = kg.transpose(0, 1), vg.transpose(0, 1)  # [Hkv, L, D]
-            mask = pf.mask(sliding_window, self.device)
-            # NOTE: 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math kernel
-            # (~8x slower for a 512-token bf16 prefill).
-            o = F.scaled_dot_product_attention(
-                qs[None],
-                ks.to(qs.dtype)[None],
-                vs.to(qs.dtype)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=gqa,
-            )[0]
-            out[pf.start : pf.end] = o.transpose(0, 1)
-        return out
-
-    def _attend_decode(
-        self, layer_idx: int, q: torch.Tensor, scale: float, window: int | None, gqa: bool
-    ) -> torch.Tensor:
-        dg = self._decode
-        assert dg is not None
-        kernels = self._kernels
-        cache = self.kv_cache
-        if kernels is not None and q.dtype == cache.dtype and kernels.supports(q.dtype):
-            return kernels.decode_attention(
-                q,
-                cache,
-                layer_idx,
-                dg.block_tables,
-                dg.context_lens,
-                scale,
-                window,
-            )
-        # index_select on the flat slot list is ~2x faster on CPU than advanced indexing.
-        bd, lmax = dg.gather.shape
-        ks, vs = cache.gather(layer_idx, dg.gather.reshape(-1))
-        ks = ks.view(bd, lmax, *ks.shape[1:]).transpose(1, 2)
-        vs = vs.view(bd, lmax, *vs.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :],  # [Bd, H, 1, D]
-            ks.to(q.dtype),
-            vs.to(q.dtype),
-            attn_mask=dg.mask(window),
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        return o[:, :, 0, :]
+        return self.backend.attend(self, layer_idx, q, k, v, scale, sliding_window, kv_stored)
 
 
 def split_qkv(

@@ -1,0 +1,122 @@
+"""The attention backends' one small interface, and the order a step's attention runs in.
+
+A backend is chosen once per runner (:func:`default_backend`, or set: the null backend of the
+attention-off measurements) and lent to every step's :class:`AttentionContext`, which holds
+the step's metadata (slots, block tables, decode rows, prefill chunks); the backend computes::
+
+    attend(layer, q, k, v)
+      store k, v at the step's slots          (unless rotate_and_store already did)
+      decode rows  -> decode(...)             one padded batch, one new token each
+      prefill rows -> prefill(...)            each chunk against its context, causal
+
+Backends, one per file: ``torch_ref.py`` (gather + SDPA: any device and dtype, the reference),
+``cpu.py`` (the C++ kernels, falling back to the reference per call where a kernel does not
+take the tensors), ``null.py`` (no attention at all: returns the query). The Triton step has
+its own context (``runner/gpu/step.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from infer.runner.attention.context import AttentionContext
+
+
+class AttentionBackend:
+    """How one step's attention is computed; subclasses say how each part runs."""
+
+    name = "base"
+    wants_prefill_chunks = False  # AttentionContext builds PrefillChunks for :meth:`prefill`
+
+    def attend(
+        self,
+        ctx: AttentionContext,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        kv_stored: bool,
+    ) -> torch.Tensor:
+        """See :meth:`AttentionContext.attend`."""
+        if not kv_stored:
+            self.store(ctx, layer_idx, k, v)
+        gqa = q.shape[1] != k.shape[1]
+        if ctx.all_decode:
+            return self.decode(ctx, layer_idx, q, scale, sliding_window, gqa)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        decode = ctx.decode_group
+        if decode is not None:
+            rows = decode.rows
+            out[rows] = self.decode(ctx, layer_idx, q[rows], scale, sliding_window, gqa)
+        self.prefill(ctx, layer_idx, q, k, v, out, scale, sliding_window, gqa)
+        return out
+
+    def store(
+        self, ctx: AttentionContext, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write the step's ``k, v`` ``[T, Hkv, D]`` at its slots."""
+        raise NotImplementedError
+
+    def decode(
+        self,
+        ctx: AttentionContext,
+        layer_idx: int,
+        q: torch.Tensor,
+        scale: float,
+        window: int | None,
+        gqa: bool,
+    ) -> torch.Tensor:
+        """The decode rows' ``q`` ``[Bd, H, D]`` against their contexts -> ``[Bd, H, D]``."""
+        raise NotImplementedError
+
+    def prefill(
+        self,
+        ctx: AttentionContext,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        window: int | None,
+        gqa: bool,
+    ) -> None:
+        """Each prefill chunk's rows of ``q`` against its context, written into ``out``."""
+        raise NotImplementedError
+
+    def can_store_rotated(self, ctx: AttentionContext, qkv: torch.Tensor) -> bool:
+        """Whether :meth:`rotate_and_store` takes this fused projection."""
+        return False
+
+    def rotate_and_store(
+        self,
+        ctx: AttentionContext,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        """Rope on q and k of ``qkv`` in place, k and v written to the cache."""
+        raise NotImplementedError
+
+
+def default_backend(device: torch.device) -> AttentionBackend:
+    """The C++ kernels on a CPU that has them (a g++, not ``INFER_CPU_KERNELS=0``), else the
+    torch reference."""
+    from infer.runner.attention.torch_ref import TORCH_ATTENTION
+
+    if device.type == "cpu":
+        from infer.runner.attention.cpu import cpu_attention
+
+        backend = cpu_attention()
+        if backend is not None:
+            return backend
+    return TORCH_ATTENTION
