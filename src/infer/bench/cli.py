@@ -162,13 +162,12 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
 
 
-@needs_bench_extra
-def cmd_serve(args: argparse.Namespace) -> int:
-    from infer.bench.serve import ServeBenchConfig, run_serving_benchmark_sync, save_report
+def _serve_config(args: argparse.Namespace, **fields):
+    """The ``ServeBenchConfig`` of the workload flags ``serve`` and ``ablation`` share, plus
+    ``fields``."""
+    from infer.bench.serve import ServeBenchConfig
 
-    cfg = ServeBenchConfig(
-        server=args.server,
-        model=args.model,
+    return ServeBenchConfig(
         workload=args.workload,
         seed=args.seed,
         scale=args.scale,
@@ -176,15 +175,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         endpoint=args.endpoint,
         slo=args.slo,
         tokenizer=args.tokenizer,
+        warmup=args.warmup,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+        **fields,
+    )
+
+
+@needs_bench_extra
+def cmd_serve(args: argparse.Namespace) -> int:
+    from infer.bench.serve import run_serving_benchmark_sync, save_report
+
+    cfg = _serve_config(
+        args,
+        server=args.server,
+        model=args.model,
         server_tokenize=not args.no_server_tokenize,
         reset_cache=not args.no_reset_cache,
         max_model_len=args.max_model_len,
-        warmup=args.warmup,
         ignore_eos=not args.no_ignore_eos,
-        timeout_s=args.timeout,
         label=args.label,
         server_flags=args.server_flags,
-        progress=not args.no_progress,
     )
     try:
         report = run_serving_benchmark_sync(cfg)
@@ -312,20 +323,8 @@ def cmd_micro(args: argparse.Namespace) -> int:
 @needs_bench_extra
 def cmd_ablation(args: argparse.Namespace) -> int:
     from infer.bench.ablation import run_ablation
-    from infer.bench.serve import ServeBenchConfig
 
-    cfg = ServeBenchConfig(
-        workload=args.workload,
-        seed=args.seed,
-        scale=args.scale,
-        rate_scale=args.rate_scale,
-        endpoint=args.endpoint,
-        slo=args.slo,
-        tokenizer=args.tokenizer,
-        warmup=args.warmup,
-        timeout_s=args.timeout,
-        progress=not args.no_progress,
-    )
+    cfg = _serve_config(args)
     log, failed = run_ablation(
         args.model,
         cfg,

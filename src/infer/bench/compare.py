@@ -17,6 +17,7 @@ from typing import Literal
 
 from infer.bench.metrics import WorkloadMetrics
 from infer.bench.report import (
+    ROWS,
     fmt,
     lost_note,
     markdown_table,
@@ -27,15 +28,8 @@ from infer.bench.report import (
 
 Getter = Callable[[WorkloadMetrics], float]
 
-DELTA_METRICS: tuple[tuple[str, Getter, int], ...] = (
-    ("Throughput (tok/s)", lambda m: m.output_throughput, 1),
-    ("TTFT P50 (ms)", lambda m: m.ttft.p50, 0),
-    ("TTFT P99 (ms)", lambda m: m.ttft.p99, 0),
-    ("ITL P50 (ms)", lambda m: m.itl.p50, 0),
-    ("ITL P99 (ms)", lambda m: m.itl.p99, 0),
-    ("Latency P50 (s)", lambda m: m.e2e.p50 / 1000.0, 3),
-    ("Errors", lambda m: float(m.errors), 0),
-)
+DELTA_METRICS: tuple[tuple[str, Getter, int], ...] = ROWS[:7]  # type: ignore[assignment]
+"""The rows of a phase-vs-phase table: the report tables' core rows (throughput to errors)."""
 
 
 def pct_change(old: float, new: float) -> float | None:

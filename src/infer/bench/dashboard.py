@@ -138,7 +138,7 @@ def screenshots(url: str, folder: Path, trace: Path | None, concurrency: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.bench.online import start_server, stop_server, wait_healthy
+    from infer.bench.online import serving
     from infer.bench.report import collect_environment, now_iso, save_report
     from infer.testing.bench_models import llama_100m
 
@@ -149,34 +149,28 @@ def run(args: argparse.Namespace) -> int:
     model = llama_100m(args.model)
     url = f"http://127.0.0.1:{args.port}"
 
-    def serve(*extra: str):
+    @contextlib.contextmanager
+    def serve(*extra: str) -> Iterator[None]:
         cmd = [sys.executable, "-m", "infer.server", "--model", str(model), "--port",
                str(args.port), "--served-model-name", "m", "--max-num-seqs", "64",
                "--max-model-len", "2048", "--no-access-log", *extra]  # fmt: skip
-        proc = start_server(cmd, dict(os.environ), out / "dashboard-server.log", args.port)
-        wait_healthy(url, proc)
-        measure(url, 4, 8, 0)  # warm-up
-        return proc
+        with serving(cmd, dict(os.environ), out / "dashboard-server.log", args.port):
+            measure(url, 4, 8, 0)  # warm-up
+            yield
 
     rows: dict[str, list[float]] = {m: [] for m in MODES}
-    proc = serve()
-    try:
+    with serve():
         for r in range(args.rounds):
             for mode in MODES:
                 with watcher(mode, url):
                     tps = measure(url, args.concurrency, 4 * args.concurrency, seed=r)
                 rows[mode].append(tps)
                 print(f"round {r + 1} {mode}: {tps:.1f} out tok/s", flush=True)
-    finally:
-        stop_server(proc, args.port)
     shots: list[Path] = []
     if args.screenshots:
-        proc = serve("--num-kv-blocks", "96", "--enable-prefix-caching")
-        try:
+        with serve("--num-kv-blocks", "96", "--enable-prefix-caching"):
             shots = screenshots(url, Path(args.screenshots), Path(args.trace) if args.trace else None,
                                 args.concurrency)  # fmt: skip
-        finally:
-            stop_server(proc, args.port)
     medians = {m: statistics.median(v) for m, v in rows.items()}
     report = {
         "schema": "infer.bench.dashboard/1",

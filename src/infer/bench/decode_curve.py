@@ -82,24 +82,18 @@ def _noop_attend(self, layer_idx, q, k, v, **kwargs):  # noqa: ARG001 - Attentio
 
 def measure_context(engine, context: int, batch: int, steps: int, repeats: int, seed: int) -> dict:
     """Prefill ``batch`` prompts, then time decode steps, real and with attention a no-op."""
-    import torch
-
-    from infer.core.sampling_params import SamplingParams
+    from infer.bench.offline import greedy, prompt_vocab, random_prompts
     from infer.runner.attention import AttentionContext
 
     warm = WARMUP_STEPS
     total_decode = decode_steps(steps, repeats)
     prompt_len = max(context - total_decode // 2, 1)
-    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
-    gen = torch.Generator().manual_seed(seed)
     # NOTE: generous max_tokens: requests that finish prefill early decode during the others'
     # prefill steps, and must not run out before the timed steps end (they are aborted after).
-    params = SamplingParams(
-        max_tokens=total_decode + PREFILL_SLACK, temperature=0.0, ignore_eos=True
-    )
+    params = greedy(total_decode + PREFILL_SLACK)
     ids = [f"ctx{context}-{i}" for i in range(batch)]
-    for rid in ids:
-        prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
+    prompts = random_prompts(prompt_vocab(engine), batch, prompt_len, seed)
+    for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
 
     started: set[str] = set()
@@ -176,10 +170,9 @@ def run(args: argparse.Namespace) -> int:
     """``infer bench decode-curve``: writes ``decode_curve.json`` and ``decode_curve.md``."""
     import torch
 
+    from infer.bench.offline import make_engine
     from infer.bench.report import now_iso
     from infer.bench.vs_vllm import OtherLoad, wait_quiet
-    from infer.config import EngineConfig
-    from infer.engine.engine import LLMEngine
     from infer.runner.kernels import cpu_kernels
     from infer.runner.runner import FAST_DECODE_ENV
     from infer.testing.bench_models import llama_100m
@@ -195,18 +188,16 @@ def run(args: argparse.Namespace) -> int:
     block = 16
     blocks_per_seq = -(-args.max_model_len // block)
     os.environ[FAST_DECODE_ENV] = "0"  # the no-op must be able to replace attention (above)
-    engine = LLMEngine(
-        EngineConfig.from_kwargs(
-            model=str(folder),
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.batch,
-            max_num_batched_tokens=args.max_model_len,
-            block_size=block,
-            num_kv_blocks=args.batch * blocks_per_seq,
-            kv_cache_dtype=args.kv_cache_dtype,
-            quantization=args.quantization,
-        )
+    engine = make_engine(
+        folder,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.max_model_len,
+        block_size=block,
+        num_kv_blocks=args.batch * blocks_per_seq,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     )
     report: dict = {
         "schema": "infer.bench.decode_curve/1",

@@ -17,101 +17,18 @@ the FLOP bound.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from infer.bench.metrics import percentile
-from infer.config import EngineConfig
-from infer.core.outputs import RequestOutput
+from infer.bench.offline import make_engine, run_load, serve_one
+from infer.bench.report import save_report
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import llama_100m
-
-
-def serve_closed_loop(
-    engine: LLMEngine,
-    requests: Sequence[
-        tuple[str, list[int], SamplingParams] | tuple[str, list[int], SamplingParams, dict]
-    ],
-    concurrency: int,
-) -> tuple[list[RequestOutput], float]:
-    """Serve ``(request id, prompt, params[, add_request options])`` in order, keeping
-    ``concurrency`` in flight (a new one joins as one finishes); the finished outputs and the
-    wall time in seconds."""
-    next_id = in_flight = 0
-    done: list[RequestOutput] = []
-    t0 = time.perf_counter()
-    while next_id < len(requests) or engine.has_unfinished_requests():
-        while in_flight < concurrency and next_id < len(requests):
-            rid, prompt, params, *options = requests[next_id]
-            engine.add_request(rid, prompt, params, **(options[0] if options else {}))
-            next_id += 1
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                in_flight -= 1
-                done.append(out)
-    return done, time.perf_counter() - t0
-
-
-def run_load(
-    engine: LLMEngine,
-    concurrency: int,
-    num_requests: int,
-    prompt_len: int,
-    output_len: int,
-    seed: int,
-) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
-    prompts = [
-        torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)
-    ]
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    st0 = _copy_times(engine)
-    done, wall = serve_closed_loop(
-        engine, [(f"r{i}", prompts[i], params) for i in range(num_requests)], concurrency
-    )
-    st1 = _copy_times(engine)
-    ttft = [o.timings.ttft * 1000 for o in done]
-    itl = [
-        (b - a) * 1000
-        for o in done
-        for a, b in zip(o.timings.token_times, o.timings.token_times[1:], strict=False)
-    ]
-    steps = {k: st1[k] - st0[k] for k in st1}
-    total = sum(v for k, v in steps.items() if k != "steps")
-    overhead = steps["schedule"] + steps["prepare"] + steps["update"]
-    return {
-        "concurrency": concurrency,
-        "requests": num_requests,
-        "completed": len(done),
-        "output_tokens": sum(o.num_output_tokens for o in done),
-        "wall_s": wall,
-        "output_tok_s": sum(o.num_output_tokens for o in done) / wall,
-        "ttft_ms": {f"p{p}": percentile(ttft, p) for p in (50, 95, 99)},
-        "itl_ms": {f"p{p}": percentile(itl, p) for p in (50, 95, 99)},
-        "steps": steps["steps"],
-        "step_split": {
-            "forward": steps["forward"] / total,
-            "sample": steps["sample"] / total,
-            "engine_overhead": overhead / total,
-        },
-        "mean_step_ms": 1000 * total / max(steps["steps"], 1),
-    }
-
-
-def _copy_times(engine: LLMEngine) -> dict:
-    st = engine.step_times
-    return {
-        k: getattr(st, k) for k in ("steps", "schedule", "prepare", "forward", "sample", "update")
-    }
 
 
 def read_rate(nbytes: int, reps: int = 10) -> float:
@@ -152,22 +69,19 @@ def roofline(weights_bytes: int, reps: int = 10) -> dict:
 
 def prefill_probe(engine: LLMEngine, prompt_len: int = 512, reps: int = 3) -> float:
     """Seconds for one prefill of ``prompt_len`` tokens (median), for the FLOP-bound comparison."""
-    times = []
-    for i in range(reps):
-        ids = [5 + (j * 7 + i) % 1000 for j in range(prompt_len)]
-        t = time.perf_counter()
-        engine.add_request(f"prefill{i}", ids, SamplingParams(max_tokens=1, temperature=0))
-        while engine.has_unfinished_requests():
-            engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    return statistics.median(
+        serve_one(
+            engine, f"prefill{i}", [5 + (j * 7 + i) % 1000 for j in range(prompt_len)], params
+        )  # fmt: skip
+        for i in range(reps)
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """``infer bench engine``: measure, then write ``engine.json`` and ``engine.md``."""
     model = llama_100m(args.model)
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
@@ -183,15 +97,8 @@ def run(args: argparse.Namespace) -> int:
     }
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     for dtype in args.dtypes.split(","):
-        engine = LLMEngine(
-            EngineConfig.from_kwargs(
-                model=str(model),
-                dtype=dtype,
-                max_num_seqs=max(concurrencies),
-                max_num_batched_tokens=4096,
-                max_model_len=1024,
-            )
-        )
+        engine = make_engine(model, dtype=dtype, max_num_seqs=max(concurrencies),
+                             max_num_batched_tokens=4096, max_model_len=1024)  # fmt: skip
         params = sum(p.numel() for p in engine.model.parameters())
         rows = {}
         run_load(engine, 4, 4, args.prompt_len, 8, seed=99)  # warm-up
@@ -229,9 +136,7 @@ def run(args: argparse.Namespace) -> int:
             )
         res["prefill_TFLOPs"] = 2 * res["params"] * 512 / res["prefill_512_s"] / 1e12
         res["prefill_vs_roofline"] = res["prefill_TFLOPs"] / roof["matmul_TFLOPs"][dtype]
-    (out_dir / "engine.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "engine.md").write_text(render_markdown(report))
-    print(render_markdown(report))
+    save_report(report, render_markdown(report), out_dir, "engine")
     return 0
 
 

@@ -348,18 +348,11 @@ def roofline(device: torch.device, read_bytes: int, matmul_n: int, reps: int = 1
 
 
 # ---- 3. engine ----------------------------------------------------------------------------------
-def prompts_for(vocab: int, n: int, prompt_len: int, seed: int) -> list[list[int]]:
-    """The prompts :func:`infer.bench.engine.run_load` draws for ``seed`` (random ids)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(n)]
-
-
 def make_engine(model: Path, mode: str, args: argparse.Namespace):
-    from infer.config import EngineConfig
-    from infer.engine.engine import LLMEngine
+    """The offline engine of ``mode`` (:data:`MODES`) with the run's engine flags."""
+    from infer.bench.offline import make_engine as offline_engine
 
     kw: dict[str, Any] = {
-        "model": str(model),
         "dtype": "bfloat16",
         "device": args.device,
         "max_num_seqs": args.max_num_seqs,
@@ -370,7 +363,7 @@ def make_engine(model: Path, mode: str, args: argparse.Namespace):
     }
     if args.kv_cache_memory:
         kw["kv_cache_memory"] = args.kv_cache_memory
-    return LLMEngine(EngineConfig.from_kwargs(**kw))
+    return offline_engine(model, **kw)
 
 
 def runner_info(engine: Any) -> dict[str, str]:
@@ -404,12 +397,12 @@ def runner_info(engine: Any) -> dict[str, str]:
 def _decoding(engine: Any, batch: int, steps: int, prompt_len: int, seed: int):
     """``batch`` requests decoding in ``engine`` (prompts prefilled, first replays done): a
     pure decode batch for the body to step; aborted on the way out."""
-    from infer.core.sampling_params import SamplingParams
+    from infer.bench.offline import greedy, prompt_vocab, random_prompts
 
-    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
-    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    params = greedy(steps + 64)
     ids = [f"bucket{batch}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, prompts_for(vocab, batch, prompt_len, seed), strict=True):
+    prompts = random_prompts(prompt_vocab(engine), batch, prompt_len, seed)
+    for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
     started: set[str] = set()
     try:
@@ -520,7 +513,7 @@ def engine_mode(
     """One mode: build the engine, warm it, run every load and (for bucket modes) the decode
     buckets, filling ``res`` as it goes (a run cut short keeps what it had); the engine is freed
     on the way out."""
-    from infer.bench.engine import run_load
+    from infer.bench.offline import run_load
     from infer.engine.heap import freeze_startup_heap
 
     res = {} if res is None else res
@@ -822,6 +815,8 @@ def hf_bench(
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from infer.bench.offline import random_prompts
+
     device = torch.device(args.device)
     counts = ints(args.hf_prompts)
     t = time.perf_counter()
@@ -859,7 +854,7 @@ def hf_bench(
             max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0
         )
 
-    prompts = prompts_for(vocab, max(counts), args.prompt_len, args.seed)
+    prompts = random_prompts(vocab, max(counts), args.prompt_len, args.seed)
     t = time.perf_counter()
     hf.generate_batch(inputs=prompts[: max(counts)], generation_config=gen_config(4), **kw)
     res["warmup_s"] = time.perf_counter() - t

@@ -1,8 +1,8 @@
 """``infer bench gpu``'s HTTP section: one of the offline engine's loads sent to ``infer serve``.
 
-The same prompts (token ids, :func:`infer.bench.gpu.prompts_for`), the same engine settings and
-the same closed loop as the offline cell it is compared with — ``C`` streamed completions in
-flight, greedy, ``ignore_eos`` — so the ratio of the two is what the HTTP server, its engine
+The same prompts (token ids, :func:`infer.bench.offline.random_prompts`), the same engine
+settings and the same closed loop as the offline cell it is compared with — ``C`` streamed
+completions in flight, greedy, ``ignore_eos`` — so the ratio of the two is what the HTTP server, its engine
 process and the client's streams cost::
 
     offline : serve_closed_loop(engine)            -> output tok/s
@@ -49,7 +49,8 @@ def http_section(
     """Start ``infer serve``, warm it, run ``load`` (prompt len, output len, C) over HTTP with
     the offline cell's prompts, stop it; ``res`` gets the figures and the ratio to ``offline``
     (that cell's row from the same run, if it ran)."""
-    from infer.bench.gpu import load_key, prompts_for
+    from infer.bench.gpu import load_key
+    from infer.bench.offline import random_prompts
     from infer.bench.online import free_port, launch_server, stop_server
     from infer.bench.peers import closed_loop, summarize
 
@@ -62,10 +63,10 @@ def http_section(
     try:
         res["server_start_s"] = time.perf_counter() - t
         log(f"http: infer serve up in {res['server_start_s']:.1f}s")
-        warm = prompts_for(vocab, c, prompt_len, seed=97)
+        warm = random_prompts(vocab, c, prompt_len, seed=97)
         asyncio.run(closed_loop(url + "/v1", warm, c, WARMUP_TOKENS))
-        records, wall = asyncio.run(closed_loop(url + "/v1", prompts_for(vocab, n, prompt_len,
-                                                                         args.seed), c, output_len))  # fmt: skip
+        prompts = random_prompts(vocab, n, prompt_len, args.seed)
+        records, wall = asyncio.run(closed_loop(url + "/v1", prompts, c, output_len))
     finally:
         stop_server(proc)
     row = summarize(records, wall)

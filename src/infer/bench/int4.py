@@ -22,14 +22,13 @@ comes from one run of this command on one machine:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from pathlib import Path
 
-from infer.bench.engine import read_rate, run_load
-from infer.bench.quant import decode_step_ms, held_out_windows, perplexity
+from infer.bench.engine import read_rate
+from infer.bench.offline import make_engine, patched_environ, random_decode_step_ms, run_load
+from infer.bench.quant import held_out_windows, perplexity
 from infer.bench.report import offline_machine, save_report
-from infer.config import EngineConfig
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import build_random_llama
 
@@ -75,10 +74,8 @@ def decode_read_bytes(engine: LLMEngine) -> int:
 
 
 def _engine(model: Path, method: str | None) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(
-        model=str(model), dtype="bfloat16", quantization=method, max_num_seqs=32,
-        max_model_len=512, kv_cache_memory="512MiB",
-    ))  # fmt: skip
+    return make_engine(model, dtype="bfloat16", quantization=method, max_num_seqs=32,
+                       max_model_len=512, kv_cache_memory="512MiB")  # fmt: skip
 
 
 def speed(model: Path, methods: list[str], runs: int) -> dict:
@@ -92,7 +89,7 @@ def speed(model: Path, methods: list[str], runs: int) -> dict:
     for r in range(runs):
         for m, engine in engines.items():  # formats take turns: A B C A B C ...
             rows[m]["read_GBps_runs"].append(read_rate(probe) / 1e9)
-            rows[m]["step_ms_runs"].append(decode_step_ms(engine, 1, 64, 32))
+            rows[m]["step_ms_runs"].append(random_decode_step_ms(engine, 1, 64, 32))
             rows[m]["tok_s_c16_runs"].append(
                 run_load(engine, 16, 32, 64, 64, seed=r)["output_tok_s"]
             )
@@ -117,24 +114,16 @@ def accuracy() -> dict:
     model_dir = resolve_model_path("small")
     windows = held_out_windows(model_dir)
     rows = {}
-    saved = {k: os.environ.get(k) for k in ("INFER_INT4_GROUP_SIZE", "INFER_INT4_SYMMETRIC")}
-    try:
-        for label, method, group, symmetric in ACCURACY_CASES:
-            if group is not None:
-                os.environ["INFER_INT4_GROUP_SIZE"] = str(group)
-                os.environ["INFER_INT4_SYMMETRIC"] = "1" if symmetric else "0"
-            try:
+    for label, method, group, symmetric in ACCURACY_CASES:
+        env = {} if group is None else {"INFER_INT4_GROUP_SIZE": str(group),
+                                        "INFER_INT4_SYMMETRIC": "1" if symmetric else "0"}  # fmt: skip
+        try:
+            with patched_environ(env):
                 rows[label] = {"perplexity": perplexity(model_dir, windows, method, "auto")}
-            except ValueError as e:  # w4a8 without VNNI
-                print(f"small {label}: skipped ({e})", flush=True)
-                continue
-            print(f"small {label}: perplexity {rows[label]['perplexity']:.3f}", flush=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        except ValueError as e:  # w4a8 without VNNI
+            print(f"small {label}: skipped ({e})", flush=True)
+            continue
+        print(f"small {label}: perplexity {rows[label]['perplexity']:.3f}", flush=True)
     base = rows["bf16"]["perplexity"]
     for row in rows.values():
         row["vs_bf16"] = row["perplexity"] / base - 1

@@ -43,9 +43,7 @@ from pathlib import Path
 
 import torch
 
-from infer.config import EngineConfig
-from infer.core.sampling_params import SamplingParams
-from infer.engine.engine import LLMEngine
+from infer.bench.offline import greedy, make_engine, random_prompts
 from infer.runner.attention import KVCache
 from infer.runner.kernels import (
     CSRC,
@@ -206,22 +204,18 @@ def step_times(
     ``seqs`` sequences of ``tokens`` random prompt tokens, ``steps`` steps in the order A B B A
     (each side as often early as late, so a steady drift and the growing contexts cancel).
     Exits with a message if a step failed a request (a library that cannot run the loop)."""
-    engine = LLMEngine(
-        EngineConfig.from_kwargs(
-            model=str(llama_100m(model)),
-            dtype="bfloat16",
-            max_model_len=tokens + steps + 8,
-            max_num_seqs=seqs,
-            max_num_batched_tokens=max(seqs * tokens, 2048),
-        )
+    engine = make_engine(
+        llama_100m(model),
+        dtype="bfloat16",
+        max_model_len=tokens + steps + 8,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(seqs * tokens, 2048),
     )
     fast = engine.runner.fast_decoder
     if fast is None:
         raise SystemExit("step: no fast decode path here (it needs the tiled linear kernels)")
-    gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    for i in range(seqs):
-        prompt = torch.randint(3, engine.spec.vocab_size, (tokens,), generator=gen).tolist()
+    params = greedy(steps + 4)
+    for i, prompt in enumerate(random_prompts(engine.spec.vocab_size, seqs, tokens, seed)):
         engine.add_request(f"step-{i}", prompt, params)
     while engine.scheduler.num_waiting or any(
         r.num_output_tokens == 0 for r in engine.scheduler.running

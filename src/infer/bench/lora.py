@@ -22,13 +22,17 @@ import argparse
 import statistics
 from pathlib import Path
 
-import torch
-
-from infer.bench.engine import serve_closed_loop
+from infer.bench.offline import decode_step_ms as offline_decode_step_ms
+from infer.bench.offline import (
+    greedy,
+    make_engine,
+    output_tok_s,
+    prompt_vocab,
+    random_prompts,
+    serve_closed_loop,
+)
 from infer.bench.report import offline_machine, save_report
-from infer.config import EngineConfig
 from infer.core.lora_request import LoRARequest
-from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import LLAMA_100M_DIR, llama_100m
 
@@ -48,49 +52,28 @@ def build_adapters(model: Path, count: int, rank: int) -> list[LoRARequest]:
 
 
 def _requests(engine: LLMEngine, tag: str, adapters: list[str | None], seed: int) -> list:
-    gen = torch.Generator().manual_seed(seed)
-    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
-    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
-    out = []
-    for i in range(NUM_REQUESTS):
-        prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()
-        name = adapters[i % len(adapters)]
-        out.append((f"{tag}-{i}", prompt, params, {"lora_request": name}))
-    return out
+    prompts = random_prompts(prompt_vocab(engine), NUM_REQUESTS, PROMPT_LEN, seed)
+    params = greedy(OUTPUT_LEN)
+    return [(f"{tag}-{i}", prompt, params, {"lora_request": adapters[i % len(adapters)]})
+            for i, prompt in enumerate(prompts)]  # fmt: skip
 
 
 def decode_step_ms(engine: LLMEngine, adapters: list[str | None], steps: int = 32) -> float:
     """Median decode step of 16 sequences at a 64..96-token context."""
-    import time
-
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for i in range(CONCURRENCY):
-        engine.add_request(f"step-{i}", list(range(10, 10 + PROMPT_LEN)), params,
-                           lora_request=adapters[i % len(adapters)])  # fmt: skip
-    engine.step()  # the prefill
-    for _ in range(3):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    for i in range(CONCURRENCY):
-        engine.abort_request(f"step-{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
-    return 1000 * statistics.median(times)
+    params = greedy(steps + 8)
+    requests = [(f"step-{i}", list(range(10, 10 + PROMPT_LEN)), params,
+                 {"lora_request": adapters[i % len(adapters)]}) for i in range(CONCURRENCY)]  # fmt: skip
+    return offline_decode_step_ms(engine, requests, steps, warm_steps=3, abort=True)
 
 
 def run(args: argparse.Namespace) -> int:
     model = llama_100m(args.model)
     adapters = build_adapters(model, args.adapters, args.rank)
-    common = dict(model=str(model), dtype="bfloat16", max_num_seqs=CONCURRENCY,
+    common = dict(model=model, dtype="bfloat16", max_num_seqs=CONCURRENCY,
                   max_num_batched_tokens=4096)  # fmt: skip
-    base = LLMEngine(EngineConfig.from_kwargs(**common))
-    lora = LLMEngine(EngineConfig.from_kwargs(**common, enable_lora=True,
-                                              max_loras=args.adapters, max_lora_rank=args.rank,
-                                              lora_modules=adapters))  # fmt: skip
+    base = make_engine(**common)
+    lora = make_engine(**common, enable_lora=True, max_loras=args.adapters,
+                       max_lora_rank=args.rank, lora_modules=adapters)  # fmt: skip
     names = [a.lora_name for a in adapters]
     cases: dict[str, tuple[LLMEngine, list[str | None]]] = {
         "base": (base, [None]),
@@ -102,9 +85,8 @@ def run(args: argparse.Namespace) -> int:
         serve_closed_loop(engine, _requests(engine, "warm", picks, 99)[:CONCURRENCY], CONCURRENCY)
     for r in range(args.runs):
         for case, (engine, picks) in cases.items():  # turns: A B C A B C ...
-            done, wall = serve_closed_loop(engine, _requests(engine, f"{case}{r}", picks, r),
-                                           CONCURRENCY)  # fmt: skip
-            rows[case]["tok_s_runs"].append(sum(o.num_output_tokens for o in done) / wall)
+            tok_s, _ = output_tok_s(engine, _requests(engine, f"{case}{r}", picks, r), CONCURRENCY)
+            rows[case]["tok_s_runs"].append(tok_s)
             rows[case]["step_ms_runs"].append(decode_step_ms(engine, picks))
             print(f"run {r} {case}: {rows[case]['tok_s_runs'][-1]:.1f} tok/s, decode step "
                   f"{rows[case]['step_ms_runs'][-1]:.2f} ms", flush=True)  # fmt: skip

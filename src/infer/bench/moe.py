@@ -23,15 +23,13 @@ taking turns run after run (A B C A B C ...), with the bytes one decode step rea
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from pathlib import Path
 
 import torch
 
-from infer.bench.quant import decode_step_ms
+from infer.bench.offline import make_engine, patched_environ, random_decode_step_ms
 from infer.bench.report import offline_machine, save_report
-from infer.config import EngineConfig
 from infer.engine.engine import LLMEngine
 
 BENCH_DIR = Path.home() / ".cache/infer/bench"
@@ -98,20 +96,10 @@ def step_read_bytes(engine: LLMEngine) -> int:
 
 
 def _engine(model: Path, env: dict[str, str]) -> LLMEngine:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        engine = LLMEngine(EngineConfig.from_kwargs(
-            model=str(model), dtype="bfloat16", max_num_seqs=16, max_model_len=512,
-            kv_cache_memory="512MiB",
-        ))  # fmt: skip
-        decode_step_ms(engine, 1, 16, 4)  # warm-up: the expert layers are built on first use
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with patched_environ(env):
+        engine = make_engine(model, dtype="bfloat16", max_num_seqs=16, max_model_len=512,
+                             kv_cache_memory="512MiB")  # fmt: skip
+        random_decode_step_ms(engine, 1, 16, 4)  # warm-up: the expert layers are built on first use
     return engine
 
 
@@ -124,8 +112,8 @@ def speed(moe: Path, dense: Path, paths: list[str], runs: int) -> dict:
                    "step_ms_runs": [], "step16_ms_runs": []}  # fmt: skip
     for r in range(runs):
         for p, engine in engines.items():  # turns: A B C A B C ...
-            rows[p]["step_ms_runs"].append(decode_step_ms(engine, 1, 64, 32))
-            rows[p]["step16_ms_runs"].append(decode_step_ms(engine, 16, 64, 16))
+            rows[p]["step_ms_runs"].append(random_decode_step_ms(engine, 1, 64, 32))
+            rows[p]["step16_ms_runs"].append(random_decode_step_ms(engine, 16, 64, 16))
             print(f"run {r} {p}: batch 1 {rows[p]['step_ms_runs'][-1]:.2f} ms, batch 16 "
                   f"{rows[p]['step16_ms_runs'][-1]:.2f} ms", flush=True)  # fmt: skip
     for row in rows.values():

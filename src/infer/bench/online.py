@@ -8,6 +8,9 @@ left after a grace period, and waits for its port to free::
     proc, url = launch_server(cmd, port, log)    # start_server + wait_healthy, stopped on failure
     ...
     stop_server(proc, port)
+
+    with serving(cmd, env, log, port) as (proc, url, startup_s):   # stopped on the way out
+        ...
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -126,3 +130,18 @@ def launch_server(
         stop_server(proc, grace_s=grace_s)
         raise
     return proc, url
+
+
+@contextlib.contextmanager
+def serving(
+    cmd: list[str], env: dict | None, log: Path, port: int, timeout_s: float = 600
+) -> Iterator[tuple[subprocess.Popen, str, float]]:
+    """:func:`start_server`, then ``(process, url, seconds until healthy)`` for the block; the
+    server is stopped (:func:`stop_server`, its port freed) when the block ends, however it
+    ends, and also when it never becomes healthy."""
+    proc = start_server(cmd, env, log, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield proc, url, wait_healthy(url, proc, timeout_s)
+    finally:
+        stop_server(proc, port)

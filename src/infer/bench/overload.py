@@ -110,7 +110,7 @@ def summarize(results: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.bench.online import start_server, stop_server, wait_healthy
+    from infer.bench.online import serving
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,18 +123,13 @@ def run(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "infer.server", "--model", str(model), "--port", str(args.port),
            "--served-model-name", "m", "--max-num-seqs", str(args.max_num_seqs),
            "--max-queued-requests", str(args.max_queued_requests), "--no-access-log"]  # fmt: skip
-    proc = start_server(cmd, dict(os.environ), out / "overload-server.log", args.port)
-    url = f"http://127.0.0.1:{args.port}"
     rounds = []
-    try:
-        wait_healthy(url, proc)
+    with serving(cmd, dict(os.environ), out / "overload-server.log", args.port) as (_, url, _):
         for i in range(args.rounds):
             s = summarize(burst(url, args.requests, args.processes))
             print(f"round {i + 1}: {json.dumps(s)}", flush=True)
             rounds.append(s)
             time.sleep(2)
-    finally:
-        stop_server(proc, args.port)
     rounds.sort(key=lambda s: s["refused_ms"]["p99"] or 0)
     median = rounds[len(rounds) // 2]
     p99s = [s["refused_ms"]["p99"] for s in rounds if s["refused_ms"]["p99"] is not None]

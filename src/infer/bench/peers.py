@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import shutil
@@ -35,7 +34,9 @@ import torch
 
 from infer.bench.client import RequestRecord, new_client, stream_request
 from infer.bench.metrics import percentile
-from infer.bench.online import start_server, stop_server, wait_healthy
+from infer.bench.offline import random_prompts
+from infer.bench.online import serving
+from infer.bench.report import save_report
 from infer.testing.bench_models import llama_100m
 
 VLLM_ENV = {
@@ -95,47 +96,17 @@ def server_command(
     (default: every core) for decoding and for prompts alike.
     """
     env = dict(os.environ)
+    # infer and vLLM take the same serving flags, by the same names.
+    serving_flags = ["--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_seqs),
+                     "--max-model-len", str(max_model_len), "--served-model-name", served_name]  # fmt: skip
     if peer == "infer":
-        cmd = [
-            sys.executable,
-            "-m",
-            "infer.server",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--dtype",
-            dtype,
-            "--max-num-seqs",
-            str(max_seqs),
-            "--max-model-len",
-            str(max_model_len),
-            "--served-model-name",
-            served_name,
-            "--no-access-log",
-            *shlex.split(extra),
-        ]
+        cmd = [sys.executable, "-m", "infer.server", "--model", str(model), *serving_flags,
+               "--no-access-log", *shlex.split(extra)]  # fmt: skip
         return cmd, env
     if peer == "vllm":
         env.update(VLLM_ENV)
-        cmd = [
-            str(vllm_venv() / "bin" / "vllm"),
-            "serve",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            dtype,
-            "--max-num-seqs",
-            str(max_seqs),
-            "--max-model-len",
-            str(max_model_len),
-            "--served-model-name",
-            served_name,
-            *shlex.split(extra),
-        ]
+        cmd = [str(vllm_venv() / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+               *serving_flags, *shlex.split(extra)]  # fmt: skip
         return cmd, env
     if peer == "llamacpp":
         n = str(threads or os.cpu_count() or 1)
@@ -206,20 +177,17 @@ def summarize(records: list[RequestRecord], wall: float) -> dict:
     }
 
 
-def bench_peer(peer: str, args, model: Path, port: int) -> dict:
+def bench_peer(peer: str, args: argparse.Namespace, model: Path, port: int) -> dict:
+    """Start ``peer``, warm it up, measure every concurrency ``args.runs`` times (the median
+    run is kept), stop it (always)."""
     extra = args.infer_args if peer == "infer" else ""
     cmd, env = server_command(peer, model, port, args.dtype, max(args.concurrency), extra)
-    proc = start_server(cmd, env, Path(args.out) / f"{peer}-server.log", port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        startup = wait_healthy(url, proc)
+    with serving(cmd, env, Path(args.out) / f"{peer}-server.log", port) as (_, url, startup):
         print(f"{peer}: healthy after {startup:.0f} s", flush=True)
         gen = torch.Generator().manual_seed(42)
 
         def prompts(n: int) -> list[list[int]]:
-            return [
-                torch.randint(3, 8000, (args.prompt_len,), generator=gen).tolist() for _ in range(n)
-            ]
+            return random_prompts(8000, n, args.prompt_len, gen)
 
         asyncio.run(closed_loop(url + "/v1", prompts(2), 2, 8))  # warm-up
         rows = {}
@@ -241,8 +209,6 @@ def bench_peer(peer: str, args, model: Path, port: int) -> dict:
                 flush=True,
             )
         return {"startup_s": startup, "load": rows}
-    finally:
-        stop_server(proc, port)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,10 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "runs": args.runs,
         "results": results,
     }
-    (Path(args.out) / "peers.json").write_text(json.dumps(report, indent=2))
-    md = render(report, args.concurrency)
-    (Path(args.out) / "peers.md").write_text(md)
-    print(md)
+    save_report(report, render(report, args.concurrency), args.out, "peers")
     return 1 if any("error" in r for r in results.values()) else 0
 
 

@@ -21,17 +21,15 @@ Medians over ``--runs``; both engines are loaded once and measured side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from infer.bench.engine import run_load
 from infer.bench.gpu import parse_loads
-from infer.config import EngineConfig
-from infer.core.sampling_params import SamplingParams
+from infer.bench.offline import first_token, greedy, make_engine, run_load
+from infer.bench.report import save_report
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import llama_100m
 
@@ -74,30 +72,16 @@ class BookkeepingTimer:
                 delattr(obj, name)  # the class's method again
 
 
-def make_engine(model: Path, dtype: str, prefix: bool) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig.from_kwargs(
-            model=str(model),
-            dtype=dtype,
-            max_model_len=2048,
-            max_num_seqs=64,
-            max_num_batched_tokens=2048,
-            enable_prefix_caching=prefix,
-            kv_cache_memory=1 << 30,
-        )
-    )
+def make_prefix_engine(model: Path, dtype: str, prefix: bool) -> LLMEngine:
+    """The engine of both sides, prefix caching on or off."""
+    return make_engine(model, dtype=dtype, max_model_len=2048, max_num_seqs=64,
+                       max_num_batched_tokens=2048, enable_prefix_caching=prefix,
+                       kv_cache_memory=1 << 30)  # fmt: skip
 
 
 def ttft_one(engine: LLMEngine, rid: str, ids: list[int]) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    engine.add_request(rid, ids, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    ttft, cached = None, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if ttft is None and out.new_token_ids:
-                ttft = time.perf_counter() - t0
-                cached = out.num_cached_tokens
-    return ttft, cached
+    """TTFT of one 4-token greedy request and the prompt tokens it found cached."""
+    return first_token(engine, rid, ids, greedy(4))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     def suffix() -> list[int]:
         return torch.randint(3, vocab, (16,), generator=gen).tolist()
 
-    cold_engine = make_engine(model, args.dtype, prefix=False)
-    warm_engine = make_engine(model, args.dtype, prefix=True)
+    cold_engine = make_prefix_engine(model, args.dtype, prefix=False)
+    warm_engine = make_prefix_engine(model, args.dtype, prefix=True)
     for e in (cold_engine, warm_engine):  # warm-up (and fill the warm engine's cache)
         ttft_one(e, "warmup", system + suffix())
 
@@ -172,9 +156,6 @@ def run(args: argparse.Namespace) -> int:
         "warm_over_cold": ratio,
         "nothing_shared": low,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefix.json").write_text(json.dumps(report, indent=2))
     md = [
         "# Prefix caching in wall-clock time (~100M Llama, offline engine)",
         "",
@@ -198,6 +179,5 @@ def run(args: argparse.Namespace) -> int:
         "after the other); the KV bookkeeping share times the prefix cache's own calls and the "
         "block pool's, on and off: their difference is what caching adds.",
     ]
-    (out / "prefix.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    save_report(report, "\n".join(md) + "\n", args.out, "prefix")
     return 0

@@ -21,18 +21,15 @@ below comes from one run of this command on one machine:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from infer.bench.engine import run_load
-from infer.config import EngineConfig
-from infer.core.sampling_params import SamplingParams
+from infer.bench.offline import make_engine, random_decode_step_ms, run_load
+from infer.bench.report import save_report
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import llama_100m
 
@@ -54,27 +51,8 @@ def _weight_methods() -> list[str | None]:
 
 
 def _engine(model: Path, quantization: str | None = None, **options) -> LLMEngine:
-    kwargs = dict(model=str(model), dtype="bfloat16", max_num_batched_tokens=4096)
-    return LLMEngine(EngineConfig.from_kwargs(**kwargs, quantization=quantization, **options))
-
-
-def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
-    """Median wall time of one decode step with ``batch`` sequences at ``prompt_len`` tokens."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(0)
-    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
-    for i in range(batch):
-        engine.add_request(f"d{i}", torch.randint(3, vocab, (prompt_len,), generator=gen).tolist(),
-                           params)  # fmt: skip
-    engine.step()  # the prefill
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return 1000 * statistics.median(times)
+    return make_engine(model, dtype="bfloat16", max_num_batched_tokens=4096,
+                       quantization=quantization, **options)  # fmt: skip
 
 
 def speed(model: Path, runs: int) -> dict:
@@ -82,7 +60,7 @@ def speed(model: Path, runs: int) -> dict:
     for quant in _weight_methods():
         engine = _engine(model, quant, max_num_seqs=64, max_model_len=1024)
         run_load(engine, 4, 4, 64, 8, seed=99)  # warm-up
-        b1 = [decode_step_ms(engine, 1, 64, 64) for _ in range(runs)]
+        b1 = [random_decode_step_ms(engine, 1, 64, 64) for _ in range(runs)]
         row: dict = {"weights_bytes": engine.weights_bytes, "decode_b1_ms_runs": b1,
                      "decode_b1_ms": statistics.median(b1)}  # fmt: skip
         for c in (16, 64):
@@ -172,8 +150,6 @@ def long_context(model: Path, kv_memory: str, runs: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     model = llama_100m(args.model)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -182,10 +158,7 @@ def run(args: argparse.Namespace) -> int:
     report["speed"] = speed(model, args.runs)
     report["accuracy"] = accuracy()
     report["long_context"] = long_context(model, args.kv_memory, args.runs)
-    (out_dir / "quant.json").write_text(json.dumps(report, indent=2))
-    text = render(report)
-    (out_dir / "quant.md").write_text(text)
-    print(text)
+    save_report(report, render(report), args.out, "quant")
     return 0
 
 

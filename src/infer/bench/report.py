@@ -29,7 +29,8 @@ SCHEMA = "infer.bench.serve/1"
 # Environment
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith("model name"):
@@ -68,7 +69,7 @@ def collect_environment() -> dict:
     import infer
 
     env: dict = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "mem_total_gib": _mem_total_gib(),
@@ -109,7 +110,7 @@ def offline_machine() -> dict:
     """The CPU, torch's thread count and version: the machine line of an offline report."""
     import torch
 
-    return {"cpu": _cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def save_json(report: dict, path: str | Path) -> Path:

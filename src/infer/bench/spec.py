@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from infer.bench.engine import serve_closed_loop
-from infer.config import EngineConfig
+from infer.bench.offline import make_engine, serve_closed_loop
+from infer.bench.report import save_report
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
 
@@ -83,15 +83,9 @@ def prose_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def engine_for(spec: dict | None, concurrency: int) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig.from_kwargs(
-            model="small",
-            dtype="bfloat16",
-            max_num_seqs=concurrency,
-            max_num_batched_tokens=max(2048, concurrency * 8),
-            speculative_config=spec,
-        )
-    )
+    return make_engine("small", dtype="bfloat16", max_num_seqs=concurrency,
+                       max_num_batched_tokens=max(2048, concurrency * 8),
+                       speculative_config=spec)  # fmt: skip
 
 
 def run_batch(
@@ -190,12 +184,7 @@ def run(args: argparse.Namespace) -> int:
             row = measure(configs, prompts, c, args.runs, temperature)
             report["results"][f"{workload}/c{c}"] = row
             print(workload, c, json.dumps(row), flush=True)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "spec.json").write_text(json.dumps(report, indent=2))
-    text = render(report)
-    (out_dir / "spec.md").write_text(text)
-    print(text)
+    save_report(report, render(report), args.out, "spec")
     return 0
 
 

@@ -27,12 +27,11 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from infer.bench.engine import serve_closed_loop
-from infer.config import EngineConfig
+from infer.bench.offline import first_token, make_engine, output_tok_s, serve_one
+from infer.bench.report import save_report
 from infer.core.sampling_params import SamplingParams
 from infer.core.structured import StructuredOutputs
 from infer.engine.engine import LLMEngine
@@ -73,9 +72,8 @@ def moderate_schema(tag: str = "") -> dict:
 
 
 def _engine(concurrency: int, model: str = "small") -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(model=model, dtype="bfloat16",
-                                              max_num_seqs=concurrency,
-                                              max_num_batched_tokens=4096))  # fmt: skip
+    return make_engine(model, dtype="bfloat16", max_num_seqs=concurrency,
+                       max_num_batched_tokens=4096)  # fmt: skip
 
 
 def grammar_engine(tokenizer, runs: int) -> dict:
@@ -114,6 +112,14 @@ def grammar_engine(tokenizer, runs: int) -> dict:
         for i, m in enumerate(matchers):
             fill_next_token_bitmask(m, mask, i)
         fills.append(time.perf_counter() - t0)
+    return _grammar_figures(tokenizer_s, new, cached, fills)
+
+
+def _grammar_figures(
+    tokenizer_s: float, new: list[float], cached: list[float], fills: list[float]
+) -> dict:
+    """A grammar engine's row, in ms: its tokenizer wrapper's build, then the medians of a new
+    schema's matcher, a cached one's and the 64 requests' bitmask fill."""
     return {
         "tokenizer_build_ms": 1000 * tokenizer_s,
         "new_schema_ms": 1000 * statistics.median(new),
@@ -157,12 +163,7 @@ def xgrammar_engine(tokenizer, runs: int) -> dict | None:
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(masks, i)
         fills.append(time.perf_counter() - t0)
-    return {
-        "tokenizer_build_ms": 1000 * tokenizer_s,
-        "new_schema_ms": 1000 * statistics.median(new),
-        "cached_schema_ms": 1000 * statistics.median(cached),
-        "mask_batch64_ms": 1000 * statistics.median(fills),
-    }
+    return _grammar_figures(tokenizer_s, new, cached, fills)
 
 
 def _prompts(tokenizer, n: int) -> list[list[int]]:
@@ -191,23 +192,17 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], concurrency: int, se
                                 seed=seed * 1000 + i, ignore_eos=True,
                                 structured_outputs=schema if constrained else None)  # fmt: skip
         requests.append((f"s{seed}-{run}-{i}", prompt, params))
-    done, wall = serve_closed_loop(engine, requests, concurrency)
+    tok_s, done = output_tok_s(engine, requests, concurrency)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
     got = {index[o.request_id]: o.num_output_tokens for o in done if index[o.request_id] % 2 == 0}
-    return sum(o.num_output_tokens for o in done) / wall, got
+    return tok_s, got
 
 
 def ttft(engine: LLMEngine, prompt: list[int], fresh: bool, i: int) -> float:
     tag = f"-{time.time_ns()}" if fresh else ""
     spec = StructuredOutputs(json=moderate_schema(tag))
-    t0 = time.perf_counter()
-    engine.add_request(f"t{i}-{time.perf_counter_ns()}", prompt,
-                       SamplingParams(max_tokens=1, structured_outputs=spec))  # fmt: skip
-    first = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.new_token_ids and first is None:
-                first = time.perf_counter() - t0
+    first, _ = first_token(engine, f"t{i}-{time.perf_counter_ns()}", prompt,
+                           SamplingParams(max_tokens=1, structured_outputs=spec))  # fmt: skip
     assert first is not None
     return first
 
@@ -248,23 +243,12 @@ def run(args: argparse.Namespace) -> int:
     ttft(engine, prompt, False, -1)  # the cached one's first build
     new = [ttft(engine, prompt, True, i) for i in range(10)]
     cached = [ttft(engine, prompt, False, i) for i in range(10)]
-    plain = []
-    for i in range(10):
-        t0 = time.perf_counter()
-        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-        plain.append(time.perf_counter() - t0)
+    plain = [serve_one(engine, f"p{i}", prompt, SamplingParams(max_tokens=1)) for i in range(10)]
     report["ttft_ms"] = {"new_schema": 1000 * statistics.median(new),
                          "cached_schema": 1000 * statistics.median(cached),
                          "unconstrained": 1000 * statistics.median(plain)}  # fmt: skip
     print("ttft", report["ttft_ms"], flush=True)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "structured.json").write_text(json.dumps(report, indent=2))
-    text = render(report)
-    (out_dir / "structured.md").write_text(text)
-    print(text)
+    save_report(report, render(report), args.out, "structured")
     return 0
 
 

@@ -74,6 +74,7 @@ def measure_all_reduce(hidden: int, rows: list[int]) -> dict[int, float]:
 
 def measure_throughput(args: argparse.Namespace, model: Path, size: int) -> dict:
     from infer import LLM, SamplingParams
+    from infer.bench.offline import timed_generate
 
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     with LLM(
@@ -94,10 +95,7 @@ def measure_throughput(args: argparse.Namespace, model: Path, size: int) -> dict
         for _ in range(args.runs):
             st = llm.engine.step_times
             steps0, forward0 = st.steps, st.forward
-            t0 = time.perf_counter()
-            out = llm.generate(prompts, params)
-            seconds = time.perf_counter() - t0
-            tokens = sum(len(o.outputs[0].token_ids) for o in out)
+            tokens, seconds = timed_generate(llm, prompts, params)
             rates.append(tokens / seconds)
             step_ms.append(1000 * (st.forward - forward0) / max(st.steps - steps0, 1))
         return {

@@ -719,7 +719,7 @@ def run_peer_round(
 ) -> dict:
     """Start ``peer``'s server (with the LoRA adapters if ``lora``), measure every cell, stop it
     (always)."""
-    from infer.bench.online import start_server, stop_server, wait_healthy
+    from infer.bench.online import serving
     from infer.bench.peers import server_command
 
     args, out = ctx["args"], ctx["out"]
@@ -751,21 +751,20 @@ def run_peer_round(
     if lora:
         info["lora"] = True
     print(f"[round {round_idx}] starting {peer}: {shlex.join(cmd)}", flush=True)
-    proc = start_server(cmd, env, out / info["server_log"], args.port)
+    log = out / info["server_log"]
     try:
-        info["startup_s"] = wait_healthy(ctx["base_url"], proc, args.startup_timeout)
-        print(f"[round {round_idx}] {peer} healthy after {info['startup_s']:.0f} s", flush=True)
-        for cell in cells:
-            row = measure_cell(peer, cell, round_idx, ctx, proc.pid)
-            info["cells"][cell.key] = row
-            print(f"[round {round_idx}] {peer} {cell.key}: {_one_line(row)}", flush=True)
-            if proc.poll() is not None:
-                raise RuntimeError(f"{peer} server exited with {proc.returncode} mid-run")
+        with serving(cmd, env, log, args.port, args.startup_timeout) as (proc, _, startup_s):
+            info["startup_s"] = startup_s
+            print(f"[round {round_idx}] {peer} healthy after {startup_s:.0f} s", flush=True)
+            for cell in cells:
+                row = measure_cell(peer, cell, round_idx, ctx, proc.pid)
+                info["cells"][cell.key] = row
+                print(f"[round {round_idx}] {peer} {cell.key}: {_one_line(row)}", flush=True)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{peer} server exited with {proc.returncode} mid-run")
     except Exception as e:  # noqa: BLE001 - a failed peer is reported; the other still runs
         info["error"] = f"{type(e).__name__}: {e}"
         print(f"[round {round_idx}] {peer} FAILED: {info['error']}", flush=True)
-    finally:
-        stop_server(proc, args.port)
     return info
 
 
@@ -838,23 +837,17 @@ def offline_main(argv: list[str]) -> int:
 
     import torch
 
-    from infer import LLM, SamplingParams
+    from infer import LLM
+    from infer.bench.offline import greedy, prompt_vocab, random_prompts, timed_generate
 
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.concurrency, max_model_len=a.max_model_len)
-    vocab = min(llm.engine.spec.vocab_size, len(llm.tokenizer))
-    gen = torch.Generator().manual_seed(a.seed)
-
-    def prompts(n: int) -> list[list[int]]:
-        return [torch.randint(3, vocab, (a.input_len,), generator=gen).tolist() for _ in range(n)]
-
-    warm = SamplingParams(max_tokens=min(16, a.output_len), temperature=0.0, ignore_eos=True)
-    llm.generate(prompts(a.concurrency), warm)
-    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
-    batch = prompts(a.num_prompts)
-    t0 = time.perf_counter()
-    results = llm.generate(batch, params)
-    wall = time.perf_counter() - t0
-    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    vocab = prompt_vocab(llm.engine)
+    gen = torch.Generator().manual_seed(a.seed)  # the warm-up's prompts, then the measured ones
+    llm.generate(
+        random_prompts(vocab, a.concurrency, a.input_len, gen), greedy(min(16, a.output_len))
+    )
+    batch = random_prompts(vocab, a.num_prompts, a.input_len, gen)
+    tokens, wall = timed_generate(llm, batch, greedy(a.output_len))
     res = {
         "num_prompts": a.num_prompts,
         "max_num_seqs": a.concurrency,
@@ -878,6 +871,7 @@ def versions(vllm_python: Path) -> dict:
     import torch
 
     import infer
+    from infer.bench.report import cpu_model
 
     def git(*a: str) -> str | None:
         try:
@@ -900,7 +894,7 @@ def versions(vllm_python: Path) -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
     }
@@ -913,16 +907,6 @@ def versions(vllm_python: Path) -> dict:
     except (OSError, subprocess.SubprocessError, ValueError):
         v["vllm"] = None
     return v
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _fmt(x: float | None, nd: int = 1) -> str:

@@ -7,9 +7,7 @@ batching). The last column checks that every configured request completed.
 
 from __future__ import annotations
 
-import random
-
-from infer.bench.micro.common import MicroRequest, corpus_words, prompt_ids, run_case
+from infer.bench.micro.common import MicroRequest, prompt_ids, prompt_source, run_case
 from infer.bench.report import fmt, markdown_table
 
 # (name, requests configured, max batch, prompt length, generated tokens); context is 64.
@@ -24,11 +22,7 @@ CASES = (
 
 
 def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
-    from infer.model.tokenizer import load_tokenizer
-
-    words = corpus_words()
-    tok = load_tokenizer(model)
-    rng = random.Random(seed)
+    tok, rng, words = prompt_source(model, seed)
     cases = []
     for name, n, batch, plen, gen in CASES:
         reqs = [MicroRequest(prompt_ids(tok, plen, rng, words), gen) for _ in range(n)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from infer.bench.micro.common import MicroRequest, corpus_words, prompt_ids, run_case
+from infer.bench.micro.common import MicroRequest, prompt_ids, prompt_source, ratio_cell, run_case
 from infer.bench.report import fmt, markdown_table
 
 
@@ -55,11 +55,7 @@ def requests_for(case: ChunkCase, tok, rng: random.Random, words) -> list[MicroR
 
 
 def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
-    from infer.model.tokenizer import load_tokenizer
-
-    words = corpus_words()
-    tok = load_tokenizer(model)
-    rng = random.Random(seed)
+    tok, rng, words = prompt_source(model, seed)
     cases = []
     for c in CASES:
         reqs = requests_for(c, tok, rng, words)
@@ -90,10 +86,6 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
     return result
 
 
-def _x(a, b) -> str:
-    return "—" if not a or b is None else f"{b / a:.2f}x"
-
-
 def markdown(result: dict) -> str:
     thr, gaps, knobs = [], [], []
     for c in result["cases"]:
@@ -103,7 +95,7 @@ def markdown(result: dict) -> str:
                 c["case"],
                 fmt(n["tokens_per_s"], 2),
                 fmt(k["tokens_per_s"], 2),
-                _x(n["tokens_per_s"], k["tokens_per_s"]),
+                ratio_cell(n["tokens_per_s"], k["tokens_per_s"]),
                 f"{fmt(n['ttft_ms'], 2)} ms",
                 f"{fmt(k['ttft_ms'], 2)} ms",
                 f"{k['completed']}/{k['configured']}",
@@ -116,7 +108,7 @@ def markdown(result: dict) -> str:
                 c["case"],
                 f"{fmt(a, 2)} ms",
                 f"{fmt(b, 2)} ms",
-                _x(a, b),
+                ratio_cell(a, b),
                 f"{fmt(n['decode_avg_gap_ms'], 2)} ms",
                 f"{fmt(k['decode_avg_gap_ms'], 2)} ms",
                 verdict,

@@ -230,11 +230,10 @@ def make_engine(model: str, **options):
     Prefix caching is off unless a case turns it on: each micro-benchmark measures one
     optimisation against its absence, and the engine's default (on) would mix cache hits into
     the others."""
-    from infer.config import EngineConfig
-    from infer.engine.engine import LLMEngine
+    from infer.bench.offline import make_engine as offline_engine
 
     options.setdefault("enable_prefix_caching", False)
-    return LLMEngine(EngineConfig.from_kwargs(model=model, **options))
+    return offline_engine(model, **options)
 
 
 def warm_up(engine, vocab: int, n: int = 2) -> None:
@@ -264,6 +263,19 @@ def corpus_words() -> list[str]:
     from infer.data.corpus import load_corpus
 
     return " ".join(load_corpus(include_docstrings=False)).split()
+
+
+def prompt_source(model: str | Path, seed: int) -> tuple[object, random.Random, list[str]]:
+    """What a suite draws its prompts from (:func:`prompt_ids`): ``model``'s tokenizer, a
+    random generator seeded with ``seed`` and the corpus's words."""
+    from infer.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(model), random.Random(seed), corpus_words()
+
+
+def ratio_cell(a: float | None, b: float | None) -> str:
+    """``b / a`` as ``1.23x`` for a table cell; ``—`` when either is missing (or ``a`` is 0)."""
+    return "—" if not a or b is None else f"{b / a:.2f}x"
 
 
 def median_run(runs: Sequence[MicroRun]) -> MicroRun:

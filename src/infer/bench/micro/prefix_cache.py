@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from infer.bench.micro.common import MicroRequest, corpus_words, prompt_ids, run_case
+from infer.bench.micro.common import MicroRequest, prompt_ids, prompt_source, ratio_cell, run_case
 from infer.bench.report import fmt, markdown_table
 
 BLOCK = 4
@@ -50,11 +50,7 @@ def requests_for(c: PrefixCase, tok, rng: random.Random, words) -> list[MicroReq
 
 
 def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
-    from infer.model.tokenizer import load_tokenizer
-
-    words = corpus_words()
-    tok = load_tokenizer(model)
-    rng = random.Random(seed)
+    tok, rng, words = prompt_source(model, seed)
     cases = []
     for c in CASES:
         reqs = requests_for(c, tok, rng, words)
@@ -85,10 +81,6 @@ def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
     return result
 
 
-def _x(a, b) -> str:
-    return "—" if not a or b is None else f"{b / a:.2f}x"
-
-
 def markdown(result: dict) -> str:
     main, speed, ttft = [], [], []
     for c in result["cases"]:
@@ -103,7 +95,7 @@ def markdown(result: dict) -> str:
                 str(total - cached),
                 f"{cached / total * 100:.1f}%",
                 f"{p['hit_rate'] * 100:.1f}%",
-                _x(n["tokens_per_s"], p["tokens_per_s"]),
+                ratio_cell(n["tokens_per_s"], p["tokens_per_s"]),
                 str(p["evictions"]),
                 f"{p['completed']}/{p['configured']}",
             ]
@@ -113,7 +105,7 @@ def markdown(result: dict) -> str:
                 c["case"],
                 fmt(n["tokens_per_s"], 2),
                 fmt(p["tokens_per_s"], 2),
-                _x(n["tokens_per_s"], p["tokens_per_s"]),
+                ratio_cell(n["tokens_per_s"], p["tokens_per_s"]),
             ]
         )
         ttft.append(
@@ -121,7 +113,7 @@ def markdown(result: dict) -> str:
                 c["case"],
                 f"{fmt(n['ttft_ms'], 2)} ms",
                 f"{fmt(p['ttft_ms'], 2)} ms",
-                _x(n["ttft_ms"], p["ttft_ms"]),
+                ratio_cell(n["ttft_ms"], p["ttft_ms"]),
             ]
         )
     t1 = markdown_table(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from infer.bench.micro.common import MicroRequest, corpus_words, prompt_ids, run_case
+from infer.bench.micro.common import MicroRequest, prompt_ids, prompt_source, ratio_cell, run_case
 from infer.bench.report import fmt, markdown_table
 
 BLOCK = 4
@@ -54,11 +54,7 @@ def requests_for(c: SchedCase, tok, rng: random.Random, words) -> list[MicroRequ
 
 
 def run(model: str, repeats: int = 3, seed: int = 0) -> dict:
-    from infer.model.tokenizer import load_tokenizer
-
-    words = corpus_words()
-    tok = load_tokenizer(model)
-    rng = random.Random(seed)
+    tok, rng, words = prompt_source(model, seed)
     cases = []
     for c in CASES:
         reqs = requests_for(c, tok, rng, words)
@@ -102,11 +98,7 @@ def swap_vs_recompute(repeats: int = 3, seed: int = 0) -> dict | None:
     model = builtin_dir("small")
     if not is_complete(model):
         return None
-    from infer.model.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(model)
-    rng = random.Random(seed)
-    words = corpus_words()
+    tok, rng, words = prompt_source(model, seed)
     reqs = [MicroRequest(prompt_ids(tok, 600, rng, words), 48, 0, 1, tag="low") for _ in range(4)]
     reqs += [MicroRequest(prompt_ids(tok, 600, rng, words), 48, s, 0, tag="high") for s in (8, 10)]
     base = {
@@ -136,10 +128,6 @@ def _summary(r) -> dict:
     return s
 
 
-def _x(a, b) -> str:
-    return "—" if not a or b is None else f"{b / a:.2f}x"
-
-
 def markdown(result: dict) -> str:
     rows, detail = [], []
     for c in result["cases"]:
@@ -149,10 +137,10 @@ def markdown(result: dict) -> str:
                 c["case"],
                 fmt(f["tokens_per_s"], 2),
                 fmt(p["tokens_per_s"], 2),
-                _x(f["tokens_per_s"], p["tokens_per_s"]),
+                ratio_cell(f["tokens_per_s"], p["tokens_per_s"]),
                 f"{fmt(f['high_latency_ms'], 2)} ms",
                 f"{fmt(p['high_latency_ms'], 2)} ms",
-                _x(f["high_latency_ms"], p["high_latency_ms"]),
+                ratio_cell(f["high_latency_ms"], p["high_latency_ms"]),
                 str(p["preemptions"]),
                 f"{p['completed']}/{p['configured']}",
             ]
