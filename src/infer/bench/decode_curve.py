@@ -11,11 +11,12 @@ step) and ``engine.step()`` is timed, wall clock, step by step: that is the engi
 decode step, scheduling, batch preparation, forward, sampling and output processing included.
 
 Attention share: the timed steps alternate, ``--steps`` at a time, between the real model and
-the same model with :meth:`AttentionContext.attend` replaced by a no-op that returns its query
-(no attention over the context; QKV and output projections, RoPE and the KV store, MLP, norms,
-LM head, sampling and the engine around them unchanged). Both run the model's modules
-(``INFER_FAST_DECODE=0``): the fast forward path calls the attention kernel itself, where the
-no-op could not replace it; so steps here are the module path's, ~3 ms slower at batch 1. Attention time = median real step -
+the same model with the runner's attention backend wrapped in the null one
+(``runner/attention/null.py``: each layer's attention returns its query; QKV and output
+projections, RoPE and the fused KV store, MLP, norms, LM head, sampling and the engine around
+them unchanged). Both run the model's modules (``INFER_FAST_DECODE=0``): the fast forward path
+calls the attention kernel itself, where no backend could replace it; so steps here are the
+module path's, ~3 ms slower at batch 1. Attention time = median real step -
 median no-op step; share = that / median real step. Alternating in short blocks keeps a load
 that comes and goes on a shared machine from biasing one side. The prompts are shortened by half
 the decode steps so that the timed steps' context is centred on L.
@@ -76,14 +77,10 @@ def longest_overshoot(steps: int, repeats: int) -> int:
     return total - total // 2 + 2
 
 
-def _noop_attend(self, layer_idx, q, k, v, **kwargs):  # noqa: ARG001 - AttentionContext.attend
-    return q
-
-
 def measure_context(engine, context: int, batch: int, steps: int, repeats: int, seed: int) -> dict:
     """Prefill ``batch`` prompts, then time decode steps, real and with attention a no-op."""
     from infer.bench.offline import greedy, prompt_vocab, random_prompts
-    from infer.runner.attention import AttentionContext
+    from infer.runner.attention.null import NullAttention
 
     warm = WARMUP_STEPS
     total_decode = decode_steps(steps, repeats)
@@ -104,7 +101,8 @@ def measure_context(engine, context: int, batch: int, steps: int, repeats: int, 
                 started.add(out.request_id)
     prefill_s = time.perf_counter() - t0
 
-    real = AttentionContext.attend
+    runner = engine.runner
+    real = runner.attention
 
     def timed_step() -> tuple[float, float]:
         st = engine.step_times
@@ -126,14 +124,14 @@ def measure_context(engine, context: int, batch: int, steps: int, repeats: int, 
                 dt, fwd = timed_step()
                 real_steps.append(dt)
                 real_fwd.append(fwd)
-            AttentionContext.attend = _noop_attend
+            runner.attention = NullAttention(real)
             try:
                 for _ in range(steps):
                     dt, fwd = timed_step()
                     noop_steps.append(dt)
                     noop_fwd.append(fwd)
             finally:
-                AttentionContext.attend = real
+                runner.attention = real
     finally:
         for rid in ids:
             engine.abort_request(rid)
@@ -187,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     folder, derived = with_context(model, args.max_model_len, out)
     block = 16
     blocks_per_seq = -(-args.max_model_len // block)
-    os.environ[FAST_DECODE_ENV] = "0"  # the no-op must be able to replace attention (above)
+    os.environ[FAST_DECODE_ENV] = "0"  # the null backend must be able to replace attention
     engine = make_engine(
         folder,
         dtype=args.dtype,
@@ -263,7 +261,8 @@ def render(r: dict) -> str:
         "",
         "Step = wall time of `engine.step()` with only decodes scheduled (median of "
         f"{r['repeats']} x {r['steps_per_block']} steps). Attention = median step minus median "
-        "step with `AttentionContext.attend` replaced by a no-op (no KV write, no attention), "
+        "step with attention a no-op (the null attention backend: each layer's attention "
+        "returns its query), "
         "the two alternating in blocks of "
         f"{r['steps_per_block']} steps.",
         "",
