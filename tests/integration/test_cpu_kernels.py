@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from infer import SamplingParams
-from infer.runner.kernels import cpu_kernels
+from infer.runner.cpu.kernels import cpu_kernels
 
 from .conftest import PROMPTS
 
@@ -78,7 +78,7 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(kind, make_llm):
     ],
 )
 def test_fast_decode_path_gives_the_module_paths_bits(kind, quant, make_llm, monkeypatch):
-    """All-decode steps skip the module code (runner/decode_fast.py): same kernels, same order,
+    """All-decode steps skip the module code (runner/cpu/decode_fast.py): same kernels, same order,
     so the same tokens and the same logprobs, bit for bit."""
     kernels = cpu_kernels()
     if kernels.linear_kind < 1:

@@ -18,7 +18,7 @@ from infer.model import load_model, load_tokenizer
 from infer.model.moe import GateLinear, SparseMoE
 from infer.plan import safetensors_num_params
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-from infer.runner.prepack import onednn_bf16_available, tiled_linear_kernels
+from infer.runner.cpu.prepack import onednn_bf16_available, tiled_linear_kernels
 
 from .conftest import GEN_TOKENS, PROMPTS
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from infer.bench import kernels as kb
-from infer.runner.kernels import CSRC, cpu_kernels
+from infer.runner.cpu.kernels import CSRC, cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels on this machine")
 
@@ -62,7 +62,7 @@ def test_the_step_case_times_the_real_decode_step_with_each_library(
     tmp_path, tiny_checkpoints, monkeypatch
 ):
     """Both libraries run the tiny Llama's layer loop, A B B A, and the engine still decodes."""
-    from infer.runner import kernels as rk
+    from infer.runner.cpu import kernels as rk
 
     if rk.cpu_kernels().linear_kind < 1:
         pytest.skip("the fast decode path needs the tiled linear kernels")
@@ -91,7 +91,7 @@ def test_a_step_that_fails_its_requests_stops_the_step_case(
     tmp_path, tiny_checkpoints, monkeypatch
 ):
     """A library whose layer loop fails (here: B raises) gives no timing, not empty steps."""
-    from infer.runner import kernels as rk
+    from infer.runner.cpu import kernels as rk
 
     if rk.cpu_kernels().linear_kind < 1:
         pytest.skip("the fast decode path needs the tiled linear kernels")

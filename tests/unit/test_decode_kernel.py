@@ -7,7 +7,7 @@ import torch
 
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.attention.torch_ref import TORCH_ATTENTION
-from infer.runner.kernels import cpu_kernels
+from infer.runner.cpu.kernels import cpu_kernels
 
 from ._kernel_helpers import count_calls, shuffled_block_tables
 

@@ -4,12 +4,8 @@ import pytest
 import torch
 
 from infer.core.messages import RunnerSetup
-from infer.runner.backend import (
-    DEFAULT_CPU_KV_BYTES,
-    CpuBackend,
-    WeightsConfig,
-    device_backend,
-)
+from infer.runner.backend import WeightsConfig, device_backend
+from infer.runner.cpu.backend import DEFAULT_CPU_KV_BYTES, CpuBackend
 
 
 def test_cpu_backend_runs_fp16_checkpoints_in_bf16_unless_asked():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from infer.model.layers import GatedMLP, RMSNorm
 from infer.model.rope import apply_rope
 from infer.runner.attention import KVCache
-from infer.runner.kernels import cpu_kernels
+from infer.runner.cpu.kernels import cpu_kernels
 
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler for the CPU kernels")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.runner import hugepages
 from infer.runner.attention import KVCache
+from infer.runner.cpu import hugepages
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or not Path("/sys/kernel/mm/transparent_hugepage").exists(),

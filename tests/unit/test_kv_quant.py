@@ -9,7 +9,7 @@ import torch
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.runner import kv_quant
 from infer.runner.attention import KVCache
-from infer.runner.kernels import cpu_kernels
+from infer.runner.cpu.kernels import cpu_kernels
 
 KINDS = ["int8", "fp8"]
 kernels = cpu_kernels()

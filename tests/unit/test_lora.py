@@ -8,7 +8,7 @@ import torch
 
 from infer.config import EngineConfig, LoRAConfig, parse_lora_module
 from infer.core.request import RequestStatus
-from infer.runner.kernels import cpu_kernels
+from infer.runner.cpu.kernels import cpu_kernels
 from infer.runner.lora.layers import LoRABatch, LoRALinear, LoRAState
 
 from ._factories import fake_sample, make_request, make_scheduler

@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from infer.runner.backend import MALLOC_ENV, keep_freed_memory
+from infer.runner.cpu.backend import MALLOC_ENV, keep_freed_memory
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")

@@ -247,13 +247,13 @@ def test_mixtral_top_k_error_names_num_local_experts():
         MixtralForCausalLM.parse_config(cfg)
 
 
-# ---- the C++ layer (runner/moe_kernel.py, csrc/moe.cpp) -------------------------------------
+# ---- the C++ layer (runner/cpu/moe_kernel.py, csrc/moe.cpp) -------------------------------------
 
 
 def _packed(arch: str, hf) -> SparseMoE:
     """Our layer in bf16 with its experts packed for the CPU kernels (as the engine loads it);
     skips where this CPU has no tiled linear kernel."""
-    from infer.runner.prepack import prepack_linears, tiled_linear_kernels
+    from infer.runner.cpu.prepack import prepack_linears, tiled_linear_kernels
 
     if tiled_linear_kernels() is None:
         pytest.skip("the C++ expert layer needs the tiled linear kernels")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-from infer.runner.kernels import PrefillChunks, cpu_kernels
+from infer.runner.cpu.kernels import PrefillChunks, cpu_kernels
 
 from ._kernel_helpers import count_calls, shuffled_block_tables
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from infer.runner.kernels import cpu_kernels
-from infer.runner.prepack import (
+from infer.runner.cpu.kernels import cpu_kernels
+from infer.runner.cpu.prepack import (
     PackedLinear,
     TiledLinear,
     onednn_bf16_available,

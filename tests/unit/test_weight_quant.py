@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from infer.config import EngineConfig
 from infer.engine.args import add_engine_args, engine_config_from_args
-from infer.runner.kernels import cpu_kernels
+from infer.runner.cpu.kernels import cpu_kernels
 from infer.runner.quant import (
     Fp8Linear,
     Int8Linear,

@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     from infer.bench.offline import make_engine
     from infer.bench.report import now_iso
     from infer.bench.vs_vllm import OtherLoad, wait_quiet
-    from infer.runner.kernels import cpu_kernels
+    from infer.runner.cpu.kernels import cpu_kernels
     from infer.runner.runner import FAST_DECODE_ENV
     from infer.testing.bench_models import llama_100m
 

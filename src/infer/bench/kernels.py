@@ -4,7 +4,7 @@
                         [--step 16x96] [--step-count 200] [--model DIR]
                         [--out bench-results/kernels]
 
-Builds ``runner/csrc`` twice, as it is in this tree (A) and as it is at ``--against`` (B: a git
+Builds ``runner/cpu/csrc`` twice, as it is in this tree (A) and as it is at ``--against`` (B: a git
 revision, default ``HEAD``, or a folder of kernel sources), loads both libraries and runs the
 same calls on the same tensors, A and B taking turns, each case's time the minimum over
 ``--repeats`` turns. Every output of B is compared with A's bit for bit. A VM's speed drifts by
@@ -45,7 +45,7 @@ import torch
 
 from infer.bench.offline import greedy, make_engine, random_prompts
 from infer.runner.attention import KVCache
-from infer.runner.kernels import (
+from infer.runner.cpu.kernels import (
     CSRC,
     CpuKernels,
     PrefillChunks,
@@ -74,7 +74,7 @@ def parse_pairs(spec: str) -> list[tuple[int, int]]:
 
 
 def sources_at(against: str, workdir: Path) -> Path:
-    """The kernel sources of B: folder ``against`` if it is one, else ``runner/csrc`` at git
+    """The kernel sources of B: folder ``against`` if it is one, else ``runner/cpu/csrc`` at git
     revision ``against``, extracted under ``workdir``."""
     folder = Path(against)
     if folder.is_dir():

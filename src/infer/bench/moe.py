@@ -85,7 +85,7 @@ def step_read_bytes(engine: LLMEngine) -> int:
     (one row read) and less the routed experts a token does not choose (k of E read)."""
     from infer.bench.int4 import decode_read_bytes
     from infer.model.moe import SparseMoE
-    from infer.runner.prepack import model_weight_bytes
+    from infer.runner.cpu.prepack import model_weight_bytes
 
     total = decode_read_bytes(engine)
     for m in engine.runner.model.modules():

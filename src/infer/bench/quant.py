@@ -89,7 +89,7 @@ def held_out_windows(model_dir: Path, max_windows: int = 20, context: int = 1024
 def perplexity(model_dir: Path, windows: torch.Tensor, quantization: str | None, kv: str) -> float:
     from infer.model import load_model
     from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-    from infer.runner.prepack import prepack_linears
+    from infer.runner.cpu.prepack import prepack_linears
     from infer.runner.quant import quantize_linears
 
     model = load_model(model_dir, torch.bfloat16)

@@ -16,14 +16,12 @@ sites: :class:`CpuBackend` tunes glibc's malloc, refuses fp16 (bf16 instead) and
 cache by a default; :class:`CudaBackend` checks that CUDA is there, probes the free memory for
 the KV budget and can wait for the device. Inside the runner the device picks its step: the
 Triton step (``runner/gpu/``: step buffers, paged attention kernels, CUDA graphs) on CUDA, the
-C++ kernels' fused decode step (``runner/decode_fast.py``) and attention on a CPU.
+C++ kernels' fused decode step (``runner/cpu/decode_fast.py``) and attention on a CPU.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,38 +29,12 @@ import torch
 
 from infer.core.messages import RunnerSetup
 from infer.runner.attention import KVCache
+from infer.runner.cpu.prepack import prepack_linears
 from infer.runner.int4 import Int4Linear, keep_checkpoint_int4
-from infer.runner.prepack import prepack_linears
 from infer.runner.quant import quantize_linears
 from infer.runner.runner import ModelRunner
 
 logger = logging.getLogger("infer.runner")
-
-DEFAULT_CPU_KV_BYTES = 2 << 30
-"""The KV budget on a CPU when none is given (the cap of the default sizing)."""
-
-MALLOC_ENV = "INFER_MALLOC_TUNING"
-"""Set to 0 to leave glibc's malloc settings alone (see :func:`keep_freed_memory`)."""
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc serve allocations up to 32 MiB from its heap and keep freed memory there.
-
-    A forward pass allocates its activations anew for every layer; above glibc's (adaptive)
-    mmap threshold each one is a fresh mapping whose pages the kernel faults in and zeroes on
-    first touch. Measured on a 2048-token prefill step of the ~110M Llama: 520-630 ms -> 380 ms
-    (the act(gate) * up kernel alone: ~10 ms -> 1.8 ms per layer). The cost is that the process
-    keeps up to its peak of temporaries (a few hundred MiB) instead of returning it. Returns
-    whether the settings were applied (False off glibc or with ``INFER_MALLOC_TUNING=0``).
-    """
-    if os.environ.get(MALLOC_ENV, "1") == "0":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
 @dataclass(frozen=True)
@@ -160,51 +132,6 @@ class DeviceBackend:
         """Wait for the work queued on the device (nothing to wait for on a CPU)."""
 
 
-class CpuBackend(DeviceBackend):
-    """The CPU: C++ kernels (AVX-512, AMX where there is one), pre-packed weights, huge pages,
-    and the fused decode step (``runner/decode_fast.py``)."""
-
-    def _prepare(self) -> None:
-        keep_freed_memory()
-
-    def resolve_dtype(self, name: str, checkpoint_dtype: str | None) -> torch.dtype:
-        dtype = super().resolve_dtype(name, checkpoint_dtype)
-        if name == "auto" and dtype == torch.float16:
-            return torch.bfloat16  # fp16 matmuls are slow on CPU; bf16 keeps the range
-        return dtype
-
-    def kv_budget(self, wanted: int, utilization: float, reserve: int = 0) -> int:
-        # NOTE: by default enough for every sequence slot at full length, capped at 2 GiB.
-        return min(wanted, DEFAULT_CPU_KV_BYTES)
-
-
-class CudaBackend(DeviceBackend):
-    """A CUDA GPU: the Triton step (``runner/gpu/``), CUDA graphs for decode steps."""
-
-    def __init__(self, device: torch.device, seed: int, *, make_current: bool = False) -> None:
-        self._make_current = make_current
-        super().__init__(device, seed)
-
-    def _prepare(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was given but CUDA is not available")
-        if self._make_current:  # a tensor-parallel rank's process: its one device
-            torch.cuda.set_device(self.device)
-
-    def kv_budget(self, wanted: int, utilization: float, reserve: int = 0) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        # What torch's caching allocator holds but no tensor uses (an engine dropped earlier
-        # in this process, say) is free to this one: the allocator hands it out first.
-        reserved = torch.cuda.memory_reserved(self.device)
-        cached = reserved - torch.cuda.memory_allocated(self.device)
-        used = total - free - cached
-        budget = max(int(total * utilization) - used, 0)
-        return max(budget - reserve, 0)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-
 def device_backend(
     device: torch.device | str, seed: int = 0, *, make_current: bool = False
 ) -> DeviceBackend:
@@ -212,7 +139,11 @@ def device_backend(
     becomes the process's current one)."""
     device = torch.device(device)
     if device.type == "cuda":
+        from infer.runner.gpu.backend import CudaBackend
+
         return CudaBackend(device, seed, make_current=make_current)
     if device.type == "cpu":
+        from infer.runner.cpu.backend import CpuBackend
+
         return CpuBackend(device, seed)
     raise ValueError(f"--device {device}: infer runs on cpu or cuda")

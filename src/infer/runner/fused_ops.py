@@ -1,92 +1,23 @@
 """The devices' fused kernels lent to the model's layers (see :mod:`infer.model.ops`): the C++
-kernels for CPU bf16 activations, the Triton ones for CUDA activations. Registered when the
-runner package is imported, before any model runs."""
+kernels for CPU bf16 activations (``cpu/fused_ops.py``), the Triton ones for CUDA activations
+(``gpu/fused_ops.py``). Registered when the runner package is imported, before any model
+runs."""
 
 from __future__ import annotations
 
-import torch
-
 from infer.model import ops
-from infer.runner.gpu import triton_fused
-from infer.runner.kernels import CpuKernels, cpu_kernels
-
-
-class CpuFusedOps(ops.FusedOps):
-    """The C++ kernels: bf16 rows, contiguous (``[T, dim]``; the norm takes any shape)."""
-
-    fuses_qk_norm = True
-
-    def __init__(self, kernels: CpuKernels) -> None:
-        self.kernels = kernels
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        return self.kernels.add_rms_norm(flat, None, weight, eps)[1].view(x.shape)
-
-    def add_rms_norm(self, x, h, weight, eps):
-        if x.dim() != 2:
-            return None
-        return self.kernels.add_rms_norm(x.contiguous(), h.contiguous(), weight, eps)
-
-    def act_mul(self, gate_up, act):
-        if gate_up.dim() != 2:
-            return None
-        return self.kernels.act_mul(gate_up.contiguous(), act)
-
-    def qk_norm_into(self, qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps):
-        self.kernels.qk_norm_into(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads,
-                                  num_kv_heads, head_dim, q_weight.data_ptr(),
-                                  k_weight.data_ptr(), eps)  # fmt: skip
-
-
-class TritonFusedOps(ops.FusedOps):
-    """The GPU step's element-wise kernels (``INFER_TRITON_FUSED=0``: none)."""
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return triton_fused.add_rms_norm(x, None, weight, eps)[1]
-
-    def add_rms_norm(self, x, h, weight, eps):
-        if h.dtype != x.dtype:
-            return None
-        return triton_fused.add_rms_norm(x, h, weight, eps)
-
-    def act_mul(self, gate_up, act):
-        return triton_fused.act_and_mul(gate_up, act)
-
-
-_TRITON = TritonFusedOps()
-
-
-def _cpu_ops(x: torch.Tensor) -> ops.FusedOps | None:
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return None
-    return _cpu_adapter()
-
-
-def _cpu_adapter() -> CpuFusedOps | None:
-    kernels = cpu_kernels()  # cached; None without a compiler or with INFER_CPU_KERNELS=0
-    if kernels is None:
-        return None
-    if _cpu[0] is None or _cpu[0].kernels is not kernels:
-        _cpu[0] = CpuFusedOps(kernels)
-    return _cpu[0]
-
-
-_cpu: list[CpuFusedOps | None] = [None]
-
-
-def _triton_ops(x: torch.Tensor) -> ops.FusedOps | None:
-    return _TRITON if triton_fused.fused_enabled(x) else None
+from infer.runner.cpu.fused_ops import cpu_fused_ops
+from infer.runner.gpu.fused_ops import triton_fused_ops
 
 
 def _moe_kernel(layer):
-    from infer.runner.moe_kernel import build_moe_kernel
+    from infer.runner.cpu.moe_kernel import build_moe_kernel
 
     return build_moe_kernel(layer)
 
 
 def register() -> None:
     """Lend the layers both devices' kernels (CPU first: a tensor is on one device)."""
-    ops.register_fused_ops(_cpu_ops)
-    ops.register_fused_ops(_triton_ops)
+    ops.register_fused_ops(cpu_fused_ops)
+    ops.register_fused_ops(triton_fused_ops)
     ops.register_moe_kernel(_moe_kernel)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.runner.prepack import tiled_linear_kernels
+from infer.runner.cpu.prepack import tiled_linear_kernels
 
 logger = logging.getLogger("infer.runner")
 

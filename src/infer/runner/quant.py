@@ -36,13 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.config import QUANTIZATIONS
-from infer.runner.int4 import INT4_GROUP_SIZE, Int4Linear, int4_kernel_available
-from infer.runner.prepack import (
+from infer.runner.cpu.prepack import (
     count_kinds,
     prepack_linears,
     replace_linears,
     tiled_linear_kernels,
 )
+from infer.runner.int4 import INT4_GROUP_SIZE, Int4Linear, int4_kernel_available
 
 logger = logging.getLogger("infer.runner")
 

@@ -35,7 +35,7 @@ from infer.core.messages import (
 from infer.core.request import Request, TokenLogprob
 from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, default_backend
-from infer.runner.decode_fast import FastDecoder
+from infer.runner.cpu.decode_fast import FastDecoder
 from infer.runner.gpu.cuda_step import CudaStep, resolve_attention_backend
 from infer.runner.lora.manager import LoRAManager
 from infer.runner.sampler import PendingSample, Sampler, token_logprob

@@ -19,7 +19,7 @@ import torch
 
 from infer.core.messages import SampledToken
 from infer.core.request import Request, TokenLogprob
-from infer.runner.kernels import cpu_kernels
+from infer.runner.cpu.kernels import cpu_kernels
 from infer.structured.bitmask import apply_bitmask
 
 

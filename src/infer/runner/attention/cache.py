@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from infer.kv_cache.sizing import check_kv_cache_dtype
-from infer.runner import hugepages, kv_quant
+from infer.runner import kv_quant
+from infer.runner.cpu import hugepages
 
 
 class KVCache:

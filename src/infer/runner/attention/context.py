@@ -34,7 +34,7 @@ import torch
 from infer.core.messages import SequenceSlice
 from infer.runner.attention.backend import AttentionBackend, default_backend
 from infer.runner.attention.cache import KVCache
-from infer.runner.kernels import PrefillChunks
+from infer.runner.cpu.kernels import PrefillChunks
 
 
 @dataclass
@@ -110,7 +110,7 @@ class AttentionContext:
     gathered from it (``slot = table[seq, pos // bs] * bs + pos % bs``).
 
     ``backend`` computes the attention (default: :func:`default_backend` of the device): decode
-    rows on the CPU go to the C++ kernel (:mod:`infer.runner.kernels`), which reads K and V in
+    rows on the CPU go to the C++ kernel (:mod:`infer.runner.cpu.kernels`), which reads K and V in
     place through the block tables; elsewhere (CUDA, other dtypes, ``INFER_CPU_KERNELS=0``) the
     contexts are gathered and attended with SDPA.
     """

@@ -1,4 +1,4 @@
-"""The CPU's attention backend: the C++ kernels (``runner/csrc/paged_attention.cpp``,
+"""The CPU's attention backend: the C++ kernels (``runner/cpu/csrc/paged_attention.cpp``,
 ``prefill_attention.cpp``, the rope + KV store), which read K and V in place through the block
 tables. Where a kernel does not take the tensors (a dtype it lacks, a cache layout) that part
 runs the torch reference instead, call by call."""
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.runner.attention.torch_ref import TorchAttention
-from infer.runner.kernels import CpuKernels, cpu_kernels
+from infer.runner.cpu.kernels import CpuKernels, cpu_kernels
 
 if TYPE_CHECKING:
     from infer.runner.attention.context import AttentionContext

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infer.runner.kernels import CpuKernels, LoRAArgs, LoRAStepArgs, cpu_kernels
+from infer.runner.cpu.kernels import CpuKernels, LoRAArgs, LoRAStepArgs, cpu_kernels
 from infer.runner.lora.adapter import PROJECTIONS, LoRAModule
 
 
@@ -121,7 +121,7 @@ class LoRALinear(nn.Module):
         # rank and scale as host data too, for the torch path.
         self._host_rank = [[0] * num_parts for _ in range(num_slots)]
         self._host_scale = [[0.0] * num_parts for _ in range(num_slots)]
-        # The same buffers for the fused decode loop (runner/decode_fast.py).
+        # The same buffers for the fused decode loop (runner/cpu/decode_fast.py).
         self.c_args = LoRAArgs(
             *(t.data_ptr() for t in (self.a, self.bt, self.scale, self.rank, self.part_off)),
             num_parts, max_rank,

@@ -25,7 +25,7 @@ models where every piece has its kernel: CPU bfloat16, tiled linear layers, a de
 sandwich norms or an embedding scale, one rope for every layer, and a supported activation;
 anything else takes the module path. Qwen 3's q/k norms run in place on the qkv row before the
 rope (``infer_qk_norm``); a sparse layer's MLP is one ``infer_moe`` call (csrc/moe.cpp, the
-function :class:`infer.model.moe.SparseMoE` itself calls on a CPU; runner/moe_kernel.py).
+function :class:`infer.model.moe.SparseMoE` itself calls on a CPU; runner/cpu/moe_kernel.py).
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from infer.model.layers import GatedMLP
 from infer.model.llama import DecoderLM
 from infer.model.moe import SparseMoE
 from infer.runner.attention import AttentionContext, KVCache
-from infer.runner.int4 import Int4Linear
-from infer.runner.kernels import (
+from infer.runner.cpu.kernels import (
     ACT_MUL_CODES,
     CpuKernels,
     DecodeLayer,
@@ -49,9 +48,10 @@ from infer.runner.kernels import (
     LoRAArgs,
     cpu_kernels,
 )
+from infer.runner.cpu.prepack import TiledLinear
+from infer.runner.int4 import Int4Linear
 from infer.runner.kv_quant import KIND_CODES
 from infer.runner.lora.layers import LoRALinear, LoRAState
-from infer.runner.prepack import TiledLinear
 from infer.runner.quant import Int8Linear, W8A8Linear
 
 logger = logging.getLogger("infer.runner")

@@ -4,7 +4,7 @@
 call. Two replacements for ``nn.Linear`` (and for the vocabulary projection) avoid that:
 
 - :class:`TiledLinear` (CPUs with AMX, AVX-512 BF16 or AVX2, where the C++ kernels build): the
-  weight in AMX's tile layout, multiplied by :func:`infer.runner.kernels.CpuKernels.tiled_linear`
+  weight in AMX's tile layout, multiplied by :func:`infer.runner.cpu.kernels.CpuKernels.tiled_linear`
   (AMX tiles, else ``VDPBF16PS`` on the same layout, else float32 FMAs on weights widened in
   registers), which streams each weight from memory once per call. Decode is bound by reading
   weights: measured on a 2-core Sapphire Rapids VM, the ~110M Llama's 49 projections take 8.1 ms
@@ -33,7 +33,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from infer.runner.kernels import CpuKernels, cpu_kernels
+from infer.runner.cpu.kernels import CpuKernels, cpu_kernels
 
 logger = logging.getLogger("infer.runner")
 

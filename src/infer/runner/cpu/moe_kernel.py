@@ -2,7 +2,7 @@
 
 :class:`infer.model.moe.SparseMoE` calls it in place of its torch code when every expert
 projection is one the C++ kernels take (packed bf16 tiles, int8, w8a8 or 4-bit) and the model
-runs on one rank; the fused decode loop (runner/decode_fast.py) calls the same function for
+runs on one rank; the fused decode loop (runner/cpu/decode_fast.py) calls the same function for
 each sparse layer from inside its C++ layer loop, so the two paths give the same bits.
 
 The kernel computes what the torch code computes, with its own (fixed) order of float32 sums
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.runner.kernels import ACT_MUL_CODES, CpuKernels, LinearArgs, MoEArgs, cpu_kernels
+from infer.runner.cpu.kernels import ACT_MUL_CODES, CpuKernels, LinearArgs, MoEArgs, cpu_kernels
 
 if TYPE_CHECKING:
     from infer.model.moe import SparseMoE
@@ -83,7 +83,7 @@ def build_moe_kernel(moe: SparseMoE) -> MoEKernel | None:
     """The C++ layer for ``moe``, or None where its torch code must run (no kernels, not CPU
     bf16, tensor parallelism, an activation without a fused kernel, or a projection the
     kernels do not take)."""
-    from infer.runner.decode_fast import _linear_args  # (imports the model package)
+    from infer.runner.cpu.decode_fast import _linear_args  # (imports the model package)
 
     kernels = cpu_kernels()
     weight = moe.router.weight

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from infer.runner import hugepages
+from infer.runner.cpu import hugepages
 from infer.runner.kv_quant import KIND_CODES
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ class CpuKernels:
         )  # fmt: skip
 
     # ---- calls by address: the one place each C signature is spelled out. The tensor methods
-    # below and runner/decode_fast.py (which passes addresses it computed once) both use them.
+    # below and runner/cpu/decode_fast.py (which passes addresses it computed once) both use them.
     def add_rms_norm_into(self, x: int, h: int | None, weight: int, residual_out: int | None,
                           out: int, rows: int, dim: int, eps: float) -> None:  # fmt: skip
         self._add_rms_norm(x, h, weight, residual_out, out, rows, dim, eps, torch.get_num_threads())
