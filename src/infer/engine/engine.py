@@ -36,7 +36,7 @@ from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.runner.backend import WeightsConfig, device_backend
-from infer.runner.prepack import model_weight_bytes
+from infer.runner.cpu.prepack import model_weight_bytes
 from infer.runner.quant import check_quantization
 from infer.runner.runner import InFlightStep, TokenFeed
 from infer.spec_decode import NgramProposer, Proposer

@@ -187,11 +187,11 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = GateLinear(hidden, 1)
         # Rows each expert has run on since load (the load statistics /metrics exports).
         self.expert_rows = torch.zeros(moe.num_experts, dtype=torch.long, device="cpu")
-        self._kernel: Any = None  # runner/moe_kernel.py's MoEKernel, or None
+        self._kernel: Any = None  # runner/cpu/moe_kernel.py's MoEKernel, or None
         self._kernel_key: tuple | None = None
 
     def cpu_kernel(self) -> Any:
-        """The C++ layer (runner/moe_kernel.py, lent through :mod:`infer.model.ops`) for these
+        """The C++ layer (runner/cpu/moe_kernel.py, lent through :mod:`infer.model.ops`) for these
         weights as they are now (packed or quantized at load), or None where the torch code
         runs; built once per set of weights."""
         w = self.router.weight

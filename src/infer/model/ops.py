@@ -4,7 +4,7 @@ The layers are plain torch modules: each fusable piece (the residual add + RMSNo
 ``act(gate) * up`` of a gated MLP, the q/k norms of Qwen 3 written in place, a mixture of
 experts' whole layer) asks :func:`fused_ops` for the activations it holds and runs its own
 torch ops when the answer (or the op) is None. The kernels live with the devices
-(``runner/kernels.py``: the C++ CPU kernels; ``runner/gpu/triton_fused.py``: Triton), which
+(``runner/cpu/kernels.py``: the C++ CPU kernels; ``runner/gpu/triton_fused.py``: Triton), which
 register a provider here when they are imported; the model never imports them::
 
     layer ── fused_ops(x) ──► providers, in registration order ──► the first FusedOps for x

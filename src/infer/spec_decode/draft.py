@@ -61,7 +61,7 @@ class DraftProposer:
         adaptive: bool = True,
     ) -> None:
         from infer.model.loader import load_model, load_model_spec
-        from infer.runner.prepack import prepack_linears
+        from infer.runner.cpu.prepack import prepack_linears
 
         self.lengths = ProposalLengths(num_speculative_tokens, adaptive)
         self.device = device
