@@ -85,14 +85,15 @@ class DraftProposer:
         # Python, where the model allows it) makes them cost a fraction.
         rows = max(2048, 64 * (num_speculative_tokens + 1))
         # NOTE: the draft builds its own torch AttentionContext per pass (CPU kernels on a CPU,
-        # gather + SDPA on CUDA); it does not go through the Triton step.
+        # gather + SDPA on CUDA: "torch" is the C++ kernels' path on a CPU); it does not go
+        # through the Triton step.
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
             device,
             max_num_seqs=rows,
             max_num_batched_tokens=rows,
-            attention_backend="torch" if device.type == "cuda" else "auto",
+            attention_backend="torch",
         )
         self._seqs: dict[str, _DraftSeq] = {}
         bpt = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype.itemsize)
