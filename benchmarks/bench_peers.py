@@ -2,8 +2,8 @@
 
     python benchmarks/bench_peers.py [--peers infer,vllm] [--concurrency 1,16,64] ...
 
-Needs ``pip install -e ".[bench]"``; the code is :mod:`infer.bench.peers`, ``--help`` lists
-the flags. Reports go to ``./bench-results/peers`` unless ``--out`` says otherwise.
+Needs ``pip install -e ".[bench]"``; the code is :func:`infer.bench.vs_vllm.run_peers`,
+``--help`` lists the flags. Reports go to ``./bench-results/peers`` unless ``--out`` says otherwise.
 """
 
 import sys

@@ -16,7 +16,6 @@ import pytest
 
 from infer.bench.decode_curve import decode_steps, longest_overshoot, with_context
 from infer.bench.online import port_is_free, start_server, stop_server
-from infer.bench.peers import server_command
 from infer.bench.vs_vllm import (
     LLAMACPP_COUNT_NOTE,
     Cell,
@@ -34,6 +33,7 @@ from infer.bench.vs_vllm import (
     parse_workloads,
     peer_dtype,
     render,
+    server_command,
     server_groups,
 )
 

@@ -30,10 +30,37 @@ def needs_bench_extra(cmd: Callable[[argparse.Namespace], int]) -> Callable:
     return wrapper
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """The flags of ``infer bench serve`` (also used by ``benchmarks/bench_serving.py``)."""
-    p.add_argument("--server", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--model", default=None, help="model id to request (default: first listed)")
+MODEL_HELP = "model folder (default: a random-init ~100M Llama, built once)"
+
+# The flags many commands share, by name: what ``add_common`` adds.
+_COMMON: dict[str, dict] = {
+    "model": {"default": None, "help": MODEL_HELP},
+    "dtype": {"default": "bfloat16"},
+    "concurrency": {"help": "requests kept in flight"},
+    "runs": {"type": int, "help": "runs per case; the median is kept"},
+    "prompt_len": {"type": int},
+    "output_len": {"type": int},
+    "port": {"type": int},
+    "seed": {"type": int, "default": 0},
+    "out": {"help": "report folder"},
+}
+
+
+def add_common(p: argparse.ArgumentParser, **defaults: object) -> None:
+    """Add the shared flags named as keywords, in that order, each with the given default
+    (``model=True``, ``dtype=True``, ``seed=True``: the usual one; ``out="engine"``: the
+    folder ``./bench-results/engine``, ``out=""``: ``./bench-results`` itself)."""
+    for name, default in defaults.items():
+        kw = dict(_COMMON[name])
+        if name == "out":
+            default = f"{DEFAULT_OUT}/{default}" if default else DEFAULT_OUT
+        if default is not True:
+            kw["default"] = default
+        p.add_argument("--" + name.replace("_", "-"), **kw)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags ``infer bench serve`` and ``ablation`` share (:func:`_serve_config`)."""
     p.add_argument(
         "--workload", default="all", choices=["all", *WORKLOADS], help="which workload(s) to run"
     )
@@ -54,6 +81,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "the server's model id or root is one here, else the server's /tokenize, else words "
         "calibrated by the server's usage)",
     )
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per workload")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``infer bench serve`` (also used by ``benchmarks/bench_serving.py``)."""
+    p.add_argument("--server", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--model", default=None, help="model id to request (default: first listed)")
+    add_workload_args(p)
     p.add_argument(
         "--no-server-tokenize",
         action="store_true",
@@ -65,9 +101,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="do not POST /reset_prefix_cache before each workload",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="clip requests to this context")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per workload")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--label", default=None, help="run label (default: the model id)")
     p.add_argument("--server-flags", default=None, help="server flags, recorded in the report")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: ./{DEFAULT_OUT})")
@@ -353,14 +387,14 @@ def cmd_results(args: argparse.Namespace) -> int:
     return 0
 
 
-def _offline_bench(module: str) -> Callable[[argparse.Namespace], int]:
-    """``infer.bench.<module>.run`` (engine, peers, prefix), imported when the command runs."""
+def _offline_bench(module: str, func: str = "run") -> Callable[[argparse.Namespace], int]:
+    """``infer.bench.<module>.<func>`` (engine, prefix, ...), imported when the command runs."""
 
     @needs_bench_extra
     def cmd(args: argparse.Namespace) -> int:
         import importlib
 
-        return int(importlib.import_module(f"infer.bench.{module}").run(args) or 0)
+        return int(getattr(importlib.import_module(f"infer.bench.{module}"), func)(args) or 0)
 
     return cmd
 
@@ -432,8 +466,7 @@ def register(subparsers) -> None:
     cl.add_argument("--num-warm", type=int, default=3)
     cl.add_argument("--batch-sizes", default="1,2,4,8,12")
     cl.add_argument("--max-tokens", type=int, default=50)
-    cl.add_argument("--seed", type=int, default=0)
-    cl.add_argument("--out", default=DEFAULT_OUT)
+    add_common(cl, seed=True, out="")
     cl.add_argument("--no-save", action="store_true")
     cl.set_defaults(func=cmd_client)
 
@@ -444,8 +477,7 @@ def register(subparsers) -> None:
     )
     mi.add_argument("--model", default=None, help="checkpoint folder (default: the toy model)")
     mi.add_argument("--repeats", type=int, default=3, help="runs per case; the median is kept")
-    mi.add_argument("--seed", type=int, default=0)
-    mi.add_argument("--out", default=DEFAULT_OUT)
+    add_common(mi, seed=True, out="")
     mi.add_argument("--no-save", action="store_true")
     mi.add_argument("--trace", metavar="DIR", default=None,
                     help="write each case's step trace (JSON lines) to DIR/<case>.jsonl, for the "
@@ -454,15 +486,7 @@ def register(subparsers) -> None:
 
     ab = sub.add_parser("ablation", help="start infer serve per rung and run the workloads")
     ab.add_argument("--model", required=True, help="checkpoint folder or built-in name")
-    ab.add_argument("--workload", default="all", choices=["all", *WORKLOADS])
-    ab.add_argument("--seed", type=int, default=42)
-    ab.add_argument("--scale", type=float, default=None)
-    ab.add_argument("--rate-scale", type=float, default=1.0)
-    ab.add_argument("--slo", default=None)
-    ab.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    ab.add_argument("--tokenizer", default=None)
-    ab.add_argument("--warmup", type=int, default=2)
-    ab.add_argument("--timeout", type=float, default=600.0)
+    add_workload_args(ab)
     ab.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 512 x scale)")
     ab.add_argument("--kv-tokens", type=int, default=None,
                     help="KV budget of every rung in tokens (default 8 x the model's context)")  # fmt: skip
@@ -489,40 +513,39 @@ def register(subparsers) -> None:
     rs.add_argument("--out", default=f"{DEFAULT_OUT}/RESULTS.md")
     rs.set_defaults(func=cmd_results)
 
-    model_help = "model folder (default: a random-init ~100M Llama, built once)"
     en = sub.add_parser("engine", help="offline engine tok/s on a ~100M Llama, with roofline")
-    en.add_argument("--model", default=None, help=model_help)
+    add_common(
+        en, model=True, concurrency="1,16,64", runs=3, prompt_len=64, output_len=64, out="engine"
+    )
     en.add_argument("--dtypes", default="bfloat16,float32")
-    en.add_argument("--concurrency", default="1,16,64", help="requests kept in flight")
-    en.add_argument("--runs", type=int, default=3, help="runs per concurrency; the median is kept")
-    en.add_argument("--prompt-len", type=int, default=64)
-    en.add_argument("--output-len", type=int, default=64)
-    en.add_argument("--out", default=f"{DEFAULT_OUT}/engine", help="report folder")
     en.set_defaults(func=_offline_bench("engine"))
 
     pe = sub.add_parser("peers", help="infer vs vLLM's CPU build over HTTP, same model and prompts")
-    pe.add_argument("--model", default=None, help=model_help)
+    add_common(
+        pe,
+        model=True,
+        concurrency="1,16,64",
+        runs=3,
+        dtype=True,
+        prompt_len=64,
+        output_len=64,
+        port=8311,
+        out="peers",
+    )
     pe.add_argument("--peers", default="infer,vllm", help="servers to run in turn")
-    pe.add_argument("--concurrency", default="1,16,64", help="requests kept in flight")
-    pe.add_argument("--runs", type=int, default=3, help="runs per concurrency; the median is kept")
-    pe.add_argument("--dtype", default="bfloat16")
-    pe.add_argument("--prompt-len", type=int, default=64)
-    pe.add_argument("--output-len", type=int, default=64)
-    pe.add_argument("--port", type=int, default=8311)
     pe.add_argument(
         "--infer-args",
         default="",
         help='extra infer serve flags, e.g. --infer-args="--torch-threads 1"',
     )
-    pe.add_argument("--out", default=f"{DEFAULT_OUT}/peers", help="report folder")
-    pe.set_defaults(func=_offline_bench("peers"))
+    pe.set_defaults(func=_offline_bench("vs_vllm", "run_peers"))
 
     vs = sub.add_parser(
         "vs-vllm",
         help="infer vs vLLM (or llama.cpp's llama-server) over HTTP, all driven by vllm bench "
         "serve (the serving yardstick)",
     )
-    vs.add_argument("--model", default=None, help=model_help)
+    add_common(vs, model=True, dtype=True, port=8321, out="vs_vllm")
     vs.add_argument(
         "--peers",
         default="infer,vllm",
@@ -537,7 +560,6 @@ def register(subparsers) -> None:
     vs.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default 4*C)")
     vs.add_argument("--warmup-output-len", type=int, default=16,
                     help="output tokens of the warm-up run (C prompts) before each cell")  # fmt: skip
-    vs.add_argument("--dtype", default="bfloat16")
     vs.add_argument(
         "--vllm-dtype",
         default=None,
@@ -548,7 +570,6 @@ def register(subparsers) -> None:
     vs.add_argument("--max-model-len", type=int, default=2048)
     vs.add_argument("--served-name", default=None, help="served model name (default: folder name)")
     vs.add_argument("--seed", type=int, default=0, help="base seed of the random prompts")
-    vs.add_argument("--port", type=int, default=8321)
     vs.add_argument(
         "--infer-args",
         default="",
@@ -601,14 +622,12 @@ def register(subparsers) -> None:
     )
     vs.add_argument("--startup-timeout", type=float, default=600.0)
     vs.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds per client run")
-    vs.add_argument("--out", default=f"{DEFAULT_OUT}/vs_vllm", help="report folder")
     vs.set_defaults(func=_offline_bench("vs_vllm"))
 
     dc = sub.add_parser(
         "decode-curve", help="decode step time vs context length, and the attention share"
     )
-    dc.add_argument("--model", default=None, help=model_help)
-    dc.add_argument("--dtype", default="bfloat16")
+    add_common(dc, model=True, dtype=True, seed=True, out="decode_curve")
     dc.add_argument("--batch", type=int, default=16, help="sequences decoding together")
     dc.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 | fp8")
     dc.add_argument("--quantization", default=None, help="weights: int8 | fp8")
@@ -616,10 +635,8 @@ def register(subparsers) -> None:
     dc.add_argument("--steps", type=int, default=8, help="decode steps per timed block")
     dc.add_argument("--repeats", type=int, default=3, help="real/no-op block pairs per context")
     dc.add_argument("--max-model-len", type=int, default=4352)
-    dc.add_argument("--seed", type=int, default=0)
     dc.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each context, wait up to S s for other processes to quiet down")  # fmt: skip
-    dc.add_argument("--out", default=f"{DEFAULT_OUT}/decode_curve", help="report folder")
     dc.set_defaults(func=_offline_bench("decode_curve"))
 
     kn = sub.add_parser(
@@ -633,19 +650,16 @@ def register(subparsers) -> None:
     kn.add_argument("--prefill", default="1x1024,16x64", help="sequences x tokens")
     kn.add_argument("--step", default="16x96", help="step: sequences x prompt tokens")
     kn.add_argument("--step-count", type=int, default=200, help="step: decode steps in all")
-    kn.add_argument("--model", default=None, help="step: " + model_help)
+    kn.add_argument("--model", default=None, help="step: " + MODEL_HELP)
     kn.add_argument("--repeats", type=int, default=9, help="turns; each side's minimum is kept")
-    kn.add_argument("--seed", type=int, default=0)
-    kn.add_argument("--out", default=f"{DEFAULT_OUT}/kernels", help="report folder")
+    add_common(kn, seed=True, out="kernels")
     kn.set_defaults(func=_offline_bench("kernels"))
 
     qu = sub.add_parser(
         "quant", help="int8 weights / int8 and fp8 KV: decode speed, perplexity, capacity"
     )
-    qu.add_argument("--model", default=None, help=model_help)
-    qu.add_argument("--runs", type=int, default=3)
+    add_common(qu, model=True, runs=3, out="quant")
     qu.add_argument("--kv-memory", default="256MiB", help="KV memory of the long-context part")
-    qu.add_argument("--out", default=f"{DEFAULT_OUT}/quant", help="report folder")
     qu.set_defaults(func=_offline_bench("quant"))
 
     i4 = sub.add_parser(
@@ -653,10 +667,9 @@ def register(subparsers) -> None:
     )
     i4.add_argument("--model", default=None, help="a bf16 checkpoint (default: a ~1B Llama)")
     i4.add_argument("--methods", default="bf16,int8,int4,w4a8", help="weight formats, in turns")
-    i4.add_argument("--runs", type=int, default=3)
+    add_common(i4, runs=3, out="int4")
     i4.add_argument("--skip-speed", action="store_true")
     i4.add_argument("--skip-accuracy", action="store_true")
-    i4.add_argument("--out", default=f"{DEFAULT_OUT}/int4", help="report folder")
     i4.set_defaults(func=_offline_bench("int4"))
 
     mo = sub.add_parser(
@@ -665,34 +678,28 @@ def register(subparsers) -> None:
     mo.add_argument("--model", default=None, help="a bf16 Qwen3-MoE (default: a random ~1B one)")
     mo.add_argument("--dense-model", default=None, help="its dense twin (default: built)")
     mo.add_argument("--paths", default="fast,modules,dense", help="what to time, in turns")
-    mo.add_argument("--runs", type=int, default=5)
-    mo.add_argument("--out", default=f"{DEFAULT_OUT}/moe", help="report folder")
+    add_common(mo, runs=5, out="moe")
     mo.set_defaults(func=_offline_bench("moe"))
 
     lo = sub.add_parser(
         "lora", help="LoRA adapters: output tok/s with requests spread over adapters vs base"
     )
-    lo.add_argument("--model", default=None, help=model_help)
+    add_common(lo, model=True, runs=3, out="lora")
     lo.add_argument("--adapters", type=int, default=8, help="adapters (all resident)")
     lo.add_argument("--rank", type=int, default=16)
-    lo.add_argument("--runs", type=int, default=3)
-    lo.add_argument("--out", default=f"{DEFAULT_OUT}/lora", help="report folder")
     lo.set_defaults(func=_offline_bench("lora"))
 
     sd = sub.add_parser(
         "spec", help="speculative decoding: n-gram and draft-model proposals vs plain decoding"
     )
-    sd.add_argument("--runs", type=int, default=3, help="runs per case; the median is kept")
+    add_common(sd, runs=3, concurrency="1,8,16,64", out="spec")
     sd.add_argument("--k", type=int, default=4, help="proposed tokens per step")
-    sd.add_argument("--concurrency", default="1,8,16,64", help="requests kept in flight")
-    sd.add_argument("--out", default=f"{DEFAULT_OUT}/spec", help="report folder")
     sd.set_defaults(func=_offline_bench("spec"))
 
     so = sub.add_parser(
         "structured", help="structured outputs: grammar compile / mask cost, throughput, TTFT"
     )
-    so.add_argument("--runs", type=int, default=3, help="runs per case; the median is kept")
-    so.add_argument("--out", default=f"{DEFAULT_OUT}/structured", help="report folder")
+    add_common(so, runs=3, out="structured")
     so.set_defaults(func=_offline_bench("structured"))
 
     from infer.bench.overload import add_parser as add_overload
@@ -719,16 +726,13 @@ def register(subparsers) -> None:
     gp.set_defaults(func=cmd_gpu)
 
     pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
-    pr.add_argument("--model", default=None, help=model_help)
-    pr.add_argument("--dtype", default="bfloat16")
-    pr.add_argument("--runs", type=int, default=5)
+    add_common(pr, model=True, dtype=True, runs=5, out="prefix")
     pr.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
     pr.add_argument(
         "--loads",
         default="64x64@16,64x64@64,1024x128@16",
         help="nothing-shared cells, PROMPTxOUTPUT@C (on vs off)",
     )
-    pr.add_argument("--out", default=f"{DEFAULT_OUT}/prefix", help="report folder")
     pr.set_defaults(func=_offline_bench("prefix"))
 
 

@@ -91,7 +91,7 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def measure(url: str, concurrency: int, num_requests: int, seed: int) -> float:
-    from infer.bench.peers import closed_loop, summarize
+    from infer.bench.online import closed_loop, summarize
 
     records, wall = asyncio.run(closed_loop(url + "/v1", _prompts(num_requests, 64, seed),
                                             concurrency, 64))  # fmt: skip

@@ -61,7 +61,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from infer.bench.report import save_report
+from infer.bench.report import md_table, num, save_report
 
 MODES = ("pd", "dp", "single")
 TRANSFER_METRICS = (
@@ -680,7 +680,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _f(x: float | None, fmt: str = ".1f") -> str:
-    return "-" if x is None else format(x, fmt)
+    return num(x, fmt)
 
 
 def render(results: dict[str, Any]) -> str:
@@ -705,21 +705,18 @@ def render(results: dict[str, Any]) -> str:
         f"{c['long_max_tokens']} output tokens) arrives every {c['long_interval']:g} s. Medians "
         f"over {c['runs']} rounds (modes alternate within a round, each on a fresh server).",
         "",
-        "| mode | short ITL p50 (ms) | p99 (ms) | max (ms) | tok/s (all) | tok/s (short) | "
-        "long TTFT p50 (ms) | p99 (ms) | idle 1024-token TTFT (ms) | MB / ms per transfer | "
-        "runs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for name, s in modes.items():
         tr = "-"
         if s["transfer_mb"] is not None or s["transfer_ms"] is not None:
             tr = f"{_f(s['transfer_mb'])} / {_f(s['transfer_ms'])}"
-        lines.append(
-            f"| {name} | {_f(s['itl_p50_ms'])} | {_f(s['itl_p99_ms'])} | {_f(s['itl_max_ms'])} | "
-            f"{_f(s['tokens_per_s'], '.0f')} | {_f(s['short_tokens_per_s'], '.0f')} | "
-            f"{_f(s['long_ttft_p50_ms'], '.0f')} | {_f(s['long_ttft_p99_ms'], '.0f')} | "
-            f"{_f(s['idle_ttft_ms'], '.0f')} | {tr} | {s['runs']} |"
-        )
+        rows.append([name, _f(s["itl_p50_ms"]), _f(s["itl_p99_ms"]), _f(s["itl_max_ms"]),
+                     *(_f(s[k], ".0f") for k in ("tokens_per_s", "short_tokens_per_s",
+                       "long_ttft_p50_ms", "long_ttft_p99_ms", "idle_ttft_ms")), tr, s["runs"]])  # fmt: skip
+    lines += md_table("mode | short ITL p50 (ms) | p99 (ms) | max (ms) | tok/s (all) | tok/s (short) "
+                      "| long TTFT p50 (ms) | p99 (ms) | idle 1024-token TTFT (ms) "
+                      "| MB / ms per transfer | runs", rows)  # fmt: skip
     pd, dp = modes.get("pd"), modes.get("dp")
     if pd and dp and pd["itl_p99_ms"] and dp["itl_p99_ms"]:
         ratio = pd["itl_p99_ms"] / dp["itl_p99_ms"]
@@ -746,12 +743,11 @@ def render(results: dict[str, Any]) -> str:
             "The router's `infer:kv_transfer_*` metrics (per hand-off: export on the prefill side "
             "into the object store + fetch on the decode side), read before and after:",
             "",
-            "| pd | MB per transfer | ms per transfer |",
-            "|---|---|---|",
-            f"| long prompts in the window | {_f(pd['transfer_mb'])} | {_f(pd['transfer_ms'])} |",
-            f"| lone long prompts, idle server | {_f(pd['idle_transfer_mb'])} | "
-            f"{_f(pd['idle_transfer_ms'])} |",
-        ]
+            *md_table("pd | MB per transfer | ms per transfer", [
+                ["long prompts in the window", _f(pd["transfer_mb"]), _f(pd["transfer_ms"])],
+                ["lone long prompts, idle server", _f(pd["idle_transfer_mb"]),
+                 _f(pd["idle_transfer_ms"])]]),
+        ]  # fmt: skip
     saved = (dp or {}).get("idle_ttft_ms")
     if saved:
         line = (f"The prefill a transfer saves the decode side: a lone {c['long_prompt_tokens']}"
@@ -784,18 +780,17 @@ def render(results: dict[str, Any]) -> str:
         elif g:
             lines.append(f"| torch.distributed gloo send/recv (127.0.0.1) | {g['ms']:.1f} | "
                          f"{g['gb_per_s']:.2f} | into a preallocated tensor |")  # fmt: skip
-    lines += ["", "## Runs", "",
-              "| mode | round | ITL p50 / p99 / max (ms) | tok/s | long TTFT p50 / p99 (ms) | "
-              "long requests (failed) | transfers | server start (s) |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = []
     for name, runs in results["runs"].items():
         for r in runs:
             it, lt = r["itl_ms"], r["long_ttft_ms"]
-            n = (r.get("transfer") or {}).get("transfers", "-")
-            lines.append(f"| {name} | {r['round']} | {_f(it['p50'])} / {_f(it['p99'])} / {_f(it['max'])} "
-                         f"| {r['tokens_per_s']:.0f} | {_f(lt['p50'], '.0f')} / "
-                         f"{_f(lt['p99'], '.0f')} | {r['long_requests']} ({r['long_failed']}) | "
-                         f"{n} | {r['start_s']:.0f} |")  # fmt: skip
+            rows.append([name, r["round"], f"{_f(it['p50'])} / {_f(it['p99'])} / {_f(it['max'])}",
+                         f"{r['tokens_per_s']:.0f}", f"{_f(lt['p50'], '.0f')} / {_f(lt['p99'], '.0f')}",
+                         f"{r['long_requests']} ({r['long_failed']})",
+                         (r.get("transfer") or {}).get("transfers", "-"), f"{r['start_s']:.0f}"])  # fmt: skip
+    lines += ["", "## Runs", ""]
+    lines += md_table("mode | round | ITL p50 / p99 / max (ms) | tok/s | long TTFT p50 / p99 (ms) "
+                      "| long requests (failed) | transfers | server start (s)", rows)  # fmt: skip
     if results["errors"]:
         lines += ["", "## Errors", ""]
         for name, errs in results["errors"].items():

@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from infer.bench.report import md_table, num
+
 LLAMA_1B_DIR = Path.home() / ".cache/infer/bench/llama-1b-shape"
 TINY_DIR = Path.home() / ".cache/infer/bench/llama-tiny-gpu-bench"
 
@@ -500,6 +502,19 @@ def profile_decode(engine: Any, batch: int, steps: int, prompt_len: int, seed: i
     }
 
 
+@contextlib.contextmanager
+def _cell(res: dict, table: str, key: str, name: str, log: Callable[[str], None]):
+    """The body measures ``res[table][key]``; if it raises, the error goes there instead and is
+    counted in ``res["failures"]``, logged as ``name: FAILED ...``: one failed cell must not
+    lose the rest."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - recorded, the next cell runs
+        res["failures"] += 1
+        res.setdefault(table, {})[key] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"{name}: FAILED {type(e).__name__}: {e}")
+
+
 def engine_mode(
     model: Path,
     mode: str,
@@ -537,31 +552,21 @@ def engine_mode(
         for pin, pout, c in loads:
             key = load_key(pin, pout, c)
             n = max(args.requests_per_c * c, 2 if c == 1 else c)
-            try:
-                row = run_load(engine, c, n, pin, pout, seed=args.seed)
-            except Exception as e:  # noqa: BLE001 - one failed cell must not lose the rest
-                res["failures"] += 1
-                res["loads"][key] = {"error": f"{type(e).__name__}: {e}"}
-                log(f"{mode} {key}: FAILED {type(e).__name__}: {e}")
-                continue
-            res["loads"][key] = row
-            log(
-                f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
-                f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 {row['ttft_ms']['p50']:.0f} ms "
-                f"({row['wall_s']:.1f}s)"
-            )
+            with _cell(res, "loads", key, f"{mode} {key}", log):
+                res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
+                log(
+                    f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
+                    f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 {row['ttft_ms']['p50']:.0f} ms "
+                    f"({row['wall_s']:.1f}s)"
+                )
         for b in buckets:
-            try:
+            with _cell(res, "buckets", str(b), f"{mode} bucket {b}", log):
                 res["buckets"][str(b)] = r = decode_step_ms(
                     engine, b, args.bucket_steps, args.prompt_len, seed=1000 + b
                 )
                 log(f"{mode} decode step at batch {b}: {r['ms']:.3f} ms")
-            except Exception as e:  # noqa: BLE001
-                res["failures"] += 1
-                res["buckets"][str(b)] = {"error": f"{type(e).__name__}: {e}"}
-                log(f"{mode} bucket {b}: FAILED {type(e).__name__}: {e}")
         for b in profile_buckets:
-            try:
+            with _cell(res, "profile", str(b), f"{mode} profile {b}", log):
                 res.setdefault("profile", {})[str(b)] = r = profile_decode(
                     engine, b, args.profile_steps, args.prompt_len, seed=2000 + b
                 )
@@ -570,10 +575,6 @@ def engine_mode(
                     f"{r['gpu_busy_ms']:.3f} ms ({r['kernels_per_step']:.0f} kernels), host "
                     + " ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items())
                 )
-            except Exception as e:  # noqa: BLE001
-                res["failures"] += 1
-                res.setdefault("profile", {})[str(b)] = {"error": f"{type(e).__name__}: {e}"}
-                log(f"{mode} profile {b}: FAILED {type(e).__name__}: {e}")
     finally:
         gc.unfreeze()
         engine.close()
@@ -733,6 +734,11 @@ def kernel_bench(
     torch_ctx = set(ints(args.kernel_torch_contexts))
     if min_bytes is None:
         min_bytes = 256 << 20 if device.type == "cuda" else 64 << 10
+
+    def case(r: int, length: int, splits: list[int], with_torch: bool) -> dict:
+        return _kernel_case(attn, r, length, shape, device, args.kernel_reps, splits, with_torch,
+                            min_bytes, workspace)  # fmt: skip
+
     for r in ints(args.kernel_batches):
         for length in ints(args.kernel_contexts):
             kv_bytes = r * length * shape["kv_heads"] * shape["head_dim"] * 4
@@ -742,18 +748,8 @@ def kernel_bench(
             # As the engine runs it: the splits its decode step of r rows uses, and 1 beside it.
             engine_splits = _engine_splits(r, shape["kv_heads"], device)
             try:
-                row = _kernel_case(
-                    attn,
-                    r,
-                    length,
-                    shape,
-                    device,
-                    args.kernel_reps,
-                    [engine_splits] + ([1] if engine_splits != 1 else []),
-                    length in torch_ctx,
-                    min_bytes,
-                    workspace,
-                )
+                splits = [engine_splits] + ([1] if engine_splits != 1 else [])
+                row = case(r, length, splits, length in torch_ctx)
             except Exception as e:  # noqa: BLE001 - one failed cell must not lose the rest
                 row = {"batch": r, "context": length, "error": f"{type(e).__name__}: {e}"}
                 res["failures"] += 1
@@ -772,18 +768,7 @@ def kernel_bench(
     if splits:
         length = args.kernel_split_context
         try:
-            row = _kernel_case(
-                attn,
-                1,
-                length,
-                shape,
-                device,
-                args.kernel_reps,
-                splits,
-                False,
-                min_bytes,
-                workspace,
-            )
+            row = case(1, length, splits, False)
             one = row["splits_ms"].get("1")
             row["speedup"] = one / row["best_ms"] if one else None
             if read_GBps:
@@ -992,7 +977,7 @@ def targets(report: dict) -> list[dict]:
 
 
 def _f(x: Any, fmt: str = ".2f", none: str = "-") -> str:
-    return none if x is None else format(x, fmt)
+    return num(x, fmt, none)
 
 
 def _ratio(a: float | None, b: float | None, fmt: str = ".2f", suffix: str = "") -> str:
@@ -1004,15 +989,132 @@ def _last_line(text: str | None, width: int = 160) -> str:
     return lines[-1][:width] if lines else ""
 
 
-def _table(header: list[str], rows: list[list[Any]], align: str = "") -> list[str]:
-    """A markdown table; ``align`` has one letter per column, ``r`` right-aligned."""
-    sep = ["---:" if c == "r" else "---" for c in align.ljust(len(header), "l")[: len(header)]]
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(sep) + "|"]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out
+def _engine_markdown(eng: dict, roof: dict, p: int, o: int) -> list[str]:
+    """The offline engine's tables: loads per mode, start-up per mode, decode buckets."""
+    base = _get(eng, "torch-eager", "loads") or {}
+    rows: list[list[Any]] = []
+    for mode, res in eng.items():
+        if "error" in res and not res.get("loads"):
+            rows.append([mode, "-", f"failed: {_last_line(res['error'], 120)}", "", "", "", ""])
+        for key, row in res.get("loads", {}).items():
+            if "error" in row:
+                rows.append([mode, key, f"failed: {row['error'][:120]}", "", "", "", ""])
+                continue
+            tok_s = row["output_tok_s"]
+            rows.append([mode, key, f"{tok_s:,.0f}",
+                         _ratio(tok_s, _get(base, key, "output_tok_s"), suffix="x"),
+                         f"{row['itl_ms']['p50']:.2f}", f"{row['ttft_ms']['p50']:.0f}",
+                         f"{row['mean_step_ms']:.2f}"])  # fmt: skip
+    lines = ["", "## Offline engine, closed loop (C in flight, greedy, ignore_eos)", ""]
+    lines += md_table("mode | PxO@C | output tok/s | vs torch-eager | ITL p50 ms | TTFT p50 ms "
+                      "| mean step ms", rows, "llrrrrr")  # fmt: skip
+    rows = []
+    lim = roof.get("weight_read_ms")
+    for mode, res in eng.items():
+        itl = _get(res, "loads", load_key(p, o, 1), "itl_ms", "p50")
+        ratio = f"{itl:.3f} / {lim:.3f} ms = {itl / lim:.2f}x" if itl and lim else "-"
+        info = "; ".join(f"{k}={v}" for k, v in (res.get("runner_info") or {}).items())
+        rows.append([mode, _f(res.get("startup_s"), ".1f"), _f(res.get("warmup_s"), ".1f"),
+                     ratio, info[:300]])  # fmt: skip
+    lines += [""] + md_table("mode | engine start s | warm-up s | C=1 ITL p50 / weight-read limit "
+                             "| runner", rows, "lrrr")  # fmt: skip
+    modes = [mo for mo, res in eng.items() if res.get("buckets")]
+    if modes:
+        rows = []
+        for b in sorted({int(b) for mo in modes for b in eng[mo]["buckets"]}):
+            got = [eng[mo]["buckets"].get(str(b), {}) for mo in modes]
+            cells = [_f(g.get("ms"), ".3f", "failed" if "error" in g else "-") for g in got]
+            g, e = (_get(eng, mo, "buckets", str(b), "ms") for mo in ("graphs", "eager"))
+            rows.append([b, *cells, _ratio(g, e)])
+        lines += ["", "## Decode step per batch size (pure decode, `engine.step()`, median ms)"]
+        lines += [""] + md_table(["batch", *modes, "graphs / eager"], rows, "r" * 9)
+    return lines + profile_markdown(eng)
+
+
+def _http_markdown(http: dict) -> list[str]:
+    lines = ["", f"## Over HTTP: `infer serve` at {http.get('load', '-')}", ""]
+    if "output_tok_s" not in http:
+        return lines + ["Did not run to the end: see the sections table."]
+    lines.append(
+        "The offline graphs cell's prompts and engine settings, streamed completions "
+        "(token-id prompts, usage counted), C in flight; server up in "
+        f"{_f(http.get('server_start_s'), '.1f')} s."
+    )
+    rows = [
+        ["http", _f(http["output_tok_s"], ",.0f"), _f(http.get("ttft_ms_p50"), ".0f"),
+         _f(http.get("itl_ms_p50"))],
+        ["offline", _f(http.get("offline_tok_s"), ",.0f"), "", ""],
+        ["http / offline", _f(http.get("ratio")), "", ""],
+    ]  # fmt: skip
+    return lines + [""] + md_table(" | output tok/s | TTFT p50 ms | ITL p50 ms", rows, "lrrr")
+
+
+def _kernel_markdown(kern: dict) -> list[str]:
+    lines = ["", "## Decode attention kernel (Triton paged vs torch gather + SDPA)", ""]
+    if "skipped" in kern:
+        return lines + [f"Skipped: {kern['skipped']}"]
+    sh = kern.get("shape", {})
+    lines += [
+        f"{sh.get('heads')} query / {sh.get('kv_heads')} KV heads of {sh.get('head_dim')}, "
+        f"block size {sh.get('block_size')}, bf16. K/V bytes = batch x context x KV heads "
+        "x dim x 2 B x 2. Median over samples, each a CUDA graph of calls cycling through "
+        "copies of the cache (blocks shuffled) so reads miss L2.",
+        "",
+    ]
+    rows: list[list[Any]] = []
+    for row in kern.get("rows", []):
+        if "error" in row:
+            rows.append([row["batch"], row["context"], f"failed: {row['error'][:100]}"])
+            continue
+        t_ms, pct, one = (
+            row.get("torch_ms"),
+            row.get("pct_of_read"),
+            row.get("splits_ms", {}).get("1"),
+        )
+        rows.append([
+            row["batch"], row["context"], f"{row['kv_bytes'] / 1e6:,.1f}", row.get("splits", 1),
+            f"{1000 * row['ms']:.1f}", _f(None if one is None else 1000 * one, ".1f"),
+            f"{row['GBps']:,.0f}", _f(None if pct is None else 100 * pct, ".0f"),
+            _f(None if t_ms is None else 1000 * t_ms, ".1f"), _f(row.get("torch_GBps"), ",.0f"),
+            _ratio(t_ms, row["ms"]), _f(row.get("max_abs_err"), ".2e"),
+        ])  # fmt: skip
+    lines += md_table("batch | context | K/V MB | splits | triton us | 1 split us | GB/s "
+                      "| % of read | torch us | torch GB/s | triton speed-up "
+                      "| max abs err vs torch", rows, "r" * 12)  # fmt: skip
+    lines += [f"\nSkipped: {s}" for s in kern.get("skipped_cases", [])]
+    split = kern.get("split", {})
+    if "splits_ms" in split:
+        one = split["splits_ms"].get("1")
+        lines += ["", f"Split-K at batch 1, context {split['context']}:", ""]
+        rows = [[s, f"{1000 * ms:.1f}", _ratio(one, ms)] for s, ms in split["splits_ms"].items()]
+        lines += md_table("num_splits | us | speed-up vs 1", rows, "rrr")
+    elif "error" in split:
+        lines.append(f"\nSplit-K failed: {split['error']}")
+    return lines
+
+
+def _hf_markdown(r: dict, hf: dict, p: int, o: int) -> list[str]:
+    graphs = _get(r, "engine", "graphs", "loads") or {}
+    rows = []
+    for n, row in hf["rows"].items():
+        ours = _get(graphs, load_key(p, o, int(n)), "output_tok_s")
+        rows.append([n, row["max_new_tokens"], row["tokens"], f"{row['wall_s']:.1f}",
+                     f"{row['tok_s']:,.0f}", _f(ours, ",.0f"), _ratio(ours, row["tok_s"], ".1f")])  # fmt: skip
+    lines = [
+        "",
+        f"## transformers {hf.get('version')} `generate_batch` (persistent manager)",
+        "",
+        f"The same {p}-token prompts, greedy, attention `{hf.get('attn_implementation')}`, "
+        f"options {hf.get('options')}. infer's cells keep C in flight over "
+        f"{r.get('requests_per_c', 2)}xC requests.",
+        "",
+    ]
+    return lines + md_table("prompts | new tokens | tokens | s | tok/s | infer graphs tok/s "
+                            "| infer / transformers", rows, "r" * 7)  # fmt: skip
 
 
 def render_markdown(r: dict) -> str:
+    """``gpu.md`` of a report (the JSON of :func:`run`)."""
     m, model, roof = r.get("machine", {}), r.get("model", {}), r.get("roofline", {})
     eng, kern, hf = r.get("engine", {}), r.get("kernels", {}), r.get("hf", {})
     p, o = r.get("prompt_len", 128), r.get("output_len", 128)
@@ -1031,14 +1133,9 @@ def render_markdown(r: dict) -> str:
         "## Sections",
         "",
     ]
-    lines += _table(
-        ["section", "status", "seconds", "note"],
-        [
-            [name, s["status"], f"{s['seconds']:.1f}", _last_line(s.get("error") or s.get("note"))]
-            for name, s in r.get("sections", {}).items()
-        ],
-        "llr",
-    )
+    rows = [[name, s["status"], f"{s['seconds']:.1f}", _last_line(s.get("error") or s.get("note"))]
+            for name, s in r.get("sections", {}).items()]  # fmt: skip
+    lines += md_table("section | status | seconds | note", rows, "llr")
     if roof:
         lines += [
             "",
@@ -1052,229 +1149,19 @@ def render_markdown(r: dict) -> str:
             f"- weight-read limit of one decode step (weight bytes / read rate): "
             f"{_f(roof.get('weight_read_ms'), '.3f')} ms",
         ]
-    if eng:
-        base = _get(eng, "torch-eager", "loads") or {}
-        rows = []
-        for mode, res in eng.items():
-            if "error" in res and not res.get("loads"):
-                rows.append([mode, "-", f"failed: {_last_line(res['error'], 120)}", "", "", "", ""])
-            for key, row in res.get("loads", {}).items():
-                if "error" in row:
-                    rows.append([mode, key, f"failed: {row['error'][:120]}", "", "", "", ""])
-                    continue
-                rows.append(
-                    [
-                        mode,
-                        key,
-                        f"{row['output_tok_s']:,.0f}",
-                        _ratio(row["output_tok_s"], _get(base, key, "output_tok_s"), suffix="x"),
-                        f"{row['itl_ms']['p50']:.2f}",
-                        f"{row['ttft_ms']['p50']:.0f}",
-                        f"{row['mean_step_ms']:.2f}",
-                    ]
-                )
-        lines += ["", "## Offline engine, closed loop (C in flight, greedy, ignore_eos)", ""]
-        lines += _table(
-            [
-                "mode",
-                "PxO@C",
-                "output tok/s",
-                "vs torch-eager",
-                "ITL p50 ms",
-                "TTFT p50 ms",
-                "mean step ms",
-            ],
-            rows,
-            "llrrrrr",
-        )
-        rows = []
-        for mode, res in eng.items():
-            itl = _get(res, "loads", load_key(p, o, 1), "itl_ms", "p50")
-            lim = roof.get("weight_read_ms")
-            ratio = f"{itl:.3f} / {lim:.3f} ms = {itl / lim:.2f}x" if itl and lim else "-"
-            info = "; ".join(f"{k}={v}" for k, v in (res.get("runner_info") or {}).items())
-            rows.append(
-                [
-                    mode,
-                    _f(res.get("startup_s"), ".1f"),
-                    _f(res.get("warmup_s"), ".1f"),
-                    ratio,
-                    info[:300],
-                ]
-            )
-        lines.append("")
-        lines += _table(
-            ["mode", "engine start s", "warm-up s", "C=1 ITL p50 / weight-read limit", "runner"],
-            rows,
-            "lrrr",
-        )
-        bucket_modes = [mo for mo, res in eng.items() if res.get("buckets")]
-        if bucket_modes:
-            sizes = sorted({int(b) for mo in bucket_modes for b in eng[mo]["buckets"]})
-            rows = []
-            for b in sizes:
-                cells = [
-                    _f(
-                        eng[mo]["buckets"].get(str(b), {}).get("ms"),
-                        ".3f",
-                        "failed" if "error" in eng[mo]["buckets"].get(str(b), {}) else "-",
-                    )
-                    for mo in bucket_modes
-                ]
-                g = _get(eng, "graphs", "buckets", str(b), "ms")
-                e = _get(eng, "eager", "buckets", str(b), "ms")
-                rows.append([b, *cells, _ratio(g, e)])
-            lines += ["", "## Decode step per batch size (pure decode, `engine.step()`, median ms)"]
-            lines += [""] + _table(["batch", *bucket_modes, "graphs / eager"], rows, "r" * 9)
-        lines += profile_markdown(eng)
-    http = r.get("http") or {}
-    if http:
-        lines += ["", f"## Over HTTP: `infer serve` at {http.get('load', '-')}", ""]
-        if "output_tok_s" in http:
-            lines.append(
-                "The offline graphs cell's prompts and engine settings, streamed completions "
-                "(token-id prompts, usage counted), C in flight; server up in "
-                f"{_f(http.get('server_start_s'), '.1f')} s."
-            )
-            lines += [""] + _table(
-                ["", "output tok/s", "TTFT p50 ms", "ITL p50 ms"],
-                [
-                    [
-                        "http",
-                        _f(http["output_tok_s"], ",.0f"),
-                        _f(http.get("ttft_ms_p50"), ".0f"),
-                        _f(http.get("itl_ms_p50")),
-                    ],
-                    ["offline", _f(http.get("offline_tok_s"), ",.0f"), "", ""],
-                    ["http / offline", _f(http.get("ratio")), "", ""],
-                ],  # fmt: skip
-                "lrrr",
-            )
-        else:
-            lines.append("Did not run to the end: see the sections table.")
-    if kern:
-        lines += ["", "## Decode attention kernel (Triton paged vs torch gather + SDPA)", ""]
-        if "skipped" in kern:
-            lines.append(f"Skipped: {kern['skipped']}")
-        else:
-            sh = kern.get("shape", {})
-            lines += [
-                f"{sh.get('heads')} query / {sh.get('kv_heads')} KV heads of {sh.get('head_dim')}, "
-                f"block size {sh.get('block_size')}, bf16. K/V bytes = batch x context x KV heads "
-                "x dim x 2 B x 2. Median over samples, each a CUDA graph of calls cycling through "
-                "copies of the cache (blocks shuffled) so reads miss L2.",
-                "",
-            ]
-            rows = []
-            for row in kern.get("rows", []):
-                if "error" in row:
-                    rows.append([row["batch"], row["context"], f"failed: {row['error'][:100]}"])
-                    continue
-                t_ms = row.get("torch_ms")
-                pct = row.get("pct_of_read")
-                rows.append(
-                    [
-                        row["batch"],
-                        row["context"],
-                        f"{row['kv_bytes'] / 1e6:,.1f}",
-                        row.get("splits", 1),
-                        f"{1000 * row['ms']:.1f}",
-                        _f(
-                            1000 * row["splits_ms"]["1"]
-                            if "1" in row.get("splits_ms", {})
-                            else None,
-                            ".1f",
-                        ),
-                        f"{row['GBps']:,.0f}",
-                        _f(None if pct is None else 100 * pct, ".0f"),
-                        _f(None if t_ms is None else 1000 * t_ms, ".1f"),
-                        _f(row.get("torch_GBps"), ",.0f"),
-                        _ratio(t_ms, row["ms"]),
-                        _f(row.get("max_abs_err"), ".2e"),
-                    ]
-                )
-            lines += _table(
-                [
-                    "batch",
-                    "context",
-                    "K/V MB",
-                    "splits",
-                    "triton us",
-                    "1 split us",
-                    "GB/s",
-                    "% of read",
-                    "torch us",
-                    "torch GB/s",
-                    "triton speed-up",
-                    "max abs err vs torch",
-                ],
-                rows,
-                "r" * 12,
-            )
-            lines += [f"\nSkipped: {s}" for s in kern.get("skipped_cases", [])]
-            split = kern.get("split", {})
-            if "splits_ms" in split:
-                one = split["splits_ms"].get("1")
-                lines += ["", f"Split-K at batch 1, context {split['context']}:", ""]
-                lines += _table(
-                    ["num_splits", "us", "speed-up vs 1"],
-                    [
-                        [s, f"{1000 * ms:.1f}", _ratio(one, ms)]
-                        for s, ms in split["splits_ms"].items()
-                    ],
-                    "rrr",
-                )
-            elif "error" in split:
-                lines.append(f"\nSplit-K failed: {split['error']}")
+    lines += _engine_markdown(eng, roof, p, o) if eng else []
+    lines += _http_markdown(r["http"]) if r.get("http") else []
+    lines += _kernel_markdown(kern) if kern else []
     if hf.get("rows"):
-        graphs = _get(eng, "graphs", "loads") or {}
-        rows = []
-        for n, row in hf["rows"].items():
-            ours = _get(graphs, load_key(p, o, int(n)), "output_tok_s")
-            rows.append(
-                [
-                    n,
-                    row["max_new_tokens"],
-                    row["tokens"],
-                    f"{row['wall_s']:.1f}",
-                    f"{row['tok_s']:,.0f}",
-                    _f(ours, ",.0f"),
-                    _ratio(ours, row["tok_s"], ".1f"),
-                ]
-            )
-        lines += [
-            "",
-            f"## transformers {hf.get('version')} `generate_batch` (persistent manager)",
-            "",
-            f"The same {p}-token prompts, greedy, attention `{hf.get('attn_implementation')}`, "
-            f"options {hf.get('options')}. infer's cells keep C in flight over "
-            f"{r.get('requests_per_c', 2)}xC requests.",
-            "",
-        ]
-        lines += _table(
-            [
-                "prompts",
-                "new tokens",
-                "tokens",
-                "s",
-                "tok/s",
-                "infer graphs tok/s",
-                "infer / transformers",
-            ],
-            rows,
-            "r" * 7,
-        )
+        lines += _hf_markdown(r, hf, p, o)
     elif "error" in hf:
         lines += ["", f"transformers generate_batch failed: {_last_line(hf['error'])}"]
-    lines += ["", "## Targets", ""]
-    lines += _table(
-        ["target", "measured", "status"],
-        [
-            [t["target"], t["measured"] or "-", f"**{t['status']}**"]
-            for t in r.get("targets") or targets(r)
-        ],
+    rows = [[t["target"], t["measured"] or "-", f"**{t['status']}**"]
+            for t in r.get("targets") or targets(r)]  # fmt: skip
+    return (
+        "\n".join([*lines, "", "## Targets", "", *md_table("target | measured | status", rows)])
+        + "\n"
     )
-    return "\n".join(lines) + "\n"
 
 
 def profile_markdown(eng: dict) -> list[str]:
@@ -1286,7 +1173,6 @@ def profile_markdown(eng: dict) -> list[str]:
             if "error" in p:
                 lines += ["", f"## Profile: {mode}, batch {b}: failed: {p['error'][:200]}"]
                 continue
-            host = p["host_ms"]
             lines += [
                 "",
                 f"## Profile: {mode}, decode at batch {b} (torch.profiler, {p['steps']} steps)",
@@ -1294,14 +1180,12 @@ def profile_markdown(eng: dict) -> list[str]:
                 f"- wall {p['wall_ms']:.3f} ms/step; GPU busy {p['gpu_busy_ms']:.3f} ms "
                 f"(idle {100 * (p['gpu_idle_share'] or 0):.0f}%); "
                 f"{p['kernels_per_step']:.0f} kernels per step",
-                "- host ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()),
+                "- host ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in p["host_ms"].items()),
                 "",
             ]
-            rows = [
-                [k["name"], f"{k['per_step']:.1f}", f"{k['us_per_step']:.1f}"]
-                for k in p["top_kernels"]
-            ]
-            lines += _table(["kernel", "calls/step", "us/step"], rows, "lrr")
+            rows = [[k["name"], f"{k['per_step']:.1f}", f"{k['us_per_step']:.1f}"]
+                    for k in p["top_kernels"]]  # fmt: skip
+            lines += md_table("kernel | calls/step | us/step", rows, "lrr")
     return lines
 
 

@@ -8,7 +8,7 @@ process and the client's streams cost::
     offline : serve_closed_loop(engine)            -> output tok/s
     http    : C clients -> infer serve (engine process) -> output tok/s (usage counts)
 
-The client is ``infer bench peers``' closed loop (:func:`infer.bench.peers.closed_loop`).
+The client is ``infer bench peers``' closed loop (:func:`infer.bench.online.closed_loop`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def http_section(
     (that cell's row from the same run, if it ran)."""
     from infer.bench.gpu import load_key
     from infer.bench.offline import random_prompts
-    from infer.bench.online import free_port, launch_server, stop_server
-    from infer.bench.peers import closed_loop, summarize
+    from infer.bench.online import closed_loop, free_port, launch_server, stop_server, summarize
 
     prompt_len, output_len, c = load
     n = max(args.requests_per_c * c, 2 if c == 1 else c)

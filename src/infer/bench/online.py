@@ -15,6 +15,7 @@ left after a grace period, and waits for its port to free::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shlex
@@ -26,6 +27,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infer.bench.client import RequestRecord
 
 
 def free_port() -> int:
@@ -145,3 +150,53 @@ def serving(
         yield proc, url, wait_healthy(url, proc, timeout_s)
     finally:
         stop_server(proc, port)
+
+
+async def closed_loop(
+    base: str, prompts: list[list[int]], concurrency: int, out_len: int
+) -> tuple[list[RequestRecord], float]:
+    """``prompts`` (token ids) streamed through infer's own HTTP client, ``concurrency`` in
+    flight, ``out_len`` greedy tokens each with ignore_eos: the records and the wall time."""
+    from infer.bench.client import RequestRecord, new_client, stream_request  # the bench extra
+
+    queue = list(enumerate(prompts))
+    records: list[RequestRecord] = []
+    async with new_client() as client:
+
+        async def worker() -> None:
+            while queue:
+                i, ids = queue.pop(0)
+                rec = RequestRecord(
+                    index=i, prompt_len_target=len(ids), max_tokens=out_len, scheduled_s=0.0
+                )
+                payload = {
+                    "model": "m",
+                    "prompt": ids,
+                    "max_tokens": out_len,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                records.append(await stream_request(client, base, payload, rec))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return records, time.perf_counter() - t0
+
+
+def summarize(records: list[RequestRecord], wall: float) -> dict:
+    """Completed requests, output tok/s, TTFT and ITL percentiles (ms) of a closed loop."""
+    from infer.bench.metrics import percentile
+
+    ok = [r for r in records if r.success]
+    ttft = [1000 * r.ttft_s for r in ok]
+    itl = [1000 * x for r in ok for x in r.itls_s]
+    return {
+        "completed": len(ok),
+        "configured": len(records),
+        "output_tok_s": sum(r.output_tokens or 0 for r in ok) / wall,
+        "ttft_ms": {f"p{p}": percentile(ttft, p) for p in (50, 95, 99)},
+        "itl_ms": {f"p{p}": percentile(itl, p) for p in (50, 95, 99)},
+        "errors": sorted({r.error for r in records if r.error})[:3],
+    }

@@ -220,6 +220,25 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
 
 
+def md_table(
+    header: str | Sequence[str], rows: Sequence[Sequence[object]], align: str = ""
+) -> list[str]:
+    """An unpadded markdown table as lines: the one table shape of every bench report.
+
+    ``header`` is a list of column names or one string of them separated by ``" | "``;
+    ``align`` has a letter per column, ``r`` for right-aligned (``---:``), anything else left;
+    a shorter ``align`` leaves the remaining columns left-aligned."""
+    cols = header.split(" | ") if isinstance(header, str) else list(header)
+    sep = ["---:" if a == "r" else "---" for a in align.ljust(len(cols))[: len(cols)]]
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join(sep) + "|"]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def num(x: float | None, spec: str = ".1f", none: str = "-") -> str:
+    """``x`` formatted with ``spec`` for a table cell, ``none`` when it is missing."""
+    return none if x is None else format(x, spec)
+
+
 def lost_note(label: str, m: WorkloadMetrics, errors: Sequence[str] = ()) -> str | None:
     """The warning line for a run that did not complete every configured request."""
     if m.lost == 0:

@@ -94,7 +94,7 @@ async def _one_run(url: str, requests: list[list[int]], concurrency: int,
                    max_tokens: int) -> list[float]:  # fmt: skip
     """The TTFT of every request (seconds), ``concurrency`` at a time in workload order
     (``infer bench peers``' closed loop); any failed request fails the run."""
-    from infer.bench.peers import closed_loop
+    from infer.bench.online import closed_loop
 
     records, _ = await closed_loop(url + "/v1", requests, concurrency, max_tokens)
     failed = [r.error for r in records if not r.success]

@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from infer.bench.report import save_report
+from infer.bench.report import md_table, save_report
 
 ALL_REDUCE_ITERS = 300
 
@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(r: dict) -> str:
+    """``tensor_parallel.md``."""
     lines = [
         "# Tensor parallelism on this machine",
         "",
@@ -144,15 +145,11 @@ def render(r: dict) -> str:
         f"`LLM.generate`, {r['concurrency']} prompts x {r['input_len']} random tokens in, "
         f"{r['output_len']} out (greedy, ignore_eos); median of {r['runs']} runs.",
         "",
-        "| tensor_parallel_size | output tok/s (median) | runs | forward ms / step |",
-        "|---:|---:|---|---:|",
     ]
-    for t in r["throughput"]:
-        runs = ", ".join(f"{x:.0f}" for x in t["tok_s_runs"])
-        lines.append(
-            f"| {t['tensor_parallel_size']} | {t['tok_s']:.0f} | {runs} | "
-            f"{t['forward_ms_per_step']:.1f} |"
-        )
+    rows = [[t["tensor_parallel_size"], f"{t['tok_s']:.0f}", ", ".join(f"{x:.0f}" for x in
+             t["tok_s_runs"]), f"{t['forward_ms_per_step']:.1f}"] for t in r["throughput"]]  # fmt: skip
+    lines += md_table("tensor_parallel_size | output tok/s (median) | runs | forward ms / step",
+                      rows, "rrlr")  # fmt: skip
     per_step = 2 * r["layers"] + 1
     lines += [
         "",
@@ -160,11 +157,9 @@ def render(r: dict) -> str:
         f"({ALL_REDUCE_ITERS} calls, after a warm-up); a step of this model does "
         f"{per_step} of them (two per layer, one for the embedding):",
         "",
-        "| rows n | us per all-reduce | x per step = ms |",
-        "|---:|---:|---:|",
     ]
-    for n, us in r["all_reduce_us"].items():
-        lines.append(f"| {n} | {us:.0f} | {us * per_step / 1000:.2f} |")
+    rows = [[n, f"{us:.0f}", f"{us * per_step / 1000:.2f}"] for n, us in r["all_reduce_us"].items()]
+    lines += md_table("rows n | us per all-reduce | x per step = ms", rows, "rrr")
     return "\n".join(lines) + "\n"
 
 

@@ -49,6 +49,13 @@ logs, vLLM's saved result JSON files, the versions and every exact command go to
 Servers always stop (SIGTERM to the process group, SIGKILL after 60 s, also on Ctrl-C or
 SIGTERM of this driver) and their port must be free before the next one starts.
 
+``infer bench peers [--peers infer,vllm] [--concurrency 1,16,64] [--runs 3]`` is this command's
+other client (:func:`run_peers`): the same servers (:func:`server_command`; vLLM's CPU build in
+``$VLLM_VENV``, its OpenMP threads on cores 0-1), one after the other, each warmed up with two
+requests and then driven closed-loop by infer's own HTTP client: C streaming requests in
+flight, 2*C (min 8) per run, 64-token prompts (token ids), 64 greedy output tokens with
+ignore_eos; output tok/s (median run), TTFT and ITL percentiles per peer and C.
+
 ``--offline`` also measures the offline engine (``LLM.generate``, ``max_num_seqs=16``, 64
 prompts of 64 tokens, 64 output tokens) in a fresh process each round, right before infer's
 server, to compare with infer over HTTP at C=16 (target: HTTP loses at most 5%).
@@ -74,6 +81,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from infer.bench.report import md_table
 
 DEFAULT_WORKLOADS: dict[str, tuple[int, ...]] = {"64x64": (1, 16, 64), "1024x128": (16,)}
 """Workload (``INxOUT``) -> its concurrencies when named without ``@C``."""
@@ -439,6 +448,105 @@ def _cell_order(key: str) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Servers
+
+
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+}
+"""Environment of vLLM's CPU build (server and ``vllm bench`` client): offline, 2 GiB of KV
+(infer's CPU default too), OpenMP threads on cores 0-1."""
+
+
+def vllm_venv() -> Path:
+    """The virtual environment of vLLM's CPU build: ``$VLLM_VENV``, default ``~/peers/vllm``."""
+    return Path(os.environ.get("VLLM_VENV", Path.home() / "peers" / "vllm"))
+
+
+def llamacpp_bin() -> str:
+    """llama.cpp's ``llama-server``: ``$LLAMACPP_BIN``, else the one on ``PATH``."""
+    return os.environ.get("LLAMACPP_BIN") or shutil.which("llama-server") or "llama-server"
+
+
+def llamacpp_version(binary: str | Path, timeout_s: float = 60) -> str | None:
+    """What ``llama-server --version`` prints (its build number and commit, the compiler), or
+    None where it cannot run."""
+    try:
+        r = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=timeout_s
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = "\n".join(x.strip() for x in (r.stdout, r.stderr) if x.strip())
+    return text or None
+
+
+def server_command(
+    peer: str,
+    model: Path,
+    port: int,
+    dtype: str,
+    max_seqs: int,
+    extra: str = "",
+    *,
+    max_model_len: int = 1024,
+    served_name: str = "m",
+    llamacpp_binary: str | Path | None = None,
+    threads: int | None = None,
+) -> tuple[list[str], dict]:
+    """The command line and environment that start ``peer`` on ``model``.
+
+    ``infer`` and ``vllm`` serve a model folder in ``dtype``. ``llamacpp`` serves a GGUF file
+    (``model``; its tensors' types are the file's, ``dtype`` does not apply) with ``llama-server``
+    (``llamacpp_binary``, default :func:`llamacpp_bin`): ``max_seqs`` parallel slots sharing a
+    context of ``max_seqs * max_model_len`` tokens (``max_model_len`` per slot), ``threads``
+    (default: every core) for decoding and for prompts alike.
+    """
+    env = dict(os.environ)
+    # infer and vLLM take the same serving flags, by the same names.
+    serving_flags = ["--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_seqs),
+                     "--max-model-len", str(max_model_len), "--served-model-name", served_name]  # fmt: skip
+    if peer == "infer":
+        cmd = [sys.executable, "-m", "infer.server", "--model", str(model), *serving_flags,
+               "--no-access-log", *shlex.split(extra)]  # fmt: skip
+        return cmd, env
+    if peer == "vllm":
+        env.update(VLLM_ENV)
+        cmd = [str(vllm_venv() / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+               *serving_flags, *shlex.split(extra)]  # fmt: skip
+        return cmd, env
+    if peer == "llamacpp":
+        n = str(threads or os.cpu_count() or 1)
+        cmd = [
+            str(llamacpp_binary or llamacpp_bin()),
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            str(max_seqs),
+            "-c",
+            str(max_seqs * max_model_len),
+            "-t",
+            n,
+            "-tb",
+            n,
+            "--alias",
+            served_name,
+            *shlex.split(extra),
+        ]
+        return cmd, env
+    raise SystemExit(f"unknown peer {peer!r} (known: infer, vllm, llamacpp)")
+
+
+# ---------------------------------------------------------------------------------------------
 # Machine load
 
 
@@ -720,7 +828,6 @@ def run_peer_round(
     """Start ``peer``'s server (with the LoRA adapters if ``lora``), measure every cell, stop it
     (always)."""
     from infer.bench.online import serving
-    from infer.bench.peers import server_command
 
     args, out = ctx["args"], ctx["out"]
     extra = {"infer": args.infer_args, "vllm": args.vllm_args}.get(peer, "")
@@ -918,6 +1025,11 @@ def _vllm_dtype_note(cfg: dict) -> str:
     return "" if vdt == cfg["dtype"] else f" (vLLM: `--dtype {vdt}`)"
 
 
+def _loads(xs: list[float] | None) -> str:
+    """``os.getloadavg()``'s three figures, as ``1.00/0.50/0.25``."""
+    return "/".join(f"{x:.2f}" for x in xs or [])
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -994,51 +1106,34 @@ def _lora_cost(report: dict) -> list[str]:
 def _results_table(report: dict, other: str) -> list[str]:
     """The medians of every cell, infer beside ``other``, with their ratio."""
     med, o = report["medians"], peer_label(other)
-    keys = [c["key"] for c in report["cells"]]
-    lines = [
-        f"| workload | C | infer tok/s | {o} tok/s | infer / {o} | TTFT p50 ms infer / {o} "
-        f"| TPOT p50 ms infer / {o} | ITL p50 ms infer / {o} | ITL p99 ms infer / {o} "
-        f"| done infer / {o} |",
-        "|---|---:|---:|---:|---:|---|---|---|---|---|",
-    ]
 
-    def cellv(peer: str, key: str, metric: str, nd: int = 1) -> str:
+    def cellv(peer: str, key: str, metric: str) -> str:
         row = med.get(peer, {}).get(key)
-        if row is None:
-            return "-"
-        if "error" in row:
-            return "failed"
-        return _fmt(row.get(metric), nd)
-
-    def pair(key: str, metric: str) -> str:
-        return f"{cellv('infer', key, metric)} / {cellv(other, key, metric)}"
+        return "-" if row is None else "failed" if "error" in row else _fmt(row.get(metric))
 
     def done(peer: str, key: str) -> str:
-        row = med.get(peer, {}).get(key)
-        if row is None:
+        if med.get(peer, {}).get(key) is None:
             return "-"
         runs = [r for r in report["runs"] if r["peer"] == peer and r["cell"] == key]
         bad = sum("error" in r for r in runs)
         return f"{len(runs) - bad}/{len(runs)} runs ok" + (" ⚠" if bad else "")
 
-    for key in keys:
-        w, c = key.split("@")
-        a = _get(med, "infer", key, "output_tok_s")
-        b = _get(med, other, key, "output_tok_s")
-        ratio = f"{a / b:.2f}x" if a and b else "-"
-        lines.append(
-            f"| {w} | {c} | {cellv('infer', key, 'output_tok_s')} | "
-            f"{cellv(other, key, 'output_tok_s')} | {ratio} | {pair(key, 'ttft_p50_ms')} | "
-            f"{pair(key, 'tpot_p50_ms')} | {pair(key, 'itl_p50_ms')} | {pair(key, 'itl_p99_ms')} | "
-            f"{done('infer', key)} / {done(other, key)} |"
-            + (
-                f" prefix cache hit rate {_pct(_get(med, 'infer', key, 'prefix_hit_rate'))} / "
-                f"{_pct(_get(med, other, key, 'prefix_hit_rate'))}"
-                if _get(med, "infer", key, "prefix_hit_rate") is not None
-                else ""
-            )
-        )
-    return lines
+    rows, tails = [], []
+    for key in (c["key"] for c in report["cells"]):
+        a, b = _get(med, "infer", key, "output_tok_s"), _get(med, other, key, "output_tok_s")
+        pairs = [f"{cellv('infer', key, m)} / {cellv(other, key, m)}"
+                 for m in ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms")]  # fmt: skip
+        rows.append([*key.split("@"), cellv("infer", key, "output_tok_s"),
+                     cellv(other, key, "output_tok_s"), f"{a / b:.2f}x" if a and b else "-",
+                     *pairs, f"{done('infer', key)} / {done(other, key)}"])  # fmt: skip
+        hits = [_get(med, p, key, "prefix_hit_rate") for p in ("infer", other)]
+        tails.append("" if hits[0] is None else
+                     f" prefix cache hit rate {_pct(hits[0])} / {_pct(hits[1])}")  # fmt: skip
+    header = ["workload", "C", "infer tok/s", f"{o} tok/s", f"infer / {o}"]
+    header += [f"{m} infer / {o}" for m in ("TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms",
+                                            "ITL p99 ms", "done")]  # fmt: skip
+    lines = md_table(header, rows, "lrrrr")  # a shared-prefix cell's hit rate trails its row
+    return lines[:2] + [line + tail for line, tail in zip(lines[2:], tails, strict=True)]
 
 
 def render(report: dict) -> str:
@@ -1126,35 +1221,31 @@ def render(report: dict) -> str:
         "run (`nonvoluntary_ctxt_switches`), which on a machine with as many cores as engine "
         "threads stalls the engine's other threads too.",
         "",
-        "| round | peer | cell | output tok/s | TTFT p50 | TPOT p50 | ITL p50 / p99 | done "
-        "| load before warm-up | load before run | other CPU (cores) | server CPU (cores) "
-        "| server preempted /s |",
-        "|---:|---|---|---:|---:|---:|---|---|---|---|---:|---:|---:|",
     ]
+    rows = []
     for r in report["runs"]:
         res = r.get("result", {})
-        la = "/".join(f"{x:.2f}" for x in r.get("load_before_warmup", []))
-        lb = "/".join(f"{x:.2f}" for x in r.get("load_before", []))
         status = f"{res.get('completed', 0)}/{r.get('num_prompts', '?')}"
-        if "error" in r:
-            status += f" ⚠ {r['error']}"
-        if (r.get("other_cpu_cores") or 0) > QUIET_CORES:
-            status += " ⚠ disturbed"
-        lines.append(
-            f"| {r['round']} | {r['peer']} | {r['cell']} | {_fmt(res.get('output_tok_s'))} "
-            f"| {_fmt(res.get('ttft_p50_ms'))} | {_fmt(res.get('tpot_p50_ms'))} "
-            f"| {_fmt(res.get('itl_p50_ms'))} / {_fmt(res.get('itl_p99_ms'))} | {status} "
-            f"| {la} | {lb} | {_fmt(r.get('other_cpu_cores'), 2)} "
-            f"| {_fmt(r.get('server_cpu_cores'), 2)} | {_fmt(r.get('server_preempted_per_s'), 0)} |"
-        )
+        status += f" ⚠ {r['error']}" if "error" in r else ""
+        status += " ⚠ disturbed" if (r.get("other_cpu_cores") or 0) > QUIET_CORES else ""
+        rows.append([
+            r["round"], r["peer"], r["cell"], _fmt(res.get("output_tok_s")),
+            _fmt(res.get("ttft_p50_ms")), _fmt(res.get("tpot_p50_ms")),
+            f"{_fmt(res.get('itl_p50_ms'))} / {_fmt(res.get('itl_p99_ms'))}", status,
+            _loads(r.get("load_before_warmup")), _loads(r.get("load_before")),
+            _fmt(r.get("other_cpu_cores"), 2), _fmt(r.get("server_cpu_cores"), 2),
+            _fmt(r.get("server_preempted_per_s"), 0),
+        ])  # fmt: skip
     for rnd in report.get("offline", {}).get("rounds", []):
         res = rnd.get("result", {})
-        lb = "/".join(f"{x:.2f}" for x in rnd.get("load_before", []))
-        lines.append(
-            f"| {rnd['round']} | offline | 64x64@16 | {_fmt(res.get('output_tok_s'))} | | | "
-            f"| {'⚠ ' + rnd['error'] if 'error' in rnd else ''} | | {lb} "
-            f"| {_fmt(rnd.get('other_cpu_cores'), 2)} | | |"
-        )
+        rows.append([rnd["round"], "offline", "64x64@16", _fmt(res.get("output_tok_s")), "", "",
+                     "", "⚠ " + rnd["error"] if "error" in rnd else "", "",
+                     _loads(rnd.get("load_before")), _fmt(rnd.get("other_cpu_cores"), 2), "", ""])  # fmt: skip
+    lines += md_table(
+        "round | peer | cell | output tok/s | TTFT p50 | TPOT p50 | ITL p50 / p99 | done "
+        "| load before warm-up | load before run | other CPU (cores) | server CPU (cores) "
+        "| server preempted /s", rows, "rllrrrllllrrr",
+    )  # fmt: skip
     v = report["versions"]
     lines += [
         "",
@@ -1209,7 +1300,6 @@ def render(report: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     """``infer bench vs-vllm``: rounds of each peer in turn; ``vs_vllm.json`` + ``vs_vllm.md``."""
     from infer.bench.online import port_is_free
-    from infer.bench.peers import VLLM_ENV, llamacpp_bin, llamacpp_version, vllm_venv
     from infer.bench.report import now_iso
     from infer.testing.bench_models import llama_100m
 
@@ -1400,6 +1490,109 @@ def finish(report: dict, out: Path) -> None:
     (out / "vs_vllm.md").write_text(md)
     print("\n" + md, flush=True)
     print(f"report: {out / 'vs_vllm.md'} (+ vs_vllm.json, logs/, results/)", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# ``infer bench peers``: the same servers, infer's own client, closed loop
+
+
+def bench_peer(peer: str, args: argparse.Namespace, model: Path, port: int) -> dict:
+    """Start ``peer``, warm it up, measure every concurrency ``args.runs`` times with infer's
+    own client (the median run is kept), stop it (always)."""
+    import asyncio
+
+    import torch
+
+    from infer.bench.offline import random_prompts
+    from infer.bench.online import closed_loop, serving, summarize
+
+    extra = args.infer_args if peer == "infer" else ""
+    cmd, env = server_command(peer, model, port, args.dtype, max(args.concurrency), extra)
+    with serving(cmd, env, Path(args.out) / f"{peer}-server.log", port) as (_, url, startup):
+        print(f"{peer}: healthy after {startup:.0f} s", flush=True)
+        gen = torch.Generator().manual_seed(42)
+
+        def loop(n: int, c: int, out_len: int) -> dict:
+            prompts = random_prompts(8000, n, args.prompt_len, gen)
+            return summarize(*asyncio.run(closed_loop(url + "/v1", prompts, c, out_len)))
+
+        loop(2, 2, 8)  # warm-up
+        rows = {}
+        for c in args.concurrency:
+            runs = sorted(
+                (loop(max(2 * c, 8), c, args.output_len) for _ in range(args.runs)),
+                key=lambda r: r["output_tok_s"],
+            )
+            rows[str(c)] = row = runs[len(runs) // 2]
+            row["output_tok_s_runs"] = [r["output_tok_s"] for r in runs]
+            print(
+                f"{peer} c={c}: {row['output_tok_s']:.1f} tok/s "
+                f"{[round(r) for r in row['output_tok_s_runs']]} TTFT p50 "
+                f"{row['ttft_ms']['p50']:.0f} ms ITL p50 {row['itl_ms']['p50']:.1f} ms "
+                f"({row['completed']}/{row['configured']})",
+                flush=True,
+            )
+        return {"startup_s": startup, "load": rows}
+
+
+def run_peers(args: argparse.Namespace) -> int:
+    """``infer bench peers``: the vs-vLLM servers (:func:`server_command`) one at a time, each
+    driven by infer's own client in a closed loop (:func:`bench_peer`) instead of ``vllm bench
+    serve``; writes ``peers.json`` and ``peers.md``."""
+    from infer.bench.report import save_report
+    from infer.testing.bench_models import llama_100m
+
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    model = llama_100m(args.model)
+    results = {}
+    for peer in args.peers.split(","):
+        try:
+            results[peer] = bench_peer(peer, args, model, args.port)
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            print(f"{peer}: FAILED: {e}", flush=True)
+            results[peer] = {"error": str(e)}
+    keys = ("dtype", "prompt_len", "output_len", "runs")
+    report = {"model": str(model), **{k: getattr(args, k) for k in keys}, "results": results}
+    save_report(report, render_peers(report, args.concurrency), args.out, "peers")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+def render_peers(report: dict, concurrency: list[int]) -> str:
+    """``peers.md``: every peer at every concurrency, then infer / vLLM."""
+    res, rows = report["results"], []
+    for peer, r in res.items():
+        if "error" in r:
+            rows.append([peer, "-", f"failed: {r['error'][:80]}", "", "", "", ""])
+            continue
+        for c in concurrency:
+            row = r["load"][str(c)]
+            ttft, itl = row["ttft_ms"], row["itl_ms"]
+            rows.append([peer, c, f"{row['output_tok_s']:.1f}",
+                         ", ".join(f"{x:.0f}" for x in row["output_tok_s_runs"]),
+                         f"{ttft['p50']:.0f} / {ttft['p95']:.0f}",
+                         f"{itl['p50']:.1f} / {itl['p95']:.1f}",
+                         f"{row['completed']}/{row['configured']}"])  # fmt: skip
+    lines = [
+        "# infer vs peers over HTTP (same machine, same run, same prompts)",
+        "",
+        f"Model {Path(report['model']).name}, {report['dtype']}; {report['prompt_len']}-token "
+        f"prompts, {report['output_len']} greedy output tokens, ignore_eos; closed loop, median "
+        f"of {report['runs']} runs.",
+        "",
+        *md_table(
+            "server | concurrency | output tok/s | runs | TTFT p50 / p95 ms "
+            "| ITL p50 / p95 ms | done",
+            rows,
+            "lrr",
+        ),  # fmt: skip
+    ]
+    if all("error" not in res.get(p, {"error": 1}) for p in ("infer", "vllm")):
+        tok_s = {p: {c: res[p]["load"][str(c)]["output_tok_s"] for c in concurrency}
+                 for p in ("infer", "vllm")}  # fmt: skip
+        rows = [[c, f"{tok_s['infer'][c] / tok_s['vllm'][c]:.2f}x"] for c in concurrency]
+        lines += ["", *md_table("concurrency | infer / vLLM", rows, "rr")]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
