@@ -399,6 +399,40 @@ def _offline_bench(module: str, func: str = "run") -> Callable[[argparse.Namespa
     return cmd
 
 
+def checkout_benchmark(name: str):
+    """``benchmarks/<name>.py`` of the source checkout this package runs from, imported: the
+    kernel micro-benchmarks live beside their reports, outside the package. None when the
+    package is not run from a checkout."""
+    import importlib.util
+    from pathlib import Path
+
+    import infer
+
+    path = Path(infer.__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"infer_benchmarks_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_bench_extra
+def cmd_kernels(args: argparse.Namespace) -> int:
+    """``infer bench kernels``: ``benchmarks/kernels.py`` of the checkout (it compares this
+    tree's kernel sources with a git revision's, so it needs the checkout anyway)."""
+    module = checkout_benchmark("kernels")
+    if module is None:
+        print(
+            "infer bench kernels compares this tree's C++ kernel sources with another "
+            "revision's: run it from a source checkout (benchmarks/kernels.py)",
+            file=sys.stderr,
+        )
+        return 2
+    return int(module.run(args) or 0)
+
+
 def cmd_gpu(args: argparse.Namespace) -> int:
     """``infer bench gpu``: needs CUDA, not the ``bench`` extra (it uses no HTTP client, SDK
     or plots), so a bare GPU machine runs it with infer's runtime dependencies alone."""
@@ -653,7 +687,7 @@ def register(subparsers) -> None:
     kn.add_argument("--model", default=None, help="step: " + MODEL_HELP)
     kn.add_argument("--repeats", type=int, default=9, help="turns; each side's minimum is kept")
     add_common(kn, seed=True, out="kernels")
-    kn.set_defaults(func=_offline_bench("kernels"))
+    kn.set_defaults(func=cmd_kernels)
 
     qu = sub.add_parser(
         "quant", help="int8 weights / int8 and fp8 KV: decode speed, perplexity, capacity"

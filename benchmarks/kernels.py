@@ -4,6 +4,10 @@
                         [--step 16x96] [--step-count 200] [--model DIR]
                         [--out bench-results/kernels]
 
+(``python benchmarks/kernels.py ...`` runs the same.) A kernel micro-benchmark: it lives beside
+the reports, outside the package (it needs the checkout's git history anyway); the command
+loads it from here.
+
 Builds ``runner/cpu/csrc`` twice, as it is in this tree (A) and as it is at ``--against`` (B: a git
 revision, default ``HEAD``, or a folder of kernel sources), loads both libraries and runs the
 same calls on the same tensors, A and B taking turns, each case's time the minimum over
@@ -82,10 +86,14 @@ def sources_at(against: str, workdir: Path) -> Path:
             raise SystemExit(f"{folder} holds no *.cpp kernel sources")
         return folder
     root = _repo_root()
-    rel = CSRC.relative_to(root)
-    archive = subprocess.run(["git", "-C", str(root), "archive", against, str(rel)],
-                             capture_output=True)  # fmt: skip
-    if archive.returncode != 0:
+    # Where the sources are now, and where they were before the CPU backend got its room.
+    rels = [CSRC.relative_to(root), Path("src/infer/runner/csrc")]
+    for rel in rels:
+        archive = subprocess.run(["git", "-C", str(root), "archive", against, str(rel)],
+                                 capture_output=True)  # fmt: skip
+        if archive.returncode == 0:
+            break
+    else:
         err = archive.stderr.decode(errors="replace").strip()
         raise SystemExit(f"cannot read the kernels at {against!r}: {err}")
     subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive.stdout, check=True)
@@ -330,3 +338,11 @@ def render(report: dict) -> str:
             f"{_bits(r['same_bits'], 'same bits', '**differ**')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    from infer.bench.cli import main
+
+    sys.exit(main(["bench", "kernels", *sys.argv[1:]]))
