@@ -1,4 +1,4 @@
-// The decoder layers of an all-decode step in one call (runner/decode_fast.py's loop, in C++).
+// The decoder layers of an all-decode step in one call (runner/cpu/decode_fast.py's loop, in C++).
 //
 // Each layer is the same eight kernel calls the Python loop makes, with the same arguments, so
 // the results are the same bits; what goes is the interpreter and ctypes between them (~100

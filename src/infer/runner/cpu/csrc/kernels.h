@@ -86,7 +86,7 @@ int infer_lora_apply(const uint16_t* x, int64_t x_stride, uint16_t* y, int64_t y
                      const int64_t* group_start, const int64_t* group_len, int64_t num_groups,
                      int num_threads);
 
-// A mixture-of-experts layer's weights (csrc/moe.cpp; runner/moe_kernel.py builds it).
+// A mixture-of-experts layer's weights (csrc/moe.cpp; runner/cpu/moe_kernel.py builds it).
 struct InferMoE {
   const uint16_t* router;      // [num_experts, hidden] bf16, row-major
   const InferLinear* gate_up;  // [num_experts]: each expert's fused gate|up projection

@@ -1,4 +1,4 @@
-// Decode attention over the paged KV cache, for CPUs (built on first use by infer.runner.kernels).
+// Decode attention over the paged KV cache, for CPUs (built on first use by infer.runner.cpu.kernels).
 //
 // One query token per sequence attends to that sequence's whole context, read in place from the
 // cache through its block table: no per-layer copy of the context, no padding, no mask tensor.
