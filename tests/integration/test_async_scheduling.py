@@ -124,3 +124,32 @@ def test_a_reused_id_does_not_lose_the_ended_requests_last_output(make_llm):
     assert sum(len(o.new_token_ids) for o in outs[: outs.index(first[0]) + 1]) == 3
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_discarded_step_launched_ahead_still_counts_its_launch(make_llm):
+    """A stop token ends the only request while the step after it is already launched: that
+    step is dropped, and its launch (inputs, queueing the pass) is still in ``step_times``."""
+    llm = make_llm("llama", **OPTIONS)
+    engine = llm.engine
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    stop_token = llm.generate([PROMPTS[1]], plain)[0].outputs[0].token_ids[4]
+    launched, discarded = [], []
+    launch, discard = engine.runner.launch, engine._discard_ahead
+
+    def recording_launch(*args, **kwargs):
+        launched.append(launch(*args, **kwargs))
+        return launched[-1]
+
+    def recording_discard(ahead):
+        discarded.append(ahead)
+        discard(ahead)
+
+    engine.runner.launch, engine._discard_ahead = recording_launch, recording_discard
+    before = (engine.step_times.prepare, engine.step_times.forward)
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_token])
+    out = llm.generate([PROMPTS[1]], params)[0].outputs[0]
+    assert out.token_ids[-1] == stop_token and len(out.token_ids) <= 5
+    assert [a.step for a in discarded if a is not None] == launched[-1:]  # the last launch
+    st = engine.step_times
+    assert st.prepare - before[0] == pytest.approx(sum(s.t1 - s.t0 for s in launched))
+    assert st.forward - before[1] == pytest.approx(sum(s.t2 - s.t1 for s in launched))

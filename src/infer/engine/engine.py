@@ -745,7 +745,9 @@ class LLMEngine:
         if ahead is not None:
             sched = self._live_part(ahead)
         if ahead is None or sched.is_empty:
-            ahead = None  # (every request it ran for ended meanwhile: its tokens are dropped)
+            if ahead is not None:  # every request it ran for ended meanwhile: tokens dropped
+                self._discard_ahead(ahead)
+            ahead = None
             sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
@@ -769,7 +771,7 @@ class LLMEngine:
         except EngineDeadError:
             raise
         except Exception as e:  # noqa: BLE001 - one failed batch must not kill the engine
-            self._ahead = None  # launched on this step's tokens
+            self._discard_ahead(self._ahead)  # launched on this step's tokens
             if self.tp_workers is not None:
                 # The other ranks may be inside a collective this rank never reached.
                 raise self.tp_workers.dead(e) from e
@@ -787,11 +789,20 @@ class LLMEngine:
         try:
             outputs = self._apply(sched, result, outputs, drained, drain_time, defer, t0, t1)
         except BaseException:
-            self._ahead = None  # planned on the tokens this step failed to apply
+            self._discard_ahead(self._ahead)  # planned on the tokens this step failed to apply
             raise
         if self._ahead is not None and self._live_part(self._ahead).is_empty:
-            self._ahead = None  # every request it was launched for has ended (a stop string)
+            self._discard_ahead(self._ahead)  # all its requests have ended (a stop string)
         return outputs
+
+    def _discard_ahead(self, ahead: _AheadStep | None) -> None:
+        """Drop a step launched ahead that will never be collected; its launch (inputs and
+        queueing the forward pass) still counts in ``step_times``, as a collected step's
+        does (not as a step: it produced nothing)."""
+        if ahead is not None:
+            self.step_times.prepare += ahead.step.t1 - ahead.step.t0
+            self.step_times.forward += ahead.step.t2 - ahead.step.t1
+        self._ahead = None
 
     def _apply(
         self,
