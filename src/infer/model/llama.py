@@ -255,6 +255,47 @@ class DecoderLayer(nn.Module):
         return x, h
 
 
+@dataclass(frozen=True)
+class PlainLayer:
+    """One decoder layer in the plain pre-norm shape a fused step replays::
+
+    x, normed = x + pending, attn_norm(x + pending)
+    pending   = o_proj(attend(rope(q_norm/k_norm(qkv_proj(normed)))))
+    x, normed = x + pending, mlp_norm(x + pending)
+    pending   = mlp(normed)
+    """
+
+    attn_norm: RMSNorm
+    qkv_proj: nn.Module
+    q_norm: RMSNorm | None  # Qwen 3's per-head norms, on q and k before the rope
+    k_norm: RMSNorm | None
+    o_proj: nn.Module
+    scale: float
+    sliding_window: int | None
+    mlp_norm: RMSNorm
+    mlp: GatedMLP | SparseMoE
+
+
+@dataclass(frozen=True)
+class PlainDecoder:
+    """:class:`DecoderLM` as the plain loop (``x = embed(ids)``, the layers, ``norm(x +
+    pending)``): what a fused step (the CPU's ``runner/cpu/decode_fast.py``) reads instead of
+    the modules' internals, so a change to the layer shows here, next to it."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    activation: str | None  # the fused act(gate) * up's name (None: no fused kernel for it)
+    embed: torch.Tensor  # [vocab, hidden]
+    rope_cos: torch.Tensor  # [max positions, head_dim], one table for every layer
+    rope_sin: torch.Tensor
+    final_norm: RMSNorm
+    layers: tuple[PlainLayer, ...]
+
+
 class DecoderLM(CausalLM):
     """The shared decoder; subclasses implement :meth:`parse_config` for their dialect."""
 
@@ -303,6 +344,42 @@ class DecoderLM(CausalLM):
             cos, sin = trig[j]
             x, pending = layer(x, pending, cos, sin, attn)
         return self.norm.add_forward(x, pending)[1]
+
+    def plain_decoder(self) -> PlainDecoder | None:
+        """This model as the plain pre-norm loop, or None where its layers do more: sandwich
+        norms, an embedding scale, per-layer rope tables (Gemma 3)."""
+        cfg = self.cfg
+        if cfg.sandwich_norms or cfg.embed_scale is not None or len(self._ropes) != 1:
+            return None
+        first_mlp = self.layers[0].mlp
+        gated = first_mlp.experts[0] if isinstance(first_mlp, SparseMoE) else first_mlp
+        return PlainDecoder(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            activation=gated.fused_act,
+            embed=self.embed_tokens.weight,
+            rope_cos=self.rope_cos_0,
+            rope_sin=self.rope_sin_0,
+            final_norm=self.norm,
+            layers=tuple(
+                PlainLayer(
+                    attn_norm=layer.attn_norm,
+                    qkv_proj=layer.attn.qkv_proj,
+                    q_norm=layer.attn.q_norm,
+                    k_norm=layer.attn.k_norm,
+                    o_proj=layer.attn.o_proj,
+                    scale=layer.attn.scale,
+                    sliding_window=layer.attn.sliding_window,
+                    mlp_norm=layer.mlp_norm,
+                    mlp=layer.mlp,
+                )
+                for layer in self.layers
+            ),
+        )
 
     def vocab_projection_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

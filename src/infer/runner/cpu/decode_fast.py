@@ -35,8 +35,7 @@ import logging
 
 import torch
 
-from infer.model.layers import GatedMLP
-from infer.model.llama import DecoderLM
+from infer.model.llama import PlainDecoder
 from infer.model.moe import SparseMoE
 from infer.runner.attention import AttentionContext, KVCache
 from infer.runner.cpu.kernels import (
@@ -55,11 +54,6 @@ from infer.runner.lora.layers import LoRALinear, LoRAState
 from infer.runner.quant import Int8Linear, W8A8Linear
 
 logger = logging.getLogger("infer.runner")
-
-
-def _gated(mlp: GatedMLP | SparseMoE) -> GatedMLP:
-    """The layer's gated MLP, or a sparse layer's first expert (they share the activation)."""
-    return mlp.experts[0] if isinstance(mlp, SparseMoE) else mlp
 
 
 def _linear_args(module: torch.nn.Module) -> tuple | None:
@@ -120,44 +114,49 @@ def _c_layer(layer: tuple) -> DecodeLayer:
 
 
 class FastDecoder:
-    """Runs :class:`DecoderLM` for steps of up to ``max_rows`` tokens."""
+    """Runs a model's :class:`~infer.model.llama.PlainDecoder` for steps of up to ``max_rows``
+    tokens."""
 
-    def __init__(self, model: DecoderLM, cache: KVCache, kernels: CpuKernels, max_rows: int,
+    def __init__(self, plain: PlainDecoder, cache: KVCache, kernels: CpuKernels, max_rows: int,
                  layers: list[tuple]) -> None:  # fmt: skip
-        cfg = model.cfg
-        self.model = model
+        self.plain = plain
         self.cache = cache
         self.k = kernels
         self.layers = layers
         self.max_rows = max_rows
         self.lora_state: LoRAState | None = None  # set by build() when adapters wrap the model
-        self.hidden = cfg.hidden_size
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps = cfg.rms_norm_eps
-        self.act = ACT_MUL_CODES[_gated(model.layers[0].mlp).fused_act]
-        self.inter = cfg.intermediate_size
+        self.hidden = plain.hidden_size
+        self.heads, self.kv_heads, self.head_dim = (
+            plain.num_heads,
+            plain.num_kv_heads,
+            plain.head_dim,
+        )
+        self.eps = plain.rms_norm_eps
+        assert plain.activation is not None
+        self.act = ACT_MUL_CODES[plain.activation]
+        self.inter = plain.intermediate_size
         self.kind = KIND_CODES[cache.kind]
-        self.qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.final_norm = model.norm.weight.data_ptr()
-        self.cos_table, self.sin_table = model.rope_cos_0, model.rope_sin_0
+        self.qkv_n = (plain.num_heads + 2 * plain.num_kv_heads) * plain.head_dim
+        self.final_norm = plain.final_norm.weight.data_ptr()
+        self.cos_table, self.sin_table = plain.rope_cos, plain.rope_sin
 
         def buf(n: int) -> torch.Tensor:
             return torch.empty(max_rows, n, dtype=torch.bfloat16)
 
         self.x, self.normed, self.out = (
-            buf(cfg.hidden_size),
-            buf(cfg.hidden_size),
-            buf(cfg.hidden_size),
+            buf(self.hidden),
+            buf(self.hidden),
+            buf(self.hidden),
         )
         self.qkv, self.attn, self.o = (
             buf(self.qkv_n),
             buf(self.heads * self.head_dim),
-            buf(cfg.hidden_size),
+            buf(self.hidden),
         )
         self.gate_up, self.act_out, self.down = (
             buf(2 * self.inter),
             buf(self.inter),
-            buf(cfg.hidden_size),
+            buf(self.hidden),
         )
         self.cos, self.sin = buf(self.head_dim), buf(self.head_dim)  # fmt: skip
         # The same, for the C++ loop over the layers (all-decode steps).
@@ -173,47 +172,48 @@ class FastDecoder:
     def build(model: torch.nn.Module, cache: KVCache, max_rows: int) -> FastDecoder | None:
         """The fast path for this model and cache, or None where the module path must run."""
         kernels = cpu_kernels()
-        if kernels is None or not isinstance(model, DecoderLM) or cache.dtype != torch.bfloat16:
+        plain_decoder = getattr(model, "plain_decoder", None)
+        plain = plain_decoder() if plain_decoder is not None else None
+        if kernels is None or plain is None or cache.dtype != torch.bfloat16:
             return None
-        cfg = model.cfg
-        if cfg.sandwich_norms or cfg.embed_scale is not None:
+        if plain.embed.dtype != torch.bfloat16 or plain.activation is None:
             return None
-        if len(set(cfg.ropes)) != 1 or model.embed_tokens.weight.dtype != torch.bfloat16:
-            return None
-        if cfg.head_dim % 2 or cfg.head_dim > 512:
+        if plain.head_dim % 2 or plain.head_dim > 512:
             return None
         layers = []
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.attn, layer.mlp
+        for i, layer in enumerate(plain.layers):
+            mlp = layer.mlp
             moe = None
             if isinstance(mlp, SparseMoE):  # one C++ call for the routing and the experts
                 moe = mlp.cpu_kernel()
                 if moe is None:
                     return None
-                projections = [attn.qkv_proj, attn.o_proj]
+                projections = [layer.qkv_proj, layer.o_proj]
             else:
-                projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+                projections = [layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj]
             unwrapped = [_unwrap(m) for m in projections]
             loras = tuple(a for _, a in unwrapped) + (None,) * (4 - len(unwrapped))
             linears = [_linear_args(m) for m, _ in unwrapped] + [_NO_LINEAR] * (4 - len(unwrapped))
-            if any(a is None for a in linears) or _gated(mlp).fused_act is None:
+            if any(a is None for a in linears):
                 return None
             if layer.attn_norm.weight.dtype != torch.bfloat16:
                 return None
-            norms = (attn.q_norm, attn.k_norm)
-            if cfg.qk_norm and any(n is None or n.weight.dtype != torch.bfloat16 for n in norms):
+            norms = (layer.q_norm, layer.k_norm)
+            if any(n is not None and n.weight.dtype != torch.bfloat16 for n in norms):
                 return None
-            qn, kn = (None, None) if not cfg.qk_norm else (n.weight.data_ptr() for n in norms)
+            if (norms[0] is None) != (norms[1] is None):
+                return None
+            qn, kn = (None, None) if norms[0] is None else (n.weight.data_ptr() for n in norms)
             k_cache, v_cache = cache.layer(i)
             k_scales, v_scales = cache.layer_scales(i)
             layers.append((
                 i, layer.attn_norm.weight.data_ptr(), layer.mlp_norm.weight.data_ptr(), *linears,
-                attn.scale, attn.sliding_window or 0,
+                layer.scale, layer.sliding_window or 0,
                 k_cache.data_ptr(), v_cache.data_ptr(),
                 None if k_scales is None else k_scales.data_ptr(),
                 None if v_scales is None else v_scales.data_ptr(), qn, kn, moe, loras,
             ))  # fmt: skip
-        fast = FastDecoder(model, cache, kernels, max_rows, layers)
+        fast = FastDecoder(plain, cache, kernels, max_rows, layers)
         # LoRA adapters: the step's grouping, shared by every wrapper (runner/lora/layers.py).
         fast.lora_state = next(
             (m.state for m in model.modules() if isinstance(m, LoRALinear)), None
@@ -248,7 +248,7 @@ class FastDecoder:
         rows = input_ids.shape[0]
         k = self.k
         x, normed = self.x[:rows], self.normed[:rows]
-        torch.index_select(self.model.embed_tokens.weight, 0, input_ids, out=x)
+        torch.index_select(self.plain.embed, 0, input_ids, out=x)
         torch.index_select(self.cos_table, 0, positions, out=self.cos[:rows])
         torch.index_select(self.sin_table, 0, positions, out=self.sin[:rows])
         cos, sin, slots = self.cos.data_ptr(), self.sin.data_ptr(), ctx.slot_mapping.data_ptr()
