@@ -246,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(r: dict) -> str:
+    """The markdown report."""
+    from infer.bench.report import md_table
     from infer.bench.vs_vllm import QUIET_CORES
 
     lines = [
@@ -266,24 +268,19 @@ def render(r: dict) -> str:
         "the two alternating in blocks of "
         f"{r['steps_per_block']} steps.",
         "",
-        "| context | step ms | p10-p90 ms | forward ms | step ms, attention no-op | attention ms "
-        "| attention share | tok/s | load (1 min) | other CPU (cores) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for x in r["rows"]:
-        lo, hi = x["step_ms_p10_p90"]
-        lines.append(
-            f"| {x['context']} | {x['step_ms']:.1f} | {lo:.1f}-{hi:.1f} | {x['forward_ms']:.1f} "
-            f"| {x['noop_attention_step_ms']:.1f} | {x['attention_ms']:.1f} "
-            f"| {100 * x['attention_share']:.0f}% | {x['tok_s']:.0f} | {x['load_before'][0]:.2f} "
-            f"| {x['other_cpu_cores']:.2f}{' ⚠' if x['other_cpu_cores'] > QUIET_CORES else ''} |"
-        )
-    lines += [
+        *md_table("context | step ms | p10-p90 ms | forward ms | step ms, attention no-op "
+                  "| attention ms | attention share | tok/s | load (1 min) | other CPU (cores)", [
+            [x["context"], f"{x['step_ms']:.1f}", "{:.1f}-{:.1f}".format(*x["step_ms_p10_p90"]),
+             f"{x['forward_ms']:.1f}", f"{x['noop_attention_step_ms']:.1f}",
+             f"{x['attention_ms']:.1f}", f"{100 * x['attention_share']:.0f}%", f"{x['tok_s']:.0f}",
+             f"{x['load_before'][0]:.2f}",
+             f"{x['other_cpu_cores']:.2f}{' ⚠' if x['other_cpu_cores'] > QUIET_CORES else ''}"]
+            for x in r["rows"]], "rrlrrrrrrr"),
         "",
         "Load: `os.getloadavg()` before each context; other CPU: cores used by other processes "
         f"during its measurement (`/proc/stat` minus this process); ⚠ above {QUIET_CORES}: "
         "figures from a busy machine.",
-    ]
+    ]  # fmt: skip
     if r["derived_config"]:
         lines += [
             "",

@@ -764,22 +764,23 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", "## Transport micro-benchmark", "",
                   f"{t['bytes'] / 1e6:.1f} MB (one {c['long_prompt_tokens']}-token payload) "
                   "from one process to another, medians of "
-                  f"{t['reps']} repetitions:", "",
-                  "| path | ms | GB/s | detail |", "|---|---|---|---|"]  # fmt: skip
+                  f"{t['reps']} repetitions:", ""]  # fmt: skip
+        rows = []
         r = t.get("ray", {})
         if "error" in r:
-            lines.append(f"| Ray object store | - | - | {r['error']} |")
+            rows.append(["Ray object store", "-", "-", r["error"]])
         elif r:
-            lines.append(f"| Ray object store (`ray.put` in one actor, `ray.get` + copy in "
-                         f"another) | {r['ms']:.1f} | {r['gb_per_s']:.2f} | put "
-                         f"{r['put_ms']:.1f} ms, get + copy {r['get_copy_ms']:.1f} ms, the rest "
-                         "actor calls |")  # fmt: skip
+            rows.append(["Ray object store (`ray.put` in one actor, `ray.get` + copy in another)",
+                         f"{r['ms']:.1f}", f"{r['gb_per_s']:.2f}",
+                         f"put {r['put_ms']:.1f} ms, get + copy {r['get_copy_ms']:.1f} ms, the "
+                         "rest actor calls"])  # fmt: skip
         g = t.get("gloo", {})
         if "error" in g:
-            lines.append(f"| gloo send/recv | - | - | {g['error']} |")
+            rows.append(["gloo send/recv", "-", "-", g["error"]])
         elif g:
-            lines.append(f"| torch.distributed gloo send/recv (127.0.0.1) | {g['ms']:.1f} | "
-                         f"{g['gb_per_s']:.2f} | into a preallocated tensor |")  # fmt: skip
+            rows.append(["torch.distributed gloo send/recv (127.0.0.1)", f"{g['ms']:.1f}",
+                         f"{g['gb_per_s']:.2f}", "into a preallocated tensor"])  # fmt: skip
+        lines += md_table("path | ms | GB/s | detail", rows)
     rows = []
     for name, runs in results["runs"].items():
         for r in runs:

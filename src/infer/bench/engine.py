@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from infer.bench.offline import make_engine, run_load, serve_one
-from infer.bench.report import save_report
+from infer.bench.report import md_table, save_report
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import llama_100m
@@ -141,6 +141,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render_markdown(r: dict) -> str:
+    """The markdown report."""
+    load = []
+    for dtype, res in r["results"].items():
+        for c, row in res["load"].items():
+            t, i, sp = row["ttft_ms"], row["itl_ms"], row["step_split"]
+            load.append([dtype, c, f"{row['output_tok_s']:.1f}",
+                         ", ".join(f"{x:.0f}" for x in row["output_tok_s_runs"]),
+                         f"{t['p50']:.0f} / {t['p95']:.0f} / {t['p99']:.0f}",
+                         f"{i['p50']:.1f} / {i['p95']:.1f} / {i['p99']:.1f}",
+                         *(f"{100 * sp[k]:.1f}%" for k in ("forward", "sample", "engine_overhead"))])  # fmt: skip
+    roofs = [[dtype, f"{res['params'] / 1e6:.1f}M", f"{res['weights_bytes'] / 2**20:.0f}",
+              f"{res.get('decode_b1_bandwidth_GBps', float('nan')):.1f} GB/s",
+              f"{100 * res.get('decode_b1_vs_roofline', float('nan')):.0f}%",
+              f"{1000 * res['prefill_512_s']:.0f} ms", f"{res['prefill_TFLOPs']:.2f}",
+              f"{100 * res['prefill_vs_roofline']:.0f}%"] for dtype, res in r["results"].items()]  # fmt: skip
+    roof = r["roofline"]
     lines = [
         "# Engine throughput: ~100M Llama, offline engine",
         "",
@@ -148,19 +164,8 @@ def render_markdown(r: dict) -> str:
         f"Prompt {r['prompt_len']} tokens, {r['output_len']} output tokens, greedy, ignore_eos; "
         f"median of {r['runs']} runs; C requests kept in flight, 2*C (min 8) requests per run.",
         "",
-        "| dtype | concurrency | output tok/s | runs | TTFT p50/p95/p99 ms | ITL p50/p95/p99 ms | forward | sample | engine overhead |",
-        "|---|---:|---:|---|---|---|---:|---:|---:|",
-    ]
-    for dtype, res in r["results"].items():
-        for c, row in res["load"].items():
-            t, i, sp = row["ttft_ms"], row["itl_ms"], row["step_split"]
-            lines.append(
-                f"| {dtype} | {c} | {row['output_tok_s']:.1f} | {', '.join(f'{x:.0f}' for x in row['output_tok_s_runs'])} "
-                f"| {t['p50']:.0f} / {t['p95']:.0f} / {t['p99']:.0f} | {i['p50']:.1f} / {i['p95']:.1f} / {i['p99']:.1f} "
-                f"| {100 * sp['forward']:.1f}% | {100 * sp['sample']:.1f}% | {100 * sp['engine_overhead']:.1f}% |"
-            )
-    roof = r["roofline"]
-    lines += [
+        *md_table("dtype | concurrency | output tok/s | runs | TTFT p50/p95/p99 ms "
+                  "| ITL p50/p95/p99 ms | forward | sample | engine overhead", load, "lrrlllrrr"),
         "",
         "## Roofline (same run)",
         "",
@@ -169,13 +174,7 @@ def render_markdown(r: dict) -> str:
         f"- Matmul (2048^3): bf16 {roof['matmul_TFLOPs']['bfloat16']:.2f} TFLOP/s, "
         f"float32 {roof['matmul_TFLOPs']['float32']:.2f} TFLOP/s",
         "",
-        "| dtype | params | weights MiB | batch-1 decode: weights read/s | vs bandwidth | prefill 512 tok | prefill TFLOP/s | vs matmul peak |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for dtype, res in r["results"].items():
-        lines.append(
-            f"| {dtype} | {res['params'] / 1e6:.1f}M | {res['weights_bytes'] / 2**20:.0f} "
-            f"| {res.get('decode_b1_bandwidth_GBps', float('nan')):.1f} GB/s | {100 * res.get('decode_b1_vs_roofline', float('nan')):.0f}% "
-            f"| {1000 * res['prefill_512_s']:.0f} ms | {res['prefill_TFLOPs']:.2f} | {100 * res['prefill_vs_roofline']:.0f}% |"
-        )
+        *md_table("dtype | params | weights MiB | batch-1 decode: weights read/s | vs bandwidth "
+                  "| prefill 512 tok | prefill TFLOP/s | vs matmul peak", roofs, "lrrrrrrr"),
+    ]  # fmt: skip
     return "\n".join(lines) + "\n"

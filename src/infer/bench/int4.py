@@ -28,7 +28,7 @@ from pathlib import Path
 from infer.bench.engine import read_rate
 from infer.bench.offline import make_engine, patched_environ, random_decode_step_ms, run_load
 from infer.bench.quant import held_out_windows, perplexity
-from infer.bench.report import offline_machine, save_report
+from infer.bench.report import machine_line, md_table, offline_machine, save_report
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import build_random_llama
 
@@ -145,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(r: dict) -> str:
+    """The markdown report."""
     lines = [
         "# 4-bit weights: decode against the memory's read rate, and accuracy",
         "",
-        f"Machine: {r['machine']['cpu']}, {r['machine']['threads']} threads, torch "
-        f"{r['machine']['torch']}. Model: `{r['model']}` (bf16 checkpoint). Medians of "
+        machine_line(r["machine"]) + f" Model: `{r['model']}` (bf16 checkpoint). Medians of "
         f"{r['runs']} runs; formats take turns, each run's read rate measured just before it.",
         "",
     ]
@@ -157,17 +157,16 @@ def render(r: dict) -> str:
         lines += [
             "## Batch-1 decode step vs the time to read its bytes",
             "",
-            "| weights | held MiB | read per step MiB | read rate GB/s | step ms | read time ms | "
-            "step / read time | tok/s C=16 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for name, row in sp.items():
-            read_ms = row["read_bytes"] / (row["read_GBps"] * 1e9) * 1000
-            lines.append(
-                f"| {name} | {row['weights_bytes'] / 2**20:.0f} | {row['read_bytes'] / 2**20:.0f} "
-                f"| {row['read_GBps']:.1f} | {row['step_ms']:.2f} | {read_ms:.2f} | "
-                f"{row['vs_read_time']:.2f}x | {row['tok_s_c16']:.1f} |"
-            )
+        rows = [
+            [name, f"{row['weights_bytes'] / 2**20:.0f}", f"{row['read_bytes'] / 2**20:.0f}",
+             f"{row['read_GBps']:.1f}", f"{row['step_ms']:.2f}",
+             f"{row['read_bytes'] / (row['read_GBps'] * 1e9) * 1000:.2f}",
+             f"{row['vs_read_time']:.2f}x", f"{row['tok_s_c16']:.1f}"]
+            for name, row in sp.items()
+        ]  # fmt: skip
+        lines += md_table("weights | held MiB | read per step MiB | read rate GB/s | step ms "
+                          "| read time ms | step / read time | tok/s C=16", rows, "lrrrrrrr")  # fmt: skip
         if "int4" in sp:
             ratio = sp["int4"]["vs_read_time"]
             lines += ["", f"int4 batch-1 step / read time: {ratio:.2f}x (target <= 1.3x: "
@@ -184,10 +183,9 @@ def render(r: dict) -> str:
             f"## Held-out perplexity of `small` ({acc['windows']} windows of "
             f"{acc['tokens_per_window']} tokens; bf16 activations and KV)",
             "",
-            "| weights | perplexity | vs bf16 |",
-            "|---|---:|---:|",
-        ]
-        for label, row in acc["rows"].items():
-            lines.append(f"| {label} | {row['perplexity']:.3f} | {100 * row['vs_bf16']:+.2f}% |")
-        lines.append("")
+            *md_table("weights | perplexity | vs bf16", [
+                [label, f"{row['perplexity']:.3f}", f"{100 * row['vs_bf16']:+.2f}%"]
+                for label, row in acc["rows"].items()], "lrr"),
+            "",
+        ]  # fmt: skip
     return "\n".join(lines)

@@ -31,7 +31,7 @@ from infer.bench.offline import (
     random_prompts,
     serve_closed_loop,
 )
-from infer.bench.report import offline_machine, save_report
+from infer.bench.report import machine_line, md_table, offline_machine, save_report
 from infer.core.lora_request import LoRARequest
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import LLAMA_100M_DIR, llama_100m
@@ -116,11 +116,13 @@ LABELS = {
 
 
 def render(r: dict) -> str:
+    """The markdown report."""
     m = r["machine"]
     lines = [
         "# LoRA adapters: output tok/s against the base model",
         "",
-        f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}. bf16, offline "
+        machine_line(m)
+        + f" bf16, offline "
         f"engine, {r['model']}; {r['adapters']} PEFT adapters of rank {r['rank']} on all seven "
         f"projections ({r['adapter_mib']:.1f} MiB of bf16 weights in the slots), "
         f"--max-loras {r['adapters']}. {PROMPT_LEN}-token prompts, {OUTPUT_LEN} greedy output "
@@ -128,12 +130,10 @@ def render(r: dict) -> str:
         f"{r['runs']} runs taken in turns (ratio: per run against the base run of the same "
         "turn, then the median). Decode step: 16 sequences, median of 32 steps.",
         "",
-        "| case | output tok/s | vs base | decode step, 16 seqs (ms) |",
-        "|---|---:|---:|---:|",
-    ]
-    for case, row in r["cases"].items():
-        lines.append(f"| {LABELS.get(case, case)} | {row['tok_s']:.1f} | {row['vs_base']:.2f}x "
-                     f"| {row['step_ms']:.2f} |")  # fmt: skip
+        *md_table("case | output tok/s | vs base | decode step, 16 seqs (ms)", [
+            [LABELS.get(case, case), f"{row['tok_s']:.1f}", f"{row['vs_base']:.2f}x",
+             f"{row['step_ms']:.2f}"] for case, row in r["cases"].items()], "lrrr"),
+    ]  # fmt: skip
     lines += ["", "Per run (tok/s): " + "; ".join(
         f"{c} " + ", ".join(f"{t:.1f}" for t in row["tok_s_runs"])
         for c, row in r["cases"].items())]  # fmt: skip

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from infer.bench.offline import make_engine, patched_environ, random_decode_step_ms
-from infer.bench.report import offline_machine, save_report
+from infer.bench.report import machine_line, md_table, offline_machine, save_report
 from infer.engine.engine import LLMEngine
 
 BENCH_DIR = Path.home() / ".cache/infer/bench"
@@ -150,25 +150,23 @@ LABELS = {
 
 
 def render(r: dict) -> str:
+    """The markdown report."""
     m = r["machine"]
+    rows = [[LABELS.get(p, p), f"{row['weights_bytes'] / 2**20:.0f}", f"{row['read_bytes'] / 2**20:.0f}",
+             f"{row['step_ms']:.2f}", f"{row.get('vs_dense', float('nan')):.2f}x",
+             f"{row['step16_ms']:.2f}", f"{row.get('vs_dense16', float('nan')):.2f}x"]
+            for p, row in r["speed"].items()]  # fmt: skip
     lines = [
         "# Mixture of experts: batch-1 decode against a dense model of the active bytes",
         "",
-        f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}. bf16, offline "
+        machine_line(m)
+        + f" bf16, offline "
         f"engine, decode step at a 64-token context, median of {r['runs']} runs taken in "
         "turns (ratio: per run against the dense step of the same turn, then the median).",
         "",
-        "| model / path | weights (MiB) | read per step (MiB) | batch 1 (ms) | vs dense "
-        "| batch 16 (ms) | vs dense |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for p, row in r["speed"].items():
-        lines.append(
-            f"| {LABELS.get(p, p)} | {row['weights_bytes'] / 2**20:.0f} | "
-            f"{row['read_bytes'] / 2**20:.0f} | {row['step_ms']:.2f} | "
-            f"{row.get('vs_dense', float('nan')):.2f}x | {row['step16_ms']:.2f} | "
-            f"{row.get('vs_dense16', float('nan')):.2f}x |"
-        )
+        *md_table("model / path | weights (MiB) | read per step (MiB) | batch 1 (ms) | vs dense "
+                  "| batch 16 (ms) | vs dense", rows, "lrrrrrr"),
+    ]  # fmt: skip
     lines += ["", "Per run (batch 1, ms): " + "; ".join(
         f"{p} " + ", ".join(f"{t:.2f}" for t in row["step_ms_runs"])
         for p, row in r["speed"].items())]  # fmt: skip

@@ -29,7 +29,7 @@ import torch
 
 from infer.bench.gpu import parse_loads
 from infer.bench.offline import first_token, greedy, make_engine, run_load
-from infer.bench.report import save_report
+from infer.bench.report import md_table, save_report
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import llama_100m
 
@@ -156,28 +156,32 @@ def run(args: argparse.Namespace) -> int:
         "warm_over_cold": ratio,
         "nothing_shared": low,
     }
-    md = [
+    save_report(report, render(report), args.out, "prefix")
+    return 0
+
+
+def render(r: dict) -> str:
+    """The markdown report."""
+    med = statistics.median
+    rows = [[f"TTFT, {r['system_tokens']}-token shared system prompt + 16 unique tokens (ms)",
+             f"{1000 * med(r['cold_ttft_s']):.0f}", f"{1000 * med(r['warm_ttft_s']):.0f}",
+             f"{r['warm_over_cold']:.3f}", "<= 0.2"]]  # fmt: skip
+    rows += [[f"nothing shared, {key}, output tok/s (KV bookkeeping "
+              f"{100 * row['bookkeeping_share']:.2f}% of the time on, "
+              f"{100 * row['bookkeeping_share_off']:.2f}% off)", f"{med(row['tok_s_off']):.1f}",
+              f"{med(row['tok_s_on']):.1f}", f"{row['on_over_off']:.3f}", ">= 0.99"]
+             for key, row in r["nothing_shared"].items()]  # fmt: skip
+    lines = [
         "# Prefix caching in wall-clock time (~100M Llama, offline engine)",
         "",
-        f"{args.dtype}; median of {args.runs} runs; cold and warm engines loaded side by side.",
+        f"{r['dtype']}; median of {r['runs']} runs; cold and warm engines loaded side by side.",
         "",
-        "| measurement | cache off | cache on | ratio | target |",
-        "|---|---:|---:|---:|---|",
-        f"| TTFT, {args.system_tokens}-token shared system prompt + 16 unique tokens (ms) "
-        f"| {1000 * statistics.median(cold):.0f} | {1000 * statistics.median(warm):.0f} | {ratio:.3f} | <= 0.2 |",
-        *(
-            f"| nothing shared, {key}, output tok/s (KV bookkeeping "
-            f"{100 * row['bookkeeping_share']:.2f}% of the time on, "
-            f"{100 * row['bookkeeping_share_off']:.2f}% off) | "
-            f"{statistics.median(row['tok_s_off']):.1f} | {statistics.median(row['tok_s_on']):.1f} "
-            f"| {row['on_over_off']:.3f} | >= 0.99 |"
-            for key, row in low.items()
-        ),
+        *md_table("measurement | cache off | cache on | ratio | target", rows, "lrrr"),
         "",
-        f"Warm requests found {cached[0]} of {args.system_tokens + 16} prompt tokens in the cache.",
+        f"Warm requests found {r['warm_cached_tokens'][0]} of {r['system_tokens'] + 16} prompt "
+        "tokens in the cache.",
         "The on/off ratio is the median of each run's pair (the two engines measured one right "
         "after the other); the KV bookkeeping share times the prefix cache's own calls and the "
         "block pool's, on and off: their difference is what caching adds.",
     ]
-    save_report(report, "\n".join(md) + "\n", args.out, "prefix")
-    return 0
+    return "\n".join(lines) + "\n"

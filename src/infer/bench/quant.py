@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from infer.bench.offline import make_engine, random_decode_step_ms, run_load
-from infer.bench.report import save_report
+from infer.bench.report import machine_line, md_table, save_report
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import llama_100m
 
@@ -165,24 +165,26 @@ def run(args: argparse.Namespace) -> int:
 def render(r: dict) -> str:
     sp, acc, lc = r["speed"], r["accuracy"], r["long_context"]
     b, q = sp["bf16"], sp["int8"]
+    speed = [[name, f"{row['weights_bytes'] / 2**20:.0f}", f"{row['decode_b1_ms']:.2f}",
+              f"{row['tok_s_c16']:.1f}", f"{row['tok_s_c64']:.1f}"] for name, row in sp.items()]  # fmt: skip
+    ppl = [[row["weights"], row["kv"] if row["kv"] != "auto" else "bf16", f"{row['perplexity']:.3f}",
+            f"{100 * row['vs_bf16']:+.2f}%"] for row in acc["rows"].values()]  # fmt: skip
+    fits = [[name, row["bytes_per_token"], row["kv_tokens"], row["concurrent_requests"],
+             f"{row['tok_s']:.1f}"] for name, row in lc.items()]  # fmt: skip
     lines = [
         "# Quantization: speed, accuracy, capacity",
         "",
-        f"Machine: {r['machine']['cpu']}, {r['machine']['threads']} threads, torch "
-        f"{r['machine']['torch']}. Model for speed and capacity: `{r['model']}` (bf16). Medians "
+        machine_line(r["machine"])
+        + f" Model for speed and capacity: `{r['model']}` (bf16). Medians "
         f"of {r['runs']} runs.",
         "",
         "## Decode speed: bf16 vs int8 weights (and w8a8: int8 activations too)",
         "",
-        "| weights | weights MiB | batch-1 decode step ms | tok/s C=16 | tok/s C=64 |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, row in sp.items():
-        lines.append(
-            f"| {name} | {row['weights_bytes'] / 2**20:.0f} | {row['decode_b1_ms']:.2f} | "
-            f"{row['tok_s_c16']:.1f} | {row['tok_s_c64']:.1f} |"
-        )
-    lines += [
+        *md_table(
+            "weights | weights MiB | batch-1 decode step ms | tok/s C=16 | tok/s C=64",
+            speed,
+            "lrrrr",
+        ),
         "",
         f"int8 / bf16: batch-1 decode {b['decode_b1_ms'] / q['decode_b1_ms']:.2f}x faster "
         f"(target >= 1.6x); C=16 {q['tok_s_c16'] / b['tok_s_c16']:.2f}x, "
@@ -199,24 +201,12 @@ def render(r: dict) -> str:
         f"## Held-out perplexity of `small` (bf16; {acc['windows']} windows of "
         f"{acc['tokens_per_window']} tokens)",
         "",
-        "| weights | KV cache | perplexity | vs bf16 |",
-        "|---|---|---:|---:|",
-    ]
-    for row in acc["rows"].values():
-        lines.append(
-            f"| {row['weights']} | {row['kv'] if row['kv'] != 'auto' else 'bf16'} | "
-            f"{row['perplexity']:.3f} | {100 * row['vs_bf16']:+.2f}% |"
-        )
-    lines += [
+        *md_table("weights | KV cache | perplexity | vs bf16", ppl, "llrr"),
         "",
         f"## Long context at a fixed KV memory ({r['kv_memory']}; 1024 in / 128 out)",
         "",
-        "| KV cache | bytes/token | KV tokens | requests that fit | output tok/s |",
-        "|---|---:|---:|---:|---:|",
+        *md_table(
+            "KV cache | bytes/token | KV tokens | requests that fit | output tok/s", fits, "lrrrr"
+        ),
     ]
-    for name, row in lc.items():
-        lines.append(
-            f"| {name} | {row['bytes_per_token']} | {row['kv_tokens']} | "
-            f"{row['concurrent_requests']} | {row['tok_s']:.1f} |"
-        )
     return "\n".join(lines) + "\n"

@@ -113,6 +113,12 @@ def offline_machine() -> dict:
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def machine_line(m: dict) -> str:
+    """``Machine: <cpu>, <n> threads, torch <version>.``: the machine sentence of an offline
+    report, from its ``machine`` record (the keys of :func:`offline_machine`)."""
+    return f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}."
+
+
 def save_json(report: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,40 +204,40 @@ def _cell(row: str, m: WorkloadMetrics) -> str:
     raise KeyError(row)
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A padded markdown table; the first column left-aligned, the rest right-aligned."""
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-    widths = [max(w, 3) for w in widths]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            str(c).ljust(w) if i == 0 else str(c).rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "| " + " | ".join(parts) + " |"
-
-    sep = (
-        "|"
-        + "|".join(
-            ("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)
-        )
-        + "|"
-    )
-    return "\n".join([line(header), sep, *(line(r) for r in rows)])
-
-
 def md_table(
-    header: str | Sequence[str], rows: Sequence[Sequence[object]], align: str = ""
+    header: str | Sequence[str],
+    rows: Sequence[Sequence[object]],
+    align: str = "",
+    pad: bool = False,
 ) -> list[str]:
-    """An unpadded markdown table as lines: the one table shape of every bench report.
+    """A markdown table as lines: the one table shape of every bench report.
 
     ``header`` is a list of column names or one string of them separated by ``" | "``;
     ``align`` has a letter per column, ``r`` for right-aligned (``---:``), anything else left;
-    a shorter ``align`` leaves the remaining columns left-aligned."""
-    cols = header.split(" | ") if isinstance(header, str) else list(header)
-    sep = ["---:" if a == "r" else "---" for a in align.ljust(len(cols))[: len(cols)]]
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join(sep) + "|"]
-    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    a shorter ``align`` leaves the remaining columns left-aligned. ``pad`` pads every cell to
+    its column's width (at least 3), the separator's dashes spanning it: a table that reads
+    aligned as plain text too."""
+    cols = [str(c) for c in (header.split(" | ") if isinstance(header, str) else header)]
+    body = [[str(c) for c in row] for row in rows]
+    right = [a == "r" for a in align.ljust(len(cols))[: len(cols)]]
+    if pad:
+        widths = [max(3, *map(len, col)) for col in zip(cols, *body, strict=True)]
+        cols, *body = [
+            [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True)]
+            for row in [cols, *body]
+        ]
+        sep = [
+            "-" * (w + 1) + ":" if r else "-" * (w + 2) for w, r in zip(widths, right, strict=True)
+        ]
+    else:
+        sep = ["---:" if r else "---" for r in right]
+    line = "| {} |".format
+    return [line(" | ".join(cols)), "|" + "|".join(sep) + "|", *(line(" | ".join(r)) for r in body)]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """:func:`md_table` padded, the first column left-aligned and the rest right, as one string."""
+    return "\n".join(md_table(header, rows, "l" + "r" * (len(header) - 1), pad=True))
 
 
 def num(x: float | None, spec: str = ".1f", none: str = "-") -> str:

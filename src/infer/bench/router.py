@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.bench.online import free_port, launch_server, stop_server
-from infer.bench.report import save_report
+from infer.bench.report import md_table, save_report
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
 
@@ -240,30 +240,31 @@ def render(results: dict[str, Any]) -> str:
         f"output tokens, {c['concurrency']} in flight; caches reset before each of "
         f"{c['runs']} runs.",
         "",
-        "| policy | TTFT p50 (ms, median of runs) | runs | hit rate | busiest replica | "
-        "router cost p50 / p99 / mean (ms) | of which deciding, p50 (ms) |",
-        "|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for name, p in results["policies"].items():
         r = p["routing_ms"]
         runs = ", ".join(f"{x:.0f}" for x in p["ttft_p50_runs_ms"])
-        lines.append(f"| {name} | {p['ttft_p50_ms']:.1f} | {runs} | {p['hit_rate']:.3f} | "
-                     f"{p['busiest_replica_share']:.0%} | {r['p50']:.2f} / {r['p99']:.2f} / "
-                     f"{r['mean']:.2f} | {p['decision_ms']['p50']:.3f} |")  # fmt: skip
+        rows.append([name, f"{p['ttft_p50_ms']:.1f}", runs, f"{p['hit_rate']:.3f}",
+                     f"{p['busiest_replica_share']:.0%}",
+                     f"{r['p50']:.2f} / {r['p99']:.2f} / {r['mean']:.2f}",
+                     f"{p['decision_ms']['p50']:.3f}"])  # fmt: skip
+    lines += md_table("policy | TTFT p50 (ms, median of runs) | runs | hit rate | busiest replica "
+                      "| router cost p50 / p99 / mean (ms) | of which deciding, p50 (ms)", rows)  # fmt: skip
     o = results.get("overhead")
     if o:
         r, d = o["routed_ms"], o["direct_ms"]
         i, k = o["routing_idle_ms"], o["decision_idle_ms"]
+        paths = md_table("path | latency p50 (ms) | p99 (ms)", [
+            ["client -> Serve proxy -> router -> replica (2 replicas)", f"{r['p50']:.2f}",
+             f"{r['p99']:.2f}"],
+            ["client -> one plain `infer serve`", f"{d['p50']:.2f}", f"{d['p99']:.2f}"]])  # fmt: skip
         lines += [
             "",
             f"Per-request cost of the router path ({o['requests']} sequential requests for two "
             f"tokens of a {o['prompt_chars']}-character text prompt, nothing else running):",
             "",
-            "| path | latency p50 (ms) | p99 (ms) |",
-            "|---|---|---|",
-            f"| client -> Serve proxy -> router -> replica (2 replicas) | {r['p50']:.2f} | "
-            f"{r['p99']:.2f} |",
-            f"| client -> one plain `infer serve` | {d['p50']:.2f} | {d['p99']:.2f} |",
+            *paths,
             "",
             "The router's own work per request (arrival in the router to the replica call) "
             f"with nothing else running: p50 {i['p50']:.3f} ms, p99 {i['p99']:.3f} ms, mean "

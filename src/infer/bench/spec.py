@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from infer.bench.offline import make_engine, serve_closed_loop
-from infer.bench.report import save_report
+from infer.bench.report import machine_line, md_table, num, save_report
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
 
@@ -192,34 +192,29 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def _len(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
 def render(r: dict) -> str:
+    """The markdown report."""
+    rows = []
+    for key, row in r["results"].items():
+        workload, c = key.split("/c")
+        off, ng, dr = row["off"], row["ngram"], row["draft"]
+        rows.append([workload, c, f"{off['tok_s']:.1f}", f"{ng['tok_s']:.1f}", f"{ng['speedup']:.2f}x",
+                     _pct(ng["acceptance_rate"]), num(ng["mean_acceptance_length"], ".2f"),
+                     f"{dr['tok_s']:.1f}", f"{dr['speedup']:.2f}x", _pct(dr["acceptance_rate"]),
+                     num(dr["mean_acceptance_length"], ".2f")])  # fmt: skip
     lines = [
         "# Speculative decoding: n-gram and draft-model proposals",
         "",
-        f"Machine: {r['machine']['cpu']}, {r['machine']['threads']} threads, torch "
-        f"{r['machine']['torch']}. Target `{r['target']}`, draft `{r['draft']}`, "
+        machine_line(r["machine"])
+        + f" Target `{r['target']}`, draft `{r['draft']}`, "
         f"{r['k']} proposed tokens per step, {r['prompt_len']} in / {r['output_len']} out, "
         "EOS ignored, offline engine; greedy except prose-sampled (temperature 1.0, seeded). "
         f"Output tok/s: median of {r['runs']} interleaved runs. Acceptance: accepted / "
         "proposed tokens; mean length: tokens per verified proposal run (the sampled one "
         "included).",
         "",
-        "| workload | C | off tok/s | n-gram tok/s | n-gram speedup | n-gram acceptance "
-        "| n-gram mean length | draft tok/s | draft speedup | draft acceptance "
-        "| draft mean length |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for key, row in r["results"].items():
-        workload, c = key.split("/c")
-        off, ng, dr = row["off"], row["ngram"], row["draft"]
-        lines.append(
-            f"| {workload} | {c} | {off['tok_s']:.1f} | {ng['tok_s']:.1f} | {ng['speedup']:.2f}x "
-            f"| {_pct(ng['acceptance_rate'])} | {_len(ng['mean_acceptance_length'])} "
-            f"| {dr['tok_s']:.1f} | {dr['speedup']:.2f}x | {_pct(dr['acceptance_rate'])} "
-            f"| {_len(dr['mean_acceptance_length'])} |"
-        )
+        *md_table("workload | C | off tok/s | n-gram tok/s | n-gram speedup | n-gram acceptance "
+                  "| n-gram mean length | draft tok/s | draft speedup | draft acceptance "
+                  "| draft mean length", rows, "l" + "r" * 10),
+    ]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -31,7 +31,7 @@ import time
 import torch
 
 from infer.bench.offline import first_token, make_engine, output_tok_s, serve_one
-from infer.bench.report import save_report
+from infer.bench.report import machine_line, md_table, save_report
 from infer.core.sampling_params import SamplingParams
 from infer.core.structured import StructuredOutputs
 from infer.engine.engine import LLMEngine
@@ -253,42 +253,36 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(r: dict) -> str:
+    """The markdown report."""
     g, t, tt, x = r["grammar_engine"], r["throughput"], r["ttft_ms"], r.get("xgrammar")
     lines = [
         "# Structured outputs: what constraints cost",
         "",
-        f"Machine: {r['machine']['cpu']}, {r['machine']['threads']} threads, torch "
-        f"{r['machine']['torch']}. Model `{r['model']}`; grammar engine llguidance; a moderate "
+        machine_line(r["machine"])
+        + f" Model `{r['model']}`; grammar engine llguidance; a moderate "
         f"JSON schema (10 fields: bounded strings, a pattern, enums, number ranges, a nested "
         f"array of objects). Medians of {r['runs']} runs.",
         "",
         "## Grammar engine",
         "",
-        "| measure (ms) | llguidance | xgrammar |",
-        "|---|---:|---:|",
-    ]
-    for key, label in [("tokenizer_build_ms", "tokenizer wrapper, built once per engine"),
-                       ("new_schema_ms", "matcher for a new schema (compile + first mask)"),
-                       ("cached_schema_ms", "matcher for a cached schema (+ first mask)"),
-                       ("mask_batch64_ms", "bitmasks of 64 requests mid-object, one step")]:  # fmt: skip
-        other = f"{x[key]:.2f}" if x else "not installed"
-        lines.append(f"| {label} | {g[key]:.2f} | {other} |")
-    lines += [
+        *md_table("measure (ms) | llguidance | xgrammar", [
+            [label, f"{g[key]:.2f}", f"{x[key]:.2f}" if x else "not installed"]
+            for key, label in [("tokenizer_build_ms", "tokenizer wrapper, built once per engine"),
+                               ("new_schema_ms", "matcher for a new schema (compile + first mask)"),
+                               ("cached_schema_ms", "matcher for a cached schema (+ first mask)"),
+                               ("mask_batch64_ms", "bitmasks of 64 requests mid-object, one step")]
+        ], "lrr"),
         "",
         "## Throughput: half the requests constrained vs none (offline, 256 in / <= 128 out, "
         "the same output lengths in both)",
         "",
-        "| model | C | none tok/s | half constrained tok/s | loss |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for row in t.values():
-        lines.append(f"| {row['model']} | {row['c']} | {row['none']:.1f} | {row['half']:.1f} | "
-                     f"{100 * row['loss']:.1f}% |")  # fmt: skip
-    lines += [
+        *md_table("model | C | none tok/s | half constrained tok/s | loss", [
+            [row["model"], row["c"], f"{row['none']:.1f}", f"{row['half']:.1f}",
+             f"{100 * row['loss']:.1f}%"] for row in t.values()], "lrrrr"),
         "",
         "## Time to first token (idle engine, 256-token prompt)",
         "",
         f"new schema {tt['new_schema']:.1f} ms, cached schema {tt['cached_schema']:.1f} ms, "
         f"unconstrained {tt['unconstrained']:.1f} ms.",
-    ]
+    ]  # fmt: skip
     return "\n".join(lines) + "\n"
