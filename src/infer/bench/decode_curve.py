@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -169,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from infer.bench.offline import make_engine
-    from infer.bench.report import now_iso
+    from infer.bench.report import cpu_model, now_iso
     from infer.bench.vs_vllm import OtherLoad, wait_quiet
     from infer.runner.cpu.kernels import cpu_kernels
     from infer.runner.runner import FAST_DECODE_ENV
@@ -215,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         "cpu_decode_kernel": cpu_kernels() is not None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "load_before": list(os.getloadavg()),
         "rows": [],
     }

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from infer.bench.offline import make_engine, run_load, serve_one
-from infer.bench.report import md_table, save_report
+from infer.bench.report import cpu_model, md_table, save_report
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import llama_100m
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     report: dict = {
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
             "cores": torch.get_num_threads(),
             "torch": torch.__version__,
             "python": platform.python_version(),

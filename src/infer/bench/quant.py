@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 from pathlib import Path
 
 import torch
 
 from infer.bench.offline import make_engine, random_decode_step_ms, run_load
-from infer.bench.report import machine_line, md_table, save_report
+from infer.bench.report import machine_line, md_table, offline_machine, save_report
 from infer.engine.engine import LLMEngine
 from infer.testing.bench_models import llama_100m
 
@@ -151,8 +150,7 @@ def long_context(model: Path, kv_memory: str, runs: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     model = llama_100m(args.model)
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": offline_machine(),
         "model": str(model), "runs": args.runs, "kv_memory": args.kv_memory,
     }  # fmt: skip
     report["speed"] = speed(model, args.runs)

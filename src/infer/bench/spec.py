@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sysconfig
 import time
 from pathlib import Path
 
-import torch
-
 from infer.bench.offline import make_engine, serve_closed_loop
-from infer.bench.report import machine_line, md_table, num, save_report
+from infer.bench.report import machine_line, md_table, num, offline_machine, save_report
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
 
@@ -173,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
         "prose-sampled": (prose_prompts, 1.0, [c for c in concurrencies if c <= 8]),
     }
     report: dict = {
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": offline_machine(),
         "target": "small (bf16)", "draft": "small-draft (bf16)", "k": k, "runs": args.runs,
         "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "configs": configs, "results": {},
     }  # fmt: skip

@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
-import torch
-
 from infer.bench.offline import first_token, make_engine, output_tok_s, serve_one
-from infer.bench.report import machine_line, md_table, save_report
+from infer.bench.report import machine_line, md_table, offline_machine, save_report
 from infer.core.sampling_params import SamplingParams
 from infer.core.structured import StructuredOutputs
 from infer.engine.engine import LLMEngine
@@ -209,8 +206,7 @@ def ttft(engine: LLMEngine, prompt: list[int], fresh: bool, i: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     report: dict = {
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": offline_machine(),
         "runs": args.runs, "model": "small (bf16)",
     }  # fmt: skip
     probe = _engine(1)
