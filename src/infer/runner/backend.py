@@ -21,7 +21,6 @@ C++ kernels' fused decode step (``runner/cpu/decode_fast.py``) and attention on 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +32,6 @@ from infer.runner.cpu.prepack import prepack_linears
 from infer.runner.int4 import Int4Linear, keep_checkpoint_int4
 from infer.runner.quant import quantize_linears
 from infer.runner.runner import ModelRunner
-
-logger = logging.getLogger("infer.runner")
 
 
 @dataclass(frozen=True)

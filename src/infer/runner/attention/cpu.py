@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.runner.attention.torch_ref import TorchAttention
-from infer.runner.cpu.kernels import CpuKernels, cpu_kernels
+from infer.runner.cpu.kernels import CpuKernels, kernels_bound
 
 if TYPE_CHECKING:
     from infer.runner.attention.context import AttentionContext
@@ -76,15 +76,5 @@ class CpuAttention(TorchAttention):
         )
 
 
-_backend: list[CpuAttention | None] = [None]
-
-
-def cpu_attention() -> CpuAttention | None:
-    """The C++ kernels' backend, or None where they are not built (no g++,
-    ``INFER_CPU_KERNELS=0``)."""
-    kernels = cpu_kernels()
-    if kernels is None:
-        return None
-    if _backend[0] is None or _backend[0].kernels is not kernels:
-        _backend[0] = CpuAttention(kernels)
-    return _backend[0]
+cpu_attention = kernels_bound(CpuAttention)
+"""The C++ kernels' backend, or None where they are not built (no g++, ``INFER_CPU_KERNELS=0``)."""

@@ -201,8 +201,6 @@ class FastDecoder:
             norms = (layer.q_norm, layer.k_norm)
             if any(n is not None and n.weight.dtype != torch.bfloat16 for n in norms):
                 return None
-            if (norms[0] is None) != (norms[1] is None):
-                return None
             qn, kn = (None, None) if norms[0] is None else (n.weight.data_ptr() for n in norms)
             k_cache, v_cache = cache.layer(i)
             k_scales, v_scales = cache.layer_scales(i)

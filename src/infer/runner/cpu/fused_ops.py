@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from infer.model import ops
-from infer.runner.cpu.kernels import CpuKernels, cpu_kernels
+from infer.runner.cpu.kernels import CpuKernels, kernels_bound
 
 
 class CpuFusedOps(ops.FusedOps):
@@ -43,13 +43,4 @@ def cpu_fused_ops(x: torch.Tensor) -> ops.FusedOps | None:
     return _cpu_adapter()
 
 
-def _cpu_adapter() -> CpuFusedOps | None:
-    kernels = cpu_kernels()  # cached; None without a compiler or with INFER_CPU_KERNELS=0
-    if kernels is None:
-        return None
-    if _cpu[0] is None or _cpu[0].kernels is not kernels:
-        _cpu[0] = CpuFusedOps(kernels)
-    return _cpu[0]
-
-
-_cpu: list[CpuFusedOps | None] = [None]
+_cpu_adapter = kernels_bound(CpuFusedOps)

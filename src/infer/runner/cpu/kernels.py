@@ -22,16 +22,19 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from infer.runner.cpu import hugepages
 from infer.runner.kv_quant import KIND_CODES
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from infer.runner.attention import KVCache
@@ -711,3 +714,20 @@ def cpu_kernels() -> CpuKernels | None:
     except (OSError, RuntimeError) as exc:
         logger.warning("could not build the CPU kernels (%s); using the torch attention path", exc)
         return None
+
+
+def kernels_bound(make: Callable[[CpuKernels], T]) -> Callable[[], T | None]:
+    """A getter of ``make(kernels)`` for the current :func:`cpu_kernels` (None without them),
+    made once per kernels object: a test that rebuilds the kernels (``cache_clear``) gets a
+    fresh one, never one bound to the old library."""
+    made: list = [None, None]  # [kernels, make(kernels)]
+
+    def get() -> T | None:
+        kernels = cpu_kernels()
+        if kernels is None:
+            return None
+        if made[0] is not kernels:
+            made[:] = [kernels, make(kernels)]
+        return made[1]
+
+    return get
