@@ -48,3 +48,28 @@ def test_build_runner_allocates_the_kv_cache_for_the_loaded_model(tiny_checkpoin
 def test_build_runner_needs_a_loaded_model():
     with pytest.raises(AssertionError, match="load_model first"):
         device_backend("cpu").build_runner(RunnerSetup(num_blocks=1, block_size=4))
+
+
+def test_a_draft_is_loaded_in_the_models_dtype_and_gets_a_runner_of_its_own(tiny_checkpoints):
+    backend = device_backend("cpu")
+    target = backend.load_model(WeightsConfig(tiny_checkpoints["llama"], torch.bfloat16))
+    draft = backend.load_draft(tiny_checkpoints["qwen2"])
+    runner = backend.build_runner(RunnerSetup(num_blocks=3, block_size=4), model=draft)
+    spec = draft.spec
+    assert backend.model is target and runner.model is draft
+    assert (
+        runner.kv_cache.dtype == torch.bfloat16
+        and draft.embed_tokens.weight.dtype == torch.bfloat16
+    )
+    assert tuple(runner.kv_cache.tensor.shape) == (
+        2,
+        spec.num_layers,
+        12,
+        spec.num_kv_heads,
+        spec.head_dim,
+    )
+
+
+def test_a_draft_needs_the_target_loaded_first(tiny_checkpoints):
+    with pytest.raises(AssertionError, match="load_model first"):
+        device_backend("cpu").load_draft(tiny_checkpoints["llama"])

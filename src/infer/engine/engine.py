@@ -451,8 +451,7 @@ class LLMEngine:
         return DraftProposer(
             self._draft_path,
             k,
-            dtype=self.dtype,
-            device=self.device,
+            backend=self.backend,
             max_model_len=self.max_model_len,
             num_tokens=self.capacity.num_tokens,
             block_size=self.config.cache.block_size,

@@ -8,6 +8,7 @@ same way by the engine (rank 0) and by every tensor-parallel rank.
     model   = backend.load_model(WeightsConfig(...)) # loaded, then 4-bit kept / quantized / packed
     budget  = backend.kv_budget(wanted, utilization, reserve)   # bytes the KV cache may take
     runner  = backend.build_runner(RunnerSetup(...))  # KV cache allocated, ModelRunner built
+    draft   = backend.load_draft(path)  ->  backend.build_runner(setup, model=draft)
     runner.capture_graphs()                      # last: the graphs' memory is what is left
     runner.launch(SchedulerOutput) -> InFlightStep;  runner.collect(step) -> ModelRunnerOutput
 
@@ -73,19 +74,34 @@ class DeviceBackend:
     def load_model(self, weights: WeightsConfig) -> torch.nn.Module:
         """Load this rank's slice of the checkpoint, keep a 4-bit checkpoint's layers, then
         quantize the linear layers (``weights.quantization``) or pre-pack them for this
-        device's kernels."""
+        device's kernels. The model is the one :meth:`build_runner` builds on."""
         from infer.model.loader import load_model
 
         model = load_model(weights.model_path, weights.dtype, self.device)
         if weights.keep_checkpoint_int4 and not weights.quantization:
             self.kept_int4 = keep_checkpoint_int4(model)
+        self._prepare_weights(model, weights)
+        self.model = model
+        self.dtype = weights.dtype
+        return model
+
+    def load_draft(self, model_path: Path) -> torch.nn.Module:
+        """A speculative-decoding draft model, in the engine model's dtype and prepared as it
+        is (pre-packed for this device's kernels; speculative decoding runs on one rank). Not
+        kept: ``build_runner(setup, model=draft)`` builds its runner."""
+        from infer.model.loader import load_model
+
+        assert self.model is not None, "load_model first (the draft takes its dtype)"
+        model = load_model(model_path, self.dtype, self.device)
+        self._prepare_weights(model, WeightsConfig(model_path, self.dtype))
+        return model
+
+    def _prepare_weights(self, model: torch.nn.Module, weights: WeightsConfig) -> None:
+        """Quantize the loaded linear layers, or pre-pack them for this device's kernels."""
         if weights.quantization:
             quantize_linears(model, weights.quantization, lm_head=weights.quantize_lm_head)
         else:
             prepack_linears(model)
-        self.model = model
-        self.dtype = weights.dtype
-        return model
 
     def kv_budget(self, wanted: int, utilization: float, reserve: int = 0) -> int:
         """Bytes the KV cache may take when no size was given: ``wanted`` is what every
@@ -94,10 +110,10 @@ class DeviceBackend:
         model's weights)."""
         raise NotImplementedError
 
-    def build_runner(self, setup: RunnerSetup) -> ModelRunner:
+    def build_runner(self, setup: RunnerSetup, model: torch.nn.Module | None = None) -> ModelRunner:
         """Allocate the KV cache this rank holds (its share of the KV heads) and build the
-        runner over the loaded model."""
-        model = self.model
+        runner over the loaded model (or over ``model``: a draft from :meth:`load_draft`)."""
+        model = model if model is not None else self.model
         assert model is not None, "load_model first"
         spec = model.spec
         tp_size = model.tp.size

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from infer.core.messages import RunnerSetup
 from infer.core.request import Request
 from infer.kv_cache.manager import PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token
-from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
-from infer.runner.runner import ModelRunner
+from infer.runner.attention import AttentionContext, SequenceSlice
+from infer.runner.backend import DeviceBackend
 from infer.spec_decode import ProposalLengths
 
 logger = logging.getLogger("infer.engine")
@@ -51,8 +52,7 @@ class DraftProposer:
         model_path: Path,
         num_speculative_tokens: int,
         *,
-        dtype: torch.dtype,
-        device: torch.device,
+        backend: DeviceBackend,
         max_model_len: int,
         num_tokens: int,
         block_size: int,
@@ -60,11 +60,12 @@ class DraftProposer:
         target_tokenizer=None,
         adaptive: bool = True,
     ) -> None:
-        from infer.model.loader import load_model, load_model_spec
-        from infer.runner.cpu.prepack import prepack_linears
+        """The draft is loaded and its runner built by the engine's device ``backend`` (the
+        target loaded first: the draft takes its dtype)."""
+        from infer.model.loader import load_model_spec
 
         self.lengths = ProposalLengths(num_speculative_tokens, adaptive)
-        self.device = device
+        self.device = backend.device
         spec = load_model_spec(model_path)
         if spec.vocab_size != target_vocab_size:
             raise ValueError(
@@ -72,14 +73,10 @@ class DraftProposer:
                 f"the target {target_vocab_size}: speculative decoding needs the same tokenizer"
             )
         _check_same_tokenizer(model_path, target_tokenizer)
-        self.model = load_model(model_path, dtype, device)
-        prepack_linears(self.model)
+        self.model = backend.load_draft(model_path)
         self.max_len = min(max_model_len, spec.max_position_embeddings)
         # Room for every token the target can hold, plus each request's proposals.
         num_blocks = -(-num_tokens // block_size) * 2
-        self.kv_cache = KVCache(
-            spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device
-        )
         self.kv = PagedKVManager(num_blocks, block_size)
         # The draft runs k passes per step: the runner's fast path (no per-layer module
         # Python, where the model allows it) makes them cost a fraction.
@@ -87,16 +84,14 @@ class DraftProposer:
         # NOTE: the draft builds its own torch AttentionContext per pass (CPU kernels on a CPU,
         # gather + SDPA on CUDA: "torch" is the C++ kernels' path on a CPU); it does not go
         # through the Triton step.
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_cache,
-            device,
-            max_num_seqs=rows,
-            max_num_batched_tokens=rows,
-            attention_backend="torch",
-        )
+        setup = RunnerSetup(num_blocks, block_size, attention_backend="torch",
+                            max_num_seqs=rows, max_num_batched_tokens=rows)  # fmt: skip
+        self.runner = backend.build_runner(setup, model=self.model)
+        self.kv_cache = self.runner.kv_cache
         self._seqs: dict[str, _DraftSeq] = {}
-        bpt = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype.itemsize)
+        bpt = kv_bytes_per_token(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.kv_cache.dtype.itemsize
+        )
         logger.info(
             "draft model %s (%s, %d layers): %d proposals per step, KV %d blocks (%.1f MiB)",
             model_path,
@@ -173,7 +168,7 @@ class DraftProposer:
             slices.append(SequenceSlice(start, len(new), table, as_decode_rows=as_rows))
             rows.append(len(ids) - 1)
         device = self.device
-        ctx = AttentionContext(self.kv_cache, slices, device)
+        ctx = AttentionContext(self.kv_cache, slices, device, self.runner.attention)
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=device)
         hidden = self.runner.forward(ids_t, pos_t, ctx)
