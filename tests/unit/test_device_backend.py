@@ -73,3 +73,19 @@ def test_a_draft_is_loaded_in_the_models_dtype_and_gets_a_runner_of_its_own(tiny
 def test_a_draft_needs_the_target_loaded_first(tiny_checkpoints):
     with pytest.raises(AssertionError, match="load_model first"):
         device_backend("cpu").load_draft(tiny_checkpoints["llama"])
+
+
+def test_what_a_tensor_parallel_driver_asks_before_any_rank_is_built():
+    from infer.runner.backend import backend_class
+    from infer.runner.gpu.backend import CudaBackend
+
+    cpu = backend_class("cpu")
+    assert cpu is CpuBackend and cpu.collectives == "gloo" and cpu.pins_cores
+    assert cpu.rank_device(torch.device("cpu"), 1) == torch.device("cpu")
+    cuda = backend_class("cuda:0")
+    assert cuda is CudaBackend and cuda.collectives == "nccl" and not cuda.pins_cores
+    n = torch.cuda.device_count()
+    if n:
+        assert cuda.rank_device(torch.device("cuda", 0), n - 1) == torch.device("cuda", n - 1)
+    with pytest.raises(ValueError, match=f"rank {n} needs cuda:{n}, but only {n} CUDA devices"):
+        cuda.rank_device(torch.device("cuda", 0), n)

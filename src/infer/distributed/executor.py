@@ -59,6 +59,7 @@ import torch.multiprocessing as mp
 from infer.distributed import EngineDeadError
 from infer.distributed.spawn import spawnable_main
 from infer.model.parallel import TensorParallel, set_tensor_parallel
+from infer.runner.backend import backend_class
 
 logger = logging.getLogger("infer.distributed")
 
@@ -114,19 +115,6 @@ class WorkerArgs:
     log_path: str  # the worker's stdout and stderr go here (the driver forwards them)
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``r`` of a CUDA engine on ``cuda:k`` uses ``cuda:k+r``; CPU ranks share the CPU."""
-    if device.type != "cuda":
-        return device
-    index = (device.index or 0) + rank
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"tensor parallel rank {rank} needs cuda:{index}, but only "
-            f"{torch.cuda.device_count()} CUDA devices are visible"
-        )
-    return torch.device("cuda", index)
-
-
 def core_groups(size: int) -> list[tuple[int, ...]]:
     """This process's cores cut into ``size`` groups, one per rank (fewer cores: shared)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -167,7 +155,8 @@ class TensorParallelWorkers:
         self._ready = False
         self._group = False
         self._threads_before = torch.get_num_threads()
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        device_kind = backend_class(device)
+        backend = device_kind.collectives
         timeout = step_timeout()
         self._startup_timeout = startup_timeout(model_path)
         self._deadline = time.monotonic() + self._startup_timeout
@@ -179,7 +168,7 @@ class TensorParallelWorkers:
                 "127.0.0.1", port, size, is_master=True, timeout=timeout,
                 wait_for_workers=False,
             )  # fmt: skip
-            self._spawn(size, port, backend, model_path, dtype, device, quantization,
+            self._spawn(size, port, device_kind, model_path, dtype, device, quantization,
                         quantize_lm_head, seed)  # fmt: skip
             self._await_all("joined", "join the process group")
             # The driver's own share of the cores: its thread count, not its affinity (the HTTP
@@ -210,7 +199,7 @@ class TensorParallelWorkers:
             self._startup_timeout,
         )
 
-    def _spawn(self, size, port, backend, model_path, dtype, device, quantization,
+    def _spawn(self, size, port, device_kind, model_path, dtype, device, quantization,
                quantize_lm_head, seed) -> None:  # fmt: skip
         from infer.distributed.worker import worker_main
 
@@ -225,15 +214,15 @@ class TensorParallelWorkers:
                 rank=rank,
                 size=size,
                 store_port=port,
-                backend=backend,
+                backend=device_kind.collectives,
                 model_path=model_path,
                 dtype=dtype,
-                device=str(rank_device(device, rank)),
+                device=str(device_kind.rank_device(device, rank)),
                 quantization=quantization,
                 quantize_lm_head=quantize_lm_head,
                 seed=seed,
                 num_threads=self._num_threads,
-                cores=groups[rank] if device.type == "cpu" else None,
+                cores=groups[rank] if device_kind.pins_cores else None,
                 log_level=logging.getLogger().level,
                 log_path=str(log_path),
             )

@@ -50,10 +50,23 @@ class WeightsConfig:
 class DeviceBackend:
     """One device's part of the engine: its model, KV cache and runner (see the module doc).
 
-    Subclasses say what differs by device; the steps and their order are the same for all."""
+    Subclasses say what differs by device; the steps and their order are the same for all.
+    The class attributes and class methods are what a tensor-parallel driver asks before any
+    rank has built its backend."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    collectives = "gloo"
+    """The torch.distributed backend of the model's collectives across ranks."""
+    pins_cores = True
+    """Whether each tensor-parallel rank takes a share of this process's cores (its compute)."""
+
+    @classmethod
+    def rank_device(cls, device: torch.device, rank: int) -> torch.device:
+        """The device of tensor-parallel rank ``rank`` of an engine on ``device``."""
+        return device
+
+    def __init__(self, device: torch.device, seed: int, *, make_current: bool = False) -> None:
         self.device = device
+        self._make_current = make_current  # a tensor-parallel rank's process: its one device
         self.seed = seed
         self._prepare()
         torch.manual_seed(seed)
@@ -145,18 +158,24 @@ class DeviceBackend:
         """Wait for the work queued on the device (nothing to wait for on a CPU)."""
 
 
+def backend_class(device: torch.device | str) -> type[DeviceBackend]:
+    """The backend class of ``device``'s kind (imports nothing of the other kinds)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        from infer.runner.gpu.backend import CudaBackend
+
+        return CudaBackend
+    if kind == "cpu":
+        from infer.runner.cpu.backend import CpuBackend
+
+        return CpuBackend
+    raise ValueError(f"--device {device}: infer runs on cpu or cuda")
+
+
 def device_backend(
     device: torch.device | str, seed: int = 0, *, make_current: bool = False
 ) -> DeviceBackend:
     """The backend of ``device`` (``make_current``: a tensor-parallel rank's CUDA device
     becomes the process's current one)."""
     device = torch.device(device)
-    if device.type == "cuda":
-        from infer.runner.gpu.backend import CudaBackend
-
-        return CudaBackend(device, seed, make_current=make_current)
-    if device.type == "cpu":
-        from infer.runner.cpu.backend import CpuBackend
-
-        return CpuBackend(device, seed)
-    raise ValueError(f"--device {device}: infer runs on cpu or cuda")
+    return backend_class(device)(device, seed, make_current=make_current)

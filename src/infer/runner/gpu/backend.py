@@ -10,14 +10,24 @@ from infer.runner.backend import DeviceBackend
 class CudaBackend(DeviceBackend):
     """A CUDA GPU: the Triton step (``runner/gpu/``), CUDA graphs for decode steps."""
 
-    def __init__(self, device: torch.device, seed: int, *, make_current: bool = False) -> None:
-        self._make_current = make_current
-        super().__init__(device, seed)
+    collectives = "nccl"
+    pins_cores = False  # a rank computes on its own GPU
+
+    @classmethod
+    def rank_device(cls, device: torch.device, rank: int) -> torch.device:
+        """Rank ``r`` of an engine on ``cuda:k`` uses ``cuda:k+r``."""
+        index = (device.index or 0) + rank
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"tensor parallel rank {rank} needs cuda:{index}, but only "
+                f"{torch.cuda.device_count()} CUDA devices are visible"
+            )
+        return torch.device("cuda", index)
 
     def _prepare(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but CUDA is not available")
-        if self._make_current:  # a tensor-parallel rank's process: its one device
+        if self._make_current:
             torch.cuda.set_device(self.device)
 
     def kv_budget(self, wanted: int, utilization: float, reserve: int = 0) -> int:
