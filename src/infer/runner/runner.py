@@ -77,10 +77,9 @@ class InFlightStep:
     """A launched step (:meth:`ModelRunner.launch`) until :meth:`ModelRunner.collect`."""
 
     out: SchedulerOutput
-    requests: dict[str, Request]
     sample_reqs: list[Request]
     proposals: list[list[int]]
-    prompt_targets: list[tuple[str, int]]
+    prompt_targets: list[tuple[Request, int]]
     logits: torch.Tensor | None  # None once sampled at launch (``pending``)
     prompt_logits: torch.Tensor | None
     pending: PendingSample | None  # the sampler's kernels queued at launch
@@ -261,16 +260,19 @@ class ModelRunner:
 
     def prepare(
         self, out: SchedulerOutput, requests: dict[str, Request]
-    ) -> tuple[StepBatch, list[Request], list[list[int]], list[tuple[str, int]]]:
+    ) -> tuple[StepBatch, list[Request], list[list[int]], list[tuple[Request, int]]]:
         """The step's model inputs, and what sampling needs: the sampled requests, their
-        proposals (speculative decoding), and ``(request id, position)`` of each prompt row."""
+        proposals (speculative decoding), and ``(request, position)`` of each prompt row.
+        ``requests`` (the scheduler's, by id) is read here only: nothing of a launched step
+        looks a request up again, so a request that ends meanwhile (its id perhaps taken by a
+        new one) changes nothing the step collects."""
         token_ids: list[int] = []
         positions: list[int] = []
         seqs: list[SequenceSlice] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         prompt_rows: list[int] = []
-        prompt_targets: list[tuple[str, int]] = []  # the prompt token each prompt row predicts
+        prompt_targets: list[tuple[Request, int]] = []  # the prompt token each row predicts
         proposals: list[list[int]] = []  # per sampled chunk (speculative decoding)
         for chunk in out.chunks:
             n = len(chunk.token_ids)
@@ -287,13 +289,13 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0))
             if chunk.prompt_logprobs:
-                num_prompt = requests[chunk.request_id].num_prompt_tokens
+                request = requests[chunk.request_id]
                 first_row = len(token_ids) - n
                 for i in range(n):
                     target = chunk.num_computed_tokens + i + 1
-                    if target < num_prompt:
+                    if target < request.num_prompt_tokens:
                         prompt_rows.append(first_row + i)
-                        prompt_targets.append((chunk.request_id, target))
+                        prompt_targets.append((request, target))
             if chunk.sample:
                 # A chunk with k proposals is scored at its last k + 1 rows.
                 end = len(token_ids)
@@ -397,7 +399,7 @@ class ModelRunner:
         ):
             pending = self.sampler.launch(logits, sample_reqs)
             logits = None  # sampled: not kept alive beside the next step's
-        return InFlightStep(out, requests, sample_reqs, proposals, prompt_targets, logits,
+        return InFlightStep(out, sample_reqs, proposals, prompt_targets, logits,
                             prompt_logits, pending, t0, t1, time.perf_counter())  # fmt: skip
 
     @torch.inference_mode()
@@ -406,8 +408,7 @@ class ModelRunner:
         t_collect = time.perf_counter()
         prompt_lps = {}
         if step.prompt_logits is not None:
-            prompt_lps = self._prompt_logprobs(step.prompt_logits, step.prompt_targets,
-                                               step.requests)  # fmt: skip
+            prompt_lps = self._prompt_logprobs(step.prompt_logits, step.prompt_targets)
         results: list[Sampled] = []
         if step.pending is not None:
             results = list(step.pending.result())
@@ -431,17 +432,14 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, timings, prompt_lps)
 
     def _prompt_logprobs(
-        self,
-        logits: torch.Tensor,
-        targets: list[tuple[str, int]],
-        requests: dict[str, Request],
+        self, logits: torch.Tensor, targets: list[tuple[Request, int]]
     ) -> dict[str, list[tuple[int, TokenLogprob]]]:
         """Each prompt row's log-probability of the prompt token it predicts, + top-k."""
         logprobs = torch.log_softmax(logits, dim=-1)
         out: dict[str, list[tuple[int, TokenLogprob]]] = {}
-        for j, (request_id, position) in enumerate(targets):
-            request = requests[request_id]
+        for j, (request, position) in enumerate(targets):
             k = request.sampling_params.prompt_logprobs or 0
             token = request.prompt_token_ids[position]
-            out.setdefault(request_id, []).append((position, token_logprob(logprobs[j], token, k)))
+            lp = token_logprob(logprobs[j], token, k)
+            out.setdefault(request.request_id, []).append((position, lp))
         return out
