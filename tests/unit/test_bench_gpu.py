@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from infer.bench import gpu
-from infer.bench.cli import add_gpu_args
+from infer.bench.cli import add_gpu_args, checkout_benchmark
+
+gpu_kernels = checkout_benchmark("gpu_kernels")  # benchmarks/gpu_kernels.py: outside the package
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -218,7 +220,9 @@ def test_kernel_section_against_a_reference_kernel():
                  "2", "--device", "cpu", "--kernel-max-gb", "0.00002")  # fmt: skip
     shape = {"heads": 4, "kv_heads": 2, "head_dim": 16, "block_size": 16}
     logs: list[str] = []
-    res = gpu.kernel_bench(args, shape, 10.0, logs.append, attn=_reference_attention, min_bytes=1)
+    res = gpu_kernels.kernel_bench(
+        args, shape, 10.0, logs.append, attn=_reference_attention, min_bytes=1
+    )
     cells = {(row["batch"], row["context"]): row for row in res["rows"]}
     # 3 x 64 x 2 heads x 16 x 2 B x 2 = 24,576 bytes is over the 20 kB cap
     assert res["skipped_cases"] == ["3x64: 0.00 GB of K/V"]
@@ -236,7 +240,7 @@ def test_kernel_section_skips_without_the_module(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "infer.runner.gpu.triton_attention", None)
-    res = gpu.kernel_bench(_args("--device", "cpu"), {}, None, print)
+    res = gpu_kernels.kernel_bench(_args("--device", "cpu"), {}, None, print)
     assert "not importable" in res["skipped"]
 
 
@@ -282,3 +286,20 @@ def test_runner_info_names_the_attention_path_and_the_graphs():
     assert info["decode graphs"] == "2 captured for batch 1..2 in 1.5s, 3 MiB"
     engine.runner.cuda_step.graphs = None
     assert gpu.runner_info(engine)["decode graphs"] == "none (eager)"
+
+
+def test_outside_a_checkout_the_kernel_section_says_it_needs_one(tmp_path, monkeypatch, capsys):
+    """Without benchmarks/gpu_kernels.py (an installed package) the other sections run and the
+    kernels section is skipped, its note in the log, the sections table and the kernel table."""
+    monkeypatch.setattr(gpu, "kernel_benchmark", lambda: None)
+    out = tmp_path / "out"
+    args = _args("--device", "cpu", "--tiny", "--model-dir", str(tmp_path / "model"), "--out",
+                 str(out), "--read-gib", "0.01", "--matmul-n", "64", "--skip-engine", "--skip-hf")  # fmt: skip
+    assert gpu.run(args) == 0
+    report = json.loads((out / "gpu.json").read_text())
+    assert report["sections"]["roofline"]["status"] == "ok"
+    assert report["sections"]["kernels"]["status"] == "skipped"
+    assert "needs a source checkout" in report["sections"]["kernels"]["note"]
+    md = (out / "gpu.md").read_text()
+    assert "## Decode attention kernel" in md and "Skipped: the decode attention kernel" in md
+    assert "needs a source checkout" in capsys.readouterr().out

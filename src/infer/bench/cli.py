@@ -171,6 +171,7 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="new tokens of the 1-prompt generate_batch, which is slow (32 | 16)",
     )
+    # The decode attention kernel section (benchmarks/gpu_kernels.py, run from a checkout):
     p.add_argument("--kernel-batches", default=None, help="(16,64,256 | 16,256)")
     p.add_argument("--kernel-contexts", default=None, help="(512,2048,8192 | 512,8192)")
     p.add_argument(
@@ -399,9 +400,10 @@ def _offline_bench(module: str, func: str = "run") -> Callable[[argparse.Namespa
     return cmd
 
 
+@functools.cache
 def checkout_benchmark(name: str):
-    """``benchmarks/<name>.py`` of the source checkout this package runs from, imported: the
-    kernel micro-benchmarks live beside their reports, outside the package. None when the
+    """``benchmarks/<name>.py`` of the source checkout this package runs from, imported (once):
+    the kernel micro-benchmarks live beside their reports, outside the package. None when the
     package is not run from a checkout."""
     import importlib.util
     from pathlib import Path

@@ -82,14 +82,15 @@ class RequestRecord:
 
 def build_payload(
     model: str,
-    prompt: str,
+    prompt: str | list[int],
     max_tokens: int,
     endpoint: Endpoint = "completions",
     ignore_eos: bool = True,
     temperature: float = 0.0,
     extra_body: dict | None = None,
 ) -> dict:
-    """The JSON body of one streaming request."""
+    """The JSON body of one streaming request (``prompt``: text, or token ids for
+    ``completions``)."""
     body: dict = {
         "model": model,
         "max_tokens": max_tokens,

@@ -61,6 +61,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from infer.bench.metrics import percentile
+from infer.bench.online import free_port, serving
 from infer.bench.report import md_table, num, save_report
 
 MODES = ("pd", "dp", "single")
@@ -162,16 +164,6 @@ def _display_cmd(model: Path, mode: str, args: argparse.Namespace) -> str:
     return shlex.join(["infer", "serve", *cmd[:i], *cmd[i + 2 :]])
 
 
-def _start(model: Path, mode: str, args: argparse.Namespace, log: Path):
-    """``infer serve`` in ``mode`` on a free port, once ``/health`` answers 200."""
-    from infer.bench.online import free_port, launch_server
-
-    port = free_port()
-    cmd, threads = _serve_cmd(model, mode, args, port)
-    return launch_server(cmd, port, log, env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
-                         grace_s=120)  # fmt: skip
-
-
 def _parse_transfer_metrics(text: str) -> dict[str, float]:
     """The KV-transfer counters of a Prometheus text (summed over labels; missing: absent)."""
     out: dict[str, float] = {}
@@ -215,7 +207,12 @@ def _transfer_cost(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 class _Stream:
-    """One streamed completion: send time, and each event's arrival and new-token count."""
+    """One streamed completion: send time, and each event's arrival and new-token count.
+
+    Not :func:`infer.bench.client.stream_request`'s record: that one times the chunks with
+    text (a token mid-character sends an empty one) and keeps no per-event token counts; this
+    benchmark times every event that brings tokens (``continuous_usage_stats``), at absolute
+    times, to count the gaps and tokens inside the window."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -231,9 +228,11 @@ class _Stream:
 
 
 def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    """A greedy ``ignore_eos`` stream of token ids, each event with its running usage."""
+    from infer.bench.client import build_payload
+
+    usage = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    return build_payload("m", prompt, max_tokens, extra_body=usage)
 
 
 async def _stream(client: Any, url: str, body: dict[str, Any], rec: _Stream) -> _Stream:
@@ -268,19 +267,12 @@ async def _stream(client: Any, url: str, body: dict[str, Any], rec: _Stream) -> 
     return rec
 
 
-def _pct(xs: list[float], p: float) -> float | None:
-    """Linear-interpolated ``p``-th percentile (None for no data)."""
+def _ms(xs: list[float], p: float | None = None) -> float | None:
+    """The ``p``-th percentile of ``xs`` (seconds) in ms, their maximum when ``p`` is None;
+    None for no data."""
     if not xs:
         return None
-    s = sorted(xs)
-    k = (len(s) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else x * 1e3
+    return (max(xs) if p is None else percentile(xs, p)) * 1e3
 
 
 async def _idle(url: str, prompts: list[list[int]]) -> dict[str, Any]:
@@ -365,15 +357,15 @@ async def _workload(url: str, shorts: list[list[int]], longs: list[list[int]],
     return {
         "warm_s": warm_s,
         "itl_ms": {
-            "p50": _ms(_pct(itls, 50)),
-            "p99": _ms(_pct(itls, 99)),
-            "max": _ms(max(itls, default=None)),
+            "p50": _ms(itls, 50),
+            "p99": _ms(itls, 99),
+            "max": _ms(itls),
             "samples": len(itls),
-        },  # fmt: skip
+        },
         "coalesced_events": coalesced,
         "tokens_per_s": tokens / args.window,
         "short_tokens_per_s": short_tokens / args.window,
-        "long_ttft_ms": {"p50": _ms(_pct(ttfts, 50)), "p99": _ms(_pct(ttfts, 99))},
+        "long_ttft_ms": {"p50": _ms(ttfts, 50), "p99": _ms(ttfts, 99)},
         "long_requests": len(long_recs),
         "long_failed": sum(1 for r in long_recs if r.error or not r.done),
         "long_errors": sorted({r.error for r in long_recs if r.error})[:3],
@@ -481,8 +473,6 @@ def _gloo_worker(rank: int, port: int, nbytes: int, reps: int, out_dir: str) -> 
 def _gloo_transport(nbytes: int, reps: int, warm: int = 2) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from infer.bench.online import free_port
-
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_gloo_worker, args=(free_port(), nbytes, reps + warm, d), nprocs=2, join=True)
         sent = json.loads(Path(d, "rank0.json").read_text())
@@ -517,17 +507,6 @@ def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
     return 2 * c["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
 
 
-def _lscpu_model() -> str | None:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return None
-
-
 def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
     """``n`` distinct random token-id prompts (ids 10.. : clear of the usual special ids)."""
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
@@ -541,26 +520,23 @@ def _one(model: Path, mode: str, rnd: int, args: argparse.Namespace, out: Path,
     longs = _prompts(rng, n_long, args.long_prompt_tokens, vocab)
     idle = _prompts(rng, args.idle_requests, args.long_prompt_tokens, vocab)
     warm = _prompts(rng, 2, args.long_prompt_tokens, vocab)
-    t0 = time.monotonic()
     log = out / f"server-{mode}-{rnd}.log"
-    proc, url = _start(model, mode, args, log)
-    phase = "warm-up"
-    try:
-        started_s = time.monotonic() - t0
-        asyncio.run(_warm_up(url, warm[0][: args.short_prompt_tokens], warm[1]))
-        result: dict[str, Any] = {"start_s": started_s}
-        if idle:
-            phase = "idle requests"
-            result["idle"] = asyncio.run(_idle(url, idle))
-        phase = "workload"
-        result.update(asyncio.run(_workload(url, shorts, longs, args, short_max)))
-    except Exception as e:
-        note = _stopped_note(proc, log)
-        raise RuntimeError(f"{phase}: {type(e).__name__}: {e!s:.300}{note}") from e
-    finally:
-        from infer.bench.online import stop_server
-
-        stop_server(proc, grace_s=120)
+    port = free_port()
+    cmd, threads = _serve_cmd(model, mode, args, port)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    with serving(cmd, env, log, port, grace_s=120) as (proc, url, started_s):
+        phase = "warm-up"
+        try:
+            asyncio.run(_warm_up(url, warm[0][: args.short_prompt_tokens], warm[1]))
+            result: dict[str, Any] = {"start_s": started_s}
+            if idle:
+                phase = "idle requests"
+                result["idle"] = asyncio.run(_idle(url, idle))
+            phase = "workload"
+            result.update(asyncio.run(_workload(url, shorts, longs, args, short_max)))
+        except Exception as e:  # noted before the server is stopped: did it go away?
+            note = _stopped_note(proc, log)
+            raise RuntimeError(f"{phase}: {type(e).__name__}: {e!s:.300}{note}") from e
     return result
 
 
@@ -640,7 +616,7 @@ def run(args: argparse.Namespace) -> int:
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         },
         "machine": {
-            "cpu": _lscpu_model() or env["cpu"],
+            "cpu": env["cpu"],  # report.cpu_model()
             "cpus": os.cpu_count(),
             "torch": env["torch"],
             "git_commit": env["git_commit"],
@@ -679,10 +655,6 @@ def run(args: argparse.Namespace) -> int:
 # Markdown
 
 
-def _f(x: float | None, fmt: str = ".1f") -> str:
-    return num(x, fmt)
-
-
 def render(results: dict[str, Any]) -> str:
     """The markdown report."""
     c, m = results["config"], results["machine"]
@@ -710,9 +682,9 @@ def render(results: dict[str, Any]) -> str:
     for name, s in modes.items():
         tr = "-"
         if s["transfer_mb"] is not None or s["transfer_ms"] is not None:
-            tr = f"{_f(s['transfer_mb'])} / {_f(s['transfer_ms'])}"
-        rows.append([name, _f(s["itl_p50_ms"]), _f(s["itl_p99_ms"]), _f(s["itl_max_ms"]),
-                     *(_f(s[k], ".0f") for k in ("tokens_per_s", "short_tokens_per_s",
+            tr = f"{num(s['transfer_mb'])} / {num(s['transfer_ms'])}"
+        rows.append([name, num(s["itl_p50_ms"]), num(s["itl_p99_ms"]), num(s["itl_max_ms"]),
+                     *(num(s[k], ".0f") for k in ("tokens_per_s", "short_tokens_per_s",
                        "long_ttft_p50_ms", "long_ttft_p99_ms", "idle_ttft_ms")), tr, s["runs"]])  # fmt: skip
     lines += md_table("mode | short ITL p50 (ms) | p99 (ms) | max (ms) | tok/s (all) | tok/s (short) "
                       "| long TTFT p50 (ms) | p99 (ms) | idle 1024-token TTFT (ms) "
@@ -744,9 +716,9 @@ def render(results: dict[str, Any]) -> str:
             "into the object store + fetch on the decode side), read before and after:",
             "",
             *md_table("pd | MB per transfer | ms per transfer", [
-                ["long prompts in the window", _f(pd["transfer_mb"]), _f(pd["transfer_ms"])],
-                ["lone long prompts, idle server", _f(pd["idle_transfer_mb"]),
-                 _f(pd["idle_transfer_ms"])]]),
+                ["long prompts in the window", num(pd["transfer_mb"]), num(pd["transfer_ms"])],
+                ["lone long prompts, idle server", num(pd["idle_transfer_mb"]),
+                 num(pd["idle_transfer_ms"])]]),
         ]  # fmt: skip
     saved = (dp or {}).get("idle_ttft_ms")
     if saved:
@@ -785,8 +757,8 @@ def render(results: dict[str, Any]) -> str:
     for name, runs in results["runs"].items():
         for r in runs:
             it, lt = r["itl_ms"], r["long_ttft_ms"]
-            rows.append([name, r["round"], f"{_f(it['p50'])} / {_f(it['p99'])} / {_f(it['max'])}",
-                         f"{r['tokens_per_s']:.0f}", f"{_f(lt['p50'], '.0f')} / {_f(lt['p99'], '.0f')}",
+            rows.append([name, r["round"], f"{num(it['p50'])} / {num(it['p99'])} / {num(it['max'])}",
+                         f"{r['tokens_per_s']:.0f}", f"{num(lt['p50'], '.0f')} / {num(lt['p99'], '.0f')}",
                          f"{r['long_requests']} ({r['long_failed']})",
                          (r.get("transfer") or {}).get("transfers", "-"), f"{r['start_s']:.0f}"])  # fmt: skip
     lines += ["", "## Runs", ""]

@@ -22,7 +22,10 @@ machine after the GPU tests.) Sections, each timed, printed as it finishes and w
    ``--buckets`` (B requests decoding, ``engine.step()`` timed, median).
 4. **kernels**: ``infer.runner.gpu.triton_attention.paged_decode_attention`` on the model's
    heads at batch x context, K/V bytes read per call against the measured read rate, today's
-   torch path (index_select gather + masked SDPA) beside it, and split-K at batch 1, 8k.
+   torch path (index_select gather + masked SDPA) beside it, and split-K at batch 1, 8k. A
+   kernel micro-benchmark, outside the package: ``benchmarks/gpu_kernels.py`` of the source
+   checkout (:func:`kernel_benchmark`; the ``--kernel-*`` flags are the CLI's); run outside a checkout,
+   the section is skipped with a note saying so.
 4b. **http** (``--http C``): the graphs cell at C over HTTP (``infer serve``), beside the offline
    figure (:mod:`infer.bench.gpu_http`).
 5. **hf**: transformers' own continuous batching (``generate_batch``, a persistent manager) on
@@ -38,10 +41,8 @@ import argparse
 import contextlib
 import functools
 import gc
-import importlib
 import json
 import logging
-import math
 import platform
 import signal
 import statistics
@@ -107,11 +108,6 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "bucket_steps": (20, 12),
     "hf_prompts": ("1,16,64,256", "64,256"),
     "hf_c1_tokens": (32, 16),
-    "kernel_batches": ("16,64,256", "16,256"),
-    "kernel_contexts": ("512,2048,8192", "512,8192"),
-    "kernel_torch_contexts": ("512,2048", "2048"),
-    "kernel_splits": ("1,2,4,8,16,32", "1,4,16"),
-    "kernel_reps": (20, 10),
 }
 
 # The issue's targets (H100 figures for the tok/s ones).
@@ -128,9 +124,25 @@ class _Interrupted(BaseException):
     """SIGTERM (``timeout``): finish the report with what there is, then stop."""
 
 
+def kernel_benchmark() -> Any:
+    """``benchmarks/gpu_kernels.py`` of the source checkout this package runs from (the kernels
+    section: its flags, its run, its table), or None outside a checkout."""
+    from infer.bench.cli import checkout_benchmark
+
+    return checkout_benchmark("gpu_kernels")
+
+
+KERNELS_NEED_CHECKOUT = (
+    "the decode attention kernel benchmark needs a source checkout (benchmarks/gpu_kernels.py, "
+    "outside the package): run infer bench gpu from one"
+)
+
+
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the list options left unset from :data:`DEFAULTS` (full, or ``--quick``)."""
-    for name, (full, quick) in DEFAULTS.items():
+    """Fill the list options left unset from :data:`DEFAULTS` and the kernel benchmark's (full,
+    or ``--quick``)."""
+    kernels = kernel_benchmark()
+    for name, (full, quick) in (DEFAULTS | (kernels.DEFAULTS if kernels else {})).items():
         if getattr(args, name, None) is None:
             setattr(args, name, quick if args.quick else full)
     return args
@@ -583,207 +595,6 @@ def engine_mode(
     return res
 
 
-# ---- 4. kernels ---------------------------------------------------------------------------------
-def torch_decode_attention(q, k_cache, v_cache, gather, mask, scale):
-    """Today's torch path on CUDA (``AttentionContext._attend_decode``): gather every context
-    row with index_select, then masked SDPA. ``gather`` [R, L] slots; ``mask`` [R, 1, 1, L]."""
-    import torch.nn.functional as F
-
-    r, length = gather.shape
-    ks = k_cache.index_select(0, gather.reshape(-1)).view(r, length, *k_cache.shape[1:])
-    vs = v_cache.index_select(0, gather.reshape(-1)).view(r, length, *v_cache.shape[1:])
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :],
-        ks.transpose(1, 2),
-        vs.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k_cache.shape[1],
-    )
-    return o[:, :, 0, :]
-
-
-def _kernel_case(
-    attn: Callable,
-    r: int,
-    length: int,
-    shape: dict,
-    device: torch.device,
-    reps: int,
-    splits: list[int],
-    with_torch: bool,
-    min_bytes: int,
-    workspace: Callable | None = None,
-) -> dict:
-    """Time one batch x context: the kernel at each of ``splits``, and the torch path.
-
-    The cache holds ``copies`` disjoint sets of shuffled blocks (``min_bytes`` of K/V in all)
-    and consecutive calls cycle through them, so a small case reads HBM rather than L2; each
-    sample is a CUDA graph of at least ``4 * min_bytes`` of reads (see :func:`time_ms`).
-    ``workspace(rows, heads, dim, splits, device)``: split-K buffers made once, outside timing.
-    """
-    h, hkv, d, bs = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block_size"]
-    kv_bytes = r * length * hkv * d * 2 * 2
-    copies = max(1, math.ceil(min_bytes / kv_bytes))
-    inner = copies * max(1, math.ceil(4 * min_bytes / (copies * kv_bytes)))
-    blocks_per_seq = math.ceil(length / bs)
-    num_blocks = copies * r * blocks_per_seq
-    gen = torch.Generator(device=device).manual_seed(r * 100003 + length)
-    k_cache = torch.randn(
-        num_blocks * bs, hkv, d, dtype=torch.bfloat16, device=device, generator=gen
-    )
-    v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
-    tables = tables.view(copies, r, blocks_per_seq)
-    q = torch.randn(r, h, d, dtype=torch.bfloat16, device=device, generator=gen)
-    lens = torch.full((r,), length, dtype=torch.int32, device=device)
-    scale = d**-0.5
-    row: dict[str, Any] = {
-        "batch": r,
-        "context": length,
-        "kv_bytes": kv_bytes,
-        "copies": copies,
-        "calls_per_sample": inner,
-        "splits_ms": {},
-    }
-    outs: dict[int, torch.Tensor] = {}
-    how: dict[str, str] = {}
-    for split in splits:
-        out = outs[split] = torch.empty_like(q)
-        kw: dict[str, Any] = {"block_size": bs, "scale": scale, "num_splits": split, "out": out}
-        if split > 1 and workspace is not None:
-            kw["workspace"] = workspace(r, h, d, split, device)
-        i = [0]
-
-        def fn(kw: dict = kw, i: list = i) -> Any:
-            c = i[0] % copies
-            i[0] += 1
-            return attn(q, k_cache, v_cache, tables[c], lens, **kw)
-
-        ms = time_ms(fn, device, reps, inner=inner, graph=True, how=how)
-        row["splits_ms"][str(split)] = statistics.median(ms)
-        attn(q, k_cache, v_cache, tables[0], lens, **kw)  # this split's output of copy 0
-    row["timing"] = how.get("timing")
-    best = min(row["splits_ms"], key=row["splits_ms"].get)
-    # The time of the split the engine picks for this batch (the first of ``splits``).
-    row["ms"] = row["splits_ms"][str(splits[0])]
-    row["splits"] = splits[0]
-    row["best_split"], row["best_ms"] = int(best), row["splits_ms"][best]
-    row["GBps"] = kv_bytes / (row["ms"] / 1000) / 1e9
-    if len(outs) > 1:
-        first = outs[splits[0]].float()
-        row["split_max_abs_diff"] = max(
-            (o.float() - first).abs().max().item() for o in outs.values()
-        )
-    if with_torch:
-        offsets = torch.arange(bs, device=device)
-        gathers = (tables.long()[..., None] * bs + offsets).flatten(2)[..., :length]
-        mask = (torch.arange(length, device=device)[None, :] < lens[:, None].long())[:, None, None]
-        j = [0]
-
-        def torch_fn() -> Any:
-            c = j[0] % copies
-            j[0] += 1
-            return torch_decode_attention(q, k_cache, v_cache, gathers[c], mask, scale)
-
-        torch_how: dict[str, str] = {}
-        ms = time_ms(torch_fn, device, reps, inner=inner, graph=True, how=torch_how)
-        row["torch_ms"] = statistics.median(ms)
-        row["torch_timing"] = torch_how.get("timing")
-        row["torch_GBps"] = kv_bytes / (row["torch_ms"] / 1000) / 1e9
-        want = torch_decode_attention(q, k_cache, v_cache, gathers[0], mask, scale).float()
-        row["max_abs_err"] = (outs[splits[0]].float() - want).abs().max().item()
-    return row
-
-
-def _engine_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """The decode kernel's splits in an engine step of ``rows`` rows (its graph bucket's)."""
-    try:
-        from infer.runner.gpu.cuda_step import MAX_GRAPH_ROWS, decode_splits
-        from infer.runner.gpu.graphs import capture_sizes
-    except ImportError:
-        return 1
-    bucket = next((s for s in capture_sizes(MAX_GRAPH_ROWS) if s >= rows), rows)
-    return decode_splits(bucket, kv_heads, device)
-
-
-def kernel_bench(
-    args: argparse.Namespace,
-    shape: dict,
-    read_GBps: float | None,
-    log: Callable[[str], None],
-    attn: Callable | None = None,
-    workspace: Callable | None = None,
-    min_bytes: int | None = None,
-    res: dict | None = None,
-) -> dict:
-    """The Triton paged decode attention kernel over batch x context, the torch path beside it
-    on ``--kernel-torch-contexts``, and split-K at batch 1 (``attn``, ``workspace``: tests).
-    ``min_bytes``: K/V cycled through per case (default 256 MiB on CUDA, 5x an H100's L2).
-    ``res`` is filled as the cases finish."""
-    res = {} if res is None else res
-    if attn is None:
-        try:
-            ta = importlib.import_module("infer.runner.gpu.triton_attention")
-        except ImportError as e:
-            res["skipped"] = f"infer.runner.gpu.triton_attention is not importable: {e}"
-            return res
-        attn, workspace = ta.paged_decode_attention, getattr(ta, "decode_workspace", None)
-    device = torch.device(args.device)
-    res.update(shape=shape, rows=[], skipped_cases=[], failures=0)
-    torch_ctx = set(ints(args.kernel_torch_contexts))
-    if min_bytes is None:
-        min_bytes = 256 << 20 if device.type == "cuda" else 64 << 10
-
-    def case(r: int, length: int, splits: list[int], with_torch: bool) -> dict:
-        return _kernel_case(attn, r, length, shape, device, args.kernel_reps, splits, with_torch,
-                            min_bytes, workspace)  # fmt: skip
-
-    for r in ints(args.kernel_batches):
-        for length in ints(args.kernel_contexts):
-            kv_bytes = r * length * shape["kv_heads"] * shape["head_dim"] * 4
-            if kv_bytes > args.kernel_max_gb * 1e9:
-                res["skipped_cases"].append(f"{r}x{length}: {kv_bytes / 1e9:.2f} GB of K/V")
-                continue
-            # As the engine runs it: the splits its decode step of r rows uses, and 1 beside it.
-            engine_splits = _engine_splits(r, shape["kv_heads"], device)
-            try:
-                splits = [engine_splits] + ([1] if engine_splits != 1 else [])
-                row = case(r, length, splits, length in torch_ctx)
-            except Exception as e:  # noqa: BLE001 - one failed cell must not lose the rest
-                row = {"batch": r, "context": length, "error": f"{type(e).__name__}: {e}"}
-                res["failures"] += 1
-                log(f"kernel {r}x{length}: FAILED {row['error']}")
-            else:
-                if read_GBps:
-                    row["pct_of_read"] = row["GBps"] / read_GBps
-                torch_us = f", torch {1000 * row['torch_ms']:.1f} us" if "torch_ms" in row else ""
-                log(
-                    f"kernel {r}x{length}: {1000 * row['ms']:.1f} us, {row['GBps']:,.0f} GB/s"
-                    f"{torch_us} ({row['timing']})"
-                )
-            res["rows"].append(row)
-            _free(device)
-    splits = ints(args.kernel_splits)
-    if splits:
-        length = args.kernel_split_context
-        try:
-            row = case(1, length, splits, False)
-            one = row["splits_ms"].get("1")
-            row["speedup"] = one / row["best_ms"] if one else None
-            if read_GBps:
-                row["best_pct_of_read"] = row["kv_bytes"] / (row["best_ms"] / 1e3) / 1e9 / read_GBps
-            res["split"] = row
-            times = ", ".join(f"{s}: {1000 * ms:.1f} us" for s, ms in row["splits_ms"].items())
-            log(f"kernel split-K 1x{length}: {times}")
-        except Exception as e:  # noqa: BLE001
-            res["split"] = {"error": f"{type(e).__name__}: {e}"}
-            res["failures"] += 1
-            log(f"kernel split-K: FAILED {res['split']['error']}")
-        _free(device)
-    return res
-
-
 # ---- 5. transformers ----------------------------------------------------------------------------
 def hf_bench(
     model: Path,
@@ -1049,50 +860,6 @@ def _http_markdown(http: dict) -> list[str]:
     return lines + [""] + md_table(" | output tok/s | TTFT p50 ms | ITL p50 ms", rows, "lrrr")
 
 
-def _kernel_markdown(kern: dict) -> list[str]:
-    lines = ["", "## Decode attention kernel (Triton paged vs torch gather + SDPA)", ""]
-    if "skipped" in kern:
-        return lines + [f"Skipped: {kern['skipped']}"]
-    sh = kern.get("shape", {})
-    lines += [
-        f"{sh.get('heads')} query / {sh.get('kv_heads')} KV heads of {sh.get('head_dim')}, "
-        f"block size {sh.get('block_size')}, bf16. K/V bytes = batch x context x KV heads "
-        "x dim x 2 B x 2. Median over samples, each a CUDA graph of calls cycling through "
-        "copies of the cache (blocks shuffled) so reads miss L2.",
-        "",
-    ]
-    rows: list[list[Any]] = []
-    for row in kern.get("rows", []):
-        if "error" in row:
-            rows.append([row["batch"], row["context"], f"failed: {row['error'][:100]}"])
-            continue
-        t_ms, pct, one = (
-            row.get("torch_ms"),
-            row.get("pct_of_read"),
-            row.get("splits_ms", {}).get("1"),
-        )
-        rows.append([
-            row["batch"], row["context"], f"{row['kv_bytes'] / 1e6:,.1f}", row.get("splits", 1),
-            f"{1000 * row['ms']:.1f}", _f(None if one is None else 1000 * one, ".1f"),
-            f"{row['GBps']:,.0f}", _f(None if pct is None else 100 * pct, ".0f"),
-            _f(None if t_ms is None else 1000 * t_ms, ".1f"), _f(row.get("torch_GBps"), ",.0f"),
-            _ratio(t_ms, row["ms"]), _f(row.get("max_abs_err"), ".2e"),
-        ])  # fmt: skip
-    lines += md_table("batch | context | K/V MB | splits | triton us | 1 split us | GB/s "
-                      "| % of read | torch us | torch GB/s | triton speed-up "
-                      "| max abs err vs torch", rows, "r" * 12)  # fmt: skip
-    lines += [f"\nSkipped: {s}" for s in kern.get("skipped_cases", [])]
-    split = kern.get("split", {})
-    if "splits_ms" in split:
-        one = split["splits_ms"].get("1")
-        lines += ["", f"Split-K at batch 1, context {split['context']}:", ""]
-        rows = [[s, f"{1000 * ms:.1f}", _ratio(one, ms)] for s, ms in split["splits_ms"].items()]
-        lines += md_table("num_splits | us | speed-up vs 1", rows, "rrr")
-    elif "error" in split:
-        lines.append(f"\nSplit-K failed: {split['error']}")
-    return lines
-
-
 def _hf_markdown(r: dict, hf: dict, p: int, o: int) -> list[str]:
     graphs = _get(r, "engine", "graphs", "loads") or {}
     rows = []
@@ -1151,7 +918,11 @@ def render_markdown(r: dict) -> str:
         ]
     lines += _engine_markdown(eng, roof, p, o) if eng else []
     lines += _http_markdown(r["http"]) if r.get("http") else []
-    lines += _kernel_markdown(kern) if kern else []
+    if kern and (kernels := kernel_benchmark()) is not None:
+        lines += kernels.markdown(kern)
+    elif kern:
+        note = kern.get("skipped") or KERNELS_NEED_CHECKOUT
+        lines += ["", "## Decode attention kernel", "", f"Skipped: {note}"]
     if hf.get("rows"):
         lines += _hf_markdown(r, hf, p, o)
     elif "error" in hf:
@@ -1434,17 +1205,16 @@ def _run_sections(
         sections.run("http", http_section, device)
 
     if not args.skip_kernels:
-        kshape = {
-            "heads": model["shape"]["num_attention_heads"],
-            "kv_heads": model["shape"]["num_key_value_heads"],
-            "head_dim": model["shape"]["head_dim"],
-            "block_size": 16,
-        }
 
         def kernel_section() -> dict:
             res = report["kernels"] = {}
+            kernels = kernel_benchmark()
+            if kernels is None:
+                _log(f"kernels: {KERNELS_NEED_CHECKOUT}")
+                res["skipped"] = KERNELS_NEED_CHECKOUT
+                return res
             read = _get(report, "roofline", "read_GBps")
-            return kernel_bench(args, kshape, read, _log, res=res)
+            return kernels.section(args, model, read, _log, res)
 
         sections.run("kernels", kernel_section, device)
 

@@ -139,17 +139,22 @@ def launch_server(
 
 @contextlib.contextmanager
 def serving(
-    cmd: list[str], env: dict | None, log: Path, port: int, timeout_s: float = 600
+    cmd: list[str],
+    env: dict | None,
+    log: Path,
+    port: int,
+    timeout_s: float = 600,
+    grace_s: float = 60,
 ) -> Iterator[tuple[subprocess.Popen, str, float]]:
     """:func:`start_server`, then ``(process, url, seconds until healthy)`` for the block; the
-    server is stopped (:func:`stop_server`, its port freed) when the block ends, however it
-    ends, and also when it never becomes healthy."""
+    server is stopped (:func:`stop_server`, ``grace_s`` to drain, its port freed) when the
+    block ends, however it ends, and also when it never becomes healthy."""
     proc = start_server(cmd, env, log, port)
     url = f"http://127.0.0.1:{port}"
     try:
         yield proc, url, wait_healthy(url, proc, timeout_s)
     finally:
-        stop_server(proc, port)
+        stop_server(proc, port, grace_s)
 
 
 async def closed_loop(
@@ -157,7 +162,12 @@ async def closed_loop(
 ) -> tuple[list[RequestRecord], float]:
     """``prompts`` (token ids) streamed through infer's own HTTP client, ``concurrency`` in
     flight, ``out_len`` greedy tokens each with ignore_eos: the records and the wall time."""
-    from infer.bench.client import RequestRecord, new_client, stream_request  # the bench extra
+    from infer.bench.client import (  # the bench extra
+        RequestRecord,
+        build_payload,
+        new_client,
+        stream_request,
+    )
 
     queue = list(enumerate(prompts))
     records: list[RequestRecord] = []
@@ -169,15 +179,7 @@ async def closed_loop(
                 rec = RequestRecord(
                     index=i, prompt_len_target=len(ids), max_tokens=out_len, scheduled_s=0.0
                 )
-                payload = {
-                    "model": "m",
-                    "prompt": ids,
-                    "max_tokens": out_len,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
+                payload = build_payload("m", ids, out_len)  # greedy, ignore_eos, usage
                 records.append(await stream_request(client, base, payload, rec))
 
         t0 = time.perf_counter()
