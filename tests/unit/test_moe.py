@@ -253,13 +253,14 @@ def test_mixtral_top_k_error_names_num_local_experts():
 def _packed(arch: str, hf) -> SparseMoE:
     """Our layer in bf16 with its experts packed for the CPU kernels (as the engine loads it);
     skips where this CPU has no tiled linear kernel."""
+    from infer.runner.cpu.fused_ops import cpu_ops
     from infer.runner.cpu.prepack import prepack_linears, tiled_linear_kernels
 
     if tiled_linear_kernels() is None:
         pytest.skip("the C++ expert layer needs the tiled linear kernels")
     ours = _ours(arch, hf).to(torch.bfloat16)
     prepack_linears(ours)
-    assert ours.cpu_kernel() is not None
+    assert ours.fused_kernel(cpu_ops()) is not None
     return ours
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.model.layers import GatedMLP, WeightSource
-from infer.model.ops import build_moe_kernel
+from infer.model.ops import FusedOps, fused_ops
 from infer.model.parallel import COLUMN, ROW, get_tensor_parallel
 
 
@@ -187,26 +187,28 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = GateLinear(hidden, 1)
         # Rows each expert has run on since load (the load statistics /metrics exports).
         self.expert_rows = torch.zeros(moe.num_experts, dtype=torch.long, device="cpu")
-        self._kernel: Any = None  # runner/cpu/moe_kernel.py's MoEKernel, or None
+        self._kernel: Any = None  # the device's whole-layer kernel (fused_kernel), or None
         self._kernel_key: tuple | None = None
 
-    def cpu_kernel(self) -> Any:
-        """The C++ layer (runner/cpu/moe_kernel.py, lent through :mod:`infer.model.ops`) for these
-        weights as they are now (packed or quantized at load), or None where the torch code
-        runs; built once per set of weights."""
+    def fused_kernel(self, ops: FusedOps) -> Any:
+        """The device's whole-layer kernel (``ops.moe_kernel``: on a CPU the C++ layer,
+        runner/cpu/moe_kernel.py) for these weights as they are now (packed or quantized at
+        load), or None where the torch code runs; built once per set of weights."""
         w = self.router.weight
-        key = (self.experts[0].gate_up_proj, self.experts[-1].down_proj, w.dtype, w.data_ptr())
+        key = (ops, self.experts[0].gate_up_proj, self.experts[-1].down_proj, w.dtype,
+               w.data_ptr())  # fmt: skip
         if self._kernel_key is None or any(
-            a is not b if isinstance(a, nn.Module) else a != b
+            a is not b if isinstance(a, nn.Module | FusedOps) else a != b
             for a, b in zip(key, self._kernel_key, strict=True)
         ):
-            self._kernel = build_moe_kernel(self)
+            self._kernel = ops.moe_kernel(self)
             self._kernel_key = key
         return self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2:
-            kernel = self.cpu_kernel()
+        ops = fused_ops(x) if x.dim() == 2 else None
+        if ops is not None:
+            kernel = self.fused_kernel(ops)
             if kernel is not None:  # one rank: nothing to reduce
                 return kernel(x)
         return self.torch_forward(x)

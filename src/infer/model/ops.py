@@ -57,12 +57,17 @@ class FusedOps:
         :attr:`fuses_qk_norm`)."""
         raise NotImplementedError
 
+    def moe_kernel(self, layer: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A mixture of experts' whole layer as one kernel (routing, experts, shared expert)
+        for ``layer``'s weights as they are now: a callable ``x [T, hidden] -> out``, or None
+        where it cannot take them. The layer builds it once per set of weights."""
+        return None
+
 
 Provider = Callable[[torch.Tensor], FusedOps | None]
 """A device's kernels for a tensor (None: not this tensor's device or dtype)."""
 
 _providers: list[Provider] = []
-_moe_builder: list[Callable[[Any], Any]] = []
 
 
 def register_fused_ops(provider: Provider) -> None:
@@ -78,15 +83,3 @@ def fused_ops(x: torch.Tensor) -> FusedOps | None:
         if ops is not None:
             return ops
     return None
-
-
-def register_moe_kernel(builder: Callable[[Any], Any]) -> None:
-    """Lend mixture-of-experts layers a builder of their whole-layer kernel (the CPU's C++
-    layer): ``builder(layer)`` -> a callable ``x -> out``, or None where it cannot run."""
-    _moe_builder[:] = [builder]
-
-
-def build_moe_kernel(layer: Any) -> Any:
-    """The whole-layer kernel of ``layer`` as its weights are now, or None (none lent, or it
-    does not take them)."""
-    return _moe_builder[0](layer) if _moe_builder else None

@@ -10,14 +10,7 @@ from infer.runner.cpu.fused_ops import cpu_fused_ops
 from infer.runner.gpu.fused_ops import triton_fused_ops
 
 
-def _moe_kernel(layer):
-    from infer.runner.cpu.moe_kernel import build_moe_kernel
-
-    return build_moe_kernel(layer)
-
-
 def register() -> None:
     """Lend the layers both devices' kernels (CPU first: a tensor is on one device)."""
     ops.register_fused_ops(cpu_fused_ops)
     ops.register_fused_ops(triton_fused_ops)
-    ops.register_moe_kernel(_moe_kernel)

@@ -38,6 +38,7 @@ import torch
 from infer.model.llama import PlainDecoder
 from infer.model.moe import SparseMoE
 from infer.runner.attention import AttentionContext, KVCache
+from infer.runner.cpu.fused_ops import cpu_ops
 from infer.runner.cpu.kernels import (
     ACT_MUL_CODES,
     CpuKernels,
@@ -185,7 +186,8 @@ class FastDecoder:
             mlp = layer.mlp
             moe = None
             if isinstance(mlp, SparseMoE):  # one C++ call for the routing and the experts
-                moe = mlp.cpu_kernel()
+                ops = cpu_ops()
+                moe = mlp.fused_kernel(ops) if ops is not None else None
                 if moe is None:
                     return None
                 projections = [layer.qkv_proj, layer.o_proj]

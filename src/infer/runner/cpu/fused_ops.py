@@ -35,12 +35,18 @@ class CpuFusedOps(ops.FusedOps):
                                   num_kv_heads, head_dim, q_weight.data_ptr(),
                                   k_weight.data_ptr(), eps)  # fmt: skip
 
+    def moe_kernel(self, layer):
+        from infer.runner.cpu.moe_kernel import build_moe_kernel  # (imports the model package)
+
+        return build_moe_kernel(layer)
+
 
 def cpu_fused_ops(x: torch.Tensor) -> ops.FusedOps | None:
     """The C++ kernels for CPU bf16 activations (None: another device or dtype, or no kernels)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
-    return _cpu_adapter()
+    return cpu_ops()
 
 
-_cpu_adapter = kernels_bound(CpuFusedOps)
+cpu_ops = kernels_bound(CpuFusedOps)
+"""The C++ kernels' :class:`CpuFusedOps` (None without the kernels; rebuilt with them)."""
