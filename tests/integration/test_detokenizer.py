@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
 from infer import SamplingParams
 from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.testing.checkpoints import KINDS
 
 TEXT = "Héllo wörld — 日本語のテキスト 🙂🎉 end."
 
@@ -57,3 +60,46 @@ def test_streamed_text_is_the_tokenizers_own_decode(tok, skip_special_tokens):
     d = IncrementalDetokenizer(tok, [], params)
     out = "".join(d.add_tokens([i]) for i in ids) + d.finish()
     assert out == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _python_path(d: IncrementalDetokenizer) -> IncrementalDetokenizer:
+    d._stream = None  # the two-decodes-a-token Python path the Rust stream stands in for
+    return d
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_rust_stream_emits_what_the_python_path_emits(tiny_checkpoints, kind):
+    """Random output ids (special tokens, bytes that end mid-character, stop strings) after a
+    random prompt context: the same piece from every call, the same stop, on every model's
+    tokenizer."""
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoints[kind])
+    rng = random.Random(kind)
+    text_ids = tok.encode(TEXT * 2, add_special_tokens=False)
+    streamed = 0
+    for _ in range(40):
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 9))]
+        if rng.random() < 0.5:
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        else:
+            ids = text_ids[: rng.randrange(1, len(text_ids))]
+        params = SamplingParams(
+            skip_special_tokens=rng.random() < 0.5, stop=rng.choice([[], ["e"], [" w"], ["テキ"]])
+        )
+        new = IncrementalDetokenizer(tok, prompt, params)
+        old = _python_path(IncrementalDetokenizer(tok, prompt, params))
+        streamed += new._stream is not None
+        a = [new.add_tokens([i]) for i in ids] + [new.finish()]
+        b = [old.add_tokens([i]) for i in ids] + [old.finish()]
+        assert a == b, (prompt, ids)
+        assert (new.stop_string, new.num_output_tokens) == (old.stop_string, old.num_output_tokens)
+    assert streamed >= 20  # the stream ran (a context ending mid-character takes the Python path)
+
+
+def test_a_context_ending_mid_character_takes_the_python_path(tok):
+    """The stream cannot start cut from a context whose text ends mid-character (it would not
+    move past it): those requests detokenize in Python; the others through the stream."""
+    ids = tok.encode("日本", add_special_tokens=False)
+    assert len(ids) > 2 and tok.decode(ids[:1]).endswith("\ufffd")  # byte tokens
+    assert IncrementalDetokenizer(tok, ids[:1], SamplingParams())._stream is None
+    assert IncrementalDetokenizer(tok, ids, SamplingParams())._stream is not None
+    assert IncrementalDetokenizer(tok, [], SamplingParams())._stream is not None
