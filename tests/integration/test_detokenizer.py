@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from transformers import AutoTokenizer
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from infer import SamplingParams
 from infer.engine.detokenizer import IncrementalDetokenizer
@@ -67,32 +68,65 @@ def _python_path(d: IncrementalDetokenizer) -> IncrementalDetokenizer:
     return d
 
 
-@pytest.mark.parametrize("kind", KINDS)
+def _byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama 2, Mistral, Gemma): "▁" for spaces, unknown
+    characters as <0xNN> byte tokens, whose decoder (ByteFallback) can turn text already
+    emitted into U+FFFD when a later byte does not complete a character."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special, limit_alphabet=60)
+    tok.train_from_iterator([TEXT.replace("日本語", "abc")] * 50 + ["hello world"] * 50, trainer)
+    tok.add_tokens([AddedToken("<tool>", special=False)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, bos_token="<s>",
+        eos_token="</s>", unk_token="<unk>",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "byte-fallback"])
 def test_the_rust_stream_emits_what_the_python_path_emits(tiny_checkpoints, kind):
-    """Random output ids (special tokens, bytes that end mid-character, stop strings) after a
-    random prompt context: the same piece from every call, the same stop, on every model's
-    tokenizer."""
-    tok = AutoTokenizer.from_pretrained(tiny_checkpoints[kind])
+    """Random output ids (special tokens, bytes that end mid-character, stop strings, several
+    tokens a call as speculative decoding feeds them) after a random prompt context: the same
+    piece from every call, the same stop, on every model's tokenizer and a byte-fallback one."""
+    if kind == "byte-fallback":
+        tok = _byte_fallback_tokenizer()
+    else:
+        tok = AutoTokenizer.from_pretrained(tiny_checkpoints[kind])
     rng = random.Random(kind)
     text_ids = tok.encode(TEXT * 2, add_special_tokens=False)
-    streamed = 0
-    for _ in range(40):
+    streamed = handed_over = 0
+    for _ in range(40 if kind != "byte-fallback" else 400):
         prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 9))]
         if rng.random() < 0.5:
             ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
         else:
             ids = text_ids[: rng.randrange(1, len(text_ids))]
+        calls = []
+        while len(ids) > sum(map(len, calls)):
+            start = sum(map(len, calls))
+            calls.append(ids[start : start + rng.choice([1, 1, 1, 3])])
         params = SamplingParams(
-            skip_special_tokens=rng.random() < 0.5, stop=rng.choice([[], ["e"], [" w"], ["テキ"]])
+            skip_special_tokens=rng.random() < 0.5,
+            stop=rng.choice([[], ["e"], [" w"], ["テキ"]]),
+            min_tokens=rng.choice([0, 0, 3]),
         )
         new = IncrementalDetokenizer(tok, prompt, params)
         old = _python_path(IncrementalDetokenizer(tok, prompt, params))
-        streamed += new._stream is not None
-        a = [new.add_tokens([i]) for i in ids] + [new.finish()]
-        b = [old.add_tokens([i]) for i in ids] + [old.finish()]
+        started = new._stream is not None
+        a = [new.add_tokens(c) for c in calls] + [new.finish()]
+        b = [old.add_tokens(c) for c in calls] + [old.finish()]
+        streamed += started
+        handed_over += started and new._stream is None
         assert a == b, (prompt, ids)
         assert (new.stop_string, new.num_output_tokens) == (old.stop_string, old.num_output_tokens)
     assert streamed >= 20  # the stream ran (a context ending mid-character takes the Python path)
+    if kind == "byte-fallback":
+        assert handed_over >= 10  # streams that gave up mid-way, and matched anyway
 
 
 def test_a_context_ending_mid_character_takes_the_python_path(tok):
@@ -103,3 +137,15 @@ def test_a_context_ending_mid_character_takes_the_python_path(tok):
     assert IncrementalDetokenizer(tok, ids[:1], SamplingParams())._stream is None
     assert IncrementalDetokenizer(tok, ids, SamplingParams())._stream is not None
     assert IncrementalDetokenizer(tok, [], SamplingParams())._stream is not None
+
+
+@pytest.mark.parametrize(
+    ("version", "streams"), [("0.21.4", False), ("0.22.0", True), ("1.0", True)]
+)
+def test_the_stream_needs_a_tokenizers_whose_step_takes_a_list(monkeypatch, version, streams):
+    import tokenizers
+
+    from infer.engine.detokenizer import _decode_stream_class
+
+    monkeypatch.setattr(tokenizers, "__version__", version)
+    assert (_decode_stream_class() is not None) == streams

@@ -8,9 +8,12 @@ Token ids arrive one (or a few) at a time; text must go out as soon as it is cer
 
 If the decoded tail ends in U+FFFD the new token ends mid-character: emit nothing and wait
 for the next token. Where the tokenizer is a fast one that does no clean-up of its own, the
-``tokenizers`` library's ``DecodeStream`` runs this same algorithm in Rust, one call per token
-and one decode (it keeps the prefix's text) instead of two (~1.1 vs ~3.0 us a token). Stop strings: any suffix of the text that could still grow into a stop
-string is held back; when a stop string completes, the text is cut before it (or after it with
+``tokenizers`` library's ``DecodeStream`` runs this same algorithm in Rust (it keeps the
+prefix's text: one call a token, ~1.5 vs ~3.0 us); the offsets above are kept either way, so a
+stream that gives up (its text stopped starting with what it emitted, which byte-fallback
+decoders can do) hands the request to the Python path at the token it failed on.
+
+Stop strings: any suffix of the text that could still grow into a stop string is held back; when a stop string completes, the text is cut before it (or after it with
 ``include_stop_str_in_output``) and the request is finished by the engine. Until the output
 has ``min_tokens`` tokens no stop string counts (as for EOS and stop ids).
 """
@@ -22,10 +25,23 @@ from typing import Any
 
 from infer.core.sampling_params import SamplingParams
 
-try:
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # tokenizers < 0.21
-    DecodeStream = None
+
+def _decode_stream_class() -> Any | None:
+    """tokenizers' ``DecodeStream`` where its ``step`` takes a list of ids (0.22 on; earlier
+    releases take one id, and 0.20.4 - 0.21.0 misplace their read index), else None."""
+    try:
+        import tokenizers
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    try:
+        version = tuple(int(part) for part in tokenizers.__version__.split(".")[:2])
+    except ValueError:
+        return None
+    return DecodeStream if version >= (0, 22) else None
+
+
+DecodeStream = _decode_stream_class()
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context (leading-space handling)
 
@@ -73,8 +89,13 @@ class IncrementalDetokenizer:
         from (its text is the prefix the first output token's text is cut from); None where it
         cannot start there (a context whose text is empty or ends mid-character: the stream
         would not have moved past it), and the Python path runs instead."""
+        assert DecodeStream is not None
         stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-        if self._tokens and stream.step(self._rust, self._tokens) is None:
+        try:
+            if self._tokens and stream.step(self._rust, self._tokens) is None:
+                return None
+        except BaseException as e:  # noqa: BLE001 - see _step: the Python path instead
+            _reraise_unless_stream_error(e)
             return None
         return stream
 
@@ -83,39 +104,52 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the text that can be emitted now (possibly empty)."""
-        if self._stream is not None and not self.stop:  # nothing held back: out as it comes
+        if not self.stop:  # nothing held back: the text goes out as it comes
             out = ""
             for token_id in token_ids:
                 self.num_output_tokens += 1
-                piece = self._stream.step(self._rust, token_id)
+                piece = self._step(token_id)
                 if piece:
                     out += piece
             if out:
                 self.text += out
                 self._sent = len(self.text)
             return out
-        if self._stream is not None:
-            for token_id in token_ids:
-                if self.stop_string is not None:
-                    break
-                self.num_output_tokens += 1
-                piece = self._stream.step(self._rust, token_id)
-                if piece:
-                    self._append(piece)
-            return self._take(final=False)
         for token_id in token_ids:
             if self.stop_string is not None:
                 break
-            self._tokens.append(token_id)
             self.num_output_tokens += 1
-            prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-            full_text = self._decode(self._tokens[self._prefix_offset :])
-            if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-                continue  # mid-character, or a token that renders as nothing (yet)
-            self._append(full_text[len(prefix_text) :])
+            piece = self._step(token_id)
+            if piece:
+                self._append(piece)
+        return self._take(final=False)
+
+    def _step(self, token_id: int) -> str | None:
+        """One more token: the text it adds (None while it ends mid-character or renders as
+        nothing yet), from the Rust stream or else in Python; the offsets move either way."""
+        self._tokens.append(token_id)
+        if self._stream is None:
+            return self._step_python()
+        try:
+            piece = self._stream.step(self._rust, token_id)
+        except BaseException as e:  # noqa: BLE001 - a Rust panic is a BaseException
+            _reraise_unless_stream_error(e)
+            self._stream = None  # from here on in Python, from this token on
+            return self._step_python()
+        if piece:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._tokens)
-        return self._take(final=False)
+        return piece
+
+    def _step_python(self) -> str | None:
+        """:meth:`_step` in Python: two decodes, the text with and without the new token."""
+        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._tokens[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return None  # mid-character, or a token that renders as nothing (yet)
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return full_text[len(prefix_text) :]
 
     def finish(self) -> str:
         """The request ended: release any held-back text."""
@@ -154,3 +188,10 @@ class IncrementalDetokenizer:
             if any(s.startswith(suffix) for s in self.stop):
                 return k
         return 0
+
+
+def _reraise_unless_stream_error(e: BaseException) -> None:
+    """Raise ``e`` again unless the stream raised it (any ``Exception``, or the
+    ``PanicException`` a Rust panic becomes, which derives from ``BaseException``)."""
+    if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+        raise e
