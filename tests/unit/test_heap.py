@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import weakref
 
-from infer.engine.heap import freeze_startup_heap
+import pytest
+
+from infer.engine.heap import freeze_startup_heap, frozen_imports
 
 
 class _Node:
@@ -29,3 +31,27 @@ def test_garbage_is_collected_first_and_the_survivors_are_frozen():
     finally:
         gc.unfreeze()  # the test process goes on collecting as usual
     assert any(o is kept for o in gc.get_objects())
+
+
+def test_frozen_imports_pauses_the_collector_then_collects_and_freezes():
+    assert gc.isenabled()
+    try:
+        with frozen_imports():
+            assert not gc.isenabled()
+            garbage, kept = _Node(), _Node()
+            dead = weakref.ref(garbage)
+            del garbage
+        assert gc.isenabled()  # as it was before the block
+        assert dead() is None  # collected at the end of the block...
+        assert not any(o is kept for o in gc.get_objects())  # ...the survivors frozen
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_frozen_imports_turns_the_collector_back_on_after_an_error():
+    before = gc.get_freeze_count()
+    with pytest.raises(ImportError), frozen_imports():
+        raise ImportError("no such module")
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == before  # a failed start-up freezes nothing

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +18,7 @@ import uvicorn
 from infer.config import EngineConfig, parse_bytes
 from infer.engine.affinity import CpuBinding, plan_cpu_binding
 from infer.engine.args import add_engine_args, engine_config_from_args
-from infer.engine.heap import freeze_startup_heap
+from infer.engine.heap import freeze_startup_heap, frozen_imports
 
 if TYPE_CHECKING:
     from infer.server.serving import ServerSettings
@@ -123,19 +125,35 @@ def _configure_logging(level: str, access_log: bool) -> None:
     logging.getLogger("infer.access").setLevel(logging.INFO if access_log else logging.WARNING)
 
 
+def _while_the_engine_starts() -> None:
+    """This process's own start-up, done while the engine builds: import the app's modules
+    (fastapi, the pydantic schemas) and those of the classes the engine's first answer carries
+    (``infer.engine.engine``), then collect and freeze the start-up heap (engine/heap.py) -
+    ``serve`` freezes again once the app is built, a short pass over the few new objects."""
+    import infer.engine.engine
+    import infer.server.app  # noqa: F401
+
+    freeze_startup_heap()
+
+
 def start_engine(
     config: EngineConfig,
     engine_process: bool,
     torch_threads: int | None,
     binding: CpuBinding | None = None,
+    meanwhile: Callable[[], object] | None = None,
 ) -> Any:
     """The engine ``build_app`` serves: the loop in its own process (``EngineProcess``) or an
     ``LLMEngine`` whose loop will run on a thread of this process. Also used by each replica
-    of ``--data-parallel-size``."""
+    of ``--data-parallel-size``. ``meanwhile`` is work of this process to do while the engine
+    process starts (before the engine is built, without one)."""
     if engine_process:
         from infer.engine.core_client import EngineProcess
 
-        return EngineProcess(config, torch_threads=torch_threads, binding=binding)
+        return EngineProcess(config, torch_threads=torch_threads, binding=binding,
+                             meanwhile=meanwhile)  # fmt: skip
+    if meanwhile is not None:
+        meanwhile()
     from infer.engine.engine import LLMEngine
 
     if torch_threads is not None:
@@ -189,8 +207,6 @@ def disaggregation(args: argparse.Namespace, config: EngineConfig) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level, args.access_log)
-    from infer.server.app import build_app
-
     chat_template = None
     if args.chat_template is not None:
         try:
@@ -227,12 +243,19 @@ def serve(args: argparse.Namespace) -> int:
             logger.error("%s (%s)", RAY_INSTALL_HINT, e)
             return 2
         return serve_cluster(args, config, chat_template)
+    # With the engine in its own process, this one only imports modules and loads the
+    # tokenizer until the engine is up: without the cyclic collector (engine/heap.py).
+    imports = frozen_imports() if args.engine_process else contextlib.nullcontext()
     try:
-        engine = start_engine(config, args.engine_process, args.torch_threads, binding)
+        with imports:
+            engine = start_engine(config, args.engine_process, args.torch_threads, binding,
+                                  meanwhile=_while_the_engine_starts)  # fmt: skip
     except (ValueError, RuntimeError, OSError) as e:
         logger.debug("engine start-up failure", exc_info=True)  # --log-level debug: the trace
         logger.error("the engine could not start: %s", e)
         return 1
+    from infer.server.app import build_app
+
     names = tuple(args.served_model_name or [engine.model_name])
     settings = server_settings(args, names, chat_template)
     app = build_app(engine, settings)
