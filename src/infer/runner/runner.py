@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -36,9 +36,12 @@ from infer.core.request import Request, TokenLogprob
 from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, default_backend
 from infer.runner.cpu.decode_fast import FastDecoder
-from infer.runner.gpu.cuda_step import CudaStep, resolve_attention_backend
+from infer.runner.gpu.select import resolve_attention_backend
 from infer.runner.lora.manager import LoRAManager
 from infer.runner.sampler import PendingSample, Sampler, token_logprob
+
+if TYPE_CHECKING:
+    from infer.runner.gpu.cuda_step import CudaStep
 
 # Attention on CUDA without cuDNN's: it plans each (batch, longest context) shape it has not
 # seen, ~40 ms of CPU time on an H200, and a decode batch's longest context grows by one token
@@ -123,6 +126,8 @@ class ModelRunner:
                 )
             if max_model_len:
                 sizes["max_model_len"] = max_model_len
+            from infer.runner.gpu.cuda_step import CudaStep
+
             self.cuda_step = CudaStep(
                 model,
                 kv_cache,

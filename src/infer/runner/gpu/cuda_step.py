@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,22 +33,6 @@ MAX_GRAPH_ROWS = 512
 
 MAX_SPLITS = 32
 """The most parts the decode kernel cuts one row's keys into (batch 1 at a long context)."""
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """``auto|torch|triton`` -> the backend the runner uses on ``device`` (``cpu`` on a CPU,
-    where the C++ kernels or torch run). ``triton`` on a CPU runs only under Triton's
-    interpreter (``TRITON_INTERPRET=1``: tests)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not (name == "triton" and interpreted):
-        if name == "triton":
-            raise ValueError("--attention-backend triton runs on CUDA GPUs (use --device cuda)")
-        return "cpu"
-    if name == "auto":
-        return "triton" if ta.triton_available() else "torch"
-    if name == "triton" and not ta.triton_available():
-        raise ValueError("--attention-backend triton needs the triton package (pip install triton)")
-    return name
 
 
 @functools.cache

@@ -5,27 +5,35 @@ from __future__ import annotations
 import torch
 
 from infer.model import ops
-from infer.runner.gpu import triton_fused
 
 
 class TritonFusedOps(ops.FusedOps):
     """The GPU step's element-wise kernels (``INFER_TRITON_FUSED=0``: none)."""
 
+    def __init__(self) -> None:
+        from infer.runner.gpu import triton_fused  # imports triton: the first CUDA tensor's
+
+        self.fused = triton_fused
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return triton_fused.add_rms_norm(x, None, weight, eps)[1]
+        return self.fused.add_rms_norm(x, None, weight, eps)[1]
 
     def add_rms_norm(self, x, h, weight, eps):
         if h.dtype != x.dtype:
             return None
-        return triton_fused.add_rms_norm(x, h, weight, eps)
+        return self.fused.add_rms_norm(x, h, weight, eps)
 
     def act_mul(self, gate_up, act):
-        return triton_fused.act_and_mul(gate_up, act)
+        return self.fused.act_and_mul(gate_up, act)
 
 
-_TRITON = TritonFusedOps()
+_triton: list[TritonFusedOps] = []  # built for the first CUDA tensor
 
 
 def triton_fused_ops(x: torch.Tensor) -> ops.FusedOps | None:
     """The Triton kernels for CUDA activations (None: not CUDA, no triton, switched off)."""
-    return _TRITON if triton_fused.fused_enabled(x) else None
+    if not x.is_cuda:
+        return None  # before importing triton: a CPU process never does
+    if not _triton:
+        _triton.append(TritonFusedOps())
+    return _triton[0] if _triton[0].fused.fused_enabled(x) else None
