@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class ServerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                    OMP_NUM_THREADS="1", **(env or {}))  # fmt: skip
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the process
+        self._local = threading.local()  # each polling thread's client (see debug())
         # new_session: the server leads a process group of its own (and its children), which a
         # test can signal as a whole, as systemd or `kill -- -PGID` do.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -90,7 +92,12 @@ class ServerProcess:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kwargs)
 
     def debug(self) -> dict:
-        return httpx.get(self.url + "/debug/engine", headers=self.headers, timeout=10).json()
+        # NOTE: a client kept per thread: httpx.get builds one a call (~20 ms of CPU, loading
+        # the CA bundle), and wait_running / wait_idle poll every 20-50 ms on a 2-core box.
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = httpx.Client(headers=self.headers, timeout=10)
+        return client.get(self.url + "/debug/engine").json()
 
     def wait_running(self, count: int, timeout: float = 30.0) -> dict:
         """Poll until at least ``count`` requests are in flight; return the stats."""
