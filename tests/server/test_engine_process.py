@@ -160,3 +160,21 @@ def test_cpu_bind_refuses_what_it_cannot_do(llama_checkpoint, args, message):
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
+
+
+def test_a_start_up_that_fails_after_the_spawn_stops_the_engine_process(llama_checkpoint):
+    """The child ignores SIGTERM and SIGINT (its parent ends it): a failure of the server's
+    own start-up work (or a Ctrl-C) while the engine builds must not leave it behind, or this
+    process's exit would wait on it for ever."""
+    import multiprocessing
+
+    from infer.config import EngineConfig
+    from infer.engine.core_client import EngineProcess
+
+    def fail() -> None:
+        raise RuntimeError("the server's own start-up failed")
+
+    config = EngineConfig.from_kwargs(model=str(llama_checkpoint), kv_cache_memory=16 << 20)
+    with pytest.raises(RuntimeError, match="the server's own start-up failed"):
+        EngineProcess(config, torch_threads=1, meanwhile=fail)
+    assert not [p for p in multiprocessing.active_children() if p.name == "infer-engine"]

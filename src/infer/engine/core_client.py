@@ -256,6 +256,26 @@ class EngineProcess:
         self._outbox: queue.SimpleQueue | None = None  # see send()
         self._on_replies: Replies | None = None
         self._reader: threading.Thread | None = None
+        try:
+            self._finish_start(config, binding, meanwhile)
+        except BaseException:
+            # NOTE: the child ignores SIGTERM and SIGINT (its parent ends it) and waits on the
+            # pipe: left alone it would keep this process's exit waiting on it for ever
+            # (multiprocessing joins its children at exit), a Ctrl-C during start-up included.
+            self._conn.close()
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(10)
+            raise
+
+    def _finish_start(
+        self,
+        config: EngineConfig,
+        binding: CpuBinding | None,
+        meanwhile: Callable[[], object] | None,
+    ) -> None:
+        """The rest of start-up once the child runs: this process's own work meanwhile, then
+        the child's answer."""
         # The server tokenizes and renders chat templates itself, from the child's files. It
         # loads its tokenizer (importing torch and transformers) while the child builds the
         # engine: loaded after the child's answer, it added ~3 s to the ~3.5 s start of a tiny
@@ -285,11 +305,15 @@ class EngineProcess:
         for name, value in info.items():
             setattr(self, name, value)
         if tokenizer_error is not None:
-            raise tokenizer_error
+            error, tokenizer_error = tokenizer_error, None  # no cycle through this frame
+            raise RuntimeError(f"the server could not load the tokenizer: {error}") from error
         if tokenizer is None:  # a built-in model the child has just built
             from infer.engine.model_source import resolve_model_path
 
-            tokenizer = load_tokenizer(resolve_model_path(config.model.model))
+            try:
+                tokenizer = load_tokenizer(resolve_model_path(config.model.model))
+            except Exception as e:  # noqa: BLE001 - named as the start-up's failure
+                raise RuntimeError(f"the server could not load the tokenizer: {e}") from e
         self.tokenizer = tokenizer
         logger.info("engine runs in process %d (%d start-up objects frozen out of the garbage "
                     "collector's full passes)", self._proc.pid, self.frozen_objects)  # fmt: skip
