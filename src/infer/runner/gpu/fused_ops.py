@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from infer.model import ops
@@ -27,13 +29,12 @@ class TritonFusedOps(ops.FusedOps):
         return self.fused.act_and_mul(gate_up, act)
 
 
-_triton: list[TritonFusedOps] = []  # built for the first CUDA tensor
+_triton_ops = functools.cache(TritonFusedOps)  # built for the first CUDA tensor
 
 
 def triton_fused_ops(x: torch.Tensor) -> ops.FusedOps | None:
     """The Triton kernels for CUDA activations (None: not CUDA, no triton, switched off)."""
     if not x.is_cuda:
         return None  # before importing triton: a CPU process never does
-    if not _triton:
-        _triton.append(TritonFusedOps())
-    return _triton[0] if _triton[0].fused.fused_enabled(x) else None
+    fused = _triton_ops()
+    return fused if fused.fused.fused_enabled(x) else None
