@@ -13,7 +13,8 @@ prefix's text: one call a token, ~1.5 vs ~3.0 us); the offsets above are kept ei
 stream that gives up (its text stopped starting with what it emitted, which byte-fallback
 decoders can do) hands the request to the Python path at the token it failed on.
 
-Stop strings: any suffix of the text that could still grow into a stop string is held back; when a stop string completes, the text is cut before it (or after it with
+Stop strings: any suffix of the text that could still grow into a stop string is held back;
+when a stop string completes, the text is cut before it (or after it with
 ``include_stop_str_in_output``) and the request is finished by the engine. Until the output
 has ``min_tokens`` tokens no stop string counts (as for EOS and stop ids).
 """
