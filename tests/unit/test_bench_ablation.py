@@ -109,16 +109,18 @@ SYNTHETIC = {
 
 @pytest.mark.parametrize("suite", list(SYNTHETIC))
 def test_micro_charts_are_written(suite, tmp_path: Path):
-    from infer.bench.cli import _incomplete, _micro_chart
+    from infer.bench.cli import checkout_benchmark
 
-    path = _micro_chart(suite, SYNTHETIC[suite], tmp_path / "x.png")
+    micro = checkout_benchmark("bench_micro")  # benchmarks/bench_micro.py
+    path = micro.chart(suite, SYNTHETIC[suite], tmp_path / "x.png")
     assert path is not None and path.read_bytes()[:8] == PNG
-    assert _incomplete(SYNTHETIC[suite]) == 0
+    assert micro.incomplete(SYNTHETIC[suite]) == 0
 
 
 def test_incomplete_micro_runs_are_counted():
-    from infer.bench.cli import _incomplete
+    from infer.bench.cli import checkout_benchmark
 
+    _incomplete = checkout_benchmark("bench_micro").incomplete
     bad = {"cases": [{"case": "a", "sequential": _summary(1.0), "batched": _summary(2.0)}]}
     bad["cases"][0]["batched"]["completed"] = 1
     assert _incomplete(bad) == 1

@@ -6,8 +6,17 @@ import random
 
 import pytest
 
-from infer.bench.micro import SUITES, run_suite
-from infer.bench.micro.common import MicroRequest, make_engine, median_run, run_engine
+from infer.bench.cli import checkout_benchmark
+
+micro = checkout_benchmark("micro")  # benchmarks/micro/: outside the package
+SUITES, run_suite = micro.SUITES, micro.run_suite
+common = checkout_benchmark("micro.common")
+MicroRequest, make_engine, median_run, run_engine = (
+    common.MicroRequest,
+    common.make_engine,
+    common.median_run,
+    common.run_engine,
+)
 
 WORDS = [f"word{i}" for i in range(500)]
 
@@ -66,7 +75,7 @@ def test_median_run_is_a_real_run(engine):
 
 
 def test_case_builders_fit_the_toy_context():
-    from infer.bench.micro import batching, chunked_prefill, kv_cache, scheduling
+    from benchmarks.micro import batching, chunked_prefill, kv_cache, scheduling
 
     rng = random.Random(0)
     tok = CharTok()
@@ -105,7 +114,7 @@ def test_case_builders_fit_the_toy_context():
 
 
 def test_prefix_cases_keep_their_token_totals():
-    from infer.bench.micro import prefix_cache
+    from benchmarks.micro import prefix_cache
 
     tok = CharTok()
     totals = {}

@@ -59,7 +59,7 @@ def test_extras_in_pyproject():
 
 def test_default_report_folder_is_outside_the_source_tree():
     from infer.bench import DEFAULT_OUT
-    from infer.bench.cli import register
+    from infer.bench.cli import checkout_benchmark, register
 
     assert DEFAULT_OUT == "bench-results"
     assert "bench-results/" in (ROOT / ".gitignore").read_text().splitlines()
@@ -69,15 +69,36 @@ def test_default_report_folder_is_outside_the_source_tree():
     for argv in (
         ["bench", "serve"],
         ["bench", "client"],
-        ["bench", "micro", "all"],
         ["bench", "ablation", "--model", "m"],
         ["bench", "engine"],
-        ["bench", "peers"],
         ["bench", "vs-vllm"],
         ["bench", "decode-curve"],
-        ["bench", "prefix"],
         ["bench", "gpu"],
         ["bench", "results"],
     ):
         args = parser.parse_args(argv)
         assert str(args.out).startswith(DEFAULT_OUT), argv
+    for study, argv in (("micro", ["all"]), ("prefix", []), ("quant", []), ("spec", [])):
+        args = checkout_benchmark(f"bench_{study}").build_parser().parse_args(argv)
+        assert str(args.out).startswith(DEFAULT_OUT), study
+
+
+def test_a_study_takes_its_own_flags(capsys):
+    """``infer bench <study> ...`` hands every flag to the study's parser in benchmarks/:
+    its usage names the command, a bad flag is its error (exit 2), ``-h`` its help."""
+    from infer.bench.cli import STUDIES, checkout_benchmark, main
+
+    assert set(STUDIES) >= {"quant", "int4", "moe", "lora", "spec", "structured", "prefix", "micro"}
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "structured", "--runs", "2", "--no-such-flag"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: infer bench structured" in err and "--no-such-flag" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "tensor-parallel", "-h"])
+    assert exc.value.code == 0
+    assert "--sizes" in capsys.readouterr().out
+    for study in STUDIES:  # every study is a file there with a parser
+        assert checkout_benchmark("bench_" + study.replace("-", "_")).build_parser().prog == (
+            f"infer bench {study}"
+        )

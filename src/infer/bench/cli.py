@@ -1,4 +1,5 @@
-"""``infer bench serve|compare|client|micro|ablation|engine|peers|vs-vllm|decode-curve|kernels|quant|spec|structured|gpu|prefix|results``.
+"""``infer bench``: the package's tools (serve, compare, client, ablation, results, engine,
+vs-vllm, decode-curve, kernels, router, disagg, gpu) and the checkout's studies (:data:`STUDIES`).
 
 Registered by :mod:`infer.cli`. Building the parser imports nothing from the ``bench`` extra;
 each command checks for the extra first (:func:`infer.bench.require_bench_extra`) and imports
@@ -313,49 +314,6 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 @needs_bench_extra
-def cmd_micro(args: argparse.Namespace) -> int:
-    from infer.bench.micro import SUITES, run_suite
-    from infer.bench.micro.common import toy_model_path
-    from infer.bench.report import collect_environment, now_iso
-
-    model, origin = toy_model_path(args.model)
-    if args.trace:
-        from infer.bench.micro.common import record_traces
-
-        record_traces(args.trace)
-        print(f"step traces: {args.trace}/<case>.jsonl (open them in /dashboard)", flush=True)
-    names = list(SUITES) if args.suite == "all" else [args.suite]
-    failed = 0
-    for name in names:
-        print(f"== micro {name} on {model} ({origin}) ==", flush=True)
-        result = run_suite(name, model, repeats=args.repeats, seed=args.seed)
-        result |= {
-            "schema": "infer.bench.micro/1",
-            "model": model,
-            "model_origin": origin,
-            "repeats": args.repeats,
-            "seed": args.seed,
-            "created": now_iso(),
-            "environment": collect_environment(),
-        }
-        print(result["markdown"], flush=True)
-        failed += _incomplete(result)
-        if not args.no_save:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            stem = out / f"micro_{name.replace('-', '_')}"
-            stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-            header = f"# Micro benchmark: {name}\n\nModel: `{model}` ({origin}), median of "
-            header += f"{args.repeats} runs, {result['created']}\n\n"
-            png = _micro_chart(name, result, stem.with_suffix(".png"))
-            if png:
-                header += f"![{name}]({png.name})\n\n"
-            stem.with_suffix(".md").write_text(header + result["markdown"] + "\n")
-            print(f"report: {stem}.json", flush=True)
-    return 1 if failed else 0
-
-
-@needs_bench_extra
 def cmd_ablation(args: argparse.Namespace) -> int:
     from infer.bench.ablation import run_ablation
 
@@ -400,24 +358,50 @@ def _offline_bench(module: str, func: str = "run") -> Callable[[argparse.Namespa
     return cmd
 
 
-@functools.cache
 def checkout_benchmark(name: str):
-    """``benchmarks/<name>.py`` of the source checkout this package runs from, imported (once):
-    the kernel micro-benchmarks live beside their reports, outside the package. None when the
+    """``benchmarks/<name>`` (a file or a folder) of the source checkout this package runs
+    from, imported as ``benchmarks.<name>``: the studies that reproduce one report each and the
+    kernel micro-benchmarks live beside their reports, outside the package. The checkout's root
+    goes on ``sys.path`` (first), so processes a study spawns import it too. None when the
     package is not run from a checkout."""
-    import importlib.util
+    import importlib
     from pathlib import Path
 
     import infer
 
-    path = Path(infer.__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    if not path.is_file():
+    root = Path(infer.__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "__init__.py").is_file():
         return None
-    spec = importlib.util.spec_from_file_location(f"infer_benchmarks_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+# Studies: one report each, their code and flags in the checkout's benchmarks/bench_<name>.py.
+STUDIES = {
+    "quant": "int8 weights / int8 and fp8 KV: decode speed, perplexity, capacity",
+    "int4": "4-bit weights: batch-1 decode vs the memory's read rate, perplexity",
+    "moe": "mixture of experts: batch-1 decode vs a dense model of the active bytes",
+    "lora": "LoRA adapters: output tok/s with requests spread over adapters vs base",
+    "spec": "speculative decoding: n-gram and draft-model proposals vs plain decoding",
+    "structured": "structured outputs: grammar compile / mask cost, throughput, TTFT",
+    "prefix": "prefix caching in wall-clock time on a ~100M Llama",
+    "micro": "engine micro-benchmarks on the toy NanoGPT, no HTTP",
+    "overload": "429 latency of a full server under a burst",
+    "dashboard": "what the live view costs; its screenshots",
+    "tensor-parallel": "throughput at tensor_parallel_size 1, 2, ... and all-reduce cost",
+}
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    """``infer bench <study> ARGS``: ``benchmarks/bench_<study>.py``'s ``main(ARGS)``."""
+    name = args.bench_command
+    module = checkout_benchmark("bench_" + name.replace("-", "_"))
+    if module is None:
+        print(f"infer bench {name} reproduces a committed report: run it from a source "
+              f"checkout (benchmarks/bench_{name.replace('-', '_')}.py)", file=sys.stderr)  # fmt: skip
+        return 2
+    return int(module.main(args.study_argv) or 0)
 
 
 @needs_bench_extra
@@ -441,32 +425,6 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     from infer.bench.gpu import run
 
     return run(args)
-
-
-def _micro_chart(name: str, result: dict, path: Path) -> Path | None:
-    """The suite's bar chart as a PNG next to its report (suites without ``chart``: none)."""
-    import importlib
-
-    from infer.bench.micro import SUITES
-
-    chart = getattr(importlib.import_module(SUITES[name]), "chart", None)
-    if chart is None:
-        return None
-    from infer.bench.plots import plot_bars
-
-    groups, runs, title, ylabel = chart(result)
-    return plot_bars(groups, runs, title, ylabel, path)
-
-
-def _incomplete(result: dict) -> int:
-    """Runs in a micro result that did not complete every configured request."""
-    bad = 0
-    for case in result.get("cases", []) + result.get("sweep", []):
-        runs = case.get("methods", case)
-        for v in runs.values():
-            if isinstance(v, dict) and "configured" in v and v["completed"] != v["configured"]:
-                bad += 1
-    return bad
 
 
 def register(subparsers) -> None:
@@ -506,20 +464,6 @@ def register(subparsers) -> None:
     cl.add_argument("--no-save", action="store_true")
     cl.set_defaults(func=cmd_client)
 
-    mi = sub.add_parser("micro", help="engine micro-benchmarks on the toy NanoGPT, no HTTP")
-    mi.add_argument(
-        "suite",
-        choices=["all", "kv-cache", "batching", "chunked-prefill", "scheduling", "prefix-cache"],
-    )
-    mi.add_argument("--model", default=None, help="checkpoint folder (default: the toy model)")
-    mi.add_argument("--repeats", type=int, default=3, help="runs per case; the median is kept")
-    add_common(mi, seed=True, out="")
-    mi.add_argument("--no-save", action="store_true")
-    mi.add_argument("--trace", metavar="DIR", default=None,
-                    help="write each case's step trace (JSON lines) to DIR/<case>.jsonl, for the "
-                    "live view's replay (/dashboard, 'open trace')")  # fmt: skip
-    mi.set_defaults(func=cmd_micro)
-
     ab = sub.add_parser("ablation", help="start infer serve per rung and run the workloads")
     ab.add_argument("--model", required=True, help="checkpoint folder or built-in name")
     add_workload_args(ab)
@@ -555,26 +499,6 @@ def register(subparsers) -> None:
     )
     en.add_argument("--dtypes", default="bfloat16,float32")
     en.set_defaults(func=_offline_bench("engine"))
-
-    pe = sub.add_parser("peers", help="infer vs vLLM's CPU build over HTTP, same model and prompts")
-    add_common(
-        pe,
-        model=True,
-        concurrency="1,16,64",
-        runs=3,
-        dtype=True,
-        prompt_len=64,
-        output_len=64,
-        port=8311,
-        out="peers",
-    )
-    pe.add_argument("--peers", default="infer,vllm", help="servers to run in turn")
-    pe.add_argument(
-        "--infer-args",
-        default="",
-        help='extra infer serve flags, e.g. --infer-args="--torch-threads 1"',
-    )
-    pe.set_defaults(func=_offline_bench("vs_vllm", "run_peers"))
 
     vs = sub.add_parser(
         "vs-vllm",
@@ -691,68 +615,16 @@ def register(subparsers) -> None:
     add_common(kn, seed=True, out="kernels")
     kn.set_defaults(func=cmd_kernels)
 
-    qu = sub.add_parser(
-        "quant", help="int8 weights / int8 and fp8 KV: decode speed, perplexity, capacity"
-    )
-    add_common(qu, model=True, runs=3, out="quant")
-    qu.add_argument("--kv-memory", default="256MiB", help="KV memory of the long-context part")
-    qu.set_defaults(func=_offline_bench("quant"))
-
-    i4 = sub.add_parser(
-        "int4", help="4-bit weights: batch-1 decode vs the memory's read rate, perplexity"
-    )
-    i4.add_argument("--model", default=None, help="a bf16 checkpoint (default: a ~1B Llama)")
-    i4.add_argument("--methods", default="bf16,int8,int4,w4a8", help="weight formats, in turns")
-    add_common(i4, runs=3, out="int4")
-    i4.add_argument("--skip-speed", action="store_true")
-    i4.add_argument("--skip-accuracy", action="store_true")
-    i4.set_defaults(func=_offline_bench("int4"))
-
-    mo = sub.add_parser(
-        "moe", help="mixture of experts: batch-1 decode vs a dense model of the active bytes"
-    )
-    mo.add_argument("--model", default=None, help="a bf16 Qwen3-MoE (default: a random ~1B one)")
-    mo.add_argument("--dense-model", default=None, help="its dense twin (default: built)")
-    mo.add_argument("--paths", default="fast,modules,dense", help="what to time, in turns")
-    add_common(mo, runs=5, out="moe")
-    mo.set_defaults(func=_offline_bench("moe"))
-
-    lo = sub.add_parser(
-        "lora", help="LoRA adapters: output tok/s with requests spread over adapters vs base"
-    )
-    add_common(lo, model=True, runs=3, out="lora")
-    lo.add_argument("--adapters", type=int, default=8, help="adapters (all resident)")
-    lo.add_argument("--rank", type=int, default=16)
-    lo.set_defaults(func=_offline_bench("lora"))
-
-    sd = sub.add_parser(
-        "spec", help="speculative decoding: n-gram and draft-model proposals vs plain decoding"
-    )
-    add_common(sd, runs=3, concurrency="1,8,16,64", out="spec")
-    sd.add_argument("--k", type=int, default=4, help="proposed tokens per step")
-    sd.set_defaults(func=_offline_bench("spec"))
-
-    so = sub.add_parser(
-        "structured", help="structured outputs: grammar compile / mask cost, throughput, TTFT"
-    )
-    add_common(so, runs=3, out="structured")
-    so.set_defaults(func=_offline_bench("structured"))
-
-    from infer.bench.overload import add_parser as add_overload
-
-    add_overload(sub)
-    from infer.bench.dashboard import add_parser as add_dashboard
-
-    add_dashboard(sub)
-    from infer.bench.tensor_parallel import add_parser as add_tensor_parallel
-
-    add_tensor_parallel(sub)
     from infer.bench.router import add_parser as add_router
 
     add_router(sub)
     from infer.bench.disagg import add_parser as add_disagg
 
     add_disagg(sub)
+    for name, help_ in STUDIES.items():  # every flag goes to the study's own parser
+        study = sub.add_parser(name, help=help_, add_help=False, prefix_chars="\0")
+        study.add_argument("study_argv", nargs=argparse.REMAINDER)
+        study.set_defaults(func=cmd_study)
     gp = sub.add_parser(
         "gpu",
         help="one CUDA GPU: a 1B-shape Llama's roofline, engine modes (CUDA graphs / eager / "
@@ -760,16 +632,6 @@ def register(subparsers) -> None:
     )
     add_gpu_args(gp)
     gp.set_defaults(func=cmd_gpu)
-
-    pr = sub.add_parser("prefix", help="prefix caching in wall-clock time on a ~100M Llama")
-    add_common(pr, model=True, dtype=True, runs=5, out="prefix")
-    pr.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
-    pr.add_argument(
-        "--loads",
-        default="64x64@16,64x64@64,1024x128@16",
-        help="nothing-shared cells, PROMPTxOUTPUT@C (on vs off)",
-    )
-    pr.set_defaults(func=_offline_bench("prefix"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ process and the client's streams cost::
     offline : serve_closed_loop(engine)            -> output tok/s
     http    : C clients -> infer serve (engine process) -> output tok/s (usage counts)
 
-The client is ``infer bench peers``' closed loop (:func:`infer.bench.online.closed_loop`).
+The client is the online driver's closed loop (:func:`infer.bench.online.closed_loop`).
 """
 
 from __future__ import annotations

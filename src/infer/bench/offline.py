@@ -237,3 +237,69 @@ def timed_generate(llm: Any, prompts: list[list[int]], params: SamplingParams) -
     out = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
     return sum(len(o.outputs[0].token_ids) for o in out), seconds
+
+
+def decode_read_bytes(engine: LLMEngine) -> int:
+    """Bytes one decode step reads: every weight as held (packed and quantized copies
+    included), less the embedding table (a step reads one row of it), counting the vocabulary
+    projection once (as packed when it is)."""
+    model = engine.runner.model
+    total = 0
+    for module in model.modules():
+        total += getattr(module, "weight_bytes", 0)
+        for name, p in module.named_parameters(recurse=False):
+            if module is getattr(model, "embed_tokens", None) and name == "weight":
+                continue
+            total += p.numel() * p.element_size()
+    packed = getattr(model, "packed_logits", None)
+    embed = getattr(model, "embed_tokens", None)
+    if packed is None and embed is not None:
+        total += embed.weight.numel() * embed.weight.element_size()  # read as the vocab matrix
+    return total
+
+
+def held_out_windows(model_dir: Path, max_windows: int = 20, context: int = 1024) -> torch.Tensor:
+    """``[n, context + 1]`` non-overlapping windows of ``small``'s held-out text (the windows
+    its training reports a held-out loss on)."""
+    import torch
+
+    from infer.builtin.textdata import encode_stream, split_docs
+    from infer.data.corpus import load_corpus
+    from infer.model import load_tokenizer
+
+    _, val_docs = split_docs(load_corpus())
+    stream = encode_stream(load_tokenizer(model_dir), val_docs)
+    n = min((len(stream) - 1) // context, max_windows)
+    return torch.stack([stream[i * context : i * context + context + 1] for i in range(n)])
+
+
+def perplexity(model_dir: Path, windows: torch.Tensor, quantization: str | None, kv: str) -> float:
+    """Perplexity of ``model_dir`` (bf16, its linears quantized by ``quantization`` or
+    pre-packed) on ``windows``, each one prefill that reads its keys and values back from a
+    cache of ``kv`` dtype: a quantized cache costs here what it costs a decode."""
+    import math
+
+    import torch
+
+    from infer.model import load_model
+    from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
+    from infer.runner.cpu.prepack import prepack_linears
+    from infer.runner.quant import quantize_linears
+
+    with torch.inference_mode():
+        model = load_model(model_dir, torch.bfloat16)
+        if quantization:
+            quantize_linears(model, quantization)
+        else:
+            prepack_linears(model)
+        spec = model.spec
+        n = windows.shape[1] - 1
+        blocks = (n + 15) // 16
+        total = 0.0
+        for window in windows:
+            cache = KVCache(spec.num_layers, blocks, 16, spec.num_kv_heads, spec.head_dim,
+                            torch.bfloat16, "cpu", kv_dtype=kv)  # fmt: skip
+            ctx = AttentionContext(cache, [SequenceSlice(0, n, list(range(blocks)))], "cpu")
+            logits = model.compute_logits(model(window[:-1], torch.arange(n), ctx))
+            total += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
+    return math.exp(total / (len(windows) * n))

@@ -13,11 +13,12 @@ import os
 import re
 from pathlib import Path
 
-from infer.bench.micro import SUITES
-
 _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
 
 READING = "> **Reading**: _(two or three sentences: what helped, what it cost, and why)_"
+
+MICRO_SUITES = ("kv-cache", "batching", "chunked-prefill", "scheduling", "prefix-cache")
+"""The suites of ``infer bench micro`` (benchmarks/micro/), in report order."""
 
 
 def _newest(paths: list[Path]) -> Path | None:
@@ -58,7 +59,7 @@ def build_results(reports: str | Path, out: str | Path) -> str:
         "## Engine micro-benchmarks (toy NanoGPT, offline engine)",
         "",
     ]
-    for suite in SUITES:
+    for suite in MICRO_SUITES:
         md = reports / f"micro_{suite.replace('-', '_')}.md"
         parts += [f"### {suite}", ""]
         if md.exists():

@@ -93,7 +93,7 @@ def _counters(url: str) -> dict[str, float]:
 async def _one_run(url: str, requests: list[list[int]], concurrency: int,
                    max_tokens: int) -> list[float]:  # fmt: skip
     """The TTFT of every request (seconds), ``concurrency`` at a time in workload order
-    (``infer bench peers``' closed loop); any failed request fails the run."""
+    (the online driver's closed loop); any failed request fails the run."""
     from infer.bench.online import closed_loop
 
     records, _ = await closed_loop(url + "/v1", requests, concurrency, max_tokens)

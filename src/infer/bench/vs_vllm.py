@@ -49,13 +49,6 @@ logs, vLLM's saved result JSON files, the versions and every exact command go to
 Servers always stop (SIGTERM to the process group, SIGKILL after 60 s, also on Ctrl-C or
 SIGTERM of this driver) and their port must be free before the next one starts.
 
-``infer bench peers [--peers infer,vllm] [--concurrency 1,16,64] [--runs 3]`` is this command's
-other client (:func:`run_peers`): the same servers (:func:`server_command`; vLLM's CPU build in
-``$VLLM_VENV``, its OpenMP threads on cores 0-1), one after the other, each warmed up with two
-requests and then driven closed-loop by infer's own HTTP client: C streaming requests in
-flight, 2*C (min 8) per run, 64-token prompts (token ids), 64 greedy output tokens with
-ignore_eos; output tok/s (median run), TTFT and ITL percentiles per peer and C.
-
 ``--offline`` also measures the offline engine (``LLM.generate``, ``max_num_seqs=16``, 64
 prompts of 64 tokens, 64 output tokens) in a fresh process each round, right before infer's
 server, to compare with infer over HTTP at C=16 (target: HTTP loses at most 5%).
@@ -1490,109 +1483,6 @@ def finish(report: dict, out: Path) -> None:
     (out / "vs_vllm.md").write_text(md)
     print("\n" + md, flush=True)
     print(f"report: {out / 'vs_vllm.md'} (+ vs_vllm.json, logs/, results/)", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# ``infer bench peers``: the same servers, infer's own client, closed loop
-
-
-def bench_peer(peer: str, args: argparse.Namespace, model: Path, port: int) -> dict:
-    """Start ``peer``, warm it up, measure every concurrency ``args.runs`` times with infer's
-    own client (the median run is kept), stop it (always)."""
-    import asyncio
-
-    import torch
-
-    from infer.bench.offline import random_prompts
-    from infer.bench.online import closed_loop, serving, summarize
-
-    extra = args.infer_args if peer == "infer" else ""
-    cmd, env = server_command(peer, model, port, args.dtype, max(args.concurrency), extra)
-    with serving(cmd, env, Path(args.out) / f"{peer}-server.log", port) as (_, url, startup):
-        print(f"{peer}: healthy after {startup:.0f} s", flush=True)
-        gen = torch.Generator().manual_seed(42)
-
-        def loop(n: int, c: int, out_len: int) -> dict:
-            prompts = random_prompts(8000, n, args.prompt_len, gen)
-            return summarize(*asyncio.run(closed_loop(url + "/v1", prompts, c, out_len)))
-
-        loop(2, 2, 8)  # warm-up
-        rows = {}
-        for c in args.concurrency:
-            runs = sorted(
-                (loop(max(2 * c, 8), c, args.output_len) for _ in range(args.runs)),
-                key=lambda r: r["output_tok_s"],
-            )
-            rows[str(c)] = row = runs[len(runs) // 2]
-            row["output_tok_s_runs"] = [r["output_tok_s"] for r in runs]
-            print(
-                f"{peer} c={c}: {row['output_tok_s']:.1f} tok/s "
-                f"{[round(r) for r in row['output_tok_s_runs']]} TTFT p50 "
-                f"{row['ttft_ms']['p50']:.0f} ms ITL p50 {row['itl_ms']['p50']:.1f} ms "
-                f"({row['completed']}/{row['configured']})",
-                flush=True,
-            )
-        return {"startup_s": startup, "load": rows}
-
-
-def run_peers(args: argparse.Namespace) -> int:
-    """``infer bench peers``: the vs-vLLM servers (:func:`server_command`) one at a time, each
-    driven by infer's own client in a closed loop (:func:`bench_peer`) instead of ``vllm bench
-    serve``; writes ``peers.json`` and ``peers.md``."""
-    from infer.bench.report import save_report
-    from infer.testing.bench_models import llama_100m
-
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    model = llama_100m(args.model)
-    results = {}
-    for peer in args.peers.split(","):
-        try:
-            results[peer] = bench_peer(peer, args, model, args.port)
-        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
-            print(f"{peer}: FAILED: {e}", flush=True)
-            results[peer] = {"error": str(e)}
-    keys = ("dtype", "prompt_len", "output_len", "runs")
-    report = {"model": str(model), **{k: getattr(args, k) for k in keys}, "results": results}
-    save_report(report, render_peers(report, args.concurrency), args.out, "peers")
-    return 1 if any("error" in r for r in results.values()) else 0
-
-
-def render_peers(report: dict, concurrency: list[int]) -> str:
-    """``peers.md``: every peer at every concurrency, then infer / vLLM."""
-    res, rows = report["results"], []
-    for peer, r in res.items():
-        if "error" in r:
-            rows.append([peer, "-", f"failed: {r['error'][:80]}", "", "", "", ""])
-            continue
-        for c in concurrency:
-            row = r["load"][str(c)]
-            ttft, itl = row["ttft_ms"], row["itl_ms"]
-            rows.append([peer, c, f"{row['output_tok_s']:.1f}",
-                         ", ".join(f"{x:.0f}" for x in row["output_tok_s_runs"]),
-                         f"{ttft['p50']:.0f} / {ttft['p95']:.0f}",
-                         f"{itl['p50']:.1f} / {itl['p95']:.1f}",
-                         f"{row['completed']}/{row['configured']}"])  # fmt: skip
-    lines = [
-        "# infer vs peers over HTTP (same machine, same run, same prompts)",
-        "",
-        f"Model {Path(report['model']).name}, {report['dtype']}; {report['prompt_len']}-token "
-        f"prompts, {report['output_len']} greedy output tokens, ignore_eos; closed loop, median "
-        f"of {report['runs']} runs.",
-        "",
-        *md_table(
-            "server | concurrency | output tok/s | runs | TTFT p50 / p95 ms "
-            "| ITL p50 / p95 ms | done",
-            rows,
-            "lrr",
-        ),  # fmt: skip
-    ]
-    if all("error" not in res.get(p, {"error": 1}) for p in ("infer", "vllm")):
-        tok_s = {p: {c: res[p]["load"][str(c)]["output_tok_s"] for c in concurrency}
-                 for p in ("infer", "vllm")}  # fmt: skip
-        rows = [[c, f"{tok_s['infer'][c] / tok_s['vllm'][c]:.2f}x"] for c in concurrency]
-        lines += ["", *md_table("concurrency | infer / vLLM", rows, "rr")]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

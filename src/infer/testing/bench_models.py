@@ -1,6 +1,6 @@
 """The benchmarks' shared model: a random-init ~110M bf16 Llama with a BPE tokenizer trained
 here, built once into ``~/.cache/infer/bench`` (no hub download works on the machines this
-project runs on). ``infer bench engine``, ``quant``, ``prefix``, ``peers``, ``vs-vllm`` and the
+project runs on). ``infer bench engine``, ``quant``, ``prefix``, ``vs-vllm`` and the
 others measure on it unless given ``--model``."""
 
 from __future__ import annotations

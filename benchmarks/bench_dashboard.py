@@ -213,8 +213,10 @@ def render(report: dict) -> str:
     )
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("dashboard", help="what the live view costs; its screenshots")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infer bench dashboard", description="what the live view costs; its screenshots"
+    )
     p.add_argument("--model", default=None, help="checkpoint (default: the ~110M Llama)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
@@ -222,4 +224,15 @@ def add_parser(sub) -> None:
     p.add_argument("--screenshots", default=None, metavar="DIR", help="save screenshots here")
     p.add_argument("--trace", default=None, help="a recorded trace for the replay screenshot")
     p.add_argument("--out", default="benchmarks/reports")
-    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``infer bench dashboard ARGS`` (``python benchmarks/bench_dashboard.py ARGS``)."""
+    return int(run(build_parser().parse_args(argv)) or 0)
+
+
+if __name__ == "__main__":
+    from infer.bench.cli import main as infer_main
+
+    sys.exit(infer_main(["bench", "dashboard", *sys.argv[1:]]))

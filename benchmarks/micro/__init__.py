@@ -12,11 +12,11 @@ from __future__ import annotations
 import importlib
 
 SUITES = {
-    "kv-cache": "infer.bench.micro.kv_cache",
-    "batching": "infer.bench.micro.batching",
-    "chunked-prefill": "infer.bench.micro.chunked_prefill",
-    "scheduling": "infer.bench.micro.scheduling",
-    "prefix-cache": "infer.bench.micro.prefix_cache",
+    "kv-cache": "benchmarks.micro.kv_cache",
+    "batching": "benchmarks.micro.batching",
+    "chunked-prefill": "benchmarks.micro.chunked_prefill",
+    "scheduling": "benchmarks.micro.scheduling",
+    "prefix-cache": "benchmarks.micro.prefix_cache",
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from infer.bench.micro.common import (
+from benchmarks.micro.common import (
     MicroRequest,
     corpus_words,
     make_engine,

@@ -180,8 +180,10 @@ def render(report: dict) -> str:
     )
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("overload", help="429 latency of a full server under a burst")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infer bench overload", description="429 latency of a full server under a burst"
+    )
     p.add_argument("--model", default=None, help="checkpoint (default: the tiny test Llama)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--processes", type=int, default=4)
@@ -190,4 +192,15 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queued-requests", type=int, default=8)
     p.add_argument("--port", type=int, default=8301)
     p.add_argument("--out", default="benchmarks/reports")
-    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``infer bench overload ARGS`` (``python benchmarks/bench_overload.py ARGS``)."""
+    return int(run(build_parser().parse_args(argv)) or 0)
+
+
+if __name__ == "__main__":
+    from infer.bench.cli import main as infer_main
+
+    sys.exit(infer_main(["bench", "overload", *sys.argv[1:]]))

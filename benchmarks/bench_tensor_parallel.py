@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -163,9 +164,10 @@ def render(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "tensor-parallel", help="throughput at tensor_parallel_size 1, 2, ... and all-reduce cost"
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infer bench tensor-parallel",
+        description="throughput at tensor_parallel_size 1, 2, ... and all-reduce cost",
     )
     p.add_argument("--model", default=None, help="checkpoint (default: the ~110M Llama)")
     p.add_argument("--dtype", default="bfloat16")
@@ -175,4 +177,15 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default="benchmarks/reports")
-    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``infer bench tensor-parallel ARGS`` (``python benchmarks/bench_tensor_parallel.py ARGS``)."""
+    return int(run(build_parser().parse_args(argv)) or 0)
+
+
+if __name__ == "__main__":
+    from infer.bench.cli import main as infer_main
+
+    sys.exit(infer_main(["bench", "tensor-parallel", *sys.argv[1:]]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from infer.bench.micro.common import MicroRequest, prompt_ids, prompt_source, ratio_cell, run_case
+from benchmarks.micro.common import MicroRequest, prompt_ids, prompt_source, ratio_cell, run_case
 from infer.bench.report import fmt, markdown_table
 
 BLOCK = 4

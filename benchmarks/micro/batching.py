@@ -7,7 +7,7 @@ batching). The last column checks that every configured request completed.
 
 from __future__ import annotations
 
-from infer.bench.micro.common import MicroRequest, prompt_ids, prompt_source, run_case
+from benchmarks.micro.common import MicroRequest, prompt_ids, prompt_source, run_case
 from infer.bench.report import fmt, markdown_table
 
 # (name, requests configured, max batch, prompt length, generated tokens); context is 64.
