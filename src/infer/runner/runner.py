@@ -36,6 +36,7 @@ from infer.core.request import Request, TokenLogprob
 from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, default_backend
 from infer.runner.cpu.decode_fast import FastDecoder
+from infer.runner.cpu.step_inputs import HostStepInputs
 from infer.runner.gpu.select import resolve_attention_backend
 from infer.runner.lora.manager import LoRAManager
 from infer.runner.sampler import PendingSample, Sampler, token_logprob
@@ -148,6 +149,15 @@ class ModelRunner:
         ):
             rows = max(max_num_seqs, max_num_batched_tokens)
             self.fast_decoder = FastDecoder.build(model, kv_cache, rows)
+        # A CPU step's inputs at fixed addresses (cpu/step_inputs.py); CUDA's are the Triton
+        # step's buffers (gpu/step.py).
+        self.step_inputs: HostStepInputs | None = None
+        if device.type == "cpu" and max_num_seqs and max_model_len:
+            self.step_inputs = HostStepInputs(
+                max_rows=max(max_num_seqs, max_num_batched_tokens),
+                max_seqs=max_num_seqs,
+                max_blocks=-(-max_model_len // kv_cache.block_size),
+            )
         self.sampler = Sampler(device, seed)
         # Constrained decoding (infer.structured): set by the engine on first use.
         self.structured = None
@@ -345,9 +355,14 @@ class ModelRunner:
         else:
             if feed is not None:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
-            ids_t = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
-            pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-            ctx = AttentionContext(self.kv_cache, batch.seqs, self.device, self.attention)
+            inputs = self.step_inputs
+            fixed = inputs and inputs.tokens(batch.token_ids, batch.positions)
+            if fixed:
+                ids_t, pos_t = fixed
+            else:
+                ids_t = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+                pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+            ctx = AttentionContext(self.kv_cache, batch.seqs, self.device, self.attention, inputs)
             hidden = self.forward(ids_t, pos_t, ctx)
         logits = prompt_logits = None
         if batch.sample_rows:

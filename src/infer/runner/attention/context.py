@@ -27,6 +27,7 @@ per sequence. Gather indices and masks are built once per step and shared by all
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from infer.core.messages import SequenceSlice
 from infer.runner.attention.backend import AttentionBackend, default_backend
 from infer.runner.attention.cache import KVCache
 from infer.runner.cpu.kernels import PrefillChunks
+
+if TYPE_CHECKING:
+    from infer.runner.cpu.step_inputs import HostStepInputs
 
 
 @dataclass
@@ -51,7 +55,9 @@ class _DecodeGroup:
         """[Bd, Lmax] slot of each context position (padded with slot 0): the torch path only."""
         if self._gather is None:
             lmax = int(self.context_lens.max())
-            self._gather = _table_slots(self.block_tables.long(), self.block_size)[:, :lmax]
+            width = -(-lmax // self.block_size)  # the blocks that hold the longest context
+            tables = self.block_tables[:, :width].long()
+            self._gather = _table_slots(tables, self.block_size)[:, :lmax]
         return self._gather
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -113,6 +119,9 @@ class AttentionContext:
     rows on the CPU go to the C++ kernel (:mod:`infer.runner.cpu.kernels`), which reads K and V in
     place through the block tables; elsewhere (CUDA, other dtypes, ``INFER_CPU_KERNELS=0``) the
     contexts are gathered and attended with SDPA.
+
+    ``inputs`` (the runner's, on a CPU): a decode step's metadata is written into those
+    fixed buffers (:class:`~infer.runner.cpu.step_inputs.HostStepInputs`) instead of new arrays.
     """
 
     def __init__(
@@ -121,12 +130,27 @@ class AttentionContext:
         sequences: list[SequenceSlice],
         device: torch.device | str,
         backend: AttentionBackend | None = None,
+        inputs: HostStepInputs | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.sequences = sequences
         self.device = torch.device(device)
+        self.backend = backend if backend is not None else default_backend(self.device)
+        self.prefill_chunks: PrefillChunks | None = None
+        self.prefills: list[_PrefillSeq] = []
         bs = kv_cache.block_size
         num_seqs = len(sequences)
+        if inputs is not None and inputs.decode(sequences, bs):
+            self.num_tokens = num_seqs
+            self.slot_mapping = inputs.slots[:num_seqs]
+            self.decode_group = _DecodeGroup(
+                rows=inputs.rows[:num_seqs],
+                block_tables=inputs.tables[:num_seqs],
+                context_lens=inputs.context_lens[:num_seqs],
+                block_size=bs,
+            )
+            self._all_decode = True
+            return
 
         max_blocks = max((len(s.block_table) for s in sequences), default=1) or 1
         tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
@@ -138,9 +162,6 @@ class AttentionContext:
             computed[i] = seq.num_computed_tokens
         block_tables = torch.from_numpy(tables)
         self.num_tokens = int(new_tokens.sum())
-        self.backend = backend if backend is not None else default_backend(self.device)
-        self.prefill_chunks: PrefillChunks | None = None
-        self.prefills: list[_PrefillSeq] = []
         if num_seqs and (new_tokens == 1).all():  # one new token each: all decode rows
             self._init_all_decode(block_tables, tables, computed)
             return
