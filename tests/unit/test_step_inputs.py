@@ -77,7 +77,11 @@ def test_steps_the_buffers_do_not_take_build_their_own():
     inputs = HostStepInputs(max_rows=16, max_seqs=2, max_blocks=3)
     cases = [
         [SequenceSlice(0, 5, [1, 2]), SequenceSlice(7, 1, [3, 4])],  # a prefill chunk
-        [SequenceSlice(3, 1, [1]), SequenceSlice(3, 1, [2]), SequenceSlice(3, 1, [3])],  # > max_seqs
+        [
+            SequenceSlice(3, 1, [1]),
+            SequenceSlice(3, 1, [2]),
+            SequenceSlice(3, 1, [3]),
+        ],  # > max_seqs
         [SequenceSlice(13, 1, [1, 2, 3, 4])],  # a table wider than max_blocks
     ]
     for seqs in cases:
