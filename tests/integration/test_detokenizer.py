@@ -9,6 +9,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, tra
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from infer import SamplingParams
+from infer.engine import detokenizer
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.testing.checkpoints import KINDS
 
@@ -64,7 +65,7 @@ def test_streamed_text_is_the_tokenizers_own_decode(tok, skip_special_tokens):
 
 
 def _python_path(d: IncrementalDetokenizer) -> IncrementalDetokenizer:
-    d._stream = None  # the two-decodes-a-token Python path the Rust stream stands in for
+    d._stream = d._bytes = None  # the two-decodes-a-token Python path the others stand in for
     return d
 
 
@@ -88,15 +89,24 @@ def _byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("path", ["stream", "bytes"])
 @pytest.mark.parametrize("kind", [*KINDS, "byte-fallback"])
-def test_the_rust_stream_emits_what_the_python_path_emits(tiny_checkpoints, kind):
-    """Random output ids (special tokens, bytes that end mid-character, stop strings, several
-    tokens a call as speculative decoding feeds them) after a random prompt context: the same
-    piece from every call, the same stop, on every model's tokenizer and a byte-fallback one."""
+def test_the_fast_paths_emit_what_the_python_path_emits(tiny_checkpoints, kind, path, monkeypatch):
+    """Random output ids (special tokens, bytes that end mid-character or are no character,
+    stop strings, several tokens a call as speculative decoding feeds them) after a random
+    prompt context: the same piece from every call, the same stop, on every model's tokenizer
+    and a byte-fallback one, through the Rust stream and through the byte table."""
     if kind == "byte-fallback":
         tok = _byte_fallback_tokenizer()
     else:
         tok = AutoTokenizer.from_pretrained(tiny_checkpoints[kind])
+    if path == "stream":
+        monkeypatch.setattr(detokenizer, "byte_table", lambda tok: None)
+    elif kind == "byte-fallback":
+        assert detokenizer.byte_table(tok) is None  # not a byte-level decoder: no table
+        return
+    else:
+        assert detokenizer.byte_table(tok) is not None  # every tiny checkpoint's: byte-level
     rng = random.Random(kind)
     text_ids = tok.encode(TEXT * 2, add_special_tokens=False)
     streamed = handed_over = 0
@@ -117,7 +127,7 @@ def test_the_rust_stream_emits_what_the_python_path_emits(tiny_checkpoints, kind
         )
         new = IncrementalDetokenizer(tok, prompt, params)
         old = _python_path(IncrementalDetokenizer(tok, prompt, params))
-        started = new._stream is not None
+        started = (new._stream if path == "stream" else new._bytes) is not None
         a = [new.add_tokens(c) for c in calls] + [new.finish()]
         b = [old.add_tokens(c) for c in calls] + [old.finish()]
         streamed += started
@@ -129,14 +139,22 @@ def test_the_rust_stream_emits_what_the_python_path_emits(tiny_checkpoints, kind
         assert handed_over >= 10  # streams that gave up mid-way, and matched anyway
 
 
-def test_a_context_ending_mid_character_takes_the_python_path(tok):
-    """The stream cannot start cut from a context whose text ends mid-character (it would not
-    move past it): those requests detokenize in Python; the others through the stream."""
+def test_a_context_ending_mid_character_takes_the_python_path(tok, monkeypatch):
+    """Neither the byte table nor the stream starts cut from a context whose text ends
+    mid-character: those requests detokenize in Python; the others through the table (or,
+    without one, the stream)."""
     ids = tok.encode("日本", add_special_tokens=False)
     assert len(ids) > 2 and tok.decode(ids[:1]).endswith("\ufffd")  # byte tokens
-    assert IncrementalDetokenizer(tok, ids[:1], SamplingParams())._stream is None
+
+    def fast(context):
+        d = IncrementalDetokenizer(tok, context, SamplingParams())
+        return d._bytes is not None or d._stream is not None
+
+    assert not fast(ids[:1]) and fast(ids) and fast([])
+    assert IncrementalDetokenizer(tok, ids, SamplingParams())._bytes is not None
+    monkeypatch.setattr(detokenizer, "byte_table", lambda tok: None)
+    assert not fast(ids[:1]) and fast(ids) and fast([])
     assert IncrementalDetokenizer(tok, ids, SamplingParams())._stream is not None
-    assert IncrementalDetokenizer(tok, [], SamplingParams())._stream is not None
 
 
 @pytest.mark.parametrize(

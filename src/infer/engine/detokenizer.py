@@ -13,6 +13,11 @@ prefix's text: one call a token, ~1.5 vs ~3.0 us); the offsets above are kept ei
 stream that gives up (its text stopped starting with what it emitted, which byte-fallback
 decoders can do) hands the request to the Python path at the token it failed on.
 
+A byte-level BPE tokenizer (GPT-2, Llama 3, Qwen: its decoder is ``ByteLevel`` alone) decodes
+each token to fixed bytes and the text is their UTF-8, so there a token's text is a table
+lookup and an incremental UTF-8 decoder's step (:func:`byte_table`, ~0.3 us): the table is
+built once per tokenizer and checked against the tokenizer's own decode before it is trusted.
+
 Stop strings: any suffix of the text that could still grow into a stop string is held back;
 when a stop string completes, the text is cut before it (or after it with
 ``include_stop_str_in_output``) and the request is finished by the engine. Until the output
@@ -21,6 +26,10 @@ has ``min_tokens`` tokens no stop string counts (as for EOS and stop ids).
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import random
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +54,63 @@ def _decode_stream_class() -> Any | None:
 DecodeStream = _decode_stream_class()
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context (leading-space handling)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the character that stands for each byte -> the
+    byte (printable Latin-1 stands for itself; the other bytes for code points 256 on)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = dict(zip(keep, keep, strict=True))
+    extra = 256
+    for b in range(256):
+        if b not in chars:
+            chars[b] = extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_table(tokenizer) -> tuple[list[bytes], frozenset[int]] | None:
+    """For a byte-level BPE tokenizer whose decode is the UTF-8 of its tokens' bytes: each
+    id's bytes (an unknown id: none) and the special ids (skipped with
+    ``skip_special_tokens``); None for any other tokenizer, or one whose decode of a sample of
+    ids differs from the table's. Built once per tokenizer."""
+    try:
+        return _BYTE_TABLES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    table = _build_byte_table(tokenizer)
+    with contextlib.suppress(TypeError):  # not weak-referenceable: built again next time
+        _BYTE_TABLES[tokenizer] = table
+    return table
+
+
+def _build_byte_table(tokenizer) -> tuple[list[bytes], frozenset[int]] | None:
+    backend = rust_tokenizer(tokenizer)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    decoder = _byte_decoder()
+    vocab = backend.get_vocab(with_added_tokens=True)
+    table = [b""] * (max(vocab.values(), default=-1) + 1)
+    for token, i in vocab.items():
+        try:
+            table[i] = bytes(decoder[c] for c in token)
+        except KeyError:  # a character outside the alphabet (an added token): its own UTF-8
+            table[i] = token.encode()
+    special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    # Trusted only if it decodes as the tokenizer does: every added token, and random runs.
+    rng = random.Random(0)
+    samples = [[i] for i in special] + [[len(table)]]
+    samples += [[rng.randrange(len(table)) for _ in range(rng.randrange(1, 9))]
+                for _ in range(300)]  # fmt: skip
+    for ids in samples:
+        for skip in (False, True):
+            data = b"".join(table[i] for i in ids if i < len(table) and not (skip and i in special))
+            if data.decode(errors="replace") != backend.decode(ids, skip_special_tokens=skip):
+                return None
+    return table, special
 
 
 def rust_tokenizer(tokenizer) -> Any | None:
@@ -75,11 +141,16 @@ class IncrementalDetokenizer:
         self.min_tokens = params.min_tokens
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._rust = rust_tokenizer(tokenizer) if DecodeStream is not None else None
+        self._bytes = self._primed_bytes()
+        self._held = ""  # the byte table's text that ends in U+FFFD, not emitted yet
+        self._rust = None
+        if self._bytes is None and DecodeStream is not None:
+            self._rust = rust_tokenizer(tokenizer)
         self._stream = self._primed_stream() if self._rust is not None else None
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
-        self.text = ""  # all output text decided so far (after a stop cut, final)
+        # With stop strings: all output text decided so far (after a stop cut, final).
+        self.text = ""
         self._sent = 0  # characters of `text` already emitted
         self.stop_string: str | None = None
         # Output tokens fed in before a stop string completed (the rest are cut off).
@@ -100,6 +171,23 @@ class IncrementalDetokenizer:
             return None
         return stream
 
+    def _primed_bytes(self) -> tuple[list[bytes], frozenset[int], Any] | None:
+        """The byte table's path (:func:`byte_table`): the table, the ids to skip and a UTF-8
+        decoder that has read the prompt context; None where there is no table or the
+        context ends mid-character (the other paths handle that)."""
+        found = byte_table(self.tokenizer)
+        if found is None:
+            return None
+        table, special = found
+        skip = special if self.skip_special_tokens else frozenset()
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        for i in self._tokens:
+            if i < len(table) and i not in skip:
+                utf8.decode(table[i])
+        if utf8.getstate()[0]:
+            return None
+        return table, skip, utf8
+
     def _decode(self, tokens: list[int]) -> str:
         return self._decode_ids(tokens, skip_special_tokens=self.skip_special_tokens)
 
@@ -112,10 +200,7 @@ class IncrementalDetokenizer:
                 piece = self._step(token_id)
                 if piece:
                     out += piece
-            if out:
-                self.text += out
-                self._sent = len(self.text)
-            return out
+            return out  # (``text`` is kept for stop strings only: nothing is held here)
         for token_id in token_ids:
             if self.stop_string is not None:
                 break
@@ -129,6 +214,18 @@ class IncrementalDetokenizer:
         """One more token: the text it adds (None while it ends mid-character or renders as
         nothing yet), from the Rust stream or else in Python; the offsets move either way."""
         self._tokens.append(token_id)
+        if self._bytes is not None:
+            table, skip, utf8 = self._bytes
+            if token_id >= len(table) or token_id in skip:
+                return None
+            piece = self._held + utf8.decode(table[token_id])
+            # As the other paths: a token that ends mid-character, or whose text ends in U+FFFD,
+            # emits nothing until a token ends on a whole character.
+            if utf8.getstate()[0] or piece.endswith("\ufffd"):
+                self._held = piece
+                return None
+            self._held = ""
+            return piece or None
         if self._stream is None:
             return self._step_python()
         try:
