@@ -28,7 +28,7 @@ from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.validation import check_prompt
 from infer.distributed import EngineDeadError
 from infer.distributed.executor import TensorParallelWorkers
-from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.engine.detokenizer import IncrementalDetokenizer, byte_table
 from infer.engine.scheduler import Scheduler
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
@@ -192,6 +192,7 @@ class LLMEngine:
         self.lora = self._build_lora()
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)
+        byte_table(self.tokenizer)  # built now, not at the first request (~1 ms per 1k ids)
 
         self.max_model_len = mc.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:
