@@ -134,27 +134,32 @@ def test_the_fast_paths_emit_what_the_python_path_emits(tiny_checkpoints, kind, 
         handed_over += started and new._stream is None
         assert a == b, (prompt, ids)
         assert (new.stop_string, new.num_output_tokens) == (old.stop_string, old.num_output_tokens)
-    assert streamed >= 20  # the stream ran (a context ending mid-character takes the Python path)
+    assert streamed >= 20  # the stream ran (without the table, a context ending mid-character
+    # takes the Python path)
     if kind == "byte-fallback":
         assert handed_over >= 10  # streams that gave up mid-way, and matched anyway
 
 
-def test_a_context_ending_mid_character_takes_the_python_path(tok, monkeypatch):
-    """Neither the byte table nor the stream starts cut from a context whose text ends
-    mid-character: those requests detokenize in Python; the others through the table (or,
-    without one, the stream)."""
-    ids = tok.encode("日本", add_special_tokens=False)
+def test_a_context_ending_mid_character(tok, monkeypatch):
+    """The stream cannot start cut from a context whose text ends mid-character (it would not
+    move past it): without the byte table those requests detokenize in Python. The table
+    takes them, and emits what the Python path does: the context's partial character is not
+    the output's (the output's bytes that complete it are not emitted)."""
+    ids = tok.encode("日本 and more", add_special_tokens=False)
     assert len(ids) > 2 and tok.decode(ids[:1]).endswith("\ufffd")  # byte tokens
+    table = IncrementalDetokenizer(tok, ids[:1], SamplingParams())
+    python = _python_path(IncrementalDetokenizer(tok, ids[:1], SamplingParams()))
+    assert table._bytes is not None and table._cut_first
+    pieces = [table.add_tokens([i]) for i in ids[1:]] + [table.finish()]
+    assert pieces == [python.add_tokens([i]) for i in ids[1:]] + [python.finish()]
+    assert "".join(pieces) == tok.decode(ids)[1:].replace("\ufffd", "")  # "本 and more"
 
-    def fast(context):
-        d = IncrementalDetokenizer(tok, context, SamplingParams())
-        return d._bytes is not None or d._stream is not None
-
-    assert not fast(ids[:1]) and fast(ids) and fast([])
-    assert IncrementalDetokenizer(tok, ids, SamplingParams())._bytes is not None
     monkeypatch.setattr(detokenizer, "byte_table", lambda tok: None)
-    assert not fast(ids[:1]) and fast(ids) and fast([])
-    assert IncrementalDetokenizer(tok, ids, SamplingParams())._stream is not None
+
+    def streams(context):
+        return IncrementalDetokenizer(tok, context, SamplingParams())._stream is not None
+
+    assert not streams(ids[:1]) and streams(ids) and streams([])
 
 
 @pytest.mark.parametrize(

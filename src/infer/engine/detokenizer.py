@@ -141,8 +141,9 @@ class IncrementalDetokenizer:
         self.min_tokens = params.min_tokens
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._bytes = self._primed_bytes()
         self._held = ""  # the byte table's text that ends in U+FFFD, not emitted yet
+        self._cut_first = False  # the byte table's first character is the context's
+        self._bytes = self._primed_bytes()
         self._rust = None
         if self._bytes is None and DecodeStream is not None:
             self._rust = rust_tokenizer(tokenizer)
@@ -173,8 +174,10 @@ class IncrementalDetokenizer:
 
     def _primed_bytes(self) -> tuple[list[bytes], frozenset[int], Any] | None:
         """The byte table's path (:func:`byte_table`): the table, the ids to skip and a UTF-8
-        decoder that has read the prompt context; None where there is no table or the
-        context ends mid-character (the other paths handle that)."""
+        decoder that has read the prompt context; None where there is no table. A context
+        that ends mid-character leaves its bytes in the decoder, and the first character
+        decoded after them (they complete it, or they become U+FFFD) is not emitted: the
+        Python path cuts the output's text after the context's, which ends in that U+FFFD."""
         found = byte_table(self.tokenizer)
         if found is None:
             return None
@@ -184,8 +187,7 @@ class IncrementalDetokenizer:
         for i in self._tokens:
             if i < len(table) and i not in skip:
                 utf8.decode(table[i])
-        if utf8.getstate()[0]:
-            return None
+        self._cut_first = bool(utf8.getstate()[0])
         return table, skip, utf8
 
     def _decode(self, tokens: list[int]) -> str:
@@ -225,6 +227,9 @@ class IncrementalDetokenizer:
                 self._held = piece
                 return None
             self._held = ""
+            if self._cut_first and piece:
+                self._cut_first = False
+                piece = piece[1:]
             return piece or None
         if self._stream is None:
             return self._step_python()
