@@ -14,6 +14,9 @@ class RequestOutput:
 
     ``new_text`` never ends inside a multi-byte character and never contains a partial stop
     string: text that might still turn into a stop string is held back until it is decided.
+
+    The engine builds one per request per step with positional arguments (``_make_output``):
+    a change to the fields' order changes that call too.
     """
 
     request_id: str

@@ -1020,21 +1020,22 @@ class LLMEngine:
                 self.proposer.forget(request.request_id)
             if self.structured is not None:
                 self.structured.forget(request.request_id)
+        # Positional, in the fields' order: keywords cost ~0.85 us more, every request a step.
         return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,
-            new_text=text,
-            new_logprobs=new_logprobs,
-            finished=finished,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            timings=request.timings,
-            error=request.error,
-            prompt_logprobs=prompt_logprobs,
-            kv_payload=request.exported_kv if finished else None,
+            request.request_id,
+            new_ids,
+            text,
+            new_logprobs,
+            finished,
+            request.status.finish_reason,
+            request.stop_reason,
+            len(request.prompt_token_ids),  # num_prompt_tokens
+            len(request.output_token_ids),  # num_output_tokens
+            request.num_cached_tokens,
+            request.timings,
+            request.error,
+            prompt_logprobs,
+            request.exported_kv if finished else None,  # kv_payload
         )
 
     # ---- introspection ------------------------------------------------------------------------
