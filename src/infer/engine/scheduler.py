@@ -130,6 +130,9 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         kv_imports: list[KVImport] = []
+        # Prefill chunks in `scheduled`, kept as chunks come and go (an admission asks whether
+        # there is one: asked of every chunk, a burst of admissions was quadratic).
+        num_prefills = 0
         self.kv.end_step()
         self.waiting.tick()
         self.counters.steps += 1
@@ -138,10 +141,11 @@ class Scheduler:
         batch_was_empty = not self.running
 
         def preempt(victim: Request) -> None:
-            nonlocal budget
+            nonlocal budget, num_prefills
             chunk = scheduled.pop(victim.request_id, None)
             if chunk is not None:
                 budget += len(chunk.token_ids)
+                num_prefills -= _is_prefill(chunk)
             self.running.remove(victim)
             victim.spec_token_ids = []  # proposals are for the step they were made for
             imported = [k for k in kv_imports if k.request_id == victim.request_id]
@@ -193,7 +197,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._chunk(request, n)
+                chunk = scheduled[request.request_id] = self._chunk(request, n)
+                num_prefills += _is_prefill(chunk)
                 budget -= n
                 i += 1
         for request in self.running:  # proposals are for this step only
@@ -224,8 +229,7 @@ class Scheduler:
                 extra = payload.num_tokens - hit.num_tokens(self.kv.block_size)
                 hit = PrefixHit(hit.blocks, hit.hashes, extra)
             num_cached = hit.num_tokens(self.kv.block_size)
-            any_prefill = any(len(c.token_ids) - c.num_spec_tokens > 1 for c in scheduled.values())
-            n = self._num_tokens_to_run(request, budget, any_prefill, num_cached)
+            n = self._num_tokens_to_run(request, budget, num_prefills > 0, num_cached)
             if n == 0:
                 break
             if swapped:
@@ -261,7 +265,8 @@ class Scheduler:
             self.running.append(request)
             if name is not None:
                 adapters.add(name)
-            scheduled[request.request_id] = self._chunk(request, n)
+            chunk = scheduled[request.request_id] = self._chunk(request, n)
+            num_prefills += _is_prefill(chunk)
             budget -= n
         for request in reversed(skipped):  # back where they were, ahead of the rest
             self.waiting.add_preempted(request)
@@ -499,3 +504,8 @@ class Scheduler:
         if request.num_output_tokens >= request.max_new_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+
+def _is_prefill(chunk: ScheduledChunk) -> bool:
+    """A chunk of more than one token that is not a decode with proposals."""
+    return len(chunk.token_ids) - chunk.num_spec_tokens > 1
