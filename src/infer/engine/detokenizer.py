@@ -99,10 +99,12 @@ def _build_byte_table(tokenizer) -> tuple[list[bytes], frozenset[int]] | None:
             table[i] = bytes(decoder[c] for c in token)
         except KeyError:  # a character outside the alphabet (an added token): its own UTF-8
             table[i] = token.encode()
-    special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-    # Trusted only if it decodes as the tokenizer does: every added token, and random runs.
+    added = backend.get_added_tokens_decoder()
+    special = frozenset(i for i, t in added.items() if t.special)
+    # Trusted only if it decodes as the tokenizer does: every added token (special or not),
+    # an id past the vocabulary, and random runs.
     rng = random.Random(0)
-    samples = [[i] for i in special] + [[len(table)]]
+    samples = [[i] for i in added] + [[len(table)]]
     samples += [[rng.randrange(len(table)) for _ in range(rng.randrange(1, 9))]
                 for _ in range(300)]  # fmt: skip
     for ids in samples:
@@ -214,9 +216,9 @@ class IncrementalDetokenizer:
 
     def _step(self, token_id: int) -> str | None:
         """One more token: the text it adds (None while it ends mid-character or renders as
-        nothing yet), from the Rust stream or else in Python; the offsets move either way."""
-        self._tokens.append(token_id)
-        if self._bytes is not None:
+        nothing yet), from the byte table, the Rust stream or else in Python; the offsets move
+        either way (not on the table: it never hands over)."""
+        if self._bytes is not None:  # (no hand-over from here: the ids need not be kept)
             table, skip, utf8 = self._bytes
             if token_id >= len(table) or token_id in skip:
                 return None
@@ -231,6 +233,7 @@ class IncrementalDetokenizer:
                 self._cut_first = False
                 piece = piece[1:]
             return piece or None
+        self._tokens.append(token_id)
         if self._stream is None:
             return self._step_python()
         try:
