@@ -214,6 +214,8 @@ def render(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from infer.bench.cli import add_common
+
     p = argparse.ArgumentParser(
         prog="infer bench dashboard", description="what the live view costs; its screenshots"
     )
@@ -223,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8302)
     p.add_argument("--screenshots", default=None, metavar="DIR", help="save screenshots here")
     p.add_argument("--trace", default=None, help="a recorded trace for the replay screenshot")
-    p.add_argument("--out", default="benchmarks/reports")
+    add_common(p, out="dashboard")  # the committed report: --out benchmarks/reports
     return p
 
 

@@ -181,6 +181,8 @@ def render(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from infer.bench.cli import add_common
+
     p = argparse.ArgumentParser(
         prog="infer bench overload", description="429 latency of a full server under a burst"
     )
@@ -191,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-queued-requests", type=int, default=8)
     p.add_argument("--port", type=int, default=8301)
-    p.add_argument("--out", default="benchmarks/reports")
+    add_common(p, out="overload")  # the committed report: --out benchmarks/reports
     return p
 
 

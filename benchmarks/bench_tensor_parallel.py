@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from infer.bench.cli import add_common
 from infer.bench.report import md_table, save_report
 
 ALL_REDUCE_ITERS = 300
@@ -176,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/reports")
+    add_common(p, out="tensor_parallel")  # the committed report: --out benchmarks/reports
     return p
 
 
