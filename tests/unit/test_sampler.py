@@ -296,3 +296,54 @@ def test_repetition_penalty_near_zero_still_samples_a_token():
     logits = torch.tensor([0.5, 1.0, 0.2, -3.0])
     got = draw(logits, n=50, temperature=1.0, repetition_penalty=5e-324, prompt=(1, 3))
     assert got == Counter({1: 50})
+
+
+def _penalized_by_hand(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The penalties' definition, row by row from the requests' own lists."""
+    out = logits.clone()
+    for row, r in enumerate(requests):
+        p = r.sampling_params
+        if p.repetition_penalty != 1.0:
+            for i in set(r.prompt_token_ids + r.output_token_ids):
+                x = out[row, i]
+                out[row, i] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        counts = Counter(r.output_token_ids)
+        for i, c in counts.items():  # in float32, as the kernels compute it
+            f, pr = torch.tensor(p.frequency_penalty), torch.tensor(p.presence_penalty)
+            out[row, i] -= f * float(c) + pr
+    return out
+
+
+def test_penalties_read_histories_kept_step_by_step():
+    """The sampler keeps each request's ids as an array grown a step at a time: the penalties
+    it applies equal the definition on the requests' lists, step after step, also after an
+    output is cut short and when a finished request's id is taken by a new one."""
+    from infer.runner.sampler import TokenHistory, _apply_penalties
+
+    rng = torch.Generator().manual_seed(0)
+    vocab = 50
+    params = [
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=0.4, presence_penalty=0.2),
+        dict(repetition_penalty=0.7, frequency_penalty=0.1),
+        dict(),
+    ]
+    requests = [
+        req(f"r{i}", prompt=tuple(torch.randint(0, vocab, (5 + 40 * i,), generator=rng).tolist()),
+            **p)
+        for i, p in enumerate(params)
+    ]  # fmt: skip
+    history = TokenHistory()
+    for step in range(80):
+        logits = torch.randn(len(requests), vocab, generator=rng)
+        got = logits.clone()
+        _apply_penalties(got, requests, [0] * len(requests), history)
+        assert torch.equal(got, _penalized_by_hand(logits, requests)), step
+        for r in requests:
+            r.output_token_ids.append(int(torch.randint(0, vocab, (1,), generator=rng)))
+        if step == 30:
+            del requests[0].output_token_ids[3:]  # a stop string's cut
+        if step == 50:  # r1 finished; a new request under its id
+            requests[1] = req("r1", prompt=(7, 7, 8), frequency_penalty=0.5)
+    history.forget("r0")
+    assert "r0" not in history._entries

@@ -15,6 +15,7 @@ as vLLM reports them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from infer.core.messages import SampledToken
@@ -50,9 +51,11 @@ class Sampler:
         self._shared = torch.Generator(device=self.device)
         self._shared.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.history = TokenHistory()
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.history.forget(request_id)
 
     def _generator(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
@@ -83,7 +86,7 @@ class Sampler:
             r.num_output_tokens < r.sampling_params.min_tokens for r in requests
         ):
             logits = logits.clone()
-            _apply_penalties(logits, requests, [0] * len(requests))
+            _apply_penalties(logits, requests, [0] * len(requests), self.history)
         if allowed is not None:
             if logits.data_ptr() == raw.data_ptr():
                 logits = logits.clone()
@@ -190,7 +193,7 @@ class Sampler:
         if any(p.needs_penalties or p.min_tokens or p.logit_bias for p in params):
             logits = logits.clone()
             proposed = [j for rows in rows_of for j in range(len(rows))]
-            _apply_penalties(logits, row_requests, proposed)
+            _apply_penalties(logits, row_requests, proposed, self.history)
         if allowed is not None:  # constrained requests have no proposals: one row each
             request_rows, mask = allowed
             logits = logits.clone()
@@ -235,6 +238,40 @@ class Sampler:
         return out
 
 
+class TokenHistory:
+    """Each request's prompt and output ids as one numpy array, grown as its tokens come.
+
+    Penalties read a request's whole history every step; rebuilt from its Python lists (a set of
+    prompt + output, the lists joined and made a tensor) that cost O(context) Python work per row
+    and step. Here a step appends the row's new tokens and the batch's histories are joined in
+    C. A request whose output shrank (a stop string's cut) or whose id now names another
+    request is rebuilt."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[Request, np.ndarray, int]] = {}
+
+    def ids(self, request: Request) -> np.ndarray:
+        """``prompt_token_ids + output_token_ids`` (a view valid until the next call)."""
+        prompt, output = request.prompt_token_ids, request.output_token_ids
+        n = len(prompt) + len(output)
+        entry = self._entries.get(request.request_id)
+        if entry is None or entry[0] is not request or entry[2] > n:
+            buf = np.empty(max(2 * n, 64), dtype=np.int64)
+            buf[: len(prompt)] = prompt
+            have = len(prompt)
+        else:
+            _, buf, have = entry
+            if n > len(buf):
+                buf = np.concatenate([buf[:have], np.empty(max(n, len(buf)), dtype=np.int64)])
+        if n > have:
+            buf[have:n] = output[have - len(prompt) :]
+        self._entries[request.request_id] = (request, buf, n)
+        return buf[:n]
+
+    def forget(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+
 def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``[R, V]`` probabilities and ``[R, 1]`` uniforms in [0, 1) -> ``[R]`` tokens: the first
     whose running sum reaches ``(1 - u) * total``. ``1 - u`` is in (0, 1], so the target is
@@ -260,17 +297,20 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return kernels.argmax_rows(logits.contiguous())
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request], proposed: list[int]) -> None:
+def _apply_penalties(
+    logits: torch.Tensor, requests: list[Request], proposed: list[int], history: TokenHistory
+) -> None:
     """In place on ``[B, V]`` logits: row ``i`` gets its request's logit bias, then ``min_tokens``
     (EOS and stop ids banned until the output, with ``proposed[i]`` accepted proposals before
     the row's token, is long enough), then the repetition penalty (over prompt and output), then
     presence and frequency penalties (over the output).
 
-    Batched: the rows' ids are gathered on the host into a few flat lists and applied with a
-    few indexed kernels, each list one host-to-device copy for the whole batch (a loop over rows
-    made a copy, a wait for the GPU, and several kernels per row). Only ``min_tokens`` looks at
-    the proposals: the proposers propose nothing for requests with repetition, presence or
-    frequency penalties (see ``spec_decode``).
+    Batched: the rows' ids are gathered on the host into a few flat arrays (the histories'
+    from ``history``, joined in C) and applied with a few indexed kernels, each array one
+    host-to-device copy for the whole batch (a loop over rows made a copy, a wait for the GPU,
+    and several kernels per row). Only ``min_tokens`` looks at the proposals: the proposers
+    propose nothing for requests with repetition, presence or frequency penalties (see
+    ``spec_decode``).
     """
     device = logits.device
     bias_rows, bias_ids, bias_vals = [], [], []
@@ -289,19 +329,27 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], proposed: li
                 banned.update(request.eos_token_ids)
             ban_rows += [row] * len(banned)
             ban_ids += banned
-        if p.repetition_penalty != 1.0:
-            seen = set(request.all_token_ids)
-            rep_rows += [row] * len(seen)
-            rep_ids += seen
-            rep_pen[row] = p.repetition_penalty
-        if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-            out_rows += [row] * len(request.output_token_ids)
-            out_ids += request.output_token_ids
-            presence[row], frequency[row] = p.presence_penalty, p.frequency_penalty
+        penalize_output = (p.presence_penalty or p.frequency_penalty) and request.output_token_ids
+        if p.repetition_penalty != 1.0 or penalize_output:
+            ids = history.ids(request)
+            if p.repetition_penalty != 1.0:  # every id seen, repeats included: a mask
+                rep_rows.append(row)
+                rep_ids.append(ids)
+                rep_pen[row] = p.repetition_penalty
+            if penalize_output:  # every output id, repeats counted
+                out_rows.append(row)
+                out_ids.append(ids[len(request.prompt_token_ids) :])
+                presence[row], frequency[row] = p.presence_penalty, p.frequency_penalty
 
     def index(rows: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.tensor([rows, ids], dtype=torch.long).to(device, non_blocking=True)
         return both[0], both[1]
+
+    def joined(rows: list[int], arrays: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``rows[j]`` once for each id of ``arrays[j]``, and the ids, as one copy."""
+        both = np.stack([np.repeat(rows, [len(a) for a in arrays]), np.concatenate(arrays)])
+        on_device = torch.from_numpy(both).to(device, non_blocking=True)
+        return on_device[0], on_device[1]
 
     if bias_rows:
         values = torch.tensor(bias_vals, dtype=logits.dtype).to(device, non_blocking=True)
@@ -311,7 +359,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], proposed: li
     if rep_rows:
         seen_mask = torch.zeros_like(logits, dtype=torch.bool)
         seen_mask.index_put_(
-            index(rep_rows, rep_ids), torch.ones((), dtype=torch.bool, device=device)
+            joined(rep_rows, rep_ids), torch.ones((), dtype=torch.bool, device=device)
         )
         pen = torch.tensor(rep_pen, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
         vals = torch.where(logits > 0, logits / pen, logits * pen)
@@ -321,9 +369,8 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], proposed: li
         logits.copy_(torch.where(seen_mask, vals, logits))
     if out_rows:
         counts = torch.zeros_like(logits)
-        counts.index_put_(
-            index(out_rows, out_ids), torch.ones(len(out_ids), device=device), accumulate=True
-        )
+        rows, ids = joined(out_rows, out_ids)
+        counts.index_put_((rows, ids), torch.ones(len(ids), device=device), accumulate=True)
         freq = torch.tensor(frequency, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
         pres = torch.tensor(presence, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
         logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
