@@ -357,16 +357,16 @@ def _apply_penalties(
     if ban_rows:
         logits.index_put_(index(ban_rows, ban_ids), torch.full((), float("-inf"), device=device))
     if rep_rows:
-        seen_mask = torch.zeros_like(logits, dtype=torch.bool)
-        seen_mask.index_put_(
-            joined(rep_rows, rep_ids), torch.ones((), dtype=torch.bool, device=device)
-        )
-        pen = torch.tensor(rep_pen, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
-        vals = torch.where(logits > 0, logits / pen, logits * pen)
+        # Only the seen entries are read and written (an id seen twice is written twice, with
+        # the same value): the work is the histories' length, not rows x vocabulary.
+        rows, ids = joined(rep_rows, rep_ids)
+        pen = torch.tensor(rep_pen, dtype=logits.dtype).to(device, non_blocking=True)[rows]
+        seen = logits[rows, ids]
+        vals = torch.where(seen > 0, seen / pen, seen * pen)
         # A penalty near 0 makes infinities (and -inf * 0 = nan): keep the row samplable.
         big = torch.finfo(logits.dtype).max
         vals = torch.nan_to_num(vals, nan=float("-inf"), posinf=big, neginf=float("-inf"))
-        logits.copy_(torch.where(seen_mask, vals, logits))
+        logits.index_put_((rows, ids), vals)
     if out_rows:
         counts = torch.zeros_like(logits)
         rows, ids = joined(out_rows, out_ids)
