@@ -261,6 +261,21 @@ class ModelRunner:
         if self.cuda_step is not None:
             self.cuda_step.close()
 
+    def model_inputs(
+        self, token_ids: list[int], positions: list[int], seqs: list[SequenceSlice]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """A torch-path pass's input ids, positions and attention context: in the runner's
+        fixed buffers where it has them (:attr:`step_inputs`, a CPU), else new tensors."""
+        inputs = self.step_inputs
+        fixed = inputs and inputs.tokens(token_ids, positions)
+        if fixed:
+            ids_t, pos_t = fixed
+        else:
+            ids_t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ctx = AttentionContext(self.kv_cache, seqs, self.device, self.attention, inputs)
+        return ids_t, pos_t, ctx
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
@@ -355,15 +370,7 @@ class ModelRunner:
         else:
             if feed is not None:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
-            inputs = self.step_inputs
-            fixed = inputs and inputs.tokens(batch.token_ids, batch.positions)
-            if fixed:
-                ids_t, pos_t = fixed
-            else:
-                ids_t = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
-                pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-            ctx = AttentionContext(self.kv_cache, batch.seqs, self.device, self.attention, inputs)
-            hidden = self.forward(ids_t, pos_t, ctx)
+            hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
         logits = prompt_logits = None
         if batch.sample_rows:
             n = len(batch.sample_rows)

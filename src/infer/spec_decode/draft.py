@@ -26,7 +26,7 @@ from infer.core.messages import RunnerSetup
 from infer.core.request import Request
 from infer.kv_cache.manager import PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token
-from infer.runner.attention import AttentionContext, SequenceSlice
+from infer.runner.attention import SequenceSlice
 from infer.runner.backend import DeviceBackend
 from infer.spec_decode import ProposalLengths
 
@@ -167,12 +167,8 @@ class DraftProposer:
             table = self.kv.block_table(seq)  # type: ignore[arg-type]
             slices.append(SequenceSlice(start, len(new), table, as_decode_rows=as_rows))
             rows.append(len(ids) - 1)
-        device = self.device
-        ctx = AttentionContext(self.kv_cache, slices, device, self.runner.attention)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=device)
-        hidden = self.runner.forward(ids_t, pos_t, ctx)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+        hidden = self.runner.forward(*self.runner.model_inputs(ids, positions, slices))
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         next_tokens = self.model.compute_logits(hidden[rows_t]).argmax(dim=-1).tolist()
         # NOTE: only now: a pass that raised has not put these tokens in the draft cache.
         for seq, new in chunks:

@@ -27,7 +27,6 @@ per sequence. Gather indices and masks are built once per step and shared by all
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,9 +35,7 @@ from infer.core.messages import SequenceSlice
 from infer.runner.attention.backend import AttentionBackend, default_backend
 from infer.runner.attention.cache import KVCache
 from infer.runner.cpu.kernels import PrefillChunks
-
-if TYPE_CHECKING:
-    from infer.runner.cpu.step_inputs import HostStepInputs
+from infer.runner.cpu.step_inputs import HostStepInputs
 
 
 @dataclass
@@ -140,13 +137,20 @@ class AttentionContext:
         self.prefills: list[_PrefillSeq] = []
         bs = kv_cache.block_size
         num_seqs = len(sequences)
+        if inputs is None and sequences and all(s.num_new_tokens == 1 for s in sequences):
+            # A step of decode rows only (the common one) without the runner's buffers (a
+            # draft model, a CUDA torch step, tests): the same arithmetic in arrays of its own.
+            widest = max(len(s.block_table) for s in sequences) or 1
+            inputs = HostStepInputs(num_seqs, num_seqs, widest)
         if inputs is not None and inputs.decode(sequences, bs):
+            # Row i is sequence i's token at position num_computed_tokens: the general path's
+            # repeats and gathers reduce to the buffers' few array operations.
             self.num_tokens = num_seqs
-            self.slot_mapping = inputs.slots[:num_seqs]
+            self.slot_mapping = inputs.slots[:num_seqs].to(self.device)
             self.decode_group = _DecodeGroup(
-                rows=inputs.rows[:num_seqs],
-                block_tables=inputs.tables[:num_seqs],
-                context_lens=inputs.context_lens[:num_seqs],
+                rows=inputs.rows[:num_seqs].to(self.device),
+                block_tables=inputs.tables[:num_seqs].to(self.device),
+                context_lens=inputs.context_lens[:num_seqs].to(self.device),
                 block_size=bs,
             )
             self._all_decode = True
@@ -162,9 +166,6 @@ class AttentionContext:
             computed[i] = seq.num_computed_tokens
         block_tables = torch.from_numpy(tables)
         self.num_tokens = int(new_tokens.sum())
-        if num_seqs and (new_tokens == 1).all():  # one new token each: all decode rows
-            self._init_all_decode(block_tables, tables, computed)
-            return
 
         # Every scheduled token's slot: its sequence's table entry for its position.
         seq_of_token = np.repeat(np.arange(num_seqs), new_tokens)
@@ -211,24 +212,6 @@ class AttentionContext:
                 pasts=torch.from_numpy(computed[pidx].copy()),
                 block_tables=torch.from_numpy(np.ascontiguousarray(tables[pidx])),
             )
-
-    def _init_all_decode(
-        self, block_tables: torch.Tensor, tables: np.ndarray, computed: np.ndarray
-    ) -> None:
-        """A step of decode rows only (the common one): row i is sequence i's token at position
-        ``computed[i]``; the general path's repeats and gathers reduce to this. Python here runs
-        with caches the kernels left cold, so every operation saved counts several times over."""
-        bs = self.kv_cache.block_size
-        seq = np.arange(len(computed), dtype=np.int64)
-        slots = tables[seq, computed // bs].astype(np.int64) * bs + computed % bs
-        self.slot_mapping = torch.from_numpy(slots).to(self.device)
-        self.decode_group = _DecodeGroup(
-            rows=torch.from_numpy(seq).to(self.device),
-            block_tables=block_tables.to(self.device),
-            context_lens=torch.from_numpy((computed + 1).astype(np.int32)).to(self.device),
-            block_size=bs,
-        )
-        self._all_decode = True
 
     @property
     def all_decode(self) -> bool:

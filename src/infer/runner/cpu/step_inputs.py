@@ -17,7 +17,8 @@ tensors from Python lists and its kernels read the same addresses step after ste
 
 A step with a prefill chunk or a speculative verify chunk builds its own metadata
 (:class:`~infer.runner.attention.AttentionContext`'s general path): its shapes vary with the
-chunks, and nothing replays it.
+chunks, and nothing replays it. A decode step without the runner's buffers (a draft model's, a
+CUDA torch step's) goes through a set of these sized to it: one arithmetic for every decode step.
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ class HostStepInputs:
 
     def __init__(self, max_rows: int, max_seqs: int, max_blocks: int) -> None:
         self.max_rows, self.max_seqs, self.max_blocks = max_rows, max_seqs, max_blocks
-        self.input_ids = torch.zeros(max_rows, dtype=torch.long)
-        self.positions = torch.zeros(max_rows, dtype=torch.long)
-        self.slots = torch.zeros(max_seqs, dtype=torch.long)
-        self.rows = torch.arange(max_seqs, dtype=torch.long)
-        self.context_lens = torch.zeros(max_seqs, dtype=torch.int32)
-        self.tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32)
-        self._ids, self._pos = self.input_ids.numpy(), self.positions.numpy()
-        self._slots, self._lens = self.slots.numpy(), self.context_lens.numpy()
-        self._tables, self._rows = self.tables.numpy(), self.rows.numpy()
-        self._computed = np.zeros(max_seqs, dtype=np.int64)
+        # numpy arrays (filled in place) and torch views of them (what the kernels read)
+        self._ids, self._pos = np.zeros(max_rows, np.int64), np.zeros(max_rows, np.int64)
+        self._slots, self._rows = np.zeros(max_seqs, np.int64), np.arange(max_seqs)
+        self._lens = np.zeros(max_seqs, np.int32)
+        self._tables = np.zeros((max_seqs, max_blocks), np.int32)
+        self._computed = np.zeros(max_seqs, np.int64)
+        self.input_ids, self.positions = torch.from_numpy(self._ids), torch.from_numpy(self._pos)
+        self.slots, self.rows = torch.from_numpy(self._slots), torch.from_numpy(self._rows)
+        self.context_lens = torch.from_numpy(self._lens)
+        self.tables = torch.from_numpy(self._tables)
 
     def tokens(
         self, token_ids: list[int], positions: list[int]
