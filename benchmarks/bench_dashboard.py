@@ -229,11 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
-    """``infer bench dashboard ARGS`` (``python benchmarks/bench_dashboard.py ARGS``)."""
-    return int(run(build_parser().parse_args(argv)) or 0)
-
-
 if __name__ == "__main__":
     from infer.bench.cli import main as infer_main
 

@@ -26,7 +26,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from infer.bench import require_bench_extra
 from infer.bench.cli import add_common
 from infer.bench.engine import read_rate
 from infer.bench.offline import (
@@ -193,12 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench int4 ARGS`` (``python benchmarks/bench_int4.py ARGS``)."""
-    require_bench_extra("infer bench int4")
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

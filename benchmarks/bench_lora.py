@@ -23,7 +23,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from infer.bench import require_bench_extra
 from infer.bench.cli import add_common
 from infer.bench.offline import decode_step_ms as offline_decode_step_ms
 from infer.bench.offline import (
@@ -152,12 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapters", type=int, default=8, help="adapters (all resident)")
     p.add_argument("--rank", type=int, default=16)
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench lora ARGS`` (``python benchmarks/bench_lora.py ARGS``)."""
-    require_bench_extra("infer bench lora")
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from benchmarks.micro import SUITES, run_suite
 from benchmarks.micro.common import record_traces, toy_model_path
-from infer.bench import require_bench_extra
 from infer.bench.cli import add_common
 from infer.bench.report import collect_environment, now_iso
 
@@ -94,12 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write each case's step trace (JSON lines) to DIR/<case>.jsonl, for the "
                    "live view's replay (/dashboard, 'open trace')")  # fmt: skip
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench micro ARGS`` (``python benchmarks/bench_micro.py ARGS``)."""
-    require_bench_extra("infer bench micro")
-    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

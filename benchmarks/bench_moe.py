@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from infer.bench import require_bench_extra
 from infer.bench.cli import add_common
 from infer.bench.offline import make_engine, patched_environ, random_decode_step_ms
 from infer.bench.report import machine_line, md_table, offline_machine, save_report
@@ -186,12 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", default="fast,modules,dense", help="what to time, in turns")
     add_common(p, runs=5, out="moe")
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench moe ARGS`` (``python benchmarks/bench_moe.py ARGS``)."""
-    require_bench_extra("infer bench moe")
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

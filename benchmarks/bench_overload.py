@@ -64,6 +64,10 @@ async def _fire(url: str, n: int, start_at: float) -> list[dict]:
     return await asyncio.gather(*(one(r, w) for r, w in conns))
 
 
+NEEDS_BENCH_EXTRA = False
+"""It runs without the ``bench`` extra (``infer bench`` checks for it otherwise)."""
+
+
 def _client(url: str, n: int, start_at: float, out: mp.Queue) -> None:
     out.put(asyncio.run(_fire(url, n, start_at)))
 
@@ -195,11 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8301)
     add_common(p, out="overload")  # the committed report: --out benchmarks/reports
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench overload ARGS`` (``python benchmarks/bench_overload.py ARGS``)."""
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

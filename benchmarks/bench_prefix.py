@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from infer.bench import require_bench_extra
 from infer.bench.cli import add_common
 from infer.bench.gpu import parse_loads
 from infer.bench.offline import first_token, greedy, make_engine, run_load
@@ -202,12 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="nothing-shared cells, PROMPTxOUTPUT@C (on vs off)",
     )
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench prefix ARGS`` (``python benchmarks/bench_prefix.py ARGS``)."""
-    require_bench_extra("infer bench prefix")
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

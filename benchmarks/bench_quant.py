@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from infer.bench import require_bench_extra
 from infer.bench.cli import add_common
 from infer.bench.offline import (
     held_out_windows,
@@ -190,12 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p, model=True, runs=3, out="quant")
     p.add_argument("--kv-memory", default="256MiB", help="KV memory of the long-context part")
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench quant ARGS`` (``python benchmarks/bench_quant.py ARGS``)."""
-    require_bench_extra("infer bench quant")
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

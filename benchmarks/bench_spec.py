@@ -31,7 +31,6 @@ import sysconfig
 import time
 from pathlib import Path
 
-from infer.bench import require_bench_extra
 from infer.bench.cli import add_common
 from infer.bench.offline import make_engine, serve_closed_loop
 from infer.bench.report import machine_line, md_table, num, offline_machine, save_report
@@ -227,12 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p, runs=3, concurrency="1,8,16,64", out="spec")
     p.add_argument("--k", type=int, default=4, help="proposed tokens per step")
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench spec ARGS`` (``python benchmarks/bench_spec.py ARGS``)."""
-    require_bench_extra("infer bench spec")
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 
-from infer.bench import require_bench_extra
 from infer.bench.cli import add_common
 from infer.bench.offline import first_token, make_engine, output_tok_s, serve_one
 from infer.bench.report import machine_line, md_table, offline_machine, save_report
@@ -294,12 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common(p, runs=3, out="structured")
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench structured ARGS`` (``python benchmarks/bench_structured.py ARGS``)."""
-    require_bench_extra("infer bench structured")
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ from infer.bench.report import md_table, save_report
 
 ALL_REDUCE_ITERS = 300
 
+NEEDS_BENCH_EXTRA = False
+"""It runs without the ``bench`` extra (``infer bench`` checks for it otherwise)."""
+
 
 def _all_reduce_rank(rank: int, port: int, hidden: int, rows: list[int], out) -> None:
     import datetime
@@ -179,11 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=3)
     add_common(p, out="tensor_parallel")  # the committed report: --out benchmarks/reports
     return p
-
-
-def main(argv: list[str]) -> int:
-    """``infer bench tensor-parallel ARGS`` (``python benchmarks/bench_tensor_parallel.py ARGS``)."""
-    return int(run(build_parser().parse_args(argv)) or 0)
 
 
 if __name__ == "__main__":

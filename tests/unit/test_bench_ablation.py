@@ -109,18 +109,18 @@ SYNTHETIC = {
 
 @pytest.mark.parametrize("suite", list(SYNTHETIC))
 def test_micro_charts_are_written(suite, tmp_path: Path):
-    from infer.bench.cli import checkout_benchmark
+    from infer.bench.cli import study_module
 
-    micro = checkout_benchmark("bench_micro")  # benchmarks/bench_micro.py
+    micro = study_module("micro")  # benchmarks/bench_micro.py
     path = micro.chart(suite, SYNTHETIC[suite], tmp_path / "x.png")
     assert path is not None and path.read_bytes()[:8] == PNG
     assert micro.incomplete(SYNTHETIC[suite]) == 0
 
 
 def test_incomplete_micro_runs_are_counted():
-    from infer.bench.cli import checkout_benchmark
+    from infer.bench.cli import study_module
 
-    _incomplete = checkout_benchmark("bench_micro").incomplete
+    _incomplete = study_module("micro").incomplete
     bad = {"cases": [{"case": "a", "sequential": _summary(1.0), "batched": _summary(2.0)}]}
     bad["cases"][0]["batched"]["completed"] = 1
     assert _incomplete(bad) == 1

@@ -59,7 +59,7 @@ def test_extras_in_pyproject():
 
 def test_default_report_folder_is_outside_the_source_tree():
     from infer.bench import DEFAULT_OUT
-    from infer.bench.cli import STUDIES, checkout_benchmark, register
+    from infer.bench.cli import STUDIES, register, study_module
 
     assert DEFAULT_OUT == "bench-results"
     assert "bench-results/" in (ROOT / ".gitignore").read_text().splitlines()
@@ -79,7 +79,7 @@ def test_default_report_folder_is_outside_the_source_tree():
         args = parser.parse_args(argv)
         assert str(args.out).startswith(DEFAULT_OUT), argv
     for study in STUDIES:  # the checkout's studies too
-        parser = checkout_benchmark("bench_" + study.replace("-", "_")).build_parser()
+        parser = study_module(study).build_parser()
         args = parser.parse_args(["all"] if study == "micro" else [])
         assert str(args.out).startswith(DEFAULT_OUT), study
 
@@ -87,7 +87,7 @@ def test_default_report_folder_is_outside_the_source_tree():
 def test_a_study_takes_its_own_flags(capsys):
     """``infer bench <study> ...`` hands every flag to the study's parser in benchmarks/:
     its usage names the command, a bad flag is its error (exit 2), ``-h`` its help."""
-    from infer.bench.cli import STUDIES, checkout_benchmark, main
+    from infer.bench.cli import STUDIES, main, study_module
 
     assert set(STUDIES) >= {"quant", "int4", "moe", "lora", "spec", "structured", "prefix", "micro"}
     with pytest.raises(SystemExit) as exc:
@@ -100,6 +100,4 @@ def test_a_study_takes_its_own_flags(capsys):
     assert exc.value.code == 0
     assert "--sizes" in capsys.readouterr().out
     for study in STUDIES:  # every study is a file there with a parser
-        assert checkout_benchmark("bench_" + study.replace("-", "_")).build_parser().prog == (
-            f"infer bench {study}"
-        )
+        assert study_module(study).build_parser().prog == f"infer bench {study}"

@@ -393,15 +393,25 @@ STUDIES = {
 }
 
 
+def study_module(name: str):
+    """The checkout's ``benchmarks/bench_<name>.py`` (``-`` in ``name`` as ``_``), or None
+    outside a checkout."""
+    return checkout_benchmark("bench_" + name.replace("-", "_"))
+
+
 def cmd_study(args: argparse.Namespace) -> int:
-    """``infer bench <study> ARGS``: ``benchmarks/bench_<study>.py``'s ``main(ARGS)``."""
+    """``infer bench <study> ARGS``: the study's ``run(build_parser().parse_args(ARGS))``,
+    after checking for the ``bench`` extra unless the study sets ``NEEDS_BENCH_EXTRA = False``.
+    """
     name = args.bench_command
-    module = checkout_benchmark("bench_" + name.replace("-", "_"))
+    module = study_module(name)
     if module is None:
         print(f"infer bench {name} reproduces a committed report: run it from a source "
               f"checkout (benchmarks/bench_{name.replace('-', '_')}.py)", file=sys.stderr)  # fmt: skip
         return 2
-    return int(module.main(args.study_argv) or 0)
+    if getattr(module, "NEEDS_BENCH_EXTRA", True):
+        require_bench_extra(f"infer bench {name}")
+    return int(module.run(module.build_parser().parse_args(args.study_argv)) or 0)
 
 
 @needs_bench_extra
