@@ -342,7 +342,7 @@ def _apply_penalties(
                 presence[row], frequency[row] = p.presence_penalty, p.frequency_penalty
 
     def index(rows: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        both = torch.tensor([rows, ids], dtype=torch.long).to(device, non_blocking=True)
+        both = _to_device([rows, ids], torch.long, device)
         return both[0], both[1]
 
     def joined(rows: list[int], arrays: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,7 +352,7 @@ def _apply_penalties(
         return on_device[0], on_device[1]
 
     if bias_rows:
-        values = torch.tensor(bias_vals, dtype=logits.dtype).to(device, non_blocking=True)
+        values = _to_device(bias_vals, logits.dtype, device)
         logits.index_put_(index(bias_rows, bias_ids), values, accumulate=True)
     if ban_rows:
         logits.index_put_(index(ban_rows, ban_ids), torch.full((), float("-inf"), device=device))
@@ -360,7 +360,7 @@ def _apply_penalties(
         # Only the seen entries are read and written (an id seen twice is written twice, with
         # the same value): the work is the histories' length, not rows x vocabulary.
         rows, ids = joined(rep_rows, rep_ids)
-        pen = torch.tensor(rep_pen, dtype=logits.dtype).to(device, non_blocking=True)[rows]
+        pen = _to_device(rep_pen, logits.dtype, device)[rows]
         seen = logits[rows, ids]
         vals = torch.where(seen > 0, seen / pen, seen * pen)
         # A penalty near 0 makes infinities (and -inf * 0 = nan): keep the row samplable.
@@ -371,8 +371,8 @@ def _apply_penalties(
         counts = torch.zeros_like(logits)
         rows, ids = joined(out_rows, out_ids)
         counts.index_put_((rows, ids), torch.ones(len(ids), device=device), accumulate=True)
-        freq = torch.tensor(frequency, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
-        pres = torch.tensor(presence, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
+        freq = _to_device(frequency, logits.dtype, device)[:, None]
+        pres = _to_device(presence, logits.dtype, device)[:, None]
         logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
 
