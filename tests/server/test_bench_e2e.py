@@ -136,3 +136,16 @@ def test_ablation_reports_a_rung_that_cannot_start(tiny_checkpoints, tmp_path: P
     assert "**Rungs that failed**: static+contiguous" in log
     assert "> **Rung failed**: `server exited with 2" in log
     assert "--no-such-flag" in (root / "static-contiguous" / "server.log").read_text()
+
+
+def test_closed_loop_over_client_processes_keeps_each_record_with_its_prompt(server):
+    from infer.bench.online import closed_loop_processes
+
+    # Prompt i is 3 + i tokens long: the usage the server reports ties each record to its prompt.
+    prompts = [list(range(10, 13 + i)) for i in range(7)]
+    records, wall = closed_loop_processes(server.url + "/v1", prompts, 4, 5, 3, model="tiny")
+    assert [r.index for r in records] == list(range(7))
+    assert all(r.success for r in records), [r.error for r in records]
+    assert [r.prompt_tokens for r in records] == [3 + i for i in range(7)]
+    assert [r.output_tokens for r in records] == [5] * 7
+    assert wall >= max(r.e2e_s for r in records) > 0

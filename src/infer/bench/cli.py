@@ -161,6 +161,13 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         help="C of the PxO load also sent over HTTP to `infer serve` (same engine settings), "
         "next to the offline figure ('' for none)",
     )
+    p.add_argument(
+        "--http-clients",
+        type=int,
+        default=4,
+        help="client processes sharing the HTTP load's streams (one Python process reads some "
+        "tens of thousands of events a second: fewer than a GPU server sends at C=64)",
+    )
     p.add_argument("--skip-roofline", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-kernels", action="store_true")

@@ -8,7 +8,8 @@ process and the client's streams cost::
     offline : serve_closed_loop(engine)            -> output tok/s
     http    : C clients -> infer serve (engine process) -> output tok/s (usage counts)
 
-The client is the online driver's closed loop (:func:`infer.bench.online.closed_loop`).
+The client is the online driver's closed loop, spread over ``--http-clients`` processes
+(:func:`infer.bench.online.closed_loop_processes`) so that it is not what is measured.
 """
 
 from __future__ import annotations
@@ -51,11 +52,20 @@ def http_section(
     (that cell's row from the same run, if it ran)."""
     from infer.bench.gpu import load_key
     from infer.bench.offline import random_prompts
-    from infer.bench.online import closed_loop, free_port, launch_server, stop_server, summarize
+    from infer.bench.online import (
+        closed_loop,
+        closed_loop_processes,
+        free_port,
+        launch_server,
+        stop_server,
+        summarize,
+    )
 
     prompt_len, output_len, c = load
     n = max(args.requests_per_c * c, 2 if c == 1 else c)
-    res.update(load=load_key(prompt_len, output_len, c), concurrency=c)
+    res.update(
+        load=load_key(prompt_len, output_len, c), concurrency=c, client_processes=args.http_clients
+    )
     port = free_port()
     t = time.perf_counter()
     proc, url = launch_server(server_command(model, args, port), port, out / "http_server.log")
@@ -65,7 +75,9 @@ def http_section(
         warm = random_prompts(vocab, c, prompt_len, seed=97)
         asyncio.run(closed_loop(url + "/v1", warm, c, WARMUP_TOKENS))
         prompts = random_prompts(vocab, n, prompt_len, args.seed)
-        records, wall = asyncio.run(closed_loop(url + "/v1", prompts, c, output_len))
+        records, wall = closed_loop_processes(
+            url + "/v1", prompts, c, output_len, args.http_clients
+        )
     finally:
         stop_server(proc)
     row = summarize(records, wall)

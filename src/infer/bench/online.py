@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
+import queue
 import shlex
 import signal
 import socket
@@ -27,7 +29,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from infer.bench.client import RequestRecord
@@ -158,7 +160,7 @@ def serving(
 
 
 async def closed_loop(
-    base: str, prompts: list[list[int]], concurrency: int, out_len: int
+    base: str, prompts: list[list[int]], concurrency: int, out_len: int, model: str = "m"
 ) -> tuple[list[RequestRecord], float]:
     """``prompts`` (token ids) streamed through infer's own HTTP client, ``concurrency`` in
     flight, ``out_len`` greedy tokens each with ignore_eos: the records and the wall time."""
@@ -169,22 +171,83 @@ async def closed_loop(
         stream_request,
     )
 
-    queue = list(enumerate(prompts))
+    todo = list(enumerate(prompts))
     records: list[RequestRecord] = []
     async with new_client() as client:
 
         async def worker() -> None:
-            while queue:
-                i, ids = queue.pop(0)
+            while todo:
+                i, ids = todo.pop(0)
                 rec = RequestRecord(
                     index=i, prompt_len_target=len(ids), max_tokens=out_len, scheduled_s=0.0
                 )
-                payload = build_payload("m", ids, out_len)  # greedy, ignore_eos, usage
+                payload = build_payload(model, ids, out_len)  # greedy, ignore_eos, usage
                 records.append(await stream_request(client, base, payload, rec))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return records, time.perf_counter() - t0
+
+
+def _closed_loop_child(which: int, base: str, prompts: list[list[int]], concurrency: int,
+                       out_len: int, model: str, start: Any, results: Any) -> None:  # fmt: skip
+    """One client process of :func:`closed_loop_processes`: waits for its siblings, runs."""
+    start.wait()
+    t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable across the processes
+    records, _ = asyncio.run(closed_loop(base, prompts, concurrency, out_len, model))
+    results.put((which, records, t0, time.perf_counter()))
+
+
+def closed_loop_processes(
+    base: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    out_len: int,
+    processes: int,
+    model: str = "m",
+) -> tuple[list[RequestRecord], float]:
+    """:func:`closed_loop` spread over ``processes`` client processes started together.
+
+    Prompt ``i`` goes to process ``i % processes``, the ``concurrency`` streams are shared out
+    among them. One Python process reading server-sent events tops out at some tens of thousands
+    of events a second (httpx parses each line in Python), below what a GPU server streams at
+    C=64: the server would be measured at the client's speed. The records (indices as in
+    ``prompts``) and the wall time from the first process's start to the last one's end.
+    """
+    processes = max(1, min(processes, concurrency, len(prompts)))
+    if processes == 1:
+        return asyncio.run(closed_loop(base, prompts, concurrency, out_len, model))
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(processes), ctx.Queue()
+    children = []
+    for p in range(processes):
+        share = concurrency // processes + (p < concurrency % processes)
+        args = (p, base, prompts[p::processes], share, out_len, model, start, results)
+        child = ctx.Process(target=_closed_loop_child, args=args, daemon=True)
+        child.start()
+        children.append(child)
+    gathered = []
+    try:
+        while len(gathered) < len(children):
+            try:
+                gathered.append(results.get(timeout=1.0))
+            except queue.Empty:
+                failed = [c.exitcode for c in children if c.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"a client process exited with code {failed[0]}") from None
+    finally:
+        for child in children:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+    records = []
+    for p, recs, _, _ in gathered:
+        for r in recs:
+            r.index = r.index * processes + p  # child p's i-th prompt is prompts[i * P + p]
+        records += recs
+    records.sort(key=lambda r: r.index)
+    wall = max(end for *_, end in gathered) - min(t0 for _, _, t0, _ in gathered)
+    return records, wall
 
 
 def summarize(records: list[RequestRecord], wall: float) -> dict:

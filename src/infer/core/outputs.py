@@ -62,3 +62,29 @@ class GenerationResult:
     timings: list[RequestTimings]
     # With SamplingParams.prompt_logprobs: each prompt token's log-probability (None first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta saying what two consecutive deltas of one request say.
+
+    Tokens, text and logprobs are joined in order; the running totals, the finish, the timings
+    and the error are the later one's (they are the newest); prompt logprobs come with whichever
+    carried them (only a request's first output that has a token does). A consumer that fell
+    behind the engine takes what has queued up as one delta (``RequestStream``).
+    """
+    return RequestOutput(
+        later.request_id,
+        first.new_token_ids + later.new_token_ids,
+        first.new_text + later.new_text,
+        first.new_logprobs + later.new_logprobs,
+        later.finished,
+        later.finish_reason,
+        later.stop_reason,
+        later.num_prompt_tokens,
+        later.num_output_tokens,
+        later.num_cached_tokens,
+        later.timings,
+        later.error,
+        first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
+        later.kv_payload,
+    )

@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from infer.core.outputs import RequestOutput
+from infer.core.outputs import RequestOutput, merge_deltas
 from infer.core.request import RequestTimings
 from infer.core.sampling_params import InvalidRequestError
 from infer.engine.core_client import EngineProcess, ThreadCore
@@ -150,6 +150,7 @@ class RequestStream:
                 out: RequestOutput = item
                 if out.request_id not in self._unfinished:
                     continue
+                out = self._take_queued(out)
                 self._last[out.request_id] = out
                 if out.finished:
                     self._unfinished.discard(out.request_id)
@@ -160,6 +161,24 @@ class RequestStream:
                 self.abort()
             if self._timer is not None:
                 self._timer.cancel()
+
+    def _take_queued(self, out: RequestOutput) -> RequestOutput:
+        """``out`` joined with the deltas of the same request already queued behind it.
+
+        When the consumer falls behind the engine (a server writing tens of thousands of
+        events a second), the deltas of several steps wait here; sending them as one event
+        costs one render and one write instead of one each, so the stream catches up instead
+        of lagging further. A consumer that keeps up finds nothing queued: one delta a step.
+        Stops at anything else (an ack, an end, a sibling's delta), which is read next.
+        """
+        queued = self._queue
+        while not out.finished and not self._early and not queued.empty():
+            item = queued.get_nowait()
+            if isinstance(item, RequestOutput) and item.request_id == out.request_id:
+                out = merge_deltas(out, item)
+            else:
+                self._early.append(item)
+        return out
 
     def _abort_outputs(self, why: str) -> list[tuple[str, RequestOutput]]:
         """End every unfinished child as aborted: tell the engine, synthesise final deltas."""
