@@ -181,6 +181,7 @@ def test_options_and_quick_defaults():
     assert gpu.parse_loads(full.long) == [(1024, 128, 16)]
     assert gpu.parse_loads(quick.long) == [] and gpu.ints(quick.buckets) == [1, 2]
     assert gpu.parse_loads("512x64@4+8") == [(512, 64, 4), (512, 64, 8)]
+    assert gpu.parse_loads("none") == []
     with pytest.raises(SystemExit, match="INxOUT@C"):
         gpu.parse_loads("512x64")
 

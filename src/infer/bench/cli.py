@@ -168,6 +168,13 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         help="client processes sharing the HTTP load's streams (one Python process reads some "
         "tens of thousands of events a second: fewer than a GPU server sends at C=64)",
     )
+    p.add_argument(
+        "--http-profile",
+        type=float,
+        default=0.0,
+        help="seconds of py-spy on the HTTP server's two processes during its load (0: none; "
+        "py-spy from $INFER_PY_SPY or the PATH)",
+    )
     p.add_argument("--skip-roofline", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-kernels", action="store_true")

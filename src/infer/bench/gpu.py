@@ -155,7 +155,9 @@ def ints(text: str | int) -> list[int]:
 
 def parse_loads(text: str) -> list[tuple[int, int, int]]:
     """``"1024x128@16,512x64@4+8"`` -> ``[(1024, 128, 16), (512, 64, 4), (512, 64, 8)]``."""
-    loads = []
+    loads: list[tuple[int, int, int]] = []
+    if text.strip().lower() == "none":  # as the help's "(default | --quick's default)" says
+        return loads
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
@@ -857,7 +859,18 @@ def _http_markdown(http: dict) -> list[str]:
         ["offline", _f(http.get("offline_tok_s"), ",.0f"), "", ""],
         ["http / offline", _f(http.get("ratio")), "", ""],
     ]  # fmt: skip
-    return lines + [""] + md_table(" | output tok/s | TTFT p50 ms | ITL p50 ms", rows, "lrrr")
+    lines += [""] + md_table(" | output tok/s | TTFT p50 ms | ITL p50 ms", rows, "lrrr")
+    lines += ["", f"{http.get('client_processes', 1)} client processes; "
+              f"{_f(http.get('tokens_per_event'))} tokens per streamed event."]  # fmt: skip
+    for name, prof in (http.get("profile") or {}).items():
+        if not isinstance(prof, dict) or not prof.get("samples"):
+            lines += ["", f"py-spy, {name}: {(prof or {}).get('error', 'no samples')}"]
+            continue
+        lines += ["", f"py-spy, {name} ({prof['samples']} samples): share of samples", ""]
+        pairs = zip(prof["self"][:12], prof["inclusive"][:12], strict=False)
+        table = [[f"{100 * a:.1f}% {fa}", f"{100 * b:.1f}% {fb}"] for (a, fa), (b, fb) in pairs]
+        lines += md_table("self | inclusive", table, "ll")
+    return lines
 
 
 def _hf_markdown(r: dict, hf: dict, p: int, o: int) -> list[str]:

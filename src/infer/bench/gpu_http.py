@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import sys
 import time
 from collections.abc import Callable
@@ -75,9 +76,13 @@ def http_section(
         warm = random_prompts(vocab, c, prompt_len, seed=97)
         asyncio.run(closed_loop(url + "/v1", warm, c, WARMUP_TOKENS))
         prompts = random_prompts(vocab, n, prompt_len, args.seed)
-        records, wall = closed_loop_processes(
-            url + "/v1", prompts, c, output_len, args.http_clients
-        )
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load_done = pool.submit(
+                closed_loop_processes, url + "/v1", prompts, c, output_len, args.http_clients
+            )
+            if args.http_profile:
+                res["profile"] = profile_server(proc.pid, args.http_profile, out, log)
+            records, wall = load_done.result()
     finally:
         stop_server(proc)
     row = summarize(records, wall)
@@ -87,8 +92,10 @@ def http_section(
             f"over HTTP {row['completed']} of {n} requests completed, {tokens} output tokens "
             f"of {n * output_len}: {row['errors']}"
         )
+    events = sum(len(r.chunk_times_s) for r in records)
     res.update(requests=n, output_tokens=tokens, wall_s=wall, output_tok_s=row["output_tok_s"],
-               ttft_ms_p50=row["ttft_ms"]["p50"], itl_ms_p50=row["itl_ms"]["p50"])  # fmt: skip
+               ttft_ms_p50=row["ttft_ms"]["p50"], itl_ms_p50=row["itl_ms"]["p50"],
+               tokens_per_event=tokens / events if events else None)  # fmt: skip
     offline_toks = (offline or {}).get("output_tok_s")
     res["offline_tok_s"] = offline_toks
     res["ratio"] = res["output_tok_s"] / offline_toks if offline_toks else None
@@ -98,3 +105,35 @@ def http_section(
         + (f"; offline {offline_toks:,.0f} tok/s = {res['ratio']:.2f}x" if offline_toks else "")
     )
     return res
+
+
+PROFILE_DELAY_S = 1.0  # into the load before sampling starts: past the first prefills
+
+
+def profile_server(server_pid: int, seconds: float, out: Path, log: Callable[[str], None]) -> dict:
+    """``py-spy`` on the API server and its engine process while the load runs: the raw
+    profiles in ``out`` and each process's top functions (:func:`infer.bench.pyspy.top_frames`).
+    Without py-spy (``$INFER_PY_SPY`` or the PATH), says so and measures nothing."""
+    from infer.bench import pyspy
+
+    py_spy = pyspy.find_py_spy()
+    if py_spy is None:
+        log("http: no py-spy (set $INFER_PY_SPY or put it on the PATH): not profiled")
+        return {"error": "no py-spy"}
+    time.sleep(PROFILE_DELAY_S)
+    pids = {"api_server": server_pid, "engine": pyspy.engine_pid(server_pid)}
+    running = {}
+    for name, pid in pids.items():
+        if pid is not None:
+            running[name] = pyspy.record(py_spy, pid, seconds, out / f"pyspy_{name}.txt")
+    found: dict = {}
+    for name, spy in running.items():
+        _, err = spy.communicate(timeout=seconds + 60)
+        raw = out / f"pyspy_{name}.txt"
+        if spy.returncode != 0 or not raw.exists():
+            found[name] = {"error": f"py-spy exited {spy.returncode}: {err.strip()[-300:]}"}
+            continue
+        found[name] = pyspy.top_frames(raw)
+        top = found[name]["self"][:3]
+        log(f"http profile {name}: " + "; ".join(f"{100 * s:.0f}% {f}" for s, f in top))
+    return found
