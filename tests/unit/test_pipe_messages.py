@@ -7,7 +7,7 @@ import pickle
 
 from infer.core.outputs import RequestOutput
 from infer.core.request import RequestTimings
-from infer.engine.core_client import TokenTimesMirror, thin_for_pipe
+from infer.engine.core_client import TokenTimesMirror, pack_for_pipe
 from infer.engine.core_loop import StatsUpdate
 
 
@@ -22,18 +22,39 @@ def test_long_unfinished_outputs_carry_only_this_steps_timestamps():
     history = [float(i) for i in range(2000)]
     running, done = _output("a", history, 2, False), _output("b", history, 1, True)
     other = StatsUpdate.__new__(StatsUpdate)  # anything that is not an output passes untouched
-    thinned = thin_for_pipe([running, done, other])
-    assert thinned[2] is other
-    assert thinned[0].timings.token_times == [1998.0, 1999.0]
-    assert thinned[0].timings.first_token == 0.0 and thinned[0].num_output_tokens == 2000
-    assert thinned[1] is done and len(done.timings.token_times) == 2000
-    # The engine's own object is not touched (in-process consumers share it).
-    assert len(running.timings.token_times) == 2000
+    packed = pack_for_pipe([running, done, other])
+    assert packed[2] is other
+    received = TokenTimesMirror().unpack(pickle.loads(pickle.dumps(packed[:2])))
+    # The engine's own objects are not touched (in-process consumers share them).
+    assert len(running.timings.token_times) == 2000 and len(done.timings.token_times) == 2000
     # Per step, a long stream costs a fixed few hundred bytes, not its whole history.
-    assert len(pickle.dumps(thinned[0])) < len(pickle.dumps(running)) // 20
-    # A short one goes as it is (cheaper than copying it).
-    short = _output("c", [0.0] * 10, 1, False)
-    assert thin_for_pipe([short])[0] is short
+    assert len(pickle.dumps(packed[0])) < len(pickle.dumps(running)) // 20
+    # A finished one goes whole; both come back as the outputs they were.
+    assert received[1] == done
+    assert received[0].timings.token_times == [1998.0, 1999.0]  # a mirror that saw no earlier
+    assert received[0].timings.first_token == 0.0 and received[0].num_output_tokens == 2000
+
+
+def test_every_field_crosses_the_pipe():
+    """Every field of an output (and of its timings) set to something not its default comes
+    back equal: a field added to RequestOutput without adding it to the packing fails here."""
+    import dataclasses
+
+    from infer.core.request import TokenLogprob
+
+    lp = TokenLogprob(5, -0.25, 1, ((5, -0.25),))
+    timings = RequestTimings(arrival=1.0, first_scheduled=2.0, first_token=3.0, token_times=[3.0],
+                             finished=4.0)  # fmt: skip
+    values = {"request_id": "r", "new_token_ids": [5], "new_text": "t", "new_logprobs": [lp],
+              "finished": True, "finish_reason": "stop", "stop_reason": 7,
+              "num_prompt_tokens": 3, "num_output_tokens": 1, "num_cached_tokens": 2,
+              "timings": timings, "error": "e", "prompt_logprobs": [None, lp],
+              "kv_payload": {"kv": 1}}  # fmt: skip
+    assert set(values) == {f.name for f in dataclasses.fields(RequestOutput)}
+    out = RequestOutput(**values)
+    assert TokenTimesMirror().unpack(pickle.loads(pickle.dumps(pack_for_pipe([out])))) == [out]
+    assert pickle.loads(pickle.dumps(out)) == out  # RequestOutput.__reduce__, for other pickling
+    assert set(vars(timings)) == {f.name for f in dataclasses.fields(RequestTimings)}
 
 
 def test_the_server_side_puts_every_list_back_together():
@@ -48,11 +69,10 @@ def test_the_server_side_puts_every_list_back_together():
             del engine_times[-2:]
             engine_times.append(100.5)
             new = 1
-        sent = thin_for_pipe([_output("a", engine_times, new, finished=False)])
-        received = pickle.loads(pickle.dumps(sent))
-        mirror.restore(received)
+        sent = pack_for_pipe([_output("a", engine_times, new, finished=False)])
+        received = mirror.unpack(pickle.loads(pickle.dumps(sent)))
         assert received[0].timings.token_times == engine_times, step
-    final = pickle.loads(pickle.dumps(thin_for_pipe([_output("a", engine_times, 1, True)])))
-    mirror.restore(final)
+    final = pickle.loads(pickle.dumps(pack_for_pipe([_output("a", engine_times, 1, True)])))
+    final = mirror.unpack(final)
     assert final[0].timings.token_times == engine_times
     assert mirror._times == {}  # nothing kept for a finished request

@@ -37,6 +37,17 @@ class RequestOutput:
     # An ``export_kv`` request's final output: its prompt KV (a ``core.kv_transfer.KVPayload``).
     kv_payload: Any = None
 
+    def __reduce__(self) -> tuple:
+        # Pickled as the class and its fields in order, not the default slots-state dict: the
+        # engine process pickles one per running request per step for the API server (64
+        # outputs: 0.28 -> 0.08 ms to pickle, 0.28 -> 0.05 ms to unpickle, on one Zen 4 core).
+        return (RequestOutput, (
+            self.request_id, self.new_token_ids, self.new_text, self.new_logprobs,
+            self.finished, self.finish_reason, self.stop_reason, self.num_prompt_tokens,
+            self.num_output_tokens, self.num_cached_tokens, self.timings, self.error,
+            self.prompt_logprobs, self.kv_payload,
+        ))  # fmt: skip
+
 
 @dataclass(frozen=True)
 class CompletionOutput:

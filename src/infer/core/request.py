@@ -62,6 +62,11 @@ class RequestTimings:
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
 
+    def __reduce__(self) -> tuple:
+        # Pickled by value as a tuple (see RequestOutput.__reduce__): ~4x faster both ways.
+        return (RequestTimings, (self.arrival, self.first_scheduled, self.first_token,
+                                 self.token_times, self.finished))  # fmt: skip
+
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival

