@@ -347,3 +347,19 @@ def test_penalties_read_histories_kept_step_by_step():
             requests[1] = req("r1", prompt=(7, 7, 8), frequency_penalty=0.5)
     history.forget("r0")
     assert "r0" not in history._entries
+
+
+@pytest.mark.parametrize("vocab", [128256, 32000, 1000, 997])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_in_parts_is_argmax_ties_included(vocab, dtype):
+    """The GPU's two-pass argmax of a few rows picks what argmax picks: the first of equal
+    maxima, whether they share a run or not (a prime vocabulary takes one pass)."""
+    from infer.runner.sampler import argmax_in_parts
+
+    x = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    x[1] = 0
+    x[1, [7, vocab // 2, vocab - 1]] = 3  # ties in different runs
+    x[2] = 1  # every token ties
+    x[3, vocab - 1] = 100  # the last token
+    x[4, :2] = 50  # two ties in the first run
+    assert torch.equal(argmax_in_parts(x), x.argmax(dim=-1))
