@@ -185,6 +185,32 @@ def test_triton_backend_runs_no_sdpa_and_replays_graphs(make_llm, cuda_device):
     assert replays > 0
 
 
+def test_skinny_matmuls_replay_in_graphs_and_give_the_eager_tokens(make_llm, cuda_device,
+                                                                   monkeypatch):  # fmt: skip
+    """INFER_TRITON_GEMV=1: the small decode buckets' projections by the Triton kernels (each
+    bucket given one, not timed, so both engines surely run them), captured in the graphs, the
+    same greedy tokens as eager steps, and prefill still by cuBLAS."""
+    from infer.runner.gpu import triton_gemv as tg
+
+    monkeypatch.setenv(tg.GEMV_ENV, "1")
+    monkeypatch.setattr(tg, "_PICKS", {})
+
+    def forced(weights, rows):
+        config = tg.GemvConfig("row", 16, 64) if rows == 1 else tg.GemvConfig("dot", 16, 64)
+        return tg.Pick(rows, config, 0.0, 0.0)
+
+    monkeypatch.setattr(tg, "pick", forced)
+    prompts = [p * (1 + i % 3) for i, p in enumerate(PROMPTS)]
+    eager = make_llm("llama", device=cuda_device, dtype="bfloat16", enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
+    llm = make_llm("llama", device=cuda_device, dtype="bfloat16")
+    step = llm.engine.runner.cuda_step
+    assert step.graphs is not None and len(step.gemv_picks) >= 5  # 1, 2, 4, 8, 16 rows a shape
+    assert all(isinstance(m, tg.GemvLinear) for m in llm.engine.model.modules()
+               if isinstance(m, torch.nn.Linear))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
 def test_lora_adapters_on_cuda_give_the_cpus_tokens(make_llm, tiny_checkpoints, cuda_device,
                                                     tmp_path):  # fmt: skip
     """The torch LoRA path (no C++ kernel, eager steps): a batch mixing two adapters and the base

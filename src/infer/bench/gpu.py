@@ -43,6 +43,7 @@ import functools
 import gc
 import json
 import logging
+import os
 import platform
 import signal
 import statistics
@@ -97,7 +98,11 @@ MODES: dict[str, dict[str, Any]] = {
     },
     "eager": {"attention_backend": "triton", "enforce_eager": True},
     "torch-eager": {"attention_backend": "torch", "enforce_eager": True},
+    # graphs with the skinny Triton matmuls for decode batches of <= 16 rows (triton_gemv.py)
+    "graphs-gemv": {"attention_backend": "triton", "enforce_eager": False},
 }
+# Modes that are an environment switch over their engine settings (set while the engine starts).
+MODE_ENV: dict[str, dict[str, str]] = {"graphs-gemv": {"INFER_TRITON_GEMV": "1"}}
 
 # Defaults of the list options: (full run, --quick). An explicit flag wins over both.
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -379,7 +384,17 @@ def make_engine(model: Path, mode: str, args: argparse.Namespace):
     }
     if args.kv_cache_memory:
         kw["kv_cache_memory"] = args.kv_cache_memory
-    return offline_engine(model, **kw)
+    env = MODE_ENV.get(mode, {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return offline_engine(model, **kw)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def runner_info(engine: Any) -> dict[str, str]:
@@ -406,6 +421,9 @@ def runner_info(engine: Any) -> dict[str, str]:
                 f"{getattr(graphs, 'capture_bytes', 0) / 2**20:.0f} MiB"
             )
         )
+        picks = getattr(step, "gemv_picks", None)
+        if picks:
+            found["skinny matmuls"] = "; ".join(picks)
     return found
 
 
@@ -555,6 +573,8 @@ def engine_mode(
         res["runner_info"] = runner_info(engine)
         res["kv_tokens"] = engine.capacity.num_tokens
         log(f"{mode}: engine up in {res['startup_s']:.1f}s ({res['kv_tokens']} KV tokens)")
+        if "skinny matmuls" in res["runner_info"]:
+            log(f"{mode}: skinny matmuls: {res['runner_info']['skinny matmuls']}")
         t = time.perf_counter()
         run_load(engine, 4, 4, args.prompt_len, 8, seed=99)
         biggest = max((c for _, _, c in loads), default=1)

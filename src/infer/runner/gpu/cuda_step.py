@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from infer.runner.gpu import triton_attention as ta
+from infer.runner.gpu import triton_gemv as tg
 from infer.runner.gpu.graphs import DecodeGraphs, capture_sizes
 from infer.runner.gpu.step import GpuAttentionContext, StepInputs, StepShape, is_decode_rows
 
@@ -94,6 +96,13 @@ class CudaStep:
             self.graphs = DecodeGraphs(self.sizes, device)
         elif not graph_safe and not enforce_eager:
             logger.info("no CUDA graphs: the model's experts are chosen per step (eager decode)")
+        # Skinny matmuls for the small decode buckets, picked by timing (opt-in: triton_gemv).
+        self.gemv_picks: list[str] = []
+        if tg.enabled() and device.type == "cuda" and tp_size == 1:
+            t = time.perf_counter()
+            self.gemv_picks = tg.install(model, [s for s in self.sizes if s <= tg.MAX_ROWS])
+            logger.info("skinny matmuls picked in %.1fs: %s", time.perf_counter() - t,
+                        "; ".join(self.gemv_picks))  # fmt: skip
         # Split-K buffers per number of splits, each sized for the most rows that use it.
         rows_for: dict[int, int] = {}
         for rows in range(1, self.shape.max_table_rows + 1):
