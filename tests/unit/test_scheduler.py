@@ -365,3 +365,62 @@ def test_nothing_is_planned_ahead_when_a_length_finish_frees_a_slot_for_a_waitin
     assert s.schedule_ahead(decode) is None
     s.update_from_output(decode, fake_sample(decode))
     assert {c.request_id for c in s.schedule().chunks} == {"b", "w"}
+
+
+# ---- admission_delay_steps ------------------------------------------------------------------------
+def _decoding(delay: int):
+    """A scheduler with ``a`` decoding (prompt done, one token out) and the given delay."""
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, admission_delay_steps=delay)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=40))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    return s
+
+
+def _step(s) -> set[str]:
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    return {c.request_id for c in out.chunks if len(c.token_ids) > 1}  # prefill chunks
+
+
+def test_arrivals_a_few_steps_apart_start_in_one_prefill_step():
+    s = _decoding(delay=3)
+    s.add_request(make_request("b", prompt_len=5, max_tokens=4))
+    assert _step(s) == set()  # held: 1
+    s.add_request(make_request("c", prompt_len=6, max_tokens=4))
+    assert _step(s) == set()  # held: 2
+    assert _step(s) == set()  # held: 3
+    assert _step(s) == {"b", "c"}  # due: both at once
+    s.add_request(make_request("d", prompt_len=5, max_tokens=4))
+    assert _step(s) == set()  # the count starts again for the next arrivals
+    run_to_completion(s)
+    assert s.kv.num_free_blocks == 64
+
+
+def test_without_a_delay_or_with_nothing_decoding_requests_start_at_once():
+    s = _decoding(delay=0)
+    s.add_request(make_request("b", prompt_len=5, max_tokens=4))
+    assert _step(s) == {"b"}
+    s = make_scheduler(num_blocks=64, block_size=4, admission_delay_steps=5)
+    s.add_request(make_request("b", prompt_len=5, max_tokens=4))
+    assert _step(s) == {"b"}  # an idle engine never holds a request back
+
+
+def test_steps_planned_ahead_count_as_held_and_stop_once_admission_is_due():
+    s = _decoding(delay=2)
+    s.add_request(make_request("b", prompt_len=5, max_tokens=4))
+    decode = s.schedule()  # held: 1
+    assert {c.request_id for c in decode.chunks} == {"a"}
+    ahead = s.schedule_ahead(decode)  # admission not due: the decode goes ahead (held: 2)
+    assert ahead is not None
+    s.update_from_output(decode, fake_sample(decode))
+    assert s.schedule_ahead(ahead) is None  # due now: the regular schedule admits b
+    s.update_from_output(ahead, fake_sample(ahead))
+    assert _step(s) == {"b"}
+
+
+def test_a_negative_delay_is_refused():
+    from infer.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="admission_delay_steps"):
+        SchedulerConfig(admission_delay_steps=-1)
