@@ -126,15 +126,8 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     max_wait_steps: int | None = None  # priority aging: promote after this many waiting steps
     max_queued_requests: int | None = None  # bound on waiting requests (None: unbounded)
-    # Steps new requests may wait while others decode, so that requests arriving a few at a
-    # time start in one prefill step, not one each (TGI's max_waiting_tokens); 0: at once.
-    admission_delay_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.admission_delay_steps < 0:
-            raise ValueError(
-                f"admission_delay_steps must be >= 0, got {self.admission_delay_steps}"
-            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -136,13 +136,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default=s.preemption_mode, choices=["recompute", "swap"])
     g.add_argument("--max-wait-steps", type=int, default=None)
     g.add_argument("--max-queued-requests", type=int, default=None)
-    g.add_argument(
-        "--admission-delay-steps",
-        type=int,
-        default=s.admission_delay_steps,
-        help="steps new requests may wait while others decode, so that requests arriving a "
-        "few at a time start in one prefill step (0: admitted at the next step)",
-    )
 
     g = parser.add_argument_group("parallelism")
     g.add_argument(
@@ -233,7 +226,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             preemption_mode=args.preemption_mode,
             max_wait_steps=args.max_wait_steps,
             max_queued_requests=args.max_queued_requests,
-            admission_delay_steps=getattr(args, "admission_delay_steps", 0),
         ),
         speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
         parallel=ParallelConfig(tensor_parallel_size=getattr(args, "tensor_parallel_size", 1)),

@@ -73,8 +73,6 @@ class Scheduler:
         # their KV out (prefill/decode disaggregation), in the step they finished.
         self.held: dict[str, Request] = {}
         self.counters = SchedulerCounters()
-        # Steps the waiting requests have been held back (admission_delay_steps).
-        self._admission_delayed = 0
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -209,10 +207,6 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order.
         admit = not preempted and (cfg.batching_mode == "continuous" or batch_was_empty)
-        if admit and not self._admission_due():
-            admit = False
-            self._admission_delayed += 1
-        num_waiting = len(self.waiting)
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         skipped: list[Request] = []  # their adapter would need a slot the running ones hold
         while admit and len(self.waiting) and budget > 0:
@@ -276,8 +270,6 @@ class Scheduler:
             budget -= n
         for request in reversed(skipped):  # back where they were, ahead of the rest
             self.waiting.add_preempted(request)
-        if len(self.waiting) < num_waiting or not len(self.waiting):
-            self._admission_delayed = 0  # admitted (or nothing waits): the next ones wait anew
 
         chunks = list(scheduled.values())
         num_decode = sum(
@@ -313,9 +305,7 @@ class Scheduler:
         if (
             self.recompute_every_step
             or cfg.batching_mode != "continuous"
-            or (
-                len(self.waiting) and len(self.running) < cfg.max_num_seqs and self._admission_due()
-            )  # fmt: skip
+            or (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
             or (len(self.waiting) and cfg.scheduling_policy == "priority")  # may preempt
             or len(running.chunks) != len(self.running)
             or len(running.chunks) > cfg.max_num_batched_tokens
@@ -346,16 +336,7 @@ class Scheduler:
         self.kv.end_step()
         self.waiting.tick()
         self.counters.steps += 1
-        if len(self.waiting):  # held back a step (admission_delay_steps)
-            self._admission_delayed += 1
         return SchedulerOutput(chunks, len(chunks), 0, len(chunks))
-
-    def _admission_due(self) -> bool:
-        """Whether waiting requests may be admitted now: at once without an
-        ``admission_delay_steps``, into a batch with nothing decoding, or once they have been
-        held that many steps (the count starts with the first step that holds them)."""
-        delay = self.config.admission_delay_steps
-        return not delay or not self.running or self._admission_delayed >= delay
 
     def stop_at_string(self, request: Request, num_output_tokens: int) -> None:
         """The detokenizer found a stop string ending after ``num_output_tokens`` tokens: the
