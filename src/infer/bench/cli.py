@@ -169,6 +169,12 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         "tens of thousands of events a second: fewer than a GPU server sends at C=64)",
     )
     p.add_argument(
+        "--http-server-args",
+        default="",
+        help="more `infer serve` flags for the HTTP section's server (e.g. "
+        "'--no-async-scheduling'), to measure a setting over HTTP",
+    )
+    p.add_argument(
         "--http-profile",
         type=float,
         default=0.0,

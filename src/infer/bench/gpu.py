@@ -881,7 +881,8 @@ def _http_markdown(http: dict) -> list[str]:
     ]  # fmt: skip
     lines += [""] + md_table(" | output tok/s | TTFT p50 ms | ITL p50 ms", rows, "lrrr")
     lines += ["", f"{http.get('client_processes', 1)} client processes; "
-              f"{_f(http.get('tokens_per_event'))} tokens per streamed event."]  # fmt: skip
+              f"{_f(http.get('tokens_per_event'))} tokens per streamed event; server flags "
+              f"`{http.get('server_args') or '(defaults)'}`."]  # fmt: skip
     for name, prof in (http.get("profile") or {}).items():
         if not isinstance(prof, dict) or not prof.get("samples"):
             lines += ["", f"py-spy, {name}: {(prof or {}).get('error', 'no samples')}"]

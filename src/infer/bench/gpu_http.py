@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ def server_command(model: Path, args: argparse.Namespace, port: int) -> list[str
            "--no-dashboard", "--no-access-log"]  # fmt: skip
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
-    return cmd
+    return cmd + shlex.split(getattr(args, "http_server_args", "") or "")
 
 
 def http_section(
@@ -64,9 +65,8 @@ def http_section(
 
     prompt_len, output_len, c = load
     n = max(args.requests_per_c * c, 2 if c == 1 else c)
-    res.update(
-        load=load_key(prompt_len, output_len, c), concurrency=c, client_processes=args.http_clients
-    )
+    res.update(load=load_key(prompt_len, output_len, c), concurrency=c,
+               client_processes=args.http_clients, server_args=args.http_server_args)  # fmt: skip
     port = free_port()
     t = time.perf_counter()
     proc, url = launch_server(server_command(model, args, port), port, out / "http_server.log")
