@@ -78,3 +78,34 @@ def test_install_keeps_cublas_unless_beaten_and_outputs_stay_close():
     lines = tg.install(model, [1, 2, 4])
     assert len(lines) == 6 and all(type(m) is tg.GemvLinear for m in model)
     torch.testing.assert_close(model(x), want, **TOL[torch.bfloat16])
+
+
+def test_pick_takes_a_candidate_only_where_it_beats_cublas(monkeypatch):
+    """The choice logic with made-up timings (each candidate still runs once): the fastest
+    candidate when it beats cuBLAS, cuBLAS otherwise, failures named and skipped."""
+    weights = [torch.randn(32, 64, device=DEVICE)]
+    real = tg.gemv
+
+    def flaky(x, w, b, config):
+        if config == tg.CANDIDATES[1]:
+            raise RuntimeError("out of shared memory")
+        return real(x, w, b, config)
+
+    monkeypatch.setattr(tg, "gemv", flaky)
+    for cublas_us, beaten in ((10.0, True), (3.0, False)):
+        # cuBLAS first, then the candidates in order: 5, 6, 7, ... us (the first is fastest).
+        times = iter([cublas_us] + [5.0 + i for i in range(len(tg.CANDIDATES))])
+
+        def fake_time(fn, ws, times=times):
+            fn(ws[0])
+            return next(times)
+
+        monkeypatch.setattr(tg, "time_us", fake_time)
+        chosen = tg.pick(weights, 1)
+        assert len(chosen.failed) == 1 and "out of shared memory" in chosen.failed[0]
+        assert chosen.best_triton == (tg.CANDIDATES[0], 5.0)
+        if beaten:
+            assert chosen.config == tg.CANDIDATES[0] and chosen.us == 5.0
+        else:
+            assert chosen.config is None and chosen.us == cublas_us
+            assert str(chosen).startswith("at 1 rows: cuBLAS (cuBLAS 3.0 us; best Triton")

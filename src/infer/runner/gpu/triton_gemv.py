@@ -165,20 +165,30 @@ def candidates_for(rows: int) -> list[GemvConfig]:
     return [c for c in CANDIDATES if c.way == "dot" or rows == 1]
 
 
-def time_us(fn, weights: Sequence[torch.Tensor], reps: int = 20) -> float:
-    """Median microseconds of ``fn(weight)`` over ``reps`` rounds through ``weights`` (more
-    bytes than the L2 cache holds, so each call reads its weight from memory)."""
-    for w in weights[:3]:
+def time_us(fn, weights: Sequence[torch.Tensor], reps: int = 24) -> float:
+    """Microseconds of one ``fn(weight)``: the median over a few replays of a CUDA graph of
+    ``reps`` calls cycling through ``weights`` (more bytes than the L2 cache holds, so each
+    call reads its weight from memory). Timed in a graph, the kernels run back to back as they
+    do in a decode step's graph; timed launch by launch (events around each call), a Triton
+    kernel's Python launch (tens of microseconds) was timed too, and cuBLAS won every pick of
+    the first GPU run."""
+    for w in weights[:3]:  # compiles, warms cuBLAS's choice
         fn(w)
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        w = weights[i % len(weights)]
-        start[i].record()
-        fn(w)
-        end[i].record()
     torch.cuda.synchronize()
-    return 1000 * statistics.median(s.elapsed_time(e) for s, e in zip(start, end, strict=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end) / reps)
+    return statistics.median(times)
 
 
 @dataclass(frozen=True)
@@ -189,6 +199,15 @@ class Pick:
     config: GemvConfig | None  # None: cuBLAS
     us: float
     cublas_us: float
+    best_triton: tuple[GemvConfig, float] | None = None  # the fastest candidate, chosen or not
+    failed: tuple[str, ...] = ()  # candidates that did not compile or run here
+
+    def __str__(self) -> str:
+        triton_part = (f"; best Triton {self.best_triton[0]} {self.best_triton[1]:.1f} us"
+                       if self.best_triton else "")  # fmt: skip
+        failed = f"; {len(self.failed)} failed ({self.failed[0]})" if self.failed else ""
+        return (f"at {self.rows} rows: {self.config or 'cuBLAS'} "
+                f"(cuBLAS {self.cublas_us:.1f} us{triton_part}{failed})")  # fmt: skip
 
 
 def pick(weights: Sequence[torch.Tensor], rows: int) -> Pick:
@@ -197,16 +216,19 @@ def pick(weights: Sequence[torch.Tensor], rows: int) -> Pick:
     w0 = weights[0]
     x = torch.randn(rows, w0.shape[1], device=w0.device, dtype=w0.dtype)
     cublas = time_us(lambda w: F.linear(x, w), weights)
-    best: tuple[float, GemvConfig | None] = (cublas, None)
+    best: tuple[GemvConfig, float] | None = None
+    failed = []
     for config in candidates_for(rows):
         try:
             us = time_us(lambda w, c=config: gemv(x, w, None, c), weights)
         except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run: not a choice
-            logger.debug("gemv %s failed: %s", config, e)
+            failed.append(f"{config}: {type(e).__name__}: {str(e)[:120]}")
             continue
-        if us < best[0]:
-            best = (us, config)
-    return Pick(rows, best[1], best[0], cublas)
+        if best is None or us < best[1]:
+            best = (config, us)
+    if best is not None and best[1] < cublas:
+        return Pick(rows, best[0], best[1], cublas, best, tuple(failed))
+    return Pick(rows, None, cublas, cublas, best, tuple(failed))
 
 
 _PICKS: dict[tuple, Pick] = {}
@@ -256,8 +278,7 @@ def install(model: nn.Module, row_counts: Sequence[int]) -> list[str]:
                 chosen = _PICKS.get(key) or _PICKS.setdefault(key, pick(weights, rows))
                 if chosen.config is not None:
                     configs[rows] = chosen.config
-                lines.append(f"{n}x{k} at {rows} rows: {chosen.config or 'cuBLAS'} "
-                             f"{chosen.us:.1f} us (cuBLAS {chosen.cublas_us:.1f})")  # fmt: skip
+                lines.append(f"{n}x{k} {chosen}")
             for m in modules:
                 m.__class__ = GemvLinear
                 m.gemv_configs = configs
