@@ -43,7 +43,6 @@ import functools
 import gc
 import json
 import logging
-import os
 import platform
 import signal
 import statistics
@@ -372,6 +371,7 @@ def roofline(device: torch.device, read_bytes: int, matmul_n: int, reps: int = 1
 def make_engine(model: Path, mode: str, args: argparse.Namespace):
     """The offline engine of ``mode`` (:data:`MODES`) with the run's engine flags."""
     from infer.bench.offline import make_engine as offline_engine
+    from infer.bench.offline import patched_environ
 
     kw: dict[str, Any] = {
         "dtype": "bfloat16",
@@ -384,17 +384,8 @@ def make_engine(model: Path, mode: str, args: argparse.Namespace):
     }
     if args.kv_cache_memory:
         kw["kv_cache_memory"] = args.kv_cache_memory
-    env = MODE_ENV.get(mode, {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with patched_environ(MODE_ENV.get(mode, {})):
         return offline_engine(model, **kw)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def runner_info(engine: Any) -> dict[str, str]:
