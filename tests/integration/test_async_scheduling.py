@@ -153,3 +153,40 @@ def test_a_discarded_step_launched_ahead_still_counts_its_launch(make_llm):
     st = engine.step_times
     assert st.prepare - before[0] == pytest.approx(sum(s.t1 - s.t0 for s in launched))
     assert st.forward - before[1] == pytest.approx(sum(s.t2 - s.t1 for s in launched))
+
+
+def test_requests_admitted_into_steps_launched_ahead_get_the_waiting_steps_tokens(make_llm):
+    """Arrivals while others decode (more prompts than slots, and requests added mid-flight)
+    go into steps launched ahead — a decode step's rows fed on the device, the new prompts'
+    chunks after them — with the tokens of waiting for every step, every block back."""
+    options = dict(OPTIONS, max_num_seqs=2, prefill_chunk_size=5)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:6]
+    sync = make_llm("llama", async_scheduling=False, **options)
+    want = [o.outputs[0].token_ids for o in sync.generate(prompts, greedy)]
+
+    llm = make_llm("llama", **options)
+    admitted: list[str] = []
+    admit = llm.engine.scheduler._admit_ahead
+
+    def counting(budget, slots):
+        chunks = admit(budget, slots)
+        admitted.extend(c.request_id for c in chunks)
+        return chunks
+
+    llm.engine.scheduler._admit_ahead = counting
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    assert admitted  # slots freed by length were filled by steps launched ahead
+
+    engine, tok = llm.engine, llm.tokenizer
+    got: dict[str, list[int]] = {}
+    for step in range(200):
+        if step in (2, 3, 6):  # arrivals while a decode step is in flight
+            rid = str(step)
+            engine.add_request(rid, tok.encode(PROMPTS[step], add_special_tokens=False), greedy)
+        if step > 6 and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    ref = sync.generate([PROMPTS[2], PROMPTS[3], PROMPTS[6]], greedy)
+    assert [got[r] for r in ("2", "3", "6")] == [o.outputs[0].token_ids for o in ref]

@@ -268,11 +268,12 @@ def _token_for(step: int, rid: str, eos_at: dict[str, int]) -> int:
     return EOS if eos_at.get(rid) == step else 10 + step
 
 
-def _drive(s, requests: dict[str, Request], eos_at: dict[str, int], ahead: bool) -> tuple:
+def _drive(s, requests: dict[str, Request], eos_at: dict[str, int], ahead: bool,
+           admitted: list[str] | None = None) -> tuple:  # fmt: skip
     """Run to completion as the engine does, planning each decode step ahead when it can: the
     step planned ahead is applied after the one it follows, and rows of requests that ended
     meanwhile are dropped by update_from_output. Returns the outputs and the steps planned
-    ahead."""
+    ahead; ``admitted`` gets the requests a planned step admitted."""
     from infer.core.messages import SampledToken
 
     def sample(out):
@@ -281,6 +282,7 @@ def _drive(s, requests: dict[str, Request], eos_at: dict[str, int], ahead: bool)
                 for c in out.chunks if c.sample and c.request_id in s.requests}  # fmt: skip
 
     pending, planned = None, 0
+    admitted_ahead = admitted if admitted is not None else []
     for _ in range(1000):
         if pending is None:
             if not s.has_unfinished_requests():
@@ -289,9 +291,15 @@ def _drive(s, requests: dict[str, Request], eos_at: dict[str, int], ahead: bool)
         nxt = s.schedule_ahead(pending) if ahead else None
         if nxt is not None:
             planned += 1
-            for c in nxt.chunks:
-                assert c.token_ids == [AHEAD_TOKEN] and c.sample
+            decoding = {c.request_id for c in pending.chunks}
+            for i, c in enumerate(nxt.chunks):
                 request = s.requests[c.request_id]
+                if c.request_id not in decoding:  # admitted ahead: after every decode
+                    assert all(d.request_id in decoding for d in nxt.chunks[:i])
+                    assert c.num_computed_tokens == request.num_computed_tokens
+                    admitted_ahead.append(c.request_id)
+                    continue
+                assert c.token_ids == [AHEAD_TOKEN] and c.sample
                 # room for the token being fed and the one planned: positions c and c + 1
                 assert len(c.block_table) * s.kv.block_size >= request.num_computed_tokens + 2
         s.update_from_output(pending, sample(pending))
@@ -334,8 +342,13 @@ def test_nothing_is_planned_ahead_where_the_regular_schedule_would_differ():
     out = s.schedule()
     s.update_from_output(out, fake_sample(out))
     decode = s.schedule()
-    s.add_request(make_request("b", prompt_len=4, max_tokens=6))  # a free slot: admission due
-    assert s.schedule_ahead(decode) is None
+    s.add_request(make_request("b", prompt_len=4, max_tokens=6))  # a free slot: admitted ahead
+    ahead = s.schedule_ahead(decode)
+    assert [(c.request_id, len(c.token_ids)) for c in ahead.chunks] == [("a", 1), ("b", 4)]
+    assert (ahead.num_decode_tokens, ahead.num_prefill_tokens) == (1, 4)
+    s.update_from_output(decode, fake_sample(decode))
+    s.update_from_output(ahead, fake_sample(ahead))
+    assert s.schedule_ahead(ahead) is None  # after a prefill chunk: the regular schedule
 
     s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, scheduling_policy="priority")
     s.add_request(make_request("low", prompt_len=4, max_tokens=6, priority=5))
@@ -354,7 +367,7 @@ def test_nothing_is_planned_ahead_where_the_regular_schedule_would_differ():
     assert s.schedule_ahead(decode) is None
 
 
-def test_nothing_is_planned_ahead_when_a_length_finish_frees_a_slot_for_a_waiting_request():
+def test_a_slot_a_length_finish_frees_is_admitted_into_ahead():
     s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2)
     s.add_request(make_request("a", prompt_len=4, max_tokens=2))
     s.add_request(make_request("b", prompt_len=4, max_tokens=6))
@@ -362,6 +375,45 @@ def test_nothing_is_planned_ahead_when_a_length_finish_frees_a_slot_for_a_waitin
     s.update_from_output(out, fake_sample(out))
     s.add_request(make_request("w", prompt_len=4, max_tokens=6))  # waits: both slots taken
     decode = s.schedule()  # "a" samples its last token here: its slot is free next step
-    assert s.schedule_ahead(decode) is None
+    ahead = s.schedule_ahead(decode)
+    assert [(c.request_id, len(c.token_ids)) for c in ahead.chunks] == [("b", 1), ("w", 4)]
     s.update_from_output(decode, fake_sample(decode))
+    assert "a" not in s.requests and len(s.running) == 2  # b and w
+    s.update_from_output(ahead, fake_sample(ahead))
     assert {c.request_id for c in s.schedule().chunks} == {"b", "w"}
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_requests_admitted_ahead_get_the_regular_schedules_tokens(chunk):
+    """More requests than slots: the waiting ones are admitted into steps planned ahead as
+    slots free up (length), whole or in chunks, and every request gets the tokens it gets
+    without planning ahead, every block back."""
+
+    def fresh():
+        s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2, prefill_chunk_size=chunk)
+        requests = {f"r{i}": make_request(f"r{i}", prompt_len=3 + 2 * i, max_tokens=2 + i,
+                                          ignore_eos=False) for i in range(6)}  # fmt: skip
+        for r in requests.values():
+            s.add_request(r)
+        return s, requests
+
+    eos_at = {"r3": 1}
+    want, _ = _drive(*fresh(), eos_at, ahead=False)
+    s, requests = fresh()
+    admitted: list[str] = []
+    got, planned = _drive(s, requests, eos_at, ahead=True, admitted=admitted)
+    assert got == want and planned >= 3
+    assert admitted  # some arrivals went into a step planned ahead
+    assert s.kv.num_free_blocks == 64
+
+
+def test_a_waiting_request_that_needs_the_regular_schedule_stops_planning_ahead():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=6))
+    out = s.schedule()
+    s.update_from_output(out, fake_sample(out))
+    decode = s.schedule()
+    b = make_request("b", prompt_len=4, max_tokens=6)
+    b.sampling_params = SamplingParams(max_tokens=6, prompt_logprobs=1)  # its whole prompt runs
+    s.add_request(b)
+    assert s.schedule_ahead(decode) is None

@@ -861,9 +861,10 @@ class LLMEngine:
 
     def _launch_ahead(self, running: InFlightStep) -> _AheadStep | None:
         """Async scheduling: launch the step after ``running`` (a plain decode step whose
-        tokens are still on the device) now, its input ids taken from ``running``'s sampled
-        ids on the device, so the host's work for a step (collecting and applying the one
-        before, detokenizing, scheduling) overlaps the device's::
+        tokens are still on the device) now, its decode rows' input ids taken from
+        ``running``'s sampled ids on the device (requests admitted into it bring their prompt
+        chunks), so the host's work for a step (collecting and applying the one before,
+        detokenizing, scheduling) overlaps the device's::
 
             host   : plan+launch N+1 | outputs N-1 | wait N | apply N | plan+launch N+2 | ...
             device : ...N...............................| N+1 ....................| N+2
@@ -887,9 +888,13 @@ class LLMEngine:
         self.step_times.schedule += time.perf_counter() - t0  # its launch: when it is collected
         if nxt is None:
             return None
+        # The decodes' rows (the first chunks, one token each) take their input ids from
+        # ``running``'s sampled ones on the device; admitted prefill chunks after them (new
+        # requests: none of ``running``'s, whose ids are all live) carry their prompt's ids.
         row_of = {r.request_id: i for i, r in enumerate(running.sample_reqs)}
-        rows = list(range(len(nxt.chunks)))
-        feed = TokenFeed(running.pending.tokens, rows, [row_of[c.request_id] for c in nxt.chunks])
+        fed = [c for c in nxt.chunks if c.request_id in row_of]
+        feed = TokenFeed(running.pending.tokens, list(range(len(fed))),
+                         [row_of[c.request_id] for c in fed])  # fmt: skip
         planned = [self.scheduler.requests[c.request_id] for c in nxt.chunks]
         return _AheadStep(self.runner.launch(nxt, self.scheduler.requests, feed), planned)
 
@@ -905,8 +910,10 @@ class LLMEngine:
         ]
         if len(live) == len(out.chunks):
             return out
-        return replace(out, chunks=live, num_batched_tokens=len(live),
-                                   num_decode_tokens=len(live))  # fmt: skip
+        tokens = sum(len(c.token_ids) for c in live)
+        decodes = sum(1 for c in live if len(c.token_ids) == 1 and c.sample)
+        return replace(out, chunks=live, num_batched_tokens=tokens,
+                       num_prefill_tokens=tokens - decodes, num_decode_tokens=decodes)  # fmt: skip
 
     def _drain_deferred(self) -> list[RequestOutput]:
         """The outputs of the requests an earlier step deferred (see :meth:`step`). A request

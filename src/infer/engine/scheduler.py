@@ -238,57 +238,35 @@ class Scheduler:
                     break
                 swap_in.extend(pairs)
                 self.counters.swapped_in_blocks += len(pairs)
-                num_cached = request.num_computed_tokens
             elif not self.kv.allocate(request, n, hit) and not (
                 self._preempt_for(request, preempt) and self.kv.allocate(request, n, hit)
             ):
                 break
-            self.waiting.pop()
-            if request.status == RequestStatus.WAITING:
-                self.counters.prompt_tokens += request.num_prompt_tokens
-            if not swapped:
-                num_hit = hit.num_blocks * self.kv.block_size
-                self.kv.record_prefix_query(request.num_tokens, num_hit)
-                request.num_computed_tokens = num_cached
-                request.num_cached_tokens = num_hit
-                request.num_transferred_tokens = hit.num_transferred_tokens
-                self.counters.transferred_tokens += hit.num_transferred_tokens
-                if hit.num_transferred_tokens:
-                    assert payload is not None
-                    table = self.kv.block_table(request)
-                    kv_imports.append(KVImport(request.request_id, payload, hit.num_blocks,
-                                               table[hit.num_blocks : payload.num_blocks]))  # fmt: skip
-                request.kv_payload = None  # the import (if any) holds it for this step
-            request.status = RequestStatus.RUNNING
-            if request.timings.first_scheduled is None:
-                request.timings.first_scheduled = time.perf_counter()
-            self.running.append(request)
+            if not swapped and hit.num_transferred_tokens:
+                assert payload is not None
+                table = self.kv.block_table(request)
+                kv_imports.append(KVImport(request.request_id, payload, hit.num_blocks,
+                                           table[hit.num_blocks : payload.num_blocks]))  # fmt: skip
             if name is not None:
                 adapters.add(name)
-            chunk = scheduled[request.request_id] = self._chunk(request, n)
+            chunk = scheduled[request.request_id] = self._admit(
+                request, n, None if swapped else hit
+            )
             num_prefills += _is_prefill(chunk)
             budget -= n
         for request in reversed(skipped):  # back where they were, ahead of the rest
             self.waiting.add_preempted(request)
 
-        chunks = list(scheduled.values())
-        num_decode = sum(
-            len(c.token_ids)
-            for c in chunks
-            if len(c.token_ids) - c.num_spec_tokens == 1 and c.sample
-        )
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        return SchedulerOutput(
-            chunks, num_tokens, num_tokens - num_decode, num_decode, preempted, swap_out,
-            swap_in, kv_imports,
-        )  # fmt: skip
+        return _output(list(scheduled.values()), preempted, swap_out, swap_in, kv_imports)
 
     def schedule_ahead(self, running: SchedulerOutput) -> SchedulerOutput | None:
         """The step after ``running`` (a decode step still on the device), planned before its
         tokens are known: each of its requests decodes the token it is sampling (input ids
-        the runner takes on the device). None where that is not the step :meth:`schedule`
-        would make — ``running`` not plain decodes (prefill chunks, proposals, swaps, imports),
-        admissions due, a waiting request that may preempt (priority), a request not in
+        the runner takes on the device), and waiting requests are admitted into the slots and
+        budget left, as the regular schedule would (:meth:`_admit_ahead`). None where the
+        regular schedule must decide — ``running`` not plain decodes (prefill chunks,
+        proposals, swaps, imports), a waiting request that may preempt (priority) or needs
+        what only the regular schedule does (:meth:`_admits_ahead`), a request not in
         ``running``, no room without preemption — so the caller waits for ``running`` and
         schedules as usual.
 
@@ -297,16 +275,21 @@ class Scheduler:
             computed : ... c-1 | c            c: the token ``running`` feeds (position c)
             ahead    :             c+1        the token it samples, fed at position c + 1
 
-        A request that ``running`` finishes (a stop token) is in the step anyway: its row is
-        computed and dropped (:meth:`update_from_output` skips requests that are gone), and it
-        writes only its own last, never-cached block, before any later step reuses it.
+        The decodes come first (one row each: the rows fed on the device), the admissions'
+        prefill chunks after them. A request that ``running`` finishes (a stop token) is in the
+        step anyway: its row is computed and dropped (:meth:`update_from_output` skips requests
+        that are gone), and it writes only its own last, never-cached block, before any later
+        step reuses it; its slot is not admitted into until the regular schedule (which the
+        step after one with a prefill chunk is). Which requests share a step changes no
+        request's tokens.
         """
         cfg = self.config
+        waiting = len(self.waiting)
         if (
             self.recompute_every_step
             or cfg.batching_mode != "continuous"
-            or (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
-            or (len(self.waiting) and cfg.scheduling_policy == "priority")  # may preempt
+            or (waiting and cfg.scheduling_policy == "priority")  # may preempt
+            or (waiting and not self._admits_ahead(self.waiting.peek()))
             or len(running.chunks) != len(self.running)
             or len(running.chunks) > cfg.max_num_batched_tokens
             or running.swap_in
@@ -322,8 +305,6 @@ class Scheduler:
                 return None
             if request.num_output_tokens + 1 < request.max_new_tokens:
                 continuing.append(request)
-        if len(continuing) < len(running.chunks) and len(self.waiting):
-            return None  # the regular schedule admits into the slots length finishes free
         chunks: list[ScheduledChunk] = []
         for request in continuing:
             start = request.num_computed_tokens + 1
@@ -336,7 +317,10 @@ class Scheduler:
         self.kv.end_step()
         self.waiting.tick()
         self.counters.steps += 1
-        return SchedulerOutput(chunks, len(chunks), 0, len(chunks))
+        if waiting:
+            chunks += self._admit_ahead(cfg.max_num_batched_tokens - len(chunks),
+                                        cfg.max_num_seqs - len(chunks))  # fmt: skip
+        return _output(chunks)
 
     def stop_at_string(self, request: Request, num_output_tokens: int) -> None:
         """The detokenizer found a stop string ending after ``num_output_tokens`` tokens: the
@@ -371,6 +355,62 @@ class Scheduler:
                 continue
             room = request.max_new_tokens - request.num_output_tokens - 1
             request.spec_token_ids = list(tokens[: max(room, 0)])
+
+    def _admit(self, request: Request, n: int, hit: PrefixHit | None) -> ScheduledChunk:
+        """Move the waiting queue's head ``request`` (its blocks allocated) to the running ones
+        with a chunk of ``n`` tokens; ``hit``: its cached prefix (None: swapped back in, its
+        computed tokens kept)."""
+        self.waiting.pop()
+        if request.status == RequestStatus.WAITING:
+            self.counters.prompt_tokens += request.num_prompt_tokens
+        if hit is not None:
+            num_hit = hit.num_blocks * self.kv.block_size
+            self.kv.record_prefix_query(request.num_tokens, num_hit)
+            request.num_computed_tokens = hit.num_tokens(self.kv.block_size)
+            request.num_cached_tokens = num_hit
+            request.num_transferred_tokens = hit.num_transferred_tokens
+            self.counters.transferred_tokens += hit.num_transferred_tokens
+            request.kv_payload = None  # the import (if any) holds it for this step
+        request.status = RequestStatus.RUNNING
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = time.perf_counter()
+        self.running.append(request)
+        return self._chunk(request, n)
+
+    def _admits_ahead(self, request: Request) -> bool:
+        """Whether a step planned ahead may admit ``request``: a new request that needs nothing
+        the regular schedule alone does (a swap-in, transferred KV, an adapter slot, prompt
+        logprobs' uncached prefill, a grammar)."""
+        p = request.sampling_params
+        return (
+            request.status == RequestStatus.WAITING
+            and request.num_computed_tokens == 0
+            and request.kv_payload is None
+            and request.lora_name is None
+            and p.prompt_logprobs is None
+            and p.structured_outputs is None
+            and not self.kv.is_swapped(request)
+        )
+
+    def _admit_ahead(self, budget: int, slots: int) -> list[ScheduledChunk]:
+        """Admissions for a step planned ahead, as the regular schedule makes them (policy
+        order, prefix lookup, chunking by ``budget``) while they fit ``slots`` and the free
+        blocks; what does not fit waits for the regular schedule, which the next step is (a
+        step with a prefill chunk is not planned ahead of)."""
+        chunks: list[ScheduledChunk] = []
+        while len(self.waiting) and budget > 0 and slots > 0:
+            request = self.waiting.peek()
+            if not self._admits_ahead(request):
+                break
+            hit = self.kv.lookup_prefix(request)
+            n = self._num_tokens_to_run(request, budget, bool(chunks),
+                                        hit.num_tokens(self.kv.block_size))  # fmt: skip
+            if n == 0 or not self.kv.allocate(request, n, hit):
+                break
+            chunks.append(self._admit(request, n, hit))
+            budget -= n
+            slots -= 1
+        return chunks
 
     def _num_tokens_to_run(
         self, request: Request, budget: int, any_prefill: bool, num_cached: int = 0
@@ -504,6 +544,16 @@ class Scheduler:
         if request.num_output_tokens >= request.max_new_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+
+def _output(chunks: list[ScheduledChunk], *moves: list) -> SchedulerOutput:
+    """A step of ``chunks`` (and ``moves``: preempted ids, swaps, imports), its tokens counted:
+    a decode is a chunk of one new token that samples (its proposals aside)."""
+    num_decode = sum(
+        len(c.token_ids) for c in chunks if len(c.token_ids) - c.num_spec_tokens == 1 and c.sample
+    )
+    num_tokens = sum(len(c.token_ids) for c in chunks)
+    return SchedulerOutput(chunks, num_tokens, num_tokens - num_decode, num_decode, *moves)
 
 
 def _is_prefill(chunk: ScheduledChunk) -> bool:
