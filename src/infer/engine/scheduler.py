@@ -281,7 +281,9 @@ class Scheduler:
         that are gone), and it writes only its own last, never-cached block, before any later
         step reuses it; its slot is not admitted into until the regular schedule (which the
         step after one with a prefill chunk is). Which requests share a step changes no
-        request's tokens.
+        request's tokens where a row's sums do not depend on its batch (the CPU's kernels; on
+        a GPU a decode row in a step with a prefill chunk runs the eager path's kernels, as in
+        the regular schedule's mixed steps, which fall on other steps).
         """
         cfg = self.config
         waiting = len(self.waiting)
@@ -395,19 +397,25 @@ class Scheduler:
     def _admit_ahead(self, budget: int, slots: int) -> list[ScheduledChunk]:
         """Admissions for a step planned ahead, as the regular schedule makes them (policy
         order, prefix lookup, chunking by ``budget``) while they fit ``slots`` and the free
-        blocks; what does not fit waits for the regular schedule, which the next step is (a
-        step with a prefill chunk is not planned ahead of)."""
+        blocks. What does not fit waits: for the regular schedule, which follows any step with
+        a prefill chunk, or for the next step planned ahead (an admission of one token that
+        samples — a prompt of one token, a prefix hit of all but the last — leaves the step
+        plain decodes). Until the step before is applied, ``running`` also holds the requests
+        it ends by length: more than ``max_num_seqs`` for that moment, nothing decided on
+        it."""
         chunks: list[ScheduledChunk] = []
+        num_prefills = 0
         while len(self.waiting) and budget > 0 and slots > 0:
             request = self.waiting.peek()
             if not self._admits_ahead(request):
                 break
             hit = self.kv.lookup_prefix(request)
-            n = self._num_tokens_to_run(request, budget, bool(chunks),
+            n = self._num_tokens_to_run(request, budget, num_prefills > 0,
                                         hit.num_tokens(self.kv.block_size))  # fmt: skip
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
-            chunks.append(self._admit(request, n, hit))
+            chunks.append(chunk := self._admit(request, n, hit))
+            num_prefills += _is_prefill(chunk)
             budget -= n
             slots -= 1
         return chunks
