@@ -291,17 +291,24 @@ def _drive(s, requests: dict[str, Request], eos_at: dict[str, int], ahead: bool,
         nxt = s.schedule_ahead(pending) if ahead else None
         if nxt is not None:
             planned += 1
-            decoding = {c.request_id for c in pending.chunks}
-            for i, c in enumerate(nxt.chunks):
+            before = {c.request_id: c for c in pending.chunks}
+            fed = [c for c in nxt.chunks if c.request_id in before and before[c.request_id].sample]
+            assert nxt.chunks[: len(fed)] == fed  # the rows fed on the device come first
+            for c in nxt.chunks:
                 request = s.requests[c.request_id]
-                if c.request_id not in decoding:  # admitted ahead: after every decode
-                    assert all(d.request_id in decoding for d in nxt.chunks[:i])
+                prev = before.get(c.request_id)
+                if prev is None:  # admitted ahead
                     assert c.num_computed_tokens == request.num_computed_tokens
                     admitted_ahead.append(c.request_id)
                     continue
-                assert c.token_ids == [AHEAD_TOKEN] and c.sample
-                # room for the token being fed and the one planned: positions c and c + 1
-                assert len(c.block_table) * s.kv.block_size >= request.num_computed_tokens + 2
+                after = prev.num_computed_tokens + len(prev.token_ids)  # where ``pending`` ends
+                assert c.num_computed_tokens == after
+                if prev.sample:  # decodes the token ``pending`` samples
+                    assert c.token_ids == [AHEAD_TOKEN] and c.sample
+                else:  # the prompt's next chunk
+                    assert c.token_ids == request.token_ids(after, after + len(c.token_ids))
+                # room for what ``pending`` writes and what this step writes
+                assert len(c.block_table) * s.kv.block_size >= after + len(c.token_ids)
         s.update_from_output(pending, sample(pending))
         pending = nxt
     return {rid: r.output_token_ids for rid, r in requests.items()}, planned
@@ -347,8 +354,10 @@ def test_nothing_is_planned_ahead_where_the_regular_schedule_would_differ():
     assert [(c.request_id, len(c.token_ids)) for c in ahead.chunks] == [("a", 1), ("b", 4)]
     assert (ahead.num_decode_tokens, ahead.num_prefill_tokens) == (1, 4)
     s.update_from_output(decode, fake_sample(decode))
-    s.update_from_output(ahead, fake_sample(ahead))
-    assert s.schedule_ahead(ahead) is None  # after a prefill chunk: the regular schedule
+    after = s.schedule_ahead(ahead)  # b's prompt samples its first token: b decodes it next
+    assert [(c.request_id, c.token_ids, c.num_computed_tokens) for c in after.chunks] == [
+        ("a", [AHEAD_TOKEN], 6), ("b", [AHEAD_TOKEN], 4)
+    ]  # fmt: skip
 
     s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, scheduling_policy="priority")
     s.add_request(make_request("low", prompt_len=4, max_tokens=6, priority=5))

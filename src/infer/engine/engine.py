@@ -860,11 +860,11 @@ class LLMEngine:
         return outputs
 
     def _launch_ahead(self, running: InFlightStep) -> _AheadStep | None:
-        """Async scheduling: launch the step after ``running`` (a plain decode step whose
-        tokens are still on the device) now, its decode rows' input ids taken from
-        ``running``'s sampled ids on the device (requests admitted into it bring their prompt
-        chunks), so the host's work for a step (collecting and applying the one before,
-        detokenizing, scheduling) overlaps the device's::
+        """Async scheduling: launch the step after ``running`` (a step whose tokens are still
+        on the device) now, its decode rows' input ids taken from ``running``'s sampled ids on
+        the device (prompt chunks, going on or admitted, bring their own), so the host's work
+        for a step (collecting and applying the one before, detokenizing, scheduling) overlaps
+        the device's::
 
             host   : plan+launch N+1 | outputs N-1 | wait N | apply N | plan+launch N+2 | ...
             device : ...N...............................| N+1 ....................| N+2
@@ -889,8 +889,9 @@ class LLMEngine:
         if nxt is None:
             return None
         # The decodes' rows (the first chunks, one token each) take their input ids from
-        # ``running``'s sampled ones on the device; admitted prefill chunks after them (new
-        # requests: none of ``running``'s, whose ids are all live) carry their prompt's ids.
+        # ``running``'s sampled ones on the device; prompt chunks after them (a prompt going on
+        # samples nothing in ``running``; an admitted one is new, and ``running``'s ids are
+        # all live) carry their prompt's ids.
         row_of = {r.request_id: i for i, r in enumerate(running.sample_reqs)}
         fed = [c for c in nxt.chunks if c.request_id in row_of]
         feed = TokenFeed(running.pending.tokens, list(range(len(fed))),

@@ -260,30 +260,31 @@ class Scheduler:
         return _output(list(scheduled.values()), preempted, swap_out, swap_in, kv_imports)
 
     def schedule_ahead(self, running: SchedulerOutput) -> SchedulerOutput | None:
-        """The step after ``running`` (a decode step still on the device), planned before its
-        tokens are known: each of its requests decodes the token it is sampling (input ids
-        the runner takes on the device), and waiting requests are admitted into the slots and
-        budget left, as the regular schedule would (:meth:`_admit_ahead`). None where the
-        regular schedule must decide — ``running`` not plain decodes (prefill chunks,
-        proposals, swaps, imports), a waiting request that may preempt (priority) or needs
-        what only the regular schedule does (:meth:`_admits_ahead`), a request not in
-        ``running``, no room without preemption — so the caller waits for ``running`` and
-        schedules as usual.
+        """The step after ``running`` (a step still on the device), planned before its tokens
+        are known: each request ``running`` samples for decodes that token (input ids the
+        runner takes on the device), each prompt ``running`` ran a chunk of goes on with its
+        next chunk, and waiting requests are admitted into the slots and budget left, as the
+        regular schedule would (:meth:`_admit_ahead`). None where the regular schedule must
+        decide — ``running`` with proposals, prompt logprobs, swaps or imports, a waiting
+        request that may preempt (priority) or needs what only the regular schedule does
+        (:meth:`_admits_ahead`), a request not in ``running``, no room without preemption —
+        so the caller waits for ``running`` and schedules as usual.
 
-        Positions count ``running``'s token (not yet in ``num_computed_tokens``)::
+        Positions count what ``running`` feeds (not yet in ``num_computed_tokens``)::
 
-            computed : ... c-1 | c            c: the token ``running`` feeds (position c)
-            ahead    :             c+1        the token it samples, fed at position c + 1
+            computed : ... c-1 | c .. c+r-1     c: where ``running``'s r tokens start
+            ahead    :                 c+r      the token it samples (fed), or the prompt's
+                                                next chunk from c + r
 
-        The decodes come first (one row each: the rows fed on the device), the admissions'
-        prefill chunks after them. A request that ``running`` finishes (a stop token) is in the
-        step anyway: its row is computed and dropped (:meth:`update_from_output` skips requests
-        that are gone), and it writes only its own last, never-cached block, before any later
-        step reuses it; its slot is not admitted into until the regular schedule (which the
-        step after one with a prefill chunk is). Which requests share a step changes no
-        request's tokens where a row's sums do not depend on its batch (the CPU's kernels; on
-        a GPU a decode row in a step with a prefill chunk runs the eager path's kernels, as in
-        the regular schedule's mixed steps, which fall on other steps).
+        The decodes come first (one row each: the rows fed on the device), prompt chunks after
+        them. A request that ``running`` finishes (a stop token) is in the step anyway: its row
+        is computed and dropped (:meth:`update_from_output` skips requests that are gone), and
+        it writes only its own last, never-cached block, before any later step reuses it; its
+        slot is not admitted into until a step planned after ``running``'s tokens are applied.
+        Which requests share a step changes no request's tokens where a row's sums do not
+        depend on its batch (the CPU's kernels; on a GPU a decode row in a step with a prefill
+        chunk runs the eager path's kernels, as in the regular schedule's mixed steps, which
+        fall on other steps).
         """
         cfg = self.config
         waiting = len(self.waiting)
@@ -297,31 +298,42 @@ class Scheduler:
             or running.swap_in
             or running.swap_out
             or running.kv_imports
-            or not all(len(c.token_ids) == 1 and c.sample for c in running.chunks)  # decodes
+            or any(c.num_spec_tokens or c.prompt_logprobs for c in running.chunks)
         ):
             return None
-        continuing: list[Request] = []  # not ended by ``running`` (length): decoding after it
+        decoding: list[tuple[Request, int]] = []  # sampled in ``running``, decoding after it
+        prefilling: list[tuple[Request, int]] = []  # a prompt chunk that samples nothing yet
         for chunk in running.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING or request.spec_token_ids:
                 return None
-            if request.num_output_tokens + 1 < request.max_new_tokens:
-                continuing.append(request)
+            if not chunk.sample:
+                prefilling.append((request, len(chunk.token_ids)))
+            elif request.num_output_tokens + 1 < request.max_new_tokens:  # not ended by length
+                decoding.append((request, len(chunk.token_ids)))
         chunks: list[ScheduledChunk] = []
-        for request in continuing:
-            start = request.num_computed_tokens + 1
-            if not self.kv.allocate(request, 2):  # covers positions c and c + 1
+        for request, ran in decoding:
+            # Its token from ``running`` goes at c + ran: room for ``running``'s and for it.
+            if not self.kv.allocate(request, ran + 1):
                 return None  # preemption's business: the regular schedule's
-            chunks.append(ScheduledChunk(request.request_id, [AHEAD_TOKEN], start,
+            chunks.append(ScheduledChunk(request.request_id, [AHEAD_TOKEN],
+                                         request.num_computed_tokens + ran,
                                          self.kv.block_table(request), True))  # fmt: skip
+        budget = cfg.max_num_batched_tokens - len(chunks)
+        for request, ran in prefilling:  # the prompt's next chunk: its ids are known here
+            start = request.num_computed_tokens + ran
+            n = min(request.num_tokens - start, cfg.prefill_chunk_size or budget, budget)
+            if n <= 0 or not self.kv.allocate(request, ran + n):
+                return None
+            chunks.append(self._chunk(request, n, start))
+            budget -= n
         if not chunks:
             return None
         self.kv.end_step()
         self.waiting.tick()
         self.counters.steps += 1
         if waiting:
-            chunks += self._admit_ahead(cfg.max_num_batched_tokens - len(chunks),
-                                        cfg.max_num_seqs - len(chunks))  # fmt: skip
+            chunks += self._admit_ahead(budget, cfg.max_num_seqs - len(chunks))
         return _output(chunks)
 
     def stop_at_string(self, request: Request, num_output_tokens: int) -> None:
@@ -397,12 +409,9 @@ class Scheduler:
     def _admit_ahead(self, budget: int, slots: int) -> list[ScheduledChunk]:
         """Admissions for a step planned ahead, as the regular schedule makes them (policy
         order, prefix lookup, chunking by ``budget``) while they fit ``slots`` and the free
-        blocks. What does not fit waits: for the regular schedule, which follows any step with
-        a prefill chunk, or for the next step planned ahead (an admission of one token that
-        samples — a prompt of one token, a prefix hit of all but the last — leaves the step
-        plain decodes). Until the step before is applied, ``running`` also holds the requests
-        it ends by length: more than ``max_num_seqs`` for that moment, nothing decided on
-        it."""
+        blocks; what does not fit waits for a later step. Until the step before is applied,
+        ``running`` also holds the requests it ends by length: more than ``max_num_seqs`` for
+        that moment, nothing decided on it."""
         chunks: list[ScheduledChunk] = []
         num_prefills = 0
         while len(self.waiting) and budget > 0 and slots > 0:
@@ -448,8 +457,11 @@ class Scheduler:
         preempt(victim)
         return True
 
-    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
+    def _chunk(self, request: Request, n: int, start: int | None = None) -> ScheduledChunk:
+        """``n`` tokens of ``request`` from ``start`` (default: its computed tokens; a step
+        planned ahead passes the position after the step still on the device)."""
+        if start is None:
+            start = request.num_computed_tokens
         tokens = request.token_ids(start, start + n)
         num_spec = 0
         if start + 1 == request.num_tokens and n > 1:  # the last token + n - 1 proposals
