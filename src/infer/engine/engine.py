@@ -14,7 +14,7 @@ import os
 import time
 import weakref
 from concurrent import futures
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -29,7 +29,7 @@ from infer.core.validation import check_prompt
 from infer.distributed import EngineDeadError
 from infer.distributed.executor import TensorParallelWorkers
 from infer.engine.detokenizer import IncrementalDetokenizer, byte_table
-from infer.engine.scheduler import Scheduler
+from infer.engine.scheduler import Scheduler, step_output
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
@@ -911,10 +911,7 @@ class LLMEngine:
         ]
         if len(live) == len(out.chunks):
             return out
-        tokens = sum(len(c.token_ids) for c in live)
-        decodes = sum(1 for c in live if len(c.token_ids) == 1 and c.sample)
-        return replace(out, chunks=live, num_batched_tokens=tokens,
-                       num_prefill_tokens=tokens - decodes, num_decode_tokens=decodes)  # fmt: skip
+        return step_output(live, out.preempted, out.swap_out, out.swap_in, out.kv_imports)
 
     def _drain_deferred(self) -> list[RequestOutput]:
         """The outputs of the requests an earlier step deferred (see :meth:`step`). A request

@@ -257,7 +257,7 @@ class Scheduler:
         for request in reversed(skipped):  # back where they were, ahead of the rest
             self.waiting.add_preempted(request)
 
-        return _output(list(scheduled.values()), preempted, swap_out, swap_in, kv_imports)
+        return step_output(list(scheduled.values()), preempted, swap_out, swap_in, kv_imports)
 
     def schedule_ahead(self, running: SchedulerOutput) -> SchedulerOutput | None:
         """The step after ``running`` (a step still on the device), planned before its tokens
@@ -322,7 +322,8 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens - len(chunks)
         for request, ran in prefilling:  # the prompt's next chunk: its ids are known here
             start = request.num_computed_tokens + ran
-            n = min(request.num_tokens - start, cfg.prefill_chunk_size or budget, budget)
+            # Sized as step 1 of schedule() sizes a running prompt, counting ``start`` as computed.
+            n = self._num_tokens_to_run(request, budget, False, start)
             if n <= 0 or not self.kv.allocate(request, ran + n):
                 return None
             chunks.append(self._chunk(request, n, start))
@@ -334,7 +335,7 @@ class Scheduler:
         self.counters.steps += 1
         if waiting:
             chunks += self._admit_ahead(budget, cfg.max_num_seqs - len(chunks))
-        return _output(chunks)
+        return step_output(chunks)
 
     def stop_at_string(self, request: Request, num_output_tokens: int) -> None:
         """The detokenizer found a stop string ending after ``num_output_tokens`` tokens: the
@@ -566,7 +567,7 @@ class Scheduler:
         return None
 
 
-def _output(chunks: list[ScheduledChunk], *moves: list) -> SchedulerOutput:
+def step_output(chunks: list[ScheduledChunk], *moves: list) -> SchedulerOutput:
     """A step of ``chunks`` (and ``moves``: preempted ids, swaps, imports), its tokens counted:
     a decode is a chunk of one new token that samples (its proposals aside)."""
     num_decode = sum(
