@@ -16,8 +16,9 @@ chunked prefill and decode all fall out of that. Request state changes in exactl
 from __future__ import annotations
 
 import enum
+import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from infer.core.kv_transfer import KVPayload
 from infer.core.sampling_params import SamplingParams
@@ -64,8 +65,7 @@ class RequestTimings:
 
     def __reduce__(self) -> tuple:
         # Pickled by value as a tuple (see RequestOutput.__reduce__): ~4x faster both ways.
-        return (RequestTimings, (self.arrival, self.first_scheduled, self.first_token,
-                                 self.token_times, self.finished))  # fmt: skip
+        return (RequestTimings, timings_fields(self))
 
     @property
     def ttft(self) -> float | None:
@@ -78,6 +78,10 @@ class RequestTimings:
     @property
     def e2e(self) -> float | None:
         return None if self.finished is None else self.finished - self.arrival
+
+
+timings_fields = operator.attrgetter(*(f.name for f in fields(RequestTimings)))
+"""A request's timings as a tuple, in order: ``RequestTimings(*timings_fields(t))``."""
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,9 @@ def pack_for_pipe(replies: list) -> list:
     outputs and the lists back together (:class:`TokenTimesMirror`).
     """
     packed: list = []
+    # NOTE: the fields written out, not ``output_fields`` + a replaced timings entry: the
+    # slicing to replace it made this 0.048 -> 0.080 ms for 64 outputs (test_pipe_messages
+    # checks that every field crosses).
     for r in replies:
         if type(r) is RequestOutput:
             t = r.timings
