@@ -56,6 +56,8 @@ from typing import Any
 import torch
 
 from infer.bench.report import md_table, num
+from infer.runner.gpu.timing import sync as _sync
+from infer.runner.gpu.timing import time_ms
 
 LLAMA_1B_DIR = Path.home() / ".cache/infer/bench/llama-1b-shape"
 TINY_DIR = Path.home() / ".cache/infer/bench/llama-tiny-gpu-bench"
@@ -178,70 +180,6 @@ def load_key(prompt_len: int, output_len: int, c: int) -> str:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(
-    fn: Callable[[], Any],
-    device: torch.device,
-    reps: int,
-    inner: int = 1,
-    warmup: int = 2,
-    graph: bool = False,
-    how: dict | None = None,
-) -> list[float]:
-    """Milliseconds per call of ``fn``, ``reps`` samples of ``inner`` calls each (CUDA events
-    on a GPU, the wall clock elsewhere), after ``warmup`` calls.
-
-    ``graph``: on CUDA, the ``inner`` calls are captured in one CUDA graph and each sample is a
-    replay, so a kernel shorter than its launch from Python is timed, not the launch (falls
-    back to plain calls if the capture fails). ``how["timing"]`` says which ran.
-    """
-    how = how if how is not None else {}
-    how["timing"] = "events" if device.type == "cuda" else "wall clock"
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-
-    def calls() -> None:
-        for _ in range(inner):
-            fn()
-
-    run = calls
-    if graph and device.type == "cuda":
-        try:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                calls()
-            torch.cuda.current_stream(device).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                calls()
-            g.replay()
-            run = g.replay
-            how["timing"] = "cuda graph"
-        except Exception as e:  # noqa: BLE001 - time the plain calls instead
-            how["timing"] = f"events (graph capture failed: {type(e).__name__}: {e})"[:200]
-        _sync(device)
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / inner)
-        else:
-            t = time.perf_counter()
-            run()
-            out.append((time.perf_counter() - t) * 1000 / inner)
-    return out
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":

@@ -20,6 +20,7 @@ on (see :func:`install`): off by default until a GPU run says what they buy.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import statistics
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from infer.runner.gpu.timing import time_ms
 
 try:
     import triton
@@ -168,27 +171,17 @@ def candidates_for(rows: int) -> list[GemvConfig]:
 def time_us(fn, weights: Sequence[torch.Tensor], reps: int = 24) -> float:
     """Microseconds of one ``fn(weight)``: the median over a few replays of a CUDA graph of
     ``reps`` calls cycling through ``weights`` (more bytes than the L2 cache holds, so each
-    call reads its weight from memory). Timed in a graph, the kernels run back to back as they
-    do in a decode step's graph; timed launch by launch (events around each call), a Triton
-    kernel's Python launch (tens of microseconds) was timed too, and cuBLAS won every pick of
-    the first GPU run."""
-    for w in weights[:3]:  # compiles, warms cuBLAS's choice
-        fn(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(weights[i % len(weights)])
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1000 * start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    call reads its weight from memory), by :func:`infer.runner.gpu.timing.time_ms`. Timed in
+    a graph, the kernels run back to back as they do in a decode step's graph; timed launch by
+    launch, a Triton kernel's Python launch (tens of microseconds) was timed too, and cuBLAS
+    won every pick of the first GPU run. A call that cannot be captured raises."""
+    cycle = itertools.cycle(weights)
+    how: dict = {}
+    samples = time_ms(lambda: fn(next(cycle)), weights[0].device, reps=5, inner=reps,
+                      warmup=3, graph=True, how=how)  # fmt: skip
+    if how["timing"] != "cuda graph":
+        raise RuntimeError(how["timing"])
+    return 1000 * statistics.median(samples)
 
 
 @dataclass(frozen=True)
