@@ -185,6 +185,37 @@ def test_triton_backend_runs_no_sdpa_and_replays_graphs(make_llm, cuda_device):
     assert replays > 0
 
 
+def test_mixed_steps_replay_token_bucket_graphs_and_give_the_eager_tokens(
+    make_llm, cuda_device, monkeypatch
+):
+    """INFER_MIXED_GRAPHS=1: steps with prompt chunks (arrivals into freed slots, prompts in
+    chunks of the 48-token budget) replay the token buckets' graphs, captured into the decode
+    graphs' pool, with the same greedy tokens as eager steps padded alike."""
+    from infer.runner.gpu.cuda_step import MIXED_GRAPHS_ENV
+
+    monkeypatch.setenv(MIXED_GRAPHS_ENV, "1")
+    prompts = [p * (1 + i % 3) for i, p in enumerate(PROMPTS)]
+    options = dict(device=cuda_device, dtype="bfloat16", max_num_seqs=3, max_num_batched_tokens=48)
+    eager = make_llm("llama", enforce_eager=True, **options)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
+    llm = make_llm("llama", **options)
+    step = llm.engine.runner.cuda_step
+    mixed = step.mixed_graphs
+    assert mixed is not None and sorted(mixed.graphs) == [16, 24, 32, 48]
+    assert step.graphs is not None and mixed.pool == step.graphs.pool
+    replays = 0
+    replay = mixed.replay
+
+    def counting(size, forward):
+        nonlocal replays
+        replays += size in mixed.graphs
+        return replay(size, forward)
+
+    mixed.replay = counting
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert replays > 0
+
+
 def test_skinny_matmuls_replay_in_graphs_and_give_the_eager_tokens(make_llm, cuda_device,
                                                                    monkeypatch):  # fmt: skip
     """INFER_TRITON_GEMV=1: the small decode buckets' projections by the Triton kernels (each

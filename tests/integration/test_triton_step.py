@@ -94,6 +94,38 @@ def test_graphs_and_eager_give_transformers_tokens(mode, make_llm, hf_greedy):
             assert counters.preemptions_recompute + counters.preemptions_swap > 0
 
 
+@pytest.mark.parametrize("mode", ["chunked", pytest.param("preempt_recompute", marks=SLOW)])
+def test_mixed_steps_padded_to_token_buckets_give_transformers_tokens(
+    mode, make_llm, hf_greedy, monkeypatch
+):
+    """INFER_MIXED_GRAPHS=1: steps with prompt chunks run padded to a token bucket through the
+    fixed-grid prefill kernel (replayed as CUDA graphs on a GPU, eagerly here): transformers'
+    tokens with and without graphs, every padded step through the tile list, every block back."""
+    from infer.runner.gpu import cuda_step, triton_attention
+
+    monkeypatch.setenv(cuda_step.MIXED_GRAPHS_ENV, "1")
+    calls = {"tiles": 0, "grid": 0}
+    for name, key in (("paged_prefill_attention_tiles", "tiles"),
+                      ("paged_prefill_attention", "grid")):  # fmt: skip
+        original = getattr(triton_attention, name)
+
+        def counted(*args, _original=original, _key=key, **kwargs):
+            calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(triton_attention, name, counted)
+    want = _want(hf_greedy, "llama")
+    for eager in (False, True):
+        llm = make_llm("llama", attention_backend="triton", enforce_eager=eager, **MODES[mode])
+        step = llm.engine.runner.cuda_step
+        assert step.mixed_sizes[0] == 16 and (step.mixed_graphs is None) == eager
+        assert _tokens(llm) == want, f"enforce_eager={eager}"
+        kv = llm.engine.kv_manager
+        assert kv.num_free_blocks == kv.num_total_blocks
+    # every mixed step fits a bucket (the budget is under 512 tokens): no grid-per-step launch
+    assert calls["tiles"] > 0 and calls["grid"] == 0
+
+
 def test_shared_prefix_hits_read_the_cached_blocks(make_llm, hf_greedy):
     """Two waves of the same prompts: the second wave's prompts hit the cache (blocks shared
     between sequences), and the kernels read them through the block tables."""

@@ -175,6 +175,34 @@ def test_markdown_tables_from_a_result():
     assert "[MET ] C=256 128/128" in tail and len(tail) < 12_000
 
 
+def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
+    """--http-modes graphs,graphs-mixed: each mode's server runs with that mode's flags and
+    environment switch; both render, the first stays the targets' figure."""
+    from infer.bench.gpu_http import server_command
+
+    r = _report()
+    mixed = {**r["http"], "mode": "graphs-mixed", "output_tok_s": 15_500.0, "ratio": 0.97}
+    r["http_modes"] = {"graphs": {**r["http"], "mode": "graphs"}, "graphs-mixed": mixed}
+    r["targets"] = gpu.targets(r)
+    md = gpu.render_markdown(r)
+    assert "## Over HTTP: `infer serve` at 128x128@64 (graphs)" in md
+    assert "## Over HTTP: `infer serve` at 128x128@64 (graphs-mixed)" in md
+    assert "| http / offline | 0.97 |  |  |" in md
+    assert "15,500 tok/s = 0.97x offline" in gpu.summary(r)
+    assert _status(r["targets"])["HTTP"] == "MET"  # from r["http"]: 0.94x
+    args = _args("--http-modes", "graphs,graphs-mixed,graphs-sync")
+    assert args.http_modes == "graphs,graphs-mixed,graphs-sync"
+    cmd = server_command(tmp_path, args, 8000, "graphs-sync")
+    assert "--no-async-scheduling" in cmd and "--enforce-eager" not in cmd
+    assert "--attention-backend" not in cmd  # triton: the server's own pick on a GPU
+    cmd = server_command(tmp_path, args, 8000, "torch-eager")
+    assert cmd[cmd.index("--attention-backend") + 1] == "torch"
+    assert "--enforce-eager" in server_command(tmp_path, args, 8000, "eager")
+    assert gpu.MODE_ENV["graphs-mixed"] == {"INFER_MIXED_GRAPHS": "1"}
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        server_command(tmp_path, args, 8000, "fast")
+
+
 def test_options_and_quick_defaults():
     full, quick = _args(), _args("--quick", "--buckets", "1,2")
     assert gpu.ints(full.concurrency) == [1, 16, 64, 256]

@@ -430,3 +430,67 @@ def test_store_then_attend_quantized() -> None:
 
 def test_triton_available() -> None:
     assert ta.triton_available()
+
+
+@pytest.mark.parametrize(
+    "case,num_programs",
+    [
+        (("float32", 2, 32, 5, None, None), 3),  # fewer programs than units: each loops
+        (("float32", 4, 64, 16, 6, "int8"), 500),  # more: the extra ones find nothing
+        (("float16", 1, 80, 16, None, "fp8"), 7),
+        (("bfloat16", 4, 128, 16, 13, None), 64),
+    ],
+    ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else str(c),
+)
+def test_prefill_tiles_give_the_prefill_kernels_numbers(case: tuple, num_programs: int) -> None:
+    """The fixed-grid kernel (a mixed step's CUDA graph) over a padded step: the tile list of
+    the real chunks, padding rows after them and a stale sequence past them in the metadata
+    (as the graph's buffers hold); the same output as the grid-per-step kernel, bit for bit,
+    and the reference's; the padding rows are not written."""
+    name, g, d, bs, window, kind = case
+    dtype = _dtype(name)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    hkv = 2
+    qlens = [1, 21, 1, 40, 9]  # decodes as chunks of one beside prompt chunks
+    pasts = [17, 0, 30, 3, 19]
+    totals = [n + p for n, p in zip(qlens, pasts, strict=True)]
+    num_blocks = sum(math.ceil(n / bs) for n in totals) + 4
+    cache = Cache(num_blocks, bs, hkv, d, dtype, kind, gen)
+    tables = _tables([*totals, 8], bs, num_blocks, gen).to(DEVICE)
+    t = sum(qlens)
+    padded = t + 6
+    q = torch.randn(padded, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    starts = [0, *torch.tensor(qlens).cumsum(0).tolist()]
+    qsl = torch.tensor([*starts, padded], dtype=torch.int32, device=DEVICE)
+    past = torch.tensor([*pasts, 5], dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    kw = dict(scale=scale, sliding_window=window, **cache.kwargs())
+    plain = ta.paged_prefill_attention(
+        q[:t], cache.k, cache.v, tables[:5], qsl[:6], past[:5], max(qlens), **kw
+    )
+    block_m = ta.prefill_block_m(d, dtype)
+    seq, tile = ta.prefill_tiles(qlens, block_m)
+    assert len(seq) == sum(-(-n // block_m) for n in qlens)
+    cap = padded // block_m + 6
+    tile_seq = torch.full((cap,), 99, dtype=torch.int32)
+    tile_index = torch.full((cap,), 99, dtype=torch.int32)
+    tile_seq[: len(seq)] = torch.from_numpy(seq)
+    tile_index[: len(seq)] = torch.from_numpy(tile)
+    num_tiles = torch.tensor([len(seq)], dtype=torch.int32)
+    out = torch.full_like(q, 7.0)
+    res = ta.paged_prefill_attention_tiles(
+        q, cache.k, cache.v, tables, qsl, past,
+        tile_seq.to(DEVICE), tile_index.to(DEVICE), num_tiles.to(DEVICE), num_programs,
+        out=out, **kw,
+    )  # fmt: skip
+    assert res is out and (out[t:] == 7.0).all()
+    assert torch.equal(out[:t], plain)
+    _check(out[:t], ref_prefill(q[:t], cache, tables, qlens, pasts, scale, window), dtype)
+
+
+def test_prefill_tiles_lay_out_each_chunks_query_tiles() -> None:
+    seq, tile = ta.prefill_tiles([3, 1, 130, 64, 65], 64)
+    assert seq.tolist() == [0, 1, 2, 2, 2, 3, 4, 4]
+    assert tile.tolist() == [0, 0, 0, 1, 2, 0, 0, 1]
+    seq, tile = ta.prefill_tiles([], 64)
+    assert len(seq) == len(tile) == 0

@@ -162,6 +162,12 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         "next to the offline figure ('' for none)",
     )
     p.add_argument(
+        "--http-modes",
+        default="graphs",
+        help="engine modes served over HTTP one after another, each beside its own offline "
+        "cell (e.g. 'graphs,graphs-mixed'); the first is the targets' figure",
+    )
+    p.add_argument(
         "--http-clients",
         type=int,
         default=4,

@@ -101,9 +101,32 @@ MODES: dict[str, dict[str, Any]] = {
     "torch-eager": {"attention_backend": "torch", "enforce_eager": True},
     # graphs with the skinny Triton matmuls for decode batches of <= 16 rows (triton_gemv.py)
     "graphs-gemv": {"attention_backend": "triton", "enforce_eager": False},
+    # graphs for mixed steps too (prompt chunks beside decodes), by token bucket (cuda_step.py)
+    "graphs-mixed": {"attention_backend": "triton", "enforce_eager": False},
 }
 # Modes that are an environment switch over their engine settings (set while the engine starts).
-MODE_ENV: dict[str, dict[str, str]] = {"graphs-gemv": {"INFER_TRITON_GEMV": "1"}}
+MODE_ENV: dict[str, dict[str, str]] = {
+    "graphs-gemv": {"INFER_TRITON_GEMV": "1"},
+    "graphs-mixed": {"INFER_MIXED_GRAPHS": "1"},
+}
+
+
+def mode_server_flags(mode: str) -> list[str]:
+    """``infer serve`` flags for a mode's engine settings (its environment is MODE_ENV's)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (choices: {', '.join(MODES)})")
+    settings = MODES[mode]
+    # triton is what the server picks on a GPU by itself (and, left unsaid, a CPU run's server
+    # keeps its own kernels)
+    flags = []
+    if settings["attention_backend"] != "triton":
+        flags += ["--attention-backend", settings["attention_backend"]]
+    if settings.get("enforce_eager"):
+        flags.append("--enforce-eager")
+    if settings.get("async_scheduling") is False:
+        flags.append("--no-async-scheduling")
+    return flags
+
 
 # Defaults of the list options: (full run, --quick). An explicit flag wins over both.
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -794,7 +817,8 @@ def _engine_markdown(eng: dict, roof: dict, p: int, o: int) -> list[str]:
 
 
 def _http_markdown(http: dict) -> list[str]:
-    lines = ["", f"## Over HTTP: `infer serve` at {http.get('load', '-')}", ""]
+    mode = f" ({http['mode']})" if http.get("mode") else ""
+    lines = ["", f"## Over HTTP: `infer serve` at {http.get('load', '-')}{mode}", ""]
     if "output_tok_s" not in http:
         return lines + ["Did not run to the end: see the sections table."]
     lines.append(
@@ -880,7 +904,8 @@ def render_markdown(r: dict) -> str:
             f"{_f(roof.get('weight_read_ms'), '.3f')} ms",
         ]
     lines += _engine_markdown(eng, roof, p, o) if eng else []
-    lines += _http_markdown(r["http"]) if r.get("http") else []
+    for http in (r.get("http_modes") or {}).values() or ([r["http"]] if r.get("http") else []):
+        lines += _http_markdown(http)
     if kern and (kernels := kernel_benchmark()) is not None:
         lines += kernels.markdown(kern)
     elif kern:
@@ -966,12 +991,12 @@ def summary(r: dict) -> str:
                     + " ".join(f"{k} {v:.2f}" for k, v in p["host_ms"].items())
                     + f" | top: {top}"
                 )
-    http = r.get("http") or {}
-    if "output_tok_s" in http:
-        lines.append(
-            f"  http {http['load']}: {http['output_tok_s']:,.0f} tok/s"
-            + (f" = {http['ratio']:.2f}x offline" if http.get("ratio") else "")
-        )
+    for http in (r.get("http_modes") or {}).values() or [r.get("http") or {}]:
+        if "output_tok_s" in http:
+            lines.append(
+                f"  http {http['load']} {http.get('mode', '')}: {http['output_tok_s']:,.0f} tok/s"
+                + (f" = {http['ratio']:.2f}x offline" if http.get("ratio") else "")
+            )
     for n, row in (_get(r, "hf", "rows") or {}).items():
         lines.append(f"  transformers generate_batch {n} prompts: {row['tok_s']:,.0f} tok/s")
     lines.append("targets:")
@@ -1154,18 +1179,26 @@ def _run_sections(
             sections.run(f"engine {mode}", mode_section, device)
 
     if args.http and not args.skip_engine:
+        http_modes = [m for m in args.http_modes.split(",") if m]
+        for i, http_mode in enumerate(http_modes):
 
-        def http_section() -> dict:
-            from infer.bench.gpu_http import http_section as run_http
+            def http_section(mode: str = http_mode, first: bool = i == 0) -> dict:
+                from infer.bench.gpu_http import http_section as run_http
 
-            c = int(args.http)
-            load = (args.prompt_len, args.output_len, c)
-            offline = _get(report, "engine", "graphs", "loads", load_key(*load))
-            vocab = min(model["shape"]["vocab_size"], model["tokenizer_vocab"])
-            res = report["http"] = {}
-            return run_http(model_dir, args, load, vocab, offline, out_dir, _log, res)
+                c = int(args.http)
+                load = (args.prompt_len, args.output_len, c)
+                offline = _get(report, "engine", mode, "loads", load_key(*load)) or _get(
+                    report, "engine", "graphs", "loads", load_key(*load)
+                )
+                vocab = min(model["shape"]["vocab_size"], model["tokenizer_vocab"])
+                res: dict = {}
+                if first:  # the targets' figure
+                    report["http"] = res
+                if len(http_modes) > 1:
+                    report.setdefault("http_modes", {})[mode] = res
+                return run_http(model_dir, args, load, vocab, offline, out_dir, _log, res, mode)
 
-        sections.run("http", http_section, device)
+            sections.run(f"http {http_mode}", http_section, device)
 
     if not args.skip_kernels:
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import os
 import shlex
 import sys
 import time
@@ -26,14 +27,18 @@ from pathlib import Path
 WARMUP_TOKENS = 4
 
 
-def server_command(model: Path, args: argparse.Namespace, port: int) -> list[str]:
-    """``infer serve`` with the offline ``graphs`` engine's settings (see ``make_engine``)."""
+def server_command(
+    model: Path, args: argparse.Namespace, port: int, mode: str = "graphs"
+) -> list[str]:
+    """``infer serve`` with the offline ``mode`` engine's settings (see ``make_engine``)."""
+    from infer.bench.gpu import mode_server_flags
+
     cmd = [sys.executable, "-m", "infer.server", "--model", str(model), "--served-model-name",
            "m", "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
            "--dtype", "bfloat16", "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
-           "--no-dashboard", "--no-access-log"]  # fmt: skip
+           "--no-dashboard", "--no-access-log", *mode_server_flags(mode)]  # fmt: skip
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
     return cmd + shlex.split(getattr(args, "http_server_args", "") or "")
@@ -48,11 +53,13 @@ def http_section(
     out: Path,
     log: Callable[[str], None],
     res: dict,
+    mode: str = "graphs",
 ) -> dict:
-    """Start ``infer serve``, warm it, run ``load`` (prompt len, output len, C) over HTTP with
-    the offline cell's prompts, stop it; ``res`` gets the figures and the ratio to ``offline``
-    (that cell's row from the same run, if it ran)."""
-    from infer.bench.gpu import load_key
+    """Start ``infer serve`` with the engine settings (and environment) of ``mode``, warm it,
+    run ``load`` (prompt len, output len, C) over HTTP with the offline cell's prompts, stop
+    it; ``res`` gets the figures and the ratio to ``offline`` (that cell's row from the same
+    run, if it ran)."""
+    from infer.bench.gpu import MODE_ENV, load_key
     from infer.bench.offline import random_prompts
     from infer.bench.online import (
         closed_loop,
@@ -65,11 +72,14 @@ def http_section(
 
     prompt_len, output_len, c = load
     n = max(args.requests_per_c * c, 2 if c == 1 else c)
-    res.update(load=load_key(prompt_len, output_len, c), concurrency=c,
+    res.update(load=load_key(prompt_len, output_len, c), concurrency=c, mode=mode,
                client_processes=args.http_clients, server_args=args.http_server_args)  # fmt: skip
     port = free_port()
     t = time.perf_counter()
-    proc, url = launch_server(server_command(model, args, port), port, out / "http_server.log")
+    env = {**os.environ, **MODE_ENV.get(mode, {})}
+    proc, url = launch_server(
+        server_command(model, args, port, mode), port, out / f"http_server_{mode}.log", env=env
+    )
     try:
         res["server_start_s"] = time.perf_counter() - t
         log(f"http: infer serve up in {res['server_start_s']:.1f}s")

@@ -1,10 +1,17 @@
-"""The forward pass of a step on a GPU: step buffers, Triton attention, CUDA graphs for decode.
+"""The forward pass of a step on a GPU: step buffers, Triton attention, CUDA graphs.
 
 ::
 
     StepBatch ─ StepInputs.fill (pinned host -> fixed device buffers, non-blocking)
-        decode rows, fits a bucket, no prompt logprobs ─► DecodeGraphs.replay(bucket)[:n]
-        otherwise                                     ─► model(ids, positions, context) eagerly
+        decode rows, fits a row bucket         ─► graphs.replay(bucket)[:n]
+        mixed, fits a token bucket (opt-in)    ─► mixed_graphs.replay(bucket)[:n]
+        otherwise                              ─► model(ids, positions, context) eagerly
+
+A mixed step (prompt chunks beside decodes) is what a server runs whenever a request arrives:
+eagerly, its forward pass is some ten kernel launches from Python per layer. With
+``INFER_MIXED_GRAPHS=1`` those of up to ``MAX_MIXED_TOKENS`` tokens run padded to a token
+bucket and attend through the fixed-grid prefill kernel (the step's query tiles read from a
+buffer), so a CUDA graph per bucket replays any of them. Opt-in until a GPU run measures it.
 
 No step synchronises here: the sampler's one device-to-host copy of the sampled ids is the
 step's only wait on the GPU.
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -21,8 +29,14 @@ import torch
 
 from infer.runner.gpu import triton_attention as ta
 from infer.runner.gpu import triton_gemv as tg
-from infer.runner.gpu.graphs import DecodeGraphs, capture_sizes
-from infer.runner.gpu.step import GpuAttentionContext, StepInputs, StepShape, is_decode_rows
+from infer.runner.gpu.graphs import StepGraphs, capture_sizes, mixed_capture_sizes
+from infer.runner.gpu.step import (
+    GpuAttentionContext,
+    StepInputs,
+    StepShape,
+    TileList,
+    is_decode_rows,
+)
 
 if TYPE_CHECKING:
     from infer.runner.attention import KVCache
@@ -33,6 +47,12 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_ROWS = 512
 """Decode steps of more rows than this run eagerly (vLLM's default capture limit)."""
 
+MIXED_GRAPHS_ENV = "INFER_MIXED_GRAPHS"
+"""``1``: mixed steps run padded to token buckets and replay CUDA graphs (see the module doc)."""
+
+MAX_MIXED_TOKENS = 512
+"""Mixed steps of more tokens than this run eagerly (their launches are a small share)."""
+
 MAX_SPLITS = 32
 """The most parts the decode kernel cuts one row's keys into (batch 1 at a long context)."""
 
@@ -40,6 +60,19 @@ MAX_SPLITS = 32
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def mixed_graphs_enabled() -> bool:
+    return os.environ.get(MIXED_GRAPHS_ENV, "0") == "1"
+
+
+def tile_programs(units: int, device: torch.device) -> int:
+    """Programs of the fixed-grid prefill kernel for a bucket of at most ``units`` (tile, head)
+    units: four per multiprocessor (each walks its share of the step's units), fewer when the
+    bucket cannot have that many; under the interpreter a few, so that programs loop."""
+    if device.type != "cuda":
+        return min(units, 5)
+    return max(1, min(units, 4 * _multiprocessors(device)))
 
 
 def decode_splits(rows: int, num_kv_heads: int, device: torch.device) -> int:
@@ -74,13 +107,6 @@ class CudaStep:
         self.device = device
         bs = kv_cache.block_size
         decode_rows = max_num_seqs * (1 + num_spec_tokens)
-        self.shape = StepShape(
-            max_rows=max(max_num_batched_tokens + max_model_len, decode_rows),
-            max_table_rows=max(decode_rows, max_num_seqs),
-            max_seqs=max_num_seqs,
-            max_blocks=-(-max_model_len // bs),
-        )
-        self.inputs = StepInputs(self.shape, device)
         spec = model.spec
         tp_size = getattr(model, "tp", None)
         tp_size = tp_size.size if tp_size is not None else 1
@@ -88,12 +114,30 @@ class CudaStep:
         self._kv_heads = spec.num_kv_heads // tp_size
         self._head_dim = spec.head_dim
         self._tp_size = tp_size
-        # Decode steps are sized by bucket whether or not graphs replay them (see _splits).
+        # Decode steps are sized by bucket whether or not graphs replay them (see _splits);
+        # so are mixed steps where they are padded at all (the same kernels either way).
         self.sizes = capture_sizes(min(decode_rows, MAX_GRAPH_ROWS))
-        self.graphs: DecodeGraphs | None = None
+        self.mixed_sizes: list[int] = []
+        self._tile_size = ta.prefill_block_m(spec.head_dim, kv_cache.dtype)
+        max_tiles = 0
+        if mixed_graphs_enabled() and tp_size == 1:
+            self.mixed_sizes = mixed_capture_sizes(min(max_num_batched_tokens, MAX_MIXED_TOKENS))
+            max_tiles = self._max_tiles(self.mixed_sizes[-1], max_num_seqs)
+        self.shape = StepShape(
+            max_rows=max(max_num_batched_tokens + max_model_len, decode_rows),
+            max_table_rows=max(decode_rows, max_num_seqs),
+            max_seqs=max_num_seqs,
+            max_blocks=-(-max_model_len // bs),
+            max_tiles=max_tiles,
+        )
+        self.inputs = StepInputs(self.shape, device)
+        self.graphs: StepGraphs | None = None
+        self.mixed_graphs: StepGraphs | None = None
         graph_safe = getattr(model, "cuda_graph_safe", lambda: True)()
         if not enforce_eager and tp_size == 1 and graph_safe:
-            self.graphs = DecodeGraphs(self.sizes, device)
+            self.graphs = StepGraphs(self.sizes, device)
+            if self.mixed_sizes:
+                self.mixed_graphs = StepGraphs(self.mixed_sizes, device, "mixed steps")
         elif not graph_safe and not enforce_eager:
             logger.info("no CUDA graphs: the model's experts are chosen per step (eager decode)")
         # Skinny matmuls for the small decode buckets, picked by timing (opt-in: triton_gemv).
@@ -112,6 +156,11 @@ class CudaStep:
             for splits, rows in rows_for.items()
             if splits > 1
         }
+
+    def _max_tiles(self, tokens: int, max_seqs: int) -> int:
+        """The most query tiles a mixed step of ``tokens`` tokens can have: a tile per
+        ``_tile_size`` queries, plus one part-filled tile per sequence."""
+        return tokens // self._tile_size + min(tokens, max_seqs)
 
     def _splits(self, rows: int) -> int:
         """Decode splits for a step of ``rows`` rows: by its graph bucket's size when it has one
@@ -136,23 +185,49 @@ class CudaStep:
         )
         return self.model(self.inputs.ids[1][:rows], self.inputs.positions[1][:rows], ctx)
 
+    def _mixed_forward(self, tokens: int) -> torch.Tensor:
+        """The model on the buffers' first ``tokens`` rows as a mixed step, attending through
+        the tile list (what a mixed graph captures)."""
+        inputs, seqs = self.inputs, self.shape.max_seqs
+        tiles = TileList(
+            inputs.tile_seq[1],
+            inputs.tile_index[1],
+            inputs.num_tiles[1],
+            tile_programs(self._max_tiles(tokens, seqs) * self._heads, self.device),
+            self._tile_size,
+        )
+        ctx = GpuAttentionContext(
+            self.kv_cache,
+            num_tokens=tokens,
+            slots=inputs.slots[1][:tokens],
+            tables=inputs.tables[1][:seqs],
+            query_start=inputs.query_start[1][: seqs + 1],
+            num_computed=inputs.num_computed[1][:seqs],
+            tiles=tiles,
+        )
+        return self.model(inputs.ids[1][:tokens], inputs.positions[1][:tokens], ctx)
+
     def capture(self) -> None:
-        """Capture the decode graphs (start-up; after the KV cache exists)."""
-        if self.graphs is None:
-            return
+        """Capture the graphs (start-up; after the KV cache exists)."""
         # Capture-time inputs: padding rows only (no KV written, nothing attended).
         self.inputs.slots[1].fill_(-1)
         self.inputs.context_lens[1].zero_()
-        self.graphs.capture(self._bucket_forward)
+        self.inputs.num_tiles[1].zero_()
+        if self.graphs is not None:
+            self.graphs.capture(self._bucket_forward)
+        if self.mixed_graphs is not None:
+            pool = self.graphs.pool if self.graphs is not None else None
+            self.mixed_graphs.capture(self._mixed_forward, pool=pool)
 
     def close(self) -> None:
         """Drop the graphs (and their memory pool) now rather than when collected."""
         self.graphs = None
+        self.mixed_graphs = None
 
     @property
     def graph_bytes(self) -> int:
-        """GPU memory the capture took (its pool, and what its warm-up first loaded)."""
-        return self.graphs.capture_bytes if self.graphs is not None else 0
+        """GPU memory the captures took (their pool, and what their warm-ups first loaded)."""
+        return sum(g.capture_bytes for g in (self.graphs, self.mixed_graphs) if g is not None)
 
     def forward(self, batch: StepBatch, feed: TokenFeed | None = None) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the step's ``T`` rows; ``feed``: rows whose
@@ -166,6 +241,8 @@ class CudaStep:
         bucket = None
         if decode and self._tp_size == 1:
             bucket = next((size for size in self.sizes if size >= n), None)
+        elif not decode:  # mixed: padded only with INFER_MIXED_GRAPHS=1
+            bucket = next((size for size in self.mixed_sizes if size >= n), None)
         inputs = self.inputs
         width = max(len(s.block_table) for s in seqs)
         rows = bucket or n
@@ -174,17 +251,20 @@ class CudaStep:
             table_rows = n if decode else len(seqs)
             inputs = StepInputs(StepShape(n, table_rows, len(seqs), width), self.device)
             bucket = None
+        tile_size = self._tile_size if bucket is not None and not decode else None
         ids, positions, fields = inputs.fill(
-            batch.token_ids, batch.positions, seqs, self.kv_cache.block_size, bucket
+            batch.token_ids, batch.positions, seqs, self.kv_cache.block_size, bucket, tile_size
         )
         if feed is not None:  # queued after the step before's sampler and the copies above
             rows = inputs.row_index("feed_rows", feed.rows)
             sources = inputs.row_index("feed_sources", feed.sources)
             ids.index_copy_(0, rows, feed.tokens.index_select(0, sources))
         if bucket is not None:
-            if self.graphs is not None:
-                return self.graphs.replay(bucket, self._bucket_forward)[:n]
-            return self._bucket_forward(bucket)[:n]
+            graphs = self.graphs if decode else self.mixed_graphs
+            forward = self._bucket_forward if decode else self._mixed_forward
+            if graphs is not None:
+                return graphs.replay(bucket, forward)[:n]
+            return forward(bucket)[:n]
         ctx = GpuAttentionContext(
             self.kv_cache, num_tokens=n, **(self._decode_args(n) if decode else {}), **fields
         )

@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode forward pass, one per batch-size bucket.
+"""CUDA graphs of a step's forward pass, one per bucket of rows.
 
 A decode step of ``n`` rows replays the graph of the smallest bucket ``B >= n``; rows ``n..B``
 are padding (token 0 at position 0, slot -1: stored nowhere, context 0: attends to nothing), so
@@ -6,8 +6,15 @@ every replay reads the same buffers at the same addresses. Buckets as vLLM's cap
 
     1 2 4 8 16 24 32 40 ... (steps of 8) ... max
 
-Graphs are captured largest first into one shared memory pool: the activations of one replay
-are dead before the next starts, so the pool holds about one large bucket's worth.
+A mixed step (prompt chunks beside decodes) of ``n`` tokens likewise replays the graph of the
+smallest token bucket holding it (opt-in, see ``cuda_step``); its padding rows belong to no
+sequence::
+
+    16 24 32 48 64 96 128 192 256 384 512 (up to the step's token budget)
+
+Graphs are captured largest first into one shared memory pool (both kinds share it): the
+activations of one replay are dead before the next starts, so the pool holds about one large
+bucket's worth.
 """
 
 from __future__ import annotations
@@ -30,7 +37,20 @@ def capture_sizes(max_rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
+def mixed_capture_sizes(max_tokens: int) -> list[int]:
+    """The token buckets for mixed steps of up to ``max_tokens`` tokens (ascending): 16, then
+    steps of a half or a third of a power of two (padding wastes at most a third), and
+    ``max_tokens`` itself when it falls between."""
+    sizes, power = [], 16
+    while power <= max_tokens:
+        sizes += [s for s in (power, power * 3 // 2) if s <= max_tokens]
+        power *= 2
+    if max_tokens >= 1 and (not sizes or sizes[-1] < max_tokens):
+        sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+class StepGraphs:
     """One captured forward per bucket.
 
     ``forward(B)`` (given to :meth:`capture` and :meth:`replay`, not kept: the runner that owns
@@ -41,9 +61,11 @@ class DecodeGraphs:
     buffers: what the padding does to outputs is testable without a GPU.
     """
 
-    def __init__(self, sizes: list[int], device: torch.device) -> None:
+    def __init__(self, sizes: list[int], device: torch.device, what: str = "decode steps") -> None:
         self.sizes = sorted(sizes)
         self.device = device
+        self.what = what  # for the start-up log line
+        self.pool: tuple | None = None  # the memory pool the graphs were captured into
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -57,13 +79,14 @@ class DecodeGraphs:
         return None
 
     @torch.inference_mode()
-    def capture(self, forward: Callable[[int], torch.Tensor]) -> None:
+    def capture(self, forward: Callable[[int], torch.Tensor], pool: tuple | None = None) -> None:
+        """Capture every bucket (``pool``: another ``StepGraphs``' pool to share)."""
         if self.device.type != "cuda":
             return
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             # Warm-up outside the graph: Triton compiles, cuBLAS picks its kernels.
             forward(size)
@@ -76,8 +99,10 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
         logger.info(
-            "captured %d CUDA graphs for decode steps of 1..%d rows in %.1fs, %.0f MiB",
+            "captured %d CUDA graphs for %s of %d..%d rows in %.1fs, %.0f MiB",
             len(self.sizes),
+            self.what,
+            self.sizes[0],
             self.sizes[-1],
             self.capture_seconds,
             self.capture_bytes / 2**20,

@@ -13,6 +13,8 @@ these buffers replays any later step of its size::
                                                                      or per sequence (prefill)
     query_start  [max_seqs + 1] int32                 query_start    prefill steps
     num_computed [max_seqs] int32                     num_computed   prefill steps
+    tile_seq, tile_index [max_tiles] int32            (sequence, query tile) pairs of a
+    num_tiles    [1] int32                             mixed step padded to a token bucket
 
 Two shapes of step:
 
@@ -22,7 +24,9 @@ Two shapes of step:
   step CUDA graphs replay, padded to a bucket with rows of context 0 and slot -1.
 - **mixed** (any prefill chunk): sequence s owns rows ``query_start[s] .. query_start[s+1]``, at
   positions ``num_computed[s] + i``, causal over its cached past and itself; one prefill-kernel
-  launch per layer for every sequence of the step (a decode is a chunk of one).
+  launch per layer for every sequence of the step (a decode is a chunk of one). Padded to a
+  token bucket (a mixed step's CUDA graph), the padding rows come after every chunk and the
+  fixed-grid kernel walks the step's list of query tiles instead (``ta.prefill_tiles``).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class StepShape:
     max_table_rows: int
     max_seqs: int
     max_blocks: int  # blocks of one sequence's table (max_model_len / block_size, rounded up)
+    max_tiles: int = 0  # query tiles of a padded mixed step (0: no mixed step is padded)
 
     def covers(self, num_rows: int, num_seqs: int, table_rows: int, width: int) -> bool:
         return (
@@ -74,6 +79,19 @@ class StepShape:
             and table_rows <= self.max_table_rows
             and width <= self.max_blocks
         )
+
+
+@dataclass(frozen=True)
+class TileList:
+    """A padded mixed step's query tiles in the step buffers, for the fixed-grid kernel:
+    pairs ``(seq[i], index[i])`` for ``i < count[0]``, each ``size`` queries, walked by
+    ``num_programs`` programs (a function of the token bucket only)."""
+
+    seq: torch.Tensor
+    index: torch.Tensor
+    count: torch.Tensor
+    num_programs: int
+    size: int
 
 
 class GpuAttentionContext:
@@ -97,6 +115,7 @@ class GpuAttentionContext:
         max_query_len: int = 1,
         num_splits: int = 1,
         workspace: object | None = None,
+        tiles: TileList | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.num_tokens = num_tokens
@@ -108,6 +127,7 @@ class GpuAttentionContext:
         self.max_query_len = max_query_len
         self.num_splits = num_splits
         self.workspace = workspace
+        self.tiles = tiles
 
     @property
     def all_decode(self) -> bool:
@@ -199,6 +219,22 @@ class GpuAttentionContext:
                 **common,
             )
         assert self.query_start is not None and self.num_computed is not None
+        if self.tiles is not None:
+            tiles = self.tiles
+            return ta.paged_prefill_attention_tiles(
+                q,
+                k_cache,
+                v_cache,
+                self.tables,
+                self.query_start,
+                self.num_computed,
+                tiles.seq,
+                tiles.index,
+                tiles.count,
+                tiles.num_programs,
+                tile_size=tiles.size,
+                **common,
+            )
         return ta.paged_prefill_attention(
             q,
             k_cache,
@@ -252,6 +288,9 @@ class StepInputs:
         self.tables = pair(shape.max_table_rows, shape.max_blocks, dtype=torch.int32)
         self.query_start = pair(shape.max_seqs + 1, dtype=torch.int32)
         self.num_computed = pair(shape.max_seqs, dtype=torch.int32)
+        self.tile_seq = pair(shape.max_tiles, dtype=torch.int32)
+        self.tile_index = pair(shape.max_tiles, dtype=torch.int32)
+        self.num_tiles = pair(1, dtype=torch.int32)
         # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
         self.sample_rows = pair(shape.max_rows, dtype=torch.long)
         self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
@@ -269,6 +308,9 @@ class StepInputs:
                 "tables",
                 "query_start",
                 "num_computed",
+                "tile_seq",
+                "tile_index",
+                "num_tiles",
                 "sample_rows",
                 "prompt_rows",
                 "feed_rows",
@@ -317,17 +359,23 @@ class StepInputs:
         seqs: list[SequenceSlice],
         block_size: int,
         padded_rows: int | None = None,
+        tile_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Write one step; returns ``(input_ids, positions, context fields)`` device views.
 
-        ``padded_rows`` (decode rows only): pad to this many rows (a graph bucket) with rows
-        that store nothing and attend to nothing."""
+        ``padded_rows``: pad to this many rows (a graph bucket) with rows that store nothing
+        and attend to nothing. ``tile_size`` (a mixed step): also write its list of query
+        tiles of that many queries (:class:`TileList`)."""
         self._wait_for_last_copy()
         n = len(token_ids)
         rows = padded_rows or n
         a = self._np
         a["ids"][:n] = token_ids
         a["positions"][:n] = positions
+        # padding rows (a graph bucket's): token 0 at position 0, stored nowhere
+        a["ids"][n:rows] = 0
+        a["positions"][n:rows] = 0
+        a["slots"][n:rows] = -1
         computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
         new = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))
         pos = a["positions"][:n]
@@ -341,11 +389,7 @@ class StepInputs:
             blocks = tables[np.arange(n), pos // block_size]
             a["slots"][:n] = blocks * block_size + pos % block_size
             a["context_lens"][:n] = pos + 1
-            if rows > n:
-                a["ids"][n:rows] = 0
-                a["positions"][n:rows] = 0
-                a["slots"][n:rows] = -1
-                a["context_lens"][n:rows] = 0
+            a["context_lens"][n:rows] = 0
             self._upload("tables", rows)
             fields = dict(
                 slots=self._upload("slots", rows),
@@ -359,9 +403,17 @@ class StepInputs:
             a["query_start"][0] = 0
             a["query_start"][1 : len(seqs) + 1] = np.cumsum(new)
             a["num_computed"][: len(seqs)] = computed
+            if tile_size is not None:
+                seq, tile = ta.prefill_tiles(new, tile_size)
+                a["tile_seq"][: len(seq)] = seq
+                a["tile_index"][: len(seq)] = tile
+                a["num_tiles"][0] = len(seq)
+                self._upload("tile_seq", len(seq))
+                self._upload("tile_index", len(seq))
+                self._upload("num_tiles", 1)
             self._upload("tables", len(seqs))
             fields = dict(
-                slots=self._upload("slots", n),
+                slots=self._upload("slots", rows),
                 tables=self.tables[1][: len(seqs)],
                 query_start=self._upload("query_start", len(seqs) + 1),
                 num_computed=self._upload("num_computed", len(seqs)),

@@ -46,6 +46,7 @@ import math
 import os
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from infer.runner import kv_quant
@@ -482,7 +483,10 @@ if triton is not None:
         )
 
     @triton.jit
-    def _prefill_kernel(
+    def _prefill_program(
+        seq,
+        h,
+        mt,
         q_ptr,
         k_ptr,
         v_ptr,
@@ -517,20 +521,16 @@ if triton is not None:
         FOLD_SCALES: tl.constexpr,
         EXACT: tl.constexpr,
     ):
-        """One program = (sequence, query head, tile of BLOCK_M queries of the chunk).
+        """Query tile ``mt`` (BLOCK_M queries) of sequence ``seq``'s chunk, query head ``h``;
+        the tile must start inside the chunk.
 
         Query i of the chunk sits at position ``past + i`` and sees keys ``j <= past + i``
         (and ``j > past + i - window``); the key loop covers the tile's union of those ranges,
         from the window's first tile (not 0) to the tile's last query, masking per element.
         """
-        seq = tl.program_id(0)
-        h = tl.program_id(1)
-        mt = tl.program_id(2)
         DTYPE = q_ptr.dtype.element_ty
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        if mt * BLOCK_M >= q_len:
-            return
         past = tl.load(past_ptr + seq)
         kvh = h // G
 
@@ -600,6 +600,113 @@ if triton is not None:
             o.to(out_ptr.dtype.element_ty),
             mask=mask_m[:, None] & mask_d[None, :],
         )
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        ks_ptr,
+        vs_ptr,
+        bt_ptr,
+        qsl_ptr,
+        past_ptr,
+        out_ptr,
+        stride_qt,
+        stride_qh,
+        stride_k_slot,
+        stride_k_head,
+        stride_v_slot,
+        stride_v_head,
+        stride_s_slot,
+        stride_s_head,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        window,
+        G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        WINDOWED: tl.constexpr,
+        KV_KIND: tl.constexpr,
+        FP8_NATIVE: tl.constexpr,
+        FOLD_SCALES: tl.constexpr,
+        EXACT: tl.constexpr,
+    ):
+        """One program = (sequence, query head, tile of BLOCK_M queries of the chunk); programs
+        past their chunk's end exit at once."""
+        seq = tl.program_id(0)
+        mt = tl.program_id(2)
+        q_len = tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq)
+        if mt * BLOCK_M < q_len:
+            _prefill_program(
+                seq, tl.program_id(1), mt,
+                q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, past_ptr, out_ptr,
+                stride_qt, stride_qh, stride_k_slot, stride_k_head, stride_v_slot,
+                stride_v_head, stride_s_slot, stride_s_head, stride_bt, stride_ot,
+                stride_oh, qk_scale, window, G, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N,
+                BLOCK_SIZE, WINDOWED, KV_KIND, FP8_NATIVE, FOLD_SCALES, EXACT,
+            )  # fmt: skip
+
+    @triton.jit
+    def _prefill_tiles_kernel(
+        tile_seq_ptr,
+        tile_mt_ptr,
+        num_tiles_ptr,
+        NUM_HEADS: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        ks_ptr,
+        vs_ptr,
+        bt_ptr,
+        qsl_ptr,
+        past_ptr,
+        out_ptr,
+        stride_qt,
+        stride_qh,
+        stride_k_slot,
+        stride_k_head,
+        stride_v_slot,
+        stride_v_head,
+        stride_s_slot,
+        stride_s_head,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        window,
+        G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        WINDOWED: tl.constexpr,
+        KV_KIND: tl.constexpr,
+        FP8_NATIVE: tl.constexpr,
+        FOLD_SCALES: tl.constexpr,
+        EXACT: tl.constexpr,
+    ):
+        """A fixed number of programs walking a list of (sequence, query tile) pairs read from
+        the device: units ``u = tile * NUM_HEADS + head`` go to program ``u % programs``, so
+        the grid depends on no step (a CUDA graph replays any list) and the heads of one tile
+        (which share its kv heads' keys) run side by side."""
+        units = tl.load(num_tiles_ptr) * NUM_HEADS
+        for u in range(tl.program_id(0), units, tl.num_programs(0)):
+            tile = u // NUM_HEADS
+            _prefill_program(
+                tl.load(tile_seq_ptr + tile), u % NUM_HEADS, tl.load(tile_mt_ptr + tile),
+                q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, past_ptr, out_ptr,
+                stride_qt, stride_qh, stride_k_slot, stride_k_head, stride_v_slot,
+                stride_v_head, stride_s_slot, stride_s_head, stride_bt, stride_ot,
+                stride_oh, qk_scale, window, G, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N,
+                BLOCK_SIZE, WINDOWED, KV_KIND, FP8_NATIVE, FOLD_SCALES, EXACT,
+            )  # fmt: skip
 
 
 def _check_triton() -> None:
@@ -823,6 +930,102 @@ def paged_prefill_attention(
     Returns:
         ``[T, H, D]`` in q's dtype (``out`` when given).
     """
+    args, meta, out = _prefill_args(
+        q, k_cache, v_cache, block_tables, query_start_loc, num_computed,
+        block_size, scale, sliding_window, k_scales, v_scales, kv_kind, out,
+    )  # fmt: skip
+    num_seqs = num_computed.shape[0]
+    if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+    grid = (num_seqs, q.shape[1], math.ceil(max_query_len / meta["BLOCK_M"]))
+    _prefill_kernel[grid](*args, **meta)
+    return out
+
+
+def prefill_block_m(head_dim: int, dtype: torch.dtype) -> int:
+    """Queries per tile of the prefill kernels (the unit of :func:`prefill_tiles`)."""
+    return _prefill_config(head_dim, dtype)[0]
+
+
+def prefill_tiles(query_lens: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (sequence, query tile) pairs of a step's chunks for
+    :func:`paged_prefill_attention_tiles`, sequence by sequence::
+
+        query_lens  3  1  130      (block_m 64)
+        sequence    0  1  2  2  2
+        tile        0  0  0  1  2
+
+    At most ``sum(query_lens) // block_m + len(query_lens)`` pairs."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    per_seq = -(-lens // block_m)
+    seq = np.repeat(np.arange(len(lens)), per_seq)
+    tile = np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    return seq, tile
+
+
+def paged_prefill_attention_tiles(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_computed: torch.Tensor,
+    tile_seq: torch.Tensor,
+    tile_index: torch.Tensor,
+    num_tiles: torch.Tensor,
+    num_programs: int,
+    *,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    kv_kind: str | None = None,
+    out: torch.Tensor | None = None,
+    tile_size: int | None = None,
+) -> torch.Tensor:
+    """:func:`paged_prefill_attention` over a list of query tiles held on the device, by a
+    fixed number of programs: what a CUDA graph of a mixed step (prompt chunks and decodes)
+    replays, whatever the step's sequences and chunk lengths.
+
+    ``tile_seq``, ``tile_index``: int32, the first ``num_tiles[0]`` entries the pairs of
+    :func:`prefill_tiles` (tiles of :func:`prefill_block_m` queries); ``num_programs`` a Python
+    int (the grid). Each (tile, head) is computed by the same code as in
+    :func:`paged_prefill_attention`, so both give the same numbers. ``query_start_loc``,
+    ``num_computed`` and ``block_tables`` may hold more sequences than the tiles name.
+    ``tile_size``: the queries per tile the list was made with, checked against the kernel's.
+    """
+    args, meta, out = _prefill_args(
+        q, k_cache, v_cache, block_tables, query_start_loc, num_computed,
+        block_size, scale, sliding_window, k_scales, v_scales, kv_kind, out,
+    )  # fmt: skip
+    assert tile_seq.shape == tile_index.shape and num_tiles.numel() == 1
+    if tile_size is not None and tile_size != meta["BLOCK_M"]:
+        raise ValueError(f"tiles of {tile_size} queries, but the kernel's are {meta['BLOCK_M']}")
+    if q.shape[0] == 0 or num_programs <= 0:
+        return out
+    _prefill_tiles_kernel[(num_programs,)](
+        tile_seq, tile_index, num_tiles, q.shape[1], *args, **meta
+    )
+    return out
+
+
+def _prefill_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_computed: torch.Tensor,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    kv_kind: str | None,
+    out: torch.Tensor | None,
+) -> tuple[tuple, dict, torch.Tensor]:
+    """The prefill kernels' common arguments (checked), their constants, and the output."""
     _check_triton()
     t, h, d = q.shape
     _, hkv, dk = k_cache.shape
@@ -835,22 +1038,21 @@ def paged_prefill_attention(
     if out is None:
         out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     assert out.shape == (t, h, d) and out.stride(2) == 1
-    if t == 0 or num_seqs == 0 or max_query_len <= 0:
-        return out
     ks, vs, s_slot, s_head = _scale_args(k_cache, k_scales, v_scales)
     block_m, block_n, warps, stages = _prefill_config(d, q.dtype)
-    grid = (num_seqs, h, math.ceil(max_query_len / block_m))
-    _prefill_kernel[grid](
+    args = (
         q, k_cache, v_cache, ks, vs, block_tables, query_start_loc, num_computed, out,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         s_slot, s_head, block_tables.stride(0),
         out.stride(0), out.stride(1),
         float(scale) * _LOG2E, int(sliding_window or 0),
+    )  # fmt: skip
+    meta = dict(
         G=h // hkv, HEAD_DIM=d, D_PAD=max(16, _next_pow2(d)),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=int(block_size),
         WINDOWED=sliding_window is not None, KV_KIND=kind,
         FP8_NATIVE=_fp8_native(q.device), FOLD_SCALES=_fold_scales(q.dtype),
         EXACT=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return out
+    return args, meta, out

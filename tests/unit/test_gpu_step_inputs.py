@@ -1,0 +1,51 @@
+"""The GPU step's buffers (``runner/gpu/step.py``) as a step writes them: decode rows and mixed
+steps, exact or padded to a graph bucket, with the tile list a padded mixed step's fixed-grid
+attention walks. Plain CPU tensors (the buffers are pinned only on a GPU); no kernel runs."""
+
+from __future__ import annotations
+
+import torch
+
+from infer.core.messages import SequenceSlice
+from infer.runner.gpu.step import StepInputs, StepShape
+
+BS = 4
+
+
+def _inputs() -> StepInputs:
+    shape = StepShape(max_rows=64, max_table_rows=8, max_seqs=4, max_blocks=6, max_tiles=8)
+    return StepInputs(shape, torch.device("cpu"))
+
+
+def test_a_mixed_step_padded_to_its_bucket_writes_padding_rows_and_its_tiles():
+    inputs = _inputs()
+    seqs = [
+        SequenceSlice(6, 1, [3, 9]),  # a decode at position 6
+        SequenceSlice(0, 9, [5, 10, 11]),  # a fresh prompt of 9
+        SequenceSlice(8, 5, [1, 2, 7, 0]),  # a later chunk of 5 at 8..12
+    ]
+    ids = [100, *range(200, 209), *range(300, 305)]
+    positions = [6, *range(9), *range(8, 13)]
+    inputs._np["slots"][:] = 77  # a step before's values
+    got_ids, got_pos, fields = inputs.fill(ids, positions, seqs, BS, padded_rows=24, tile_size=4)
+    assert got_ids.tolist() == ids + [0] * 9 and got_pos.tolist() == positions + [0] * 9
+    slots = fields["slots"].tolist()
+    assert slots[0] == 9 * BS + 2  # block 1 of [3, 9], offset 2
+    assert slots[1:10] == [5 * BS + p % BS if p < 4 else (10 if p < 8 else 11) * BS + p % BS
+                           for p in range(9)]  # fmt: skip
+    assert slots[15:] == [-1] * 9  # padding: stored nowhere
+    assert fields["query_start"].tolist() == [0, 1, 10, 15]
+    assert fields["num_computed"].tolist() == [6, 0, 8]
+    # tiles of 4 queries: 1 for the decode, 3 for the 9, 2 for the 5
+    assert int(inputs.num_tiles[1][0]) == 6
+    assert inputs.tile_seq[1][:6].tolist() == [0, 1, 1, 1, 2, 2]
+    assert inputs.tile_index[1][:6].tolist() == [0, 0, 1, 2, 0, 1]
+
+
+def test_decode_rows_padded_to_their_bucket_attend_to_nothing_past_the_step():
+    inputs = _inputs()
+    seqs = [SequenceSlice(6, 1, [3, 9]), SequenceSlice(1, 1, [4])]
+    _, _, fields = inputs.fill([1, 2], [6, 1], seqs, BS, padded_rows=4)
+    assert fields["slots"].tolist() == [9 * BS + 2, 4 * BS + 1, -1, -1]
+    assert fields["context_lens"].tolist() == [7, 2, 0, 0]
+    assert int(inputs.num_tiles[1][0]) == 0  # no tile list written for decode rows
