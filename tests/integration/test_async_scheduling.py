@@ -155,10 +155,18 @@ def test_a_discarded_step_launched_ahead_still_counts_its_launch(make_llm):
     assert st.forward - before[1] == pytest.approx(sum(s.t2 - s.t1 for s in launched))
 
 
-def test_requests_admitted_into_steps_launched_ahead_get_the_waiting_steps_tokens(make_llm):
+@pytest.mark.parametrize("mixed_graphs", [False, True], ids=["mixed-eager", "mixed-graphs"])
+def test_requests_admitted_into_steps_launched_ahead_get_the_waiting_steps_tokens(
+    make_llm, mixed_graphs, monkeypatch
+):
     """Arrivals while others decode (more prompts than slots, and requests added mid-flight)
     go into steps launched ahead — a decode step's rows fed on the device, the new prompts'
-    chunks after them — with the tokens of waiting for every step, every block back."""
+    chunks after them — with the tokens of waiting for every step, every block back. With
+    INFER_MIXED_GRAPHS=1 those mixed steps run padded to token buckets (graphs on a GPU)."""
+    if mixed_graphs:
+        from infer.runner.gpu.cuda_step import MIXED_GRAPHS_ENV
+
+        monkeypatch.setenv(MIXED_GRAPHS_ENV, "1")
     options = dict(OPTIONS, max_num_seqs=2, prefill_chunk_size=5)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[:6]
@@ -166,6 +174,7 @@ def test_requests_admitted_into_steps_launched_ahead_get_the_waiting_steps_token
     want = [o.outputs[0].token_ids for o in sync.generate(prompts, greedy)]
 
     llm = make_llm("llama", **options)
+    assert bool(llm.engine.runner.cuda_step.mixed_sizes) == mixed_graphs
     admitted: list[str] = []
     admit = llm.engine.scheduler._admit_ahead
 

@@ -115,7 +115,8 @@ def test_mixed_steps_padded_to_token_buckets_give_transformers_tokens(
 
         monkeypatch.setattr(triton_attention, name, counted)
     want = _want(hf_greedy, "llama")
-    for eager in (False, True):
+    # (on a CPU both engines would run the same padded steps: one is enough)
+    for eager in (False, True) if DEVICE == "cuda" else (False,):
         llm = make_llm("llama", attention_backend="triton", enforce_eager=eager, **MODES[mode])
         step = llm.engine.runner.cuda_step
         assert step.mixed_sizes[0] == 16 and (step.mixed_graphs is None) == eager
