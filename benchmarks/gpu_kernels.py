@@ -220,10 +220,11 @@ def kernel_bench(
             if kv_bytes > args.kernel_max_gb * 1e9:
                 res["skipped_cases"].append(f"{r}x{length}: {kv_bytes / 1e9:.2f} GB of K/V")
                 continue
-            # As the engine runs it: the splits its decode step of r rows uses, and 1 beside it.
+            # As the engine runs it: the splits its decode step of r rows uses, and beside it
+            # 1 and four times as many (up to 32): whether the engine's pick leaves speed over.
             engine_splits = _engine_splits(r, shape["kv_heads"], device)
             try:
-                splits = [engine_splits] + ([1] if engine_splits != 1 else [])
+                splits = list(dict.fromkeys([engine_splits, 1, min(32, 4 * engine_splits)]))
                 row = case(r, length, splits, length in torch_ctx)
             except Exception as e:  # noqa: BLE001 - one failed cell must not lose the rest
                 row = {"batch": r, "context": length, "error": f"{type(e).__name__}: {e}"}
@@ -288,10 +289,11 @@ def markdown(kern: dict) -> list[str]:
             f"{row['GBps']:,.0f}", num(None if pct is None else 100 * pct, ".0f"),
             num(None if t_ms is None else 1000 * t_ms, ".1f"), num(row.get("torch_GBps"), ",.0f"),
             _ratio(t_ms, row["ms"]), num(row.get("max_abs_err"), ".2e"),
+            f"{row['best_split']}: {1000 * row['best_ms']:.1f}" if "best_ms" in row else "-",
         ])  # fmt: skip
     lines += md_table("batch | context | K/V MB | splits | triton us | 1 split us | GB/s "
                       "| % of read | torch us | torch GB/s | triton speed-up "
-                      "| max abs err vs torch", rows, "r" * 12)  # fmt: skip
+                      "| max abs err vs torch | best splits: us", rows, "r" * 13)  # fmt: skip
     lines += [f"\nSkipped: {s}" for s in kern.get("skipped_cases", [])]
     split = kern.get("split", {})
     if "splits_ms" in split:
