@@ -5,8 +5,8 @@
 #
 #   bash scripts/gpu_check.sh        # from the repository root, with .whl/ carried alongside
 #
-# Results land in $OUT (default bench-results/gpu-check): tests.log, bench.log, gpu.md, gpu.json
-# (and integration.log): at most five files. Environment (defaults in brackets):
+# Results land in $OUT (default bench-results/gpu-check): tests.log, report.log, bench.log,
+# gpu.md, gpu.json, side.tgz (server logs, py-spy profiles) and integration.log: at most seven. Environment (defaults in brackets):
 #   GPU_CHECK_BUDGET [400]           seconds for the whole script; the bench gets what is left
 #   GPU_CHECK_TESTS [1]              0 skips the GPU test files
 #   GPU_CHECK_TEST_FILES             [tests/*/test_*cuda*.py tests/*/test_*triton*.py]
@@ -137,6 +137,13 @@ else
     run_bench
 fi
 
+# The bench's side files (each HTTP mode's server log, py-spy profiles) in one archive: at most
+# eight files come back from a lent machine.
+side=$(cd "$OUT" && ls http_server_*.log pyspy_*.txt 2>/dev/null)
+if [ -n "$side" ]; then
+    # shellcheck disable=SC2086  # one name a word
+    (cd "$OUT" && tar -czf side.tgz $side && rm -f $side)
+fi
 if [ "${GPU_CHECK_SAVE_TRITON_CACHE:-0}" = 1 ]; then
     tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && ls -l "$OUT/triton-cache.tgz"
 fi

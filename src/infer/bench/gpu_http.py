@@ -91,7 +91,7 @@ def http_section(
                 closed_loop_processes, url + "/v1", prompts, c, output_len, args.http_clients
             )
             if args.http_profile:
-                res["profile"] = profile_server(proc.pid, args.http_profile, out, log)
+                res["profile"] = profile_server(proc.pid, args.http_profile, out, log, mode)
             records, wall = load_done.result()
     finally:
         stop_server(proc)
@@ -120,10 +120,13 @@ def http_section(
 PROFILE_DELAY_S = 1.0  # into the load before sampling starts: past the first prefills
 
 
-def profile_server(server_pid: int, seconds: float, out: Path, log: Callable[[str], None]) -> dict:
+def profile_server(
+    server_pid: int, seconds: float, out: Path, log: Callable[[str], None], mode: str = "graphs"
+) -> dict:
     """``py-spy`` on the API server and its engine process while the load runs: the raw
-    profiles in ``out`` and each process's top functions (:func:`infer.bench.pyspy.top_frames`).
-    Without py-spy (``$INFER_PY_SPY`` or the PATH), says so and measures nothing."""
+    profiles in ``out`` (``pyspy_<mode>_<process>.txt``) and each process's top functions
+    (:func:`infer.bench.pyspy.top_frames`). Without py-spy (``$INFER_PY_SPY`` or the PATH),
+    says so and measures nothing."""
     from infer.bench import pyspy
 
     py_spy = pyspy.find_py_spy()
@@ -135,11 +138,11 @@ def profile_server(server_pid: int, seconds: float, out: Path, log: Callable[[st
     running = {}
     for name, pid in pids.items():
         if pid is not None:
-            running[name] = pyspy.record(py_spy, pid, seconds, out / f"pyspy_{name}.txt")
+            running[name] = pyspy.record(py_spy, pid, seconds, out / f"pyspy_{mode}_{name}.txt")
     found: dict = {}
     for name, spy in running.items():
         _, err = spy.communicate(timeout=seconds + 60)
-        raw = out / f"pyspy_{name}.txt"
+        raw = out / f"pyspy_{mode}_{name}.txt"
         if spy.returncode != 0 or not raw.exists():
             found[name] = {"error": f"py-spy exited {spy.returncode}: {err.strip()[-300:]}"}
             continue

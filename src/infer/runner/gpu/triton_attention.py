@@ -1,13 +1,15 @@
 """Triton kernels for attention over the paged KV cache (CUDA GPUs; CPU under the interpreter).
 
-Three kernels, each reading K and V in place through the block tables (no gathered copy of a
+Three kinds of kernel, each reading K and V in place through the block tables (no gathered copy of a
 context, no mask tensor):
 
 - :func:`store_kv` writes a step's K and V rows at their slots (one launch for both; rows with
   a negative slot, the padding rows of a CUDA graph, are skipped);
 - :func:`paged_decode_attention`: one query row per entry, flash-decoding (split-K);
 - :func:`paged_prefill_attention`: every prefill / extend chunk of a step in one launch, causal
-  over the sequence's past and the chunk itself (whose K/V are already stored).
+  over the sequence's past and the chunk itself (whose K/V are already stored);
+  :func:`paged_prefill_attention_tiles` runs the same per-tile code from a list of query tiles
+  held on the device, by a fixed number of programs (a mixed step's CUDA graph).
 
 Cache layout (one layer, as :class:`infer.runner.attention.KVCache` holds it)::
 
