@@ -137,8 +137,8 @@ else
     run_bench
 fi
 
-# The bench's side files (each HTTP mode's server log, py-spy profiles) in one archive: at most
-# eight files come back from a lent machine.
+# The bench's side files (each HTTP mode's server log, py-spy profiles) in one archive: a lent
+# machine sends back at most eight files (these seven, and triton-cache.tgz when asked for).
 side=$(cd "$OUT" && ls http_server_*.log pyspy_*.txt 2>/dev/null)
 if [ -n "$side" ]; then
     # shellcheck disable=SC2086  # one name a word

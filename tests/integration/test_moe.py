@@ -219,16 +219,19 @@ def test_more_experts_per_token_than_experts_is_named(kind, field, tiny_checkpoi
 
 
 @pytest.mark.slow  # the Triton interpreter on a CPU: ~10 s an engine
-def test_triton_step_runs_experts_without_graphs(make_llm, hf_greedy):
+def test_triton_step_runs_experts_without_graphs(make_llm, hf_greedy, monkeypatch):
     """The GPU step (under Triton's interpreter without a GPU): no decode graphs for a model
-    whose experts are chosen per step, padded decode buckets routed like any rows, and
-    transformers' tokens."""
+    whose experts are chosen per step, padded decode buckets routed like any rows, mixed steps
+    not padded even with INFER_MIXED_GRAPHS=1 (no graph could replay them), and transformers'
+    tokens."""
     pytest.importorskip("triton")
+    monkeypatch.setenv("INFER_MIXED_GRAPHS", "1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = make_llm("qwen2_moe", device=device, attention_backend="triton", block_size=4,
                    max_num_seqs=4)  # fmt: skip
     step = llm.engine.runner.cuda_step
-    assert step is not None and step.graphs is None
+    assert step is not None and step.graphs is None and step.mixed_graphs is None
+    assert step.mixed_sizes == []
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     got = _tokens(llm.generate(PROMPTS[:5], params))
     assert got == [t[:8] for t in hf_greedy("qwen2_moe")[:5]]

@@ -181,13 +181,15 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
     from infer.bench.gpu_http import server_command
 
     r = _report()
-    mixed = {**r["http"], "mode": "graphs-mixed", "output_tok_s": 15_500.0, "ratio": 0.97}
+    mixed = {**r["http"], "mode": "graphs-mixed", "output_tok_s": 15_500.0, "ratio": 0.97,
+             "offline_mode": "graphs"}  # fmt: skip
     r["http_modes"] = {"graphs": {**r["http"], "mode": "graphs"}, "graphs-mixed": mixed}
     r["targets"] = gpu.targets(r)
     md = gpu.render_markdown(r)
     assert "## Over HTTP: `infer serve` at 128x128@64 (graphs)" in md
     assert "## Over HTTP: `infer serve` at 128x128@64 (graphs-mixed)" in md
     assert "| http / offline | 0.97 |  |  |" in md
+    assert "The offline graphs cell's prompts and engine settings (graphs-mixed's over HTTP)" in md
     assert "15,500 tok/s = 0.97x offline" in gpu.summary(r)
     assert _status(r["targets"])["HTTP"] == "MET"  # from r["http"]: 0.94x
     args = _args("--http-modes", "graphs,graphs-mixed,graphs-sync")
@@ -198,7 +200,9 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
     cmd = server_command(tmp_path, args, 8000, "torch-eager")
     assert cmd[cmd.index("--attention-backend") + 1] == "torch"
     assert "--enforce-eager" in server_command(tmp_path, args, 8000, "eager")
-    assert gpu.MODE_ENV["graphs-mixed"] == {"INFER_MIXED_GRAPHS": "1"}
+    assert gpu.mode_environ("graphs-mixed") == {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "1"}
+    # a switch exported in the shell cannot turn the plain mode into another
+    assert gpu.mode_environ("graphs") == {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "0"}
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         server_command(tmp_path, args, 8000, "fast")
 

@@ -111,6 +111,13 @@ MODE_ENV: dict[str, dict[str, str]] = {
 }
 
 
+def mode_environ(mode: str) -> dict[str, str]:
+    """The environment switches while ``mode``'s engine starts: its own (MODE_ENV) on, every
+    other mode's off, so a switch exported in the shell cannot turn one mode into another."""
+    env = {key: "0" for switches in MODE_ENV.values() for key in switches}
+    return env | MODE_ENV.get(mode, {})
+
+
 def mode_server_flags(mode: str) -> list[str]:
     """``infer serve`` flags for a mode's engine settings (its environment is MODE_ENV's)."""
     if mode not in MODES:
@@ -345,7 +352,7 @@ def make_engine(model: Path, mode: str, args: argparse.Namespace):
     }
     if args.kv_cache_memory:
         kw["kv_cache_memory"] = args.kv_cache_memory
-    with patched_environ(MODE_ENV.get(mode, {})):
+    with patched_environ(mode_environ(mode)):
         return offline_engine(model, **kw)
 
 
@@ -362,17 +369,19 @@ def runner_info(engine: Any) -> dict[str, str]:
     step = getattr(getattr(engine, "runner", None), "cuda_step", None)
     if step is not None:
         found["runner.cuda_step"] = type(step).__name__
-        graphs = getattr(step, "graphs", None)
-        found["decode graphs"] = (
-            "none (eager)"
-            if graphs is None
-            else (
-                f"{len(getattr(graphs, 'graphs', {}))} captured for batch "
-                f"{getattr(graphs, 'sizes', ['?'])[0]}..{getattr(graphs, 'sizes', ['?'])[-1]} in "
-                f"{getattr(graphs, 'capture_seconds', 0):.1f}s, "
-                f"{getattr(graphs, 'capture_bytes', 0) / 2**20:.0f} MiB"
+        for key, name, unit in (("graphs", "decode graphs", "batch"),
+                                ("mixed_graphs", "mixed graphs", "tokens")):  # fmt: skip
+            graphs = getattr(step, key, None)
+            found[name] = (
+                "none (eager)"
+                if graphs is None
+                else (
+                    f"{len(getattr(graphs, 'graphs', {}))} captured for {unit} "
+                    f"{getattr(graphs, 'sizes', ['?'])[0]}..{getattr(graphs, 'sizes', ['?'])[-1]}"
+                    f" in {getattr(graphs, 'capture_seconds', 0):.1f}s, "
+                    f"{getattr(graphs, 'capture_bytes', 0) / 2**20:.0f} MiB"
+                )
             )
-        )
         picks = getattr(step, "gemv_picks", None)
         if picks:
             found["skinny matmuls"] = "; ".join(picks)
@@ -822,7 +831,8 @@ def _http_markdown(http: dict) -> list[str]:
     if "output_tok_s" not in http:
         return lines + ["Did not run to the end: see the sections table."]
     lines.append(
-        "The offline graphs cell's prompts and engine settings, streamed completions "
+        f"The offline {http.get('offline_mode', 'graphs')} cell's prompts and engine settings "
+        f"({http.get('mode', 'graphs')}'s over HTTP), streamed completions "
         "(token-id prompts, usage counted), C in flight; server up in "
         f"{_f(http.get('server_start_s'), '.1f')} s."
     )
@@ -994,7 +1004,8 @@ def summary(r: dict) -> str:
     for http in (r.get("http_modes") or {}).values() or [r.get("http") or {}]:
         if "output_tok_s" in http:
             lines.append(
-                f"  http {http['load']} {http.get('mode', '')}: {http['output_tok_s']:,.0f} tok/s"
+                f"  http {http['load']}{' ' + http['mode'] if http.get('mode') else ''}: "
+                f"{http['output_tok_s']:,.0f} tok/s"
                 + (f" = {http['ratio']:.2f}x offline" if http.get("ratio") else "")
             )
     for n, row in (_get(r, "hf", "rows") or {}).items():
@@ -1179,7 +1190,7 @@ def _run_sections(
             sections.run(f"engine {mode}", mode_section, device)
 
     if args.http and not args.skip_engine:
-        http_modes = [m for m in args.http_modes.split(",") if m]
+        http_modes = list(dict.fromkeys(m for m in args.http_modes.split(",") if m))
         for i, http_mode in enumerate(http_modes):
 
             def http_section(mode: str = http_mode, first: bool = i == 0) -> dict:
@@ -1187,11 +1198,13 @@ def _run_sections(
 
                 c = int(args.http)
                 load = (args.prompt_len, args.output_len, c)
-                offline = _get(report, "engine", mode, "loads", load_key(*load)) or _get(
-                    report, "engine", "graphs", "loads", load_key(*load)
-                )
+                offline_mode = mode  # its own offline cell, else the graphs one's (named)
+                offline = _get(report, "engine", mode, "loads", load_key(*load))
+                if offline is None:
+                    offline_mode = "graphs"
+                    offline = _get(report, "engine", "graphs", "loads", load_key(*load))
                 vocab = min(model["shape"]["vocab_size"], model["tokenizer_vocab"])
-                res: dict = {}
+                res: dict = {"offline_mode": offline_mode}
                 if first:  # the targets' figure
                     report["http"] = res
                 if len(http_modes) > 1:

@@ -59,7 +59,7 @@ def http_section(
     run ``load`` (prompt len, output len, C) over HTTP with the offline cell's prompts, stop
     it; ``res`` gets the figures and the ratio to ``offline`` (that cell's row from the same
     run, if it ran)."""
-    from infer.bench.gpu import MODE_ENV, load_key
+    from infer.bench.gpu import load_key, mode_environ
     from infer.bench.offline import random_prompts
     from infer.bench.online import (
         closed_loop,
@@ -76,7 +76,7 @@ def http_section(
                client_processes=args.http_clients, server_args=args.http_server_args)  # fmt: skip
     port = free_port()
     t = time.perf_counter()
-    env = {**os.environ, **MODE_ENV.get(mode, {})}
+    env = {**os.environ, **mode_environ(mode)}
     proc, url = launch_server(
         server_command(model, args, port, mode), port, out / f"http_server_{mode}.log", env=env
     )

@@ -120,7 +120,11 @@ class CudaStep:
         self.mixed_sizes: list[int] = []
         self._tile_size = ta.prefill_block_m(spec.head_dim, kv_cache.dtype)
         max_tiles = 0
-        if mixed_graphs_enabled() and tp_size == 1:
+        graph_safe = getattr(model, "cuda_graph_safe", lambda: True)()
+        # Padding a mixed step buys nothing where no graph could replay it (a mixture of
+        # experts would route the padding rows too); under --enforce-eager it still pads, so
+        # its tokens are the graphs'.
+        if mixed_graphs_enabled() and tp_size == 1 and graph_safe:
             self.mixed_sizes = mixed_capture_sizes(min(max_num_batched_tokens, MAX_MIXED_TOKENS))
             max_tiles = self._max_tiles(self.mixed_sizes[-1], max_num_seqs)
         self.shape = StepShape(
@@ -133,7 +137,6 @@ class CudaStep:
         self.inputs = StepInputs(self.shape, device)
         self.graphs: StepGraphs | None = None
         self.mixed_graphs: StepGraphs | None = None
-        graph_safe = getattr(model, "cuda_graph_safe", lambda: True)()
         if not enforce_eager and tp_size == 1 and graph_safe:
             self.graphs = StepGraphs(self.sizes, device)
             if self.mixed_sizes:

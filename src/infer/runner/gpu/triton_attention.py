@@ -996,6 +996,9 @@ def paged_prefill_attention_tiles(
     :func:`paged_prefill_attention`, so both give the same numbers. ``query_start_loc``,
     ``num_computed`` and ``block_tables`` may hold more sequences than the tiles name.
     ``tile_size``: the queries per tile the list was made with, checked against the kernel's.
+    Rows in no tile (a padded step's padding) are not written: with ``out=None`` they hold
+    whatever the allocation held, which only ever reaches the padding rows' own outputs (every
+    op after attention works row by row).
     """
     args, meta, out = _prefill_args(
         q, k_cache, v_cache, block_tables, query_start_loc, num_computed,
