@@ -213,7 +213,7 @@ def test_mixed_steps_replay_token_bucket_graphs_and_give_the_eager_tokens(
 
     mixed.replay = counting
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
-    assert replays > 0
+    assert replays > 0 and step.step_kinds["mixed replayed"] == replays
 
 
 def test_skinny_matmuls_replay_in_graphs_and_give_the_eager_tokens(make_llm, cuda_device,

@@ -121,6 +121,9 @@ def test_mixed_steps_padded_to_token_buckets_give_transformers_tokens(
         step = llm.engine.runner.cuda_step
         assert step.mixed_sizes[0] == 16 and (step.mixed_graphs is None) == eager
         assert _tokens(llm) == want, f"enforce_eager={eager}"
+        kinds = step.step_kinds  # (no graphs are captured on a CPU: padded, not replayed)
+        assert kinds["mixed replayed" if step.mixed_graphs and step.mixed_graphs.graphs
+                     else "mixed padded"] > 0 and kinds["mixed eager"] == 0  # fmt: skip
         kv = llm.engine.kv_manager
         assert kv.num_free_blocks == kv.num_total_blocks
     # every mixed step fits a bucket (the budget is under 512 tokens): no grid-per-step launch

@@ -157,12 +157,15 @@ def test_an_empty_report_is_all_not_measured_and_still_renders():
 
 def test_markdown_tables_from_a_result():
     r = _report()
+    r["engine"]["graphs"]["loads"]["128x128@64"]["step_kinds"] = {"decode replayed": 250,
+                                                                  "mixed eager": 3}  # fmt: skip
     r["targets"] = gpu.targets(r)
     md = gpu.render_markdown(r)
     assert "Device: **NVIDIA H100 80GB HBM3**" in md
     assert "1.236B parameters, 2.47 GB" in md
     # graphs vs the torch-eager baseline at C=64: 16,000 / 3,200
-    assert "| graphs | 128x128@64 | 16,000 | 5.00x | 1.00 | 20 | 1.00 |" in md
+    assert "| graphs | 128x128@64 | 16,000 | 5.00x | 1.00 | 20 | 1.00 | 250 decode replayed, " \
+           "3 mixed eager |" in md  # fmt: skip
     assert "| 1 | 1.000 | 3.000 | 0.33 |" in md  # the bucket table: graphs, eager, ratio
     assert "| 8 | 100.0 | 5.00 |" in md  # split-K
     assert "| 64 | 128 | 8192 | 8.2 | 1,000 | 16,000 | 16.0 |" in md
@@ -178,11 +181,12 @@ def test_markdown_tables_from_a_result():
 def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
     """--http-modes graphs,graphs-mixed: each mode's server runs with that mode's flags and
     environment switch; both render, the first stays the targets' figure."""
-    from infer.bench.gpu_http import server_command
+    from infer.bench.gpu_http import server_command, server_step_kinds
 
     r = _report()
     mixed = {**r["http"], "mode": "graphs-mixed", "output_tok_s": 15_500.0, "ratio": 0.97,
-             "offline_mode": "graphs"}  # fmt: skip
+             "offline_mode": "graphs", "step_kinds": {"decode replayed": 900,
+                                                      "mixed replayed": 80}}  # fmt: skip
     r["http_modes"] = {"graphs": {**r["http"], "mode": "graphs"}, "graphs-mixed": mixed}
     r["targets"] = gpu.targets(r)
     md = gpu.render_markdown(r)
@@ -191,6 +195,10 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
     assert "| http / offline | 0.97 |  |  |" in md
     assert "The offline graphs cell's prompts and engine settings (graphs-mixed's over HTTP)" in md
     assert "15,500 tok/s = 0.97x offline" in gpu.summary(r)
+    assert "the server's steps (warm-up included): 900 decode replayed, 80 mixed replayed." in md
+    log = "INFO captured 11 CUDA graphs\nINFO steps run: 812 decode replayed, 95 mixed eager\n"
+    assert server_step_kinds(log) == {"decode replayed": 812, "mixed eager": 95}
+    assert server_step_kinds("INFO shutting down\n") == {}
     assert _status(r["targets"])["HTTP"] == "MET"  # from r["http"]: 0.94x
     args = _args("--http-modes", "graphs,graphs-mixed,graphs-sync")
     assert args.http_modes == "graphs,graphs-mixed,graphs-sync"

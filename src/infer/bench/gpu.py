@@ -508,6 +508,12 @@ def _cell(res: dict, table: str, key: str, name: str, log: Callable[[str], None]
         log(f"{name}: FAILED {type(e).__name__}: {e}")
 
 
+def _step_kinds(engine: Any) -> dict[str, int]:
+    """The GPU step's counts of steps by how they ran (none on the torch path)."""
+    step = getattr(getattr(engine, "runner", None), "cuda_step", None)
+    return dict(getattr(step, "step_kinds", {}))
+
+
 def engine_mode(
     model: Path,
     mode: str,
@@ -548,11 +554,15 @@ def engine_mode(
             key = load_key(pin, pout, c)
             n = max(args.requests_per_c * c, 2 if c == 1 else c)
             with _cell(res, "loads", key, f"{mode} {key}", log):
+                kinds_before = dict(_step_kinds(engine))
                 res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
+                kinds = {k: v - kinds_before.get(k, 0) for k, v in _step_kinds(engine).items()}
+                row["step_kinds"] = {k: v for k, v in kinds.items() if v}
                 log(
                     f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
                     f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 {row['ttft_ms']['p50']:.0f} ms "
                     f"({row['wall_s']:.1f}s)"
+                    + "".join(f"; {v} {k}" for k, v in row["step_kinds"].items())
                 )
         for b in buckets:
             with _cell(res, "buckets", str(b), f"{mode} bucket {b}", log):
@@ -792,16 +802,18 @@ def _engine_markdown(eng: dict, roof: dict, p: int, o: int) -> list[str]:
             rows.append([mode, "-", f"failed: {_last_line(res['error'], 120)}", "", "", "", ""])
         for key, row in res.get("loads", {}).items():
             if "error" in row:
-                rows.append([mode, key, f"failed: {row['error'][:120]}", "", "", "", ""])
+                rows.append([mode, key, f"failed: {row['error'][:120]}", "", "", "", "", ""])
                 continue
             tok_s = row["output_tok_s"]
+            kinds = ", ".join(f"{v} {k}" for k, v in (row.get("step_kinds") or {}).items())
             rows.append([mode, key, f"{tok_s:,.0f}",
                          _ratio(tok_s, _get(base, key, "output_tok_s"), suffix="x"),
                          f"{row['itl_ms']['p50']:.2f}", f"{row['ttft_ms']['p50']:.0f}",
-                         f"{row['mean_step_ms']:.2f}"])  # fmt: skip
+                         f"{row['mean_step_ms']:.2f}", kinds or "-"])  # fmt: skip
     lines = ["", "## Offline engine, closed loop (C in flight, greedy, ignore_eos)", ""]
     lines += md_table("mode | PxO@C | output tok/s | vs torch-eager | ITL p50 ms | TTFT p50 ms "
-                      "| mean step ms", rows, "llrrrrr")  # fmt: skip
+                      "| mean step ms | steps (GPU step: replayed / padded / eager)", rows,
+                      "llrrrrrl")  # fmt: skip
     rows = []
     lim = roof.get("weight_read_ms")
     for mode, res in eng.items():
@@ -843,9 +855,11 @@ def _http_markdown(http: dict) -> list[str]:
         ["http / offline", _f(http.get("ratio")), "", ""],
     ]  # fmt: skip
     lines += [""] + md_table(" | output tok/s | TTFT p50 ms | ITL p50 ms", rows, "lrrr")
+    kinds = ", ".join(f"{v} {k}" for k, v in (http.get("step_kinds") or {}).items())
     lines += ["", f"{http.get('client_processes', 1)} client processes; "
               f"{_f(http.get('tokens_per_event'))} tokens per streamed event; server flags "
-              f"`{http.get('server_args') or '(defaults)'}`."]  # fmt: skip
+              f"`{http.get('server_args') or '(defaults)'}`; the server's steps (warm-up "
+              f"included): {kinds or '-'}."]  # fmt: skip
     for name, prof in (http.get("profile") or {}).items():
         if not isinstance(prof, dict) or not prof.get("samples"):
             lines += ["", f"py-spy, {name}: {(prof or {}).get('error', 'no samples')}"]

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import os
+import re
 import shlex
 import sys
 import time
@@ -95,6 +96,7 @@ def http_section(
             records, wall = load_done.result()
     finally:
         stop_server(proc)
+    res["step_kinds"] = server_step_kinds(Path(proc.log_file.name).read_text(errors="replace"))
     row = summarize(records, wall)
     tokens = sum(r.output_tokens or 0 for r in records)
     if row["completed"] != n or tokens != n * output_len:
@@ -115,6 +117,20 @@ def http_section(
         + (f"; offline {offline_toks:,.0f} tok/s = {res['ratio']:.2f}x" if offline_toks else "")
     )
     return res
+
+
+def server_step_kinds(log_text: str) -> dict[str, int]:
+    """The engine's count of steps by how they ran, from the line its GPU step logs when the
+    server stops (``steps run: 812 decode replayed, 95 mixed eager``); {} without one."""
+    found = re.findall(r"steps run: (.*)", log_text)
+    if not found:
+        return {}
+    kinds = {}
+    for part in found[-1].split(","):
+        count, _, kind = part.strip().partition(" ")
+        if count.isdigit() and kind:
+            kinds[kind] = int(count)
+    return kinds
 
 
 PROFILE_DELAY_S = 1.0  # into the load before sampling starts: past the first prefills

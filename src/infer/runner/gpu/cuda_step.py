@@ -19,6 +19,7 @@ step's only wait on the GPU.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -137,6 +138,9 @@ class CudaStep:
         self.inputs = StepInputs(self.shape, device)
         self.graphs: StepGraphs | None = None
         self.mixed_graphs: StepGraphs | None = None
+        # Steps by how they ran ("decode replayed", "mixed padded", "eager", ...): what share
+        # of a load's steps the graphs cover (the bench reports it; close() logs it).
+        self.step_kinds: collections.Counter[str] = collections.Counter()
         if not enforce_eager and tp_size == 1 and graph_safe:
             self.graphs = StepGraphs(self.sizes, device)
             if self.mixed_sizes:
@@ -224,6 +228,8 @@ class CudaStep:
 
     def close(self) -> None:
         """Drop the graphs (and their memory pool) now rather than when collected."""
+        if self.step_kinds:
+            logger.info("steps run: %s", ", ".join(f"{n} {k}" for k, n in self.step_kinds.items()))
         self.graphs = None
         self.mixed_graphs = None
 
@@ -262,12 +268,16 @@ class CudaStep:
             rows = inputs.row_index("feed_rows", feed.rows)
             sources = inputs.row_index("feed_sources", feed.sources)
             ids.index_copy_(0, rows, feed.tokens.index_select(0, sources))
+        kind = "decode" if decode else "mixed"
         if bucket is not None:
             graphs = self.graphs if decode else self.mixed_graphs
             forward = self._bucket_forward if decode else self._mixed_forward
-            if graphs is not None:
+            if graphs is not None and bucket in graphs.graphs:
+                self.step_kinds[f"{kind} replayed"] += 1
                 return graphs.replay(bucket, forward)[:n]
+            self.step_kinds[f"{kind} padded"] += 1
             return forward(bucket)[:n]
+        self.step_kinds[f"{kind} eager"] += 1
         ctx = GpuAttentionContext(
             self.kv_cache, num_tokens=n, **(self._decode_args(n) if decode else {}), **fields
         )
