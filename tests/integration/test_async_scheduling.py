@@ -163,10 +163,9 @@ def test_requests_admitted_into_steps_launched_ahead_get_the_waiting_steps_token
     go into steps launched ahead — a decode step's rows fed on the device, the new prompts'
     chunks after them — with the tokens of waiting for every step, every block back. With
     INFER_MIXED_GRAPHS=1 those mixed steps run padded to token buckets (graphs on a GPU)."""
-    if mixed_graphs:
-        from infer.runner.gpu.cuda_step import MIXED_GRAPHS_ENV
+    from infer.runner.gpu.cuda_step import MIXED_GRAPHS_ENV
 
-        monkeypatch.setenv(MIXED_GRAPHS_ENV, "1")
+    monkeypatch.setenv(MIXED_GRAPHS_ENV, "1" if mixed_graphs else "0")
     options = dict(OPTIONS, max_num_seqs=2, prefill_chunk_size=5)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[:6]
