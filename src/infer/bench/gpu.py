@@ -471,14 +471,19 @@ def profile_decode(engine: Any, batch: int, steps: int, prompt_len: int, seed: i
             _sync(device)
             wall_ms = (time.perf_counter() - t) * 1000 / steps
         host = {k: (getattr(engine.step_times, k) - before[k]) * 1000 / steps for k in HOST_PARTS}
-    kernels = []
+    kernels, host_calls = [], []
     for evt in prof.key_averages():
         dev_us = getattr(evt, "self_device_time_total", None)
         if dev_us is None:
             dev_us = getattr(evt, "self_cuda_time_total", 0)
         if str(getattr(evt, "device_type", "")).endswith("CUDA") and dev_us > 0:
             kernels.append((evt.key, evt.count, dev_us))
+        elif getattr(evt, "self_cpu_time_total", 0) > 0:
+            # the host's own time per op or runtime call (cudaGraphLaunch, an event's wait, a
+            # copy): what the host's "forward" and "sample" shares are made of
+            host_calls.append((evt.key, evt.count, evt.self_cpu_time_total))
     kernels.sort(key=lambda k: -k[2])
+    host_calls.sort(key=lambda k: -k[2])
     busy_ms = sum(k[2] for k in kernels) / 1000 / steps
     return {
         "batch": batch,
@@ -491,6 +496,10 @@ def profile_decode(engine: Any, batch: int, steps: int, prompt_len: int, seed: i
         "top_kernels": [
             {"name": name[:90], "per_step": n / steps, "us_per_step": us / steps}
             for name, n, us in kernels[:12]
+        ],
+        "top_host_calls": [
+            {"name": name[:90], "per_step": n / steps, "us_per_step": us / steps}
+            for name, n, us in host_calls[:10]
         ],
     }
 
@@ -969,6 +978,11 @@ def profile_markdown(eng: dict) -> list[str]:
             rows = [[k["name"], f"{k['per_step']:.1f}", f"{k['us_per_step']:.1f}"]
                     for k in p["top_kernels"]]  # fmt: skip
             lines += md_table("kernel | calls/step | us/step", rows, "lrr")
+            rows = [[k["name"], f"{k['per_step']:.1f}", f"{k['us_per_step']:.1f}"]
+                    for k in p.get("top_host_calls") or []]  # fmt: skip
+            if rows:
+                lines += ["", "Host side (the profiler's CPU events, self time):", ""]
+                lines += md_table("op or runtime call | calls/step | host us/step", rows, "lrr")
     return lines
 
 
