@@ -3,7 +3,7 @@
     infer bench gpu [--kernel-batches 16,64,256] [--kernel-contexts 512,2048,8192]
                     [--kernel-torch-contexts 512,2048] [--kernel-splits 1,2,4,8,16,32]
                     [--kernel-split-context 8192] [--kernel-reps 20] [--kernel-max-gb 20]
-                    [--skip-kernels]
+                    [--kernel-prefill 4x2048,1x8192] [--skip-kernels]
 
 A kernel micro-benchmark: it lives beside the reports, outside the package (as
 ``benchmarks/kernels.py`` does). ``infer bench gpu`` (:mod:`infer.bench.gpu`) loads it from the
@@ -13,7 +13,8 @@ that this section needs one.
 
 ``infer.runner.gpu.triton_attention.paged_decode_attention`` on the model's heads at batch x
 context, K/V bytes read per call against the measured read rate, today's torch path
-(index_select gather + masked SDPA) beside it, and split-K at batch 1, 8k.
+(index_select gather + masked SDPA) beside it, and split-K at batch 1, 8k; then
+``paged_prefill_attention`` on whole prompts under a few tile / warp configurations.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "kernel_torch_contexts": ("512,2048", "2048"),
     "kernel_splits": ("1,2,4,8,16,32", "1,4,16"),
     "kernel_reps": (20, 10),
+    "kernel_prefill": ("4x2048,1x8192", "4x2048"),
 }
 
 
@@ -197,6 +199,7 @@ def kernel_bench(
     ``min_bytes``: K/V cycled through per case (default 256 MiB on CUDA, 5x an H100's L2).
     ``res`` is filled as the cases finish."""
     res = {} if res is None else res
+    real_kernels = attn is None  # (tests pass stand-ins: no prefill sweep then)
     if attn is None:
         try:
             ta = importlib.import_module("infer.runner.gpu.triton_attention")
@@ -257,6 +260,75 @@ def kernel_bench(
             res["failures"] += 1
             log(f"kernel split-K: FAILED {res['split']['error']}")
         _free(device)
+    if real_kernels and getattr(args, "kernel_prefill", None):
+        res["prefill"] = prefill_configs(args, shape, log)
+    return res
+
+
+PREFILL_CONFIGS = ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2))
+"""(BLOCK_M, BLOCK_N, warps, stages) tried by :func:`prefill_configs`: compiled for sm_90 with
+head_dim 128, the engine's 64 x 64 / 4 warps keeps ~1 KB a thread on the stack (spilled
+registers; ``cuobjdump --dump-resource-usage``), 8 warps next to nothing."""
+
+
+def prefill_configs(
+    args: argparse.Namespace, shape: dict, log: Callable[[str], None], ta: Any = None
+) -> dict:
+    """``paged_prefill_attention`` on ``--kernel-prefill`` prompts (``SxL``: S prompts of L
+    tokens, no past, block size 16, bf16) under each of :data:`PREFILL_CONFIGS`: ms and causal
+    TFLOP/s per config, the engine's own config marked, each output's largest difference from
+    the engine config's. ``ta``: the kernel module (tests pass a stand-in)."""
+    if ta is None:
+        ta = importlib.import_module("infer.runner.gpu.triton_attention")
+    device = torch.device(args.device)
+    h, hkv, d, bs = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block_size"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    engine_config = ta._prefill_config(d, dtype)
+    configs = list(dict.fromkeys([engine_config, *PREFILL_CONFIGS]))
+    res: dict[str, Any] = {"engine_config": list(engine_config), "cases": []}
+    for case in [c for c in args.kernel_prefill.split(",") if c]:
+        seqs, length = (int(x) for x in case.split("x"))
+        gen = torch.Generator(device=device).manual_seed(seqs * 7919 + length)
+        blocks = seqs * math.ceil(length / bs)
+        k_cache = torch.randn(blocks * bs, hkv, d, dtype=dtype, device=device, generator=gen)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.randperm(blocks, device=device, generator=gen).to(torch.int32)
+        tables = tables.view(seqs, -1)
+        q = torch.randn(seqs * length, h, d, dtype=dtype, device=device, generator=gen)
+        qsl = torch.arange(0, seqs * length + 1, length, dtype=torch.int32, device=device)
+        past = torch.zeros(seqs, dtype=torch.int32, device=device)
+        flop = 4 * h * d * seqs * length * (length + 1) / 2  # QK^T and PV, causal
+        row: dict[str, Any] = {"case": case, "configs": {}}
+        outs = {}
+        original = ta._prefill_config
+        inputs = (q, k_cache, v_cache, tables, qsl, past, length)
+        for config in configs:
+            key = "x".join(map(str, config))
+            out = outs[config] = torch.empty_like(q)
+
+            def fn(out: torch.Tensor = out, inputs: tuple = inputs) -> Any:
+                return ta.paged_prefill_attention(*inputs, block_size=bs, scale=d**-0.5, out=out)
+
+            ta._prefill_config = lambda head_dim, dt, config=config: config
+            try:
+                ms = statistics.median(time_ms(fn, device, args.kernel_reps, graph=True))
+                fn()
+            except Exception as e:  # noqa: BLE001 - a config that does not run is reported
+                row["configs"][key] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                continue
+            finally:
+                ta._prefill_config = original
+            row["configs"][key] = {"ms": ms, "TFLOPs": flop / (ms / 1000) / 1e12,
+                                   "engine": config == engine_config}  # fmt: skip
+        base = outs.get(engine_config)
+        for config, out in outs.items():
+            entry = row["configs"]["x".join(map(str, config))]
+            if base is not None and "ms" in entry:
+                entry["max_abs_diff"] = (out.float() - base.float()).abs().max().item()
+        res["cases"].append(row)
+        times = ", ".join(f"{k}: {v['ms']:.3f} ms" for k, v in row["configs"].items() if "ms" in v)
+        log(f"kernel prefill {case}: {times}")
+        _free(device)
     return res
 
 
@@ -303,4 +375,18 @@ def markdown(kern: dict) -> list[str]:
         lines += md_table("num_splits | us | speed-up vs 1", rows, "rrr")
     elif "error" in split:
         lines.append(f"\nSplit-K failed: {split['error']}")
+    prefill = kern.get("prefill") or {}
+    rows = []
+    for case in prefill.get("cases", []):
+        for key, c in case["configs"].items():
+            if "error" in c:
+                rows.append([case["case"], key, f"failed: {c['error'][:80]}", "", "", ""])
+                continue
+            rows.append([case["case"], key + (" (engine)" if c.get("engine") else ""),
+                         f"{c['ms']:.3f}", f"{c['TFLOPs']:.0f}",
+                         num(c.get("max_abs_diff"), ".2e"), ""])  # fmt: skip
+    if rows:
+        lines += ["", "Prefill kernel configurations (prompts x tokens, no past, causal):", ""]
+        lines += md_table("prompts x tokens | BLOCK_M x BLOCK_N x warps x stages | ms | TFLOP/s "
+                          "| max abs diff vs engine's |", rows, "llrrrl")  # fmt: skip
     return lines

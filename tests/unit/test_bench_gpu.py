@@ -348,3 +348,38 @@ def test_outside_a_checkout_the_kernel_section_says_it_needs_one(tmp_path, monke
     md = (out / "gpu.md").read_text()
     assert "## Decode attention kernel" in md and "Skipped: the decode attention kernel" in md
     assert "needs a source checkout" in capsys.readouterr().out
+
+
+def test_prefill_configurations_are_each_timed_and_the_engines_restored():
+    """The kernel section's prefill sweep: each configuration active while it is timed (the
+    engine's first, marked), the module's own choice back afterwards, outputs compared with the
+    engine configuration's, a configuration that fails reported, not fatal."""
+    import types
+
+    active: list[tuple] = []
+
+    def engine_config(head_dim, dtype):
+        return (64, 64, 4, 2)
+
+    def attend(q, k_cache, v_cache, tables, qsl, past, max_len, *, block_size, scale, out):
+        config = ta._prefill_config(q.shape[2], q.dtype)
+        if config[2] == 8 and config[0] == 128:
+            raise RuntimeError("out of shared memory")
+        active.append(config)
+        return out.fill_(config[0])  # each configuration's output: its BLOCK_M
+
+    ta = types.SimpleNamespace(_prefill_config=engine_config, paged_prefill_attention=attend)
+    args = argparse.Namespace(device="cpu", kernel_reps=2, kernel_prefill="2x16")
+    shape = {"heads": 4, "kv_heads": 2, "head_dim": 16, "block_size": 16}
+    res = gpu_kernels.prefill_configs(args, shape, print, ta=ta)
+    assert ta._prefill_config is engine_config
+    assert res["engine_config"] == [64, 64, 4, 2]
+    (case,) = res["cases"]
+    configs = case["configs"]
+    assert list(configs) == ["64x64x4x2", "64x64x8x2", "128x64x8x2", "32x64x4x2"]
+    assert configs["64x64x4x2"]["engine"] and not configs["64x64x8x2"]["engine"]
+    assert "out of shared memory" in configs["128x64x8x2"]["error"]
+    assert configs["32x64x4x2"]["max_abs_diff"] == 32.0 and configs["64x64x8x2"]["TFLOPs"] > 0
+    assert {c[:3] for c in active} == {(64, 64, 4), (64, 64, 8), (32, 64, 4)}
+    md = "\n".join(gpu_kernels.markdown({"prefill": res, "rows": []}))
+    assert "| 2x16 | 64x64x4x2 (engine) |" in md and "failed: RuntimeError" in md

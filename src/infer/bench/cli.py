@@ -212,6 +212,12 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-split-context", type=int, default=8192)
     p.add_argument("--kernel-reps", type=int, default=None, help="timed samples (20 | 10)")
     p.add_argument("--kernel-max-gb", type=float, default=20.0, help="skip larger K/V caches")
+    p.add_argument(
+        "--kernel-prefill",
+        default=None,
+        help="prompts (SxL) for the prefill kernel's configurations (4x2048,1x8192 | 4x2048; "
+        "'' for none)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=2048)
