@@ -64,6 +64,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def mixed_graphs_enabled() -> bool:
+    """Whether mixed steps are padded to token buckets and replayed (``INFER_MIXED_GRAPHS=1``)."""
     return os.environ.get(MIXED_GRAPHS_ENV, "0") == "1"
 
 
