@@ -177,11 +177,10 @@ def _engine_splits(rows: int, kv_heads: int, device: torch.device) -> int:
     """The decode kernel's splits in an engine step of ``rows`` rows (its graph bucket's)."""
     try:
         from infer.runner.gpu.cuda_step import MAX_GRAPH_ROWS, decode_splits
-        from infer.runner.gpu.graphs import capture_sizes
+        from infer.runner.gpu.graphs import bucket, capture_sizes
     except ImportError:
         return 1
-    bucket = next((s for s in capture_sizes(MAX_GRAPH_ROWS) if s >= rows), rows)
-    return decode_splits(bucket, kv_heads, device)
+    return decode_splits(bucket(capture_sizes(MAX_GRAPH_ROWS), rows) or rows, kv_heads, device)
 
 
 def kernel_bench(

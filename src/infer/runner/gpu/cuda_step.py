@@ -30,7 +30,7 @@ import torch
 
 from infer.runner.gpu import triton_attention as ta
 from infer.runner.gpu import triton_gemv as tg
-from infer.runner.gpu.graphs import StepGraphs, capture_sizes, mixed_capture_sizes
+from infer.runner.gpu.graphs import StepGraphs, bucket, capture_sizes, mixed_capture_sizes
 from infer.runner.gpu.step import (
     GpuAttentionContext,
     StepInputs,
@@ -173,8 +173,7 @@ class CudaStep:
     def _splits(self, rows: int) -> int:
         """Decode splits for a step of ``rows`` rows: by its graph bucket's size when it has one
         (so an eager step attends as its padded replay would)."""
-        bucket = next((size for size in self.sizes if size >= rows), rows)
-        return decode_splits(bucket, self._kv_heads, self.device)
+        return decode_splits(bucket(self.sizes, rows) or rows, self._kv_heads, self.device)
 
     def _decode_args(self, rows: int) -> dict:
         splits = self._splits(rows)
@@ -248,36 +247,36 @@ class CudaStep:
         # A decode step runs padded to its bucket, replayed or not: graphs and eager steps then
         # run the same kernels on the same shapes (cuBLAS picks by shape), so their tokens are
         # the same. Not under tensor parallelism: every rank must reduce the same shapes.
-        bucket = None
+        size = None
         if decode and self._tp_size == 1:
-            bucket = next((size for size in self.sizes if size >= n), None)
+            size = bucket(self.sizes, n)
         elif not decode:  # mixed: padded only with INFER_MIXED_GRAPHS=1
-            bucket = next((size for size in self.mixed_sizes if size >= n), None)
+            size = bucket(self.mixed_sizes, n)
         inputs = self.inputs
         width = max(len(s.block_table) for s in seqs)
-        rows = bucket or n
+        rows = size or n
         if not self.shape.covers(rows, len(seqs), rows if decode else len(seqs), width):
             # Larger than planned (a tensor-parallel rank's defaults): buffers for this step.
             table_rows = n if decode else len(seqs)
             inputs = StepInputs(StepShape(n, table_rows, len(seqs), width), self.device)
-            bucket = None
-        tile_size = self._tile_size if bucket is not None and not decode else None
+            size = None
+        tile_size = self._tile_size if size is not None and not decode else None
         ids, positions, fields = inputs.fill(
-            batch.token_ids, batch.positions, seqs, self.kv_cache.block_size, bucket, tile_size
+            batch.token_ids, batch.positions, seqs, self.kv_cache.block_size, size, tile_size
         )
         if feed is not None:  # queued after the step before's sampler and the copies above
             rows = inputs.row_index("feed_rows", feed.rows)
             sources = inputs.row_index("feed_sources", feed.sources)
             ids.index_copy_(0, rows, feed.tokens.index_select(0, sources))
         kind = "decode" if decode else "mixed"
-        if bucket is not None:
+        if size is not None:
             graphs = self.graphs if decode else self.mixed_graphs
             forward = self._bucket_forward if decode else self._mixed_forward
-            if graphs is not None and bucket in graphs.graphs:
+            if graphs is not None and size in graphs.graphs:
                 self.step_kinds[f"{kind} replayed"] += 1
-                return graphs.replay(bucket, forward)[:n]
+                return graphs.replay(size, forward)[:n]
             self.step_kinds[f"{kind} padded"] += 1
-            return forward(bucket)[:n]
+            return forward(size)[:n]
         self.step_kinds[f"{kind} eager"] += 1
         ctx = GpuAttentionContext(
             self.kv_cache, num_tokens=n, **(self._decode_args(n) if decode else {}), **fields

@@ -50,6 +50,11 @@ def mixed_capture_sizes(max_tokens: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def bucket(sizes: list[int], rows: int) -> int | None:
+    """The smallest of ``sizes`` (ascending) holding ``rows`` rows, or None (run eagerly)."""
+    return next((size for size in sizes if size >= rows), None)
+
+
 class StepGraphs:
     """One captured forward per bucket.
 
@@ -70,13 +75,6 @@ class StepGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
-
-    def bucket(self, rows: int) -> int | None:
-        """The smallest bucket holding ``rows`` rows, or None (run eagerly)."""
-        for size in self.sizes:
-            if size >= rows:
-                return size
-        return None
 
     @torch.inference_mode()
     def capture(self, forward: Callable[[int], torch.Tensor], pool: tuple | None = None) -> None:
