@@ -37,9 +37,10 @@ def test_a_mixed_step_padded_to_its_bucket_writes_padding_rows_and_its_tiles():
     assert fields["query_start"].tolist() == [0, 1, 10, 15]
     assert fields["num_computed"].tolist() == [6, 0, 8]
     # tiles of 4 queries: 1 for the decode, 3 for the 9, 2 for the 5
-    assert int(inputs.num_tiles[1][0]) == 6
-    assert inputs.tile_seq[1][:6].tolist() == [0, 1, 1, 1, 2, 2]
-    assert inputs.tile_index[1][:6].tolist() == [0, 0, 1, 2, 0, 1]
+    tile_seq, tile_index, num_tiles = inputs.tile_views()
+    assert int(num_tiles[0]) == 6
+    assert tile_seq[:6].tolist() == [0, 1, 1, 1, 2, 2]
+    assert tile_index[:6].tolist() == [0, 0, 1, 2, 0, 1]
 
 
 def test_decode_rows_padded_to_their_bucket_attend_to_nothing_past_the_step():
@@ -48,4 +49,4 @@ def test_decode_rows_padded_to_their_bucket_attend_to_nothing_past_the_step():
     _, _, fields = inputs.fill([1, 2], [6, 1], seqs, BS, padded_rows=4)
     assert fields["slots"].tolist() == [9 * BS + 2, 4 * BS + 1, -1, -1]
     assert fields["context_lens"].tolist() == [7, 2, 0, 0]
-    assert int(inputs.num_tiles[1][0]) == 0  # no tile list written for decode rows
+    assert int(inputs.tile_views()[2][0]) == 0  # no tile list written for decode rows

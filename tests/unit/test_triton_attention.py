@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 
 from infer.runner import kv_quant  # noqa: E402
 from infer.runner.gpu import triton_attention as ta  # noqa: E402
+from infer.runner.gpu.step import prefill_tiles  # noqa: E402
 
 if DEVICE == "cpu" and type(ta._decode_kernel).__name__ != "InterpretedFunction":
     # Imported (by another test) before TRITON_INTERPRET was set: define the kernels again.
@@ -469,7 +470,7 @@ def test_prefill_tiles_give_the_prefill_kernels_numbers(case: tuple, num_program
         q[:t], cache.k, cache.v, tables[:5], qsl[:6], past[:5], max(qlens), **kw
     )
     block_m = ta.prefill_block_m(d, dtype)
-    seq, tile = ta.prefill_tiles(qlens, block_m)
+    seq, tile = prefill_tiles(qlens, block_m)
     assert len(seq) == sum(-(-n // block_m) for n in qlens)
     cap = padded // block_m + 6
     tile_seq = torch.full((cap,), 99, dtype=torch.int32)
@@ -489,8 +490,8 @@ def test_prefill_tiles_give_the_prefill_kernels_numbers(case: tuple, num_program
 
 
 def test_prefill_tiles_lay_out_each_chunks_query_tiles() -> None:
-    seq, tile = ta.prefill_tiles([3, 1, 130, 64, 65], 64)
+    seq, tile = prefill_tiles([3, 1, 130, 64, 65], 64)
     assert seq.tolist() == [0, 1, 2, 2, 2, 3, 4, 4]
     assert tile.tolist() == [0, 0, 0, 1, 2, 0, 0, 1]
-    seq, tile = ta.prefill_tiles([], 64)
+    seq, tile = prefill_tiles([], 64)
     assert len(seq) == len(tile) == 0

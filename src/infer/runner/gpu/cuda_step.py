@@ -197,9 +197,7 @@ class CudaStep:
         the tile list (what a mixed graph captures)."""
         inputs, seqs = self.inputs, self.shape.max_seqs
         tiles = TileList(
-            inputs.tile_seq[1],
-            inputs.tile_index[1],
-            inputs.num_tiles[1],
+            *inputs.tile_views(),
             tile_programs(self._max_tiles(tokens, seqs) * self._heads, self.device),
             self._tile_size,
         )
@@ -219,7 +217,7 @@ class CudaStep:
         # Capture-time inputs: padding rows only (no KV written, nothing attended).
         self.inputs.slots[1].fill_(-1)
         self.inputs.context_lens[1].zero_()
-        self.inputs.num_tiles[1].zero_()
+        self.inputs.tiles[1].zero_()
         if self.graphs is not None:
             self.graphs.capture(self._bucket_forward)
         if self.mixed_graphs is not None:

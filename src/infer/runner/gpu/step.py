@@ -13,8 +13,8 @@ these buffers replays any later step of its size::
                                                                      or per sequence (prefill)
     query_start  [max_seqs + 1] int32                 query_start    prefill steps
     num_computed [max_seqs] int32                     num_computed   prefill steps
-    tile_seq, tile_index [max_tiles] int32            (sequence, query tile) pairs of a
-    num_tiles    [1] int32                             mixed step padded to a token bucket
+    tiles [1 + 2 max_tiles] int32                     a padded mixed step's tile list:
+                                                      count | sequences | tile indices
 
 Two shapes of step:
 
@@ -26,7 +26,7 @@ Two shapes of step:
   positions ``num_computed[s] + i``, causal over its cached past and itself; one prefill-kernel
   launch per layer for every sequence of the step (a decode is a chunk of one). Padded to a
   token bucket (a mixed step's CUDA graph), the padding rows come after every chunk and the
-  fixed-grid kernel walks the step's list of query tiles instead (``ta.prefill_tiles``).
+  fixed-grid kernel walks the step's list of query tiles instead (:func:`prefill_tiles`).
 """
 
 from __future__ import annotations
@@ -247,21 +247,38 @@ class GpuAttentionContext:
         )
 
 
+def _ragged(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of ``lens`` items laid end to end: each item's group and its index in the group::
+
+    lens  : 2 1 3
+    group : 0 0 1 2 2 2
+    index : 0 1 0 0 1 2             (item - where its group starts)
+    """
+    group = np.repeat(np.arange(len(lens)), lens)
+    return group, np.arange(len(group)) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
 def _write_rows(array: np.ndarray, rows: list[list[int]]) -> None:
     """``array[i, :len(rows[i])] = rows[i]`` for every row, in one scatter (a numpy assignment
     per row cost ~1 us: ~0.3 ms a step at 256 rows)::
 
-        rows  : [7 3] [9] [4 5 6]       lens 2 1 3
-        flat  : 7 3 9 4 5 6
-        row   : 0 0 1 2 2 2
-        col   : 0 1 0 0 1 2             (index in flat - where its row starts)
+        rows  : [7 3] [9] [4 5 6]       flat 7 3 9 4 5 6 goes to (row, col) = _ragged(2 1 3)
     """
     lens = np.fromiter(map(len, rows), np.int64, len(rows))
-    total = int(lens.sum())
-    flat = np.fromiter(itertools.chain.from_iterable(rows), array.dtype, total)
-    row = np.repeat(np.arange(len(rows)), lens)
-    col = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-    array[row, col] = flat
+    flat = np.fromiter(itertools.chain.from_iterable(rows), array.dtype, int(lens.sum()))
+    array[_ragged(lens)] = flat
+
+
+def prefill_tiles(query_lens: np.ndarray, tile_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (sequence, query tile) pairs of a step's chunks for
+    ``ta.paged_prefill_attention_tiles``, sequence by sequence::
+
+        query_lens  3  1  130      (tile_size 64)
+        sequence    0  1  2  2  2
+        tile        0  0  0  1  2
+
+    At most ``sum(query_lens) // tile_size + len(query_lens)`` pairs."""
+    return _ragged(-(-np.asarray(query_lens, dtype=np.int64) // tile_size))
 
 
 class StepInputs:
@@ -288,9 +305,9 @@ class StepInputs:
         self.tables = pair(shape.max_table_rows, shape.max_blocks, dtype=torch.int32)
         self.query_start = pair(shape.max_seqs + 1, dtype=torch.int32)
         self.num_computed = pair(shape.max_seqs, dtype=torch.int32)
-        self.tile_seq = pair(shape.max_tiles, dtype=torch.int32)
-        self.tile_index = pair(shape.max_tiles, dtype=torch.int32)
-        self.num_tiles = pair(1, dtype=torch.int32)
+        # count | sequences | tile indices: one copy a step (the few unused entries between
+        # the used parts go along)
+        self.tiles = pair(1 + 2 * shape.max_tiles, dtype=torch.int32)
         # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
         self.sample_rows = pair(shape.max_rows, dtype=torch.long)
         self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
@@ -308,9 +325,7 @@ class StepInputs:
                 "tables",
                 "query_start",
                 "num_computed",
-                "tile_seq",
-                "tile_index",
-                "num_tiles",
+                "tiles",
                 "sample_rows",
                 "prompt_rows",
                 "feed_rows",
@@ -343,6 +358,12 @@ class StepInputs:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
         return dev[:n]
+
+    def tile_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The device tile list's parts: sequences ``[max_tiles]``, tile indices
+        ``[max_tiles]``, count ``[1]`` (fixed addresses: a mixed graph's inputs)."""
+        m, tiles = self.shape.max_tiles, self.tiles[1]
+        return tiles[1 : 1 + m], tiles[1 + m :], tiles[:1]
 
     def decode_context_views(self, rows: int) -> dict[str, torch.Tensor]:
         """The device views a decode-rows step of ``rows`` rows reads (a graph's inputs)."""
@@ -404,13 +425,10 @@ class StepInputs:
             a["query_start"][1 : len(seqs) + 1] = np.cumsum(new)
             a["num_computed"][: len(seqs)] = computed
             if tile_size is not None:
-                seq, tile = ta.prefill_tiles(new, tile_size)
-                a["tile_seq"][: len(seq)] = seq
-                a["tile_index"][: len(seq)] = tile
-                a["num_tiles"][0] = len(seq)
-                self._upload("tile_seq", len(seq))
-                self._upload("tile_index", len(seq))
-                self._upload("num_tiles", 1)
+                seq, tile = prefill_tiles(new, tile_size)
+                k, m, t = len(seq), self.shape.max_tiles, a["tiles"]
+                t[0], t[1 : 1 + k], t[1 + m : 1 + m + k] = k, seq, tile
+                self._upload("tiles", 1 + m + k)
             self._upload("tables", len(seqs))
             fields = dict(
                 slots=self._upload("slots", rows),

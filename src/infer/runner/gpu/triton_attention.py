@@ -48,7 +48,6 @@ import math
 import os
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from infer.runner import kv_quant
@@ -945,24 +944,9 @@ def paged_prefill_attention(
 
 
 def prefill_block_m(head_dim: int, dtype: torch.dtype) -> int:
-    """Queries per tile of the prefill kernels (the unit of :func:`prefill_tiles`)."""
+    """Queries per tile of the prefill kernels (the unit of a tile list,
+    ``infer.runner.gpu.step.prefill_tiles``)."""
     return _prefill_config(head_dim, dtype)[0]
-
-
-def prefill_tiles(query_lens: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (sequence, query tile) pairs of a step's chunks for
-    :func:`paged_prefill_attention_tiles`, sequence by sequence::
-
-        query_lens  3  1  130      (block_m 64)
-        sequence    0  1  2  2  2
-        tile        0  0  0  1  2
-
-    At most ``sum(query_lens) // block_m + len(query_lens)`` pairs."""
-    lens = np.asarray(query_lens, dtype=np.int64)
-    per_seq = -(-lens // block_m)
-    seq = np.repeat(np.arange(len(lens)), per_seq)
-    tile = np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
-    return seq, tile
 
 
 def paged_prefill_attention_tiles(
@@ -991,7 +975,7 @@ def paged_prefill_attention_tiles(
     replays, whatever the step's sequences and chunk lengths.
 
     ``tile_seq``, ``tile_index``: int32, the first ``num_tiles[0]`` entries the pairs of
-    :func:`prefill_tiles` (tiles of :func:`prefill_block_m` queries); ``num_programs`` a Python
+    ``infer.runner.gpu.step.prefill_tiles`` (tiles of :func:`prefill_block_m` queries); ``num_programs`` a Python
     int (the grid). Each (tile, head) is computed by the same code as in
     :func:`paged_prefill_attention`, so both give the same numbers. ``query_start_loc``,
     ``num_computed`` and ``block_tables`` may hold more sequences than the tiles name.
