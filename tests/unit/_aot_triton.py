@@ -53,6 +53,9 @@ CASES = [
 
 
 def signature(kernel, constexprs: dict, pointers: dict) -> dict:
+    """Triton's signature of ``kernel``: constants, pointers (bf16 unless ``pointers`` or the
+    index buffers say otherwise; the scales' are their int16 bits), 32-bit ints and floats."""
+    pointers = {"ks_ptr": "*i16", "vs_ptr": "*i16", **pointers}
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -60,8 +63,6 @@ def signature(kernel, constexprs: dict, pointers: dict) -> dict:
         elif name.endswith("_ptr"):
             default = "*fp32" if name in ("acc_ptr", "stats_ptr") else "*bf16"
             sig[name] = pointers.get(name, "*i32" if name in INT_POINTERS else default)
-        elif name in ("ks_ptr", "vs_ptr"):
-            sig[name] = "*i16"
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
     return sig
@@ -70,7 +71,6 @@ def signature(kernel, constexprs: dict, pointers: dict) -> dict:
 def main() -> int:
     for module, name, constexprs, pointers, warps in CASES:
         kernel = getattr(module, name)
-        pointers = {"ks_ptr": "*i16", "vs_ptr": "*i16", **pointers}
         src = ASTSource(kernel, signature(kernel, constexprs, pointers), constexprs)
         t = time.perf_counter()
         try:
