@@ -563,7 +563,7 @@ def engine_mode(
             key = load_key(pin, pout, c)
             n = max(args.requests_per_c * c, 2 if c == 1 else c)
             with _cell(res, "loads", key, f"{mode} {key}", log):
-                kinds_before = dict(_step_kinds(engine))
+                kinds_before = _step_kinds(engine)
                 res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
                 kinds = {k: v - kinds_before.get(k, 0) for k, v in _step_kinds(engine).items()}
                 row["step_kinds"] = {k: v for k, v in kinds.items() if v}
