@@ -46,9 +46,16 @@ CASES = [
                                         HALF_PAD=64), {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}, 4),
     (tf, "_add_rms_norm_kernel", dict(HAS_H=True, BLOCK=2048), {}, 4),
     (tf, "_act_and_mul_kernel", dict(GELU=False, BLOCK=1024), {}, 4),
-    (tg, "_gemv_dot_kernel", dict(HAS_BIAS=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
-                                  BLOCK_K=128), {}, 4),
-    (tg, "_gemv_row_kernel", dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=16, BLOCK_K=512), {}, 4),
+    (tg, "_gemv_dot_kernel", dict(HAS_BIAS=False, EVEN_K=True, SPLIT_K=1, BLOCK_M=16,
+                                  BLOCK_N=64, BLOCK_K=128), {}, 4),
+    (tg, "_gemv_dot_kernel", dict(HAS_BIAS=False, EVEN_K=True, SPLIT_K=4, BLOCK_M=16,
+                                  BLOCK_N=16, BLOCK_K=256), {"ws_ptr": "*fp32"}, 4),
+    (tg, "_gemv_row_kernel", dict(HAS_BIAS=False, EVEN_K=True, SPLIT_K=1, BLOCK_N=16,
+                                  BLOCK_K=512), {}, 4),
+    (tg, "_gemv_row_kernel", dict(HAS_BIAS=False, EVEN_K=True, SPLIT_K=4, BLOCK_N=8,
+                                  BLOCK_K=512), {"ws_ptr": "*fp32"}, 4),
+    (tg, "_gemv_reduce_kernel", dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=256),
+     {"ws_ptr": "*fp32"}, 4),
 ]  # fmt: skip
 
 

@@ -12,7 +12,15 @@ their rows of W::
                 y[:M, p*BN : (p+1)*BN] = x @ W_rows.T   (float32 sums, one rounding)
 
 Two ways to sum: ``dot`` (tensor cores on a 16-row tile whose rows past M are zero) and, for
-one row, ``row`` (an elementwise product summed along K). Which way and which tile is fastest
+one row, ``row`` (an elementwise product summed along K). Either may split K (``split_k``) when
+the output is too narrow to give every multiprocessor enough to read (o: 2048 outputs, 128
+programs of 16 columns; down: the same over K = 8192): each of the ``split_k`` programs of a
+column tile sums its own slice of K into a float32 workspace, and a second kernel adds the
+slices in a fixed order (no atomics, so the sums and tokens are the same on every run)::
+
+    W[n-tile, :] = | slice 0 | slice 1 | ... | slice S-1 |    (K_PER columns each, whole blocks)
+    ws[s, :M, n-tile] = x[:, slice s] @ W[n-tile, slice s].T         (float32)
+    y[:M, n-tile] = ws[0] + ws[1] + ... + ws[S-1] (+ b)               (one rounding) Which way and which tile is fastest
 depends on the shape and the GPU: :func:`pick` times the candidates against cuBLAS on the
 model's own weights and keeps cuBLAS where it is not beaten. ``INFER_TRITON_GEMV=1`` turns them
 on (see :func:`install`): off by default until a GPU run says what they buy.
@@ -56,9 +64,11 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
     def __str__(self) -> str:
-        return f"{self.way} {self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+        tile = f"{self.way} {self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+        return tile + (f" k/{self.split_k}" if self.split_k > 1 else "")
 
 
 CANDIDATES: tuple[GemvConfig, ...] = (
@@ -69,6 +79,10 @@ CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig("row", 8, 512, 4, 3),
     GemvConfig("row", 16, 256, 4, 4),
     GemvConfig("row", 32, 256, 8, 3),
+    GemvConfig("dot", 16, 256, 4, 4, split_k=2),
+    GemvConfig("dot", 16, 256, 4, 4, split_k=4),
+    GemvConfig("dot", 32, 128, 4, 4, split_k=4),
+    GemvConfig("row", 8, 512, 4, 3, split_k=4),
 )
 
 
@@ -76,11 +90,13 @@ if triton is not None:
 
     @triton.jit
     def _gemv_dot_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
+        k_start = tl.program_id(1) * K_PER  # 0 without a split (K_PER = K rounded up)
+        k_end = tl.minimum(k_start + K_PER, K)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
@@ -89,7 +105,7 @@ if triton is not None:
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + offs_k
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :], mask=n_in[:, None], other=0.0)
@@ -99,24 +115,31 @@ if triton is not None:
                 w = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0)
                 x = tl.load(x_rows + k[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w))
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+        out = m_in[:, None] & n_in[None, :]
+        if SPLIT_K > 1:  # this slice's float32 sums; _gemv_reduce_kernel adds the slices
+            ws = ws_ptr + tl.program_id(1) * M * N + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(ws, acc, mask=out)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
+            y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out)
 
     @triton.jit
     def _gemv_row_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, N, K, K_PER, stride_wn,
+        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
+        k_start = tl.program_id(1) * K_PER
+        k_end = tl.minimum(k_start + K_PER, K)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         n_in = offs_n < N
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + offs_k
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :], mask=n_in[:, None], other=0.0)
@@ -127,9 +150,30 @@ if triton is not None:
                 x = tl.load(x_ptr + k, mask=k_in, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
+        if SPLIT_K > 1:
+            tl.store(ws_ptr + tl.program_id(1) * N + offs_n, y, mask=n_in)
+        else:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_in)
+
+    @triton.jit
+    def _gemv_reduce_kernel(
+        ws_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # y = ws[0] + ... + ws[SPLIT_K - 1] (+ b) over the M * N outputs, always in that order.
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(ws_ptr + s * MN + offs, mask=inside, other=0.0)
         if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_in)
+            acc += tl.load(b_ptr + offs % N, mask=inside, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+REDUCE_BLOCK = 256
 
 
 def gemv(
@@ -145,21 +189,33 @@ def gemv(
     if m > MAX_ROWS or (config.way == "row" and m != 1):
         raise ValueError(f"{config} takes {'1 row' if config.way == 'row' else '<= 16 rows'}")
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(n, config.block_n),)
+    # Slices of whole blocks; a split that would leave a slice empty is narrowed.
+    k_blocks = triton.cdiv(k, config.block_k)
+    splits = min(config.split_k, k_blocks)
+    k_per = triton.cdiv(k_blocks, splits) * config.block_k
+    splits = triton.cdiv(k, k_per)
+    # float32 sums of each slice (split only); taken from the graph's pool inside a capture.
+    ws = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else y
+    grid = (triton.cdiv(n, config.block_n), splits)
     has_bias = bias is not None
     b = bias if has_bias else weight  # not read without HAS_BIAS
     even_k = k % config.block_k == 0
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.way == "dot":
         _gemv_dot_kernel[grid](
-            rows, weight, b, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=has_bias, EVEN_K=even_k, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, **launch,
+            rows, weight, b, y, ws, m, n, k, k_per, rows.stride(0), weight.stride(0),
+            y.stride(0), HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=splits, BLOCK_M=MAX_ROWS,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch,
         )  # fmt: skip
     else:
         _gemv_row_kernel[grid](
-            rows, weight, b, y, n, k, weight.stride(0), HAS_BIAS=has_bias, EVEN_K=even_k,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch,
+            rows, weight, b, y, ws, n, k, k_per, weight.stride(0), HAS_BIAS=has_bias,
+            EVEN_K=even_k, SPLIT_K=splits, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            **launch,
+        )  # fmt: skip
+    if splits > 1:
+        _gemv_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            ws, b, y, m * n, n, HAS_BIAS=has_bias, SPLIT_K=splits, BLOCK=REDUCE_BLOCK,
         )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
 
