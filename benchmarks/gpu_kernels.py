@@ -299,24 +299,22 @@ def prefill_configs(
         flop = 4 * h * d * seqs * length * (length + 1) / 2  # QK^T and PV, causal
         row: dict[str, Any] = {"case": case, "configs": {}}
         outs = {}
-        original = ta._prefill_config
         inputs = (q, k_cache, v_cache, tables, qsl, past, length)
         for config in configs:
             key = "x".join(map(str, config))
             out = outs[config] = torch.empty_like(q)
 
-            def fn(out: torch.Tensor = out, inputs: tuple = inputs) -> Any:
-                return ta.paged_prefill_attention(*inputs, block_size=bs, scale=d**-0.5, out=out)
+            def fn(out: torch.Tensor = out, inputs: tuple = inputs, config: tuple = config) -> Any:
+                return ta.paged_prefill_attention(
+                    *inputs, block_size=bs, scale=d**-0.5, out=out, config=config
+                )
 
-            ta._prefill_config = lambda head_dim, dt, config=config: config
             try:
                 ms = statistics.median(time_ms(fn, device, args.kernel_reps, graph=True))
                 fn()
             except Exception as e:  # noqa: BLE001 - a config that does not run is reported
                 row["configs"][key] = {"error": f"{type(e).__name__}: {e}"[:200]}
                 continue
-            finally:
-                ta._prefill_config = original
             row["configs"][key] = {"ms": ms, "TFLOPs": flop / (ms / 1000) / 1e12,
                                    "engine": config == engine_config}  # fmt: skip
         base = outs.get(engine_config)

@@ -364,6 +364,36 @@ def test_prefill_into_out_leaves_other_rows() -> None:
     _check(out[:16], ref, torch.float32)
 
 
+def test_prefill_runs_the_tiles_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``config=`` (how ``infer bench gpu`` times other tiles) is the launch's configuration,
+    and the output is still attention."""
+    launched = []
+    kernel = ta._prefill_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launched.append((grid[2], meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"]))
+                return kernel[grid](*args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(ta, "_prefill_kernel", Spy())
+    gen = torch.Generator().manual_seed(8)
+    bs, hkv, g, d = 8, 2, 2, 16
+    cache = Cache(12, bs, hkv, d, torch.float32, None, gen)
+    tables = _tables([40, 25], bs, 12, gen).to(DEVICE)
+    q = torch.randn(45, hkv * g, d, generator=gen).to(DEVICE)
+    qsl = torch.tensor([0, 40, 45], dtype=torch.int32, device=DEVICE)
+    past = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
+    out = ta.paged_prefill_attention(
+        q, cache.k, cache.v, tables, qsl, past, 40, block_size=bs, scale=0.25,
+        config=(16, 32, 2, 1),
+    )  # fmt: skip
+    assert launched == [(3, 16, 32, 2)]  # 40 queries: three tiles of 16
+    _check(out, ref_prefill(q, cache, tables, [40, 5], [0, 20], 0.25, None), torch.float32)
+
+
 @pytest.mark.parametrize(
     ("dtype", "width", "slot_dtype"),
     [

@@ -911,6 +911,7 @@ def paged_prefill_attention(
     v_scales: torch.Tensor | None = None,
     kv_kind: str | None = None,
     out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every prefill / extend chunk of a step, in one launch.
 
@@ -923,6 +924,8 @@ def paged_prefill_attention(
         block_tables: ``[S, max_blocks]`` int32.
         max_query_len: a Python int >= every chunk's length (sizes the grid; no host read).
         out: ``[T, H, D]`` in q's dtype to write into (rows outside every chunk untouched).
+        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the engine's own
+            (:func:`_prefill_config`): how ``infer bench gpu`` times other tiles.
 
     Grid ``(S, H, cdiv(max_query_len, BLOCK_M))``; programs past their chunk's end exit at once.
     Each walks key tiles from its window's first (0 without a window) to its last query's
@@ -933,7 +936,7 @@ def paged_prefill_attention(
     """
     args, meta, out = _prefill_args(
         q, k_cache, v_cache, block_tables, query_start_loc, num_computed,
-        block_size, scale, sliding_window, k_scales, v_scales, kv_kind, out,
+        block_size, scale, sliding_window, k_scales, v_scales, kv_kind, out, config,
     )  # fmt: skip
     num_seqs = num_computed.shape[0]
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
@@ -1013,6 +1016,7 @@ def _prefill_args(
     v_scales: torch.Tensor | None,
     kv_kind: str | None,
     out: torch.Tensor | None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> tuple[tuple, dict, torch.Tensor]:
     """The prefill kernels' common arguments (checked), their constants, and the output."""
     _check_triton()
@@ -1028,7 +1032,7 @@ def _prefill_args(
         out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     assert out.shape == (t, h, d) and out.stride(2) == 1
     ks, vs, s_slot, s_head = _scale_args(k_cache, k_scales, v_scales)
-    block_m, block_n, warps, stages = _prefill_config(d, q.dtype)
+    block_m, block_n, warps, stages = config or _prefill_config(d, q.dtype)
     args = (
         q, k_cache, v_cache, ks, vs, block_tables, query_start_loc, num_computed, out,
         q.stride(0), q.stride(1),
