@@ -4,6 +4,7 @@
 # the whole script ends inside GPU_CHECK_BUDGET seconds.
 #
 #   bash scripts/gpu_check.sh        # from the repository root, with .whl/ carried alongside
+#                                    # (made here, before the call, by scripts/gpu_wheels.sh)
 #
 # Results land in $OUT (default bench-results/gpu-check): tests.log, report.log, bench.log,
 # gpu.md, gpu.json, side.tgz (server logs, py-spy profiles) and integration.log: at most seven. Environment (defaults in brackets):
@@ -48,7 +49,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         --target /tmp/site .whl/*.whl 2>&1 | grep -v "WARNING: Running pip as" ||
         true
 else
-    echo "no .whl/ here: name it in the call's carry (fastapi, uvicorn, openai, ... are missing)"
+    echo "no .whl/ here: make it with scripts/gpu_wheels.sh, name it in the call's carry (fastapi, uvicorn, openai, ... are missing)"
 fi
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
