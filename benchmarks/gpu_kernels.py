@@ -3,7 +3,7 @@
     infer bench gpu [--kernel-batches 16,64,256] [--kernel-contexts 512,2048,8192]
                     [--kernel-torch-contexts 512,2048] [--kernel-splits 1,2,4,8,16,32]
                     [--kernel-split-context 8192] [--kernel-reps 20] [--kernel-max-gb 20]
-                    [--kernel-prefill 4x2048,1x8192] [--skip-kernels]
+                    [--kernel-prefill 4x2048,1x8192] [--kernel-gemv-rows 1,16] [--skip-kernels]
 
 A kernel micro-benchmark: it lives beside the reports, outside the package (as
 ``benchmarks/kernels.py`` does). ``infer bench gpu`` (:mod:`infer.bench.gpu`) loads it from the
@@ -14,7 +14,9 @@ that this section needs one.
 ``infer.runner.gpu.triton_attention.paged_decode_attention`` on the model's heads at batch x
 context, K/V bytes read per call against the measured read rate, today's torch path
 (index_select gather + masked SDPA) beside it, and split-K at batch 1, 8k; then
-``paged_prefill_attention`` on whole prompts under a few tile / warp configurations.
+``paged_prefill_attention`` on whole prompts under a few tile / warp configurations; then the
+model's matmuls at decode's few rows (``infer.runner.gpu.triton_gemv``): cuBLAS and each skinny
+kernel against the weights' read, and what a batch-1 step's matmuls would take with the best.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "kernel_splits": ("1,2,4,8,16,32", "1,4,16"),
     "kernel_reps": (20, 10),
     "kernel_prefill": ("4x2048,1x8192", "4x2048"),
+    "kernel_gemv_rows": ("1,16", "1"),
 }
 
 
@@ -58,7 +61,92 @@ def section(
         "head_dim": model["shape"]["head_dim"],
         "block_size": 16,
     }
-    return kernel_bench(args, shape, read_GBps, log, res=res)
+    kernel_bench(args, shape, read_GBps, log, res=res)
+    if ints(getattr(args, "kernel_gemv_rows", "") or ""):
+        res["gemv"] = gemv_sweep(args, model["shape"], read_GBps, log)
+    return res
+
+
+def matmul_shapes(shape: dict) -> dict[str, tuple[int, int, int]]:
+    """A Llama-shaped model's matmuls as the engine runs them (qkv and gate/up fused): name ->
+    (N, K, how many a decode step runs)."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    inter = shape["intermediate_size"]
+    return {
+        "qkv": (q + 2 * kv, h, layers),
+        "o": (h, q, layers),
+        "gate_up": (2 * inter, h, layers),
+        "down": (h, inter, layers),
+        "lm_head": (shape["vocab_size"], h, 1),
+    }
+
+
+def gemv_sweep(
+    args: argparse.Namespace,
+    shape: dict,
+    read_GBps: float | None,
+    log: Callable[[str], None],
+    tg: Any = None,
+) -> dict:
+    """cuBLAS and every skinny-matmul candidate (``triton_gemv.sweep``) on each of the model's
+    matmul shapes at ``--kernel-gemv-rows`` rows, bf16, copies of the weight cycled through
+    (>= 256 MiB a shape on CUDA, so reads come from memory); per row count, the sum over a
+    decode step's matmuls with cuBLAS, with the faster of the two per shape, and the weights'
+    read at ``read_GBps``. ``tg``: the kernel module (tests pass it)."""
+    if tg is None:
+        tg = importlib.import_module("infer.runner.gpu.triton_gemv")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    min_bytes = 256 << 20 if device.type == "cuda" else 0
+    res: dict[str, Any] = {"rows": [], "steps": []}
+    for name, (n, k, count) in matmul_shapes(shape).items():
+        nbytes = n * k * torch.tensor([], dtype=torch.bfloat16).element_size()
+        copies = max(1, min(16, math.ceil(min_bytes / nbytes)))
+        gen = torch.Generator(device=device).manual_seed(n * 31 + k)
+        weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) / k**0.5
+                   for _ in range(copies)]  # fmt: skip
+        for rows in ints(args.kernel_gemv_rows):
+            row: dict[str, Any] = {"name": name, "n": n, "k": k, "rows": rows, "count": count,
+                                   "bytes": nbytes}  # fmt: skip
+            try:
+                sw = tg.sweep(weights, rows)
+            except Exception as e:  # noqa: BLE001 - one failed cell must not lose the rest
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+                log(f"kernel gemv {name} {n}x{k} @{rows}: FAILED {row['error']}")
+                res["rows"].append(row)
+                continue
+            row.update(cublas_us=sw.cublas_us, failed=list(sw.failed),
+                       candidates={str(c): us for c, us in sw.candidates})  # fmt: skip
+            if sw.best is not None:
+                row.update(best=str(sw.best[0]), best_us=sw.best[1])
+            for key in ("cublas", "best"):
+                us = row.get(f"{key}_us")
+                if us and read_GBps:
+                    row[f"{key}_pct_of_read"] = nbytes / (us * 1e3) / read_GBps
+            res["rows"].append(row)
+            best = f"; best {row['best']} {row['best_us']:.1f} us" if "best" in row else ""
+            log(f"kernel gemv {name} {n}x{k} @{rows}: cuBLAS {sw.cublas_us:.1f} us{best}"
+                + (f"; {len(sw.failed)} failed" if sw.failed else ""))  # fmt: skip
+        del weights
+        _free(device)
+    for rows in ints(args.kernel_gemv_rows):
+        cells = [r for r in res["rows"] if r["rows"] == rows and "cublas_us" in r]
+        if len(cells) != len(matmul_shapes(shape)):
+            continue
+        step = {
+            "rows": rows,
+            "cublas_us": sum(r["count"] * r["cublas_us"] for r in cells),
+            "picked_us": sum(
+                r["count"] * min(r["cublas_us"], r.get("best_us", math.inf)) for r in cells
+            ),  # fmt: skip
+            "weights_bytes": sum(r["count"] * r["bytes"] for r in cells),
+        }
+        if read_GBps:
+            step["read_us"] = step["weights_bytes"] / (read_GBps * 1e3)
+        res["steps"].append(step)
+    return res
 
 
 def torch_decode_attention(q, k_cache, v_cache, gather, mask, scale):
@@ -386,4 +474,40 @@ def markdown(kern: dict) -> list[str]:
         lines += ["", "Prefill kernel configurations (prompts x tokens, no past, causal):", ""]
         lines += md_table("prompts x tokens | BLOCK_M x BLOCK_N x warps x stages | ms | TFLOP/s "
                           "| max abs diff vs engine's |", rows, "llrrrl")  # fmt: skip
+    return lines + gemv_markdown(kern.get("gemv") or {})
+
+
+def gemv_markdown(gemv: dict) -> list[str]:
+    """The skinny-matmul table and the decode step's matmul sums (``gemv``: the report's
+    ``kernels.gemv``)."""
+    if not gemv.get("rows"):
+        return []
+    lines = ["", "## Decode matmuls at a few rows (cuBLAS vs the skinny Triton kernels)", "",
+             "bf16 weights, copies cycled through so each call reads from memory; each time a "
+             "CUDA graph of 24 calls. % of read: the weight's bytes at the measured read rate.",
+             ""]  # fmt: skip
+    rows = []
+    for r in gemv["rows"]:
+        head = [r["name"], f"{r['n']}x{r['k']}", r["rows"], f"{r['bytes'] / 1e6:,.1f}"]
+        if "error" in r:
+            rows.append(head + [f"failed: {r['error'][:80]}", "", "", "", "", ""])
+            continue
+        pct = {k: r.get(f"{k}_pct_of_read") for k in ("cublas", "best")}
+        rows.append(head + [
+            f"{r['cublas_us']:.1f}", num(None if pct["cublas"] is None else 100 * pct["cublas"],
+                                         ".0f"),
+            r.get("best", "-"), num(r.get("best_us"), ".1f"),
+            num(None if pct["best"] is None else 100 * pct["best"], ".0f"),
+            _ratio(r["cublas_us"], r.get("best_us")) + (f" ({len(r['failed'])} failed)"
+                                                        if r["failed"] else ""),
+        ])  # fmt: skip
+    lines += md_table("matmul | N x K | rows | MB | cuBLAS us | % of read | best Triton "
+                      "| us | % of read | speed-up", rows, "llrrrrlrrl")  # fmt: skip
+    steps = [[s["rows"], f"{s['cublas_us']:.0f}", f"{s['picked_us']:.0f}",
+              num(s.get("read_us"), ".0f"), _ratio(s["cublas_us"], s["picked_us"])]
+             for s in gemv.get("steps", [])]  # fmt: skip
+    if steps:
+        lines += ["", "A decode step's matmuls (every layer's and the LM head), summed:", ""]
+        lines += md_table("rows | cuBLAS us | faster of the two per shape, us | weights' read "
+                          "us | speed-up", steps, "rrrrr")  # fmt: skip
     return lines

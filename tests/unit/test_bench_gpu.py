@@ -381,3 +381,52 @@ def test_prefill_configurations_are_each_timed_against_the_engines():
     assert {c[:3] for c in active} == {(64, 64, 4), (64, 64, 8), (32, 64, 4)}
     md = "\n".join(gpu_kernels.markdown({"prefill": res, "rows": []}))
     assert "| 2x16 | 64x64x4x2 (engine) |" in md and "failed: RuntimeError" in md
+
+
+def test_the_matmul_sweep_times_every_shape_and_sums_a_decode_step(monkeypatch):
+    """The kernel section's skinny-matmul sweep on the tiny model's shapes (times made up):
+    every shape at every row count, the best candidate named, a failing shape reported without
+    losing the rest, and a step's sums per row count only where every shape was timed."""
+    pytest.importorskip("triton")
+    from infer.runner.gpu import triton_gemv as tg
+
+    real_sweep = tg.sweep
+    by_n: dict[int, int] = {}
+
+    def fake_time(fn, weights):  # (the kernels' own tests run them)
+        n = weights[0].shape[0]
+        by_n[n] = by_n.get(n, 0) + 1
+        return 10.0 if by_n[n] == 1 else 4.0 + by_n[n]  # cuBLAS first, then 6, 7, ... us
+
+    def sweep(weights, rows):
+        if weights[0].shape[0] == gpu.TINY_SHAPE["vocab_size"] and rows == 16:
+            raise RuntimeError("out of memory")
+        by_n.clear()
+        return real_sweep(weights, rows)
+
+    monkeypatch.setattr(tg, "time_us", fake_time)
+    monkeypatch.setattr(tg, "sweep", sweep)
+    monkeypatch.setattr(tg, "CANDIDATES", (tg.GemvConfig("dot", 16, 64), tg.GemvConfig("row", 8, 64),
+                                           tg.GemvConfig("dot", 16, 32, split_k=2)))  # fmt: skip
+    args = argparse.Namespace(device="cpu", kernel_gemv_rows="1,16")
+    res = gpu_kernels.gemv_sweep(args, gpu.TINY_SHAPE, 100.0, print, tg=tg)
+    shapes = gpu_kernels.matmul_shapes(gpu.TINY_SHAPE)
+    assert shapes["qkv"] == (64 + 2 * 32, 64, 2) and shapes["lm_head"] == (1024, 64, 1)
+    assert [(r["name"], r["rows"]) for r in res["rows"]] == [
+        (name, rows) for name in shapes for rows in (1, 16)
+    ]
+    ok = [r for r in res["rows"] if "error" not in r]
+    assert len(ok) == 9 and "out of memory" in res["rows"][-1]["error"]
+    for r in ok:
+        assert r["cublas_us"] == 10.0 and r["best_us"] == 6.0
+        assert r["best"] == str(tg.candidates_for(r["rows"])[0])
+        assert len(r["candidates"]) == len(tg.candidates_for(r["rows"]))
+        assert r["cublas_pct_of_read"] == pytest.approx(r["bytes"] / 10e3 / 100.0)
+    (step,) = res["steps"]  # rows 16 lost its LM head: no sum
+    weights = sum(n * k * count * 2 for n, k, count in shapes.values())
+    assert step["rows"] == 1 and step["weights_bytes"] == weights
+    assert step["cublas_us"] == 10.0 * 9 and step["picked_us"] == 6.0 * 9  # 2 layers x 4 + 1
+    assert step["read_us"] == pytest.approx(weights / 100e3)
+    md = "\n".join(gpu_kernels.gemv_markdown(res))
+    assert "| qkv | 128x64 | 1 |" in md and "failed: RuntimeError: out of memory" in md
+    assert "| 1 | 90 | 54 |" in md

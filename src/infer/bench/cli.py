@@ -218,6 +218,12 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         help="prompts (SxL) for the prefill kernel's configurations (4x2048,1x8192 | 4x2048; "
         "'' for none)",
     )
+    p.add_argument(
+        "--kernel-gemv-rows",
+        default=None,
+        help="rows of the model's matmuls timed with cuBLAS and the skinny Triton kernels "
+        "(1,16 | 1; '' for none)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -259,25 +259,44 @@ class Pick:
                 f"(cuBLAS {self.cublas_us:.1f} us{triton_part}{failed})")  # fmt: skip
 
 
-def pick(weights: Sequence[torch.Tensor], rows: int) -> Pick:
-    """The fastest of cuBLAS and :data:`CANDIDATES` for ``rows`` rows times ``weights`` (one
-    shape; the layers' own, cycled through). A candidate that fails to compile is skipped."""
+@dataclass(frozen=True)
+class Sweep:
+    """cuBLAS and every candidate timed on one weight shape at one row count."""
+
+    rows: int
+    cublas_us: float
+    candidates: tuple[tuple[GemvConfig, float], ...]  # those that ran, in CANDIDATES' order
+    failed: tuple[str, ...] = ()  # "config: why", for those that did not compile or run
+
+    @property
+    def best(self) -> tuple[GemvConfig, float] | None:
+        return min(self.candidates, key=lambda c: c[1]) if self.candidates else None
+
+
+def sweep(weights: Sequence[torch.Tensor], rows: int) -> Sweep:
+    """Times cuBLAS and each of :data:`CANDIDATES` for ``rows`` rows times ``weights`` (one
+    shape; the layers' own, or copies, cycled through so each call reads from memory). A
+    candidate that fails to compile or run is named in ``failed``; cuBLAS failing raises."""
     w0 = weights[0]
     x = torch.randn(rows, w0.shape[1], device=w0.device, dtype=w0.dtype)
     cublas = time_us(lambda w: F.linear(x, w), weights)
-    best: tuple[GemvConfig, float] | None = None
-    failed = []
+    timed, failed = [], []
     for config in candidates_for(rows):
         try:
-            us = time_us(lambda w, c=config: gemv(x, w, None, c), weights)
+            timed.append((config, time_us(lambda w, c=config: gemv(x, w, None, c), weights)))
         except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run: not a choice
             failed.append(f"{config}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        if best is None or us < best[1]:
-            best = (config, us)
-    if best is not None and best[1] < cublas:
-        return Pick(rows, best[0], best[1], cublas, best, tuple(failed))
-    return Pick(rows, None, cublas, cublas, best, tuple(failed))
+    return Sweep(rows, cublas, tuple(timed), tuple(failed))
+
+
+def pick(weights: Sequence[torch.Tensor], rows: int) -> Pick:
+    """The fastest of cuBLAS and :data:`CANDIDATES` for ``rows`` rows times ``weights``
+    (:func:`sweep`): a candidate only where it beats cuBLAS."""
+    timed = sweep(weights, rows)
+    best = timed.best
+    if best is not None and best[1] < timed.cublas_us:
+        return Pick(rows, best[0], best[1], timed.cublas_us, best, timed.failed)
+    return Pick(rows, None, timed.cublas_us, timed.cublas_us, best, timed.failed)
 
 
 _PICKS: dict[tuple, Pick] = {}
