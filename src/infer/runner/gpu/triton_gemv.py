@@ -235,8 +235,8 @@ def time_us(fn, weights: Sequence[torch.Tensor], reps: int = 24) -> float:
     how: dict = {}
     samples = time_ms(lambda: fn(next(cycle)), weights[0].device, reps=5, inner=reps,
                       warmup=3, graph=True, how=how)  # fmt: skip
-    if how["timing"] != "cuda graph":
-        raise RuntimeError(how["timing"])
+    if how["timing"] != "cuda graph":  # off CUDA, or a capture that failed
+        raise RuntimeError(f"not timed in a CUDA graph: {how['timing']}")
     return 1000 * statistics.median(samples)
 
 
