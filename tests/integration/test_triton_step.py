@@ -233,3 +233,21 @@ def test_requests_stopped_while_the_next_step_runs_leave_no_generator(make_llm):
     outs = llm.generate(FEW[:4], params)
     assert any(o.outputs[0].finish_reason == "stop" for o in outs)
     assert not llm.engine.runner.sampler._generators
+
+
+def test_the_bench_arrival_cell_times_mixed_steps(make_llm, monkeypatch):
+    """``infer bench gpu``'s step with an arrival: B requests decode and a new prompt comes
+    before every timed step, so every timed step holds a prompt chunk beside the decodes (a
+    mixed step: replayed on a GPU, padded here), and nothing is left behind."""
+    from infer.bench.gpu import arrival_step_ms
+    from infer.runner.gpu import cuda_step
+
+    monkeypatch.setenv(cuda_step.MIXED_GRAPHS_ENV, "1")
+    llm = make_llm("llama", attention_backend="triton")
+    engine = llm.engine
+    r = arrival_step_ms(engine, 2, 4, 12, seed=0)
+    assert r["batch"] == 2 and r["steps"] == 4 and r["ms"] > 0
+    kind = "mixed replayed" if DEVICE == "cuda" else "mixed padded"
+    assert r["step_kinds"] == {kind: 4}
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks

@@ -306,11 +306,19 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
     assert te["loads"]["16x4@4"]["completed"] == 8  # 2 x C requests
     assert {b: v["batch"] for b, v in te["buckets"].items()} == {"1": 1, "3": 3}
     assert all(v["outputs_per_step_min"] == v["batch"] for v in te["buckets"].values())
+    # Beside each bucket, the steps with a new prompt arriving before each (3 timed).
+    assert {b: (v["batch"], v["steps"]) for b, v in te["arrivals"].items()} == {
+        "1": (1, 3),
+        "3": (3, 3),
+    }
+    assert all(v["ms"] > 0 and v["step_kinds"] == {} for v in te["arrivals"].values())
     assert "unknown mode" in report["engine"]["nonsense"]["error"]
     assert report["sections"]["engine torch-eager"]["status"] == "ok"
     assert report["roofline"]["weight_read_ms"] > 0
     md = (out / "gpu.md").read_text()
     assert "| torch-eager | 16x4@4 |" in md and "## Targets" in md
+    assert "## A step with an arrival (B decoding + one new 16-token prompt" in md
+    assert "| torch-eager | 3 | " in md
     prof = te["profile"]["3"]  # no GPU: the host's side only
     assert prof["steps"] == 2 and prof["top_host_calls"] and not prof["top_kernels"]
     assert "Host side (the profiler's CPU events, self time)" in md

@@ -446,6 +446,35 @@ def decode_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: i
     }
 
 
+def arrival_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
+    """Median time of ``engine.step()`` with ``batch`` requests decoding and one new request
+    (``prompt_len`` tokens, one output token) added before every step: the steady state of
+    staggered arrivals, as a server sees them, where each step holds a prompt chunk beside the
+    decodes (a mixed step). With the step kinds it ran as (replayed, padded, eager)."""
+    from infer.bench.offline import greedy, prompt_vocab, random_prompts
+
+    device = engine.device
+    times = []
+    prompts = random_prompts(prompt_vocab(engine), steps, prompt_len, seed + 1)
+    with _decoding(engine, batch, steps, prompt_len, seed):
+        kinds_before = _step_kinds(engine)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"arrival{batch}-{i}", prompt, greedy(1))
+            _sync(device)
+            t = time.perf_counter()
+            engine.step()
+            _sync(device)
+            times.append((time.perf_counter() - t) * 1000)
+        kinds = {k: v - kinds_before.get(k, 0) for k, v in _step_kinds(engine).items()}
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "ms": statistics.median(times),
+        "steps": steps,
+        "step_kinds": {k: v for k, v in kinds.items() if v},
+    }
+
+
 HOST_PARTS = ("schedule", "prepare", "forward", "sample", "update")
 
 
@@ -579,6 +608,12 @@ def engine_mode(
                     engine, b, args.bucket_steps, args.prompt_len, seed=1000 + b
                 )
                 log(f"{mode} decode step at batch {b}: {r['ms']:.3f} ms")
+            with _cell(res, "arrivals", str(b), f"{mode} arrivals at batch {b}", log):
+                res.setdefault("arrivals", {})[str(b)] = r = arrival_step_ms(
+                    engine, b, args.bucket_steps, args.prompt_len, seed=3000 + b
+                )
+                log(f"{mode} step with an arrival at batch {b}: {r['ms']:.3f} ms; "
+                    + ", ".join(f"{v} {k}" for k, v in r["step_kinds"].items()))  # fmt: skip
         for b in profile_buckets:
             with _cell(res, "profile", str(b), f"{mode} profile {b}", log):
                 res.setdefault("profile", {})[str(b)] = r = profile_decode(
@@ -843,7 +878,32 @@ def _engine_markdown(eng: dict, roof: dict, p: int, o: int) -> list[str]:
             rows.append([b, *cells, _ratio(g, e)])
         lines += ["", "## Decode step per batch size (pure decode, `engine.step()`, median ms)"]
         lines += [""] + md_table(["batch", *modes, "graphs / eager"], rows, "r" * 9)
-    return lines + profile_markdown(eng)
+    return lines + arrivals_markdown(eng, p) + profile_markdown(eng)
+
+
+def arrivals_markdown(eng: dict, prompt_len: int) -> list[str]:
+    """The steps with an arrival beside each bucket's pure decode step, per mode."""
+    rows = []
+    for mode, res in eng.items():
+        for b, r in (res.get("arrivals") or {}).items():
+            if "error" in r:
+                rows.append([mode, b, f"failed: {r['error'][:100]}", "", "", ""])
+                continue
+            decode = _get(res, "buckets", b, "ms")
+            kinds = ", ".join(f"{v} {k}" for k, v in r["step_kinds"].items())
+            rows.append([mode, b, f"{r['ms']:.3f}", _f(decode, ".3f"), _ratio(r["ms"], decode),
+                         kinds or "-"])  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "",
+        f"## A step with an arrival (B decoding + one new {prompt_len}-token prompt a step, "
+        "median ms)",
+        "",
+        *md_table(
+            "mode | batch | with an arrival | pure decode | ratio | steps ran as", rows, "lrrrrl"
+        ),  # fmt: skip
+    ]
 
 
 def _http_markdown(http: dict) -> list[str]:
