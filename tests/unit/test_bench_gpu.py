@@ -295,7 +295,7 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
         "1,4", "--long", "48x4@2", "--prompt-len", "16", "--output-len", "4", "--buckets", "1,3",
         "--bucket-steps", "3", "--max-num-seqs", "8", "--kv-cache-memory", "16MiB",
         "--read-gib", "0.01", "--matmul-n", "64", "--skip-kernels", "--skip-hf",
-        "--profile", "3", "--profile-mode", "torch-eager", "--profile-steps", "2",
+        "--profile", "3,1a", "--profile-mode", "torch-eager", "--profile-steps", "2",
     )  # fmt: skip
     assert gpu.run(args) == 1  # the unknown mode
     report = json.loads((out / "gpu.json").read_text())
@@ -321,6 +321,9 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
     assert "| torch-eager | 3 | " in md
     prof = te["profile"]["3"]  # no GPU: the host's side only
     assert prof["steps"] == 2 and prof["top_host_calls"] and not prof["top_kernels"]
+    assert not prof["arrivals"] and te["profile"]["1a"]["arrivals"]
+    assert te["profile"]["1a"]["batch"] == 1
+    assert "## Profile: torch-eager, a step with an arrival at batch 1" in md
     assert "Host side (the profiler's CPU events, self time)" in md
     assert "targets:" in capsys.readouterr().out
     # A second run reuses the model folder.

@@ -151,7 +151,8 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         "--profile",
         default="1,256",
         help="decode batch sizes profiled with torch.profiler: GPU busy time, idle share, "
-        "kernels per step, top kernels, host split ('' for none)",
+        "kernels per step, top kernels, host split; B followed by 'a' (64a): a step with an "
+        "arrival at batch B ('' for none)",
     )
     p.add_argument("--profile-mode", default="graphs", help="the mode whose steps are profiled")
     p.add_argument("--profile-steps", type=int, default=10)

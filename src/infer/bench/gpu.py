@@ -184,6 +184,14 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def profile_cell(cell: str | int) -> tuple[int, bool]:
+    """A ``--profile`` entry: ``256`` (pure decode at batch 256) or ``64a`` (batch 64 with an
+    arrival before every step) -> (batch, arrivals)."""
+    text = str(cell).strip()
+    arrivals = text.endswith("a")
+    return int(text.removesuffix("a")), arrivals
+
+
 def ints(text: str | int) -> list[int]:
     """``"1,16,64"`` -> ``[1, 16, 64]`` (empty text: none)."""
     return [int(x) for x in str(text).split(",") if x.strip()]
@@ -478,15 +486,21 @@ def arrival_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: 
 HOST_PARTS = ("schedule", "prepare", "forward", "sample", "update")
 
 
-def profile_decode(engine: Any, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
-    """Where a pure decode step's time goes at ``batch``: ``torch.profiler`` over ``steps``
+def profile_decode(
+    engine: Any, batch: int, steps: int, prompt_len: int, seed: int, arrivals: bool = False
+) -> dict:
+    """Where a pure decode step's time goes at ``batch`` (with ``arrivals``: a step with an
+    arrival, as :func:`arrival_step_ms` makes them): ``torch.profiler`` over ``steps``
     steps gives the GPU's busy time per step (the sum of its kernels' durations), its idle
     share of the wall time, kernels per step and the top kernels; the engine's own counters
     split the host's time (schedule, prepare, forward launch, sample incl. the wait for the
     GPU, update + detokenization)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from infer.bench.offline import greedy, prompt_vocab, random_prompts
+
     device = engine.device
+    prompts = random_prompts(prompt_vocab(engine), steps, prompt_len, seed + 1) if arrivals else []
     with _decoding(engine, batch, steps, prompt_len, seed):
         before = {k: getattr(engine.step_times, k) for k in HOST_PARTS}
         _sync(device)
@@ -495,7 +509,9 @@ def profile_decode(engine: Any, batch: int, steps: int, prompt_len: int, seed: i
             activities.append(ProfilerActivity.CUDA)
         with profile(activities=activities) as prof:
             t = time.perf_counter()
-            for _ in range(steps):
+            for i in range(steps):
+                if arrivals:
+                    engine.add_request(f"profiled-arrival{batch}-{i}", prompts[i], greedy(1))
                 engine.step()
             _sync(device)
             wall_ms = (time.perf_counter() - t) * 1000 / steps
@@ -516,6 +532,7 @@ def profile_decode(engine: Any, batch: int, steps: int, prompt_len: int, seed: i
     busy_ms = sum(k[2] for k in kernels) / 1000 / steps
     return {
         "batch": batch,
+        "arrivals": arrivals,
         "steps": steps,
         "wall_ms": wall_ms,
         "gpu_busy_ms": busy_ms,
@@ -614,13 +631,15 @@ def engine_mode(
                 )
                 log(f"{mode} step with an arrival at batch {b}: {r['ms']:.3f} ms; "
                     + ", ".join(f"{v} {k}" for k, v in r["step_kinds"].items()))  # fmt: skip
-        for b in profile_buckets:
-            with _cell(res, "profile", str(b), f"{mode} profile {b}", log):
-                res.setdefault("profile", {})[str(b)] = r = profile_decode(
-                    engine, b, args.profile_steps, args.prompt_len, seed=2000 + b
-                )
+        for cell in profile_buckets:
+            b, arrivals = profile_cell(cell)
+            with _cell(res, "profile", str(cell), f"{mode} profile {cell}", log):
+                res.setdefault("profile", {})[str(cell)] = r = profile_decode(
+                    engine, b, args.profile_steps, args.prompt_len, seed=2000 + b,
+                    arrivals=arrivals,
+                )  # fmt: skip
                 log(
-                    f"{mode} profile at batch {b}: {r['wall_ms']:.3f} ms/step, GPU busy "
+                    f"{mode} profile at {cell}: {r['wall_ms']:.3f} ms/step, GPU busy "
                     f"{r['gpu_busy_ms']:.3f} ms ({r['kernels_per_step']:.0f} kernels), host "
                     + " ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items())
                 )
@@ -1027,7 +1046,9 @@ def profile_markdown(eng: dict) -> list[str]:
                 continue
             lines += [
                 "",
-                f"## Profile: {mode}, decode at batch {b} (torch.profiler, {p['steps']} steps)",
+                f"## Profile: {mode}, "
+                + ("a step with an arrival" if p.get("arrivals") else "decode")
+                + f" at batch {p['batch']} (torch.profiler, {p['steps']} steps)",
                 "",
                 f"- wall {p['wall_ms']:.3f} ms/step; GPU busy {p['gpu_busy_ms']:.3f} ms "
                 f"(idle {100 * (p['gpu_idle_share'] or 0):.0f}%); "
@@ -1263,7 +1284,11 @@ def _run_sections(
                 report["engine"][mode] = {"error": f"unknown mode (choices: {', '.join(MODES)})"}
                 continue
             buckets = ints(args.buckets) if mode in bucket_modes else []
-            profiled = ints(args.profile) if args.profile and mode == args.profile_mode else []
+            profiled = (
+                [c.strip() for c in args.profile.split(",") if c.strip()]
+                if args.profile and mode == args.profile_mode
+                else []
+            )
 
             def mode_section(
                 mode: str = mode, buckets: list = buckets, profiled: list = profiled
