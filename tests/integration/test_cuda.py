@@ -226,8 +226,9 @@ def test_skinny_matmuls_replay_in_graphs_and_give_the_eager_tokens(make_llm, cud
     monkeypatch.setenv(tg.GEMV_ENV, "1")
     monkeypatch.setattr(tg, "_PICKS", {})
 
-    def forced(weights, rows):
-        config = tg.GemvConfig("row", 16, 64) if rows == 1 else tg.GemvConfig("dot", 16, 64)
+    def forced(weights, rows):  # (2 rows: K split in two, summed by the second kernel)
+        config = {1: tg.GemvConfig("row", 16, 64),
+                  2: tg.GemvConfig("dot", 16, 32, split_k=2)}.get(rows, tg.GemvConfig("dot", 16, 64))  # fmt: skip
         return tg.Pick(rows, config, 0.0, 0.0)
 
     monkeypatch.setattr(tg, "pick", forced)
@@ -239,6 +240,27 @@ def test_skinny_matmuls_replay_in_graphs_and_give_the_eager_tokens(make_llm, cud
     assert step.graphs is not None and len(step.gemv_picks) >= 5  # 1, 2, 4, 8, 16 rows a shape
     assert all(isinstance(m, tg.GemvLinear) for m in llm.engine.model.modules()
                if isinstance(m, torch.nn.Linear))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
+def test_compiled_glue_replays_in_graphs_and_gives_the_triton_kernels_tokens(
+    make_llm, cuda_device, monkeypatch
+):
+    """INFER_TRITON_FUSED=compile: the norms and the activation by torch.compile's kernels
+    (compiled in the warm-up, captured in the graphs), the hand-written kernels' greedy tokens."""
+    from infer.runner.gpu import compiled_ops, triton_fused
+
+    prompts = [p * (1 + i % 3) for i, p in enumerate(PROMPTS)]
+    hand = make_llm("llama", device=cuda_device, dtype="bfloat16")
+    want = [o.outputs[0].token_ids for o in hand.generate(prompts, GREEDY)]
+    hand.engine.close()
+    monkeypatch.setenv(triton_fused.FUSED_ENV, "compile")
+    calls = []
+    real = compiled_ops.CompiledFusedOps.add_rms_norm
+    monkeypatch.setattr(compiled_ops.CompiledFusedOps, "add_rms_norm",
+                        lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
+    llm = make_llm("llama", device=cuda_device, dtype="bfloat16")
+    assert llm.engine.runner.cuda_step.graphs is not None and calls
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
 
 

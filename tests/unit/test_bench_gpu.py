@@ -208,9 +208,12 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
     cmd = server_command(tmp_path, args, 8000, "torch-eager")
     assert cmd[cmd.index("--attention-backend") + 1] == "torch"
     assert "--enforce-eager" in server_command(tmp_path, args, 8000, "eager")
-    assert gpu.mode_environ("graphs-mixed") == {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "1"}
-    # a switch exported in the shell cannot turn the plain mode into another
-    assert gpu.mode_environ("graphs") == {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "0"}
+    off = {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "0", "INFER_TRITON_FUSED": "1"}
+    assert gpu.mode_environ("graphs-mixed") == off | {"INFER_MIXED_GRAPHS": "1"}
+    assert gpu.mode_environ("graphs-compile") == off | {"INFER_TRITON_FUSED": "compile"}
+    # a switch exported in the shell cannot turn the plain mode into another (and the fused
+    # kernels' switch stays at its default, on)
+    assert gpu.mode_environ("graphs") == off
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         server_command(tmp_path, args, 8000, "fast")
 

@@ -103,18 +103,24 @@ MODES: dict[str, dict[str, Any]] = {
     "graphs-gemv": {"attention_backend": "triton", "enforce_eager": False},
     # graphs for mixed steps too (prompt chunks beside decodes), by token bucket (cuda_step.py)
     "graphs-mixed": {"attention_backend": "triton", "enforce_eager": False},
+    # graphs with torch.compile's kernels for the norms and the activation (compiled_ops.py)
+    "graphs-compile": {"attention_backend": "triton", "enforce_eager": False},
 }
 # Modes that are an environment switch over their engine settings (set while the engine starts).
 MODE_ENV: dict[str, dict[str, str]] = {
     "graphs-gemv": {"INFER_TRITON_GEMV": "1"},
     "graphs-mixed": {"INFER_MIXED_GRAPHS": "1"},
+    "graphs-compile": {"INFER_TRITON_FUSED": "compile"},
 }
+# Each switch's value when its mode is not the one running ("0" unless said here).
+SWITCH_DEFAULTS: dict[str, str] = {"INFER_TRITON_FUSED": "1"}
 
 
 def mode_environ(mode: str) -> dict[str, str]:
     """The environment switches while ``mode``'s engine starts: its own (MODE_ENV) on, every
-    other mode's off, so a switch exported in the shell cannot turn one mode into another."""
-    env = {key: "0" for switches in MODE_ENV.values() for key in switches}
+    other mode's at its default (off), so a switch exported in the shell cannot turn one mode
+    into another."""
+    env = {key: SWITCH_DEFAULTS.get(key, "0") for switches in MODE_ENV.values() for key in switches}
     return env | MODE_ENV.get(mode, {})
 
 

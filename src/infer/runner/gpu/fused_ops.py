@@ -32,9 +32,19 @@ class TritonFusedOps(ops.FusedOps):
 _triton_ops = functools.cache(TritonFusedOps)  # built for the first CUDA tensor
 
 
+@functools.cache
+def _compiled_ops() -> ops.FusedOps:
+    from infer.runner.gpu.compiled_ops import CompiledFusedOps
+
+    return CompiledFusedOps()
+
+
 def triton_fused_ops(x: torch.Tensor) -> ops.FusedOps | None:
-    """The Triton kernels for CUDA activations (None: not CUDA, no triton, switched off)."""
+    """The Triton kernels for CUDA activations (None: not CUDA, no triton, switched off;
+    ``INFER_TRITON_FUSED=compile``: torch.compile's instead, see ``compiled_ops``)."""
     if not x.is_cuda:
         return None  # before importing triton: a CPU process never does
     fused = _triton_ops()
-    return fused if fused.fused.fused_enabled(x) else None
+    if not fused.fused.fused_enabled(x):
+        return None
+    return _compiled_ops() if fused.fused.compiled_glue() else fused

@@ -12,7 +12,9 @@ them element-wise (the RMSNorm alone is nine). These make the layer's glue three
 Each rounds where torch's ops round (to the activation dtype after the add, after the
 normalisation, after the activation, after ``x * cos``), so outputs stay within float32
 summation-order differences of the torch path. ``INFER_TRITON_FUSED=0`` turns them off (the
-torch ops run instead), to measure what they buy.
+torch ops run instead), to measure what they buy; ``INFER_TRITON_FUSED=compile`` keeps
+``rope_and_store`` and has ``torch.compile`` fuse the norms and the activation instead
+(:mod:`infer.runner.gpu.compiled_ops`), to measure the compiler against them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 def fused_enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels take ``x``: a CUDA tensor, triton present, not switched off."""
     return x.is_cuda and triton is not None and os.environ.get(FUSED_ENV, "1") != "0"
+
+
+def compiled_glue() -> bool:
+    """``INFER_TRITON_FUSED=compile``: the norms and the activation by ``torch.compile``."""
+    return os.environ.get(FUSED_ENV, "1") == "compile"
 
 
 if triton is not None:
