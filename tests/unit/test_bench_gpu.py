@@ -444,3 +444,29 @@ def test_the_matmul_sweep_times_every_shape_and_sums_a_decode_step(monkeypatch):
     md = "\n".join(gpu_kernels.gemv_markdown(res))
     assert "| qkv | 128x64 | 1 |" in md and "failed: RuntimeError: out of memory" in md
     assert "| 1 | 90 | 54 |" in md
+
+
+def test_a_modes_switches_hold_while_its_loads_run(monkeypatch):
+    """A mode's environment (``graphs-compile``: the fused kernels' switch, read at every
+    forward pass) holds from the engine's start through its loads, and is gone afterwards."""
+    import os
+    from types import SimpleNamespace as NS
+
+    from infer.bench import offline
+
+    seen = []
+    engine = NS(capacity=NS(num_tokens=64), close=lambda: seen.append("closed"))
+    monkeypatch.setattr(gpu, "make_engine", lambda *a: seen.append(os.environ.get("X")) or engine)
+    monkeypatch.setattr(gpu, "MODE_ENV", {"graphs-compile": {"X": "compile"}})
+
+    def run_load(engine, c, n, pin, pout, seed):
+        seen.append(os.environ.get("X"))
+        return {"output_tok_s": 1.0, "itl_ms": {"p50": 1.0}, "ttft_ms": {"p50": 1.0},
+                "wall_s": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(offline, "run_load", run_load)
+    monkeypatch.delenv("X", raising=False)
+    args = argparse.Namespace(prompt_len=4, requests_per_c=1, seed=0, device="cpu")
+    res = gpu.engine_mode("m", "graphs-compile", args, [(4, 2, 1)], [], print)
+    assert seen == ["compile"] * 4 + ["closed"]  # start, two warm-ups, the load
+    assert res["loads"]["4x2@1"]["output_tok_s"] == 1.0 and "X" not in os.environ

@@ -587,7 +587,24 @@ def engine_mode(
 ) -> dict:
     """One mode: build the engine, warm it, run every load and (for bucket modes) the decode
     buckets, filling ``res`` as it goes (a run cut short keeps what it had); the engine is freed
-    on the way out."""
+    on the way out. The mode's environment (:func:`mode_environ`) holds throughout: some
+    switches are read at start-up, the fused kernels' at every forward pass."""
+    from infer.bench.offline import patched_environ
+
+    with patched_environ(mode_environ(mode)):
+        return _engine_mode(model, mode, args, loads, buckets, log, res, profile_buckets)
+
+
+def _engine_mode(
+    model: Path,
+    mode: str,
+    args: argparse.Namespace,
+    loads: list,
+    buckets: list,
+    log: Callable[[str], None],
+    res: dict | None,
+    profile_buckets: list | None,
+) -> dict:
     from infer.bench.offline import run_load
     from infer.engine.heap import freeze_startup_heap
 
