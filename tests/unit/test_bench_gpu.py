@@ -220,6 +220,9 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
 
 def test_options_and_quick_defaults():
     full, quick = _args(), _args("--quick", "--buckets", "1,2")
+    # '' as gpu_check.sh passes it (its GPU_CHECK_BENCH_ARGS split into words, quotes kept)
+    unparsed = _args("--http", '""', "--kernel-prefill", "''", "--profile", "1")
+    assert (unparsed.http, unparsed.kernel_prefill, unparsed.profile) == ("", "", "1")
     assert gpu.ints(full.concurrency) == [1, 16, 64, 256]
     assert gpu.parse_loads(full.long) == [(1024, 128, 16)]
     assert gpu.parse_loads(quick.long) == [] and gpu.ints(quick.buckets) == [1, 2]

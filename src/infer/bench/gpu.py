@@ -187,6 +187,11 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     for name, (full, quick) in (DEFAULTS | (kernels.DEFAULTS if kernels else {})).items():
         if getattr(args, name, None) is None:
             setattr(args, name, quick if args.quick else full)
+    # An empty list written '' inside GPU_CHECK_BENCH_ARGS (which the script splits into words
+    # without parsing quotes) reaches us as the two quote characters: none, as meant.
+    for name, value in vars(args).items():
+        if isinstance(value, str) and value.strip() in ("''", '""'):
+            setattr(args, name, "")
     return args
 
 
