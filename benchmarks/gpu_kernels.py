@@ -63,7 +63,8 @@ def section(
     }
     kernel_bench(args, shape, read_GBps, log, res=res)
     if ints(getattr(args, "kernel_gemv_rows", "") or ""):
-        res["gemv"] = gemv_sweep(args, model["shape"], read_GBps, log)
+        res["gemv"] = {}  # filled as each shape finishes: a run cut short keeps those
+        gemv_sweep(args, model["shape"], read_GBps, log, res=res["gemv"])
     return res
 
 
@@ -89,18 +90,21 @@ def gemv_sweep(
     read_GBps: float | None,
     log: Callable[[str], None],
     tg: Any = None,
+    res: dict | None = None,
 ) -> dict:
     """cuBLAS and every skinny-matmul candidate (``triton_gemv.sweep``) on each of the model's
     matmul shapes at ``--kernel-gemv-rows`` rows, bf16, copies of the weight cycled through
-    (>= 256 MiB a shape on CUDA, so reads come from memory); per row count, the sum over a
-    decode step's matmuls with cuBLAS, with the faster of the two per shape, and the weights'
-    read at ``read_GBps``. ``tg``: the kernel module (tests pass it)."""
+    (up to 16, toward 256 MiB a shape on CUDA: several times the L2 cache, so reads come from
+    memory); per row count, the sum over a decode step's matmuls with cuBLAS, with the faster
+    of the two per shape, and the weights' read at ``read_GBps``. ``tg``: the kernel module
+    (tests pass it); ``res`` is filled as the shapes finish."""
     if tg is None:
         tg = importlib.import_module("infer.runner.gpu.triton_gemv")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     min_bytes = 256 << 20 if device.type == "cuda" else 0
-    res: dict[str, Any] = {"rows": [], "steps": []}
+    res = {} if res is None else res
+    res.update(rows=[], steps=[])
     for name, (n, k, count) in matmul_shapes(shape).items():
         nbytes = n * k * torch.tensor([], dtype=torch.bfloat16).element_size()
         copies = max(1, min(16, math.ceil(min_bytes / nbytes)))

@@ -5,7 +5,7 @@
 # machines' Python 3.12), pytest-xdist for `-n 16`, and py-spy, whose static binary is also
 # unpacked as .whl/py-spy (export INFER_PY_SPY=$PWD/.whl/py-spy for the bench's profiles).
 #
-#   bash scripts/gpu_wheels.sh          # from the repository root; ~12 MB, seconds
+#   bash scripts/gpu_wheels.sh          # from the repository root; ~20 MB, seconds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(
@@ -15,11 +15,18 @@ WHEELS=(
     pytest-xdist execnet py-spy
 )
 mkdir -p .whl
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+# (pip's own notes about the local index's folders filtered out, its exit status kept)
+if ! python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 -d .whl "${WHEELS[@]}" \
-    2>&1 | grep -v "^WARNING: Location" || true
-spy=$(compgen -G ".whl/py_spy-*.whl" | head -1)
+    2> >(grep -v "^WARNING: Location" >&2); then
+    echo "gpu_wheels.sh: pip could not download every wheel (see above)" >&2
+    exit 1
+fi
+spy=$(compgen -G ".whl/py_spy-*.whl" | sort | tail -1) || {
+    echo "gpu_wheels.sh: no py-spy wheel in .whl/" >&2
+    exit 1
+}
 python3 - "$spy" <<'EOF'
 import os, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:

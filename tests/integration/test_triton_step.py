@@ -238,14 +238,15 @@ def test_requests_stopped_while_the_next_step_runs_leave_no_generator(make_llm):
 def test_the_bench_arrival_cell_times_mixed_steps(make_llm, monkeypatch):
     """``infer bench gpu``'s step with an arrival: B requests decode and a new prompt comes
     before every timed step, so every timed step holds a prompt chunk beside the decodes (a
-    mixed step: replayed on a GPU, padded here), and nothing is left behind."""
+    mixed step: replayed on a GPU, padded here), and nothing is left behind. Asked for a full
+    batch (max_num_seqs), it keeps a slot free for the arrivals."""
     from infer.bench.gpu import arrival_step_ms
     from infer.runner.gpu import cuda_step
 
     monkeypatch.setenv(cuda_step.MIXED_GRAPHS_ENV, "1")
-    llm = make_llm("llama", attention_backend="triton")
+    llm = make_llm("llama", attention_backend="triton", max_num_seqs=3)
     engine = llm.engine
-    r = arrival_step_ms(engine, 2, 4, 12, seed=0)
+    r = arrival_step_ms(engine, 3, 4, 12, seed=0)
     assert r["batch"] == 2 and r["steps"] == 4 and r["ms"] > 0
     kind = "mixed replayed" if DEVICE == "cuda" else "mixed padded"
     assert r["step_kinds"] == {kind: 4}

@@ -178,7 +178,7 @@ def test_markdown_tables_from_a_result():
     assert "[MET ] C=256 128/128" in tail and len(tail) < 12_000
 
 
-def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
+def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeypatch):
     """--http-modes graphs,graphs-mixed: each mode's server runs with that mode's flags and
     environment switch; both render, the first stays the targets' figure."""
     from infer.bench.gpu_http import server_command, server_step_kinds
@@ -212,8 +212,16 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path):
     assert gpu.mode_environ("graphs-mixed") == off | {"INFER_MIXED_GRAPHS": "1"}
     assert gpu.mode_environ("graphs-compile") == off | {"INFER_TRITON_FUSED": "compile"}
     # a switch exported in the shell cannot turn the plain mode into another (and the fused
-    # kernels' switch stays at its default, on)
+    # kernels' switch stays at its default, on) ...
     assert gpu.mode_environ("graphs") == off
+    monkeypatch.setenv("INFER_MIXED_GRAPHS", "1")
+    monkeypatch.setenv("INFER_TRITON_FUSED", "compile")
+    assert gpu.mode_environ("graphs") == off
+    # ... but the fused kernels switched off in the shell stay off in every mode but their own
+    monkeypatch.setenv("INFER_TRITON_FUSED", "0")
+    assert gpu.mode_environ("graphs-mixed") == off | {"INFER_MIXED_GRAPHS": "1",
+                                                      "INFER_TRITON_FUSED": "0"}  # fmt: skip
+    assert gpu.mode_environ("graphs-compile")["INFER_TRITON_FUSED"] == "compile"
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         server_command(tmp_path, args, 8000, "fast")
 

@@ -38,15 +38,20 @@ def test_the_glue_is_the_layers_torch_ops():
 
 
 @pytest.mark.slow  # inductor compiles C++ on a CPU: ~30 s
-def test_compiled_they_round_as_torch_does():
-    """bf16, two row counts (the second reuses the dynamic-shape graph): the sums bit-equal."""
-    fns = compiled_ops._compiled()
+def test_compiled_they_round_as_torch_does_and_compile_once_for_every_row_count():
+    """bf16, one row and several counts above: the sums bit-equal, two graphs a function (one
+    row, and the rest with the rows symbolic: the hidden size stays fixed)."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, generator=g).to(torch.bfloat16)
-    for rows in (5, 9):
+    torch._dynamo.reset()
+    compiled_ops._compiled.cache_clear()
+    ops = compiled_ops.CompiledFusedOps()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for rows in (1, 5, 9, 16):
         x, h = (torch.randn(rows, 64, generator=g).to(torch.bfloat16) for _ in range(2))
-        got = fns["add_rms_norm"](x, h, w, 1e-6)
+        got = ops.add_rms_norm(x, h, w, 1e-6)
         want = compiled_ops.add_rms_norm(x, h, w, 1e-6)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         gate_up = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
-        assert torch.equal(fns["act_mul"](gate_up, "silu"), compiled_ops.act_mul(gate_up, "silu"))
+        assert torch.equal(ops.act_mul(gate_up, "silu"), compiled_ops.act_mul(gate_up, "silu"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 4

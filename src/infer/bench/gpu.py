@@ -43,6 +43,7 @@ import functools
 import gc
 import json
 import logging
+import os
 import platform
 import signal
 import statistics
@@ -112,15 +113,21 @@ MODE_ENV: dict[str, dict[str, str]] = {
     "graphs-mixed": {"INFER_MIXED_GRAPHS": "1"},
     "graphs-compile": {"INFER_TRITON_FUSED": "compile"},
 }
-# Each switch's value when its mode is not the one running ("0" unless said here).
+# Switches that are a setting of their own beside the mode that sets them, with their default:
+# outside that mode they keep the shell's value (INFER_TRITON_FUSED=0 exported: every mode
+# without the fused kernels) unless it is another mode's.
 SWITCH_DEFAULTS: dict[str, str] = {"INFER_TRITON_FUSED": "1"}
 
 
 def mode_environ(mode: str) -> dict[str, str]:
-    """The environment switches while ``mode``'s engine starts: its own (MODE_ENV) on, every
-    other mode's at its default (off), so a switch exported in the shell cannot turn one mode
-    into another."""
-    env = {key: SWITCH_DEFAULTS.get(key, "0") for switches in MODE_ENV.values() for key in switches}
+    """The environment switches while ``mode``'s engine runs: its own (MODE_ENV) on, every
+    other mode's off, so a switch exported in the shell cannot turn one mode into another."""
+    env = {}
+    for switches in MODE_ENV.values():
+        for key, on in switches.items():
+            shell = os.environ.get(key)
+            keep = key in SWITCH_DEFAULTS and shell is not None and shell != on
+            env[key] = shell if keep else SWITCH_DEFAULTS.get(key, "0")
     return env | MODE_ENV.get(mode, {})
 
 
@@ -469,10 +476,17 @@ def arrival_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: 
     """Median time of ``engine.step()`` with ``batch`` requests decoding and one new request
     (``prompt_len`` tokens, one output token) added before every step: the steady state of
     staggered arrivals, as a server sees them, where each step holds a prompt chunk beside the
-    decodes (a mixed step). With the step kinds it ran as (replayed, padded, eager)."""
+    decodes (a mixed step). With the step kinds it ran as (replayed, padded, eager).
+
+    An arrival needs a free slot: at ``max_num_seqs`` the batch is one request smaller (the
+    result's ``batch`` says so). An arrival still waiting after its step raises: that step
+    was not the one meant."""
     from infer.bench.offline import greedy, prompt_vocab, random_prompts
 
     device = engine.device
+    batch = min(batch, engine.scheduler.config.max_num_seqs - 1)
+    if batch < 1:
+        raise ValueError("a step with an arrival needs max_num_seqs >= 2")
     times = []
     prompts = random_prompts(prompt_vocab(engine), steps, prompt_len, seed + 1)
     with _decoding(engine, batch, steps, prompt_len, seed):
@@ -484,6 +498,8 @@ def arrival_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: 
             engine.step()
             _sync(device)
             times.append((time.perf_counter() - t) * 1000)
+            if engine.scheduler.num_waiting:
+                raise RuntimeError(f"an arrival waited past its step at batch {batch}")
         kinds = {k: v - kinds_before.get(k, 0) for k, v in _step_kinds(engine).items()}
     return {
         "batch": batch,
@@ -512,6 +528,8 @@ def profile_decode(
 
     device = engine.device
     prompts = random_prompts(prompt_vocab(engine), steps, prompt_len, seed + 1) if arrivals else []
+    if arrivals:  # a free slot for each arrival (see arrival_step_ms)
+        batch = min(batch, engine.scheduler.config.max_num_seqs - 1)
     with _decoding(engine, batch, steps, prompt_len, seed):
         before = {k: getattr(engine.step_times, k) for k in HOST_PARTS}
         _sync(device)
@@ -660,8 +678,8 @@ def _engine_mode(
                 log(f"{mode} step with an arrival at batch {b}: {r['ms']:.3f} ms; "
                     + ", ".join(f"{v} {k}" for k, v in r["step_kinds"].items()))  # fmt: skip
         for cell in profile_buckets:
-            b, arrivals = profile_cell(cell)
             with _cell(res, "profile", str(cell), f"{mode} profile {cell}", log):
+                b, arrivals = profile_cell(cell)
                 res.setdefault("profile", {})[str(cell)] = r = profile_decode(
                     engine, b, args.profile_steps, args.prompt_len, seed=2000 + b,
                     arrivals=arrivals,
@@ -938,6 +956,8 @@ def arrivals_markdown(eng: dict, prompt_len: int) -> list[str]:
                 continue
             decode = _get(res, "buckets", b, "ms")
             kinds = ", ".join(f"{v} {k}" for k, v in r["step_kinds"].items())
+            if r["batch"] != int(b):  # a slot kept free for the arrivals
+                b = f"{b} ({r['batch']} decoding)"
             rows.append([mode, b, f"{r['ms']:.3f}", _f(decode, ".3f"), _ratio(r["ms"], decode),
                          kinds or "-"])  # fmt: skip
     if not rows:

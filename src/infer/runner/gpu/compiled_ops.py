@@ -50,10 +50,18 @@ def _compiled() -> dict:
     # round the intermediate bf16 / fp16 results as eager torch does (x + h before the norm)
     inductor_config.emulate_precision_casts = True
 
-    def compile_(fn):  # one graph per function, the row count symbolic (every bucket)
-        return torch.compile(fn, dynamic=True, fullgraph=True)
+    def compile_(fn):
+        # static shapes but for the rows, which the callers mark dynamic: one graph for one row
+        # (always specialised) and one for the rest, the hidden size and eps fixed in both
+        # (dynamic=True would make them symbolic too, and cost inductor its one-pass reduction)
+        return torch.compile(fn, dynamic=False, fullgraph=True)
 
     return {fn.__name__: compile_(fn) for fn in (rms_norm, add_rms_norm, act_mul)}
+
+
+def _rows_vary(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 class CompiledFusedOps(ops.FusedOps):
@@ -63,14 +71,17 @@ class CompiledFusedOps(ops.FusedOps):
         self.fns = _compiled()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _rows_vary(x)
         return self.fns["rms_norm"](x, weight, eps)
 
     def add_rms_norm(self, x, h, weight, eps):
         if h.dtype != x.dtype:
             return None
+        _rows_vary(x, h)
         return self.fns["add_rms_norm"](x, h, weight, eps)
 
     def act_mul(self, gate_up, act):
         if act not in ("silu", "gelu_tanh"):
             return None
+        _rows_vary(gate_up)
         return self.fns["act_mul"](gate_up, act)

@@ -4,8 +4,8 @@ At batch 1 a decode step is the weights' read, and cuBLAS reads the small projec
 an H200 profile of the 1.24B Llama shape put qkv and o (2048 -> 3072 and 2048 -> 2048) at ~45%
 of the memory's read rate, because the kernel it picks tiles N by 64 and so runs 32-48 thread
 blocks on 132 multiprocessors. These kernels give each program ``BLOCK_N`` output columns and
-walk all of K (no split, no second pass), so a 2048-wide output is 64-128 programs streaming
-their rows of W::
+walk all of K (or a slice of it: split K, below), so a 2048-wide output is 64-128 programs
+streaming their rows of W::
 
     program p:  W[p*BN : (p+1)*BN, :]  (BN rows of K, read once, BLOCK_K at a time)
                 x[:M, :]               (the batch's rows: M <= 16, from L2 after the first)
@@ -20,8 +20,9 @@ slices in a fixed order (no atomics, so the sums and tokens are the same on ever
 
     W[n-tile, :] = | slice 0 | slice 1 | ... | slice S-1 |    (K_PER columns each, whole blocks)
     ws[s, :M, n-tile] = x[:, slice s] @ W[n-tile, slice s].T         (float32)
-    y[:M, n-tile] = ws[0] + ws[1] + ... + ws[S-1] (+ b)               (one rounding) Which way and which tile is fastest
-depends on the shape and the GPU: :func:`pick` times the candidates against cuBLAS on the
+    y[:M, n-tile] = ws[0] + ws[1] + ... + ws[S-1] (+ b)               (one rounding)
+
+Which way, which tile and which split is fastest depends on the shape and the GPU: :func:`pick` times the candidates against cuBLAS on the
 model's own weights and keeps cuBLAS where it is not beaten. ``INFER_TRITON_GEMV=1`` turns them
 on (see :func:`install`): off by default until a GPU run says what they buy.
 """
