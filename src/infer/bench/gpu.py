@@ -612,89 +612,74 @@ def engine_mode(
     buckets, filling ``res`` as it goes (a run cut short keeps what it had); the engine is freed
     on the way out. The mode's environment (:func:`mode_environ`) holds throughout: some
     switches are read at start-up, the fused kernels' at every forward pass."""
-    from infer.bench.offline import patched_environ
-
-    with patched_environ(mode_environ(mode)):
-        return _engine_mode(model, mode, args, loads, buckets, log, res, profile_buckets)
-
-
-def _engine_mode(
-    model: Path,
-    mode: str,
-    args: argparse.Namespace,
-    loads: list,
-    buckets: list,
-    log: Callable[[str], None],
-    res: dict | None,
-    profile_buckets: list | None,
-) -> dict:
-    from infer.bench.offline import run_load
+    from infer.bench.offline import patched_environ, run_load
     from infer.engine.heap import freeze_startup_heap
 
-    res = {} if res is None else res
-    profile_buckets = profile_buckets or []
-    res.update(settings=MODES[mode], loads={}, buckets={}, failures=0)
-    t = time.perf_counter()
-    engine = make_engine(model, mode, args)
-    try:
-        res["startup_s"] = time.perf_counter() - t
-        res["runner_info"] = runner_info(engine)
-        res["kv_tokens"] = engine.capacity.num_tokens
-        log(f"{mode}: engine up in {res['startup_s']:.1f}s ({res['kv_tokens']} KV tokens)")
-        if "skinny matmuls" in res["runner_info"]:
-            log(f"{mode}: skinny matmuls: {res['runner_info']['skinny matmuls']}")
+    with patched_environ(mode_environ(mode)):
+        res = {} if res is None else res
+        profile_buckets = profile_buckets or []
+        res.update(settings=MODES[mode], loads={}, buckets={}, failures=0)
         t = time.perf_counter()
-        run_load(engine, 4, 4, args.prompt_len, 8, seed=99)
-        biggest = max((c for _, _, c in loads), default=1)
-        run_load(engine, biggest, biggest, args.prompt_len, 4, seed=98)
-        res["warmup_s"] = time.perf_counter() - t
-        # As the server's engine process does once built: full collections would walk the
-        # start-up heap every so often, a stall of milliseconds in the middle of a step.
-        freeze_startup_heap()
-        for pin, pout, c in loads:
-            key = load_key(pin, pout, c)
-            n = max(args.requests_per_c * c, 2 if c == 1 else c)
-            with _cell(res, "loads", key, f"{mode} {key}", log):
-                kinds_before = _step_kinds(engine)
-                res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
-                kinds = {k: v - kinds_before.get(k, 0) for k, v in _step_kinds(engine).items()}
-                row["step_kinds"] = {k: v for k, v in kinds.items() if v}
-                log(
-                    f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
-                    f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 {row['ttft_ms']['p50']:.0f} ms "
-                    f"({row['wall_s']:.1f}s)"
-                    + "".join(f"; {v} {k}" for k, v in row["step_kinds"].items())
-                )
-        for b in buckets:
-            with _cell(res, "buckets", str(b), f"{mode} bucket {b}", log):
-                res["buckets"][str(b)] = r = decode_step_ms(
-                    engine, b, args.bucket_steps, args.prompt_len, seed=1000 + b
-                )
-                log(f"{mode} decode step at batch {b}: {r['ms']:.3f} ms")
-            with _cell(res, "arrivals", str(b), f"{mode} arrivals at batch {b}", log):
-                res.setdefault("arrivals", {})[str(b)] = r = arrival_step_ms(
-                    engine, b, args.bucket_steps, args.prompt_len, seed=3000 + b
-                )
-                log(f"{mode} step with an arrival at batch {b}: {r['ms']:.3f} ms; "
-                    + ", ".join(f"{v} {k}" for k, v in r["step_kinds"].items()))  # fmt: skip
-        for cell in profile_buckets:
-            with _cell(res, "profile", str(cell), f"{mode} profile {cell}", log):
-                b, arrivals = profile_cell(cell)
-                res.setdefault("profile", {})[str(cell)] = r = profile_decode(
-                    engine, b, args.profile_steps, args.prompt_len, seed=2000 + b,
-                    arrivals=arrivals,
-                )  # fmt: skip
-                log(
-                    f"{mode} profile at {cell}: {r['wall_ms']:.3f} ms/step, GPU busy "
-                    f"{r['gpu_busy_ms']:.3f} ms ({r['kernels_per_step']:.0f} kernels), host "
-                    + " ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items())
-                )
-    finally:
-        gc.unfreeze()
-        engine.close()
-        del engine
-        _free(torch.device(args.device))
-    return res
+        engine = make_engine(model, mode, args)
+        try:
+            res["startup_s"] = time.perf_counter() - t
+            res["runner_info"] = runner_info(engine)
+            res["kv_tokens"] = engine.capacity.num_tokens
+            log(f"{mode}: engine up in {res['startup_s']:.1f}s ({res['kv_tokens']} KV tokens)")
+            if "skinny matmuls" in res["runner_info"]:
+                log(f"{mode}: skinny matmuls: {res['runner_info']['skinny matmuls']}")
+            t = time.perf_counter()
+            run_load(engine, 4, 4, args.prompt_len, 8, seed=99)
+            biggest = max((c for _, _, c in loads), default=1)
+            run_load(engine, biggest, biggest, args.prompt_len, 4, seed=98)
+            res["warmup_s"] = time.perf_counter() - t
+            # As the server's engine process does once built: full collections would walk the
+            # start-up heap every so often, a stall of milliseconds in the middle of a step.
+            freeze_startup_heap()
+            for pin, pout, c in loads:
+                key = load_key(pin, pout, c)
+                n = max(args.requests_per_c * c, 2 if c == 1 else c)
+                with _cell(res, "loads", key, f"{mode} {key}", log):
+                    kinds_before = _step_kinds(engine)
+                    res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
+                    kinds = {k: v - kinds_before.get(k, 0) for k, v in _step_kinds(engine).items()}
+                    row["step_kinds"] = {k: v for k, v in kinds.items() if v}
+                    log(
+                        f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
+                        f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 {row['ttft_ms']['p50']:.0f} ms "
+                        f"({row['wall_s']:.1f}s)"
+                        + "".join(f"; {v} {k}" for k, v in row["step_kinds"].items())
+                    )
+            for b in buckets:
+                with _cell(res, "buckets", str(b), f"{mode} bucket {b}", log):
+                    res["buckets"][str(b)] = r = decode_step_ms(
+                        engine, b, args.bucket_steps, args.prompt_len, seed=1000 + b
+                    )
+                    log(f"{mode} decode step at batch {b}: {r['ms']:.3f} ms")
+                with _cell(res, "arrivals", str(b), f"{mode} arrivals at batch {b}", log):
+                    res.setdefault("arrivals", {})[str(b)] = r = arrival_step_ms(
+                        engine, b, args.bucket_steps, args.prompt_len, seed=3000 + b
+                    )
+                    log(f"{mode} step with an arrival at batch {b}: {r['ms']:.3f} ms; "
+                        + ", ".join(f"{v} {k}" for k, v in r["step_kinds"].items()))  # fmt: skip
+            for cell in profile_buckets:
+                with _cell(res, "profile", str(cell), f"{mode} profile {cell}", log):
+                    b, arrivals = profile_cell(cell)
+                    res.setdefault("profile", {})[str(cell)] = r = profile_decode(
+                        engine, b, args.profile_steps, args.prompt_len, seed=2000 + b,
+                        arrivals=arrivals,
+                    )  # fmt: skip
+                    log(
+                        f"{mode} profile at {cell}: {r['wall_ms']:.3f} ms/step, GPU busy "
+                        f"{r['gpu_busy_ms']:.3f} ms ({r['kernels_per_step']:.0f} kernels), host "
+                        + " ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items())
+                    )
+        finally:
+            gc.unfreeze()
+            engine.close()
+            del engine
+            _free(torch.device(args.device))
+        return res
 
 
 # ---- 5. transformers ----------------------------------------------------------------------------
