@@ -481,18 +481,13 @@ def arrival_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: 
     An arrival needs a free slot: at ``max_num_seqs`` the batch is one request smaller (the
     result's ``batch`` says so). An arrival still waiting after its step raises: that step
     was not the one meant."""
-    from infer.bench.offline import greedy, prompt_vocab, random_prompts
-
     device = engine.device
-    batch = min(batch, engine.scheduler.config.max_num_seqs - 1)
-    if batch < 1:
-        raise ValueError("a step with an arrival needs max_num_seqs >= 2")
+    batch, arrive = _arrivals(engine, batch, steps, prompt_len, seed)
     times = []
-    prompts = random_prompts(prompt_vocab(engine), steps, prompt_len, seed + 1)
     with _decoding(engine, batch, steps, prompt_len, seed):
         kinds_before = _step_kinds(engine)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"arrival{batch}-{i}", prompt, greedy(1))
+        for i in range(steps):
+            arrive(i)
             _sync(device)
             t = time.perf_counter()
             engine.step()
@@ -500,14 +495,31 @@ def arrival_step_ms(engine: Any, batch: int, steps: int, prompt_len: int, seed: 
             times.append((time.perf_counter() - t) * 1000)
             if engine.scheduler.num_waiting:
                 raise RuntimeError(f"an arrival waited past its step at batch {batch}")
-        kinds = {k: v - kinds_before.get(k, 0) for k, v in _step_kinds(engine).items()}
+        kinds = _step_kinds_since(engine, kinds_before)
     return {
         "batch": batch,
         "prompt_len": prompt_len,
         "ms": statistics.median(times),
         "steps": steps,
-        "step_kinds": {k: v for k, v in kinds.items() if v},
+        "step_kinds": kinds,
     }
+
+
+def _arrivals(engine: Any, batch: int, steps: int, prompt_len: int, seed: int):
+    """``(batch, arrive)`` for ``steps`` steps with an arrival: the batch left a free slot
+    below ``max_num_seqs``, and ``arrive(i)`` adds the i-th new request (``prompt_len``
+    tokens, one output token)."""
+    from infer.bench.offline import greedy, prompt_vocab, random_prompts
+
+    batch = min(batch, engine.scheduler.config.max_num_seqs - 1)
+    if batch < 1:
+        raise ValueError("a step with an arrival needs max_num_seqs >= 2")
+    prompts = random_prompts(prompt_vocab(engine), steps, prompt_len, seed + 1)
+
+    def arrive(i: int) -> None:
+        engine.add_request(f"arrival{batch}-{seed}-{i}", prompts[i], greedy(1))
+
+    return batch, arrive
 
 
 HOST_PARTS = ("schedule", "prepare", "forward", "sample", "update")
@@ -524,12 +536,10 @@ def profile_decode(
     GPU, update + detokenization)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from infer.bench.offline import greedy, prompt_vocab, random_prompts
-
     device = engine.device
-    prompts = random_prompts(prompt_vocab(engine), steps, prompt_len, seed + 1) if arrivals else []
-    if arrivals:  # a free slot for each arrival (see arrival_step_ms)
-        batch = min(batch, engine.scheduler.config.max_num_seqs - 1)
+    arrive = None
+    if arrivals:
+        batch, arrive = _arrivals(engine, batch, steps, prompt_len, seed)
     with _decoding(engine, batch, steps, prompt_len, seed):
         before = {k: getattr(engine.step_times, k) for k in HOST_PARTS}
         _sync(device)
@@ -539,8 +549,8 @@ def profile_decode(
         with profile(activities=activities) as prof:
             t = time.perf_counter()
             for i in range(steps):
-                if arrivals:
-                    engine.add_request(f"profiled-arrival{batch}-{i}", prompts[i], greedy(1))
+                if arrive is not None:
+                    arrive(i)
                 engine.step()
             _sync(device)
             wall_ms = (time.perf_counter() - t) * 1000 / steps
@@ -598,6 +608,12 @@ def _step_kinds(engine: Any) -> dict[str, int]:
     return dict(getattr(step, "step_kinds", {}))
 
 
+def _step_kinds_since(engine: Any, before: dict[str, int]) -> dict[str, int]:
+    """The steps run since ``before`` (a :func:`_step_kinds`), by kind, kinds with none left out."""
+    kinds = {k: v - before.get(k, 0) for k, v in _step_kinds(engine).items()}
+    return {k: v for k, v in kinds.items() if v}
+
+
 def engine_mode(
     model: Path,
     mode: str,
@@ -642,8 +658,7 @@ def engine_mode(
                 with _cell(res, "loads", key, f"{mode} {key}", log):
                     kinds_before = _step_kinds(engine)
                     res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
-                    kinds = {k: v - kinds_before.get(k, 0) for k, v in _step_kinds(engine).items()}
-                    row["step_kinds"] = {k: v for k, v in kinds.items() if v}
+                    row["step_kinds"] = _step_kinds_since(engine, kinds_before)
                     log(
                         f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
                         f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 {row['ttft_ms']['p50']:.0f} ms "

@@ -102,6 +102,14 @@ class CausalLM(nn.Module):
         return self.tp.gather_vocab(logits, self.spec.vocab_size)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` in torch ops, the statistics in float32, rounded to ``x``'s dtype
+    before the weight (what the fused kernels round like)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, the statistics in float32.
 
@@ -119,9 +127,7 @@ class RMSNorm(nn.Module):
         ops = fused_ops(x)
         if ops is not None and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_forward(
         self, x: torch.Tensor, h: torch.Tensor | None

@@ -15,16 +15,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from infer.model import ops
+from infer.model.layers import ACTIVATIONS, rms_norm
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm.forward``'s torch ops."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+# the fused activations' names (layers.FUSED_ACTIVATIONS' values) -> the layers' functions
+_ACTS = {"silu": ACTIVATIONS["silu"], "gelu_tanh": ACTIVATIONS["gelu_pytorch_tanh"]}
 
 
 def add_rms_norm(
@@ -38,9 +34,7 @@ def add_rms_norm(
 def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """``GatedMLP``'s ``act(gate) * up`` over the fused projection (``silu`` | ``gelu_tanh``)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    if act == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
+    return _ACTS[act](gate) * up
 
 
 @functools.cache
@@ -81,7 +75,7 @@ class CompiledFusedOps(ops.FusedOps):
         return self.fns["add_rms_norm"](x, h, weight, eps)
 
     def act_mul(self, gate_up, act):
-        if act not in ("silu", "gelu_tanh"):
+        if act not in _ACTS:
             return None
         _rows_vary(gate_up)
         return self.fns["act_mul"](gate_up, act)

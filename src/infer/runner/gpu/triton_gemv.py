@@ -22,8 +22,9 @@ slices in a fixed order (no atomics, so the sums and tokens are the same on ever
     ws[s, :M, n-tile] = x[:, slice s] @ W[n-tile, slice s].T         (float32)
     y[:M, n-tile] = ws[0] + ws[1] + ... + ws[S-1] (+ b)               (one rounding)
 
-Which way, which tile and which split is fastest depends on the shape and the GPU: :func:`pick` times the candidates against cuBLAS on the
-model's own weights and keeps cuBLAS where it is not beaten. ``INFER_TRITON_GEMV=1`` turns them
+Which way, which tile and which split is fastest depends on the shape and the GPU: :func:`pick`
+times the candidates against cuBLAS on the model's own weights and keeps cuBLAS where it is not
+beaten. ``INFER_TRITON_GEMV=1`` turns them
 on (see :func:`install`): off by default until a GPU run says what they buy.
 """
 
