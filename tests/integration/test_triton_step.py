@@ -94,23 +94,35 @@ def test_graphs_and_eager_give_transformers_tokens(mode, make_llm, hf_greedy):
             assert counters.preemptions_recompute + counters.preemptions_swap > 0
 
 
-@pytest.mark.parametrize("mode", ["chunked", pytest.param("preempt_recompute", marks=SLOW)])
+@pytest.mark.parametrize(
+    ("mode", "decode_rows"),
+    [
+        ("chunked", "1"),
+        pytest.param("chunked", "0", marks=SLOW),
+        pytest.param("preempt_recompute", "1", marks=SLOW),
+    ],
+)
 def test_mixed_steps_padded_to_token_buckets_give_transformers_tokens(
-    mode, make_llm, hf_greedy, monkeypatch
+    mode, decode_rows, make_llm, hf_greedy, monkeypatch
 ):
     """INFER_MIXED_GRAPHS=1: steps with prompt chunks run padded to a token bucket through the
-    fixed-grid prefill kernel (replayed as CUDA graphs on a GPU, eagerly here): transformers'
-    tokens with and without graphs, every padded step through the tile list, every block back."""
+    fixed-grid prefill kernel (replayed as CUDA graphs on a GPU, eagerly here), their decodes
+    through the decode kernel (``INFER_MIXED_DECODE_ROWS=0``: through the tiles too):
+    transformers' tokens with and without graphs, every padded step through the tile list,
+    every block back."""
     from infer.runner.gpu import cuda_step, triton_attention
 
     monkeypatch.setenv(cuda_step.MIXED_GRAPHS_ENV, "1")
-    calls = {"tiles": 0, "grid": 0}
+    monkeypatch.setenv(cuda_step.MIXED_DECODE_ROWS_ENV, decode_rows)
+    calls = {"tiles": 0, "grid": 0, "decode rows": 0}
     for name, key in (("paged_prefill_attention_tiles", "tiles"),
-                      ("paged_prefill_attention", "grid")):  # fmt: skip
+                      ("paged_prefill_attention", "grid"),
+                      ("paged_decode_attention", "decode rows")):  # fmt: skip
         original = getattr(triton_attention, name)
 
         def counted(*args, _original=original, _key=key, **kwargs):
-            calls[_key] += 1
+            if _key != "decode rows" or kwargs.get("row_tables") is not None:
+                calls[_key] += 1
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(triton_attention, name, counted)
@@ -126,8 +138,10 @@ def test_mixed_steps_padded_to_token_buckets_give_transformers_tokens(
                      else "mixed padded"] > 0 and kinds["mixed eager"] == 0  # fmt: skip
         kv = llm.engine.kv_manager
         assert kv.num_free_blocks == kv.num_total_blocks
-    # every mixed step fits a bucket (the budget is under 512 tokens): no grid-per-step launch
+    # every mixed step fits a bucket (the budget is under 512 tokens): no grid-per-step launch;
+    # the decode kernel attends a mixed step's decodes exactly when the switch is on
     assert calls["tiles"] > 0 and calls["grid"] == 0
+    assert calls["decode rows"] == (calls["tiles"] if decode_rows == "1" else 0)
 
 
 def test_shared_prefix_hits_read_the_cached_blocks(make_llm, hf_greedy):

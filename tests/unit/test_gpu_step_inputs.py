@@ -43,6 +43,28 @@ def test_a_mixed_step_padded_to_its_bucket_writes_padding_rows_and_its_tiles():
     assert tile_index[:6].tolist() == [0, 0, 1, 2, 0, 1]
 
 
+def test_a_mixed_steps_one_token_chunks_are_decode_rows_and_in_no_tile():
+    """decode_rows=True (the default of a padded mixed step): rows of one-token chunks carry
+    their sequence and context for the decode kernel; every other row (prompt or padding)
+    context 0; the tile list holds only the longer chunks' tiles."""
+    inputs = _inputs()
+    seqs = [
+        SequenceSlice(6, 1, [3, 9]),  # a decode at position 6
+        SequenceSlice(0, 9, [5, 10, 11]),  # a fresh prompt of 9
+        SequenceSlice(2, 1, [4]),  # a decode at position 2
+    ]
+    ids = [100, *range(200, 209), 300]
+    positions = [6, *range(9), 2]
+    inputs._np["row_lens"][:] = 5  # a step before's values
+    inputs.fill(ids, positions, seqs, BS, padded_rows=16, tile_size=4, decode_rows=True)
+    row_seq, row_lens = inputs.decode_row_views(16)
+    assert row_seq[:11].tolist() == [0] + [1] * 9 + [2]
+    assert row_lens.tolist() == [7] + [0] * 9 + [3] + [0] * 5
+    tile_seq, tile_index, num_tiles = inputs.tile_views()
+    assert int(num_tiles[0]) == 3  # the prompt's 9 queries in tiles of 4; no decode's
+    assert tile_seq[:3].tolist() == [1, 1, 1] and tile_index[:3].tolist() == [0, 1, 2]
+
+
 def test_decode_rows_padded_to_their_bucket_attend_to_nothing_past_the_step():
     inputs = _inputs()
     seqs = [SequenceSlice(6, 1, [3, 9]), SequenceSlice(1, 1, [4])]

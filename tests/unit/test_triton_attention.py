@@ -519,6 +519,58 @@ def test_prefill_tiles_give_the_prefill_kernels_numbers(case: tuple, num_program
     _check(out[:t], ref_prefill(q[:t], cache, tables, qlens, pasts, scale, window), dtype)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [("float32", 2, 32, 5, None, None), ("float16", 4, 64, 16, 6, "int8")],
+    ids=lambda c: "-".join(map(str, c)),
+)
+def test_a_mixed_steps_decodes_through_the_decode_kernel(case: tuple) -> None:
+    """A padded mixed step as its graph attends it by default: the one-token chunks are
+    decode rows (the decode kernel, each row's table by sequence, ``row_tables``), the tile
+    list holds only the longer chunks. The decode kernel leaves every other row as it was; the
+    two together give the reference's attention, and the padding rows are not written."""
+    name, g, d, bs, window, kind = case
+    dtype = _dtype(name)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    hkv = 2
+    qlens = [1, 21, 1, 40, 1]
+    pasts = [17, 0, 30, 3, 2]
+    totals = [n + p for n, p in zip(qlens, pasts, strict=True)]
+    num_blocks = sum(math.ceil(n / bs) for n in totals) + 4
+    cache = Cache(num_blocks, bs, hkv, d, dtype, kind, gen)
+    tables = _tables(totals, bs, num_blocks, gen).to(DEVICE)
+    t, padded = sum(qlens), sum(qlens) + 5
+    q = torch.randn(padded, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    starts = [0, *torch.tensor(qlens).cumsum(0).tolist()]
+    qsl = torch.tensor([*starts[:-1], padded], dtype=torch.int32, device=DEVICE)
+    past = torch.tensor(pasts, dtype=torch.int32, device=DEVICE)
+    one = [n == 1 for n in qlens]
+    row_seq = [s for s, n in enumerate(qlens) for _ in range(n)] + [0] * 5
+    row_lens = [p + 1 if one[s] else 0 for s, p in enumerate(pasts) for _ in range(qlens[s])]
+    row_lens += [0] * 5
+    scale = d**-0.5
+    kw = dict(scale=scale, sliding_window=window, **cache.kwargs())
+    out = torch.full_like(q, 7.0)
+    ta.paged_decode_attention(
+        q, cache.k, cache.v, tables, torch.tensor(row_lens, dtype=torch.int32).to(DEVICE),
+        row_tables=torch.tensor(row_seq, dtype=torch.int32).to(DEVICE), out=out, **kw,
+    )  # fmt: skip
+    decoded = [starts[s] for s in range(len(qlens)) if one[s]]
+    untouched = [r for r in range(padded) if r not in decoded]
+    assert (out[untouched] == 7.0).all() and not (out[decoded] == 7.0).any()
+    seq, tile = prefill_tiles([0 if o else n for o, n in zip(one, qlens, strict=True)],
+                              ta.prefill_block_m(d, dtype))  # fmt: skip
+    assert set(seq.tolist()) == {1, 3}
+    ta.paged_prefill_attention_tiles(
+        q, cache.k, cache.v, tables, qsl, past,
+        torch.from_numpy(seq).to(torch.int32).to(DEVICE),
+        torch.from_numpy(tile).to(torch.int32).to(DEVICE),
+        torch.tensor([len(seq)], dtype=torch.int32, device=DEVICE), 3, out=out, **kw,
+    )  # fmt: skip
+    assert (out[t:] == 7.0).all()
+    _check(out[:t], ref_prefill(q[:t], cache, tables, qlens, pasts, scale, window), dtype)
+
+
 def test_prefill_tiles_lay_out_each_chunks_query_tiles() -> None:
     seq, tile = prefill_tiles([3, 1, 130, 64, 65], 64)
     assert seq.tolist() == [0, 1, 2, 2, 2, 3, 4, 4]

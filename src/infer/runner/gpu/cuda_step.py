@@ -11,7 +11,9 @@ A mixed step (prompt chunks beside decodes) is what a server runs whenever a req
 eagerly, its forward pass is some ten kernel launches from Python per layer. With
 ``INFER_MIXED_GRAPHS=1`` those of up to ``MAX_MIXED_TOKENS`` tokens run padded to a token
 bucket and attend through the fixed-grid prefill kernel (the step's query tiles read from a
-buffer), so a CUDA graph per bucket replays any of them. Opt-in until a GPU run measures it.
+buffer), so a CUDA graph per bucket replays any of them; its one-token chunks (the decodes)
+attend through the decode kernel first, in the same graph (``INFER_MIXED_DECODE_ROWS=0``: all
+through the tiles). Opt-in until a GPU run measures it.
 
 No step synchronises here: the sampler's one device-to-host copy of the sampled ids is the
 step's only wait on the GPU.
@@ -51,6 +53,10 @@ MAX_GRAPH_ROWS = 512
 MIXED_GRAPHS_ENV = "INFER_MIXED_GRAPHS"
 """``1``: mixed steps run padded to token buckets and replay CUDA graphs (see the module doc)."""
 
+MIXED_DECODE_ROWS_ENV = "INFER_MIXED_DECODE_ROWS"
+"""``0``: a padded mixed step's one-token chunks go through the prefill tiles too, not the
+decode kernel (``step.py``'s module doc; to measure the two)."""
+
 MAX_MIXED_TOKENS = 512
 """Mixed steps of more tokens than this run eagerly (their launches are a small share)."""
 
@@ -66,6 +72,12 @@ def _multiprocessors(device: torch.device) -> int:
 def mixed_graphs_enabled() -> bool:
     """Whether mixed steps are padded to token buckets and replayed (``INFER_MIXED_GRAPHS=1``)."""
     return os.environ.get(MIXED_GRAPHS_ENV, "0") == "1"
+
+
+def mixed_decode_rows_enabled() -> bool:
+    """Whether a padded mixed step attends its one-token chunks with the decode kernel
+    (default; ``INFER_MIXED_DECODE_ROWS=0``: through the prefill tiles)."""
+    return os.environ.get(MIXED_DECODE_ROWS_ENV, "1") != "0"
 
 
 def tile_programs(units: int, device: torch.device) -> int:
@@ -120,6 +132,7 @@ class CudaStep:
         # so are mixed steps where they are padded at all (the same kernels either way).
         self.sizes = capture_sizes(min(decode_rows, MAX_GRAPH_ROWS))
         self.mixed_sizes: list[int] = []
+        self._mixed_decode_rows = mixed_decode_rows_enabled()
         self._tile_size = ta.prefill_block_m(spec.head_dim, kv_cache.dtype)
         max_tiles = 0
         graph_safe = getattr(model, "cuda_graph_safe", lambda: True)()
@@ -200,6 +213,7 @@ class CudaStep:
             *inputs.tile_views(),
             tile_programs(self._max_tiles(tokens, seqs) * self._heads, self.device),
             self._tile_size,
+            *(inputs.decode_row_views(tokens) if self._mixed_decode_rows else ()),
         )
         ctx = GpuAttentionContext(
             self.kv_cache,
@@ -218,6 +232,7 @@ class CudaStep:
         self.inputs.slots[1].fill_(-1)
         self.inputs.context_lens[1].zero_()
         self.inputs.tiles[1].zero_()
+        self.inputs.row_lens[1].zero_()
         if self.graphs is not None:
             self.graphs.capture(self._bucket_forward)
         if self.mixed_graphs is not None:
@@ -260,7 +275,13 @@ class CudaStep:
             size = None
         tile_size = self._tile_size if size is not None and not decode else None
         ids, positions, fields = inputs.fill(
-            batch.token_ids, batch.positions, seqs, self.kv_cache.block_size, size, tile_size
+            batch.token_ids,
+            batch.positions,
+            seqs,
+            self.kv_cache.block_size,
+            size,
+            tile_size,
+            decode_rows=self._mixed_decode_rows,
         )
         if feed is not None:  # queued after the step before's sampler and the copies above
             rows = inputs.row_index("feed_rows", feed.rows)

@@ -15,6 +15,8 @@ these buffers replays any later step of its size::
     num_computed [max_seqs] int32                     num_computed   prefill steps
     tiles [1 + 2 max_tiles] int32                     a padded mixed step's tile list:
                                                       count | sequences | tile indices
+    row_seq, row_lens [max_rows] int32                a padded mixed step's one-token chunks
+                                                      as decode rows: sequence, context
 
 Two shapes of step:
 
@@ -27,6 +29,11 @@ Two shapes of step:
   launch per layer for every sequence of the step (a decode is a chunk of one). Padded to a
   token bucket (a mixed step's CUDA graph), the padding rows come after every chunk and the
   fixed-grid kernel walks the step's list of query tiles instead (:func:`prefill_tiles`).
+  There the one-token chunks (the decodes beside the prompts) are decode rows: the decode
+  kernel attends them, reading table ``row_seq[r]`` (0 context: a prompt or padding row, left
+  to the prefill kernel), and the tile list holds only the longer chunks' tiles. A 64-query tile
+  for one query would load every key once per query head; the decode kernel loads it once per
+  kv head (``INFER_MIXED_DECODE_ROWS=0``: every chunk through the tiles, to measure the two).
 """
 
 from __future__ import annotations
@@ -85,13 +92,17 @@ class StepShape:
 class TileList:
     """A padded mixed step's query tiles in the step buffers, for the fixed-grid kernel:
     pairs ``(seq[i], index[i])`` for ``i < count[0]``, each ``size`` queries, walked by
-    ``num_programs`` programs (a function of the token bucket only)."""
+    ``num_programs`` programs (a function of the token bucket only). ``row_seq``,
+    ``row_lens``: when given, the rows of context ``row_lens[r] > 0`` (one-token chunks, in
+    no tile) are decode rows of sequence ``row_seq[r]``."""
 
     seq: torch.Tensor
     index: torch.Tensor
     count: torch.Tensor
     num_programs: int
     size: int
+    row_seq: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
 
 
 class GpuAttentionContext:
@@ -221,6 +232,17 @@ class GpuAttentionContext:
         assert self.query_start is not None and self.num_computed is not None
         if self.tiles is not None:
             tiles = self.tiles
+            out = None
+            if tiles.row_lens is not None:
+                out = ta.paged_decode_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    self.tables,
+                    tiles.row_lens,
+                    row_tables=tiles.row_seq,
+                    **common,
+                )
             return ta.paged_prefill_attention_tiles(
                 q,
                 k_cache,
@@ -233,6 +255,7 @@ class GpuAttentionContext:
                 tiles.count,
                 tiles.num_programs,
                 tile_size=tiles.size,
+                out=out,
                 **common,
             )
         return ta.paged_prefill_attention(
@@ -308,6 +331,8 @@ class StepInputs:
         # count | sequences | tile indices: one copy a step (the few unused entries between
         # the used parts go along)
         self.tiles = pair(1 + 2 * shape.max_tiles, dtype=torch.int32)
+        self.row_seq = pair(shape.max_rows if shape.max_tiles else 0, dtype=torch.int32)
+        self.row_lens = pair(shape.max_rows if shape.max_tiles else 0, dtype=torch.int32)
         # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
         self.sample_rows = pair(shape.max_rows, dtype=torch.long)
         self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
@@ -326,6 +351,8 @@ class StepInputs:
                 "query_start",
                 "num_computed",
                 "tiles",
+                "row_seq",
+                "row_lens",
                 "sample_rows",
                 "prompt_rows",
                 "feed_rows",
@@ -365,6 +392,11 @@ class StepInputs:
         m, tiles = self.shape.max_tiles, self.tiles[1]
         return tiles[1 : 1 + m], tiles[1 + m :], tiles[:1]
 
+    def decode_row_views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded mixed step's decode rows: ``row_seq``, ``row_lens`` ``[rows]`` device
+        views (fixed addresses: a mixed graph's inputs)."""
+        return self.row_seq[1][:rows], self.row_lens[1][:rows]
+
     def decode_context_views(self, rows: int) -> dict[str, torch.Tensor]:
         """The device views a decode-rows step of ``rows`` rows reads (a graph's inputs)."""
         return dict(
@@ -381,12 +413,14 @@ class StepInputs:
         block_size: int,
         padded_rows: int | None = None,
         tile_size: int | None = None,
+        decode_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Write one step; returns ``(input_ids, positions, context fields)`` device views.
 
         ``padded_rows``: pad to this many rows (a graph bucket) with rows that store nothing
         and attend to nothing. ``tile_size`` (a mixed step): also write its list of query
-        tiles of that many queries (:class:`TileList`)."""
+        tiles of that many queries (:class:`TileList`); with ``decode_rows``, the one-token
+        chunks as decode rows (``row_seq``, ``row_lens``) and not in the tile list."""
         self._wait_for_last_copy()
         n = len(token_ids)
         rows = padded_rows or n
@@ -425,7 +459,17 @@ class StepInputs:
             a["query_start"][1 : len(seqs) + 1] = np.cumsum(new)
             a["num_computed"][: len(seqs)] = computed
             if tile_size is not None:
-                seq, tile = prefill_tiles(new, tile_size)
+                chunks = new
+                if decode_rows:
+                    one = new == 1
+                    chunks = np.where(one, 0, new)  # no tiles for the one-token chunks
+                    a["row_seq"][:n] = seq_of_token
+                    a["row_lens"][:n] = np.where(one[seq_of_token], pos + 1, 0)
+                    a["row_seq"][n:rows] = 0
+                    a["row_lens"][n:rows] = 0
+                    self._upload("row_seq", rows)
+                    self._upload("row_lens", rows)
+                seq, tile = prefill_tiles(chunks, tile_size)
                 k, m, t = len(seq), self.shape.max_tiles, a["tiles"]
                 t[0], t[1 : 1 + k], t[1 + m : 1 + m + k] = k, seq, tile
                 self._upload("tiles", 1 + m + k)

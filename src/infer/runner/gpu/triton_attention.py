@@ -345,6 +345,7 @@ if triton is not None:
         vs_ptr,
         bt_ptr,
         lens_ptr,
+        rt_ptr,
         out_ptr,
         acc_ptr,
         stats_ptr,
@@ -379,9 +380,11 @@ if triton is not None:
         FP8_NATIVE: tl.constexpr,
         FOLD_SCALES: tl.constexpr,
         EXACT: tl.constexpr,
+        ROW_TABLE: tl.constexpr,
     ):
         """One program = (row r, kv head, split): the group's G query heads against the split's
-        key tiles. See :func:`paged_decode_attention` for the indexing."""
+        key tiles. See :func:`paged_decode_attention` for the indexing. ``ROW_TABLE``: row r's
+        table is ``bt[rt[r]]`` and a row of context 0 is not written (a mixed step's)."""
         r = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -414,7 +417,10 @@ if triton is not None:
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-        bt_row = bt_ptr + row * stride_bt
+        if ROW_TABLE:
+            bt_row = bt_ptr + tl.load(rt_ptr + r).to(tl.int64) * stride_bt
+        else:
+            bt_row = bt_ptr + row * stride_bt
         for t in range(my_lo, my_hi):
             pos = t * BLOCK_N + offs_n
             acc, l_i, m_i = _attend_tile(
@@ -427,8 +433,11 @@ if triton is not None:
 
         mask_gd = mask_g[:, None] & mask_d[None, :]
         if NUM_SPLITS == 1:
-            # l_i == 0 only for a padding row (no keys): acc is 0 there, and so is the output.
+            # l_i == 0 only for a padding row (no keys): acc is 0 there, and so is the output
+            # (left as it is with ROW_TABLE: a prompt row, which the prefill kernel writes).
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            if ROW_TABLE:  # (ctx as a vector: the interpreter takes no scalar in a mask)
+                mask_gd = mask_gd & ((offs_g * 0 + ctx) > 0)[:, None]
             tl.store(
                 out_ptr + row * stride_or + heads[:, None] * stride_oh + offs_d[None, :],
                 o.to(out_ptr.dtype.element_ty),
@@ -808,6 +817,7 @@ def paged_decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    row_tables: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query row per entry over its paged context (flash-decoding).
 
@@ -823,6 +833,9 @@ def paged_decode_attention(
         out: ``[R, H, D]`` in q's dtype (any row/head strides) to write into.
         workspace: split-K buffers from :func:`decode_workspace` (used when ``num_splits > 1``;
             allocated per call when missing).
+        row_tables: ``[R]`` int32, row r's table is ``block_tables[row_tables[r]]`` (a mixed
+            step's tables, one per sequence), and rows of context 0 are left as they are in
+            ``out`` (the prompt rows, for the prefill kernel to write). One split only.
 
     Grid ``(R, Hkv, num_splits)``; a program loads each K/V tile once for the G query heads of
     its kv head (padded to >= 16 rows for ``tl.dot``). Split-K over a row's key tiles, e.g.
@@ -845,8 +858,12 @@ def paged_decode_attention(
     r, h, d = q.shape
     _, hkv, dk = k_cache.shape
     assert dk == d and v_cache.shape == k_cache.shape and h % hkv == 0
-    assert block_tables.shape[0] >= r and context_lens.shape == (r,)
-    assert block_tables.stride(1) == 1 and q.stride(2) == 1
+    assert context_lens.shape == (r,) and block_tables.stride(1) == 1 and q.stride(2) == 1
+    if row_tables is None:
+        assert block_tables.shape[0] >= r
+    else:
+        assert row_tables.shape == (r,) and num_splits == 1, "row tables take one split"
+        assert row_tables.dtype == torch.int32
     assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     kind = _kind_code(kv_kind, k_scales)
     if out is None:
@@ -869,7 +886,8 @@ def paged_decode_attention(
         acc, stats = out, out  # unused by the kernel
     d_pad = max(16, _next_pow2(d))
     _decode_kernel[(r, hkv, num_splits)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, out, acc, stats,
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens,
+        context_lens if row_tables is None else row_tables, out, acc, stats,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         s_slot, s_head, block_tables.stride(0),
@@ -881,7 +899,8 @@ def paged_decode_attention(
         BLOCK_N=block_n, BLOCK_SIZE=int(block_size), NUM_SPLITS=num_splits,
         WINDOWED=sliding_window is not None, KV_KIND=kind,
         FP8_NATIVE=_fp8_native(q.device), FOLD_SCALES=_fold_scales(q.dtype),
-        EXACT=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        EXACT=q.dtype == torch.float32, ROW_TABLE=row_tables is not None,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_combine_kernel[(r, h)](
