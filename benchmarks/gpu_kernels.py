@@ -3,7 +3,8 @@
     infer bench gpu [--kernel-batches 16,64,256] [--kernel-contexts 512,2048,8192]
                     [--kernel-torch-contexts 512,2048] [--kernel-splits 1,2,4,8,16,32]
                     [--kernel-split-context 8192] [--kernel-reps 20] [--kernel-max-gb 20]
-                    [--kernel-prefill 4x2048,1x8192] [--kernel-gemv-rows 1,16] [--skip-kernels]
+                    [--kernel-prefill 4x2048,1x8192] [--kernel-mixed 16x512+128,64x512+128]
+                    [--kernel-gemv-rows 1,16] [--skip-kernels]
 
 A kernel micro-benchmark: it lives beside the reports, outside the package (as
 ``benchmarks/kernels.py`` does). ``infer bench gpu`` (:mod:`infer.bench.gpu`) loads it from the
@@ -14,8 +15,9 @@ that this section needs one.
 ``infer.runner.gpu.triton_attention.paged_decode_attention`` on the model's heads at batch x
 context, K/V bytes read per call against the measured read rate, today's torch path
 (index_select gather + masked SDPA) beside it, and split-K at batch 1, 8k; then
-``paged_prefill_attention`` on whole prompts under a few tile / warp configurations; then the
-model's matmuls at decode's few rows (``infer.runner.gpu.triton_gemv``): cuBLAS and each skinny
+``paged_prefill_attention`` on whole prompts under a few tile / warp configurations; a mixed
+step's attention (decodes beside a prompt) with the decodes in the prefill tiles or through the
+decode kernel; then the model's matmuls at decode's few rows (``infer.runner.gpu.triton_gemv``): cuBLAS and each skinny
 kernel against the weights' read, and what a batch-1 step's matmuls would take with the best.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import math
 import statistics
 from collections.abc import Callable
@@ -42,6 +45,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "kernel_splits": ("1,2,4,8,16,32", "1,4,16"),
     "kernel_reps": (20, 10),
     "kernel_prefill": ("4x2048,1x8192", "4x2048"),
+    "kernel_mixed": ("16x512+128,64x512+128,64x2048+128", "64x512+128"),
     "kernel_gemv_rows": ("1,16", "1"),
 }
 
@@ -353,6 +357,8 @@ def kernel_bench(
         _free(device)
     if real_kernels and getattr(args, "kernel_prefill", None):
         res["prefill"] = prefill_configs(args, shape, log)
+    if real_kernels and getattr(args, "kernel_mixed", None):
+        res["mixed"] = mixed_attention(args, shape, log)
     return res
 
 
@@ -421,6 +427,92 @@ def prefill_configs(
     return res
 
 
+def mixed_attention(args: argparse.Namespace, shape: dict, log: Callable[[str], None]) -> dict:
+    """A padded mixed step's attention on ``--kernel-mixed`` cases (``BxL+P``: B decodes at
+    context L beside one fresh prompt of P tokens, block size 16) as its CUDA graph runs it:
+    every chunk through the fixed-grid prefill tiles, and the decodes through the decode kernel
+    instead (``INFER_MIXED_DECODE_ROWS``, the default) with the prompt's tiles after it; ms of
+    each, their ratio, the largest difference between the two outputs."""
+    ta = importlib.import_module("infer.runner.gpu.triton_attention")
+    from infer.runner.gpu.cuda_step import tile_programs
+    from infer.runner.gpu.step import prefill_tiles
+
+    device = torch.device(args.device)
+    h, hkv, d, bs = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block_size"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    block_m = ta.prefill_block_m(d, dtype)
+    res: dict[str, Any] = {"cases": []}
+    for case in [c for c in args.kernel_mixed.split(",") if c]:
+        row: dict[str, Any] = {"case": case}
+        try:
+            row.update(_mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args,
+                                   tile_programs, prefill_tiles))  # fmt: skip
+            log(f"kernel mixed {case}: tiles only {1000 * row['tiles_ms']:.1f} us, decode "
+                f"kernel + tiles {1000 * row['decode_rows_ms']:.1f} us")  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - one failed case must not lose the rest
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+            log(f"kernel mixed {case}: FAILED {row['error']}")
+        res["cases"].append(row)
+        _free(device)
+    return res
+
+
+def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_programs,
+                prefill_tiles) -> dict:  # fmt: skip
+    """One ``BxL+P`` case of :func:`mixed_attention`."""
+    b_l, p = case.split("+")
+    b, length, prompt = *(int(x) for x in b_l.split("x")), int(p)
+    qlens, pasts = [1] * b + [prompt], [length - 1] * b + [0]
+    widths = [math.ceil((n + c) / bs) for n, c in zip(qlens, pasts, strict=True)]
+    gen = torch.Generator(device=device).manual_seed(b * 7919 + length * 31 + prompt)
+    k_cache = torch.randn(sum(widths) * bs, hkv, d, dtype=dtype, device=device, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(sum(widths), device=device, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(qlens), max(widths), dtype=torch.int32, device=device)
+    for s, part in enumerate(perm.split(widths)):
+        tables[s, : len(part)] = part
+    t = sum(qlens)
+    q = torch.randn(t, h, d, dtype=dtype, device=device, generator=gen)
+    i32 = dict(dtype=torch.int32, device=device)
+    starts = torch.tensor([0, *itertools.accumulate(qlens)], **i32)
+    past = torch.tensor(pasts, **i32)
+    programs = tile_programs((t // block_m + len(qlens)) * h, device)
+
+    def tile_list(lens: list[int]) -> tuple[torch.Tensor, ...]:
+        seq, index = prefill_tiles(lens, block_m)
+        return (torch.tensor(seq, **i32), torch.tensor(index, **i32),
+                torch.tensor([len(seq)], **i32))  # fmt: skip
+
+    every_chunk = tile_list(qlens)
+    prompt_only = tile_list([0] * b + [prompt])
+    row_seq = torch.tensor([*range(b), *[b] * prompt], **i32)
+    row_lens = torch.tensor([length] * b + [0] * prompt, **i32)
+    kw = dict(block_size=bs, scale=d**-0.5)
+    outs = {k: torch.empty_like(q) for k in ("tiles", "decode_rows")}
+
+    def tiles_only() -> Any:
+        return ta.paged_prefill_attention_tiles(
+            q, k_cache, v_cache, tables, starts, past, *every_chunk, programs,
+            out=outs["tiles"], **kw,
+        )  # fmt: skip
+
+    def decode_rows() -> Any:
+        ta.paged_decode_attention(q, k_cache, v_cache, tables, row_lens, row_tables=row_seq,
+                                  out=outs["decode_rows"], **kw)  # fmt: skip
+        return ta.paged_prefill_attention_tiles(
+            q, k_cache, v_cache, tables, starts, past, *prompt_only, programs,
+            out=outs["decode_rows"], **kw,
+        )  # fmt: skip
+
+    row: dict[str, Any] = {}
+    for key, fn in (("tiles", tiles_only), ("decode_rows", decode_rows)):
+        row[f"{key}_ms"] = statistics.median(time_ms(fn, device, args.kernel_reps, graph=True))
+        fn()
+    row["speedup"] = row["tiles_ms"] / row["decode_rows_ms"]
+    row["max_abs_diff"] = (outs["tiles"].float() - outs["decode_rows"].float()).abs().max().item()
+    return row
+
+
 def markdown(kern: dict) -> list[str]:
     """The section's tables in ``gpu.md`` (``kern``: the report's ``kernels``)."""
     lines = ["", "## Decode attention kernel (Triton paged vs torch gather + SDPA)", ""]
@@ -478,7 +570,34 @@ def markdown(kern: dict) -> list[str]:
         lines += ["", "Prefill kernel configurations (prompts x tokens, no past, causal):", ""]
         lines += md_table("prompts x tokens | BLOCK_M x BLOCK_N x warps x stages | ms | TFLOP/s "
                           "| max abs diff vs engine's |", rows, "llrrrl")  # fmt: skip
+    lines += mixed_markdown(kern.get("mixed") or {})
     return lines + gemv_markdown(kern.get("gemv") or {})
+
+
+def mixed_markdown(mixed: dict) -> list[str]:
+    """The mixed-step attention table (:func:`mixed_attention`)."""
+    rows = []
+    for c in mixed.get("cases", []):
+        if "error" in c:
+            rows.append([c["case"], f"failed: {c['error'][:80]}", "", "", ""])
+            continue
+        rows.append([c["case"], f"{1000 * c['tiles_ms']:.1f}", f"{1000 * c['decode_rows_ms']:.1f}",
+                     f"{c['speedup']:.2f}x", f"{c['max_abs_diff']:.2e}"])  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "",
+        "A mixed step's attention (B decodes at context L beside one fresh prompt of P tokens): "
+        "the decodes in the prefill tiles, or through the decode kernel "
+        "(`INFER_MIXED_DECODE_ROWS`, the default) and the prompt's tiles after it:",
+        "",
+        *md_table(
+            "decodes x context + prompt | tiles only us | decode kernel + tiles us "
+            "| speed-up | max abs diff",
+            rows,
+            "lrrrr",
+        ),  # fmt: skip
+    ]
 
 
 def gemv_markdown(gemv: dict) -> list[str]:

@@ -208,8 +208,13 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
     cmd = server_command(tmp_path, args, 8000, "torch-eager")
     assert cmd[cmd.index("--attention-backend") + 1] == "torch"
     assert "--enforce-eager" in server_command(tmp_path, args, 8000, "eager")
-    off = {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "0", "INFER_TRITON_FUSED": "1"}
+    off = {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "0", "INFER_TRITON_FUSED": "1",
+           "INFER_MIXED_DECODE_ROWS": "1"}  # fmt: skip
     assert gpu.mode_environ("graphs-mixed") == off | {"INFER_MIXED_GRAPHS": "1"}
+    assert gpu.mode_environ("graphs-mixed-tiles") == off | {
+        "INFER_MIXED_GRAPHS": "1",
+        "INFER_MIXED_DECODE_ROWS": "0",
+    }
     assert gpu.mode_environ("graphs-compile") == off | {"INFER_TRITON_FUSED": "compile"}
     # a switch exported in the shell cannot turn the plain mode into another (and the fused
     # kernels' switch stays at its default, on) ...
@@ -289,6 +294,23 @@ def test_kernel_section_against_a_reference_kernel():
     assert "torch_ms" not in cells[(2, 64)]
     assert res["split"]["splits_ms"].keys() == {"1", "2"} and res["split"]["speedup"] > 0
     assert res["failures"] == 0 and len(logs) == 4
+
+
+def test_the_mixed_step_cell_times_both_ways_of_attending_decodes():
+    """The kernel section's mixed-step cell on the real kernels (the interpreter here): both
+    ways of attending a mixed step's decodes timed, giving the same attention; a case that
+    cannot run is reported beside the others."""
+    pytest.importorskip("triton")
+    args = argparse.Namespace(device="cpu", kernel_reps=1, kernel_mixed="3x20+9,3x+9")
+    shape = {"heads": 4, "kv_heads": 2, "head_dim": 16, "block_size": 16}
+    logs: list[str] = []
+    res = gpu_kernels.mixed_attention(args, shape, logs.append)
+    good, bad = res["cases"]
+    assert good["case"] == "3x20+9" and good["tiles_ms"] > 0 and good["decode_rows_ms"] > 0
+    assert good["max_abs_diff"] < 1e-5 and good["speedup"] > 0
+    assert bad["error"].startswith("ValueError") and len(logs) == 2
+    md = "\n".join(gpu_kernels.markdown({"mixed": res, "rows": []}))
+    assert "| 3x20+9 |" in md and "| 3x+9 | failed: ValueError" in md
 
 
 def test_kernel_section_skips_without_the_module(monkeypatch):

@@ -220,6 +220,12 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         "'' for none)",
     )
     p.add_argument(
+        "--kernel-mixed",
+        default=None,
+        help="mixed steps' attention, BxL+P: B decodes at context L beside a P-token prompt "
+        "(16x512+128,64x512+128,64x2048+128 | 64x512+128; '' for none)",
+    )
+    p.add_argument(
         "--kernel-gemv-rows",
         default=None,
         help="rows of the model's matmuls timed with cuBLAS and the skinny Triton kernels "

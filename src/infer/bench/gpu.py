@@ -104,6 +104,8 @@ MODES: dict[str, dict[str, Any]] = {
     "graphs-gemv": {"attention_backend": "triton", "enforce_eager": False},
     # graphs for mixed steps too (prompt chunks beside decodes), by token bucket (cuda_step.py)
     "graphs-mixed": {"attention_backend": "triton", "enforce_eager": False},
+    # graphs-mixed with a mixed step's decodes in the prefill tiles, not the decode kernel
+    "graphs-mixed-tiles": {"attention_backend": "triton", "enforce_eager": False},
     # graphs with torch.compile's kernels for the norms and the activation (compiled_ops.py)
     "graphs-compile": {"attention_backend": "triton", "enforce_eager": False},
 }
@@ -111,12 +113,13 @@ MODES: dict[str, dict[str, Any]] = {
 MODE_ENV: dict[str, dict[str, str]] = {
     "graphs-gemv": {"INFER_TRITON_GEMV": "1"},
     "graphs-mixed": {"INFER_MIXED_GRAPHS": "1"},
+    "graphs-mixed-tiles": {"INFER_MIXED_GRAPHS": "1", "INFER_MIXED_DECODE_ROWS": "0"},
     "graphs-compile": {"INFER_TRITON_FUSED": "compile"},
 }
 # Switches that are a setting of their own beside the mode that sets them, with their default:
 # outside that mode they keep the shell's value (INFER_TRITON_FUSED=0 exported: every mode
 # without the fused kernels) unless it is another mode's.
-SWITCH_DEFAULTS: dict[str, str] = {"INFER_TRITON_FUSED": "1"}
+SWITCH_DEFAULTS: dict[str, str] = {"INFER_TRITON_FUSED": "1", "INFER_MIXED_DECODE_ROWS": "1"}
 
 
 def mode_environ(mode: str) -> dict[str, str]:
