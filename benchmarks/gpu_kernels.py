@@ -427,12 +427,22 @@ def prefill_configs(
     return res
 
 
+MIXED_VARIANTS = {
+    "grid": "grid kernel",
+    "grid_decode": "decode kernel + grid",
+    "tiles": "tiles",
+    "tiles_decode": "decode kernel + tiles",
+}
+"""How :func:`mixed_attention` attends a mixed step: an eager step's grid-per-step prefill
+kernel or a padded step's fixed-grid tiles, each with the decodes in it or through the decode
+kernel first (``INFER_MIXED_DECODE_ROWS``, the default)."""
+
+
 def mixed_attention(args: argparse.Namespace, shape: dict, log: Callable[[str], None]) -> dict:
-    """A padded mixed step's attention on ``--kernel-mixed`` cases (``BxL+P``: B decodes at
-    context L beside one fresh prompt of P tokens, block size 16) as its CUDA graph runs it:
-    every chunk through the fixed-grid prefill tiles, and the decodes through the decode kernel
-    instead (``INFER_MIXED_DECODE_ROWS``, the default) with the prompt's tiles after it; ms of
-    each, their ratio, the largest difference between the two outputs."""
+    """A mixed step's attention on ``--kernel-mixed`` cases (``BxL+P``: B decodes at context L
+    beside one fresh prompt of P tokens, block size 16) each way of :data:`MIXED_VARIANTS`:
+    us of each, what the decode kernel buys on each prefill kernel, and the largest difference
+    from the grid kernel's output."""
     ta = importlib.import_module("infer.runner.gpu.triton_attention")
     from infer.runner.gpu.cuda_step import tile_programs
     from infer.runner.gpu.step import prefill_tiles
@@ -447,8 +457,9 @@ def mixed_attention(args: argparse.Namespace, shape: dict, log: Callable[[str], 
         try:
             row.update(_mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args,
                                    tile_programs, prefill_tiles))  # fmt: skip
-            log(f"kernel mixed {case}: tiles only {1000 * row['tiles_ms']:.1f} us, decode "
-                f"kernel + tiles {1000 * row['decode_rows_ms']:.1f} us")  # fmt: skip
+            times = ", ".join(f"{MIXED_VARIANTS[k]} {1000 * ms:.1f} us"
+                              for k, ms in row["ms"].items())  # fmt: skip
+            log(f"kernel mixed {case}: {times}")
         except Exception as e:  # noqa: BLE001 - one failed case must not lose the rest
             row["error"] = f"{type(e).__name__}: {e}"[:200]
             log(f"kernel mixed {case}: FAILED {row['error']}")
@@ -459,7 +470,9 @@ def mixed_attention(args: argparse.Namespace, shape: dict, log: Callable[[str], 
 
 def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_programs,
                 prefill_tiles) -> dict:  # fmt: skip
-    """One ``BxL+P`` case of :func:`mixed_attention`."""
+    """One ``BxL+P`` case of :func:`mixed_attention`: the decodes' rows first, the prompt's
+    after them (a padded step's decode kernel runs over every row, an eager one's up to the
+    last decode's, as the engine's)."""
     b_l, p = case.split("+")
     b, length, prompt = *(int(x) for x in b_l.split("x")), int(p)
     qlens, pasts = [1] * b + [prompt], [length - 1] * b + [0]
@@ -483,33 +496,47 @@ def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_prog
         return (torch.tensor(seq, **i32), torch.tensor(index, **i32),
                 torch.tensor([len(seq)], **i32))  # fmt: skip
 
-    every_chunk = tile_list(qlens)
-    prompt_only = tile_list([0] * b + [prompt])
+    every_chunk, prompt_only = tile_list(qlens), tile_list([0] * b + [prompt])
     row_seq = torch.tensor([*range(b), *[b] * prompt], **i32)
     row_lens = torch.tensor([length] * b + [0] * prompt, **i32)
     kw = dict(block_size=bs, scale=d**-0.5)
-    outs = {k: torch.empty_like(q) for k in ("tiles", "decode_rows")}
+    outs = {k: torch.empty_like(q) for k in MIXED_VARIANTS}
 
-    def tiles_only() -> Any:
-        return ta.paged_prefill_attention_tiles(
-            q, k_cache, v_cache, tables, starts, past, *every_chunk, programs,
-            out=outs["tiles"], **kw,
-        )  # fmt: skip
+    def decodes(out: torch.Tensor, rows: int) -> None:
+        ta.paged_decode_attention(q[:rows], k_cache, v_cache, tables, row_lens[:rows],
+                                  row_tables=row_seq[:rows], out=out[:rows], **kw)  # fmt: skip
 
-    def decode_rows() -> Any:
-        ta.paged_decode_attention(q, k_cache, v_cache, tables, row_lens, row_tables=row_seq,
-                                  out=outs["decode_rows"], **kw)  # fmt: skip
-        return ta.paged_prefill_attention_tiles(
-            q, k_cache, v_cache, tables, starts, past, *prompt_only, programs,
-            out=outs["decode_rows"], **kw,
-        )  # fmt: skip
+    def grid(out: torch.Tensor, min_len: int) -> Any:
+        return ta.paged_prefill_attention(q, k_cache, v_cache, tables, starts, past, prompt,
+                                          out=out, min_query_len=min_len, **kw)  # fmt: skip
 
-    row: dict[str, Any] = {}
-    for key, fn in (("tiles", tiles_only), ("decode_rows", decode_rows)):
-        row[f"{key}_ms"] = statistics.median(time_ms(fn, device, args.kernel_reps, graph=True))
+    def tiles(out: torch.Tensor, tile_lists: tuple) -> Any:
+        return ta.paged_prefill_attention_tiles(q, k_cache, v_cache, tables, starts, past,
+                                                *tile_lists, programs, out=out, **kw)  # fmt: skip
+
+    def grid_decode() -> Any:
+        decodes(outs["grid_decode"], b)
+        return grid(outs["grid_decode"], 2)
+
+    def tiles_decode() -> Any:
+        decodes(outs["tiles_decode"], t)
+        return tiles(outs["tiles_decode"], prompt_only)
+
+    fns = {
+        "grid": lambda: grid(outs["grid"], 1),
+        "grid_decode": grid_decode,
+        "tiles": lambda: tiles(outs["tiles"], every_chunk),
+        "tiles_decode": tiles_decode,
+    }
+    row: dict[str, Any] = {"ms": {}}
+    for key, fn in fns.items():
+        row["ms"][key] = statistics.median(time_ms(fn, device, args.kernel_reps, graph=True))
         fn()
-    row["speedup"] = row["tiles_ms"] / row["decode_rows_ms"]
-    row["max_abs_diff"] = (outs["tiles"].float() - outs["decode_rows"].float()).abs().max().item()
+    ms = row["ms"]
+    row["speedup"] = {"grid": ms["grid"] / ms["grid_decode"],
+                      "tiles": ms["tiles"] / ms["tiles_decode"]}  # fmt: skip
+    ref = outs["grid"].float()
+    row["max_abs_diff"] = max((o.float() - ref).abs().max().item() for o in outs.values())
     return row
 
 
@@ -579,24 +606,26 @@ def mixed_markdown(mixed: dict) -> list[str]:
     rows = []
     for c in mixed.get("cases", []):
         if "error" in c:
-            rows.append([c["case"], f"failed: {c['error'][:80]}", "", "", ""])
+            rows.append([c["case"], f"failed: {c['error'][:80]}", "", "", "", "", ""])
             continue
-        rows.append([c["case"], f"{1000 * c['tiles_ms']:.1f}", f"{1000 * c['decode_rows_ms']:.1f}",
-                     f"{c['speedup']:.2f}x", f"{c['max_abs_diff']:.2e}"])  # fmt: skip
+        rows.append([c["case"], *(f"{1000 * c['ms'][k]:.1f}" for k in MIXED_VARIANTS),
+                     f"{c['speedup']['grid']:.2f}x / {c['speedup']['tiles']:.2f}x",
+                     f"{c['max_abs_diff']:.2e}"])  # fmt: skip
     if not rows:
         return []
+    head = " | ".join(f"{v} us" for v in MIXED_VARIANTS.values())
     return [
         "",
         "A mixed step's attention (B decodes at context L beside one fresh prompt of P tokens): "
-        "the decodes in the prefill tiles, or through the decode kernel "
-        "(`INFER_MIXED_DECODE_ROWS`, the default) and the prompt's tiles after it:",
+        "an eager step's grid kernel or a padded step's tiles, the decodes in them or through "
+        "the decode kernel first (`INFER_MIXED_DECODE_ROWS`, the default):",
         "",
         *md_table(
-            "decodes x context + prompt | tiles only us | decode kernel + tiles us "
-            "| speed-up | max abs diff",
+            f"decodes x context + prompt | {head} | decode kernel's speed-up (grid / tiles) "
+            "| max abs diff",
             rows,
-            "lrrrr",
-        ),  # fmt: skip
+            "lrrrrrr",
+        ),
     ]
 
 

@@ -47,6 +47,27 @@ def _want(hf_greedy, kind: str, prompts=FEW) -> list[list[int]]:
     return [t[:NUM_TOKENS] for t in hf_greedy(kind)[: len(prompts)]]
 
 
+def _count_attention_calls(monkeypatch) -> dict[str, int]:
+    """Count the step's attention launches as they happen: the prefill kernels (``tiles``:
+    fixed grid; ``grid``: grid per step) and the decode kernel on a mixed step's decodes
+    (``decode rows``: called with ``row_tables``)."""
+    from infer.runner.gpu import triton_attention
+
+    calls = {"tiles": 0, "grid": 0, "decode rows": 0}
+    for name, key in (("paged_prefill_attention_tiles", "tiles"),
+                      ("paged_prefill_attention", "grid"),
+                      ("paged_decode_attention", "decode rows")):  # fmt: skip
+        original = getattr(triton_attention, name)
+
+        def counted(*args, _original=original, _key=key, **kwargs):
+            if _key != "decode rows" or kwargs.get("row_tables") is not None:
+                calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(triton_attention, name, counted)
+    return calls
+
+
 # The interpreter is slow (~10 s an engine here): the default run keeps the kinds that add
 # something (gemma3: sliding windows and q/k norms; gpt2: learned positions); the
 # rest run with -m slow, and every one runs on a GPU.
@@ -81,9 +102,11 @@ MODES = {
     "mode",
     [pytest.param(m, marks=SLOW) if m in ("preempt_swap", "contiguous") else m for m in MODES],
 )
-def test_graphs_and_eager_give_transformers_tokens(mode, make_llm, hf_greedy):
-    """Padded buckets (graphs) and exact-size eager steps: the same tokens, transformers'."""
+def test_graphs_and_eager_give_transformers_tokens(mode, make_llm, hf_greedy, monkeypatch):
+    """Padded buckets (graphs) and exact-size eager steps: the same tokens, transformers'. A
+    step with prompt chunks (eager) attends its decodes through the decode kernel."""
     want = _want(hf_greedy, "llama")
+    calls = _count_attention_calls(monkeypatch)
     for eager in (False, True):
         llm = make_llm("llama", attention_backend="triton", enforce_eager=eager, **MODES[mode])
         graphs = llm.engine.runner.cuda_step.graphs
@@ -92,6 +115,8 @@ def test_graphs_and_eager_give_transformers_tokens(mode, make_llm, hf_greedy):
         counters = llm.engine.scheduler.counters
         if mode.startswith("preempt"):
             assert counters.preemptions_recompute + counters.preemptions_swap > 0
+    if mode == "chunked":  # (max_num_seqs 3, chunks of 5: decodes run beside prompt chunks)
+        assert 0 < calls["decode rows"] < calls["grid"]
 
 
 @pytest.mark.parametrize(
@@ -110,22 +135,11 @@ def test_mixed_steps_padded_to_token_buckets_give_transformers_tokens(
     through the decode kernel (``INFER_MIXED_DECODE_ROWS=0``: through the tiles too):
     transformers' tokens with and without graphs, every padded step through the tile list,
     every block back."""
-    from infer.runner.gpu import cuda_step, triton_attention
+    from infer.runner.gpu import cuda_step
 
     monkeypatch.setenv(cuda_step.MIXED_GRAPHS_ENV, "1")
     monkeypatch.setenv(cuda_step.MIXED_DECODE_ROWS_ENV, decode_rows)
-    calls = {"tiles": 0, "grid": 0, "decode rows": 0}
-    for name, key in (("paged_prefill_attention_tiles", "tiles"),
-                      ("paged_prefill_attention", "grid"),
-                      ("paged_decode_attention", "decode rows")):  # fmt: skip
-        original = getattr(triton_attention, name)
-
-        def counted(*args, _original=original, _key=key, **kwargs):
-            if _key != "decode rows" or kwargs.get("row_tables") is not None:
-                calls[_key] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(triton_attention, name, counted)
+    calls = _count_attention_calls(monkeypatch)
     want = _want(hf_greedy, "llama")
     # (on a CPU both engines would run the same padded steps: one is enough)
     for eager in (False, True) if DEVICE == "cuda" else (False,):

@@ -36,7 +36,7 @@ CASES = [
                                 FOLD_SCALES=True, ROW_TABLE=True), {"k_ptr": "*u8", "v_ptr": "*u8"}, 2),
     (ta, "_decode_combine_kernel", dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, S_PAD=4), {}, 4),
     (ta, "_prefill_kernel", dict(ATTENTION, G=4, BLOCK_M=64, BLOCK_N=64, KV_KIND=0,
-                                 FOLD_SCALES=False), {}, 4),
+                                 FOLD_SCALES=False, MIN_LEN=2), {}, 4),
     (ta, "_prefill_tiles_kernel", dict(ATTENTION, NUM_HEADS=32, G=4, BLOCK_M=64, BLOCK_N=64,
                                        KV_KIND=1, FOLD_SCALES=True),
      {"k_ptr": "*i8", "v_ptr": "*i8"}, 4),

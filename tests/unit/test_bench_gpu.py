@@ -211,6 +211,7 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
     off = {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "0", "INFER_TRITON_FUSED": "1",
            "INFER_MIXED_DECODE_ROWS": "1"}  # fmt: skip
     assert gpu.mode_environ("graphs-mixed") == off | {"INFER_MIXED_GRAPHS": "1"}
+    assert gpu.mode_environ("graphs-tiles") == off | {"INFER_MIXED_DECODE_ROWS": "0"}
     assert gpu.mode_environ("graphs-mixed-tiles") == off | {
         "INFER_MIXED_GRAPHS": "1",
         "INFER_MIXED_DECODE_ROWS": "0",
@@ -297,17 +298,19 @@ def test_kernel_section_against_a_reference_kernel():
 
 
 def test_the_mixed_step_cell_times_both_ways_of_attending_decodes():
-    """The kernel section's mixed-step cell on the real kernels (the interpreter here): both
-    ways of attending a mixed step's decodes timed, giving the same attention; a case that
-    cannot run is reported beside the others."""
+    """The kernel section's mixed-step cell on the real kernels (the interpreter here): each
+    prefill kernel with a mixed step's decodes in it or through the decode kernel, all four
+    timed and giving the same attention; a case that cannot run is reported beside the
+    others."""
     pytest.importorskip("triton")
     args = argparse.Namespace(device="cpu", kernel_reps=1, kernel_mixed="3x20+9,3x+9")
     shape = {"heads": 4, "kv_heads": 2, "head_dim": 16, "block_size": 16}
     logs: list[str] = []
     res = gpu_kernels.mixed_attention(args, shape, logs.append)
     good, bad = res["cases"]
-    assert good["case"] == "3x20+9" and good["tiles_ms"] > 0 and good["decode_rows_ms"] > 0
-    assert good["max_abs_diff"] < 1e-5 and good["speedup"] > 0
+    assert good["case"] == "3x20+9" and good["max_abs_diff"] < 1e-5
+    assert set(good["ms"]) == set(gpu_kernels.MIXED_VARIANTS) and min(good["ms"].values()) > 0
+    assert good["speedup"]["grid"] > 0 and good["speedup"]["tiles"] > 0
     assert bad["error"].startswith("ValueError") and len(logs) == 2
     md = "\n".join(gpu_kernels.markdown({"mixed": res, "rows": []}))
     assert "| 3x20+9 |" in md and "| 3x+9 | failed: ValueError" in md

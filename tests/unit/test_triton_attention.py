@@ -520,15 +520,21 @@ def test_prefill_tiles_give_the_prefill_kernels_numbers(case: tuple, num_program
 
 
 @pytest.mark.parametrize(
-    "case",
-    [("float32", 2, 32, 5, None, None), ("float16", 4, 64, 16, 6, "int8")],
-    ids=lambda c: "-".join(map(str, c)),
+    ("case", "prefill"),
+    [
+        (("float32", 2, 32, 5, None, None), "tiles"),
+        (("float16", 4, 64, 16, 6, "int8"), "tiles"),
+        (("float32", 4, 16, 4, 5, "fp8"), "grid"),
+    ],
+    ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else c,
 )
-def test_a_mixed_steps_decodes_through_the_decode_kernel(case: tuple) -> None:
-    """A padded mixed step as its graph attends it by default: the one-token chunks are
-    decode rows (the decode kernel, each row's table by sequence, ``row_tables``), the tile
-    list holds only the longer chunks. The decode kernel leaves every other row as it was; the
-    two together give the reference's attention, and the padding rows are not written."""
+def test_a_mixed_steps_decodes_through_the_decode_kernel(case: tuple, prefill: str) -> None:
+    """A mixed step as the engine attends it by default: the one-token chunks are decode rows
+    (the decode kernel, each row's table by sequence, ``row_tables``), and the prefill kernel
+    takes only the longer chunks (a padded step's tile list holds only theirs; the grid-per-step
+    kernel skips the others, ``min_query_len=2``). The decode kernel leaves every other row as
+    it was; the two together give the reference's attention, and the padding rows are not
+    written."""
     name, g, d, bs, window, kind = case
     dtype = _dtype(name)
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
@@ -558,15 +564,21 @@ def test_a_mixed_steps_decodes_through_the_decode_kernel(case: tuple) -> None:
     decoded = [starts[s] for s in range(len(qlens)) if one[s]]
     untouched = [r for r in range(padded) if r not in decoded]
     assert (out[untouched] == 7.0).all() and not (out[decoded] == 7.0).any()
-    seq, tile = prefill_tiles([0 if o else n for o, n in zip(one, qlens, strict=True)],
-                              ta.prefill_block_m(d, dtype))  # fmt: skip
-    assert set(seq.tolist()) == {1, 3}
-    ta.paged_prefill_attention_tiles(
-        q, cache.k, cache.v, tables, qsl, past,
-        torch.from_numpy(seq).to(torch.int32).to(DEVICE),
-        torch.from_numpy(tile).to(torch.int32).to(DEVICE),
-        torch.tensor([len(seq)], dtype=torch.int32, device=DEVICE), 3, out=out, **kw,
-    )  # fmt: skip
+    if prefill == "grid":  # an exact step: the last chunk ends at the last real row
+        exact = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+        ta.paged_prefill_attention(
+            q, cache.k, cache.v, tables, exact, past, max(qlens), out=out, min_query_len=2, **kw
+        )
+    else:
+        seq, tile = prefill_tiles([0 if o else n for o, n in zip(one, qlens, strict=True)],
+                                  ta.prefill_block_m(d, dtype))  # fmt: skip
+        assert set(seq.tolist()) == {1, 3}
+        ta.paged_prefill_attention_tiles(
+            q, cache.k, cache.v, tables, qsl, past,
+            torch.from_numpy(seq).to(torch.int32).to(DEVICE),
+            torch.from_numpy(tile).to(torch.int32).to(DEVICE),
+            torch.tensor([len(seq)], dtype=torch.int32, device=DEVICE), 3, out=out, **kw,
+        )  # fmt: skip
     assert (out[t:] == 7.0).all()
     _check(out[:t], ref_prefill(q[:t], cache, tables, qlens, pasts, scale, window), dtype)
 

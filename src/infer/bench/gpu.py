@@ -104,7 +104,9 @@ MODES: dict[str, dict[str, Any]] = {
     "graphs-gemv": {"attention_backend": "triton", "enforce_eager": False},
     # graphs for mixed steps too (prompt chunks beside decodes), by token bucket (cuda_step.py)
     "graphs-mixed": {"attention_backend": "triton", "enforce_eager": False},
-    # graphs-mixed with a mixed step's decodes in the prefill tiles, not the decode kernel
+    # graphs / graphs-mixed with a mixed step's decodes in the prefill kernel's query tiles,
+    # not through the decode kernel (cuda_step.py's INFER_MIXED_DECODE_ROWS)
+    "graphs-tiles": {"attention_backend": "triton", "enforce_eager": False},
     "graphs-mixed-tiles": {"attention_backend": "triton", "enforce_eager": False},
     # graphs with torch.compile's kernels for the norms and the activation (compiled_ops.py)
     "graphs-compile": {"attention_backend": "triton", "enforce_eager": False},
@@ -113,6 +115,7 @@ MODES: dict[str, dict[str, Any]] = {
 MODE_ENV: dict[str, dict[str, str]] = {
     "graphs-gemv": {"INFER_TRITON_GEMV": "1"},
     "graphs-mixed": {"INFER_MIXED_GRAPHS": "1"},
+    "graphs-tiles": {"INFER_MIXED_DECODE_ROWS": "0"},
     "graphs-mixed-tiles": {"INFER_MIXED_GRAPHS": "1", "INFER_MIXED_DECODE_ROWS": "0"},
     "graphs-compile": {"INFER_TRITON_FUSED": "compile"},
 }

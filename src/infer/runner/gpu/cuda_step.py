@@ -11,9 +11,10 @@ A mixed step (prompt chunks beside decodes) is what a server runs whenever a req
 eagerly, its forward pass is some ten kernel launches from Python per layer. With
 ``INFER_MIXED_GRAPHS=1`` those of up to ``MAX_MIXED_TOKENS`` tokens run padded to a token
 bucket and attend through the fixed-grid prefill kernel (the step's query tiles read from a
-buffer), so a CUDA graph per bucket replays any of them; its one-token chunks (the decodes)
-attend through the decode kernel first, in the same graph (``INFER_MIXED_DECODE_ROWS=0``: all
-through the tiles). Opt-in until a GPU run measures it.
+buffer), so a CUDA graph per bucket replays any of them. Opt-in until a GPU run measures it.
+Padded or not, a mixed step's one-token chunks (its decodes) attend through the decode kernel
+first and the prefill kernel skips them (``INFER_MIXED_DECODE_ROWS=0``: all through the
+prefill kernel).
 
 No step synchronises here: the sampler's one device-to-host copy of the sampled ids is the
 step's only wait on the GPU.
@@ -54,8 +55,8 @@ MIXED_GRAPHS_ENV = "INFER_MIXED_GRAPHS"
 """``1``: mixed steps run padded to token buckets and replay CUDA graphs (see the module doc)."""
 
 MIXED_DECODE_ROWS_ENV = "INFER_MIXED_DECODE_ROWS"
-"""``0``: a padded mixed step's one-token chunks go through the prefill tiles too, not the
-decode kernel (``step.py``'s module doc; to measure the two)."""
+"""``0``: a mixed step's one-token chunks go through the prefill kernel too, not the decode
+kernel (``step.py``'s module doc; to measure the two)."""
 
 MAX_MIXED_TOKENS = 512
 """Mixed steps of more tokens than this run eagerly (their launches are a small share)."""
@@ -75,8 +76,8 @@ def mixed_graphs_enabled() -> bool:
 
 
 def mixed_decode_rows_enabled() -> bool:
-    """Whether a padded mixed step attends its one-token chunks with the decode kernel
-    (default; ``INFER_MIXED_DECODE_ROWS=0``: through the prefill tiles)."""
+    """Whether a mixed step attends its one-token chunks with the decode kernel (default;
+    ``INFER_MIXED_DECODE_ROWS=0``: through the prefill kernel with the rest)."""
     return os.environ.get(MIXED_DECODE_ROWS_ENV, "1") != "0"
 
 
@@ -213,7 +214,9 @@ class CudaStep:
             *inputs.tile_views(),
             tile_programs(self._max_tiles(tokens, seqs) * self._heads, self.device),
             self._tile_size,
-            *(inputs.decode_row_views(tokens) if self._mixed_decode_rows else ()),
+        )
+        row_seq, row_lens = (
+            inputs.decode_row_views(tokens) if self._mixed_decode_rows else (None, None)
         )
         ctx = GpuAttentionContext(
             self.kv_cache,
@@ -223,6 +226,8 @@ class CudaStep:
             query_start=inputs.query_start[1][: seqs + 1],
             num_computed=inputs.num_computed[1][:seqs],
             tiles=tiles,
+            row_seq=row_seq,
+            row_lens=row_lens,
         )
         return self.model(inputs.ids[1][:tokens], inputs.positions[1][:tokens], ctx)
 

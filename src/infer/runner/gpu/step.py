@@ -15,8 +15,8 @@ these buffers replays any later step of its size::
     num_computed [max_seqs] int32                     num_computed   prefill steps
     tiles [1 + 2 max_tiles] int32                     a padded mixed step's tile list:
                                                       count | sequences | tile indices
-    row_seq, row_lens [max_rows] int32                a padded mixed step's one-token chunks
-                                                      as decode rows: sequence, context
+    row_seq, row_lens [max_rows] int32                a mixed step's one-token chunks as
+                                                      decode rows: sequence, context
 
 Two shapes of step:
 
@@ -29,11 +29,13 @@ Two shapes of step:
   launch per layer for every sequence of the step (a decode is a chunk of one). Padded to a
   token bucket (a mixed step's CUDA graph), the padding rows come after every chunk and the
   fixed-grid kernel walks the step's list of query tiles instead (:func:`prefill_tiles`).
-  There the one-token chunks (the decodes beside the prompts) are decode rows: the decode
-  kernel attends them, reading table ``row_seq[r]`` (0 context: a prompt or padding row, left
-  to the prefill kernel), and the tile list holds only the longer chunks' tiles. A 64-query tile
-  for one query would load every key once per query head; the decode kernel loads it once per
-  kv head (``INFER_MIXED_DECODE_ROWS=0``: every chunk through the tiles, to measure the two).
+  Either way the one-token chunks (the decodes beside the prompts) are decode rows: the decode
+  kernel attends them first, reading table ``row_seq[r]`` (0 context: a prompt or padding row,
+  left to the prefill kernel), and the prefill kernel only the longer chunks (the tile list
+  holds only theirs; the grid-per-step kernel skips the others). A 64-query tile holding one
+  query loads every key once per query head; the decode kernel loads it once per kv head
+  (``decode_rows=False``, ``INFER_MIXED_DECODE_ROWS=0``: every chunk through the prefill
+  kernel, to measure the two).
 """
 
 from __future__ import annotations
@@ -92,17 +94,13 @@ class StepShape:
 class TileList:
     """A padded mixed step's query tiles in the step buffers, for the fixed-grid kernel:
     pairs ``(seq[i], index[i])`` for ``i < count[0]``, each ``size`` queries, walked by
-    ``num_programs`` programs (a function of the token bucket only). ``row_seq``,
-    ``row_lens``: when given, the rows of context ``row_lens[r] > 0`` (one-token chunks, in
-    no tile) are decode rows of sequence ``row_seq[r]``."""
+    ``num_programs`` programs (a function of the token bucket only)."""
 
     seq: torch.Tensor
     index: torch.Tensor
     count: torch.Tensor
     num_programs: int
     size: int
-    row_seq: torch.Tensor | None = None
-    row_lens: torch.Tensor | None = None
 
 
 class GpuAttentionContext:
@@ -127,6 +125,8 @@ class GpuAttentionContext:
         num_splits: int = 1,
         workspace: object | None = None,
         tiles: TileList | None = None,
+        row_seq: torch.Tensor | None = None,
+        row_lens: torch.Tensor | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.num_tokens = num_tokens
@@ -139,6 +139,9 @@ class GpuAttentionContext:
         self.num_splits = num_splits
         self.workspace = workspace
         self.tiles = tiles
+        # a mixed step's decode rows (the first row_lens.shape[0] rows; context 0: not one)
+        self.row_seq = row_seq
+        self.row_lens = row_lens
 
     @property
     def all_decode(self) -> bool:
@@ -230,19 +233,22 @@ class GpuAttentionContext:
                 **common,
             )
         assert self.query_start is not None and self.num_computed is not None
+        out = None
+        if self.row_lens is not None:  # the decodes first; the prefill kernel skips them
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            rows = self.row_lens.shape[0]
+            ta.paged_decode_attention(
+                q[:rows],
+                k_cache,
+                v_cache,
+                self.tables,
+                self.row_lens,
+                row_tables=self.row_seq,
+                out=out[:rows],
+                **common,
+            )
         if self.tiles is not None:
             tiles = self.tiles
-            out = None
-            if tiles.row_lens is not None:
-                out = ta.paged_decode_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    self.tables,
-                    tiles.row_lens,
-                    row_tables=tiles.row_seq,
-                    **common,
-                )
             return ta.paged_prefill_attention_tiles(
                 q,
                 k_cache,
@@ -266,6 +272,8 @@ class GpuAttentionContext:
             self.query_start,
             self.num_computed,
             self.max_query_len,
+            out=out,
+            min_query_len=1 if self.row_lens is None else 2,
             **common,
         )
 
@@ -331,8 +339,8 @@ class StepInputs:
         # count | sequences | tile indices: one copy a step (the few unused entries between
         # the used parts go along)
         self.tiles = pair(1 + 2 * shape.max_tiles, dtype=torch.int32)
-        self.row_seq = pair(shape.max_rows if shape.max_tiles else 0, dtype=torch.int32)
-        self.row_lens = pair(shape.max_rows if shape.max_tiles else 0, dtype=torch.int32)
+        self.row_seq = pair(shape.max_rows, dtype=torch.int32)
+        self.row_lens = pair(shape.max_rows, dtype=torch.int32)
         # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
         self.sample_rows = pair(shape.max_rows, dtype=torch.long)
         self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
@@ -394,7 +402,7 @@ class StepInputs:
 
     def decode_row_views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A padded mixed step's decode rows: ``row_seq``, ``row_lens`` ``[rows]`` device
-        views (fixed addresses: a mixed graph's inputs)."""
+        views (fixed addresses: a mixed graph's inputs; ``GpuAttentionContext``'s fields)."""
         return self.row_seq[1][:rows], self.row_lens[1][:rows]
 
     def decode_context_views(self, rows: int) -> dict[str, torch.Tensor]:
@@ -419,8 +427,9 @@ class StepInputs:
 
         ``padded_rows``: pad to this many rows (a graph bucket) with rows that store nothing
         and attend to nothing. ``tile_size`` (a mixed step): also write its list of query
-        tiles of that many queries (:class:`TileList`); with ``decode_rows``, the one-token
-        chunks as decode rows (``row_seq``, ``row_lens``) and not in the tile list."""
+        tiles of that many queries (:class:`TileList`). ``decode_rows`` (a mixed step): its
+        one-token chunks as decode rows (``row_seq``, ``row_lens``), in no tile: for every
+        row of a padded step, and up to the last such row of an exact one that has any."""
         self._wait_for_last_copy()
         n = len(token_ids)
         rows = padded_rows or n
@@ -458,23 +467,31 @@ class StepInputs:
             a["query_start"][0] = 0
             a["query_start"][1 : len(seqs) + 1] = np.cumsum(new)
             a["num_computed"][: len(seqs)] = computed
+            fields = {}
+            chunks = new
+            rows_one = np.flatnonzero(new[seq_of_token] == 1)
+            # a padded step's graph reads every row's; an exact one, up to its last decode's
             if tile_size is not None:
-                chunks = new
-                if decode_rows:
-                    one = new == 1
-                    chunks = np.where(one, 0, new)  # no tiles for the one-token chunks
-                    a["row_seq"][:n] = seq_of_token
-                    a["row_lens"][:n] = np.where(one[seq_of_token], pos + 1, 0)
-                    a["row_seq"][n:rows] = 0
-                    a["row_lens"][n:rows] = 0
-                    self._upload("row_seq", rows)
-                    self._upload("row_lens", rows)
+                decode_upto = rows
+            else:
+                decode_upto = int(rows_one[-1]) + 1 if rows_one.size else 0
+            if decode_rows and decode_upto:
+                chunks = np.where(new == 1, 0, new)  # the prefill kernel skips them
+                a["row_seq"][:n] = seq_of_token
+                a["row_lens"][:rows] = 0
+                a["row_lens"][rows_one] = pos[rows_one] + 1
+                a["row_seq"][n:rows] = 0
+                fields = dict(
+                    row_seq=self._upload("row_seq", decode_upto),
+                    row_lens=self._upload("row_lens", decode_upto),
+                )
+            if tile_size is not None:
                 seq, tile = prefill_tiles(chunks, tile_size)
                 k, m, t = len(seq), self.shape.max_tiles, a["tiles"]
                 t[0], t[1 : 1 + k], t[1 + m : 1 + m + k] = k, seq, tile
                 self._upload("tiles", 1 + m + k)
             self._upload("tables", len(seqs))
-            fields = dict(
+            fields |= dict(
                 slots=self._upload("slots", rows),
                 tables=self.tables[1][: len(seqs)],
                 query_start=self._upload("query_start", len(seqs) + 1),

@@ -646,13 +646,14 @@ if triton is not None:
         FP8_NATIVE: tl.constexpr,
         FOLD_SCALES: tl.constexpr,
         EXACT: tl.constexpr,
+        MIN_LEN: tl.constexpr,
     ):
         """One program = (sequence, query head, tile of BLOCK_M queries of the chunk); programs
-        past their chunk's end exit at once."""
+        past their chunk's end, or of a chunk shorter than MIN_LEN, exit at once."""
         seq = tl.program_id(0)
         mt = tl.program_id(2)
         q_len = tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq)
-        if mt * BLOCK_M < q_len:
+        if (mt * BLOCK_M < q_len) & (q_len >= MIN_LEN):
             _prefill_program(
                 seq, tl.program_id(1), mt,
                 q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, past_ptr, out_ptr,
@@ -931,6 +932,7 @@ def paged_prefill_attention(
     kv_kind: str | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    min_query_len: int = 1,
 ) -> torch.Tensor:
     """Causal attention of every prefill / extend chunk of a step, in one launch.
 
@@ -945,6 +947,8 @@ def paged_prefill_attention(
         out: ``[T, H, D]`` in q's dtype to write into (rows outside every chunk untouched).
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the engine's own
             (:func:`_prefill_config`): how ``infer bench gpu`` times other tiles.
+        min_query_len: chunks shorter than this are skipped, their rows of ``out`` untouched
+            (2: a mixed step's decodes, which :func:`paged_decode_attention` attends).
 
     Grid ``(S, H, cdiv(max_query_len, BLOCK_M))``; programs past their chunk's end exit at once.
     Each walks key tiles from its window's first (0 without a window) to its last query's
@@ -961,7 +965,7 @@ def paged_prefill_attention(
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
     grid = (num_seqs, q.shape[1], math.ceil(max_query_len / meta["BLOCK_M"]))
-    _prefill_kernel[grid](*args, **meta)
+    _prefill_kernel[grid](*args, **meta, MIN_LEN=int(min_query_len))
     return out
 
 
