@@ -45,7 +45,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "kernel_splits": ("1,2,4,8,16,32", "1,4,16"),
     "kernel_reps": (20, 10),
     "kernel_prefill": ("4x2048,1x8192", "4x2048"),
-    "kernel_mixed": ("16x512+128,64x512+128,64x2048+128", "64x512+128"),
+    "kernel_mixed": ("16x512+128,64x512+128,64x2048+128,1x16384+512", "64x512+128,1x16384+512"),
     "kernel_gemv_rows": ("1,16", "1"),
 }
 
@@ -471,8 +471,9 @@ def mixed_attention(args: argparse.Namespace, shape: dict, log: Callable[[str], 
 def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_programs,
                 prefill_tiles) -> dict:  # fmt: skip
     """One ``BxL+P`` case of :func:`mixed_attention`: the decodes' rows first, the prompt's
-    after them (a padded step's decode kernel runs over every row, an eager one's up to the
-    last decode's, as the engine's)."""
+    after them; the decode kernel's list as the engine's: an eager step's one entry a decode,
+    a padded step's ``min(rows, 256)`` (the unused ones of context 0), each split over the keys
+    as a decode step of that many rows is."""
     b_l, p = case.split("+")
     b, length, prompt = *(int(x) for x in b_l.split("x")), int(p)
     qlens, pasts = [1] * b + [prompt], [length - 1] * b + [0]
@@ -497,14 +498,24 @@ def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_prog
                 torch.tensor([len(seq)], **i32))  # fmt: skip
 
     every_chunk, prompt_only = tile_list(qlens), tile_list([0] * b + [prompt])
-    row_seq = torch.tensor([*range(b), *[b] * prompt], **i32)
-    row_lens = torch.tensor([length] * b + [0] * prompt, **i32)
     kw = dict(block_size=bs, scale=d**-0.5)
     outs = {k: torch.empty_like(q) for k in MIXED_VARIANTS}
 
-    def decodes(out: torch.Tensor, rows: int) -> None:
-        ta.paged_decode_attention(q[:rows], k_cache, v_cache, tables, row_lens[:rows],
-                                  row_tables=row_seq[:rows], out=out[:rows], **kw)  # fmt: skip
+    def decode_list(entries: int) -> dict:
+        unused = [0] * (entries - b)
+        splits = _engine_splits(entries, hkv, device)
+        return dict(
+            context_lens=torch.tensor([length] * b + unused, **i32),
+            row_ids=torch.tensor([*range(b), *unused], **i32),
+            row_tables=torch.tensor([*range(b), *unused], **i32),
+            num_splits=splits,
+            workspace=ta.decode_workspace(entries, h, d, splits, device) if splits > 1 else None,
+        )
+
+    eager_list, graph_list = decode_list(b), decode_list(max(b, min(t, 256)))
+
+    def decodes(out: torch.Tensor, lists: dict) -> None:
+        ta.paged_decode_attention(q, k_cache, v_cache, tables, out=out, **lists, **kw)
 
     def grid(out: torch.Tensor, min_len: int) -> Any:
         return ta.paged_prefill_attention(q, k_cache, v_cache, tables, starts, past, prompt,
@@ -515,11 +526,11 @@ def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_prog
                                                 *tile_lists, programs, out=out, **kw)  # fmt: skip
 
     def grid_decode() -> Any:
-        decodes(outs["grid_decode"], b)
+        decodes(outs["grid_decode"], eager_list)
         return grid(outs["grid_decode"], 2)
 
     def tiles_decode() -> Any:
-        decodes(outs["tiles_decode"], t)
+        decodes(outs["tiles_decode"], graph_list)
         return tiles(outs["tiles_decode"], prompt_only)
 
     fns = {

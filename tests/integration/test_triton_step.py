@@ -104,10 +104,17 @@ MODES = {
 )
 def test_graphs_and_eager_give_transformers_tokens(mode, make_llm, hf_greedy, monkeypatch):
     """Padded buckets (graphs) and exact-size eager steps: the same tokens, transformers'. A
-    step with prompt chunks (eager) attends its decodes through the decode kernel."""
+    step with prompt chunks (eager) attends its decodes through the decode kernel, or (the
+    second engine of the chunked mode: INFER_MIXED_DECODE_ROWS=0) through the prefill kernel."""
+    from infer.runner.gpu import cuda_step
+
     want = _want(hf_greedy, "llama")
     calls = _count_attention_calls(monkeypatch)
+    listed = []
     for eager in (False, True):
+        switch = "0" if eager and mode == "chunked" else "1"
+        monkeypatch.setenv(cuda_step.MIXED_DECODE_ROWS_ENV, switch)
+        before = calls["decode rows"]
         llm = make_llm("llama", attention_backend="triton", enforce_eager=eager, **MODES[mode])
         graphs = llm.engine.runner.cuda_step.graphs
         assert (graphs is None) == eager
@@ -115,8 +122,9 @@ def test_graphs_and_eager_give_transformers_tokens(mode, make_llm, hf_greedy, mo
         counters = llm.engine.scheduler.counters
         if mode.startswith("preempt"):
             assert counters.preemptions_recompute + counters.preemptions_swap > 0
+        listed.append(calls["decode rows"] - before)
     if mode == "chunked":  # (max_num_seqs 3, chunks of 5: decodes run beside prompt chunks)
-        assert 0 < calls["decode rows"] < calls["grid"]
+        assert listed[0] > 0 and listed[1] == 0
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from infer.runner.gpu import triton_fused as tf  # noqa: E402
 from infer.runner.gpu import triton_gemv as tg  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-INT_POINTERS = {"bt_ptr", "lens_ptr", "rt_ptr", "qsl_ptr", "past_ptr", "tile_seq_ptr", "tile_mt_ptr",
+INT_POINTERS = {"bt_ptr", "lens_ptr", "ids_ptr", "rt_ptr", "qsl_ptr", "past_ptr", "tile_seq_ptr", "tile_mt_ptr",
                 "num_tiles_ptr", "slots_ptr"}  # fmt: skip
 FLOATS = {"qk_scale", "eps"}
 
@@ -31,10 +31,13 @@ ATTENTION = dict(
 # (module, kernel, constexprs, pointer dtypes that differ from bf16, warps)
 CASES = [
     (ta, "_decode_kernel", dict(ATTENTION, G=4, G_PAD=16, BLOCK_N=64, NUM_SPLITS=4, KV_KIND=0,
-                                FOLD_SCALES=False, ROW_TABLE=False), {}, 4),
+                                FOLD_SCALES=False, ROW_IDS=False), {}, 4),
+    (ta, "_decode_kernel", dict(ATTENTION, G=4, G_PAD=16, BLOCK_N=64, NUM_SPLITS=4, KV_KIND=0,
+                                FOLD_SCALES=False, ROW_IDS=True), {}, 4),
     (ta, "_decode_kernel", dict(ATTENTION, G=4, G_PAD=16, BLOCK_N=64, NUM_SPLITS=1, KV_KIND=2,
-                                FOLD_SCALES=True, ROW_TABLE=True), {"k_ptr": "*u8", "v_ptr": "*u8"}, 2),
-    (ta, "_decode_combine_kernel", dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, S_PAD=4), {}, 4),
+                                FOLD_SCALES=True, ROW_IDS=True), {"k_ptr": "*u8", "v_ptr": "*u8"}, 2),
+    (ta, "_decode_combine_kernel", dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, S_PAD=4,
+                                        ROW_IDS=True), {}, 4),
     (ta, "_prefill_kernel", dict(ATTENTION, G=4, BLOCK_M=64, BLOCK_N=64, KV_KIND=0,
                                  FOLD_SCALES=False, MIN_LEN=2), {}, 4),
     (ta, "_prefill_tiles_kernel", dict(ATTENTION, NUM_HEADS=32, G=4, BLOCK_M=64, BLOCK_N=64,

@@ -43,10 +43,11 @@ def test_a_mixed_step_padded_to_its_bucket_writes_padding_rows_and_its_tiles():
     assert tile_index[:6].tolist() == [0, 0, 1, 2, 0, 1]
 
 
-def test_a_mixed_steps_one_token_chunks_are_decode_rows_and_in_no_tile():
-    """decode_rows=True (a mixed step's default): rows of one-token chunks carry their
-    sequence and context for the decode kernel; every other row (prompt or padding) context
-    0; a padded step's tile list holds only the longer chunks' tiles."""
+def test_a_mixed_steps_one_token_chunks_are_a_decode_list_and_in_no_tile():
+    """decode_rows (a mixed step's default): its one-token chunks listed for the decode kernel
+    as (query row, sequence, context), the unused entries of a padded step's fixed-size list
+    context 0 (over a step before's values); a padded step's tile list holds only the longer
+    chunks' tiles."""
     inputs = _inputs()
     seqs = [
         SequenceSlice(6, 1, [3, 9]),  # a decode at position 6
@@ -55,25 +56,26 @@ def test_a_mixed_steps_one_token_chunks_are_decode_rows_and_in_no_tile():
     ]
     ids = [100, *range(200, 209), 300]
     positions = [6, *range(9), 2]
-    inputs._np["row_lens"][:] = 5  # a step before's values
+    for name in ("row_ids", "row_seq", "row_lens"):
+        inputs._np[name][:] = 5  # a step before's values
     _, _, fields = inputs.fill(ids, positions, seqs, BS, padded_rows=16, tile_size=4,
-                               decode_rows=True)  # fmt: skip
-    row_seq, row_lens = inputs.decode_row_views(16)
-    assert row_seq[:11].tolist() == [0] + [1] * 9 + [2]
-    assert row_lens.tolist() == [7] + [0] * 9 + [3] + [0] * 5
+                               decode_rows=4)  # fmt: skip
+    assert fields["decode_entries"] == 4
+    row_ids, row_seq, row_lens = inputs.decode_row_views(4)
+    assert row_ids.tolist() == [0, 10, 0, 0] and row_seq.tolist() == [0, 2, 0, 0]
+    assert row_lens.tolist() == [7, 3, 0, 0]
     tile_seq, tile_index, num_tiles = inputs.tile_views()
     assert int(num_tiles[0]) == 3  # the prompt's 9 queries in tiles of 4; no decode's
     assert tile_seq[:3].tolist() == [1, 1, 1] and tile_index[:3].tolist() == [0, 1, 2]
-    # an exact (eager) step: decode rows up to the last decode's row, for the grid kernel
-    _, _, fields = inputs.fill(ids[:10], positions[:10], seqs[:2], BS, decode_rows=True)
-    assert fields["row_seq"].tolist() == [0] and fields["row_lens"].tolist() == [7]
-    _, _, fields = inputs.fill(ids[1:], positions[1:], seqs[1:], BS, decode_rows=True)
-    assert fields["row_lens"].tolist() == [0] * 9 + [3]
-    # no decode in the step, or the switch off: no decode rows
-    _, _, fields = inputs.fill(ids[1:10], positions[1:10], seqs[1:2], BS, decode_rows=True)
-    assert "row_lens" not in fields
-    _, _, fields = inputs.fill(ids, positions, seqs, BS, decode_rows=False)
-    assert "row_lens" not in fields
+    # an exact (eager) step: as many entries as decodes
+    _, _, fields = inputs.fill(ids[1:], positions[1:], seqs[1:], BS, decode_rows=0)
+    assert fields["decode_entries"] == 1
+    assert [v.tolist() for v in inputs.decode_row_views(1)] == [[9], [1], [3]]
+    # no decode in the step, or the switch off: no list
+    _, _, fields = inputs.fill(ids[1:10], positions[1:10], seqs[1:2], BS, decode_rows=0)
+    assert "decode_entries" not in fields
+    _, _, fields = inputs.fill(ids, positions, seqs, BS)
+    assert "decode_entries" not in fields
 
 
 def test_decode_rows_padded_to_their_bucket_attend_to_nothing_past_the_step():

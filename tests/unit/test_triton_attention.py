@@ -520,21 +520,23 @@ def test_prefill_tiles_give_the_prefill_kernels_numbers(case: tuple, num_program
 
 
 @pytest.mark.parametrize(
-    ("case", "prefill"),
+    ("case", "prefill", "splits"),
     [
-        (("float32", 2, 32, 5, None, None), "tiles"),
-        (("float16", 4, 64, 16, 6, "int8"), "tiles"),
-        (("float32", 4, 16, 4, 5, "fp8"), "grid"),
+        (("float32", 2, 32, 5, None, None), "tiles", 1),
+        (("float16", 4, 64, 16, 6, "int8"), "tiles", 3),
+        (("float32", 4, 16, 4, 5, "fp8"), "grid", 2),
     ],
-    ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else c,
+    ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else str(c),
 )
-def test_a_mixed_steps_decodes_through_the_decode_kernel(case: tuple, prefill: str) -> None:
-    """A mixed step as the engine attends it by default: the one-token chunks are decode rows
-    (the decode kernel, each row's table by sequence, ``row_tables``), and the prefill kernel
-    takes only the longer chunks (a padded step's tile list holds only theirs; the grid-per-step
-    kernel skips the others, ``min_query_len=2``). The decode kernel leaves every other row as
-    it was; the two together give the reference's attention, and the padding rows are not
-    written."""
+def test_a_mixed_steps_decodes_through_the_decode_kernel(
+    case: tuple, prefill: str, splits: int
+) -> None:
+    """A mixed step as the engine attends it by default: its one-token chunks listed for the
+    decode kernel (entry: query row, the sequence's table, context; split over the keys), the
+    unused entries of a fixed-size list (context 0) writing nothing, and no row outside the
+    list written; the prefill kernel takes only the longer chunks (a padded step's tile list
+    holds only theirs; the grid-per-step kernel skips chunks of one, ``min_query_len=2``).
+    The two give the reference's attention, and the padding rows are not written."""
     name, g, d, bs, window, kind = case
     dtype = _dtype(name)
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
@@ -549,29 +551,35 @@ def test_a_mixed_steps_decodes_through_the_decode_kernel(case: tuple, prefill: s
     q = torch.randn(padded, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
     starts = [0, *torch.tensor(qlens).cumsum(0).tolist()]
     qsl = torch.tensor([*starts[:-1], padded], dtype=torch.int32, device=DEVICE)
+    exact = torch.tensor(starts, dtype=torch.int32, device=DEVICE)  # the last chunk unpadded
     past = torch.tensor(pasts, dtype=torch.int32, device=DEVICE)
-    one = [n == 1 for n in qlens]
-    row_seq = [s for s, n in enumerate(qlens) for _ in range(n)] + [0] * 5
-    row_lens = [p + 1 if one[s] else 0 for s, p in enumerate(pasts) for _ in range(qlens[s])]
-    row_lens += [0] * 5
+    one = [s for s, n in enumerate(qlens) if n == 1]
+    decoded = [starts[s] for s in one]
+
+    def i32(values: list[int]) -> torch.Tensor:  # the list, then two unused entries
+        return torch.tensor(values + [0, 0], dtype=torch.int32, device=DEVICE)
+
     scale = d**-0.5
     kw = dict(scale=scale, sliding_window=window, **cache.kwargs())
+    # the grid kernel alone leaves the chunks of one untouched
+    skipped = torch.full_like(q, 7.0)
+    ta.paged_prefill_attention(
+        q, cache.k, cache.v, tables, exact, past, max(qlens), out=skipped, min_query_len=2, **kw
+    )
+    assert (skipped[decoded] == 7.0).all() and not (skipped[1:22] == 7.0).any()
     out = torch.full_like(q, 7.0)
     ta.paged_decode_attention(
-        q, cache.k, cache.v, tables, torch.tensor(row_lens, dtype=torch.int32).to(DEVICE),
-        row_tables=torch.tensor(row_seq, dtype=torch.int32).to(DEVICE), out=out, **kw,
+        q, cache.k, cache.v, tables, i32([pasts[s] + 1 for s in one]),
+        row_ids=i32(decoded), row_tables=i32(one), num_splits=splits, out=out, **kw,
     )  # fmt: skip
-    decoded = [starts[s] for s in range(len(qlens)) if one[s]]
     untouched = [r for r in range(padded) if r not in decoded]
     assert (out[untouched] == 7.0).all() and not (out[decoded] == 7.0).any()
-    if prefill == "grid":  # an exact step: the last chunk ends at the last real row
-        exact = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    if prefill == "grid":  # an exact step
         ta.paged_prefill_attention(
             q, cache.k, cache.v, tables, exact, past, max(qlens), out=out, min_query_len=2, **kw
         )
     else:
-        seq, tile = prefill_tiles([0 if o else n for o, n in zip(one, qlens, strict=True)],
-                                  ta.prefill_block_m(d, dtype))  # fmt: skip
+        seq, tile = prefill_tiles([0 if n == 1 else n for n in qlens], ta.prefill_block_m(d, dtype))
         assert set(seq.tolist()) == {1, 3}
         ta.paged_prefill_attention_tiles(
             q, cache.k, cache.v, tables, qsl, past,

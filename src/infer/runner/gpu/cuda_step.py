@@ -35,6 +35,7 @@ from infer.runner.gpu import triton_attention as ta
 from infer.runner.gpu import triton_gemv as tg
 from infer.runner.gpu.graphs import StepGraphs, bucket, capture_sizes, mixed_capture_sizes
 from infer.runner.gpu.step import (
+    DecodeRows,
     GpuAttentionContext,
     StepInputs,
     StepShape,
@@ -206,17 +207,27 @@ class CudaStep:
         )
         return self.model(self.inputs.ids[1][:rows], self.inputs.positions[1][:rows], ctx)
 
+    def _decode_entries(self, tokens: int) -> int:
+        """Entries of a padded mixed step's decode list: the most decodes ``tokens`` rows of
+        ``max_num_seqs`` sequences can hold."""
+        return min(tokens, self.shape.max_seqs)
+
+    def _decode_rows(self, inputs: StepInputs, entries: int | None) -> DecodeRows | None:
+        """A mixed step's decode list of ``entries`` entries for the decode kernel, split over
+        the key axis as a decode step of that many rows would be (None: no list)."""
+        if not entries or not self._mixed_decode_rows:
+            return None
+        return DecodeRows(*inputs.decode_row_views(entries), **self._decode_args(entries))
+
     def _mixed_forward(self, tokens: int) -> torch.Tensor:
         """The model on the buffers' first ``tokens`` rows as a mixed step, attending through
-        the tile list (what a mixed graph captures)."""
+        the tile list and (by default) its decodes through the decode kernel's list (what a
+        mixed graph captures)."""
         inputs, seqs = self.inputs, self.shape.max_seqs
         tiles = TileList(
             *inputs.tile_views(),
             tile_programs(self._max_tiles(tokens, seqs) * self._heads, self.device),
             self._tile_size,
-        )
-        row_seq, row_lens = (
-            inputs.decode_row_views(tokens) if self._mixed_decode_rows else (None, None)
         )
         ctx = GpuAttentionContext(
             self.kv_cache,
@@ -226,8 +237,7 @@ class CudaStep:
             query_start=inputs.query_start[1][: seqs + 1],
             num_computed=inputs.num_computed[1][:seqs],
             tiles=tiles,
-            row_seq=row_seq,
-            row_lens=row_lens,
+            decode_rows=self._decode_rows(inputs, self._decode_entries(tokens)),
         )
         return self.model(inputs.ids[1][:tokens], inputs.positions[1][:tokens], ctx)
 
@@ -255,6 +265,13 @@ class CudaStep:
     def graph_bytes(self) -> int:
         """GPU memory the captures took (their pool, and what their warm-ups first loaded)."""
         return sum(g.capture_bytes for g in (self.graphs, self.mixed_graphs) if g is not None)
+
+    def _fill_decode_rows(self, decode: bool, size: int | None) -> int | None:
+        """``StepInputs.fill``'s ``decode_rows`` for a step: a mixed step's list (a padded
+        one's fixed size), none for decode rows or with the switch off."""
+        if decode or not self._mixed_decode_rows:
+            return None
+        return self._decode_entries(size) if size is not None else 0
 
     def forward(self, batch: StepBatch, feed: TokenFeed | None = None) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the step's ``T`` rows; ``feed``: rows whose
@@ -286,8 +303,9 @@ class CudaStep:
             self.kv_cache.block_size,
             size,
             tile_size,
-            decode_rows=self._mixed_decode_rows,
+            decode_rows=self._fill_decode_rows(decode, size),
         )
+        entries = fields.pop("decode_entries", None)
         if feed is not None:  # queued after the step before's sampler and the copies above
             rows = inputs.row_index("feed_rows", feed.rows)
             sources = inputs.row_index("feed_sources", feed.sources)
@@ -303,6 +321,11 @@ class CudaStep:
             return forward(size)[:n]
         self.step_kinds[f"{kind} eager"] += 1
         ctx = GpuAttentionContext(
-            self.kv_cache, num_tokens=n, **(self._decode_args(n) if decode else {}), **fields
+            self.kv_cache,
+            num_tokens=n,
+            **(self._decode_args(n) if decode else {}),
+            decode_rows=self._decode_rows(inputs, entries),
+            min_query_len=2 if self._mixed_decode_rows else 1,
+            **fields,
         )
         return self.model(ids, positions, ctx)

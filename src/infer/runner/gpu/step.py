@@ -15,8 +15,8 @@ these buffers replays any later step of its size::
     num_computed [max_seqs] int32                     num_computed   prefill steps
     tiles [1 + 2 max_tiles] int32                     a padded mixed step's tile list:
                                                       count | sequences | tile indices
-    row_seq, row_lens [max_rows] int32                a mixed step's one-token chunks as
-                                                      decode rows: sequence, context
+    row_ids, row_seq, row_lens [max_rows] int32       a mixed step's one-token chunks, a
+                                                      list: query row, sequence, context
 
 Two shapes of step:
 
@@ -30,12 +30,13 @@ Two shapes of step:
   token bucket (a mixed step's CUDA graph), the padding rows come after every chunk and the
   fixed-grid kernel walks the step's list of query tiles instead (:func:`prefill_tiles`).
   Either way the one-token chunks (the decodes beside the prompts) are decode rows: the decode
-  kernel attends them first, reading table ``row_seq[r]`` (0 context: a prompt or padding row,
-  left to the prefill kernel), and the prefill kernel only the longer chunks (the tile list
-  holds only theirs; the grid-per-step kernel skips the others). A 64-query tile holding one
-  query loads every key once per query head; the decode kernel loads it once per kv head
-  (``decode_rows=False``, ``INFER_MIXED_DECODE_ROWS=0``: every chunk through the prefill
-  kernel, to measure the two).
+  kernel attends them first from a list of (query row, sequence, context) entries (an exact
+  step's as many as its decodes; a padded step's a fixed number, the unused ones of context 0,
+  which write nothing), split over the key axis as a decode step of that many rows is, and the
+  prefill kernel only the longer chunks (the tile list holds only theirs; the grid-per-step
+  kernel skips the others). A 64-query tile holding one query loads every key once per query
+  head; the decode kernel loads it once per kv head (``decode_rows=None``,
+  ``INFER_MIXED_DECODE_ROWS=0``: every chunk through the prefill kernel, to measure the two).
 """
 
 from __future__ import annotations
@@ -91,6 +92,19 @@ class StepShape:
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """A mixed step's decodes for the decode kernel: entry e is query row ``ids[e]`` of
+    sequence ``seq[e]`` (its table row) with ``lens[e]`` keys (0: an unused entry), attended
+    in ``num_splits`` parts (``workspace``: their buffers when more than one)."""
+
+    ids: torch.Tensor
+    seq: torch.Tensor
+    lens: torch.Tensor
+    num_splits: int = 1
+    workspace: object | None = None
+
+
+@dataclass(frozen=True)
 class TileList:
     """A padded mixed step's query tiles in the step buffers, for the fixed-grid kernel:
     pairs ``(seq[i], index[i])`` for ``i < count[0]``, each ``size`` queries, walked by
@@ -125,8 +139,8 @@ class GpuAttentionContext:
         num_splits: int = 1,
         workspace: object | None = None,
         tiles: TileList | None = None,
-        row_seq: torch.Tensor | None = None,
-        row_lens: torch.Tensor | None = None,
+        decode_rows: DecodeRows | None = None,
+        min_query_len: int = 1,
     ) -> None:
         self.kv_cache = kv_cache
         self.num_tokens = num_tokens
@@ -139,9 +153,9 @@ class GpuAttentionContext:
         self.num_splits = num_splits
         self.workspace = workspace
         self.tiles = tiles
-        # a mixed step's decode rows (the first row_lens.shape[0] rows; context 0: not one)
-        self.row_seq = row_seq
-        self.row_lens = row_lens
+        self.decode_rows = decode_rows  # a mixed step's decodes (its prefill kernel skips them)
+        # 2 where decodes are always listed: a step with none compiles no other prefill kernel
+        self.min_query_len = 2 if decode_rows is not None else min_query_len
 
     @property
     def all_decode(self) -> bool:
@@ -233,18 +247,20 @@ class GpuAttentionContext:
                 **common,
             )
         assert self.query_start is not None and self.num_computed is not None
-        out = None
-        if self.row_lens is not None:  # the decodes first; the prefill kernel skips them
+        out, rows = None, self.decode_rows
+        if rows is not None:  # the decodes first; the prefill kernel skips them
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            rows = self.row_lens.shape[0]
             ta.paged_decode_attention(
-                q[:rows],
+                q,
                 k_cache,
                 v_cache,
                 self.tables,
-                self.row_lens,
-                row_tables=self.row_seq,
-                out=out[:rows],
+                rows.lens,
+                row_ids=rows.ids,
+                row_tables=rows.seq,
+                num_splits=rows.num_splits,
+                workspace=rows.workspace,
+                out=out,
                 **common,
             )
         if self.tiles is not None:
@@ -273,7 +289,7 @@ class GpuAttentionContext:
             self.num_computed,
             self.max_query_len,
             out=out,
-            min_query_len=1 if self.row_lens is None else 2,
+            min_query_len=self.min_query_len,
             **common,
         )
 
@@ -339,6 +355,7 @@ class StepInputs:
         # count | sequences | tile indices: one copy a step (the few unused entries between
         # the used parts go along)
         self.tiles = pair(1 + 2 * shape.max_tiles, dtype=torch.int32)
+        self.row_ids = pair(shape.max_rows, dtype=torch.int32)
         self.row_seq = pair(shape.max_rows, dtype=torch.int32)
         self.row_lens = pair(shape.max_rows, dtype=torch.int32)
         # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
@@ -359,6 +376,7 @@ class StepInputs:
                 "query_start",
                 "num_computed",
                 "tiles",
+                "row_ids",
                 "row_seq",
                 "row_lens",
                 "sample_rows",
@@ -400,10 +418,10 @@ class StepInputs:
         m, tiles = self.shape.max_tiles, self.tiles[1]
         return tiles[1 : 1 + m], tiles[1 + m :], tiles[:1]
 
-    def decode_row_views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A padded mixed step's decode rows: ``row_seq``, ``row_lens`` ``[rows]`` device
-        views (fixed addresses: a mixed graph's inputs; ``GpuAttentionContext``'s fields)."""
-        return self.row_seq[1][:rows], self.row_lens[1][:rows]
+    def decode_row_views(self, entries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A mixed step's decode list: ``row_ids``, ``row_seq``, ``row_lens`` ``[entries]``
+        device views (fixed addresses: a mixed graph's inputs; see :class:`DecodeRows`)."""
+        return self.row_ids[1][:entries], self.row_seq[1][:entries], self.row_lens[1][:entries]
 
     def decode_context_views(self, rows: int) -> dict[str, torch.Tensor]:
         """The device views a decode-rows step of ``rows`` rows reads (a graph's inputs)."""
@@ -421,15 +439,17 @@ class StepInputs:
         block_size: int,
         padded_rows: int | None = None,
         tile_size: int | None = None,
-        decode_rows: bool = False,
+        decode_rows: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Write one step; returns ``(input_ids, positions, context fields)`` device views.
 
         ``padded_rows``: pad to this many rows (a graph bucket) with rows that store nothing
         and attend to nothing. ``tile_size`` (a mixed step): also write its list of query
-        tiles of that many queries (:class:`TileList`). ``decode_rows`` (a mixed step): its
-        one-token chunks as decode rows (``row_seq``, ``row_lens``), in no tile: for every
-        row of a padded step, and up to the last such row of an exact one that has any."""
+        tiles of that many queries (:class:`TileList`). ``decode_rows`` (a mixed step): list
+        its one-token chunks for the decode kernel (``row_ids``, ``row_seq``, ``row_lens``),
+        in no tile; 0: as many entries as it has (an exact step), n > 0: n entries (a padded
+        step's graph), the unused ones of context 0; ``fields["decode_entries"]``: how many
+        (none: no list)."""
         self._wait_for_last_copy()
         n = len(token_ids)
         rows = padded_rows or n
@@ -469,22 +489,17 @@ class StepInputs:
             a["num_computed"][: len(seqs)] = computed
             fields = {}
             chunks = new
-            rows_one = np.flatnonzero(new[seq_of_token] == 1)
-            # a padded step's graph reads every row's; an exact one, up to its last decode's
-            if tile_size is not None:
-                decode_upto = rows
-            else:
-                decode_upto = int(rows_one[-1]) + 1 if rows_one.size else 0
-            if decode_rows and decode_upto:
+            one = np.flatnonzero(new[seq_of_token] == 1)  # the decodes' rows
+            entries = decode_rows or len(one)
+            if decode_rows is not None and entries:
+                assert len(one) <= entries
                 chunks = np.where(new == 1, 0, new)  # the prefill kernel skips them
-                a["row_seq"][:n] = seq_of_token
-                a["row_lens"][:rows] = 0
-                a["row_lens"][rows_one] = pos[rows_one] + 1
-                a["row_seq"][n:rows] = 0
-                fields = dict(
-                    row_seq=self._upload("row_seq", decode_upto),
-                    row_lens=self._upload("row_lens", decode_upto),
-                )
+                for name, values in (("row_ids", one), ("row_seq", seq_of_token[one]),
+                                     ("row_lens", pos[one] + 1)):  # fmt: skip
+                    a[name][: len(one)] = values
+                    a[name][len(one) : entries] = 0  # unused: context 0, writes nothing
+                    self._upload(name, entries)
+                fields["decode_entries"] = entries
             if tile_size is not None:
                 seq, tile = prefill_tiles(chunks, tile_size)
                 k, m, t = len(seq), self.shape.max_tiles, a["tiles"]

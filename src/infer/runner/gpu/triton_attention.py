@@ -345,6 +345,7 @@ if triton is not None:
         vs_ptr,
         bt_ptr,
         lens_ptr,
+        ids_ptr,
         rt_ptr,
         out_ptr,
         acc_ptr,
@@ -380,11 +381,12 @@ if triton is not None:
         FP8_NATIVE: tl.constexpr,
         FOLD_SCALES: tl.constexpr,
         EXACT: tl.constexpr,
-        ROW_TABLE: tl.constexpr,
+        ROW_IDS: tl.constexpr,
     ):
         """One program = (row r, kv head, split): the group's G query heads against the split's
-        key tiles. See :func:`paged_decode_attention` for the indexing. ``ROW_TABLE``: row r's
-        table is ``bt[rt[r]]`` and a row of context 0 is not written (a mixed step's)."""
+        key tiles. See :func:`paged_decode_attention` for the indexing. ``ROW_IDS``: entry r is
+        query row ``ids[r]`` with table ``bt[rt[r]]``, and one of context 0 writes nothing (a
+        mixed step's decodes)."""
         r = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -407,7 +409,13 @@ if triton is not None:
         mask_g = offs_g < G
         mask_d = offs_d < HEAD_DIM
         heads = kvh * G + offs_g
-        row = r.to(tl.int64)
+        entry = r.to(tl.int64)  # the workspace's row
+        if ROW_IDS:
+            row = tl.load(ids_ptr + r).to(tl.int64)
+            bt_row = bt_ptr + tl.load(rt_ptr + r).to(tl.int64) * stride_bt
+        else:
+            row = entry
+            bt_row = bt_ptr + row * stride_bt
         q = tl.load(
             q_ptr + row * stride_qr + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_g[:, None] & mask_d[None, :],
@@ -417,10 +425,6 @@ if triton is not None:
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-        if ROW_TABLE:
-            bt_row = bt_ptr + tl.load(rt_ptr + r).to(tl.int64) * stride_bt
-        else:
-            bt_row = bt_ptr + row * stride_bt
         for t in range(my_lo, my_hi):
             pos = t * BLOCK_N + offs_n
             acc, l_i, m_i = _attend_tile(
@@ -434,9 +438,9 @@ if triton is not None:
         mask_gd = mask_g[:, None] & mask_d[None, :]
         if NUM_SPLITS == 1:
             # l_i == 0 only for a padding row (no keys): acc is 0 there, and so is the output
-            # (left as it is with ROW_TABLE: a prompt row, which the prefill kernel writes).
+            # (not written with ROW_IDS: an unused entry of a mixed step's list).
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            if ROW_TABLE:  # (ctx as a vector: the interpreter takes no scalar in a mask)
+            if ROW_IDS:  # (ctx as a vector: the interpreter takes no scalar in a mask)
                 mask_gd = mask_gd & ((offs_g * 0 + ctx) > 0)[:, None]
             tl.store(
                 out_ptr + row * stride_or + heads[:, None] * stride_oh + offs_d[None, :],
@@ -444,9 +448,9 @@ if triton is not None:
                 mask=mask_gd,
             )
         else:
-            a_ptrs = acc_ptr + row * stride_ar + heads * stride_ah + split * stride_as
+            a_ptrs = acc_ptr + entry * stride_ar + heads * stride_ah + split * stride_as
             tl.store(a_ptrs[:, None] + offs_d[None, :], acc, mask=mask_gd)
-            s_ptrs = stats_ptr + row * stride_sr + heads * stride_sh + split * stride_ss
+            s_ptrs = stats_ptr + entry * stride_sr + heads * stride_sh + split * stride_ss
             tl.store(s_ptrs, m_i, mask=mask_g)
             tl.store(s_ptrs + 1, l_i, mask=mask_g)
 
@@ -455,6 +459,8 @@ if triton is not None:
         acc_ptr,
         stats_ptr,
         out_ptr,
+        ids_ptr,
+        lens_ptr,
         stride_ar,
         stride_ah,
         stride_as,
@@ -467,9 +473,11 @@ if triton is not None:
         D_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         S_PAD: tl.constexpr,
+        ROW_IDS: tl.constexpr,
     ):
         """One program = (row, query head): rescale the splits' partials to their common max,
-        sum, normalize. Splits with no keys carry max -inf and sum 0 and drop out."""
+        sum, normalize. Splits with no keys carry max -inf and sum 0 and drop out.
+        ``ROW_IDS``: entry r writes query row ``ids[r]``, and nothing at context 0."""
         r = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_s = tl.arange(0, S_PAD)
@@ -486,8 +494,12 @@ if triton is not None:
         a_ptrs = acc_ptr + r * stride_ar + h * stride_ah + offs_s[:, None] * stride_as
         a = tl.load(a_ptrs + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
         o = tl.sum(a * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        row = r
+        if ROW_IDS:
+            row = tl.load(ids_ptr + r).to(tl.int64)
+            mask_d = mask_d & ((offs_d * 0 + tl.load(lens_ptr + r)) > 0)
         tl.store(
-            out_ptr + r * stride_or + h * stride_oh + offs_d,
+            out_ptr + row * stride_or + h * stride_oh + offs_d,
             o.to(out_ptr.dtype.element_ty),
             mask=mask_d,
         )
@@ -818,6 +830,7 @@ def paged_decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    row_ids: torch.Tensor | None = None,
     row_tables: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query row per entry over its paged context (flash-decoding).
@@ -834,9 +847,11 @@ def paged_decode_attention(
         out: ``[R, H, D]`` in q's dtype (any row/head strides) to write into.
         workspace: split-K buffers from :func:`decode_workspace` (used when ``num_splits > 1``;
             allocated per call when missing).
-        row_tables: ``[R]`` int32, row r's table is ``block_tables[row_tables[r]]`` (a mixed
-            step's tables, one per sequence), and rows of context 0 are left as they are in
-            ``out`` (the prompt rows, for the prefill kernel to write). One split only.
+        row_ids, row_tables: ``[E]`` int32, a list of E entries instead of every row of q
+            (a mixed step's decodes): entry e attends query row ``row_ids[e]`` with the table
+            ``block_tables[row_tables[e]]`` (one per sequence) and context ``context_lens[e]``
+            (``[E]``), and writes that row of ``out``; an entry of context 0 writes nothing,
+            nor does any row not in the list (the prefill kernel's). Entries name distinct rows.
 
     Grid ``(R, Hkv, num_splits)``; a program loads each K/V tile once for the G query heads of
     its kv head (padded to >= 16 rows for ``tl.dot``). Split-K over a row's key tiles, e.g.
@@ -859,17 +874,19 @@ def paged_decode_attention(
     r, h, d = q.shape
     _, hkv, dk = k_cache.shape
     assert dk == d and v_cache.shape == k_cache.shape and h % hkv == 0
-    assert context_lens.shape == (r,) and block_tables.stride(1) == 1 and q.stride(2) == 1
-    if row_tables is None:
-        assert block_tables.shape[0] >= r
+    assert block_tables.stride(1) == 1 and q.stride(2) == 1
+    rows = r  # query rows
+    if row_ids is None:
+        assert row_tables is None and context_lens.shape == (r,) and block_tables.shape[0] >= r
     else:
-        assert row_tables.shape == (r,) and num_splits == 1, "row tables take one split"
-        assert row_tables.dtype == torch.int32
+        assert row_tables is not None and row_ids.dtype == row_tables.dtype == torch.int32
+        r = context_lens.shape[0]  # entries: the grid's rows
+        assert row_ids.shape == row_tables.shape == (r,)
     assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     kind = _kind_code(kv_kind, k_scales)
     if out is None:
-        out = torch.empty(r, h, d, dtype=q.dtype, device=q.device)
-    assert out.shape == (r, h, d) and out.stride(2) == 1
+        out = torch.empty(rows, h, d, dtype=q.dtype, device=q.device)
+    assert out.shape == (rows, h, d) and out.stride(2) == 1
     if r == 0:
         return out
     ks, vs, s_slot, s_head = _scale_args(k_cache, k_scales, v_scales)
@@ -886,9 +903,10 @@ def paged_decode_attention(
     else:
         acc, stats = out, out  # unused by the kernel
     d_pad = max(16, _next_pow2(d))
+    ids = context_lens if row_ids is None else row_ids  # (unread without ROW_IDS)
+    row_table = context_lens if row_tables is None else row_tables
     _decode_kernel[(r, hkv, num_splits)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens,
-        context_lens if row_tables is None else row_tables, out, acc, stats,
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, ids, row_table, out, acc, stats,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         s_slot, s_head, block_tables.stride(0),
@@ -900,17 +918,17 @@ def paged_decode_attention(
         BLOCK_N=block_n, BLOCK_SIZE=int(block_size), NUM_SPLITS=num_splits,
         WINDOWED=sliding_window is not None, KV_KIND=kind,
         FP8_NATIVE=_fp8_native(q.device), FOLD_SCALES=_fold_scales(q.dtype),
-        EXACT=q.dtype == torch.float32, ROW_TABLE=row_tables is not None,
+        EXACT=q.dtype == torch.float32, ROW_IDS=row_ids is not None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_combine_kernel[(r, h)](
-            acc, stats, out,
+            acc, stats, out, ids, context_lens,
             acc.stride(0), acc.stride(1), acc.stride(2),
             stats.stride(0), stats.stride(1), stats.stride(2),
             out.stride(0), out.stride(1),
-            HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            S_PAD=_next_pow2(num_splits), num_warps=1 if d_pad <= 128 else 2,
+            HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, S_PAD=_next_pow2(num_splits),
+            ROW_IDS=row_ids is not None, num_warps=1 if d_pad <= 128 else 2,
         )  # fmt: skip
     return out
 
