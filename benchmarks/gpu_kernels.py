@@ -45,7 +45,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "kernel_splits": ("1,2,4,8,16,32", "1,4,16"),
     "kernel_reps": (20, 10),
     "kernel_prefill": ("4x2048,1x8192", "4x2048"),
-    "kernel_mixed": ("16x512+128,64x512+128,64x2048+128,1x16384+512", "64x512+128,1x16384+512"),
+    "kernel_mixed": ("16x512+128,64x512+128,64x2048+128,1x16384+511", "64x512+128,1x16384+511"),
     "kernel_gemv_rows": ("1,16", "1"),
 }
 
@@ -472,8 +472,12 @@ def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_prog
                 prefill_tiles) -> dict:  # fmt: skip
     """One ``BxL+P`` case of :func:`mixed_attention`: the decodes' rows first, the prompt's
     after them; the decode kernel's list as the engine's: an eager step's one entry a decode,
-    a padded step's ``min(rows, 256)`` (the unused ones of context 0), each split over the keys
-    as a decode step of that many rows is."""
+    a padded step's ``min(token bucket, 256)`` (the unused ones of context 0; over 512 tokens
+    the engine pads no step, and the tiles columns time what it would be), each split over the
+    keys as a decode step of that many rows is."""
+    from infer.runner.gpu.cuda_step import MAX_MIXED_TOKENS
+    from infer.runner.gpu.graphs import bucket, mixed_capture_sizes
+
     b_l, p = case.split("+")
     b, length, prompt = *(int(x) for x in b_l.split("x")), int(p)
     qlens, pasts = [1] * b + [prompt], [length - 1] * b + [0]
@@ -512,7 +516,8 @@ def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_prog
             workspace=ta.decode_workspace(entries, h, d, splits, device) if splits > 1 else None,
         )
 
-    eager_list, graph_list = decode_list(b), decode_list(max(b, min(t, 256)))
+    padded = bucket(mixed_capture_sizes(MAX_MIXED_TOKENS), t) or t
+    eager_list, graph_list = decode_list(b), decode_list(max(b, min(padded, 256)))
 
     def decodes(out: torch.Tensor, lists: dict) -> None:
         ta.paged_decode_attention(q, k_cache, v_cache, tables, out=out, **lists, **kw)

@@ -223,7 +223,7 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         "--kernel-mixed",
         default=None,
         help="mixed steps' attention, BxL+P: B decodes at context L beside a P-token prompt "
-        "(16x512+128,64x512+128,64x2048+128,1x16384+512 | 64x512+128,1x16384+512; '' for none)",
+        "(16x512+128,64x512+128,64x2048+128,1x16384+511 | 64x512+128,1x16384+511; '' for none)",
     )
     p.add_argument(
         "--kernel-gemv-rows",

@@ -247,7 +247,8 @@ class CudaStep:
         self.inputs.slots[1].fill_(-1)
         self.inputs.context_lens[1].zero_()
         self.inputs.tiles[1].zero_()
-        self.inputs.row_lens[1].zero_()
+        for name in ("row_ids", "row_seq", "row_lens"):  # every entry unused: row 0, context 0
+            getattr(self.inputs, name)[1].zero_()
         if self.graphs is not None:
             self.graphs.capture(self._bucket_forward)
         if self.mixed_graphs is not None:
@@ -306,6 +307,9 @@ class CudaStep:
             decode_rows=self._fill_decode_rows(decode, size),
         )
         entries = fields.pop("decode_entries", None)
+        if tile_size is not None and self._mixed_decode_rows:
+            # the list a padded mixed step's graph reads, all of it written for this step
+            assert entries == self._decode_entries(size), (entries, size)
         if feed is not None:  # queued after the step before's sampler and the copies above
             rows = inputs.row_index("feed_rows", feed.rows)
             sources = inputs.row_index("feed_sources", feed.sources)
