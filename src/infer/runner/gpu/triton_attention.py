@@ -410,15 +410,18 @@ if triton is not None:
         mask_d = offs_d < HEAD_DIM
         heads = kvh * G + offs_g
         entry = r.to(tl.int64)  # the workspace's row
+        mask_q = mask_g
         if ROW_IDS:
             row = tl.load(ids_ptr + r).to(tl.int64)
             bt_row = bt_ptr + tl.load(rt_ptr + r).to(tl.int64) * stride_bt
+            # an unused entry (a padded step's list) reads nothing, not even its query
+            mask_q = mask_g & ((offs_g * 0 + ctx) > 0)
         else:
             row = entry
             bt_row = bt_ptr + row * stride_bt
         q = tl.load(
             q_ptr + row * stride_qr + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_g[:, None] & mask_d[None, :],
+            mask=mask_q[:, None] & mask_d[None, :],
             other=0,
         )
 
@@ -878,12 +881,14 @@ def paged_decode_attention(
     assert dk == d and v_cache.shape == k_cache.shape and h % hkv == 0
     assert block_tables.stride(1) == 1 and q.stride(2) == 1
     rows = r  # query rows
+    assert context_lens.is_contiguous()
     if row_ids is None:
         assert row_tables is None and context_lens.shape == (r,) and block_tables.shape[0] >= r
     else:
         assert row_tables is not None and row_ids.dtype == row_tables.dtype == torch.int32
         r = context_lens.shape[0]  # entries: the grid's rows
         assert row_ids.shape == row_tables.shape == (r,)
+        assert row_ids.is_contiguous() and row_tables.is_contiguous()
     assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     kind = _kind_code(kv_kind, k_scales)
     if out is None:
