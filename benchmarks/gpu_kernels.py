@@ -443,20 +443,12 @@ def mixed_attention(args: argparse.Namespace, shape: dict, log: Callable[[str], 
     beside one fresh prompt of P tokens, block size 16) each way of :data:`MIXED_VARIANTS`:
     us of each, what the decode kernel buys on each prefill kernel, and the largest difference
     from the grid kernel's output."""
-    ta = importlib.import_module("infer.runner.gpu.triton_attention")
-    from infer.runner.gpu.cuda_step import tile_programs
-    from infer.runner.gpu.step import prefill_tiles
-
     device = torch.device(args.device)
-    h, hkv, d, bs = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block_size"]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    block_m = ta.prefill_block_m(d, dtype)
     res: dict[str, Any] = {"cases": []}
     for case in [c for c in args.kernel_mixed.split(",") if c]:
         row: dict[str, Any] = {"case": case}
         try:
-            row.update(_mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args,
-                                   tile_programs, prefill_tiles))  # fmt: skip
+            row.update(_mixed_case(case, shape, device, args))
             times = ", ".join(f"{MIXED_VARIANTS[k]} {1000 * ms:.1f} us"
                               for k, ms in row["ms"].items())  # fmt: skip
             log(f"kernel mixed {case}: {times}")
@@ -468,15 +460,20 @@ def mixed_attention(args: argparse.Namespace, shape: dict, log: Callable[[str], 
     return res
 
 
-def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_programs,
-                prefill_tiles) -> dict:  # fmt: skip
+def _mixed_case(case: str, shape: dict, device: torch.device, args: argparse.Namespace) -> dict:
     """One ``BxL+P`` case of :func:`mixed_attention`: the decodes' rows first, the prompt's
     after them; the decode kernel's list as the engine's: an eager step's one entry a decode,
-    a padded step's ``min(token bucket, 256)`` (the unused ones of context 0; over 512 tokens
-    the engine pads no step, and the tiles columns time what it would be), each split over the
-    keys as a decode step of that many rows is."""
-    from infer.runner.gpu.cuda_step import MAX_MIXED_TOKENS
+    a padded step's ``min(token bucket, max_num_seqs)`` (the unused ones of context 0; over 512
+    tokens the engine pads no step, and the tiles columns time what it would be), each split
+    over the keys as a decode step of that many rows is."""
+    from infer.runner.gpu import triton_attention as ta
+    from infer.runner.gpu.cuda_step import MAX_MIXED_TOKENS, tile_programs
     from infer.runner.gpu.graphs import bucket, mixed_capture_sizes
+    from infer.runner.gpu.step import prefill_tiles
+
+    h, hkv, d, bs = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block_size"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    block_m = ta.prefill_block_m(d, dtype)
 
     b_l, p = case.split("+")
     b, length, prompt = *(int(x) for x in b_l.split("x")), int(p)
@@ -517,7 +514,8 @@ def _mixed_case(ta, case, h, hkv, d, bs, dtype, block_m, device, args, tile_prog
         )
 
     padded = bucket(mixed_capture_sizes(MAX_MIXED_TOKENS), t) or t
-    eager_list, graph_list = decode_list(b), decode_list(max(b, min(padded, 256)))
+    max_seqs = getattr(args, "max_num_seqs", 256)  # (infer bench gpu's engines')
+    eager_list, graph_list = decode_list(b), decode_list(max(b, min(padded, max_seqs)))
 
     def decodes(out: torch.Tensor, lists: dict) -> None:
         ta.paged_decode_attention(q, k_cache, v_cache, tables, out=out, **lists, **kw)

@@ -56,8 +56,7 @@ def test_a_mixed_steps_one_token_chunks_are_a_decode_list_and_in_no_tile():
     ]
     ids = [100, *range(200, 209), 300]
     positions = [6, *range(9), 2]
-    for name in ("row_ids", "row_seq", "row_lens"):
-        inputs._np[name][:] = 5  # a step before's values
+    inputs._np["decode_list"][:] = 5  # a step before's values
     _, _, fields = inputs.fill(ids, positions, seqs, BS, padded_rows=16, tile_size=4,
                                decode_rows=4)  # fmt: skip
     assert fields["decode_entries"] == 4

@@ -247,8 +247,7 @@ class CudaStep:
         self.inputs.slots[1].fill_(-1)
         self.inputs.context_lens[1].zero_()
         self.inputs.tiles[1].zero_()
-        for name in ("row_ids", "row_seq", "row_lens"):  # every entry unused: row 0, context 0
-            getattr(self.inputs, name)[1].zero_()
+        self.inputs.decode_list[1].zero_()  # every entry unused: row 0, context 0
         if self.graphs is not None:
             self.graphs.capture(self._bucket_forward)
         if self.mixed_graphs is not None:

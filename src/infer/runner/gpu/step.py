@@ -15,8 +15,8 @@ these buffers replays any later step of its size::
     num_computed [max_seqs] int32                     num_computed   prefill steps
     tiles [1 + 2 max_tiles] int32                     a padded mixed step's tile list:
                                                       count | sequences | tile indices
-    row_ids, row_seq, row_lens [max_rows] int32       a mixed step's one-token chunks, a
-                                                      list: query row, sequence, context
+    decode_list [3 max_seqs] int32                    a mixed step's one-token chunks, a
+                                                      list: query rows | sequences | contexts
 
 Two shapes of step:
 
@@ -154,8 +154,8 @@ class GpuAttentionContext:
         self.workspace = workspace
         self.tiles = tiles
         self.decode_rows = decode_rows  # a mixed step's decodes (its prefill kernel skips them)
-        # 2 where decodes are always listed: a step with none compiles no other prefill kernel
-        self.min_query_len = 2 if decode_rows is not None else min_query_len
+        # 2 where decodes are always listed (then a step with none compiles no other kernel)
+        self.min_query_len = min_query_len
 
     @property
     def all_decode(self) -> bool:
@@ -355,9 +355,9 @@ class StepInputs:
         # count | sequences | tile indices: one copy a step (the few unused entries between
         # the used parts go along)
         self.tiles = pair(1 + 2 * shape.max_tiles, dtype=torch.int32)
-        self.row_ids = pair(shape.max_rows, dtype=torch.int32)
-        self.row_seq = pair(shape.max_rows, dtype=torch.int32)
-        self.row_lens = pair(shape.max_rows, dtype=torch.int32)
+        # query rows | sequences | contexts: one copy a step, as the tile list (a step has at
+        # most max_seqs decodes)
+        self.decode_list = pair(3 * shape.max_seqs, dtype=torch.int32)
         # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
         self.sample_rows = pair(shape.max_rows, dtype=torch.long)
         self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
@@ -376,9 +376,7 @@ class StepInputs:
                 "query_start",
                 "num_computed",
                 "tiles",
-                "row_ids",
-                "row_seq",
-                "row_lens",
+                "decode_list",
                 "sample_rows",
                 "prompt_rows",
                 "feed_rows",
@@ -419,9 +417,10 @@ class StepInputs:
         return tiles[1 : 1 + m], tiles[1 + m :], tiles[:1]
 
     def decode_row_views(self, entries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A mixed step's decode list: ``row_ids``, ``row_seq``, ``row_lens`` ``[entries]``
+        """A mixed step's decode list: its query rows, sequences and contexts ``[entries]``,
         device views (fixed addresses: a mixed graph's inputs; see :class:`DecodeRows`)."""
-        return self.row_ids[1][:entries], self.row_seq[1][:entries], self.row_lens[1][:entries]
+        m, dev = self.shape.max_seqs, self.decode_list[1]
+        return dev[:entries], dev[m : m + entries], dev[2 * m : 2 * m + entries]
 
     def decode_context_views(self, rows: int) -> dict[str, torch.Tensor]:
         """The device views a decode-rows step of ``rows`` rows reads (a graph's inputs)."""
@@ -446,8 +445,7 @@ class StepInputs:
         ``padded_rows``: pad to this many rows (a graph bucket) with rows that store nothing
         and attend to nothing. ``tile_size`` (a mixed step): also write its list of query
         tiles of that many queries (:class:`TileList`). ``decode_rows`` (a mixed step): list
-        its one-token chunks for the decode kernel (``row_ids``, ``row_seq``, ``row_lens``),
-        in no tile; 0: as many entries as it has (an exact step), n > 0: n entries (a padded
+        its one-token chunks for the decode kernel (:meth:`decode_row_views`), in no tile; 0: as many entries as it has (an exact step), n > 0: n entries (a padded
         step's graph), the unused ones of context 0; ``fields["decode_entries"]``: how many
         (none: no list)."""
         self._wait_for_last_copy()
@@ -492,13 +490,13 @@ class StepInputs:
             one = np.flatnonzero(new[seq_of_token] == 1)  # the decodes' rows
             entries = decode_rows or len(one)
             if decode_rows is not None and entries:
-                assert len(one) <= entries
+                m, k = self.shape.max_seqs, len(one)
+                assert k <= entries <= m
                 chunks = np.where(new == 1, 0, new)  # the prefill kernel skips them
-                for name, values in (("row_ids", one), ("row_seq", seq_of_token[one]),
-                                     ("row_lens", pos[one] + 1)):  # fmt: skip
-                    a[name][: len(one)] = values
-                    a[name][len(one) : entries] = 0  # unused: context 0, writes nothing
-                    self._upload(name, entries)
+                for start, values in ((0, one), (m, seq_of_token[one]), (2 * m, pos[one] + 1)):
+                    a["decode_list"][start : start + k] = values
+                    a["decode_list"][start + k : start + entries] = 0  # unused: writes nothing
+                self._upload("decode_list", 2 * m + entries)
                 fields["decode_entries"] = entries
             if tile_size is not None:
                 seq, tile = prefill_tiles(chunks, tile_size)
