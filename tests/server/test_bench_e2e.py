@@ -139,11 +139,15 @@ def test_ablation_reports_a_rung_that_cannot_start(tiny_checkpoints, tmp_path: P
 
 
 def test_closed_loop_over_client_processes_keeps_each_record_with_its_prompt(server):
-    from infer.bench.online import closed_loop_processes
+    from infer.bench.online import ClientSpan, closed_loop_processes
 
     # Prompt i is 3 + i tokens long: the usage the server reports ties each record to its prompt.
     prompts = [list(range(10, 13 + i)) for i in range(7)]
-    records, wall = closed_loop_processes(server.url + "/v1", prompts, 4, 5, 3, model="tiny")
+    span = ClientSpan()
+    records, wall = closed_loop_processes(server.url + "/v1", prompts, 4, 5, 3, model="tiny",
+                                          span=span)  # fmt: skip
+    assert span.end - span.start == wall and len(span.cpu_s) == 3  # one figure a process
+    assert all(cpu > 0 for cpu in span.cpu_s)
     assert [r.index for r in records] == list(range(7))
     assert all(r.success for r in records), [r.error for r in records]
     assert [r.prompt_tokens for r in records] == [3 + i for i in range(7)]

@@ -186,7 +186,8 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
     r = _report()
     mixed = {**r["http"], "mode": "graphs-mixed", "output_tok_s": 15_500.0, "ratio": 0.97,
              "offline_mode": "graphs", "step_kinds": {"decode replayed": 900,
-                                                      "mixed replayed": 80}}  # fmt: skip
+                                                      "mixed replayed": 80},
+             "cpu_cores": {"api_server": 0.41, "engine": 0.97, "clients": None}}  # fmt: skip
     r["http_modes"] = {"graphs": {**r["http"], "mode": "graphs"}, "graphs-mixed": mixed}
     r["targets"] = gpu.targets(r)
     md = gpu.render_markdown(r)
@@ -196,6 +197,9 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
     assert "The offline graphs cell's prompts and engine settings (graphs-mixed's over HTTP)" in md
     assert "15,500 tok/s = 0.97x offline" in gpu.summary(r)
     assert "the server's steps (warm-up included): 900 decode replayed, 80 mixed replayed." in md
+    # who set the pace: each side's cores over the load (the first mode measured none)
+    assert md.count("Cores kept busy") == 1
+    assert "(CPU seconds / wall): api server 0.41, engine 0.97, clients -." in md
     log = "INFO captured 11 CUDA graphs\nINFO steps run: 812 decode replayed, 95 mixed eager\n"
     assert server_step_kinds(log) == {"decode replayed": 812, "mixed eager": 95}
     assert server_step_kinds("INFO shutting down\n") == {}

@@ -43,3 +43,41 @@ def test_a_server_that_exits_first_is_reported_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match=r"exited with 3 .*server\.log"):
         launch_server(cmd, port, log, timeout_s=30)
     assert "no model here" in log.read_text()
+
+
+def test_cores_over_a_window_are_read_between_the_samples():
+    """A process's CPU seconds at each end of a window fall between two samples: read linearly
+    there, then divided by the window's length; a window the samples do not cover, or a
+    process that could not be read, has no figure."""
+    from infer.bench.online import cores_between
+
+    # CPU seconds of "a" at t = 0, 1, 2: busy a quarter of a core, then a whole one.
+    samples = [(0.0, {"a": 10.0, "b": None}), (1.0, {"a": 10.25, "b": None}),
+               (2.0, {"a": 11.25, "b": None})]  # fmt: skip
+    assert cores_between(samples, "a", 0.0, 1.0) == 0.25
+    assert cores_between(samples, "a", 1.0, 2.0) == 1.0
+    # 0.5 -> 1.5: 10.125 -> 10.75 over one second
+    assert cores_between(samples, "a", 0.5, 1.5) == 0.625
+    assert cores_between(samples, "a", 0.5, 2.5) is None  # past the last sample
+    assert cores_between(samples, "a", 1.0, 1.0) is None
+    assert cores_between(samples, "b", 0.0, 2.0) is None
+
+
+def test_a_process_cpu_time_is_what_it_says_of_itself():
+    import os
+    import time
+
+    from infer.bench.online import CpuPoller, process_cpu_s
+
+    t = time.process_time()
+    deadline = t + 0.2
+    while time.process_time() < deadline:  # some CPU time to count
+        pass
+    got, t = process_cpu_s(os.getpid()), time.process_time()
+    assert got is not None and abs(got - t) < 0.05  # /proc counts in ticks of 10 ms
+    assert process_cpu_s(2**22 + 1) is None  # above Linux's highest pid: no such process
+    with CpuPoller({"me": os.getpid()}, interval_s=0.01) as poller:
+        time.sleep(0.05)
+    assert len(poller.samples) >= 2
+    start, end = poller.samples[0][0], poller.samples[-1][0]
+    assert poller.cores(start, end)["me"] is not None

@@ -172,8 +172,8 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         "--http-clients",
         type=int,
         default=4,
-        help="client processes sharing the HTTP load's streams (one Python process reads some "
-        "tens of thousands of events a second: fewer than a GPU server sends at C=64)",
+        help="client processes sharing the HTTP load's streams (one Python process reads a few "
+        "thousand events a second: fewer than a GPU server sends at C=64)",
     )
     p.add_argument(
         "--http-server-args",

@@ -1002,6 +1002,11 @@ def _http_markdown(http: dict) -> list[str]:
               f"{_f(http.get('tokens_per_event'))} tokens per streamed event; server flags "
               f"`{http.get('server_args') or '(defaults)'}`; the server's steps (warm-up "
               f"included): {kinds or '-'}."]  # fmt: skip
+    cores = http.get("cpu_cores") or {}
+    if cores:
+        busy = ", ".join(f"{name.replace('_', ' ')} {_f(cores.get(name))}"
+                         for name in ("api_server", "engine", "clients"))  # fmt: skip
+        lines += ["", f"Cores kept busy while the load ran (CPU seconds / wall): {busy}."]
     for name, prof in (http.get("profile") or {}).items():
         if not isinstance(prof, dict) or not prof.get("samples"):
             lines += ["", f"py-spy, {name}: {(prof or {}).get('error', 'no samples')}"]

@@ -24,6 +24,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infer.bench.online import ClientSpan, CpuPoller
 
 WARMUP_TOKENS = 4
 
@@ -60,9 +64,12 @@ def http_section(
     run ``load`` (prompt len, output len, C) over HTTP with the offline cell's prompts, stop
     it; ``res`` gets the figures and the ratio to ``offline`` (that cell's row from the same
     run, if it ran)."""
+    from infer.bench import pyspy
     from infer.bench.gpu import load_key, mode_environ
     from infer.bench.offline import random_prompts
     from infer.bench.online import (
+        ClientSpan,
+        CpuPoller,
         closed_loop,
         closed_loop_processes,
         free_port,
@@ -87,13 +94,18 @@ def http_section(
         warm = random_prompts(vocab, c, prompt_len, seed=97)
         asyncio.run(closed_loop(url + "/v1", warm, c, WARMUP_TOKENS))
         prompts = random_prompts(vocab, n, prompt_len, args.seed)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            load_done = pool.submit(
-                closed_loop_processes, url + "/v1", prompts, c, output_len, args.http_clients
-            )
+        span = ClientSpan()
+        pids = {"api_server": proc.pid, "engine": pyspy.engine_pid(proc.pid)}
+        with (
+            CpuPoller({k: v for k, v in pids.items() if v is not None}) as poller,
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+        ):
+            load_done = pool.submit(closed_loop_processes, url + "/v1", prompts, c, output_len,
+                                    args.http_clients, span=span)  # fmt: skip
             if args.http_profile:
                 res["profile"] = profile_server(proc.pid, args.http_profile, out, log, mode)
             records, wall = load_done.result()
+        res["cpu_cores"] = cpu_cores(poller, span)
     finally:
         stop_server(proc)
     res["step_kinds"] = server_step_kinds(Path(proc.log_file.name).read_text(errors="replace"))
@@ -115,8 +127,22 @@ def http_section(
         f"http {res['load']}: {res['output_tok_s']:,.0f} tok/s, TTFT p50 "
         f"{res['ttft_ms_p50']:.0f} ms, ITL p50 {res['itl_ms_p50']:.2f} ms"
         + (f"; offline {offline_toks:,.0f} tok/s = {res['ratio']:.2f}x" if offline_toks else "")
+        + "; cores busy: "
+        + ", ".join(
+            f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in res["cpu_cores"].items()
+        )
     )
     return res
+
+
+def cpu_cores(poller: CpuPoller, span: ClientSpan) -> dict[str, float | None]:
+    """The cores each side kept busy while the load ran: the API server's process, its engine
+    process (a GPU engine's host side: near 1.0 means its thread, not the GPU, sets the pace)
+    and the client processes together (py-spy, when it samples, adds its own pauses)."""
+    wall = span.end - span.start
+    cores = poller.cores(span.start, span.end)
+    cores["clients"] = sum(span.cpu_s) / wall if wall > 0 and span.cpu_s else None
+    return cores
 
 
 def server_step_kinds(log_text: str) -> dict[str, int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import os
 import queue
@@ -24,10 +25,12 @@ import shlex
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -194,8 +197,9 @@ def _closed_loop_child(which: int, base: str, prompts: list[list[int]], concurre
     """One client process of :func:`closed_loop_processes`: waits for its siblings, runs."""
     start.wait()
     t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable across the processes
+    cpu0 = time.process_time()
     records, _ = asyncio.run(closed_loop(base, prompts, concurrency, out_len, model))
-    results.put((which, records, t0, time.perf_counter()))
+    results.put((which, records, t0, time.perf_counter(), time.process_time() - cpu0))
 
 
 def closed_loop_processes(
@@ -205,18 +209,26 @@ def closed_loop_processes(
     out_len: int,
     processes: int,
     model: str = "m",
+    span: ClientSpan | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """:func:`closed_loop` spread over ``processes`` client processes started together.
 
     Prompt ``i`` goes to process ``i % processes``, the ``concurrency`` streams are shared out
-    among them. One Python process reading server-sent events tops out at some tens of thousands
-    of events a second (httpx parses each line in Python), below what a GPU server streams at
-    C=64: the server would be measured at the client's speed. The records (indices as in
-    ``prompts``) and the wall time from the first process's start to the last one's end.
+    among them. One Python process reading server-sent events tops out at a few thousand events
+    a second (httpx parses each line in Python: ~2,400 a second, a core kept busy, on a 2-core
+    AMD EPYC VM it shared with the server), below what a GPU server streams at C=64: the server
+    would be measured at the client's speed. The records (indices as in ``prompts``) and the
+    wall time from the first process's start to the last one's end; ``span``, when given, gets
+    that window and each client process's CPU seconds.
     """
     processes = max(1, min(processes, concurrency, len(prompts)))
     if processes == 1:
-        return asyncio.run(closed_loop(base, prompts, concurrency, out_len, model))
+        t0, cpu0 = time.perf_counter(), time.thread_time()  # (this thread runs the loop)
+        records, wall = asyncio.run(closed_loop(base, prompts, concurrency, out_len, model))
+        if span is not None:
+            span.start, span.end = t0, time.perf_counter()
+            span.cpu_s = [time.thread_time() - cpu0]
+        return records, wall
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(processes), ctx.Queue()
     children = []
@@ -241,13 +253,99 @@ def closed_loop_processes(
             if child.is_alive():
                 child.kill()
     records = []
-    for p, recs, _, _ in gathered:
+    for p, recs, *_ in gathered:
         for r in recs:
             r.index = r.index * processes + p  # child p's i-th prompt is prompts[i * P + p]
         records += recs
     records.sort(key=lambda r: r.index)
-    wall = max(end for *_, end in gathered) - min(t0 for _, _, t0, _ in gathered)
-    return records, wall
+    start, end = min(g[2] for g in gathered), max(g[3] for g in gathered)
+    if span is not None:
+        span.start, span.end = start, end
+        span.cpu_s = [g[4] for g in sorted(gathered, key=lambda g: g[0])]
+    return records, end - start
+
+
+@dataclass
+class ClientSpan:
+    """When a closed loop's clients ran (``time.perf_counter()``: CLOCK_MONOTONIC, one clock
+    for every process of the machine) and the CPU seconds each client process used."""
+
+    start: float = 0.0
+    end: float = 0.0
+    cpu_s: list[float] = field(default_factory=list)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far, from Linux's
+    ``/proc/<pid>/stat``; None where it cannot be read (another OS, a process gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        # after "pid (comm)": the state is the first field, utime the 12th, stime the 13th
+        fields = stat.rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class CpuPoller:
+    """Samples some processes' CPU seconds every ``interval_s`` on a thread, so that the cores
+    each kept busy over a window known only afterwards (a load's :class:`ClientSpan`) can be
+    read off::
+
+        with CpuPoller({"api_server": pid, "engine": engine_pid}) as poller:
+            records, wall = closed_loop_processes(..., span=span)
+        poller.cores(span.start, span.end)   # {"api_server": 0.45, "engine": 0.97}
+    """
+
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.05) -> None:
+        self.pids = pids
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, dict[str, float | None]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-poller", daemon=True)
+
+    def sample(self) -> None:
+        cpu = {name: process_cpu_s(pid) for name, pid in self.pids.items()}
+        self.samples.append((time.perf_counter(), cpu))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> CpuPoller:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def cores(self, start: float, end: float) -> dict[str, float | None]:
+        """Each process's CPU seconds over ``[start, end]`` divided by its length: the cores it
+        kept busy on average (:func:`cores_between`)."""
+        return {name: cores_between(self.samples, name, start, end) for name in self.pids}
+
+
+def cores_between(
+    samples: list[tuple[float, dict[str, float | None]]], name: str, start: float, end: float
+) -> float | None:
+    """Process ``name``'s CPU seconds between ``start`` and ``end`` (each read linearly between
+    the two samples around it) over ``end - start``; None for an empty window, one the samples
+    do not cover, or a process whose samples are missing."""
+    points = [(t, cpu[name]) for t, cpu in samples if cpu.get(name) is not None]
+    if end <= start or len(points) < 2 or not points[0][0] <= start < end <= points[-1][0]:
+        return None
+
+    def at(t: float) -> float:
+        for (t0, c0), (t1, c1) in itertools.pairwise(points):
+            if t0 <= t <= t1:
+                return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+        raise AssertionError("t is inside the samples")
+
+    return (at(end) - at(start)) / (end - start)
 
 
 def summarize(records: list[RequestRecord], wall: float) -> dict:
