@@ -445,9 +445,10 @@ class StepInputs:
         ``padded_rows``: pad to this many rows (a graph bucket) with rows that store nothing
         and attend to nothing. ``tile_size`` (a mixed step): also write its list of query
         tiles of that many queries (:class:`TileList`). ``decode_rows`` (a mixed step): list
-        its one-token chunks for the decode kernel (:meth:`decode_row_views`), in no tile; 0: as many entries as it has (an exact step), n > 0: n entries (a padded
-        step's graph), the unused ones of context 0; ``fields["decode_entries"]``: how many
-        (none: no list)."""
+        its one-token chunks for the decode kernel (:meth:`decode_row_views`), in no tile;
+        0: as many entries as it has (an exact step), n > 0: n entries (a padded step's
+        graph), the unused ones of context 0; ``fields["decode_entries"]``: how many (none:
+        no list)."""
         self._wait_for_last_copy()
         n = len(token_ids)
         rows = padded_rows or n

@@ -851,15 +851,15 @@ def paged_decode_attention(
         workspace: split-K buffers from :func:`decode_workspace` (used when ``num_splits > 1``;
             allocated per call when missing).
         row_ids, row_tables: ``[E]`` int32 (contiguous, as ``context_lens`` is), a list of E
-            entries instead of every row of q
-            (a mixed step's decodes): entry e attends query row ``row_ids[e]`` with the table
-            ``block_tables[row_tables[e]]`` (one per sequence) and context ``context_lens[e]``
-            (``[E]``), and writes that row of ``out``; an entry of context 0 writes nothing,
-            nor does any row not in the list (the prefill kernel's). Entries name distinct rows.
+            entries instead of every row of q (a mixed step's decodes): entry e attends query
+            row ``row_ids[e]`` with the table ``block_tables[row_tables[e]]`` (one per
+            sequence) and context ``context_lens[e]`` (``[E]``), and writes that row of
+            ``out``; an entry of context 0 writes nothing, nor does any row not in the list
+            (the prefill kernel's). Entries name distinct rows.
 
     Grid ``(R, Hkv, num_splits)`` (R: the list's E entries with ``row_ids``); a program loads
-    each K/V tile once for the G query heads of
-    its kv head (padded to >= 16 rows for ``tl.dot``). Split-K over a row's key tiles, e.g.
+    each K/V tile once for the G query heads of its kv head (padded to >= 16 rows for
+    ``tl.dot``). Split-K over a row's key tiles, e.g.
     ``len = 300``, ``BLOCK_N = 64``, ``num_splits = 3``, no window::
 
         keys  0        64       128      192      256   300
