@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+# The README's test command runs two xdist workers (`-n 2 --dist loadgroup`) on a 2-core machine:
+# each takes one intra-op thread (torch reads this at import). Two spinning OpenMP pools per core
+# make the tiny models' forward passes crawl.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _has_cuda() -> bool:
     try:
@@ -34,6 +40,43 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     # The engine tests' attention on CUDA (the default: triton, with CUDA graphs for decode).
     parser.addoption("--attention-backend", default=None, help="auto | torch | triton")
     parser.addoption("--enforce-eager", action="store_true", help="CUDA: no graphs")
+
+
+# Modules of a minute or more on 2 cores (the Ray ones together: ~4 minutes), handed out first
+# under `--dist loadgroup` so that no worker is left running one alone at the end.
+LONG_MODULES = (
+    "tests/cluster/",
+    "tests/integration/test_triton_step.py",
+    "tests/integration/test_async_scheduling.py",
+    "tests/server/test_fuzz_schema.py",
+    "tests/unit/test_bench_gpu.py",
+    "tests/distributed/test_no_hangs.py",
+    "tests/server/test_lifecycle.py",
+)
+
+
+def _long_first(nodeid: str) -> int:
+    return next((i for i, m in enumerate(LONG_MODULES) if nodeid.startswith(m)), len(LONG_MODULES))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False  # keep the order below, not "most tests first"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` a worker takes a whole module (its module-scoped servers start
+    once) and every ``ray`` test (two local Ray clusters at once on 2 cores each start twice as
+    slowly); the long modules go first."""
+    if not getattr(config.option, "loadgroup", False):  # (xdist's workers run with dist "no")
+        return
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        item.add_marker(
+            pytest.mark.xdist_group("ray" if item.get_closest_marker("ray") else module)
+        )
+    items.sort(key=lambda item: _long_first(item.nodeid))  # stable: modules keep their order
 
 
 @pytest.fixture(scope="session")
