@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.exceptions import RayError
 
 from infer.cluster.policy import POLICIES
 from infer.cluster.replica import InferReplica, ReplicaSpec
@@ -105,6 +106,7 @@ def cluster_spec(args: argparse.Namespace, config: EngineConfig, chat_template: 
 
 
 REPLICA_STARTUP_TIMEOUT_ENV = "INFER_REPLICA_STARTUP_TIMEOUT"
+PROXY_READY_TIMEOUT_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"  # Ray's own setting
 
 
 def replica_startup_timeout(config: EngineConfig) -> float:
@@ -162,6 +164,10 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig, chat_template:
     else:
         # A fresh local Ray on this machine, never one found in the environment.
         os.environ.pop("RAY_ADDRESS", None)
+        # Serve kills an HTTP proxy not ready within 5 s (its default), failing start-up; on a
+        # busy 2-core machine (three test workers beside) it took longer. Ray's actors inherit
+        # the variable from this process.
+        os.environ.setdefault(PROXY_READY_TIMEOUT_ENV, "30")
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
     joined = bool(args.ray_address)
     try:
@@ -174,7 +180,14 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig, chat_template:
         except (ValueError, OSError) as e:
             logger.error("%s", e)
             return 2
-        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+        except RayError as e:
+            first_line = (str(e).splitlines() or [""])[0]
+            logger.error("Ray Serve's HTTP proxy on %s:%d did not start (%s: %s); on a busy "
+                         "machine set %s (seconds) higher", args.host, args.port,
+                         type(e).__name__, first_line, PROXY_READY_TIMEOUT_ENV)  # fmt: skip
+            return 1
         logger.info("starting %d replicas (%.2g CPUs each, of %g) and the %s router on "
                     "http://%s:%d", n, replica_cpus, cpus, spec.router.policy, args.host,
                     args.port)  # fmt: skip
