@@ -275,14 +275,18 @@ class ClientSpan:
     cpu_s: list[float] = field(default_factory=list)
 
 
+def stat_fields(text: str) -> list[str]:
+    """The fields of a Linux ``/proc/<pid>/stat`` text after ``pid (comm)``, the state first
+    (split after the last ``)``: a command name may hold spaces and parentheses)."""
+    return text[text.rfind(")") + 2 :].split()
+
+
 def process_cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system, all threads) process ``pid`` has used so far, from Linux's
     ``/proc/<pid>/stat``; None where it cannot be read (another OS, a process gone)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        # after "pid (comm)": the state is the first field, utime the 12th, stime the 13th
-        fields = stat.rsplit(")", 1)[1].split()
-        ticks = int(fields[11]) + int(fields[12])
+        fields = stat_fields(Path(f"/proc/{pid}/stat").read_text())
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
     except (OSError, IndexError, ValueError):
         return None
     return ticks / os.sysconf("SC_CLK_TCK")

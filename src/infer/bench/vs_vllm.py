@@ -553,12 +553,14 @@ def _busy_cpu_s() -> float:
 def _group_procs(pgid: int) -> Iterator[tuple[Path, list[str]]]:
     """The ``/proc/<pid>`` folder and the ``stat`` fields after the command name (state first)
     of each live process of process group ``pgid``."""
+    from infer.bench.online import stat_fields
+
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
         except OSError:
             continue
-        rest = text[text.rfind(")") + 2 :].split()
+        rest = stat_fields(text)
         if int(rest[2]) == pgid:
             yield stat.parent, rest
 
