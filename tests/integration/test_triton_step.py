@@ -68,6 +68,30 @@ def _count_attention_calls(monkeypatch) -> dict[str, int]:
     return calls
 
 
+def _record_variants(monkeypatch) -> set[tuple]:
+    """The attention kernels' variants as the step launches them: the entry point and the
+    arguments that pick a compiled binary (splits, a decode list, the shortest chunk, a
+    window, the KV cache's kind)."""
+    from infer.runner.gpu import triton_attention
+
+    seen: set[tuple] = set()
+    for name in ("paged_prefill_attention_tiles", "paged_prefill_attention",
+                 "paged_decode_attention"):  # fmt: skip
+        original = getattr(triton_attention, name)
+
+        def recorded(*args, _original=original, _name=name, **kwargs):
+            key = (_name, kwargs.get("sliding_window") is not None, kwargs.get("kv_kind"))
+            if _name == "paged_decode_attention":
+                key += (kwargs.get("num_splits", 1), kwargs.get("row_ids") is not None)
+            elif _name == "paged_prefill_attention":
+                key += (kwargs.get("min_query_len", 1),)
+            seen.add(key)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(triton_attention, name, recorded)
+    return seen
+
+
 # The interpreter is slow (~10 s an engine here): the default run keeps the kinds that add
 # something (gemma3: sliding windows and q/k norms; gpt2: learned positions); the
 # rest run with -m slow, and every one runs on a GPU.
@@ -164,6 +188,38 @@ def test_mixed_steps_padded_to_token_buckets_give_transformers_tokens(
     # the decode kernel attends a mixed step's decodes exactly when the switch is on
     assert calls["tiles"] > 0 and calls["grid"] == 0
     assert calls["decode rows"] == (calls["tiles"] if decode_rows == "1" else 0)
+
+
+@pytest.mark.parametrize("mixed_graphs", ["0", "1"])
+def test_the_start_up_warm_up_launches_every_variant_a_load_does_and_writes_no_kv(
+    mixed_graphs, make_llm, hf_greedy, monkeypatch
+):
+    """Start-up launches each attention kernel variant an eager step can use once (on a GPU,
+    Triton compiles them then, not in the middle of the first request needing one): every
+    variant a chunked load with decodes beside its prompt chunks then launches was launched by
+    the warm-up, which wrote nothing to the KV cache and left the tokens transformers'. With
+    INFER_MIXED_GRAPHS=1 the mixed steps are padded (replayed on a GPU, eager here)."""
+    from infer.runner.gpu import cuda_step
+
+    monkeypatch.setenv(cuda_step.MIXED_GRAPHS_ENV, mixed_graphs)
+    seen = _record_variants(monkeypatch)
+    llm = make_llm("gemma3", attention_backend="triton", prefill_chunk_size=5, block_size=4,
+                   max_num_seqs=5)  # fmt: skip
+    step, cache = llm.engine.runner.cuda_step, llm.engine.kv_cache.tensor
+    before = cache.clone()
+    seen.clear()
+    assert step.warm_up() > 0  # (at start-up on a GPU only: the interpreter compiles nothing)
+    warm = set(seen)
+    assert torch.equal(cache, before)
+    seen.clear()
+    assert _tokens(llm) == _want(hf_greedy, "gemma3")
+    assert seen <= warm, seen - warm
+    assert {key[1] for key in seen} == {True, False}  # gemma3: windowed and global layers
+    lists = {key[3] for key in seen if key[0] == "paged_decode_attention" and key[4]}
+    if mixed_graphs == "1":  # padded: a fixed list of 5 entries (one split), the tile kernel
+        assert lists == {1} and any(key[0] == "paged_prefill_attention_tiles" for key in seen)
+    else:  # eager mixed steps listed 1 to 4 decodes: the interpreter's two split counts
+        assert lists == {1, 2}
 
 
 def test_shared_prefix_hits_read_the_cached_blocks(make_llm, hf_greedy):

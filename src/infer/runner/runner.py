@@ -252,9 +252,13 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def capture_graphs(self) -> None:
-        """Capture the CUDA graphs of decode steps (CUDA with the Triton backend, not eager)."""
+        """Capture the CUDA graphs of decode steps (CUDA with the Triton backend, not eager),
+        then launch once each kernel variant an eager step can use (``CudaStep.warm_up``:
+        Triton compiles at start-up, not during a request)."""
         if self.cuda_step is not None:
             self.cuda_step.capture()
+            if self.device.type == "cuda":  # (the interpreter compiles nothing)
+                self.cuda_step.warm_up()
 
     def close(self) -> None:
         """Release what the device step holds beyond tensors (the CUDA graphs)."""

@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -241,18 +242,97 @@ class CudaStep:
         )
         return self.model(inputs.ids[1][:tokens], inputs.positions[1][:tokens], ctx)
 
-    def capture(self) -> None:
-        """Capture the graphs (start-up; after the KV cache exists)."""
-        # Capture-time inputs: padding rows only (no KV written, nothing attended).
+    def _pad_buffers(self) -> None:
+        """Every step buffer as padding: slots -1 (no KV written), contexts 0 (nothing
+        attended), empty tile and decode lists."""
         self.inputs.slots[1].fill_(-1)
         self.inputs.context_lens[1].zero_()
         self.inputs.tiles[1].zero_()
         self.inputs.decode_list[1].zero_()  # every entry unused: row 0, context 0
+
+    def capture(self) -> None:
+        """Capture the graphs (start-up; after the KV cache exists)."""
+        self._pad_buffers()  # capture-time inputs: padding rows only
         if self.graphs is not None:
             self.graphs.capture(self._bucket_forward)
         if self.mixed_graphs is not None:
             pool = self.graphs.pool if self.graphs is not None else None
             self.mixed_graphs.capture(self._mixed_forward, pool=pool)
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Launch, once, each kernel variant a step can run outside the captured graphs, so
+        that Triton compiles it at start-up rather than in the middle of the first request
+        that needs it (a second or so a variant on a machine whose Triton cache lacks it).
+
+        The variants: the decode kernel's per number of key splits, over a mixed step's
+        decode list (eager mixed steps), and over decode buckets and padded mixed steps when
+        no graph was captured (``--enforce-eager``); the prefill kernel of mixed steps. Every
+        run is padding (no KV written, unused decode entries); one two-token chunk attends
+        over table row 0's block and its output is dropped. Not under tensor parallelism:
+        every rank would have to run the same collectives. Returns the forward passes run.
+        """
+        if self._tp_size > 1:
+            return 0
+        t0 = time.perf_counter()
+        runs: list[functools.partial[torch.Tensor]] = []
+        if not (self.graphs is not None and self.graphs.graphs):
+            runs += [functools.partial(self._bucket_forward, rows)
+                     for rows in self._one_per_split(self.sizes)]  # fmt: skip
+        if self.mixed_sizes and not (self.mixed_graphs is not None and self.mixed_graphs.graphs):
+            runs += [functools.partial(self._mixed_forward, tokens)
+                     for tokens in self._one_per_split(self.mixed_sizes, self._decode_entries)]  # fmt: skip
+        listed = self._one_per_split(range(1, self.shape.max_seqs + 1))
+        runs += [functools.partial(self._eager_mixed_forward, entries)
+                 for entries in (listed if self._mixed_decode_rows else [0])]  # fmt: skip
+        self._pad_buffers()
+        for run in runs:
+            run()
+        self._pad_buffers()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("warmed up the kernels of eager steps (%d forward passes) in %.1fs",
+                    len(runs), time.perf_counter() - t0)  # fmt: skip
+        return len(runs)
+
+    def _one_per_split(
+        self, sizes: Iterable[int], entries: Callable[[int], int] | None = None
+    ) -> list[int]:
+        """The smallest of ``sizes`` for each number of key splits their decodes use
+        (``entries``: a size's decode entries, when not the size itself)."""
+        first: dict[int, int] = {}
+        for size in sizes:
+            first.setdefault(self._splits(entries(size) if entries else size), size)
+        return sorted(first.values())
+
+    def _eager_mixed_forward(self, entries: int) -> torch.Tensor:
+        """An eager mixed step of padding (what :meth:`warm_up` runs): one two-token chunk
+        at position 0 (no KV written; it attends over table row 0's block) and a decode list
+        of ``entries`` unused entries."""
+        inputs = self.inputs
+        inputs.ids[1][:2].zero_()
+        inputs.positions[1][:2].copy_(torch.arange(2))
+        inputs.tables[1][:1].zero_()
+        inputs.query_start[1][:2].copy_(torch.tensor([0, 2]))
+        inputs.num_computed[1][:1].zero_()
+        ctx = GpuAttentionContext(
+            self.kv_cache,
+            num_tokens=2,
+            slots=inputs.slots[1][:2],
+            tables=inputs.tables[1][:1],
+            query_start=inputs.query_start[1][:2],
+            num_computed=inputs.num_computed[1][:1],
+            max_query_len=2,
+            decode_rows=self._decode_rows(inputs, entries),
+            min_query_len=self._min_query_len,
+        )
+        return self.model(inputs.ids[1][:2], inputs.positions[1][:2], ctx)
+
+    @property
+    def _min_query_len(self) -> int:
+        """The shortest chunk the prefill kernel attends in a mixed step (2 where the decode
+        kernel takes the one-token chunks: then a step without any compiles no other variant)."""
+        return 2 if self._mixed_decode_rows else 1
 
     def close(self) -> None:
         """Drop the graphs (and their memory pool) now rather than when collected."""
@@ -328,7 +408,7 @@ class CudaStep:
             num_tokens=n,
             **(self._decode_args(n) if decode else {}),
             decode_rows=self._decode_rows(inputs, entries),
-            min_query_len=2 if self._mixed_decode_rows else 1,
+            min_query_len=self._min_query_len,
             **fields,
         )
         return self.model(ids, positions, ctx)
