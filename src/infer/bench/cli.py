@@ -128,7 +128,10 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         default="graphs,graphs-sync,eager,torch-eager",
         help="engines: graphs (triton + CUDA graphs + async scheduling), graphs-sync (without "
         "async scheduling), eager (triton, enforce_eager), torch-eager (torch attention, "
-        "enforce_eager: the old path)",
+        "enforce_eager: the old path); and switches over graphs: graphs-gemv (skinny Triton "
+        "matmuls for small decode batches), graphs-mixed (mixed steps padded and replayed), "
+        "graphs-tiles / graphs-mixed-tiles (a mixed step's decodes in the prefill kernel's "
+        "tiles), graphs-compile (torch.compile's norm and activation kernels)",
     )
     p.add_argument(
         "--concurrency", default=None, help="C of the PxO loads (1,16,64,256 | 1,64,256)"
