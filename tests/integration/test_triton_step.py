@@ -190,35 +190,69 @@ def test_mixed_steps_padded_to_token_buckets_give_transformers_tokens(
     assert calls["decode rows"] == (calls["tiles"] if decode_rows == "1" else 0)
 
 
-@pytest.mark.parametrize("mixed_graphs", ["0", "1"])
-def test_the_start_up_warm_up_launches_every_variant_a_load_does_and_writes_no_kv(
-    mixed_graphs, make_llm, hf_greedy, monkeypatch
-):
-    """Start-up launches each attention kernel variant an eager step can use once (on a GPU,
-    Triton compiles them then, not in the middle of the first request needing one): every
-    variant a chunked load with decodes beside its prompt chunks then launches was launched by
-    the warm-up, which wrote nothing to the KV cache and left the tokens transformers'. With
-    INFER_MIXED_GRAPHS=1 the mixed steps are padded (replayed on a GPU, eager here)."""
-    from infer.runner.gpu import cuda_step
+# (environment, engine options) of the warm-up cases
+WARM_UP_CASES = {
+    "eager-mixed": ({}, {}),
+    "padded-mixed": ({"INFER_MIXED_GRAPHS": "1"}, {}),
+    "int8-kv": ({}, {"kv_cache_dtype": "int8"}),
+    "decodes-in-tiles": ({"INFER_MIXED_DECODE_ROWS": "0"}, {}),
+}
 
-    monkeypatch.setenv(cuda_step.MIXED_GRAPHS_ENV, mixed_graphs)
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=SLOW) if c in ("int8-kv", "decodes-in-tiles") else c
+        for c in WARM_UP_CASES
+    ],  # fmt: skip
+)
+def test_the_start_up_warm_up_launches_every_variant_a_load_does_and_writes_no_kv(
+    case, make_llm, hf_greedy, monkeypatch
+):
+    """Start-up launches each attention kernel variant only eager steps use, once (on a GPU,
+    Triton compiles them then, not in the middle of the first request needing one): every
+    variant a chunked load with decodes beside its prompt chunks then launches outside the
+    decode graphs was launched by the warm-up, which wrote nothing to the KV cache and left the
+    tokens transformers'. The decode graphs count as captured, as on a GPU; with
+    INFER_MIXED_GRAPHS=1 the mixed steps are padded (and nothing of theirs captured here)."""
+    env, options = WARM_UP_CASES[case]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     seen = _record_variants(monkeypatch)
     llm = make_llm("gemma3", attention_backend="triton", prefill_chunk_size=5, block_size=4,
-                   max_num_seqs=5)  # fmt: skip
-    step, cache = llm.engine.runner.cuda_step, llm.engine.kv_cache.tensor
-    before = cache.clone()
+                   max_num_seqs=5, **options)  # fmt: skip
+    step, cache = llm.engine.runner.cuda_step, llm.engine.kv_cache
+    if not step.graphs.graphs:  # a CPU captures nothing: the decode buckets replay eagerly
+        step.graphs.graphs = dict.fromkeys(step.sizes)
+    before = [t.clone() for t in (cache.tensor, cache.scales) if t is not None]
     seen.clear()
     assert step.warm_up() > 0  # (at start-up on a GPU only: the interpreter compiles nothing)
     warm = set(seen)
-    assert torch.equal(cache, before)
+    after = [t for t in (cache.tensor, cache.scales) if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     seen.clear()
-    assert _tokens(llm) == _want(hf_greedy, "gemma3")
-    assert seen <= warm, seen - warm
+    kv_dtype = options.get("kv_cache_dtype")
+    if kv_dtype:  # (a quantized cache: the torch path's tokens, not transformers')
+        ref = make_llm("gemma3", attention_backend="torch", kv_cache_dtype=kv_dtype, block_size=4)
+        want = _tokens(ref)
+    else:
+        want = _want(hf_greedy, "gemma3")
+    seen.clear()
+    assert _tokens(llm) == want
+
+    def decode_steps(keys):  # the decode kernel over decode rows: the captured graphs'
+        return {key for key in keys if key[0] == "paged_decode_attention" and not key[4]}
+
+    assert not decode_steps(warm)
+    assert seen - decode_steps(seen) <= warm, seen - decode_steps(seen) - warm
     assert {key[1] for key in seen} == {True, False}  # gemma3: windowed and global layers
+    assert {key[2] for key in seen} == {kv_dtype}
     lists = {key[3] for key in seen if key[0] == "paged_decode_attention" and key[4]}
-    if mixed_graphs == "1":  # padded: a fixed list of 5 entries (one split), the tile kernel
+    if case == "decodes-in-tiles":
+        assert not lists and ("paged_prefill_attention", False, None, 1) in seen
+    elif DEVICE == "cpu" and case == "padded-mixed":  # a fixed list of 5 entries: one split
         assert lists == {1} and any(key[0] == "paged_prefill_attention_tiles" for key in seen)
-    else:  # eager mixed steps listed 1 to 4 decodes: the interpreter's two split counts
+    elif DEVICE == "cpu":  # eager mixed steps listed 1 to 4 decodes: the interpreter's 2 counts
         assert lists == {1, 2}
 
 

@@ -84,3 +84,27 @@ def test_decode_rows_padded_to_their_bucket_attend_to_nothing_past_the_step():
     assert fields["slots"].tolist() == [9 * BS + 2, 4 * BS + 1, -1, -1]
     assert fields["context_lens"].tolist() == [7, 2, 0, 0]
     assert int(inputs.tile_views()[2][0]) == 0  # no tile list written for decode rows
+
+
+def test_start_up_warms_the_kernels_up_after_capturing_the_graphs_on_cuda_only():
+    """``ModelRunner.capture_graphs`` (the engine's last start-up step): the graphs first, then
+    the warm-up that launches the eager steps' kernels, which only a CUDA device compiles."""
+    from infer.runner.runner import ModelRunner
+
+    calls: list[str] = []
+
+    class Step:
+        def capture(self) -> None:
+            calls.append("capture")
+
+        def warm_up(self) -> int:
+            calls.append("warm_up")
+            return 1
+
+    runner = ModelRunner.__new__(ModelRunner)  # (only what capture_graphs reads)
+    runner.cuda_step = Step()
+    for device, want in (("cuda", ["capture", "warm_up"]), ("cpu", ["capture"])):
+        calls.clear()
+        runner.device = torch.device(device)
+        runner.capture_graphs()
+        assert calls == want, device

@@ -268,9 +268,10 @@ class CudaStep:
         The variants: the decode kernel's per number of key splits, over a mixed step's
         decode list (eager mixed steps), and over decode buckets and padded mixed steps when
         no graph was captured (``--enforce-eager``); the prefill kernel of mixed steps. Every
-        run is padding (no KV written, unused decode entries); one two-token chunk attends
-        over table row 0's block and its output is dropped. Not under tensor parallelism:
-        every rank would have to run the same collectives. Returns the forward passes run.
+        run is padding (no KV written, unused decode entries, a one-token chunk at position 0
+        whose output is dropped). A variant that cannot compile fails start-up, not the first
+        request that needs it. Not under tensor parallelism: every rank would have to run the
+        same collectives. Returns the forward passes run.
         """
         if self._tp_size > 1:
             return 0
@@ -280,8 +281,9 @@ class CudaStep:
             runs += [functools.partial(self._bucket_forward, rows)
                      for rows in self._one_per_split(self.sizes)]  # fmt: skip
         if self.mixed_sizes and not (self.mixed_graphs is not None and self.mixed_graphs.graphs):
-            runs += [functools.partial(self._mixed_forward, tokens)
-                     for tokens in self._one_per_split(self.mixed_sizes, self._decode_entries)]  # fmt: skip
+            padded = (self._one_per_split(self.mixed_sizes, self._decode_entries)
+                      if self._mixed_decode_rows else self.mixed_sizes[:1])  # fmt: skip
+            runs += [functools.partial(self._mixed_forward, tokens) for tokens in padded]
         listed = self._one_per_split(range(1, self.shape.max_seqs + 1))
         runs += [functools.partial(self._eager_mixed_forward, entries)
                  for entries in (listed if self._mixed_decode_rows else [0])]  # fmt: skip
@@ -306,27 +308,27 @@ class CudaStep:
         return sorted(first.values())
 
     def _eager_mixed_forward(self, entries: int) -> torch.Tensor:
-        """An eager mixed step of padding (what :meth:`warm_up` runs): one two-token chunk
-        at position 0 (no KV written; it attends over table row 0's block) and a decode list
-        of ``entries`` unused entries."""
+        """An eager mixed step of padding (what :meth:`warm_up` runs): one one-token chunk
+        at position 0 (no KV written; the prefill kernel launches, and reads at most table
+        row 0's first block) and a decode list of ``entries`` unused entries."""
         inputs = self.inputs
-        inputs.ids[1][:2].zero_()
-        inputs.positions[1][:2].copy_(torch.arange(2))
+        inputs.ids[1][:1].zero_()
+        inputs.positions[1][:1].zero_()
         inputs.tables[1][:1].zero_()
-        inputs.query_start[1][:2].copy_(torch.tensor([0, 2]))
+        inputs.query_start[1][:2].copy_(torch.tensor([0, 1]))
         inputs.num_computed[1][:1].zero_()
         ctx = GpuAttentionContext(
             self.kv_cache,
-            num_tokens=2,
-            slots=inputs.slots[1][:2],
+            num_tokens=1,
+            slots=inputs.slots[1][:1],
             tables=inputs.tables[1][:1],
             query_start=inputs.query_start[1][:2],
             num_computed=inputs.num_computed[1][:1],
-            max_query_len=2,
+            max_query_len=1,
             decode_rows=self._decode_rows(inputs, entries),
             min_query_len=self._min_query_len,
         )
-        return self.model(inputs.ids[1][:2], inputs.positions[1][:2], ctx)
+        return self.model(inputs.ids[1][:1], inputs.positions[1][:1], ctx)
 
     @property
     def _min_query_len(self) -> int:
