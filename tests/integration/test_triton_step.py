@@ -226,7 +226,8 @@ def test_the_start_up_warm_up_launches_every_variant_a_load_does_and_writes_no_k
         step.graphs.graphs = dict.fromkeys(step.sizes)
     before = [t.clone() for t in (cache.tensor, cache.scales) if t is not None]
     seen.clear()
-    assert step.warm_up() > 0  # (at start-up on a GPU only: the interpreter compiles nothing)
+    passes = step.warm_up()  # (at start-up on a GPU only: the interpreter compiles nothing)
+    assert passes > 0 and step.warm_up_passes == passes  # (as infer bench gpu reports it)
     warm = set(seen)
     after = [t for t in (cache.tensor, cache.scales) if t is not None]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

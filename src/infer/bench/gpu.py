@@ -414,6 +414,10 @@ def runner_info(engine: Any) -> dict[str, str]:
                     f"{getattr(graphs, 'capture_bytes', 0) / 2**20:.0f} MiB"
                 )
             )
+        if getattr(step, "warm_up_passes", 0):
+            found["kernel warm-up"] = (
+                f"{step.warm_up_passes} forward passes in {step.warm_up_seconds:.1f}s"
+            )
         picks = getattr(step, "gemv_picks", None)
         if picks:
             found["skinny matmuls"] = "; ".join(picks)

@@ -158,6 +158,8 @@ class CudaStep:
         # Steps by how they ran ("decode replayed", "mixed padded", "eager", ...): what share
         # of a load's steps the graphs cover (the bench reports it; close() logs it).
         self.step_kinds: collections.Counter[str] = collections.Counter()
+        self.warm_up_seconds = 0.0  # what warm_up took, and its forward passes (the bench's)
+        self.warm_up_passes = 0
         if not enforce_eager and tp_size == 1 and graph_safe:
             self.graphs = StepGraphs(self.sizes, device)
             if self.mixed_sizes:
@@ -293,8 +295,9 @@ class CudaStep:
         self._pad_buffers()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.warm_up_seconds, self.warm_up_passes = time.perf_counter() - t0, len(runs)
         logger.info("warmed up the kernels of eager steps (%d forward passes) in %.1fs",
-                    len(runs), time.perf_counter() - t0)  # fmt: skip
+                    len(runs), self.warm_up_seconds)  # fmt: skip
         return len(runs)
 
     def _one_per_split(
