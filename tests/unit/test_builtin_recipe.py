@@ -91,7 +91,12 @@ def test_extra_training_text_keeps_held_out_text_unseen(corpus_split):
     assert OVERLAP_NGRAM == 13
 
 
-def test_newton_schulz_orthogonalises():
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_newton_schulz_orthogonalises(native_bf16, monkeypatch):
+    """In bf16 where the CPU multiplies it in hardware, else in float32: both near-orthogonal."""
+    from infer.builtin import train
+
+    monkeypatch.setattr(train, "native_bf16", lambda: native_bf16)
     torch.manual_seed(0)
     for rows, cols in [(64, 32), (32, 64), (48, 48)]:
         # Singular values spread over 1.5 orders of magnitude all come out near 1.
@@ -101,6 +106,40 @@ def test_newton_schulz_orthogonalises():
         grad = u @ torch.diag(torch.logspace(-1.5, 0, k)) @ v.T
         singular = torch.linalg.svdvals(_newton_schulz(grad))
         assert singular.min() > 0.5 and singular.max() < 1.3, singular
+
+
+def test_bf16_autocast_only_where_the_cpu_multiplies_bf16_unless_forced(monkeypatch):
+    """A preset's bf16 autocast runs where the CPU has AVX-512 BF16 or AMX (elsewhere torch
+    emulates bf16 matmuls: the default model's build took hours instead of minutes);
+    INFER_BUILTIN_BF16=1 / 0 forces it on / off; a preset without it never autocasts."""
+    from infer.builtin import train
+
+    monkeypatch.delenv(train.BF16_ENV, raising=False)
+    for native in (True, False):
+        monkeypatch.setattr(train, "native_bf16", lambda native=native: native)
+        assert train.bf16_matmuls(SMALL) is native
+        assert train.bf16_matmuls(TOY) is False
+        for forced, want in (("1", True), ("0", False)):
+            monkeypatch.setenv(train.BF16_ENV, forced)
+            assert train.bf16_matmuls(SMALL) is want
+            assert train.bf16_matmuls(TOY) is False
+        monkeypatch.delenv(train.BF16_ENV)
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ({"avx2", "fma"}, False),
+        ({"avx512f", "avx512_bf16"}, True),
+        ({"amx_tile", "amx_bf16"}, True),
+        (set(), False),
+    ],  # fmt: skip
+)
+def test_native_bf16_reads_the_cpu_flags(flags, native, monkeypatch):
+    from infer.builtin import train
+
+    monkeypatch.setattr(train, "_cpu_flags", lambda: frozenset(flags))
+    assert train.native_bf16() is native
 
 
 def test_optimizers_split_hidden_matrices_from_embeddings_and_norms():
