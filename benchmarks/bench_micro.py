@@ -16,10 +16,13 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.micro import SUITES, run_suite
-from benchmarks.micro.common import record_traces, toy_model_path
-from infer.bench.cli import add_common
-from infer.bench.report import collect_environment, now_iso
+if __name__ == "__main__":  # run as a script: the checkout's root, where `benchmarks` imports from
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.micro import SUITES, run_suite  # noqa: E402
+from benchmarks.micro.common import record_traces, toy_model_path  # noqa: E402
+from infer.bench.cli import add_common  # noqa: E402
+from infer.bench.report import collect_environment, now_iso  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> int:

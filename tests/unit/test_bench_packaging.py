@@ -101,3 +101,25 @@ def test_a_study_takes_its_own_flags(capsys):
     assert "--sizes" in capsys.readouterr().out
     for study in STUDIES:  # every study is a file there with a parser
         assert study_module(study).build_parser().prog == f"infer bench {study}"
+
+
+def test_every_benchmark_script_runs_as_a_script(tmp_path):
+    """``python benchmarks/bench_<name>.py ...`` runs as ``infer bench <name> ...`` does (the
+    README says so), from any folder: each script's ``--help``, all at once."""
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    procs = {
+        s.name: subprocess.Popen(
+            [sys.executable, str(s), "--help"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for s in scripts
+    }
+    failed = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0 or "usage:" not in out:
+            failed[name] = out[-500:]
+    assert len(scripts) >= 10 and not failed, failed
