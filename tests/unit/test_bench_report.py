@@ -226,6 +226,23 @@ def test_compare_cli_writes_markdown_and_plots(tmp_path: Path, capsys):
 def test_load_report_accepts_a_run_folder(tmp_path: Path):
     save_json(make_report("A", 1.0), tmp_path / "run" / "report.json")
     assert load_report(tmp_path / "run")["label"] == "A"
+    # the --out folder of `infer bench serve`, its one run in serve_<stamp>_<model>/
+    assert load_report(tmp_path)["label"] == "A"
+
+
+def test_compare_names_a_missing_or_ambiguous_report(tmp_path: Path, capsys):
+    from infer.bench.cli import main
+
+    save_json(make_report("A", 1.0), tmp_path / "runA" / "serve_1_m" / "report.json")
+    save_json(make_report("B", 2.0), tmp_path / "runA" / "serve_2_m" / "report.json")
+    assert main(["bench", "compare", str(tmp_path / "runA"), str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "2 runs in it (serve_1_m, serve_2_m); name the one to read" in err
+    assert (
+        main(["bench", "compare", str(tmp_path / "runA" / "serve_1_m"), str(tmp_path / "nope")])
+        == 2
+    )
+    assert "nope: no such report" in capsys.readouterr().err
 
 
 def test_batching_reading_tells_plateau_from_scaling():

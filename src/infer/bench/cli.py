@@ -301,8 +301,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from infer.bench.compare import compare_markdown
     from infer.bench.report import load_report
 
-    reports = [load_report(p) for p in args.reports]
-    text = compare_markdown(reports, against=args.against)
+    try:
+        reports = [load_report(p) for p in args.reports]
+        text = compare_markdown(reports, against=args.against)
+    except ValueError as e:
+        print(f"infer bench compare: {e}", file=sys.stderr)
+        return 2
     if args.plots:
         from infer.bench.plots import write_compare_plots
 

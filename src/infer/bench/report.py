@@ -134,10 +134,19 @@ def save_report(report: dict, markdown: str, folder: str | Path, stem: str) -> N
 
 
 def load_report(path: str | Path) -> dict:
-    """Load a serving report written by :func:`save_json` (checks the schema tag)."""
+    """Load a serving report written by :func:`save_json` (checks the schema tag). ``path``: the
+    file, a run's folder (``serve_*/``, an ablation rung), or the ``--out`` folder holding one
+    run. ``ValueError`` naming the problem when there is no single report there."""
     path = Path(path)
-    if path.is_dir():  # a run's folder: serve_*/ or an ablation rung
-        path = path / "report.json"
+    if path.is_dir():
+        runs = [path / "report.json"] if (path / "report.json").is_file() else []
+        runs = runs or sorted(path.glob("*/report.json"))
+        if len(runs) > 1:
+            names = ", ".join(r.parent.name for r in runs)
+            raise ValueError(f"{path}: {len(runs)} runs in it ({names}); name the one to read")
+        path = runs[0] if runs else path / "report.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no such report (a run's report.json, or its folder)")
     report = json.loads(path.read_text())
     if report.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not an infer serving report (schema {report.get('schema')!r})")
