@@ -36,7 +36,12 @@ def run(args: argparse.Namespace) -> int:
     from infer.engine.engine import LLMEngine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config_from_args(args))
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except (ValueError, RuntimeError, OSError) as e:  # as `infer serve`: one line, no traceback
+        logging.getLogger(__name__).debug("engine start-up failure", exc_info=True)
+        print(f"error: the engine could not start: {e}", file=sys.stderr)
+        return 1
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
