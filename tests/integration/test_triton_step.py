@@ -50,10 +50,20 @@ def _want(hf_greedy, kind: str, prompts=FEW) -> list[list[int]]:
 def _count_attention_calls(monkeypatch) -> dict[str, int]:
     """Count the step's attention launches as they happen: the prefill kernels (``tiles``:
     fixed grid; ``grid``: grid per step) and the decode kernel on a mixed step's decodes
-    (``decode rows``: called with ``row_tables``)."""
-    from infer.runner.gpu import triton_attention
+    (``decode rows``: called with ``row_tables``). Graph captures count; the start-up
+    warm-up (``CudaStep.warm_up``, on a GPU), which launches every variant once, does not."""
+    from infer.runner.gpu import cuda_step, triton_attention
 
     calls = {"tiles": 0, "grid": 0, "decode rows": 0}
+    warm_up = cuda_step.CudaStep.warm_up
+
+    def uncounted(self) -> int:
+        before = dict(calls)
+        passes = warm_up(self)
+        calls.update(before)
+        return passes
+
+    monkeypatch.setattr(cuda_step.CudaStep, "warm_up", uncounted)
     for name, key in (("paged_prefill_attention_tiles", "tiles"),
                       ("paged_prefill_attention", "grid"),
                       ("paged_decode_attention", "decode rows")):  # fmt: skip
