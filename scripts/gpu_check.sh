@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a bare GPU machine (docs/benchmarks.md, "On a lent GPU machine"): install the
+# One call on a bare GPU machine (docs/benchmarks.md, "On a bare GPU machine"): install the
 # carried wheels, run the GPU tests, then `infer bench gpu`; every phase under its own timeout so
 # the whole script ends inside GPU_CHECK_BUDGET seconds.
 #

@@ -39,7 +39,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = LLMEngine(engine_config_from_args(args))
     except (ValueError, RuntimeError, OSError) as e:  # as `infer serve`: one line, no traceback
-        logging.getLogger(__name__).debug("engine start-up failure", exc_info=True)
         print(f"error: the engine could not start: {e}", file=sys.stderr)
         return 1
     try:

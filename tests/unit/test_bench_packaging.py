@@ -118,8 +118,14 @@ def test_every_benchmark_script_runs_as_a_script(tmp_path):
         for s in scripts
     }
     failed = {}
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=300)
-        if proc.returncode != 0 or "usage:" not in out:
-            failed[name] = out[-500:]
+    try:
+        for name, proc in procs.items():
+            out, _ = proc.communicate(timeout=300)
+            if proc.returncode != 0 or "usage:" not in out:
+                failed[name] = out[-500:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert len(scripts) >= 10 and not failed, failed

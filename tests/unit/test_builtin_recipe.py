@@ -91,12 +91,9 @@ def test_extra_training_text_keeps_held_out_text_unseen(corpus_split):
     assert OVERLAP_NGRAM == 13
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_newton_schulz_orthogonalises(native_bf16, monkeypatch):
+@pytest.mark.parametrize("bf16", [True, False])
+def test_newton_schulz_orthogonalises(bf16):
     """In bf16 where the CPU multiplies it in hardware, else in float32: both near-orthogonal."""
-    from infer.builtin import train
-
-    monkeypatch.setattr(train, "native_bf16", lambda: native_bf16)
     torch.manual_seed(0)
     for rows, cols in [(64, 32), (32, 64), (48, 48)]:
         # Singular values spread over 1.5 orders of magnitude all come out near 1.
@@ -104,26 +101,34 @@ def test_newton_schulz_orthogonalises(native_bf16, monkeypatch):
         u, _ = torch.linalg.qr(torch.randn(rows, k))
         v, _ = torch.linalg.qr(torch.randn(cols, k))
         grad = u @ torch.diag(torch.logspace(-1.5, 0, k)) @ v.T
-        singular = torch.linalg.svdvals(_newton_schulz(grad))
+        singular = torch.linalg.svdvals(_newton_schulz(grad, bf16=bf16).float())
         assert singular.min() > 0.5 and singular.max() < 1.3, singular
 
 
-def test_bf16_autocast_only_where_the_cpu_multiplies_bf16_unless_forced(monkeypatch):
-    """A preset's bf16 autocast runs where the CPU has AVX-512 BF16 or AMX (elsewhere torch
-    emulates bf16 matmuls: the default model's build took hours instead of minutes);
-    INFER_BUILTIN_BF16=1 / 0 forces it on / off; a preset without it never autocasts."""
-    from infer.builtin import train
+def test_bf16_matmuls_only_where_the_cpu_multiplies_bf16_unless_forced(monkeypatch, tmp_path):
+    """A preset's bf16 (autocast, Muon) runs where the CPU has AVX-512 BF16 or AMX (elsewhere
+    torch emulates bf16 matmuls: the default model's build took hours instead of minutes);
+    INFER_BUILTIN_BF16=1 / 0 forces it on / off; a preset without it never has it. A float32
+    build of a bf16 recipe has a cache folder of its own; a bad value is an error naming it."""
+    from infer.builtin import presets
+    from infer.builtin.cache import builtin_dir
 
-    monkeypatch.delenv(train.BF16_ENV, raising=False)
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(presets.BF16_ENV, raising=False)
     for native in (True, False):
-        monkeypatch.setattr(train, "native_bf16", lambda native=native: native)
-        assert train.bf16_matmuls(SMALL) is native
-        assert train.bf16_matmuls(TOY) is False
-        for forced, want in (("1", True), ("0", False)):
-            monkeypatch.setenv(train.BF16_ENV, forced)
-            assert train.bf16_matmuls(SMALL) is want
-            assert train.bf16_matmuls(TOY) is False
-        monkeypatch.delenv(train.BF16_ENV)
+        monkeypatch.setattr(presets, "native_bf16", lambda native=native: native)
+        assert presets.bf16_matmuls(SMALL) is native
+        assert builtin_dir("small").name.endswith("-fp32") is not native
+        for forced, want in (("1", True), ("true", True), ("0", False), ("False", False)):
+            monkeypatch.setenv(presets.BF16_ENV, forced)
+            assert presets.bf16_matmuls(SMALL) is want
+            assert presets.bf16_matmuls(TOY) is False
+            assert builtin_dir("small").name.endswith("-fp32") is not want
+            assert not builtin_dir("toy").name.endswith("-fp32")
+        monkeypatch.delenv(presets.BF16_ENV)
+    monkeypatch.setenv(presets.BF16_ENV, "yes")
+    with pytest.raises(ValueError, match="INFER_BUILTIN_BF16='yes': use 1 or 0"):
+        presets.bf16_matmuls(SMALL)
 
 
 @pytest.mark.parametrize(
@@ -136,10 +141,10 @@ def test_bf16_autocast_only_where_the_cpu_multiplies_bf16_unless_forced(monkeypa
     ],  # fmt: skip
 )
 def test_native_bf16_reads_the_cpu_flags(flags, native, monkeypatch):
-    from infer.builtin import train
+    from infer.builtin import presets
 
-    monkeypatch.setattr(train, "_cpu_flags", lambda: frozenset(flags))
-    assert train.native_bf16() is native
+    monkeypatch.setattr(presets, "_cpu_flags", lambda: frozenset(flags))
+    assert presets.native_bf16() is native
 
 
 def test_optimizers_split_hidden_matrices_from_embeddings_and_norms():

@@ -504,7 +504,12 @@ def register(subparsers) -> None:
     serve.set_defaults(func=cmd_serve)
 
     cmp = sub.add_parser("compare", help="phase-vs-phase delta tables of serving reports")
-    cmp.add_argument("reports", nargs="+", help="report.json files, oldest first")
+    cmp.add_argument(
+        "reports",
+        nargs="+",
+        help="report.json files, or the folders holding them (a run's, or the --out folder of "
+        "one run), oldest first",
+    )
     cmp.add_argument("--against", choices=["previous", "first"], default="previous")
     cmp.add_argument("--out", default=None, help="also write the markdown here")
     cmp.add_argument("--plots", default=None, help="folder for comparison PNGs")

@@ -32,7 +32,7 @@ machine after the GPU tests.) Sections, each timed, printed as it finishes and w
    the same prompts: tok/s, and infer (graphs) / transformers.
 
 An exception in one section (or one mode) is recorded in the report and the rest runs. The
-report ends with the issue's targets, each MET / MISS / N/A.
+report ends with the CUDA targets, each MET / MISS / N/A.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "hf_c1_tokens": (32, 16),
 }
 
-# The issue's targets (H100 figures for the tok/s ones).
+# The CUDA targets (H100 figures for the tok/s ones).
 TARGET_B1_RATIO = 1.5
 TARGET_C256_TOKS = 40_000.0
 TARGET_C64_TOKS = 15_000.0
@@ -814,7 +814,7 @@ def _status(ok: bool | None) -> str:
 
 
 def targets(report: dict) -> list[dict]:
-    """The issue's targets with the measured value and MET / MISS (N/A: not measured)."""
+    """The CUDA targets with the measured value and MET / MISS (N/A: not measured)."""
     p, o = report.get("prompt_len", 128), report.get("output_len", 128)
     graphs = _get(report, "engine", "graphs") or {}
     limit = _get(report, "roofline", "weight_read_ms")

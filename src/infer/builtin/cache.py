@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from infer.builtin.presets import DEFAULT_SEED, RECIPE_VERSION, get_preset
+from infer.builtin.presets import DEFAULT_SEED, RECIPE_VERSION, bf16_matmuls, get_preset
 from infer.builtin.train import MANIFEST, train
 
 # Overrides the presets' step count (tests, CI, a quick look); it is part of the cache path.
@@ -59,9 +59,11 @@ def resolve_steps(name: str, steps: int | None = None) -> int:
 
 def builtin_dir(name: str, *, seed: int = DEFAULT_SEED, steps: int | None = None) -> Path:
     """Where the built-in ``name`` lives (whether or not it is built yet)."""
-    get_preset(name)  # ValueError for unknown names
+    preset = get_preset(name)  # ValueError for unknown names
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     tag = f"{name}-r{RECIPE_VERSION}-seed{seed}-steps{resolve_steps(name, steps)}-py{py}"
+    if preset.bf16_autocast and not bf16_matmuls(preset):
+        tag += "-fp32"  # a bf16 recipe trained in float32 here: other weights
     return cache_root() / "builtin" / tag
 
 

@@ -9,16 +9,16 @@ Determinism: the weights init and the data order come from ``seed`` alone (a see
 ``torch.Generator`` draws window offsets), and the corpus is a fixed function of the running
 Python. On one machine, with the same torch build and thread count, the same seed gives the
 same loss curve and byte-identical weights. Across machines or thread counts the float
-reductions inside matmuls may be ordered differently, so weights can differ in the last bits.
+reductions inside matmuls may be ordered differently, so weights can differ in the last bits;
+and a preset's bf16 matmuls run in float32 on a CPU without bf16 in hardware
+(:func:`infer.builtin.presets.bf16_matmuls`), whose build gets a folder of its own.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from infer.builtin.presets import RECIPE_VERSION, Preset
+from infer.builtin.presets import RECIPE_VERSION, Preset, bf16_matmuls
 from infer.builtin.textdata import (
     batch_windows,
     build_tokenizer,
@@ -39,34 +39,6 @@ from infer.builtin.textdata import (
 
 MANIFEST = "infer_builtin.json"
 WEIGHTS = "model.safetensors"
-BF16_ENV = "INFER_BUILTIN_BF16"
-"""``1`` / ``0``: train a preset that asks for bf16 autocast with it / in float32, whatever the
-CPU (default: with it where the CPU multiplies bf16 in hardware, :func:`native_bf16`)."""
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX). Elsewhere torch
-    emulates bf16 matmuls: on a 2-core AVX2-only EPYC, a step of ``small`` took ~38 s under
-    bf16 autocast (the build ~2.5 hours) against a fraction of that in float32."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def bf16_matmuls(preset: Preset) -> bool:
-    """Whether ``preset`` trains under bf16 autocast here (see :data:`BF16_ENV`)."""
-    forced = os.environ.get(BF16_ENV, "").strip()
-    if not preset.bf16_autocast or forced == "0":
-        return False
-    return forced == "1" or native_bf16()
 
 
 @dataclass(frozen=True)
@@ -154,12 +126,12 @@ def lr_ratio(preset: Preset, step: int, total: int) -> float:
     return preset.min_lr_ratio + (1 - preset.min_lr_ratio) * decay
 
 
-def _newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
+def _newton_schulz(grad: torch.Tensor, steps: int = 5, bf16: bool = True) -> torch.Tensor:
     """An approximately orthogonal matrix with ``grad``'s singular vectors (the quintic
-    Newton-Schulz iteration of Muon, in bf16 where the CPU multiplies it in hardware: its
-    result only needs to be roughly right; else float32, faster than emulated bf16)."""
+    Newton-Schulz iteration of Muon, in bf16: its result only needs to be roughly right;
+    ``bf16=False``: in float32, where bf16 matmuls would be emulated, and slower)."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = grad.to(torch.bfloat16 if native_bf16() else torch.float32)
+    x = grad.to(torch.bfloat16 if bf16 else torch.float32)
     wide = x.size(0) <= x.size(1)
     if not wide:
         x = x.T
@@ -178,8 +150,9 @@ class Muon(torch.optim.Optimizer):
     direction of a matrix at the same rate, which is what makes a few hundred steps enough.
     """
 
-    def __init__(self, params, lr: float, momentum: float = 0.95):
+    def __init__(self, params, lr: float, momentum: float = 0.95, bf16: bool = True):
         super().__init__(params, {"lr": lr, "momentum": momentum})
+        self.bf16 = bf16  # the Newton-Schulz iteration's dtype (see _newton_schulz)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -192,7 +165,7 @@ class Muon(torch.optim.Optimizer):
                     state["momentum"] = torch.zeros_like(p)
                 buf = state["momentum"]
                 buf.mul_(group["momentum"]).add_(p.grad)
-                update = _newton_schulz(p.grad.add(buf, alpha=group["momentum"]))
+                update = _newton_schulz(p.grad.add(buf, alpha=group["momentum"]), bf16=self.bf16)
                 scale = max(1.0, p.size(0) / p.size(1)) ** 0.5
                 p.add_(update, alpha=-group["lr"] * scale)
 
@@ -217,7 +190,7 @@ def make_optimizers(model: torch.nn.Module, preset: Preset) -> list[torch.optim.
         torch.optim.AdamW(groups, lr=preset.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     ]
     if muon:
-        opts.append(Muon(muon, lr=preset.muon_lr))
+        opts.append(Muon(muon, lr=preset.muon_lr, bf16=bf16_matmuls(preset)))
     for opt in opts:
         for group in opt.param_groups:
             group["peak_lr"] = group["lr"]
@@ -431,7 +404,7 @@ def train(
         "weights_sha256": digest,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "torch": torch.__version__,
-        "bf16_autocast": bf16_matmuls(preset),
+        "bf16_matmuls": bf16_matmuls(preset),
     }
     # Written last: its presence marks a finished folder (cache.py also renames atomically).
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")

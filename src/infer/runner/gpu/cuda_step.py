@@ -291,7 +291,13 @@ class CudaStep:
                  for entries in (listed if self._mixed_decode_rows else [0])]  # fmt: skip
         self._pad_buffers()
         for run in runs:
-            run()
+            try:
+                run()
+            except RuntimeError:
+                raise
+            except Exception as e:  # Triton's CompilationError, OutOfResources, ...
+                # (a RuntimeError: what start-up reports in one line, as a bad option)
+                raise RuntimeError(f"a Triton kernel of eager steps did not compile: {e}") from e
         self._pad_buffers()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
