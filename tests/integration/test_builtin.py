@@ -217,10 +217,10 @@ def test_cli_train_into_folder(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("INFER_SLOW_TESTS"),
-    reason="trains the real small model (2-3.5 min); set INFER_SLOW_TESTS=1 to run",
+    reason="trains the real small model (2-4 min); set INFER_SLOW_TESTS=1 to run",
 )
 def test_small_builds_and_writes_english(tmp_path, monkeypatch):
-    """The real default model, full recipe (2-3.5 minutes on 2 quiet cores)."""
+    """The real default model, full recipe (2-4 minutes on 2 quiet cores)."""
     from infer.builtin import ensure_builtin_model
 
     monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))

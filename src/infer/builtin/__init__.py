@@ -6,7 +6,7 @@ Python's own documentation the first time they are asked for and cached as ordin
 Face folders::
 
     from infer.builtin import ensure_builtin_model
-    path = ensure_builtin_model("small")   # trains once (2-3.5 min on 2 cores), then cached
+    path = ensure_builtin_model("small")   # trains once (2-4 min on 2 cores), then cached
 """
 
 from __future__ import annotations

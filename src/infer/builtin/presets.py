@@ -129,7 +129,7 @@ TOY = Preset(
     val_windows=256,
 )
 
-# Built in two to three and a half minutes on two CPU cores (the previous recipe, an 11M Llama trained for
+# Built in two to four minutes on two CPU cores (the previous recipe, an 11M Llama trained for
 # 480 AdamW steps of 4 x 1024 tokens, took ~9 minutes for a held-out loss of 5.24; this one
 # gets 4.92 on the same measure). docs/builtin-models.md has the measurements; in short:
 # - Muon for the hidden matrices and zero-initialised residual outputs: the loss leaves the
