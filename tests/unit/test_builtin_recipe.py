@@ -142,8 +142,9 @@ def test_bf16_matmuls_only_where_the_cpu_multiplies_bf16_unless_forced(monkeypat
 )
 def test_native_bf16_reads_the_cpu_flags(flags, native, monkeypatch):
     from infer.builtin import presets
+    from infer.runner.cpu import kernels
 
-    monkeypatch.setattr(presets, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(kernels, "cpu_flags_line", lambda: "flags\t\t: " + " ".join(sorted(flags)))
     assert presets.native_bf16() is native
 
 

@@ -8,10 +8,8 @@ change the weights a preset produces, so cached builds of the old recipe are not
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 # Part of every cache path: a recipe change must never silently reuse old weights.
@@ -205,21 +203,13 @@ Newton-Schulz) trains with it / in float32, whatever the CPU. Default: with it w
 multiplies bf16 in hardware (:func:`native_bf16`)."""
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
-
-
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX). Elsewhere torch
     emulates bf16 matmuls: on a 2-core AVX2-only EPYC a step of ``small`` took 24 s in bf16
     against 0.7 s in float32."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    from infer.runner.cpu.kernels import cpu_flags_line  # (the CPU kernels read it too)
+
+    return not {"avx512_bf16", "amx_bf16"}.isdisjoint(cpu_flags_line().partition(":")[2].split())
 
 
 def bf16_matmuls(preset: Preset) -> bool:

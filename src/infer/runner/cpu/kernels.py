@@ -53,7 +53,10 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+@cache
+def cpu_flags_line() -> str:
+    """This CPU's ``flags`` line of ``/proc/cpuinfo`` ("" where there is none): part of the
+    kernels' cache key, and what the built-in models' training reads for bf16 in hardware."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -73,7 +76,7 @@ def build_library(compiler: str, csrc: Path = CSRC) -> Path:
     # The compiler's path too: a wrapper script that adds flags (-mno-avx512f, to test the AVX2
     # build) prints the same --version as the compiler it wraps.
     key = hashlib.sha256(
-        source + version.encode() + compiler.encode() + _cpu_flags().encode()
+        source + version.encode() + compiler.encode() + cpu_flags_line().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"infer_cpu_{key}.so"
     if target.exists():
