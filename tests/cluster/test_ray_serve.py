@@ -172,6 +172,9 @@ def test_aborted_streams_free_everything(prefix_server):
 
             assert await asyncio.gather(dropped("Once upon a time"), dropped("In a galaxy")) == [
                 3, 3]  # fmt: skip
+            # The streams' aborts reach the replicas a moment later: until they have, a stream
+            # still counts as running and would pass for the request below.
+            await asyncio.to_thread(wait_idle, prefix_server)
 
             # a non-streamed request whose client goes away once it runs
             whole = asyncio.create_task(c.post("/v1/completions", json={
