@@ -44,7 +44,11 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def pd_server(llama_checkpoint, server_logs) -> Iterator[ServerProcess]:
-    yield from start_server(llama_checkpoint, server_logs, *PD_FLAGS)
+    """One server for the module (a start is ~40-90 s of Ray here). Its steps and KV fetches
+    are made provably slow, so a client can leave in each phase; the tests that kill a replica
+    or an engine come last in the file."""
+    env = {"INFER_TEST_STEP_DELAY": "0.05", "INFER_TEST_KV_FETCH_DELAY": "1.5"}
+    yield from start_server(llama_checkpoint, server_logs, *PD_FLAGS, env=env, new_session=True)
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +132,8 @@ def test_metrics_show_transfers_and_each_live_view_its_role(pd_server):
             assert event["role"] == role
 
 
-@pytest.fixture(scope="module")
-def slow_pd_server(llama_checkpoint, server_logs) -> Iterator[ServerProcess]:
-    """Steps and KV fetches made provably slow, so a client can leave in each phase."""
-    env = {"INFER_TEST_STEP_DELAY": "0.05", "INFER_TEST_KV_FETCH_DELAY": "1.5"}
-    yield from start_server(llama_checkpoint, server_logs, *PD_FLAGS, env=env, new_session=True)
-
-
-def test_aborts_in_each_phase_free_every_block_on_both_sides(slow_pd_server):
-    server = slow_pd_server
+def test_aborts_in_each_phase_free_every_block_on_both_sides(pd_server):
+    server = pd_server
     long_prompt = " ".join(f"word{i}" for i in range(150))  # ~10 prefill chunks of 16
     body = {"model": "tiny", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
@@ -189,8 +186,8 @@ def wait_serving(server: ServerProcess, timeout: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def test_a_decode_replica_killed_mid_transfer_fails_or_retries_cleanly(slow_pd_server):
-    server = slow_pd_server
+def test_a_decode_replica_killed_mid_transfer_fails_or_retries_cleanly(pd_server):
+    server = pd_server
     pids = router_stats(server)["pids"]
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5, "stream": True}
 
@@ -216,8 +213,8 @@ def test_a_decode_replica_killed_mid_transfer_fails_or_retries_cleanly(slow_pd_s
     wait_idle(server)
 
 
-def test_a_killed_decode_engine_gives_clean_errors_not_a_hang(slow_pd_server):
-    server = slow_pd_server
+def test_a_killed_decode_engine_gives_clean_errors_not_a_hang(pd_server):
+    server = pd_server
     pids = router_stats(server)["pids"]
     engine = pids["decode-0"]["engine"]
     assert engine is not None and engine != pids["prefill-0"]["engine"]
