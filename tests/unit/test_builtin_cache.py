@@ -1,5 +1,6 @@
-"""The built-in model cache: where it lives, building once (across threads and processes), and
-never using an interrupted build. Builds are real toy trainings of a few steps."""
+"""The built-in model cache: where it lives, building once (across threads and processes), in a
+process of its own, and never using an interrupted build. Builds are real toy trainings of a few
+steps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,13 +35,13 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 def count_builds(monkeypatch) -> list[Path]:
     """Records every real training run that the cache starts."""
     calls: list[Path] = []
-    real = cache.train
+    real = cache.train_in_child
 
-    def counting(preset, out, **kwargs):
+    def counting(name, out, **kwargs):
         calls.append(Path(out))
-        return real(preset, out, **kwargs)
+        return real(name, out, **kwargs)
 
-    monkeypatch.setattr(cache, "train", counting)
+    monkeypatch.setattr(cache, "train_in_child", counting)
     return calls
 
 
@@ -71,13 +73,26 @@ def test_unknown_name_lists_builtins():
         ensure_builtin_model("gpt-5")
 
 
-def test_builds_once_then_reuses(count_builds, capsys):
+def test_builds_once_over_a_dead_builds_leftovers_then_reuses(cache_dir, count_builds, capsys):
+    final = builtin_dir("toy", steps=STEPS)
+    final.parent.mkdir(parents=True)
+    # A build killed half-way: a temp folder with some files, and a folder at the final path
+    # that lacks its manifest (as if copied in by hand and cut short).
+    stale = final.parent / (final.name + ".tmp-dead")
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    final.mkdir()
+    (final / "config.json").write_text("{}")
+    assert not cache.is_complete(final)
+
     path = ensure_builtin_model("toy", progress=False, steps=STEPS)
-    assert path == builtin_dir("toy", steps=STEPS)
-    assert cache.is_complete(path)
+    assert path == final and cache.is_complete(path)
+    assert not stale.exists()
+    assert json.loads((path / MANIFEST).read_text())["steps"] == STEPS
     err = capsys.readouterr().err
     assert err.count("infer: building the built-in 'toy' model") == 1
     digest = sha256_file(path / "model.safetensors")
+    # and then it is found, not built again
     assert ensure_builtin_model("toy", progress=False, steps=STEPS) == path
     assert len(count_builds) == 1
     assert "building" not in capsys.readouterr().err
@@ -120,8 +135,10 @@ def _child(code: str, cache_dir: Path) -> subprocess.Popen:
 
 
 ENSURE = """
+import sys
 from infer.builtin import ensure_builtin_model
 print(ensure_builtin_model("toy", progress=False, steps=30))
+print("torch" in sys.modules)
 """
 
 
@@ -129,29 +146,13 @@ def test_concurrent_processes_build_once(cache_dir):
     procs = [_child(ENSURE, cache_dir) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    paths = {out.strip() for out, _ in outs}
+    # The training ran in a process of its own: neither asker imported torch.
+    assert [out.split()[1] for out, _ in outs] == ["False", "False"], outs
+    paths = {out.split()[0] for out, _ in outs}
     assert paths == {str(builtin_dir("toy", steps=30))}
     notices = "".join(err for _, err in outs)
     assert notices.count("infer: building the built-in 'toy' model") == 1
     assert cache.is_complete(Path(paths.pop()))
-
-
-def test_leftover_temp_and_incomplete_folder_are_not_used(cache_dir, count_builds):
-    final = builtin_dir("toy", steps=STEPS)
-    final.parent.mkdir(parents=True)
-    # A build killed half-way: a temp folder with some files, and a folder at the final path
-    # that lacks its manifest (as if copied in by hand and cut short).
-    stale = final.parent / (final.name + ".tmp-dead")
-    stale.mkdir()
-    (stale / "config.json").write_text("{}")
-    final.mkdir()
-    (final / "config.json").write_text("{}")
-    assert not cache.is_complete(final)
-    path = ensure_builtin_model("toy", progress=False, steps=STEPS)
-    assert path == final and cache.is_complete(path)
-    assert len(count_builds) == 1
-    assert not stale.exists()
-    assert json.loads((path / MANIFEST).read_text())["steps"] == STEPS
 
 
 # Trains for real, then hangs just before the atomic rename: the worst moment to be killed,
@@ -159,12 +160,12 @@ def test_leftover_temp_and_incomplete_folder_are_not_used(cache_dir, count_build
 KILLED_BUILD = f"""
 import sys, time
 import infer.builtin.cache as cache
-real = cache.train
-def train_then_hang(preset, out, **kw):
-    result = real(preset, out, **kw)
+real = cache.train_in_child
+def train_then_hang(name, out, **kw):
+    real(name, out, **kw)
     print("TRAINED", out, flush=True)
     time.sleep(600)
-cache.train = train_then_hang
+cache.train_in_child = train_then_hang
 cache.ensure_builtin_model("toy", progress=False, steps={STEPS})
 """
 
@@ -187,3 +188,60 @@ def test_killed_build_is_never_used(cache_dir, count_builds, capsys):
     assert len(count_builds) == 1
     assert not tmp.exists()
     assert "waiting for another process" not in capsys.readouterr().err
+
+
+def test_a_failed_training_process_is_an_error_and_leaves_nothing(cache_dir, monkeypatch):
+    def failing(name, out, **kwargs):
+        return [sys.executable, "-c", "import sys; sys.exit(3)"]
+
+    monkeypatch.setattr(cache, "child_command", failing)
+    with pytest.raises(RuntimeError, match=r"built-in 'toy' model failed.*status 3"):
+        ensure_builtin_model("toy", progress=False, steps=STEPS)
+    final = builtin_dir("toy", steps=STEPS)
+    assert not final.exists()
+    assert [p.name for p in final.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie has no cmdline left; a live process does
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_training_process_ends_with_the_process_that_asked(cache_dir):
+    # 100,000 steps: a build that provably outlasts this test.
+    asker = _child("""
+    from infer.builtin import ensure_builtin_model
+    ensure_builtin_model("toy", progress=False, steps=100_000)
+    """, cache_dir)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        trainers: list[int] = []
+        while not trainers:
+            assert asker.poll() is None, asker.communicate()
+            assert time.monotonic() < deadline, "no training process started"
+            trainers = [p for p in _children(asker.pid) if b"build_child" in
+                        Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+            time.sleep(0.1)
+    finally:
+        asker.send_signal(signal.SIGKILL)
+        asker.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _alive(trainers[0]):
+        assert time.monotonic() < deadline, "the training process outlived its parent by 30 s"
+        time.sleep(0.1)

@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,8 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from infer.builtin.presets import DEFAULT_SEED, RECIPE_VERSION, bf16_matmuls, get_preset
-from infer.builtin.train import MANIFEST, train
+import infer
+from infer.builtin.presets import DEFAULT_SEED, MANIFEST, RECIPE_VERSION, bf16_matmuls, get_preset
 
 # Overrides the presets' step count (tests, CI, a quick look); it is part of the cache path.
 STEPS_ENV = "INFER_BUILTIN_STEPS"
@@ -103,6 +104,30 @@ def _remove_stale(final: Path) -> None:
         shutil.rmtree(final, ignore_errors=True)
 
 
+def child_command(name: str, out: Path, *, seed: int, steps: int, progress: bool) -> list[str]:
+    """The command line of the process that trains ``name`` into ``out``."""
+    cmd = [sys.executable, "-m", "infer.builtin.build_child", name, str(out), "--seed",
+           str(seed), "--steps", str(steps), "--parent", str(os.getpid())]  # fmt: skip
+    return cmd + ([] if progress else ["--no-progress"])
+
+
+def train_in_child(name: str, out: Path, *, seed: int, steps: int, progress: bool) -> None:
+    """Train ``name`` into ``out`` in a process of its own (:mod:`infer.builtin.build_child`),
+    so the caller never imports torch for it nor keeps the training's memory. Its progress
+    bar and any error go to this process's stderr; a failure raises ``RuntimeError``."""
+    # The child finds this very package, however the caller put it on its path.
+    src = str(Path(infer.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (src, os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    cmd = child_command(name, out, seed=seed, steps=steps, progress=progress)
+    returncode = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL).returncode
+    if returncode != 0:
+        raise RuntimeError(
+            f"building the built-in '{name}' model failed: its training process exited with "
+            f"status {returncode} (its error, if any, is above)"
+        )
+
+
 def ensure_builtin_model(
     name: str,
     *,
@@ -112,8 +137,9 @@ def ensure_builtin_model(
 ) -> Path:
     """The folder of built-in model ``name`` ("toy" or "small"), building it on first use.
 
-    The first call trains the model (a one-line notice and a progress bar on stderr) into a
-    temporary folder and renames it into the cache; later calls return it immediately.
+    The first call trains the model (a one-line notice and a progress bar on stderr) in a
+    child process, into a temporary folder, and renames it into the cache; later calls return
+    it immediately.
     Concurrent callers wait for the first build. ``steps`` (or ``$INFER_BUILTIN_STEPS``)
     and ``seed`` select a different, separately cached build. Unknown names raise ValueError.
     """
@@ -135,7 +161,7 @@ def ensure_builtin_model(
         )
         tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
         try:
-            train(preset, tmp, seed=seed, steps=steps, progress=progress)
+            train_in_child(name, tmp, seed=seed, steps=steps, progress=progress)
             os.rename(tmp, final)  # atomic: the folder appears complete or not at all
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -17,6 +17,9 @@ RECIPE_VERSION = 2
 
 DEFAULT_SEED = 0
 
+# What a finished build writes beside its weights: the recipe, the losses, the checksums.
+MANIFEST = "infer_builtin.json"
+
 
 @dataclass(frozen=True)
 class Preset:

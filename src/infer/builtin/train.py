@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from infer.builtin.presets import RECIPE_VERSION, Preset, bf16_matmuls
+from infer.builtin.presets import MANIFEST, RECIPE_VERSION, Preset, bf16_matmuls
 from infer.builtin.textdata import (
     batch_windows,
     build_tokenizer,
@@ -37,7 +37,6 @@ from infer.builtin.textdata import (
     training_docs,
 )
 
-MANIFEST = "infer_builtin.json"
 WEIGHTS = "model.safetensors"
 
 
@@ -261,8 +260,8 @@ def sha256_file(path: Path) -> str:
 def _training_env(seed: int, threads: int | None):
     """Seed torch, make algorithms deterministic, pin the thread count, quiet transformers.
 
-    Everything is restored afterwards: ``ensure_builtin_model`` runs inside a server process,
-    so no global state may leak out of a build.
+    Everything is restored afterwards: ``train`` may run inside a caller's process (``infer
+    train --out``, a script), so no global state may leak out of a build.
     """
     import torch.utils.deterministic as det
     from transformers.utils import logging as hf_logging

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from infer.model.loader import find_model_folder
+from infer.model.folders import find_model_folder
 
 DEFAULT_MODEL = "small"
 

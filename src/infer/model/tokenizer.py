@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infer.model.loader import ModelLoadError
+from infer.model.folders import ModelLoadError
 
 
 def load_tokenizer(path: Path):

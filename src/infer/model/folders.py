@@ -1,0 +1,91 @@
+"""Finding a model's folder and reading its JSON files, without importing torch (a path check
+or ``infer.engine.model_source`` need not load the model layer)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class ModelLoadError(Exception):
+    """A model cannot be found or loaded; the message names the file, tensor or field."""
+
+
+# --------------------------------------------------------------------------- finding a model
+
+
+def find_model_folder(model: str | os.PathLike[str]) -> Path:
+    """The folder of ``model``: a local path, or a hub id (``org/name[@revision]``) already in
+    the local Hugging Face cache. Never touches the network."""
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ModelLoadError(f"{text} is a file; expected a model folder with config.json")
+    if _looks_like_repo_id(text):
+        return _find_in_hf_cache(text)
+    raise ModelLoadError(f"model folder {text} does not exist")
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    repo = text.split("@", 1)[0]
+    parts = repo.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def _find_in_hf_cache(model_id: str) -> Path:
+    """The cached snapshot of ``org/name[@revision]``, resolved by huggingface_hub itself."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo, _, revision = model_id.partition("@")
+    # NOTE: huggingface_hub reads its cache location once, at import; read the environment now
+    # so a cache set after import (tests, notebooks) is honoured.
+    cache = _hub_cache_dir() or constants.HF_HUB_CACHE
+    try:
+        folder = Path(
+            snapshot_download(
+                repo, revision=revision or None, cache_dir=cache, local_files_only=True
+            )  # fmt: skip
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as e:
+        raise ModelLoadError(
+            f"model {repo!r} is not a local folder and is not in the local Hugging Face cache "
+            f"({cache}); downloads are disabled, so fetch it beforehand "
+            f"(`hf download {repo}`) or pass a folder"
+        ) from e
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"cached snapshot {folder} of {repo!r} has no config.json")
+    return folder
+
+
+def _hub_cache_dir() -> Path | None:
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return None
+
+
+# --------------------------------------------------------------------------- JSON files
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """``config.json`` of ``model_dir`` as a dict."""
+    return read_json(Path(model_dir) / "config.json", what="model config")
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"missing {what}: {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
