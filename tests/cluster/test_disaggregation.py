@@ -134,6 +134,7 @@ def test_metrics_show_transfers_and_each_live_view_its_role(pd_server):
 
 def test_aborts_in_each_phase_free_every_block_on_both_sides(pd_server):
     server = pd_server
+    before = metric_values(server)
     long_prompt = " ".join(f"word{i}" for i in range(150))  # ~10 prefill chunks of 16
     body = {"model": "tiny", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
@@ -167,8 +168,19 @@ def test_aborts_in_each_phase_free_every_block_on_both_sides(pd_server):
             events += line.startswith("data: ")
             if events == 3:
                 break
-    after = wait_idle(server)
-    assert total(after, "vllm:request_success_total", finished_reason="abort") >= 2
+    # Every block is back on both sides after each phase (wait_idle). The drop mid-decode is an
+    # abort on the decode replica; the two before it may not count one (a prefill that ends
+    # before the disconnect reaches it is finished by length, and a fetch has no engine
+    # request yet), so only that one is certain. The count may land a moment after idle.
+    deadline = time.monotonic() + 30
+    while True:
+        after = wait_idle(server)
+        aborts = total(after, "vllm:request_success_total", finished_reason="abort") - total(
+            before, "vllm:request_success_total", finished_reason="abort")  # fmt: skip
+        if aborts >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert aborts >= 1
     with server.client() as c:  # and both serve on
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200, r.text

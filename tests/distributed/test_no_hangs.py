@@ -36,16 +36,23 @@ def _no_workers_left() -> bool:
     [
         ("1:start", r"(?s)rank 1 exited \(code 1\) before it could join .*exit before joining"),
         ("1:load", r"(?s)rank 1 exited \(code 1\) before it could load .*exit after loading"),
-        ("1:hang", r"rank\(s\) 1 did not load its slice of the model within 8s"),
+        # (rank 1 hangs once loaded; on a loaded machine it may not even have joined by then)
+        (
+            "1:hang",
+            r"rank\(s\) 1 did not (load its slice of the model|join the process group) "
+            r"within 8s",
+        ),
     ],
 )
 def test_a_rank_that_fails_to_start_ends_start_up_with_its_error(
     fault, message, tiny_checkpoints, monkeypatch
 ):
     """Each fault comes from a test hook the worker reads; the error names the rank, its exit
-    code and quotes its last output; the wait is bounded by the start-up deadline."""
+    code and quotes its last output; the wait is bounded by the start-up deadline. (A rank
+    that exits is seen at once: those cases get a deadline no slow start-up can reach, a
+    rank's own start being ~4 s of imports here.)"""
     monkeypatch.setenv(FAULT_ENV, fault)
-    monkeypatch.setenv(STARTUP_TIMEOUT_ENV, "8")
+    monkeypatch.setenv(STARTUP_TIMEOUT_ENV, "8" if fault.endswith("hang") else "45")
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=message):
         LLM(str(tiny_checkpoints["llama"]), tensor_parallel_size=2, dtype="float32")

@@ -15,6 +15,11 @@ import httpx
 import pytest
 
 STARTUP_TIMEOUT = 180.0  # a loaded 2-core machine can take a while to import torch
+# Replicas on a local Ray Serve: Ray's own start, then each replica's (40-90 s measured on a
+# loaded 2-core machine, and a test may start a second cluster beside the first). The server
+# gives its replicas 300 s itself.
+RAY_STARTUP_TIMEOUT = 420.0
+RAY_FLAGS = ("--data-parallel-size", "--prefill-replicas", "--decode-replicas")
 
 
 def free_port() -> int:
@@ -54,7 +59,8 @@ class ServerProcess:
         # test can signal as a whole, as systemd or `kill -- -PGID` do.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=new_session)  # fmt: skip
-        self._wait_ready()
+        ray = any(flag in args for flag in RAY_FLAGS)
+        self._wait_ready(RAY_STARTUP_TIMEOUT if ray else STARTUP_TIMEOUT)
 
     @property
     def base_url(self) -> str:
@@ -64,8 +70,8 @@ class ServerProcess:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         # NOTE: one client for every poll. httpx.get builds a client each call, loading the CA
         # bundle: ~20 ms of CPU a poll, taken from the server starting on a 2-core box. With one
         # client a refused connection costs ~0.1 ms, so the interval can be short (each of the
@@ -87,6 +93,16 @@ class ServerProcess:
         if not self._log.closed:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def log_lines(self, needle: str, timeout: float = 10.0) -> list[str]:
+        """The log's lines holding ``needle``, waiting up to ``timeout`` for a first one: the
+        server may write a line (the access log's) a moment after the client has its answer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [ln for ln in self.log().splitlines() if needle in ln]
+            if lines or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.05)
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kwargs)

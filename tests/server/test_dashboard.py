@@ -39,9 +39,9 @@ def _force_preemption(server) -> list[threading.Thread]:
             results.append(c.post("/v1/completions", json=body).json())
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
+    threads[0].start()
+    server.wait_running(1)  # the second arrives while the first runs, however loaded the box
+    threads[1].start()
     threads[0].results = results  # type: ignore[attr-defined]
     return threads
 

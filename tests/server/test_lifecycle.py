@@ -31,9 +31,9 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def slow_server(llama_checkpoint, server_logs):
-    """Every engine step sleeps 10 ms: 1000 tokens take >= 10 s, ten times the 1 s timeout,
-    however fast the machine."""
-    yield from start_server(llama_checkpoint, server_logs, "--request-timeout", "1.0",
+    """Every engine step sleeps 10 ms: 1000 tokens take >= 10 s, over three times the 3 s
+    timeout, however fast the machine; and 3 s leave a loaded machine time for a first token."""
+    yield from start_server(llama_checkpoint, server_logs, "--request-timeout", "3.0",
                             "--no-enable-prefix-caching", env={STEP_DELAY_ENV: "0.01"})  # fmt: skip
 
 
