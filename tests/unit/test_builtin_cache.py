@@ -73,7 +73,31 @@ def test_unknown_name_lists_builtins():
         ensure_builtin_model("gpt-5")
 
 
-def test_builds_once_over_a_dead_builds_leftovers_then_reuses(cache_dir, count_builds, capsys):
+def _ensure_in_threads(n: int) -> list[Path]:
+    """``ensure_builtin_model`` from ``n`` threads at once; their answers."""
+    results: list[Path] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def worker():
+        barrier.wait()
+        try:
+            results.append(ensure_builtin_model("toy", progress=False, steps=STEPS))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    return results
+
+
+def test_threads_build_once_over_a_dead_builds_leftovers_then_reuse(cache_dir, count_builds,
+                                                                    capsys):  # fmt: skip
+    # (one test, as each build is a training process of ~10 s here, mostly imports)
     final = builtin_dir("toy", steps=STEPS)
     final.parent.mkdir(parents=True)
     # A build killed half-way: a temp folder with some files, and a folder at the final path
@@ -85,42 +109,21 @@ def test_builds_once_over_a_dead_builds_leftovers_then_reuses(cache_dir, count_b
     (final / "config.json").write_text("{}")
     assert not cache.is_complete(final)
 
-    path = ensure_builtin_model("toy", progress=False, steps=STEPS)
-    assert path == final and cache.is_complete(path)
+    # Two threads ask at once: one builds, the other waits for it.
+    assert _ensure_in_threads(2) == [final, final]
+    assert cache.is_complete(final)
+    assert len(count_builds) == 1
     assert not stale.exists()
-    assert json.loads((path / MANIFEST).read_text())["steps"] == STEPS
+    assert json.loads((final / MANIFEST).read_text())["steps"] == STEPS
     err = capsys.readouterr().err
     assert err.count("infer: building the built-in 'toy' model") == 1
-    digest = sha256_file(path / "model.safetensors")
+    digest = sha256_file(final / "model.safetensors")
     # and then it is found, not built again
-    assert ensure_builtin_model("toy", progress=False, steps=STEPS) == path
+    assert ensure_builtin_model("toy", progress=False, steps=STEPS) == final
     assert len(count_builds) == 1
     assert "building" not in capsys.readouterr().err
-    assert sha256_file(path / "model.safetensors") == digest
-    assert [p.name for p in path.parent.iterdir() if ".tmp-" in p.name] == []
-
-
-def test_concurrent_threads_build_once(count_builds):
-    results: list[Path] = []
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(2)
-
-    def worker():
-        barrier.wait()
-        try:
-            results.append(ensure_builtin_model("toy", progress=False, steps=STEPS))
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert len(results) == 2 and results[0] == results[1]
-    assert len(count_builds) == 1
-    assert cache.is_complete(results[0])
+    assert sha256_file(final / "model.safetensors") == digest
+    assert [p.name for p in final.parent.iterdir() if ".tmp-" in p.name] == []
 
 
 def _child(code: str, cache_dir: Path) -> subprocess.Popen:
