@@ -369,8 +369,14 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
     assert "## Profile: torch-eager, a step with an arrival at batch 1" in md
     assert "Host side (the profiler's CPU events, self time)" in md
     assert "targets:" in capsys.readouterr().out
-    # A second run reuses the model folder.
-    args.modes = "torch-eager"
+    # A second run (one load, nothing else) reuses the model folder.
+    args = _args(
+        "--device", "cpu", "--tiny", "--model-dir", str(tmp_path / "model"), "--out", str(out),
+        "--modes", "torch-eager", "--concurrency", "1", "--long", "none", "--prompt-len", "16",
+        "--output-len", "4", "--max-num-seqs", "8", "--kv-cache-memory", "16MiB",
+        "--read-gib", "0.01", "--matmul-n", "64", "--skip-kernels", "--skip-hf",
+        "--skip-buckets", "--profile", "",
+    )  # fmt: skip
     assert gpu.run(args) == 0
     assert json.loads((out / "gpu.json").read_text())["model"]["reused"]
 
