@@ -215,9 +215,12 @@ def test_aborted_streams_free_everything(prefix_server):
 def test_prefix_routing_doubles_the_hit_rate_of_round_robin(prefix_server, llama_checkpoint,
                                                             server_logs):  # fmt: skip
     prefix_rate, prefix_shares = run_workload(prefix_server)
-    # (this one with an API key: the replicas check it, and the router on its own route)
+    # (this one with an API key: the replicas check it, and the router on its own route; and
+    # steps of at least 5 ms, so each of the overload's 200-token requests runs >= 1 s: the
+    # others arrive while the first ones still hold the queues, even when Ray routes slowly)
     gen = start_server(llama_checkpoint, server_logs, *REPLICA_FLAGS,
-                       "--router-policy", "round-robin", api_key="router-key")  # fmt: skip
+                       "--router-policy", "round-robin", api_key="router-key",
+                       env={"INFER_TEST_STEP_DELAY": "0.005"})  # fmt: skip
     rr_server = next(gen)
     try:
         for path in ("/metrics", "/router/stats", "/v1/models"):
