@@ -248,3 +248,20 @@ def test_the_training_process_ends_with_the_process_that_asked(cache_dir):
     while _alive(trainers[0]):
         assert time.monotonic() < deadline, "the training process outlived its parent by 30 s"
         time.sleep(0.1)
+
+
+def test_the_training_process_imports_the_callers_infer(tmp_path):
+    """Another ``infer`` first on the path (here one that cannot be imported): the training
+    process still runs this one (its ``--help`` proves it got as far as its own parser)."""
+    other = tmp_path / "elsewhere" / "infer"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("raise ImportError('the wrong infer')\n")
+    env = {**os.environ, "PYTHONPATH": str(other.parent)}
+    cmd = cache.child_command("toy", tmp_path / "out", seed=0, steps=1, progress=False)
+    proc = subprocess.run([*cmd, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "infer.builtin.build_child" in proc.stdout
+    # (the plain module path finds the other one)
+    plain = subprocess.run([sys.executable, "-m", "infer.builtin.build_child", "--help"], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert plain.returncode != 0 and "the wrong infer" in plain.stderr

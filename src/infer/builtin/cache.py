@@ -104,23 +104,36 @@ def _remove_stale(final: Path) -> None:
         shutil.rmtree(final, ignore_errors=True)
 
 
+# The training process's first lines: it must import this very infer, however the caller put
+# it on its path (an install, a checkout on sys.path). Only when its own path would find none,
+# or another one, is the caller's folder put first: an installed infer's folder is
+# site-packages, which must not go before the standard library.
+_BOOTSTRAP = """\
+import importlib.util, os, sys
+root = sys.argv.pop(1)
+spec = importlib.util.find_spec("infer")
+if spec is None or os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) != root:
+    sys.path.insert(0, root)
+from infer.builtin.build_child import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def child_command(name: str, out: Path, *, seed: int, steps: int, progress: bool) -> list[str]:
-    """The command line of the process that trains ``name`` into ``out``."""
-    cmd = [sys.executable, "-m", "infer.builtin.build_child", name, str(out), "--seed",
-           str(seed), "--steps", str(steps), "--parent", str(os.getpid())]  # fmt: skip
+    """The command line of the process that trains ``name`` into ``out``
+    (:mod:`infer.builtin.build_child`, run from this very package)."""
+    root = os.path.dirname(os.path.dirname(os.path.realpath(infer.__file__)))
+    cmd = [sys.executable, "-c", _BOOTSTRAP, root, name, str(out), "--seed", str(seed),
+           "--steps", str(steps), "--parent", str(os.getpid())]  # fmt: skip
     return cmd + ([] if progress else ["--no-progress"])
 
 
 def train_in_child(name: str, out: Path, *, seed: int, steps: int, progress: bool) -> None:
     """Train ``name`` into ``out`` in a process of its own (:mod:`infer.builtin.build_child`),
-    so the caller never imports torch for it nor keeps the training's memory. Its progress
-    bar and any error go to this process's stderr; a failure raises ``RuntimeError``."""
-    # The child finds this very package, however the caller put it on its path.
-    src = str(Path(infer.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (src, os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    so the caller keeps nothing of the training. Its progress bar and any error go to this
+    process's stderr; a failure raises ``RuntimeError``."""
     cmd = child_command(name, out, seed=seed, steps=steps, progress=progress)
-    returncode = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL).returncode
+    returncode = subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
     if returncode != 0:
         raise RuntimeError(
             f"building the built-in '{name}' model failed: its training process exited with "
