@@ -193,13 +193,18 @@ def test_killed_build_is_never_used(cache_dir, count_builds, capsys):
     assert "waiting for another process" not in capsys.readouterr().err
 
 
-def test_a_failed_training_process_is_an_error_and_leaves_nothing(cache_dir, monkeypatch):
+def test_a_failed_training_process_is_an_error_and_leaves_nothing(cache_dir, monkeypatch,
+                                                                  capsys):  # fmt: skip
     def failing(name, out, **kwargs):
-        return [sys.executable, "-c", "import sys; sys.exit(3)"]
+        return [sys.executable, "-c", "import sys; print('out of disk', file=sys.stderr); exit(3)"]
 
     monkeypatch.setattr(cache, "child_command", failing)
-    with pytest.raises(RuntimeError, match=r"built-in 'toy' model failed.*status 3"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)built-in 'toy' model failed.*status 3.*out of disk"
+    ):
         ensure_builtin_model("toy", progress=False, steps=STEPS)
+    # its output went through this process's sys.stderr (a notebook's cell shows it)
+    assert "out of disk" in capsys.readouterr().err
     final = builtin_dir("toy", steps=STEPS)
     assert not final.exists()
     assert [p.name for p in final.parent.iterdir() if ".tmp-" in p.name] == []

@@ -1,10 +1,10 @@
 """The process that trains a built-in model for the cache: ``python -m infer.builtin.build_child``.
 
 :func:`infer.builtin.cache.ensure_builtin_model` runs the training here rather than in the
-process that asked for the model (``infer serve``'s API process, a user's script), which so
-keeps nothing of it: no deterministic-mode or thread settings, no torch.compile/Triton modules
-imported (in a server those printed nanobind leak reports at exit). The progress bar goes to
-the inherited stderr. If the parent dies, this process ends too (a watch thread), so a
+process that asked for the model (``infer serve``'s engine process, a user's script), which
+so keeps nothing of it: no deterministic-mode or thread settings, no torch.compile/Triton
+modules imported (in a server those printed nanobind leak reports at exit). Its output (the
+progress bar) is copied to the asker's ``sys.stderr``. If the parent dies, this process ends too (a watch thread), so a
 killed ``infer serve`` leaves no orphan training for minutes; its temporary folder is removed
 by the next builder.
 """

@@ -16,6 +16,7 @@ finished folder instead of training again.
 
 from __future__ import annotations
 
+import codecs
 import fcntl
 import json
 import os
@@ -104,40 +105,64 @@ def _remove_stale(final: Path) -> None:
         shutil.rmtree(final, ignore_errors=True)
 
 
-# The training process's first lines: it must import this very infer, however the caller put
-# it on its path (an install, a checkout on sys.path). Only when its own path would find none,
-# or another one, is the caller's folder put first: an installed infer's folder is
-# site-packages, which must not go before the standard library.
+# The training process's first lines: it must run this very infer, however the caller found
+# it (an install, a checkout put on sys.path at run time), whatever its own path would find
+# first. So the package is loaded from its folder by hand; sys.path is left alone (an
+# installed infer's parent is site-packages, which must not go before the standard library).
 _BOOTSTRAP = """\
 import importlib.util, os, sys
-root = sys.argv.pop(1)
-spec = importlib.util.find_spec("infer")
-if spec is None or os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) != root:
-    sys.path.insert(0, root)
+folder = sys.argv.pop(1)
+spec = importlib.util.spec_from_file_location(
+    "infer", os.path.join(folder, "__init__.py"), submodule_search_locations=[folder])
+module = importlib.util.module_from_spec(spec)
+sys.modules["infer"] = module
+spec.loader.exec_module(module)
 from infer.builtin.build_child import main
 sys.exit(main(sys.argv[1:]))
 """
+
+# Lines of the training process's output quoted in the error when it fails.
+_ERROR_TAIL_LINES = 15
 
 
 def child_command(name: str, out: Path, *, seed: int, steps: int, progress: bool) -> list[str]:
     """The command line of the process that trains ``name`` into ``out``
     (:mod:`infer.builtin.build_child`, run from this very package)."""
-    root = os.path.dirname(os.path.dirname(os.path.realpath(infer.__file__)))
-    cmd = [sys.executable, "-c", _BOOTSTRAP, root, name, str(out), "--seed", str(seed),
+    folder = os.path.dirname(os.path.realpath(infer.__file__))
+    cmd = [sys.executable, "-c", _BOOTSTRAP, folder, name, str(out), "--seed", str(seed),
            "--steps", str(steps), "--parent", str(os.getpid())]  # fmt: skip
     return cmd + ([] if progress else ["--no-progress"])
 
 
 def train_in_child(name: str, out: Path, *, seed: int, steps: int, progress: bool) -> None:
     """Train ``name`` into ``out`` in a process of its own (:mod:`infer.builtin.build_child`),
-    so the caller keeps nothing of the training. Its progress bar and any error go to this
-    process's stderr; a failure raises ``RuntimeError``."""
+    so the caller keeps nothing of the training. Its output (the progress bar, any error) is
+    copied to this process's ``sys.stderr`` (a notebook's cell, not only file descriptor 2);
+    a failure raises ``RuntimeError`` quoting the end of it."""
     cmd = child_command(name, out, seed=seed, steps=steps, progress=progress)
-    returncode = subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    tail = b""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (chunks cut characters)
+    try:
+        assert proc.stdout is not None
+        while chunk := proc.stdout.read1(8192):
+            sys.stderr.write(decoder.decode(chunk))
+            sys.stderr.flush()
+            tail = (tail + chunk)[-8192:]
+        returncode = proc.wait()
+    except BaseException:  # Ctrl-C, or the caller's thread torn down: the training goes too
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        proc.stdout.close()
     if returncode != 0:
+        last = tail.decode(errors="replace").replace("\r", "\n").strip().splitlines()
+        quoted = "\n".join(last[-_ERROR_TAIL_LINES:])
         raise RuntimeError(
             f"building the built-in '{name}' model failed: its training process exited with "
-            f"status {returncode} (its error, if any, is above)"
+            f"status {returncode}" + (f"; its last output:\n{quoted}" if quoted else "")
         )
 
 

@@ -45,3 +45,7 @@ def __getattr__(name: str) -> Any:
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'infer.model' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
