@@ -20,7 +20,7 @@ import pytest
 
 # wait_idle: nothing runs or queues on either replica, every KV block free on both (a block
 # kept for export is not free), nothing in flight at the router.
-from tests.cluster.test_ray_serve import metric_values, total, wait_idle
+from tests.cluster.test_ray_serve import ended, metric_values, metrics_when, total, wait_idle
 from tests.server.conftest import ServerProcess, start_server
 
 pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[ray]"')
@@ -171,16 +171,10 @@ def test_aborts_in_each_phase_free_every_block_on_both_sides(pd_server):
     # Every block is back on both sides after each phase (wait_idle). The drop mid-decode is an
     # abort on the decode replica; the two before it may not count one (a prefill that ends
     # before the disconnect reaches it is finished by length, and a fetch has no engine
-    # request yet), so only that one is certain. The count may land a moment after idle.
-    deadline = time.monotonic() + 30
-    while True:
-        after = wait_idle(server)
-        aborts = total(after, "vllm:request_success_total", finished_reason="abort") - total(
-            before, "vllm:request_success_total", finished_reason="abort")  # fmt: skip
-        if aborts >= 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert aborts >= 1
+    # request yet), so only that one is certain.
+    wait_idle(server)
+    after = metrics_when(server, lambda m: ended(m, before, "abort") >= 1)
+    assert ended(after, before, "abort") >= 1
     with server.client() as c:  # and both serve on
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200, r.text

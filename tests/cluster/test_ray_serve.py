@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -62,8 +63,6 @@ def total(values: dict[str, float], name: str, **labels: str) -> float:
 def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
     """Poll until nothing runs or waits on any replica, every KV block is free and the router
     has nothing in flight."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         m = metric_values(server)
@@ -79,6 +78,25 @@ def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise AssertionError(f"the replicas did not go idle: {stats} {m}")
         time.sleep(0.1)
+
+
+def metrics_when(server: ServerProcess, ready: Callable[[dict[str, float]], bool],
+                 timeout: float = 30.0) -> dict[str, float]:  # fmt: skip
+    """The endpoint's metrics once ``ready(metrics)`` holds, else the last read after
+    ``timeout``: a replica's API layer may count a request's ending a moment after its engine
+    is idle (an abort, under load)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metric_values(server)
+        if ready(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def ended(now: dict[str, float], before: dict[str, float], reason: str) -> float:
+    """Requests finished with ``reason`` between two reads of the metrics."""
+    name = "vllm:request_success_total"
+    return total(now, name, finished_reason=reason) - total(before, name, finished_reason=reason)
 
 
 def run_workload(server: ServerProcess) -> tuple[float, list[float]]:
@@ -186,26 +204,16 @@ def test_aborted_streams_free_everything(prefix_server):
             await asyncio.gather(whole, return_exceptions=True)
 
     asyncio.run(run())
-    after = wait_idle(prefix_server)
-
-    def delta(reason: str) -> float:
-        return total(after, "vllm:request_success_total", finished_reason=reason) - total(
-            before, "vllm:request_success_total", finished_reason=reason
-        )
-
-    # The counters are the replicas' API layer's, which may count an ending a moment after the
-    # engine is idle (the abort of the non-streamed request, under load): read them again.
-    import time
-
-    deadline = time.monotonic() + 30
-    while delta("abort") + delta("length") < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
-        after = metric_values(prefix_server)
+    wait_idle(prefix_server)
+    after = metrics_when(
+        prefix_server, lambda m: ended(m, before, "abort") + ended(m, before, "length") >= 3
+    )
 
     # The streams were dropped with 557 tokens to go. The non-streamed one is aborted unless
     # the engine finished all its tokens before the disconnect reached it (a fast machine):
     # either way it ended, and nothing is left running or holding a block (wait_idle).
-    assert delta("abort") >= 2 and delta("abort") + delta("length") == 3
+    aborts = ended(after, before, "abort")
+    assert aborts >= 2 and aborts + ended(after, before, "length") == 3
     # and the replicas serve on
     with prefix_server.client() as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})

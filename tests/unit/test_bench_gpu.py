@@ -332,12 +332,13 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
     """Model build, roofline, the torch-eager engine with its buckets, a failing mode, the
     report files: what runs on a GPU, shrunk (kernels and transformers skipped)."""
     out = tmp_path / "out"
+    tiny = ("--device", "cpu", "--tiny", "--model-dir", str(tmp_path / "model"), "--out",
+            str(out), "--prompt-len", "16", "--output-len", "4", "--max-num-seqs", "8",
+            "--kv-cache-memory", "16MiB", "--read-gib", "0.01", "--matmul-n", "64",
+            "--skip-kernels", "--skip-hf")  # fmt: skip
     args = _args(
-        "--device", "cpu", "--tiny", "--model-dir", str(tmp_path / "model"), "--out", str(out),
-        "--modes", "torch-eager,nonsense", "--bucket-modes", "torch-eager", "--concurrency",
-        "1,4", "--long", "48x4@2", "--prompt-len", "16", "--output-len", "4", "--buckets", "1,3",
-        "--bucket-steps", "3", "--max-num-seqs", "8", "--kv-cache-memory", "16MiB",
-        "--read-gib", "0.01", "--matmul-n", "64", "--skip-kernels", "--skip-hf",
+        *tiny, "--modes", "torch-eager,nonsense", "--bucket-modes", "torch-eager",
+        "--concurrency", "1,4", "--long", "48x4@2", "--buckets", "1,3", "--bucket-steps", "3",
         "--profile", "3,1a", "--profile-mode", "torch-eager", "--profile-steps", "2",
     )  # fmt: skip
     assert gpu.run(args) == 1  # the unknown mode
@@ -370,13 +371,8 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
     assert "Host side (the profiler's CPU events, self time)" in md
     assert "targets:" in capsys.readouterr().out
     # A second run (one load, nothing else) reuses the model folder.
-    args = _args(
-        "--device", "cpu", "--tiny", "--model-dir", str(tmp_path / "model"), "--out", str(out),
-        "--modes", "torch-eager", "--concurrency", "1", "--long", "none", "--prompt-len", "16",
-        "--output-len", "4", "--max-num-seqs", "8", "--kv-cache-memory", "16MiB",
-        "--read-gib", "0.01", "--matmul-n", "64", "--skip-kernels", "--skip-hf",
-        "--skip-buckets", "--profile", "",
-    )  # fmt: skip
+    args = _args(*tiny, "--modes", "torch-eager", "--concurrency", "1", "--long", "none",
+                 "--skip-buckets", "--profile", "")  # fmt: skip
     assert gpu.run(args) == 0
     assert json.loads((out / "gpu.json").read_text())["model"]["reused"]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import infer.builtin.cache as cache
+from infer.bench.pyspy import child_pids
 from infer.builtin import RECIPE_VERSION, builtin_dir, cache_root, ensure_builtin_model
 from infer.builtin.train import MANIFEST, sha256_file
 
@@ -210,19 +211,6 @@ def test_a_failed_training_process_is_an_error_and_leaves_nothing(cache_dir, mon
     assert [p.name for p in final.parent.iterdir() if ".tmp-" in p.name] == []
 
 
-def _children(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:  # a zombie has no cmdline left; a live process does
         return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
@@ -243,7 +231,7 @@ def test_the_training_process_ends_with_the_process_that_asked(cache_dir):
         while not trainers:
             assert asker.poll() is None, asker.communicate()
             assert time.monotonic() < deadline, "no training process started"
-            trainers = [p for p in _children(asker.pid) if b"build_child" in
+            trainers = [p for p in child_pids(asker.pid) if b"build_child" in
                         Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
             time.sleep(0.1)
     finally:

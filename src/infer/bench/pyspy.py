@@ -30,8 +30,11 @@ def child_pids(pid: int) -> list[int]:
     """The direct children of ``pid`` (Linux: ``/proc/PID/task/*/children``)."""
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        with open(task / "children") as f:
-            children += [int(p) for p in f.read().split()]
+        try:
+            with open(task / "children") as f:
+                children += [int(p) for p in f.read().split()]
+        except OSError:  # a thread that ended since the listing
+            continue
     return children
 
 

@@ -4,9 +4,9 @@
 process that asked for the model (``infer serve``'s engine process, a user's script), which
 so keeps nothing of it: no deterministic-mode or thread settings, no torch.compile/Triton
 modules imported (in a server those printed nanobind leak reports at exit). Its output (the
-progress bar) is copied to the asker's ``sys.stderr``. If the parent dies, this process ends too (a watch thread), so a
-killed ``infer serve`` leaves no orphan training for minutes; its temporary folder is removed
-by the next builder.
+progress bar) is copied to the asker's ``sys.stderr``. If the parent dies, this process ends
+too (a watch thread), so a killed ``infer serve`` leaves no orphan training for minutes; its
+temporary folder is removed by the next builder.
 """
 
 from __future__ import annotations

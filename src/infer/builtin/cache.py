@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import infer
 from infer.builtin.presets import DEFAULT_SEED, MANIFEST, RECIPE_VERSION, bf16_matmuls, get_preset
 
 # Overrides the presets' step count (tests, CI, a quick look); it is part of the cache path.
@@ -128,7 +127,7 @@ _ERROR_TAIL_LINES = 15
 def child_command(name: str, out: Path, *, seed: int, steps: int, progress: bool) -> list[str]:
     """The command line of the process that trains ``name`` into ``out``
     (:mod:`infer.builtin.build_child`, run from this very package)."""
-    folder = os.path.dirname(os.path.realpath(infer.__file__))
+    folder = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # .../infer
     cmd = [sys.executable, "-c", _BOOTSTRAP, folder, name, str(out), "--seed", str(seed),
            "--steps", str(steps), "--parent", str(os.getpid())]  # fmt: skip
     return cmd + ([] if progress else ["--no-progress"])
