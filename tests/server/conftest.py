@@ -9,7 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -204,6 +207,17 @@ def start_server(
         yield server
     finally:
         server.terminate()
+
+
+T = TypeVar("T")
+
+
+def concurrently(request: Callable[[T], Any], items: Iterable[T]) -> list[Any]:
+    """``[request(item) for item in items]``, the requests in flight together (one batch on the
+    server: many sequential requests would each pay a whole step per token), results in order."""
+    items = list(items)
+    with ThreadPoolExecutor(max(1, len(items))) as pool:
+        return list(pool.map(request, items))
 
 
 SHARED_KEY = "test-key-123"

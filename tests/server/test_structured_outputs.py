@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel
+from tests.server.conftest import concurrently
 
 SCHEMA = {
     "type": "object",
@@ -34,11 +35,11 @@ def client(shared_server) -> OpenAI:
 def test_json_schema_outputs_validate_for_every_seed(client, shared_server):
     response_format = {"type": "json_schema",
                        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}  # fmt: skip
-    for seed in SEEDS:
-        out = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "A person, as JSON"}],
-            response_format=response_format, temperature=1.0, seed=seed, max_tokens=120,
-        )  # fmt: skip
+    outs = concurrently(lambda seed: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "A person, as JSON"}],
+        response_format=response_format, temperature=1.0, seed=seed, max_tokens=120,
+    ), SEEDS)  # fmt: skip
+    for out in outs:
         choice = out.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
@@ -65,29 +66,31 @@ def test_completions_take_every_spelling(client):
         ),  # fmt: skip
         ({"guided_grammar": 'root ::= "x" [0-9]+ "y"'}, "gbnf"),
     ]
-    for body, kind in cases:
-        for seed in SEEDS:
-            out = client.completions.create(model="tiny", prompt="Answer:", max_tokens=100,
-                                            temperature=1.0, seed=seed, extra_body=body)  # fmt: skip
-            text, finish = out.choices[0].text, out.choices[0].finish_reason
-            if kind == "object" and finish == "length":
-                # Any JSON object may be longer than max_tokens (strings are unbounded): then
-                # it is cut, as documented; the schema cases bound their strings.
-                assert text.startswith("{")
-                continue
-            assert finish == "stop", (kind, text)
-            if kind == "regex":
-                assert re.fullmatch(r"[a-z]{3}-[0-9]{2,4}", text), text
-            elif kind == "choice":
-                assert text in ("positive", "negative", "neutral")
-            elif kind == "json":
-                jsonschema.validate(json.loads(text), SCHEMA)
-            elif kind == "object":
-                assert isinstance(json.loads(text), dict)
-            elif kind == "lark":
-                assert re.fullmatch(r"yes|no|maybe [0-9]+", text), text
-            else:
-                assert re.fullmatch(r"x[0-9]+y", text), text
+    runs = [(body, kind, seed) for body, kind in cases for seed in SEEDS]
+    outs = concurrently(lambda run: client.completions.create(
+        model="tiny", prompt="Answer:", max_tokens=100, temperature=1.0, seed=run[2],
+        extra_body=run[0],
+    ), runs)  # fmt: skip
+    for (_, kind, _), out in zip(runs, outs, strict=True):
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+        if kind == "object" and finish == "length":
+            # Any JSON object may be longer than max_tokens (strings are unbounded): then
+            # it is cut, as documented; the schema cases bound their strings.
+            assert text.startswith("{")
+            continue
+        assert finish == "stop", (kind, text)
+        if kind == "regex":
+            assert re.fullmatch(r"[a-z]{3}-[0-9]{2,4}", text), text
+        elif kind == "choice":
+            assert text in ("positive", "negative", "neutral")
+        elif kind == "json":
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif kind == "object":
+            assert isinstance(json.loads(text), dict)
+        elif kind == "lark":
+            assert re.fullmatch(r"yes|no|maybe [0-9]+", text), text
+        else:
+            assert re.fullmatch(r"x[0-9]+y", text), text
 
 
 def test_a_grammar_cut_by_max_tokens_finishes_with_length(client):

@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
-from tests.server.conftest import start_server
+from tests.server.conftest import concurrently, start_server
 
 WEATHER = {
     "type": "object",
@@ -55,33 +55,34 @@ def test_required_tool_choice_always_gives_valid_calls(client, shared_server):
     """One call per reply (``parallel_tool_calls: false``) is bounded, so every reply ends on
     its own; with parallel calls the list may grow past max_tokens and be cut (``length``,
     the text returned as content), and every reply that ends on its own is valid."""
+    cases = [(seed, parallel) for seed in range(20) for parallel in (False, True)]
+    outs = concurrently(lambda case: client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=case[1], temperature=1.0, seed=case[0], max_tokens=150,
+    ), cases)  # fmt: skip
     finished = 0
-    for seed in range(20):
-        for parallel in (False, True):
-            out = client.chat.completions.create(
-                model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                parallel_tool_calls=parallel, temperature=1.0, seed=seed, max_tokens=150,
-            )  # fmt: skip
-            choice = out.choices[0]
-            if parallel and choice.finish_reason == "length":
-                assert choice.message.content.startswith('[{"name":')
-                continue
-            assert choice.finish_reason == "tool_calls", choice.message
-            assert choice.message.content is None
-            _check_calls(choice.message.tool_calls)
-            assert parallel or len(choice.message.tool_calls) == 1
-            finished += parallel
+    for (_, parallel), out in zip(cases, outs, strict=True):
+        choice = out.choices[0]
+        if parallel and choice.finish_reason == "length":
+            assert choice.message.content.startswith('[{"name":')
+            continue
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.content is None
+        _check_calls(choice.message.tool_calls)
+        assert parallel or len(choice.message.tool_calls) == 1
+        finished += parallel
+    print(f"{finished} of 20 parallel-call replies ended on their own")
     assert finished > 0
     stats = shared_server.wait_idle()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 def test_named_tool_choice_gives_that_function_with_valid_arguments(client):
-    for seed in range(10):
-        named = client.chat.completions.create(
-            model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=seed,
-            tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=80,
-        )  # fmt: skip
+    outs = concurrently(lambda seed: client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=seed,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=80,
+    ), range(10))  # fmt: skip
+    for named in outs:
         calls = named.choices[0].message.tool_calls
         assert [c.function.name for c in calls] == ["get_time"]
         _check_calls(calls)
