@@ -93,12 +93,13 @@ class StepShape:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """A mixed step's decodes for the decode kernel: entry e is query row ``ids[e]`` of
-    sequence ``seq[e]`` (its table row) with ``lens[e]`` keys (0: an unused entry), attended
-    in ``num_splits`` parts (``workspace``: their buffers when more than one)."""
+    """What the decode kernel attends: entry e is query row ``ids[e]`` of sequence ``seq[e]``
+    (its table row) with ``lens[e]`` keys (0: an unused entry), attended in ``num_splits``
+    parts (``workspace``: their buffers when more than one). ``ids`` and ``seq`` None: every
+    row of a decode-rows step, row r with table row r (a mixed step's decodes: a list)."""
 
-    ids: torch.Tensor
-    seq: torch.Tensor
+    ids: torch.Tensor | None
+    seq: torch.Tensor | None
     lens: torch.Tensor
     num_splits: int = 1
     workspace: object | None = None
@@ -150,10 +151,13 @@ class GpuAttentionContext:
         self.query_start = query_start
         self.num_computed = num_computed
         self.max_query_len = max_query_len
-        self.num_splits = num_splits
-        self.workspace = workspace
         self.tiles = tiles
-        self.decode_rows = decode_rows  # a mixed step's decodes (its prefill kernel skips them)
+        if context_lens is not None:  # a decode-rows step: every row through the decode kernel
+            assert decode_rows is None and query_start is None
+            decode_rows = DecodeRows(None, None, context_lens, num_splits, workspace)
+        # the decode kernel's rows: every row, or a mixed step's decodes (which its prefill
+        # kernel skips); None: none
+        self.decode_rows = decode_rows
         # 2 where decodes are always listed (then a step with none compiles no other kernel)
         self.min_query_len = min_query_len
 
@@ -235,22 +239,9 @@ class GpuAttentionContext:
             v_scales=v_scales,
             kv_kind=cache.kind,
         )
-        if self.context_lens is not None:
-            return ta.paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                self.tables,
-                self.context_lens,
-                num_splits=self.num_splits,
-                workspace=self.workspace,
-                **common,
-            )
-        assert self.query_start is not None and self.num_computed is not None
         out, rows = None, self.decode_rows
-        if rows is not None:  # the decodes first; the prefill kernel skips them
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            ta.paged_decode_attention(
+        if rows is not None:  # the decodes first (a mixed step's prefill kernel skips them)
+            out = ta.paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -260,9 +251,11 @@ class GpuAttentionContext:
                 row_tables=rows.seq,
                 num_splits=rows.num_splits,
                 workspace=rows.workspace,
-                out=out,
                 **common,
             )
+            if self.all_decode:
+                return out
+        assert self.query_start is not None and self.num_computed is not None
         if self.tiles is not None:
             tiles = self.tiles
             return ta.paged_prefill_attention_tiles(
