@@ -162,20 +162,22 @@ def test_a_discarded_step_launched_ahead_still_counts_its_launch(make_llm):
     ids=["mixed-eager", "mixed-graphs"],
 )
 def test_requests_admitted_into_steps_launched_ahead_get_the_waiting_steps_tokens(
-    make_llm, mixed_graphs, monkeypatch
+    make_llm, hf_greedy, mixed_graphs, monkeypatch
 ):
     """Arrivals while others decode (more prompts than slots, and requests added mid-flight)
     go into steps launched ahead — a decode step's rows fed on the device, the new prompts'
-    chunks after them — with the tokens of waiting for every step, every block back. With
-    INFER_MIXED_GRAPHS=1 those mixed steps run padded to token buckets (graphs on a GPU)."""
+    chunks after them — with the tokens of waiting for every step (greedy: transformers'
+    tokens, which the Triton step gives when it waits; see test_triton_step.py), every block
+    back. With INFER_MIXED_GRAPHS=1 those mixed steps run padded to token buckets (graphs on
+    a GPU)."""
     from infer.runner.gpu.cuda_step import MIXED_GRAPHS_ENV
 
     monkeypatch.setenv(MIXED_GRAPHS_ENV, "1" if mixed_graphs else "0")
     options = dict(OPTIONS, max_num_seqs=2, prefill_chunk_size=5)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[:6]
-    sync = make_llm("llama", async_scheduling=False, **options)
-    want = [o.outputs[0].token_ids for o in sync.generate(prompts, greedy)]
+    hf = [tokens[:6] for tokens in hf_greedy("llama")]
+    want = hf[:6]
 
     llm = make_llm("llama", **options)
     assert bool(llm.engine.runner.cuda_step.mixed_sizes) == mixed_graphs
@@ -201,5 +203,4 @@ def test_requests_admitted_into_steps_launched_ahead_get_the_waiting_steps_token
             break
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    ref = sync.generate([PROMPTS[2], PROMPTS[3], PROMPTS[6]], greedy)
-    assert [got[r] for r in ("2", "3", "6")] == [o.outputs[0].token_ids for o in ref]
+    assert [got[r] for r in ("2", "3", "6")] == [hf[2], hf[3], hf[6]]
