@@ -372,7 +372,7 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
     assert "targets:" in capsys.readouterr().out
     # A second run (one load, nothing else) reuses the model folder.
     args = _args(*tiny, "--modes", "torch-eager", "--concurrency", "1", "--long", "none",
-                 "--skip-buckets", "--profile", "")  # fmt: skip
+                 "--skip-buckets", "--profile", "", "--http", "")  # fmt: skip
     assert gpu.run(args) == 0
     assert json.loads((out / "gpu.json").read_text())["model"]["reused"]
 
