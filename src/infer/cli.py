@@ -26,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C where a command has no handler of its own: no traceback
+        print(f"\ninfer {args.command}: interrupted", file=sys.stderr)  # (after a progress bar)
+        return 130  # 128 + SIGINT, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -218,6 +218,43 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _trainers(pid: int, deadline: float) -> list[int]:
+    """The training processes under ``pid``, once there is one (``pid`` must live on)."""
+    while True:
+        found = [p for p in child_pids(pid) if b"build_child" in
+                 Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+        if found:
+            return found
+        assert time.monotonic() < deadline, "no training process started"
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ctrl_c_during_a_build_says_interrupted_and_leaves_nothing(cache_dir):
+    """Ctrl-C (SIGINT to the terminal's process group) while ``infer train`` builds into the
+    cache: exit status 130, one line saying so, no traceback from either process, the
+    training process gone and no temporary folder left."""
+    # 100,000 steps: a build that provably outlasts this test.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.cli", "train", "--preset", "toy", "--steps", "100000"],
+        env={**os.environ, "INFER_CACHE_DIR": str(cache_dir)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        trainers = _trainers(proc.pid, time.monotonic() + 120)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, err
+    assert err.rstrip().endswith("infer train: interrupted") and "Traceback" not in err, err
+    assert not _alive(trainers[0])
+    folder = builtin_dir("toy", steps=100_000).parent
+    assert [p.name for p in folder.iterdir() if ".tmp-" in p.name] == []
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_the_training_process_ends_with_the_process_that_asked(cache_dir):
     # 100,000 steps: a build that provably outlasts this test.
@@ -226,14 +263,7 @@ def test_the_training_process_ends_with_the_process_that_asked(cache_dir):
     ensure_builtin_model("toy", progress=False, steps=100_000)
     """, cache_dir)  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        trainers: list[int] = []
-        while not trainers:
-            assert asker.poll() is None, asker.communicate()
-            assert time.monotonic() < deadline, "no training process started"
-            trainers = [p for p in child_pids(asker.pid) if b"build_child" in
-                        Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
-            time.sleep(0.1)
+        trainers = _trainers(asker.pid, time.monotonic() + 120)
     finally:
         asker.send_signal(signal.SIGKILL)
         asker.wait(timeout=30)

@@ -44,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     from infer.builtin.presets import get_preset
     from infer.builtin.train import train
 
-    train(get_preset(args.name), args.out, seed=args.seed, steps=args.steps,
-          progress=not args.no_progress)  # fmt: skip
+    try:
+        train(get_preset(args.name), args.out, seed=args.seed, steps=args.steps,
+              progress=not args.no_progress)  # fmt: skip
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the asker reports it
+        return 130
     return 0
 
 
