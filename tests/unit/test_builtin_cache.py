@@ -242,15 +242,24 @@ def test_ctrl_c_during_a_build_says_interrupted_and_leaves_nothing(cache_dir):
     )  # fmt: skip
     try:
         trainers = _trainers(proc.pid, time.monotonic() + 120)
+        seen = b""  # the training's progress bar, copied by the parent: it is training now
+        while b"training toy" not in seen:
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            assert chunk, seen.decode(errors="replace")
+            seen += chunk
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, rest = proc.communicate(timeout=60)
+        err = seen.decode(errors="replace") + rest
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
     assert proc.returncode == 130, err
     assert err.rstrip().endswith("infer train: interrupted") and "Traceback" not in err, err
-    assert not _alive(trainers[0])
+    deadline = time.monotonic() + 30
+    while _alive(trainers[0]):
+        assert time.monotonic() < deadline, "the training process outlived Ctrl-C by 30 s"
+        time.sleep(0.1)
     folder = builtin_dir("toy", steps=100_000).parent
     assert [p.name for p in folder.iterdir() if ".tmp-" in p.name] == []
 
