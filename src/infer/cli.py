@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # subcommand -> module exposing `register(subparsers)`; each sets `func` on its parser.
@@ -30,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C where a command has no handler of its own: no traceback
         print(f"\ninfer {args.command}: interrupted", file=sys.stderr)  # (after a progress bar)
-        return 130  # 128 + SIGINT, as a shell reports it
+        # End by SIGINT, as an uncaught Ctrl-C does, so a calling shell's loop stops too.
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130  # (only where the signal could not end the process)
 
 
 if __name__ == "__main__":
