@@ -268,11 +268,11 @@ def test_the_key_guards_every_route_but_health(prefix_server):
 
 def test_overload_passes_through(prefix_server):
     """429 with Retry-After from a replica's full queue reaches the client unchanged."""
-    server = prefix_server
     long = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
     async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=server.headers,
+        async with httpx.AsyncClient(base_url=prefix_server.url, timeout=120,
+                                     headers=prefix_server.headers,
                                      limits=httpx.Limits(max_connections=32)) as c:  # fmt: skip
             return await asyncio.gather(*[c.post("/v1/completions", json=long)
                                           for _ in range(12)])  # fmt: skip
@@ -285,7 +285,7 @@ def test_overload_passes_through(prefix_server):
         assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "queue_full"
     assert all(r.json()["usage"]["completion_tokens"] == 200 for r in accepted)
-    wait_idle(server)
+    wait_idle(prefix_server)
 
 
 def test_metrics_are_the_sum_of_the_replicas(prefix_server):

@@ -5,12 +5,10 @@ else is served; every KV block back; vLLM's lora_requests_info metric."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
-from tests.server.conftest import assert_start_fails, start_server
+from tests.server.conftest import assert_start_fails, concurrently, start_server
 
 from infer.testing.lora import build_lora_adapter
 
@@ -60,8 +58,8 @@ def test_requests_pick_adapters_by_model_and_match_the_offline_api(lora_server, 
 
     client = OpenAI(base_url=lora_server.base_url, api_key="x")
     names = ["tiny", "a1", "a2", "a1", "tiny", "a2"]
-    with ThreadPoolExecutor(6) as pool:  # adapters and the base model in the same steps
-        texts = list(pool.map(lambda m: _complete(client, m), names))
+    # adapters and the base model in the same steps
+    texts = concurrently(lambda m: _complete(client, m), names)
     assert texts[0] == texts[4] and texts[1] == texts[3] and texts[2] == texts[5]
     assert len({texts[0], texts[1], texts[2]}) == 3  # each adapter changes the output
     llm = LLM(str(llama_checkpoint), enable_lora=True, max_loras=2)
@@ -91,8 +89,8 @@ def test_runtime_load_and_unload(lora_server, adapters):
 
     r = load("a3", adapters["a3"])
     assert r.status_code == 200 and "a3" in r.text
-    with ThreadPoolExecutor(3) as pool:  # three adapters, two slots: all complete
-        texts = list(pool.map(lambda m: _complete(client, m), ["a3", "a1", "a2"]))
+    # three adapters, two slots: all complete
+    texts = concurrently(lambda m: _complete(client, m), ["a3", "a1", "a2"])
     assert texts[0] != texts[1]
     assert {m.id for m in client.models.list()} >= {"a1", "a2", "a3"}
     bad = {

@@ -219,6 +219,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _gone_within(pid: int, seconds: float, what: str) -> None:
+    """Wait until process ``pid`` is gone; fail naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"the training process outlived {what} by {seconds:g} s"
+        time.sleep(0.1)
+
+
 def _trainers(asker: subprocess.Popen, deadline: float) -> list[int]:
     """The training processes under ``asker``, once there is one (``asker`` must live on)."""
     while True:
@@ -261,10 +269,7 @@ def test_ctrl_c_during_a_build_says_interrupted_and_leaves_nothing(cache_dir):
             proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGINT, err
     assert err.rstrip().endswith("infer train: interrupted") and "Traceback" not in err, err
-    deadline = time.monotonic() + 30
-    while _alive(trainers[0]):
-        assert time.monotonic() < deadline, "the training process outlived Ctrl-C by 30 s"
-        time.sleep(0.1)
+    _gone_within(trainers[0], 30, "Ctrl-C")
     folder = builtin_dir("toy", steps=100_000).parent
     assert [p.name for p in folder.iterdir() if ".tmp-" in p.name] == []
 
@@ -281,10 +286,7 @@ def test_the_training_process_ends_with_the_process_that_asked(cache_dir):
     finally:
         asker.send_signal(signal.SIGKILL)
         asker.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while _alive(trainers[0]):
-        assert time.monotonic() < deadline, "the training process outlived its parent by 30 s"
-        time.sleep(0.1)
+    _gone_within(trainers[0], 30, "its parent")
 
 
 def test_the_training_process_imports_the_callers_infer(tmp_path):

@@ -42,8 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "fp8 (e4m3, CUDA with fp8 matmuls) | int4 (4 bits in groups of 32, a scale and zero "
         "per group; vocabulary projection in int8) | w4a8 (the same 4-bit weights, int8 "
         "activations per group, CPUs with AVX-512 VNNI) | gptq | awq (the checkpoint is one: "
-        "checked; "
-        "GPTQ / AWQ folders are read from their quantization_config either way)",
+        "checked; GPTQ / AWQ folders are read from their quantization_config either way)",
     )
     g.add_argument(
         "--quantize-lm-head",
