@@ -74,6 +74,22 @@ def test_request_that_can_never_fit_the_pool_is_rejected_at_admission(make_llm):
         llm.generate(PROMPTS[5], SamplingParams(max_tokens=64))
 
 
+def test_without_max_tokens_a_request_runs_up_to_what_the_kv_cache_holds(make_llm):
+    """A KV cache smaller than the context: an unset max_tokens (a chat request's default)
+    means up to what the cache can hold, not a refusal; a prompt that fills it is refused."""
+    llm = make_llm("llama", num_kv_blocks=10, block_size=4)  # 40 tokens, a 1,024-token context
+    assert llm.engine.max_model_len > 40
+    prompt = list(range(5, 17))
+    out = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40 - 12
+    with pytest.raises(InvalidRequestError, match="no room for an output token") as e:
+        llm.generate([list(range(5, 45))], SamplingParams(max_tokens=None))
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="can ever hold") as e:  # asked for: refused
+        llm.generate([prompt], SamplingParams(max_tokens=29))
+    assert e.value.param == "max_tokens"
+
+
 def _copy(src, tmp_path):
     dst = tmp_path / "model"
     shutil.copytree(src, dst)

@@ -71,6 +71,33 @@ def test_stop_token_ids_and_length(make_llm):
     )[0].outputs[0]
     cut = ids.index(ids[4]) + 1
     assert out.finish_reason == "stop" and out.stop_reason == ids[4] and out.token_ids == ids[:cut]
+    # The stop id is counted and listed, but its text is not part of the output (as vLLM
+    # does), unless include_stop_str_in_output asks for it.
+    tok = llm.engine.tokenizer
+    assert out.text == tok.decode(ids[: cut - 1])
+    inc = llm.generate(
+        PROMPTS[3],
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[ids[4]],
+                       include_stop_str_in_output=True),
+    )[0].outputs[0]  # fmt: skip
+    assert inc.token_ids == ids[:cut] and inc.text == tok.decode(ids[:cut])
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(make_llm):
+    """max_tokens and a stop string end the output on the same token: the stop string is why
+    (finish_reason stop, its stop_reason), not the length."""
+    llm = make_llm("llama")
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    base = llm.generate(PROMPTS[1], greedy)[0].outputs[0]
+    tok = llm.engine.tokenizer
+    before = tok.decode(base.token_ids[:5])
+    assert base.text.startswith(before) and len(base.text) > len(before)
+    stop = base.text[len(before) - 2 :]  # ends with the sixth token's text, starts before it
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                  stop=[stop]))[0].outputs[0]  # fmt: skip
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == base.text[: base.text.index(stop)]
+    assert llm.engine.scheduler.counters.finished.get("length", 0) == 1  # the base run's
 
 
 def test_logprobs_match_transformers(make_llm, tiny_checkpoints):
@@ -115,6 +142,7 @@ def test_min_tokens_holds_back_eos(make_llm):
     llm.engine.eos_token_ids = (first,)
     out = run()
     assert out.token_ids == [first] and out.finish_reason == "stop"
+    assert out.text == ""  # the EOS's text is not output, special token or not
     out = run(min_tokens=n)
     assert len(out.token_ids) >= n and first not in out.token_ids[:n]
     # ignore_eos: EOS is neither a stop nor masked, so greedy emits it right away and goes on.

@@ -108,6 +108,7 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         max_model_len: int | None = None,
+        default_len: int | None = None,
         lora_name: str | None = None,
         export_kv: bool = False,
         kv_payload: KVPayload | None = None,
@@ -150,6 +151,11 @@ class Request:
         max_new = sampling_params.max_tokens
         if max_model_len is not None:
             room = max_model_len - len(self.prompt_token_ids)
+            if max_new is None and default_len is not None:
+                # Unset max_tokens: up to the context, or to ``default_len`` where that is
+                # shorter (what the KV cache can hold: see LLMEngine.add_request); one token
+                # at least, so a prompt too long for it is refused, not run for nothing.
+                room = min(room, max(1, default_len - len(self.prompt_token_ids)))
             max_new = room if max_new is None else min(max_new, room)
         self.max_new_tokens: int = max_new if max_new is not None else 2**31
 

@@ -128,6 +128,19 @@ class KVCapacity:
         return self.num_tokens * self.bytes_per_token
 
 
+def _ends_on_stop_token(request: Request) -> bool:
+    """Whether the request has just ended on an EOS or a stop id whose text is not part of the
+    output (it is unless ``include_stop_str_in_output``, as with stop strings): the token is
+    counted and listed with the output's ids, its text is not."""
+    if request.status != RequestStatus.FINISHED_STOPPED or not request.output_token_ids:
+        return False
+    params = request.sampling_params
+    if params.include_stop_str_in_output:
+        return False
+    last = request.output_token_ids[-1]
+    return request.stop_reason == last or (not params.ignore_eos and last in request.eos_token_ids)
+
+
 class _OutputState:
     def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
         self.detokenizer = detokenizer
@@ -552,6 +565,14 @@ class LLMEngine:
             if cc.enable_prefix_caching
             else f"off ({self.config.prefix_caching_off_reason or 'as asked'})",
         )
+        if cap.num_tokens < self.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than the context (%d): a request without "
+                "max_tokens stops there and a longer one is refused (--kv-cache-memory for a "
+                "bigger cache, --max-model-len for a shorter context)",
+                cap.num_tokens,
+                self.max_model_len,
+            )
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(
@@ -600,6 +621,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             arrival_time=arrival_time,
             max_model_len=self.max_model_len,
+            default_len=self.capacity.num_tokens,
             lora_name=lora_name,
             export_kv=export_kv,
             kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload),
@@ -607,9 +629,16 @@ class LLMEngine:
         longest = n + request.max_new_tokens
         if not self.kv_manager.can_ever_fit(longest):
             cap = self.capacity
+            held = f"{cap.num_tokens} tokens in {cap.num_blocks} blocks"
+            if params.max_tokens is None:  # (it ran up to what the cache holds: see Request)
+                raise InvalidRequestError(
+                    f"prompt ({n} tokens) leaves no room for an output token in the KV cache "
+                    f"({held})",
+                    param="prompt",
+                )
             raise InvalidRequestError(
                 f"prompt ({n} tokens) + max_tokens can reach {longest} tokens, more than the KV "
-                f"cache can ever hold ({cap.num_tokens} tokens in {cap.num_blocks} blocks)",
+                f"cache can ever hold ({held})",
                 param="max_tokens",
             )
         self._states[request_id] = _OutputState(
@@ -990,17 +1019,20 @@ class LLMEngine:
     def _make_output(self, request: Request) -> RequestOutput:
         state = self._states[request.request_id]
         detok = state.detokenizer
+        new_ids = request.output_token_ids[state.num_sent_tokens :]
+        if new_ids and _ends_on_stop_token(request):
+            new_ids = new_ids[:-1]  # an EOS or stop id ends the output, its text left out
         try:
-            text = detok.add_tokens(request.output_token_ids[state.num_sent_tokens :])
+            text = detok.add_tokens(new_ids)
         except Exception as e:  # noqa: BLE001 - a decoding failure fails this request only
             logger.exception("detokenization failed for %s", request.request_id)
             text = ""
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
                 request.error = f"detokenization failed: {e}"
-        if detok.stop_string is not None and (
-            not request.is_finished or detok.num_output_tokens < request.num_output_tokens
-        ):
+        # A stop string wins over a finish on the same or a later token (max_tokens, a
+        # grammar's end): the output ends with it, so it is why the output ended.
+        if detok.stop_string is not None:
             request.stop_reason = detok.stop_string
             self.scheduler.stop_at_string(request, detok.num_output_tokens)
         finished = request.is_finished  # decided from here on
