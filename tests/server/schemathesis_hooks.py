@@ -39,6 +39,8 @@ def breaks_a_cross_field_rule(body: dict) -> bool:
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
     if _ints(min_tokens, max_tokens) and min_tokens > max_tokens:
         return True
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        return True  # stream_options needs stream: true
     if body.get("continue_final_message") is True and body.get("add_generation_prompt", True):
         return True  # the two are exclusive, and add_generation_prompt defaults to true
     top = body.get("top_logprobs")

@@ -13,6 +13,7 @@ KEY = SHARED_KEY
 OK_CHAT = [{"role": "user", "content": "hi"}]
 
 C, CH = "/v1/completions", "/v1/chat/completions"
+LONE = b'{"model": "tiny", "max_tokens": 2, %s}'
 MB = 1_000_000
 
 
@@ -82,6 +83,18 @@ CASES = [
         400,
         "stream_options",
     ),  # fmt: skip
+    (
+        "stream-options-without-stream",
+        "POST",
+        C,
+        cmpl(stream_options={"include_usage": True}),
+        None,
+        400,
+        "stream_options",
+    ),  # fmt: skip
+    ("logit-bias-key-signed", "POST", C, cmpl(logit_bias={"+5": 1}), None, 400, "logit_bias"),
+    ("logit-bias-key-zero-led", "POST", C, cmpl(logit_bias={"05": 1}), None, 400, "logit_bias"),
+    ("logit-bias-key-arabic", "POST", C, cmpl(logit_bias={"\u0665": 1}), None, 400, "logit_bias"),
     ("min-over-max-tokens", "POST", C, cmpl(min_tokens=10, max_tokens=4), None, 400, "min_tokens"),
     ("priority-huge", "POST", C, cmpl(priority=2**40), None, 400, "priority"),
     ("model-int", "POST", C, cmpl(model=42), None, 400, "model"),
@@ -183,6 +196,61 @@ CASES = [
         "max_completion_tokens",
     ),  # fmt: skip
     ("chat-logprobs-int", "POST", CH, chat(logprobs=5), None, 400, "logprobs"),
+    (
+        "max-completion-over-context",
+        "POST",
+        CH,
+        chat(max_completion_tokens=2000),
+        None,
+        400,
+        "max_completion_tokens",
+    ),  # fmt: skip
+    # JSON's escapes can write a lone UTF-16 surrogate: not text any tokenizer takes.
+    (
+        "lone-surrogate-content",
+        "POST",
+        CH,
+        LONE % b'"messages": [{"role": "user", "content": "\\ud800"}]',
+        None,
+        400,
+        "messages[0].content",
+    ),  # fmt: skip
+    (
+        "lone-surrogate-part",
+        "POST",
+        CH,
+        LONE % b'"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]',
+        None,
+        400,
+        "messages[0].content[0].text",
+    ),  # fmt: skip
+    (
+        "lone-surrogate-model",
+        "POST",
+        C,
+        b'{"model": "\\ud800", "prompt": "hi"}',
+        None,
+        400,
+        "model",
+    ),  # fmt: skip
+    (
+        "lone-surrogate-bias-key",
+        "POST",
+        C,
+        LONE % b'"prompt": "hi", "logit_bias": {"\\ud800": 1}',
+        None,
+        400,
+        "logit_bias",
+    ),  # fmt: skip
+    (
+        "lone-surrogate-tokenize",
+        "POST",
+        "/tokenize",
+        b'{"prompt": "\\ud800"}',
+        None,
+        400,
+        "prompt",
+    ),  # fmt: skip
     ("prompt-10MB", "POST", C, cmpl(prompt="a" * (10 * MB)), None, 413, None),
     ("prompt-1MB-over-context", "POST", C, cmpl(prompt="word " * (MB // 5)), None, 400, "prompt"),
     (
@@ -237,6 +305,18 @@ def test_bad_request_gets_an_error_body(server, case):
     if param is not None:
         assert error["param"] == param, error
     assert server.proc.poll() is None
+
+
+def test_escaped_surrogate_pairs_are_text(server):
+    """JSON escapes a character outside the BMP as a surrogate pair (Python's json.dumps does,
+    by default): a pair is the character, not an error."""
+    r = httpx.post(server.base_url + "/completions", headers={**server.headers,
+                   "Content-Type": "application/json"},
+                   content=b'{"model": "tiny", "prompt": "\\ud83d\\ude00 hi", "max_tokens": 2}')  # fmt: skip
+    assert r.status_code == 200, r.text
+    count = httpx.post(server.url + "/tokenize", headers=server.headers,
+                       json={"prompt": "\U0001f600 hi"}).json()["count"]  # fmt: skip
+    assert r.json()["usage"]["prompt_tokens"] == count > 0
 
 
 def test_prompt_over_context_states_both_lengths(server):

@@ -77,3 +77,28 @@ def test_failed_stream_gets_an_error_event_then_done(engine, monkeypatch):
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     assert "injected forward failure" in json.loads(events[-2])["error"]["message"]
     assert 'vllm:request_success_total{finished_reason="error",model_name="tiny"} 1.0' in metrics
+
+
+def test_an_unexpected_failure_is_a_500_that_goes_no_further(engine, monkeypatch):
+    """A route's failure no handler expected: a 500 in the error shape, and nothing raised past
+    the app (had it been, as Starlette's last-resort handler does after answering, uvicorn
+    would close the connection and a keep-alive client's next request would be reset)."""
+    from infer.server.serving import Serving
+
+    def encode(self, text):
+        raise ZeroDivisionError("injected tokenizer failure")
+
+    monkeypatch.setattr(Serving, "encode", encode)
+
+    async def body(client):
+        return (await client.post("/v1/completions", json=BODY),
+                await client.post("/v1/completions", json={**BODY, "prompt": [5, 6, 7]}))  # fmt: skip
+
+    failed, ok = serve(engine, body)  # (ASGITransport raises whatever the app raises)
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert error["type"] == "server_error"
+    assert (
+        error["message"] == "internal server error: ZeroDivisionError: injected tokenizer failure"
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8

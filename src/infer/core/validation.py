@@ -14,8 +14,10 @@ def check_prompt(
     max_tokens: int | None = None,
     vocab_size: int | None = None,
     param: str = "prompt",
+    max_tokens_param: str = "max_tokens",
 ) -> None:
-    """Raise ``InvalidRequestError`` (naming ``param``) if the prompt cannot be served.
+    """Raise ``InvalidRequestError`` (naming ``param``, or ``max_tokens_param``: the field the
+    request gave ``max_tokens`` in) if the prompt cannot be served.
 
     - the prompt is empty, or leaves no room for one generated token in ``max_model_len``;
     - ``max_tokens`` is given and prompt + ``max_tokens`` exceeds ``max_model_len`` (the server
@@ -36,8 +38,8 @@ def check_prompt(
         raise InvalidRequestError(
             f"the model's context length is {max_model_len} tokens, but {n + max_tokens} were "
             f"requested ({n} in the prompt + {max_tokens} for the completion); reduce the "
-            "prompt or max_tokens",
-            param="max_tokens",
+            f"prompt or {max_tokens_param}",
+            param=max_tokens_param,
         )
     if vocab_size is not None:
         bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab_size), None)

@@ -28,6 +28,7 @@ from infer.server.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     OverloadMiddleware,
+    UnexpectedErrorMiddleware,
 )
 from infer.server.protocol import (
     VOCAB_BOUND,
@@ -279,7 +280,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app.openapi = openapi  # type: ignore[method-assign]
 
     # Outermost first on the way in: log everything, then authenticate, then bound the body,
-    # then refuse generation at once while the queue is full.
+    # then refuse generation at once while the queue is full, then answer a route's unexpected
+    # failure with a 500.
+    app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(OverloadMiddleware, queue_is_full=async_engine.queue_is_full)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:

@@ -145,9 +145,9 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     serving.check_fields(req, "/v1/chat/completions")
     if req.top_logprobs and not req.logprobs:  # top_logprobs 0 without logprobs asks nothing
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    max_tokens = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    )
+    max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens is not None:  # (the newer name wins, as OpenAI's)
+        max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     try:
         mode = tool_mode(req)
         constraint = tool_constraint(mode, req.parallel_tool_calls)
@@ -160,7 +160,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
                             kwargs=req.chat_template_kwargs, tools=tool_template_args(mode)),
         size=size,
     )  # fmt: skip
-    serving.check_lengths(ids, max_tokens, "messages")
+    serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, max_tokens, k, constraint)
     request_id = new_id("chatcmpl")

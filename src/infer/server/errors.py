@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.core.sampling_params import InvalidRequestError
+from infer.server.protocol import InvalidTextError
 
 logger = logging.getLogger("infer.server")
 
@@ -49,6 +50,8 @@ class APIError(Exception):
         type: str | None = None,
         code: int | str | None = None,
     ) -> None:
+        if not message.isascii():  # a lone surrogate echoed back must not break the body
+            message = message.encode("utf-8", "replace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -111,6 +114,9 @@ def validation_error(errors: list[dict]) -> APIError:
         detail = (first.get("ctx") or {}).get("error", "")
         pos = first.get("loc", (None, None))[-1]
         return bad_request(f"malformed JSON body: {detail} at position {pos}".strip())
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidTextError):  # a lone surrogate (before the fields are read)
+        return bad_request(str(cause), param=cause.param or None)
     param = _param_path(tuple(first.get("loc", ())))
     if first.get("type") == "model_attributes_type" and param is None:
         return bad_request(
@@ -150,5 +156,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        # (what the outer middleware raise; the routes' own: UnexpectedErrorMiddleware)
         logger.exception("unhandled error while serving a request")
-        return APIError(500, f"internal server error: {type(e).__name__}: {e}").response()
+        return internal_error(e).response()
+
+
+def internal_error(e: BaseException) -> APIError:
+    """A failure no handler expected, as the 500 a client gets."""
+    return APIError(500, f"internal server error: {type(e).__name__}: {e}")

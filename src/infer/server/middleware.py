@@ -1,4 +1,5 @@
-"""Plain ASGI middleware: the access log, the API key check and the request-size limit.
+"""Plain ASGI middleware: the access log, the API key check, the request-size limit and the
+500 of an unexpected failure.
 
 Written as raw ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass through untouched
 and a client disconnect still reaches the handler.
@@ -14,9 +15,10 @@ from urllib.parse import parse_qs
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from infer.server.errors import APIError
+from infer.server.errors import APIError, internal_error
 
 access_logger = logging.getLogger("infer.access")
+logger = logging.getLogger("infer.server")
 
 OPEN_PATHS = frozenset({"/health"})
 DASHBOARD_ASSETS = "/dashboard/static/"
@@ -27,6 +29,39 @@ async def _send_error(send: Send, error: APIError, headers: dict[str, str] | Non
     await send({"type": "http.response.start", "status": response.status_code,
                 "headers": response.raw_headers})  # fmt: skip
     await send({"type": "http.response.body", "body": response.body})
+
+
+class UnexpectedErrorMiddleware:
+    """A route's failure that no handler expected: logged once, answered with a 500 in the
+    OpenAI shape, and the connection kept open.
+
+    An ``Exception`` handler of the app runs in Starlette's outermost middleware, which sends
+    its response and then raises the error again (for the server to log); uvicorn then closes
+    the connection, so a keep-alive client's next request on it failed with a reset. A
+    response already under way (a stream) cannot turn into a 500: that error goes on up and
+    the connection closes, as it must with a body cut short.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as e:
+            if started:
+                raise
+            logger.exception("unhandled error while serving a request")
+            await _send_error(send, internal_error(e))
 
 
 class AccessLogMiddleware:

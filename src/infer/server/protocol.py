@@ -34,19 +34,87 @@ MAX_LOGPROBS = 20
 _SCALARS = frozenset({int, str, bool, type(None)})
 
 
-def _integral_floats_to_int(value: Any) -> Any:
-    """``1.0`` -> ``1`` throughout a body: JSON Schema counts a number with no fraction as an
-    integer, so a schema-valid body may write one so (strings and bools stay refused)."""
+class InvalidTextError(ValueError):
+    """A string of the body that is not Unicode text: JSON's ``\\ud800`` escapes can write a
+    lone UTF-16 surrogate, which no tokenizer, template or UTF-8 encoder takes. ``param``: where
+    (``messages[0].content``), for the 400's ``param``."""
+
+    def __init__(self, char: str) -> None:
+        self.char = char
+        self.path: list[str | int] = []  # filled in on the way out of the body
+        self.in_key = False  # a key of the object at ``path``, not its value
+        super().__init__()
+
+    @property
+    def param(self) -> str:
+        out = ""
+        for part in self.path:
+            out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+        return out
+
+    def __str__(self) -> str:
+        where = f"'{self.param}'" if self.path else "the body"
+        if self.in_key:
+            where = f"a key of {where}"
+        return (f"{where} is not valid text: it holds a lone UTF-16 surrogate "
+                f"(\\u{ord(self.char):04x}) with no pair")  # fmt: skip
+
+
+def _check_text(s: str) -> None:
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidTextError(s[e.start]) from None
+
+
+def _normalized(value: Any) -> Any:
+    """The body as the models validate it: ``1.0`` -> ``1`` throughout (JSON Schema counts a
+    number with no fraction as an integer, so a schema-valid body may write one so; strings
+    and bools stay refused), and every string and key checked to be text
+    (:class:`InvalidTextError`)."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
+    if isinstance(value, str):
+        _check_text(value)
+        return value
     if isinstance(value, list):
         # NOTE: the common big list (prompt token ids, strings) has nothing to convert; checking
         # its element types in C is ~6x cheaper than rebuilding it in Python.
-        if set(map(type, value)) <= _SCALARS:
+        types = set(map(type, value))
+        if types <= _SCALARS:
+            if str in types:
+                for i, v in enumerate(value):
+                    try:
+                        if type(v) is str:
+                            _check_text(v)
+                    except InvalidTextError as e:
+                        e.path.insert(0, i)
+                        raise
             return value
-        return [_integral_floats_to_int(v) for v in value]
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_normalized(v))
+            except InvalidTextError as e:
+                e.path.insert(0, i)
+                raise
+        return out
     if isinstance(value, dict):
-        return {k: _integral_floats_to_int(v) for k, v in value.items()}
+        out_dict = {}
+        for k, v in value.items():
+            if type(k) is str:
+                try:
+                    _check_text(k)
+                except InvalidTextError as e:
+                    e.in_key = True
+                    raise
+            try:
+                out_dict[k] = _normalized(v)
+            except InvalidTextError as e:
+                e.path.insert(0, k)
+                raise
+        return out_dict
     return value
 
 
@@ -55,8 +123,8 @@ class _Request(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _json_integers(cls, data: Any) -> Any:
-        return _integral_floats_to_int(data)
+    def _json_values(cls, data: Any) -> Any:
+        return _normalized(data)
 
 
 class _Response(BaseModel):
@@ -86,7 +154,7 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
     cache_salt: str | None = Field(None, min_length=1, description="isolates prefix-cache hits")
     include_stop_str_in_output: bool = False

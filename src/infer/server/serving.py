@@ -70,13 +70,13 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     is a 400 naming ``logit_bias``."""
     out = []
     for key, value in (bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
+        # Decimal digits as the published schema's pattern has them: int() would also take
+        # "+5", " 5", "0_5" or other scripts' digits, which that schema refuses.
+        if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-            ) from None
-        out.append((token_id, float(value)))
+            )
+        out.append((int(key), float(value)))
     return tuple(out)
 
 
@@ -117,6 +117,8 @@ class Serving:
 
     def check_fields(self, req: _SamplingFields, route: str) -> None:
         """Refuse meaning-changing fields we do not implement; log the ones we ignore."""
+        if req.stream_options is not None and not req.stream:  # (as OpenAI and vLLM do)
+            raise bad_request("stream_options needs stream: true", param="stream_options")
         extra = req.model_extra or {}
         refused = [k for k, ok in UNSUPPORTED_FIELDS.items() if k in extra and not ok(extra[k])]
         if refused:
@@ -141,10 +143,12 @@ class Serving:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
-    def check_lengths(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
+    def check_lengths(self, prompt_ids: list[int], max_tokens: int | None, param: str,
+                      max_tokens_param: str = "max_tokens") -> None:  # fmt: skip
         """400 before anything is queued when the prompt (+ max_tokens) cannot be served."""
         try:
-            check_prompt(prompt_ids, self.max_model_len, max_tokens=max_tokens, param=param)
+            check_prompt(prompt_ids, self.max_model_len, max_tokens=max_tokens, param=param,
+                         max_tokens_param=max_tokens_param)  # fmt: skip
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e
 
