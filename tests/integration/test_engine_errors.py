@@ -90,6 +90,15 @@ def test_without_max_tokens_a_request_runs_up_to_what_the_kv_cache_holds(make_ll
     assert e.value.param == "max_tokens"
 
 
+def test_a_prompt_past_the_context_is_the_engines_refusal_alone(make_llm, capfd):
+    """The engine refuses it naming both lengths; the tokenizer's model_max_length (2,048 in
+    these checkpoints, whatever the model's context) adds no warning of transformers' own."""
+    llm = make_llm("llama")
+    with pytest.raises(InvalidRequestError, match="context length is 1024"):
+        llm.generate(["word " * 3000], OK)
+    assert "Token indices sequence length" not in capfd.readouterr().err
+
+
 def _copy(src, tmp_path):
     dst = tmp_path / "model"
     shutil.copytree(src, dst)

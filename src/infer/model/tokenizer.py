@@ -6,12 +6,19 @@ from pathlib import Path
 
 from infer.model.folders import ModelLoadError
 
+VERY_LONG = int(1e30)  # transformers' own "no limit" value
+
 
 def load_tokenizer(path: Path):
     """``AutoTokenizer`` of the folder ``path``; never downloads. Raises :class:`ModelLoadError`."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    # The engine checks every prompt against its own context (max_model_len); the tokenizer's
+    # model_max_length, often not the model's, only made transformers warn ("Token indices
+    # sequence length is longer than ...") about prompts the engine then served or refused.
+    tokenizer.model_max_length = VERY_LONG
+    return tokenizer
