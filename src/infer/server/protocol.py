@@ -60,19 +60,23 @@ class InvalidTextError(ValueError):
                 f"(\\u{ord(self.char):04x}) with no pair")  # fmt: skip
 
 
-def _check_text(s: str) -> None:
+def _check_text(s: str, at: str | int | None = None) -> None:
+    """Raise :class:`InvalidTextError` if ``s`` is not text (``at``: its index or key)."""
     if not s.isascii():
         try:
             s.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise InvalidTextError(s[e.start]) from None
+            error = InvalidTextError(s[e.start])
+            if at is not None:
+                error.path.append(at)
+            raise error from None
 
 
 def _normalized(value: Any) -> Any:
     """The body as the models validate it: ``1.0`` -> ``1`` throughout (JSON Schema counts a
     number with no fraction as an integer, so a schema-valid body may write one so; strings
     and bools stay refused), and every string and key checked to be text
-    (:class:`InvalidTextError`)."""
+    (:class:`InvalidTextError`, its path filled in on the way out)."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, str):
@@ -85,12 +89,8 @@ def _normalized(value: Any) -> Any:
         if types <= _SCALARS:
             if str in types:
                 for i, v in enumerate(value):
-                    try:
-                        if type(v) is str:
-                            _check_text(v)
-                    except InvalidTextError as e:
-                        e.path.insert(0, i)
-                        raise
+                    if type(v) is str:
+                        _check_text(v, at=i)
             return value
         out = []
         for i, v in enumerate(value):
@@ -103,12 +103,12 @@ def _normalized(value: Any) -> Any:
     if isinstance(value, dict):
         out_dict = {}
         for k, v in value.items():
-            if type(k) is str:
-                try:
+            try:
+                if type(k) is str:
                     _check_text(k)
-                except InvalidTextError as e:
-                    e.in_key = True
-                    raise
+            except InvalidTextError as e:
+                e.in_key = True
+                raise
             try:
                 out_dict[k] = _normalized(v)
             except InvalidTextError as e:
