@@ -7,6 +7,8 @@ sequences (seeded children use ``seed + i`` so they differ yet stay reproducible
 from __future__ import annotations
 
 import itertools
+import operator
+import threading
 from collections.abc import Sequence
 
 from infer.config import EngineConfig
@@ -30,6 +32,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
         self._ids = itertools.count()
+        # One call drives the engine at a time: two threads stepping it at once would each
+        # drop the other's outputs (and race inside the forward pass), so they take turns.
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism) and drop its CUDA graphs."""
@@ -59,7 +64,9 @@ class LLM:
         """Run every prompt to completion; results come back in prompt order.
 
         ``lora_request``: one adapter for every prompt, or one per prompt (None: the base
-        model); needs ``LLM(..., enable_lora=True)``."""
+        model); needs ``LLM(..., enable_lora=True)``. Safe to call from several threads (the
+        calls take turns). If the call fails or is interrupted (Ctrl-C), its requests are
+        aborted: nothing of it is left in the engine."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -76,42 +83,17 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompt_list):
                 raise ValueError(f"{len(loras)} LoRA requests for {len(prompt_list)} prompts")
-        encoded = [self._encode(p) for p in prompt_list]
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"{len(priority)} priorities for {len(prompt_list)} prompts")
+        encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
         for params in params_list:
             if params.structured_outputs is not None:  # a bad grammar raises here, naming it
                 from infer.structured import compile_grammar
 
                 compile_grammar(params.structured_outputs)
 
-        children: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, child index)
-        added: list[str] = []
-        try:
-            for i, (token_ids, params) in enumerate(zip(encoded, params_list, strict=True)):
-                base = str(next(self._ids))
-                for j in range(params.n):
-                    rid = f"{base}-{j}"
-                    self.engine.add_request(
-                        rid,
-                        token_ids,
-                        params.for_choice(j),
-                        priority=priority[i] if priority else 0,
-                        cache_salt=cache_salt,
-                        lora_request=loras[i],
-                    )
-                    children[rid] = (i, j)
-                    added.append(rid)
-        except (InvalidRequestError, RuntimeError):
-            for rid in added:
-                self.engine.abort_request(rid)
-            self._drain()
-            raise
-
-        collected: dict[str, list[RequestOutput]] = {rid: [] for rid in children}
-        while any(not outs or not outs[-1].finished for outs in collected.values()):
-            for out in self.engine.step():
-                if out.request_id in collected:
-                    collected[out.request_id].append(out)
-
+        with self._lock:
+            children, collected = self._run(encoded, params_list, priority, cache_salt, loras)
         results = []
         for i, token_ids in enumerate(encoded):
             rids = [rid for rid, (pi, _) in children.items() if pi == i]
@@ -135,27 +117,90 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | None = None,
         **template_kwargs,
-    ) -> GenerationResult:
-        """Render ``messages`` with the model's chat template and generate a reply."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **template_kwargs
-        )
+    ) -> GenerationResult | list[GenerationResult]:
+        """Render ``messages`` with the model's chat template and generate a reply: one
+        conversation (a list of ``{"role", "content"}`` dicts) gives one result, a list of
+        conversations a list of results, generated together. A template that cannot render
+        them raises ``InvalidRequestError`` naming ``messages``."""
+        batch = bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = messages if batch else [messages]
+        prompts = [self._render(c, template_kwargs) for c in conversations]
+        results = self.generate(prompts, sampling_params)
+        return results if batch else results[0]
+
+    def _render(self, messages, template_kwargs: dict) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **template_kwargs
+            )
+        except Exception as e:  # noqa: BLE001 - no template, a jinja error, a missing field
+            raise InvalidRequestError(
+                f"the chat template could not render these messages: {e}", param="messages"
+            ) from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        return self.generate([list(ids)], sampling_params)[0]
+        return list(ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
-    def _encode(self, prompt: PromptInput) -> list[int]:
+    def _run(
+        self,
+        encoded: list[list[int]],
+        params_list: list[SamplingParams],
+        priority: Sequence[int] | None,
+        cache_salt: str | None,
+        loras: list[LoRARequest | None],
+    ) -> tuple[dict[str, tuple[int, int]], dict[str, list[RequestOutput]]]:
+        """Add every (prompt, choice) as a request and step the engine until all finish: the
+        request ids (-> prompt index, choice index) and each one's outputs. Whatever stops it
+        (a refused request, an error, Ctrl-C) aborts the requests it added first."""
+        children: dict[str, tuple[int, int]] = {}
+        collected: dict[str, list[RequestOutput]] = {}
+        try:
+            for i, (token_ids, params) in enumerate(zip(encoded, params_list, strict=True)):
+                base = str(next(self._ids))
+                for j in range(params.n):
+                    rid = f"{base}-{j}"
+                    self.engine.add_request(
+                        rid,
+                        token_ids,
+                        params.for_choice(j),
+                        priority=priority[i] if priority else 0,
+                        cache_salt=cache_salt,
+                        lora_request=loras[i],
+                    )
+                    children[rid] = (i, j)
+                    collected[rid] = []
+            while any(not outs or not outs[-1].finished for outs in collected.values()):
+                for out in self.engine.step():
+                    if out.request_id in collected:
+                        collected[out.request_id].append(out)
+        except BaseException:
+            for rid, outs in collected.items():
+                if not outs or not outs[-1].finished:
+                    self.engine.abort_request(rid)
+            self._drain()
+            raise
+        return children, collected
+
+    def _encode(self, prompt: PromptInput, index: int, count: int) -> list[int]:
+        param = "prompt" if count == 1 else f"prompts[{index}]"
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("the prompt is empty", param="prompt")
+                raise InvalidRequestError("the prompt is empty", param=param)
             return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return [int(t) for t in prompt]
+        try:  # (token ids of any integer type: Python's, numpy's, a tensor's elements)
+            return [operator.index(t) for t in prompt]
+        except TypeError:
+            raise InvalidRequestError(
+                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}: "
+                f"{prompt!r:.60}",
+                param=param,
+            ) from None
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():

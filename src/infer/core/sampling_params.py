@@ -18,6 +18,13 @@ class InvalidRequestError(ValueError):
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily."""
 
+_NUMBER_FIELDS = (  # (field, type, may be None)
+    *((name, int, False) for name in ("n", "top_k", "min_tokens")),
+    *((name, int, True) for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs")),
+    *((name, (int, float), False) for name in ("temperature", "top_p", "min_p",
+      "repetition_penalty", "presence_penalty", "frequency_penalty")),
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -75,7 +82,16 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        # Types first: a string or float where a number or integer belongs would otherwise fail
+        # (or pass) far from here, naming nothing.
+        for name, kind, optional in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, kind):
+                what = "an integer" if kind is int else "a number"
+                raise bad(name, f"{name} must be {what}, got {value!r}")
+        if self.n < 1:
             raise bad("n", f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
             raise bad("temperature", f"temperature must be >= 0, got {self.temperature}")

@@ -1,0 +1,130 @@
+"""The offline API's contract beyond sampling: threads, interruptions, bad input, chat."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from infer import InvalidRequestError, SamplingParams
+
+from .conftest import PROMPTS
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _texts(results) -> list[str]:
+    return [r.outputs[0].text for r in results]
+
+
+def _idle(llm) -> bool:
+    kv = llm.engine.kv_manager
+    return not llm.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_calls_from_two_threads_take_turns(make_llm):
+    """Each thread gets its own prompts' outputs, as if alone (the calls take turns: stepping
+    one engine from two threads at once hung, each dropping the other's outputs)."""
+    llm = make_llm("llama", max_num_seqs=8)
+    batches = [PROMPTS[:4], PROMPTS[4:8]]
+    want = [_texts(llm.generate(b, GREEDY)) for b in batches]
+    got: dict[int, list[str]] = {}
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        got[i] = _texts(llm.generate(batches[i], GREEDY))
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a generate call never returned"
+    assert [got[0], got[1]] == want
+
+
+def test_an_interrupted_call_leaves_nothing_behind(make_llm, monkeypatch):
+    """Ctrl-C (a KeyboardInterrupt) in the middle of generate: it propagates, the call's
+    requests are aborted and their blocks are back, and the next call runs as on a fresh
+    engine (it used to finish the abandoned work first, silently)."""
+    llm = make_llm("llama", max_num_seqs=8)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    real, calls = llm.engine.step, [0]
+
+    def step():
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(llm.engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:6], long)
+    assert _idle(llm)
+    monkeypatch.setattr(llm.engine, "step", real)
+    before = llm.engine.scheduler.counters.generation_tokens
+    assert _texts(llm.generate(PROMPTS[:2], GREEDY)) == [
+        r.outputs[0].text for r in (llm.generate([p], GREEDY)[0] for p in PROMPTS[:2])
+    ]
+    assert llm.engine.scheduler.counters.generation_tokens - before == 4 * 12  # no leftovers
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kwargs", "error", "message"),
+    [
+        (["a b", 5], {}, InvalidRequestError, "prompts[1]"),
+        (["a b", None], {}, InvalidRequestError, "a string or a list of token ids"),
+        ([[1, 2], [3, "x"]], {}, InvalidRequestError, "prompts[1]"),
+        (["a b", "c d"], {"priority": [1]}, ValueError, "1 priorities for 2 prompts"),
+        (["a b", "c d"], {"sampling_params": [GREEDY]}, ValueError, "1 sampling params"),
+    ],
+)
+def test_bad_calls_are_named_and_leave_nothing_behind(make_llm, prompts, kwargs, error, message):
+    llm = make_llm("llama")
+    with pytest.raises(error) as e:
+        llm.generate(prompts, **{"sampling_params": GREEDY, **kwargs})
+    assert message in str(e.value) or message == getattr(e.value, "param", None)
+    assert _idle(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"seed": "abc"}, "seed"),
+        ({"n": "2"}, "n"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": "0"}, "temperature"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_sampling_params_of_the_wrong_type_are_named(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and param in e.value.message
+
+
+def test_chat_renders_the_template_one_conversation_or_many(make_llm):
+    llm = make_llm("llama")
+    conversations = [
+        [{"role": "user", "content": "What is a list?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+    ]
+    tok = llm.tokenizer
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+             for c in conversations]  # fmt: skip
+    want = [llm.generate([tok.encode(t, add_special_tokens=False)], GREEDY)[0] for t in texts]
+    one = llm.chat(conversations[0], GREEDY)
+    assert one.prompt_token_ids == want[0].prompt_token_ids
+    assert one.outputs[0].text == want[0].outputs[0].text
+    many = llm.chat(conversations, GREEDY)
+    assert [r.prompt_token_ids for r in many] == [w.prompt_token_ids for w in want]
+    assert _texts(many) == _texts(want)
+
+
+def test_chat_messages_the_template_cannot_render_are_named(make_llm):
+    llm = make_llm("llama")
+    with pytest.raises(InvalidRequestError, match="could not render") as e:
+        llm.chat([{"role": "user"}], GREEDY)  # no content
+    assert e.value.param == "messages"
+    assert _idle(llm)
