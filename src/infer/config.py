@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -32,10 +33,28 @@ def parse_bytes(value: str | int | float) -> int:
     """``"2GiB"`` -> 2147483648, ``"1.5GB"`` -> 1500000000, ``4096`` -> 4096."""
     if isinstance(value, (int, float)):
         return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"cannot parse a byte size from {value!r} (examples: 512MiB, 2GiB, 1e9)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _check_types(cls: type, options: dict) -> None:
+    """A number option of the wrong type, named (``max_num_seqs="4"`` failed as a comparison
+    of str and int, ``block_size=7.5`` deep inside torch): ints must be ints, floats numbers."""
+    hints = typing.get_type_hints(cls)
+    for name, value in options.items():
+        allowed = set(typing.get_args(hints[name])) or {hints[name]}
+        if value is None and type(None) in allowed:
+            continue
+        if int in allowed and float not in allowed:
+            ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif float in allowed:
+            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        else:
+            continue
+        if not ok:
+            raise TypeError(f"engine option {name} must be {what}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -102,6 +121,8 @@ class CacheConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.enable_prefix_caching and self.kv_cache_backend != "paged":
@@ -143,6 +164,12 @@ class SchedulerConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}"
+            )
+        if self.max_wait_steps is not None and self.max_wait_steps < 0:
+            raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(  # (0 would refuse every request: nothing could ever wait)
+                f"max_queued_requests must be positive, got {self.max_queued_requests}"
             )
 
 
@@ -350,6 +377,8 @@ class EngineConfig:
             )
         if "swap_space" in parts[CacheConfig]:
             parts[CacheConfig]["swap_space"] = parse_bytes(parts[CacheConfig]["swap_space"])
+        for cls, options in parts.items():
+            _check_types(cls, options)
         return EngineConfig(
             model=ModelConfig(**parts[ModelConfig]),
             cache=CacheConfig(**parts[CacheConfig]),

@@ -36,12 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from infer.engine.engine import LLMEngine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        engine = LLMEngine(engine_config_from_args(args))
-    except (ValueError, RuntimeError, OSError) as e:  # as `infer serve`: one line, no traceback
-        print(f"error: the engine could not start: {e}", file=sys.stderr)
-        return 1
-    try:
+    try:  # (before the model loads: a bad value is said at once)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -51,7 +46,20 @@ def run(args: argparse.Namespace) -> int:
             stop=tuple(args.stop),
             seed=args.seed,
         )
-        tok = engine.tokenizer
+    except InvalidRequestError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except (ValueError, RuntimeError, OSError) as e:  # as `infer serve`: one line, no traceback
+        print(f"error: the engine could not start: {e}", file=sys.stderr)
+        return 1
+    tok = engine.tokenizer
+    if args.chat and not getattr(tok, "chat_template", None):
+        print("error: --chat needs a chat template, and this model's tokenizer has none",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
         for i, prompt in enumerate(args.prompt):
             if args.chat:
                 ids = tok.apply_chat_template(

@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer.config import parse_bytes
+from infer.engine.args import byte_size
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
@@ -253,12 +253,13 @@ def render(p: CapacityPlan) -> str:
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="KV-cache capacity plan (no weights loaded)")
     p.add_argument("--model", default=None, help="model folder (or give the shape flags)")
-    p.add_argument("--memory", required=True, type=parse_bytes, help="device memory, e.g. 16GiB")
+    p.add_argument("--memory", required=True, type=byte_size, help="device memory, e.g. 16GiB")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument(
         "--context", type=int, default=None, help="tokens per sequence (default: model max)"
     )
-    p.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPE_BYTES)],
+                   help="weights dtype (default: the checkpoint's)")  # fmt: skip
     p.add_argument(
         "--kv-dtype", default=None, choices=sorted(DTYPE_BYTES), help="default: weights dtype"
     )
@@ -274,26 +275,32 @@ def register(subparsers) -> None:
     g.add_argument("--kv-heads", type=int)
     g.add_argument("--heads", type=int)
     g.add_argument("--head-dim", type=int)
-    g.add_argument("--weights", type=parse_bytes, help="weights bytes, e.g. 140GB")
+    g.add_argument("--weights", type=byte_size, help="weights bytes, e.g. 140GB")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.concurrency < 1:
-        raise SystemExit("--concurrency must be at least 1")
+    for flag, value in (("concurrency", args.concurrency), ("context", args.context),
+                        ("block-size", args.block_size)):  # fmt: skip
+        if value is not None and value < 1:
+            raise SystemExit(f"infer plan: --{flag} must be at least 1, got {value}")
     if args.model:
         from infer.engine.model_source import resolve_model_path
+        from infer.model.folders import ModelLoadError
 
-        plan = plan_from_folder(
-            resolve_model_path(args.model),
-            args.memory,
-            args.concurrency,
-            args.context,
-            args.dtype,
-            args.kv_dtype,
-            args.block_size,
-            args.quantization,
-        )
+        try:
+            plan = plan_from_folder(
+                resolve_model_path(args.model),
+                args.memory,
+                args.concurrency,
+                args.context,
+                args.dtype,
+                args.kv_dtype,
+                args.block_size,
+                args.quantization,
+            )
+        except ModelLoadError as e:
+            raise SystemExit(f"infer plan: {e}") from None
     else:
         missing = [
             f

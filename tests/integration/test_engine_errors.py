@@ -74,6 +74,15 @@ def test_request_that_can_never_fit_the_pool_is_rejected_at_admission(make_llm):
         llm.generate(PROMPTS[5], SamplingParams(max_tokens=64))
 
 
+def test_the_default_cache_holds_a_full_length_sequence_whatever_the_block_size(make_llm):
+    """Sized for every slot at full length in whole blocks: with 7-token blocks (which do not
+    divide the 1,024-token context) one slot's cache was a block short of the context."""
+    llm = make_llm("llama", max_num_seqs=1, block_size=7)
+    assert llm.engine.capacity.num_tokens >= llm.engine.max_model_len == 1024
+    out = llm.generate([[5] * 1000], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 24
+
+
 def test_without_max_tokens_a_request_runs_up_to_what_the_kv_cache_holds(make_llm):
     """A KV cache smaller than the context: an unset max_tokens (a chat request's default)
     means up to what the cache can hold, not a refusal; a prompt that fills it is refused."""

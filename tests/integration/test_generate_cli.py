@@ -38,3 +38,21 @@ def test_a_start_up_error_is_one_line(tiny_checkpoints, capsys):
     err = capsys.readouterr().err
     assert "error: the engine could not start: max_model_len 100000 exceeds" in err
     assert "Traceback" not in err
+
+
+def test_bad_sampling_values_are_said_before_the_model_loads(capsys):
+    rc = main(["generate", "--model", "/no/such/model", "--max-tokens", "0", "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: max_tokens must be at least 1, got 0" in err  # (not the folder)
+
+
+def test_chat_without_a_template_is_one_line(tiny_checkpoints, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoints["llama"], model)
+    (model / "chat_template.jinja").unlink()
+    rc = main(["generate", "--model", str(model), "--chat", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --chat needs a chat template" in err
+    assert "Traceback" not in err

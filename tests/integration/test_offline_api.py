@@ -128,3 +128,20 @@ def test_chat_messages_the_template_cannot_render_are_named(make_llm):
         llm.chat([{"role": "user"}], GREEDY)  # no content
     assert e.value.param == "messages"
     assert _idle(llm)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_num_seqs": "4"}, "engine option max_num_seqs must be an integer, got '4'"),
+        ({"block_size": 7.5}, "engine option block_size must be an integer, got 7.5"),
+        ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number"),
+        ({"swap_space": -1}, "swap_space must be >= 0 bytes, got -1"),
+        ({"no_such_option": 1}, "unknown engine option 'no_such_option'"),
+    ],
+)
+def test_engine_options_of_the_wrong_type_or_value_are_named(tiny_checkpoints, options, message):
+    from infer import LLM
+
+    with pytest.raises((TypeError, ValueError), match=message):
+        LLM(str(tiny_checkpoints["llama"]), **options)

@@ -237,7 +237,7 @@ def test_unreachable_server_is_an_error_not_a_crash():
     assert not rec.success and rec.error
 
 
-def test_serve_refuses_an_unreachable_server(capsys):
+def test_serve_and_client_refuse_an_unreachable_server(capsys):
     from infer.bench.cli import main
 
     with socket.socket() as s:
@@ -245,6 +245,9 @@ def test_serve_refuses_an_unreachable_server(capsys):
         port = s.getsockname()[1]
     assert main(["bench", "serve", "--server", f"http://127.0.0.1:{port}", "--no-save"]) == 2
     assert "cannot reach a server" in capsys.readouterr().err
+    assert main(["bench", "client", "--server", f"http://127.0.0.1:{port}", "--no-save"]) == 2
+    err = capsys.readouterr().err
+    assert "infer bench client: cannot reach a server" in err and "Traceback" not in err
 
 
 def _tiny_workload(arrival: str, n: int = 4, rate: float | None = None):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from infer.cli import main
 from infer.plan import CapacityPlan
 
@@ -74,3 +76,33 @@ def test_cli_reads_a_model_folder_without_loading_weights(tiny_checkpoints, caps
     out = capsys.readouterr().out
     bpt = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
     assert rc == 0 and f"{bpt:,} bytes" in out
+
+
+SHAPE = ["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--weights", "1GB",
+         "--memory", "16GiB", "--context", "100"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--context", "-5"], "--context must be at least 1, got -5"),
+        (["--block-size", "0"], "--block-size must be at least 1, got 0"),
+        (["--model", "/nowhere"], "model folder /nowhere does not exist"),
+        (["--dtype", "fp77"], "invalid choice: 'fp77'"),
+        (["--memory", "lots"], "cannot parse a byte size from 'lots'"),
+    ],
+)
+def test_bad_input_is_one_line_naming_it(extra, message, capsys):
+    """No wrong plan printed with exit 0, no traceback: a line naming the flag, exit non-zero."""
+    with pytest.raises(SystemExit) as e:
+        main(SHAPE + extra)
+    said = str(e.value.code) if isinstance(e.value.code, str) else capsys.readouterr().err
+    assert message in said and e.value.code != 0
+    assert "Traceback" not in said
+
+
+def test_byte_sizes_take_what_their_message_offers():
+    from infer.config import parse_bytes
+
+    assert [parse_bytes(t) for t in ("1e9", "2GiB", "1.5e3KB", "512")] == [
+        10**9, 2 * 2**30, 1_500_000, 512]  # fmt: skip

@@ -329,9 +329,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     import asyncio
 
-    from infer.bench.client import fetch_models
+    from infer.bench.client import fetch_models, reachable
     from infer.bench.client_suite import run_client_suite
 
+    problem = asyncio.run(reachable(args.server))
+    if problem:  # (as bench serve: one line, not the client library's traceback)
+        print(f"infer bench client: cannot reach a server at {args.server}: {problem}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     prefix_tokens = args.prefix_tokens
     models = asyncio.run(fetch_models(args.server))
     limit = next((m.get("max_model_len") for m in models if m.get("max_model_len")), None)

@@ -20,6 +20,15 @@ from infer.config import (
 )
 
 
+def byte_size(text: str) -> int:
+    """An argparse type for a byte size (``2GiB``, ``512MB``, ``1e9``): parse_bytes' own
+    message on a bad one (argparse would otherwise say only 'invalid value')."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m, c, s = ModelConfig(), CacheConfig(), SchedulerConfig()
     g = parser.add_argument_group("model")
@@ -86,7 +95,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument(
         "--kv-cache-memory",
-        type=parse_bytes,
+        type=byte_size,
         default=None,
         help="bytes for the KV cache, e.g. 2GiB",
     )
@@ -109,7 +118,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--swap-space",
-        type=parse_bytes,
+        type=byte_size,
         default=c.swap_space,
         help="host memory for swapped-out KV blocks, e.g. 4GiB",
     )

@@ -492,8 +492,11 @@ class LLMEngine:
             budget = cc.kv_cache_memory
         else:
             # A draft model, loaded after this plan, takes its weights out of the same memory.
+            # Every slot at full length, in whole blocks (a block size that does not divide
+            # the context would otherwise leave one sequence a block short of it).
+            full_len = -(-self.max_model_len // block_size) * block_size
             budget = self.backend.kv_budget(
-                sc.max_num_seqs * self.max_model_len * shared_bpt,
+                sc.max_num_seqs * full_len * shared_bpt,
                 cc.gpu_memory_utilization,
                 reserve=self._draft_weight_bytes(),
             )

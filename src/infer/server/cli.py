@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from infer.config import EngineConfig, parse_bytes
+from infer.config import EngineConfig
 from infer.engine.affinity import CpuBinding, plan_cpu_binding
-from infer.engine.args import add_engine_args, engine_config_from_args
+from infer.engine.args import add_engine_args, byte_size, engine_config_from_args
 from infer.engine.heap import freeze_startup_heap, frozen_imports
 
 if TYPE_CHECKING:
@@ -26,10 +26,30 @@ if TYPE_CHECKING:
 logger = logging.getLogger("infer.server")
 
 
+def _number(kind: type, low: float, *, high: float | None = None, above: bool = False):
+    """An argparse type: a ``kind`` (int or float) >= ``low`` (> with ``above``), <= ``high``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        if value < low or (above and value == low) or (high is not None and value > high):
+            bound = f"> {low}" if above else f">= {low}"
+            if high is not None:
+                bound = f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_number(int, 0, high=65535), default=8000)
     g.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(default: $INFER_API_KEY)")  # fmt: skip
@@ -37,18 +57,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="name(s) clients use for the model (default: the --model value)")  # fmt: skip
     g.add_argument("--chat-template", type=Path, default=None,
                    help="a Jinja chat template file overriding the model's")  # fmt: skip
-    g.add_argument("--max-request-bytes", type=parse_bytes, default=8 * 2**20,
+    g.add_argument("--max-request-bytes", type=byte_size, default=8 * 2**20,
                    help="refuse larger request bodies with 413 (default 8MiB)")  # fmt: skip
-    g.add_argument("--request-timeout", type=float, default=None,
+    g.add_argument("--request-timeout", type=_number(float, 0, above=True), default=None,
                    help="seconds a request may wait and run before it is aborted")  # fmt: skip
-    g.add_argument("--drain-timeout", type=float, default=30.0,
+    g.add_argument("--drain-timeout", type=_number(float, 0), default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")  # fmt: skip
     g.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="do not serve the live view of the engine at /dashboard")  # fmt: skip
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in its own process (the default), apart from HTTP "
                    "work; --no-engine-process runs it on a thread of the server process")  # fmt: skip
-    g.add_argument("--torch-threads", type=int, default=None,
+    g.add_argument("--torch-threads", type=_number(int, 1), default=None,
                    help="intra-op threads for the engine's torch (default: torch's choice; 1 is "
                    "far steadier on a small, shared CPU box - see docs/server.md)")  # fmt: skip
     g.add_argument("--cpu-bind", default="off", metavar="off|auto|CORES",
@@ -205,6 +225,23 @@ def disaggregation(args: argparse.Namespace, config: EngineConfig) -> None:
     args.data_parallel_size = p + d
 
 
+def template_syntax_error(source: str) -> str | None:
+    """Why a chat template does not compile (None: it does), compiled as transformers renders
+    it (its Jinja environment has extensions of its own: ``{% generation %}``, loop controls);
+    None too where this transformers has no such function to ask."""
+    import jinja2
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    try:
+        _compile_jinja_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        return f"line {e.lineno}: {e.message}"
+    return None
+
+
 def serve(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level, args.access_log)
     chat_template = None
@@ -214,6 +251,14 @@ def serve(args: argparse.Namespace) -> int:
         except OSError as e:
             logger.error("cannot read --chat-template %s: %s", args.chat_template, e)
             return 2
+        error = template_syntax_error(chat_template)
+        if error is not None:  # now, not as a 400 blaming every chat request's messages
+            logger.error("--chat-template %s is not a valid Jinja template: %s",
+                         args.chat_template, error)  # fmt: skip
+            return 2
+    if args.max_request_bytes < 1:
+        logger.error("--max-request-bytes must be at least 1 byte, got %d", args.max_request_bytes)
+        return 2
     try:
         config = engine_config_from_args(args)
     except ValueError as e:  # a bad option: say which, no traceback
