@@ -135,3 +135,12 @@ def test_missing_weights_are_named(tiny_checkpoints, tmp_path):
 def test_missing_model_folder_is_named(tmp_path):
     with pytest.raises(Exception, match="no-such-model"):
         LLM(str(tmp_path / "no-such-model"))
+
+
+def test_a_missing_draft_model_or_tokenizer_folder_is_named(tiny_checkpoints):
+    path = str(tiny_checkpoints["llama"])
+    draft = {"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}
+    with pytest.raises(Exception, match="the draft model of --speculative-config: .*/no/such"):
+        LLM(path, speculative_config=draft)
+    with pytest.raises(Exception, match="tokenizer folder /no/such/tokenizer does not exist"):
+        LLM(path, tokenizer="/no/such/tokenizer")

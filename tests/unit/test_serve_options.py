@@ -45,3 +45,19 @@ def test_a_chat_template_that_does_not_compile_stops_the_start(tmp_path: Path, c
     bad.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
     assert main([*SERVE, "--chat-template", str(bad)]) == 2
     assert f"--chat-template {bad} is not a valid Jinja template: line 2:" in caplog.text
+
+
+def test_a_port_in_use_or_a_host_that_does_not_resolve_stops_the_start_at_once(caplog):
+    """Before the model loads (minutes for a big one), not after, as uvicorn would find it."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main([*SERVE, "--port", str(port)]) == 2
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use (--port {port})" in (
+        caplog.text
+    )
+    assert main([*SERVE, "--host", "0.0.0.0.0"]) == 2
+    assert "--host '0.0.0.0.0' does not resolve" in caplog.text

@@ -516,8 +516,12 @@ class LLMEngine:
         if spec_cfg is None or spec_cfg.method != "draft_model" or spec_cfg.model is None:
             return None
         from infer.engine.model_source import resolve_model_path
+        from infer.model.folders import ModelLoadError
 
-        return resolve_model_path(spec_cfg.model)
+        try:
+            return resolve_model_path(spec_cfg.model)
+        except ModelLoadError as e:  # (which model: the draft, not the one being served)
+            raise ModelLoadError(f"the draft model of --speculative-config: {e}") from e
 
     def _draft_bytes_per_token(self) -> int:
         path = self._draft_path

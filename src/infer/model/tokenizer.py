@@ -16,6 +16,12 @@ def load_tokenizer(path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
+        text = str(path)
+        if not Path(path).exists() and (
+            Path(path).is_absolute() or text.startswith((".", "~")) or text.count("/") > 1
+        ):
+            # (a path, not a hub id: transformers' own words are about repo id characters)
+            raise ModelLoadError(f"tokenizer folder {path} does not exist") from exc
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
     # The engine checks every prompt against its own context (max_model_len); the tokenizer's
     # model_max_length, often not the model's, only made transformers warn ("Token indices

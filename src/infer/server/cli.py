@@ -225,6 +225,25 @@ def disaggregation(args: argparse.Namespace, config: EngineConfig) -> None:
     args.data_parallel_size = p + d
 
 
+def address_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (None: it can, as far as a bind now
+    tells): a host that does not resolve, a port already in use."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {host!r} does not resolve ({e})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            return f"{e.strerror or e} (--port {port})"
+    return None
+
+
 def template_syntax_error(source: str) -> str | None:
     """Why a chat template does not compile (None: it does), compiled as transformers renders
     it (its Jinja environment has extensions of its own: ``{% generation %}``, loop controls);
@@ -276,6 +295,10 @@ def serve(args: argparse.Namespace) -> int:
         binding = cpu_binding(args, config)
     except ValueError as e:
         logger.error("%s", e)
+        return 2
+    problem = address_problem(args.host, args.port)
+    if problem is not None:  # now, not after the model has loaded (minutes for a big one)
+        logger.error("cannot serve on %s:%d: %s", args.host, args.port, problem)
         return 2
     if args.data_parallel_size > 1 or args.ray_address:
         try:  # ray is imported only down this path
