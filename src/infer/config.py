@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import re
-import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from infer.core.field_types import wrong_number_type
 from infer.core.lora_request import LoRARequest
 from infer.kv_cache.sizing import check_kv_cache_dtype
 
@@ -37,24 +37,6 @@ def parse_bytes(value: str | int | float) -> int:
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"cannot parse a byte size from {value!r} (examples: 512MiB, 2GiB, 1e9)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def _check_types(cls: type, options: dict) -> None:
-    """A number option of the wrong type, named (``max_num_seqs="4"`` failed as a comparison
-    of str and int, ``block_size=7.5`` deep inside torch): ints must be ints, floats numbers."""
-    hints = typing.get_type_hints(cls)
-    for name, value in options.items():
-        allowed = set(typing.get_args(hints[name])) or {hints[name]}
-        if value is None and type(None) in allowed:
-            continue
-        if int in allowed and float not in allowed:
-            ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
-        elif float in allowed:
-            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-        else:
-            continue
-        if not ok:
-            raise TypeError(f"engine option {name} must be {what}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -378,7 +360,9 @@ class EngineConfig:
         if "swap_space" in parts[CacheConfig]:
             parts[CacheConfig]["swap_space"] = parse_bytes(parts[CacheConfig]["swap_space"])
         for cls, options in parts.items():
-            _check_types(cls, options)
+            wrong = wrong_number_type(cls, options)
+            if wrong is not None:  # (max_num_seqs="4" failed as str < int, 7.5 inside torch)
+                raise TypeError(f"engine option {wrong[1]}")
         return EngineConfig(
             model=ModelConfig(**parts[ModelConfig]),
             cache=CacheConfig(**parts[CacheConfig]),

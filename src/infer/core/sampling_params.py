@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from infer.core.field_types import wrong_number_type
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses. ``param`` names the offending field (OpenAI's error shape)."""
@@ -17,13 +19,6 @@ class InvalidRequestError(ValueError):
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily."""
-
-_NUMBER_FIELDS = (  # (field, type, may be None)
-    *((name, int, False) for name in ("n", "top_k", "min_tokens")),
-    *((name, int, True) for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs")),
-    *((name, (int, float), False) for name in ("temperature", "top_p", "min_p",
-      "repetition_penalty", "presence_penalty", "frequency_penalty")),
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,13 +79,9 @@ class SamplingParams:
 
         # Types first: a string or float where a number or integer belongs would otherwise fail
         # (or pass) far from here, naming nothing.
-        for name, kind, optional in _NUMBER_FIELDS:
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, kind):
-                what = "an integer" if kind is int else "a number"
-                raise bad(name, f"{name} must be {what}, got {value!r}")
+        wrong = wrong_number_type(SamplingParams, self.__dict__)
+        if wrong is not None:
+            raise bad(*wrong)
         if self.n < 1:
             raise bad("n", f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
