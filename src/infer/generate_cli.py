@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from infer.core.sampling_params import InvalidRequestError, SamplingParams
     from infer.engine.args import engine_config_from_args
     from infer.engine.engine import LLMEngine
+    from infer.model.tokenizer import chat_prompt_ids
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:  # (before the model loads: a bad value is said at once)
@@ -62,10 +63,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for i, prompt in enumerate(args.prompt):
             if args.chat:
-                ids = tok.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-                )
-                ids = ids["input_ids"] if not isinstance(ids, list) else ids
+                ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
             else:
                 ids = tok.encode(prompt, add_special_tokens=False)
             engine.add_request(str(i), ids, params)

@@ -16,6 +16,7 @@ from infer.core.lora_request import LoRARequest
 from infer.core.outputs import CompletionOutput, GenerationResult, RequestOutput
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
+from infer.model.tokenizer import chat_prompt_ids
 
 PromptInput = str | Sequence[int]
 
@@ -127,22 +128,9 @@ class LLM:
         them raises ``InvalidRequestError`` naming ``messages``."""
         batch = bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = messages if batch else [messages]
-        prompts = [self._render(c, template_kwargs) for c in conversations]
+        prompts = [chat_prompt_ids(self.tokenizer, c, **template_kwargs) for c in conversations]
         results = self.generate(prompts, sampling_params)
         return results if batch else results[0]
-
-    def _render(self, messages, template_kwargs: dict) -> list[int]:
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **template_kwargs
-            )
-        except Exception as e:  # noqa: BLE001 - no template, a jinja error, a missing field
-            raise InvalidRequestError(
-                f"the chat template could not render these messages: {e}", param="messages"
-            ) from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
