@@ -147,6 +147,8 @@ class Request:
         # Proposed next tokens (speculative decoding), set after a step and used by the next.
         self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
+        # Finished by its last output token: an EOS or a stop id (the scheduler's verdict).
+        self.stopped_on_token = False
         self.error: str | None = None
         max_new = sampling_params.max_tokens
         if max_model_len is not None:

@@ -128,19 +128,6 @@ class KVCapacity:
         return self.num_tokens * self.bytes_per_token
 
 
-def _ends_on_stop_token(request: Request) -> bool:
-    """Whether the request has just ended on an EOS or a stop id whose text is not part of the
-    output (it is unless ``include_stop_str_in_output``, as with stop strings): the token is
-    counted and listed with the output's ids, its text is not."""
-    if request.status != RequestStatus.FINISHED_STOPPED or not request.output_token_ids:
-        return False
-    params = request.sampling_params
-    if params.include_stop_str_in_output:
-        return False
-    last = request.output_token_ids[-1]
-    return request.stop_reason == last or (not params.ignore_eos and last in request.eos_token_ids)
-
-
 class _OutputState:
     def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
         self.detokenizer = detokenizer
@@ -1027,8 +1014,11 @@ class LLMEngine:
         state = self._states[request.request_id]
         detok = state.detokenizer
         new_ids = request.output_token_ids[state.num_sent_tokens :]
-        if new_ids and _ends_on_stop_token(request):
-            new_ids = new_ids[:-1]  # an EOS or stop id ends the output, its text left out
+        # An EOS or stop id ends the output, its text left out (as a stop string's is) unless
+        # include_stop_str_in_output; the token stays in the output's ids and counts.
+        stop_text = request.sampling_params.include_stop_str_in_output
+        if new_ids and request.stopped_on_token and not stop_text:
+            new_ids = new_ids[:-1]
         try:
             text = detok.add_tokens(new_ids)
         except Exception as e:  # noqa: BLE001 - a decoding failure fails this request only

@@ -344,6 +344,7 @@ class Scheduler:
         (length, EOS, a stop id): the stop string came first, so it wins."""
         extra = request.num_output_tokens - num_output_tokens
         if extra > 0:
+            request.stopped_on_token = False  # (that token is cut off)
             self.counters.generation_tokens -= extra
             del request.output_token_ids[num_output_tokens:]
             del request.output_logprobs[num_output_tokens:]
@@ -558,9 +559,11 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.stopped_on_token = True
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
+                request.stopped_on_token = True
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_new_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
