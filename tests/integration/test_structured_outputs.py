@@ -153,3 +153,35 @@ def test_word_boundaries_are_refused_by_name(make_llm):
     llm = make_llm("llama")
     with pytest.raises(InvalidRequestError, match=r"\\b \(a word boundary\) is not supported"):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputs(regex=r"\bab")))
+
+
+def test_a_character_level_tokenizer_constrains_too(tiny_checkpoints, tmp_path):
+    """A tokenizer llguidance cannot read itself (the built-in models' character-level BPE,
+    whose ``Fuse`` decoder it does not know: every constrained request failed) is read token
+    by token: outputs match their constraints and the ids past the tokenizer's are never
+    sampled."""
+    import shutil
+
+    from infer import LLM
+    from infer.builtin.textdata import build_char_tokenizer
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_checkpoints["llama"] / name, tmp_path / name)
+    tokenizer = build_char_tokenizer(tmp_path, 1024)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    specs = [StructuredOutputs(choice=("alpha", "beta gamma")),
+             StructuredOutputs(regex=r"[0-9]{2}\.[0-9] (EUR|USD)"),
+             StructuredOutputs(json=SCHEMA)]  # fmt: skip
+    outs = llm.generate(["x"] * 15, [p for spec in specs for p in _sampled(spec, n=5)])
+    for i, out in enumerate(outs):
+        text, ids = out.outputs[0].text, out.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "stop", text
+        assert max(ids) < len(tokenizer)
+        if i < 5:
+            assert text in ("alpha", "beta gamma")
+        elif i < 10:
+            assert re.fullmatch(r"[0-9]{2}\.[0-9] (EUR|USD)", text), text
+        else:
+            jsonschema.validate(json.loads(text), SCHEMA)
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -6,6 +6,7 @@ reach the chat template, and inconsistent tool fields are 400s naming the field.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -124,6 +125,65 @@ def test_openai_sdk_tool_helpers_parse_the_calls(client):
     call = out.choices[0].message.tool_calls[0]
     assert call.function.name == "GetWeather"
     assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=10)
+
+
+class Move(BaseModel):
+    to: Address
+    via: list[Address] = Field(max_length=2)
+
+
+def test_required_calls_follow_tools_whose_schemas_have_defs(client):
+    """A tool's parameters that reference their own ``$defs`` (what the SDK's
+    pydantic_function_tool makes of nested models) still resolve once nested in the schema of
+    the required call list (they were a 400: "Pointer '/$defs/Address' does not exist"); a
+    function without parameters takes none (``{}``)."""
+    tools = [openai.pydantic_function_tool(Move),
+             {"type": "function", "function": {"name": "ping"}}]  # fmt: skip
+    assert "$defs" in tools[0]["function"]["parameters"]
+    outs = concurrently(lambda seed: client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=200,
+    ), range(6))  # fmt: skip
+    ended = [out.choices[0] for out in outs if out.choices[0].finish_reason == "tool_calls"]
+    assert ended
+    for choice in ended:
+        (call,) = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "ping":
+            assert arguments == {}
+        else:
+            Move.model_validate(arguments)
+    named = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=tools, max_tokens=20,
+        tool_choice={"type": "function", "function": {"name": "ping"}})  # fmt: skip
+    assert json.loads(named.choices[0].message.tool_calls[0].function.arguments) == {}
+
+
+def test_an_auto_reply_with_a_block_that_makes_no_call_is_content(shared_server):
+    """A ``<tool_call>`` block whose name is not a string is text, whole and streamed (it was a
+    500, and a stream cut without an error or ``[DONE]``); the same reply with a proper name
+    is a call."""
+    url = f"{shared_server.base_url}/chat/completions"
+    for name, calls in (('["get_time"]', 0), ('"get_time"', 1)):
+        reply = f'<tool_call>{{"name": {name}, "arguments": {{}}}}</tool_call>'
+        body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 60,
+                "structured_outputs": {"regex": re.sub(r"([\[\]{}])", r"\\\1", reply)}}  # fmt: skip
+        r = httpx.post(url, headers=shared_server.headers, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert len(message.get("tool_calls") or []) == calls
+        assert message["content"] == (None if calls else reply)
+        with httpx.stream("POST", url, headers=shared_server.headers, timeout=60,
+                          json={**body, "stream": True}) as s:  # fmt: skip
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in lines[:-1]]
+        assert "".join(d.get("content") or "" for d in deltas) == (reply if not calls else "")
+        assert sum(len(d.get("tool_calls") or []) for d in deltas) == calls
 
 
 def test_tool_results_in_the_history_are_served(client):

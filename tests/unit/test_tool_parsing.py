@@ -34,10 +34,21 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
         assert parse_hermes(bad, {"add", "mul"}) == (bad, [])
 
 
+AUTO_REPLIES = [
+    'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> and '
+    "<tool_c is not a call <tool_call>{oops}</tool_call> done",
+    # the whitespace a template writes around blocks is not content, streamed or not
+    ' Sure!  <tool_call>{"name": "add", "arguments": {}}</tool_call>\n'
+    '<tool_call>{"name": "mul", "arguments": {}}</tool_call>\n trailing  \n',
+    '\n<tool_call>{"name": "add", "arguments": {}}</tool_call> \n ',
+    "  no calls, spaces kept  ",
+    'unclosed <tool_call>{"name": "add", "arguments": {}} ',
+]
+
+
+@pytest.mark.parametrize("text", AUTO_REPLIES)
 @pytest.mark.parametrize("split", [1, 3, 7, 1000])
-def test_streamed_auto_reply_gives_the_same_content_and_calls(split):
-    text = ('Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> and '
-            "<tool_c is not a call <tool_call>{oops}</tool_call> done")  # fmt: skip
+def test_streamed_auto_reply_gives_the_same_content_and_calls(text, split):
     mode = _mode()
     stream = ToolStream(mode)
     content, names = "", []
@@ -46,11 +57,46 @@ def test_streamed_auto_reply_gives_the_same_content_and_calls(split):
         c, deltas = stream.feed(piece, finished=i == len(pieces) - 1)
         content += c
         names += [d.function.name for d in deltas]
-    assert names == ["add"]
     whole_content, calls = parse_reply(mode, text)
     assert [c.function.name for c in calls] == names
-    assert content.strip() == whole_content
-    assert "<tool_c is not a call" in content and "{oops}" in content
+    assert content == (whole_content or "")
+
+
+def test_content_around_calls_loses_only_the_whitespace_next_to_the_blocks():
+    mode = _mode()
+    assert parse_reply(mode, AUTO_REPLIES[0])[0] == (
+        "Sure.and <tool_c is not a call <tool_call>{oops}</tool_call> done"
+    )
+    assert parse_reply(mode, AUTO_REPLIES[1])[0] == " Sure!trailing  \n"
+    assert parse_reply(mode, AUTO_REPLIES[2])[0] is None
+    assert parse_reply(mode, AUTO_REPLIES[3]) == (AUTO_REPLIES[3], [])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"name": ["add"], "arguments": {}}',  # a name that is not a string (was a 500)
+        '{"name": {"a": 1}, "arguments": {}}',
+        '{"name": 5}',
+        '{"name": "add", "arguments": "not json"}',  # arguments that are not an object
+        '{"name": "add", "arguments": 5}',
+        '{"name": "add", "arguments": null}',
+        '{"name": "add", "arguments": "[1, 2]"}',
+        '["add", {}]',
+    ],
+)
+def test_blocks_that_make_no_call_stay_content_whole_and_streamed(body):
+    text = f"<tool_call>{body}</tool_call>"
+    assert parse_hermes(text, {"add", "mul"}) == (text, [])
+    stream = ToolStream(_mode())
+    first, second = stream.feed(text[:15], False), stream.feed(text[15:], True)
+    assert first[0] + second[0] == text and first[1] == second[1] == []
+
+
+def test_arguments_written_as_a_json_string_of_an_object_are_that_object():
+    body = json.dumps({"name": "add", "arguments": json.dumps({"a": 1})})
+    content, calls = parse_hermes(f"<tool_call>{body}</tool_call>", {"add"})
+    assert content is None and json.loads(calls[0].function.arguments) == {"a": 1}
 
 
 def test_constrained_replies_parse_into_calls():

@@ -31,7 +31,7 @@ from infer.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from infer.server.errors import APIError, bad_request, from_invalid_request
+from infer.server.errors import APIError, bad_request, from_invalid_request, internal_error
 from infer.server.protocol import (
     UNSUPPORTED_FIELDS,
     PromptLogprobs,
@@ -337,9 +337,9 @@ async def stream_events(
 
     ``render(index, delta, usage)`` turns one engine delta into an event (or None when the
     client would see nothing); ``render_usage`` makes the final usage-only event that
-    ``stream_options.include_usage`` asks for. An engine failure becomes an error event; the
-    stream always ends with ``[DONE]``, and whatever is unfinished when the client leaves is
-    aborted.
+    ``stream_options.include_usage`` asks for. An engine failure, or a failure here while
+    rendering an event, becomes an error event; the stream always ends with ``[DONE]``, and
+    whatever is unfinished when the client leaves (or the stream fails) is aborted.
     """
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -369,6 +369,10 @@ async def stream_events(
             raw.state.usage = (prompt, completion)
             if include_usage:
                 yield render_usage(serving.usage(prompt, completion, cached))
+        yield SSE_DONE
+    except Exception as e:  # a bug while rendering an event: an error event, not a cut stream
+        logger.exception("unhandled error while streaming a response")
+        yield sse(json.dumps(internal_error(e).body()))
         yield SSE_DONE
     finally:
         stream.abort()  # no-op when every choice finished

@@ -92,11 +92,17 @@ def tool_constraint(mode: ToolMode, parallel: bool) -> StructuredOutputs | None:
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+                "properties": {
+                    "name": {"const": t.function.name},
+                    # (nested in the array's schema: its own "#/..." references re-rooted)
+                    "parameters": _rerooted(
+                        _parameters(t), f"#/items/anyOf/{i}/properties/parameters"
+                    ),
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for t in mode.tools
+            for i, t in enumerate(mode.tools)
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
@@ -107,7 +113,32 @@ def tool_constraint(mode: ToolMode, parallel: bool) -> StructuredOutputs | None:
 
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
+    # A function without parameters takes none (as OpenAI reads an omitted schema).
+    return tool.function.parameters or {"type": "object", "properties": {},
+                                        "additionalProperties": False}  # fmt: skip
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rerooted(schema: Any, base: str) -> Any:
+    """``schema`` with its document-local references (``"#"``, ``"#/$defs/Address"``) made
+    relative to ``base``, the JSON pointer where it sits inside a larger schema: a tool's
+    ``$defs`` keep resolving once its parameters are nested in the ``required`` array."""
+    if isinstance(schema, list):
+        return [_rerooted(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rerooted(value, base)
+    return out
 
 
 def tool_template_args(mode: ToolMode) -> list[dict[str, Any]] | None:
@@ -147,7 +178,10 @@ def parse_reply(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """Calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks."""
+    """Calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+
+    The content is the text outside the calls' blocks, less the whitespace next to each block
+    (the line breaks a template writes around them); the stream gives the same content."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     last = 0
@@ -155,22 +189,37 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
         call = _hermes_call(match.group(1), names)
         if call is None:
             continue
-        kept.append(text[last : match.start()])
+        before = text[last : match.start()]
+        kept.append((before.lstrip() if calls else before).rstrip())
         last = match.end()
         calls.append(call)
-    kept.append(text[last:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
+    if not calls:
+        return text, []
+    kept.append(text[last:].lstrip())
+    return ("".join(kept) or None), calls
 
 
 def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
+    """The call a block's JSON makes, or None when it makes none: not JSON, a name that is not
+    one of the tools', or arguments that are not an object (nor a string holding one)."""
     try:
         data = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(data, dict) or data.get("name") not in names:
+    if not isinstance(data, dict):
         return None
-    return _call(data["name"], data.get("arguments", data.get("parameters", {})))
+    name = data.get("name")
+    if not isinstance(name, str) or name not in names:
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return _call(name, arguments)
 
 
 @dataclass
@@ -188,6 +237,7 @@ class ToolStream:
     sent: int = 0  # characters of ``text`` handled (emitted as content or consumed by calls)
     num_calls: int = 0
     calls: list[ToolCall] = field(default_factory=list)
+    after_call: bool = False  # the unsent text follows a call's block
 
     def feed(self, new_text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += new_text
@@ -200,16 +250,26 @@ class ToolStream:
         if self.mode.kind != "auto":
             out, self.sent = self.text[self.sent :], len(self.text)
             return out, []
+        # Whitespace next to a call's block is not content (as in parse_hermes): trailing
+        # whitespace waits until text follows it (or the reply ends without a call after it),
+        # and whitespace after a call is dropped.
         content: list[str] = []
         deltas: list[DeltaToolCall] = []
         names = {t.function.name for t in self.mode.tools}
         while True:
             rest = self.text[self.sent :]
+            if self.after_call:
+                stripped = rest.lstrip()
+                self.sent += len(rest) - len(stripped)
+                rest = stripped
+                self.after_call = not rest
             start = rest.find(CALL_OPEN)
             if start < 0:
-                keep = 0 if finished else _partial_suffix(rest, CALL_OPEN)
-                content.append(rest[: len(rest) - keep])
-                self.sent += len(rest) - keep
+                if finished:
+                    content.append(rest)
+                    self.sent += len(rest)
+                else:
+                    self._emit(content, rest[: len(rest) - _partial_suffix(rest, CALL_OPEN)])
                 break
             end = rest.find(CALL_CLOSE, start)
             if end < 0:
@@ -217,18 +277,24 @@ class ToolStream:
                     content.append(rest)
                     self.sent += len(rest)
                 else:
-                    content.append(rest[:start])
-                    self.sent += start
+                    self._emit(content, rest[:start])
                 break
             call = _hermes_call(rest[start + len(CALL_OPEN) : end].strip(), names)
             block_end = end + len(CALL_CLOSE)
             if call is None:
                 content.append(rest[:block_end])
             else:
-                content.append(rest[:start])
+                content.append(rest[:start].rstrip())
                 deltas.extend(self._deltas([call]))
+                self.after_call = True
             self.sent += block_end
         return "".join(content), deltas
+
+    def _emit(self, content: list[str], text: str) -> None:
+        """Send ``text`` (the start of the unsent text) less its trailing whitespace."""
+        body = text.rstrip()
+        content.append(body)
+        self.sent += len(body)
 
     def _deltas(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
         out = []

@@ -62,14 +62,20 @@ class StructuredOutputManager:
             return done
         return self._pool.submit(self._build, spec)
 
-    def _tokenizer(self):
+    def _tokenizer(self, param: str):
         with self._lock:  # NOTE: built once (~1 s for a large vocabulary), on first use
             if self._llg_tokenizer is None:
-                import llguidance.hf
-
                 eos = self._eos[0] if self._eos else None
-                self._llg_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos
+                try:
+                    self._llg_tokenizer = llguidance_tokenizer(
+                        self._hf_tokenizer, self.vocab_size, eos
+                    )
+                except ValueError as e:  # (remembered: every later request gets it at once)
+                    self._llg_tokenizer = e
+            if isinstance(self._llg_tokenizer, ValueError):
+                raise GrammarError(
+                    f"structured outputs are not available for this model: {self._llg_tokenizer}",
+                    param=param,
                 )
             return self._llg_tokenizer
 
@@ -77,7 +83,7 @@ class StructuredOutputManager:
         from llguidance import LLMatcher
 
         grammar = compile_grammar(spec)
-        matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        matcher = LLMatcher(self._tokenizer(spec.param), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {spec.kind}: {matcher.get_error()}", param=spec.param)
         self._built.add(spec.cache_key)
@@ -120,3 +126,44 @@ class StructuredOutputManager:
             if not matcher.consume_token(token):
                 return f"error: the grammar could not take token {token}: {matcher.get_error()}"
         return "stop" if matcher.is_stopped() else None
+
+
+# Text a tokenizer's token texts must spell out exactly, token by token, to be used as written.
+_SPELLING_CHECK = 'Hello, world! {"a": [1, 2.5e-3, null]}\n\tdef f(x):  return x  # héllo → ok'
+
+
+def llguidance_tokenizer(hf_tokenizer, n_vocab: int, eos: int | None):
+    """llguidance's view of the model's tokenizer: the bytes each token id stands for.
+
+    llguidance reads a fast tokenizer's own description (byte-level BPE, SentencePiece byte
+    fallback, ...). Where it cannot (a decoder it does not know, such as the ``Fuse`` of a
+    character-level BPE like the built-in models' ``toy``), each id's bytes are its text as
+    the tokenizer decodes it alone, checked first to spell a sample text exactly; a ValueError
+    when they do not.
+    """
+    import llguidance
+    import llguidance.hf
+
+    try:
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+    except ValueError as e:
+        reason = str(e)
+    specials = set(hf_tokenizer.all_special_ids)
+    texts = [hf_tokenizer.decode([i], skip_special_tokens=False) for i in range(n_vocab)]
+    ids = hf_tokenizer.encode(_SPELLING_CHECK, add_special_tokens=False)
+    spelled = "".join(texts[i] if i < n_vocab else "\ufffd" for i in ids)
+    if spelled != _SPELLING_CHECK or any(
+        "\ufffd" in texts[i] for i in range(n_vocab) if i not in specials
+    ):
+        raise ValueError(f"llguidance cannot read its tokenizer ({reason})")
+
+    class _Tokens:  # the interface llguidance.TokenizerWrapper wraps
+        eos_token_id = eos
+        bos_token_id = hf_tokenizer.bos_token_id
+        tokens = [text.encode() for text in texts]
+        special_token_ids = sorted(specials)
+
+        def __call__(self, text: str) -> list[int]:
+            return hf_tokenizer.encode(text, add_special_tokens=False)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Tokens()), n_vocab=n_vocab)
