@@ -60,12 +60,13 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[GenerationResult]:
         """Run every prompt to completion; results come back in prompt order.
 
         ``lora_request``: one adapter for every prompt, or one per prompt (None: the base
-        model); needs ``LLM(..., enable_lora=True)``. Safe to call from several threads (the
+        model; a name: an adapter loaded before, e.g. by ``--lora-modules``); needs
+        ``LLM(..., enable_lora=True)``. Safe to call from several threads (the
         calls take turns). If the call fails or is interrupted (Ctrl-C), its requests are
         aborted: nothing of it is left in the engine."""
         prompt_list = _normalize_prompts(prompts)
@@ -78,7 +79,7 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
+        if lora_request is None or isinstance(lora_request, (LoRARequest, str)):
             loras = [lora_request] * len(prompt_list)
         else:
             loras = list(lora_request)

@@ -74,13 +74,17 @@ def test_merge_sums_samples_and_averages_fractions():
         "# HELP t TTFT.\n# TYPE t histogram\n"
         't_bucket{le="0.1",model_name="m"} 1.0\nt_bucket{le="+Inf",model_name="m"} 2.0\n'
         't_count{model_name="m"} 2.0\nt_sum{model_name="m"} 0.3\n'
+        "# HELP vllm:lora_requests_info Adapters.\n# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters=""} 1.7e9\n'
     )
     two = one.replace("} 10.0", "} 5.0").replace("} 0.5", "} 0.1").replace('"m"} 2.0', '"m"} 4.0')
+    two = two.replace("} 1.7e9", "} 1.8e9")  # (a gauge whose value is a time: the latest)
     merged = {f.name: f for f in text_string_to_metric_families(merge_metrics([one, two]))}
     values = {(s.name, s.labels.get("le")): s.value for f in merged.values() for s in f.samples}
     assert values[("vllm:prefix_cache_hits_total", None)] == 15.0
     assert abs(values[("vllm:kv_cache_usage_perc", None)] - 0.3) < 1e-9
     assert values[("t_bucket", "+Inf")] == 6.0 and values[("t_count", None)] == 6.0
     assert values[("t_bucket", "0.1")] == 2.0
+    assert values[("vllm:lora_requests_info", None)] == 1.8e9
     assert merged["vllm:prefix_cache_hits"].type == "counter"
     assert merge_metrics([]) == ""

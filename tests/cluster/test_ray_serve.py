@@ -30,7 +30,7 @@ pytestmark = pytest.mark.ray
 # The KV pool of each replica: the workload's 8 prefixes of 8 blocks fit two pools together
 # (4 prefixes each) but not one, so where a prefix is sent decides whether it is still cached.
 REPLICA_FLAGS = ("--data-parallel-size", "2", "--enable-prefix-caching", "--num-kv-blocks", "40",
-                 "--max-num-seqs", "2", "--max-queued-requests", "2")  # fmt: skip
+                 "--max-num-seqs", "2", "--max-queued-requests", "2", "--enable-lora")  # fmt: skip
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a prime number."},
@@ -44,7 +44,8 @@ def prefix_server(llama_checkpoint, server_logs) -> Iterator[ServerProcess]:
     # the first ones still hold the queues, even when Ray routes slowly)
     yield from start_server(llama_checkpoint, server_logs, *REPLICA_FLAGS,
                             "--router-policy", "prefix", api_key="router-key",
-                            env={"INFER_TEST_STEP_DELAY": "0.005"})  # fmt: skip
+                            env={"INFER_TEST_STEP_DELAY": "0.005",
+                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})  # fmt: skip
 
 
 def metric_values(server: ServerProcess) -> dict[str, float]:
@@ -297,3 +298,31 @@ def test_metrics_are_the_sum_of_the_replicas(prefix_server):
     assert requests >= finished > 0
     assert re.search(r"^infer:router_routing_seconds_count \d", httpx.get(
         prefix_server.url + "/metrics", headers=prefix_server.headers).text, re.M)  # fmt: skip
+
+
+def test_lora_adapters_load_and_unload_on_every_replica(prefix_server, llama_checkpoint,
+                                                         tmp_path):  # fmt: skip
+    """The LoRA routes reach every replica (sent to one in turn, an adapter loaded on one
+    replica was a 404 on the other every second request); its requests are served wherever
+    they go."""
+    from infer.testing.lora import build_lora_adapter
+
+    path = build_lora_adapter(llama_checkpoint, tmp_path / "a1", rank=4, seed=1)
+    http = httpx.Client(base_url=prefix_server.url, headers=prefix_server.headers, timeout=60)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    body = {"model": "a1", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    for _ in range(4):  # (both replicas: the policy spreads new prompts, round-robin the rest)
+        assert "a1" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    before = http.get("/router/stats").json()["sent"]
+    for i in range(4):  # new prompts: spread over both replicas
+        r = http.post("/v1/completions", json={**body, "prompt": f"{i} {body['prompt']}"})
+        assert r.status_code == 200, r.text
+    after = http.get("/router/stats").json()["sent"]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
+    for _ in range(4):
+        assert "a1" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        assert http.post("/v1/completions", json=body).status_code == 404
+    wait_idle(prefix_server)

@@ -229,3 +229,71 @@ def test_lora_options_need_enable_lora_and_a_llama_family_model(make_llm, tiny_c
         other = build_lora_adapter(tiny_checkpoints["qwen3"], adapter_root / "qwen3" / "x2",
                                    rank=4, seed=7)  # fmt: skip
         make_llm("llama", enable_lora=True, lora_modules=[f"x={other}"])
+
+
+def _run_all(engine) -> dict[str, tuple[list[int], object]]:
+    """Step the engine until idle: each request's tokens and its last output."""
+    tokens: dict[str, list[int]] = {}
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            last[out.request_id] = out
+    return {rid: (tokens[rid], last[rid]) for rid in tokens}
+
+
+def test_a_name_loaded_again_is_a_new_adapter(make_llm, tiny_checkpoints, adapter_root):
+    """Unloaded and loaded again from another folder, a name runs the new weights: the prefix
+    cache never gives the new load the old one's KV, and a request already running keeps the
+    weights its name stood for when it arrived, to its last token (it switched mid-way)."""
+    a, b = (adapter(tiny_checkpoints, adapter_root, "llama", n) for n in ("all8", "qv4"))
+    llm = make_llm("llama", enable_lora=True, max_loras=2, block_size=4)
+    engine = llm.engine
+    prompt = PROMPTS[5]  # long: several full blocks
+    engine.load_lora_adapter("swap", a.lora_path)
+    assert llm.generate([prompt], GREEDY, lora_request="swap")[0].outputs[0].token_ids == (
+        hf_greedy(tiny_checkpoints, "llama", a)[5])  # fmt: skip
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    engine.add_request("running", ids, long, lora_request="swap")
+    for _ in range(3):
+        engine.step()
+    engine.unload_lora_adapter("swap")
+    engine.load_lora_adapter("swap", b.lora_path)
+    engine.add_request("again", ids, GREEDY, lora_request="swap")
+    done = _run_all(engine)
+    again, last = done["again"]
+    assert last.num_cached_tokens == 0
+    assert again == hf_greedy(tiny_checkpoints, "llama", b)[5]
+    alone = make_llm("llama", enable_lora=True).generate([prompt], long, lora_request=a)[0]
+    assert done["running"][0][-37:] == alone.outputs[0].token_ids[-37:]
+
+
+def test_an_adapter_whose_folder_is_gone_fails_only_its_requests(make_llm, tiny_checkpoints,
+                                                                 adapter_root, tmp_path):  # fmt: skip
+    """An adapter evicted from host memory is read again when a request names it: a folder
+    gone meanwhile is that request's error, named, before it joins a batch (it failed every
+    request of the step it was read in); one in use is never evicted, so requests already
+    running with it finish."""
+    a, b, c = (adapter(tiny_checkpoints, adapter_root, "llama", n)
+               for n in ("all8", "qv4", "mlp16_rslora"))  # fmt: skip
+    gone = _copy(a.lora_path, tmp_path / "gone")
+    held = _copy(b.lora_path, tmp_path / "held")
+    llm = make_llm("llama", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    engine.load_lora_adapter("gone", str(gone))
+    engine.load_lora_adapter("held", str(held))  # "gone" leaves host memory
+    engine.add_request("held running", [5, 6, 7], GREEDY, lora_request="held")
+    engine.add_request("base running", [5, 6, 7], GREEDY)
+    first = {out.request_id: out.new_token_ids for out in engine.step()}
+    shutil.rmtree(gone)
+    with pytest.raises(InvalidRequestError, match="LoRA adapter 'gone': .* is not a folder"):
+        engine.add_request("gone", [5, 6, 7], GREEDY, lora_request="gone")
+    engine.load_lora_adapter("c", c.lora_path)  # host memory is full; "held" is in use: kept
+    engine.unload_lora_adapter("held")
+    shutil.rmtree(held)  # (its running request reads nothing from disk again)
+    done = _run_all(engine)
+    assert set(done) == {"held running", "base running"}
+    assert all(last.finish_reason == "length" for _, last in done.values())
+    alone = llm.generate([[5, 6, 7]], GREEDY, lora_request=b)[0].outputs[0].token_ids
+    assert first["held running"] + done["held running"][0] == alone

@@ -5,6 +5,8 @@ else is served; every KV block back; vLLM's lora_requests_info metric."""
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
@@ -24,6 +26,8 @@ def adapters(llama_checkpoint, tiny_checkpoints, tmp_path_factory):
             for i in range(1, 4)}  # fmt: skip
     made["rank32"] = build_lora_adapter(llama_checkpoint, root / "rank32", rank=32, seed=9)
     made["qwen3"] = build_lora_adapter(tiny_checkpoints["qwen3"], root / "qwen3", rank=4, seed=8)
+    made["corrupt"] = shutil.copytree(made["a1"], root / "corrupt")
+    (made["corrupt"] / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
     return made
 
 
@@ -98,6 +102,12 @@ def test_runtime_load_and_unload(lora_server, adapters):
         "missing": (load("gone", "/no/such/folder"), 400, "/no/such/folder is not a folder"),
         "rank": (load("big", adapters["rank32"]), 400, "rank 32"),
         "shape": (load("q3", adapters["qwen3"]), 400, "another base model"),
+        "served name": (load("tiny", adapters["a3"]), 400, "'tiny' is the served model's name"),
+        "corrupt": (
+            load("c", adapters["corrupt"]),
+            400,
+            f"LoRA adapter 'c': {adapters['corrupt']}/adapter_model.safetensors cannot be read",
+        ),
     }
     for why, (resp, status, message) in bad.items():
         assert resp.status_code == status, why
@@ -138,6 +148,8 @@ def test_runtime_routes_need_the_switch(llama_checkpoint, server_logs, adapters)
         (["--enable-lora", "--lora-modules", "x=/no/such"], "LoRA adapter 'x': /no/such is not a folder"),
         (["--lora-modules", "x=/no/such"], "--lora-modules needs --enable-lora"),
         (["--enable-lora", "--lora-modules", "oops"], "'oops' is not name=path"),
+        (["--enable-lora", "--served-model-name", "tiny", "base", "--lora-modules", "base=/no/such"],
+         "'base' is a served model name"),
     ],
 )  # fmt: skip
 def test_bad_lora_options_stop_the_server_with_a_clear_message(flags, message, llama_checkpoint):

@@ -97,7 +97,8 @@ def test_batch_groups_rows_by_slot_in_row_order():
 
 def _lora_request(rid: str, name: str | None, **kw):
     r = make_request(rid, **kw)
-    r.lora_name = name
+    r.lora_name = name  # (one load per name here)
+    r.lora_id = None if name is None else ord(name)
     return r
 
 

@@ -2,8 +2,9 @@
 
 Samples with the same name and labels are summed (counters, histogram buckets / sums / counts,
 and gauges such as running requests or free KV blocks); gauges that are fractions of one
-replica's capacity (``*_perc``, e.g. ``vllm:kv_cache_usage_perc``) are averaged instead. No ray
-here, so the merge is unit-tested on its own.
+replica's capacity (``*_perc``, e.g. ``vllm:kv_cache_usage_perc``) are averaged instead, and
+gauges whose value is the time they were taken (``vllm:lora_requests_info``) keep the latest.
+No ray here, so the merge is unit-tested on its own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 _AVERAGED_SUFFIXES = ("_perc",)
+_TIMESTAMP_GAUGES = frozenset({"vllm:lora_requests_info"})
 
 
 def merge_metrics(texts: Sequence[str]) -> str:
@@ -32,8 +34,9 @@ def merge_metrics(texts: Sequence[str]) -> str:
         lines.append(f"# HELP {name} {_escape_help(doc)}")
         lines.append(f"# TYPE {name} {kind}")
         average = kind == "gauge" and name.endswith(_AVERAGED_SUFFIXES)
+        latest = name in _TIMESTAMP_GAUGES
         for (sample, labels), vs in values[name].items():
-            value = sum(vs) / len(vs) if average else sum(vs)
+            value = max(vs) if latest else sum(vs) / len(vs) if average else sum(vs)
             label_text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels)
             braces = f"{{{label_text}}}" if label_text else ""
             lines.append(f"{sample}{braces} {floatToGoString(value)}")

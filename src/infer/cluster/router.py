@@ -5,8 +5,9 @@ the server does (same tokenizer, same chat template rendering), hashes its full 
 the prefix cache does, asks the routing policy for a replica and streams that replica's answer
 back unchanged (status, headers, SSE chunk by chunk). A client that disconnects cancels the
 replica call, which delivers ``http.disconnect`` to the replica's app and aborts the engine
-request. ``/metrics`` sums the replicas' metrics and adds the router's own; ``/health`` and
-``/reset_prefix_cache`` go to every replica; anything else to one of them in turn.
+request. ``/metrics`` sums the replicas' metrics and adds the router's own; ``/health``,
+``/reset_prefix_cache`` and the LoRA load / unload routes go to every replica; anything else to
+one of them in turn.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from infer.server.serving import SSE_DONE, sse
 logger = logging.getLogger("infer.cluster")
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
-BROADCAST_PATHS = ("/health", "/reset_prefix_cache")
+BROADCAST_PATHS = ("/health", "/reset_prefix_cache", "/v1/load_lora_adapter",
+                   "/v1/unload_lora_adapter")  # fmt: skip
 # Tokenize off the event loop above this many characters (as the server does).
 _INLINE_TOKENIZE_CHARS = 16_384
 # Routing-time samples kept for /router/stats percentiles.

@@ -110,6 +110,7 @@ class Request:
         max_model_len: int | None = None,
         default_len: int | None = None,
         lora_name: str | None = None,
+        lora_id: int | None = None,
         export_kv: bool = False,
         kv_payload: KVPayload | None = None,
     ) -> None:
@@ -119,8 +120,11 @@ class Request:
         self.eos_token_ids = tuple(eos_token_ids)
         self.priority = priority
         self.cache_salt = cache_salt
-        # The LoRA adapter the request runs with (None: the base model).
+        # The LoRA adapter the request runs with (None: the base model): its name, and the
+        # load of that name it runs with (what slots and the prefix cache key by: a name
+        # unloaded and loaded again is another load).
         self.lora_name = lora_name
+        self.lora_id = lora_id
         # Prefill/decode disaggregation: copy the prompt KV out when finishing (prefill side,
         # into ``exported_kv``); the prompt KV computed elsewhere, copied in at admission
         # (decode side).

@@ -288,6 +288,7 @@ class LLMEngine:
         from infer.runner.lora.manager import LoRAManager  # refuses what it cannot adapt
 
         lora = LoRAManager(self.model, self.config.lora)
+        lora.in_use = self._lora_loads_in_use
         logger.info(
             "LoRA: %d slots of rank up to %d, %d adapters in host memory at most; loaded: %s",
             self.config.lora.max_loras,
@@ -297,9 +298,15 @@ class LLMEngine:
         )
         return lora
 
-    def _resolve_lora(self, lora_request: LoRARequest | str | None) -> str | None:
-        """The adapter name a request runs with; a new ``LoRARequest`` is read and checked now.
-        Raises ``InvalidRequestError`` naming the problem."""
+    def _lora_loads_in_use(self) -> set[int]:
+        """The adapter loads of the live requests (kept in host memory while they run)."""
+        live = [*self.scheduler.requests.values(), *(r for r, _ in self._compiling.values())]
+        return {r.lora_id for r in live if r.lora_id is not None}
+
+    def _resolve_lora(self, lora_request: LoRARequest | str | None) -> tuple[str, int] | None:
+        """The adapter a request runs with: its name and load id (its adapter in host memory);
+        a new ``LoRARequest`` is read and checked now. Raises ``InvalidRequestError`` naming
+        the problem."""
         if lora_request is None:
             return None
         from infer.runner.lora.adapter import LoRAError
@@ -314,12 +321,15 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"LoRA adapter {lora_request!r} is not loaded", param="model"
                 )
-            return lora_request
+            name, param = lora_request, "model"
+        else:
+            name, param = lora_request.lora_name, "lora_request"
         try:
-            self.lora.register(lora_request)
+            if isinstance(lora_request, str):
+                return name, self.lora.acquire(name)
+            return name, self.lora.register(lora_request)
         except (LoRAError, OSError) as e:
-            raise InvalidRequestError(str(e), param="lora_request") from None
-        return lora_request.lora_name
+            raise InvalidRequestError(str(e), param=param) from None
 
     # ---- LoRA adapters (the server's /v1/load_lora_adapter, /v1/unload_lora_adapter) ---------
     def load_lora_adapter(self, name: str, path: str) -> None:
@@ -605,7 +615,7 @@ class LLMEngine:
             )
         if request_id in self._states:  # ended, its last output still deferred: make it now
             self._pending.extend(self._drain_deferred())
-        lora_name = self._resolve_lora(lora_request)
+        lora = self._resolve_lora(lora_request)
         request = Request(
             request_id,
             [int(t) for t in prompt_token_ids],
@@ -616,7 +626,8 @@ class LLMEngine:
             arrival_time=arrival_time,
             max_model_len=self.max_model_len,
             default_len=self.capacity.num_tokens,
-            lora_name=lora_name,
+            lora_name=lora[0] if lora else None,
+            lora_id=lora[1] if lora else None,
             export_kv=export_kv,
             kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload),
         )

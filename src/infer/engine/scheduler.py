@@ -207,12 +207,12 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order.
         admit = not preempted and (cfg.batching_mode == "continuous" or batch_was_empty)
-        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
         skipped: list[Request] = []  # their adapter would need a slot the running ones hold
         while admit and len(self.waiting) and budget > 0:
             request = self.waiting.peek()
-            name = request.lora_name
-            if name is not None and name not in adapters and len(adapters) >= self.max_loras:
+            load = request.lora_id
+            if load is not None and load not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(self.waiting.pop())
                 continue
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, preempt):
@@ -247,8 +247,8 @@ class Scheduler:
                 table = self.kv.block_table(request)
                 kv_imports.append(KVImport(request.request_id, payload, hit.num_blocks,
                                            table[hit.num_blocks : payload.num_blocks]))  # fmt: skip
-            if name is not None:
-                adapters.add(name)
+            if load is not None:
+                adapters.add(load)
             chunk = scheduled[request.request_id] = self._admit(
                 request, n, None if swapped else hit
             )
@@ -402,7 +402,7 @@ class Scheduler:
             request.status == RequestStatus.WAITING
             and request.num_computed_tokens == 0
             and request.kv_payload is None
-            and request.lora_name is None
+            and request.lora_id is None
             and p.prompt_logprobs is None
             and p.structured_outputs is None
             and not self.kv.is_swapped(request)

@@ -322,7 +322,8 @@ class ContiguousKVManager(KVManager):
 
 
 def _extra_keys(request: Request) -> tuple:
-    """What besides the tokens a block's KV depends on: the cache salt, and the LoRA adapter
-    (the same prompt under two adapters has different KV)."""
+    """What besides the tokens a block's KV depends on: the cache salt, and the LoRA adapter's
+    load (the same prompt under two adapters has different KV, and so under a name loaded
+    again from other weights)."""
     keys: tuple = (request.cache_salt,) if request.cache_salt else ()
-    return keys + (("lora", request.lora_name),) if request.lora_name else keys
+    return keys + (("lora", request.lora_id),) if request.lora_id is not None else keys

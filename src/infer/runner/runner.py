@@ -347,14 +347,14 @@ class ModelRunner:
         an adapter)."""
         if self.lora is None:
             return None
-        names = [requests[c.request_id].lora_name for c in out.chunks]
-        wanted = {n for n in names if n is not None}
+        loads = [requests[c.request_id].lora_id for c in out.chunks]
+        wanted = {load for load in loads if load is not None}
         if not wanted:
             return None
         slot_of = self.lora.activate(wanted)
         rows: list[int] = []
-        for chunk, name in zip(out.chunks, names, strict=True):
-            rows.extend([-1 if name is None else slot_of[name]] * len(chunk.token_ids))
+        for chunk, load in zip(out.chunks, loads, strict=True):
+            rows.extend([-1 if load is None else slot_of[load]] * len(chunk.token_ids))
         return rows
 
     @torch.inference_mode()

@@ -296,6 +296,12 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    names = tuple(args.served_model_name or [config.model.model or "small"])
+    adapters = {m.lora_name for m in config.lora.lora_modules} if config.lora else set()
+    if adapters & set(names):  # the adapter would hide the base model under that name
+        logger.error("--lora-modules: %r is a served model name (--served-model-name); give "
+                     "the adapter another name", sorted(adapters & set(names))[0])  # fmt: skip
+        return 2
     problem = address_problem(args.host, args.port)
     if problem is not None:  # now, not after the model has loaded (minutes for a big one)
         logger.error("cannot serve on %s:%d: %s", args.host, args.port, problem)

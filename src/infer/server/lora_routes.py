@@ -35,7 +35,10 @@ def install_lora_routes(app: FastAPI, serving: Serving, served: tuple[str, ...])
               response_class=PlainTextResponse)  # fmt: skip
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         name = body.lora_name
-        if name in served or name in serving.lora_adapters:
+        if name in served:
+            raise APIError(400, f"'{name}' is the served model's name; an adapter needs "
+                           "another", param="lora_name")  # fmt: skip
+        if name in serving.lora_adapters:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
                            param="lora_name")  # fmt: skip
         try:

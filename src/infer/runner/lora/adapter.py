@@ -85,7 +85,12 @@ def _read_config(name: str, folder: Path) -> dict:
         raise LoRAError(f"LoRA adapter {name!r}: {folder} is not a folder")
     if not path.is_file():
         raise LoRAError(f"LoRA adapter {name!r}: {folder} has no adapter_config.json")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoRAError(f"LoRA adapter {name!r}: {path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"LoRA adapter {name!r}: {path} does not hold a JSON object")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     refusals = [
         (peft_type != "LORA", f"peft_type {peft_type!r} (only LORA is supported)"),
@@ -105,15 +110,23 @@ def _read_config(name: str, folder: Path) -> dict:
 
 
 def _read_tensors(name: str, folder: Path) -> dict[str, torch.Tensor]:
-    st = folder / "adapter_model.safetensors"
-    if st.is_file():
-        from safetensors.torch import load_file
+    st, pt = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    if not st.is_file() and not pt.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: {folder} has no adapter_model.safetensors")
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
 
-        return load_file(st)
-    pt = folder / "adapter_model.bin"
-    if pt.is_file():
+            return load_file(st)
         return torch.load(pt, map_location="cpu", weights_only=True)
-    raise LoRAError(f"LoRA adapter {name!r}: {folder} has no adapter_model.safetensors")
+    except OSError:
+        raise
+    except Exception as e:  # a damaged file: safetensors' and pickle's errors are many kinds
+        # (torch's own message is advice to the file's owner about weights_only, not ours)
+        why = f"{type(e).__name__}: {e}" if st.is_file() else type(e).__name__
+        raise LoRAError(
+            f"LoRA adapter {name!r}: {st if st.is_file() else pt} cannot be read ({why})"
+        ) from None
 
 
 def load_adapter(
