@@ -185,6 +185,25 @@ def test_untied_model_without_lm_head_is_an_error(tiny_checkpoints, tmp_path):
         load_model(path)
 
 
+def test_gpt2_with_its_own_output_projection(tiny_checkpoints, tmp_path):
+    """A GPT-2 fine-tune saved with ``tie_word_embeddings: false`` projects with its
+    ``lm_head.weight`` (it was dropped unread, and the embeddings used): transformers'
+    logits."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from infer.testing.checkpoints import _randomize
+
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1024, n_positions=64,
+                        tie_word_embeddings=False)  # fmt: skip
+    hf = GPT2LMHeadModel(config).eval()
+    _randomize(hf, 7)
+    hf.save_pretrained(tmp_path)
+    assert "lm_head.weight" in load_file(str(tmp_path / "model.safetensors"))
+    with torch.no_grad():
+        want = hf(IDS[None]).logits[0]
+    assert torch.allclose(logits_of(load_model(tmp_path, torch.float32)), want, atol=1e-4)
+
+
 def test_shape_mismatch_is_named(tiny_checkpoints, tmp_path):
     path = copy_checkpoint(tiny_checkpoints["llama"], tmp_path)
     edit_config(path, intermediate_size=96)
@@ -345,3 +364,81 @@ def test_rope_variants_match_transformers(scaling):
     inv_freq, scale = inverse_frequencies(ours)
     assert torch.allclose(inv_freq, hf_inv_freq.float(), rtol=1e-6, atol=0)
     assert scale == pytest.approx(hf_scale)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize(
+    "scaling,top_level",
+    [
+        ({"rope_type": "yarn", "factor": 4.0}, {"original_max_position_embeddings": 64}),
+        (LLAMA3, {"original_max_position_embeddings": 32}),
+        ({**LLAMA3, "original_max_position_embeddings": 128}, {"original_max_position_embeddings": 32}),
+        (LLAMA3, {}),  # none anywhere: max_position_embeddings (it was 8192)
+    ],
+    ids=["yarn-top-level", "llama3-top-level", "llama3-both", "llama3-none"],
+)  # fmt: skip
+def test_the_pretraining_length_is_read_where_transformers_reads_it(scaling, top_level):
+    """Phi-3 style configs keep ``original_max_position_embeddings`` beside ``rope_scaling``
+    (and transformers prefers that one); without one anywhere it is the model's length."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from infer.model.rope import inverse_frequencies, rope_config_from_dict, rope_params
+
+    raw = {"rope_theta": 50_000.0, "rope_scaling": dict(scaling), "max_position_embeddings": 2048,
+           **top_level}  # fmt: skip
+    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=4, **raw)
+    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, "cpu")
+    ours = rope_config_from_dict(rope_params(raw), head_dim=64, max_position_embeddings=2048)
+    inv_freq, scale = inverse_frequencies(ours)
+    assert torch.allclose(inv_freq, hf_inv_freq.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(hf_scale)
+
+
+WINDOW_CASES = [  # (architecture, config.json fields besides the shape, without layer_types)
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+    ("Qwen2ForCausalLM", {"sliding_window": 8}),  # no switch: Qwen's default is off
+    ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("Qwen2MoeForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
+                             "max_window_layers": 3}),
+    ("Qwen3MoeForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
+                             "max_window_layers": 2}),
+    ("Qwen3MoeForCausalLM", {"sliding_window": 8}),
+    ("MistralForCausalLM", {"sliding_window": 8}),
+    ("MistralForCausalLM", {"sliding_window": None}),
+    ("MistralForCausalLM", {}),  # no key: transformers' 4096
+    ("MixtralForCausalLM", {"sliding_window": 8}),
+    ("MixtralForCausalLM", {}),
+    ("LlamaForCausalLM", {"sliding_window": 8}),  # Llama never slides
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch,fields", WINDOW_CASES, ids=lambda v: str(v)[:40])
+def test_sliding_windows_are_the_layers_transformers_slides(arch, fields):
+    """Each family's own reading of a config.json without ``layer_types`` (Qwen2-MoE slid the
+    wrong layers, Qwen3-MoE too few; a Qwen config without ``use_sliding_window`` slid), and
+    the defaults transformers gives a config that leaves a field out (Mixtral's rope base
+    1e6 and norm eps 1e-5)."""
+    import transformers
+
+    from infer.model.registry import ARCHITECTURES
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+             "max_position_embeddings": 256, "num_experts": 4, "num_local_experts": 4,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 32}  # fmt: skip
+    config = {"architectures": [arch], **shape, **fields}
+    ours = ARCHITECTURES[arch].parse_config(dict(config))
+    hf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**config)
+    if getattr(hf, "layer_types", None):
+        want = [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
+    elif arch == "LlamaForCausalLM":
+        want = [None] * 4
+    else:  # every layer with the config's window
+        want = [hf.sliding_window or None] * 4
+    assert list(ours.sliding_windows) == want
+    assert ours.rms_norm_eps == hf.rms_norm_eps
+    assert ours.ropes[0].theta == hf.rope_parameters["rope_theta"]

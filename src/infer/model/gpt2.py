@@ -39,6 +39,7 @@ class GPT2Config:
     activation: str = "gelu_new"
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
+    tie_word_embeddings: bool = True  # GPT-2's own checkpoints tie; a fine-tune may not
 
     @property
     def num_kv_heads(self) -> int:
@@ -109,6 +110,11 @@ class GPT2LMHeadModel(CausalLM):
         self.wpe = embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, self.tp.vocab_rows(cfg.vocab_size), bias=False)
+        )
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> GPT2Config:
@@ -127,6 +133,7 @@ class GPT2LMHeadModel(CausalLM):
             activation=config.get("activation_function", "gelu_new"),
             scale_attn_weights=config.get("scale_attn_weights", True),
             scale_attn_by_inverse_layer_idx=config.get("scale_attn_by_inverse_layer_idx", False),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
         )
 
     def forward(
@@ -138,8 +145,7 @@ class GPT2LMHeadModel(CausalLM):
         return self.ln_f(x)
 
     def vocab_projection_weight(self) -> torch.Tensor:
-        # GPT-2 always ties the output projection to the token embeddings.
-        return self.wte.weight
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.project_to_vocab(hidden).float()
@@ -155,6 +161,8 @@ class GPT2LMHeadModel(CausalLM):
 
         src = {name: plain(name) for name in ("wpe.weight", "ln_f.weight", "ln_f.bias")}
         src["wte.weight"] = plain("wte.weight", VOCAB)
+        if self.lm_head is not None:  # (outside "transformer.")
+            src["lm_head.weight"] = WeightSource(("lm_head.weight",), shard=VOCAB)
         # c_attn is q, k and v side by side: each third is cut on its own.
         qkv = Shard(dim=0, parts=3)
         for i in range(self.cfg.num_layers):

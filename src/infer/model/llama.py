@@ -16,6 +16,7 @@ translate their ``config.json`` dialect.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,8 +97,9 @@ def require(config: dict[str, Any], key: str) -> Any:
     return config[key]
 
 
-def common_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The fields every Llama-like ``config.json`` spells the same way."""
+def common_fields(config: dict[str, Any], rms_norm_eps: float = 1e-6) -> dict[str, Any]:
+    """The fields every Llama-like ``config.json`` spells the same way (``rms_norm_eps``: the
+    family's default)."""
     hidden = require(config, "hidden_size")
     heads = require(config, "num_attention_heads")
     return dict(
@@ -109,42 +111,79 @@ def common_fields(config: dict[str, Any]) -> dict[str, Any]:
         head_dim=config.get("head_dim") or hidden // heads,
         vocab_size=require(config, "vocab_size"),
         max_position_embeddings=config.get("max_position_embeddings") or 2048,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=config.get("rms_norm_eps", rms_norm_eps),
     )
 
 
-def uniform_rope(config: dict[str, Any], fields: dict[str, Any]) -> tuple[RopeConfig, ...]:
+def uniform_rope(
+    config: dict[str, Any], fields: dict[str, Any], default_theta: float = 10_000.0
+) -> tuple[RopeConfig, ...]:
     """The same rope for every layer (Llama, Qwen)."""
-    params = rope_params(config, "full_attention")
+    params = rope_params(config, "full_attention", default_theta)
     rope = rope_config_from_dict(params, fields["head_dim"], fields["max_position_embeddings"])
     return (rope,) * fields["num_layers"]
 
 
-def layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer sliding window from ``layer_types`` or Qwen's ``use_sliding_window`` switch."""
-    window = config.get("sliding_window")
-    types = config.get("layer_types")
-    if window is None or ("use_sliding_window" in config and not config["use_sliding_window"]):
+WindowRule = Callable[[dict[str, Any], int], bool]  # (config.json, layer) -> does it slide
+
+
+def every_layer(config: dict[str, Any], layer: int) -> bool:
+    return True
+
+
+def from_max_window_layers(config: dict[str, Any], layer: int) -> bool:
+    """Qwen 2 / 3: the layers from ``max_window_layers`` on."""
+    return layer >= config.get("max_window_layers", 28)
+
+
+def layer_windows(
+    config: dict[str, Any],
+    num_layers: int,
+    rule: WindowRule | None = every_layer,
+    switch: bool | None = None,
+    default_window: int | None = None,
+) -> tuple[int | None, ...]:
+    """Per-layer sliding window, as transformers reads each family's ``config.json``.
+
+    ``layer_types`` says which layers slide where the config has it; else ``rule`` (None: the
+    family never slides, as Llama ignores a ``sliding_window``). ``switch``: the default of
+    Qwen's ``use_sliding_window`` when the config leaves it out (None: the family has no such
+    switch; a window is used when given, as Mistral's). ``default_window``: the window of a
+    config without a ``sliding_window`` key (Mistral's 4096; a null one is no window).
+    """
+    window = config.get("sliding_window", default_window)
+    on = config.get("use_sliding_window", switch) if switch is not None else True
+    if not window or not on or rule is None:
         return (None,) * num_layers
+    types = config.get("layer_types")
     if types:
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
         return tuple(window if t == "sliding_attention" else None for t in types)
-    if "max_window_layers" in config:  # Qwen: layers from max_window_layers on slide
-        first = config["max_window_layers"]
-        return tuple(window if i >= first else None for i in range(num_layers))
-    return (window,) * num_layers  # Mistral-style: every layer slides
+    return tuple(window if rule(config, i) else None for i in range(num_layers))
 
 
-def uniform_decoder_config(config: dict[str, Any], **family: Any) -> DecoderConfig:
+def uniform_decoder_config(
+    config: dict[str, Any],
+    windows: WindowRule | None = every_layer,
+    window_switch: bool | None = None,
+    default_window: int | None = None,
+    rope_theta: float = 10_000.0,
+    rms_norm_eps: float = 1e-6,
+    **family: Any,
+) -> DecoderConfig:
     """A :class:`DecoderConfig` for the families that use one rope for every layer (Llama,
-    Mistral, Qwen): the common fields, rope, per-layer windows, activation and embedding tying
-    from ``config.json``, plus the family's own switches in ``family``."""
-    fields = common_fields(config)
+    Mistral, Qwen): the common fields, rope, per-layer windows (``windows``, ``window_switch``
+    and ``default_window``: see :func:`layer_windows`), activation and embedding tying from
+    ``config.json``, plus the family's own switches in ``family``. ``rope_theta`` and
+    ``rms_norm_eps``: the family's defaults for a config that leaves them out."""
+    fields = common_fields(config, rms_norm_eps)
     return DecoderConfig(
         **fields,
-        ropes=uniform_rope(config, fields),
-        sliding_windows=layer_windows(config, fields["num_layers"]),
+        ropes=uniform_rope(config, fields, rope_theta),
+        sliding_windows=layer_windows(
+            config, fields["num_layers"], windows, window_switch, default_window
+        ),
         activation=config.get("hidden_act", "silu"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         **family,
@@ -472,8 +511,9 @@ class LlamaForCausalLM(DecoderLM):
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
         bias = bool(config.get("attention_bias", False))
         return uniform_decoder_config(
-            config, qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False))
-        )
+            config, windows=None, qkv_bias=bias, o_bias=bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )  # fmt: skip
 
 
 class MistralForCausalLM(DecoderLM):
@@ -483,7 +523,7 @@ class MistralForCausalLM(DecoderLM):
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
-        return uniform_decoder_config(config)
+        return uniform_decoder_config(config, default_window=4096)
 
 
 class MixtralForCausalLM(DecoderLM):
@@ -505,4 +545,5 @@ class MixtralForCausalLM(DecoderLM):
             checkpoint_block="block_sparse_moe",
             checkpoint_projs=("w1", "w3", "w2"),
         )
-        return uniform_decoder_config(config, moe=moe)
+        # (transformers' Mixtral defaults: rope_theta 1e6, rms_norm_eps 1e-5)
+        return uniform_decoder_config(config, rope_theta=1e6, rms_norm_eps=1e-5, moe=moe)

@@ -5,8 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.model.llama import DecoderConfig, DecoderLM, require, uniform_decoder_config
+from infer.model.llama import (
+    DecoderConfig,
+    DecoderLM,
+    every_layer,
+    from_max_window_layers,
+    require,
+    uniform_decoder_config,
+)
 from infer.model.moe import parse_moe
+
+# Qwen's sliding windows are off unless use_sliding_window says otherwise; which layers slide
+# (without layer_types) is each family's own rule in transformers.
+QWEN_WINDOWS = dict(windows=from_max_window_layers, window_switch=False)
+
+
+def _qwen2_moe_window_layers(config: dict[str, Any], layer: int) -> bool:
+    """Qwen2-MoE: every other layer (the first, third, ...) below ``max_window_layers``."""
+    return layer % 2 == 0 and layer < config.get("max_window_layers", 28)
 
 
 class Qwen2ForCausalLM(DecoderLM):
@@ -15,7 +31,7 @@ class Qwen2ForCausalLM(DecoderLM):
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
         # Qwen 2 always has q/k/v biases and never an o_proj bias.
-        return uniform_decoder_config(config, qkv_bias=True)
+        return uniform_decoder_config(config, qkv_bias=True, **QWEN_WINDOWS)
 
 
 class Qwen3ForCausalLM(DecoderLM):
@@ -24,7 +40,9 @@ class Qwen3ForCausalLM(DecoderLM):
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
         bias = bool(config.get("attention_bias", False))
-        return uniform_decoder_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return uniform_decoder_config(
+            config, qkv_bias=bias, o_bias=bias, qk_norm=True, **QWEN_WINDOWS
+        )
 
 
 class Qwen2MoeForCausalLM(DecoderLM):
@@ -45,7 +63,10 @@ class Qwen2MoeForCausalLM(DecoderLM):
             float32_weights=False,
             shared_expert=True,
         )
-        return uniform_decoder_config(config, qkv_bias=bool(config.get("qkv_bias", True)), moe=moe)
+        return uniform_decoder_config(
+            config, qkv_bias=bool(config.get("qkv_bias", True)), moe=moe,
+            windows=_qwen2_moe_window_layers, window_switch=False,
+        )  # fmt: skip
 
 
 class Qwen3MoeForCausalLM(DecoderLM):
@@ -63,4 +84,8 @@ class Qwen3MoeForCausalLM(DecoderLM):
             float32_weights=False,
         )
         bias = bool(config.get("attention_bias", False))
-        return uniform_decoder_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe)
+        # (Qwen3-MoE slides every layer when use_sliding_window is on)
+        return uniform_decoder_config(
+            config, qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe, windows=every_layer,
+            window_switch=False,
+        )  # fmt: skip

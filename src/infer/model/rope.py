@@ -52,7 +52,7 @@ def rope_config_from_dict(
     if partial not in (None, 1.0, 1):
         raise ValueError(f"partial_rotary_factor={partial} is not supported")
     original = params.get("original_max_position_embeddings")
-    if rope_type == "yarn" and original is None:
+    if rope_type in ("yarn", "llama3") and original is None:  # (as transformers reads it)
         original = max_position_embeddings
     factor = params.get("factor")
     if rope_type == "yarn" and factor is None:
@@ -93,9 +93,18 @@ def rope_params(
         if not nested and any(isinstance(v, dict) for v in new.values()):
             params = {}  # nested by layer type but not for this one
         params.setdefault("rope_theta", config.get(legacy_theta_key, default_theta))
-        return params
+        return params if nested else _with_top_level_original(config, params)
     params = dict(config.get("rope_scaling") or {})
     params["rope_theta"] = config.get(legacy_theta_key, default_theta)
+    return _with_top_level_original(config, params)
+
+
+def _with_top_level_original(config: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 style configs keep ``original_max_position_embeddings`` beside ``rope_scaling``, not
+    in it; transformers then takes that one, for the rope types that scale from it."""
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in ("llama3", "yarn") and config.get("original_max_position_embeddings"):
+        params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     return params
 
 
