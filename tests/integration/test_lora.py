@@ -207,6 +207,9 @@ def test_bad_adapters_are_refused_naming_the_problem(make_llm, tiny_checkpoints,
     cfg["use_dora"] = True
     (dora / "adapter_config.json").write_text(json.dumps(cfg))
     refused(dora, "DoRA")
+    broken = _copy(good.lora_path, tmp_path / "broken")
+    (broken / "adapter_config.json").write_text('{"r": 8,')
+    refused(broken, "LoRA adapter 'bad': .*adapter_config.json is not valid JSON")
     # The engine still serves, with and without the good adapter.
     assert llm.generate(["x"], GREEDY, lora_request=good)[0].outputs[0].token_ids
     with pytest.raises(InvalidRequestError, match="'nope' is not loaded"):

@@ -327,68 +327,35 @@ def test_local_folder_and_missing_folder(tiny_checkpoints, tmp_path):
         resolve_model_path(str(file))
 
 
-@pytest.mark.parametrize(
-    "scaling",
-    [
-        {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "dynamic", "factor": 2.0},
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256,
-        },
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
-        {
-            "rope_type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 512,
-            "beta_fast": 16,
-            "mscale": 0.7,
-            "mscale_all_dim": 1.0,
-        },
-    ],
-    ids=lambda s: s["rope_type"] + ("-mscale" if "mscale" in s else ""),
-)
-def test_rope_variants_match_transformers(scaling):
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from infer.model.rope import inverse_frequencies, rope_config_from_dict, rope_params
-
-    raw = {"rope_theta": 50_000.0, "rope_scaling": dict(scaling), "max_position_embeddings": 2048}
-    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=4, **raw)
-    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, "cpu")
-    ours = rope_config_from_dict(rope_params(raw), head_dim=64, max_position_embeddings=2048)
-    inv_freq, scale = inverse_frequencies(ours)
-    assert torch.allclose(inv_freq, hf_inv_freq.float(), rtol=1e-6, atol=0)
-    assert scale == pytest.approx(hf_scale)
-
-
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+ROPE_CASES = {  # id: (rope_scaling, config.json fields beside it)
+    "linear": ({"rope_type": "linear", "factor": 4.0}, {}),
+    "dynamic": ({"rope_type": "dynamic", "factor": 2.0}, {}),
+    "llama3": ({**LLAMA3, "original_max_position_embeddings": 256}, {}),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}, {}),
+    "yarn-mscale": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                     "beta_fast": 16, "mscale": 0.7, "mscale_all_dim": 1.0}, {}),
+    # Phi-3 style: the pretraining length beside rope_scaling (transformers prefers that one);
+    # without one anywhere it is max_position_embeddings (it was 8192 for llama3)
+    "yarn-top-level": ({"rope_type": "yarn", "factor": 4.0},
+                       {"original_max_position_embeddings": 64}),
+    "llama3-top-level": (LLAMA3, {"original_max_position_embeddings": 32}),
+    "llama3-both": ({**LLAMA3, "original_max_position_embeddings": 128},
+                    {"original_max_position_embeddings": 32}),
+    "llama3-none": (LLAMA3, {}),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "scaling,top_level",
-    [
-        ({"rope_type": "yarn", "factor": 4.0}, {"original_max_position_embeddings": 64}),
-        (LLAMA3, {"original_max_position_embeddings": 32}),
-        ({**LLAMA3, "original_max_position_embeddings": 128}, {"original_max_position_embeddings": 32}),
-        (LLAMA3, {}),  # none anywhere: max_position_embeddings (it was 8192)
-    ],
-    ids=["yarn-top-level", "llama3-top-level", "llama3-both", "llama3-none"],
-)  # fmt: skip
-def test_the_pretraining_length_is_read_where_transformers_reads_it(scaling, top_level):
-    """Phi-3 style configs keep ``original_max_position_embeddings`` beside ``rope_scaling``
-    (and transformers prefers that one); without one anywhere it is the model's length."""
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_variants_match_transformers(case):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from infer.model.rope import inverse_frequencies, rope_config_from_dict, rope_params
 
+    scaling, beside = ROPE_CASES[case]
     raw = {"rope_theta": 50_000.0, "rope_scaling": dict(scaling), "max_position_embeddings": 2048,
-           **top_level}  # fmt: skip
+           **beside}  # fmt: skip
     hf_config = LlamaConfig(hidden_size=256, num_attention_heads=4, **raw)
     hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, "cpu")
     ours = rope_config_from_dict(rope_params(raw), head_dim=64, max_position_embeddings=2048)

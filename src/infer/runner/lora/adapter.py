@@ -15,13 +15,14 @@ projection adapters, a rank above ``--max-lora-rank``, shapes that do not fit th
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from infer.model.folders import ModelLoadError, read_json
 
 # PEFT's projection names -> (our fused module under layers.{i}, the part index within it).
 PROJECTIONS: dict[str, tuple[str, int]] = {
@@ -86,11 +87,9 @@ def _read_config(name: str, folder: Path) -> dict:
     if not path.is_file():
         raise LoRAError(f"LoRA adapter {name!r}: {folder} has no adapter_config.json")
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoRAError(f"LoRA adapter {name!r}: {path} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise LoRAError(f"LoRA adapter {name!r}: {path} does not hold a JSON object")
+        config = read_json(path, what="adapter config")
+    except ModelLoadError as e:
+        raise LoRAError(f"LoRA adapter {name!r}: {e}") from None
     peft_type = str(config.get("peft_type", "LORA")).upper()
     refusals = [
         (peft_type != "LORA", f"peft_type {peft_type!r} (only LORA is supported)"),
