@@ -113,6 +113,14 @@ def test_runtime_load_and_unload(lora_server, adapters):
         assert resp.status_code == status, why
         assert message in resp.json()["error"]["message"], why
     assert "big" not in {m.id for m in client.models.list()}
+    # load_inplace: the name gets the other adapter's weights (a bad one leaves the old)
+    before = _complete(client, "a3")
+    r = http.post("/v1/load_lora_adapter",
+                  json={"lora_name": "a3", "lora_path": "/no/such", "load_inplace": True})  # fmt: skip
+    assert r.status_code == 400 and _complete(client, "a3") == before
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "a3", "load_inplace": True,
+                                                 "lora_path": str(adapters["a1"])})  # fmt: skip
+    assert r.status_code == 200 and _complete(client, "a3") == _complete(client, "a1") != before
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
     assert r.status_code == 200
     with pytest.raises(NotFoundError):

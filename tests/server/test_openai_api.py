@@ -241,6 +241,10 @@ def test_tokenize_detokenize_round_trip(server):
     with server.client() as c:
         tok = c.post("/tokenize", json={"prompt": "Unicode: héllo wörld"}).json()
         assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024
+        assert tok["token_strs"] is None
+        strs = c.post("/tokenize", json={"prompt": "Unicode: héllo wörld",
+                                         "return_token_strs": True}).json()["token_strs"]  # fmt: skip
+        assert len(strs) == tok["count"] and all(isinstance(t, str) and t for t in strs)
         back = c.post("/detokenize", json={"tokens": tok["tokens"]}).json()
         assert back["prompt"] == "Unicode: héllo wörld"
         chat = c.post("/tokenize", json={"messages": MESSAGES}).json()

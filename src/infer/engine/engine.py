@@ -332,11 +332,12 @@ class LLMEngine:
             raise InvalidRequestError(str(e), param=param) from None
 
     # ---- LoRA adapters (the server's /v1/load_lora_adapter, /v1/unload_lora_adapter) ---------
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Read, check and register an adapter; ``ValueError`` (``LoRAError``) says why not."""
+    def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        """Read, check and register an adapter (``replace``: over one of that name);
+        ``ValueError`` (``LoRAError``) says why not."""
         if self.lora is None:
             raise ValueError("LoRA adapters need an engine started with --enable-lora")
-        self.lora.register(LoRARequest(name, 0, path))
+        self.lora.register(LoRARequest(name, 0, path), replace=replace)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Forget an adapter (``KeyError`` if it is not loaded); requests already queued or

@@ -202,7 +202,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             ids = await serving.run_blocking(
                 lambda: tok.encode(text, add_special_tokens=body.add_special_tokens), size=len(text)
             )
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
+        strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len,
+                                token_strs=strs)  # fmt: skip
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, tags=["tokens"])
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -38,11 +38,12 @@ def install_lora_routes(app: FastAPI, serving: Serving, served: tuple[str, ...])
         if name in served:
             raise APIError(400, f"'{name}' is the served model's name; an adapter needs "
                            "another", param="lora_name")  # fmt: skip
-        if name in serving.lora_adapters:
+        if name in serving.lora_adapters and not body.load_inplace:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
                            param="lora_name")  # fmt: skip
         try:
-            await serving.engine.call("load_lora_adapter", name, body.lora_path)
+            await serving.engine.call("load_lora_adapter", name, body.lora_path,
+                                      body.load_inplace)  # fmt: skip
         except (ValueError, OSError) as e:
             raise APIError(400, str(e), param="lora_path") from None
         serving.lora_adapters[name] = body.lora_path

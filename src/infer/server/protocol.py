@@ -283,6 +283,7 @@ class LoadLoRAAdapterRequest(_Request):
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # replace an adapter of that name (new requests get the new one)
 
 
 class UnloadLoRAAdapterRequest(_Request):
@@ -310,6 +311,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # also each token's string (vLLM's field)
 
 
 class DetokenizeRequest(_Request):
@@ -490,6 +492,7 @@ class TokenizeResponse(_Response):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(_Response):

@@ -89,10 +89,16 @@ class LoRAManager:
             self.register(request)
 
     # ---- registry -------------------------------------------------------------------------
-    def register(self, request: LoRARequest) -> int:
+    def register(self, request: LoRARequest, replace: bool = False) -> int:
         """Read, check and remember an adapter; its load id. The same name again with the same
-        path is that load; with another path an error (unload it first)."""
+        path is that load; with another path an error (unload it first). ``replace``: a new
+        load of the name whatever it holds now (vLLM's ``load_inplace``; the old one stays
+        until its requests finish, and stays registered if the new one is refused)."""
         known = self.registered.get(request.lora_name)
+        if known is not None and replace:
+            adapter = self._read(request)
+            self.unregister(request.lora_name)
+            return self._remember(request, adapter)
         if known is not None:
             if known.lora_path != request.lora_path:
                 raise LoRAError(
@@ -100,7 +106,9 @@ class LoRAManager:
                     f"{known.lora_path}; unload it first"
                 )
             return self.acquire(request.lora_name)
-        adapter = self._read(request)
+        return self._remember(request, self._read(request))
+
+    def _remember(self, request: LoRARequest, adapter: LoRAAdapter) -> int:
         load_id = len(self._loads) + 1
         self.registered[request.lora_name] = request
         self._load_ids[request.lora_name] = load_id
