@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from infer.core.sampling_params import InvalidRequestError, SamplingParams
     from infer.engine.args import engine_config_from_args
     from infer.engine.engine import LLMEngine
-    from infer.model.tokenizer import chat_prompt_ids
+    from infer.model.chat_template import render_chat_ids
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:  # (before the model loads: a bad value is said at once)
@@ -63,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         for i, prompt in enumerate(args.prompt):
             if args.chat:
-                ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
-            else:
-                ids = tok.encode(prompt, add_special_tokens=False)
+                ids = render_chat_ids(tok, [{"role": "user", "content": prompt}])
+            else:  # (the tokenizer's BOS etc., as the offline API and the server add them)
+                ids = tok.encode(prompt)
             engine.add_request(str(i), ids, params)
     except InvalidRequestError as e:
         print(f"error: {e.message}", file=sys.stderr)

@@ -10,13 +10,14 @@ import itertools
 import operator
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from infer.config import EngineConfig
 from infer.core.lora_request import LoRARequest
 from infer.core.outputs import CompletionOutput, GenerationResult, RequestOutput
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
-from infer.model.tokenizer import chat_prompt_ids
+from infer.model.chat_template import render_chat_ids
 
 PromptInput = str | Sequence[int]
 
@@ -119,18 +120,35 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
-        **template_kwargs,
+        *,
+        lora_request: LoRARequest | str | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **template_kwargs: Any,
     ) -> GenerationResult | list[GenerationResult]:
-        """Render ``messages`` with the model's chat template and generate a reply: one
-        conversation (a list of ``{"role", "content"}`` dicts) gives one result, a list of
-        conversations a list of results, generated together. A template that cannot render
-        them raises ``InvalidRequestError`` naming ``messages``."""
+        """Render ``messages`` with the model's chat template (or ``chat_template``) and
+        generate a reply: one conversation (a list of ``{"role", "content"}`` dicts; content a
+        string or a list of text parts) gives one result, a list of conversations a list of
+        results, generated together. The options are vLLM's ``LLM.chat``'s; template variables
+        go in ``chat_template_kwargs`` or as keywords (``enable_thinking=False``). A template
+        that cannot render them raises ``InvalidRequestError`` naming ``messages``."""
         batch = bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = messages if batch else [messages]
-        prompts = [chat_prompt_ids(self.tokenizer, c, **template_kwargs) for c in conversations]
-        results = self.generate(prompts, sampling_params)
+        kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
+        prompts = [
+            render_chat_ids(self.tokenizer, list(c), chat_template=chat_template,
+                            add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message, tools=tools,
+                            documents=documents, template_kwargs=kwargs)
+            for c in conversations
+        ]  # fmt: skip
+        results = self.generate(prompts, sampling_params, lora_request=lora_request)
         return results if batch else results[0]
 
     def reset_prefix_cache(self) -> bool:
@@ -181,7 +199,8 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param=param)
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            # (with the tokenizer's special tokens, e.g. Llama's BOS, as vLLM's LLM adds them)
+            return self.tokenizer.encode(prompt)
         try:  # (token ids of any integer type: Python's, numpy's, a tensor's elements)
             return [operator.index(t) for t in prompt]
         except TypeError:

@@ -145,3 +145,25 @@ def test_engine_options_of_the_wrong_type_or_value_are_named(tiny_checkpoints, o
 
     with pytest.raises((TypeError, ValueError), match=message):
         LLM(str(tiny_checkpoints["llama"]), **options)
+
+
+def test_chat_takes_vllms_options_and_renders_as_the_server_does(make_llm):
+    """``LLM.chat`` takes vLLM's options (add_generation_prompt, continue_final_message,
+    chat_template_kwargs, a template of its own; they were refused or, for the kwargs, passed
+    on as one variable), and content parts become text (a Python list was written into the
+    prompt)."""
+    from infer.model.chat_template import render_chat_ids
+
+    llm = make_llm("llama")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                {"role": "assistant", "content": "Hello"}]  # fmt: skip
+    out = llm.chat(messages, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    want = render_chat_ids(llm.tokenizer, messages, add_generation_prompt=False,
+                           continue_final_message=True)  # fmt: skip
+    assert out.prompt_token_ids == want
+    text = llm.tokenizer.decode(want)
+    assert "Hi" in text and "'type'" not in text and text.endswith("Hello")
+    flavoured = llm.chat(messages[:1], GREEDY, chat_template="{{ flavour }}:{{ messages[0]['content'] }}",
+                         chat_template_kwargs={"flavour": "mint"})  # fmt: skip
+    assert llm.tokenizer.decode(flavoured.prompt_token_ids) == "mint:Hi"
+    assert _idle(llm)

@@ -451,12 +451,16 @@ class Router:
                 add_generation_prompt=bool(data.get("add_generation_prompt", True)),
                 continue_final_message=bool(data.get("continue_final_message", False)),
                 kwargs=data.get("chat_template_kwargs"),
+                tools=data.get("tools") or None,
+                documents=data.get("documents"),
+                add_special_tokens=bool(data.get("add_special_tokens", False)),
             )
         prompt = data.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # several prompts: route by the first
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            special = bool(data.get("add_special_tokens", True)) and not data.get("suffix")
+            return self.tokenizer.encode(prompt, add_special_tokens=special)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         return []

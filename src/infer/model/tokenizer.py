@@ -28,23 +28,3 @@ def load_tokenizer(path: Path):
     # sequence length is longer than ...") about prompts the engine then served or refused.
     tokenizer.model_max_length = VERY_LONG
     return tokenizer
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
-    """The token ids of ``messages`` rendered by the tokenizer's chat template, with the
-    generation prompt after them (the template writes its own special tokens). Raises
-    ``InvalidRequestError`` naming ``messages`` where the template cannot render them (none
-    set, a Jinja error, a missing field)."""
-    from infer.core.sampling_params import InvalidRequestError
-
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **template_kwargs
-        )
-    except Exception as e:  # noqa: BLE001 - whatever the template raised, named as such
-        raise InvalidRequestError(
-            f"the chat template could not render these messages: {e}", param="messages"
-        ) from e
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding (transformers 5)
-        ids = ids["input_ids"]
-    return list(ids)

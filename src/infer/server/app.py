@@ -192,16 +192,19 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages is empty", param="messages")
+            tools = [t.model_dump(mode="json", exclude_none=True) for t in body.tools or ()]
             ids = await serving.run_blocking(
                 lambda: render_chat(serving, body.messages,
                                     add_generation_prompt=body.add_generation_prompt,
-                                    kwargs=body.chat_template_kwargs), size=4096)  # fmt: skip
+                                    continue_final_message=body.continue_final_message,
+                                    kwargs=body.chat_template_kwargs, tools=tools or None,
+                                    documents=body.documents,
+                                    add_special_tokens=bool(body.add_special_tokens)),
+                size=4096)  # fmt: skip
         else:
             text = body.prompt or ""
-            tok = serving.tokenizer
-            ids = await serving.run_blocking(
-                lambda: tok.encode(text, add_special_tokens=body.add_special_tokens), size=len(text)
-            )
+            special = body.add_special_tokens is not False
+            ids = await serving.run_blocking(serving.encode, text, special, size=len(text))
         strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len,
                                 token_strs=strs)  # fmt: skip

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +14,7 @@ from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError
 from infer.engine.async_engine import RequestStream
+from infer.model.chat_template import render_chat_ids
 from infer.server.errors import bad_request, from_invalid_request
 from infer.server.protocol import (
     ChatChoice,
@@ -51,79 +51,29 @@ from infer.server.tools import (
     tool_template_args,
 )
 
-# Template arguments a client may not override through chat_template_kwargs.
-_RESERVED_KWARGS = {"conversation", "tokenize", "chat_template", "add_generation_prompt",
-                    "continue_final_message", "return_dict", "return_tensors", "padding",
-                    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
-                    "tools", "documents"}  # fmt: skip
-
-
-def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    out = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
-        if m.name is not None:
-            d["name"] = m.name
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        if m.tool_calls:
-            d["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                for c in m.tool_calls
-            ]  # fmt: skip
-        out.append(d)
-    return out
-
-
-def _arguments(arguments: str | dict[str, Any]) -> Any:
-    """Templates index into the arguments (``arguments.items()``): give them the object."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
-
 
 def render_chat(serving: Serving, messages: list[ChatMessage], *, add_generation_prompt: bool,
                 continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
-    """Token ids of the conversation as the model's chat template (or --chat-template) writes it."""
+                tools: list[dict[str, Any]] | None = None,
+                documents: list[dict[str, Any]] | None = None,
+                add_special_tokens: bool = False) -> list[int]:  # fmt: skip
+    """Token ids of the conversation as the model's chat template (or --chat-template) writes it
+    (:func:`infer.model.chat_template.render_chat_ids`, as the offline API renders it)."""
     template = serving.settings.chat_template
     tok = serving.tokenizer
     if template is None and not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; start the server with "
                           "--chat-template FILE or use /v1/completions", param="messages")  # fmt: skip
-    kwargs = dict(kwargs or {})
-    reserved = sorted(_RESERVED_KWARGS & kwargs.keys())
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}",
-                          param="chat_template_kwargs")  # fmt: skip
-    if continue_final_message and add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt are exclusive; set "
-                          "add_generation_prompt to false", param="continue_final_message")  # fmt: skip
-    if continue_final_message and messages[-1].role != "assistant":
-        raise bad_request("continue_final_message needs a final assistant message",
-                          param="continue_final_message")  # fmt: skip
     try:
-        text = tok.apply_chat_template(
-            _message_dicts(messages),
-            chat_template=template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            tools=tools,
-            **kwargs,
-        )
-    except Exception as e:  # noqa: BLE001 - the template rejected these messages (jinja raise)
-        raise bad_request(f"the chat template could not render these messages: {e}",
-                          param="messages") from e  # fmt: skip
-    # The template writes the special tokens itself (as LLM.chat does, no extra BOS).
-    return tok.encode(text, add_special_tokens=False)
+        return render_chat_ids(
+            tok, [{"content": None, **m.model_dump(mode="json", exclude_none=True)}
+                  for m in messages],
+            chat_template=template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, add_special_tokens=add_special_tokens,
+            tools=tools, documents=documents, template_kwargs=kwargs,
+        )  # fmt: skip
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
 
 
 def chat_logprobs(serving: Serving, lps: list[TokenLogprob], k: int) -> ChatLogprobs:
@@ -157,9 +107,11 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     ids = await serving.run_blocking(
         lambda: render_chat(serving, req.messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
-                            kwargs=req.chat_template_kwargs, tools=tool_template_args(mode)),
+                            kwargs=req.chat_template_kwargs, tools=tool_template_args(mode),
+                            documents=req.documents, add_special_tokens=req.add_special_tokens),
         size=size,
     )  # fmt: skip
+    ids = serving.truncated(ids, req)
     serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, max_tokens, k, constraint)
@@ -173,6 +125,15 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     return await cancel_on_disconnect(
         raw, _collect(serving, req, raw, stream, request_id, model, mode)
     )
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """``echo``: the last message's text when it is the assistant's own (the reply goes on from
+    it, as with continue_final_message), put before the reply as vLLM does; else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content)
 
 
 def _finish_reason(out: RequestOutput, calls: list) -> str | None:
@@ -194,6 +155,8 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
         if req.logprobs:
             logprobs = chat_logprobs(serving, acc.logprobs[index], req.top_logprobs or 0)
         content, calls = parse_reply(mode, "".join(acc.text[index]))
+        if _echoed(req):
+            content = _echoed(req) + (content or "")
         choices.append(ChatChoice(
             index=index, message=ChatResponseMessage(content=content, tool_calls=calls),
             logprobs=logprobs, finish_reason=_finish_reason(final, calls),
@@ -242,6 +205,8 @@ def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: 
         )], usage)  # fmt: skip
 
     # The role comes first, before any token: clients start their message on it.
-    roles = [chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+    echo = _echoed(req)
+    roles = [chunk([ChatStreamChoice(index=index,
+                                     delta=DeltaMessage(role="assistant", content=echo))])
              for index in range(len(stream.request_ids))]  # fmt: skip
     return stream_events(serving, req, raw, stream, render, lambda usage: chunk([], usage), roles)

@@ -106,12 +106,15 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         if isinstance(p, str):
             if not p:
                 raise bad_request("the prompt is empty", param=param)
-            ids = await serving.run_blocking(serving.encode, p, size=len(p))
+            # (a fill-in-the-middle prompt is its tokens: no BOS in the middle of it)
+            special = req.add_special_tokens and fim is None
+            ids = await serving.run_blocking(serving.encode, p, special, size=len(p))
         else:
             ids = list(p)
         if fim is not None:
             assert req.suffix is not None
             ids = fim_prompt(fim, ids, serving.encode(req.suffix))
+        ids = serving.truncated(ids, req)
         serving.check_lengths(ids, req.max_tokens, param)
         token_prompts.append(ids)
     best_of = req.best_of or req.n

@@ -166,6 +166,9 @@ class _SamplingFields(_Request):
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
     )
     user: str | None = Field(None, description="accepted and ignored")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep the prompt's last k tokens (-1: the context length)"
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -180,6 +183,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1, description="null: up to the context length")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = Field(True, description="the tokenizer's BOS etc. (vLLM's)")
     best_of: int | None = Field(
         None, ge=1, le=MAX_N, description="generate this many, return the n most likely"
     )
@@ -260,6 +264,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = Field(None, description="passed to the template")
+    add_special_tokens: bool = Field(False, description="also the tokenizer's (a second BOS)")
+    echo: bool = Field(False, description="reply prefixed by a last message of its role")
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -275,6 +282,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "prediction": lambda v: v is None,
     "lora_request": lambda v: v is None,
     "prompt_embeds": lambda v: v is None,
+    "chat_template": lambda v: v is None,  # a template from the request: --chat-template only
 }
 
 
@@ -308,9 +316,13 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = Field(None, description="default: true for a prompt, "
+                                            "false for messages (as generation does)")  # fmt: skip
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False  # also each token's string (vLLM's field)
 
 

@@ -134,9 +134,21 @@ class Serving:
             logger.info("%s: ignoring unknown field(s) %s", route, ", ".join(unknown))
 
     # ---- prompts ------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        # Same as the offline API: the text is taken as is, no special tokens added.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """A completions prompt's ids; ``add_special_tokens`` (the request's, default on, as
+        vLLM and the offline API): the tokenizer's own, e.g. Llama's BOS."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def truncated(self, ids: list[int], req: _SamplingFields) -> list[int]:
+        """``truncate_prompt_tokens``: the prompt's last k tokens (-1: the context length)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == 0:
+            raise bad_request("truncate_prompt_tokens must be at least 1 (or -1: the context "
+                              "length)", param="truncate_prompt_tokens")  # fmt: skip
+        keep = self.max_model_len if k == -1 else k
+        return ids[-keep:]
 
     async def run_blocking(self, fn, *args, size: int = 0):
         if size > _INLINE_TOKENIZE_CHARS:
