@@ -85,7 +85,7 @@ def test_an_unexpected_failure_is_a_500_that_goes_no_further(engine, monkeypatch
     would close the connection and a keep-alive client's next request would be reset)."""
     from infer.server.serving import Serving
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=False):
         raise ZeroDivisionError("injected tokenizer failure")
 
     monkeypatch.setattr(Serving, "encode", encode)
