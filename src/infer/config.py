@@ -327,6 +327,13 @@ class EngineConfig:
                 reason = "static batching is a comparison mode (--enable-prefix-caching adds it)"
             object.__setattr__(self, "cache", replace(cache, enable_prefix_caching=reason is None))
         object.__setattr__(self, "prefix_caching_off_reason", reason)
+        if self.scheduler.preemption_mode == "swap" and (
+            cache.kv_cache_backend != "paged" or not cache.use_kv_cache
+        ):
+            kind = "--no-kv-cache" if not cache.use_kv_cache else "the contiguous KV backend"
+            raise ValueError(
+                f"--preemption-mode swap needs the paged KV cache ({kind} has no blocks to swap)"
+            )
 
     @staticmethod
     def from_kwargs(**kwargs) -> EngineConfig:

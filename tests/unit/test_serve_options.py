@@ -26,6 +26,14 @@ SERVE = ["serve", "--model", "/no/such/model"]  # (every case stops before the m
         (["--max-queued-requests", "0"], "max_queued_requests must be positive, got 0"),
         (["--max-wait-steps", "-1"], "max_wait_steps must be >= 0, got -1"),
         (["--swap-space=-1GiB"], "cannot parse a byte size from '-1GiB'"),
+        (
+            ["--preemption-mode", "swap", "--kv-cache-backend", "contiguous"],
+            "--preemption-mode swap needs the paged KV cache (the contiguous KV backend",
+        ),
+        (
+            ["--preemption-mode", "swap", "--no-kv-cache"],
+            "--preemption-mode swap needs the paged KV cache (--no-kv-cache",
+        ),
     ],
 )
 def test_bad_server_options_are_one_line_naming_them(extra, message, capsys, caplog):
