@@ -100,6 +100,8 @@ def test_streamed_tool_calls_arrive_as_deltas(client):
             continue
         delta = chunk.choices[0].delta
         assert not delta.content
+        # the role first, then the calls: no empty chunk for each held-back token
+        assert delta.role or delta.tool_calls or chunk.choices[0].finish_reason, chunk
         for d in delta.tool_calls or []:
             call = calls.setdefault(d.index, {"name": "", "arguments": ""})
             call["name"] += d.function.name or ""

@@ -194,6 +194,8 @@ def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: 
             logprobs = chat_logprobs(serving, out.new_logprobs, req.top_logprobs or 0)
         tools = tool_streams[index]
         content, calls = tools.feed(out.new_text, out.finished)
+        if mode.kind != "none" and not (content or calls or out.finished or logprobs or usage):
+            return None  # held back (a tool call being written): no empty chunk, as vLLM
         if logprobs is None and usage is None and not calls:  # most events
             finish = _finish_reason(out, tools.calls) if out.finished else None
             return template.event(chat_choice(index, content or None, finish, out.stop_reason))
