@@ -115,6 +115,12 @@ def test_min_p_applies_after_temperature():
     assert set(draw(LOGITS, min_p=0.2, temperature=0.5)) == {0, 1}
 
 
+def test_min_p_applies_before_top_p_as_in_vllm():
+    # min_p 0.35 keeps tokens 0 and 1 (renormalised: 0.625, 0.375); top_p 0.6 then keeps token
+    # 0 only. (top-p first, transformers' order, would keep both.)
+    assert set(draw(LOGITS, min_p=0.35, top_p=0.6)) == {0}
+
+
 # ---- penalties ------------------------------------------------------------------------------
 # Logits [2.0, 1.5, 0, 0]: token 0 wins unless its penalty brings it below 1.5.
 

@@ -5,7 +5,7 @@ One batched pass over ``[B, vocab]`` float32 logits:
     logit_bias -> penalties (repetition over prompt+output; presence/frequency over output)
     -> min_tokens (EOS and stop ids masked until the minimum is reached)
     -> greedy rows: argmax
-    -> other rows: temperature, top-k, top-p, min-p, then a draw
+    -> other rows: temperature, min-p, top-k, top-p (vLLM's order), then a draw
 
 Draws are batched (inverse CDF at a uniform draw per row, :meth:`Sampler._draw`). A seeded request draws its
 noise from its own ``torch.Generator`` (created at its first sample), so its tokens do not depend
@@ -424,9 +424,16 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """The distribution a sampled row draws from, in vLLM's order: temperature, min-p (against
+    the most likely token's probability), then top-k and top-p over what min-p kept."""
     device = logits.device
     temps = _to_device([p.temperature for p in params], torch.float32, device)[:, None]
     logits = logits / temps
+    if any(p.min_p > 0 for p in params):
+        min_p = _to_device([p.min_p for p in params], torch.float32, device)[:, None]
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     top_k = [p.top_k for p in params]
     if any(k > 0 for k in top_k):
         vocab = logits.shape[-1]
@@ -442,10 +449,6 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         drop_sorted[:, 0] = False  # even when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    if any(p.min_p > 0 for p in params):
-        min_p = _to_device([p.min_p for p in params], torch.float32, device)[:, None]
-        threshold = min_p * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 

@@ -283,6 +283,10 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "lora_request": lambda v: v is None,
     "prompt_embeds": lambda v: v is None,
     "chat_template": lambda v: v is None,  # a template from the request: --chat-template only
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": lambda v: v in (None, []),
+    "use_beam_search": lambda v: v in (None, False),
+    "length_penalty": lambda v: v in (None, 1, 1.0),  # (beam search's)
 }
 
 
