@@ -53,26 +53,29 @@ def pack_cols(q: torch.Tensor, order=None, bits: int = 4) -> torch.Tensor:
     return _int32(out)
 
 
-def _layers(state: dict) -> list[str]:
+def _layers(state: dict, lm_head: bool = False) -> list[str]:
+    names = (*LINEARS, "lm_head") if lm_head else LINEARS
     return [
-        n[: -len(".weight")] for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS
+        n[: -len(".weight")] for n in state if n.endswith(".weight") and n.split(".")[-2] in names
     ]
 
 
 def write_quantized(
-    src, dst_ref, dst_q, method: str, desc_act: bool = False, seed: int = 0, bits: int = 4
-):
+    src, dst_ref, dst_q, method: str, desc_act: bool = False, seed: int = 0, bits: int = 4,
+    lm_head: bool = False,
+):  # fmt: skip
     """The tiny checkpoint at ``src`` with its linears replaced by integer-made matrices: plain
-    at ``dst_ref``, in ``method``'s layout at ``dst_q``."""
+    at ``dst_ref``, in ``method``'s layout at ``dst_q`` (``lm_head``: the vocabulary
+    projection too, as GPTQ's ``"lm_head": true`` writes it)."""
     gen = torch.Generator().manual_seed(seed)
     state = load_file(str(src / "model.safetensors"))
     plain, packed = (
         dict(state),
-        {k: v for k, v in state.items() if not k.endswith(tuple(f"{n}.weight" for n in LINEARS))},
+        {k: v for k, v in state.items() if k[: -len(".weight")] not in _layers(state, lm_head)},
     )
     orders: dict[int, torch.Tensor] = {}  # act-order: one per input width, as GPTQ's (its
     # order sorts the inputs' Hessian diagonal, the same for layers that share their input)
-    for layer in _layers(state):
+    for layer in _layers(state, lm_head):
         out_f, in_f = state[layer + ".weight"].shape
         groups = in_f // GROUP
         # GPTQ's "gptq" format stores zero - 1 in a nibble: its zeros are 1..16 (AWQ's 0..15)
@@ -105,7 +108,7 @@ def write_quantized(
     if method == "gptq":
         config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": GROUP,
                                          "desc_act": desc_act, "sym": False,
-                                         "checkpoint_format": "gptq"}  # fmt: skip
+                                         "checkpoint_format": "gptq", "lm_head": lm_head}  # fmt: skip
     else:
         config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP,
                                          "version": "gemm", "zero_point": True}  # fmt: skip
@@ -129,17 +132,20 @@ FUSED_LAYERS = 12
 
 
 @pytest.mark.parametrize(
-    ("method", "desc_act", "bits"),
-    [("gptq", False, 4), ("gptq", True, 4), ("gptq", False, 8), ("awq", False, 4)],
-)
+    ("method", "desc_act", "bits", "lm_head"),
+    [("gptq", False, 4, False), ("gptq", True, 4, False), ("gptq", False, 8, False),
+     ("awq", False, 4, False), ("gptq", False, 4, True)],
+)  # fmt: skip
 def test_quantized_checkpoint_serves_the_dequantized_model(
-    method, desc_act, bits, tiny_checkpoints, tmp_path
+    method, desc_act, bits, lm_head, tiny_checkpoints, tmp_path
 ):
     """float32: the 4-bit layers stay 4-bit (dequantized per product: float32 activations are
     not rounded to a kernel's bf16) and give the plain model's logits; 8-bit ones are
-    dequantized at load."""
+    dequantized at load, and so is a quantized vocabulary projection (GPTQ's ``lm_head``: it
+    crashed the start-up)."""
     ref, quant = tmp_path / "ref", tmp_path / method
-    write_quantized(tiny_checkpoints["llama"], ref, quant, method, desc_act, bits=bits)
+    write_quantized(tiny_checkpoints["llama"], ref, quant, method, desc_act, bits=bits,
+                    lm_head=lm_head)  # fmt: skip
     want_lps, want_tokens = _logits_and_tokens(ref)
     got_lps, got_tokens = _logits_and_tokens(quant, int4_layers=FUSED_LAYERS if bits == 4 else 0)
     if desc_act:  # inputs gathered into group order: the same products, summed in another order

@@ -262,12 +262,15 @@ def keep_checkpoint_int4(model: nn.Module) -> list[Int4Linear]:
     for an :class:`Int4Linear` over them, so its weight takes 4 bits, not the dequantized
     copy's 16. Returns the layers made; the others stay dequantized."""
     parts_by_name = getattr(model, "checkpoint_int4", None) or {}
+    vocab_weight = model.vocab_projection_weight()
     made = []
     for pname, parts in parts_by_name.items():
         path = pname.removesuffix(".weight")
         module = model.get_submodule(path)
         if not isinstance(module, nn.Linear) or module.weight.shape != parts.q.shape:
-            continue  # the vocabulary projection (read as a weight), or a reshaped one
+            continue  # a reshaped one
+        if module.weight is vocab_weight:  # a quantized lm_head: read as a weight (dequantized)
+            continue
         device = module.weight.device  # the loader's integers are on the CPU
         perm = None if parts.perm is None else parts.perm.to(device)
         new = Int4Linear(parts.q.to(device), parts.scales.to(device), parts.zeros.to(device),
