@@ -156,10 +156,11 @@ def quantized_weight_bytes(model_dir: Path, dtype_bytes: int, method: str) -> in
 
 
 def _quantization_config(model_dir: Path) -> dict | None:
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
+    from infer.model.loader import quantization_config
+
+    if not (model_dir / "config.json").is_file():
         return None
-    qc = json.loads(config_path.read_text()).get("quantization_config")
+    qc = quantization_config(model_dir)
     return qc if isinstance(qc, dict) else None
 
 

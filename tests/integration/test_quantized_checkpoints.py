@@ -203,6 +203,8 @@ def test_quantization_flag_names_the_checkpoints_format(tiny_checkpoints, tmp_pa
         (lambda c: c["quantization_config"].update(quant_method="bitsandbytes"),
          "quant_method 'bitsandbytes' is not supported"),
         (lambda c: c["quantization_config"].update(group_size=0), "group_size 0"),
+        (lambda c: c["quantization_config"].update(dynamic={"+:.*down_proj": {"bits": 8}}),
+         "quantization_config.dynamic"),
     ],
 )  # fmt: skip
 def test_unreadable_quantization_configs_name_the_field(edit, message, tiny_checkpoints, tmp_path):
@@ -213,6 +215,19 @@ def test_unreadable_quantization_configs_name_the_field(edit, message, tiny_chec
     (quant / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match=message):
         LLM(str(quant), dtype="float32")
+
+
+def test_an_autogptq_quantize_config_json_is_read(tiny_checkpoints, tmp_path):
+    """Older GPTQ folders keep their settings in ``quantize_config.json``, not in config.json
+    (it was read as a plain checkpoint: "q_proj.weight is missing")."""
+    ref, quant = tmp_path / "ref", tmp_path / "gptq"
+    write_quantized(tiny_checkpoints["llama"], ref, quant, "gptq")
+    config = json.loads((quant / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    del qc["quant_method"]  # (AutoGPTQ's file does not say)
+    (quant / "config.json").write_text(json.dumps(config))
+    (quant / "quantize_config.json").write_text(json.dumps(qc))
+    assert _logits_and_tokens(quant)[1] == _logits_and_tokens(ref)[1]
 
 
 def test_a_missing_qzeros_tensor_is_named(tiny_checkpoints, tmp_path):

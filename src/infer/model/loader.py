@@ -221,10 +221,22 @@ def load_model(
     return model.eval()
 
 
+def quantization_config(model_dir: Path) -> Any:
+    """The checkpoint's quantization settings (None: a plain checkpoint): ``config.json``'s
+    ``quantization_config``, else an AutoGPTQ-style ``quantize_config.json`` beside it (GPTQ
+    unless it says otherwise)."""
+    qc = read_config(model_dir).get("quantization_config")
+    separate = Path(model_dir) / "quantize_config.json"
+    if qc is None and separate.is_file():
+        qc = {"quant_method": "gptq", **read_json(separate, what="quantization config")}
+    return qc
+
+
 def quantized_format(model_dir: Path) -> QuantizedFormat | None:
     """The GPTQ / AWQ format of ``model_dir``'s checkpoint, None for a plain one."""
+    qc = quantization_config(model_dir)
     try:
-        return read_format(read_config(model_dir))
+        return read_format({} if qc is None else {"quantization_config": qc})
     except QuantizedCheckpointError as e:
         raise ModelLoadError(str(e)) from None
 

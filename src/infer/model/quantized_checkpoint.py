@@ -58,6 +58,11 @@ def read_format(config: dict[str, Any]) -> QuantizedFormat | None:
         return None
     if not isinstance(qc, dict):
         raise QuantizedCheckpointError("config.json: quantization_config must be an object")
+    if qc.get("dynamic"):
+        raise QuantizedCheckpointError(
+            "config.json: quantization_config.dynamic (per-module bits or group sizes, as "
+            "GPTQModel writes them) is not supported: every layer must share one format"
+        )
     method = str(qc.get("quant_method", "")).lower()
     if method not in METHODS:
         raise QuantizedCheckpointError(
