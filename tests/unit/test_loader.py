@@ -259,6 +259,13 @@ def test_bad_shard_index_is_named(tiny_checkpoints, tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(ModelLoadError, match=r"model\.norm\.weight.*model-99999-of-00007"):
         load_model(path)
+    # an existing shard that does not hold the tensor (was safetensors' own error)
+    other = next(f for f in sorted(set(index["weight_map"].values())) if "99999" not in f)
+    index["weight_map"][name] = other
+    index_path.write_text(json.dumps(index))
+    assert name not in load_file(str(path / other))
+    with pytest.raises(ModelLoadError, match=rf"cannot read tensor '{name}' from .*{other}"):
+        load_model(path)
     index_path.write_text("{not json")
     with pytest.raises(ModelLoadError, match="model.safetensors.index.json"):
         load_model(path)

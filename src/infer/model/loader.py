@@ -159,7 +159,6 @@ def load_model(
     ``dtype=None`` keeps the checkpoint's dtype. Tensors are read one at a time (memory-mapped)
     and fused/transposed into our layout; the model comes back in eval mode without grads.
     """
-    from safetensors import safe_open
 
     model_dir = Path(model_dir)
     cls, parsed, spec = _parse(model_dir)
@@ -195,10 +194,8 @@ def load_model(
                     raise ModelLoadError(
                         f"tensor {name!r} (for {pname}) is missing from the checkpoint in {model_dir}"
                     )
-                if file not in handles:
-                    handles[file] = safe_open(str(file), framework="pt", device="cpu")
                 used.add(found)
-                t = handles[file].get_tensor(found)
+                t = _read_tensor(handles, file, found)
                 tensors.append(t.float() if source.transform is not None else t)
             _fill(params[pname], pname, source, tensors, model.tp)
             if len(unpacked) == len(source.names) and quantized is not None:
@@ -219,6 +216,22 @@ def load_model(
     model.init_buffers(device, dtype)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _read_tensor(handles: dict[Path, Any], file: Path, key: str) -> torch.Tensor:
+    """Tensor ``key`` of ``file`` (opened once, kept in ``handles``); a file that is not
+    safetensors, or that lacks the tensor its index says it holds, is a ModelLoadError naming
+    both."""
+    from safetensors import safe_open
+
+    try:
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return handles[file].get_tensor(key)
+    except OSError:
+        raise
+    except Exception as e:  # safetensors' own error type: a damaged file or a wrong index
+        raise ModelLoadError(f"cannot read tensor {key!r} from {file}: {e}") from None
 
 
 def quantization_config(model_dir: Path) -> Any:
@@ -251,7 +264,6 @@ def _unpacked(
 ) -> UnpackedLayer:
     """The integers of weight ``name`` (``X.weight``) of a quantized checkpoint, from
     ``X.qweight``, ``X.qzeros``, ``X.scales`` (and GPTQ's ``X.g_idx``)."""
-    from safetensors import safe_open
 
     prefix = name[: -len("weight")]
     parts = ["qweight", "qzeros", "scales"] + (["g_idx"] if fmt.method == "gptq" else [])
@@ -269,10 +281,7 @@ def _unpacked(
             raise ModelLoadError(
                 f"tensor {key!r} is missing from the {fmt.method} checkpoint in {model_dir}"
             )
-        file = index[key]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt", device="cpu")
-        tensors[part] = handles[file].get_tensor(key)
+        tensors[part] = _read_tensor(handles, index[key], key)
         used.add(key)
     try:
         return unpack(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"],
