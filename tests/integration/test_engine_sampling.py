@@ -237,3 +237,26 @@ def test_prompt_logprobs_match_transformers(options, make_llm, tiny_checkpoints)
         for i, lp in enumerate(lps[1:], start=1):
             assert lp.token_id == ids[i] and len(lp.top) == 2
             assert math.isclose(lp.logprob, ref[i - 1, ids[i]].item(), abs_tol=1e-4)
+
+
+def test_allowed_token_ids_bound_every_token_in_every_kind_of_step(make_llm):
+    """vLLM's ``allowed_token_ids``: greedy and sampled, with and without speculation (verify
+    rows), only those ids come out; other requests in the batch are untouched; an id past the
+    vocabulary is refused by name."""
+    allowed = [5, 17, 300, 301, 999]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1}  # fmt: skip
+    for options in ({}, {"speculative_config": spec}):
+        llm = make_llm("llama", **options)
+        plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        alone = llm.generate(PROMPTS[:2], plain)
+        params = [SamplingParams(max_tokens=12, temperature=t, seed=1, ignore_eos=True,
+                                 allowed_token_ids=allowed) for t in (0, 1.0)]  # fmt: skip
+        outs = llm.generate(PROMPTS[:2] * 2, params + [plain, plain])
+        for out in outs[:2]:
+            assert set(out.outputs[0].token_ids) <= set(allowed)
+        assert [o.outputs[0].token_ids for o in outs[2:]] == [o.outputs[0].token_ids for o in alone]
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids names token id 5000"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[5, 5000]))
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids is empty"):
+        SamplingParams(allowed_token_ids=[])

@@ -278,7 +278,7 @@ def test_unknown_fields_are_ignored_with_a_log_line(client, server):
     [("functions", [{"name": "f"}]),  # the legacy spelling of tools
      ("prediction", {"type": "content", "content": "x"}),
      # vLLM's sampling fields infer has not built (they were ignored: tokens outside the list)
-     ("allowed_token_ids", [7, 8]), ("bad_words", ["hello"]), ("use_beam_search", True)],
+     ("bad_words", ["hello"]), ("use_beam_search", True)],
 )  # fmt: skip
 def test_meaning_changing_fields_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
@@ -408,3 +408,17 @@ def test_finished_counts_agree_between_metrics_and_debug(client, server):
             from_metrics[m.group(1)] = int(float(m.group(2)))
     assert server.debug()["finished_total"] == from_metrics
     assert from_metrics.get("abort", 0) >= 1
+
+
+def test_allowed_token_ids_bound_the_reply(server):
+    """vLLM's ``allowed_token_ids``: one allowed id, that id every time, sampled or not (the
+    field was ignored); one past the vocabulary is a 400 naming it."""
+    with server.client() as c:
+        (token,) = c.post("/tokenize", json={"prompt": "x", "add_special_tokens": False}).json()[
+            "tokens"]  # fmt: skip
+        want = c.post("/detokenize", json={"tokens": [token] * 4}).json()["prompt"]
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True,
+                "temperature": 1.0, "allowed_token_ids": [token]}  # fmt: skip
+        assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        bad = c.post("/v1/completions", json={**body, "allowed_token_ids": [token, 10**6]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"

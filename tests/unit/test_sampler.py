@@ -121,6 +121,20 @@ def test_min_p_applies_before_top_p_as_in_vllm():
     assert set(draw(LOGITS, min_p=0.35, top_p=0.6)) == {0}
 
 
+# ---- allowed_token_ids ----------------------------------------------------------------------
+
+
+def test_allowed_token_ids_are_the_only_ones_drawn_in_their_proportions():
+    counts = draw(LOGITS, allowed_token_ids=[1, 3])
+    assert set(counts) == {1, 3}
+    assert abs(counts[1] / 2000 - 0.3 / 0.35) < 0.05  # renormalised: 0.857, 0.143
+    assert greedy_choice([2.0, 1.5, 0.0, 0.5], allowed_token_ids=[2, 3]) == 3
+    # a batch: a row without the list is untouched
+    out = Sampler().sample(LOGITS.expand(2, -1), [req("a", temperature=0.0, allowed_token_ids=[3]),
+                                                   req("b", temperature=0.0)])  # fmt: skip
+    assert [t.token_id for t in out] == [3, 0]
+
+
 # ---- penalties ------------------------------------------------------------------------------
 # Logits [2.0, 1.5, 0, 0]: token 0 wins unless its penalty brings it below 1.5.
 

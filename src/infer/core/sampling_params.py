@@ -55,6 +55,8 @@ class SamplingParams:
     # Added to the logits of these token ids before sampling: ((token_id, bias), ...), bias in
     # [-100, 100] as OpenAI takes it (a dict {token_id: bias} is accepted too).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Only these token ids may be sampled (vLLM's allowed_token_ids; None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +73,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         elif not isinstance(self.logit_bias, tuple):
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias or ()))
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -131,6 +135,14 @@ class SamplingParams:
                 raise bad("logit_bias", f"logit_bias keys must be token ids, got {token_id!r}")
             if not -100 <= bias <= 100:
                 raise bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad(
+                    "allowed_token_ids", "allowed_token_ids is empty: nothing could be sampled"
+                )
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0
+                   for t in self.allowed_token_ids):  # fmt: skip
+                raise bad("allowed_token_ids", "allowed_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:

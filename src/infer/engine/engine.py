@@ -603,13 +603,15 @@ class LLMEngine:
         cache is set aside: the prompt is computed here)."""
         n = len(prompt_token_ids)
         check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
-        too_big = [t for t, _ in params.logit_bias if t >= self.spec.vocab_size]
-        if too_big:
-            raise InvalidRequestError(
-                f"logit_bias names token id {too_big[0]}, past the vocabulary "
-                f"({self.spec.vocab_size} tokens)",
-                param="logit_bias",
-            )
+        for param, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+            too_big = [t for t in ids if t >= self.spec.vocab_size]
+            if too_big:
+                raise InvalidRequestError(
+                    f"{param} names token id {too_big[0]}, past the vocabulary "
+                    f"({self.spec.vocab_size} tokens)",
+                    param=param,
+                )
         if request_id in self.scheduler.requests or request_id in self._compiling:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"

@@ -2,7 +2,7 @@
 
 One batched pass over ``[B, vocab]`` float32 logits:
 
-    logit_bias -> penalties (repetition over prompt+output; presence/frequency over output)
+    allowed_token_ids -> logit_bias -> penalties (repetition over prompt+output; presence/frequency over output)
     -> min_tokens (EOS and stop ids masked until the minimum is reached)
     -> greedy rows: argmax
     -> other rows: temperature, min-p, top-k, top-p (vLLM's order), then a draw
@@ -84,7 +84,7 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(p.needs_penalties or p.logit_bias for p in params) or any(
+        if any(p.needs_penalties or p.logit_bias or p.allowed_token_ids for p in params) or any(
             r.num_output_tokens < r.sampling_params.min_tokens for r in requests
         ):
             logits = logits.clone()
@@ -114,6 +114,7 @@ class Sampler:
                 p.logprobs is not None
                 or p.needs_penalties
                 or p.logit_bias
+                or p.allowed_token_ids
                 or r.num_output_tokens < p.min_tokens
             ):
                 return False
@@ -197,7 +198,9 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(p.needs_penalties or p.min_tokens or p.logit_bias for p in params):
+        if any(
+            p.needs_penalties or p.min_tokens or p.logit_bias or p.allowed_token_ids for p in params
+        ):
             logits = logits.clone()
             proposed = [j for rows in rows_of for j in range(len(rows))]
             _apply_penalties(logits, row_requests, proposed, self.history)
@@ -340,7 +343,8 @@ def argmax_in_parts(logits: torch.Tensor) -> torch.Tensor:
 def _apply_penalties(
     logits: torch.Tensor, requests: list[Request], proposed: list[int], history: TokenHistory
 ) -> None:
-    """In place on ``[B, V]`` logits: row ``i`` gets its request's logit bias, then ``min_tokens``
+    """In place on ``[B, V]`` logits: row ``i`` keeps only its ``allowed_token_ids`` (when it
+    has them), gets its request's logit bias, then ``min_tokens``
     (EOS and stop ids banned until the output, with ``proposed[i]`` accepted proposals before
     the row's token, is long enough), then the repetition penalty (over prompt and output), then
     presence and frequency penalties (over the output).
@@ -353,12 +357,16 @@ def _apply_penalties(
     ``spec_decode``).
     """
     device = logits.device
+    allow_rows, allow_ids = [], []
     bias_rows, bias_ids, bias_vals = [], [], []
     ban_rows, ban_ids = [], []
     rep_rows, rep_ids, rep_pen = [], [], [1.0] * len(requests)
     out_rows, out_ids, presence, frequency = [], [], [0.0] * len(requests), [0.0] * len(requests)
     for row, (request, num_proposed) in enumerate(zip(requests, proposed, strict=True)):
         p = request.sampling_params
+        if p.allowed_token_ids:
+            allow_rows += [row] * len(p.allowed_token_ids)
+            allow_ids += p.allowed_token_ids
         for token_id, bias in p.logit_bias:
             bias_rows.append(row)
             bias_ids.append(token_id)
@@ -391,6 +399,12 @@ def _apply_penalties(
         on_device = torch.from_numpy(both).to(device, non_blocking=True)
         return on_device[0], on_device[1]
 
+    if allow_rows:  # every other id of those rows to -inf
+        rows, ids = index(allow_rows, allow_ids)
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[rows, ids] = True
+        keep[~torch.isin(torch.arange(len(requests), device=device), rows)] = True
+        logits.masked_fill_(~keep, float("-inf"))
     if bias_rows:
         values = _to_device(bias_vals, logits.dtype, device)
         logits.index_put_(index(bias_rows, bias_ids), values, accumulate=True)

@@ -148,6 +148,9 @@ class _SamplingFields(_Request):
     seed: Seed | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(
+        None, min_length=1, description="only these token ids may be sampled (vLLM's)"
+    )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -283,7 +286,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "lora_request": lambda v: v is None,
     "prompt_embeds": lambda v: v is None,
     "chat_template": lambda v: v is None,  # a template from the request: --chat-template only
-    "allowed_token_ids": lambda v: v is None,
     "bad_words": lambda v: v in (None, []),
     "use_beam_search": lambda v: v in (None, False),
     "length_penalty": lambda v: v in (None, 1, 1.0),  # (beam search's)

@@ -201,6 +201,7 @@ class Serving:
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured,
                 logit_bias=_logit_bias(req.logit_bias),
+                allowed_token_ids=req.allowed_token_ids,
                 prompt_logprobs=req.prompt_logprobs,
             )
         except InvalidRequestError as e:
