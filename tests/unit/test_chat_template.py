@@ -86,3 +86,10 @@ def test_inconsistent_options_are_named(tok, options, param, message):
     with pytest.raises(InvalidRequestError, match=message) as e:
         render_chat_ids(tok, [{"role": "user", "content": "x"}], **options)
     assert e.value.param == param
+
+
+def test_a_part_that_is_not_text_is_named(tok):
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(InvalidRequestError, match="must be text parts") as e:
+        render_chat_ids(tok, image)
+    assert e.value.param == "messages"

@@ -83,7 +83,12 @@ def _message(message: dict[str, Any], parts_as_list: bool) -> dict[str, Any]:
     out = {k: v for k, v in message.items() if v is not None}
     content = message.get("content")
     if isinstance(content, list):  # parts: [{"type": "text", "text": ...}, ...]
-        texts = [p["text"] if isinstance(p, dict) else str(p) for p in content]
+        texts = [p.get("text") if isinstance(p, dict) else p for p in content]
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidRequestError(
+                "message content parts must be text parts ({'type': 'text', 'text': ...})",
+                param="messages",
+            )
         out["content"] = [{"type": "text", "text": t} for t in texts] if parts_as_list else (
             "\n".join(texts))  # fmt: skip
     elif isinstance(content, str) and parts_as_list:
