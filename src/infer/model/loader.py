@@ -300,6 +300,12 @@ def _fill(
     """Copy (and convert) checkpoint tensors into ``param``; the pieces of a fused parameter
     go straight into their rows, with no intermediate concatenation."""
     pieces = [source.transform(tensors)] if source.transform is not None else tensors
+    if source.shard is not None and source.shard.dim == 1 and tp.size > 1 and param.dim() == 2:
+        # A row-parallel shard holds part of each row: the whole row's largest magnitude, for
+        # per-channel weight quantization (runner/quant.py) to scale as one rank does.
+        param.full_row_absmax = torch.cat(  # type: ignore[attr-defined]
+            [t.to(param.dtype).abs().amax(dim=1).float() for t in pieces]
+        )
     if source.shard is not None:
         pieces = source.shard.cut(pieces, tp)
     trailing = {tuple(t.shape[1:]) for t in pieces}

@@ -49,10 +49,18 @@ logger = logging.getLogger("infer.runner")
 FP8_MAX = 448.0
 
 
+def _row_absmax(weight: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each output row's largest magnitude. A row-parallel shard (tensor parallelism) holds part
+    of each row: the loader keeps the whole row's (``full_row_absmax``), so every rank count
+    gives one scale per output channel, the same as one rank's."""
+    full = getattr(weight, "full_row_absmax", None)
+    return w.abs().amax(dim=1) if full is None else full.to(w.device)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` -> ``(q int8 [N, K], scale float32 [N])`` with ``weight ~= q * scale[:, None]``."""
     w = weight.detach().float()
-    absmax = w.abs().amax(dim=1)
+    absmax = _row_absmax(weight, w)
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
@@ -61,7 +69,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` -> ``(q float8_e4m3fn [N, K], scale float32 [N])``; never NaN or inf."""
     w = weight.detach().float()
-    absmax = w.abs().amax(dim=1)
+    absmax = _row_absmax(weight, w)
     scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
