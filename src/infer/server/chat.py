@@ -147,6 +147,7 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
     acc = Choices(len(stream.request_ids))
     async for index, out in stream:
         acc.add(index, out)
+    echo = _echoed(req)
     choices = []
     for index, final in enumerate(acc.final):
         assert final is not None
@@ -155,8 +156,8 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
         if req.logprobs:
             logprobs = chat_logprobs(serving, acc.logprobs[index], req.top_logprobs or 0)
         content, calls = parse_reply(mode, "".join(acc.text[index]))
-        if _echoed(req):
-            content = _echoed(req) + (content or "")
+        if echo:
+            content = echo + (content or "")
         choices.append(ChatChoice(
             index=index, message=ChatResponseMessage(content=content, tool_calls=calls),
             logprobs=logprobs, finish_reason=_finish_reason(final, calls),

@@ -135,8 +135,8 @@ class Serving:
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """A completions prompt's ids; ``add_special_tokens`` (the request's, default on, as
-        vLLM and the offline API): the tokenizer's own, e.g. Llama's BOS."""
+        """A prompt's ids; ``add_special_tokens``: with the tokenizer's own, e.g. Llama's BOS
+        (completions pass the request's field, on by default as in vLLM and the offline API)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def truncated(self, ids: list[int], req: _SamplingFields) -> list[int]:
