@@ -302,6 +302,15 @@ def test_unknown_model_is_404(client):
 # ---- ops routes ---------------------------------------------------------------------------------
 
 
+def test_health_answers_get_and_head_without_a_key(server):
+    # Load balancers' probes send HEAD as often as GET; neither needs the API key.
+    got = httpx.get(server.url + "/health")
+    assert got.status_code == 200
+    head = httpx.head(server.url + "/health")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+
+
 def test_openapi_schema_describes_the_api(server):
     spec = httpx.get(server.url + "/openapi.json", headers=server.headers).json()
     for path in ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",

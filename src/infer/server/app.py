@@ -142,9 +142,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    @app.get("/health", response_model=HealthResponse, tags=["ops"])
+    # HEAD too: load balancers' and orchestrators' probes often send it.
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,
+                   tags=["ops"])  # fmt: skip
     async def health() -> HealthResponse:
-        """200 while the engine thread is alive (no API key needed)."""
+        """200 while the engine thread is alive (no API key needed); GET or HEAD."""
         if async_engine.dead is not None:
             raise APIError(503, f"the engine has stopped: {async_engine.dead}")
         return HealthResponse()
