@@ -437,24 +437,12 @@ class Router:
     def _prompt_ids(self, path: str, data: dict[str, Any]) -> list[int]:
         """The first prompt's token ids, as the server computes them."""
         if path == "/v1/chat/completions":
-            from pydantic import TypeAdapter
+            from infer.server.chat import render_request
+            from infer.server.protocol import ChatCompletionRequest
 
-            from infer.server.chat import render_chat
-            from infer.server.protocol import ChatMessage
-
-            messages = TypeAdapter(list[ChatMessage]).validate_python(data.get("messages"))
-            if not messages:
-                return []
-            return render_chat(
-                self.chat,  # type: ignore[arg-type] - the two attributes render_chat reads
-                messages,
-                add_generation_prompt=bool(data.get("add_generation_prompt", True)),
-                continue_final_message=bool(data.get("continue_final_message", False)),
-                kwargs=data.get("chat_template_kwargs"),
-                tools=data.get("tools") or None,
-                documents=data.get("documents"),
-                add_special_tokens=bool(data.get("add_special_tokens", False)),
-            )
+            request = ChatCompletionRequest.model_validate(data)
+            # (self.chat has the two attributes rendering reads: settings, tokenizer)
+            return render_request(self.chat, request)  # type: ignore[arg-type]
         prompt = data.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # several prompts: route by the first

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from infer.core.outputs import RequestOutput
 from infer.engine.async_engine import AsyncEngine
 from infer.server import metrics as metrics_mod
-from infer.server.chat import create_chat_completion, render_chat
+from infer.server.chat import create_chat_completion, render_request
 from infer.server.completions import create_completion
 from infer.server.dashboard import Dashboard, install_dashboard
 from infer.server.errors import APIError, install_error_handlers
@@ -194,15 +194,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages is empty", param="messages")
-            tools = [t.model_dump(mode="json", exclude_none=True) for t in body.tools or ()]
-            ids = await serving.run_blocking(
-                lambda: render_chat(serving, body.messages,
-                                    add_generation_prompt=body.add_generation_prompt,
-                                    continue_final_message=body.continue_final_message,
-                                    kwargs=body.chat_template_kwargs, tools=tools or None,
-                                    documents=body.documents,
-                                    add_special_tokens=bool(body.add_special_tokens)),
-                size=4096)  # fmt: skip
+            ids = await serving.run_blocking(lambda: render_request(serving, body), size=4096)
         else:
             text = body.prompt or ""
             special = body.add_special_tokens is not False

@@ -27,6 +27,7 @@ from infer.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    TokenizeRequest,
     TopLogprob,
     UsageInfo,
 )
@@ -48,7 +49,6 @@ from infer.server.tools import (
     parse_reply,
     tool_constraint,
     tool_mode,
-    tool_template_args,
 )
 
 
@@ -74,6 +74,18 @@ def render_chat(serving: Serving, messages: list[ChatMessage], *, add_generation
         )  # fmt: skip
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
+
+
+def render_request(serving: Serving, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    """A chat request's (or a /tokenize request's) prompt ids: its messages, tools, documents
+    and template options, rendered as :func:`render_chat` does; the same ids either way."""
+    tools = [t.model_dump(mode="json", exclude_none=True) for t in body.tools or ()]
+    return render_chat(serving, body.messages or [],
+                       add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message,
+                       kwargs=body.chat_template_kwargs, tools=tools or None,
+                       documents=body.documents,
+                       add_special_tokens=bool(body.add_special_tokens))  # fmt: skip
 
 
 def chat_logprobs(serving: Serving, lps: list[TokenLogprob], k: int) -> ChatLogprobs:
@@ -104,13 +116,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
     size = sum(len(m.content) if isinstance(m.content, str) else 64 for m in req.messages)
-    ids = await serving.run_blocking(
-        lambda: render_chat(serving, req.messages, add_generation_prompt=req.add_generation_prompt,
-                            continue_final_message=req.continue_final_message,
-                            kwargs=req.chat_template_kwargs, tools=tool_template_args(mode),
-                            documents=req.documents, add_special_tokens=req.add_special_tokens),
-        size=size,
-    )  # fmt: skip
+    ids = await serving.run_blocking(lambda: render_request(serving, req), size=size)
     ids = serving.truncated(ids, req)
     serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
     k = (req.top_logprobs or 0) if req.logprobs else None

@@ -141,13 +141,6 @@ def _rerooted(schema: Any, base: str) -> Any:
     return out
 
 
-def tool_template_args(mode: ToolMode) -> list[dict[str, Any]] | None:
-    """The tools as chat templates take them (``tools=[{"type": "function", ...}]``)."""
-    if not mode.tools:
-        return None
-    return [t.model_dump(mode="json", exclude_none=True) for t in mode.tools]
-
-
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
