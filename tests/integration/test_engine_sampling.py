@@ -239,6 +239,54 @@ def test_prompt_logprobs_match_transformers(options, make_llm, tiny_checkpoints)
             assert math.isclose(lp.logprob, ref[i - 1, ids[i]].item(), abs_tol=1e-4)
 
 
+def _has_run(tokens: list[int], run: list[int]) -> bool:
+    return any(tokens[i : i + len(run)] == run for i in range(len(tokens) - len(run) + 1))
+
+
+def test_bad_words_are_never_generated(make_llm):
+    """vLLM's ``bad_words``: a word the greedy output holds (two tokens, as the tokenizer spells
+    it) is cut at its last token — the output is the same up to there, then differs — and never
+    appears, sampled or greedy, with or without speculation; a single-token sequence never
+    appears at all; others in the batch are untouched; ids past the vocabulary are refused."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1}  # fmt: skip
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    llm = make_llm("llama")
+    tok = llm.tokenizer
+    want = llm.generate(PROMPTS[:2], plain)
+    first = want[0].outputs[0].token_ids
+    for i in range(len(first) - 1):
+        word = tok.decode(first[i : i + 2])
+        spelled = [
+            tok.encode(t, add_special_tokens=False) for t in (word.lstrip(), " " + word.lstrip())
+        ]
+        if word.strip() and first[i : i + 2] in spelled:
+            break
+    else:
+        pytest.fail("no two-token word in the greedy output")
+    run = first[i : i + 2]
+    for options in ({}, {"speculative_config": spec}):
+        llm = make_llm("llama", **options)
+        banned = [SamplingParams(max_tokens=16, temperature=t, seed=3, ignore_eos=True,
+                                 bad_words=[word], bad_words_token_ids=[[first[0]]])
+                  for t in (0, 1.0)]  # fmt: skip
+        outs = llm.generate([PROMPTS[0], PROMPTS[0], PROMPTS[1]], banned + [plain])
+        greedy = outs[0].outputs[0].token_ids
+        assert first[0] not in greedy[:1] and greedy != first
+        for out in outs[:2]:
+            assert not _has_run(out.outputs[0].token_ids, run)
+            assert first[0] not in out.outputs[0].token_ids
+        assert outs[2].outputs[0].token_ids == want[1].outputs[0].token_ids
+    # Only the word: the greedy output is the same up to its last token.
+    only = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=[word])
+    cut = llm.generate(PROMPTS[:1], only)[0].outputs[0].token_ids
+    assert cut[: i + 1] == first[: i + 1] and cut[i + 1] != first[i + 1]
+    with pytest.raises(InvalidRequestError, match="bad_words_token_ids names token id 5000"):
+        llm.generate(["x"], SamplingParams(bad_words_token_ids=[[5, 5000]]))
+    with pytest.raises(InvalidRequestError, match="non-blank"):
+        SamplingParams(bad_words=[" "])
+
+
 def test_allowed_token_ids_bound_every_token_in_every_kind_of_step(make_llm):
     """vLLM's ``allowed_token_ids``: greedy and sampled, with and without speculation (verify
     rows), only those ids come out; other requests in the batch are untouched; an id past the

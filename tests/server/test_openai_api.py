@@ -278,7 +278,7 @@ def test_unknown_fields_are_ignored_with_a_log_line(client, server):
     [("functions", [{"name": "f"}]),  # the legacy spelling of tools
      ("prediction", {"type": "content", "content": "x"}),
      # vLLM's sampling fields infer has not built (they were ignored: tokens outside the list)
-     ("bad_words", ["hello"]), ("use_beam_search", True)],
+     ("use_beam_search", True), ("length_penalty", 0.5)],
 )  # fmt: skip
 def test_meaning_changing_fields_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
@@ -417,6 +417,22 @@ def test_finished_counts_agree_between_metrics_and_debug(client, server):
             from_metrics[m.group(1)] = int(float(m.group(2)))
     assert server.debug()["finished_total"] == from_metrics
     assert from_metrics.get("abort", 0) >= 1
+
+
+def test_bad_words_are_not_generated(server):
+    """vLLM's ``bad_words`` (it was refused): the first word of the greedy reply, banned,
+    is not in the reply; a blank word is a 400 naming the field."""
+    with server.client() as c:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True,
+                "temperature": 0}  # fmt: skip
+        plain = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        word = plain.split()[0]
+        got = c.post("/v1/completions", json={**body, "bad_words": [word]})
+        assert got.status_code == 200, got.text
+        text = got.json()["choices"][0]["text"]
+        assert text != plain and word not in text.split()
+        blank = c.post("/v1/completions", json={**body, "bad_words": ["  "]})
+        assert blank.status_code == 400 and blank.json()["error"]["param"] == "bad_words"
 
 
 def test_allowed_token_ids_bound_the_reply(server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,6 +58,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Only these token ids may be sampled (vLLM's allowed_token_ids; None: any).
     allowed_token_ids: tuple[int, ...] | None = None
+    # Words never generated (vLLM's bad_words): the engine tokenizes each, alone and after a
+    # space, into ``bad_words_token_ids``; a sequence's last token is banned wherever the output
+    # ends with the rest of it. Sequences of ids may be given directly too.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +81,17 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias or ()))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        elif not isinstance(self.bad_words, tuple):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        try:
+            words = tuple(tuple(ids) for ids in self.bad_words_token_ids or ())
+        except TypeError:
+            raise InvalidRequestError(
+                "bad_words_token_ids must be sequences of token ids", param="bad_words_token_ids"
+            ) from None
+        object.__setattr__(self, "bad_words_token_ids", words)
         self._validate()
 
     def _validate(self) -> None:
@@ -143,6 +160,14 @@ class SamplingParams:
             if any(not isinstance(t, int) or isinstance(t, bool) or t < 0
                    for t in self.allowed_token_ids):  # fmt: skip
                 raise bad("allowed_token_ids", "allowed_token_ids must be non-negative integers")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "bad_words must be strings with a non-blank character")
+        for ids in self.bad_words_token_ids:
+            if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                raise bad(
+                    "bad_words_token_ids",
+                    "bad_words_token_ids must be non-empty sequences of token ids",
+                )
 
     @property
     def greedy(self) -> bool:
@@ -157,6 +182,31 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before it picks (penalties, bias,
+        allowed ids, bad words; ``min_tokens`` is the request's state, not only these)."""
+        return bool(
+            self.needs_penalties
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words_token_ids
+        )
+
+    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These parameters with each of ``bad_words`` added to ``bad_words_token_ids`` as
+        ``encode`` (the tokenizer, no special tokens) writes it, at the start of a text and
+        after a space (a byte-level BPE spells the two differently); each sequence once."""
+        if not self.bad_words:
+            return self
+        sequences = list(self.bad_words_token_ids)
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(encode(text))
+                if ids:
+                    sequences.append(ids)
+        return replace(self, bad_words_token_ids=tuple(dict.fromkeys(sequences)))
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of the ``index``-th of ``n`` sequences generated for one prompt.

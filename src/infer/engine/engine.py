@@ -603,8 +603,13 @@ class LLMEngine:
         cache is set aside: the prompt is computed here)."""
         n = len(prompt_token_ids)
         check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
+        params = params.with_bad_words_tokenized(
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+        )
         for param, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                           ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+                           ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("bad_words_token_ids",
+                            [t for seq in params.bad_words_token_ids for t in seq])):  # fmt: skip
             too_big = [t for t in ids if t >= self.spec.vocab_size]
             if too_big:
                 raise InvalidRequestError(

@@ -2,7 +2,7 @@
 
 One batched pass over ``[B, vocab]`` float32 logits:
 
-    allowed_token_ids -> logit_bias -> penalties (repetition over prompt+output; presence/frequency over output)
+    allowed_token_ids -> logit_bias -> bad words -> penalties (repetition over prompt+output; presence/frequency over output)
     -> min_tokens (EOS and stop ids masked until the minimum is reached)
     -> greedy rows: argmax
     -> other rows: temperature, min-p, top-k, top-p (vLLM's order), then a draw
@@ -84,7 +84,7 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(p.needs_penalties or p.logit_bias or p.allowed_token_ids for p in params) or any(
+        if any(p.edits_logits for p in params) or any(
             r.num_output_tokens < r.sampling_params.min_tokens for r in requests
         ):
             logits = logits.clone()
@@ -110,13 +110,7 @@ class Sampler:
         pending ``min_tokens`` (what reads the host's request state or needs more copies)."""
         for r in requests:
             p = r.sampling_params
-            if (
-                p.logprobs is not None
-                or p.needs_penalties
-                or p.logit_bias
-                or p.allowed_token_ids
-                or r.num_output_tokens < p.min_tokens
-            ):
+            if p.logprobs is not None or p.edits_logits or r.num_output_tokens < p.min_tokens:
                 return False
         return True
 
@@ -198,9 +192,7 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(
-            p.needs_penalties or p.min_tokens or p.logit_bias or p.allowed_token_ids for p in params
-        ):
+        if any(p.edits_logits or p.min_tokens for p in params):
             logits = logits.clone()
             proposed = [j for rows in rows_of for j in range(len(rows))]
             _apply_penalties(logits, row_requests, proposed, self.history)
@@ -344,7 +336,7 @@ def _apply_penalties(
     logits: torch.Tensor, requests: list[Request], proposed: list[int], history: TokenHistory
 ) -> None:
     """In place on ``[B, V]`` logits: row ``i`` keeps only its ``allowed_token_ids`` (when it
-    has them), gets its request's logit bias, then ``min_tokens``
+    has them), gets its request's logit bias, then its bad words' and ``min_tokens``' bans
     (EOS and stop ids banned until the output, with ``proposed[i]`` accepted proposals before
     the row's token, is long enough), then the repetition penalty (over prompt and output), then
     presence and frequency penalties (over the output).
@@ -371,6 +363,13 @@ def _apply_penalties(
             bias_rows.append(row)
             bias_ids.append(token_id)
             bias_vals.append(bias)
+        for sequence in p.bad_words_token_ids:  # its last id, where the output ends with the rest
+            n = len(sequence) - 1
+            if n <= request.num_output_tokens and (
+                n == 0 or tuple(request.output_token_ids[-n:]) == sequence[:-1]
+            ):
+                ban_rows.append(row)
+                ban_ids.append(sequence[-1])
         if request.num_output_tokens + num_proposed < p.min_tokens:
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:

@@ -151,6 +151,9 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="only these token ids may be sampled (vLLM's)"
     )
+    bad_words: list[NonEmptyStr] | None = Field(
+        None, description="words never generated, alone or after a space (vLLM's)"
+    )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -286,7 +289,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "lora_request": lambda v: v is None,
     "prompt_embeds": lambda v: v is None,
     "chat_template": lambda v: v is None,  # a template from the request: --chat-template only
-    "bad_words": lambda v: v in (None, []),
     "use_beam_search": lambda v: v in (None, False),
     "length_penalty": lambda v: v in (None, 1, 1.0),  # (beam search's)
 }

@@ -202,6 +202,7 @@ class Serving:
                 structured_outputs=structured,
                 logit_bias=_logit_bias(req.logit_bias),
                 allowed_token_ids=req.allowed_token_ids,
+                bad_words=tuple(req.bad_words or ()),
                 prompt_logprobs=req.prompt_logprobs,
             )
         except InvalidRequestError as e:

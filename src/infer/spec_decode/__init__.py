@@ -11,7 +11,7 @@ the KV of the rejected tail (``Scheduler.update_from_output``).
 - :class:`DraftProposer` (``method="draft_model"``): a smaller model with the same tokenizer,
   run greedily with its own paged KV cache.
 
-Requests with repetition, presence or frequency penalties, and constrained requests
+Requests with repetition, presence or frequency penalties or bad words, and constrained requests
 (structured outputs), are never given proposals (their penalties or token masks would depend
 on the proposals being verified); they decode one token at a time.
 """
@@ -38,7 +38,11 @@ def wants_proposal(request: Request) -> bool:
     requests (structured outputs) decode one token at a time too: their mask depends on the
     tokens before it."""
     params = request.sampling_params
-    return not params.needs_penalties and params.structured_outputs is None
+    return (
+        not params.needs_penalties
+        and not params.bad_words_token_ids
+        and params.structured_outputs is None
+    )
 
 
 def num_to_propose(request: Request, k: int) -> int:
