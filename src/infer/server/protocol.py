@@ -25,6 +25,7 @@ InputTokenId = Annotated[int, Field(ge=0, json_schema_extra={VOCAB_BOUND: True})
 TokenIdKey = Annotated[str, Field(json_schema_extra={VOCAB_BOUND: True})]
 Bias = Annotated[float, Field(json_schema_extra={"minimum": -100, "maximum": 100})]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+NonBlankStr = Annotated[str, Field(pattern=r"\S")]  # (a pattern matches anywhere in the string)
 # +-2**53: every seed is exact as a float too, so any JSON validator agrees with the server.
 Seed = Annotated[int, Field(ge=-(2**53), le=2**53)]
 MAX_N = 128  # choices per request: each is a full sequence in the batch
@@ -151,7 +152,7 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="only these token ids may be sampled (vLLM's)"
     )
-    bad_words: list[NonEmptyStr] | None = Field(
+    bad_words: list[NonBlankStr] | None = Field(
         None, description="words never generated, alone or after a space (vLLM's)"
     )
     ignore_eos: bool = False
