@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from infer.core.field_types import wrong_number_type
 from infer.core.lora_request import LoRARequest
@@ -61,8 +61,19 @@ class ModelConfig:
     # input ids taken there), so the host's per-step work overlaps the device's. False: every
     # step waits for the one before (vLLM's --async-scheduling, on here where it applies).
     async_scheduling: bool = True
+    # Where a request's unset sampling fields come from (infer.model.generation_config):
+    # "auto" (the model's generation_config.json), "none"/"vllm" (infer's own defaults), or a
+    # folder holding a generation_config.json; the override sets or replaces fields
+    # (a dict, or its JSON), as vLLM's --generation-config / --override-generation-config.
+    generation_config: str = "auto"
+    override_generation_config: Any = None
 
     def __post_init__(self) -> None:
+        from infer.model.generation_config import parse_override
+
+        # (frozen: kept as sorted items, so the config stays hashable)
+        override = parse_override(self.override_generation_config)
+        object.__setattr__(self, "override_generation_config", tuple(sorted(override.items())))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend {self.attention_backend!r} is not supported "

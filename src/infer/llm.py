@@ -72,7 +72,7 @@ class LLM:
         aborted: nothing of it is left in the engine."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompt_list)
             if isinstance(sampling_params, SamplingParams)
@@ -150,6 +150,13 @@ class LLM:
         ]  # fmt: skip
         results = self.generate(prompts, sampling_params, lora_request=lora_request)
         return results if batch else results[0]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no ``SamplingParams``:
+        infer's defaults with the model's recommended ones (its generation_config.json:
+        temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) over them, as
+        vLLM's method of this name (``generation_config="none"`` leaves infer's)."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

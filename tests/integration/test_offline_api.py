@@ -167,3 +167,31 @@ def test_chat_takes_vllms_options_and_renders_as_the_server_does(make_llm):
                          chat_template_kwargs={"flavour": "mint"})  # fmt: skip
     assert llm.tokenizer.decode(flavoured.prompt_token_ids) == "mint:Hi"
     assert _idle(llm)
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(
+    tiny_checkpoints, tmp_path, engine_device
+):
+    """As vLLM: ``generate`` with no SamplingParams samples as the model's
+    generation_config.json recommends (top_k 1 is greedy; max_new_tokens is max_tokens);
+    ``generation_config="none"`` keeps infer's own defaults."""
+    import json
+    import shutil
+
+    from infer import LLM
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoints["llama"], folder)
+    path = folder / "generation_config.json"
+    recommended = {"top_k": 1, "temperature": 0.7, "max_new_tokens": 5, "do_sample": True}
+    path.write_text(json.dumps({**json.loads(path.read_text()), **recommended}))
+    with LLM(str(folder), dtype="float32", device=engine_device) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(
+            top_k=1, temperature=0.7, max_tokens=5
+        )
+        got = llm.generate(PROMPTS[:3])
+        want = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=5))
+        assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want]
+        assert _idle(llm)
+    with LLM(str(folder), dtype="float32", device=engine_device, generation_config="none") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()

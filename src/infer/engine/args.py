@@ -62,6 +62,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
     g.add_argument(
+        "--generation-config",
+        default=m.generation_config,
+        help="where a request's unset sampling fields (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_tokens) come from: auto (the model's generation_config.json, "
+        "as vLLM) | none (infer's own: temperature 1, nothing else; 'vllm' is the same) | a "
+        "folder holding a generation_config.json",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        default=None,
+        help="JSON of generation_config.json fields that set or replace the model's, e.g. "
+        '\'{"temperature": 0.5, "max_new_tokens": 256}\'',
+    )
+    g.add_argument(
         "--attention-backend",
         default=m.attention_backend,
         choices=["auto", "torch", "triton"],
@@ -215,6 +229,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             attention_backend=getattr(args, "attention_backend", "auto"),
             enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", True),
+            generation_config=getattr(args, "generation_config", "auto"),
+            override_generation_config=getattr(args, "override_generation_config", None),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

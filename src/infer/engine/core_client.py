@@ -97,6 +97,7 @@ _ATTRS = (
     "spec",
     "lora_adapters",
     "lora_parents",
+    "sampling_defaults",
 )
 
 

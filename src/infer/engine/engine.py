@@ -33,6 +33,8 @@ from infer.engine.scheduler import Scheduler, step_output
 from infer.engine.trace import VIEWER_IDLE_SECONDS, StepTrace, TracePoll, take_snapshot
 from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManager
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
+from infer.model.generation_config import describe as describe_defaults
+from infer.model.generation_config import sampling_defaults
 from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.runner.backend import WeightsConfig, device_backend
@@ -169,6 +171,14 @@ class LLMEngine:
         # With no --model the built-in small model is served, under that name.
         self.model_name = mc.model or "small"
         self.spec = load_model_spec(self.model_path)
+        # What a request's unset sampling fields take (the model's generation_config.json).
+        self.sampling_defaults = sampling_defaults(
+            self.model_path, mc.generation_config, dict(mc.override_generation_config)
+        )
+        if self.sampling_defaults:
+            logger.info("default sampling parameters from the model's generation config: %s "
+                        "(a request's own values win; --generation-config none uses infer's)",
+                        describe_defaults(self.sampling_defaults))  # fmt: skip
         self.dtype = self.backend.resolve_dtype(mc.dtype, self.spec.torch_dtype)
         t0 = time.perf_counter()
         self.checkpoint_quantization = quantized_format(self.model_path)

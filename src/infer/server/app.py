@@ -120,6 +120,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving = Serving(async_engine, engine.tokenizer, settings, engine.max_model_len,
                       str(engine.model_path))  # fmt: skip
     serving.lora_adapters = dict(getattr(engine, "lora_adapters", None) or {})
+    serving.sampling_defaults = dict(getattr(engine, "sampling_defaults", None) or {})
     lora_parents = dict(getattr(engine, "lora_parents", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 

@@ -101,6 +101,10 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         if req.echo:
             raise bad_request("echo cannot be combined with suffix", param="echo")
     token_prompts: list[list[int]] = []
+    # No max_tokens in the request: the model's default where it has one, else OpenAI's 16.
+    model_default = (
+        "max_tokens" not in req.model_fields_set and "max_tokens" in serving.sampling_defaults
+    )
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
@@ -115,15 +119,16 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
             assert req.suffix is not None
             ids = fim_prompt(fim, ids, serving.encode(req.suffix))
         ids = serving.truncated(ids, req)
-        serving.check_lengths(ids, req.max_tokens, param)
+        serving.check_lengths(ids, None if model_default else req.max_tokens, param)
         token_prompts.append(ids)
+    max_tokens = serving.default_max_tokens(token_prompts) if model_default else req.max_tokens
     best_of = req.best_of or req.n
     if best_of < req.n:
         raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})", param="best_of")
     if best_of > req.n and req.stream:
         raise bad_request("best_of > n cannot stream: the best are known only at the end",
                           param="best_of")  # fmt: skip
-    params = serving.sampling_params(req, req.max_tokens, req.logprobs)
+    params = serving.sampling_params(req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         params = replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
     if best_of > req.n:  # every candidate's logprobs rank them

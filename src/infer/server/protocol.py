@@ -142,7 +142,9 @@ class _SamplingFields(_Request):
 
     model: str | None = Field(None, description="served model name; defaults to the only model")
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, description="0 is greedy; default 1.0")
+    temperature: float | None = Field(
+        None, ge=0.0, description="0 is greedy; default: the model's generation config, else 1.0"
+    )
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables")
     min_p: float | None = Field(None, ge=0.0, le=1.0)

@@ -98,6 +98,9 @@ class Serving:
         self._token_str = lru_cache(maxsize=65536)(self._decode_one)
         # LoRA adapters the engine has loaded: a request names one in its ``model`` field.
         self.lora_adapters: dict[str, str] = {}  # name -> path
+        # What a request's unset sampling fields take (the model's generation_config.json, by
+        # SamplingParams name; infer.model.generation_config).
+        self.sampling_defaults: dict[str, Any] = {}
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -164,6 +167,15 @@ class Serving:
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e
 
+    def default_max_tokens(self, prompts: list[list[int]]) -> int | None:
+        """For a request that set no max_tokens: the model's default (its generation config's
+        ``max_new_tokens``), within the context left after the longest prompt; None where the
+        model has none."""
+        default = self.sampling_defaults.get("max_tokens")
+        if default is None:
+            return None
+        return max(1, min(default, self.max_model_len - max(map(len, prompts))))
+
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
                         logprobs: int | None,
                         constraint: StructuredOutputs | None = None) -> SamplingParams:  # fmt: skip
@@ -179,15 +191,18 @@ class Serving:
                         param=structured.param.split(".")[0],
                     )
                 structured = constraint
+            defaults = self.sampling_defaults
+
+            def unset(value: Any, name: str, fallback: float) -> Any:
+                return defaults.get(name, fallback) if value is None else value
+
             return SamplingParams(
                 n=req.n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
-                repetition_penalty=1.0
-                if req.repetition_penalty is None
-                else req.repetition_penalty,
+                temperature=unset(req.temperature, "temperature", 1.0),
+                top_p=unset(req.top_p, "top_p", 1.0),
+                top_k=unset(req.top_k, "top_k", 0),
+                min_p=unset(req.min_p, "min_p", 0.0),
+                repetition_penalty=unset(req.repetition_penalty, "repetition_penalty", 1.0),
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 seed=req.seed,
