@@ -49,6 +49,8 @@ class FakeServer:
         self.tokenize_routes = False  # /tokenize and /detokenize, one token per word
         self.vocab: dict[str, int] = {}
         self.bodies: list[dict] = []
+        self.in_flight = self.most_in_flight = 0
+        self.hold_until = 0  # streams wait (up to 5 s) until this many are in flight
         self.app = self._make_app()
         self.url = ""
 
@@ -79,6 +81,19 @@ class FakeServer:
                 return "data: " + json.dumps({"object": kind, "choices": [choice]}) + "\n\n"
 
             async def gen():
+                self.in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
+                for _ in range(1000):
+                    if self.in_flight >= self.hold_until:
+                        break
+                    await asyncio.sleep(0.005)
+                try:
+                    async for part in tokens():
+                        yield part
+                finally:
+                    self.in_flight -= 1
+
+            async def tokens():
                 if chat:
                     yield event(None)  # role-only chunk: not a token
                 for i in range(n):
@@ -86,7 +101,12 @@ class FakeServer:
                     if "ERROREVENT" in prompt and i == 1:
                         yield "data: " + json.dumps({"error": {"message": "engine died"}}) + "\n\n"
                         return
+                    if "CUTSHORT" in prompt and i == 2:
+                        return  # the stream ends: no finish_reason, usage or [DONE]
                     text = "" if "EMPTYTEXT" in prompt else f" t{i}"
+                    if "ABORT" in prompt and i == 1:  # a server timeout ends the request
+                        yield event(text, "abort")
+                        break
                     yield event(text, "length" if i == n - 1 else None)
                 if self.send_usage:
                     usage = {
@@ -210,6 +230,43 @@ def test_http_error_and_error_event_fail_the_request(fake):
     assert not rec.success and rec.error.startswith("HTTP 500")
     rec = _one(fake, "ERROREVENT soon", max_tokens=5)
     assert not rec.success and "engine died" in rec.error
+
+
+def test_requests_the_server_ended_or_cut_short_are_lost(fake):
+    """A stream ending with finish_reason abort (the server's --request-timeout) or cut short
+    before any finish_reason is a lost request, not a short completed one."""
+    rec = _one(fake, "ABORT me", max_tokens=6)
+    assert not rec.success and "finish_reason abort" in rec.error
+    rec = _one(fake, "CUTSHORT me", max_tokens=6)
+    assert not rec.success and rec.error == "stream ended before a finish_reason"
+    pytest.importorskip("openai")
+    import openai
+
+    from infer.bench.client_suite import single_request
+
+    sdk = openai.OpenAI(base_url=fake.url + "/v1", api_key="x")
+    for prompt in ("ABORT me", "CUTSHORT me"):
+        assert "finish_reason" in single_request(sdk, "fake-model", prompt, 6, "completions").error
+    assert single_request(sdk, "fake-model", "fine", 6, "completions").error is None
+
+
+def test_a_concurrent_batch_is_in_flight_at_once(fake):
+    """All of a "concurrent" batch at once: asyncio's default thread pool (cores + 4 threads)
+    ran a batch of 12 six at a time on two cores."""
+    pytest.importorskip("openai")
+    import random
+
+    import openai
+
+    from infer.bench.client_suite import concurrent_batch
+
+    fake.hold_until, fake.most_in_flight = 40, 0
+    sdk = openai.OpenAI(base_url=fake.url + "/v1", api_key="x")
+    try:
+        got = concurrent_batch(sdk, "fake-model", "hello", 40, 5, "completions", random.Random(0))
+    finally:
+        fake.hold_until = 0
+    assert got.success_rate == 1.0 and fake.most_in_flight == 40
 
 
 def test_tokens_without_visible_text_still_have_a_first_token_time(fake):

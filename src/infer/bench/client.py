@@ -187,6 +187,14 @@ async def stream_request(
     if record.ttft_s is None:
         record.error = "stream ended without any output text"
         return record
+    # Lost, not done: a stream the server ended itself (a timeout's abort, an engine error),
+    # or one cut short before its choice ended (its tokens would count as a whole reply's).
+    if record.finish_reason in ("abort", "error"):
+        record.error = f"the server ended the request: finish_reason {record.finish_reason}"
+        return record
+    if record.finish_reason is None:
+        record.error = "stream ended before a finish_reason"
+        return record
     record.success = True
     return record
 

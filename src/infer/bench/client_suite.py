@@ -14,11 +14,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from infer.bench.report import fmt, markdown_table
@@ -58,6 +58,7 @@ def single_request(
         else:
             stream = client.completions.create(prompt=prompt, **common)
         finish_ms = None
+        finish_reason = None
         for chunk in stream:
             if chunk.usage is not None:
                 usage_tokens = chunk.usage.completion_tokens
@@ -71,6 +72,7 @@ def single_request(
                     res.ttft_ms = (time.perf_counter() - t0) * 1000.0
             if c.finish_reason and finish_ms is None:
                 finish_ms = (time.perf_counter() - t0) * 1000.0
+                finish_reason = c.finish_reason
         if res.ttft_ms is None and finish_ms is not None and usage_tokens:
             # The only token decoded to no visible text (a partial character, a special token):
             # the chunk that closed the choice still marks when it was generated.
@@ -82,6 +84,8 @@ def single_request(
     res.generated_tokens = usage_tokens if usage_tokens is not None else chunks
     if res.ttft_ms is None:
         res.error = "no output text"
+    elif finish_reason in (None, "abort", "error"):  # cut short, or ended by the server
+        res.error = f"the stream ended with finish_reason {finish_reason}"
     return res
 
 
@@ -165,12 +169,14 @@ def sequential_batch(
     )
 
 
-async def _concurrent(client, model, prompts, max_tokens, endpoint):
-    tasks = [
-        asyncio.to_thread(single_request, client, model, p, max_tokens, endpoint) for p in prompts
-    ]
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*tasks)
+def _concurrent(client, model, prompts, max_tokens, endpoint):
+    """Every prompt in flight at once: a thread each (asyncio's default pool has
+    min(32, cores + 4) threads, which would run a batch of 8 on 2 cores 6 at a time)."""
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        t0 = time.perf_counter()
+        futures = [pool.submit(single_request, client, model, p, max_tokens, endpoint)
+                   for p in prompts]  # fmt: skip
+        results = [f.result() for f in futures]
     return results, time.perf_counter() - t0
 
 
@@ -178,7 +184,7 @@ def concurrent_batch(
     client, model: str, prompt: str, batch_size: int, max_tokens: int, endpoint: str, rng
 ) -> BatchResult:
     prompts = [_unique(prompt, rng) for _ in range(batch_size)]
-    results, wall = asyncio.run(_concurrent(client, model, prompts, max_tokens, endpoint))
+    results, wall = _concurrent(client, model, prompts, max_tokens, endpoint)
     ok = [r for r in results if not r.error]
     return BatchResult(
         "concurrent",
