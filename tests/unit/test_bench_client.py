@@ -307,6 +307,30 @@ def test_serve_and_client_refuse_an_unreachable_server(capsys):
     assert "infer bench client: cannot reach a server" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--slo", "foo=1"], "argument --slo: bad SLO term 'foo=1'"),
+        (["serve", "--slo", "ttft_ms=nan"], "argument --slo: SLO bound ttft_ms must be a positive"),
+        (["serve", "--scale", "0"], "argument --scale: must be a positive number, got 0"),
+        (["ablation", "--rate-scale", "-1"], "argument --rate-scale: must be a positive number"),
+        (["ablation", "--model", "toy", "--rungs", "foo"], "unknown rung(s) foo (the rungs: "),
+    ],
+)
+def test_bad_bench_options_are_one_line_naming_them(argv, message, capsys, tmp_path: Path):
+    """Before any server is reached or started (a bad --slo was a traceback after the first
+    ablation rung's server had started; an unknown rung ran nothing and exited 0)."""
+    from infer.bench.cli import main
+
+    try:
+        rc = main(["bench", *argv, "--out", str(tmp_path)])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
 def _tiny_workload(arrival: str, n: int = 4, rate: float | None = None):
     spec = WorkloadSpec(
         f"t_{arrival}",

@@ -85,7 +85,7 @@ def test_slo_parse():
     assert s == SLO(ttft_ms=500.0, tpot_ms=50.0)
     assert s.describe() == "ttft_ms=500,tpot_ms=50"
     assert SLO.parse("") is None and SLO.parse(None) is None
-    for bad in ("ttft=5", "ttft_ms", "ttft_ms=-1"):
+    for bad in ("ttft=5", "ttft_ms", "ttft_ms=-1", "ttft_ms=nan", "e2e_ms=inf", "tpot_ms=x"):
         with pytest.raises(ValueError):
             SLO.parse(bad)
 

@@ -90,6 +90,24 @@ def test_json_roundtrip_keeps_metrics_and_records(tmp_path: Path):
         load_report(tmp_path / "bad.json")
 
 
+def test_a_workload_without_completed_requests_saves_strict_json(tmp_path: Path):
+    """No latencies: null in the file (a bare NaN is not JSON: JavaScript refuses it), NaN
+    again when read, "—" in the tables."""
+    import math
+
+    rep = make_report("A", 1.0, fail=6)
+    assert math.isnan(report_metrics(rep)["paged_attention"].ttft.p50)
+    path = save_json(rep, tmp_path / "report.json")
+
+    def refuse(name: str):
+        raise AssertionError(f"{name} in the JSON")
+
+    json.loads(path.read_text(), parse_constant=refuse)
+    m = report_metrics(load_report(path))["paged_attention"]
+    assert m.completed == 0 and m.output_throughput == 0 and math.isnan(m.ttft.p50)
+    assert "—" in workload_table([("A", m)])
+
+
 def _shape(table: str) -> tuple[int, set[int]]:
     lines = table.splitlines()
     return len(lines), {line.count("|") for line in lines}
@@ -172,6 +190,21 @@ def test_report_plots_are_pngs(tmp_path: Path):
     assert "compare_throughput.png" in made.values()
     for f in made.values():
         assert (tmp_path / "cmp" / f).read_bytes()[:8] == PNG
+
+
+def test_compare_plots_keep_runs_that_share_a_label(tmp_path: Path, monkeypatch):
+    """Two runs of one model (no --label): a bar and a curve each, named as the tables name
+    them (the second overwrote the first in the plots)."""
+    from infer.bench import plots
+
+    drawn: list[list[str]] = []
+    monkeypatch.setattr(plots, "plot_bars", lambda groups, series, *a: drawn.append(list(series)))
+    monkeypatch.setattr(plots, "plot_cdf", lambda series, *a: drawn.append(list(series)))
+    plots.write_compare_plots([make_report("toy", 1.0), make_report("toy", 2.0)], tmp_path)
+    assert drawn and all(names == ["toy", "toy #2"] for names in drawn)
+    assert "# Comparison: toy → toy #2" in compare_markdown(
+        [make_report("toy", 1.0), make_report("toy", 2.0)]
+    )
 
 
 def test_pct_change_and_cells():

@@ -140,6 +140,10 @@ def run_ablation(
         common += ["--block-size", str(block_size), "--num-kv-blocks", str(kv_tokens // block_size)]
     ladder_rungs = ladder(chunk, compile_flag)
     if rungs:
+        unknown = [name for name in rungs if name not in {r.name for r in ladder_rungs}]
+        if unknown:
+            raise ValueError(f"unknown rung(s) {', '.join(unknown)} (the rungs: "
+                             f"{', '.join(r.name for r in ladder_rungs)})")  # fmt: skip
         ladder_rungs = [r for r in ladder_rungs if r.name in rungs]
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     root = Path(out_dir) / f"ablation_{stamp}_{slug(model)}"

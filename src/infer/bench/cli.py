@@ -60,6 +60,27 @@ def add_common(p: argparse.ArgumentParser, **defaults: object) -> None:
         p.add_argument("--" + name.replace("_", "-"), **kw)
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):  # (NaN fails the first test)
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _slo(text: str) -> str:
+    """``--slo`` checked as it is read (the bounds are parsed again where they are used)."""
+    from infer.bench.metrics import SLO
+
+    try:
+        SLO.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags ``infer bench serve`` and ``ablation`` share (:func:`_serve_config`)."""
     p.add_argument(
@@ -68,12 +89,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(
         "--scale",
-        type=float,
+        type=_positive_float,
         default=None,
         help="shrink request counts and lengths (default: 1.0 with a CUDA GPU here, else 0.5)",
     )
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply arrival rates")
-    p.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft_ms=2000,tpot_ms=100")
+    p.add_argument("--rate-scale", type=_positive_float, default=1.0, help="multiply arrival rates")
+    p.add_argument(
+        "--slo", type=_slo, default=None, help="goodput bounds, e.g. ttft_ms=2000,tpot_ms=100"
+    )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument(
         "--tokenizer",
@@ -375,17 +398,21 @@ def cmd_ablation(args: argparse.Namespace) -> int:
     from infer.bench.ablation import run_ablation
 
     cfg = _serve_config(args)
-    log, failed = run_ablation(
-        args.model,
-        cfg,
-        out_dir=args.out,
-        server_args=args.server_args,
-        chunk=args.chunk,
-        kv_tokens=args.kv_tokens,
-        rungs=args.rungs.split(",") if args.rungs else None,
-        startup_timeout_s=args.startup_timeout,
-        compile_flag=args.compile_flag,
-    )
+    try:
+        log, failed = run_ablation(
+            args.model,
+            cfg,
+            out_dir=args.out,
+            server_args=args.server_args,
+            chunk=args.chunk,
+            kv_tokens=args.kv_tokens,
+            rungs=args.rungs.split(",") if args.rungs else None,
+            startup_timeout_s=args.startup_timeout,
+            compile_flag=args.compile_flag,
+        )
+    except ValueError as e:  # a bad option (an unknown rung): one line
+        print(f"infer bench ablation: {e}", file=sys.stderr)
+        return 2
     print(f"\nablation log: {log}")
     if failed:
         print(f"rungs that failed: {', '.join(failed)}", file=sys.stderr)

@@ -21,8 +21,8 @@ from infer.bench.report import (
     fmt,
     lost_note,
     markdown_table,
-    report_label,
     report_metrics,
+    run_labels,
     workload_table,
 )
 
@@ -92,7 +92,7 @@ def compare_markdown(
     """The whole comparison of two or more serving reports, as markdown."""
     if len(reports) < 2:
         raise ValueError("compare needs at least two reports")
-    labels = _unique([report_label(r) for r in reports])
+    labels = run_labels(reports)
     metrics = [report_metrics(r) for r in reports]
     workloads = _common_workloads(metrics)
     if not workloads:
@@ -111,13 +111,3 @@ def compare_markdown(
             if note:
                 out += [note, ""]
     return "\n".join(out).rstrip() + "\n"
-
-
-def _unique(labels: list[str]) -> list[str]:
-    """Make labels distinct (two runs of the same model get #2, #3 suffixes)."""
-    seen: dict[str, int] = {}
-    out = []
-    for lab in labels:
-        seen[lab] = seen.get(lab, 0) + 1
-        out.append(lab if seen[lab] == 1 else f"{lab} #{seen[lab]}")
-    return out

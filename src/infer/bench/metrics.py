@@ -91,9 +91,12 @@ class SLO:
             key = key.strip()
             if not sep or key not in SLO.__dataclass_fields__:
                 raise ValueError(f"bad SLO term {part!r}; use ttft_ms=..,tpot_ms=..,e2e_ms=..")
-            bounds[key] = float(value)
-            if bounds[key] <= 0:
-                raise ValueError(f"SLO bound {key} must be positive")
+            try:
+                bounds[key] = float(value)
+            except ValueError:
+                raise ValueError(f"SLO bound {key} must be a number, got {value!r}") from None
+            if not 0 < bounds[key] < math.inf:  # (NaN fails too)
+                raise ValueError(f"SLO bound {key} must be a positive number, got {value}")
         return SLO(**bounds)
 
     def met_by(self, rec: RequestRecord) -> bool:
@@ -152,9 +155,15 @@ class WorkloadMetrics:
 
     @staticmethod
     def from_dict(d: dict) -> WorkloadMetrics:
+        def floats(cls: type, values: dict) -> dict:  # (NaN is saved as null)
+            fields = cls.__dataclass_fields__
+            return {k: math.nan if v is None and fields[k].type == "float" else v
+                    for k, v in values.items() if k in fields}  # fmt: skip
+
         d = dict(d)
         for key in ("ttft", "itl", "tpot", "e2e"):
-            d[key] = Dist(**d[key])
+            d[key] = Dist(**floats(Dist, d[key]))
+        d = floats(WorkloadMetrics, d)
         names = WorkloadMetrics.__dataclass_fields__
         return WorkloadMetrics(**{k: v for k, v in d.items() if k in names})
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from infer.bench.client import RequestRecord
-from infer.bench.report import report_label, report_metrics
+from infer.bench.report import report_label, report_metrics, run_labels
 
 
 def _pyplot():
@@ -146,7 +146,7 @@ def write_compare_plots(reports: Sequence[dict], out_dir: str | Path) -> dict[st
     """Throughput bars grouped by workload (one bar per run) and per-workload TTFT/ITL CDFs."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    labels = [report_label(r) for r in reports]
+    labels = run_labels(reports)
     metrics = [report_metrics(r) for r in reports]
     workloads = [w for w in metrics[0] if all(w in m for m in metrics)]
     made: dict[str, str] = {}

@@ -122,8 +122,20 @@ def machine_line(m: dict) -> str:
 def save_json(report: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
+    # NaN (a workload with no completed request has no latencies) as null: strict JSON, which
+    # every reader takes (JavaScript's JSON.parse refuses a bare NaN); read back as NaN.
+    path.write_text(json.dumps(_finite(report), indent=1, allow_nan=False) + "\n")
     return path
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def save_report(report: dict, markdown: str, folder: str | Path, stem: str) -> None:
@@ -162,6 +174,17 @@ def report_metrics(report: dict) -> dict[str, WorkloadMetrics]:
 
 def report_label(report: dict) -> str:
     return str(report.get("label") or report.get("config", {}).get("model") or "run")
+
+
+def run_labels(reports: Sequence[dict]) -> list[str]:
+    """Each report's label, made distinct (two runs of the same model: ``toy``, ``toy #2``),
+    as tables and plots name them."""
+    seen: dict[str, int] = {}
+    out = []
+    for label in map(report_label, reports):
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
