@@ -362,6 +362,43 @@ def test_prompt_logprobs_and_a_mixed_batch_gather_the_right_rows(make_llm):
         assert got_lp == pytest.approx(want_lp, abs=1e-4)
 
 
+def test_the_lm_head_row_indices_are_copied_before_the_forward_pass(make_llm, monkeypatch):
+    """A step with prefill chunks gathers its sampled (and prompt-logprob) rows for the LM head;
+    their index copies are queued before the forward pass, never after it: on a GPU the next
+    step's fill waits for the last copy out of the pinned buffers, so a copy queued behind the
+    pass made the host wait for the whole step (no overlap with async scheduling)."""
+    from infer.runner.gpu import cuda_step
+    from infer.runner.gpu import step as step_mod
+
+    llm = make_llm("llama", attention_backend="triton", block_size=4)
+    steps: list[list[str]] = []
+    model = llm.engine.runner.model
+
+    def record(cls, name, label):
+        original = getattr(cls, name)
+
+        def recorded(self, *args, **kwargs):
+            if label == "step":
+                steps.append([])
+            else:
+                steps[-1].append(label if label else args[0])
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, recorded)
+
+    record(cuda_step.CudaStep, "forward", "step")
+    record(step_mod.StepInputs, "row_index", None)  # its name: sample_rows, prompt_rows, ...
+    record(type(model), "forward", "pass")
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, ignore_eos=True)
+    llm.generate(FEW[:3], params)
+    gathering = [s for s in steps if "sample_rows" in s or "prompt_rows" in s]
+    assert gathering, steps
+    for events in gathering:
+        assert events.count("pass") == 1, events
+        after = events[events.index("pass") :]
+        assert "sample_rows" not in after and "prompt_rows" not in after, events
+
+
 def test_requests_stopped_while_the_next_step_runs_leave_no_generator(make_llm):
     """A seeded request whose stop string is found while its next step runs (deferred outputs)
     still has that step's draw made, which re-creates its generator: the engine forgets it."""

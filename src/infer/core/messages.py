@@ -129,6 +129,14 @@ class StepBatch:
     # Transferred prompt KV to copy in after the swaps (never under tensor parallelism).
     kv_imports: list[KVImport] = field(default_factory=list)
 
+    @property
+    def samples_every_row(self) -> bool:
+        """Every row is sampled, in order (a decode step): the hidden states go to the LM head
+        as they are, with no gather. (prepare() lists sample rows strictly increasing, so n of
+        n rows ending at n - 1 are 0 .. n - 1.)"""
+        n = len(self.sample_rows)
+        return n == len(self.token_ids) and self.sample_rows[-1] == n - 1
+
 
 @dataclass(frozen=True)
 class StepTimings:

@@ -247,8 +247,8 @@ class ModelRunner:
                     view[:, layer].index_copy_(1, dst, part)
 
     def _row_index(self, name: str, rows: list[int]) -> torch.Tensor:
-        if self.cuda_step is not None:  # no waiting copy on the GPU step
-            return self.cuda_step.inputs.row_index(name, rows)
+        if self.cuda_step is not None:  # copied before the forward pass (CudaStep.forward)
+            return self.cuda_step.staged_rows(name, rows)
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def capture_graphs(self) -> None:
@@ -377,10 +377,8 @@ class ModelRunner:
             hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
         logits = prompt_logits = None
         if batch.sample_rows:
-            n = len(batch.sample_rows)
-            # prepare() lists sample rows strictly increasing: n of n rows are 0 .. n-1.
-            if n == len(batch.token_ids) and batch.sample_rows[-1] == n - 1:
-                sampled = hidden  # every row, in order (decode): no gather
+            if batch.samples_every_row:
+                sampled = hidden  # (decode): no gather
             else:
                 sampled = hidden[self._row_index("sample_rows", batch.sample_rows)]
             logits = self.model.compute_logits(sampled)

@@ -153,6 +153,8 @@ class CudaStep:
             max_tiles=max_tiles,
         )
         self.inputs = StepInputs(self.shape, device)
+        # The last step's LM-head row indices on the device (see forward).
+        self._staged: dict[str, torch.Tensor] = {}
         self.graphs: StepGraphs | None = None
         self.mixed_graphs: StepGraphs | None = None
         # Steps by how they ran ("decode replayed", "mixed padded", "eager", ...): what share
@@ -357,6 +359,14 @@ class CudaStep:
         """GPU memory the captures took (their pool, and what their warm-ups first loaded)."""
         return sum(g.capture_bytes for g in (self.graphs, self.mixed_graphs) if g is not None)
 
+    def staged_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """The device index of the last step's ``rows`` (``"sample_rows"``, ``"prompt_rows"``),
+        as :meth:`forward` copied them before the pass (from the buffers the step used)."""
+        staged = self._staged.get(name)
+        if staged is None or staged.shape[0] != len(rows):  # (not staged: copy now)
+            return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return staged
+
     def _fill_decode_rows(self, decode: bool, size: int | None) -> int | None:
         """``StepInputs.fill``'s ``decode_rows`` for a step: a mixed step's list (a padded
         one's fixed size), none for decode rows or with the switch off."""
@@ -404,6 +414,14 @@ class CudaStep:
             rows = inputs.row_index("feed_rows", feed.rows)
             sources = inputs.row_index("feed_sources", feed.sources)
             ids.index_copy_(0, rows, feed.tokens.index_select(0, sources))
+        # The LM head's row indices, copied now, before the forward pass is queued: a copy
+        # queued after it would end after it, and the next step's fill (which waits for the
+        # last copy out of these pinned buffers) would wait for this whole step on the host.
+        self._staged = {}
+        if batch.sample_rows and not batch.samples_every_row:
+            self._staged["sample_rows"] = inputs.row_index("sample_rows", batch.sample_rows)
+        if batch.prompt_rows:
+            self._staged["prompt_rows"] = inputs.row_index("prompt_rows", batch.prompt_rows)
         kind = "decode" if decode else "mixed"
         if size is not None:
             graphs = self.graphs if decode else self.mixed_graphs
