@@ -71,6 +71,35 @@ def _admit(kv: PagedKVManager, req) -> int:
     return hit.num_blocks
 
 
+def test_a_collision_never_lets_a_later_block_pass_for_the_other_prefixs():
+    """Two requests whose first blocks differ but hash alike (a weak hash stands in for a
+    crafted 64-bit collision): the second one's later blocks are not cached under the first
+    one's chain, so a prompt of the first one's block 1 and the second one's block 2 tokens
+    hits only block 1 (block 2's KV was computed after other tokens). The chain goes on
+    through a swap; every block comes back."""
+    kv = PagedKVManager(16, 4, enable_prefix_caching=True, num_swap_blocks=8)
+    kv.pool.hash_fn = lambda parent, toks, extra: hash((parent, sum(toks), extra))
+    a = make_request("a", prompt=[1, 2, 3, 4, 5, 5, 5, 5, 7])
+    b = make_request("b", prompt=[4, 3, 2, 1, 9, 9, 9, 9, 7, 8, 8, 8, 8, 7])
+    for r in (a, b):  # in one step: both compute their blocks
+        assert kv.allocate(r, r.num_prompt_tokens)
+    for r in (a, b):
+        r.num_computed_tokens = 9
+        kv.commit_full_blocks(r)
+    assert kv.swap_out(b) is not None and kv.swap_in(b, 5) is not None
+    b.num_computed_tokens = 14
+    kv.commit_full_blocks(b)  # block 3, after the swap: still not cached
+    assert len(kv._hashes["b"]) == 3
+    for r in (a, b):
+        kv.free(r)
+    c = make_request("c", prompt=[1, 2, 3, 4, 9, 9, 9, 9, 7])
+    assert kv.lookup_prefix(c).num_blocks == 1
+    again = make_request("a2", prompt=[1, 2, 3, 4, 5, 5, 5, 5, 7])
+    assert kv.lookup_prefix(again).num_blocks == 2  # the first chain is cached as it was
+    kv.end_step()
+    assert kv.num_free_blocks == 16 and kv.num_free_swap_blocks == 8
+
+
 def test_manager_prefix_hit_never_covers_last_token_and_salt_isolates():
     kv = PagedKVManager(32, 4, enable_prefix_caching=True)
     prompt = list(range(1, 13))  # 12 tokens = 3 full blocks

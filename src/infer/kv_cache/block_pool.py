@@ -113,6 +113,19 @@ class BlockPool:
             return None
         return block
 
+    def holds(
+        self, h: BlockHash, parent: BlockHash | None, token_ids: Sequence[int], extra: ExtraKeys
+    ) -> bool:
+        """Whether hash ``h`` is cached as exactly these tokens after this parent (False: free,
+        or another identity's: a collision)."""
+        block = self._cached.get(h)
+        return (
+            block is not None
+            and block.parent_hash == parent
+            and block.extra == extra
+            and block.token_ids == tuple(token_ids)
+        )
+
     # ---- state changes ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[Block] | None:
         """``n`` fresh blocks (ref_count 1), evicting cached identities as needed; None if short."""

@@ -162,6 +162,9 @@ class PagedKVManager(KVManager):
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         # Hashes of each request's committed full blocks (the chain's parents).
         self._hashes: dict[str, list[BlockHash]] = {}
+        # Requests whose chain met a hash collision: their later blocks are never cached (see
+        # commit_full_blocks).
+        self._uncachable: set[str] = set()
         self.num_swap_blocks = num_swap_blocks
         self._host_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self._swapped: dict[str, list[int]] = {}  # request id -> host slots, in block order
@@ -180,9 +183,12 @@ class PagedKVManager(KVManager):
         host = [self._host_free.pop() for _ in blocks]
         pairs = [(b.block_id, h) for b, h in zip(blocks, host, strict=True)]
         hashes = self._hashes.get(request.request_id)
+        uncachable = request.request_id in self._uncachable
         self.free(request)
         if hashes is not None:
             self._hashes[request.request_id] = hashes
+        if uncachable:
+            self._uncachable.add(request.request_id)
         self._swapped[request.request_id] = host
         return pairs
 
@@ -290,13 +296,25 @@ class PagedKVManager(KVManager):
             return
         extra = _extra_keys(request)
         parent = hashes[-1] if hashes else None
+        uncachable = request.request_id in self._uncachable
         for i in range(len(hashes), num_full):
             chunk = request.token_ids(i * self.block_size, (i + 1) * self.block_size)
-            parent = self.pool.cache_block(blocks[i], parent, chunk, extra)
-            hashes.append(parent)
+            if uncachable:  # the chain goes on (its hashes), nothing of it is cached
+                h = self.pool.hash_fn(parent, chunk, extra)
+            else:
+                h = self.pool.cache_block(blocks[i], parent, chunk, extra)
+                if not self.pool.holds(h, parent, chunk, extra):
+                    # Another prefix's block holds this hash (a collision, or an identity
+                    # evicted and taken since): this block stays private, and so must every
+                    # later one, whose parent hash would pass for that other prefix's.
+                    uncachable = True
+                    self._uncachable.add(request.request_id)
+            hashes.append(h)
+            parent = h
 
     def free(self, request: Request) -> None:
         self._hashes.pop(request.request_id, None)
+        self._uncachable.discard(request.request_id)
         host = self._swapped.pop(request.request_id, None)
         if host:  # aborted while swapped out
             self._host_release.extend(host)
