@@ -85,17 +85,23 @@ def test_the_default_cache_holds_a_full_length_sequence_whatever_the_block_size(
 
 def test_without_max_tokens_a_request_runs_up_to_what_the_kv_cache_holds(make_llm):
     """A KV cache smaller than the context: an unset max_tokens (a chat request's default)
-    means up to what the cache can hold, not a refusal; a prompt that fills it is refused."""
+    means up to what the cache can hold, not a refusal; a prompt that fills it is refused.
+    The last output token's KV is never written, so 12 prompt tokens in a 40-token cache leave
+    room for 29 output tokens (28 were allowed)."""
     llm = make_llm("llama", num_kv_blocks=10, block_size=4)  # 40 tokens, a 1,024-token context
     assert llm.engine.max_model_len > 40
     prompt = list(range(5, 17))
-    out = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True))[0]
-    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40 - 12
+    out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 29
+    full = llm.generate([prompt], SamplingParams(max_tokens=29, temperature=0, ignore_eos=True))[0]
+    assert full.outputs[0].token_ids == out.outputs[0].token_ids
+    one = llm.generate([list(range(5, 45))], SamplingParams(max_tokens=None, ignore_eos=True))
+    assert len(one[0].outputs[0].token_ids) == 1  # a 40-token prompt: its one token fits
     with pytest.raises(InvalidRequestError, match="no room for an output token") as e:
-        llm.generate([list(range(5, 45))], SamplingParams(max_tokens=None))
+        llm.generate([list(range(5, 46))], SamplingParams(max_tokens=None))
     assert e.value.param == "prompt"
     with pytest.raises(InvalidRequestError, match="can ever hold") as e:  # asked for: refused
-        llm.generate([prompt], SamplingParams(max_tokens=29))
+        llm.generate([prompt], SamplingParams(max_tokens=30))
     assert e.value.param == "max_tokens"
 
 

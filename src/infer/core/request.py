@@ -158,10 +158,11 @@ class Request:
         if max_model_len is not None:
             room = max_model_len - len(self.prompt_token_ids)
             if max_new is None and default_len is not None:
-                # Unset max_tokens: up to the context, or to ``default_len`` where that is
-                # shorter (what the KV cache can hold: see LLMEngine.add_request); one token
-                # at least, so a prompt too long for it is refused, not run for nothing.
-                room = min(room, max(1, default_len - len(self.prompt_token_ids)))
+                # Unset max_tokens: up to the context, or to what a KV cache of ``default_len``
+                # tokens holds where that is shorter (the last token's KV is never written: one
+                # more; see LLMEngine.add_request); one token at least, so a prompt too long
+                # for it is refused, not run for nothing.
+                room = min(room, max(1, default_len + 1 - len(self.prompt_token_ids)))
             max_new = room if max_new is None else min(max_new, room)
         self.max_new_tokens: int = max_new if max_new is not None else 2**31
 

@@ -650,7 +650,8 @@ class LLMEngine:
             kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload),
         )
         longest = n + request.max_new_tokens
-        if not self.kv_manager.can_ever_fit(longest):
+        # (the last output token is never fed back: its KV is never written)
+        if not self.kv_manager.can_ever_fit(longest - 1):
             cap = self.capacity
             held = f"{cap.num_tokens} tokens in {cap.num_blocks} blocks"
             if params.max_tokens is None:  # (it ran up to what the cache holds: see Request)
@@ -660,8 +661,8 @@ class LLMEngine:
                     param="prompt",
                 )
             raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens can reach {longest} tokens, more than the KV "
-                f"cache can ever hold ({held})",
+                f"prompt ({n} tokens) + max_tokens can reach {longest} tokens, whose KV (all but "
+                f"the last token's) is more than the KV cache can ever hold ({held})",
                 param="max_tokens",
             )
         self._states[request_id] = _OutputState(
