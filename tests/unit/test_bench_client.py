@@ -51,6 +51,7 @@ class FakeServer:
         self.bodies: list[dict] = []
         self.in_flight = self.most_in_flight = 0
         self.hold_until = 0  # streams wait (up to 5 s) until this many are in flight
+        self.fail_all = False  # every generation request a 500
         self.app = self._make_app()
         self.url = ""
 
@@ -65,7 +66,7 @@ class FakeServer:
             body = await request.json()
             self.bodies.append(body)
             prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-            if "FAIL500" in prompt:
+            if "FAIL500" in prompt or self.fail_all:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             n = int(body.get("max_tokens") or 16)
             kind = "chat.completion.chunk" if chat else "text_completion"
@@ -174,6 +175,7 @@ def reset(fake):
     fake.send_done = True
     fake.send_usage = True
     fake.tokenize_routes = False
+    fake.fail_all = False
     fake.bodies.clear()
 
 
@@ -472,3 +474,7 @@ def test_client_cli_saves_json_and_markdown(fake, tmp_path: Path, capsys):
     assert data["environment"]["cpu"]
     assert js.with_suffix(".md").read_text().startswith("# Client-side tests: fake-model")
     assert "Sequential vs concurrent batches" in capsys.readouterr().out
+    fake.fail_all = True  # lost requests fail the run, as bench serve's do (it exited 0)
+    rc = main(["bench", "client", "--server", fake.url, "--test", "batching", "--batch-sizes",
+               "2", "--max-tokens", "4", "--no-save"])  # fmt: skip
+    assert rc == 1 and "some requests failed" in capsys.readouterr().err

@@ -293,3 +293,13 @@ def test_batching_reading_tells_plateau_from_scaling():
     ]
     assert "raises throughput" in batching_reading(scaling)
     assert batching_reading(plateau[:1]) is None
+
+
+def test_the_engine_reports_title_names_the_model_it_measured():
+    """``infer bench engine --model X`` is titled with X (it said "~100M Llama" whatever ran)."""
+    from infer.bench.engine import _model_title
+    from infer.testing.bench_models import LLAMA_100M_DIR
+
+    assert _model_title({"model": str(LLAMA_100M_DIR), "results": {}}) == "~100M Llama"
+    other = {"model": "/models/tiny-llama", "results": {"float32": {"params": 215_000}}}
+    assert _model_title(other) == "tiny-llama (0.2M parameters)"

@@ -390,7 +390,14 @@ def cmd_client(args: argparse.Namespace) -> int:
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / f"{stem}.md").write_text(result["markdown"] + "\n")
         print(f"report: {out / stem}.json")
-    return 0
+    # Lost requests fail the run (as bench serve): a cold request that failed, or a batch's.
+    cache = result.get("caching") or {}
+    failed = cache.get("status", "ok") != "ok" or any(
+        b["success_rate"] < 1 for b in result.get("batching", [])
+    )
+    if failed:
+        print("infer bench client: some requests failed (see the report)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 @needs_bench_extra

@@ -28,7 +28,7 @@ from infer.bench.offline import make_engine, run_load, serve_one
 from infer.bench.report import cpu_model, md_table, save_report
 from infer.core.sampling_params import SamplingParams
 from infer.engine.engine import LLMEngine
-from infer.testing.bench_models import llama_100m
+from infer.testing.bench_models import LLAMA_100M_DIR, llama_100m
 
 
 def read_rate(nbytes: int, reps: int = 10) -> float:
@@ -76,6 +76,16 @@ def prefill_probe(engine: LLMEngine, prompt_len: int = 512, reps: int = 3) -> fl
         )  # fmt: skip
         for i in range(reps)
     )
+
+
+def _model_title(r: dict) -> str:
+    """The model the report measured: the built-in ~100M Llama's name, else its folder and
+    size (``--model``; the title said "~100M Llama" whatever ran)."""
+    if Path(r["model"]) == LLAMA_100M_DIR:
+        return "~100M Llama"
+    params = next(iter(r["results"].values()), {}).get("params")
+    size = f" ({params / 1e6:.1f}M parameters)" if params else ""
+    return f"{Path(r['model']).name}{size}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,7 +168,7 @@ def render_markdown(r: dict) -> str:
               f"{100 * res['prefill_vs_roofline']:.0f}%"] for dtype, res in r["results"].items()]  # fmt: skip
     roof = r["roofline"]
     lines = [
-        "# Engine throughput: ~100M Llama, offline engine",
+        f"# Engine throughput: {_model_title(r)}, offline engine",
         "",
         f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} threads, torch {r['machine']['torch']}. "
         f"Prompt {r['prompt_len']} tokens, {r['output_len']} output tokens, greedy, ignore_eos; "
