@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
-from infer.core.sampling_params import InvalidRequestError
+from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.async_engine import RequestStream
 from infer.model.chat_template import render_chat_ids
 from infer.server.errors import bad_request, from_invalid_request
@@ -30,6 +30,13 @@ from infer.server.protocol import (
     TokenizeRequest,
     TopLogprob,
     UsageInfo,
+)
+from infer.server.reasoning import (
+    NO_PARSER,
+    ReasoningStream,
+    Thinking,
+    split_reasoning,
+    starts_thinking,
 )
 from infer.server.serving import (
     Choices,
@@ -128,11 +135,22 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     stream = await serving.submit(
         request_id, [ids], params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY)
     )
+    thinking = _thinking(serving, ids, params)
     if req.stream:
-        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, mode))
+        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, mode, thinking))
     return await cancel_on_disconnect(
-        raw, _collect(serving, req, raw, stream, request_id, model, mode)
+        raw, _collect(serving, req, raw, stream, request_id, model, mode, thinking)
     )
+
+
+def _thinking(serving: Serving, ids: list[int], params: SamplingParams) -> Thinking:
+    """How the reply's thinking is read (``reasoning.split_reasoning``'s ``thinking``), or
+    ``NO_PARSER`` (no --reasoning-parser: all of it is content)."""
+    parser = serving.settings.reasoning_parser
+    if parser is None:
+        return NO_PARSER
+    tail = serving.tokenizer.decode(ids[-8:])  # (enough for a template's opening <think>)
+    return starts_thinking(parser, tail, params.structured_outputs is not None)
 
 
 def _echoed(req: ChatCompletionRequest) -> str:
@@ -151,7 +169,7 @@ def _finish_reason(out: RequestOutput, calls: list) -> str | None:
 
 async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
                    stream: RequestStream, request_id: str, model: str,
-                   mode: ToolMode) -> Response:  # fmt: skip
+                   mode: ToolMode, thinking: Thinking) -> Response:  # fmt: skip
     acc = Choices(len(stream.request_ids))
     async for index, out in stream:
         acc.add(index, out)
@@ -163,11 +181,19 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(serving, acc.logprobs[index], req.top_logprobs or 0)
-        content, calls = parse_reply(mode, "".join(acc.text[index]))
+        text, reasoning = "".join(acc.text[index]), None
+        if thinking is not NO_PARSER:
+            reasoning, text = split_reasoning(text, thinking)
+            reasoning = reasoning or None
+        content, calls = parse_reply(mode, text)
+        if reasoning is not None and not content:
+            content = None  # all of it was thinking
         if echo:
             content = echo + (content or "")
+        message = ChatResponseMessage(content=content, reasoning=reasoning,
+                                      reasoning_content=reasoning, tool_calls=calls)  # fmt: skip
         choices.append(ChatChoice(
-            index=index, message=ChatResponseMessage(content=content, tool_calls=calls),
+            index=index, message=message,
             logprobs=logprobs, finish_reason=_finish_reason(final, calls),
             stop_reason=final.stop_reason,
         ))  # fmt: skip
@@ -183,9 +209,11 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
 
 
 def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: RequestStream,
-            request_id: str, model: str, mode: ToolMode) -> AsyncIterator[bytes]:  # fmt: skip
+            request_id: str, model: str, mode: ToolMode,
+            thinking: Thinking) -> AsyncIterator[bytes]:  # fmt: skip
     created = int(time.time())
     tool_streams = [ToolStream(mode) for _ in stream.request_ids]
+    thoughts = [] if thinking is NO_PARSER else [ReasoningStream(thinking) for _ in tool_streams]
     template = EventTemplate(
         ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[])
     )
@@ -202,13 +230,19 @@ def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: 
         if req.logprobs:
             logprobs = chat_logprobs(serving, out.new_logprobs, req.top_logprobs or 0)
         tools = tool_streams[index]
-        content, calls = tools.feed(out.new_text, out.finished)
-        if mode.kind != "none" and not (content or calls or out.finished or logprobs or usage):
+        text, reasoning = out.new_text, ""
+        if thinking is not NO_PARSER:
+            reasoning, text = thoughts[index].feed(out.new_text, out.finished)
+        content, calls = tools.feed(text, out.finished)
+        if mode.kind != "none" and not (
+            content or calls or reasoning or out.finished or logprobs or usage
+        ):
             return None  # held back (a tool call being written): no empty chunk, as vLLM
-        if logprobs is None and usage is None and not calls:  # most events
+        if logprobs is None and usage is None and not calls and not reasoning:  # most events
             finish = _finish_reason(out, tools.calls) if out.finished else None
             return template.event(chat_choice(index, content or None, finish, out.stop_reason))
-        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+        delta = DeltaMessage(content=content or None, reasoning=reasoning or None,
+                             reasoning_content=reasoning or None, tool_calls=calls or None)  # fmt: skip
         return chunk([ChatStreamChoice(
             index=index, delta=delta, logprobs=logprobs,
             finish_reason=_finish_reason(out, tools.calls) if out.finished else None,

@@ -57,6 +57,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="name(s) clients use for the model (default: the --model value)")  # fmt: skip
     g.add_argument("--chat-template", type=Path, default=None,
                    help="a Jinja chat template file overriding the model's")  # fmt: skip
+    g.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                   help="chat replies: a thinking model's <think>...</think> in the message's "
+                   "'reasoning' field (and 'reasoning_content'), apart from its content")  # fmt: skip
     g.add_argument("--max-request-bytes", type=byte_size, default=8 * 2**20,
                    help="refuse larger request bodies with 413 (default 8MiB)")  # fmt: skip
     g.add_argument("--request-timeout", type=_number(float, 0, above=True), default=None,
@@ -118,6 +121,7 @@ def server_settings(
         chat_template=chat_template,
         drain_timeout=args.drain_timeout,
         dashboard=args.dashboard,
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )
 
 

@@ -422,7 +422,19 @@ class ToolCall(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # --reasoning-parser: the thinking, apart from the content (vLLM's field, and its older
+    # name, which clients read too); left out of the JSON without a parser
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_no_reasoning(self, handler):  # noqa: ANN001 - pydantic's serializer protocol
+        out = handler(self)
+        for key in ("reasoning", "reasoning_content"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class DeltaFunctionCall(_Response):
@@ -469,6 +481,8 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # (--reasoning-parser: see ChatResponseMessage)
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

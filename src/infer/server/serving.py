@@ -63,6 +63,8 @@ class ServerSettings:
     drain_timeout: float = 30.0
     dashboard: bool = True  # serve the live view at /dashboard
     role: str | None = None  # a disaggregated replica's role, shown by the live view
+    # Chat replies' thinking apart from their content: qwen3 | deepseek_r1 (server/reasoning.py)
+    reasoning_parser: str | None = None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

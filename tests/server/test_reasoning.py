@@ -1,0 +1,71 @@
+"""``--reasoning-parser qwen3``: a chat reply's thinking in ``reasoning`` (and
+``reasoning_content``), the rest in ``content``, streamed or not. The random-weight model is made
+to think by a grammar that spells the tags (a constrained reply thinks only so); a prompt that
+ends inside an open ``<think>`` (the assistant turn continued) starts the reply thinking."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from tests.server.conftest import start_server
+
+MESSAGES = [{"role": "user", "content": "Is the sea deep?"}]
+THINKS = r"<think>[a-z]{3,6}</think>[a-z]{3,6}"
+
+
+@pytest.fixture(scope="module")
+def server(llama_checkpoint, server_logs):
+    yield from start_server(llama_checkpoint, server_logs, "--served-model-name", "tiny",
+                            "--reasoning-parser", "qwen3")  # fmt: skip
+
+
+def _chat(c, messages, regex, **extra):
+    body = {"model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 0,
+            "structured_outputs": {"regex": regex}, **extra}  # fmt: skip
+    got = c.post("/v1/chat/completions", json=body)
+    assert got.status_code == 200, got.text
+    return got.json()["choices"][0]["message"]
+
+
+def _streamed(c, messages, regex, **extra) -> tuple[str, str]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 0,
+            "structured_outputs": {"regex": regex}, "stream": True, **extra}  # fmt: skip
+    reasoning = content = ""
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    delta = choice["delta"]
+                    assert delta.get("reasoning") == delta.get("reasoning_content")
+                    reasoning += delta.get("reasoning") or ""
+                    content += delta.get("content") or ""
+    return reasoning, content
+
+
+def test_thinking_goes_apart_from_the_content(server):
+    with server.client() as c:
+        message = _chat(c, MESSAGES, THINKS)
+        reasoning, content = message["reasoning"], message["content"]
+        assert re.fullmatch(r"[a-z]{3,6}", reasoning) and re.fullmatch(r"[a-z]{3,6}", content)
+        assert message["reasoning_content"] == reasoning
+        assert _streamed(c, MESSAGES, THINKS) == (reasoning, content)
+        # no thinking: all content, and no reasoning keys
+        plain = _chat(c, MESSAGES, r"[a-z]{3,6}")
+        assert re.fullmatch(r"[a-z]{3,6}", plain["content"])
+        assert "reasoning" not in plain and "reasoning_content" not in plain
+        assert _streamed(c, MESSAGES, r"[a-z]{3,6}") == ("", plain["content"])
+
+
+def test_a_prompt_that_opens_the_thinking_starts_the_reply_in_it(server):
+    opened = [*MESSAGES, {"role": "assistant", "content": "<think>"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    with server.client() as c:
+        message = _chat(c, opened, r"[a-z]{3,6}</think>[a-z]{3,6}", **extra)
+        assert re.fullmatch(r"[a-z]{3,6}", message["reasoning"])
+        assert re.fullmatch(r"[a-z]{3,6}", message["content"])
+        streamed = _streamed(c, opened, r"[a-z]{3,6}</think>[a-z]{3,6}", **extra)
+        assert streamed == (message["reasoning"], message["content"])
+        cut = _chat(c, opened, r"[a-z]{3,6}</think>[a-z]{3,6}", max_tokens=2, **extra)
+        assert cut["content"] is None and cut["reasoning"]  # cut while thinking
