@@ -108,3 +108,48 @@ def test_constrained_replies_parse_into_calls():
     assert content is None and calls[0].function.name == "mul"
     assert json.loads(calls[0].function.arguments) == {"x": 2}
     assert parse_reply(named, '{"x": ') == ('{"x": ', [])  # cut by max_tokens: text as is
+
+
+# ---- --tool-call-parser llama3_json | mistral ---------------------------------------------------
+
+OTHER_FORMATS = [
+    # (parser, reply, content, [(name, arguments)])
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}', None, [("add", {"a": 1})]),
+    ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+     '{"name": "mul", "arguments": {"b": 2}}', None, [("add", {"a": 1}), ("mul", {"b": 2})]),
+    ("llama3_json", ' \n{"name": "mul", "parameters": "{\\"b\\": 2}"}', None, [("mul", {"b": 2})]),
+    ("llama3_json", "The sum is 3.", "The sum is 3.", []),
+    ("llama3_json", '{"name": "div", "parameters": {}}', '{"name": "div", "parameters": {}}', []),
+    ("llama3_json", '{"a": 1} is JSON', '{"a": 1} is JSON', []),
+    ("llama3_json", '{"name": "add", "parameters": {}} and', '{"name": "add", "parameters": {}} and',
+     []),
+    ("llama3_json", "<|python_t", "<|python_t", []),
+    ("mistral", 'Let me add.  [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+     '{"name": "mul", "arguments": {}}]', "Let me add.", [("add", {"a": 1}), ("mul", {})]),
+    ("mistral", '[TOOL_CALLS] {"name": "add", "arguments": {}}', None, [("add", {})]),
+    ("mistral", "No calls [TOOL_CALL here", "No calls [TOOL_CALL here", []),
+    ("mistral", "Broken [TOOL_CALLS][{]", "Broken [TOOL_CALLS][{]", []),
+    ("mistral", 'x [TOOL_CALLS][{"name": "div", "arguments": {}}]',
+     'x [TOOL_CALLS][{"name": "div", "arguments": {}}]', []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), OTHER_FORMATS)
+@pytest.mark.parametrize("split", [1, 4, 1000])
+def test_other_formats_whole_and_streamed(parser, text, content, calls, split):
+    """Llama 3's JSON calls and Mistral's ``[TOOL_CALLS]`` array: the calls named among the
+    tools with object arguments; anything else is content, whole; a stream gives the same."""
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "auto"}
+    )
+    mode = tool_mode(req, parser)
+    got_content, got_calls = parse_reply(mode, text)
+    assert got_content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == calls
+    stream, streamed, names = ToolStream(mode), "", []
+    pieces = [text[i : i + split] for i in range(0, len(text), split)]
+    for i, piece in enumerate(pieces):
+        c, deltas = stream.feed(piece, finished=i == len(pieces) - 1)
+        streamed += c
+        names += [d.function.name for d in deltas]
+    assert streamed == (content or "") and names == [name for name, _ in calls]

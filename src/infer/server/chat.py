@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -118,7 +119,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     if req.max_completion_tokens is not None:  # (the newer name wins, as OpenAI's)
         max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     try:
-        mode = tool_mode(req)
+        mode = tool_mode(req, serving.settings.tool_call_parser)
         constraint = tool_constraint(mode, req.parallel_tool_calls)
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
@@ -130,6 +131,8 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
         max_tokens = serving.default_max_tokens([ids])  # the model's, if it has one
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, max_tokens, k, constraint)
+    if mode.kind == "auto" and mode.parser == "mistral":  # its [TOOL_CALLS] is a special token
+        params = replace(params, skip_special_tokens=False)
     request_id = new_id("chatcmpl")
     raw.state.request_id = request_id
     stream = await serving.submit(

@@ -60,6 +60,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                    help="chat replies: a thinking model's <think>...</think> in the message's "
                    "'reasoning' field (and 'reasoning_content'), apart from its content")  # fmt: skip
+    g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+                   default="hermes",
+                   help="how the model writes tool calls in a tool_choice auto reply: hermes "
+                   "(<tool_call> blocks: Hermes, Qwen) | llama3_json (Llama 3.1/3.2) | mistral "
+                   "([TOOL_CALLS] and a JSON array)")  # fmt: skip
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always on")  # fmt: skip
     g.add_argument("--max-request-bytes", type=byte_size, default=8 * 2**20,
                    help="refuse larger request bodies with 413 (default 8MiB)")  # fmt: skip
     g.add_argument("--request-timeout", type=_number(float, 0, above=True), default=None,
@@ -122,6 +129,7 @@ def server_settings(
         drain_timeout=args.drain_timeout,
         dashboard=args.dashboard,
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
     )
 
 

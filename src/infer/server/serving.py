@@ -65,6 +65,8 @@ class ServerSettings:
     role: str | None = None  # a disaggregated replica's role, shown by the live view
     # Chat replies' thinking apart from their content: qwen3 | deepseek_r1 (server/reasoning.py)
     reasoning_parser: str | None = None
+    # How auto tool-choice replies write calls: hermes | llama3_json | mistral (tool_formats.py)
+    tool_call_parser: str = "hermes"
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -1,8 +1,9 @@
 """Tool calls on /v1/chat/completions: ``tools``, ``tool_choice`` and the replies' ``tool_calls``.
 
 - ``tool_choice: "none"`` (or no tools): a plain reply; the template still sees the tools.
-- ``"auto"`` (the default with tools): the model decides. Its text is parsed for calls written
-  the way Hermes / Qwen chat templates ask for them::
+- ``"auto"`` (the default with tools): the model decides. Its text is parsed for calls as
+  ``--tool-call-parser`` says (``tool_formats.py``); by default as Hermes / Qwen chat templates
+  ask for them::
 
       <tool_call>
       {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +35,16 @@ from infer.server.protocol import (
     ChatTool,
     DeltaFunctionCall,
     DeltaToolCall,
-    FunctionCall,
     NamedToolChoice,
     ToolCall,
+)
+from infer.server.tool_formats import (
+    TOOL_CALLS,
+    call_from_json,
+    make_call,
+    may_start_llama3_calls,
+    parse_llama3_json,
+    parse_mistral,
 )
 from infer.structured import compile_grammar
 
@@ -52,14 +59,16 @@ class ToolMode:
     kind: str  # none | auto | required | named
     tools: tuple[ChatTool, ...] = ()
     name: str | None = None  # the function of a named tool_choice
+    parser: str = "hermes"  # how an auto reply writes calls (tool_formats.TOOL_CALL_PARSERS)
 
     @property
     def constrained(self) -> bool:
         return self.kind in ("required", "named")
 
 
-def tool_mode(req: ChatCompletionRequest) -> ToolMode:
-    """The request's tool mode; a 400 (``InvalidRequestError``) for inconsistent fields."""
+def tool_mode(req: ChatCompletionRequest, parser: str = "hermes") -> ToolMode:
+    """The request's tool mode (``parser``: ``--tool-call-parser``); a 400
+    (``InvalidRequestError``) for inconsistent fields."""
     tools = tuple(req.tools or ())
     choice = req.tool_choice
     names = [t.function.name for t in tools]
@@ -78,7 +87,7 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode:
         raise InvalidRequestError('tool_choice "required" needs tools', param="tool_choice")
     if not tools or choice == "none":
         return ToolMode("none", tools)
-    return ToolMode(choice or "auto", tools)
+    return ToolMode(choice or "auto", tools, parser=parser)
 
 
 def tool_constraint(mode: ToolMode, parallel: bool) -> StructuredOutputs | None:
@@ -141,15 +150,6 @@ def _rerooted(schema: Any, base: str) -> Any:
     return out
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _call(name: str, arguments: Any) -> ToolCall:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
-
-
 def parse_reply(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of a finished reply."""
     if mode.kind == "named":
@@ -158,15 +158,20 @@ def parse_reply(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
         except json.JSONDecodeError:
             return text, []  # cut by max_tokens: returned as it is
         assert mode.name is not None
-        return None, [_call(mode.name, text)]
+        return None, [make_call(mode.name, text)]
     if mode.kind == "required":
         try:
             calls = json.loads(text)
         except json.JSONDecodeError:
             return text, []
-        return None, [_call(c["name"], c["parameters"]) for c in calls]
+        return None, [make_call(c["name"], c["parameters"]) for c in calls]
     if mode.kind == "auto":
-        return parse_hermes(text, {t.function.name for t in mode.tools})
+        names = {t.function.name for t in mode.tools}
+        if mode.parser == "llama3_json":
+            return parse_llama3_json(text, names)
+        if mode.parser == "mistral":
+            return parse_mistral(text, names)
+        return parse_hermes(text, names)
     return text, []
 
 
@@ -193,26 +198,11 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
 
 
 def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
-    """The call a block's JSON makes, or None when it makes none: not JSON, a name that is not
-    one of the tools', or arguments that are not an object (nor a string holding one)."""
+    """The call a block's JSON makes, or None when it makes none (``call_from_json``)."""
     try:
-        data = json.loads(body)
+        return call_from_json(json.loads(body), names)
     except json.JSONDecodeError:
         return None
-    if not isinstance(data, dict):
-        return None
-    name = data.get("name")
-    if not isinstance(name, str) or name not in names:
-        return None
-    arguments = data.get("arguments", data.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return _call(name, arguments)
 
 
 @dataclass
@@ -243,6 +233,10 @@ class ToolStream:
         if self.mode.kind != "auto":
             out, self.sent = self.text[self.sent :], len(self.text)
             return out, []
+        if self.mode.parser == "llama3_json":
+            return self._feed_llama3(finished)
+        if self.mode.parser == "mistral":
+            return self._feed_mistral(finished)
         # Whitespace next to a call's block is not content (as in parse_hermes): trailing
         # whitespace waits until text follows it (or the reply ends without a call after it),
         # and whitespace after a call is dropped.
@@ -282,6 +276,40 @@ class ToolStream:
                 self.after_call = True
             self.sent += block_end
         return "".join(content), deltas
+
+    def _feed_llama3(self, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """A reply that may be calls (it opens with ``{`` or ``<|python_tag|>``) is held back
+        whole until it ends; one that cannot be streams as content."""
+        if finished or may_start_llama3_calls(self.text) is False:
+            return self._whole(finished)
+        return "", []
+
+    def _feed_mistral(self, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """Content streams up to ``[TOOL_CALLS]`` (less its trailing whitespace, and what could
+        be the marker's start); from the marker on, the calls are held back until the end."""
+        start = self.text.find(TOOL_CALLS)
+        if finished:
+            return self._whole(finished)
+        rest = self.text[self.sent : start if start >= 0 else len(self.text)]
+        if start < 0:
+            rest = rest[: len(rest) - _partial_suffix(rest, TOOL_CALLS)]
+        content: list[str] = []
+        self._emit(content, rest)
+        return "".join(content), []
+
+    def _whole(self, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """The unsent text: at the end, parsed as the whole reply is (content before the calls
+        already sent), else as content."""
+        if not finished:
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out, []
+        content, calls = parse_reply(self.mode, self.text)
+        if not calls:
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out, []
+        unsent = (content or "")[self.sent :]
+        self.sent = len(self.text)
+        return unsent, self._deltas(calls)
 
     def _emit(self, content: list[str], text: str) -> None:
         """Send ``text`` (the start of the unsent text) less its trailing whitespace."""

@@ -1,7 +1,9 @@
-"""``--reasoning-parser qwen3``: a chat reply's thinking in ``reasoning`` (and
-``reasoning_content``), the rest in ``content``, streamed or not. The random-weight model is made
-to think by a grammar that spells the tags (a constrained reply thinks only so); a prompt that
-ends inside an open ``<think>`` (the assistant turn continued) starts the reply thinking."""
+"""A chat reply read by the server's parsers, streamed or not. ``--reasoning-parser qwen3``: the
+thinking in ``reasoning`` (and ``reasoning_content``), the rest in ``content``; the random-weight
+model is made to think by a grammar that spells the tags (a constrained reply thinks only so); a
+prompt that ends inside an open ``<think>`` (the assistant turn continued) starts the reply
+thinking. ``--tool-call-parser llama3_json``: a reply written as Llama 3's JSON call (a grammar
+makes the model write one) is a tool call."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ THINKS = r"<think>[a-z]{3,6}</think>[a-z]{3,6}"
 @pytest.fixture(scope="module")
 def server(llama_checkpoint, server_logs):
     yield from start_server(llama_checkpoint, server_logs, "--served-model-name", "tiny",
-                            "--reasoning-parser", "qwen3")  # fmt: skip
+                            "--reasoning-parser", "qwen3", "--tool-call-parser", "llama3_json",
+                            "--enable-auto-tool-choice")  # fmt: skip
 
 
 def _chat(c, messages, regex, **extra):
@@ -69,3 +72,35 @@ def test_a_prompt_that_opens_the_thinking_starts_the_reply_in_it(server):
         assert streamed == (message["reasoning"], message["content"])
         cut = _chat(c, opened, r"[a-z]{3,6}</think>[a-z]{3,6}", max_tokens=2, **extra)
         assert cut["content"] is None and cut["reasoning"]  # cut while thinking
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}}]  # fmt: skip
+CALL = r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{3,6}"\}\}'
+
+
+def test_llama3_json_calls_are_tool_calls(server):
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 60,
+            "temperature": 0, "structured_outputs": {"regex": CALL}}  # fmt: skip
+    with server.client() as c:
+        got = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert got["finish_reason"] == "tool_calls" and got["message"]["content"] is None
+        (call,) = got["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        city = json.loads(call["function"]["arguments"])["city"]
+        assert re.fullmatch(r"[a-z]{3,6}", city)
+        calls, finish = [], None
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    assert not choice["delta"].get("content")
+                    calls += choice["delta"].get("tool_calls") or []
+                    finish = choice["finish_reason"] or finish
+        assert [json.loads(d["function"]["arguments"]) for d in calls] == [{"city": city}]
+        assert finish == "tool_calls"
+        # plain text is content
+        text = {**body, "structured_outputs": {"regex": r"[a-z]{3,6}"}}
+        plain = c.post("/v1/chat/completions", json=text).json()["choices"][0]
+        assert plain["message"]["tool_calls"] == [] and plain["finish_reason"] == "stop"

@@ -1,0 +1,106 @@
+"""How models write tool calls in free text (``tool_choice: "auto"``), by ``--tool-call-parser``.
+
+- ``hermes`` (the default; Hermes, Qwen 2.5 / 3 templates): ``<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>`` blocks anywhere in the reply (parsed in ``tools.py``).
+- ``llama3_json`` (Llama 3.1 / 3.2 templates): the whole reply is the calls, JSON objects
+  ``{"name": ..., "parameters": {...}}`` separated by ``;``, after an optional
+  ``<|python_tag|>``; a reply that does not start with one (``{``) is content.
+- ``mistral`` (Mistral templates): content, then ``[TOOL_CALLS]`` and a JSON array of
+  ``{"name": ..., "arguments": {...}}``. ``[TOOL_CALLS]`` is a special token in Mistral's
+  tokenizers, so with this parser a reply that may call tools keeps special tokens in its text.
+
+A call names one of the request's tools and has an object for arguments (or a string holding
+one); text that does not parse as calls is content, whole, as vLLM returns it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from infer.server.protocol import FunctionCall, ToolCall
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS = "[TOOL_CALLS]"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def make_call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
+
+
+def call_from_json(data: Any, names: set[str]) -> ToolCall | None:
+    """The call a decoded JSON object makes, or None when it makes none: not an object, a name
+    that is not one of the tools', or arguments (``arguments`` or ``parameters``) that are not
+    an object (nor a string holding one)."""
+    if not isinstance(data, dict):
+        return None
+    name = data.get("name")
+    if not isinstance(name, str) or name not in names:
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return make_call(name, arguments)
+
+
+def may_start_llama3_calls(text: str) -> bool | None:
+    """Whether a reply beginning with ``text`` is llama3_json calls: True, False, or None (too
+    little text to tell: blank, or a piece of ``<|python_tag|>``)."""
+    head = text.lstrip()
+    if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
+        return None
+    return head.startswith("{") or head.startswith(PYTHON_TAG)
+
+
+def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole reply (see the module docstring)."""
+    if not may_start_llama3_calls(text):
+        return text, []
+    body = text.lstrip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG) :]
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(body) and body[i].isspace():
+            i += 1
+        try:
+            data, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return text, []
+        call = call_from_json(data, names)
+        if call is None:
+            return text, []
+        calls.append(call)
+        rest = body[i:].lstrip()
+        if not rest:
+            return None, calls
+        if not rest.startswith(";"):
+            return text, []
+        i = len(body) - len(rest) + 1
+
+
+def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole reply (see the module docstring)."""
+    start = text.find(TOOL_CALLS)
+    if start < 0:
+        return text, []
+    try:
+        data = json.loads(text[start + len(TOOL_CALLS) :])
+    except json.JSONDecodeError:
+        return text, []
+    calls = [call_from_json(item, names) for item in (data if isinstance(data, list) else [data])]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return (text[:start].rstrip() or None), calls  # type: ignore[return-value]
