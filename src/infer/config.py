@@ -39,6 +39,18 @@ def parse_bytes(value: str | int | float) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def json_object(value: str | dict, flag: str) -> dict:
+    """A flag's JSON object (its text, or a dict given directly), or a ValueError naming it."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # local folder, HF cache id, or a built-in name ("toy", "small")
@@ -211,14 +223,7 @@ class SpeculativeConfig:
         """From ``--speculative-config``'s JSON text or a dict, as vLLM takes it."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        options = dict(value)
+        options = json_object(value, "--speculative-config")
         method = options.pop("method", None)
         if method is None:
             method = "draft_model" if options.get("model") else "ngram"

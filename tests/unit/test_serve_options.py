@@ -26,7 +26,10 @@ SERVE = ["serve", "--model", "/no/such/model"]  # (every case stops before the m
         (["--max-queued-requests", "0"], "max_queued_requests must be positive, got 0"),
         (["--max-wait-steps", "-1"], "max_wait_steps must be >= 0, got -1"),
         (["--swap-space=-1GiB"], "cannot parse a byte size from '-1GiB'"),
-        (["--override-generation-config", "{temp: 1}"], "--override-generation-config is not JSON"),
+        (
+            ["--override-generation-config", "{temp: 1}"],
+            "--override-generation-config is not valid JSON",
+        ),
         (
             ["--override-generation-config", '{"tempurature": 0.5}'],
             "--override-generation-config: unknown field(s) tempurature",

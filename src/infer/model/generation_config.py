@@ -14,7 +14,6 @@ the model's; ``--override-generation-config '{"temperature": 0.2}'`` sets or rep
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +36,11 @@ NONE = ("none", "vllm")
 
 def parse_override(text: str | dict[str, Any] | None) -> dict[str, Any]:
     """``--override-generation-config``: a JSON object of generation_config.json keys."""
+    from infer.config import json_object
+
     if text is None or text == "":
         return {}
-    if isinstance(text, dict):
-        data = text
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--override-generation-config is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError("--override-generation-config must be a JSON object")
+    data = json_object(text, "--override-generation-config")
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ValueError(
