@@ -155,8 +155,13 @@ class LLM:
         """What ``generate`` and ``chat`` sample with when given no ``SamplingParams``:
         infer's defaults with the model's recommended ones (its generation_config.json:
         temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) over them, as
-        vLLM's method of this name (``generation_config="none"`` leaves infer's)."""
-        return SamplingParams(**self.engine.sampling_defaults)
+        vLLM's method of this name (``generation_config="none"`` leaves infer's). Where the
+        model recommends a length, ``max_tokens`` is None: the engine gives each prompt that
+        length, or what the context and the KV cache leave it."""
+        defaults = dict(self.engine.sampling_defaults)
+        if "max_tokens" in defaults:  # None: the engine fits the model's length to each prompt
+            defaults["max_tokens"] = None
+        return SamplingParams(**defaults)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

@@ -285,6 +285,12 @@ def test_bad_words_are_never_generated(make_llm):
         llm.generate(["x"], SamplingParams(bad_words_token_ids=[[5, 5000]]))
     with pytest.raises(InvalidRequestError, match="non-blank"):
         SamplingParams(bad_words=[" "])
+    with pytest.raises(InvalidRequestError, match="at most 256 bad_words"):
+        SamplingParams(bad_words=[f"w{i}" for i in range(257)])
+    # every allowed id banned: nothing could be sampled (it sampled an id outside the list)
+    with pytest.raises(InvalidRequestError, match="ban every one of allowed_token_ids"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[5, 6],
+                                           bad_words_token_ids=[[5], [6], [7, 8]]))  # fmt: skip
 
 
 def test_allowed_token_ids_bound_every_token_in_every_kind_of_step(make_llm):

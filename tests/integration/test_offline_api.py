@@ -186,12 +186,22 @@ def test_unset_sampling_fields_take_the_models_generation_config(
     recommended = {"top_k": 1, "temperature": 0.7, "max_new_tokens": 5, "do_sample": True}
     path.write_text(json.dumps({**json.loads(path.read_text()), **recommended}))
     with LLM(str(folder), dtype="float32", device=engine_device) as llm:
+        # (max_tokens None: the engine gives each prompt the model's 5, or what fits)
         assert llm.get_default_sampling_params() == SamplingParams(
-            top_k=1, temperature=0.7, max_tokens=5
+            top_k=1, temperature=0.7, max_tokens=None
         )
         got = llm.generate(PROMPTS[:3])
         want = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=5))
         assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want]
         assert _idle(llm)
+    # A length the KV cache cannot give every prompt: each gets what is left to it, not a
+    # refusal naming a max_tokens nobody set (40-token cache, 100 recommended).
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_new_tokens": 100}))
+    with LLM(str(folder), dtype="float32", device=engine_device, num_kv_blocks=10,
+             block_size=4) as llm:  # fmt: skip
+        short, long = [5, 6, 7], list(range(5, 35))
+        outs = llm.generate([short, long], SamplingParams(max_tokens=None, ignore_eos=True))
+        assert [len(o.outputs[0].token_ids) for o in outs] == [38, 11]
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
     with LLM(str(folder), dtype="float32", device=engine_device, generation_config="none") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()

@@ -46,7 +46,10 @@ def test_unset_fields_take_the_models_recommended_values(server):
         # the request's own values win
         assert chat(max_tokens=6)["usage"]["completion_tokens"] == 6
         assert chat(max_completion_tokens=2)["usage"]["completion_tokens"] == 2
+        assert chat(max_tokens=None)["usage"]["completion_tokens"] == 4  # null is unset
         assert complete()["usage"]["completion_tokens"] == 4  # (not OpenAI's 16)
+        two = complete(prompt=["The sea", "A much longer prompt about the sea and its depths"])
+        assert two["usage"]["completion_tokens"] == 8  # each prompt its own 4
         assert complete(max_tokens=7)["usage"]["completion_tokens"] == 7
         greedy = complete(temperature=0, max_tokens=4)["choices"][0]["text"]
         assert complete(seed=5)["choices"][0]["text"] == greedy

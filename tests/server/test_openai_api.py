@@ -431,8 +431,9 @@ def test_bad_words_are_not_generated(server):
         assert got.status_code == 200, got.text
         text = got.json()["choices"][0]["text"]
         assert text != plain and word not in text.split()
-        blank = c.post("/v1/completions", json={**body, "bad_words": ["  "]})
-        assert blank.status_code == 400 and blank.json()["error"]["param"] == "bad_words[0]"
+        for word in ("  ", "\x1c\x1f"):  # (blank to str.strip() and to the schema alike)
+            blank = c.post("/v1/completions", json={**body, "bad_words": [word]})
+            assert blank.status_code == 400 and blank.json()["error"]["param"] == "bad_words[0]"
 
 
 def test_allowed_token_ids_bound_the_reply(server):

@@ -33,6 +33,11 @@ def test_the_models_recommended_fields_become_sampling_defaults(tmp_path):
     assert sampling_defaults(model, "auto", override)["temperature"] == 0.3
     assert sampling_defaults(model, "none", override) == {"temperature": 0.3, "max_tokens": 8}
     assert sampling_defaults(tmp_path) == {}  # no file: infer's own
+    # transformers' own defaults are no recommendation (vLLM reads the difference from them);
+    # an integral float where an integer belongs is that integer
+    hf = _folder(tmp_path, "hf", {"top_k": 50, "temperature": 1.0, "max_new_tokens": 64.0})
+    assert sampling_defaults(hf) == {"max_tokens": 64}
+    assert isinstance(sampling_defaults(hf)["max_tokens"], int)
 
 
 def test_a_value_no_request_could_take_is_refused_naming_the_file(tmp_path):
@@ -44,3 +49,8 @@ def test_a_value_no_request_could_take_is_refused_naming_the_file(tmp_path):
         sampling_defaults(model, "/no/such")
     with pytest.raises(ValueError, match="must be a JSON object"):
         parse_override("[1]")
+    nan = _folder(tmp_path, "nan", {"temperature": float("nan")})  # (json writes NaN)
+    with pytest.raises(ValueError, match="temperature must be a finite number, got nan"):
+        sampling_defaults(nan)
+    with pytest.raises(ValueError, match="top_k must be a finite number, got 'x'"):
+        sampling_defaults(model, "none", {"top_k": "x"})

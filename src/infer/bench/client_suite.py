@@ -119,10 +119,12 @@ def caching_test(
     if cold.error:
         result.status = f"cold run failed: {cold.error}"
         return result
+    failed: list[str] = []
     for i in range(num_warm + 1):
         prompt = f"{base_prompt} Now, state the single word conclusion for iteration {i + 1}:"
         warm = single_request(client, model, prompt, 1, endpoint)
         if warm.error:
+            failed.append(warm.error)
             continue
         if i > 0:  # i == 0 builds the cache for the un-busted prefix
             assert warm.ttft_ms is not None
@@ -130,6 +132,8 @@ def caching_test(
     if not result.warm_ttfts_ms:
         result.status = "warm runs failed"
         return result
+    if failed:  # (measured on the rest; the run still counts as failed)
+        result.status = f"{len(failed)} of {num_warm + 1} warm runs failed: {failed[0]}"
     result.avg_warm_ttft_ms = statistics.mean(result.warm_ttfts_ms)
     assert cold.ttft_ms is not None
     result.speedup = 1.0 - result.avg_warm_ttft_ms / cold.ttft_ms

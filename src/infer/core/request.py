@@ -109,6 +109,7 @@ class Request:
         arrival_time: float | None = None,
         max_model_len: int | None = None,
         default_len: int | None = None,
+        default_max_tokens: int | None = None,
         lora_name: str | None = None,
         lora_id: int | None = None,
         export_kv: bool = False,
@@ -155,9 +156,15 @@ class Request:
         self.stopped_on_token = False
         self.error: str | None = None
         max_new = sampling_params.max_tokens
+        if max_new is None and default_max_tokens is not None:
+            # Unset max_tokens: the model's recommended length (its generation config's
+            # max_new_tokens), fitted below to the context and the cache as an unset one is.
+            max_new, fitted = default_max_tokens, True
+        else:
+            fitted = max_new is None
         if max_model_len is not None:
             room = max_model_len - len(self.prompt_token_ids)
-            if max_new is None and default_len is not None:
+            if fitted and default_len is not None:
                 # Unset max_tokens: up to the context, or to what a KV cache of ``default_len``
                 # tokens holds where that is shorter (the last token's KV is never written: one
                 # more; see LLMEngine.add_request); one token at least, so a prompt too long

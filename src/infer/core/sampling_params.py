@@ -8,6 +8,8 @@ from typing import Any
 
 from infer.core.field_types import wrong_number_type
 
+MAX_BAD_WORDS = 256
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses. ``param`` names the offending field (OpenAI's error shape)."""
@@ -40,7 +42,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the model's context length
+    # None: the length the model recommends (its generation_config.json's max_new_tokens), else
+    # up to the context; either way no more than the KV cache holds
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -162,6 +166,10 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "allowed_token_ids must be non-negative integers")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "bad_words must be strings with a non-blank character")
+        if len(self.bad_words) > MAX_BAD_WORDS or len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            # (each is checked against the output at every step, on the engine's thread)
+            raise bad("bad_words", f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}"
+                      f" words and {len(self.bad_words_token_ids)} token sequences")  # fmt: skip
         for ids in self.bad_words_token_ids:
             if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
                 raise bad(

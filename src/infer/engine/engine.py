@@ -179,6 +179,12 @@ class LLMEngine:
             logger.info("default sampling parameters from the model's generation config: %s "
                         "(a request's own values win; --generation-config none uses infer's)",
                         describe_defaults(self.sampling_defaults))  # fmt: skip
+            penalty = self.sampling_defaults.get("repetition_penalty", 1.0)
+            if self.config.speculative is not None and penalty != 1.0:
+                logger.warning("the model's repetition_penalty default leaves requests that "
+                               "keep it without speculative proposals (penalties decode one "
+                               "token at a time); --override-generation-config "
+                               "'{\"repetition_penalty\": 1.0}' lifts it")  # fmt: skip
         self.dtype = self.backend.resolve_dtype(mc.dtype, self.spec.torch_dtype)
         t0 = time.perf_counter()
         self.checkpoint_quantization = quantized_format(self.model_path)
@@ -627,6 +633,12 @@ class LLMEngine:
                     f"({self.spec.vocab_size} tokens)",
                     param=param,
                 )
+        banned = {seq[0] for seq in params.bad_words_token_ids if len(seq) == 1}
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= banned:
+            raise InvalidRequestError(
+                "bad_words ban every one of allowed_token_ids: nothing could be sampled",
+                param="bad_words",
+            )
         if request_id in self.scheduler.requests or request_id in self._compiling:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"
@@ -644,6 +656,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             max_model_len=self.max_model_len,
             default_len=self.capacity.num_tokens,
+            default_max_tokens=self.sampling_defaults.get("max_tokens"),
             lora_name=lora[0] if lora else None,
             lora_id=lora[1] if lora else None,
             export_kv=export_kv,

@@ -14,6 +14,7 @@ the model's; ``--override-generation-config '{"temperature": 0.2}'`` sets or rep
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,22 @@ FIELDS = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
+# transformers' GenerationConfig defaults (a file's value equal to one is not a recommendation)
+HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 # --generation-config values that read no file
 NONE = ("none", "vllm")
 
 
-def parse_override(text: str | dict[str, Any] | None) -> dict[str, Any]:
-    """``--override-generation-config``: a JSON object of generation_config.json keys."""
+def parse_override(text: str | dict[str, Any] | tuple | None) -> dict[str, Any]:
+    """``--override-generation-config``: a JSON object of generation_config.json keys (or the
+    ``(key, value)`` pairs a ModelConfig keeps)."""
     from infer.config import json_object
 
     if text is None or text == "":
         return {}
-    data = json_object(text, "--override-generation-config")
+    data = (
+        dict(text) if isinstance(text, tuple) else json_object(text, "--override-generation-config")
+    )
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ValueError(
@@ -66,11 +72,13 @@ def sampling_defaults(
             raise ValueError(f"--generation-config {source}: {folder / FILE} does not exist")
         path = folder / FILE
         if path.is_file():
+            # (a value equal to transformers' own default is no recommendation: top_k 50 is
+            # what every GenerationConfig holds; vLLM reads the file's difference from those)
             found = {k: v for k, v in read_json(path, what="generation config").items()
-                     if k in FIELDS and v is not None}  # fmt: skip
+                     if k in FIELDS and v is not None and v != HF_DEFAULTS.get(k)}  # fmt: skip
             where = str(path)
     found.update(override or {})
-    defaults = {FIELDS[k]: v for k, v in found.items()}
+    defaults = {FIELDS[k]: _number(k, v, where) for k, v in found.items()}
     try:
         SamplingParams(**defaults)
     except InvalidRequestError as exc:
@@ -80,6 +88,15 @@ def sampling_defaults(
     except TypeError as exc:
         raise ValueError(f"{where}: {exc}") from None
     return defaults
+
+
+def _number(key: str, value: Any, where: str) -> Any:
+    """A finite number (an integral float where an integer belongs is that integer: 20.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
+    if key in ("top_k", "max_new_tokens") and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def describe(defaults: dict[str, Any]) -> str:

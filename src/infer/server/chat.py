@@ -127,8 +127,6 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     ids = await serving.run_blocking(lambda: render_request(serving, req), size=size)
     ids = serving.truncated(ids, req)
     serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
-    if not {"max_tokens", "max_completion_tokens"} & req.model_fields_set:
-        max_tokens = serving.default_max_tokens([ids])  # the model's, if it has one
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, max_tokens, k, constraint)
     if mode.kind == "auto" and mode.parser == "mistral":  # its [TOOL_CALLS] is a special token

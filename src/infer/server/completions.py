@@ -101,10 +101,11 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         if req.echo:
             raise bad_request("echo cannot be combined with suffix", param="echo")
     token_prompts: list[list[int]] = []
-    # No max_tokens in the request: the model's default where it has one, else OpenAI's 16.
-    model_default = (
-        "max_tokens" not in req.model_fields_set and "max_tokens" in serving.sampling_defaults
-    )
+    # No max_tokens in the request: the model's default where it has one (None: the engine
+    # fits it to each prompt's room), else OpenAI's 16; null is the model's default too.
+    max_tokens = req.max_tokens
+    if "max_tokens" not in req.model_fields_set and "max_tokens" in serving.sampling_defaults:
+        max_tokens = None
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
@@ -119,9 +120,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
             assert req.suffix is not None
             ids = fim_prompt(fim, ids, serving.encode(req.suffix))
         ids = serving.truncated(ids, req)
-        serving.check_lengths(ids, None if model_default else req.max_tokens, param)
+        serving.check_lengths(ids, max_tokens, param)
         token_prompts.append(ids)
-    max_tokens = serving.default_max_tokens(token_prompts) if model_default else req.max_tokens
     best_of = req.best_of or req.n
     if best_of < req.n:
         raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})", param="best_of")

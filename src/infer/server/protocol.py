@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from infer.core.sampling_params import MAX_BAD_WORDS
+
 # ---- shared pieces ----------------------------------------------------------------------------
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -25,7 +27,9 @@ InputTokenId = Annotated[int, Field(ge=0, json_schema_extra={VOCAB_BOUND: True})
 TokenIdKey = Annotated[str, Field(json_schema_extra={VOCAB_BOUND: True})]
 Bias = Annotated[float, Field(json_schema_extra={"minimum": -100, "maximum": 100})]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-NonBlankStr = Annotated[str, Field(pattern=r"\S")]  # (a pattern matches anywhere in the string)
+# A character that is not blank as Python's str.strip() sees it (a pattern matches anywhere in
+# the string; \s leaves out the separators \x1c-\x1f that strip() also takes for blanks)
+NonBlankStr = Annotated[str, Field(pattern=r"[^\s\x1c-\x1f]")]
 # +-2**53: every seed is exact as a float too, so any JSON validator agrees with the server.
 Seed = Annotated[int, Field(ge=-(2**53), le=2**53)]
 MAX_N = 128  # choices per request: each is a full sequence in the batch
@@ -155,7 +159,9 @@ class _SamplingFields(_Request):
         None, min_length=1, description="only these token ids may be sampled (vLLM's)"
     )
     bad_words: list[NonBlankStr] | None = Field(
-        None, description="words never generated, alone or after a space (vLLM's)"
+        None,
+        max_length=MAX_BAD_WORDS,
+        description="words never generated, alone or after a space (vLLM's)",
     )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)

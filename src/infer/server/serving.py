@@ -171,15 +171,6 @@ class Serving:
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e
 
-    def default_max_tokens(self, prompts: list[list[int]]) -> int | None:
-        """For a request that set no max_tokens: the model's default (its generation config's
-        ``max_new_tokens``), within the context left after the longest prompt; None where the
-        model has none."""
-        default = self.sampling_defaults.get("max_tokens")
-        if default is None:
-            return None
-        return max(1, min(default, self.max_model_len - max(map(len, prompts))))
-
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
                         logprobs: int | None,
                         constraint: StructuredOutputs | None = None) -> SamplingParams:  # fmt: skip
