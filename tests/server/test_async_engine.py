@@ -200,3 +200,51 @@ def test_exported_kv_is_kept_for_its_stream_only(engine):
     assert finals[0].kv_payload is None  # taken off the output the stream sees
     assert payload is not None and payload.token_ids == tuple(prompt[:-1])
     assert left == {}
+
+
+def test_a_stream_cancelled_before_its_first_byte_aborts_its_request(engine, monkeypatch):
+    """A replica's app, called in process by the router (``call_asgi``): the router gives up on
+    a stream while the app still waits for the engine to take the request (the engine is in a
+    slowed step). The response's generator never started, so its ``finally`` never ran: the
+    request ran to max_tokens, counted in flight for ever. The response aborts it itself."""
+    import json
+
+    from infer.cluster.asgi import ForwardedRequest, call_asgi
+    from infer.server.app import build_app
+    from infer.server.serving import ServerSettings
+
+    monkeypatch.setenv(STEP_DELAY_ENV, "1.0")
+
+    def forwarded(body: dict) -> ForwardedRequest:
+        return ForwardedRequest("POST", "/v1/completions", b"",
+                                ((b"content-type", b"application/json"),),
+                                json.dumps(body).encode())  # fmt: skip
+
+    async def drain(gen) -> None:
+        async for _ in gen:
+            pass
+
+    async def main() -> None:
+        app = build_app(engine, ServerSettings(served_model_names=("tiny",)))
+        bridge = app.state.async_engine
+        async with app.router.lifespan_context(app):
+            busy = asyncio.create_task(drain(call_asgi(app, forwarded(
+                {"prompt": "hello", "max_tokens": 2, "ignore_eos": True}))))  # fmt: skip
+            while bridge.stats.num_running == 0:  # the engine is inside a 1 s step now
+                await asyncio.sleep(0.01)
+            victim = asyncio.create_task(drain(call_asgi(app, forwarded(
+                {"prompt": "victim", "max_tokens": 200, "ignore_eos": True, "stream": True}))))  # fmt: skip
+            await asyncio.sleep(0.1)  # waiting for the engine's ack
+            victim.cancel()
+            await asyncio.gather(victim, return_exceptions=True)
+            await busy
+            for _ in range(300):  # the abort is taken at the next step
+                if bridge.num_in_flight == 0 and bridge.stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert bridge.num_in_flight == 0 and bridge.stats.num_running == 0
+
+    asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks

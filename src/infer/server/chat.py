@@ -138,7 +138,8 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     )
     thinking = _thinking(serving, ids, params)
     if req.stream:
-        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, mode, thinking))
+        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, mode, thinking),
+                           on_close=stream.abort)  # fmt: skip
     return await cancel_on_disconnect(
         raw, _collect(serving, req, raw, stream, request_id, model, mode, thinking)
     )

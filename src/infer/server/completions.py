@@ -143,7 +143,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
         echo = [p if isinstance(p, str) else serving.tokenizer.decode(p) for p in prompts]
     if req.stream:
         return SSEResponse(_stream(serving, req, raw, stream, request_id, model, echo,
-                                   token_prompts))  # fmt: skip
+                                   token_prompts), on_close=stream.abort)  # fmt: skip
     return await cancel_on_disconnect(raw, _collect(serving, req, raw, stream, request_id, model,
                                                     echo, token_prompts))  # fmt: skip
 

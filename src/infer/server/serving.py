@@ -429,9 +429,14 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, headers=headers, **kwargs)
+        # Run however the response ends: closing a generator that never started (the client
+        # left before the first byte was sent) skips its ``finally``, which would abort the
+        # requests, so the response does it too (``RequestStream.abort``: idempotent).
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.body_iterator
@@ -466,6 +471,8 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
