@@ -88,3 +88,26 @@ def test_merge_sums_samples_and_averages_fractions():
     assert values[("vllm:lora_requests_info", None)] == 1.8e9
     assert merged["vllm:prefix_cache_hits"].type == "counter"
     assert merge_metrics([]) == ""
+
+
+def test_reset_prefix_cache_through_the_router_is_true_only_when_every_replica_reset():
+    """One replica refusing (requests running) makes the answer false, and the router keeps its
+    memory of where prefixes are (it forgot it before asking); a failure passes through."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("ray")
+    from infer.cluster.router import reset_answer
+
+    def answer(status: int, body: dict) -> tuple[ResponseStart, bytes]:
+        return ResponseStart(status, ((b"content-type", b"application/json"),)), json.dumps(
+            body).encode()  # fmt: skip
+
+    response, forget = reset_answer([answer(200, {"reset": True}), answer(200, {"reset": True})])
+    assert json.loads(response.body) == {"reset": True} and forget
+    response, forget = reset_answer([answer(200, {"reset": True}), answer(200, {"reset": False})])
+    assert json.loads(response.body) == {"reset": False} and not forget
+    off = {"error": {"message": "prefix caching is off"}}
+    response, forget = reset_answer([answer(200, {"reset": True}), answer(409, off)])
+    assert response.status_code == 409 and json.loads(response.body) == off and not forget

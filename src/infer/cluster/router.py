@@ -193,9 +193,13 @@ class Router:
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
             await self._refresh_infos()
             return JSONResponse(self.stats())
-        if path in BROADCAST_PATHS:
-            if path == "/reset_prefix_cache" and request.method == "POST":
+        if path == "/reset_prefix_cache" and request.method == "POST":
+            answers = await self._call_all(forwarded)
+            response, forget = reset_answer(answers)
+            if forget:  # every replica dropped its prefixes: the router's memory of them goes
                 self._forget_prefixes()
+            return response
+        if path in BROADCAST_PATHS:
             return await self._broadcast(forwarded)
         named = request.query_params.get("replica")
         if named in self.names:  # e.g. /dashboard?replica=decode-0: that replica's live view
@@ -400,14 +404,17 @@ class Router:
         assert isinstance(start, ResponseStart)
         return start, b"".join(p for p in pieces[1:] if isinstance(p, bytes))
 
+    async def _call_all(self, fwd: ForwardedRequest) -> list[tuple[ResponseStart, bytes]]:
+        return await asyncio.gather(*(self._call(i, fwd) for i in range(len(self.replicas))))
+
     async def _broadcast(self, fwd: ForwardedRequest) -> Response:
         """Send to every replica: the first failure is the answer, else replica 0's answer."""
-        answers = await asyncio.gather(*(self._call(i, fwd) for i in range(len(self.replicas))))
+        answers = await self._call_all(fwd)
         start, body = next(((s, b) for s, b in answers if s.status >= 400), answers[0])
         return Response(body, status_code=start.status, headers=_response_headers(start))
 
     async def _metrics(self, fwd: ForwardedRequest) -> Response:
-        answers = await asyncio.gather(*(self._call(i, fwd) for i in range(len(self.replicas))))
+        answers = await self._call_all(fwd)
         bad = next(((s, b) for s, b in answers if s.status != 200), None)
         if bad is not None:  # e.g. a 401 without the API key: the replicas' answer stands
             return Response(bad[1], status_code=bad[0].status, headers=_response_headers(bad[0]))
@@ -540,6 +547,18 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 
 _HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
+
+
+def reset_answer(answers: list[tuple[ResponseStart, bytes]]) -> tuple[Response, bool]:
+    """``/reset_prefix_cache`` as the replicas answered it: the first failure as it is, else
+    ``{"reset": true}`` only when every replica reset (one that refused, with requests running,
+    makes it false); and whether the router should forget its prefixes (all reset)."""
+    failed = next(((s, b) for s, b in answers if s.status >= 400), None)
+    if failed is not None:
+        return Response(failed[1], status_code=failed[0].status,
+                        headers=_response_headers(failed[0])), False  # fmt: skip
+    every = all(json.loads(body).get("reset") is True for _, body in answers)
+    return JSONResponse({"reset": every}), every
 
 
 def _response_headers(start: ResponseStart) -> dict[str, str]:
