@@ -94,6 +94,11 @@ def test_split_requests_give_one_engines_tokens(pd_server, one_engine):
     # Every request went through both phases, and its KV moved once.
     transfers = total(after, "infer:kv_transfers_total") - total(before, "infer:kv_transfers_total")
     assert transfers == 2 * len(PROMPTS) + 1
+    # ... and counts once in vLLM's request metrics: where its reply came from (the prefill
+    # replica's one-token requests made every split request two)
+    for name in ("vllm:request_success_total", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:time_to_first_token_seconds_count"):  # fmt: skip
+        assert total(after, name) - total(before, name) == transfers, name
     assert total(after, "infer:kv_transfer_bytes_total") > 0
     assert total(after, "infer:kv_transfer_seconds_count") >= transfers
 

@@ -101,7 +101,8 @@ def _streamed(model: type) -> dict[int | str, dict[str, Any]]:
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     """The HTTP app over ``engine`` (an ``LLMEngine``, already loaded)."""
     served = settings.served_model_names
-    metrics = metrics_mod.ServerMetrics(served[0], engine.max_model_len, lambda: async_engine.stats)
+    metrics = metrics_mod.ServerMetrics(served[0], engine.max_model_len, lambda: async_engine.stats,
+                                        counts_requests=settings.role != "prefill")  # fmt: skip
     dashboard: Dashboard | None = None
 
     def on_finished(out: RequestOutput) -> None:

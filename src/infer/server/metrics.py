@@ -159,8 +159,13 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """The server's metrics registry; ``observe_finished`` is the engine's per-request hook."""
 
-    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], Any]) -> None:
+    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], Any],
+                 counts_requests: bool = True) -> None:  # fmt: skip
         self.model_name = model_name
+        # False on a disaggregated prefill replica: the request is counted (its tokens, its
+        # latencies) where its reply comes from, the decode replica; summed over the replicas,
+        # every split request counted twice, the prefill's one-token latencies mixed in.
+        self.counts_requests = counts_requests
         disable_created_metrics()  # no *_created series (vLLM exports none either)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(model_name, stats))
@@ -203,8 +208,10 @@ class ServerMetrics:
     def observe_finished(self, out: RequestOutput) -> None:
         name = self.model_name
         reason = out.finish_reason or "error"
-        self.request_success.labels(name, reason).inc()
         self.finished[reason] = self.finished.get(reason, 0) + 1
+        if not self.counts_requests:
+            return
+        self.request_success.labels(name, reason).inc()
         self.prompt_tokens.labels(name).observe(out.num_prompt_tokens)
         self.generation_tokens.labels(name).observe(out.num_output_tokens)
         t = out.timings
