@@ -12,6 +12,7 @@ tested in test_policy.py), run in this process with the replicas' settings.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -326,3 +327,46 @@ def test_lora_adapters_load_and_unload_on_every_replica(prefix_server, llama_che
         assert "a1" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
         assert http.post("/v1/completions", json=body).status_code == 404
     wait_idle(prefix_server)
+
+
+def test_sigterm_finishes_the_streams_in_flight_and_refuses_new_requests(prefix_server):
+    """As a single server drains: a stream running when SIGTERM comes finishes (its last event,
+    usage and [DONE]), requests that arrive meanwhile get 503, and the process exits 0. Serve
+    shut down at once cut the stream. (Last in the module: it stops the module's server.)"""
+    import signal
+    import threading
+
+    server = prefix_server
+    body = {"model": "tiny", "prompt": "drain me", "max_tokens": 600, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    events: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          headers=server.headers, timeout=120) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    assert server.log_lines("serving tiny on http://", timeout=120)  # (a signal before: no drain)
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert first.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    refused = None
+    while reader.is_alive() and refused is None:  # (the drain starts within a second)
+        try:
+            r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=30,
+                           json={"model": "tiny", "prompt": "late", "max_tokens": 2})  # fmt: skip
+        except httpx.TransportError:
+            break
+        if r.status_code == 503:
+            refused = r.json()
+        time.sleep(0.1)
+    reader.join(120)
+    assert refused is not None and refused["error"]["code"] == "unavailable", refused
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 600
+    assert server.proc.wait(120) == 0

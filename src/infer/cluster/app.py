@@ -205,7 +205,8 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig, chat_template:
                     n, ", ".join(replica_names(spec.roles)), spec.router.policy)  # fmt: skip
         while not stop.wait(1.0):
             pass
-        logger.info("shutting down: draining the replicas")
+        logger.info("shutting down: finishing in-flight requests (up to %gs)", args.drain_timeout)
+        drain_router(args.drain_timeout)
         return 0
     finally:
         try:
@@ -215,6 +216,19 @@ def serve_cluster(args: argparse.Namespace, config: EngineConfig, chat_template:
                 serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def drain_router(timeout: float) -> None:
+    """Let the router finish what is in flight (new requests get 503) before Serve goes: shut
+    down at once, the proxy and the router cut every open stream."""
+    try:
+        router = serve.get_app_handle(APP_NAME)
+        drained = router.drain.remote(timeout).result(timeout_s=timeout + 30)
+    except Exception as e:  # noqa: BLE001 - shutting down anyway: say why it was not drained
+        logger.warning("could not drain the router: %s: %s", type(e).__name__, e)
+        return
+    if not drained:
+        logger.warning("requests still in flight after %gs (--drain-timeout): cut", timeout)
 
 
 def build(args: dict[str, Any]) -> serve.Application:

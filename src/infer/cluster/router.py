@@ -103,6 +103,7 @@ class Router:
             raise ValueError("the router needs at least one replica")
         self.spec = spec
         self.replicas = list(replicas)
+        self.draining = False  # (drain: new requests get 503, those in flight finish)
         roles = spec.roles or ("both",) * len(replicas)
         if len(roles) != len(replicas):
             raise ValueError(f"{len(roles)} roles for {len(replicas)} replicas")
@@ -181,6 +182,8 @@ class Router:
         )
         path = forwarded.path
         if request.method == "POST" and path in ROUTED_PATHS:
+            if self.draining:  # as a single server answers while it drains
+                return _error(503, "the server is shutting down", "unavailable")
             return await self._generate(forwarded, arrived, request)
         if path == "/metrics" and request.method == "GET":
             return await self._metrics(forwarded)
@@ -207,6 +210,15 @@ class Router:
         replica = self._any
         self._any = (self._any + 1) % len(self.replicas)
         return await self._forward(replica, forwarded, request, on_end=None)
+
+    async def drain(self, timeout: float) -> bool:
+        """Shutting down: refuse new requests (503) and wait up to ``timeout`` s for those in
+        flight to finish (True when they did); then the replicas can go."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while sum(self.stats()["in_flight"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not sum(self.stats()["in_flight"])
 
     def _authorized(self, request: Request) -> bool:
         """The replicas check the key on what they answer; the router's own route does here."""
