@@ -35,6 +35,13 @@ def breaks_a_cross_field_rule(body: dict) -> bool:
     n, best_of = body.get("n", 1), body.get("best_of")
     if _ints(n, best_of) and (best_of < n or (body.get("stream") is True and best_of > n)):
         return True  # best_of must be >= n, and == n when streaming
+    prompt = body.get("prompt")
+    prompts = 1
+    if isinstance(prompt, list) and prompt and not all(_ints(t) for t in prompt):
+        prompts = len(prompt)  # (a list of token ids is one prompt)
+    choices = max(n, best_of) if _ints(n, best_of) else n
+    if _ints(choices) and prompts * choices > 1024:
+        return True  # at most 1024 sequences a request (prompts x n, or x best_of)
     min_tokens = body.get("min_tokens", 0)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
     if _ints(min_tokens, max_tokens) and min_tokens > max_tokens:
