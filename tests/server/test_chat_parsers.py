@@ -25,8 +25,9 @@ def server(llama_checkpoint, server_logs):
 
 
 def _chat(c, messages, regex, **extra):
-    body = {"model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 0,
-            "structured_outputs": {"regex": regex}, **extra}  # fmt: skip
+    body = {"model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 0, **extra}
+    if regex is not None:
+        body["structured_outputs"] = {"regex": regex}
     got = c.post("/v1/chat/completions", json=body)
     assert got.status_code == 200, got.text
     return got.json()["choices"][0]["message"]
@@ -34,7 +35,9 @@ def _chat(c, messages, regex, **extra):
 
 def _streamed(c, messages, regex, **extra) -> tuple[str, str]:
     body = {"model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 0,
-            "structured_outputs": {"regex": regex}, "stream": True, **extra}  # fmt: skip
+            "stream": True, **extra}  # fmt: skip
+    if regex is not None:
+        body["structured_outputs"] = {"regex": regex}
     reasoning = content = ""
     with c.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
@@ -54,24 +57,45 @@ def test_thinking_goes_apart_from_the_content(server):
         assert re.fullmatch(r"[a-z]{3,6}", reasoning) and re.fullmatch(r"[a-z]{3,6}", content)
         assert message["reasoning_content"] == reasoning
         assert _streamed(c, MESSAGES, THINKS) == (reasoning, content)
+        # vLLM's include_reasoning: false leaves the thinking out
+        hidden = _chat(c, MESSAGES, THINKS, include_reasoning=False)
+        assert hidden["reasoning"] is None and hidden["content"] == content
+        assert _streamed(c, MESSAGES, THINKS, include_reasoning=False) == ("", content)
         # no thinking: all content, and no reasoning keys
         plain = _chat(c, MESSAGES, r"[a-z]{3,6}")
         assert re.fullmatch(r"[a-z]{3,6}", plain["content"])
-        assert "reasoning" not in plain and "reasoning_content" not in plain
+        # (with a parser, a reply that does not think has the keys, null: SDK clients read
+        # message.reasoning_content)
+        assert plain["reasoning"] is None and plain["reasoning_content"] is None
         assert _streamed(c, MESSAGES, r"[a-z]{3,6}") == ("", plain["content"])
 
 
 def test_a_prompt_that_opens_the_thinking_starts_the_reply_in_it(server):
+    """The assistant turn continued from "<think>": the reply (the model's own text, which
+    never closes the tag) is all reasoning; a constrained one is its grammar's content."""
     opened = [*MESSAGES, {"role": "assistant", "content": "<think>"}]
-    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "max_tokens": 8,
+             "ignore_eos": True}  # fmt: skip
     with server.client() as c:
-        message = _chat(c, opened, r"[a-z]{3,6}</think>[a-z]{3,6}", **extra)
-        assert re.fullmatch(r"[a-z]{3,6}", message["reasoning"])
-        assert re.fullmatch(r"[a-z]{3,6}", message["content"])
-        streamed = _streamed(c, opened, r"[a-z]{3,6}</think>[a-z]{3,6}", **extra)
-        assert streamed == (message["reasoning"], message["content"])
-        cut = _chat(c, opened, r"[a-z]{3,6}</think>[a-z]{3,6}", max_tokens=2, **extra)
-        assert cut["content"] is None and cut["reasoning"]  # cut while thinking
+        ids = c.post(
+            "/tokenize",
+            json={
+                "model": "tiny",
+                "messages": opened,
+                **{k: extra[k] for k in ("continue_final_message", "add_generation_prompt")},
+            },
+        ).json()
+        raw = c.post("/v1/completions", json={"model": "tiny", "prompt": ids["tokens"],
+                                              "max_tokens": 8, "temperature": 0,
+                                              "ignore_eos": True}).json()  # fmt: skip
+        text = raw["choices"][0]["text"]
+        assert "</think>" not in text
+        message = _chat(c, opened, None, **extra)
+        assert message["content"] is None and message["reasoning"] == text
+        assert _streamed(c, opened, None, **extra) == (text, "")
+        constrained = _chat(c, opened, r"[a-z]{3,6}", **extra)
+        assert re.fullmatch(r"[a-z]{3,6}", constrained["content"])
+        assert constrained["reasoning"] is None and constrained["reasoning_content"] is None
 
 
 TOOLS = [{"type": "function", "function": {

@@ -127,6 +127,9 @@ OTHER_FORMATS = [
     ("mistral", 'Let me add.  [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
      '{"name": "mul", "arguments": {}}]', "Let me add.", [("add", {"a": 1}), ("mul", {})]),
     ("mistral", '[TOOL_CALLS] {"name": "add", "arguments": {}}', None, [("add", {})]),
+    ("mistral", 'Sure.[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]mul[ARGS]{"b": 2}', "Sure.",
+     [("add", {"a": 1}), ("mul", {"b": 2})]),  # (the newer tokenizers' form)
+    ("mistral", "[TOOL_CALLS]add[ARGS]{oops}", "[TOOL_CALLS]add[ARGS]{oops}", []),
     ("mistral", "No calls [TOOL_CALL here", "No calls [TOOL_CALL here", []),
     ("mistral", "Broken [TOOL_CALLS][{]", "Broken [TOOL_CALLS][{]", []),
     ("mistral", 'x [TOOL_CALLS][{"name": "div", "arguments": {}}]',
@@ -153,3 +156,20 @@ def test_other_formats_whole_and_streamed(parser, text, content, calls, split):
         streamed += c
         names += [d.function.name for d in deltas]
     assert streamed == (content or "") and names == [name for name, _ in calls]
+
+
+def test_mistral_calls_have_the_ids_its_templates_take():
+    """9 letters or digits: Mistral's templates refuse any other id, so the next turn, which
+    sends the calls back, would not render. Constrained calls too."""
+    import re
+
+    for choice, text in (("auto", '[TOOL_CALLS][{"name": "add", "arguments": {}}]'),
+                         ("required", '[{"name": "mul", "parameters": {}}]'),
+                         ({"type": "function", "function": {"name": "add"}}, "{}")):  # fmt: skip
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": choice}
+        )
+        _, calls = parse_reply(tool_mode(req, "mistral"), text)
+        assert calls and all(re.fullmatch(r"[A-Za-z0-9]{9}", c.id) for c in calls), calls
+        _, hermes = parse_reply(tool_mode(req), text.replace("[TOOL_CALLS]", ""))
+        assert all(c.id.startswith("call_") for c in hermes)

@@ -95,7 +95,7 @@ def _request_view(request: Request, state: str, num_blocks: int, now: float) -> 
         num_prompt_tokens=request.num_prompt_tokens,
         num_computed_tokens=request.num_computed_tokens,
         num_output_tokens=request.num_output_tokens,
-        max_tokens=request.sampling_params.max_tokens,
+        max_tokens=request.max_new_tokens,  # (as fitted: an unset max_tokens is None)
         num_blocks=num_blocks,
         waited_s=max(0.0, started - t.arrival),
         ttft_s=None if t.first_token is None else max(0.0, t.first_token - t.arrival),

@@ -186,14 +186,15 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
         text, reasoning = "".join(acc.text[index]), None
         if thinking is not NO_PARSER:
             reasoning, text = split_reasoning(text, thinking)
-            reasoning = reasoning or None
+            reasoning = (reasoning or None) if req.include_reasoning else None
         content, calls = parse_reply(mode, text)
-        if reasoning is not None and not content:
-            content = None  # all of it was thinking
+        if thinking is not NO_PARSER and not content:
+            content = None  # (all of it was thinking)
         if echo:
             content = echo + (content or "")
         message = ChatResponseMessage(content=content, reasoning=reasoning,
                                       reasoning_content=reasoning, tool_calls=calls)  # fmt: skip
+        message._reasoning_parser = thinking is not NO_PARSER
         choices.append(ChatChoice(
             index=index, message=message,
             logprobs=logprobs, finish_reason=_finish_reason(final, calls),
@@ -235,6 +236,7 @@ def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: 
         text, reasoning = out.new_text, ""
         if thinking is not NO_PARSER:
             reasoning, text = thoughts[index].feed(out.new_text, out.finished)
+            reasoning = reasoning if req.include_reasoning else ""
         content, calls = tools.feed(text, out.finished)
         if mode.kind != "none" and not (
             content or calls or reasoning or out.finished or logprobs or usage

@@ -11,7 +11,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    model_serializer,
+    model_validator,
+)
 
 from infer.core.sampling_params import MAX_BAD_WORDS
 
@@ -282,6 +289,9 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, Any]] | None = Field(None, description="passed to the template")
     add_special_tokens: bool = Field(False, description="also the tokenizer's (a second BOS)")
     echo: bool = Field(False, description="reply prefixed by a last message of its role")
+    include_reasoning: bool = Field(
+        True, description="--reasoning-parser: false leaves the thinking out of the reply"
+    )
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -433,13 +443,17 @@ class ChatResponseMessage(_Response):
     reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # With a parser the keys are always there (null when the reply did not think): clients
+    # read message.reasoning_content as an attribute, as vLLM's example does.
+    _reasoning_parser: bool = PrivateAttr(default=False)
 
     @model_serializer(mode="wrap")
     def _drop_no_reasoning(self, handler):  # noqa: ANN001 - pydantic's serializer protocol
         out = handler(self)
-        for key in ("reasoning", "reasoning_content"):
-            if out.get(key) is None:
-                out.pop(key, None)
+        if not self._reasoning_parser:
+            for key in ("reasoning", "reasoning_content"):
+                if out.get(key) is None:
+                    out.pop(key, None)
         return out
 
 

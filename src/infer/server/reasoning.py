@@ -66,27 +66,52 @@ def split_reasoning(text: str, thinking: bool | None, final: bool = True) -> tup
 @dataclass
 class ReasoningStream:
     """Splits a streamed reply: :meth:`feed` takes each new piece of text and returns the new
-    reasoning and content it makes known."""
+    reasoning and content it makes known (what :func:`split_reasoning` gives the whole reply).
+
+    Work per piece is the piece's, not the reply's (a thinking reply runs to thousands of
+    tokens): the opening is decided on the first few characters, then each piece is reasoning
+    up to ``</think>`` (looked for in the piece and the few characters held back before it),
+    and content after it.
+    """
 
     thinking: bool | None
-    text: str = ""
-    sent_reasoning: int = 0
-    sent_content: int = 0
+    phase: str = "opening"  # opening | reasoning | content
+    head: str = ""  # the text while the opening is undecided
+    held: str = ""  # reasoning that may be the start of </think>
 
     def feed(self, new_text: str, finished: bool) -> tuple[str, str]:
-        self.text += new_text
-        reasoning, content = split_reasoning(self.text, self.thinking, final=finished)
-        out = reasoning[self.sent_reasoning :], content[self.sent_content :]
-        self.sent_reasoning, self.sent_content = len(reasoning), len(content)
-        return out
+        if self.phase == "content":
+            return "", new_text
+        if self.phase == "opening":
+            self.head += new_text
+            body = self.head.lstrip()
+            if START.startswith(body) and body != START and not finished:
+                return "", ""  # blank so far, or a piece of <think>
+            if body.startswith(START):
+                new_text = body[len(START) :]
+            elif self.thinking is None:  # it opened with something else: all content
+                self.phase = "content"
+                return "", self.head
+            else:  # (the prompt opened the thinking)
+                new_text = self.head
+            self.phase = "reasoning"
+        text = self.held + new_text
+        reasoning, end, content = text.partition(END)
+        if end:
+            self.phase, self.held = "content", ""
+            return reasoning, content
+        keep = 0 if finished else _partial_tag(text, END)
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep], ""
 
 
 def starts_thinking(parser: str | None, prompt_text: str, constrained: bool) -> bool | None:
     """The ``thinking`` of :func:`split_reasoning` for a reply to ``prompt_text`` (its last
-    characters suffice); None also where no parser is set (see ``reasoning_parser``)."""
-    if parser == "deepseek_r1" and not constrained:
-        return True
-    tail = prompt_text.rstrip()
-    if parser is not None and tail.endswith(START):  # the template opened the thinking
+    characters suffice); None also where no parser is set (see ``reasoning_parser``). A
+    constrained reply's grammar holds from its first token, whatever the prompt opened: it is
+    read as thinking only where it spells ``<think>`` itself."""
+    if parser is None or constrained:
+        return None
+    if parser == "deepseek_r1" or prompt_text.rstrip().endswith(START):  # opened in the prompt
         return True
     return None

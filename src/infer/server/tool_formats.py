@@ -6,8 +6,11 @@
   ``{"name": ..., "parameters": {...}}`` separated by ``;``, after an optional
   ``<|python_tag|>``; a reply that does not start with one (``{``) is content.
 - ``mistral`` (Mistral templates): content, then ``[TOOL_CALLS]`` and a JSON array of
-  ``{"name": ..., "arguments": {...}}``. ``[TOOL_CALLS]`` is a special token in Mistral's
-  tokenizers, so with this parser a reply that may call tools keeps special tokens in its text.
+  ``{"name": ..., "arguments": {...}}`` (Mistral 7B v0.3, Nemo, Small 3.0), or, in the newer
+  tokenizers (Small 3.1 / 3.2, Magistral, Devstral), ``[TOOL_CALLS]name[ARGS]{...}`` for each
+  call. ``[TOOL_CALLS]`` is a special token in Mistral's tokenizers, so with this parser a reply
+  that may call tools keeps special tokens in its text; its calls get the 9-character
+  alphanumeric ids Mistral's templates insist on.
 
 A call names one of the request's tools and has an object for arguments (or a string holding
 one); text that does not parse as calls is content, whole, as vLLM returns it.
@@ -16,6 +19,8 @@ one); text that does not parse as calls is content, whole, as vLLM returns it.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from typing import Any
 
@@ -24,6 +29,7 @@ from infer.server.protocol import FunctionCall, ToolCall
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
 
 
 def new_call_id() -> str:
@@ -91,16 +97,31 @@ def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[Tool
         i = len(body) - len(rest) + 1
 
 
+def mistral_ids(calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls with ids as Mistral's chat templates take them back: 9 letters or digits
+    (they refuse any other, so the next turn would not render)."""
+    alphabet = string.ascii_letters + string.digits
+    return [c.model_copy(update={"id": "".join(secrets.choice(alphabet) for _ in range(9))})
+            for c in calls]  # fmt: skip
+
+
 def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole reply (see the module docstring)."""
     start = text.find(TOOL_CALLS)
     if start < 0:
         return text, []
-    try:
-        data = json.loads(text[start + len(TOOL_CALLS) :])
-    except json.JSONDecodeError:
-        return text, []
-    calls = [call_from_json(item, names) for item in (data if isinstance(data, list) else [data])]
+    items: list[Any] = []
+    for part in text[start:].split(TOOL_CALLS)[1:]:
+        name, args, arguments = part.partition(ARGS)
+        try:
+            if args:  # name[ARGS]{...}
+                items.append({"name": name.strip(), "arguments": json.loads(arguments)})
+            else:  # [{...}, ...] (or one {...})
+                data = json.loads(part)
+                items.extend(data if isinstance(data, list) else [data])
+        except json.JSONDecodeError:
+            return text, []
+    calls = [call_from_json(item, names) for item in items]
     if not calls or any(c is None for c in calls):
         return text, []
-    return (text[:start].rstrip() or None), calls  # type: ignore[return-value]
+    return (text[:start].rstrip() or None), mistral_ids(calls)  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ from infer.server.tool_formats import (
     call_from_json,
     make_call,
     may_start_llama3_calls,
+    mistral_ids,
     parse_llama3_json,
     parse_mistral,
 )
@@ -82,11 +83,11 @@ def tool_mode(req: ChatCompletionRequest, parser: str = "hermes") -> ToolMode:
                 f"the tools ({', '.join(names) or 'none given'})",
                 param="tool_choice",
             )
-        return ToolMode("named", tools, choice.function.name)
+        return ToolMode("named", tools, choice.function.name, parser=parser)
     if choice == "required" and not tools:
         raise InvalidRequestError('tool_choice "required" needs tools', param="tool_choice")
     if not tools or choice == "none":
-        return ToolMode("none", tools)
+        return ToolMode("none", tools, parser=parser)
     return ToolMode(choice or "auto", tools, parser=parser)
 
 
@@ -152,19 +153,21 @@ def _rerooted(schema: Any, base: str) -> Any:
 
 def parse_reply(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of a finished reply."""
+    # (a constrained reply's calls, as the parser's format names them: Mistral's ids)
+    named = mistral_ids if mode.parser == "mistral" else list
     if mode.kind == "named":
         try:
             json.loads(text)
         except json.JSONDecodeError:
             return text, []  # cut by max_tokens: returned as it is
         assert mode.name is not None
-        return None, [make_call(mode.name, text)]
+        return None, named([make_call(mode.name, text)])
     if mode.kind == "required":
         try:
             calls = json.loads(text)
         except json.JSONDecodeError:
             return text, []
-        return None, [make_call(c["name"], c["parameters"]) for c in calls]
+        return None, named([make_call(c["name"], c["parameters"]) for c in calls])
     if mode.kind == "auto":
         names = {t.function.name for t in mode.tools}
         if mode.parser == "llama3_json":
@@ -221,6 +224,8 @@ class ToolStream:
     num_calls: int = 0
     calls: list[ToolCall] = field(default_factory=list)
     after_call: bool = False  # the unsent text follows a call's block
+    marker: int = -1  # mistral: where [TOOL_CALLS] is (-1: not yet seen in text[:scanned])
+    scanned: int = 0
 
     def feed(self, new_text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += new_text
@@ -287,7 +292,10 @@ class ToolStream:
     def _feed_mistral(self, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         """Content streams up to ``[TOOL_CALLS]`` (less its trailing whitespace, and what could
         be the marker's start); from the marker on, the calls are held back until the end."""
-        start = self.text.find(TOOL_CALLS)
+        if self.marker < 0:  # (looked for only where the new text could complete it)
+            self.marker = self.text.find(TOOL_CALLS, max(0, self.scanned - len(TOOL_CALLS)))
+            self.scanned = len(self.text)
+        start = self.marker
         if finished:
             return self._whole(finished)
         rest = self.text[self.sent : start if start >= 0 else len(self.text)]
