@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from infer.core.beam_search import BeamSearchParams
 from infer.core.lora_request import LoRARequest
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from infer.llm import LLM
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "InvalidRequestError"]
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "InvalidRequestError"]
 __version__ = "0.1.0"
 
 

@@ -13,8 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from infer.config import EngineConfig
+from infer.core.beam_search import BeamSearch, BeamSearchParams
 from infer.core.lora_request import LoRARequest
-from infer.core.outputs import CompletionOutput, GenerationResult, RequestOutput
+from infer.core.outputs import (
+    BeamSearchOutput,
+    BeamSequence,
+    CompletionOutput,
+    GenerationResult,
+    RequestOutput,
+)
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.model.chat_template import render_chat_ids
@@ -150,6 +157,46 @@ class LLM:
         ]  # fmt: skip
         results = self.generate(prompts, sampling_params, lora_request=lora_request)
         return results if batch else results[0]
+
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` likeliest continuations of each prompt (vLLM's
+        ``LLM.beam_search``; the search itself: ``infer.core.beam_search``). Every round runs
+        each live beam as a one-token request, all prompts' beams in one batch."""
+        prompt_list = _normalize_prompts(prompts)
+        encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
+        eos = frozenset(self.engine.eos_token_ids)
+        room = self.engine.max_model_len
+        searches = [BeamSearch(params, eos, min(params.max_tokens, room - len(ids)))
+                    for ids in encoded]  # fmt: skip
+        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                              logprobs=params.candidates)  # fmt: skip
+        while any(s.live for s in searches):
+            rows = [(s, ids + list(beam.token_ids))
+                    for s, ids in zip(searches, encoded, strict=True) for beam in s.live]  # fmt: skip
+            results = self.generate([ids for _, ids in rows], step)
+            for search in searches:
+                tops = [r.outputs[0].logprobs[0].top  # type: ignore[index]
+                        for (s, _), r in zip(rows, results, strict=True) if s is search]  # fmt: skip
+                if search.live:
+                    search.advance(tops)
+        return [
+            BeamSearchOutput(
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=ids,
+                sequences=[
+                    BeamSequence(
+                        list(b.token_ids),
+                        self.tokenizer.decode(b.token_ids, skip_special_tokens=True),
+                        b.cum_logprob,
+                        "stop" if b.ended_on_eos else "length",
+                    )
+                    for b in search.best()
+                ],  # fmt: skip
+            )
+            for p, ids, search in zip(prompt_list, encoded, searches, strict=True)
+        ]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no ``SamplingParams``:

@@ -314,3 +314,33 @@ def test_allowed_token_ids_bound_every_token_in_every_kind_of_step(make_llm):
         llm.generate(["x"], SamplingParams(allowed_token_ids=[5, 5000]))
     with pytest.raises(InvalidRequestError, match="allowed_token_ids is empty"):
         SamplingParams(allowed_token_ids=[])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_beam_search_gives_transformers_beams(kind, make_llm, tiny_checkpoints):
+    """``LLM.beam_search`` (vLLM's): with the EOS ignored, transformers' beam search, token for
+    token, every beam in its order, with its score; several prompts searched in one batch."""
+    from transformers import AutoModelForCausalLM
+
+    from infer import BeamSearchParams
+
+    llm = make_llm(kind, enable_prefix_caching=True)
+    prompts = [[5, 17, 300, 42, 8], [9, 9, 120, 7]]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    got = llm.beam_search(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[kind], dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    for prompt, out in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt], device=hf.device), num_beams=3,
+                               num_return_sequences=3, max_new_tokens=6, do_sample=False,
+                               length_penalty=1.0, pad_token_id=0, output_scores=True,
+                               return_dict_in_generate=True)  # fmt: skip
+        assert out.prompt_token_ids == prompt
+        assert [s.token_ids for s in out.sequences] == [
+            t[len(prompt) :].tolist() for t in want.sequences]  # fmt: skip
+        scores = [s.cum_logprob / 6 for s in out.sequences]  # (transformers' score)
+        assert scores == pytest.approx(want.sequences_scores.tolist(), abs=1e-4)
+        assert all(s.finish_reason == "length" for s in out.sequences)
+        assert out.sequences[0].text == llm.tokenizer.decode(out.sequences[0].token_ids,
+                                                             skip_special_tokens=True)  # fmt: skip

@@ -109,3 +109,32 @@ def test_fim_prompts_follow_the_tokenizer_s_fim_tokens(llama_checkpoint, tmp_pat
     prompt = fim_prompt(ids, tok.encode("def f(", add_special_tokens=False),
                         tok.encode("return x", add_special_tokens=False))  # fmt: skip
     assert tok.decode(prompt) == "<|fim_prefix|>def f(<|fim_suffix|>return x<|fim_middle|>"
+
+
+def test_beam_search_returns_the_offline_beams(client, shared_server, offline_llm):
+    """vLLM's use_beam_search (it was refused): the n likeliest continuations, best first, the
+    offline ``LLM.beam_search``'s; chat too; what needs sampled tokens is refused by name."""
+    from infer import BeamSearchParams
+
+    ids = offline_llm.tokenizer.encode(PROMPT)
+    want = offline_llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=5,
+                                                           ignore_eos=True))[0]  # fmt: skip
+    got = client.completions.create(model="tiny", prompt=ids, n=3, max_tokens=5,
+                                    extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
+    assert [c.text for c in got.choices] == [s.text for s in want.sequences]
+    assert [c.finish_reason for c in got.choices] == ["length"] * 3
+    assert got.usage.completion_tokens == 15 and got.usage.prompt_tokens == len(ids)
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    chat_ids = httpx.post(shared_server.url + "/tokenize", headers=shared_server.headers,
+                          json={"model": "tiny", "messages": messages}).json()["tokens"]  # fmt: skip
+    want = offline_llm.beam_search([chat_ids], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                ignore_eos=True))[0]  # fmt: skip
+    chat = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=4,
+                                          extra_body={"use_beam_search": True,
+                                                      "ignore_eos": True})  # fmt: skip
+    assert [c.message.content for c in chat.choices] == [s.text for s in want.sequences]
+    for field, value in (("stream", True), ("logprobs", 2), ("stop", ["x"])):
+        r = httpx.post(shared_server.url + "/v1/completions", headers=shared_server.headers,
+                       json={"model": "tiny", "prompt": PROMPT, "n": 2, "use_beam_search": True,
+                             field: value})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -277,8 +277,8 @@ def test_unknown_fields_are_ignored_with_a_log_line(client, server):
     "field,value",
     [("functions", [{"name": "f"}]),  # the legacy spelling of tools
      ("prediction", {"type": "content", "content": "x"}),
-     # vLLM's sampling fields infer has not built (they were ignored: tokens outside the list)
-     ("use_beam_search", True), ("length_penalty", 0.5)],
+     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+     ("prompt_embeds", "AAAA")],
 )  # fmt: skip
 def test_meaning_changing_fields_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:

@@ -75,6 +75,26 @@ class GenerationResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+@dataclass(frozen=True)
+class BeamSequence:
+    """One beam of ``LLM.beam_search``: its generated tokens, their text, their summed
+    log-probability, and how it ended (``stop``: an EOS; ``length``: ``max_tokens``)."""
+
+    token_ids: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class BeamSearchOutput:
+    """``LLM.beam_search``'s result for one prompt: its beams, best first."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]
+
+
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One delta saying what two consecutive deltas of one request say.
 

@@ -122,6 +122,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                       str(engine.model_path))  # fmt: skip
     serving.lora_adapters = dict(getattr(engine, "lora_adapters", None) or {})
     serving.sampling_defaults = dict(getattr(engine, "sampling_defaults", None) or {})
+    serving.eos_token_ids = tuple(engine.eos_token_ids)
     lora_parents = dict(getattr(engine, "lora_parents", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 

@@ -16,6 +16,7 @@ from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.async_engine import RequestStream
 from infer.model.chat_template import render_chat_ids
+from infer.server import beam
 from infer.server.errors import bad_request, from_invalid_request
 from infer.server.protocol import (
     ChatChoice,
@@ -128,6 +129,9 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     ids = serving.truncated(ids, req)
     serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
     k = (req.top_logprobs or 0) if req.logprobs else None
+    if req.use_beam_search:
+        return await cancel_on_disconnect(raw, _beam_search(serving, req, raw, ids, max_tokens,
+                                                            model))  # fmt: skip
     params = serving.sampling_params(req, max_tokens, k, constraint)
     if mode.kind == "auto" and mode.parser == "mistral":  # its [TOOL_CALLS] is a special token
         params = replace(params, skip_special_tokens=False)
@@ -153,6 +157,27 @@ def _thinking(serving: Serving, ids: list[int], params: SamplingParams) -> Think
         return NO_PARSER
     tail = serving.tokenizer.decode(ids[-8:])  # (enough for a template's opening <think>)
     return starts_thinking(parser, tail, params.structured_outputs is not None)
+
+
+async def _beam_search(serving: Serving, req: ChatCompletionRequest, raw: Request,
+                       ids: list[int], max_tokens: int | None, model: str) -> Response:  # fmt: skip
+    """``use_beam_search``: the ``n`` likeliest replies, best first (no tool calls)."""
+    beam.check_beam_request(req)
+    request_id = new_id("chatcmpl")
+    raw.state.request_id = request_id
+    (beams,) = await beam.search(serving, req, [ids], max_tokens, request_id, raw)
+    echo = _echoed(req)
+    choices = [
+        ChatChoice(index=i, finish_reason=beam.finish_reason(b),
+                   message=ChatResponseMessage(content=echo + serving.tokenizer.decode(
+                       b.token_ids, skip_special_tokens=req.skip_special_tokens)))
+        for i, b in enumerate(beams)
+    ]  # fmt: skip
+    prompt, completion = beam.usage_of([ids], [beams])
+    raw.state.usage = (prompt, completion)
+    body = ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=serving.usage(prompt, completion, 0))  # fmt: skip
+    return JSONResponse(body.model_dump(mode="json"))
 
 
 def _echoed(req: ChatCompletionRequest) -> str:

@@ -13,6 +13,7 @@ from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.engine.async_engine import RequestStream
+from infer.server import beam
 from infer.server.errors import bad_request
 from infer.server.fim import fim_prompt, fim_tokens
 from infer.server.protocol import (
@@ -128,6 +129,10 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     if best_of > req.n and req.stream:
         raise bad_request("best_of > n cannot stream: the best are known only at the end",
                           param="best_of")  # fmt: skip
+    if req.use_beam_search:
+        return await cancel_on_disconnect(
+            raw, _beam_search(serving, req, raw, token_prompts, prompts, max_tokens, model)
+        )
     params = serving.sampling_params(req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         params = replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
@@ -146,6 +151,33 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
                                    token_prompts), on_close=stream.abort)  # fmt: skip
     return await cancel_on_disconnect(raw, _collect(serving, req, raw, stream, request_id, model,
                                                     echo, token_prompts))  # fmt: skip
+
+
+async def _beam_search(serving: Serving, req: CompletionRequest, raw: Request,
+                       token_prompts: list[list[int]], prompts: list, max_tokens: int | None,
+                       model: str) -> Response:  # fmt: skip
+    """``use_beam_search``: prompt ``i``'s beams are choices ``i * n ...``, best first."""
+    beam.check_beam_request(req)
+    request_id = new_id("cmpl")
+    raw.state.request_id = request_id
+    found = await beam.search(serving, req, token_prompts, max_tokens, request_id, raw)
+    choices = []
+    for i, beams in enumerate(found):
+        echo = ""
+        if req.echo:
+            echo = prompts[i] if isinstance(prompts[i], str) else serving.tokenizer.decode(
+                prompts[i])  # fmt: skip
+        for b in beams:
+            text = serving.tokenizer.decode(
+                b.token_ids, skip_special_tokens=req.skip_special_tokens
+            )
+            choices.append(CompletionChoice(index=len(choices), text=echo + text,
+                                            finish_reason=beam.finish_reason(b)))  # fmt: skip
+    prompt, completion = beam.usage_of(token_prompts, found)
+    raw.state.usage = (prompt, completion)
+    body = CompletionResponse(id=request_id, model=model, choices=choices,
+                              usage=serving.usage(prompt, completion, 0))  # fmt: skip
+    return JSONResponse(body.model_dump(mode="json"))
 
 
 async def _collect(serving: Serving, req: CompletionRequest, raw: Request, stream: RequestStream,

@@ -171,6 +171,8 @@ class _SamplingFields(_Request):
         description="words never generated, alone or after a space (vLLM's)",
     )
     ignore_eos: bool = False
+    use_beam_search: bool = Field(False, description="the n likeliest replies (vLLM's)")
+    length_penalty: float = Field(1.0, description="beam search: score = sum / length ** this")
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -308,8 +310,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "lora_request": lambda v: v is None,
     "prompt_embeds": lambda v: v is None,
     "chat_template": lambda v: v is None,  # a template from the request: --chat-template only
-    "use_beam_search": lambda v: v in (None, False),
-    "length_penalty": lambda v: v in (None, 1, 1.0),  # (beam search's)
 }
 
 

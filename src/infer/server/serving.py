@@ -105,6 +105,7 @@ class Serving:
         # What a request's unset sampling fields take (the model's generation_config.json, by
         # SamplingParams name; infer.model.generation_config).
         self.sampling_defaults: dict[str, Any] = {}
+        self.eos_token_ids: tuple[int, ...] = ()  # (what ends a beam: server/beam.py)
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:

@@ -1,0 +1,111 @@
+"""Beam search: the ``beam_width`` likeliest continuations of a prompt, as vLLM's
+``use_beam_search`` (server) and ``LLM.beam_search`` (offline) give them.
+
+It runs on any engine that gives a step's top-k log-probabilities: every round, each live beam
+is one request of its prompt + tokens so far, for one token with ``logprobs=2k``. Its prefix
+is in the prefix cache from the round before, so a round computes about one token a beam. Of
+all the beams' candidates, the ``k`` with the highest cumulative log-probability live on::
+
+    round t:  beam A (-1.2) ──► A+x (-1.5)  A+y (-2.9)  A+z (-3.0) ...
+              beam B (-1.4) ──► B+x (-1.6)  B+w (-2.0)  ...           keep the best k of all
+    round t+1: A+x (-1.5), B+x (-1.6), B+w (-2.0)                      (k = 3)
+
+A candidate that is an EOS (unless ``ignore_eos``) finishes its beam. When no beam is left
+alive, or after ``max_tokens`` rounds, the finished and the live beams are ranked by
+``cumulative logprob / generated_tokens ** length_penalty`` (transformers' score) and the best
+``k`` returned. Without an EOS this is transformers' beam search, token for token.
+No torch here: the drivers (``LLM.beam_search``, the server's ``beam.py``) run the rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from infer.core.sampling_params import InvalidRequestError
+
+MAX_BEAM_WIDTH = 10  # the candidates a beam asks for (2k) are at most the 20 logprobs a step gives
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """``beam_width`` beams (the server's ``n``), up to ``max_tokens`` each."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    # Accepted as vLLM's; the beams are ranked by the model's own log-probabilities.
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise InvalidRequestError(
+                f"beam search takes 1 to {MAX_BEAM_WIDTH} beams (n), got {self.beam_width}",
+                param="n",
+            )
+        if self.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens"
+            )
+        if not math.isfinite(self.length_penalty):
+            raise InvalidRequestError("length_penalty must be a finite number",
+                                      param="length_penalty")  # fmt: skip
+
+    @property
+    def candidates(self) -> int:
+        """Top tokens each beam asks for: 2k, so k stay alive even if k of them are EOS."""
+        return 2 * self.beam_width
+
+
+@dataclass(frozen=True)
+class Beam:
+    """One continuation: its generated token ids and their summed log-probability."""
+
+    token_ids: tuple[int, ...] = ()
+    cum_logprob: float = 0.0
+    ended_on_eos: bool = False
+
+    def score(self, length_penalty: float) -> float:
+        return self.cum_logprob / max(1, len(self.token_ids)) ** length_penalty
+
+
+@dataclass
+class BeamSearch:
+    """One prompt's search: :meth:`advance` with each live beam's top candidates, one round at
+    a time, until :attr:`live` is empty; then :meth:`best`."""
+
+    params: BeamSearchParams
+    eos_token_ids: frozenset[int]
+    max_tokens: int  # the params', less what the context cannot hold after this prompt
+    live: list[Beam] = field(default_factory=lambda: [Beam()])
+    done: list[Beam] = field(default_factory=list)
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            self.done, self.live = self.live, []
+
+    def advance(self, tops: list[tuple[tuple[int, float], ...]]) -> None:
+        """``tops[i]``: live beam ``i``'s candidates, ``(token_id, logprob)`` best first."""
+        grown: list[Beam] = []
+        for beam, top in zip(self.live, tops, strict=True):
+            for token_id, logprob in top:
+                new = Beam((*beam.token_ids, token_id), beam.cum_logprob + logprob)
+                if token_id in self.eos_token_ids and not self.params.ignore_eos:
+                    self.done.append(Beam(new.token_ids, new.cum_logprob, ended_on_eos=True))
+                else:
+                    grown.append(new)
+        # (one round's beams are all as long: the score's order is the log-probability's)
+        grown.sort(key=lambda b: b.cum_logprob, reverse=True)
+        self.live = grown[: self.params.beam_width]
+        self.rounds += 1
+        if self.rounds >= self.max_tokens:
+            self.done.extend(self.live)
+            self.live = []
+
+    def best(self) -> list[Beam]:
+        """The best ``beam_width`` beams, finished or cut by ``max_tokens``, best first."""
+        penalty = self.params.length_penalty
+        ranked = sorted(self.done + self.live, key=lambda b: b.score(penalty), reverse=True)
+        return ranked[: self.params.beam_width]
