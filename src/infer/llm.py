@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from infer.config import EngineConfig
-from infer.core.beam_search import BeamSearch, BeamSearchParams
+from infer.core.beam_search import BeamSearch, BeamSearchParams, beam_text, rounds_for
 from infer.core.lora_request import LoRARequest
 from infer.core.outputs import (
     BeamSearchOutput,
@@ -167,8 +167,8 @@ class LLM:
         prompt_list = _normalize_prompts(prompts)
         encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
         eos = frozenset(self.engine.eos_token_ids)
-        room = self.engine.max_model_len
-        searches = [BeamSearch(params, eos, min(params.max_tokens, room - len(ids)))
+        context, kv_tokens = self.engine.max_model_len, self.engine.capacity.num_tokens
+        searches = [BeamSearch(params, eos, rounds_for(params, True, len(ids), context, kv_tokens))
                     for ids in encoded]  # fmt: skip
         step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                               logprobs=params.candidates)  # fmt: skip
@@ -188,7 +188,7 @@ class LLM:
                 sequences=[
                     BeamSequence(
                         list(b.token_ids),
-                        self.tokenizer.decode(b.token_ids, skip_special_tokens=True),
+                        beam_text(self.tokenizer, b.token_ids),
                         b.cum_logprob,
                         "stop" if b.ended_on_eos else "length",
                     )

@@ -342,5 +342,18 @@ def test_beam_search_gives_transformers_beams(kind, make_llm, tiny_checkpoints):
         scores = [s.cum_logprob / 6 for s in out.sequences]  # (transformers' score)
         assert scores == pytest.approx(want.sequences_scores.tolist(), abs=1e-4)
         assert all(s.finish_reason == "length" for s in out.sequences)
-        assert out.sequences[0].text == llm.tokenizer.decode(out.sequences[0].token_ids,
-                                                             skip_special_tokens=True)  # fmt: skip
+        text = llm.tokenizer.decode(out.sequences[0].token_ids, skip_special_tokens=True)
+        assert out.sequences[0].text == text.rstrip("\ufffd")  # (no half character at the end)
+
+
+def test_beam_search_fits_the_kv_cache_or_is_refused_before_it_runs(make_llm):
+    from infer import BeamSearchParams
+
+    llm = make_llm("llama", num_kv_blocks=4, block_size=8)  # 32 tokens
+    prompt = list(range(5, 15))
+    with pytest.raises(InvalidRequestError, match="KV cache") as e:
+        llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=24, ignore_eos=True))
+    assert e.value.param == "max_tokens"
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=23,
+                                                        ignore_eos=True))  # fmt: skip
+    assert [len(s.token_ids) for s in out.sequences] == [23, 23]

@@ -56,3 +56,29 @@ def test_bad_params_are_refused_by_name(field, kwargs):
     with pytest.raises(InvalidRequestError) as e:
         BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **kwargs})
     assert e.value.param == field
+
+
+def test_the_rounds_fit_the_context_and_the_kv_cache():
+    """A beam's last round needs prompt + max_tokens - 1 tokens of KV: an unset max_tokens is
+    fitted to that, one asked for and out of reach is refused before any round (it ran rounds,
+    then failed naming lengths nobody sent)."""
+    from infer.core.beam_search import rounds_for
+
+    params = BeamSearchParams(beam_width=2, max_tokens=30)
+    assert rounds_for(params, False, 10, context=1024, kv_tokens=32) == 23
+    assert rounds_for(params, False, 10, context=20, kv_tokens=None) == 10
+    assert rounds_for(BeamSearchParams(2, 23), True, 10, context=1024, kv_tokens=32) == 23
+    with pytest.raises(InvalidRequestError, match="max_tokens \\(30\\)") as e:
+        rounds_for(params, True, 10, context=1024, kv_tokens=32)
+    assert e.value.param == "max_tokens"
+
+
+def test_a_beams_text_never_ends_in_half_a_character():
+    class Bytes:  # a byte-level tokenizer: "é" is two tokens
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    from infer.core.beam_search import beam_text
+
+    assert beam_text(Bytes(), tuple("é".encode())) == "é"
+    assert beam_text(Bytes(), tuple(b"a" + "é".encode()[:1])) == "a"

@@ -70,6 +70,33 @@ class Beam:
         return self.cum_logprob / max(1, len(self.token_ids)) ** length_penalty
 
 
+def beam_text(tokenizer, token_ids: tuple[int, ...], skip_special_tokens: bool = True) -> str:
+    """A beam's text, without the replacement character a multi-byte character cut at the end
+    decodes to (the streamed path holds such bytes back; a beam's end is final)."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens).rstrip(
+        "\ufffd"
+    )
+
+
+def rounds_for(
+    params: BeamSearchParams, given: bool, prompt_len: int, context: int, kv_tokens: int | None
+) -> int:
+    """The rounds a prompt's search may run: ``max_tokens``, within the context and what the KV
+    cache holds (a round's request needs prompt + tokens so far; the last token's KV is never
+    written). Unset (``given`` False), fitted to them; asked for and out of reach, refused by
+    name before any round runs."""
+    room = context - prompt_len
+    if kv_tokens is not None:
+        room = min(room, kv_tokens + 1 - prompt_len)
+    if given and params.max_tokens > room:
+        raise InvalidRequestError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) is more than the "
+            f"context ({context}) and the KV cache ({kv_tokens} tokens) leave a beam",
+            param="max_tokens",
+        )
+    return max(0, min(params.max_tokens, room))
+
+
 @dataclass
 class BeamSearch:
     """One prompt's search: :meth:`advance` with each live beam's top candidates, one round at

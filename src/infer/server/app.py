@@ -123,6 +123,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving.lora_adapters = dict(getattr(engine, "lora_adapters", None) or {})
     serving.sampling_defaults = dict(getattr(engine, "sampling_defaults", None) or {})
     serving.eos_token_ids = tuple(engine.eos_token_ids)
+    serving.kv_tokens = engine.capacity.num_tokens
     lora_parents = dict(getattr(engine, "lora_parents", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 

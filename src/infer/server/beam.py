@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from infer.core.beam_search import Beam, BeamSearch, BeamSearchParams
+from infer.core.beam_search import Beam, BeamSearch, BeamSearchParams, rounds_for
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.server.errors import bad_request, from_invalid_request
 from infer.server.serving import Choices, Serving, raise_if_failed
@@ -58,7 +58,8 @@ async def search(serving: Serving, req: Any, prompts: list[list[int]], max_token
                  request_id: str, raw: Request) -> list[list[Beam]]:  # fmt: skip
     """Each prompt's best ``req.n`` beams, best first."""
     try:
-        if max_tokens is None:  # the model's length, else the context's
+        given = max_tokens is not None
+        if max_tokens is None:  # the model's length, else the context's (fitted below)
             max_tokens = serving.sampling_defaults.get("max_tokens", serving.max_model_len)
         params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens,
                                   ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
@@ -68,8 +69,12 @@ async def search(serving: Serving, req: Any, prompts: list[list[int]], max_token
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
     eos = frozenset(serving.eos_token_ids)
-    searches = [BeamSearch(params, eos, min(params.max_tokens, serving.max_model_len - len(p)))
-                for p in prompts]  # fmt: skip
+    try:
+        rounds = [rounds_for(params, given, len(p), serving.max_model_len, serving.kv_tokens)
+                  for p in prompts]  # fmt: skip
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
+    searches = [BeamSearch(params, eos, n) for n in rounds]
     round_ = 0
     while any(s.live for s in searches):
         rows = [(s, p + list(b.token_ids))

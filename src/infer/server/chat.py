@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from infer.core.beam_search import beam_text
 from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
@@ -169,8 +170,8 @@ async def _beam_search(serving: Serving, req: ChatCompletionRequest, raw: Reques
     echo = _echoed(req)
     choices = [
         ChatChoice(index=i, finish_reason=beam.finish_reason(b),
-                   message=ChatResponseMessage(content=echo + serving.tokenizer.decode(
-                       b.token_ids, skip_special_tokens=req.skip_special_tokens)))
+                   message=ChatResponseMessage(content=echo + beam_text(
+                       serving.tokenizer, b.token_ids, req.skip_special_tokens)))
         for i, b in enumerate(beams)
     ]  # fmt: skip
     prompt, completion = beam.usage_of([ids], [beams])

@@ -9,6 +9,7 @@ from dataclasses import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from infer.core.beam_search import beam_text
 from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
@@ -168,9 +169,7 @@ async def _beam_search(serving: Serving, req: CompletionRequest, raw: Request,
             echo = prompts[i] if isinstance(prompts[i], str) else serving.tokenizer.decode(
                 prompts[i])  # fmt: skip
         for b in beams:
-            text = serving.tokenizer.decode(
-                b.token_ids, skip_special_tokens=req.skip_special_tokens
-            )
+            text = beam_text(serving.tokenizer, b.token_ids, req.skip_special_tokens)
             choices.append(CompletionChoice(index=len(choices), text=echo + text,
                                             finish_reason=beam.finish_reason(b)))  # fmt: skip
     prompt, completion = beam.usage_of(token_prompts, found)

@@ -106,6 +106,7 @@ class Serving:
         # SamplingParams name; infer.model.generation_config).
         self.sampling_defaults: dict[str, Any] = {}
         self.eos_token_ids: tuple[int, ...] = ()  # (what ends a beam: server/beam.py)
+        self.kv_tokens: int | None = None  # what the KV cache holds (None: unknown)
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -269,6 +270,9 @@ class Serving:
             raise from_invalid_request(e) from e
         except QueueFullError as e:
             raise APIError(429, str(e), code="queue_full") from e
+        except BaseException:  # cancelled while the engine takes them: they end here too
+            stream.abort()
+            raise
         return stream
 
     # ---- logprobs -----------------------------------------------------------------------------
