@@ -159,11 +159,15 @@ class LLM:
         return results if batch else results[0]
 
     def beam_search(
-        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | str | None = None,
     ) -> list[BeamSearchOutput]:
         """The ``params.beam_width`` likeliest continuations of each prompt (vLLM's
         ``LLM.beam_search``; the search itself: ``infer.core.beam_search``). Every round runs
-        each live beam as a one-token request, all prompts' beams in one batch."""
+        each live beam as a one-token request, all prompts' beams in one batch;
+        ``lora_request``: the adapter every round runs with (as in :meth:`generate`)."""
         prompt_list = _normalize_prompts(prompts)
         encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
         eos = frozenset(self.engine.eos_token_ids)
@@ -175,7 +179,7 @@ class LLM:
         while any(s.live for s in searches):
             rows = [(s, ids + list(beam.token_ids))
                     for s, ids in zip(searches, encoded, strict=True) for beam in s.live]  # fmt: skip
-            results = self.generate([ids for _, ids in rows], step)
+            results = self.generate([ids for _, ids in rows], step, lora_request=lora_request)
             for search in searches:
                 tops = [r.outputs[0].logprobs[0].top  # type: ignore[index]
                         for (s, _), r in zip(rows, results, strict=True) if s is search]  # fmt: skip

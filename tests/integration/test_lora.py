@@ -300,3 +300,18 @@ def test_an_adapter_whose_folder_is_gone_fails_only_its_requests(make_llm, tiny_
     assert all(last.finish_reason == "length" for _, last in done.values())
     alone = llm.generate([[5, 6, 7]], GREEDY, lora_request=b)[0].outputs[0].token_ids
     assert first["held running"] + done["held running"][0] == alone
+
+
+def test_beam_search_runs_with_the_adapter(make_llm, tiny_checkpoints, adapter_root):
+    """``LLM.beam_search(..., lora_request=)`` (vLLM's): every round runs with the adapter; one
+    beam is the adapter's greedy reply, not the base model's."""
+    from infer import BeamSearchParams, SamplingParams
+
+    a = adapter(tiny_checkpoints, adapter_root, "llama", "all8")
+    llm = make_llm("llama", enable_lora=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = llm.generate([PROMPTS[1]], greedy, lora_request=a)[0].outputs[0].token_ids
+    base = llm.generate([PROMPTS[1]], greedy)[0].outputs[0].token_ids
+    params = BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True)
+    (got,) = llm.beam_search([PROMPTS[1]], params, lora_request=a)
+    assert got.sequences[0].token_ids == want != base
