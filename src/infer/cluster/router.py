@@ -228,12 +228,14 @@ class Router:
         return hmac.compare_digest(given, f"Bearer {self.spec.api_key}".encode())
 
     def _track(self, policy: RoutingPolicy, local: int, replica: int, reason: str,
-               hashes: list[BlockHash] = ()) -> Any:  # fmt: skip
-        """Count a request started on ``replica`` (index ``local`` of ``policy``); the
-        function that ends it, exactly once, however the response ends."""
+               hashes: list[BlockHash] = (), count: bool = True) -> Any:  # fmt: skip
+        """Count a request started on ``replica`` (index ``local`` of ``policy``; ``count``
+        False: in flight only, counted as sent by the caller once it is); the function that
+        ends it, exactly once, however the response ends."""
         policy.start(local, hashes)
         name = self.names[replica]
-        self.m_requests.labels(name, reason).inc()
+        if count:
+            self.m_requests.labels(name, reason).inc()
         self.m_in_flight.labels(name).inc()
         ended = False
 
@@ -306,7 +308,8 @@ class Router:
                            key=lambda i: (policy.in_flight[i], policy.sent[i], i))  # fmt: skip
             for local in order:
                 replica = self.decode_ids[local]
-                on_end = self._track(policy, local, replica, "decode")
+                # (counted as sent once it is: a replica without room is asked, not sent to)
+                on_end = self._track(policy, local, replica, "decode", count=False)
                 handle = self.replicas[replica]
                 gen = None
                 try:
@@ -327,6 +330,7 @@ class Router:
                             self.m_transfer_seconds.observe(prefill.export_seconds +
                                                             received.seconds)  # fmt: skip
                     gen = handle.options(stream=True).handle.remote(fwd, key)
+                    self.m_requests.labels(self.names[replica], "decode").inc()
                     first = await gen.__anext__()
                 except asyncio.CancelledError:
                     if gen is not None:
