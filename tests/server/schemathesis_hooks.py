@@ -32,6 +32,10 @@ def _ints(*values: Any) -> bool:
 
 
 def breaks_a_cross_field_rule(body: dict) -> bool:
+    if body.get("use_beam_search") is True:
+        # refused with what needs sampled tokens (stream, logprobs, stop, best_of, tools, ...),
+        # above 10 beams, or with a length the KV cache cannot give a beam
+        return True
     n, best_of = body.get("n", 1), body.get("best_of")
     if _ints(n, best_of) and (best_of < n or (body.get("stream") is True and best_of > n)):
         return True  # best_of must be >= n, and == n when streaming
