@@ -53,6 +53,18 @@ def test_request_timeout_ends_with_abort(slow_server):
     slow_server.wait_idle()
 
 
+def test_request_timeout_bounds_a_whole_beam_search(slow_server):
+    """Each round of a beam search is a short request of its own: the timeout is the search's,
+    which ends where it is, its beams finishing with abort (1000 rounds take >= 10 s here)."""
+    r = httpx.post(slow_server.base_url + "/completions", timeout=60,
+                   json={**LONG, "n": 2, "use_beam_search": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["abort", "abort"]
+    assert 0 < body["usage"]["completion_tokens"] < 2000
+    slow_server.wait_idle()
+
+
 def test_streamed_request_timeout_ends_with_abort(slow_server):
     with httpx.stream("POST", slow_server.base_url + "/completions",
                       json={**LONG, "stream": True}, timeout=60) as r:  # fmt: skip

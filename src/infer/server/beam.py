@@ -10,9 +10,8 @@ structured outputs, tool calls, stop strings and ids, ``best_of``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
-
-from starlette.requests import Request
 
 from infer.core.beam_search import Beam, BeamSearch, BeamSearchParams, rounds_for
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
@@ -55,8 +54,9 @@ def check_beam_request(req: Any) -> None:
 
 
 async def search(serving: Serving, req: Any, prompts: list[list[int]], max_tokens: int | None,
-                 request_id: str, raw: Request) -> list[list[Beam]]:  # fmt: skip
-    """Each prompt's best ``req.n`` beams, best first."""
+                 request_id: str) -> tuple[list[list[Beam]], bool]:  # fmt: skip
+    """Each prompt's best ``req.n`` beams, best first; and whether the search was cut short
+    (the request timed out, or the server is shutting down)."""
     try:
         given = max_tokens is not None
         if max_tokens is None:  # the model's length, else the context's (fitted below)
@@ -75,8 +75,14 @@ async def search(serving: Serving, req: Any, prompts: list[list[int]], max_token
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
     searches = [BeamSearch(params, eos, n) for n in rounds]
+    # --request-timeout bounds the whole search (each round's requests are short): past it,
+    # or when a round is aborted (shutdown), the beams end where they are, as "abort".
+    timeout = serving.settings.request_timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     round_ = 0
     while any(s.live for s in searches):
+        if deadline is not None and time.monotonic() > deadline:
+            return [s.best() for s in searches], True
         rows = [(s, p + list(b.token_ids))
                 for s, p in zip(searches, prompts, strict=True) for b in s.live]  # fmt: skip
         stream = await serving.submit(f"{request_id}-r{round_}", [ids for _, ids in rows], step,
@@ -90,12 +96,14 @@ async def search(serving: Serving, req: Any, prompts: list[list[int]], max_token
         for final in acc.final:
             assert final is not None
             raise_if_failed(final)
+        if any(final.finish_reason == "abort" for final in acc.final):  # type: ignore[union-attr]
+            return [s.best() for s in searches], True
         for search_ in searches:
             tops = [acc.logprobs[i][0].top for i, (s, _) in enumerate(rows) if s is search_]
             if search_.live:
                 search_.advance(tops)
         round_ += 1
-    return [s.best() for s in searches]
+    return [s.best() for s in searches], False
 
 
 def usage_of(prompts: list[list[int]], beams: list[list[Beam]]) -> tuple[int, int]:
@@ -103,5 +111,7 @@ def usage_of(prompts: list[list[int]], beams: list[list[Beam]]) -> tuple[int, in
     return sum(map(len, prompts)), sum(len(b.token_ids) for found in beams for b in found)
 
 
-def finish_reason(beam: Beam) -> str:
-    return "stop" if beam.ended_on_eos else "length"
+def finish_reason(beam: Beam, aborted: bool) -> str:
+    if beam.ended_on_eos:
+        return "stop"
+    return "abort" if aborted else "length"

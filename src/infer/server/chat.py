@@ -166,10 +166,10 @@ async def _beam_search(serving: Serving, req: ChatCompletionRequest, raw: Reques
     beam.check_beam_request(req)
     request_id = new_id("chatcmpl")
     raw.state.request_id = request_id
-    (beams,) = await beam.search(serving, req, [ids], max_tokens, request_id, raw)
+    (beams,), aborted = await beam.search(serving, req, [ids], max_tokens, request_id)
     echo = _echoed(req)
     choices = [
-        ChatChoice(index=i, finish_reason=beam.finish_reason(b),
+        ChatChoice(index=i, finish_reason=beam.finish_reason(b, aborted),
                    message=ChatResponseMessage(content=echo + beam_text(
                        serving.tokenizer, b.token_ids, req.skip_special_tokens)))
         for i, b in enumerate(beams)

@@ -161,7 +161,7 @@ async def _beam_search(serving: Serving, req: CompletionRequest, raw: Request,
     beam.check_beam_request(req)
     request_id = new_id("cmpl")
     raw.state.request_id = request_id
-    found = await beam.search(serving, req, token_prompts, max_tokens, request_id, raw)
+    found, aborted = await beam.search(serving, req, token_prompts, max_tokens, request_id)
     choices = []
     for i, beams in enumerate(found):
         echo = ""
@@ -171,7 +171,7 @@ async def _beam_search(serving: Serving, req: CompletionRequest, raw: Request,
         for b in beams:
             text = beam_text(serving.tokenizer, b.token_ids, req.skip_special_tokens)
             choices.append(CompletionChoice(index=len(choices), text=echo + text,
-                                            finish_reason=beam.finish_reason(b)))  # fmt: skip
+                                            finish_reason=beam.finish_reason(b, aborted)))  # fmt: skip
     prompt, completion = beam.usage_of(token_prompts, found)
     raw.state.usage = (prompt, completion)
     body = CompletionResponse(id=request_id, model=model, choices=choices,
