@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from infer.config import EngineConfig
-from infer.core.beam_search import BeamSearch, BeamSearchParams, beam_text, rounds_for
+from infer.core.beam_search import (
+    BeamSearch,
+    BeamSearchParams,
+    advance_all,
+    beam_text,
+    round_prompts,
+    rounds_for,
+)
 from infer.core.lora_request import LoRARequest
 from infer.core.outputs import (
     BeamSearchOutput,
@@ -174,17 +181,11 @@ class LLM:
         context, kv_tokens = self.engine.max_model_len, self.engine.capacity.num_tokens
         searches = [BeamSearch(params, eos, rounds_for(params, True, len(ids), context, kv_tokens))
                     for ids in encoded]  # fmt: skip
-        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                              logprobs=params.candidates)  # fmt: skip
+        step = params.round_params()
         while any(s.live for s in searches):
-            rows = [(s, ids + list(beam.token_ids))
-                    for s, ids in zip(searches, encoded, strict=True) for beam in s.live]  # fmt: skip
-            results = self.generate([ids for _, ids in rows], step, lora_request=lora_request)
-            for search in searches:
-                tops = [r.outputs[0].logprobs[0].top  # type: ignore[index]
-                        for (s, _), r in zip(rows, results, strict=True) if s is search]  # fmt: skip
-                if search.live:
-                    search.advance(tops)
+            rows = round_prompts(searches, encoded)
+            results = self.generate(rows, step, lora_request=lora_request)
+            advance_all(searches, [r.outputs[0].logprobs[0].top for r in results])  # type: ignore[index]
         return [
             BeamSearchOutput(
                 prompt=p if isinstance(p, str) else None,
@@ -194,7 +195,7 @@ class LLM:
                         list(b.token_ids),
                         beam_text(self.tokenizer, b.token_ids),
                         b.cum_logprob,
-                        "stop" if b.ended_on_eos else "length",
+                        b.finish_reason(),
                     )
                     for b in search.best()
                 ],  # fmt: skip

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from infer.core.sampling_params import InvalidRequestError
+from infer.core.sampling_params import InvalidRequestError, SamplingParams
 
 MAX_BEAM_WIDTH = 10  # the candidates a beam asks for (2k) are at most the 20 logprobs a step gives
 
@@ -52,10 +52,11 @@ class BeamSearchParams:
             raise InvalidRequestError("length_penalty must be a finite number",
                                       param="length_penalty")  # fmt: skip
 
-    @property
-    def candidates(self) -> int:
-        """Top tokens each beam asks for: 2k, so k stay alive even if k of them are EOS."""
-        return 2 * self.beam_width
+    def round_params(self) -> SamplingParams:
+        """Each round's request: one token, with the top 2k candidates' log-probabilities (so
+        k stay alive even if k of them are EOS)."""
+        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                              logprobs=2 * self.beam_width)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ class Beam:
     token_ids: tuple[int, ...] = ()
     cum_logprob: float = 0.0
     ended_on_eos: bool = False
+
+    def finish_reason(self, aborted: bool = False) -> str:
+        """``stop`` (an EOS ended it), else ``abort`` (the search was cut) or ``length``."""
+        if self.ended_on_eos:
+            return "stop"
+        return "abort" if aborted else "length"
 
     def score(self, length_penalty: float) -> float:
         return self.cum_logprob / max(1, len(self.token_ids)) ** length_penalty
@@ -136,3 +143,19 @@ class BeamSearch:
         penalty = self.params.length_penalty
         ranked = sorted(self.done + self.live, key=lambda b: b.score(penalty), reverse=True)
         return ranked[: self.params.beam_width]
+
+
+def round_prompts(searches: list[BeamSearch], prompts: list[list[int]]) -> list[list[int]]:
+    """A round's requests: every live beam's prompt + tokens so far, search by search."""
+    return [p + list(b.token_ids) for s, p in zip(searches, prompts, strict=True) for b in s.live]
+
+
+def advance_all(searches: list[BeamSearch], tops: list[tuple[tuple[int, float], ...]]) -> None:
+    """Each search's :meth:`BeamSearch.advance` with its beams' candidates (``tops``: one per
+    request of :func:`round_prompts`, in its order)."""
+    start = 0
+    for search in searches:
+        if search.live:
+            end = start + len(search.live)
+            search.advance(tops[start:end])
+            start = end

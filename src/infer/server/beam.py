@@ -13,8 +13,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from infer.core.beam_search import Beam, BeamSearch, BeamSearchParams, rounds_for
-from infer.core.sampling_params import InvalidRequestError, SamplingParams
+from infer.core.beam_search import (
+    Beam,
+    BeamSearch,
+    BeamSearchParams,
+    advance_all,
+    round_prompts,
+    rounds_for,
+)
+from infer.core.sampling_params import InvalidRequestError
 from infer.server.errors import bad_request, from_invalid_request
 from infer.server.serving import Choices, Serving, raise_if_failed
 from infer.server.structured_outputs import STRUCTURED_FIELDS, structured_outputs_of
@@ -57,23 +64,18 @@ async def search(serving: Serving, req: Any, prompts: list[list[int]], max_token
                  request_id: str) -> tuple[list[list[Beam]], bool]:  # fmt: skip
     """Each prompt's best ``req.n`` beams, best first; and whether the search was cut short
     (the request timed out, or the server is shutting down)."""
+    given = max_tokens is not None
+    if max_tokens is None:  # the model's length, else the context's (fitted below)
+        max_tokens = serving.sampling_defaults.get("max_tokens", serving.max_model_len)
     try:
-        given = max_tokens is not None
-        if max_tokens is None:  # the model's length, else the context's (fitted below)
-            max_tokens = serving.sampling_defaults.get("max_tokens", serving.max_model_len)
         params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens,
                                   ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
                                   temperature=req.temperature or 0.0)  # fmt: skip
-        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                              logprobs=params.candidates)  # fmt: skip
-    except InvalidRequestError as e:
-        raise from_invalid_request(e) from e
-    eos = frozenset(serving.eos_token_ids)
-    try:
         rounds = [rounds_for(params, given, len(p), serving.max_model_len, serving.kv_tokens)
                   for p in prompts]  # fmt: skip
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
+    eos, step = frozenset(serving.eos_token_ids), params.round_params()
     searches = [BeamSearch(params, eos, n) for n in rounds]
     # --request-timeout bounds the whole search (each round's requests are short): past it,
     # or when a round is aborted (shutdown), the beams end where they are, as "abort".
@@ -83,10 +85,8 @@ async def search(serving: Serving, req: Any, prompts: list[list[int]], max_token
     while any(s.live for s in searches):
         if deadline is not None and time.monotonic() > deadline:
             return [s.best() for s in searches], True
-        rows = [(s, p + list(b.token_ids))
-                for s, p in zip(searches, prompts, strict=True) for b in s.live]  # fmt: skip
-        stream = await serving.submit(f"{request_id}-r{round_}", [ids for _, ids in rows], step,
-                                      req)  # fmt: skip
+        rows = round_prompts(searches, prompts)
+        stream = await serving.submit(f"{request_id}-r{round_}", rows, step, req)
         acc = Choices(len(rows))
         try:
             async for index, out in stream:
@@ -98,10 +98,7 @@ async def search(serving: Serving, req: Any, prompts: list[list[int]], max_token
             raise_if_failed(final)
         if any(final.finish_reason == "abort" for final in acc.final):  # type: ignore[union-attr]
             return [s.best() for s in searches], True
-        for search_ in searches:
-            tops = [acc.logprobs[i][0].top for i, (s, _) in enumerate(rows) if s is search_]
-            if search_.live:
-                search_.advance(tops)
+        advance_all(searches, [lps[0].top for lps in acc.logprobs])
         round_ += 1
     return [s.best() for s in searches], False
 
@@ -109,9 +106,3 @@ async def search(serving: Serving, req: Any, prompts: list[list[int]], max_token
 def usage_of(prompts: list[list[int]], beams: list[list[Beam]]) -> tuple[int, int]:
     """(prompt, completion) tokens: each prompt once, every returned beam's tokens."""
     return sum(map(len, prompts)), sum(len(b.token_ids) for found in beams for b in found)
-
-
-def finish_reason(beam: Beam, aborted: bool) -> str:
-    if beam.ended_on_eos:
-        return "stop"
-    return "abort" if aborted else "length"

@@ -169,7 +169,7 @@ async def _beam_search(serving: Serving, req: ChatCompletionRequest, raw: Reques
     (beams,), aborted = await beam.search(serving, req, [ids], max_tokens, request_id)
     echo = _echoed(req)
     choices = [
-        ChatChoice(index=i, finish_reason=beam.finish_reason(b, aborted),
+        ChatChoice(index=i, finish_reason=b.finish_reason(aborted),
                    message=ChatResponseMessage(content=echo + beam_text(
                        serving.tokenizer, b.token_ids, req.skip_special_tokens)))
         for i, b in enumerate(beams)

@@ -130,9 +130,12 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     if best_of > req.n and req.stream:
         raise bad_request("best_of > n cannot stream: the best are known only at the end",
                           param="best_of")  # fmt: skip
+    echo: list[str] | None = None
+    if req.echo:
+        echo = [p if isinstance(p, str) else serving.tokenizer.decode(p) for p in prompts]
     if req.use_beam_search:
         return await cancel_on_disconnect(
-            raw, _beam_search(serving, req, raw, token_prompts, prompts, max_tokens, model)
+            raw, _beam_search(serving, req, raw, token_prompts, echo, max_tokens, model)
         )
     params = serving.sampling_params(req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
@@ -144,9 +147,6 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
     stream = await serving.submit(
         request_id, token_prompts, params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY)
     )
-    echo: list[str] | None = None
-    if req.echo:
-        echo = [p if isinstance(p, str) else serving.tokenizer.decode(p) for p in prompts]
     if req.stream:
         return SSEResponse(_stream(serving, req, raw, stream, request_id, model, echo,
                                    token_prompts), on_close=stream.abort)  # fmt: skip
@@ -155,8 +155,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, raw: Reque
 
 
 async def _beam_search(serving: Serving, req: CompletionRequest, raw: Request,
-                       token_prompts: list[list[int]], prompts: list, max_tokens: int | None,
-                       model: str) -> Response:  # fmt: skip
+                       token_prompts: list[list[int]], echo: list[str] | None,
+                       max_tokens: int | None, model: str) -> Response:  # fmt: skip
     """``use_beam_search``: prompt ``i``'s beams are choices ``i * n ...``, best first."""
     beam.check_beam_request(req)
     request_id = new_id("cmpl")
@@ -164,14 +164,11 @@ async def _beam_search(serving: Serving, req: CompletionRequest, raw: Request,
     found, aborted = await beam.search(serving, req, token_prompts, max_tokens, request_id)
     choices = []
     for i, beams in enumerate(found):
-        echo = ""
-        if req.echo:
-            echo = prompts[i] if isinstance(prompts[i], str) else serving.tokenizer.decode(
-                prompts[i])  # fmt: skip
         for b in beams:
             text = beam_text(serving.tokenizer, b.token_ids, req.skip_special_tokens)
-            choices.append(CompletionChoice(index=len(choices), text=echo + text,
-                                            finish_reason=beam.finish_reason(b, aborted)))  # fmt: skip
+            choices.append(CompletionChoice(index=len(choices),
+                                            text=(echo[i] if echo else "") + text,
+                                            finish_reason=b.finish_reason(aborted)))  # fmt: skip
     prompt, completion = beam.usage_of(token_prompts, found)
     raw.state.usage = (prompt, completion)
     body = CompletionResponse(id=request_id, model=model, choices=choices,
