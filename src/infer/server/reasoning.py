@@ -24,20 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infer.server.tools import partial_suffix
+
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
 # split_reasoning's ``thinking``: True (the reply starts inside the thinking), None (it thinks
 # if it opens with <think>); NO_PARSER: no --reasoning-parser (a reply is all content)
 Thinking = bool | None | str
 NO_PARSER = "no parser"
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that starts ``tag`` (held back while streaming)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def split_reasoning(text: str, thinking: bool | None, final: bool = True) -> tuple[str, str]:
@@ -60,7 +54,9 @@ def split_reasoning(text: str, thinking: bool | None, final: bool = True) -> tup
     reasoning, end, content = text.partition(END)
     if end:
         return reasoning, content
-    return (reasoning if final else reasoning[: len(reasoning) - _partial_tag(reasoning, END)]), ""
+    return (
+        reasoning if final else reasoning[: len(reasoning) - partial_suffix(reasoning, END)]
+    ), ""
 
 
 @dataclass
@@ -100,7 +96,7 @@ class ReasoningStream:
         if end:
             self.phase, self.held = "content", ""
             return reasoning, content
-        keep = 0 if finished else _partial_tag(text, END)
+        keep = 0 if finished else partial_suffix(text, END)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep], ""
 

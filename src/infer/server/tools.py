@@ -224,6 +224,7 @@ class ToolStream:
     num_calls: int = 0
     calls: list[ToolCall] = field(default_factory=list)
     after_call: bool = False  # the unsent text follows a call's block
+    is_call: bool | None = None  # llama3_json: whether the reply is calls (None: undecided)
     marker: int = -1  # mistral: where [TOOL_CALLS] is (-1: not yet seen in text[:scanned])
     scanned: int = 0
 
@@ -261,7 +262,7 @@ class ToolStream:
                     content.append(rest)
                     self.sent += len(rest)
                 else:
-                    self._emit(content, rest[: len(rest) - _partial_suffix(rest, CALL_OPEN)])
+                    self._emit(content, rest[: len(rest) - partial_suffix(rest, CALL_OPEN)])
                 break
             end = rest.find(CALL_CLOSE, start)
             if end < 0:
@@ -285,7 +286,9 @@ class ToolStream:
     def _feed_llama3(self, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         """A reply that may be calls (it opens with ``{`` or ``<|python_tag|>``) is held back
         whole until it ends; one that cannot be streams as content."""
-        if finished or may_start_llama3_calls(self.text) is False:
+        if self.is_call is None:  # (decided on the first characters, then kept)
+            self.is_call = may_start_llama3_calls(self.text)
+        if finished or self.is_call is False:
             return self._whole(finished)
         return "", []
 
@@ -300,7 +303,7 @@ class ToolStream:
             return self._whole(finished)
         rest = self.text[self.sent : start if start >= 0 else len(self.text)]
         if start < 0:
-            rest = rest[: len(rest) - _partial_suffix(rest, TOOL_CALLS)]
+            rest = rest[: len(rest) - partial_suffix(rest, TOOL_CALLS)]
         content: list[str] = []
         self._emit(content, rest)
         return "".join(content), []
@@ -336,8 +339,9 @@ class ToolStream:
         return out
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``: what a
+    stream holds back in case the marker (a tag) is being written."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
             return k
