@@ -94,6 +94,11 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        # Bad words tokenized once per params, not per prompt and choice (the engine's own
+        # call is then a no-op).
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        tokenized = {id(p): p.with_bad_words_tokenized(encode) for p in params_list}
+        params_list = [tokenized[id(p)] for p in params_list]
         if lora_request is None or isinstance(lora_request, (LoRARequest, str)):
             loras = [lora_request] * len(prompt_list)
         else:

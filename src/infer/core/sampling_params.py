@@ -62,8 +62,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Only these token ids may be sampled (vLLM's allowed_token_ids; None: any).
     allowed_token_ids: tuple[int, ...] | None = None
-    # Words never generated (vLLM's bad_words): the engine tokenizes each, alone and after a
-    # space, into ``bad_words_token_ids``; a sequence's last token is banned wherever the output
+    # Words never generated (vLLM's bad_words): tokenized, alone and after a space, into
+    # ``bad_words_token_ids`` (with_bad_words_tokenized); a sequence's last token is banned wherever the output
     # ends with the rest of it. Sequences of ids may be given directly too.
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
@@ -203,9 +203,11 @@ class SamplingParams:
         )
 
     def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> SamplingParams:
-        """These parameters with each of ``bad_words`` added to ``bad_words_token_ids`` as
+        """These parameters with each of ``bad_words`` moved into ``bad_words_token_ids`` as
         ``encode`` (the tokenizer, no special tokens) writes it, at the start of a text and
-        after a space (a byte-level BPE spells the two differently); each sequence once."""
+        after a space (a byte-level BPE spells the two differently); each sequence once. The
+        words are tokenized once: the server and the offline API do it before the request
+        fans out into its ``n`` choices, and the engine's call is then a no-op."""
         if not self.bad_words:
             return self
         sequences = list(self.bad_words_token_ids)
@@ -214,7 +216,7 @@ class SamplingParams:
                 ids = tuple(encode(text))
                 if ids:
                     sequences.append(ids)
-        return replace(self, bad_words_token_ids=tuple(dict.fromkeys(sequences)))
+        return replace(self, bad_words=(), bad_words_token_ids=tuple(dict.fromkeys(sequences)))
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of the ``index``-th of ``n`` sequences generated for one prompt.

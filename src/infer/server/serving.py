@@ -216,7 +216,7 @@ class Serving:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=tuple(req.bad_words or ()),
                 prompt_logprobs=req.prompt_logprobs,
-            )
+            ).with_bad_words_tokenized(lambda text: self.encode(text, add_special_tokens=False))
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e
 
