@@ -79,13 +79,23 @@ class ModelConfig:
     # (a dict, or its JSON), as vLLM's --generation-config / --override-generation-config.
     generation_config: str = "auto"
     override_generation_config: Any = None
+    # How embedding requests pool (infer.model.pooling): ``pooling_type`` / ``normalize`` over
+    # the model's sentence-transformers files (a dict, or its JSON), as vLLM's --pooler-config.
+    pooler_config: Any = None
 
     def __post_init__(self) -> None:
         from infer.model.generation_config import parse_override
+        from infer.model.pooling import parse_pooler_config
 
         # (frozen: kept as sorted items, so the config stays hashable)
         override = parse_override(self.override_generation_config)
         object.__setattr__(self, "override_generation_config", tuple(sorted(override.items())))
+        pooler = parse_pooler_config(
+            dict(self.pooler_config)
+            if isinstance(self.pooler_config, tuple)
+            else self.pooler_config
+        )
+        object.__setattr__(self, "pooler_config", tuple(sorted(pooler.items())))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend {self.attention_backend!r} is not supported "

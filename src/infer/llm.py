@@ -26,9 +26,12 @@ from infer.core.outputs import (
     BeamSearchOutput,
     BeamSequence,
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingResult,
     GenerationResult,
     RequestOutput,
 )
+from infer.core.pooling_params import PoolingParams
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.model.chat_template import render_chat_ids
@@ -99,12 +102,7 @@ class LLM:
         encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         tokenized = {id(p): p.with_bad_words_tokenized(encode) for p in params_list}
         params_list = [tokenized[id(p)] for p in params_list]
-        if lora_request is None or isinstance(lora_request, (LoRARequest, str)):
-            loras = [lora_request] * len(prompt_list)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompt_list):
-                raise ValueError(f"{len(loras)} LoRA requests for {len(prompt_list)} prompts")
+        loras = self._loras(lora_request, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"{len(priority)} priorities for {len(prompt_list)} prompts")
         encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
@@ -208,6 +206,53 @@ class LLM:
             for p, ids, search in zip(prompt_list, encoded, searches, strict=True)
         ]
 
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        *,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+    ) -> list[EmbeddingResult]:
+        """Each prompt's embedding (vLLM's ``LLM.embed``): the final hidden state of its last
+        token, cut to ``pooling_params.dimensions`` and normalized as the model's
+        sentence-transformers files say (or as ``pooling_params.normalize`` asks). The prompts
+        run as prefills (batched, chunked, prefix-cached); results in prompt order."""
+        prompt_list = _normalize_prompts(prompts)
+        params = pooling_params or PoolingParams()
+        loras = self._loras(lora_request, len(prompt_list))
+        encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
+        with self._lock:
+            children, collected = self._run(encoded, [params] * len(encoded), None, None, loras)
+        results = []
+        for rid, (i, _) in children.items():
+            last = collected[rid][-1]
+            if last.embedding is None:  # (failed: the engine says why)
+                raise RuntimeError(
+                    f"embedding prompt {i} failed: {last.error or last.finish_reason}"
+                )
+            results.append(
+                EmbeddingResult(
+                    request_id=rid.rsplit("-", 1)[0],
+                    prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
+                    prompt_token_ids=list(encoded[i]),
+                    outputs=EmbeddingOutput(last.embedding),
+                    num_cached_tokens=last.num_cached_tokens,
+                    timings=last.timings,
+                )
+            )
+        return results
+
+    def _loras(
+        self, lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None, n: int
+    ) -> list[LoRARequest | str | None]:
+        """One adapter for each of ``n`` prompts (one for all, or one per prompt)."""
+        if lora_request is None or isinstance(lora_request, (LoRARequest, str)):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
+        return loras
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no ``SamplingParams``:
         infer's defaults with the model's recommended ones (its generation_config.json:
@@ -226,10 +271,10 @@ class LLM:
     def _run(
         self,
         encoded: list[list[int]],
-        params_list: list[SamplingParams],
+        params_list: Sequence[SamplingParams | PoolingParams],
         priority: Sequence[int] | None,
         cache_salt: str | None,
-        loras: list[LoRARequest | None],
+        loras: Sequence[LoRARequest | str | None],
     ) -> tuple[dict[str, tuple[int, int]], dict[str, list[RequestOutput]]]:
         """Add every (prompt, choice) as a request and step the engine until all finish: the
         request ids (-> prompt index, choice index) and each one's outputs. Whatever stops it
@@ -239,12 +284,13 @@ class LLM:
         try:
             for i, (token_ids, params) in enumerate(zip(encoded, params_list, strict=True)):
                 base = str(next(self._ids))
-                for j in range(params.n):
+                sampling = isinstance(params, SamplingParams)
+                for j in range(params.n if sampling else 1):
                     rid = f"{base}-{j}"
                     self.engine.add_request(
                         rid,
                         token_ids,
-                        params.for_choice(j),
+                        params.for_choice(j) if sampling else params,
                         priority=priority[i] if priority else 0,
                         cache_salt=cache_salt,
                         lora_request=loras[i],

@@ -40,7 +40,7 @@ def run_logits(llm: LLM, batch: StepBatch) -> torch.Tensor:
     engine = llm.engine
     if engine.tp_workers is not None:
         engine.tp_workers.send(batch)
-    logits, _ = engine.runner.run(batch)
+    logits, _, _ = engine.runner.run(batch)
     assert logits is not None
     return logits
 

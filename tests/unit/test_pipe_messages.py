@@ -49,7 +49,7 @@ def test_every_field_crosses_the_pipe():
               "finished": True, "finish_reason": "stop", "stop_reason": 7,
               "num_prompt_tokens": 3, "num_output_tokens": 1, "num_cached_tokens": 2,
               "timings": timings, "error": "e", "prompt_logprobs": [None, lp],
-              "kv_payload": {"kv": 1}}  # fmt: skip
+              "kv_payload": {"kv": 1}, "embedding": [0.5, -1.0]}  # fmt: skip
     assert set(values) == {f.name for f in dataclasses.fields(RequestOutput)}
     out = RequestOutput(**values)
     assert TokenTimesMirror().unpack(pickle.loads(pickle.dumps(pack_for_pipe([out])))) == [out]

@@ -426,3 +426,42 @@ def test_a_waiting_request_that_needs_the_regular_schedule_stops_planning_ahead(
     b.sampling_params = SamplingParams(max_tokens=6, prompt_logprobs=1)  # its whole prompt runs
     s.add_request(b)
     assert s.schedule_ahead(decode) is None
+
+
+def test_an_embedding_request_finishes_in_the_step_that_ends_its_prompt():
+    """An embedding request runs its prompt in chunks like any prefill; the chunk that reaches
+    the end takes the runner's embedding instead of a token, the request finishes with no output
+    token, its full blocks go to the prefix cache and every block is freed. A decode beside it
+    goes on."""
+    from infer.core.pooling_params import POOLING_SAMPLING, PoolingParams
+
+    s = make_scheduler(num_blocks=16, block_size=4, prefix=True, max_num_seqs=4,
+                       max_num_batched_tokens=6, prefill_chunk_size=4)  # fmt: skip
+    s.add_request(make_request("gen", prompt_len=2, max_tokens=6))
+    embed = Request("emb", [3 + i for i in range(10)], POOLING_SAMPLING, pooling=PoolingParams())
+    s.add_request(embed)
+    steps = 0
+    while embed.status != RequestStatus.FINISHED_STOPPED:
+        out = s.schedule()
+        steps += 1
+        chunk = next((c for c in out.chunks if c.request_id == "emb"), None)
+        sampled = fake_sample(out)
+        pooled = {}
+        if chunk is not None and chunk.sample:
+            pooled = {"emb": [0.25, 0.5]}
+            del sampled["emb"]
+        progressed = s.update_from_output(out, sampled, None, pooled)
+        if pooled:
+            assert embed in progressed
+        assert steps < 10
+    assert embed.embedding == [0.25, 0.5]
+    assert embed.num_output_tokens == 0 and embed.num_computed_tokens == 10
+    assert s.counters.finished == {"stop": 1}
+    gen = s.requests["gen"]
+    assert gen.num_output_tokens >= 2 and not gen.is_finished
+    # its two full blocks were cached: a same-prompt request hits them
+    again = Request("again", list(embed.prompt_token_ids), POOLING_SAMPLING,
+                    pooling=PoolingParams())  # fmt: skip
+    assert s.kv.lookup_prefix(again).num_blocks == 2
+    run_to_completion(s)
+    assert s.kv.num_free_blocks == 16

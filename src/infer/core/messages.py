@@ -128,6 +128,8 @@ class StepBatch:
     row_lora_slots: list[int] | None = None
     # Transferred prompt KV to copy in after the swaps (never under tensor parallelism).
     kv_imports: list[KVImport] = field(default_factory=list)
+    # Rows whose final hidden states are embeddings (an embedding request's prompt ends there).
+    pool_rows: list[int] = field(default_factory=list)
 
     @property
     def samples_every_row(self) -> bool:
@@ -156,6 +158,8 @@ class ModelRunnerOutput:
     sampled: dict[str, Sampled]
     timings: StepTimings
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    # Embedding requests whose prompt this step ended: their embeddings (core/pooling_params.py).
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

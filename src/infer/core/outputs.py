@@ -37,6 +37,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # An ``export_kv`` request's final output: its prompt KV (a ``core.kv_transfer.KVPayload``).
     kv_payload: Any = None
+    # An embedding request's final output: its embedding (core/pooling_params.py).
+    embedding: list[float] | None = None
 
     def __reduce__(self) -> tuple:
         # Pickled as the class and its fields in order, not the default slots-state dict: the
@@ -73,6 +75,26 @@ class GenerationResult:
     timings: list[RequestTimings]
     # With SamplingParams.prompt_logprobs: each prompt token's log-probability (None first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """One prompt's embedding (``LLM.embed``): the final hidden state of its last token."""
+
+    embedding: list[float]
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    """The offline API's result for one prompt of ``LLM.embed`` (vLLM's field names:
+    ``result.outputs.embedding``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    num_cached_tokens: int
+    timings: RequestTimings | None
 
 
 @dataclass(frozen=True)
@@ -118,4 +140,5 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         later.error,
         first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
         later.kv_payload,
+        later.embedding,
     )

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field, fields
 
 from infer.core.kv_transfer import KVPayload
+from infer.core.pooling_params import PoolingParams
 from infer.core.sampling_params import SamplingParams
 
 
@@ -114,6 +115,7 @@ class Request:
         lora_id: int | None = None,
         export_kv: bool = False,
         kv_payload: KVPayload | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -155,6 +157,10 @@ class Request:
         # Finished by its last output token: an EOS or a stop id (the scheduler's verdict).
         self.stopped_on_token = False
         self.error: str | None = None
+        # An embedding request (core/pooling_params.py): it pools the hidden state of its
+        # prompt's last token in the step that reaches it, into ``embedding``, and finishes.
+        self.pooling = pooling
+        self.embedding: list[float] | None = None
         max_new = sampling_params.max_tokens
         if max_new is None and default_max_tokens is not None:
             # Unset max_tokens: the model's recommended length (its generation config's
@@ -172,6 +178,8 @@ class Request:
                 room = min(room, max(1, default_len + 1 - len(self.prompt_token_ids)))
             max_new = room if max_new is None else min(max_new, room)
         self.max_new_tokens: int = max_new if max_new is not None else 2**31
+        if pooling is not None:  # (one step past the prompt, which pools instead of sampling)
+            self.max_new_tokens = 1
 
     # ---- derived ----------------------------------------------------------------------------
     @property

@@ -15,11 +15,13 @@ def check_prompt(
     vocab_size: int | None = None,
     param: str = "prompt",
     max_tokens_param: str = "max_tokens",
+    generates: bool = True,
 ) -> None:
     """Raise ``InvalidRequestError`` (naming ``param``, or ``max_tokens_param``: the field the
     request gave ``max_tokens`` in) if the prompt cannot be served.
 
-    - the prompt is empty, or leaves no room for one generated token in ``max_model_len``;
+    - the prompt is empty, or leaves no room for one generated token in ``max_model_len``
+      (``generates=False``, an embedding request's: is longer than ``max_model_len``);
     - ``max_tokens`` is given and prompt + ``max_tokens`` exceeds ``max_model_len`` (the server
       refuses such requests, as OpenAI's API does; offline generation passes ``None`` and stops
       at the context length with ``finish_reason="length"``);
@@ -28,7 +30,12 @@ def check_prompt(
     n = len(prompt_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param=param)
-    if n >= max_model_len:
+    if not generates and n > max_model_len:
+        raise InvalidRequestError(
+            f"the input is {n} tokens but the model's context length is {max_model_len} tokens",
+            param=param,
+        )
+    if generates and n >= max_model_len:
         raise InvalidRequestError(
             f"the prompt is {n} tokens but the model's context length is {max_model_len} "
             "tokens (it must leave room for at least one generated token)",

@@ -76,6 +76,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '\'{"temperature": 0.5, "max_new_tokens": 256}\'',
     )
     g.add_argument(
+        "--pooler-config",
+        default=None,
+        help="JSON that sets or replaces how embedding requests (/v1/embeddings) pool, over the "
+        "model's sentence-transformers files: pooling_type (LAST, the only one served) and "
+        "normalize, e.g. '{\"normalize\": false}'",
+    )
+    g.add_argument(
         "--attention-backend",
         default=m.attention_backend,
         choices=["auto", "torch", "triton"],
@@ -231,6 +238,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             async_scheduling=getattr(args, "async_scheduling", True),
             generation_config=getattr(args, "generation_config", "auto"),
             override_generation_config=getattr(args, "override_generation_config", None),
+            pooler_config=getattr(args, "pooler_config", None),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

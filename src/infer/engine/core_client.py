@@ -187,7 +187,8 @@ def pack_for_pipe(replies: list) -> list:
                 t = (t.arrival, t.first_scheduled, t.first_token, times, t.finished)
             r = (r.request_id, r.new_token_ids, r.new_text, r.new_logprobs, r.finished,
                  r.finish_reason, r.stop_reason, r.num_prompt_tokens, r.num_output_tokens,
-                 r.num_cached_tokens, t, r.error, r.prompt_logprobs, r.kv_payload)  # fmt: skip
+                 r.num_cached_tokens, t, r.error, r.prompt_logprobs, r.kv_payload,
+                 r.embedding)  # fmt: skip
         packed.append(r)
     return packed
 

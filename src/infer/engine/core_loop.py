@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.core.outputs import RequestOutput
+from infer.core.pooling_params import PoolingParams
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.distributed import EngineDeadError
 
@@ -42,7 +43,7 @@ STEP_DELAY_ENV = "INFER_TEST_STEP_DELAY"
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # (pooling: an embedding request)
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

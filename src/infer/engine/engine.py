@@ -14,7 +14,7 @@ import os
 import time
 import weakref
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from infer.core.kv_transfer import KVPayload
 from infer.core.lora_request import LoRARequest
 from infer.core.messages import ModelRunnerOutput, RunnerSetup, SchedulerOutput
 from infer.core.outputs import RequestOutput
+from infer.core.pooling_params import POOLING_SAMPLING, PoolingParams
 from infer.core.request import Request, RequestStatus
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.validation import check_prompt
@@ -37,6 +38,7 @@ from infer.model.generation_config import describe as describe_defaults
 from infer.model.generation_config import sampling_defaults
 from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
+from infer.model.pooling import load_pooler_config
 from infer.runner.backend import WeightsConfig, device_backend
 from infer.runner.cpu.prepack import model_weight_bytes
 from infer.runner.quant import check_quantization
@@ -185,6 +187,8 @@ class LLMEngine:
                                "keep it without speculative proposals (penalties decode one "
                                "token at a time); --override-generation-config "
                                "'{\"repetition_penalty\": 1.0}' lifts it")  # fmt: skip
+        # How embedding requests pool (the model's sentence-transformers files, --pooler-config).
+        self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config))
         self.dtype = self.backend.resolve_dtype(mc.dtype, self.spec.torch_dtype)
         t0 = time.perf_counter()
         self.checkpoint_quantization = quantized_format(self.model_path)
@@ -600,7 +604,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -616,9 +620,20 @@ class LLMEngine:
         ``export_kv``: when the request ends normally, its prompt KV is copied out in that same
         step (its final output's ``kv_payload``) before its blocks are freed; ``kv_payload`` is
         the prompt's KV computed by another engine (one that does not fit this prompt or this
-        cache is set aside: the prompt is computed here)."""
+        cache is set aside: the prompt is computed here).
+
+        ``params`` a ``PoolingParams``: an embedding request (its final output's
+        ``embedding``; see ``infer.core.pooling_params``)."""
         n = len(prompt_token_ids)
-        check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size)
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling, params = self._pooling(params), POOLING_SAMPLING
+            if export_kv or kv_payload is not None:
+                raise InvalidRequestError("an embedding request has no decode phase to hand "
+                                          "its KV to", param="input")  # fmt: skip
+        check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size,
+                     param="input" if pooling else "prompt",
+                     generates=pooling is None)  # fmt: skip
         params = params.with_bad_words_tokenized(
             lambda text: self.tokenizer.encode(text, add_special_tokens=False)
         )
@@ -661,6 +676,7 @@ class LLMEngine:
             lora_id=lora[1] if lora else None,
             export_kv=export_kv,
             kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload),
+            pooling=pooling,
         )
         longest = n + request.max_new_tokens
         # (the last output token is never fed back: its KV is never written)
@@ -688,6 +704,27 @@ class LLMEngine:
             self._admit_compiled(wait=False)
             return
         self.scheduler.add_request(request)
+
+    def _pooling(self, params: PoolingParams) -> PoolingParams:
+        """An embedding request's parameters with the model's ``normalize`` where it left it
+        unset; ``InvalidRequestError`` where this model cannot give what it asks."""
+        pooler = self.pooler_config
+        if not pooler.supported:
+            raise InvalidRequestError(
+                f"this model pools by {pooler.pooling_type} ({pooler.source}); infer pools the "
+                'last token only (--pooler-config \'{"pooling_type": "LAST"}\' serves it so)',
+                param="input",
+            )
+        hidden = self.spec.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden:
+            raise InvalidRequestError(
+                f"dimensions ({params.dimensions}) is more than the model's embedding size "
+                f"({hidden})",
+                param="dimensions",
+            )
+        if params.normalize is None:
+            params = replace(params, normalize=pooler.normalize)
+        return params
 
     def _check_payload(self, request_id: str, prompt: list[int],
                        payload: KVPayload | None) -> KVPayload | None:  # fmt: skip
@@ -891,7 +928,8 @@ class LLMEngine:
             if request_id not in self._states:  # finished while this step ran (a stop string
                 self.runner.sampler.forget(request_id)  # found meanwhile): its draw re-made it
         t2 = time.perf_counter()
-        progressed = self.scheduler.update_from_output(sched, sampled, result.prompt_logprobs)
+        progressed = self.scheduler.update_from_output(sched, sampled, result.prompt_logprobs,
+                                                       result.embeddings)  # fmt: skip
         if self.scheduler.held:  # before their outputs are made: the payload rides on them
             self._export_held()
         for request in progressed:
@@ -1113,6 +1151,7 @@ class LLMEngine:
             request.error,
             prompt_logprobs,
             request.exported_kv if finished else None,  # kv_payload
+            request.embedding,
         )
 
     # ---- introspection ------------------------------------------------------------------------

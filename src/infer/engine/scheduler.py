@@ -487,8 +487,10 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: dict[str, Sampled],
         prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] | None = None,
+        embeddings: dict[str, list[float]] | None = None,
     ) -> list[Request]:
         """Apply a step's results; returns the requests that progressed (finished ones included).
+        An embedding request whose prompt the step ended takes its embedding and finishes.
 
         A chunk with ``k`` proposals ran ``k + 1`` tokens; when ``a`` of the proposals were
         accepted, the sampler returned ``a + 1`` tokens and the KV of the ``k - a`` rejected
@@ -515,6 +517,14 @@ class Scheduler:
                         request.prompt_logprobs.append(lp)
             if not chunk.sample:
                 self.kv.commit_full_blocks(request)
+                continue
+            if request.pooling is not None:
+                assert embeddings is not None, "an embedding request's step pooled nothing"
+                request.embedding = embeddings[chunk.request_id]
+                request.timings.first_token = now
+                progressed.append(request)
+                self.kv.commit_full_blocks(request)
+                self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 continue
             result = sampled[chunk.request_id]
             tokens = result if isinstance(result, list) else [result]

@@ -17,7 +17,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -90,6 +90,9 @@ class InFlightStep:
     t0: float  # launch began
     t1: float  # inputs prepared
     t2: float  # launched
+    # Embedding requests whose prompt this step ends, and their last rows' hidden states.
+    pool_reqs: list[Request] = field(default_factory=list)
+    pooled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -294,9 +297,10 @@ class ModelRunner:
 
     def prepare(
         self, out: SchedulerOutput, requests: dict[str, Request]
-    ) -> tuple[StepBatch, list[Request], list[list[int]], list[tuple[Request, int]]]:
+    ) -> tuple[StepBatch, list[Request], list[list[int]], list[tuple[Request, int]], list[Request]]:
         """The step's model inputs, and what sampling needs: the sampled requests, their
-        proposals (speculative decoding), and ``(request, position)`` of each prompt row.
+        proposals (speculative decoding), ``(request, position)`` of each prompt row, and the
+        embedding requests whose prompt ends here (their rows are the batch's ``pool_rows``).
         ``requests`` (the scheduler's, by id) is read here only: nothing of a launched step
         looks a request up again, so a request that ends meanwhile (its id perhaps taken by a
         new one) changes nothing the step collects."""
@@ -308,17 +312,21 @@ class ModelRunner:
         prompt_rows: list[int] = []
         prompt_targets: list[tuple[Request, int]] = []  # the prompt token each row predicts
         proposals: list[list[int]] = []  # per sampled chunk (speculative decoding)
+        pool_rows: list[int] = []
+        pool_reqs: list[Request] = []
         for chunk in out.chunks:
             n = len(chunk.token_ids)
             start = chunk.num_computed_tokens
-            if n == 1 and chunk.sample:  # a decode (most rows of most steps): the short way
-                token_ids.append(chunk.token_ids[0])
-                positions.append(start)
-                seqs.append(SequenceSlice(start, 1, chunk.block_table))
-                sample_rows.append(len(token_ids) - 1)
-                sample_reqs.append(requests[chunk.request_id])
-                proposals.append(NO_PROPOSALS)
-                continue
+            if n == 1 and chunk.sample:
+                request = requests[chunk.request_id]
+                if request.pooling is None:  # a decode (most rows of most steps): the short way
+                    token_ids.append(chunk.token_ids[0])
+                    positions.append(start)
+                    seqs.append(SequenceSlice(start, 1, chunk.block_table))
+                    sample_rows.append(len(token_ids) - 1)
+                    sample_reqs.append(request)
+                    proposals.append(NO_PROPOSALS)
+                    continue
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
             seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0))
@@ -331,16 +339,21 @@ class ModelRunner:
                         prompt_rows.append(first_row + i)
                         prompt_targets.append((request, target))
             if chunk.sample:
-                # A chunk with k proposals is scored at its last k + 1 rows.
+                request = requests[chunk.request_id]
                 end = len(token_ids)
+                if request.pooling is not None:  # its embedding: the prompt's last row
+                    pool_rows.append(end - 1)
+                    pool_reqs.append(request)
+                    continue
+                # A chunk with k proposals is scored at its last k + 1 rows.
                 sample_rows.extend(range(end - 1 - chunk.num_spec_tokens, end))
-                sample_reqs.append(requests[chunk.request_id])
+                sample_reqs.append(request)
                 proposals.append(chunk.spec_token_ids)
         batch = StepBatch(
             token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
-            self._lora_slots(out, requests), out.kv_imports,
+            self._lora_slots(out, requests), out.kv_imports, pool_rows,
         )  # fmt: skip
-        return batch, sample_reqs, proposals, prompt_targets
+        return batch, sample_reqs, proposals, prompt_targets, pool_reqs
 
     def _lora_slots(self, out: SchedulerOutput, requests: dict[str, Request]) -> list[int] | None:
         """Each row's adapter slot, the step's adapters put in slots first (None: no row has
@@ -360,10 +373,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, batch: StepBatch, feed: TokenFeed | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
-        one forward pass, and float32 logits of the sampled rows and of the prompt rows.
-        ``feed``: see :meth:`launch` (the Triton step only)."""
+        one forward pass, float32 logits of the sampled rows and of the prompt rows, and the
+        float32 final hidden states of the pooled rows (embeddings; a copy, so a CUDA graph's
+        next replay cannot overwrite it). ``feed``: see :meth:`launch` (the Triton step only)."""
         self.swap_blocks(batch)
         if batch.kv_imports:  # after the swap-outs: a block freed by one may be a target
             self.import_kv(batch.kv_imports)
@@ -375,7 +389,9 @@ class ModelRunner:
             if feed is not None:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
             hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
-        logits = prompt_logits = None
+        logits = prompt_logits = pooled = None
+        if batch.pool_rows:
+            pooled = hidden[self._row_index("pool_rows", batch.pool_rows)].float()
         if batch.sample_rows:
             if batch.samples_every_row:
                 sampled = hidden  # (decode): no gather
@@ -387,7 +403,7 @@ class ModelRunner:
             prompt_logits = self.model.compute_logits(hidden[rows]).float()
         if self._sync:
             torch.cuda.synchronize(self.device)
-        return logits, prompt_logits
+        return logits, prompt_logits, pooled
 
     @torch.inference_mode()
     def execute(
@@ -414,11 +430,11 @@ class ModelRunner:
         the sampled ids (the rest of sampling is :meth:`collect`'s). ``feed`` (the Triton step
         only): input ids that the step before samples, taken on the device."""
         t0 = time.perf_counter()
-        batch, sample_reqs, proposals, prompt_targets = self.prepare(out, requests)
+        batch, sample_reqs, proposals, prompt_targets, pool_reqs = self.prepare(out, requests)
         if self.workers is not None:  # the other tensor-parallel ranks run the same batch
             self.workers.send(batch)
         t1 = time.perf_counter()
-        logits, prompt_logits = self.run(batch, feed)
+        logits, prompt_logits, pooled = self.run(batch, feed)
         pending = None
         if (
             logits is not None
@@ -429,7 +445,8 @@ class ModelRunner:
             pending = self.sampler.launch(logits, sample_reqs)
             logits = None  # sampled: not kept alive beside the next step's
         return InFlightStep(out, sample_reqs, proposals, prompt_targets, logits,
-                            prompt_logits, pending, t0, t1, time.perf_counter())  # fmt: skip
+                            prompt_logits, pending, t0, t1, time.perf_counter(), pool_reqs,
+                            pooled)  # fmt: skip
 
     @torch.inference_mode()
     def collect(self, step: InFlightStep) -> ModelRunnerOutput:
@@ -454,11 +471,14 @@ class ModelRunner:
         sampled: dict[str, Sampled] = {}
         for request, result in zip(step.sample_reqs, results, strict=True):
             sampled[request.request_id] = result
+        embeddings = {}
+        if step.pooled is not None:
+            embeddings = pool(step.pooled, step.pool_reqs)
         t3 = time.perf_counter()
         # forward: queueing the pass (on a GPU; the whole pass on a CPU); sample: from the
         # collect on, the wait for the device included
         timings = StepTimings(step.t1 - step.t0, step.t2 - step.t1, t3 - t_collect)
-        return ModelRunnerOutput(sampled, timings, prompt_lps)
+        return ModelRunnerOutput(sampled, timings, prompt_lps, embeddings)
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, targets: list[tuple[Request, int]]
@@ -472,3 +492,19 @@ class ModelRunner:
             lp = token_logprob(logprobs[j], token, k)
             out.setdefault(request.request_id, []).append((position, lp))
         return out
+
+
+def pool(hidden: torch.Tensor, requests: list[Request]) -> dict[str, list[float]]:
+    """Each embedding request's vector from its row of ``hidden`` (float32 ``[n, hidden]``):
+    cut to its ``dimensions``, then scaled to unit length if it normalizes (the engine has
+    resolved ``normalize`` from the model's configuration)."""
+    out: dict[str, list[float]] = {}
+    for row, request in zip(hidden, requests, strict=True):
+        params = request.pooling
+        assert params is not None
+        if params.dimensions is not None:
+            row = row[: params.dimensions]
+        if params.normalize:
+            row = torch.nn.functional.normalize(row, dim=0)
+        out[request.request_id] = row.tolist()
+    return out

@@ -20,6 +20,7 @@ from infer.server import metrics as metrics_mod
 from infer.server.chat import create_chat_completion, render_request
 from infer.server.completions import create_completion
 from infer.server.dashboard import Dashboard, install_dashboard
+from infer.server.embeddings import create_embedding
 from infer.server.errors import APIError, install_error_handlers
 from infer.server.fim import fim_tokens
 from infer.server.lora_routes import install_lora_routes, runtime_lora_updating
@@ -40,6 +41,8 @@ from infer.server.protocol import (
     CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     HealthResponse,
     ModelCard,
@@ -189,6 +192,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
               responses=_streamed(ChatCompletionStreamResponse), tags=["openai"])  # fmt: skip
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(serving, body, request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS,
+              tags=["openai"])  # fmt: skip
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        """Each input's embedding: the final hidden state of its last token (normalized as the
+        model's sentence-transformers files say; ``--pooler-config`` overrides)."""
+        return await create_embedding(serving, body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["tokens"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

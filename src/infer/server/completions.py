@@ -39,12 +39,12 @@ from infer.server.serving import (
 from infer.server.stream_json import EventTemplate, completion_choice
 
 
-def _prompt_list(prompt) -> list[str | list[int]]:
-    """Normalise OpenAI's four prompt forms to a list of prompts."""
+def prompt_list(prompt, param: str = "prompt") -> list[str | list[int]]:
+    """Normalise OpenAI's four prompt forms (``param``: the field) to a list of prompts."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise bad_request("the prompt is empty", param="prompt")
+        raise bad_request(f"the {param} is empty", param=param)
     if isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
@@ -92,7 +92,7 @@ def _join(a: CompletionLogprobs | None, b: CompletionLogprobs) -> CompletionLogp
 async def create_completion(serving: Serving, req: CompletionRequest, raw: Request) -> Response:
     model = serving.check_model(req.model)
     serving.check_fields(req, "/v1/completions")
-    prompts = _prompt_list(req.prompt)
+    prompts = prompt_list(req.prompt)
     fim = None
     if req.suffix:
         fim = fim_tokens(serving.tokenizer)

@@ -168,7 +168,7 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 
 
 class OverloadMiddleware:

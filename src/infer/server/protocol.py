@@ -353,6 +353,34 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False  # also each token's string (vLLM's field)
 
 
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings`` (OpenAI's fields plus vLLM's ``truncate_prompt_tokens``,
+    ``add_special_tokens``, ``normalize`` and ``priority``)."""
+
+    model: str | None = Field(None, description="served model name; defaults to the only model")
+    input: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[InputTokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[InputTokenId], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(..., description="a string, strings, token ids, or lists of token ids")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each vector's little-endian float32 bytes"
+    )
+    dimensions: int | None = Field(
+        None, ge=1, description="keep the first d values (Matryoshka), normalized after the cut"
+    )
+    user: str | None = Field(None, description="accepted and ignored")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep each input's last k tokens (-1: the context length)"
+    )
+    add_special_tokens: bool = Field(True, description="the tokenizer's BOS/EOS etc. (vLLM's)")
+    normalize: bool | None = Field(
+        None, description="unit length (default: as the model's sentence-transformers files say)"
+    )
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
+
+
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[InputTokenId]
@@ -554,6 +582,26 @@ class TokenizeResponse(_Response):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class EmbeddingData(_Response):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # (a string: base64)
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(_Response):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 class ErrorInfo(_Response):

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from infer.core.kv_transfer import KVHandoff
 from infer.core.outputs import RequestOutput
+from infer.core.pooling_params import PoolingParams
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.structured import StructuredOutputs
@@ -34,6 +35,7 @@ from infer.engine.async_engine import (
 from infer.server.errors import APIError, bad_request, from_invalid_request, internal_error
 from infer.server.protocol import (
     UNSUPPORTED_FIELDS,
+    EmbeddingRequest,
     PromptLogprobs,
     PromptTokensDetails,
     UsageInfo,
@@ -148,7 +150,7 @@ class Serving:
         (completions pass the request's field, on by default as in vLLM and the offline API)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def truncated(self, ids: list[int], req: _SamplingFields) -> list[int]:
+    def truncated(self, ids: list[int], req: _SamplingFields | EmbeddingRequest) -> list[int]:
         """``truncate_prompt_tokens``: the prompt's last k tokens (-1: the context length)."""
         k = req.truncate_prompt_tokens
         if k is None:
@@ -221,9 +223,11 @@ class Serving:
             raise from_invalid_request(e) from e
 
     # ---- fan-out ------------------------------------------------------------------------------
-    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     req: _SamplingFields, kv: KVHandoff | None = None) -> RequestStream:  # fmt: skip
-        """One engine request per (prompt, choice): choice index ``i * n + j``, id ``{id}-{index}``.
+    async def submit(self, request_id: str, prompts: list[list[int]],
+                     params: SamplingParams | PoolingParams, req: _SamplingFields | EmbeddingRequest,
+                     kv: KVHandoff | None = None) -> RequestStream:  # fmt: skip
+        """One engine request per (prompt, choice): choice index ``i * n + j``, id ``{id}-{index}``
+        (``PoolingParams``: one embedding request per prompt).
 
         ``kv``: a disaggregated replica's hand-off (``infer.core.kv_transfer``): prefill
         requests hold their KV for export, a decode request's first sequence starts from the
@@ -231,22 +235,28 @@ class Serving:
 
         Raises ``APIError`` 429 when the queue is full, 400 when the engine refuses the request.
         """
-        if len(prompts) * params.n > MAX_SEQUENCES:
-            raise bad_request(f"{len(prompts)} prompts x n={params.n} is more than the "
+        n = params.n if isinstance(params, SamplingParams) else 1
+        if len(prompts) * n > MAX_SEQUENCES:
+            if n == 1:
+                raise bad_request(f"{len(prompts)} inputs is more than the {MAX_SEQUENCES} one "
+                                  "request may give", param="input")  # fmt: skip
+            raise bad_request(f"{len(prompts)} prompts x n={n} is more than the "
                               f"{MAX_SEQUENCES} sequences one request may ask for", param="n")  # fmt: skip
         arrival = time.perf_counter()
         model = getattr(req, "model", None)
         lora_name = model if model in self.lora_adapters else None
         adds = []
         for i, ids in enumerate(prompts):
-            for j in range(params.n):
+            for j in range(n):
                 adds.append(
                     AddRequest(
-                        request_id=f"{request_id}-{i * params.n + j}",
+                        request_id=f"{request_id}-{i * n + j}",
                         prompt_token_ids=ids,
-                        params=params.for_choice(j),
+                        params=params.for_choice(j)
+                        if isinstance(params, SamplingParams)
+                        else params,
                         priority=req.priority,
-                        cache_salt=req.cache_salt,
+                        cache_salt=getattr(req, "cache_salt", None),
                         arrival_time=arrival,
                         lora_name=lora_name,
                         export_kv=kv is not None and kv.role == "prefill",

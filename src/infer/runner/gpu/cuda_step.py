@@ -360,7 +360,8 @@ class CudaStep:
         return sum(g.capture_bytes for g in (self.graphs, self.mixed_graphs) if g is not None)
 
     def staged_rows(self, name: str, rows: list[int]) -> torch.Tensor:
-        """The device index of the last step's ``rows`` (``"sample_rows"``, ``"prompt_rows"``),
+        """The device index of the last step's ``rows`` (``"sample_rows"``, ``"prompt_rows"``,
+        ``"pool_rows"``),
         as :meth:`forward` copied them before the pass (from the buffers the step used)."""
         staged = self._staged.get(name)
         if staged is None or staged.shape[0] != len(rows):  # (not staged: copy now)
@@ -422,6 +423,8 @@ class CudaStep:
             self._staged["sample_rows"] = inputs.row_index("sample_rows", batch.sample_rows)
         if batch.prompt_rows:
             self._staged["prompt_rows"] = inputs.row_index("prompt_rows", batch.prompt_rows)
+        if batch.pool_rows:
+            self._staged["pool_rows"] = inputs.row_index("pool_rows", batch.pool_rows)
         kind = "decode" if decode else "mixed"
         if size is not None:
             graphs = self.graphs if decode else self.mixed_graphs

@@ -354,6 +354,7 @@ class StepInputs:
         # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
         self.sample_rows = pair(shape.max_rows, dtype=torch.long)
         self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
+        self.pool_rows = pair(shape.max_rows, dtype=torch.long)  # (embeddings)
         # a step launched ahead: its rows fed the step before's sampled ids, and from where
         self.feed_rows = pair(shape.max_table_rows, dtype=torch.long)
         self.feed_sources = pair(shape.max_table_rows, dtype=torch.long)
@@ -372,6 +373,7 @@ class StepInputs:
                 "decode_list",
                 "sample_rows",
                 "prompt_rows",
+                "pool_rows",
                 "feed_rows",
                 "feed_sources",
             )
@@ -389,7 +391,8 @@ class StepInputs:
         return dev[:n]
 
     def row_index(self, name: str, rows: list[int]) -> torch.Tensor:
-        """``rows`` (``name``: ``"sample_rows"``, ``"prompt_rows"``, ``"feed_rows"`` or
+        """``rows`` (``name``: ``"sample_rows"``, ``"prompt_rows"``, ``"pool_rows"``,
+        ``"feed_rows"`` or
         ``"feed_sources"``) as a device index, copied
         without waiting: a tensor built from a list would be a pageable copy, which waits for
         the forward pass queued before it (and so for the host work meant to overlap it)."""

@@ -1,0 +1,41 @@
+"""What an embedding request asks for (``POST /v1/embeddings``, ``LLM.embed``).
+
+An embedding request runs its prompt through the model like a prefill (chunked, prefix-cached,
+batched with everyone else's decodes) and, in the step that reaches the prompt's end, takes the
+final hidden state of its last token instead of sampling from it: the model's embedding of the
+text (last-token pooling, what decoder-only embedding models such as Qwen3-Embedding,
+gte-Qwen2 and e5-mistral are trained for). It then finishes, with no output tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infer.core.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """``normalize``: scale the embedding to unit length (None: as the model's configuration
+    says: its sentence-transformers ``Normalize`` module, on where it has no such file).
+    ``dimensions``: keep only the first ``dimensions`` values (Matryoshka embeddings; the
+    normalization, if any, comes after the cut)."""
+
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise InvalidRequestError(
+                f"normalize must be true or false, got {self.normalize!r}", param="normalize"
+            )
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise InvalidRequestError(
+                f"dimensions must be a positive integer, got {d!r}", param="dimensions"
+            )
+
+
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+"""The sampling parameters an embedding request carries through the engine (nothing of them is
+used: it samples nothing): one step past its prompt, so it ends in the step that pools it."""

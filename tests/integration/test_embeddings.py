@@ -1,0 +1,159 @@
+"""Embeddings offline (``LLM.embed``) and through the engine beside generation: each prompt's
+vector is transformers' base-model hidden state at its last token on every architecture, the
+same whether the prompt ran whole, in chunks, or partly from the prefix cache; generation
+beside it is unchanged; the model's sentence-transformers files decide the pooling and the
+normalization, ``pooler_config`` over them; every KV block comes back (``make_llm``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from infer import SamplingParams
+from infer.core.pooling_params import PoolingParams
+from infer.core.sampling_params import InvalidRequestError
+
+from .conftest import GEN_TOKENS, PROMPTS
+
+LONG = PROMPTS[5]  # ~40 tokens
+
+
+def _hf_hidden(path, prompts: list[str]) -> list[torch.Tensor]:
+    """transformers' base model: the last hidden state at each prompt's last token."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            out.append(model(torch.tensor([tok.encode(p)])).last_hidden_state[0, -1])
+    return out
+
+
+def _vectors(results) -> list[torch.Tensor]:
+    return [torch.tensor(r.outputs.embedding) for r in results]
+
+
+def test_embeddings_are_transformers_last_hidden_state(checkpoint_kind, tiny_checkpoint, make_llm):
+    prompts = [PROMPTS[0], PROMPTS[4], LONG]
+    llm = make_llm(checkpoint_kind)
+    results = llm.embed(prompts)
+    raw = llm.embed(prompts, PoolingParams(normalize=False))
+    for r, got, unnormalized, want in zip(results, _vectors(results), _vectors(raw),
+                                          _hf_hidden(tiny_checkpoint, prompts), strict=True):  # fmt: skip
+        assert r.prompt_token_ids == llm.tokenizer.encode(r.prompt)
+        torch.testing.assert_close(unnormalized, want, atol=2e-4, rtol=1e-4)
+        # normalized by default (no sentence-transformers files: vLLM's default too)
+        torch.testing.assert_close(got, torch.nn.functional.normalize(want, dim=0), atol=2e-5,
+                                   rtol=1e-4)  # fmt: skip
+
+
+def test_chunked_cached_and_whole_prompts_give_the_same_vector(make_llm):
+    whole = _vectors(make_llm("qwen3").embed([LONG, PROMPTS[2]]))
+    llm = make_llm("qwen3", block_size=4, enable_prefix_caching=True, max_num_batched_tokens=8)
+    first = llm.embed([LONG, PROMPTS[2]])
+    again = llm.embed(LONG)[0]
+    assert first[0].num_cached_tokens == 0 and again.num_cached_tokens >= 32
+    for got, want in zip(_vectors([*first, again]), [*whole, whole[0]], strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # dimensions: the first d values of the unnormalized state, normalized after the cut
+    cut = llm.embed(LONG, PoolingParams(dimensions=5))[0].outputs.embedding
+    raw = llm.embed(LONG, PoolingParams(normalize=False))[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(cut),
+                               torch.nn.functional.normalize(torch.tensor(raw[:5]), dim=0))  # fmt: skip
+
+
+def test_embeddings_join_running_decodes_without_changing_their_tokens(make_llm, hf_greedy):
+    """Embedding requests (a one-token input among them: a row shaped like a decode) admitted
+    while four prompts decode: the decodes' tokens are still transformers' greedy ones, the
+    vectors the ones the prompts get alone, and the requests end with no output tokens."""
+    llm = make_llm("llama", max_num_seqs=8)
+    alone = _vectors(llm.embed([LONG, [5], PROMPTS[1]]))
+    engine = llm.engine
+    params = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"g{i}", llm.tokenizer.encode(PROMPTS[i], add_special_tokens=False),
+                           params)  # fmt: skip
+    tokens: dict[str, list[int]] = {f"g{i}": [] for i in range(4)}
+    finals = {}
+    for step in range(200):
+        if step == 3:
+            for j, ids in enumerate([llm.tokenizer.encode(LONG), [5],
+                                     llm.tokenizer.encode(PROMPTS[1])]):  # fmt: skip
+                engine.add_request(f"e{j}", ids, PoolingParams())
+        for out in engine.step():
+            if out.request_id in tokens:
+                tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert [tokens[f"g{i}"] for i in range(4)] == hf_greedy("llama")[:4]
+    for j, want in enumerate(alone):
+        out = finals[f"e{j}"]
+        assert out.finish_reason == "stop" and out.num_output_tokens == 0
+        torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-5, rtol=1e-4)
+
+
+def _with_sentence_transformers(src, dst, mode: str, normalize: bool):
+    shutil.copytree(src, dst)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+    (dst / "modules.json").write_text(json.dumps(modules))
+    (dst / "1_Pooling").mkdir()
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{mode}": True}))
+    return dst
+
+
+def test_the_models_pooling_files_decide_and_pooler_config_overrides(tiny_checkpoints, tmp_path):
+    from infer import LLM
+
+    opts = dict(dtype="float32", device="cpu", max_num_seqs=4)
+    raw_folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "raw",
+                                             "lasttoken", normalize=False)  # fmt: skip
+    want = _hf_hidden(raw_folder, [PROMPTS[0]])[0]
+    llm = LLM(str(raw_folder), **opts)
+    got = torch.tensor(llm.embed(PROMPTS[0])[0].outputs.embedding)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)  # no Normalize module: raw
+    llm = LLM(str(raw_folder), pooler_config='{"normalize": true}', **opts)
+    got = torch.tensor(llm.embed(PROMPTS[0])[0].outputs.embedding)
+    assert got.norm().item() == pytest.approx(1.0, abs=1e-5)
+
+    mean_folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "mean",
+                                              "mean_tokens", normalize=True)  # fmt: skip
+    llm = LLM(str(mean_folder), **opts)
+    with pytest.raises(InvalidRequestError, match="pools by MEAN") as e:
+        llm.embed(PROMPTS[0])
+    assert e.value.param == "input"
+    assert llm.generate(PROMPTS[0])[0].outputs[0].token_ids  # it still generates
+    llm = LLM(str(mean_folder), pooler_config={"pooling_type": "last"}, **opts)
+    got = torch.tensor(llm.embed(PROMPTS[0])[0].outputs.embedding)
+    torch.testing.assert_close(got, torch.nn.functional.normalize(want, dim=0), atol=2e-5,
+                               rtol=1e-4)  # fmt: skip
+    with pytest.raises(ValueError, match="pooling_type 'MEAN' is not supported"):
+        LLM(str(mean_folder), pooler_config='{"pooling_type": "MEAN"}', **opts)
+    with pytest.raises(ValueError, match="unknown field"):
+        LLM(str(mean_folder), pooler_config='{"pooling": "LAST"}', **opts)
+
+
+def test_bad_embedding_requests_are_refused_naming_the_field(make_llm):
+    llm = make_llm("llama")
+    with pytest.raises(InvalidRequestError) as e:
+        llm.embed("hi", PoolingParams(dimensions=10_000))
+    assert e.value.param == "dimensions"
+    with pytest.raises(InvalidRequestError) as e:
+        PoolingParams(dimensions=0)
+    assert e.value.param == "dimensions"
+    with pytest.raises(InvalidRequestError) as e:
+        llm.embed([1] * (llm.engine.max_model_len + 1))
+    assert e.value.param == "input" and "context length" in str(e.value)
+    # a prompt of exactly the context length: embedded (no room for a token is needed)
+    assert len(llm.embed([1] * llm.engine.max_model_len)[0].outputs.embedding) == 64

@@ -1,0 +1,180 @@
+"""``POST /v1/embeddings`` over HTTP with the ``openai`` SDK: each input's vector is the final
+hidden state of its last token, as transformers' base model computes it, normalized because the
+model's sentence-transformers files say so; the engine goes on generating for everyone else and
+every KV block comes back."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from tests.server.conftest import concurrently, start_server
+
+TEXTS = [
+    "The quick brown fox",
+    "x",
+    "In Python, a list is a mutable sequence; a tuple is an immutable one. Both hold any objects, "
+    "and both can be indexed, sliced and iterated over in a for loop.",
+]
+
+
+@pytest.fixture(scope="module")
+def embedding_model(tiny_checkpoints, tmp_path_factory):
+    """The tiny Qwen3 checkpoint as a sentence-transformers embedding model publishes it:
+    last-token pooling, then a Normalize module."""
+    folder = tmp_path_factory.mktemp("embed") / "model"
+    shutil.copytree(tiny_checkpoints["qwen3"], folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]  # fmt: skip
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, "pooling_mode_lasttoken": True,
+                    "pooling_mode_mean_tokens": False, "pooling_mode_cls_token": False})  # fmt: skip
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(embedding_model, server_logs):
+    # A small token budget: the long input's prompt runs in several chunks.
+    yield from start_server(embedding_model, server_logs, "--max-num-batched-tokens", "16",
+                            "--max-num-seqs", "8")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(embedding_model):
+    """transformers' last hidden state at each text's last token (its ids with the tokenizer's
+    special tokens, as the server encodes an input)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedding_model)
+    model = AutoModel.from_pretrained(embedding_model, dtype=torch.float32).eval()
+
+    def hidden(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).last_hidden_state[0, -1]
+
+    return tok, hidden
+
+
+def unit(v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(v, dim=0)
+
+
+def test_the_openai_sdk_gets_each_inputs_last_token_state_normalized(server, reference):
+    from openai import OpenAI
+
+    tok, hidden = reference
+    client = OpenAI(base_url=server.base_url, api_key="none")
+    # (the SDK asks for base64 and decodes it)
+    resp = client.embeddings.create(model="tiny", input=TEXTS)
+    assert [d.index for d in resp.data] == [0, 1, 2]
+    ids = [tok.encode(t) for t in TEXTS]
+    assert len(ids[2]) > 16  # prefilled in chunks
+    for d, token_ids in zip(resp.data, ids, strict=True):
+        got = torch.tensor(d.embedding)
+        assert got.shape == (64,)
+        torch.testing.assert_close(got, unit(hidden(token_ids)), atol=2e-5, rtol=1e-4)
+    assert resp.usage.prompt_tokens == resp.usage.total_tokens == sum(map(len, ids))
+    assert resp.model == "tiny"
+    server.wait_idle()
+
+
+def test_float_and_base64_encodings_carry_the_same_vector(server):
+    with server.client() as c:
+        as_float = c.post("/v1/embeddings", json={"input": TEXTS[0]}).json()
+        as_b64 = c.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"})
+    vector = as_float["data"][0]["embedding"]
+    assert as_float["object"] == "list" and as_float["data"][0]["object"] == "embedding"
+    raw = base64.b64decode(as_b64.json()["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == vector
+    assert as_float["id"].startswith("embd-")
+
+
+def test_token_ids_dimensions_and_normalize(server, reference):
+    tok, hidden = reference
+    ids = tok.encode(TEXTS[2])
+    with server.client() as c:
+
+        def embed(**fields) -> list[list[float]]:
+            r = c.post("/v1/embeddings", json={"model": "tiny", **fields})
+            assert r.status_code == 200, r.text
+            return [d["embedding"] for d in r.json()["data"]]
+
+        full = hidden(ids)
+        torch.testing.assert_close(torch.tensor(embed(input=ids)[0]), unit(full), atol=2e-5,
+                                   rtol=1e-4)  # fmt: skip
+        two = embed(input=[ids, ids[:5]])
+        torch.testing.assert_close(torch.tensor(two[1]), unit(hidden(ids[:5])), atol=2e-5,
+                                   rtol=1e-4)  # fmt: skip
+        # Matryoshka: the first 8 values, normalized after the cut
+        cut = torch.tensor(embed(input=ids, dimensions=8)[0])
+        torch.testing.assert_close(cut, unit(full[:8]), atol=2e-5, rtol=1e-4)
+        raw = torch.tensor(embed(input=ids, normalize=False)[0])
+        torch.testing.assert_close(raw, full, atol=1e-4, rtol=1e-4)
+        # the last 4 tokens only
+        last4 = torch.tensor(embed(input=ids, truncate_prompt_tokens=4)[0])
+        torch.testing.assert_close(last4, unit(hidden(ids[-4:])), atol=2e-5, rtol=1e-4)
+    server.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "says"),
+    [
+        ({"input": ""}, 400, "input", ""),
+        ({"input": []}, 400, "input", ""),
+        ({"input": "hi", "dimensions": 65}, 400, "dimensions", "embedding size (64)"),
+        ({"input": "hi", "dimensions": 0}, 400, "dimensions", ""),
+        ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format", ""),
+        ({"input": [[1, 2], []]}, 400, "input", ""),
+        ({"input": [5, 10**6]}, 400, "input", "outside the vocabulary"),
+        ({"input": "hi", "model": "other"}, 404, "model", "does not exist"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_field(server, body, status, param, says):
+    with server.client() as c:
+        r = c.post("/v1/embeddings", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert (error["param"] or "").startswith(param), error
+    assert says in error["message"]
+
+
+def test_an_input_longer_than_the_context_is_refused(server):
+    with server.client() as c:
+        max_len = c.get("/v1/models").json()["data"][0]["max_model_len"]
+        r = c.post("/v1/embeddings", json={"input": [7] * (max_len + 1)})
+        assert r.status_code == 400, r.text
+        assert "context length" in r.json()["error"]["message"]
+        # exactly the context fits: an embedding generates nothing
+        assert c.post("/v1/embeddings", json={"input": [7] * max_len}).status_code == 200
+    server.wait_idle()
+
+
+def test_generation_is_unchanged_beside_embeddings(server):
+    prompt = {"model": "tiny", "prompt": "The sea", "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True}  # fmt: skip
+    with server.client() as c:
+        alone = c.post("/v1/completions", json=prompt).json()["choices"][0]["text"]
+
+        def one(i: int):
+            if i % 2:
+                return c.post("/v1/completions", json=prompt).json()["choices"][0]["text"]
+            r = c.post("/v1/embeddings", json={"input": TEXTS[i % 3] * (1 + i % 4)})
+            return len(r.json()["data"][0]["embedding"])
+
+        results = concurrently(one, range(12))
+    assert results[1::2] == [alone] * 6
+    assert results[0::2] == [64] * 6
+    stats = server.wait_idle()
+    assert stats["finished_total"]["stop"] >= 6
