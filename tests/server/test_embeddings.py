@@ -38,8 +38,14 @@ def embedding_model(tiny_checkpoints, tmp_path_factory):
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir()
     (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 64, "pooling_mode_lasttoken": True,
-                    "pooling_mode_mean_tokens": False, "pooling_mode_cls_token": False})  # fmt: skip
+        json.dumps(
+            {
+                "word_embedding_dimension": 64,
+                "pooling_mode_lasttoken": True,
+                "pooling_mode_mean_tokens": False,
+                "pooling_mode_cls_token": False,
+            }
+        )  # fmt: skip
     )
     return folder
 
