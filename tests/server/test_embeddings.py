@@ -45,7 +45,7 @@ def embedding_model(tiny_checkpoints, tmp_path_factory):
                 "pooling_mode_mean_tokens": False,
                 "pooling_mode_cls_token": False,
             }
-        )  # fmt: skip
+        )
     )
     return folder
 
