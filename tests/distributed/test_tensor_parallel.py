@@ -88,6 +88,17 @@ def test_greedy_outputs_identical_and_blocks_freed(pair):
     assert stats.prefix_cache_hits_total > 0
 
 
+def test_embeddings_match_one_rank(pair):
+    """The driver's final hidden states are whole (the last layer's reduce is done): an
+    embedding under two ranks is one rank's."""
+    single, double = pair
+    for e, g in zip(single.embed(PROMPTS), double.embed(PROMPTS), strict=True):
+        torch.testing.assert_close(torch.tensor(g.outputs.embedding),
+                                   torch.tensor(e.outputs.embedding), rtol=0, atol=1e-4)  # fmt: skip
+    stats = double.engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_heads_that_do_not_divide_are_refused(tiny_checkpoints):
     with pytest.raises(
         ValueError, match="tensor_parallel_size 3 does not divide num_attention_heads=4"

@@ -204,3 +204,54 @@ def test_requests_admitted_into_steps_launched_ahead_get_the_waiting_steps_token
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert [got[r] for r in ("2", "3", "6")] == [hf[2], hf[3], hf[6]]
+
+
+def test_embedding_requests_admitted_into_steps_launched_ahead(make_llm):
+    """Embedding requests arriving while decodes run are admitted into steps launched ahead (a
+    request that pools samples nothing, so no later step is fed from its row): the decodes keep
+    the waiting steps' tokens, and each vector is the one the Triton step gives the prompt
+    alone and the torch path's."""
+    from infer.core.pooling_params import PoolingParams
+
+    sync = make_llm("llama", async_scheduling=False, **OPTIONS)
+    torch_path = make_llm("llama", block_size=4, max_num_seqs=4)
+    inputs = [sync.tokenizer.encode(PROMPTS[5]), [5], sync.tokenizer.encode(PROMPTS[1])]
+    alone = [r.outputs.embedding for r in sync.embed(inputs)]
+    reference = [r.outputs.embedding for r in torch_path.embed(inputs)]
+    torch.testing.assert_close(torch.tensor(alone), torch.tensor(reference), atol=1e-4, rtol=1e-4)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in sync.generate(PROMPTS[:2], greedy)]
+
+    llm = make_llm("llama", **OPTIONS)
+    engine = llm.engine
+    plan, ahead_ids = engine._plan_and_launch, []
+
+    def recording(running):
+        ahead = plan(running)
+        if ahead is not None:
+            ahead_ids.append({c.request_id for c in ahead.step.out.chunks})
+        return ahead
+
+    engine._plan_and_launch = recording
+    for i in range(2):
+        engine.add_request(f"g{i}", engine.tokenizer.encode(PROMPTS[i]), greedy)
+    tokens: dict[str, list[int]] = {"g0": [], "g1": []}
+    finals = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps == 3:
+            assert engine._ahead is not None  # the next step is already on its way
+            for j, ids in enumerate(inputs):
+                engine.add_request(f"e{j}", ids, PoolingParams())
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+    assert [tokens["g0"], tokens["g1"]] == want
+    assert len(ahead_ids) >= 4
+    assert any(ids & {"e0", "e1", "e2"} for ids in ahead_ids), ahead_ids  # admitted ahead
+    for j, vector in enumerate(alone):
+        assert finals[f"e{j}"].num_output_tokens == 0
+        torch.testing.assert_close(torch.tensor(finals[f"e{j}"].embedding), torch.tensor(vector),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
