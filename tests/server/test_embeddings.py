@@ -184,3 +184,11 @@ def test_generation_is_unchanged_beside_embeddings(server):
     assert results[0::2] == [64] * 6
     stats = server.wait_idle()
     assert stats["finished_total"]["stop"] >= 6
+
+
+def test_the_schema_bounds_dimensions_by_the_hidden_size(server):
+    with server.client() as c:
+        schema = c.get("/openapi.json").json()
+    dims = schema["components"]["schemas"]["EmbeddingRequest"]["properties"]["dimensions"]
+    assert {"type": "integer", "minimum": 1, "maximum": 64}.items() <= dims["anyOf"][0].items()
+    assert "/v1/embeddings" in schema["paths"]
