@@ -67,11 +67,22 @@ def test_chunked_cached_and_whole_prompts_give_the_same_vector(make_llm):
                                torch.nn.functional.normalize(torch.tensor(raw[:5]), dim=0))  # fmt: skip
 
 
-def test_embeddings_join_running_decodes_without_changing_their_tokens(make_llm, hf_greedy):
+@pytest.mark.parametrize("spec", [None, "ngram", "draft"])
+def test_embeddings_join_running_decodes_without_changing_their_tokens(
+    spec, make_llm, hf_greedy, tiny_checkpoints
+):
     """Embedding requests (a one-token input among them: a row shaped like a decode) admitted
-    while four prompts decode: the decodes' tokens are still transformers' greedy ones, the
-    vectors the ones the prompts get alone, and the requests end with no output tokens."""
-    llm = make_llm("llama", max_num_seqs=8)
+    while four prompts decode, with and without speculative decoding: the decodes' tokens are
+    still transformers' greedy ones, the vectors the ones the prompts get alone, and the
+    requests end with no output tokens."""
+    options: dict = {"max_num_seqs": 8}
+    if spec == "ngram":
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1}  # fmt: skip
+    elif spec == "draft":
+        options["speculative_config"] = {"model": str(tiny_checkpoints["llama"]),
+                                         "num_speculative_tokens": 3}  # fmt: skip
+    llm = make_llm("llama", **options)
     alone = _vectors(llm.embed([LONG, [5], PROMPTS[1]]))
     engine = llm.engine
     params = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)

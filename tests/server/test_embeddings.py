@@ -93,6 +93,7 @@ def test_the_openai_sdk_gets_each_inputs_last_token_state_normalized(server, ref
         torch.testing.assert_close(got, unit(hidden(token_ids)), atol=2e-5, rtol=1e-4)
     assert resp.usage.prompt_tokens == resp.usage.total_tokens == sum(map(len, ids))
     assert resp.model == "tiny"
+    assert "LAST pooling, normalized (" in server.log()  # what it read from modules.json
     server.wait_idle()
 
 

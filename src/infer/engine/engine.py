@@ -189,6 +189,12 @@ class LLMEngine:
                                "'{\"repetition_penalty\": 1.0}' lifts it")  # fmt: skip
         # How embedding requests pool (the model's sentence-transformers files, --pooler-config).
         self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config))
+        pooler = self.pooler_config
+        if mc.pooler_config or (self.model_path / "modules.json").is_file():
+            logger.info("embeddings (/v1/embeddings, LLM.embed): %s pooling, %s (%s)%s",
+                        pooler.pooling_type, "normalized" if pooler.normalize else "not normalized",
+                        pooler.source, "" if pooler.supported else
+                        ": refused, infer pools the last token only")  # fmt: skip
         self.dtype = self.backend.resolve_dtype(mc.dtype, self.spec.torch_dtype)
         t0 = time.perf_counter()
         self.checkpoint_quantization = quantized_format(self.model_path)
