@@ -237,3 +237,34 @@ def test_speculation_over_4bit_weights_changes_nothing_but_speed(quantization, m
     spec = make_llm("llama", speculative_config=NGRAM, **options)
     assert _tokens(spec.generate(PROMPTS, GREEDY)) == plain
     assert spec.engine.get_stats().spec_decode_num_drafts_total > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_penalties_bad_words_and_min_tokens_give_plain_decodings_tokens(
+    method, make_llm, tiny_checkpoints
+):
+    """Penalties, bad words and min_tokens apply to each verify row as if the proposals before
+    it were accepted, so requests with them get proposals and still emit exactly plain
+    decoding's tokens (a model's recommended repetition_penalty no longer turns speculation
+    off). The self-draft proposes the unpenalized greedy run, whose repeats the penalties
+    must refuse row by row."""
+    plain = make_llm("llama")
+    greedy = dict(max_tokens=30, temperature=0)
+    free = plain.generate(PROMPTS[3], SamplingParams(**greedy, ignore_eos=True))[0].outputs[0]
+    word = free.text.split()[2] if len(free.text.split()) > 2 else free.text[:4]
+    cases = [
+        SamplingParams(**greedy, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(**greedy, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.5),
+        SamplingParams(**greedy, min_tokens=12, stop_token_ids=[free.token_ids[3]]),
+        SamplingParams(**greedy, ignore_eos=True, bad_words=[word], repetition_penalty=0.9),
+    ]
+    want = [_tokens(plain.generate(PROMPTS, params)) for params in cases]
+    assert word not in plain.generate(PROMPTS[3], cases[3])[0].outputs[0].text
+    spec = NGRAM if method == "ngram" else _self_draft(tiny_checkpoints, "llama", k=4)
+    llm = make_llm("llama", speculative_config=spec, block_size=4)
+    for params, tokens in zip(cases, want, strict=True):
+        assert _tokens(llm.generate(PROMPTS, params)) == tokens, params
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens_total > 0
+    if method == "draft":  # (the model's own greedy picks: many survive the penalties)
+        assert stats.spec_decode_num_accepted_tokens_total > 0

@@ -318,6 +318,12 @@ def test_repetition_penalty_near_zero_still_samples_a_token():
     assert got == Counter({1: 50})
 
 
+def vars_of(r: Request) -> dict:
+    p = r.sampling_params
+    return dict(repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty)  # fmt: skip
+
+
 def _penalized_by_hand(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """The penalties' definition, row by row from the requests' own lists."""
     out = logits.clone()
@@ -357,8 +363,17 @@ def test_penalties_read_histories_kept_step_by_step():
     for step in range(80):
         logits = torch.randn(len(requests), vocab, generator=rng)
         got = logits.clone()
-        _apply_penalties(got, requests, [0] * len(requests), history)
+        _apply_penalties(got, requests, [()] * len(requests), history)
         assert torch.equal(got, _penalized_by_hand(logits, requests)), step
+        # verify rows: the proposals before a row count as its output's tail
+        before = [tuple(torch.randint(0, vocab, (step % 4,), generator=rng).tolist())
+                  for _ in requests]  # fmt: skip
+        got = logits.clone()
+        _apply_penalties(got, requests, before, history)
+        accepted = [req(r.request_id, prompt=tuple(r.prompt_token_ids),
+                        output=tuple(r.output_token_ids) + ahead, **vars_of(r))
+                    for r, ahead in zip(requests, before, strict=True)]  # fmt: skip
+        assert torch.equal(got, _penalized_by_hand(logits, accepted)), step
         for r in requests:
             r.output_token_ids.append(int(torch.randint(0, vocab, (1,), generator=rng)))
         if step == 30:
@@ -383,3 +398,17 @@ def test_argmax_in_parts_is_argmax_ties_included(vocab, dtype):
     x[3, vocab - 1] = 100  # the last token
     x[4, :2] = 50  # two ties in the first run
     assert torch.equal(argmax_in_parts(x), x.argmax(dim=-1))
+
+
+def test_bad_words_and_min_tokens_see_the_proposals_before_a_verify_row():
+    """A verify row after proposals ``d1 d2``: a bad word whose start is ``o3 d1 d2`` is banned
+    there, and ``min_tokens`` counts the proposals as output."""
+    from infer.runner.sampler import NONE_BEFORE, TokenHistory, _apply_penalties
+
+    r = req(output=(4, 5), bad_words_token_ids=((5, 6, 7, 9),), min_tokens=4, stop_token_ids=[2])
+    logits = torch.zeros(3, 12)
+    _apply_penalties(logits, [r, r, r], [NONE_BEFORE, (6,), (6, 7)], TokenHistory())
+    banned = [set(torch.nonzero(row == float("-inf")).flatten().tolist()) for row in logits]
+    # row 0: 2 outputs < 4 (EOS, stop id 2 banned); row 1: 3 < 4; row 2: 4 outputs: allowed,
+    # and the output ends "5 6 7": the bad word's last token 9 banned
+    assert banned == [{EOS, 2}, {EOS, 2}, {9}]

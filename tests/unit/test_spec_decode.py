@@ -35,12 +35,18 @@ def test_ngram_proposes_what_followed_the_longest_matching_suffix():
     assert propose_ngram([8], 3, 1, 3) == []
 
 
-def test_ngram_proposer_respects_max_tokens_and_penalties():
+def test_ngram_proposer_respects_max_tokens_and_skips_constrained_requests():
+    from infer.core.structured import StructuredOutputs
+
     proposer = NgramProposer(4, 1, 3)
     r = make_request("a", prompt=[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], max_tokens=3)
     assert proposer.propose([r]) == {"a": [3, 4]}  # room for 3 tokens: 2 proposals + 1
+    # penalties apply to verify rows (the sampler's business): proposed to as any other
     penalized = Request("p", [1, 2, 1, 2], SamplingParams(max_tokens=9, repetition_penalty=1.2))
-    assert proposer.propose([penalized]) == {}
+    assert proposer.propose([penalized]) == {"p": [1, 2]}
+    constrained = Request("c", [1, 2, 1, 2], SamplingParams(
+        max_tokens=9, structured_outputs=StructuredOutputs(regex="[0-9]+")))  # fmt: skip
+    assert proposer.propose([constrained]) == {}
 
 
 # ---- scheduling and rollback -------------------------------------------------------------------

@@ -181,12 +181,6 @@ class LLMEngine:
             logger.info("default sampling parameters from the model's generation config: %s "
                         "(a request's own values win; --generation-config none uses infer's)",
                         describe_defaults(self.sampling_defaults))  # fmt: skip
-            penalty = self.sampling_defaults.get("repetition_penalty", 1.0)
-            if self.config.speculative is not None and penalty != 1.0:
-                logger.warning("the model's repetition_penalty default leaves requests that "
-                               "keep it without speculative proposals (penalties decode one "
-                               "token at a time); --override-generation-config "
-                               "'{\"repetition_penalty\": 1.0}' lifts it")  # fmt: skip
         # How embedding requests pool (the model's sentence-transformers files, --pooler-config).
         self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config))
         pooler = self.pooler_config

@@ -88,7 +88,7 @@ class Sampler:
             r.num_output_tokens < r.sampling_params.min_tokens for r in requests
         ):
             logits = logits.clone()
-            _apply_penalties(logits, requests, [0] * len(requests), self.history)
+            _apply_penalties(logits, requests, [NONE_BEFORE] * len(requests), self.history)
         if allowed is not None:
             if logits.data_ptr() == raw.data_ptr():
                 logits = logits.clone()
@@ -194,8 +194,11 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(p.edits_logits or p.min_tokens for p in params):
             logits = logits.clone()
-            proposed = [j for rows in rows_of for j in range(len(rows))]
-            _apply_penalties(logits, row_requests, proposed, self.history)
+            # row j of a request scores the token after its first j proposals: they count as
+            # output for that row's penalties, bans and min_tokens
+            before = [tuple(p[:j]) for p, rows in zip(proposals, rows_of, strict=True)
+                      for j in range(len(rows))]  # fmt: skip
+            _apply_penalties(logits, row_requests, before, self.history)
         if allowed is not None:  # constrained requests have no proposals: one row each
             request_rows, mask = allowed
             logits = logits.clone()
@@ -332,21 +335,31 @@ def argmax_in_parts(logits: torch.Tensor) -> torch.Tensor:
     return (at.gather(1, part) + part * run).squeeze(1)
 
 
+NONE_BEFORE: tuple[int, ...] = ()
+"""A row with no proposals before its token (every row of a step that verifies nothing)."""
+
+
 def _apply_penalties(
-    logits: torch.Tensor, requests: list[Request], proposed: list[int], history: TokenHistory
+    logits: torch.Tensor,
+    requests: list[Request],
+    before: list[tuple[int, ...]],
+    history: TokenHistory,
 ) -> None:
     """In place on ``[B, V]`` logits: row ``i`` keeps only its ``allowed_token_ids`` (when it
     has them), gets its request's logit bias, then its bad words' and ``min_tokens``' bans
-    (EOS and stop ids banned until the output, with ``proposed[i]`` accepted proposals before
-    the row's token, is long enough), then the repetition penalty (over prompt and output), then
-    presence and frequency penalties (over the output).
+    (EOS and stop ids banned until the output is long enough), then the repetition penalty
+    (over prompt and output), then presence and frequency penalties (over the output).
+
+    Speculative decoding: ``before[i]`` are the proposals ahead of row ``i``'s token (a verify
+    row ``j`` scores the token after the first ``j``); they are that row's output's tail, as they
+    will be if accepted, so a verified run gets the penalties and bans plain decoding gives it::
+
+        output : o1 o2 o3 | d1 d2          row 0: o1..o3    row 1: o1..o3 d1    row 2: ... d1 d2
 
     Batched: the rows' ids are gathered on the host into a few flat arrays (the histories'
     from ``history``, joined in C) and applied with a few indexed kernels, each array one
     host-to-device copy for the whole batch (a loop over rows made a copy, a wait for the GPU,
-    and several kernels per row). Only ``min_tokens`` looks at the proposals: the proposers
-    propose nothing for requests with repetition, presence or frequency penalties (see
-    ``spec_decode``).
+    and several kernels per row).
     """
     device = logits.device
     allow_rows, allow_ids = [], []
@@ -354,7 +367,7 @@ def _apply_penalties(
     ban_rows, ban_ids = [], []
     rep_rows, rep_ids, rep_pen = [], [], [1.0] * len(requests)
     out_rows, out_ids, presence, frequency = [], [], [0.0] * len(requests), [0.0] * len(requests)
-    for row, (request, num_proposed) in enumerate(zip(requests, proposed, strict=True)):
+    for row, (request, ahead) in enumerate(zip(requests, before, strict=True)):
         p = request.sampling_params
         if p.allowed_token_ids:
             allow_rows += [row] * len(p.allowed_token_ids)
@@ -365,20 +378,24 @@ def _apply_penalties(
             bias_vals.append(bias)
         for sequence in p.bad_words_token_ids:  # its last id, where the output ends with the rest
             n = len(sequence) - 1
-            if n <= request.num_output_tokens and (
-                n == 0 or tuple(request.output_token_ids[-n:]) == sequence[:-1]
+            if n <= request.num_output_tokens + len(ahead) and (
+                n == 0 or _output_tail(request.output_token_ids, ahead, n) == sequence[:-1]
             ):
                 ban_rows.append(row)
                 ban_ids.append(sequence[-1])
-        if request.num_output_tokens + num_proposed < p.min_tokens:
+        if request.num_output_tokens + len(ahead) < p.min_tokens:
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned.update(request.eos_token_ids)
             ban_rows += [row] * len(banned)
             ban_ids += banned
-        penalize_output = (p.presence_penalty or p.frequency_penalty) and request.output_token_ids
+        penalize_output = (p.presence_penalty or p.frequency_penalty) and (
+            request.output_token_ids or ahead
+        )
         if p.repetition_penalty != 1.0 or penalize_output:
             ids = history.ids(request)
+            if ahead:
+                ids = np.concatenate([ids, np.asarray(ahead, dtype=np.int64)])
             if p.repetition_penalty != 1.0:  # every id seen, repeats included: a mask
                 rep_rows.append(row)
                 rep_ids.append(ids)
@@ -427,6 +444,13 @@ def _apply_penalties(
         freq = _to_device(frequency, logits.dtype, device)[:, None]
         pres = _to_device(presence, logits.dtype, device)[:, None]
         logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
+
+
+def _output_tail(output: list[int], ahead: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The last ``n`` (>= 1) ids of ``output + ahead``."""
+    if len(ahead) >= n:
+        return ahead[len(ahead) - n :]
+    return tuple(output[len(output) - (n - len(ahead)) :]) + ahead
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

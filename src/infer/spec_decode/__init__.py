@@ -11,9 +11,10 @@ the KV of the rejected tail (``Scheduler.update_from_output``).
 - :class:`DraftProposer` (``method="draft_model"``): a smaller model with the same tokenizer,
   run greedily with its own paged KV cache.
 
-Requests with repetition, presence or frequency penalties or bad words, and constrained requests
-(structured outputs), are never given proposals (their penalties or token masks would depend
-on the proposals being verified); they decode one token at a time.
+Constrained requests (structured outputs) are never given proposals (a grammar's mask for a
+verify row would need the grammar advanced over the proposals before it); they decode one token
+at a time. Penalties and bad words apply to each verify row as if the proposals before it were
+accepted (``sampler._apply_penalties``), so requests with them are proposed to as any other.
 """
 
 from __future__ import annotations
@@ -34,15 +35,9 @@ class Proposer(Protocol):
 
 
 def wants_proposal(request: Request) -> bool:
-    """Whether a request may be given proposals (see the module docstring). Constrained
-    requests (structured outputs) decode one token at a time too: their mask depends on the
-    tokens before it."""
-    params = request.sampling_params
-    return (
-        not params.needs_penalties
-        and not params.bad_words_token_ids
-        and params.structured_outputs is None
-    )
+    """Whether a request may be given proposals (see the module docstring): all but
+    constrained ones (structured outputs), whose mask depends on the tokens before it."""
+    return request.sampling_params.structured_outputs is None
 
 
 def num_to_propose(request: Request, k: int) -> int:
