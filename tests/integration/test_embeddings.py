@@ -168,3 +168,56 @@ def test_bad_embedding_requests_are_refused_naming_the_field(make_llm):
     assert e.value.param == "input" and "context length" in str(e.value)
     # a prompt of exactly the context length: embedded (no room for a token is needed)
     assert len(llm.embed([1] * llm.engine.max_model_len)[0].outputs.embedding) == 64
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("mean+max", "pools by MEAN + MAX"),
+        ("no pooling config", "missing the sentence-transformers pooling config"),
+        ("dense", "sentence_transformers.models.Dense, which infer does not run"),
+        ("unreadable", "modules.json cannot be read"),
+    ],
+)
+def test_files_infer_cannot_follow_refuse_embeddings_but_not_generation(
+    case, says, tiny_checkpoints, tmp_path
+):
+    """A model whose sentence-transformers files ask for what infer does not do still loads and
+    generates; its embedding requests are refused naming why, and ``pooler_config``'s
+    ``pooling_type`` serves them with the last token (the files set aside)."""
+    from infer import LLM
+
+    folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "m", "lasttoken",
+                                         normalize=True)  # fmt: skip
+    if case == "mean+max":
+        (folder / "1_Pooling" / "config.json").write_text(
+            json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True})
+        )
+    elif case == "no pooling config":
+        (folder / "1_Pooling" / "config.json").unlink()
+    elif case == "dense":
+        modules = json.loads((folder / "modules.json").read_text())
+        modules.append({"idx": 3, "name": "3", "path": "3_Dense",
+                        "type": "sentence_transformers.models.Dense"})  # fmt: skip
+        (folder / "modules.json").write_text(json.dumps(modules))
+    else:
+        (folder / "modules.json").write_text("{not json")
+    opts = dict(dtype="float32", device="cpu", max_num_seqs=4)
+    llm = LLM(str(folder), **opts)
+    assert llm.generate(PROMPTS[0])[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="pooling_type") as e:
+        llm.embed(PROMPTS[0])
+    assert says in str(e.value) and e.value.param == "input"
+    llm = LLM(str(folder), pooler_config={"pooling_type": "LAST"}, **opts)
+    assert len(llm.embed(PROMPTS[0])[0].outputs.embedding) == 64
+
+
+def test_an_input_the_kv_cache_cannot_hold_is_refused_naming_the_input(tiny_checkpoints):
+    from infer import LLM
+
+    llm = LLM(str(tiny_checkpoints["qwen3"]), dtype="float32", num_kv_blocks=4, block_size=4)
+    with pytest.raises(InvalidRequestError, match=r"input \(17 tokens\) is more than the KV "
+                       r"cache can ever hold \(16 tokens") as e:  # fmt: skip
+        llm.embed([[5] * 17])
+    assert e.value.param == "input"
+    assert len(llm.embed([[5] * 16])[0].outputs.embedding) == 64  # exactly what it holds

@@ -270,7 +270,7 @@ CASES = [
     ("tokenize-neither", "POST", "/tokenize", {}, None, 400, "prompt"),
     ("detokenize-negative", "POST", "/detokenize", {"tokens": [-1]}, None, 400, "tokens[0]"),
     ("detokenize-out-of-vocab", "POST", "/detokenize", {"tokens": [99999]}, None, 400, "tokens"),
-    ("unknown-route", "POST", "/v1/embeddings", {"input": "x"}, None, 404, None),
+    ("unknown-route", "POST", "/v1/moderations", {"input": "x"}, None, 404, None),
     ("wrong-method", "GET", C, None, None, 405, None),
 ]
 
@@ -349,3 +349,15 @@ def test_health_needs_no_key_and_the_server_still_serves(server):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert "Traceback" not in server.log()
     assert " 500 " not in server.log()
+
+
+def test_a_priority_under_first_come_first_served_is_refused(shared_server):
+    """The shared server schedules fcfs: a priority it would ignore is a 400 naming it (as in
+    vLLM), 0 is fine."""
+    with shared_server.client() as c:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        r = c.post("/v1/completions", json={**body, "priority": 3})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+        assert c.post("/v1/completions", json={**body, "priority": 0}).status_code == 200

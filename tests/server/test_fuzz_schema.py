@@ -26,9 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def fuzz_server(llama_checkpoint, server_logs):
-    # A 64-token context keeps every fuzzed generation short.
+    # A 64-token context keeps every fuzzed generation short; the priority policy takes any
+    # priority (fcfs refuses all but 0).
     yield from start_server(llama_checkpoint, server_logs, "--max-model-len", "64",
-                            "--max-num-seqs", "8", "--no-access-log")  # fmt: skip
+                            "--max-num-seqs", "8", "--no-access-log",
+                            "--scheduling-policy", "priority")  # fmt: skip
 
 
 def _fuzz(server, max_examples: int, seed: int, tmp_path: Path) -> None:

@@ -119,3 +119,7 @@ def test_request_dropped_while_queued_leaves_nothing_behind(server):
 def test_more_choices_than_the_queue_holds_is_400_not_429(server):
     r = httpx.post(server.base_url + "/completions", json={**LONG, "max_tokens": 4, "n": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = httpx.post(server.base_url + "/embeddings", json={"input": ["a", "b", "c"]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input" and "3 inputs embedded" in error["message"]

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from infer.core.outputs import RequestOutput, merge_deltas
+from infer.core.pooling_params import PoolingParams
 from infer.core.request import RequestTimings
 from infer.core.sampling_params import InvalidRequestError
 from infer.engine.core_client import EngineProcess, ThreadCore
@@ -335,10 +336,12 @@ class AsyncEngine:
             raise EngineStoppedError(f"the engine has stopped: {self.dead}")
         bound = self.max_queued_requests
         if bound is not None and len(requests) > bound:  # would be refused forever: not a 429
+            embeds = isinstance(requests[0].params, PoolingParams)
             raise InvalidRequestError(
-                f"this request needs {len(requests)} sequences but the waiting queue holds at "
+                f"this request needs {len(requests)} "
+                f"{'inputs embedded' if embeds else 'sequences'} but the waiting queue holds at "
                 f"most {bound}",
-                param="n",
+                param="input" if embeds else "n",
             )
         queued = self._unacked_adds + self.stats.num_waiting
         if bound is not None and queued + len(requests) > bound:

@@ -188,7 +188,7 @@ class LLMEngine:
             logger.info("embeddings (/v1/embeddings, LLM.embed): %s pooling, %s (%s)%s",
                         pooler.pooling_type, "normalized" if pooler.normalize else "not normalized",
                         pooler.source, "" if pooler.supported else
-                        ": refused, infer pools the last token only")  # fmt: skip
+                        f"; refused: {pooler.problem}")  # fmt: skip
         self.dtype = self.backend.resolve_dtype(mc.dtype, self.spec.torch_dtype)
         t0 = time.perf_counter()
         self.checkpoint_quantization = quantized_format(self.model_path)
@@ -625,6 +625,13 @@ class LLMEngine:
         ``params`` a ``PoolingParams``: an embedding request (its final output's
         ``embedding``; see ``infer.core.pooling_params``)."""
         n = len(prompt_token_ids)
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            # (as vLLM: a priority the fcfs policy would ignore is refused, not dropped)
+            raise InvalidRequestError(
+                f"priority {priority} needs the priority scheduling policy "
+                "(--scheduling-policy priority); this engine serves first come, first served",
+                param="priority",
+            )
         pooling = None
         if isinstance(params, PoolingParams):
             pooling, params = self._pooling(params), POOLING_SAMPLING
@@ -683,6 +690,11 @@ class LLMEngine:
         if not self.kv_manager.can_ever_fit(longest - 1):
             cap = self.capacity
             held = f"{cap.num_tokens} tokens in {cap.num_blocks} blocks"
+            if pooling is not None:
+                raise InvalidRequestError(
+                    f"the input ({n} tokens) is more than the KV cache can ever hold ({held})",
+                    param="input",
+                )
             if params.max_tokens is None:  # (it ran up to what the cache holds: see Request)
                 raise InvalidRequestError(
                     f"prompt ({n} tokens) leaves no room for an output token in the KV cache "
@@ -711,8 +723,8 @@ class LLMEngine:
         pooler = self.pooler_config
         if not pooler.supported:
             raise InvalidRequestError(
-                f"this model pools by {pooler.pooling_type} ({pooler.source}); infer pools the "
-                'last token only (--pooler-config \'{"pooling_type": "LAST"}\' serves it so)',
+                f"{pooler.problem}; infer embeds with the last token's final hidden state only "
+                '(--pooler-config \'{"pooling_type": "LAST"}\' serves it so)',
                 param="input",
             )
         hidden = self.spec.hidden_size

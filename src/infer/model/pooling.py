@@ -8,8 +8,9 @@ Embedding checkpoints published for sentence-transformers say how they pool in t
     1_Pooling/config.json     {"pooling_mode_lasttoken": true, "pooling_mode_mean_tokens": false, ...}
 
 infer pools the last token (decoder-only embedding models are trained for it); a model whose
-files ask for another pooling is served, but its embedding requests are refused, naming the
-mode and ``--pooler-config``, which sets or replaces what the files say (vLLM's flag).
+files ask for another pooling, or hold a module infer does not run (a ``Dense`` projection), is
+served, but its embedding requests are refused naming why and ``--pooler-config``, which sets or
+replaces what the files say (vLLM's flag).
 A model without these files pools the last token and normalizes, as vLLM's embed runner does.
 """
 
@@ -33,21 +34,28 @@ MODES = {
 }
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
+_KNOWN_MODULES = (
+    "sentence_transformers.models.Transformer",
+    _POOLING_MODULE,
+    _NORMALIZE_MODULE,
+)
 
 
 @dataclass(frozen=True)
 class PoolerConfig:
     """``pooling_type``: how the prompt's hidden states become one vector (only ``LAST`` is
     served); ``normalize``: whether an embedding is scaled to unit length unless the request
-    says; ``source``: where these came from (for errors and the start-up log)."""
+    says; ``source``: where these came from (for errors and the start-up log); ``problem``:
+    why embedding requests are refused (None: served)."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
     source: str = "infer's default"
+    problem: str | None = None
 
     @property
     def supported(self) -> bool:
-        return self.pooling_type in SUPPORTED
+        return self.problem is None
 
 
 def parse_pooler_config(text: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -74,41 +82,59 @@ def parse_pooler_config(text: str | dict[str, Any] | None) -> dict[str, Any]:
 
 
 def load_pooler_config(model_dir: Path, override: dict[str, Any] | None = None) -> PoolerConfig:
-    """The model folder's pooling (its ``modules.json``), with ``override`` over it. Raises
-    ``ModelLoadError`` naming a file that is there but unreadable."""
+    """The model folder's pooling (its ``modules.json``), with ``override`` over it. Never
+    raises: a model whose files infer cannot follow (another pooling, a module it does not run,
+    an unreadable file) is still served for generation, its embedding requests refused naming
+    the problem (``problem``). An override's ``pooling_type`` replaces what the files say, their
+    other modules included."""
+    override = override or {}
     config = PoolerConfig()
     modules_path = Path(model_dir) / "modules.json"
     if modules_path.is_file():
-        config = _from_sentence_transformers(modules_path)
+        config = _from_sentence_transformers(modules_path, "pooling_type" not in override)
     if override:
+        kind = override.get("pooling_type", config.pooling_type)
         config = PoolerConfig(
-            pooling_type=override.get("pooling_type", config.pooling_type),
+            pooling_type=kind,
             normalize=override.get("normalize", config.normalize),
             source=f"--pooler-config over {config.source}",
+            problem=None if "pooling_type" in override else config.problem,
         )
     return config
 
 
-def _from_sentence_transformers(modules_path: Path) -> PoolerConfig:
+def _from_sentence_transformers(modules_path: Path, read_pooling: bool) -> PoolerConfig:
+    """What ``modules.json`` (and its Pooling module's config, with ``read_pooling``) say."""
     import json
 
+    source = str(modules_path)
     try:
         modules = json.loads(modules_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{modules_path} is not valid JSON: {e}") from e
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        raise ModelLoadError(f"{modules_path} must hold a list of module objects")
+        if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+            raise ValueError("expected a list of module objects")
+    except (ValueError, UnicodeDecodeError) as e:
+        return PoolerConfig(source=source, problem=f"{modules_path} cannot be read: {e}")
     types = [m.get("type") for m in modules]
+    normalize = _NORMALIZE_MODULE in types
+    others = [t for t in types if t not in _KNOWN_MODULES]
+    if others and read_pooling:
+        return PoolerConfig(normalize=normalize, source=source,
+                            problem=f"its sentence-transformers pipeline ({modules_path}) has "
+                            f"{', '.join(map(str, others))}, which infer does not run")  # fmt: skip
     pooling_type = "LAST"
-    if _POOLING_MODULE in types:
-        module = modules[types.index(_POOLING_MODULE)]
-        pooling = read_json(modules_path.parent / str(module.get("path", "")) / "config.json",
-                            "the sentence-transformers pooling config")  # fmt: skip
+    if _POOLING_MODULE in types and read_pooling:
+        path = modules_path.parent / str(modules[types.index(_POOLING_MODULE)].get("path", ""))
+        try:
+            pooling = read_json(path / "config.json", "the sentence-transformers pooling config")
+        except ModelLoadError as e:
+            return PoolerConfig(normalize=normalize, source=source, problem=str(e))
         chosen = [name for key, name in MODES.items() if pooling.get(key)]
         if len(chosen) != 1:
-            raise ModelLoadError(
-                f"{modules_path.parent / str(module.get('path', ''))}/config.json: expected one "
-                f"pooling mode, found {', '.join(chosen) or 'none'}"
-            )
+            return PoolerConfig("+".join(chosen) or "NONE", normalize, source,
+                                f"{path / 'config.json'} pools by "
+                                f"{' + '.join(chosen) or 'no mode'}")  # fmt: skip
         pooling_type = chosen[0]
-    return PoolerConfig(pooling_type, _NORMALIZE_MODULE in types, source=str(modules_path))
+    problem = None
+    if pooling_type not in SUPPORTED:
+        problem = f"this model pools by {pooling_type} ({source})"
+    return PoolerConfig(pooling_type, normalize, source, problem)
