@@ -123,6 +123,24 @@ def test_requests_that_are_not_split_run_whole_on_a_decode_replica(pd_server, on
     assert total(after, "infer:kv_transfers_total") == total(before, "infer:kv_transfers_total")
 
 
+def test_embeddings_run_whole_on_a_decode_replica(pd_server, one_engine):
+    """An embedding request has no decode phase to hand KV to: a decode replica runs it whole
+    (and counts it), with one engine's vectors."""
+    before = metric_values(pd_server)
+    with pd_server.client() as c:
+        r = c.post("/v1/embeddings", json={"model": "tiny", "input": PROMPTS[:2]})
+    assert r.status_code == 200, r.text
+    got = [d["embedding"] for d in r.json()["data"]]
+    want = [e.outputs.embedding for e in one_engine.embed(PROMPTS[:2])]
+    assert got == pytest.approx(want, abs=1e-5)
+    after = wait_idle(pd_server)
+    assert total(after, "infer:kv_transfers_total") == total(before, "infer:kv_transfers_total")
+    counted = total(after, "vllm:request_success_total") - total(
+        before, "vllm:request_success_total"
+    )
+    assert counted == 2
+
+
 def test_metrics_show_transfers_and_each_live_view_its_role(pd_server):
     import json
 

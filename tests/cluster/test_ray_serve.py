@@ -202,6 +202,24 @@ def test_text_prompts_with_a_shared_prefix_stay_on_one_replica(prefix_server):
     assert cached > 0
 
 
+def test_embeddings_of_one_document_stay_on_one_replica(prefix_server):
+    """Embedding requests are routed as generation is: their first input's blocks decide, so
+    chunks of one long document sent one by one follow its cached prefix."""
+    before = metric_values(prefix_server)
+    doc = "A class definition defines a class object, and its suite is executed once. " * 12
+    with prefix_server.client() as c:
+        for tail in ("first part", "second part", "third part"):
+            r = c.post("/v1/embeddings", json={"model": "tiny", "input": [doc + tail, tail]})
+            assert r.status_code == 200, r.text
+            assert len(r.json()["data"]) == 2
+    after = metric_values(prefix_server)
+    hits = [total(after, "infer:router_requests_total", replica=f"replica-{i}", reason="prefix-hit")
+            - total(before, "infer:router_requests_total", replica=f"replica-{i}",
+                    reason="prefix-hit") for i in range(2)]  # fmt: skip
+    assert sorted(hits) == [0, 2]
+    wait_idle(prefix_server)
+
+
 def test_aborted_streams_free_everything(prefix_server):
     before = metric_values(prefix_server)
     long = {"model": "tiny", "max_tokens": 560, "ignore_eos": True, "stream": True}

@@ -1,7 +1,7 @@
 """The ingress deployment: one OpenAI endpoint in front of the replicas.
 
-For ``/v1/completions`` and ``/v1/chat/completions`` the router tokenizes the prompt the way
-the server does (same tokenizer, same chat template rendering), hashes its full blocks the way
+For ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings`` the router tokenizes
+the prompt (an embedding request's first input) the way the server does (same tokenizer, same chat template rendering), hashes its full blocks the way
 the prefix cache does, asks the routing policy for a replica and streams that replica's answer
 back unchanged (status, headers, SSE chunk by chunk). A client that disconnects cancels the
 replica call, which delivers ``http.disconnect`` to the replica's app and aborts the engine
@@ -38,7 +38,8 @@ from infer.server.serving import SSE_DONE, sse
 
 logger = logging.getLogger("infer.cluster")
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+EMBEDDINGS_PATH = "/v1/embeddings"
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", EMBEDDINGS_PATH)
 BROADCAST_PATHS = ("/health", "/reset_prefix_cache", "/v1/load_lora_adapter",
                    "/v1/unload_lora_adapter")  # fmt: skip
 # Tokenize off the event loop above this many characters (as the server does).
@@ -250,7 +251,11 @@ class Router:
 
     async def _generate(self, fwd: ForwardedRequest, arrived: float, raw: Request) -> Response:
         decide_from = time.perf_counter()
-        prefill_fwd = split_request(fwd) if self.decode_policy is not None else None
+        prefill_fwd = None
+        if self.decode_policy is not None and fwd.path != EMBEDDINGS_PATH:
+            prefill_fwd = split_request(fwd)
+        # (an embedding request is all prefill with nothing to hand over: disaggregated, a
+        # decode replica runs it whole, as a request that is not split)
         if self.decode_policy is not None and prefill_fwd is None:
             # Not split (several prompts or choices, prompt logprobs): one decode replica
             # runs both phases.
@@ -466,7 +471,7 @@ class Router:
             request = ChatCompletionRequest.model_validate(data)
             # (self.chat has the two attributes rendering reads: settings, tokenizer)
             return render_request(self.chat, request)  # type: ignore[arg-type]
-        prompt = data.get("prompt")
+        prompt = data.get("input" if path == EMBEDDINGS_PATH else "prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # several prompts: route by the first
         if isinstance(prompt, str):
