@@ -132,7 +132,8 @@ def test_embeddings_run_whole_on_a_decode_replica(pd_server, one_engine):
     assert r.status_code == 200, r.text
     got = [d["embedding"] for d in r.json()["data"]]
     want = [e.outputs.embedding for e in one_engine.embed(PROMPTS[:2])]
-    assert got == pytest.approx(want, abs=1e-5)
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, abs=1e-5)
     after = wait_idle(pd_server)
     assert total(after, "infer:kv_transfers_total") == total(before, "infer:kv_transfers_total")
     counted = total(after, "vllm:request_success_total") - total(
