@@ -148,9 +148,9 @@ def run_engine(engine, requests: Sequence[MicroRequest], max_steps: int = 100_00
             params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
             now = time.perf_counter()
             records[rid].arrival = now
-            engine.add_request(
-                rid, list(r.prompt_ids), params, priority=r.priority, arrival_time=now
-            )
+            # (fcfs refuses a priority: the same requests run there without theirs)
+            priority = r.priority if engine.config.scheduler.scheduling_policy == "priority" else 0
+            engine.add_request(rid, list(r.prompt_ids), params, priority=priority, arrival_time=now)
             busy = True
         pending = still
         outputs = engine.step()

@@ -137,3 +137,14 @@ def test_unknown_suite_is_refused():
     assert set(SUITES) == {"kv-cache", "batching", "chunked-prefill", "scheduling", "prefix-cache"}
     with pytest.raises(ValueError):
         run_suite("nope", "m")
+
+
+def test_requests_with_priorities_run_under_both_policies(engine, tiny_checkpoints):
+    """The scheduling suite runs each case's requests (some of them urgent) under fcfs too: an
+    fcfs engine refuses a priority, so there they run without theirs."""
+    reqs = [MicroRequest(tuple(range(5, 9)), 3, priority=1),
+            MicroRequest(tuple(range(9, 13)), 2, priority=-2)]  # fmt: skip
+    assert run_engine(engine, reqs).completed == 2
+    urgent = make_engine(str(tiny_checkpoints["gpt2"]), max_num_seqs=4, block_size=4,
+                         scheduling_policy="priority")  # fmt: skip
+    assert run_engine(urgent, reqs).completed == 2

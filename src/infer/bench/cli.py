@@ -476,6 +476,7 @@ STUDIES = {
     "lora": "LoRA adapters: output tok/s with requests spread over adapters vs base",
     "spec": "speculative decoding: n-gram and draft-model proposals vs plain decoding",
     "structured": "structured outputs: grammar compile / mask cost, throughput, TTFT",
+    "embed": "embeddings: LLM.embed (cold and prefix-cached) vs transformers' forward pass",
     "prefix": "prefix caching in wall-clock time on a ~100M Llama",
     "micro": "engine micro-benchmarks on the toy NanoGPT, no HTTP",
     "overload": "429 latency of a full server under a burst",
