@@ -30,8 +30,10 @@ from infer.core.outputs import (
     EmbeddingResult,
     GenerationResult,
     RequestOutput,
+    ScoreOutput,
+    ScoreResult,
 )
-from infer.core.pooling_params import PoolingParams
+from infer.core.pooling_params import PoolingParams, score_pairs
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.model.chat_template import render_chat_ids
@@ -241,6 +243,31 @@ class LLM:
                 )
             )
         return results
+
+    def score(
+        self,
+        text_1: PromptInput | Sequence[PromptInput],
+        text_2: PromptInput | Sequence[PromptInput],
+        *,
+        lora_request: LoRARequest | str | None = None,
+    ) -> list[ScoreResult]:
+        """How alike texts are (vLLM's ``LLM.score`` for embedding models): the cosine
+        similarity of their embeddings (:meth:`embed`), for one ``text_1`` against each
+        ``text_2``, or pair by pair when both give as many. Each distinct text is embedded once."""
+        first, second = _normalize_prompts(text_1), _normalize_prompts(text_2)
+        pairs = score_pairs(len(first), len(second))
+        texts = [*first, *second]
+        keys = [t if isinstance(t, str) else tuple(t) for t in texts]
+        distinct = list(dict.fromkeys(keys))
+        results = self.embed([k if isinstance(k, str) else list(k) for k in distinct],
+                             PoolingParams(normalize=True), lora_request=lora_request)  # fmt: skip
+        vector = {k: r.outputs.embedding for k, r in zip(distinct, results, strict=True)}
+        out = []
+        for i, j in pairs:
+            a, b = vector[keys[i]], vector[keys[len(first) + j]]
+            score = max(-1.0, min(1.0, sum(x * y for x, y in zip(a, b, strict=True))))
+            out.append(ScoreResult(first[i], second[j], ScoreOutput(score)))
+        return out
 
     def _loras(
         self, lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None, n: int

@@ -221,3 +221,22 @@ def test_an_input_the_kv_cache_cannot_hold_is_refused_naming_the_input(tiny_chec
         llm.embed([[5] * 17])
     assert e.value.param == "input"
     assert len(llm.embed([[5] * 16])[0].outputs.embedding) == 64  # exactly what it holds
+
+
+def test_score_is_the_cosine_of_the_embeddings(make_llm):
+    llm = make_llm("qwen3")
+    texts = [PROMPTS[0], PROMPTS[1], LONG]
+    unit = [torch.nn.functional.normalize(v, dim=0) for v in _vectors(llm.embed(texts))]
+    one_to_many = llm.score(texts[0], texts)
+    assert [r.text_2 for r in one_to_many] == texts
+    assert [r.outputs.score for r in one_to_many] == pytest.approx(
+        [float(unit[0] @ u) for u in unit], abs=1e-5
+    )
+    assert one_to_many[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    pairwise = llm.score(texts[:2], texts[1:])
+    assert [r.outputs.score for r in pairwise] == pytest.approx(
+        [float(unit[0] @ unit[1]), float(unit[1] @ unit[2])], abs=1e-5
+    )
+    with pytest.raises(InvalidRequestError) as e:
+        llm.score(texts, texts[:2])
+    assert e.value.param == "text_2"

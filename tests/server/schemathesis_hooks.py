@@ -32,6 +32,10 @@ def _ints(*values: Any) -> bool:
 
 
 def breaks_a_cross_field_rule(body: dict) -> bool:
+    text_1, text_2 = body.get("text_1"), body.get("text_2")
+    num_2 = len(text_2) if isinstance(text_2, list) else 1
+    if isinstance(text_1, list) and 1 < len(text_1) != num_2:
+        return True  # /score: one text_1, or one per text_2
     if body.get("use_beam_search") is True:
         # refused with what needs sampled tokens (stream, logprobs, stop, best_of, tools, ...),
         # above 10 beams, or with a length the KV cache cannot give a beam

@@ -193,3 +193,56 @@ def test_the_schema_bounds_dimensions_by_the_hidden_size(server):
     dims = schema["components"]["schemas"]["EmbeddingRequest"]["properties"]["dimensions"]
     assert {"type": "integer", "minimum": 1, "maximum": 64}.items() <= dims["anyOf"][0].items()
     assert "/v1/embeddings" in schema["paths"]
+
+
+def test_score_is_the_cosine_of_the_embeddings(server, reference):
+    tok, hidden = reference
+
+    def cos(a: str, b: str) -> float:
+        return float(unit(hidden(tok.encode(a))) @ unit(hidden(tok.encode(b))))
+
+    with server.client() as c:
+        r = c.post("/score", json={"model": "tiny", "text_1": TEXTS[0], "text_2": TEXTS})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [d["index"] for d in body["data"]] == [0, 1, 2]
+        assert [d["object"] for d in body["data"]] == ["score"] * 3
+        want = [cos(TEXTS[0], t) for t in TEXTS]
+        assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-4)
+        assert body["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)  # a text and itself
+        # the query once, each other text once
+        assert body["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in TEXTS)
+        pairwise = c.post("/v1/score", json={"text_1": TEXTS[1:], "text_2": TEXTS[:2]}).json()
+        assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+            [cos(TEXTS[1], TEXTS[0]), cos(TEXTS[2], TEXTS[1])], abs=1e-4
+        )
+        bad = c.post("/score", json={"text_1": TEXTS, "text_2": TEXTS[:2]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+        bad = c.post("/score", json={"text_1": "a", "text_2": ["b", ""]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("text_2")
+    server.wait_idle()
+
+
+def test_rerank_orders_the_documents_by_similarity_to_the_query(server, reference):
+    tok, hidden = reference
+    query = "a list in Python"
+    docs = [TEXTS[1], TEXTS[2], "lists and tuples in Python", TEXTS[0]]
+    q = unit(hidden(tok.encode(query)))
+    scores = [float(q @ unit(hidden(tok.encode(d)))) for d in docs]
+    order = sorted(range(len(docs)), key=lambda j: -scores[j])
+    with server.client() as c:
+        r = c.post("/rerank", json={"model": "tiny", "query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order
+        assert [x["relevance_score"] for x in results] == pytest.approx(
+            [scores[j] for j in order], abs=1e-4
+        )
+        assert [x["document"]["text"] for x in results] == [docs[j] for j in order]
+        # Cohere's shape: documents as objects, the best n, no texts back
+        body = {"query": query, "documents": [{"text": d} for d in docs], "top_n": 2,
+                "return_documents": False}  # fmt: skip
+        top = c.post("/v2/rerank", json=body).json()["results"]
+        assert [x["index"] for x in top] == order[:2] and top[0]["document"] is None
+        assert c.post("/v1/rerank", json={"query": query, "documents": []}).status_code == 400
+    server.wait_idle()

@@ -1,7 +1,8 @@
 """The ingress deployment: one OpenAI endpoint in front of the replicas.
 
-For ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/embeddings`` the router tokenizes
-the prompt (an embedding request's first input) the way the server does (same tokenizer, same chat template rendering), hashes its full blocks the way
+For ``/v1/completions``, ``/v1/chat/completions`` and the embedding routes (``/v1/embeddings``,
+``/score``, ``/rerank``) the router tokenizes the prompt (an embedding request's first input,
+a score's ``text_1``, a rerank's ``query``) the way the server does (same tokenizer, same chat template rendering), hashes its full blocks the way
 the prefix cache does, asks the routing policy for a replica and streams that replica's answer
 back unchanged (status, headers, SSE chunk by chunk). A client that disconnects cancels the
 replica call, which delivers ``http.disconnect`` to the replica's app and aborts the engine
@@ -39,7 +40,10 @@ from infer.server.serving import SSE_DONE, sse
 logger = logging.getLogger("infer.cluster")
 
 EMBEDDINGS_PATH = "/v1/embeddings"
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", EMBEDDINGS_PATH)
+# Embedding routes: all prefill, never split; the field holding the text routed by.
+POOLING_PATHS = {EMBEDDINGS_PATH: "input", "/score": "text_1", "/v1/score": "text_1",
+                 "/rerank": "query", "/v1/rerank": "query", "/v2/rerank": "query"}  # fmt: skip
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", *POOLING_PATHS)
 BROADCAST_PATHS = ("/health", "/reset_prefix_cache", "/v1/load_lora_adapter",
                    "/v1/unload_lora_adapter")  # fmt: skip
 # Tokenize off the event loop above this many characters (as the server does).
@@ -252,7 +256,7 @@ class Router:
     async def _generate(self, fwd: ForwardedRequest, arrived: float, raw: Request) -> Response:
         decide_from = time.perf_counter()
         prefill_fwd = None
-        if self.decode_policy is not None and fwd.path != EMBEDDINGS_PATH:
+        if self.decode_policy is not None and fwd.path not in POOLING_PATHS:
             prefill_fwd = split_request(fwd)
         # (an embedding request is all prefill with nothing to hand over: disaggregated, a
         # decode replica runs it whole, as a request that is not split)
@@ -471,7 +475,7 @@ class Router:
             request = ChatCompletionRequest.model_validate(data)
             # (self.chat has the two attributes rendering reads: settings, tokenizer)
             return render_request(self.chat, request)  # type: ignore[arg-type]
-        prompt = data.get("input" if path == EMBEDDINGS_PATH else "prompt")
+        prompt = data.get(POOLING_PATHS.get(path, "prompt"))
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # several prompts: route by the first
         if isinstance(prompt, str):

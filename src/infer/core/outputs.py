@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -95,6 +96,22 @@ class EmbeddingResult:
     outputs: EmbeddingOutput
     num_cached_tokens: int
     timings: RequestTimings | None
+
+
+@dataclass(frozen=True)
+class ScoreOutput:
+    """How alike two texts are (``LLM.score``): the cosine similarity of their embeddings."""
+
+    score: float
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """One pair of ``LLM.score`` (vLLM's field names: ``result.outputs.score``)."""
+
+    text_1: str | Sequence[int]
+    text_2: str | Sequence[int]
+    outputs: ScoreOutput
 
 
 @dataclass(frozen=True)

@@ -39,3 +39,17 @@ class PoolingParams:
 POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 """The sampling parameters an embedding request carries through the engine (nothing of them is
 used: it samples nothing): one step past its prompt, so it ends in the step that pools it."""
+
+
+def score_pairs(num_1: int, num_2: int) -> list[tuple[int, int]]:
+    """Which texts a score request compares (vLLM's rule): one ``text_1`` against each of
+    ``text_2``, or ``text_1[i]`` against ``text_2[i]`` when both hold as many."""
+    if num_1 == 1:
+        return [(0, j) for j in range(num_2)]
+    if num_1 == num_2:
+        return [(i, i) for i in range(num_1)]
+    raise InvalidRequestError(
+        f"text_1 has {num_1} texts and text_2 {num_2}: give one text_1 (scored against each "
+        "text_2) or as many as text_2 (scored pair by pair)",
+        param="text_2",
+    )

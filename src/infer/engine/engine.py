@@ -646,6 +646,7 @@ class LLMEngine:
         )
         for param, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                            ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("stop_token_ids", params.stop_token_ids),
                            ("bad_words_token_ids",
                             [t for seq in params.bad_words_token_ids for t in seq])):  # fmt: skip
             too_big = [t for t in ids if t >= self.spec.vocab_size]

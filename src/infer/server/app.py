@@ -47,9 +47,14 @@ from infer.server.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
+from infer.server.scoring import create_rerank, create_score
 from infer.server.serving import ServerSettings, Serving
 
 logger = logging.getLogger("infer.server")
@@ -199,6 +204,20 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         """Each input's embedding: the final hidden state of its last token (normalized as the
         model's sentence-transformers files say; ``--pooler-config`` overrides)."""
         return await create_embedding(serving, body, request)
+
+    @app.post("/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"])
+    @app.post("/v1/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"])
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        """The cosine similarity of ``text_1``'s embedding and each ``text_2``'s (vLLM's)."""
+        return await create_score(serving, body, request)
+
+    @app.post("/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
+    @app.post("/v2/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        """``documents`` by the cosine similarity of their embeddings to ``query``'s, best
+        first (Jina's and Cohere's shape)."""
+        return await create_rerank(serving, body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["tokens"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

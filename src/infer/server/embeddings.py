@@ -1,4 +1,5 @@
-"""``POST /v1/embeddings``: inputs in, one vector each out (see ``infer.core.pooling_params``).
+"""``POST /v1/embeddings``: inputs in, one vector each out (see ``infer.core.pooling_params``);
+and the routes built on it: ``/score`` and ``/rerank`` (``scoring.py``).
 
 Each input runs as its own engine request, batched with whatever else the engine is serving;
 the answer comes when all of them have their vectors. With ``encoding_format: base64`` (what the
@@ -10,6 +11,7 @@ from __future__ import annotations
 import base64
 import logging
 import struct
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,18 +28,21 @@ from infer.server.serving import Serving, cancel_on_disconnect, new_id, raise_if
 logger = logging.getLogger("infer.server")
 
 
-async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request) -> Response:
-    model = serving.check_model(req.model)
+def log_unknown_fields(req: Any, route: str) -> None:
     if req.model_extra:
-        logger.info(
-            "/v1/embeddings: ignoring unknown field(s) %s", ", ".join(sorted(req.model_extra))
-        )
-    inputs = prompt_list(req.input, param="input")
-    token_inputs: list[list[int]] = []
-    for i, text_or_ids in enumerate(inputs):
-        param = "input" if len(inputs) == 1 else f"input[{i}]"
+        logger.info("%s: ignoring unknown field(s) %s", route, ", ".join(sorted(req.model_extra)))
+
+
+async def tokenize_inputs(serving: Serving, inputs: list[str | list[int]], req: Any,
+                          params: list[str]) -> list[list[int]]:  # fmt: skip
+    """Each input's token ids (a text with the tokenizer's special tokens unless the request's
+    ``add_special_tokens`` is false), cut by ``truncate_prompt_tokens``; a 400 naming
+    ``params[i]`` for an input that cannot be embedded."""
+    special = getattr(req, "add_special_tokens", True)
+    out = []
+    for text_or_ids, param in zip(inputs, params, strict=True):
         if isinstance(text_or_ids, str):
-            ids = await serving.run_blocking(serving.encode, text_or_ids, req.add_special_tokens,
+            ids = await serving.run_blocking(serving.encode, text_or_ids, special,
                                              size=len(text_or_ids))  # fmt: skip
         else:
             ids = list(text_or_ids)
@@ -46,38 +51,59 @@ async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request
             check_prompt(ids, serving.max_model_len, param=param, generates=False)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from e
-        token_inputs.append(ids)
-    try:
-        params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
-    except InvalidRequestError as e:
-        raise from_invalid_request(e) from e
-    request_id = new_id("embd")
+        out.append(ids)
+    return out
+
+
+async def embed(serving: Serving, token_inputs: list[list[int]], params: PoolingParams,
+                req: Any, raw: Request, prefix: str) -> tuple[str, list[RequestOutput]]:  # fmt: skip
+    """Run ``token_inputs`` as embedding requests: the request id and each input's final
+    output (its ``embedding`` set); a 500 / 503 when one failed or was aborted."""
+    request_id = new_id(prefix)
     raw.state.request_id = request_id
     stream = await serving.submit(request_id, token_inputs, params, req)
-    return await cancel_on_disconnect(raw, _collect(stream, req, raw, request_id, model))
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
+        async for index, out in stream:
+            if out.finished:
+                finals[index] = out
+        for final in finals:
+            assert final is not None
+            raise_if_failed(final)
+            if final.embedding is None:  # aborted: a timeout, or the server shutting down
+                raise APIError(503, f"the request ended before its embeddings were computed "
+                               f"({final.error or final.finish_reason})", type="server_error",
+                               code="aborted")  # fmt: skip
+        prompt_tokens = sum(f.num_prompt_tokens for f in finals if f is not None)
+        raw.state.usage = (prompt_tokens, 0)
+        return finals  # type: ignore[return-value]
+
+    return request_id, await cancel_on_disconnect(raw, collect())
 
 
-async def _collect(stream, req: EmbeddingRequest, raw: Request, request_id: str,
-                   model: str) -> Response:  # fmt: skip
-    finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
-    async for index, out in stream:
-        if out.finished:
-            finals[index] = out
+def pooling_params(**fields: Any) -> PoolingParams:
+    try:
+        return PoolingParams(**fields)
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
+
+
+async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request) -> Response:
+    model = serving.check_model(req.model)
+    log_unknown_fields(req, "/v1/embeddings")
+    inputs = prompt_list(req.input, param="input")
+    params = ["input"] if len(inputs) == 1 else [f"input[{i}]" for i in range(len(inputs))]
+    token_inputs = await tokenize_inputs(serving, inputs, req, params)
+    pooling = pooling_params(normalize=req.normalize, dimensions=req.dimensions)
+    request_id, finals = await embed(serving, token_inputs, pooling, req, raw, "embd")
     data = []
-    prompt_tokens = 0
     for index, final in enumerate(finals):
-        assert final is not None
-        raise_if_failed(final)
-        if final.embedding is None:  # aborted: a timeout, or the server shutting down
-            raise APIError(503, f"the request ended before its embeddings were computed "
-                           f"({final.error or final.finish_reason})", type="server_error",
-                           code="aborted")  # fmt: skip
-        vector: list[float] | str = final.embedding
+        vector: list[float] | str = final.embedding  # type: ignore[assignment]
         if req.encoding_format == "base64":
             vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
         data.append(EmbeddingData(index=index, embedding=vector))
-        prompt_tokens += final.num_prompt_tokens
-    raw.state.usage = (prompt_tokens, 0)
+    prompt_tokens = sum(f.num_prompt_tokens for f in finals)
     usage = EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
     body = EmbeddingResponse(id=request_id, model=model, data=data, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

@@ -168,7 +168,18 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+GENERATION_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    }
+)
 
 
 class OverloadMiddleware:

@@ -161,8 +161,8 @@ class _SamplingFields(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: Seed | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    allowed_token_ids: list[TokenId] | None = Field(
+    stop_token_ids: list[InputTokenId] | None = None
+    allowed_token_ids: list[InputTokenId] | None = Field(
         None, min_length=1, description="only these token ids may be sampled (vLLM's)"
     )
     bad_words: list[NonBlankStr] | None = Field(
@@ -377,6 +377,39 @@ class EmbeddingRequest(_Request):
     add_special_tokens: bool = Field(True, description="the tokenizer's BOS/EOS etc. (vLLM's)")
     normalize: bool | None = Field(
         None, description="unit length (default: as the model's sentence-transformers files say)"
+    )
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
+
+
+class ScoreRequest(_Request):
+    """``POST /score`` (and ``/v1/score``): how alike ``text_1`` and each ``text_2`` are, the
+    cosine similarity of their embeddings (vLLM's score API for embedding models)."""
+
+    model: str | None = None
+    text_1: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    text_2: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep each text's last k tokens (-1: the context length)"
+    )
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
+    user: str | None = Field(None, description="accepted and ignored")
+
+
+class RerankDocumentIn(_Request):
+    text: NonEmptyStr
+
+
+class RerankRequest(_Request):
+    """``POST /rerank`` (and ``/v1/rerank``, ``/v2/rerank``): ``documents`` ordered by how alike
+    each is to ``query`` (Jina's and Cohere's shape, as vLLM serves it)."""
+
+    model: str | None = None
+    query: NonEmptyStr
+    documents: Annotated[list[NonEmptyStr | RerankDocumentIn], Field(min_length=1)]
+    top_n: int | None = Field(None, ge=0, description="the best n (0 or null: every document)")
+    return_documents: bool = Field(True, description="each result's document text too")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep each text's last k tokens (-1: the context length)"
     )
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
 
@@ -602,6 +635,38 @@ class EmbeddingResponse(_Response):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class ScoreData(_Response):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(_Response):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankDocumentOut(_Response):
+    text: str
+
+
+class RerankResult(_Response):
+    index: int
+    document: RerankDocumentOut | None = None
+    relevance_score: float
+
+
+class RerankResponse(_Response):
+    id: str
+    model: str
+    usage: EmbeddingUsage
+    results: list[RerankResult]
 
 
 class ErrorInfo(_Response):

@@ -1,0 +1,97 @@
+"""``POST /score`` and ``POST /rerank`` for embedding models: similarity as the cosine of the
+texts' embeddings (a bi-encoder's score, as vLLM computes it for embedding models).
+
+Every distinct text runs once as an embedding request (``embeddings.embed``: a query scored
+against many documents is embedded once), normalized, and each pair's score is the dot product
+of its two vectors, in [-1, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from infer.core.pooling_params import score_pairs
+from infer.core.sampling_params import InvalidRequestError
+from infer.server.embeddings import embed, log_unknown_fields, pooling_params, tokenize_inputs
+from infer.server.errors import bad_request, from_invalid_request
+from infer.server.protocol import (
+    EmbeddingUsage,
+    RerankDocumentOut,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+)
+from infer.server.serving import MAX_SEQUENCES, Serving
+
+
+async def _similarities(serving: Serving, texts: list[tuple[str, str]], pairs: list[tuple[int, int]],
+                        req, raw: Request, prefix: str) -> tuple[str, list[float], int]:  # fmt: skip
+    """Embed each distinct text of ``texts`` (``(text, the field it came from)``) once; the
+    request id, each pair's cosine similarity (indices into ``texts``) and the prompt tokens."""
+    first_of: dict[str, int] = {}
+    for text, _ in texts:
+        first_of.setdefault(text, len(first_of))
+    if len(first_of) > MAX_SEQUENCES:
+        raise bad_request(f"{len(first_of)} distinct texts is more than the {MAX_SEQUENCES} one "
+                          "request may give", param=texts[-1][1].split("[")[0])  # fmt: skip
+    distinct = list(first_of)
+    fields = {text: field for text, field in reversed(texts)}  # (each text's first field)
+    token_inputs = await tokenize_inputs(serving, list(distinct), req,
+                                         [fields[t] for t in distinct])  # fmt: skip
+    request_id, finals = await embed(serving, token_inputs, pooling_params(normalize=True), req,
+                                     raw, prefix)  # fmt: skip
+    vectors = torch.tensor([f.embedding for f in finals], dtype=torch.float32)
+    row = [first_of[text] for text, _ in texts]
+    a = vectors[[row[i] for i, _ in pairs]]
+    b = vectors[[row[j] for _, j in pairs]]
+    scores = (a * b).sum(dim=-1).clamp(-1.0, 1.0).tolist()
+    return request_id, scores, sum(f.num_prompt_tokens for f in finals)
+
+
+def _listed(value: str | list[str], field: str) -> list[tuple[str, str]]:
+    if isinstance(value, str):
+        return [(value, field)]
+    return [(text, f"{field}[{i}]") for i, text in enumerate(value)]
+
+
+async def create_score(serving: Serving, req: ScoreRequest, raw: Request) -> Response:
+    model = serving.check_model(req.model)
+    log_unknown_fields(req, "/score")
+    first, second = _listed(req.text_1, "text_1"), _listed(req.text_2, "text_2")
+    try:
+        pairs = score_pairs(len(first), len(second))
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
+    n = len(first)
+    index_pairs = [(i, n + j) for i, j in pairs]
+    request_id, scores, tokens = await _similarities(serving, first + second, index_pairs, req,
+                                                     raw, "score")  # fmt: skip
+    data = [ScoreData(index=k, score=s) for k, s in enumerate(scores)]
+    body = ScoreResponse(id=request_id, model=model, data=data,
+                         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))  # fmt: skip
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+async def create_rerank(serving: Serving, req: RerankRequest, raw: Request) -> Response:
+    model = serving.check_model(req.model)
+    log_unknown_fields(req, "/rerank")
+    docs = [d if isinstance(d, str) else d.text for d in req.documents]
+    texts = [(req.query, "query"), *_listed(docs, "documents")]
+    pairs = [(0, 1 + j) for j in range(len(docs))]
+    request_id, scores, tokens = await _similarities(serving, texts, pairs, req, raw, "rerank")
+    order = sorted(range(len(docs)), key=lambda j: -scores[j])
+    if req.top_n:
+        order = order[: req.top_n]
+    results = [
+        RerankResult(index=j, relevance_score=scores[j],
+                     document=RerankDocumentOut(text=docs[j]) if req.return_documents else None)
+        for j in order
+    ]  # fmt: skip
+    body = RerankResponse(id=request_id, model=model, results=results,
+                          usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))  # fmt: skip
+    return JSONResponse(body.model_dump(mode="json"))
