@@ -8,7 +8,8 @@ of its two vectors, in [-1, 1].
 
 from __future__ import annotations
 
-import torch
+import operator
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -45,12 +46,18 @@ async def _similarities(serving: Serving, texts: list[tuple[str, str]], pairs: l
                                          [fields[t] for t in distinct])  # fmt: skip
     request_id, finals = await embed(serving, token_inputs, pooling_params(normalize=True), req,
                                      raw, prefix)  # fmt: skip
-    vectors = torch.tensor([f.embedding for f in finals], dtype=torch.float32)
+    vectors = [f.embedding for f in finals]
     row = [first_of[text] for text, _ in texts]
-    a = vectors[[row[i] for i, _ in pairs]]
-    b = vectors[[row[j] for _, j in pairs]]
-    scores = (a * b).sum(dim=-1).clamp(-1.0, 1.0).tolist()
+    work = [(vectors[row[i]], vectors[row[j]]) for i, j in pairs]
+    # (off the event loop when there is much of it: 1,000 pairs of 1,024 values is ~20 ms)
+    size = len(work) * len(vectors[0]) // 64
+    scores = await serving.run_blocking(_cosines, work, size=size)
     return request_id, scores, sum(f.num_prompt_tokens for f in finals)
+
+
+def _cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
+    """Each pair's dot product (the vectors are unit length: their cosine), in [-1, 1]."""
+    return [max(-1.0, min(1.0, sum(map(operator.mul, a, b)))) for a, b in pairs]
 
 
 def _listed(value: str | list[str], field: str) -> list[tuple[str, str]]:
