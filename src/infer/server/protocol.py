@@ -353,11 +353,20 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False  # also each token's string (vLLM's field)
 
 
-class EmbeddingRequest(_Request):
+class _PoolingFields(_Request):
+    """Fields shared by the embedding routes (embeddings, score, rerank)."""
+
+    model: str | None = Field(None, description="served model name; defaults to the only model")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep each input's last k tokens (-1: the context length)"
+    )
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
+
+
+class EmbeddingRequest(_PoolingFields):
     """``POST /v1/embeddings`` (OpenAI's fields plus vLLM's ``truncate_prompt_tokens``,
     ``add_special_tokens``, ``normalize`` and ``priority``)."""
 
-    model: str | None = Field(None, description="served model name; defaults to the only model")
     input: (
         NonEmptyStr
         | Annotated[list[NonEmptyStr], Field(min_length=1)]
@@ -371,27 +380,18 @@ class EmbeddingRequest(_Request):
         None, ge=1, description="keep the first d values (Matryoshka), normalized after the cut"
     )
     user: str | None = Field(None, description="accepted and ignored")
-    truncate_prompt_tokens: int | None = Field(
-        None, ge=-1, description="keep each input's last k tokens (-1: the context length)"
-    )
     add_special_tokens: bool = Field(True, description="the tokenizer's BOS/EOS etc. (vLLM's)")
     normalize: bool | None = Field(
         None, description="unit length (default: as the model's sentence-transformers files say)"
     )
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
 
 
-class ScoreRequest(_Request):
+class ScoreRequest(_PoolingFields):
     """``POST /score`` (and ``/v1/score``): how alike ``text_1`` and each ``text_2`` are, the
     cosine similarity of their embeddings (vLLM's score API for embedding models)."""
 
-    model: str | None = None
     text_1: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
     text_2: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
-    truncate_prompt_tokens: int | None = Field(
-        None, ge=-1, description="keep each text's last k tokens (-1: the context length)"
-    )
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
     user: str | None = Field(None, description="accepted and ignored")
 
 
@@ -399,19 +399,14 @@ class RerankDocumentIn(_Request):
     text: NonEmptyStr
 
 
-class RerankRequest(_Request):
+class RerankRequest(_PoolingFields):
     """``POST /rerank`` (and ``/v1/rerank``, ``/v2/rerank``): ``documents`` ordered by how alike
     each is to ``query`` (Jina's and Cohere's shape, as vLLM serves it)."""
 
-    model: str | None = None
     query: NonEmptyStr
     documents: Annotated[list[NonEmptyStr | RerankDocumentIn], Field(min_length=1)]
     top_n: int | None = Field(None, ge=0, description="the best n (0 or null: every document)")
     return_documents: bool = Field(True, description="each result's document text too")
-    truncate_prompt_tokens: int | None = Field(
-        None, ge=-1, description="keep each text's last k tokens (-1: the context length)"
-    )
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
 
 
 class DetokenizeRequest(_Request):
@@ -628,13 +623,16 @@ class EmbeddingUsage(_Response):
     total_tokens: int = 0
 
 
-class EmbeddingResponse(_Response):
+class _PoolingList(_Response):
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class EmbeddingResponse(_PoolingList):
+    data: list[EmbeddingData]
 
 
 class ScoreData(_Response):
@@ -643,13 +641,8 @@ class ScoreData(_Response):
     score: float
 
 
-class ScoreResponse(_Response):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(_PoolingList):
     data: list[ScoreData]
-    usage: EmbeddingUsage
 
 
 class RerankDocumentOut(_Response):
