@@ -33,7 +33,7 @@ from infer.core.outputs import (
     ScoreOutput,
     ScoreResult,
 )
-from infer.core.pooling_params import PoolingParams, score_pairs
+from infer.core.pooling_params import PoolingParams, cosine, score_pairs
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.model.chat_template import render_chat_ids
@@ -259,13 +259,19 @@ class LLM:
         texts = [*first, *second]
         keys = [t if isinstance(t, str) else tuple(t) for t in texts]
         distinct = list(dict.fromkeys(keys))
-        results = self.embed([k if isinstance(k, str) else list(k) for k in distinct],
-                             PoolingParams(normalize=True), lora_request=lora_request)  # fmt: skip
+        try:
+            results = self.embed([k if isinstance(k, str) else list(k) for k in distinct],
+                                 PoolingParams(normalize=True), lora_request=lora_request)  # fmt: skip
+        except InvalidRequestError as e:  # name the text as the call gave it, not its embed's
+            if e.param is not None and e.param.startswith("prompt"):
+                k = int(e.param[8:-1]) if e.param.startswith("prompts[") else 0
+                at = keys.index(distinct[k])
+                e.param = f"text_1[{at}]" if at < len(first) else f"text_2[{at - len(first)}]"
+            raise
         vector = {k: r.outputs.embedding for k, r in zip(distinct, results, strict=True)}
         out = []
         for i, j in pairs:
-            a, b = vector[keys[i]], vector[keys[len(first) + j]]
-            score = max(-1.0, min(1.0, sum(x * y for x, y in zip(a, b, strict=True))))
+            score = cosine(vector[keys[i]], vector[keys[len(first) + j]])
             out.append(ScoreResult(first[i], second[j], ScoreOutput(score)))
         return out
 

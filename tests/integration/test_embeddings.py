@@ -240,3 +240,6 @@ def test_score_is_the_cosine_of_the_embeddings(make_llm):
     with pytest.raises(InvalidRequestError) as e:
         llm.score(texts, texts[:2])
     assert e.value.param == "text_2"
+    with pytest.raises(InvalidRequestError) as e:  # named as the call gave it
+        llm.score(texts[0], [texts[0], "", texts[1]])
+    assert e.value.param == "text_2[1]"

@@ -209,7 +209,7 @@ def test_score_is_the_cosine_of_the_embeddings(server, reference):
         assert [d["object"] for d in body["data"]] == ["score"] * 3
         want = [cos(TEXTS[0], t) for t in TEXTS]
         assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-4)
-        assert body["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)  # a text and itself
+        assert body["data"][0]["score"] == 1.0  # a text and itself, exactly
         # the query once, each other text once
         assert body["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in TEXTS)
         pairwise = c.post("/v1/score", json={"text_1": TEXTS[1:], "text_2": TEXTS[:2]}).json()
@@ -220,6 +220,16 @@ def test_score_is_the_cosine_of_the_embeddings(server, reference):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
         bad = c.post("/score", json={"text_1": "a", "text_2": ["b", ""]})
         assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("text_2")
+        # fields are checked, not read from the extras unchecked (a string here was a 500)
+        bad = c.post("/score", json={"text_1": "a", "text_2": "b", "add_special_tokens": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"
+        bad = c.post("/score", json={"text_1": "a", "text_2": "b", "cache_salt": {"x": 1}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+        # at most 1,024 texts a list (1.2M copies of one text stalled the server for seconds)
+        bad = c.post("/score", json={"text_1": "a", "text_2": ["b"] * 1025})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+        bad = c.post("/v1/embeddings", json={"input": ["b"] * 1025})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
     server.wait_idle()
 
 
@@ -245,4 +255,9 @@ def test_rerank_orders_the_documents_by_similarity_to_the_query(server, referenc
         top = c.post("/v2/rerank", json=body).json()["results"]
         assert [x["index"] for x in top] == order[:2] and top[0]["document"] is None
         assert c.post("/v1/rerank", json={"query": query, "documents": []}).status_code == 400
+        # a document past the context is refused naming it
+        long = {"query": query, "documents": ["word " * 5000]}
+        bad = c.post("/rerank", json=long)
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"].startswith("documents")
     server.wait_idle()

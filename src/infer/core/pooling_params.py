@@ -9,6 +9,9 @@ gte-Qwen2 and e5-mistral are trained for). It then finishes, with no output toke
 
 from __future__ import annotations
 
+import math
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
@@ -53,3 +56,13 @@ def score_pairs(num_1: int, num_2: int) -> list[tuple[int, int]]:
         "text_2) or as many as text_2 (scored pair by pair)",
         param="text_2",
     )
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """The cosine similarity of two vectors in double precision, in [-1, 1] (float32 vectors
+    are unit length only to float32's rounding: a text and itself score exactly 1; 0 for a
+    zero vector)."""
+    norms = math.sqrt(sum(map(operator.mul, a, a)) * sum(map(operator.mul, b, b)))
+    if not norms:
+        return 0.0
+    return max(-1.0, min(1.0, sum(map(operator.mul, a, b)) / norms))

@@ -360,7 +360,14 @@ class _PoolingFields(_Request):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep each input's last k tokens (-1: the context length)"
     )
+    add_special_tokens: bool = Field(True, description="the tokenizer's BOS/EOS etc. (vLLM's)")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
+    cache_salt: str | None = Field(None, min_length=1, description="isolates prefix-cache hits")
+
+
+MAX_TEXTS = 1024
+"""At most this many texts in one list of an embedding route (each is an engine request)."""
+_Texts = Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_TEXTS)]
 
 
 class EmbeddingRequest(_PoolingFields):
@@ -369,9 +376,12 @@ class EmbeddingRequest(_PoolingFields):
 
     input: (
         NonEmptyStr
-        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | _Texts
         | Annotated[list[InputTokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[InputTokenId], Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[InputTokenId], Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_TEXTS),
+        ]
     ) = Field(..., description="a string, strings, token ids, or lists of token ids")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: each vector's little-endian float32 bytes"
@@ -380,7 +390,6 @@ class EmbeddingRequest(_PoolingFields):
         None, ge=1, description="keep the first d values (Matryoshka), normalized after the cut"
     )
     user: str | None = Field(None, description="accepted and ignored")
-    add_special_tokens: bool = Field(True, description="the tokenizer's BOS/EOS etc. (vLLM's)")
     normalize: bool | None = Field(
         None, description="unit length (default: as the model's sentence-transformers files say)"
     )
@@ -390,8 +399,8 @@ class ScoreRequest(_PoolingFields):
     """``POST /score`` (and ``/v1/score``): how alike ``text_1`` and each ``text_2`` are, the
     cosine similarity of their embeddings (vLLM's score API for embedding models)."""
 
-    text_1: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
-    text_2: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    text_1: NonEmptyStr | _Texts
+    text_2: NonEmptyStr | _Texts
     user: str | None = Field(None, description="accepted and ignored")
 
 
@@ -404,7 +413,9 @@ class RerankRequest(_PoolingFields):
     each is to ``query`` (Jina's and Cohere's shape, as vLLM serves it)."""
 
     query: NonEmptyStr
-    documents: Annotated[list[NonEmptyStr | RerankDocumentIn], Field(min_length=1)]
+    documents: Annotated[
+        list[NonEmptyStr | RerankDocumentIn], Field(min_length=1, max_length=MAX_TEXTS)
+    ]
     top_n: int | None = Field(None, ge=0, description="the best n (0 or null: every document)")
     return_documents: bool = Field(True, description="each result's document text too")
 

@@ -8,15 +8,13 @@ of its two vectors, in [-1, 1].
 
 from __future__ import annotations
 
-import operator
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from infer.core.pooling_params import score_pairs
+from infer.core.pooling_params import cosine, score_pairs
 from infer.core.sampling_params import InvalidRequestError
 from infer.server.embeddings import embed, log_unknown_fields, pooling_params, tokenize_inputs
-from infer.server.errors import bad_request, from_invalid_request
+from infer.server.errors import APIError, bad_request, from_invalid_request
 from infer.server.protocol import (
     EmbeddingUsage,
     RerankDocumentOut,
@@ -44,20 +42,24 @@ async def _similarities(serving: Serving, texts: list[tuple[str, str]], pairs: l
     fields = {text: field for text, field in reversed(texts)}  # (each text's first field)
     token_inputs = await tokenize_inputs(serving, list(distinct), req,
                                          [fields[t] for t in distinct])  # fmt: skip
-    request_id, finals = await embed(serving, token_inputs, pooling_params(normalize=True), req,
-                                     raw, prefix)  # fmt: skip
+    try:
+        request_id, finals = await embed(serving, token_inputs, pooling_params(normalize=True),
+                                         req, raw, prefix)  # fmt: skip
+    except APIError as e:  # the engine's refusals name /v1/embeddings' field: name this route's
+        if e.param == "input":
+            e.param = texts[-1][1].split("[")[0]
+        raise
     vectors = [f.embedding for f in finals]
     row = [first_of[text] for text, _ in texts]
     work = [(vectors[row[i]], vectors[row[j]]) for i, j in pairs]
-    # (off the event loop when there is much of it: 1,000 pairs of 1,024 values is ~20 ms)
+    # (off the event loop when there is much of it: 1,000 pairs of 1,024 values is ~60 ms)
     size = len(work) * len(vectors[0]) // 64
     scores = await serving.run_blocking(_cosines, work, size=size)
     return request_id, scores, sum(f.num_prompt_tokens for f in finals)
 
 
 def _cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
-    """Each pair's dot product (the vectors are unit length: their cosine), in [-1, 1]."""
-    return [max(-1.0, min(1.0, sum(map(operator.mul, a, b)))) for a, b in pairs]
+    return [cosine(a, b) for a, b in pairs]
 
 
 def _listed(value: str | list[str], field: str) -> list[tuple[str, str]]:
