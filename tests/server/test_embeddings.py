@@ -261,3 +261,21 @@ def test_rerank_orders_the_documents_by_similarity_to_the_query(server, referenc
         assert bad.status_code == 400, bad.text
         assert bad.json()["error"]["param"].startswith("documents")
     server.wait_idle()
+
+
+def test_messages_embed_the_conversation_as_the_chat_template_writes_it(server, reference):
+    tok, hidden = reference
+    messages = [{"role": "user", "content": "What is a list?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    with server.client() as c:
+        r = c.post("/v1/embeddings", json={"model": "tiny", "messages": messages})
+        assert r.status_code == 200, r.text
+        got = torch.tensor(r.json()["data"][0]["embedding"])
+        torch.testing.assert_close(got, unit(hidden(ids)), atol=2e-5, rtol=1e-4)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        both = c.post("/v1/embeddings", json={"input": "x", "messages": messages})
+        assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+        neither = c.post("/v1/embeddings", json={"model": "tiny"})
+        assert neither.status_code == 400
+    server.wait_idle()

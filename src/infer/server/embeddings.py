@@ -20,8 +20,9 @@ from infer.core.outputs import RequestOutput
 from infer.core.pooling_params import PoolingParams
 from infer.core.sampling_params import InvalidRequestError
 from infer.core.validation import check_prompt
+from infer.server.chat import render_chat
 from infer.server.completions import prompt_list
-from infer.server.errors import APIError, from_invalid_request
+from infer.server.errors import APIError, bad_request, from_invalid_request
 from infer.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from infer.server.serving import Serving, cancel_on_disconnect, new_id, raise_if_failed
 
@@ -89,12 +90,36 @@ def pooling_params(**fields: Any) -> PoolingParams:
         raise from_invalid_request(e) from e
 
 
+async def _render_messages(serving: Serving, req: EmbeddingRequest) -> list[int]:
+    """A conversation's ids as the chat template writes it (the template's own special tokens;
+    the tokenizer's too only when the request sets ``add_special_tokens``), checked."""
+    special = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False
+
+    def render() -> list[int]:
+        return render_chat(serving, req.messages or [],
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           kwargs=req.chat_template_kwargs, add_special_tokens=special)  # fmt: skip
+
+    ids = serving.truncated(await serving.run_blocking(render, size=4096), req)
+    try:
+        check_prompt(ids, serving.max_model_len, param="messages", generates=False)
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
+    return ids
+
+
 async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request) -> Response:
     model = serving.check_model(req.model)
     log_unknown_fields(req, "/v1/embeddings")
-    inputs = prompt_list(req.input, param="input")
-    params = ["input"] if len(inputs) == 1 else [f"input[{i}]" for i in range(len(inputs))]
-    token_inputs = await tokenize_inputs(serving, inputs, req, params)
+    if (req.input is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'input' and 'messages'", param="input")
+    if req.messages is not None:
+        token_inputs = [await _render_messages(serving, req)]
+    else:
+        inputs = prompt_list(req.input, param="input")
+        params = ["input"] if len(inputs) == 1 else [f"input[{i}]" for i in range(len(inputs))]
+        token_inputs = await tokenize_inputs(serving, inputs, req, params)
     pooling = pooling_params(normalize=req.normalize, dimensions=req.dimensions)
     request_id, finals = await embed(serving, token_inputs, pooling, req, raw, "embd")
     data = []

@@ -372,7 +372,17 @@ _Texts = Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_TEXTS)]
 
 class EmbeddingRequest(_PoolingFields):
     """``POST /v1/embeddings`` (OpenAI's fields plus vLLM's ``truncate_prompt_tokens``,
-    ``add_special_tokens``, ``normalize`` and ``priority``)."""
+    ``add_special_tokens``, ``normalize`` and ``priority``); ``messages`` in place of ``input``
+    embeds one conversation as the chat template writes it (vLLM's chat form)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["input"], "properties": {"input": {"not": {"type": "null"}}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
 
     input: (
         NonEmptyStr
@@ -382,7 +392,11 @@ class EmbeddingRequest(_PoolingFields):
             list[Annotated[list[InputTokenId], Field(min_length=1)]],
             Field(min_length=1, max_length=MAX_TEXTS),
         ]
-    ) = Field(..., description="a string, strings, token ids, or lists of token ids")
+    ) | None = Field(None, description="a string, strings, token ids, or lists of token ids")
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = Field(False, description="with messages (vLLM's default)")
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: each vector's little-endian float32 bytes"
     )
