@@ -1,4 +1,5 @@
-"""Soak: many mixed requests against one server, some clients hanging up mid-stream. Nothing
+"""Soak: many mixed requests against one server (generation, and some embeddings, scores and
+reranks), some clients hanging up mid-stream. Nothing
 5xx, every finished answer's usage matches what its client received, and afterwards the engine
 is idle with every KV block free. The default run does 300 requests; ``-m slow`` runs 5,000 and
 also checks that the server's memory stays flat."""
@@ -29,7 +30,32 @@ def _body(rng: random.Random, i: int) -> tuple[str, dict]:
     return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
 
 
+async def _pooling(client: httpx.AsyncClient, rng: random.Random, i: int, stats: dict) -> None:
+    """An embedding, score or rerank request (some first sent and hung up on, then again)."""
+    texts = [rng.choice(SHARED) * rng.randint(1, 3) + f"text {i}.{j}" for j in range(3)]
+    path, body = rng.choice([
+        ("/v1/embeddings", {"input": texts, "encoding_format": rng.choice(["float", "base64"])}),
+        ("/score", {"text_1": texts[0], "text_2": texts}),
+        ("/rerank", {"query": texts[0], "documents": texts[1:], "top_n": 1}),
+    ])  # fmt: skip
+    body = {**body, "model": "tiny", "priority": rng.randint(0, 3)}
+    if rng.random() < 0.2:  # gone before the answer
+        try:
+            await client.post(path, json=body, timeout=0.05)
+        except httpx.TimeoutException:
+            stats["hung_up"] += 1
+    r = await client.post(path, json=body)
+    stats["status"].append(r.status_code)
+    if r.status_code == 200:
+        data = r.json()
+        count = len(data["results"]) if path == "/rerank" else len(data["data"])
+        assert count == {"/v1/embeddings": 3, "/score": 3, "/rerank": 1}[path], data
+
+
 async def _one(client: httpx.AsyncClient, rng: random.Random, i: int, stats: dict) -> None:
+    if rng.random() < 0.15:
+        await _pooling(client, rng, i, stats)
+        return
     path, body = _body(rng, i)
     if rng.random() < 0.5:
         r = await client.post(path, json=body)
