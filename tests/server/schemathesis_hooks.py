@@ -56,8 +56,17 @@ def breaks_a_cross_field_rule(body: dict) -> bool:
         return True
     if body.get("stream_options") is not None and body.get("stream") is not True:
         return True  # stream_options needs stream: true
-    if body.get("continue_final_message") is True and body.get("add_generation_prompt", True):
-        return True  # the two are exclusive, and add_generation_prompt defaults to true
+    if body.get("continue_final_message") is True:
+        # the two are exclusive; add_generation_prompt defaults to true (false on embeddings,
+        # whose bodies this cannot tell apart: those cases are left out too)
+        if body.get("add_generation_prompt", True):
+            return True
+        messages = body.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if not (isinstance(last, dict) and last.get("role") == "assistant"):
+            return True  # it continues a final assistant message
+    if body.get("bad_words") and body.get("allowed_token_ids"):
+        return True  # bad words that ban every allowed id are refused (the tokenizer decides)
     top = body.get("top_logprobs")
     if _ints(top) and top >= 1 and body.get("logprobs") is not True and "messages" in body:
         return True

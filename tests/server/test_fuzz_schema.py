@@ -39,7 +39,8 @@ def _fuzz(server, max_examples: int, seed: int, tmp_path: Path) -> None:
                PYTHONPATH=str(REPO))  # fmt: skip
     cmd = [st, "run", f"{server.url}/openapi.json", "--checks", "all",
            "--max-examples", str(max_examples), "--seed", str(seed), "--workers", "1",
-           "--request-timeout", "30", "--no-color", "--report", "junit",
+           "--request-timeout", "30", "--max-response-time", "30", "--no-color",
+           "--report", "junit",
            "--report-dir", str(tmp_path)]  # fmt: skip
     # Run in tmp_path: schemathesis keeps its example database in the working directory.
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
