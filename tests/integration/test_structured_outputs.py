@@ -185,3 +185,22 @@ def test_a_character_level_tokenizer_constrains_too(tiny_checkpoints, tmp_path):
             jsonschema.validate(json.loads(text), SCHEMA)
     kv = llm.engine.kv_manager
     assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_allowed_token_ids_that_cannot_start_the_output_are_refused(make_llm):
+    """allowed_token_ids with a grammar: when none of them may start the output, every token
+    would be masked (the sampler then picked one the grammar refused: an engine error); the
+    request is refused naming the field, and a compatible set still gives valid JSON."""
+    llm = make_llm("llama")
+    schema = StructuredOutputs(json='{"type": "array", "minItems": 1}')
+    letter = llm.tokenizer.encode("x", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=8, temperature=0, allowed_token_ids=[letter],
+                            structured_outputs=schema)  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="none of allowed_token_ids") as e:
+        llm.generate(PROMPTS[0], params)
+    assert e.value.param == "allowed_token_ids"
+    vocab = llm.engine.spec.vocab_size
+    wide = SamplingParams(max_tokens=12, temperature=0, allowed_token_ids=list(range(vocab)),
+                          structured_outputs=schema)  # fmt: skip
+    text = llm.generate(PROMPTS[0], wide)[0].outputs[0].text
+    assert text.startswith("[")

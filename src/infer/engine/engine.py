@@ -713,10 +713,40 @@ class LLMEngine:
         if params.structured_outputs is not None:
             # NOTE: the request joins the scheduler once its matcher is built (off this thread
             # for a new schema), at the start of a step.
-            self._compiling[request_id] = (request, self._structured_manager().submit(request))
+            future = self._structured_manager().submit(request)
+            if params.allowed_token_ids:
+                self._check_first_token(request, future)
+            self._compiling[request_id] = (request, future)
             self._admit_compiled(wait=False)
             return
         self.scheduler.add_request(request)
+
+    def _check_first_token(self, request: Request, future: futures.Future) -> None:
+        """A constrained request with ``allowed_token_ids``: its matcher built now (on this
+        thread), and ``InvalidRequestError`` if none of those ids may start the output (every
+        token would be masked: the sampler would pick garbage the grammar then refuses). A
+        grammar that fails to build is left to :meth:`_admit_compiled`."""
+        assert self.structured is not None
+        try:
+            matcher = future.result()
+        except Exception:  # noqa: BLE001 - reported as any failed build is
+            return
+        rid = request.request_id
+        self.structured.attach(rid, matcher)
+        try:
+            rows_mask = self.structured.bitmask([request])
+        finally:
+            self.structured.forget(rid)
+        assert rows_mask is not None
+        words = rows_mask[1][0].tolist()
+        if not any(words[t // 32] >> (t % 32) & 1 for t in request.sampling_params.allowed_token_ids
+                   if t // 32 < len(words)):  # fmt: skip
+            del self._states[rid]
+            raise InvalidRequestError(
+                "none of allowed_token_ids may start the structured output: nothing could be "
+                "sampled",
+                param="allowed_token_ids",
+            )
 
     def _pooling(self, params: PoolingParams) -> PoolingParams:
         """An embedding request's parameters with the model's ``normalize`` where it left it
