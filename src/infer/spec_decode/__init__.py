@@ -70,7 +70,8 @@ class ProposalLengths:
         if self.adaptive and last is not None:
             first, at, k = last
             if request.num_tokens > at:  # verified since: was the first proposal accepted?
-                k = self.k if request.all_token_ids[at] == first else max(1, k // 2)
+                # (one token, not the whole prompt + output list built for it)
+                k = self.k if request.token_ids(at, at + 1)[0] == first else max(1, k // 2)
         return num_to_propose(request, k)
 
     def record(self, request: Request, proposal: list[int], k: int) -> None:
