@@ -2,13 +2,13 @@
 
 For ``/v1/completions``, ``/v1/chat/completions`` and the embedding routes (``/v1/embeddings``,
 ``/score``, ``/rerank``) the router tokenizes the prompt (an embedding request's first input,
-a score's ``text_1``, a rerank's ``query``) the way the server does (same tokenizer, same chat template rendering), hashes its full blocks the way
-the prefix cache does, asks the routing policy for a replica and streams that replica's answer
-back unchanged (status, headers, SSE chunk by chunk). A client that disconnects cancels the
-replica call, which delivers ``http.disconnect`` to the replica's app and aborts the engine
-request. ``/metrics`` sums the replicas' metrics and adds the router's own; ``/health``,
-``/reset_prefix_cache`` and the LoRA load / unload routes go to every replica; anything else to
-one of them in turn.
+a score's ``text_1``, a rerank's ``query``) the way the server does (same tokenizer, same chat
+template rendering), hashes its full blocks the way the prefix cache does, asks the routing
+policy for a replica and streams that replica's answer back unchanged (status, headers, SSE
+chunk by chunk). A client that disconnects cancels the replica call, which delivers
+``http.disconnect`` to the replica's app and aborts the engine request. ``/metrics`` sums the
+replicas' metrics and adds the router's own; ``/health``, ``/reset_prefix_cache`` and the LoRA
+load / unload routes go to every replica; anything else to one of them in turn.
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ from infer.server.serving import SSE_DONE, sse
 
 logger = logging.getLogger("infer.cluster")
 
-EMBEDDINGS_PATH = "/v1/embeddings"
 # Embedding routes: all prefill, never split; the field holding the text routed by.
-POOLING_PATHS = {EMBEDDINGS_PATH: "input", "/score": "text_1", "/v1/score": "text_1",
+POOLING_PATHS = {"/v1/embeddings": "input", "/score": "text_1", "/v1/score": "text_1",
                  "/rerank": "query", "/v1/rerank": "query", "/v2/rerank": "query"}  # fmt: skip
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", *POOLING_PATHS)
 BROADCAST_PATHS = ("/health", "/reset_prefix_cache", "/v1/load_lora_adapter",

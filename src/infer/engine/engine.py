@@ -38,7 +38,7 @@ from infer.model.generation_config import describe as describe_defaults
 from infer.model.generation_config import sampling_defaults
 from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
-from infer.model.pooling import load_pooler_config
+from infer.model.pooling import PoolerConfig, load_pooler_config
 from infer.runner.backend import WeightsConfig, device_backend
 from infer.runner.cpu.prepack import model_weight_bytes
 from infer.runner.quant import check_quantization
@@ -184,7 +184,7 @@ class LLMEngine:
         # How embedding requests pool (the model's sentence-transformers files, --pooler-config).
         self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config))
         pooler = self.pooler_config
-        if mc.pooler_config or (self.model_path / "modules.json").is_file():
+        if pooler.source != PoolerConfig.source:  # (files or a flag said something)
             logger.info("embeddings (/v1/embeddings, LLM.embed): %s pooling, %s (%s)%s",
                         pooler.pooling_type, "normalized" if pooler.normalize else "not normalized",
                         pooler.source, "" if pooler.supported else
@@ -707,15 +707,17 @@ class LLMEngine:
                 f"the last token's) is more than the KV cache can ever hold ({held})",
                 param="max_tokens",
             )
-        self._states[request_id] = _OutputState(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-        )
+        future = None
         if params.structured_outputs is not None:
-            # NOTE: the request joins the scheduler once its matcher is built (off this thread
-            # for a new schema), at the start of a step.
             future = self._structured_manager().submit(request)
             if params.allowed_token_ids:
                 self._check_first_token(request, future)
+        self._states[request_id] = _OutputState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        )
+        if future is not None:
+            # NOTE: the request joins the scheduler once its matcher is built (off this thread
+            # for a new schema), at the start of a step.
             self._compiling[request_id] = (request, future)
             self._admit_compiled(wait=False)
             return
@@ -726,22 +728,21 @@ class LLMEngine:
         thread), and ``InvalidRequestError`` if none of those ids may start the output (every
         token would be masked: the sampler would pick garbage the grammar then refuses). A
         grammar that fails to build is left to :meth:`_admit_compiled`."""
+        from infer.structured.bitmask import allows
+
         assert self.structured is not None
         try:
             matcher = future.result()
         except Exception:  # noqa: BLE001 - reported as any failed build is
             return
-        rid = request.request_id
-        self.structured.attach(rid, matcher)
+        self.structured.attach(request.request_id, matcher)
         try:
             rows_mask = self.structured.bitmask([request])
         finally:
-            self.structured.forget(rid)
+            self.structured.forget(request.request_id)
         assert rows_mask is not None
         words = rows_mask[1][0].tolist()
-        if not any(words[t // 32] >> (t % 32) & 1 for t in request.sampling_params.allowed_token_ids
-                   if t // 32 < len(words)):  # fmt: skip
-            del self._states[rid]
+        if not any(allows(words, t) for t in request.sampling_params.allowed_token_ids):
             raise InvalidRequestError(
                 "none of allowed_token_ids may start the structured output: nothing could be "
                 "sampled",

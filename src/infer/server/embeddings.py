@@ -57,14 +57,15 @@ async def tokenize_inputs(serving: Serving, inputs: list[str | list[int]], req: 
 
 
 async def embed(serving: Serving, token_inputs: list[list[int]], params: PoolingParams,
-                req: Any, raw: Request, prefix: str) -> tuple[str, list[RequestOutput]]:  # fmt: skip
-    """Run ``token_inputs`` as embedding requests: the request id and each input's final
-    output (its ``embedding`` set); a 500 / 503 when one failed or was aborted."""
+                req: Any, raw: Request,
+                prefix: str) -> tuple[str, list[RequestOutput], EmbeddingUsage]:  # fmt: skip
+    """Run ``token_inputs`` as embedding requests: the request id, each input's final output
+    (its ``embedding`` set) and the usage; a 500 / 503 when one failed or was aborted."""
     request_id = new_id(prefix)
     raw.state.request_id = request_id
     stream = await serving.submit(request_id, token_inputs, params, req)
 
-    async def collect() -> list[RequestOutput]:
+    async def collect() -> tuple[list[RequestOutput], EmbeddingUsage]:
         finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
         async for index, out in stream:
             if out.finished:
@@ -78,9 +79,11 @@ async def embed(serving: Serving, token_inputs: list[list[int]], params: Pooling
                                code="aborted")  # fmt: skip
         prompt_tokens = sum(f.num_prompt_tokens for f in finals if f is not None)
         raw.state.usage = (prompt_tokens, 0)
-        return finals  # type: ignore[return-value]
+        usage = EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+        return finals, usage  # type: ignore[return-value]
 
-    return request_id, await cancel_on_disconnect(raw, collect())
+    finals, usage = await cancel_on_disconnect(raw, collect())
+    return request_id, finals, usage
 
 
 def pooling_params(**fields: Any) -> PoolingParams:
@@ -92,7 +95,8 @@ def pooling_params(**fields: Any) -> PoolingParams:
 
 async def _render_messages(serving: Serving, req: EmbeddingRequest) -> list[int]:
     """A conversation's ids as the chat template writes it (the template's own special tokens;
-    the tokenizer's too only when the request sets ``add_special_tokens``), checked."""
+    the tokenizer's too only when the request sets ``add_special_tokens``), cut and checked as
+    any input is."""
     special = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False
 
     def render() -> list[int]:
@@ -101,12 +105,8 @@ async def _render_messages(serving: Serving, req: EmbeddingRequest) -> list[int]
                            continue_final_message=req.continue_final_message,
                            kwargs=req.chat_template_kwargs, add_special_tokens=special)  # fmt: skip
 
-    ids = serving.truncated(await serving.run_blocking(render, size=4096), req)
-    try:
-        check_prompt(ids, serving.max_model_len, param="messages", generates=False)
-    except InvalidRequestError as e:
-        raise from_invalid_request(e) from e
-    return ids
+    ids = await serving.run_blocking(render, size=4096)
+    return (await tokenize_inputs(serving, [ids], req, ["messages"]))[0]
 
 
 async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request) -> Response:
@@ -121,14 +121,12 @@ async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request
         params = ["input"] if len(inputs) == 1 else [f"input[{i}]" for i in range(len(inputs))]
         token_inputs = await tokenize_inputs(serving, inputs, req, params)
     pooling = pooling_params(normalize=req.normalize, dimensions=req.dimensions)
-    request_id, finals = await embed(serving, token_inputs, pooling, req, raw, "embd")
+    request_id, finals, usage = await embed(serving, token_inputs, pooling, req, raw, "embd")
     data = []
     for index, final in enumerate(finals):
         vector: list[float] | str = final.embedding  # type: ignore[assignment]
         if req.encoding_format == "base64":
             vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
         data.append(EmbeddingData(index=index, embedding=vector))
-    prompt_tokens = sum(f.num_prompt_tokens for f in finals)
-    usage = EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
     body = EmbeddingResponse(id=request_id, model=model, data=data, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

@@ -8,6 +8,8 @@ of its two vectors, in [-1, 1].
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -28,34 +30,34 @@ from infer.server.protocol import (
 from infer.server.serving import MAX_SEQUENCES, Serving
 
 
-async def _similarities(serving: Serving, texts: list[tuple[str, str]], pairs: list[tuple[int, int]],
-                        req, raw: Request, prefix: str) -> tuple[str, list[float], int]:  # fmt: skip
+async def _similarities(
+    serving: Serving, texts: list[tuple[str, str]], pairs: list[tuple[int, int]], req: Any,
+    raw: Request, prefix: str,
+) -> tuple[str, list[float], EmbeddingUsage]:  # fmt: skip
     """Embed each distinct text of ``texts`` (``(text, the field it came from)``) once; the
-    request id, each pair's cosine similarity (indices into ``texts``) and the prompt tokens."""
-    first_of: dict[str, int] = {}
-    for text, _ in texts:
-        first_of.setdefault(text, len(first_of))
-    if len(first_of) > MAX_SEQUENCES:
-        raise bad_request(f"{len(first_of)} distinct texts is more than the {MAX_SEQUENCES} one "
-                          "request may give", param=texts[-1][1].split("[")[0])  # fmt: skip
-    distinct = list(first_of)
-    fields = {text: field for text, field in reversed(texts)}  # (each text's first field)
-    token_inputs = await tokenize_inputs(serving, list(distinct), req,
-                                         [fields[t] for t in distinct])  # fmt: skip
+    request id, each pair's cosine similarity (indices into ``texts``) and the usage."""
+    first_field: dict[str, str] = {}  # each distinct text, in order, and where it first came
+    for text, field in texts:
+        first_field.setdefault(text, field)
+    last_list = texts[-1][1].split("[")[0]  # (the field that errors about the whole list name)
+    if len(first_field) > MAX_SEQUENCES:
+        raise bad_request(f"{len(first_field)} distinct texts is more than the {MAX_SEQUENCES} "
+                          "one request may give", param=last_list)  # fmt: skip
+    distinct = list(first_field)
+    token_inputs = await tokenize_inputs(serving, distinct, req, list(first_field.values()))
     try:
-        request_id, finals = await embed(serving, token_inputs, pooling_params(normalize=True),
-                                         req, raw, prefix)  # fmt: skip
+        unit = pooling_params(normalize=True)
+        request_id, finals, usage = await embed(serving, token_inputs, unit, req, raw, prefix)
     except APIError as e:  # the engine's refusals name /v1/embeddings' field: name this route's
         if e.param == "input":
-            e.param = texts[-1][1].split("[")[0]
+            e.param = last_list
         raise
-    vectors = [f.embedding for f in finals]
-    row = [first_of[text] for text, _ in texts]
-    work = [(vectors[row[i]], vectors[row[j]]) for i, j in pairs]
+    vector = {text: f.embedding for text, f in zip(distinct, finals, strict=True)}
+    work = [(vector[texts[i][0]], vector[texts[j][0]]) for i, j in pairs]
     # (off the event loop when there is much of it: 1,000 pairs of 1,024 values is ~60 ms)
-    size = len(work) * len(vectors[0]) // 64
+    size = len(work) * len(work[0][0]) // 64
     scores = await serving.run_blocking(_cosines, work, size=size)
-    return request_id, scores, sum(f.num_prompt_tokens for f in finals)
+    return request_id, scores, usage
 
 
 def _cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
@@ -78,11 +80,10 @@ async def create_score(serving: Serving, req: ScoreRequest, raw: Request) -> Res
         raise from_invalid_request(e) from e
     n = len(first)
     index_pairs = [(i, n + j) for i, j in pairs]
-    request_id, scores, tokens = await _similarities(serving, first + second, index_pairs, req,
-                                                     raw, "score")  # fmt: skip
+    request_id, scores, usage = await _similarities(serving, first + second, index_pairs, req,
+                                                    raw, "score")  # fmt: skip
     data = [ScoreData(index=k, score=s) for k, s in enumerate(scores)]
-    body = ScoreResponse(id=request_id, model=model, data=data,
-                         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))  # fmt: skip
+    body = ScoreResponse(id=request_id, model=model, data=data, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))
 
 
@@ -92,7 +93,7 @@ async def create_rerank(serving: Serving, req: RerankRequest, raw: Request) -> R
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     texts = [(req.query, "query"), *_listed(docs, "documents")]
     pairs = [(0, 1 + j) for j in range(len(docs))]
-    request_id, scores, tokens = await _similarities(serving, texts, pairs, req, raw, "rerank")
+    request_id, scores, usage = await _similarities(serving, texts, pairs, req, raw, "rerank")
     order = sorted(range(len(docs)), key=lambda j: -scores[j])
     if req.top_n:
         order = order[: req.top_n]
@@ -101,6 +102,5 @@ async def create_rerank(serving: Serving, req: RerankRequest, raw: Request) -> R
                      document=RerankDocumentOut(text=docs[j]) if req.return_documents else None)
         for j in order
     ]  # fmt: skip
-    body = RerankResponse(id=request_id, model=model, results=results,
-                          usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))  # fmt: skip
+    body = RerankResponse(id=request_id, model=model, results=results, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

@@ -14,4 +14,9 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> 
     logits.index_copy_(0, index, masked)
 
 
+def allows(words: list[int], token: int) -> bool:
+    """Whether one bitmask row (its int32 words, as a list) allows ``token``."""
+    return token // 32 < len(words) and bool(words[token // 32] >> (token % 32) & 1)
+
+
 _BITS = torch.arange(32, dtype=torch.int32)
