@@ -17,7 +17,7 @@ from infer.kv_cache.sizing import check_kv_cache_dtype
 
 QUANTIZATIONS = ("int8", "w8a8", "fp8", "int4", "w4a8")
 # Quantized checkpoints (read as they are stored): --quantization names them to assert it.
-CHECKPOINT_QUANTIZATIONS = ("gptq", "awq")
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "gguf")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 BatchingMode = Literal["continuous", "static"]
 KVBackend = Literal["paged", "contiguous"]

@@ -17,14 +17,22 @@ class ModelLoadError(Exception):
 
 
 def find_model_folder(model: str | os.PathLike[str]) -> Path:
-    """The folder of ``model``: a local path, or a hub id (``org/name[@revision]``) already in
-    the local Hugging Face cache. Never touches the network."""
+    """The folder of ``model``: a local path, a GGUF file (the folder made from its metadata,
+    :mod:`infer.model.gguf_folder`), or a hub id (``org/name[@revision]``) already in the local
+    Hugging Face cache. Never touches the network."""
     text = str(model)
     path = Path(text).expanduser()
     if path.is_dir():
         return path.resolve()
     if path.exists():
-        raise ModelLoadError(f"{text} is a file; expected a model folder with config.json")
+        from infer.model.gguf_folder import gguf_model_folder, is_gguf_file
+
+        if is_gguf_file(path):
+            return gguf_model_folder(path)
+        raise ModelLoadError(
+            f"{text} is a file but not a GGUF file; expected a model folder with config.json "
+            "or a .gguf file"
+        )
     if _looks_like_repo_id(text):
         return _find_in_hf_cache(text)
     raise ModelLoadError(f"model folder {text} does not exist")

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from infer.model.folders import ModelLoadError, read_config, read_json
+from infer.model.gguf_checkpoint import GGUFCheckpoint
+from infer.model.gguf_folder import gguf_source
 from infer.model.layers import CausalLM, WeightSource
 from infer.model.parallel import TensorParallel
 from infer.model.quantized_checkpoint import (
@@ -163,8 +165,13 @@ def load_model(
     model_dir = Path(model_dir)
     cls, parsed, spec = _parse(model_dir)
     dtype = resolve_dtype(dtype, spec)
-    index = checkpoint_index(model_dir)
     quantized = quantized_format(model_dir)
+    gguf_file = gguf_source(model_dir)
+    reader: _SafetensorsReader | GGUFCheckpoint
+    if gguf_file is not None:
+        reader = GGUFCheckpoint(gguf_file, spec.num_heads, spec.num_kv_heads)
+    else:
+        reader = _SafetensorsReader(model_dir, quantized, cls.checkpoint_aliases)
 
     with torch.device("meta"):
         model = cls(parsed)
@@ -175,8 +182,6 @@ def load_model(
     params = dict(model.named_parameters())
     assert set(sources) == set(params), f"weight plan mismatch: {set(sources) ^ set(params)}"
 
-    handles: dict[Path, Any] = {}
-    used: set[str] = set()
     # 4-bit layers whose integers a 4-bit linear can take as they are (runner/int4.py).
     model.checkpoint_int4 = {}
     try:
@@ -184,38 +189,65 @@ def load_model(
             tensors = []
             unpacked = []
             for name in source.names:
-                file, found = _lookup(index, name, cls.checkpoint_aliases)
-                if file is None and quantized is not None and name.endswith(".weight"):
-                    layer = _unpacked(index, name, quantized, handles, used, model_dir)
+                tensor, layer = reader.read(name)
+                tensors.append(tensor.float() if source.transform is not None else tensor)
+                if layer is not None:
                     unpacked.append(layer)
-                    tensors.append(layer_weight(layer))
-                    continue
-                if file is None:
-                    raise ModelLoadError(
-                        f"tensor {name!r} (for {pname}) is missing from the checkpoint in {model_dir}"
-                    )
-                used.add(found)
-                t = _read_tensor(handles, file, found)
-                tensors.append(t.float() if source.transform is not None else t)
             _fill(params[pname], pname, source, tensors, model.tp)
             if len(unpacked) == len(source.names) and quantized is not None:
                 kept = checkpoint_int4_parts(quantized, unpacked, source, model.tp)
                 if kept is not None:
                     model.checkpoint_int4[pname] = kept
     finally:
-        handles.clear()
-    unused = sorted(n for n in index if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
+        reader.close()
+    unused = reader.unused()
     if unused:
         # Not fatal (extra heads, vision towers), but a sign of a mislabeled architecture.
         logger.warning(
             "%d checkpoint tensors in %s were not used, e.g. %s",
             len(unused),
-            model_dir,
+            gguf_file or model_dir,
             ", ".join(unused[:3]),
         )
     model.init_buffers(device, dtype)
     model.requires_grad_(False)
     return model.eval()
+
+
+class _SafetensorsReader:
+    """A folder's safetensors by tensor name (GPTQ / AWQ layers unpacked from their parts)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        quantized: QuantizedFormat | None,
+        aliases: tuple[tuple[str, str], ...],
+    ) -> None:
+        self.model_dir, self.quantized, self.aliases = model_dir, quantized, aliases
+        self.index = checkpoint_index(model_dir)
+        self.handles: dict[Path, Any] = {}
+        self.used: set[str] = set()
+
+    def read(self, name: str) -> tuple[torch.Tensor, UnpackedLayer | None]:
+        """Tensor ``name`` as stored (a quantized layer: its float32 weight and integers)."""
+        file, found = _lookup(self.index, name, self.aliases)
+        if file is None and self.quantized is not None and name.endswith(".weight"):
+            layer = _unpacked(
+                self.index, name, self.quantized, self.handles, self.used, self.model_dir
+            )
+            return layer_weight(layer), layer
+        if file is None:
+            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
+        self.used.add(found)
+        return _read_tensor(self.handles, file, found), None
+
+    def close(self) -> None:
+        self.handles.clear()
+
+    def unused(self) -> list[str]:
+        return sorted(
+            n for n in self.index if n not in self.used and not n.endswith(_IGNORABLE_SUFFIXES)
+        )
 
 
 def _read_tensor(handles: dict[Path, Any], file: Path, key: str) -> torch.Tensor:
@@ -246,7 +278,10 @@ def quantization_config(model_dir: Path) -> Any:
 
 
 def quantized_format(model_dir: Path) -> QuantizedFormat | None:
-    """The GPTQ / AWQ format of ``model_dir``'s checkpoint, None for a plain one."""
+    """The GPTQ / AWQ format of ``model_dir``'s checkpoint, None for a plain one; a GGUF
+    file's folder is ``gguf`` (its 4-bit types in groups of 32, whatever else it holds)."""
+    if gguf_source(model_dir) is not None:
+        return QuantizedFormat("gguf", 4, 32)
     qc = quantization_config(model_dir)
     try:
         return read_format({} if qc is None else {"quantization_config": qc})

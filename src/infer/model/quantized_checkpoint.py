@@ -43,7 +43,7 @@ class QuantizedCheckpointError(ValueError):
 class QuantizedFormat:
     """What ``quantization_config`` says about a GPTQ or AWQ checkpoint."""
 
-    method: str  # "gptq" | "awq"
+    method: str  # "gptq" | "awq" | "gguf" (infer.model.gguf_checkpoint)
     bits: int
     group_size: int  # -1: one group over the whole input
     desc_act: bool = False

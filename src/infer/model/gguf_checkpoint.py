@@ -1,0 +1,171 @@
+"""The weights of a GGUF file (llama.cpp's format), read as the loader asks for them.
+
+The loader asks for Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``);
+llama.cpp's name map (the ``gguf`` package's, which llama.cpp maintains) gives the GGUF name
+(``blk.0.attn_q.weight``). Each tensor is dequantized to float32 by the ``gguf`` package
+(llama.cpp's reference code, in numpy) for every type it knows, then undone as llama.cpp's
+converter stored it: a Llama's q / k rows are interleaved per head (un-permuted here).
+
+4-bit types keep their integers too, so 4-bit layers stay 4-bit (:class:`UnpackedLayer`, as a
+GPTQ layer does): per group of 32 inputs, ``weight = scale * (q - zero)`` with::
+
+    Q4_0  (32 weights: d f16 | qs[16])              weight = d * (q - 8)      zero 8, exact
+    Q4_1  (32 weights: d f16 | m f16 | qs[16])      weight = d * q + m        zero = -m / d
+    Q4_K  (256 weights: d | dmin | scales[12] | qs[128], 8 groups of 32 with 6-bit sc, m)
+                                                    weight = d sc q - dmin m  scale = d sc,
+                                                                              zero = dmin m / scale
+      qs[16] of Q4_0 / Q4_1: byte l holds q[l] (low nibble) and q[l + 16] (high nibble);
+      qs[128] of Q4_K: 4 chunks of 32 bytes, chunk c's byte l holds q[64c + l] (low) and
+      q[64c + 32 + l] (high); sc, m of group j (0..7) from scales[12]:
+        j < 4:  sc = s[j] & 63,  m = s[j + 4] & 63
+        j >= 4: sc = s[j + 4] & 15 | (s[j - 4] >> 6) << 4,  m = s[j + 4] >> 4 | (s[j] >> 6) << 4
+
+The scale and a non-integer zero are held as float16 (the 4-bit kernel's format): a relative
+rounding of 2^-11 on each, far below the 4-bit step (Q4_0's integer zero is exact).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from infer.model.folders import ModelLoadError
+from infer.model.quantized_checkpoint import UnpackedLayer
+
+GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
+
+
+class GGUFCheckpoint:
+    """Tensors of one GGUF file by Hugging Face name (memory-mapped; read on demand)."""
+
+    def __init__(self, file: Path, num_heads: int, num_kv_heads: int) -> None:
+        import gguf
+
+        self.file = Path(file)
+        try:
+            self.reader = gguf.GGUFReader(self.file)
+        except Exception as e:  # noqa: BLE001 - gguf raises ValueError, struct.error, ...
+            raise ModelLoadError(f"cannot read GGUF file {file}: {e}") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        field = self.reader.fields["general.architecture"]
+        self.arch = str(field.contents())
+        block_count = self.reader.fields[f"{self.arch}.block_count"].contents()
+        arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
+        self.name_map = gguf.get_tensor_name_map(arch_id, int(block_count))
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.used: set[str] = set()
+
+    def gguf_name(self, name: str) -> str | None:
+        """The GGUF name of Hugging Face tensor ``name``, None when the file has no such tensor."""
+        base, _, suffix = name.rpartition(".")
+        mapped = self.name_map.get_name(base)
+        full = None if mapped is None else f"{mapped}.{suffix}"
+        return full if full in self.tensors else None
+
+    def read(self, name: str) -> tuple[torch.Tensor, UnpackedLayer | None]:
+        """Tensor ``name`` as float32 (exactly what llama.cpp's dequantization gives), and its
+        4-bit integers where its type has them (None otherwise)."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        gname = self.gguf_name(name)
+        if gname is None:
+            raise ModelLoadError(f"tensor {name!r} is missing from GGUF file {self.file}")
+        self.used.add(gname)
+        tensor = self.tensors[gname]
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{self.file}: tensor {gname} is {tensor.tensor_type.name}, a type the gguf "
+                "package cannot dequantize"
+            ) from None
+        weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+            tuple(int(n) for n in reversed(tensor.shape))
+        )
+        layer = None
+        kind = GGMLQuantizationType
+        if tensor.tensor_type in (kind.Q4_0, kind.Q4_1, kind.Q4_K) and weight.dim() == 2:
+            layer = unpack_4bit(np.asarray(tensor.data), tensor.tensor_type.name, weight.shape)
+        rows = self._row_order(name, weight.shape[0])
+        if rows is not None:
+            weight = weight[rows]
+            if layer is not None:
+                layer = UnpackedLayer(
+                    layer.q[rows], layer.zeros[rows], layer.scales[rows], layer.g_idx
+                )
+        return weight, layer
+
+    def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
+        """The stored row of each Hugging Face row of a Llama q / k projection, which
+        llama.cpp stores with each head's two rotary halves interleaved::
+
+            HF row  h*D + i*D/2 + j   (head h, half i, j < D/2)
+            GGUF    h*D + 2j + i
+        """
+        if self.arch != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+            return None
+        heads = self.num_heads if "q_proj" in name else self.num_kv_heads
+        half = rows // heads // 2
+        return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+    def close(self) -> None:
+        """Drop the memory map (tensors already read are copies)."""
+        self.tensors.clear()
+        self.reader = None
+
+    def unused(self) -> list[str]:
+        """The file's tensors no parameter took (rope_freqs is derived state, not a weight)."""
+        return sorted(n for n in self.tensors if n not in self.used and n != "rope_freqs.weight")
+
+
+def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> UnpackedLayer:
+    """One Q4_0 / Q4_1 / Q4_K tensor's raw blocks (``[rows, bytes]``) as integers, float16
+    scales and zeros per group of 32 inputs (see the module doc)."""
+    rows, cols = shape
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1)
+    if kind == "Q4_K":
+        blocks = raw.reshape(rows, cols // 256, 144)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        s = blocks[..., 4:16].astype(np.uint8)
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+        m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 1, 32)
+        q = np.concatenate([qs & 15, qs >> 4], axis=3)  # chunk c, half h = group 2c + h
+        scale = d[..., None] * sc  # [rows, blocks, 8]
+        offset = -(dmin[..., None] * m)
+    else:
+        size = 18 if kind == "Q4_0" else 20
+        blocks = raw.reshape(rows, cols // GROUP, size)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., size - 16 :].reshape(rows, cols // GROUP, 1, 16)
+        q = np.concatenate([qs & 15, qs >> 4], axis=2)
+        if kind == "Q4_0":
+            q = torch.from_numpy(q.reshape(rows, cols).astype(np.uint8))
+            scales = torch.from_numpy(d.astype(np.float16))
+            zeros = torch.full(scales.shape, 8, dtype=torch.uint8)
+            return UnpackedLayer(q, zeros, scales, torch.arange(cols) // GROUP)
+        scale = d
+        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = q.reshape(rows, cols // GROUP, GROUP).astype(np.uint8)
+    scale = scale.reshape(rows, -1)
+    offset = offset.reshape(rows, -1)
+    # weight = scale * q + offset = scale16 * (q - zero): zero = -offset / scale16. A group
+    # whose scale is 0 is the constant offset: q 0, scale -offset, zero 1.
+    scale16 = scale.astype(np.float16)
+    flat = scale16 == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zero = np.where(flat, 1.0, -offset / scale16.astype(np.float32))
+    scale16 = np.where(flat, (-offset).astype(np.float16), scale16)
+    zero = np.where(flat & (offset == 0), 0.0, zero)
+    q = np.where(flat[..., None], 0, q).reshape(rows, cols)
+    return UnpackedLayer(
+        torch.from_numpy(q.astype(np.uint8)),
+        torch.from_numpy(zero.astype(np.float16)),
+        torch.from_numpy(scale16),
+        torch.arange(cols) // GROUP,
+    )
+

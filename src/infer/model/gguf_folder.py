@@ -1,0 +1,164 @@
+"""A GGUF file (llama.cpp's format) seen as a model folder.
+
+Everything in infer reads a model as a Hugging Face folder: ``config.json``, the tokenizer's
+files, ``generation_config.json``. A GGUF file holds all of that in its metadata, and its
+weights. :func:`gguf_model_folder` writes the metadata out once as such a folder, in the cache,
+beside a ``gguf.json`` naming the file; the weights stay in the GGUF file, read from there at
+load (:mod:`infer.model.gguf_checkpoint`)::
+
+    <cache>/gguf/<stem>-<key>/config.json             from the GGUF metadata (transformers)
+                              tokenizer.json ...      the GGUF tokenizer, converted (transformers)
+                              generation_config.json  its bos / eos ids
+                              gguf.json               {"file": ..., "size": ..., "mtime_ns": ...}
+
+``<key>`` hashes the file's absolute path, size and modification time: a changed file gets a
+new folder. transformers reads the metadata (it maps llama.cpp's keys to config fields, and
+its tokenizer converters rebuild a fast tokenizer from the vocabulary, merges and chat
+template stored there); this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from infer.model.folders import ModelLoadError
+
+POINTER_FILE = "gguf.json"
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp architecture -> the Hugging Face class infer serves it as (model/registry.py).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # Mistral's too: llama.cpp's converter writes them as llama
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as a GGUF file does."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a folder made by :func:`gguf_model_folder` stands for, None for any other
+    folder; a GGUF file that changed or went away since is a :class:`ModelLoadError`."""
+    pointer = Path(model_dir) / POINTER_FILE
+    if not pointer.is_file():
+        return None
+    data = json.loads(pointer.read_text())
+    file = Path(data["file"])
+    try:
+        stat = file.stat()
+    except OSError:
+        raise ModelLoadError(f"{model_dir} stands for {file}, which is gone") from None
+    if (stat.st_size, stat.st_mtime_ns) != (data["size"], data["mtime_ns"]):
+        raise ModelLoadError(f"{file} changed after {model_dir} was made from it; load the file again")
+    return file
+
+
+def gguf_model_folder(file: Path, cache: Path | None = None) -> Path:
+    """The model folder standing for GGUF ``file`` (made on first use; see the module doc)."""
+    file = Path(file).expanduser().resolve()
+    if not is_gguf_file(file):
+        raise ModelLoadError(f"{file} is not a GGUF file (it does not start with 'GGUF')")
+    stat = file.stat()
+    key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    if cache is None:
+        from infer.builtin.cache import cache_root
+
+        cache = cache_root()
+    folder = Path(cache) / "gguf" / f"{file.stem}-{key}"
+    if (folder / POINTER_FILE).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        _write_folder(file, tmp)
+        pointer = {"file": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        (tmp / POINTER_FILE).write_text(json.dumps(pointer, indent=1) + "\n")
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process made it first
+            if not (folder / POINTER_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _write_folder(file: Path, out: Path) -> None:
+    """config.json, the tokenizer and generation_config.json of GGUF ``file`` into ``out``."""
+    from gguf import GGUFReader, GGMLQuantizationType
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        reader = GGUFReader(file)
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError, struct.error, ...
+        raise ModelLoadError(f"cannot read GGUF file {file}: {e}") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{file}: GGUF architecture {arch!r} is not supported (infer reads "
+            f"{', '.join(sorted(ARCHITECTURES))})"
+        )
+    if _field(reader, "split.count") not in (None, 1):
+        raise ModelLoadError(
+            f"{file} is one part of a split GGUF; merge the parts into one file first "
+            "(llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except Exception as e:  # noqa: BLE001 - transformers' converters raise many types
+        raise ModelLoadError(f"{file}: cannot read its config or tokenizer: {e}") from None
+    data = config.to_dict()
+    for key in ("_name_or_path", "_model_name_or_path"):
+        data.pop(key, None)
+    data["architectures"] = [ARCHITECTURES[arch]]
+    if arch == "llama":
+        # transformers reads a "llama" file whose name says Mistral as Mistral (sliding
+        # window and all); llama.cpp runs every "llama" file as Llama, and so does infer.
+        data["model_type"] = "llama"
+        data.pop("sliding_window", None)
+    # transformers' mapping leaves head_dim at its default where the heads are not
+    # hidden / heads wide (Qwen3): the file says it.
+    key_length = _field(reader, f"{_field(reader, 'general.architecture')}.attention.key_length")
+    if key_length is not None:
+        data["head_dim"] = int(key_length)
+    names = {t.name for t in reader.tensors}
+    data["tie_word_embeddings"] = "output.weight" not in names
+    floats = {GGMLQuantizationType.F32}
+    # Weights are dequantized (or kept 4-bit) at load: compute in bf16 unless every tensor is
+    # float32 (the GGUF's own precision); --dtype overrides it.
+    all_f32 = all(t.tensor_type in floats for t in reader.tensors)
+    data["torch_dtype"] = "float32" if all_f32 else "bfloat16"
+    data.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tokenizer.save_pretrained(out)
+    generation = {
+        key: value
+        for key, value in (
+            ("bos_token_id", _field(reader, "tokenizer.ggml.bos_token_id")),
+            ("eos_token_id", _field(reader, "tokenizer.ggml.eos_token_id")),
+        )
+        if value is not None
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A scalar or string metadata value of a GGUF reader, None when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()

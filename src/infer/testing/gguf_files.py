@@ -1,0 +1,162 @@
+"""GGUF files written from a Hugging Face folder, the way llama.cpp's converter lays them out.
+
+Tests and benchmarks need GGUF files and no hub: :func:`write_gguf` turns one of the tiny
+checkpoints (``infer.testing.checkpoints``) into a GGUF with llama.cpp's metadata keys and
+tensor names (through the ``gguf`` package's writer and name map, which llama.cpp maintains),
+Llama's q / k rows permuted as llama.cpp stores them, and each 2-D weight in the type asked
+for. ``gguf`` quantizes Q8_0 / Q4_0 / Q4_1 itself; Q4_K it cannot, so :func:`quantize_q4_k`
+writes its blocks here from the format's definition::
+
+    block_q4_K (256 weights, 144 bytes): d f16 | dmin f16 | scales[12] | qs[128]
+      8 sub-blocks of 32, each with a 6-bit scale sc and a 6-bit min m packed in scales[12]:
+        j < 4:  sc = scales[j] & 63,  m = scales[j + 4] & 63
+        j >= 4: sc = scales[j + 4] & 15 | (scales[j - 4] >> 6) << 4
+                m  = scales[j + 4] >> 4 | (scales[j] >> 6) << 4
+      qs: 4 chunks of 32 bytes; chunk c's byte l holds q[64c + l] (low nibble) and
+          q[64c + 32 + l] (high nibble)
+      weight = d * sc * q - dmin * m
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+QK_K = 256
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """``[rows, k]`` float (k % 256 == 0) -> Q4_K blocks, uint8 ``[rows, k / 256 * 144]``:
+    each sub-block's range (widened to hold 0) in 15 steps, its scale and min to 6 bits of
+    the super-block's largest."""
+    rows, k = w.shape
+    sub = w.astype(np.float32).reshape(rows, k // QK_K, 8, 32)
+    lo = np.minimum(sub.min(axis=3), 0.0)
+    hi = np.maximum(sub.max(axis=3), 0.0)
+    scale, mn = (hi - lo) / 15.0, -lo  # both >= 0
+    d = (scale.max(axis=2) / 63.0).astype(np.float16)
+    dmin = (mn.max(axis=2) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
+    m = np.where(dminf > 0, np.rint(mn / np.where(dminf > 0, dminf, 1)), 0)
+    m = m.clip(0, 63).astype(np.uint8)
+    s, off = (df * sc)[..., None], (dminf * m)[..., None]
+    q = np.where(s > 0, np.rint((sub + off) / np.where(s > 0, s, 1)), 0).clip(0, 15)
+    q = q.astype(np.uint8).reshape(rows, k // QK_K, 4, 2, 32)  # chunk, half, l
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, k // QK_K, 128)
+    scales = np.zeros((rows, k // QK_K, 12), np.uint8)
+    scales[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 15) | ((m[..., 4:8] & 15) << 4)
+    blocks = np.concatenate(
+        [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales, qs], axis=2
+    )
+    return blocks.reshape(rows, -1)
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's order of a Llama q / k projection's rows (each head's two rotary halves
+    interleaved); ``n_head``: the projection's own head count."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
+def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "tiny") -> Path:
+    """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2 or Qwen3) as
+    GGUF ``out``: 2-D weights whose inputs split into its blocks in ``weight_type`` (F32, F16,
+    BF16, Q8_0, Q4_0, Q4_1, Q4_K), the others and every 1-D tensor in F32."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    arch = config["model_type"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    layers = config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_vocab_size(config["vocab_size"])
+    _write_tokenizer(writer, Path(folder))
+
+    qtype = gguf.GGMLQuantizationType[weight_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    state: dict[str, Any] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    for hf_name, tensor in state.items():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        w = tensor.astype(np.float32)
+        if arch in ("llama", "mistral") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = permute_rows(w, heads if "q_proj" in hf_name else kv_heads)
+        _add(writer, f"{gguf_name}.{suffix}", w, qtype if w.ndim == 2 and w.shape[1] % block == 0
+             else gguf.GGMLQuantizationType.F32)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add(writer: Any, name: str, w: np.ndarray, qtype: Any) -> None:
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, w)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, w.astype(np.float16))
+    elif qtype == gguf.GGMLQuantizationType.Q4_K:
+        writer.add_tensor(name, quantize_q4_k(w), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+
+def _write_tokenizer(writer: Any, folder: Path) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp stores one ("gpt2" model)."""
+    import gguf
+
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(data["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    vocab.update(special)
+    size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf.TokenType.UNUSED] * size
+    for text, i in vocab.items():
+        tokens[i] = text
+        types[i] = gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    writer.add_bos_token_id(generation["bos_token_id"])
+    writer.add_eos_token_id(generation["eos_token_id"])
+    writer.add_add_bos_token(False)
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = tok_config.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
