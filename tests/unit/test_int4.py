@@ -119,6 +119,26 @@ def test_int4_kernel_matches_the_dequantized_product(m, k, n, group):
     assert torch.all((got16.double() - want).abs() <= tol + want.abs() / 128)
 
 
+@needs_kernel
+@pytest.mark.parametrize("m,k,n,group", SHAPES)
+def test_int4_kernel_takes_float16_zeros(m, k, n, group):
+    """GGUF's Q4_1 / Q4_K groups: a zero that is a ratio, held as float16 (negative and past 15
+    too), read by the same kernel; the w4a8 kernel (integer sums) leaves such a layer to the
+    dequantized product."""
+    x, q, scales, _ = _random_layer(m, k, n, group)
+    torch.manual_seed(n)
+    zeros = (torch.rand(n, k // group) * 40 - 8).to(torch.float16)
+    layer = Int4Linear(q, scales, zeros, None, torch.bfloat16)
+    assert layer.mode == "kernel" and layer.zeros.dtype == torch.float16
+    want = _bf16_reference(x, q, scales, zeros)
+    got = _kernel_f32(layer, x)
+    tol = 1e-5 * (x.double().abs() @ torch.full((k, n), 160.0 * 0.1, dtype=torch.float64))
+    assert torch.all((got - want).abs() <= tol + 1e-6)
+    assert Int4Linear(q, scales, zeros, None, torch.bfloat16, int8_activations=True).mode == (
+        "dequant"
+    )
+
+
 @needs_w4a8
 @pytest.mark.parametrize("m,k,n,group", SHAPES)
 def test_w4a8_kernel_matches_the_integer_reference(m, k, n, group):

@@ -382,13 +382,23 @@ class LLMEngine:
         return {n: r.base_model_name for n, r in self.lora.registered.items() if r.base_model_name}
 
     def _log_checkpoint_layers(self, load_quantization: str | None) -> None:
-        """A GPTQ / AWQ checkpoint: say what each layer became (its 4-bit layers are kept as
-        they are unless ``--quantization`` requantizes the model)."""
+        """A GPTQ / AWQ checkpoint or GGUF file: say what each layer became (its 4-bit layers
+        are kept as they are unless ``--quantization`` requantizes the model)."""
+        from infer.model.gguf_checkpoint import tensor_types
+        from infer.model.gguf_folder import gguf_source
+
         q = self.checkpoint_quantization
         assert q is not None
         kept = self.backend.kept_int4
         modes = sorted({m.mode for m in kept})
         dtype = str(self.dtype).removeprefix("torch.")
+        gguf_file = gguf_source(self.model_path)
+        if gguf_file is not None:
+            types = ", ".join(f"{n} {kind}" for kind, n in tensor_types(gguf_file).items())
+            logger.info("GGUF file %s (%s): %d linear layers kept in 4 bits (%s), the others "
+                        "dequantized to %s", gguf_file, types, len(kept),
+                        ", ".join(modes) or "none", dtype)  # fmt: skip
+            return
         logger.info(
             "%s checkpoint (%d-bit, group %d%s): %d linear layers kept in 4 bits (%s), the "
             "others dequantized to %s",
@@ -403,7 +413,7 @@ class LLMEngine:
 
     def _load_quantization(self) -> str | None:
         """The method to quantize the weights with at load (None: none). ``--quantization
-        gptq|awq`` names the checkpoint's own format: checked, nothing to do at load."""
+        gptq|awq|gguf`` names the checkpoint's own format: checked, nothing to do at load."""
         asked = self.config.model.quantization
         ckpt = self.checkpoint_quantization
         if asked in CHECKPOINT_QUANTIZATIONS:

@@ -20,8 +20,10 @@ GPTQ layer does): per group of 32 inputs, ``weight = scale * (q - zero)`` with::
         j < 4:  sc = s[j] & 63,  m = s[j + 4] & 63
         j >= 4: sc = s[j + 4] & 15 | (s[j - 4] >> 6) << 4,  m = s[j + 4] >> 4 | (s[j] >> 6) << 4
 
-The scale and a non-integer zero are held as float16 (the 4-bit kernel's format): a relative
-rounding of 2^-11 on each, far below the 4-bit step (Q4_0's integer zero is exact).
+The scale and a non-integer zero are held as float16 (the 4-bit kernel's format): each rounded
+by at most 2^-12 of itself, so a weight moves by less than 2^-9 of its group's largest (a 32nd
+of a 4-bit step); Q4_0's integer zero is exact. A float32
+model keeps none (``keep_4bit`` False): every weight is then exactly llama.cpp's value.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
 class GGUFCheckpoint:
     """Tensors of one GGUF file by Hugging Face name (memory-mapped; read on demand)."""
 
-    def __init__(self, file: Path, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(self, file: Path, num_heads: int, num_kv_heads: int, keep_4bit: bool) -> None:
         import gguf
 
         self.file = Path(file)
@@ -56,6 +58,7 @@ class GGUFCheckpoint:
         arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
         self.name_map = gguf.get_tensor_name_map(arch_id, int(block_count))
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.keep_4bit = keep_4bit
         self.used: set[str] = set()
 
     def gguf_name(self, name: str) -> str | None:
@@ -67,7 +70,7 @@ class GGUFCheckpoint:
 
     def read(self, name: str) -> tuple[torch.Tensor, UnpackedLayer | None]:
         """Tensor ``name`` as float32 (exactly what llama.cpp's dequantization gives), and its
-        4-bit integers where its type has them (None otherwise)."""
+        4-bit integers where its type has them and ``keep_4bit`` (None otherwise)."""
         from gguf import GGMLQuantizationType, dequantize
 
         gname = self.gguf_name(name)
@@ -87,7 +90,8 @@ class GGUFCheckpoint:
         )
         layer = None
         kind = GGMLQuantizationType
-        if tensor.tensor_type in (kind.Q4_0, kind.Q4_1, kind.Q4_K) and weight.dim() == 2:
+        four_bit = tensor.tensor_type in (kind.Q4_0, kind.Q4_1, kind.Q4_K)
+        if self.keep_4bit and four_bit and weight.dim() == 2:
             layer = unpack_4bit(np.asarray(tensor.data), tensor.tensor_type.name, weight.shape)
         rows = self._row_order(name, weight.shape[0])
         if rows is not None:
@@ -119,6 +123,16 @@ class GGUFCheckpoint:
     def unused(self) -> list[str]:
         """The file's tensors no parameter took (rope_freqs is derived state, not a weight)."""
         return sorted(n for n in self.tensors if n not in self.used and n != "rope_freqs.weight")
+
+
+def tensor_types(file: Path) -> dict[str, int]:
+    """How many tensors of each GGML type GGUF ``file`` holds (``{"Q4_K": 97, "Q6_K": 17, ...}``)."""
+    import gguf
+
+    counts: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(file).tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> UnpackedLayer:

@@ -169,7 +169,10 @@ def load_model(
     gguf_file = gguf_source(model_dir)
     reader: _SafetensorsReader | GGUFCheckpoint
     if gguf_file is not None:
-        reader = GGUFCheckpoint(gguf_file, spec.num_heads, spec.num_kv_heads)
+        # float32: every weight dequantized, exactly llama.cpp's values (4-bit layers would
+        # only be dequantized again for each product, with float16 zeros)
+        keep_4bit = dtype != torch.float32
+        reader = GGUFCheckpoint(gguf_file, spec.num_heads, spec.num_kv_heads, keep_4bit)
     else:
         reader = _SafetensorsReader(model_dir, quantized, cls.checkpoint_aliases)
 

@@ -1,8 +1,9 @@
 """4-bit weights: ``--quantization int4 | w4a8`` at load, and GPTQ / AWQ checkpoints kept in 4 bits.
 
 A weight ``[N, K]`` is cut along its inputs into groups of ``group_size`` (32, 64, 128; or the
-whole row); each group of each output has a float16 scale and an integer zero, and each weight
-is a value ``q`` in 0..15::
+whole row); each group of each output has a float16 scale and a zero (an integer; a float16
+for GGUF's Q4_1 / Q4_K groups, :mod:`infer.model.gguf_checkpoint`), and each weight is a value
+``q`` in 0..15::
 
     weight[n, k] = scale[n, k // group_size] * (q[n, k] - zero[n, k // group_size])
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.runner.cpu.kernels import int4_flags
 from infer.runner.cpu.prepack import tiled_linear_kernels
 
 logger = logging.getLogger("infer.runner")
@@ -183,9 +185,11 @@ class Int4Linear(nn.Module):
             and (kernels.has_w4a8 if int8_activations else kernels.has_int4)
             and self.group_size % 16 == 0
             and dtype == torch.bfloat16  # a float32 model's activations stay float32
+            and not (int8_activations and zeros.dtype == torch.float16)  # w4a8: integer zeros
         ):
             self.mode = "kernel"
             self._kernels = kernels
+            self.kernel_flags = int4_flags(int8_activations, zeros.dtype)
             # The kernel takes 16 outputs at a time: pad with zero rows, cut off after.
             self.padded = -self.out_features % 16
             if self.padded:
@@ -221,7 +225,7 @@ class Int4Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 2 + self.zeros.numel()
+        return self.packed.numel() + self.scales.numel() * 2 + self.zeros.nbytes
 
     def dequantized_weight(self) -> torch.Tensor:
         """The ``[N, K]`` weight in the model's dtype, inputs in group order (after ``perm``)."""

@@ -160,3 +160,37 @@ def _write_tokenizer(writer: Any, folder: Path) -> None:
         template = (folder / "chat_template.jinja").read_text()
     if template:
         writer.add_chat_template(template)
+
+
+def build_wide_llama(out: Path, tokenizer_folder: Path) -> Path:
+    """A tiny random Llama whose layers' inputs are 256 and 512 wide (Q4_K's blocks are 256
+    inputs; the tiny checkpoints' 64 are too narrow), tied embeddings, the tokenizer of
+    ``tokenizer_folder``; saved by transformers into ``out`` (once)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    eos = json.loads((Path(tokenizer_folder) / "generation_config.json").read_text())
+    eos_id = eos["eos_token_id"]
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # wide enough weights that greedy tokens are not a flat tie
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "chat_template.jinja"):  # fmt: skip
+        if (Path(tokenizer_folder) / name).is_file():
+            shutil.copy(Path(tokenizer_folder) / name, out / name)
+    return out

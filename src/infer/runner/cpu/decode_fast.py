@@ -59,8 +59,8 @@ logger = logging.getLogger("infer.runner")
 
 def _linear_args(module: torch.nn.Module) -> tuple | None:
     """(packed weight ptr, bytes per weight, column scales ptr, bias ptr, N, K, column sums ptr
-    (w8a8 only), group scales ptr, group zeros ptr, group size, int8 activations (4-bit
-    only)), or None."""
+    (w8a8 only), group scales ptr, group zeros ptr, group size, the 4-bit kernel's flags
+    (4-bit only)), or None."""
     colsum = None
     if isinstance(module, Int4Linear):
         if module.mode != "kernel" or module.padded or module.perm is not None:
@@ -69,7 +69,7 @@ def _linear_args(module: torch.nn.Module) -> tuple | None:
         return (
             module.packed.data_ptr(), 0, None, None if bias is None else bias.data_ptr(),
             module.out_features, module.in_features, None, module.scales.data_ptr(),
-            module.zeros.data_ptr(), module.group_size, int(module.int8_activations),
+            module.zeros.data_ptr(), module.group_size, module.kernel_flags,
         )  # fmt: skip
     if isinstance(module, TiledLinear):
         weight, scales, bias = module.packed_weight, None, module.bias

@@ -125,7 +125,7 @@ class LinearArgs(ctypes.Structure):
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("colsum", ctypes.c_void_p), ("group_scales", ctypes.c_void_p),
                 ("group_zeros", ctypes.c_void_p), ("group_size", ctypes.c_int64),
-                ("int8_activations", ctypes.c_int64)]  # fmt: skip
+                ("int4_flags", ctypes.c_int64)]  # fmt: skip
 
 
 class LoRAArgs(ctypes.Structure):
@@ -268,13 +268,13 @@ class CpuKernels:
                     bias: int | None, y: int, m: int, k: int, n: int,
                     colsum: int | None = None, group_scales: int | None = None,
                     group_zeros: int | None = None, group_size: int = 0,
-                    int8_activations: int = 0) -> None:  # fmt: skip
+                    int4_flags: int = 0) -> None:  # fmt: skip
         """The tiled linear kernel on raw pointers; with ``colsum``, the w8a8 one; with a
         ``group_size``, the 4-bit one."""
         threads = torch.get_num_threads()
         if group_size:
             rc = self._int4_linear(x, weight, group_scales, group_zeros, bias, y, m, k, n,
-                                   group_size, int8_activations, 0, threads)  # fmt: skip
+                                   group_size, int4_flags, 0, threads)  # fmt: skip
         elif colsum is not None:
             rc = self._w8a8_linear(x, weight, colsum, scales, bias, y, m, k, n, 0, threads)
         else:
@@ -547,13 +547,14 @@ class CpuKernels:
     ) -> torch.Tensor:
         """``x`` ``[M, K]`` contiguous bf16 (with ``int8_activations``, each row's groups
         quantized to int8 as the layer runs) times a 4-bit weight from
-        :func:`infer.runner.int4.pack_int4` (its float16 ``scales`` and uint8 ``zeros`` per
-        group and output), ``+ bias`` (float32 ``[N]``)."""
+        :func:`infer.runner.int4.pack_int4` (its float16 ``scales`` and uint8 or float16
+        ``zeros`` per group and output), ``+ bias`` (float32 ``[N]``)."""
         m, k = x.shape
+        flags = int4_flags(int8_activations, zeros.dtype)
         out = torch.empty(m, out_features, dtype=out_dtype)
         rc = self._int4_linear(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                                zeros.data_ptr(), _ptr(bias), out.data_ptr(), m, k, out_features,
-                               group_size, int(int8_activations), int(out_dtype == torch.float32),
+                               group_size, flags, int(out_dtype == torch.float32),
                                torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise ValueError(f"int4 linear kernel rejected its inputs (code {rc})")
@@ -690,6 +691,16 @@ class PrefillChunks:
     q_lens: torch.Tensor  # [P] int64
     pasts: torch.Tensor  # [P] int64
     block_tables: torch.Tensor  # [P, max_blocks] int32, contiguous
+
+
+INT4_W4A8, INT4_HALF_ZEROS = 1, 2  # infer_int4_linear's flags (csrc/kernels.h)
+
+
+def int4_flags(int8_activations: bool, zeros_dtype: torch.dtype) -> int:
+    """The 4-bit kernel's flags: the w4a8 kernel; float16 zeros (GGUF's Q4_1 / Q4_K)."""
+    return (INT4_W4A8 if int8_activations else 0) | (
+        INT4_HALF_ZEROS if zeros_dtype == torch.float16 else 0
+    )
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

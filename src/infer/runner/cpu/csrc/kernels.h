@@ -36,10 +36,12 @@ int infer_fma_linear(const uint16_t* x, const uint16_t* packed, const float* bia
 int infer_w8a8_linear(const uint16_t* x, const int8_t* packed, const int32_t* colsum,
                       const float* w_scale, const float* bias, void* y, int64_t M, int64_t K,
                       int64_t N, int out_f32, int num_threads);
+// infer_int4_linear's flags (and InferLinear.int4_flags).
+#define INFER_INT4_W4A8 1        // activations to int8 per group: the w4a8 kernel
+#define INFER_INT4_HALF_ZEROS 2  // zeros are float16, not uint8 (GGUF's Q4_1 / Q4_K)
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
-                      const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
-                      int64_t N, int64_t group, int int8_activations, int out_f32,
-                      int num_threads);
+                      const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                      int64_t N, int64_t group, int flags, int out_f32, int num_threads);
 int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
                        const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
                        int64_t N, int out_f32, int num_threads);
@@ -54,9 +56,9 @@ struct InferLinear {
   int64_t n, k;
   const int32_t* colsum;  // w8a8 weights only
   const uint16_t* group_scales;  // 4-bit weights only: float16 [n/16][k/group][16]
-  const uint8_t* group_zeros;    // and their zeros
+  const void* group_zeros;       // and their zeros (uint8, or float16: INFER_INT4_HALF_ZEROS)
   int64_t group_size;            // 0: not 4-bit
-  int64_t int8_activations;      // 4-bit: the w4a8 kernel
+  int64_t int4_flags;            // 4-bit: infer_int4_linear's flags
 };
 
 // One projection's LoRA adapter slots, in csrc/lora.cpp's layouts (LoRALinear in
@@ -118,7 +120,7 @@ inline int infer_linear_run(const InferLinear& w, const uint16_t* in, uint16_t* 
   if (w.group_size)
     return infer_int4_linear(in, static_cast<const uint8_t*>(w.weight), w.group_scales,
                              w.group_zeros, w.bias, out, rows, w.k, w.n, w.group_size,
-                             static_cast<int>(w.int8_activations), 0, num_threads);
+                             static_cast<int>(w.int4_flags), 0, num_threads);
   if (w.colsum)
     return infer_w8a8_linear(in, static_cast<const int8_t*>(w.weight), w.colsum, w.col_scale,
                              w.bias, out, rows, w.k, w.n, 0, num_threads);

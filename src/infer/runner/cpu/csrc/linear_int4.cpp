@@ -1,6 +1,7 @@
 // Linear layers with 4-bit weights (--quantization int4 | w4a8, GPTQ and AWQ checkpoints) on
 // AVX-512 CPUs. Weights: values q 0..15 with, per group of `group` inputs and per output, a
-// float16 scale and an integer zero (weight = scale * (q - zero)). Two kernels read them:
+// float16 scale and a zero (weight = scale * (q - zero)): an integer (uint8), or a float16 for
+// GGUF's Q4_1 / Q4_K groups, whose zero is a ratio (int4 kernel only). Two kernels read them:
 //
 // int4 (activations stay bf16; AVX-512 BF16):
 //   y[m][n] = sum_g w_scale[g][n] * (sum_{k in g} x[m][k] * (128 + q[n][k])
@@ -27,7 +28,7 @@
 //     w4a8:  output c's 4 bytes j = 0..3 are q[n][8o + j] | q[n][8o + 4 + j] << 4: the low
 //            nibbles are the 4-input "quad" 2o of all 16 outputs, the high nibbles quad 2o + 1,
 //            in the order VPDPBUSD reads
-//   scales   : [N/16][K/group][16] float16     zeros : [N/16][K/group][16] uint8
+//   scales   : [N/16][K/group][16] float16     zeros : [N/16][K/group][16] uint8 or float16
 //   xp (w4a8): per pass of up to 8 rows, [K/4][pass rows] 32-bit words (row r's 4 bytes of
 //              quad kq), so one broadcast feeds a row's multiply
 //
@@ -80,10 +81,23 @@ inline void store_row(void* y, int64_t m, int64_t N, int64_t col, __m512 v, cons
 // Two bf16 values read as one 32-bit word (may alias the uint16_t rows of x).
 typedef int32_t Pair __attribute__((may_alias));
 
+// 128 + the zeros of 16 outputs of one group: uint8, or float16 (kHalfZeros).
+template <bool kHalfZeros>
+inline __m512 offset_zeros(const void* zb, int64_t g) {
+  if (kHalfZeros)
+    return _mm512_add_ps(_mm512_cvtph_ps(_mm256_loadu_si256(
+                             reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(zb) + g * 16))),
+                         _mm512_set1_ps(128.0f));
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(
+      _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(zb) + g * 16))),
+      _mm512_set1_epi32(128)));
+}
+
 // Rows [m0, m0 + MR) of x (bf16, row-major) times column block nb, activations as they are.
-template <int MR, bool kOutF32>
+template <int MR, bool kOutF32, bool kHalfZeros>
 inline void int4_bf16_block(const uint16_t* x, const float* x_sum, const uint8_t* wb,
-                            const uint16_t* sb, const uint8_t* zb, const float* bias, void* y,
+                            const uint16_t* sb, const void* zb, const float* bias, void* y,
                             int64_t m0, int64_t K, int64_t N, int64_t nb, int64_t group) {
   const int64_t groups = K / group;
   const __m512i nibble = _mm512_set1_epi16(0x000F);
@@ -116,9 +130,7 @@ inline void int4_bf16_block(const uint16_t* x, const float* x_sum, const uint8_t
     }
     const __m512 ws = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 16)));
-    const __m512 z = _mm512_cvtepi32_ps(_mm512_add_epi32(
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zb + g * 16))),
-        _mm512_set1_epi32(128)));
+    const __m512 z = offset_zeros<kHalfZeros>(zb, g);
     for (int i = 0; i < MR; ++i) {
       const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(x_sum[(m0 + i) * groups + g]), acc[i]);
       out[i] = _mm512_fmadd_ps(t, ws, out[i]);
@@ -130,10 +142,11 @@ inline void int4_bf16_block(const uint16_t* x, const float* x_sum, const uint8_t
 // Each thread sums x's groups into its own scratch, then threads take contiguous runs of
 // column blocks, each block's weights read from memory once and from cache for its further
 // passes of up to 8 rows.
-template <bool kOutF32>
+template <bool kOutF32, bool kHalfZeros>
 void int4_bf16_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
-                      const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                      const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
                       int64_t N, int64_t group, int num_threads) {
+  const int64_t zero_bytes = kHalfZeros ? 2 : 1;
   const int64_t pass_rows = Passes(M).rows, nblocks = N / 16, groups = K / group;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -150,9 +163,10 @@ void int4_bf16_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
       for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
         const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
         infer_simd::with_count<kPassRows>(rows, [&](auto r) {
-          int4_bf16_block<decltype(r)::value, kOutF32>(
-              x, x_sum, packed + b * K * 8, scales + b * groups * 16, zeros + b * groups * 16,
-              bias, y, m0, K, N, b, group);
+          int4_bf16_block<decltype(r)::value, kOutF32, kHalfZeros>(
+              x, x_sum, packed + b * K * 8, scales + b * groups * 16,
+              static_cast<const uint8_t*>(zeros) + b * groups * 16 * zero_bytes, bias, y, m0, K,
+              N, b, group);
         });
       }
   }
@@ -283,30 +297,38 @@ int infer_int4_supported() {
 }
 
 // y [M, N] (bf16, or float32 with out_f32) from x [M, K] bf16 and a weight packed as above
-// (runner/int4.py's pack_int4 builds it); int8_activations picks the w4a8 kernel.
+// (runner/int4.py's pack_int4 builds it). flags: INFER_INT4_W4A8 picks the w4a8 kernel,
+// INFER_INT4_HALF_ZEROS says the zeros are float16 (int4 kernel only: code 3 with w4a8).
 // N % 16 == 0, group % 16 == 0, K % group == 0.
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
-                      const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
-                      int64_t N, int64_t group, int int8_activations, int out_f32,
-                      int num_threads) {
+                      const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                      int64_t N, int64_t group, int flags, int out_f32, int num_threads) {
   if (N % 16 || group <= 0 || group % 16 || K % group || M <= 0) return 1;
-  if (int8_activations) {
+  const bool half_zeros = flags & INFER_INT4_HALF_ZEROS;
+  if (flags & INFER_INT4_W4A8) {
+    if (half_zeros) return 3;
 #ifdef INFER_HAVE_W4A8
-    if (out_f32) w4a8_linear<true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
-    else w4a8_linear<false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    const auto* z = static_cast<const uint8_t*>(zeros);
+    if (out_f32) w4a8_linear<true>(x, packed, scales, z, bias, y, M, K, N, group, num_threads);
+    else w4a8_linear<false>(x, packed, scales, z, bias, y, M, K, N, group, num_threads);
     return 0;
 #endif
   } else {
 #ifdef INFER_HAVE_INT4
-    if (out_f32)
-      int4_bf16_linear<true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    if (out_f32 && half_zeros)
+      int4_bf16_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    else if (out_f32)
+      int4_bf16_linear<true, false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    else if (half_zeros)
+      int4_bf16_linear<false, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
     else
-      int4_bf16_linear<false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+      int4_bf16_linear<false, false>(x, packed, scales, zeros, bias, y, M, K, N, group,
+                                     num_threads);
     return 0;
 #endif
   }
   (void)x; (void)packed; (void)scales; (void)zeros; (void)bias; (void)y; (void)out_f32;
-  (void)num_threads;
+  (void)num_threads; (void)half_zeros;
   return 2;
 }
 

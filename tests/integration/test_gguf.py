@@ -1,0 +1,205 @@
+"""GGUF files (llama.cpp's format) load as llama.cpp and transformers read them.
+
+The files are written from the tiny checkpoints with llama.cpp's metadata keys, tensor names
+and Llama q / k row order (``infer.testing.gguf_files``). Oracles: the folder a file was
+written from (F32 files: the same float32 weights), transformers reading the file itself
+(``from_pretrained(gguf_file=...)``, which dequantizes with the gguf package), and the gguf
+package's dequantization of each block type (llama.cpp's reference code).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from infer import LLM, SamplingParams
+from infer.model.folders import ModelLoadError
+from infer.model.gguf_checkpoint import unpack_4bit
+from infer.model.quantized_checkpoint import layer_weight
+from infer.runner.int4 import Int4Linear, int4_kernel_available
+from infer.testing.gguf_files import build_wide_llama, write_gguf
+
+from .conftest import PROMPTS
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """The folders made from GGUF metadata go to this test's own cache."""
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tiny_checkpoints, tmp_path_factory) -> Path:
+    return build_wide_llama(tmp_path_factory.mktemp("wide") / "llama", tiny_checkpoints["llama"])
+
+
+def _run(model, dtype="float32", prompts=PROMPTS[:4], max_tokens=8):
+    """(prompt logprobs of each prompt's tokens, greedy tokens, the engine's 4-bit layers)."""
+    with LLM(str(model), dtype=dtype, block_size=4) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                    ignore_eos=True, prompt_logprobs=1))  # fmt: skip
+        lps = torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
+        int4 = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int4Linear)]
+        return lps, [o.outputs[0].token_ids for o in outs], int4
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random raw blocks of ``kind`` whose float16 fields are small finite numbers, with one
+    group that is a constant (scale 0, a nonzero min)."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    halves = 1 if kind == "Q4_0" else 2  # d (and dmin / m) lead each block
+    for h in range(halves):
+        values = rng.uniform(-0.01 if kind == "Q4_1" and h else 0.001, 0.01, raw.shape[:2])
+        raw[..., 2 * h : 2 * h + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+    if kind == "Q4_1":
+        raw[0, 0, 0:2] = np.float16(0).reshape(1).view(np.uint8)  # d 0: every weight is m
+    if kind == "Q4_K":
+        raw[0, 0, 4] &= 0b11000000  # group 0: sc 0 (its m, scales[4] & 63, stays)
+        raw[0, 0, 8] |= 1
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
+    """scale * (q - zero) per group of 32 is llama.cpp's value: exactly for Q4_0 (integer
+    zero 8), to the float16 rounding of scale and zero for Q4_1 / Q4_K."""
+    rows, cols = 48, 512
+    raw = _random_blocks(kind, rows, cols, seed=len(kind))
+    want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
+    layer = unpack_4bit(raw, kind, (rows, cols))
+    assert layer.q.shape == (rows, cols) and int(layer.q.max()) <= 15
+    assert layer.scales.shape == layer.zeros.shape == (rows, cols // 32)
+    got = layer_weight(layer)
+    if kind == "Q4_0":
+        assert layer.zeros.dtype == torch.uint8 and torch.equal(got, want)
+    else:
+        assert layer.zeros.dtype == torch.float16
+        # within 2^-9 of each group's largest value (a 32nd of a 4-bit step)
+        scale = want.view(rows, -1, 32).abs().amax(dim=2, keepdim=True).clamp(min=1e-6)
+        assert ((got - want).view(rows, -1, 32).abs() / scale).max() < 2**-9
+    assert (want[0, :32] != 0).all() if kind != "Q4_0" else True  # the constant group
+
+
+# --------------------------------------------------------------------------- whole files
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_an_f32_gguf_serves_the_checkpoint_it_was_written_from(kind, tiny_checkpoints, tmp_path):
+    """The file's config, tokenizer, chat template and (un-permuted) weights are the folder's:
+    the same logits (the file's rms_norm_eps is the float32 of the folder's), the same
+    tokens."""
+    folder = tiny_checkpoints[kind]
+    file = write_gguf(folder, tmp_path / f"{kind}.gguf", "F32")
+    want_lps, want_tokens, _ = _run(folder)
+    got_lps, got_tokens, int4 = _run(file)
+    torch.testing.assert_close(got_lps, want_lps, rtol=0, atol=1e-5)
+    assert got_tokens == want_tokens and int4 == []
+    with LLM(str(file), dtype="float32") as a, LLM(str(folder), dtype="float32") as b:
+        for prompt in PROMPTS:
+            assert a.tokenizer.encode(prompt) == b.tokenizer.encode(prompt)
+        chat = [{"role": "user", "content": "Hi"}]
+        assert a.engine.tokenizer.apply_chat_template(chat, tokenize=False) == (
+            b.engine.tokenizer.apply_chat_template(chat, tokenize=False)
+        )
+        assert a.engine.eos_token_ids == b.engine.eos_token_ids
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_K", "Q4_0", "Q4_1", "Q8_0", "F16"])
+def test_a_quantized_gguf_gives_transformers_greedy_tokens(weight_type, wide_llama, tmp_path):
+    """float32: every weight dequantized exactly as llama.cpp does it, so infer computes what
+    transformers computes reading the same file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type)
+    lps, tokens, int4 = _run(file)
+    assert int4 == []
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name,
+                                                 dtype=torch.float32).eval()  # fmt: skip
+    model.generation_config.eos_token_id = None
+    want_lps = []
+    for prompt, got in zip(PROMPTS[:4], tokens, strict=True):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+            g = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        want_lps += [logits[i, t].item() for i, t in enumerate(ids[1:])]
+        assert g[0, len(ids) :].tolist() == got
+    torch.testing.assert_close(lps, torch.tensor(want_lps), rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not int4_kernel_available(torch.device("cpu")), reason="no int4 CPU kernel")
+@pytest.mark.parametrize("weight_type", ["Q4_K", "Q4_1", "Q4_0"])
+def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wide_llama, tmp_path):
+    """bf16: the 4-bit layers stay 4-bit in the C++ kernel (float16 zeros for Q4_1 / Q4_K), so
+    their logits sit as close to the float32 file's as the same weights held in bf16 do. A
+    wrong nibble, scale, zero or row order lands far off."""
+    from transformers import AutoModelForCausalLM
+
+    file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type)
+    plain = tmp_path / "plain"  # the file's weights, dequantized by transformers, as a folder
+    shutil.copytree(wide_llama, plain)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, plain / "model.safetensors")  # tied: the embedding is the head
+    exact, _, _ = _run(file)
+    plain_lps, _, _ = _run(plain, "bfloat16")
+    got, _, int4 = _run(file, "bfloat16")
+    assert len(int4) == 8 and {m.mode for m in int4} == {"kernel"}  # qkv, o, gate_up, down x 2
+    zeros = {m.zeros.dtype for m in int4}
+    assert zeros == {torch.uint8 if weight_type == "Q4_0" else torch.float16}
+    plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
+    print(f"{weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}")
+    assert got_err <= 1.5 * plain_err
+
+
+def test_checkpoint_quantization_flag_and_errors(tiny_checkpoints, wide_llama, tmp_path):
+    file = write_gguf(wide_llama, tmp_path / "m.gguf", "Q4_K")
+    with LLM(str(file), dtype="bfloat16", quantization="gguf") as llm:
+        assert llm.engine.checkpoint_quantization.method == "gguf"
+    with pytest.raises(ValueError, match=r"--quantization gptq: .* is a gguf checkpoint"):
+        LLM(str(file), quantization="gptq")
+    with pytest.raises(ValueError, match="is not a quantized checkpoint"):
+        LLM(str(wide_llama), quantization="gguf")
+    # a file that is not GGUF, and an architecture infer does not read
+    (tmp_path / "model.bin").write_bytes(b"not a model")
+    with pytest.raises(ModelLoadError, match="is a file but not a GGUF file"):
+        LLM(str(tmp_path / "model.bin"))
+    other = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    other.add_block_count(1)
+    other.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    other.write_header_to_file()
+    other.write_kv_data_to_file()
+    other.write_tensors_to_file()
+    other.close()
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'phi3' is not supported"):
+        LLM(str(tmp_path / "phi.gguf"))
+
+
+def test_the_folder_is_made_once_and_a_changed_file_gets_a_new_one(wide_llama, tmp_path):
+    from infer.model.folders import find_model_folder
+    from infer.model.gguf_folder import gguf_source
+
+    file = write_gguf(wide_llama, tmp_path / "m.gguf", "Q8_0")
+    folder = find_model_folder(file)
+    assert find_model_folder(str(file)) == folder and gguf_source(folder) == file.resolve()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    write_gguf(wide_llama, file, "Q4_0")  # rewritten in place
+    with pytest.raises(ModelLoadError, match="changed after"):
+        gguf_source(folder)
+    assert find_model_folder(file) != folder
