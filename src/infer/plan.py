@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.engine.args import byte_size
+from infer.model.gguf_folder import gguf_source, gguf_tensors
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
@@ -105,6 +106,9 @@ def safetensors_weight_bytes(model_dir: Path, dtype_bytes: int) -> int:
     at ``dtype_bytes`` per value, but a 4-bit GPTQ / AWQ layer as it stays (half a byte per
     weight, and per group and output a float16 scale and a one-byte zero); 8-bit GPTQ layers
     are dequantized at load, so they count as the weights they unpack to."""
+    gguf_file = gguf_source(model_dir)
+    if gguf_file is not None:
+        return _gguf_weight_bytes(gguf_file, dtype_bytes)
     qc = _quantization_config(model_dir)
     if not qc or int(qc.get("bits", qc.get("w_bit", 4))) != 4:
         return safetensors_num_params(model_dir) * dtype_bytes
@@ -164,8 +168,50 @@ def _quantization_config(model_dir: Path) -> dict | None:
     return qc if isinstance(qc, dict) else None
 
 
+# The 4-bit GGUF types the engine keeps 4-bit (model/gguf_checkpoint.py), and the bytes each
+# group of 32 weights' scale and zero take as held: float16 scale, uint8 zero (Q4_0) or
+# float16 zero.
+_GGUF_GROUP_BYTES = {"Q4_0": 3, "Q4_1": 4, "Q4_K": 4}
+# Parameters fused from several GGUF tensors: kept 4-bit only when every part is.
+_GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _gguf_weight_bytes(file: Path, dtype_bytes: int) -> int:
+    """Bytes of a GGUF file's weights as the engine holds them: a 4-bit layer (whole: a fused
+    q/k/v or gate/up only when each part is 4-bit) as half a byte per weight plus its groups'
+    scales and zeros, unless the model is float32 (every weight dequantized); the rest
+    dequantized at ``dtype_bytes`` per value."""
+    tensors = {name: (shape, kind) for name, shape, kind in gguf_tensors(file)}
+
+    def kept(name: str) -> bool:
+        if dtype_bytes == 4 or tensors[name][1] not in _GGUF_GROUP_BYTES:
+            return False
+        block, _, rest = name.rpartition(".")[0].rpartition(".")
+        for parts in _GGUF_FUSED:
+            if rest in parts:
+                return all(
+                    tensors.get(f"{block}.{p}.weight", ((), ""))[1] in _GGUF_GROUP_BYTES
+                    for p in parts
+                )
+        return name.startswith("blk.") and name.endswith(".weight")
+
+    total = 0
+    for name, (shape, kind) in tensors.items():
+        count = math.prod(shape)
+        if len(shape) == 2 and kept(name):
+            total += count // 2 + _GGUF_GROUP_BYTES[kind] * count // 32
+        else:
+            total += count * dtype_bytes
+    return total
+
+
 def _tensor_shapes(model_dir: Path) -> list[tuple[str, list[int]]]:
-    """(name, shape) of every tensor in the folder's safetensors files, from their headers."""
+    """(name, shape) of every tensor in the folder's safetensors files, from their headers; a
+    GGUF file's tensors, its embedding and vocabulary projection named as in a folder."""
+    gguf_file = gguf_source(model_dir)
+    if gguf_file is not None:
+        rename = {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_head.weight"}
+        return [(rename.get(name, name), list(shape)) for name, shape, _ in gguf_tensors(gguf_file)]
     out = []
     for f in sorted(model_dir.glob("*.safetensors")):
         with f.open("rb") as fh:

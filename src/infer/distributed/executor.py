@@ -81,9 +81,15 @@ def step_timeout() -> datetime.timedelta:
 
 def startup_timeout(model_path: Path) -> float:
     """Seconds a rank may take to join and load: ``INFER_TP_STARTUP_TIMEOUT``, else 120 s + 60 s
-    per GB of the checkpoint's weight files."""
+    per GB of the checkpoint's weight files (a GGUF file's folder: the file; its 4-bit weights
+    unpack to about four times its bytes)."""
+    from infer.model.gguf_folder import gguf_source
+
     if os.environ.get(STARTUP_TIMEOUT_ENV):
         return float(os.environ[STARTUP_TIMEOUT_ENV])
+    gguf_file = gguf_source(model_path)
+    if gguf_file is not None:
+        return 120.0 + 4 * 60.0 * gguf_file.stat().st_size / 1e9
     size = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
     return 120.0 + 60.0 * size / 1e9
 

@@ -384,8 +384,7 @@ class LLMEngine:
     def _log_checkpoint_layers(self, load_quantization: str | None) -> None:
         """A GPTQ / AWQ checkpoint or GGUF file: say what each layer became (its 4-bit layers
         are kept as they are unless ``--quantization`` requantizes the model)."""
-        from infer.model.gguf_checkpoint import tensor_types
-        from infer.model.gguf_folder import gguf_source
+        from infer.model.gguf_folder import gguf_source, tensor_types
 
         q = self.checkpoint_quantization
         assert q is not None

@@ -125,16 +125,6 @@ class GGUFCheckpoint:
         return sorted(n for n in self.tensors if n not in self.used and n != "rope_freqs.weight")
 
 
-def tensor_types(file: Path) -> dict[str, int]:
-    """How many tensors of each GGML type GGUF ``file`` holds (``{"Q4_K": 97, "Q6_K": 17, ...}``)."""
-    import gguf
-
-    counts: dict[str, int] = {}
-    for tensor in gguf.GGUFReader(file).tensors:
-        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
 def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> UnpackedLayer:
     """One Q4_0 / Q4_1 / Q4_K tensor's raw blocks (``[rows, bytes]``) as integers, float16
     scales and zeros per group of 32 inputs (see the module doc)."""

@@ -96,6 +96,25 @@ def gguf_model_folder(file: Path, cache: Path | None = None) -> Path:
     return folder
 
 
+def gguf_tensors(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, shape as ``[rows, cols]``, GGML type name) of each tensor of ``file``, from
+    its header (memory-mapped; no data read)."""
+    from gguf import GGUFReader
+
+    return [
+        (t.name, tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name)
+        for t in GGUFReader(file).tensors
+    ]
+
+
+def tensor_types(file: Path) -> dict[str, int]:
+    """How many tensors of each GGML type ``file`` holds, most first (``{"Q4_K": 97, ...}``)."""
+    counts: dict[str, int] = {}
+    for _, _, kind in gguf_tensors(file):
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def _write_folder(file: Path, out: Path) -> None:
     """config.json, the tokenizer and generation_config.json of GGUF ``file`` into ``out``."""
     from gguf import GGUFReader, GGMLQuantizationType
