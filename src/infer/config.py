@@ -59,11 +59,14 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
-    # None | int8 | w8a8 | fp8 | int4 | w4a8: weights quantized at load; gptq | awq: the checkpoint is (read
-    # from its quantization_config anyway; naming it checks that it is)
+    # None | int8 | w8a8 | fp8 | int4 | w4a8: weights quantized at load; gptq | awq | gguf: the
+    # checkpoint is one (read as such anyway; naming it checks that it is)
     quantization: str | None = None
     # With a quantization: the vocabulary projection too (False keeps it in the model's dtype).
     quantize_lm_head: bool = True
+    # A GGUF file's layers stored in a quantized type the 4-bit kernel cannot take (Q6_K, Q5_K,
+    # Q8_0, ...): held in int8 per channel (False: dequantized to the model's dtype).
+    gguf_int8: bool = True
     # Attention on CUDA: "triton" (paged kernels that read the block tables), "torch" (gather +
     # SDPA, the reference); "auto" is triton where it is installed. The CPU has its own kernels.
     attention_backend: str = "auto"

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,14 +102,15 @@ def safetensors_num_params(model_dir: Path) -> int:
     return total
 
 
-def safetensors_weight_bytes(model_dir: Path, dtype_bytes: int) -> int:
+def safetensors_weight_bytes(model_dir: Path, dtype_bytes: int, gguf_int8: bool = True) -> int:
     """Bytes of the weights as the engine holds them, from the safetensors headers: every tensor
     at ``dtype_bytes`` per value, but a 4-bit GPTQ / AWQ layer as it stays (half a byte per
     weight, and per group and output a float16 scale and a one-byte zero); 8-bit GPTQ layers
-    are dequantized at load, so they count as the weights they unpack to."""
+    are dequantized at load, so they count as the weights they unpack to. A GGUF file's
+    folder: :func:`_gguf_weight_bytes` (``gguf_int8``: ``--gguf-int8``)."""
     gguf_file = gguf_source(model_dir)
     if gguf_file is not None:
-        return _gguf_weight_bytes(gguf_file, dtype_bytes)
+        return _gguf_weight_bytes(gguf_file, dtype_bytes, gguf_int8)
     qc = _quantization_config(model_dir)
     if not qc or int(qc.get("bits", qc.get("w_bit", 4))) != 4:
         return safetensors_num_params(model_dir) * dtype_bytes
@@ -176,32 +178,42 @@ _GGUF_GROUP_BYTES = {"Q4_0": 3, "Q4_1": 4, "Q4_K": 4}
 _GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
-def _gguf_weight_bytes(file: Path, dtype_bytes: int) -> int:
-    """Bytes of a GGUF file's weights as the engine holds them: a 4-bit layer (whole: a fused
-    q/k/v or gate/up only when each part is 4-bit) as half a byte per weight plus its groups'
-    scales and zeros, unless the model is float32 (every weight dequantized); the rest
-    dequantized at ``dtype_bytes`` per value."""
+def _gguf_weight_bytes(file: Path, dtype_bytes: int, int8: bool = True) -> int:
+    """Bytes of a GGUF file's weights as the engine holds them. float32: every weight
+    dequantized. 16-bit: a 4-bit layer (a fused q/k/v or gate/up only when each part is) as
+    half a byte per weight plus its groups' scales and zeros; with ``int8`` (``--gguf-int8``,
+    the default) a layer stored in another quantized type as int8 per channel, and beside the
+    embedding table an int8 copy of the vocabulary projection if it was stored quantized; the
+    rest at ``dtype_bytes`` per value."""
     tensors = {name: (shape, kind) for name, shape, kind in gguf_tensors(file)}
 
-    def kept(name: str) -> bool:
-        if dtype_bytes == 4 or tensors[name][1] not in _GGUF_GROUP_BYTES:
-            return False
+    def stored(name: str, kinds: Callable[[str], bool]) -> bool:
+        """Whether ``name`` (each part, for a fused parameter's) is of one of ``kinds``."""
         block, _, rest = name.rpartition(".")[0].rpartition(".")
+        names = [name]
         for parts in _GGUF_FUSED:
             if rest in parts:
-                return all(
-                    tensors.get(f"{block}.{p}.weight", ((), ""))[1] in _GGUF_GROUP_BYTES
-                    for p in parts
-                )
-        return name.startswith("blk.") and name.endswith(".weight")
+                names = [f"{block}.{p}.weight" for p in parts]
+        return all(n in tensors and kinds(tensors[n][1]) for n in names)
+
+    def quantized(kind: str) -> bool:
+        return kind not in ("F32", "F16", "BF16", "F64")
 
     total = 0
     for name, (shape, kind) in tensors.items():
         count = math.prod(shape)
-        if len(shape) == 2 and kept(name):
+        layer = len(shape) == 2 and name.startswith("blk.") and name.endswith(".weight")
+        if dtype_bytes == 4 or not layer:
+            total += count * dtype_bytes
+        elif stored(name, lambda k: k in _GGUF_GROUP_BYTES):
             total += count // 2 + _GGUF_GROUP_BYTES[kind] * count // 32
+        elif int8 and stored(name, quantized):
+            total += QUANTIZED_WEIGHT_BYTES["int8"](*shape)
         else:
             total += count * dtype_bytes
+    vocab = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    if int8 and dtype_bytes != 4 and vocab in tensors and quantized(tensors[vocab][1]):
+        total += QUANTIZED_WEIGHT_BYTES["int8"](*tensors[vocab][0])
     return total
 
 

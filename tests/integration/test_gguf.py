@@ -207,15 +207,20 @@ def test_the_folder_is_made_once_and_a_changed_file_gets_a_new_one(wide_llama, t
 
 def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     """`infer plan --model FILE.gguf` reads the header only: float32 holds every weight
-    dequantized; bf16 holds 4-bit layers as half a byte a weight plus a float16 scale and a
-    zero per group (uint8 for Q4_0, float16 for Q4_K), the rest in bf16 (beside which the
-    engine packs one more copy of the vocabulary projection, as for any bf16 folder)."""
+    dequantized; bf16 holds a 4-bit layer as half a byte a weight plus a float16 scale and a
+    zero per group (uint8 for Q4_0, float16 for Q4_K), a layer of another quantized type
+    (Q8_0 here) in int8 per channel (with --no-gguf-int8 in bf16), the embedding in bf16 (and
+    the vocabulary projection packed once more: int8 when it was stored quantized, bf16 as
+    for any bf16 folder otherwise)."""
     from infer.model.folders import find_model_folder
     from infer.plan import safetensors_num_params, safetensors_weight_bytes
 
     plain_params = safetensors_num_params(wide_llama)
     with LLM(str(wide_llama), dtype="bfloat16") as llm:
         packed_copy = llm.engine.weights_bytes - safetensors_weight_bytes(wide_llama, 2)
+    linear = 2 * (256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 256 * 512)  # q k v o gate up down
+    outputs = 2 * (256 + 128 + 128 + 256 + 512 + 512 + 256)
+    vocab_int8 = 1024 * 256 + 4 * 1024
     for weight_type, group_bytes in (("Q4_K", 4), ("Q4_0", 3), ("Q8_0", None)):
         file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type)
         folder = find_model_folder(file)
@@ -226,8 +231,13 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
             )
         with LLM(str(file), dtype="bfloat16") as llm:
             held = llm.engine.weights_bytes
-            assert safetensors_weight_bytes(folder, 2) == held - packed_copy
-        linear = 2 * (256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 256 * 512)  # q k v o gate up down
+            assert safetensors_weight_bytes(folder, 2) == held
+        with LLM(str(file), dtype="bfloat16", gguf_int8=False) as llm:
+            plain16 = llm.engine.weights_bytes
+            assert safetensors_weight_bytes(folder, 2, gguf_int8=False) == plain16 - packed_copy
+        rest = (plain_params - linear) * 2
         if group_bytes is not None:
-            want = (plain_params - linear) * 2 + linear // 2 + group_bytes * linear // 32
-            assert held - packed_copy == want
+            assert held == rest + linear // 2 + group_bytes * linear // 32 + vocab_int8
+        else:
+            assert held == rest + linear + 4 * outputs + vocab_int8
+            assert plain16 - packed_copy == plain_params * 2

@@ -35,7 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="local HF folder, a model id in the local HF cache, or a built-in: toy|small|small-draft (default: small)",
+        help="local HF folder, a .gguf file (llama.cpp's format), a model id in the local HF "
+        "cache, or a built-in: toy|small|small-draft (default: small)",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--dtype", default=m.dtype, choices=["auto", "float32", "bfloat16", "float16"])
@@ -50,8 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "w8a8 (int8 weights and per-row int8 activations, CPUs with AVX-512 VNNI) | "
         "fp8 (e4m3, CUDA with fp8 matmuls) | int4 (4 bits in groups of 32, a scale and zero "
         "per group; vocabulary projection in int8) | w4a8 (the same 4-bit weights, int8 "
-        "activations per group, CPUs with AVX-512 VNNI) | gptq | awq (the checkpoint is one: "
-        "checked; GPTQ / AWQ folders are read from their quantization_config either way)",
+        "activations per group, CPUs with AVX-512 VNNI) | gptq | awq | gguf (the checkpoint is "
+        "one: checked; GPTQ / AWQ folders and GGUF files are read as such either way)",
     )
     g.add_argument(
         "--quantize-lm-head",
@@ -59,6 +60,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=m.quantize_lm_head,
         help="with --quantization, quantize the vocabulary projection too (default); "
         "--no-quantize-lm-head keeps it in the model's dtype, as vLLM does",
+    )
+    g.add_argument(
+        "--gguf-int8",
+        action=argparse.BooleanOptionalAction,
+        default=m.gguf_int8,
+        help="a GGUF file in bf16 / fp16: hold its layers stored as Q6_K, Q5_K, Q8_0, ... (a "
+        "type the 4-bit kernel does not take; the vocabulary projection too, unless "
+        "--no-quantize-lm-head) in int8 per channel (default); --no-gguf-int8 dequantizes "
+        "them to the model's dtype",
     )
 
     g.add_argument(
@@ -233,6 +243,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
+            gguf_int8=args.gguf_int8,
             attention_backend=getattr(args, "attention_backend", "auto"),
             enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", True),

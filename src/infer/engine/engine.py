@@ -204,6 +204,7 @@ class LLMEngine:
                 load_quantization,
                 mc.quantize_lm_head,
                 keep_checkpoint_int4=self.checkpoint_quantization is not None,
+                checkpoint_int8=self._checkpoint_int8(load_quantization),
             )
         )
         if self.checkpoint_quantization is not None:
@@ -394,9 +395,10 @@ class LLMEngine:
         gguf_file = gguf_source(self.model_path)
         if gguf_file is not None:
             types = ", ".join(f"{n} {kind}" for kind, n in tensor_types(gguf_file).items())
-            logger.info("GGUF file %s (%s): %d linear layers kept in 4 bits (%s), the others "
-                        "dequantized to %s", gguf_file, types, len(kept),
-                        ", ".join(modes) or "none", dtype)  # fmt: skip
+            int8 = len(self.backend.checkpoint_int8)
+            logger.info("GGUF file %s (%s): %d linear layers kept in 4 bits (%s), %d held in "
+                        "int8, the others dequantized to %s", gguf_file, types, len(kept),
+                        ", ".join(modes) or "none", int8, dtype)  # fmt: skip
             return
         logger.info(
             "%s checkpoint (%d-bit, group %d%s): %d linear layers kept in 4 bits (%s), the "
@@ -408,6 +410,20 @@ class LLMEngine:
             len(kept),
             ", ".join(modes) or "none",
             dtype,
+        )
+
+    def _checkpoint_int8(self, load_quantization: str | None) -> bool:
+        """Whether a GGUF file's layers of types the 4-bit kernel cannot take are held in int8
+        (``--gguf-int8``): for a 16-bit model (float32 keeps llama.cpp's exact values) on one
+        rank (the tensor-parallel ranks load as they always do) not requantized at load."""
+        q = self.checkpoint_quantization
+        return (
+            q is not None
+            and q.method == "gguf"
+            and self.config.model.gguf_int8
+            and load_quantization is None
+            and self.dtype.itemsize == 2  # bf16 / fp16
+            and self.tp_size == 1
         )
 
     def _load_quantization(self) -> str | None:

@@ -38,6 +38,7 @@ from infer.model.folders import ModelLoadError
 from infer.model.quantized_checkpoint import UnpackedLayer
 
 GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 class GGUFCheckpoint:
@@ -101,6 +102,11 @@ class GGUFCheckpoint:
                     layer.q[rows], layer.zeros[rows], layer.scales[rows], layer.g_idx
                 )
         return weight, layer
+
+    def stored_quantized(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored in a quantized type (not F32 / F16 / BF16)."""
+        gname = self.gguf_name(name)
+        return gname is not None and self.tensors[gname].tensor_type.name not in _FLOAT_TYPES
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """The stored row of each Hugging Face row of a Llama q / k projection, which

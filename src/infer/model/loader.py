@@ -185,8 +185,11 @@ def load_model(
     params = dict(model.named_parameters())
     assert set(sources) == set(params), f"weight plan mismatch: {set(sources) ^ set(params)}"
 
-    # 4-bit layers whose integers a 4-bit linear can take as they are (runner/int4.py).
+    # 4-bit layers whose integers a 4-bit linear can take as they are (runner/int4.py), and the
+    # parameters read from quantized tensors of other types (GGUF's Q6_K, Q8_0, ...), which
+    # the runner may hold in 8 bits instead of the model's dtype (runner/quant.py).
     model.checkpoint_int4 = {}
+    model.checkpoint_quantized = set()
     try:
         for pname, source in sources.items():
             tensors = []
@@ -196,6 +199,8 @@ def load_model(
                 tensors.append(tensor.float() if source.transform is not None else tensor)
                 if layer is not None:
                     unpacked.append(layer)
+            if all(reader.stored_quantized(name) for name in source.names):
+                model.checkpoint_quantized.add(pname)
             _fill(params[pname], pname, source, tensors, model.tp)
             if len(unpacked) == len(source.names) and quantized is not None:
                 kept = checkpoint_int4_parts(quantized, unpacked, source, model.tp)
@@ -243,6 +248,11 @@ class _SafetensorsReader:
             raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
         self.used.add(found)
         return _read_tensor(self.handles, file, found), None
+
+    def stored_quantized(self, name: str) -> bool:
+        """Whether ``name`` was stored quantized in a type not kept as it is: never here (a GPTQ
+        8-bit layer is dequantized, as its format is exact in the model's dtype)."""
+        return False
 
     def close(self) -> None:
         self.handles.clear()

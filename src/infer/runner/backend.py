@@ -31,7 +31,7 @@ from infer.core.messages import RunnerSetup
 from infer.runner.attention import KVCache
 from infer.runner.cpu.prepack import prepack_linears
 from infer.runner.int4 import Int4Linear, keep_checkpoint_int4
-from infer.runner.quant import quantize_linears
+from infer.runner.quant import quantize_checkpoint_layers, quantize_linears
 from infer.runner.runner import ModelRunner
 
 
@@ -43,8 +43,11 @@ class WeightsConfig:
     dtype: torch.dtype
     quantization: str | None = None  # quantize the linear layers at load (None: pre-pack them)
     quantize_lm_head: bool = True
-    # A GPTQ / AWQ checkpoint served as it is (not requantized): its 4-bit layers stay 4-bit.
+    # A GPTQ / AWQ checkpoint or GGUF file served as it is (not requantized): its 4-bit layers
+    # stay 4-bit.
     keep_checkpoint_int4: bool = False
+    # Its layers stored quantized in other types (GGUF's Q6_K, Q8_0, ...): held in int8.
+    checkpoint_int8: bool = False
 
 
 class DeviceBackend:
@@ -73,6 +76,7 @@ class DeviceBackend:
         self.model: torch.nn.Module | None = None
         self.dtype = torch.float32  # the loaded model's (and the KV cache's values')
         self.kept_int4: list[Int4Linear] = []  # a 4-bit checkpoint's layers kept as they are
+        self.checkpoint_int8: list[torch.nn.Module] = []  # its other quantized layers, in int8
 
     def _prepare(self) -> None:
         """Make the device ready before anything is loaded on it."""
@@ -113,8 +117,10 @@ class DeviceBackend:
         """Quantize the loaded linear layers, or pre-pack them for this device's kernels."""
         if weights.quantization:
             quantize_linears(model, weights.quantization, lm_head=weights.quantize_lm_head)
-        else:
-            prepack_linears(model)
+            return
+        if weights.checkpoint_int8:
+            self.checkpoint_int8 = quantize_checkpoint_layers(model, weights.quantize_lm_head)
+        prepack_linears(model)
 
     def kv_budget(self, wanted: int, utilization: float, reserve: int = 0) -> int:
         """Bytes the KV cache may take when no size was given: ``wanted`` is what every

@@ -310,6 +310,24 @@ VOCAB_LINEARS = {"int4": Int8Linear, "w4a8": Int8Linear}
 
 
 @torch.inference_mode()
+def quantize_checkpoint_layers(model: nn.Module, lm_head: bool = True) -> list[nn.Module]:
+    """Hold in int8 (per output channel) each ``nn.Linear`` the checkpoint stored quantized in a
+    type no kernel here reads (``model.checkpoint_quantized``: a GGUF file's Q6_K, Q5_K,
+    Q8_0, ... layers), and with ``lm_head`` the vocabulary projection if it was, rather than
+    dequantized in the model's dtype: a batch-1 decode reads their bytes, half of bf16's. The
+    other layers are left as they are. Returns the modules made."""
+    names = getattr(model, "checkpoint_quantized", None) or set()
+    ids = {id(p) for name, p in model.named_parameters() if name in names}
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        return Int8Linear(weight, bias) if id(weight) in ids else None
+
+    made = replace_linears(model, make, vocab=lm_head)
+    logger.info("held %d linear weights the checkpoint stores quantized in int8", len(made))
+    return made
+
+
+@torch.inference_mode()
 def quantize_linears(model: nn.Module, method: str, lm_head: bool = True) -> int:
     """Replace every ``nn.Linear`` of ``model`` (and, with ``lm_head``, its vocabulary
     projection, as ``model.packed_logits``) by a ``method``-quantized one; without it the

@@ -194,7 +194,8 @@ def count_kinds(modules: list[nn.Module], kind=lambda m: type(m).__name__) -> st
 def prepack_linears(model: nn.Module, layers: bool = True) -> int:
     """Swap every bfloat16 CPU ``nn.Linear`` of ``model`` for an :class:`TiledLinear` or a
     :class:`PackedLinear` (unless ``layers`` is False), and pack the vocabulary projection
-    (``model.packed_logits``). Returns how many weights were packed."""
+    (``model.packed_logits``) unless something already holds it. Returns how many weights
+    were packed."""
     checked: dict[type, bool] = {}  # module type -> its probe agreed with F.linear
 
     def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
@@ -211,7 +212,8 @@ def prepack_linears(model: nn.Module, layers: bool = True) -> int:
                 return packed
         return None
 
-    made = replace_linears(model, pack, layers=layers)
+    vocab = getattr(model, "packed_logits", None) is None
+    made = replace_linears(model, pack, layers=layers, vocab=vocab)
     if made:
         logger.info("packed %d linear weights (%s)", len(made), count_kinds(made))
     return len(made)
