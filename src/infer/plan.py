@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.engine.args import byte_size
-from infer.model.gguf_folder import gguf_source, gguf_tensors
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
+from infer.model.gguf_folder import gguf_source, gguf_tensors
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "int8": 1, "fp8": 1}  # fmt: skip

@@ -226,8 +226,10 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
         folder = find_model_folder(file)
         assert safetensors_num_params(folder) == plain_params
         with LLM(str(file), dtype="float32") as llm:
-            assert safetensors_weight_bytes(folder, 4) == llm.engine.weights_bytes == (
-                plain_params * 4
+            assert (
+                safetensors_weight_bytes(folder, 4)
+                == llm.engine.weights_bytes
+                == (plain_params * 4)
             )
         with LLM(str(file), dtype="bfloat16") as llm:
             held = llm.engine.weights_bytes

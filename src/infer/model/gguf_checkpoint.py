@@ -29,7 +29,6 @@ model keeps none (``keep_4bit`` False): every weight is then exactly llama.cpp's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -178,4 +177,3 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
         torch.from_numpy(scale16),
         torch.arange(cols) // GROUP,
     )
-

@@ -62,7 +62,9 @@ def gguf_source(model_dir: Path) -> Path | None:
     except OSError:
         raise ModelLoadError(f"{model_dir} stands for {file}, which is gone") from None
     if (stat.st_size, stat.st_mtime_ns) != (data["size"], data["mtime_ns"]):
-        raise ModelLoadError(f"{file} changed after {model_dir} was made from it; load the file again")
+        raise ModelLoadError(
+            f"{file} changed after {model_dir} was made from it; load the file again"
+        )
     return file
 
 
@@ -117,7 +119,7 @@ def tensor_types(file: Path) -> dict[str, int]:
 
 def _write_folder(file: Path, out: Path) -> None:
     """config.json, the tokenizer and generation_config.json of GGUF ``file`` into ``out``."""
-    from gguf import GGUFReader, GGMLQuantizationType
+    from gguf import GGMLQuantizationType, GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
     try:

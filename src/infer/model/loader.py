@@ -245,7 +245,9 @@ class _SafetensorsReader:
             )
             return layer_weight(layer), layer
         if file is None:
-            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
+            raise ModelLoadError(
+                f"tensor {name!r} is missing from the checkpoint in {self.model_dir}"
+            )
         self.used.add(found)
         return _read_tensor(self.handles, file, found), None
 

@@ -60,8 +60,10 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
 def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's order of a Llama q / k projection's rows (each head's two rotary halves
     interleaved); ``n_head``: the projection's own head count."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 
