@@ -97,15 +97,18 @@ def test_4bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
 # --------------------------------------------------------------------------- whole files
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3"])
 def test_an_f32_gguf_serves_the_checkpoint_it_was_written_from(kind, tiny_checkpoints, tmp_path):
     """The file's config, tokenizer, chat template and (un-permuted) weights are the folder's:
-    the same logits (the file's rms_norm_eps is the float32 of the folder's), the same
-    tokens."""
+    the same logits (the file's rms_norm_eps is the float32 of the folder's), the same tokens.
+    ``llama3``: q/k/v and MLP biases (q and k permuted like their weights) and a Llama 3 rope
+    scaling, which a GGUF holds as each frequency's divisor (``rope_freqs``), over prompts
+    past its original 64 positions."""
     folder = tiny_checkpoints[kind]
     file = write_gguf(folder, tmp_path / f"{kind}.gguf", "F32")
-    want_lps, want_tokens, _ = _run(folder)
-    got_lps, got_tokens, int4 = _run(file)
+    prompts = PROMPTS[:4] + [" ".join(PROMPTS)]  # the last: ~130 tokens
+    want_lps, want_tokens, _ = _run(folder, prompts=prompts)
+    got_lps, got_tokens, int4 = _run(file, prompts=prompts)
     torch.testing.assert_close(got_lps, want_lps, rtol=0, atol=1e-5)
     assert got_tokens == want_tokens and int4 == []
     with LLM(str(file), dtype="float32") as a, LLM(str(folder), dtype="float32") as b:

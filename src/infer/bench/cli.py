@@ -477,6 +477,7 @@ STUDIES = {
     "spec": "speculative decoding: n-gram and draft-model proposals vs plain decoding",
     "structured": "structured outputs: grammar compile / mask cost, throughput, TTFT",
     "embed": "embeddings: LLM.embed (cold and prefix-cached) vs transformers' forward pass",
+    "gguf": "GGUF files: perplexity per type, batch-1 decode beside llama.cpp on one file",
     "prefix": "prefix caching in wall-clock time on a ~100M Llama",
     "micro": "engine micro-benchmarks on the toy NanoGPT, no HTTP",
     "overload": "429 latency of a full server under a burst",

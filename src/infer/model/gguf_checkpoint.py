@@ -108,13 +108,15 @@ class GGUFCheckpoint:
         return gname is not None and self.tensors[gname].tensor_type.name not in _FLOAT_TYPES
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
-        """The stored row of each Hugging Face row of a Llama q / k projection, which
-        llama.cpp stores with each head's two rotary halves interleaved::
+        """The stored row of each Hugging Face row of a Llama q / k projection (its weight and
+        bias), which llama.cpp stores with each head's two rotary halves interleaved::
 
             HF row  h*D + i*D/2 + j   (head h, half i, j < D/2)
             GGUF    h*D + 2j + i
         """
-        if self.arch != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        if self.arch != "llama" or not name.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+        ):
             return None
         heads = self.num_heads if "q_proj" in name else self.num_kv_heads
         half = rows // heads // 2

@@ -142,6 +142,8 @@ def _write_folder(file: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except Exception as e:  # noqa: BLE001 - transformers' converters raise many types
         raise ModelLoadError(f"{file}: cannot read its config or tokenizer: {e}") from None
+    tensors = {t.name: t for t in reader.tensors}
+    names = set(tensors)
     data = config.to_dict()
     for key in ("_name_or_path", "_model_name_or_path"):
         data.pop(key, None)
@@ -151,17 +153,28 @@ def _write_folder(file: Path, out: Path) -> None:
         # window and all); llama.cpp runs every "llama" file as Llama, and so does infer.
         data["model_type"] = "llama"
         data.pop("sliding_window", None)
+        # Biases are in the file or not (its metadata does not say).
+        data["attention_bias"] = "blk.0.attn_q.bias" in names
+        data["mlp_bias"] = "blk.0.ffn_up.bias" in names
     # transformers' mapping leaves head_dim at its default where the heads are not
     # hidden / heads wide (Qwen3): the file says it.
     key_length = _field(reader, f"{_field(reader, 'general.architecture')}.attention.key_length")
     if key_length is not None:
         data["head_dim"] = int(key_length)
-    names = {t.name for t in reader.tensors}
-    data["tie_word_embeddings"] = "output.weight" not in names
+    data["tie_word_embeddings"] = "output.weight" not in tensors
+    if "rope_freqs.weight" in tensors:
+        # A Llama 3 rope's scaling, as llama.cpp's converter stores it: each frequency's divisor
+        # (infer's rope reads "freq_factors"; model/rope.py).
+        factors = tensors["rope_freqs.weight"].data
+        rope = dict(data.get("rope_parameters") or {})
+        rope.setdefault("rope_theta", data.get("rope_theta", 10000.0))
+        rope.update(rope_type="default", freq_factors=[float(v) for v in factors])
+        data["rope_parameters"] = rope
+        data.pop("rope_scaling", None)
     floats = {GGMLQuantizationType.F32}
     # Weights are dequantized (or kept 4-bit) at load: compute in bf16 unless every tensor is
     # float32 (the GGUF's own precision); --dtype overrides it.
-    all_f32 = all(t.tensor_type in floats for t in reader.tensors)
+    all_f32 = all(t.tensor_type in floats for t in tensors.values())
     data["torch_dtype"] = "float32" if all_f32 else "bfloat16"
     data.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(data, indent=1, default=str) + "\n")

@@ -37,6 +37,9 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    # Each frequency's divisor, as a GGUF file stores them (``rope_freqs.weight``: llama.cpp's
+    # converter writes a Llama 3 rope's scaling so); applied on top of ``rope_type``.
+    freq_factors: tuple[float, ...] | None = None
 
 
 def rope_config_from_dict(
@@ -72,7 +75,17 @@ def rope_config_from_dict(
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),
+        freq_factors=_freq_factors(params.get("freq_factors"), head_dim),
     )
+
+
+def _freq_factors(values: Any, head_dim: int) -> tuple[float, ...] | None:
+    if values is None:
+        return None
+    factors = tuple(float(v) for v in values)
+    if len(factors) != head_dim // 2 or not all(f > 0 for f in factors):
+        raise ValueError(f"freq_factors must be {head_dim // 2} positive numbers")
+    return factors
 
 
 def rope_params(
@@ -133,6 +146,8 @@ def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     elif rope.rope_type == "yarn":
         inv_freq = _yarn(inv_freq, rope)
         scaling = float(rope.attention_factor or 1.0)
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     # NOTE: "dynamic" NTK only rescales past max_position_embeddings, which the engine never
     # reaches (max_model_len <= max_position_embeddings), so inside the table it is "default".
     return inv_freq, scaling

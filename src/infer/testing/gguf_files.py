@@ -108,15 +108,33 @@ def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "t
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         w = tensor.astype(np.float32)
-        if arch in ("llama", "mistral") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "mistral") and hf_name.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+        ):
             w = permute_rows(w, heads if "q_proj" in hf_name else kv_heads)
         _add(writer, f"{gguf_name}.{suffix}", w, qtype if w.ndim == 2 and w.shape[1] % block == 0
              else gguf.GGMLQuantizationType.F32)  # fmt: skip
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(Path(folder)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _llama3_freq_factors(folder: Path) -> np.ndarray:
+    """A Llama 3 rope's scaling as llama.cpp stores it: each frequency's divisor, here
+    transformers' plain frequencies over its Llama 3 ones."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.from_pretrained(folder)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    theta = config.rope_parameters["rope_theta"]
+    dim = config.head_dim
+    plain = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    return (plain / scaled.double().numpy()).astype(np.float32)
 
 
 def _add(writer: Any, name: str, w: np.ndarray, qtype: Any) -> None:

@@ -1,0 +1,211 @@
+"""GGUF files as llama.cpp users have them: what each type costs in quality, and batch-1 decode
+beside llama.cpp on the same file: ``infer bench gguf``.
+
+    infer bench gguf --llama-cpp SRC [--types Q8_0,Q6_K,Q4_K_M,Q4_0]
+                     [--decode-model FILE.gguf] [--rounds 3] [--out bench-results/gguf]
+
+``SRC`` is llama.cpp's source tree with ``build/bin/llama-quantize`` (and ``llama-server`` for
+the decode part), e.g. ``vendor/llama.cpp`` of the ``llama-cpp-python`` sdist built as
+docs/benchmarks.md says.
+
+- **Quality**: the built-in ``small`` (trained, held-out text) written to GGUF by llama.cpp's
+  own converter (``benchmarks/make_gguf.py``, F32), then ``llama-quantize``'d to each type.
+  Held-out perplexity (8 windows of 1,000 tokens, from the engine's prompt logprobs) of the
+  folder, and of each file: in float32 (every weight dequantized: llama.cpp's exact values),
+  in bf16 with ``--no-gguf-int8`` (4-bit layers in the int4 kernel, the others dequantized to
+  bf16) and in bf16 as served by default (the others in int8 per channel).
+- **Decode** (``--decode-model``): batch-1 decode of 128 tokens after a 12-token prompt,
+  rounds alternating between ``llama-server`` (1 slot, every core, its own ``timings`` of
+  the completion: ms per generated token) and infer's offline engine (the default and
+  ``--no-gguf-int8``: ms per token from the difference of a 136- and an 8-token run).
+  Medians of each round's runs; the machines here are shared, so read the rounds side by
+  side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from infer.bench.cli import add_common
+from infer.bench.report import machine_line, md_table, offline_machine, save_report
+
+NEEDS_BENCH_EXTRA = False
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's built source tree")
+    p.add_argument("--types", default="Q8_0,Q6_K,Q4_K_M,Q4_0", help="llama-quantize types")
+    p.add_argument("--decode-model", type=Path, default=None, help="a GGUF file to decode")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--windows", type=int, default=8, help="held-out windows of 1,000 tokens")
+    add_common(p, out="gguf")
+    return p
+
+
+# --------------------------------------------------------------------------- quality
+
+
+def perplexity(model: Path, windows, **options) -> tuple[float, dict]:
+    """Held-out perplexity of ``model`` served with ``options``, and what the engine held."""
+    from infer import LLM, SamplingParams
+
+    with LLM(str(model), max_model_len=1024, **options) as llm:
+        outs = llm.generate([w.tolist() for w in windows],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0))  # fmt: skip
+        nll = [-lp.logprob for o in outs for lp in o.prompt_logprobs[1:]]
+        backend = llm.engine.backend
+        held = {"int4": len(backend.kept_int4), "int8": len(backend.checkpoint_int8),
+                "weights_mib": round(llm.engine.weights_bytes / 2**20, 2)}  # fmt: skip
+    return math.exp(sum(nll) / len(nll)), held
+
+
+def quality(args: argparse.Namespace, small: Path, work: Path) -> list[dict]:
+    from benchmarks.make_gguf import main as make_gguf
+    from infer.bench.offline import held_out_windows
+
+    windows = held_out_windows(small, max_windows=args.windows, context=1000)
+    f32 = work / "small-f32.gguf"
+    make_gguf([str(args.llama_cpp), str(small), str(f32), "--outtype", "f32"])
+    rows = []
+    for label, options in (("bf16", {"dtype": "bfloat16"}), ("float32", {"dtype": "float32"})):
+        ppl, held = perplexity(small, windows, **options)
+        rows.append({"model": "folder", "served": label, "ppl": ppl, **held})
+    quantize = args.llama_cpp / "build" / "bin" / "llama-quantize"
+    for kind in args.types.split(","):
+        file = work / f"small-{kind}.gguf"
+        subprocess.run([str(quantize), str(f32), str(file), kind], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        for label, options in (
+            ("float32 (exact)", {"dtype": "float32"}),
+            ("bf16, --no-gguf-int8", {"dtype": "bfloat16", "gguf_int8": False}),
+            ("bf16 (default)", {"dtype": "bfloat16"}),
+        ):
+            ppl, held = perplexity(file, windows, **options)
+            rows.append({"model": kind, "served": label, "ppl": ppl, **held})
+            print(rows[-1], flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def llama_server_decode(args: argparse.Namespace, model: Path, runs: int = 3) -> float:
+    """Median ms per generated token of ``llama-server`` (1 slot, every core) on ``model``."""
+    server = args.llama_cpp / "build" / "bin" / "llama-server"
+    port = 18080 + os.getpid() % 1000
+    threads = str(os.cpu_count())
+    proc = subprocess.Popen([str(server), "-m", str(model), "--host", "127.0.0.1", "--port",
+                             str(port), "-np", "1", "-c", "512", "-t", threads, "-tb", threads],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        body = json.dumps({"prompt": PROMPT, "n_predict": 128, "ignore_eos": True,
+                           "temperature": 0, "cache_prompt": False}).encode()  # fmt: skip
+        per_token = []
+        for _ in range(runs):
+            request = urllib.request.Request(url + "/completion", body,
+                                             {"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(request, timeout=600) as r:
+                per_token.append(json.load(r)["timings"]["predicted_per_token_ms"])
+        return statistics.median(per_token)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def infer_decode(model: Path, runs: int = 3, **options) -> tuple[float, float]:
+    """(median ms per token of a batch-1 decode, weights MiB) of infer's offline engine."""
+    from infer import LLM, SamplingParams
+
+    with LLM(str(model), dtype="bfloat16", max_model_len=512, **options) as llm:
+
+        def run(n: int) -> float:
+            t0 = time.perf_counter()
+            llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            return time.perf_counter() - t0
+
+        run(8)
+        per_token = [(run(136) - run(8)) / 128 * 1000 for _ in range(runs)]
+        return statistics.median(per_token), llm.engine.weights_bytes / 2**20
+
+
+def decode(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for r in range(1, args.rounds + 1):
+        rows.append({"round": r, "engine": "llama.cpp (llama-server)",
+                     "ms": llama_server_decode(args, args.decode_model)})  # fmt: skip
+        for label, options in (("infer (default)", {}), ("infer --no-gguf-int8",
+                                                        {"gguf_int8": False})):  # fmt: skip
+            ms, mib = infer_decode(args.decode_model, **options)
+            rows.append({"round": r, "engine": label, "ms": ms, "weights_mib": mib})
+        print(rows[-3:], flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def markdown(report: dict) -> str:
+    lines = ["# GGUF files: quality per type, batch-1 decode beside llama.cpp", "",
+             machine_line(report["machine"]), ""]  # fmt: skip
+    q = report["quality"]
+    base = next(r["ppl"] for r in q if r["model"] == "folder" and r["served"] == "float32")
+    lines += ["Held-out perplexity of the built-in `small` (its folder; llama.cpp's converter "
+              "and `llama-quantize` for each file):", ""]  # fmt: skip
+    lines += md_table(
+        ["model", "served", "perplexity", "vs folder float32", "4-bit layers", "int8 layers",
+         "weights MiB"],
+        [[r["model"], r["served"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / base - 1):+.2f}%",
+          r["int4"], r["int8"], f"{r['weights_mib']:.2f}"] for r in q],
+    )  # fmt: skip
+    if report["decode"]:
+        lines += ["", f"Batch-1 decode of {report['decode_model']} (128 tokens; ms per token, "
+                  "median of 3 runs per round):", ""]  # fmt: skip
+        lines += md_table(
+            ["round", "engine", "ms / token", "tok/s", "weights MiB"],
+            [[r["round"], r["engine"], f"{r['ms']:.1f}", f"{1000 / r['ms']:.1f}",
+              f"{r['weights_mib']:.0f}" if "weights_mib" in r else ""] for r in report["decode"]],
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from infer.builtin import ensure_builtin_model
+    from infer.model.folders import find_model_folder
+
+    args.llama_cpp = args.llama_cpp.expanduser().resolve()
+    small = Path(ensure_builtin_model("small"))
+    with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
+        try:
+            report = {"machine": offline_machine(), "quality": quality(args, small, Path(tmp)),
+                      "decode_model": str(args.decode_model) if args.decode_model else None,
+                      "decode": decode(args) if args.decode_model else []}  # fmt: skip
+        finally:  # the folders made of the temporary files' metadata
+            for file in Path(tmp).glob("*.gguf"):
+                shutil.rmtree(find_model_folder(file), ignore_errors=True)
+    save_report(report, markdown(report), args.out, "gguf")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(build_parser().parse_args()))
