@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-model", type=Path, default=None, help="a GGUF file to decode")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--windows", type=int, default=8, help="held-out windows of 1,000 tokens")
+    p.add_argument("--no-quality", dest="quality", action="store_false",
+                   help="skip the perplexity part")  # fmt: skip
     add_common(p, out="gguf")
     return p
 
@@ -169,10 +171,11 @@ def markdown(report: dict) -> str:
     lines = ["# GGUF files: quality per type, batch-1 decode beside llama.cpp", "",
              machine_line(report["machine"]), ""]  # fmt: skip
     q = report["quality"]
-    base = next(r["ppl"] for r in q if r["model"] == "folder" and r["served"] == "float32")
-    lines += ["Held-out perplexity of the built-in `small` (its folder; llama.cpp's converter "
-              "and `llama-quantize` for each file):", ""]  # fmt: skip
-    lines += md_table(
+    base = next((r["ppl"] for r in q if r["served"] == "float32"), 1.0)
+    if q:
+        lines += ["Held-out perplexity of the built-in `small` (its folder; llama.cpp's "
+                  "converter and `llama-quantize` for each file):", ""]  # fmt: skip
+    lines += [] if not q else md_table(
         ["model", "served", "perplexity", "vs folder float32", "4-bit layers", "int8 layers",
          "weights MiB"],
         [[r["model"], r["served"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / base - 1):+.2f}%",
@@ -186,6 +189,14 @@ def markdown(report: dict) -> str:
             [[r["round"], r["engine"], f"{r['ms']:.1f}", f"{1000 / r['ms']:.1f}",
               f"{r['weights_mib']:.0f}" if "weights_mib" in r else ""] for r in report["decode"]],
         )  # fmt: skip
+        engines = dict.fromkeys(r["engine"] for r in report["decode"])
+        summary = []
+        for engine in engines:
+            ms = [r["ms"] for r in report["decode"] if r["engine"] == engine]
+            summary.append([engine, f"{statistics.median(ms):.1f}", f"{min(ms):.1f}",
+                            f"{1000 / statistics.median(ms):.1f}"])  # fmt: skip
+        lines += ["", "Over the rounds:", ""]
+        lines += md_table(["engine", "median ms / token", "best round", "median tok/s"], summary)
     return "\n".join(lines) + "\n"
 
 
@@ -197,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
     small = Path(ensure_builtin_model("small"))
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         try:
-            report = {"machine": offline_machine(), "quality": quality(args, small, Path(tmp)),
+            scores = quality(args, small, Path(tmp)) if args.quality else []
+            report = {"machine": offline_machine(), "quality": scores,
                       "decode_model": str(args.decode_model) if args.decode_model else None,
                       "decode": decode(args) if args.decode_model else []}  # fmt: skip
         finally:  # the folders made of the temporary files' metadata
