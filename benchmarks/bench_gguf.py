@@ -45,8 +45,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog and then"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's built source tree")
+    p = argparse.ArgumentParser(
+        prog="infer bench gguf",
+        description="GGUF files: perplexity per type, batch-1 decode beside llama.cpp",
+    )
+    p.add_argument("--llama-cpp", type=Path, default=None,
+                   help="llama.cpp's built source tree (required)")  # fmt: skip
     p.add_argument("--types", default="Q8_0,Q6_K,Q4_K_M,Q4_0", help="llama-quantize types")
     p.add_argument("--decode-model", type=Path, default=None, help="a GGUF file to decode")
     p.add_argument("--rounds", type=int, default=3)
@@ -204,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
     from infer.builtin import ensure_builtin_model
     from infer.model.folders import find_model_folder
 
+    if args.llama_cpp is None:
+        print("infer bench gguf: --llama-cpp SRC is required (llama.cpp's source tree, built: "
+              "build/bin/llama-quantize, llama-server)", file=sys.stderr)  # fmt: skip
+        return 2
     args.llama_cpp = args.llama_cpp.expanduser().resolve()
     small = Path(ensure_builtin_model("small"))
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:

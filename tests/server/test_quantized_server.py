@@ -38,7 +38,7 @@ def test_quantized_server_streams_and_frees_every_block(quantized_server):
     "flags,message",
     [
         (["--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4' is not supported (choices: auto, int8, fp8)"),
-        (["--quantization", "int3"], "--quantization 'int3' is not supported (choices: int8, w8a8, fp8, int4, w4a8, gptq, awq)"),
+        (["--quantization", "int3"], "--quantization 'int3' is not supported (choices: int8, w8a8, fp8, int4, w4a8, gptq, awq, gguf)"),
         (["--quantization", "fp8"], "--quantization fp8 needs a CUDA GPU with fp8 matmuls"),
     ],
 )  # fmt: skip
