@@ -23,7 +23,7 @@ from infer.model.folders import ModelLoadError
 from infer.model.gguf_checkpoint import unpack_4bit
 from infer.model.quantized_checkpoint import layer_weight
 from infer.runner.int4 import Int4Linear, int4_kernel_available
-from infer.testing.gguf_files import build_wide_llama, write_gguf
+from infer.testing.gguf_files import build_gemma3_for_gguf, build_wide_llama, write_gguf
 
 from .conftest import PROMPTS
 
@@ -119,6 +119,26 @@ def test_an_f32_gguf_serves_the_checkpoint_it_was_written_from(kind, tiny_checkp
             b.engine.tokenizer.apply_chat_template(chat, tokenize=False)
         )
         assert a.engine.eos_token_ids == b.engine.eos_token_ids
+
+
+def test_a_gemma3_gguf_runs_as_llama_cpp_runs_one(tiny_checkpoints, tmp_path):
+    """Gemma 3 (llama.cpp's "gemma3"): norms stored plus one, every 6th layer global with the
+    file's rope base and linear scaling, the others sliding with a 10k base, queries scaled by
+    1 / sqrt(head_dim); prompts past the 16-token window give the folder's logits. (Token ids:
+    a Gemma file's tokenizer is SentencePiece, which transformers converts by architecture.)"""
+    folder = build_gemma3_for_gguf(tmp_path / "gemma3", tiny_checkpoints["llama"])
+    file = write_gguf(folder, tmp_path / "gemma3.gguf", "F32")
+    prompts = [list(range(5, 130)), [7, 8, 9], list(range(300, 340))]
+    want_lps, want_tokens, _ = _run(folder, prompts=prompts)
+    got_lps, got_tokens, _ = _run(file, prompts=prompts)
+    torch.testing.assert_close(got_lps, want_lps, rtol=0, atol=1e-5)
+    assert got_tokens == want_tokens
+    from infer.model.folders import find_model_folder
+
+    config = json.loads((find_model_folder(file) / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["query_pre_attn_scalar"] == 16 and config["sliding_window"] == 16
+    assert config["rope_parameters"]["full_attention"]["factor"] == 4.0
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_K", "Q4_0", "Q4_1", "Q8_0", "F16"])

@@ -4,7 +4,8 @@ The loader asks for Hugging Face tensor names (``model.layers.0.self_attn.q_proj
 llama.cpp's name map (the ``gguf`` package's, which llama.cpp maintains) gives the GGUF name
 (``blk.0.attn_q.weight``). Each tensor is dequantized to float32 by the ``gguf`` package
 (llama.cpp's reference code, in numpy) for every type it knows, then undone as llama.cpp's
-converter stored it: a Llama's q / k rows are interleaved per head (un-permuted here).
+converter stored it: a Llama's q / k rows are interleaved per head (un-permuted here), Gemma
+3's norm weights are stored plus one.
 
 4-bit types keep their integers too, so 4-bit layers stay 4-bit (:class:`UnpackedLayer`, as a
 GPTQ layer does): per group of 32 inputs, ``weight = scale * (q - zero)`` with::
@@ -100,6 +101,8 @@ class GGUFCheckpoint:
                 layer = UnpackedLayer(
                     layer.q[rows], layer.zeros[rows], layer.scales[rows], layer.g_idx
                 )
+        if self.arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight - 1.0  # stored as the (1 + w) Gemma's norms multiply by
         return weight, layer
 
     def stored_quantized(self, name: str) -> bool:

@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",  # Mistral's too: llama.cpp's converter writes them as llama
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
@@ -158,9 +159,11 @@ def _write_folder(file: Path, out: Path) -> None:
         data["mlp_bias"] = "blk.0.ffn_up.bias" in names
     # transformers' mapping leaves head_dim at its default where the heads are not
     # hidden / heads wide (Qwen3): the file says it.
-    key_length = _field(reader, f"{_field(reader, 'general.architecture')}.attention.key_length")
+    key_length = _field(reader, f"{arch}.attention.key_length")
     if key_length is not None:
         data["head_dim"] = int(key_length)
+    if arch == "gemma3":
+        data.update(_gemma3_config(reader, data))
     data["tie_word_embeddings"] = "output.weight" not in tensors
     if "rope_freqs.weight" in tensors:
         # A Llama 3 rope's scaling, as llama.cpp's converter stores it: each frequency's divisor
@@ -188,6 +191,42 @@ def _write_folder(file: Path, out: Path) -> None:
         if value is not None
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
+
+
+def _gemma3_config(reader: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 text model's fields as llama.cpp runs a "gemma3" file: every 6th layer global
+    (unless the file lists the pattern), the others sliding over ``sliding_window`` tokens with
+    a rope base of 10k (or ``rope.freq_base_swa``) never scaled; the global layers' base and
+    linear scaling from the file; queries scaled by 1 / sqrt(head_dim) (27B, 62 layers:
+    1 / sqrt(hidden / heads)); a final logit soft-cap only if the file has one."""
+
+    def field(key: str) -> Any:
+        return _field(reader, "gemma3." + key)
+
+    layers, head_dim = int(field("block_count")), int(data["head_dim"])
+    window = field("attention.sliding_window")
+    pattern = field("attention.sliding_window_pattern")
+    if not window:
+        types = ["full_attention"] * layers
+    elif isinstance(pattern, list):  # (llama.cpp: true = sliding)
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        n = int(pattern or 6)
+        types = ["sliding_attention" if i % n < n - 1 else "full_attention" for i in range(layers)]
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(field("rope.freq_base"))}
+    if field("rope.scaling.type") == "linear" and field("rope.scaling.factor"):
+        full.update(rope_type="linear", factor=float(field("rope.scaling.factor")))
+    local = {"rope_type": "default", "rope_theta": float(field("rope.freq_base_swa") or 10000.0)}
+    scalar = data["hidden_size"] / data["num_attention_heads"] if layers == 62 else head_dim
+    return {
+        "model_type": "gemma3_text",
+        "layer_types": types,
+        "sliding_window": int(window) if window else None,
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": field("final_logit_softcapping"),
+        "attn_logit_softcapping": None,
+    }
 
 
 def _field(reader: Any, key: str) -> Any:

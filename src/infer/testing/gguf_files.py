@@ -3,8 +3,8 @@
 Tests and benchmarks need GGUF files and no hub: :func:`write_gguf` turns one of the tiny
 checkpoints (``infer.testing.checkpoints``) into a GGUF with llama.cpp's metadata keys and
 tensor names (through the ``gguf`` package's writer and name map, which llama.cpp maintains),
-Llama's q / k rows permuted as llama.cpp stores them, and each 2-D weight in the type asked
-for. ``gguf`` quantizes Q8_0 / Q4_0 / Q4_1 itself; Q4_K it cannot, so :func:`quantize_q4_k`
+Llama's q / k rows permuted and Gemma 3's norms plus one as llama.cpp stores them, and each
+2-D weight in the type asked for. ``gguf`` quantizes Q8_0 / Q4_0 / Q4_1 itself; Q4_K it cannot, so :func:`quantize_q4_k`
 writes its blocks here from the format's definition::
 
     block_q4_K (256 weights, 144 bytes): d f16 | dmin f16 | scales[12] | qs[128]
@@ -68,14 +68,15 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "tiny") -> Path:
-    """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2 or Qwen3) as
+    """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2, Qwen3 or a
+    Gemma 3 whose every 6th layer is global and whose queries scale by its head size) as
     GGUF ``out``: 2-D weights whose inputs split into its blocks in ``weight_type`` (F32, F16,
     BF16, Q8_0, Q4_0, Q4_1, Q4_K), the others and every 1-D tensor in F32."""
     import gguf
     from safetensors.numpy import load_file
 
     config = json.loads((Path(folder) / "config.json").read_text())
-    arch = config["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     layers = config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -91,6 +92,14 @@ def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "t
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     rope = config.get("rope_parameters") or {}
+    if arch == "gemma3":  # the global layers' rope; llama.cpp's local one is fixed (10k)
+        rope = rope["full_attention"]
+        writer.add_sliding_window(config["sliding_window"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
@@ -108,6 +117,8 @@ def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "t
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         w = tensor.astype(np.float32)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            w = w + 1.0  # llama.cpp stores the (1 + w) Gemma's norms multiply by
         if arch in ("llama", "mistral") and hf_name.endswith(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
         ):
@@ -208,6 +219,44 @@ def build_wide_llama(out: Path, tokenizer_folder: Path) -> Path:
         for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "chat_template.jinja"):  # fmt: skip
+        if (Path(tokenizer_folder) / name).is_file():
+            shutil.copy(Path(tokenizer_folder) / name, out / name)
+    return out
+
+
+def build_gemma3_for_gguf(out: Path, tokenizer_folder: Path) -> Path:
+    """A tiny random Gemma 3 text model as llama.cpp runs one: 6 layers, the 6th global (its
+    rope linearly scaled by 4, as Gemma 3 4B's), the others sliding over 16 tokens, queries
+    scaled by 1 / sqrt(head_dim), no soft-cap; saved by transformers into ``out`` (once)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    eos_id = json.loads((Path(tokenizer_folder) / "generation_config.json").read_text())[
+        "eos_token_id"
+    ]
+    config = transformers.Gemma3TextConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=16, max_position_embeddings=1024, final_logit_softcapping=None,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        architectures=["Gemma3ForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.3 if name.endswith("norm.weight") else 0.1)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "chat_template.jinja"):  # fmt: skip
