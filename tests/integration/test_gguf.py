@@ -16,14 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
 from infer.model.folders import ModelLoadError
 from infer.model.gguf_checkpoint import unpack_4bit
 from infer.model.quantized_checkpoint import layer_weight
 from infer.runner.int4 import Int4Linear, int4_kernel_available
-from infer.testing.gguf_files import build_gemma3_for_gguf, build_wide_llama, write_gguf
+from infer.testing.gguf_files import (
+    build_gemma3_for_gguf,
+    build_sparse_qwen2_moe,
+    build_wide_llama,
+    write_gguf,
+)
 
 from .conftest import PROMPTS
 
@@ -97,14 +102,19 @@ def test_4bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
 # --------------------------------------------------------------------------- whole files
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "llama3", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+)
 def test_an_f32_gguf_serves_the_checkpoint_it_was_written_from(kind, tiny_checkpoints, tmp_path):
     """The file's config, tokenizer, chat template and (un-permuted) weights are the folder's:
     the same logits (the file's rms_norm_eps is the float32 of the folder's), the same tokens.
     ``llama3``: q/k/v and MLP biases (q and k permuted like their weights) and a Llama 3 rope
     scaling, which a GGUF holds as each frequency's divisor (``rope_freqs``), over prompts
-    past its original 64 positions."""
+    past its original 64 positions. Mixtures of experts: each layer's experts stacked in one
+    tensor (a "llama" file with experts is a Mixtral; Qwen2-MoE's shared expert and its gate)."""
     folder = tiny_checkpoints[kind]
+    if kind == "qwen2_moe":  # (llama.cpp's qwen2moe has no dense layers between)
+        folder = build_sparse_qwen2_moe(tmp_path / "qwen2_moe", folder)
     file = write_gguf(folder, tmp_path / f"{kind}.gguf", "F32")
     prompts = PROMPTS[:4] + [" ".join(PROMPTS)]  # the last: ~130 tokens
     want_lps, want_tokens, _ = _run(folder, prompts=prompts)
@@ -187,6 +197,30 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
     assert zeros == {torch.uint8 if weight_type == "Q4_0" else torch.float16}
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
     print(f"{weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}")
+    assert got_err <= 1.5 * plain_err
+
+
+@pytest.mark.skipif(not int4_kernel_available(torch.device("cpu")), reason="no int4 CPU kernel")
+def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(tiny_checkpoints, tmp_path):
+    """Q4_0 experts (sliced out of their layer's stacked tensor) stay 4-bit in the experts'
+    kernel, as close to the float32 file's logits as the same weights held in bf16."""
+    source = tiny_checkpoints["qwen3_moe"]
+    file = write_gguf(source, tmp_path / "moe.gguf", "Q4_0")
+    plain = tmp_path / "plain"  # the same weights, rounded through Q4_0 by llama.cpp's code
+    shutil.copytree(source, plain)
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    state = load_file(str(source / "model.safetensors"))
+    for name, w in state.items():
+        if w.dim() == 2 and w.shape[1] % 32 == 0:
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(w.float().numpy(), q4_0), q4_0)
+            state[name] = torch.from_numpy(rounded).to(w.dtype)
+    save_file(state, plain / "model.safetensors")
+    exact, _, _ = _run(file)
+    plain_lps, _, _ = _run(plain, "bfloat16")
+    got, _, int4 = _run(file, "bfloat16")
+    assert len(int4) == 2 * (2 + 2 * 8)  # per layer: qkv, o, and each expert's gate_up, down
+    plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
+    print(f"moe Q4_0: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}")
     assert got_err <= 1.5 * plain_err
 
 

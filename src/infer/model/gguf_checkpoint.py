@@ -29,7 +29,9 @@ model keeps none (``keep_4bit`` False): every weight is then exactly llama.cpp's
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +40,9 @@ from infer.model.folders import ModelLoadError
 from infer.model.quantized_checkpoint import UnpackedLayer
 
 GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
+# An expert's weight: llama.cpp stacks each layer's experts into one [experts, rows, cols]
+# tensor (``blk.N.ffn_gate_exps``), named as ``LAYER.experts.PART`` without the index.
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<index>\d+)\.(?P<part>[^.]+\.(weight|bias))$")
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
@@ -63,11 +68,29 @@ class GGUFCheckpoint:
         self.used: set[str] = set()
 
     def gguf_name(self, name: str) -> str | None:
-        """The GGUF name of Hugging Face tensor ``name``, None when the file has no such tensor."""
+        """The GGUF name of Hugging Face tensor ``name``, None when the file has no such tensor
+        (an expert's: the tensor stacking every expert of its layer, :meth:`_expert`)."""
+        expert = _EXPERT.match(name)
+        if expert is not None:
+            name = f"{expert['layer']}.{expert['part']}"
         base, _, suffix = name.rpartition(".")
         mapped = self.name_map.get_name(base)
         full = None if mapped is None else f"{mapped}.{suffix}"
         return full if full in self.tensors else None
+
+    def _data(self, name: str, tensor: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The raw data of ``tensor`` for ``name`` and its shape (rows first): an expert's
+        slice of its layer's stacked ``[experts, rows, cols]`` tensor, or the whole tensor."""
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        expert = _EXPERT.match(name)
+        if expert is None:
+            return tensor.data, shape
+        index = int(expert["index"])
+        if len(shape) != 3 or index >= shape[0]:
+            raise ModelLoadError(
+                f"{self.file}: {tensor.name} {shape} holds no expert {index} (for {name})"
+            )
+        return tensor.data[index], shape[1:]
 
     def read(self, name: str) -> tuple[torch.Tensor, UnpackedLayer | None]:
         """Tensor ``name`` as float32 (exactly what llama.cpp's dequantization gives), and its
@@ -79,21 +102,22 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"tensor {name!r} is missing from GGUF file {self.file}")
         self.used.add(gname)
         tensor = self.tensors[gname]
+        data, shape = self._data(name, tensor)
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            values = dequantize(data, tensor.tensor_type)
         except NotImplementedError:
             raise ModelLoadError(
                 f"{self.file}: tensor {gname} is {tensor.tensor_type.name}, a type the gguf "
                 "package cannot dequantize"
             ) from None
-        weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
-            tuple(int(n) for n in reversed(tensor.shape))
-        )
+        weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        if name.endswith("shared_expert_gate.weight") and weight.dim() == 1:
+            weight = weight[None]  # Qwen2-MoE's [1, hidden] gate, stored as [hidden]
         layer = None
         kind = GGMLQuantizationType
         four_bit = tensor.tensor_type in (kind.Q4_0, kind.Q4_1, kind.Q4_K)
         if self.keep_4bit and four_bit and weight.dim() == 2:
-            layer = unpack_4bit(np.asarray(tensor.data), tensor.tensor_type.name, weight.shape)
+            layer = unpack_4bit(np.asarray(data), tensor.tensor_type.name, weight.shape)
         rows = self._row_order(name, weight.shape[0])
         if rows is not None:
             weight = weight[rows]

@@ -38,6 +38,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -164,6 +166,9 @@ def _write_folder(file: Path, out: Path) -> None:
         data["head_dim"] = int(key_length)
     if arch == "gemma3":
         data.update(_gemma3_config(reader, data))
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:
+        data.update(_moe_config(reader, arch, int(experts)))
     data["tie_word_embeddings"] = "output.weight" not in tensors
     if "rope_freqs.weight" in tensors:
         # A Llama 3 rope's scaling, as llama.cpp's converter stores it: each frequency's divisor
@@ -191,6 +196,32 @@ def _write_folder(file: Path, out: Path) -> None:
         if value is not None
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
+
+
+def _moe_config(reader: Any, arch: str, experts: int) -> dict[str, Any]:
+    """A mixture of experts' fields: a "llama" file with experts is a Mixtral (each expert as
+    wide as ``feed_forward_length``, the top k renormalised); Qwen2-MoE / Qwen3-MoE experts are
+    ``expert_feed_forward_length`` wide, every layer sparse (llama.cpp has no dense ones
+    between), Qwen3-MoE's top k renormalised, Qwen2-MoE's not and beside a shared expert."""
+
+    def field(key: str) -> Any:
+        return _field(reader, f"{arch}.{key}")
+
+    top_k = int(field("expert_used_count"))
+    if arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": experts, "num_experts_per_tok": top_k}  # fmt: skip
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(field("expert_feed_forward_length")),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": arch == "qwen3moe",
+    }
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = int(field("expert_shared_feed_forward_length"))
+    return fields
 
 
 def _gemma3_config(reader: Any, data: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ writes its blocks here from the format's definition::
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +69,16 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "tiny") -> Path:
-    """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2, Qwen3 or a
-    Gemma 3 whose every 6th layer is global and whose queries scale by its head size) as
+    """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2, Qwen3, a
+    Gemma 3 whose every 6th layer is global and whose queries scale by its head size, or a
+    Mixtral / Qwen2-MoE / Qwen3-MoE with no dense layers: experts stacked per layer) as
     GGUF ``out``: 2-D weights whose inputs split into its blocks in ``weight_type`` (F32, F16,
     BF16, Q8_0, Q4_0, Q4_1, Q4_K), the others and every 1-D tensor in F32."""
     import gguf
     from safetensors.numpy import load_file
 
     config = json.loads((Path(folder) / "config.json").read_text())
-    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
+    arch = _ARCH.get(config["model_type"], config["model_type"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     layers = config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -103,6 +105,15 @@ def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "t
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            size = config["shared_expert_intermediate_size"]
+            writer.add_expert_shared_feed_forward_length(size)
     _write_tokenizer(writer, Path(folder))
 
     qtype = gguf.GGMLQuantizationType[weight_type]
@@ -111,6 +122,7 @@ def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "t
     state: dict[str, Any] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(str(file)))
+    state = _stack_experts(state)
     for hf_name, tensor in state.items():
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = name_map.get_name(base)
@@ -119,11 +131,13 @@ def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "t
         w = tensor.astype(np.float32)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             w = w + 1.0  # llama.cpp stores the (1 + w) Gemma's norms multiply by
-        if arch in ("llama", "mistral") and hf_name.endswith(
+        if arch == "llama" and hf_name.endswith(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
         ):
             w = permute_rows(w, heads if "q_proj" in hf_name else kv_heads)
-        _add(writer, f"{gguf_name}.{suffix}", w, qtype if w.ndim == 2 and w.shape[1] % block == 0
+        if hf_name.endswith("shared_expert_gate.weight"):
+            w = w[0]  # Qwen2-MoE's [1, hidden] gate, stored as llama.cpp reads it: [hidden]
+        _add(writer, f"{gguf_name}.{suffix}", w, qtype if w.ndim >= 2 and w.shape[-1] % block == 0
              else gguf.GGMLQuantizationType.F32)  # fmt: skip
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(Path(folder)))
@@ -131,6 +145,28 @@ def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "t
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+# Hugging Face model_type -> llama.cpp architecture, where they differ.
+_ARCH = {"gemma3_text": "gemma3", "mistral": "llama", "mixtral": "llama",
+         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}  # fmt: skip
+
+
+def _stack_experts(state: dict[str, Any]) -> dict[str, Any]:
+    """Each layer's experts' ``LAYER.experts.E.PART`` as one ``LAYER.experts.PART``
+    ``[experts, rows, cols]`` tensor, as llama.cpp stores them."""
+    pattern = re.compile(r"^(.+\.experts)\.(\d+)\.(.+)$")
+    out: dict[str, Any] = {}
+    stacks: dict[str, dict[int, Any]] = {}
+    for name, tensor in state.items():
+        match = pattern.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            stacks.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = tensor
+    for name, parts in stacks.items():
+        out[name] = np.stack([parts[i] for i in range(len(parts))])
     return out
 
 
@@ -155,10 +191,13 @@ def _add(writer: Any, name: str, w: np.ndarray, qtype: Any) -> None:
         writer.add_tensor(name, w)
     elif qtype == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, w.astype(np.float16))
-    elif qtype == gguf.GGMLQuantizationType.Q4_K:
-        writer.add_tensor(name, quantize_q4_k(w), raw_dtype=qtype)
-    else:
-        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    else:  # 2-D, or 3-D (stacked experts): quantized row by row, the rows' bytes re-stacked
+        rows = w.reshape(-1, w.shape[-1])
+        if qtype == gguf.GGMLQuantizationType.Q4_K:
+            blocks = quantize_q4_k(rows)
+        else:
+            blocks = gguf.quants.quantize(rows, qtype)
+        writer.add_tensor(name, blocks.reshape(*w.shape[:-1], -1), raw_dtype=qtype)
 
 
 def _write_tokenizer(writer: Any, folder: Path) -> None:
@@ -262,4 +301,31 @@ def build_gemma3_for_gguf(out: Path, tokenizer_folder: Path) -> Path:
                  "chat_template.jinja"):  # fmt: skip
         if (Path(tokenizer_folder) / name).is_file():
             shutil.copy(Path(tokenizer_folder) / name, out / name)
+    return out
+
+
+def build_sparse_qwen2_moe(out: Path, qwen2_moe_folder: Path) -> Path:
+    """The tiny Qwen2-MoE's config with every layer sparse (llama.cpp's "qwen2moe" has no
+    dense layers between), random weights; saved by transformers into ``out`` (once)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    config = AutoConfig.from_pretrained(qwen2_moe_folder)
+    config.mlp_only_layers = []
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "chat_template.jinja"):  # fmt: skip
+        if (Path(qwen2_moe_folder) / name).is_file():
+            shutil.copy(Path(qwen2_moe_folder) / name, out / name)
     return out
