@@ -175,7 +175,12 @@ def _quantization_config(model_dir: Path) -> dict | None:
 # float16 zero.
 _GGUF_GROUP_BYTES = {"Q4_0": 3, "Q4_1": 4, "Q4_K": 4}
 # Parameters fused from several GGUF tensors: kept 4-bit only when every part is.
-_GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_GGUF_FUSED = (
+    ("attn_q", "attn_k", "attn_v"),
+    ("ffn_gate", "ffn_up"),
+    ("ffn_gate_exps", "ffn_up_exps"),  # each expert's gate / up, stacked
+    ("ffn_gate_shexp", "ffn_up_shexp"),  # Qwen2-MoE's shared expert
+)
 
 
 def _gguf_weight_bytes(file: Path, dtype_bytes: int, int8: bool = True) -> int:
@@ -202,13 +207,14 @@ def _gguf_weight_bytes(file: Path, dtype_bytes: int, int8: bool = True) -> int:
     total = 0
     for name, (shape, kind) in tensors.items():
         count = math.prod(shape)
-        layer = len(shape) == 2 and name.startswith("blk.") and name.endswith(".weight")
+        layer = len(shape) in (2, 3) and name.startswith("blk.") and name.endswith(".weight")
+        layer = layer and "ffn_gate_inp" not in name  # (a router stays in the model's dtype)
         if dtype_bytes == 4 or not layer:
             total += count * dtype_bytes
         elif stored(name, lambda k: k in _GGUF_GROUP_BYTES):
             total += count // 2 + _GGUF_GROUP_BYTES[kind] * count // 32
         elif int8 and stored(name, quantized):
-            total += QUANTIZED_WEIGHT_BYTES["int8"](*shape)
+            total += QUANTIZED_WEIGHT_BYTES["int8"](math.prod(shape[:-1]), shape[-1])
         else:
             total += count * dtype_bytes
     vocab = "output.weight" if "output.weight" in tensors else "token_embd.weight"

@@ -300,3 +300,18 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
         else:
             assert held == rest + linear + 4 * outputs + vocab_int8
             assert plain16 - packed_copy == plain_params * 2
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q8_0"])
+def test_plan_counts_a_gguf_mixture_of_experts_as_the_engine_holds_it(weight_type,
+                                                                     tiny_checkpoints, tmp_path):  # fmt: skip
+    """Stacked experts count per expert: 4-bit where each expert's gate and up both are, else
+    int8 (bf16); the router stays in the model's dtype."""
+    from infer.model.folders import find_model_folder
+    from infer.plan import safetensors_weight_bytes
+
+    file = write_gguf(tiny_checkpoints["qwen3_moe"], tmp_path / "moe.gguf", weight_type)
+    folder = find_model_folder(file)
+    for dtype, size in (("bfloat16", 2), ("float32", 4)):
+        with LLM(str(file), dtype=dtype) as llm:
+            assert safetensors_weight_bytes(folder, size) == llm.engine.weights_bytes
