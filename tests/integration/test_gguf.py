@@ -245,6 +245,14 @@ def test_checkpoint_quantization_flag_and_errors(tiny_checkpoints, wide_llama, t
     other.close()
     with pytest.raises(ModelLoadError, match="GGUF architecture 'phi3' is not supported"):
         LLM(str(tmp_path / "phi.gguf"))
+    damaged = write_gguf(wide_llama, tmp_path / "damaged.gguf", "Q8_0",
+                         drop=("model.layers.1.mlp.up_proj.weight",))  # fmt: skip
+    with pytest.raises(ModelLoadError, match=r"tensor 'model.layers.1.mlp.up_proj.weight' \(for "
+                       r"layers.1.mlp.gate_up_proj.weight\) is missing from GGUF file"):  # fmt: skip
+        LLM(str(damaged))
+    (tmp_path / "short.gguf").write_bytes(file.read_bytes()[:5000])  # cut off mid-header
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        LLM(str(tmp_path / "short.gguf"))
 
 
 def test_the_folder_is_made_once_and_a_changed_file_gets_a_new_one(wide_llama, tmp_path):

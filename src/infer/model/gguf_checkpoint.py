@@ -92,14 +92,17 @@ class GGUFCheckpoint:
             )
         return tensor.data[index], shape[1:]
 
-    def read(self, name: str) -> tuple[torch.Tensor, UnpackedLayer | None]:
-        """Tensor ``name`` as float32 (exactly what llama.cpp's dequantization gives), and its
+    def read(self, name: str, pname: str) -> tuple[torch.Tensor, UnpackedLayer | None]:
+        """Tensor ``name`` (for parameter ``pname``) as float32 (exactly what llama.cpp's
+        dequantization gives), and its
         4-bit integers where its type has them and ``keep_4bit`` (None otherwise)."""
         from gguf import GGMLQuantizationType, dequantize
 
         gname = self.gguf_name(name)
         if gname is None:
-            raise ModelLoadError(f"tensor {name!r} is missing from GGUF file {self.file}")
+            raise ModelLoadError(
+                f"tensor {name!r} (for {pname}) is missing from GGUF file {self.file}"
+            )
         self.used.add(gname)
         tensor = self.tensors[gname]
         data, shape = self._data(name, tensor)

@@ -195,7 +195,7 @@ def load_model(
             tensors = []
             unpacked = []
             for name in source.names:
-                tensor, layer = reader.read(name)
+                tensor, layer = reader.read(name, pname)
                 tensors.append(tensor.float() if source.transform is not None else tensor)
                 if layer is not None:
                     unpacked.append(layer)
@@ -236,8 +236,9 @@ class _SafetensorsReader:
         self.handles: dict[Path, Any] = {}
         self.used: set[str] = set()
 
-    def read(self, name: str) -> tuple[torch.Tensor, UnpackedLayer | None]:
-        """Tensor ``name`` as stored (a quantized layer: its float32 weight and integers)."""
+    def read(self, name: str, pname: str) -> tuple[torch.Tensor, UnpackedLayer | None]:
+        """Tensor ``name`` (for parameter ``pname``) as stored (a quantized layer: its float32
+        weight and integers)."""
         file, found = _lookup(self.index, name, self.aliases)
         if file is None and self.quantized is not None and name.endswith(".weight"):
             layer = _unpacked(
@@ -246,7 +247,7 @@ class _SafetensorsReader:
             return layer_weight(layer), layer
         if file is None:
             raise ModelLoadError(
-                f"tensor {name!r} is missing from the checkpoint in {self.model_dir}"
+                f"tensor {name!r} (for {pname}) is missing from the checkpoint in {self.model_dir}"
             )
         self.used.add(found)
         return _read_tensor(self.handles, file, found), None

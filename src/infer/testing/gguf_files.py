@@ -68,12 +68,15 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "tiny") -> Path:
+def write_gguf(
+    folder: Path, out: Path, weight_type: str = "F32", name: str = "tiny", drop: tuple = ()
+) -> Path:
     """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2, Qwen3, a
     Gemma 3 whose every 6th layer is global and whose queries scale by its head size, or a
     Mixtral / Qwen2-MoE / Qwen3-MoE with no dense layers: experts stacked per layer) as
     GGUF ``out``: 2-D weights whose inputs split into its blocks in ``weight_type`` (F32, F16,
-    BF16, Q8_0, Q4_0, Q4_1, Q4_K), the others and every 1-D tensor in F32."""
+    BF16, Q8_0, Q4_0, Q4_1, Q4_K), the others and every 1-D tensor in F32; the Hugging Face
+    tensors named in ``drop`` left out (a damaged file, for tests)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -122,7 +125,7 @@ def write_gguf(folder: Path, out: Path, weight_type: str = "F32", name: str = "t
     state: dict[str, Any] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(str(file)))
-    state = _stack_experts(state)
+    state = _stack_experts({k: v for k, v in state.items() if k not in drop})
     for hf_name, tensor in state.items():
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = name_map.get_name(base)
