@@ -206,6 +206,8 @@ def _gguf_weight_bytes(file: Path, dtype_bytes: int, int8: bool = True) -> int:
 
     total = 0
     for name, (shape, kind) in tensors.items():
+        if name == "rope_freqs.weight":
+            continue  # (derived state, not a weight)
         count = math.prod(shape)
         layer = len(shape) in (2, 3) and name.startswith("blk.") and name.endswith(".weight")
         layer = layer and "ffn_gate_inp" not in name  # (a router stays in the model's dtype)

@@ -99,6 +99,17 @@ def test_4bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
     assert (want[0, :32] != 0).all() if kind != "Q4_0" else True  # the constant group
 
 
+def test_a_zero_float16_cannot_hold_leaves_the_layer_dequantized():
+    """A Q4_1 group with a tiny scale beside a large min: its zero (-m / d) overflows
+    float16, so the layer is not kept 4-bit (it is held dequantized, exactly)."""
+    raw = _random_blocks("Q4_1", 16, 64, seed=3)
+    blocks = raw.reshape(16, 2, 20)
+    blocks[5, 1, 0:2] = np.float16(6e-8).reshape(1).view(np.uint8)  # d: a float16 subnormal
+    blocks[5, 1, 2:4] = np.float16(0.01).reshape(1).view(np.uint8)  # m
+    assert unpack_4bit(raw, "Q4_1", (16, 64)) is None
+    assert unpack_4bit(_random_blocks("Q4_1", 16, 64, seed=3), "Q4_1", (16, 64)) is not None
+
+
 # --------------------------------------------------------------------------- whole files
 
 
@@ -128,7 +139,32 @@ def test_an_f32_gguf_serves_the_checkpoint_it_was_written_from(kind, tiny_checkp
         assert a.engine.tokenizer.apply_chat_template(chat, tokenize=False) == (
             b.engine.tokenizer.apply_chat_template(chat, tokenize=False)
         )
-        assert a.engine.eos_token_ids == b.engine.eos_token_ids
+        # llama.cpp ends generation on the file's eos and on end-of-turn tokens by name
+        im_end = b.engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert set(a.engine.eos_token_ids) == {*b.engine.eos_token_ids, im_end}
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "linear"])
+def test_a_gguf_files_rope_scaling_is_read(rope_type, tiny_checkpoints, tmp_path):
+    """``rope.scaling.type`` / ``factor`` / ``original_context_length`` (Qwen's long-context
+    files: YaRN) give the folder's logits past the original context."""
+    folder = tmp_path / "qwen3"
+    shutil.copytree(tiny_checkpoints["qwen3"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    rope = {"rope_type": rope_type, "factor": 4.0,
+            "rope_theta": config["rope_parameters"]["rope_theta"]}  # fmt: skip
+    if rope_type == "yarn":
+        rope["original_max_position_embeddings"] = 32
+    config["rope_parameters"] = rope
+    (folder / "config.json").write_text(json.dumps(config))
+    file = write_gguf(folder, tmp_path / "qwen3.gguf", "F32")
+    prompts = PROMPTS[:2] + [" ".join(PROMPTS)]  # the last: ~130 tokens
+    want_lps, want_tokens, _ = _run(folder, prompts=prompts)
+    got_lps, got_tokens, _ = _run(file, prompts=prompts)
+    torch.testing.assert_close(got_lps, want_lps, rtol=0, atol=1e-5)
+    assert got_tokens == want_tokens
+    plain_lps, _, _ = _run(tiny_checkpoints["qwen3"], prompts=prompts)
+    assert (plain_lps - want_lps).abs().max() > 0.01  # the scaling changes the logits
 
 
 def test_a_gemma3_gguf_runs_as_llama_cpp_runs_one(tiny_checkpoints, tmp_path):
@@ -201,18 +237,21 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
 
 
 @pytest.mark.skipif(not int4_kernel_available(torch.device("cpu")), reason="no int4 CPU kernel")
-def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(tiny_checkpoints, tmp_path):
-    """Q4_0 experts (sliced out of their layer's stacked tensor) stay 4-bit in the experts'
-    kernel, as close to the float32 file's logits as the same weights held in bf16."""
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1"])
+def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(weight_type, tiny_checkpoints,
+                                                          tmp_path):  # fmt: skip
+    """4-bit experts (sliced out of their layer's stacked tensor; Q4_1's with float16 zeros)
+    stay 4-bit in the experts' kernel, as close to the float32 file's logits as the same
+    weights held in bf16."""
     source = tiny_checkpoints["qwen3_moe"]
-    file = write_gguf(source, tmp_path / "moe.gguf", "Q4_0")
-    plain = tmp_path / "plain"  # the same weights, rounded through Q4_0 by llama.cpp's code
+    file = write_gguf(source, tmp_path / "moe.gguf", weight_type)
+    plain = tmp_path / "plain"  # the same weights, rounded through the type by llama.cpp's code
     shutil.copytree(source, plain)
-    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    kind = gguf.GGMLQuantizationType[weight_type]
     state = load_file(str(source / "model.safetensors"))
     for name, w in state.items():
         if w.dim() == 2 and w.shape[1] % 32 == 0:
-            rounded = gguf.quants.dequantize(gguf.quants.quantize(w.float().numpy(), q4_0), q4_0)
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(w.float().numpy(), kind), kind)
             state[name] = torch.from_numpy(rounded).to(w.dtype)
     save_file(state, plain / "model.safetensors")
     exact, _, _ = _run(file)
@@ -220,7 +259,8 @@ def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(tiny_checkpoints, tmp_
     got, _, int4 = _run(file, "bfloat16")
     assert len(int4) == 2 * (2 + 2 * 8)  # per layer: qkv, o, and each expert's gate_up, down
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
-    print(f"moe Q4_0: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}")
+    print(f"moe {weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, "
+          f"4-bit {got_err:.4f}")  # fmt: skip
     assert got_err <= 1.5 * plain_err
 
 

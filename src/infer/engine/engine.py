@@ -195,7 +195,7 @@ class LLMEngine:
         self.load_quantization = load_quantization = self._load_quantization()
         check_quantization(load_quantization, self.device)
         self.tp_workers = self._start_tensor_parallel()
-        if not load_quantization and not mc.quantize_lm_head:
+        if not load_quantization and not mc.quantize_lm_head and not self._checkpoint_int8(None):
             logger.warning("--no-quantize-lm-head does nothing without --quantization")
         self.model = self.backend.load_model(
             WeightsConfig(
@@ -203,7 +203,7 @@ class LLMEngine:
                 self.dtype,
                 load_quantization,
                 mc.quantize_lm_head,
-                keep_checkpoint_int4=self.checkpoint_quantization is not None,
+                keep_checkpoint_int4=self._keep_checkpoint_int4(),
                 checkpoint_int8=self._checkpoint_int8(load_quantization),
             )
         )
@@ -412,18 +412,34 @@ class LLMEngine:
             dtype,
         )
 
+    def _gguf_kernels(self) -> bool:
+        """Whether a GGUF file's 4-bit and int8 layers have their CPU kernels here (a bf16 model
+        on a CPU with AVX-512 BF16); elsewhere they are held dequantized in the model's dtype,
+        which this device's own matmuls run faster than a per-product dequantization."""
+        import torch
+
+        from infer.runner.int4 import int4_kernel_available
+
+        return self.dtype == torch.bfloat16 and int4_kernel_available(self.device)
+
+    def _keep_checkpoint_int4(self) -> bool:
+        """Whether the checkpoint's 4-bit layers stay 4-bit: a GPTQ / AWQ folder's always (its
+        memory), a GGUF file's where the kernel runs them (:meth:`_gguf_kernels`)."""
+        q = self.checkpoint_quantization
+        return q is not None and (q.method != "gguf" or self._gguf_kernels())
+
     def _checkpoint_int8(self, load_quantization: str | None) -> bool:
         """Whether a GGUF file's layers of types the 4-bit kernel cannot take are held in int8
-        (``--gguf-int8``): for a 16-bit model (float32 keeps llama.cpp's exact values) on one
-        rank (the tensor-parallel ranks load as they always do) not requantized at load."""
+        (``--gguf-int8``): where its kernels run (float32 keeps llama.cpp's exact values), on
+        one rank (the tensor-parallel ranks load as they always do), not requantized at load."""
         q = self.checkpoint_quantization
         return (
             q is not None
             and q.method == "gguf"
             and self.config.model.gguf_int8
             and load_quantization is None
-            and self.dtype.itemsize == 2  # bf16 / fp16
             and self.tp_size == 1
+            and self._gguf_kernels()
         )
 
     def _load_quantization(self) -> str | None:

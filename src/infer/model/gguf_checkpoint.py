@@ -61,7 +61,12 @@ class GGUFCheckpoint:
         field = self.reader.fields["general.architecture"]
         self.arch = str(field.contents())
         block_count = self.reader.fields[f"{self.arch}.block_count"].contents()
-        arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
+        arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch), None)
+        if arch_id is None:
+            raise ModelLoadError(
+                f"{file}: the installed gguf package does not know architecture {self.arch!r} "
+                "(upgrade it: pip install -U gguf)"
+            )
         self.name_map = gguf.get_tensor_name_map(arch_id, int(block_count))
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.keep_4bit = keep_4bit
@@ -153,8 +158,9 @@ class GGUFCheckpoint:
         return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
 
     def close(self) -> None:
-        """Drop the memory map (tensors already read are copies)."""
-        self.tensors.clear()
+        """Drop the memory map (tensors already read are copies); the names stay for
+        :meth:`unused`."""
+        self.tensors = dict.fromkeys(self.tensors)
         self.reader = None
 
     def unused(self) -> list[str]:
@@ -162,9 +168,10 @@ class GGUFCheckpoint:
         return sorted(n for n in self.tensors if n not in self.used and n != "rope_freqs.weight")
 
 
-def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> UnpackedLayer:
+def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> UnpackedLayer | None:
     """One Q4_0 / Q4_1 / Q4_K tensor's raw blocks (``[rows, bytes]``) as integers, float16
-    scales and zeros per group of 32 inputs (see the module doc)."""
+    scales and zeros per group of 32 inputs (see the module doc); None when a group's zero
+    overflows float16 (the layer is then held dequantized)."""
     rows, cols = shape
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1)
     if kind == "Q4_K":
@@ -202,6 +209,8 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
         zero = np.where(flat, 1.0, -offset / scale16.astype(np.float32))
     scale16 = np.where(flat, (-offset).astype(np.float16), scale16)
     zero = np.where(flat & (offset == 0), 0.0, zero)
+    if not (np.isfinite(zero.astype(np.float16)).all() and np.isfinite(scale16).all()):
+        return None  # a zero float16 cannot hold (a tiny scale beside a large min)
     q = np.where(flat[..., None], 0, q).reshape(rows, cols)
     return UnpackedLayer(
         torch.from_numpy(q.astype(np.uint8)),

@@ -11,8 +11,8 @@ load (:mod:`infer.model.gguf_checkpoint`)::
                               generation_config.json  its bos / eos ids
                               gguf.json               {"file": ..., "size": ..., "mtime_ns": ...}
 
-``<key>`` hashes the file's absolute path, size and modification time: a changed file gets a
-new folder. transformers reads the metadata (it maps llama.cpp's keys to config fields, and
+``<key>`` hashes the file's absolute path, size and modification time, :data:`FOLDER_VERSION`
+and transformers' version: a changed file (or reader) gets a new folder. transformers reads the metadata (it maps llama.cpp's keys to config fields, and
 its tokenizer converters rebuild a fast tokenizer from the vocabulary, merges and chat
 template stored there); this module does not import torch.
 """
@@ -20,6 +20,7 @@ template stored there); this module does not import torch.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -30,6 +31,8 @@ from typing import Any
 from infer.model.folders import ModelLoadError
 
 POINTER_FILE = "gguf.json"
+# Bump when what a folder holds changes (a config fix-up): folders made before are not reused.
+FOLDER_VERSION = 2
 GGUF_MAGIC = b"GGUF"
 
 # llama.cpp architecture -> the Hugging Face class infer serves it as (model/registry.py).
@@ -77,7 +80,11 @@ def gguf_model_folder(file: Path, cache: Path | None = None) -> Path:
     if not is_gguf_file(file):
         raise ModelLoadError(f"{file} is not a GGUF file (it does not start with 'GGUF')")
     stat = file.stat()
-    key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    # the file, and what read it: a newer infer or transformers writes the folder afresh
+    made_by = f"{FOLDER_VERSION}\0{importlib.metadata.version('transformers')}"
+    key = hashlib.sha256(
+        f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}\0{made_by}".encode()
+    ).hexdigest()[:16]
     if cache is None:
         from infer.builtin.cache import cache_root
 
@@ -88,7 +95,12 @@ def gguf_model_folder(file: Path, cache: Path | None = None) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
-        _write_folder(file, tmp)
+        try:
+            _write_folder(file, tmp)
+        except (TypeError, ValueError, KeyError) as e:  # a field missing or of another shape
+            raise ModelLoadError(
+                f"{file}: unexpected GGUF metadata ({type(e).__name__}: {e})"
+            ) from None
         pointer = {"file": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         (tmp / POINTER_FILE).write_text(json.dumps(pointer, indent=1) + "\n")
         try:
@@ -166,6 +178,13 @@ def _write_folder(file: Path, out: Path) -> None:
         data["head_dim"] = int(key_length)
     if arch == "gemma3":
         data.update(_gemma3_config(reader, data))
+    elif "rope_freqs.weight" not in tensors:
+        scaling = _rope_scaling(reader, arch, file)
+        if scaling:
+            rope = dict(data.get("rope_parameters") or {})
+            rope.setdefault("rope_theta", data.get("rope_theta", 10000.0))
+            rope.update(scaling)
+            data["rope_parameters"] = rope
     experts = _field(reader, f"{arch}.expert_count")
     if experts:
         data.update(_moe_config(reader, arch, int(experts)))
@@ -187,15 +206,55 @@ def _write_folder(file: Path, out: Path) -> None:
     data.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     tokenizer.save_pretrained(out)
-    generation = {
-        key: value
-        for key, value in (
-            ("bos_token_id", _field(reader, "tokenizer.ggml.bos_token_id")),
-            ("eos_token_id", _field(reader, "tokenizer.ggml.eos_token_id")),
-        )
-        if value is not None
-    }
+    generation: dict[str, Any] = {}
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        generation["bos_token_id"] = int(bos)
+    ends = _end_tokens(reader)
+    if ends:
+        generation["eos_token_id"] = ends if len(ends) > 1 else ends[0]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
+
+
+# Token texts llama.cpp ends generation on whatever the file's eos says ("end of turn", "end of
+# message" and "end of text" tokens of the common chat formats; its list as of the llama.cpp
+# this was checked against), so a chat stops where llama-server's would.
+END_TOKEN_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>",
+})  # fmt: skip
+
+
+def _end_tokens(reader: Any) -> list[int]:
+    """The ids that end generation: the file's eos, eot and eom ids, then every token whose
+    text llama.cpp treats as an end of generation (:data:`END_TOKEN_TEXTS`)."""
+    ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    ids += [i for i, text in enumerate(tokens) if text in END_TOKEN_TEXTS and i not in ids]
+    return ids
+
+
+def _rope_scaling(reader: Any, arch: str, file: Path) -> dict[str, Any]:
+    """The rope scaling a file's metadata names (``rope.scaling.type``): linear, or YaRN from
+    its original context (Qwen's long-context files); none, or a start-up error naming a
+    type infer does not run."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return {}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    raise ModelLoadError(f"{file}: rope scaling {kind!r} is not supported (linear, yarn)")
 
 
 def _moe_config(reader: Any, arch: str, experts: int) -> dict[str, Any]:
@@ -241,9 +300,12 @@ def _gemma3_config(reader: Any, data: dict[str, Any]) -> dict[str, Any]:
         types = ["full_attention"] * layers
     elif isinstance(pattern, list):  # (llama.cpp: true = sliding)
         types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        n = int(pattern or 6)
-        types = ["sliding_attention" if i % n < n - 1 else "full_attention" for i in range(layers)]
+    else:  # every n-th layer global; 0: none (llama.cpp's reading)
+        n = 6 if pattern is None else int(pattern)
+        types = [
+            "sliding_attention" if n == 0 or i % n < n - 1 else "full_attention"
+            for i in range(layers)
+        ]
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(field("rope.freq_base"))}
     if field("rope.scaling.type") == "linear" and field("rope.scaling.factor"):
         full.update(rope_type="linear", factor=float(field("rope.scaling.factor")))

@@ -97,6 +97,7 @@ class DeviceBackend:
         model = load_model(weights.model_path, weights.dtype, self.device)
         if weights.keep_checkpoint_int4 and not weights.quantization:
             self.kept_int4 = keep_checkpoint_int4(model)
+        model.checkpoint_int4 = {}  # (the integers the loader unpacked: kept above, or not)
         self._prepare_weights(model, weights)
         self.model = model
         self.dtype = weights.dtype
@@ -110,6 +111,7 @@ class DeviceBackend:
 
         assert self.model is not None, "load_model first (the draft takes its dtype)"
         model = load_model(model_path, self.dtype, self.device)
+        model.checkpoint_int4 = {}  # a draft's layers are pre-packed as they are
         self._prepare_weights(model, WeightsConfig(model_path, self.dtype))
         return model
 

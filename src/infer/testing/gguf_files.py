@@ -105,6 +105,16 @@ def write_gguf(
         if rope.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") in ("linear", "yarn"):
+        kind = (
+            gguf.RopeScalingType.LINEAR
+            if rope["rope_type"] == "linear"
+            else gguf.RopeScalingType.YARN
+        )
+        writer.add_rope_scaling_type(kind)
+        writer.add_rope_scaling_factor(rope["factor"])
+        if rope.get("original_max_position_embeddings"):
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
