@@ -363,3 +363,36 @@ def test_plan_counts_a_gguf_mixture_of_experts_as_the_engine_holds_it(weight_typ
     for dtype, size in (("bfloat16", 2), ("float32", 4)):
         with LLM(str(file), dtype=dtype) as llm:
             assert safetensors_weight_bytes(folder, size) == llm.engine.weights_bytes
+
+
+def test_a_hub_repository_of_gguf_files_resolves_by_tag(wide_llama, tmp_path, monkeypatch):
+    """llama.cpp's ``-hf org/name:Q4_K_M``: a repository in the local Hugging Face cache
+    holding several GGUF files (and a vision projector) serves the one its tag names; a folder
+    holding one GGUF file serves it; no tag among several, or a tag naming none, is an error
+    listing the files."""
+    from infer.model.folders import find_model_folder
+    from infer.model.gguf_folder import gguf_source
+
+    from ..unit.test_loader import fake_hub_cache
+
+    files = tmp_path / "files"
+    files.mkdir()
+    for kind in ("Q4_0", "Q8_0"):
+        write_gguf(wide_llama, files / f"wide-{kind}.gguf", kind)
+    shutil.copy(files / "wide-Q8_0.gguf", files / "mmproj-wide-f16.gguf")
+    cache = tmp_path / "hub"
+    snapshot = fake_hub_cache(cache, "acme/wide-GGUF", files)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = find_model_folder("acme/wide-GGUF:q8_0")
+    assert gguf_source(folder) == snapshot / "wide-Q8_0.gguf"
+    with LLM("acme/wide-GGUF:Q4_0", dtype="float32") as llm:
+        assert llm.engine.checkpoint_quantization.method == "gguf"
+    with pytest.raises(ModelLoadError, match=r"several GGUF files \(wide-Q4_0.gguf, wide-Q8_0"):
+        find_model_folder("acme/wide-GGUF")
+    with pytest.raises(ModelLoadError, match="no GGUF file named like 'Q5_K_M'"):
+        find_model_folder("acme/wide-GGUF:Q5_K_M")
+    single = tmp_path / "single"
+    single.mkdir()
+    shutil.copy(files / "wide-Q4_0.gguf", single / "model.gguf")
+    assert gguf_source(find_model_folder(single)) == single / "model.gguf"

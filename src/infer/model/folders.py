@@ -18,11 +18,17 @@ class ModelLoadError(Exception):
 
 def find_model_folder(model: str | os.PathLike[str]) -> Path:
     """The folder of ``model``: a local path, a GGUF file (the folder made from its metadata,
-    :mod:`infer.model.gguf_folder`), or a hub id (``org/name[@revision]``) already in the local
-    Hugging Face cache. Never touches the network."""
+    :mod:`infer.model.gguf_folder`) or a folder holding one, or a hub id
+    (``org/name[@revision][:TAG]``) already in the local Hugging Face cache, ``TAG`` picking
+    a GGUF file of a repository holding several as llama.cpp's ``-hf org/name:Q4_K_M`` does.
+    Never touches the network."""
     text = str(model)
     path = Path(text).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            found = _gguf_in(path, None, text)
+            if found is not None:
+                return found
         return path.resolve()
     if path.exists():
         from infer.model.gguf_folder import gguf_model_folder, is_gguf_file
@@ -38,8 +44,31 @@ def find_model_folder(model: str | os.PathLike[str]) -> Path:
     raise ModelLoadError(f"model folder {text} does not exist")
 
 
+def _gguf_in(folder: Path, tag: str | None, name: str) -> Path | None:
+    """The folder made of the GGUF file in ``folder`` (one whose name holds ``tag``, e.g.
+    ``Q4_K_M``, when given: llama.cpp's ``repo:TAG``), None when it holds none; several that
+    match are an error listing them. Vision projectors (``mmproj-*``) are not models."""
+    from infer.model.gguf_folder import gguf_model_folder
+
+    files = [f for f in sorted(folder.glob("*.gguf")) if not f.name.startswith("mmproj")]
+    matches = [f for f in files if tag is None or tag.lower() in f.name.lower()]
+    if len(matches) == 1:
+        return gguf_model_folder(matches[0])
+    if tag is not None and not matches:
+        raise ModelLoadError(
+            f"{name}: no GGUF file named like {tag!r} in {folder} (there: "
+            f"{', '.join(f.name for f in files) or 'none'})"
+        )
+    if matches:
+        raise ModelLoadError(
+            f"{name} holds several GGUF files ({', '.join(f.name for f in matches)}): name one "
+            f"by its path or as {name.split(':')[0]}:TAG (e.g. :Q4_K_M)"
+        )
+    return None
+
+
 def _looks_like_repo_id(text: str) -> bool:
-    repo = text.split("@", 1)[0]
+    repo = text.split("@", 1)[0].split(":", 1)[0]
     parts = repo.split("/")
     return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
 
@@ -49,6 +78,7 @@ def _find_in_hf_cache(model_id: str) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    model_id, _, tag = model_id.partition(":")  # llama.cpp's repo:TAG names a GGUF file
     repo, _, revision = model_id.partition("@")
     # NOTE: huggingface_hub reads its cache location once, at import; read the environment now
     # so a cache set after import (tests, notebooks) is honoured.
@@ -65,7 +95,10 @@ def _find_in_hf_cache(model_id: str) -> Path:
             f"({cache}); downloads are disabled, so fetch it beforehand "
             f"(`hf download {repo}`) or pass a folder"
         ) from e
-    if not (folder / "config.json").is_file():
+    if tag or not (folder / "config.json").is_file():
+        found = _gguf_in(folder, tag or None, f"{repo}:{tag}" if tag else repo)
+        if found is not None:
+            return found
         raise ModelLoadError(f"cached snapshot {folder} of {repo!r} has no config.json")
     return folder
 

@@ -76,7 +76,7 @@ def gguf_source(model_dir: Path) -> Path | None:
 
 def gguf_model_folder(file: Path, cache: Path | None = None) -> Path:
     """The model folder standing for GGUF ``file`` (made on first use; see the module doc)."""
-    file = Path(file).expanduser().resolve()
+    file = Path(file).expanduser().absolute()  # (a hub cache's link keeps its file name)
     if not is_gguf_file(file):
         raise ModelLoadError(f"{file} is not a GGUF file (it does not start with 'GGUF')")
     stat = file.stat()
