@@ -249,7 +249,6 @@ def build_wide_llama(out: Path, tokenizer_folder: Path) -> Path:
     """A tiny random Llama whose layers' inputs are 256 and 512 wide (Q4_K's blocks are 256
     inputs; the tiny checkpoints' 64 are too narrow), tied embeddings, the tokenizer of
     ``tokenizer_folder``; saved by transformers into ``out`` (once)."""
-    import shutil
 
     import torch
     import transformers
@@ -266,24 +265,14 @@ def build_wide_llama(out: Path, tokenizer_folder: Path) -> Path:
         architectures=["LlamaForCausalLM"],
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # wide enough weights that greedy tokens are not a flat tie
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.05)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                 "chat_template.jinja"):  # fmt: skip
-        if (Path(tokenizer_folder) / name).is_file():
-            shutil.copy(Path(tokenizer_folder) / name, out / name)
-    return out
+    # (wide enough weights that greedy tokens are not a flat tie)
+    return _save_random(transformers.LlamaForCausalLM(config), 0.05, out, Path(tokenizer_folder))
 
 
 def build_gemma3_for_gguf(out: Path, tokenizer_folder: Path) -> Path:
     """A tiny random Gemma 3 text model as llama.cpp runs one: 6 layers, the 6th global (its
     rope linearly scaled by 4, as Gemma 3 4B's), the others sliding over 16 tokens, queries
     scaled by 1 / sqrt(head_dim), no soft-cap; saved by transformers into ``out`` (once)."""
-    import shutil
 
     import torch
     import transformers
@@ -310,17 +299,13 @@ def build_gemma3_for_gguf(out: Path, tokenizer_folder: Path) -> Path:
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.3 if name.endswith("norm.weight") else 0.1)
     model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                 "chat_template.jinja"):  # fmt: skip
-        if (Path(tokenizer_folder) / name).is_file():
-            shutil.copy(Path(tokenizer_folder) / name, out / name)
+    _copy_tokenizer(Path(tokenizer_folder), out)
     return out
 
 
 def build_sparse_qwen2_moe(out: Path, qwen2_moe_folder: Path) -> Path:
     """The tiny Qwen2-MoE's config with every layer sparse (llama.cpp's "qwen2moe" has no
     dense layers between), random weights; saved by transformers into ``out`` (once)."""
-    import shutil
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -331,14 +316,28 @@ def build_sparse_qwen2_moe(out: Path, qwen2_moe_folder: Path) -> Path:
     config = AutoConfig.from_pretrained(qwen2_moe_folder)
     config.mlp_only_layers = []
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    return _save_random(AutoModelForCausalLM.from_config(config), 0.1, out, Path(qwen2_moe_folder))
+
+
+def _save_random(model: Any, std: float, out: Path, tokenizer_source: Path) -> Path:
+    """``model`` with its 2-D weights drawn from N(0, std), saved into ``out`` beside the
+    tokenizer of ``tokenizer_source``."""
+    import torch
+
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 2:
-                param.normal_(0.0, 0.1)
+                param.normal_(0.0, std)
     model.save_pretrained(out)
+    _copy_tokenizer(tokenizer_source, out)
+    return out
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    """The tokenizer, chat template and generation config of ``source`` into ``out``."""
+    import shutil
+
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "chat_template.jinja"):  # fmt: skip
-        if (Path(qwen2_moe_folder) / name).is_file():
-            shutil.copy(Path(qwen2_moe_folder) / name, out / name)
-    return out
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
