@@ -396,3 +396,26 @@ def test_a_hub_repository_of_gguf_files_resolves_by_tag(wide_llama, tmp_path, mo
     single.mkdir()
     shutil.copy(files / "wide-Q4_0.gguf", single / "model.gguf")
     assert gguf_source(find_model_folder(single)) == single / "model.gguf"
+
+
+def test_an_embedding_gguf_pools_as_its_file_says(tiny_checkpoints, tmp_path):
+    """``pooling_type`` LAST: the folder's embeddings (last token, normalized, as llama-server's
+    are); MEAN: served, but embedding requests are refused naming the pooling."""
+    from infer.core.pooling_params import PoolingParams
+    from infer.core.sampling_params import InvalidRequestError
+
+    folder = tiny_checkpoints["qwen3"]
+    prompts = PROMPTS[:3]
+    with LLM(str(folder), dtype="float32") as llm:
+        want = torch.tensor([r.outputs.embedding for r in llm.embed(prompts)])
+    last = write_gguf(folder, tmp_path / "last.gguf", "F32", pooling="LAST")
+    with LLM(str(last), dtype="float32") as llm:
+        got = torch.tensor([r.outputs.embedding for r in llm.embed(prompts)])
+        raw = llm.embed(prompts[:1], PoolingParams(normalize=False))[0].outputs.embedding
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert abs(torch.tensor(raw).norm().item() - 1.0) > 1e-3  # (normalizing did something)
+    mean = write_gguf(folder, tmp_path / "mean.gguf", "F32", pooling="MEAN")
+    with LLM(str(mean), dtype="float32") as llm:
+        with pytest.raises(InvalidRequestError, match="MEAN"):
+            llm.embed(prompts[:1])
+        assert llm.generate(prompts[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids

@@ -69,14 +69,20 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(
-    folder: Path, out: Path, weight_type: str = "F32", name: str = "tiny", drop: tuple = ()
+    folder: Path,
+    out: Path,
+    weight_type: str = "F32",
+    name: str = "tiny",
+    drop: tuple = (),
+    pooling: str | None = None,
 ) -> Path:
     """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2, Qwen3, a
     Gemma 3 whose every 6th layer is global and whose queries scale by its head size, or a
     Mixtral / Qwen2-MoE / Qwen3-MoE with no dense layers: experts stacked per layer) as
     GGUF ``out``: 2-D weights whose inputs split into its blocks in ``weight_type`` (F32, F16,
     BF16, Q8_0, Q4_0, Q4_1, Q4_K), the others and every 1-D tensor in F32; the Hugging Face
-    tensors named in ``drop`` left out (a damaged file, for tests)."""
+    tensors named in ``drop`` left out (a damaged file, for tests); ``pooling`` (MEAN, CLS,
+    LAST) marks an embedding model."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -118,6 +124,8 @@ def write_gguf(
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
+    if pooling is not None:
+        writer.add_pooling_type(gguf.PoolingType[pooling])
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(experts)
