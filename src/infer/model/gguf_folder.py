@@ -32,7 +32,7 @@ from infer.model.folders import ModelLoadError
 
 POINTER_FILE = "gguf.json"
 # Bump when what a folder holds changes (a config fix-up): folders made before are not reused.
-FOLDER_VERSION = 2
+FOLDER_VERSION = 3
 GGUF_MAGIC = b"GGUF"
 
 # llama.cpp architecture -> the Hugging Face class infer serves it as (model/registry.py).
