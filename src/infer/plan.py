@@ -24,7 +24,7 @@ from pathlib import Path
 
 from infer.engine.args import byte_size
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
-from infer.model.gguf_folder import gguf_source, gguf_tensors
+from infer.model.gguf_folder import FLOAT_TYPES, gguf_source, gguf_tensors
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "int8": 1, "fp8": 1}  # fmt: skip
@@ -173,7 +173,7 @@ def _quantization_config(model_dir: Path) -> dict | None:
 # The 4-bit GGUF types the engine keeps 4-bit (model/gguf_checkpoint.py), and the bytes each
 # group of 32 weights' scale and zero take as held: float16 scale, uint8 zero (Q4_0) or
 # float16 zero.
-_GGUF_GROUP_BYTES = {"Q4_0": 3, "Q4_1": 4, "Q4_K": 4}
+_GGUF_GROUP_BYTES = {"Q4_0": 3, "Q4_1": 4, "Q4_K": 4}  # (the keys: FOUR_BIT_TYPES)
 # Parameters fused from several GGUF tensors: kept 4-bit only when every part is.
 _GGUF_FUSED = (
     ("attn_q", "attn_k", "attn_v"),
@@ -202,7 +202,7 @@ def _gguf_weight_bytes(file: Path, dtype_bytes: int, int8: bool = True) -> int:
         return all(n in tensors and kinds(tensors[n][1]) for n in names)
 
     def quantized(kind: str) -> bool:
-        return kind not in ("F32", "F16", "BF16", "F64")
+        return kind not in FLOAT_TYPES
 
     total = 0
     for name, (shape, kind) in tensors.items():

@@ -385,16 +385,17 @@ class LLMEngine:
     def _log_checkpoint_layers(self, load_quantization: str | None) -> None:
         """A GPTQ / AWQ checkpoint or GGUF file: say what each layer became (its 4-bit layers
         are kept as they are unless ``--quantization`` requantizes the model)."""
-        from infer.model.gguf_folder import gguf_source, tensor_types
+        from infer.model.gguf_folder import gguf_source
 
         q = self.checkpoint_quantization
         assert q is not None
         kept = self.backend.kept_int4
         modes = sorted({m.mode for m in kept})
         dtype = str(self.dtype).removeprefix("torch.")
-        gguf_file = gguf_source(self.model_path)
-        if gguf_file is not None:
-            types = ", ".join(f"{n} {kind}" for kind, n in tensor_types(gguf_file).items())
+        if q.method == "gguf":
+            gguf_file = gguf_source(self.model_path)
+            counts = self.model.checkpoint_tensor_types.items()
+            types = ", ".join(f"{n} {kind}" for kind, n in counts)
             int8 = len(self.backend.checkpoint_int8)
             logger.info("GGUF file %s (%s): %d linear layers kept in 4 bits (%s), %d held in "
                         "int8, the others dequantized to %s", gguf_file, types, len(kept),

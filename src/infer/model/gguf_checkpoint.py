@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from infer.model.folders import ModelLoadError
+from infer.model.gguf_folder import FLOAT_TYPES, FOUR_BIT_TYPES
 from infer.model.quantized_checkpoint import UnpackedLayer
 
 GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
 # An expert's weight: llama.cpp stacks each layer's experts into one [experts, rows, cols]
 # tensor (``blk.N.ffn_gate_exps``), named as ``LAYER.experts.PART`` without the index.
 _EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<index>\d+)\.(?P<part>[^.]+\.(weight|bias))$")
-_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 class GGUFCheckpoint:
@@ -101,7 +101,7 @@ class GGUFCheckpoint:
         """Tensor ``name`` (for parameter ``pname``) as float32 (exactly what llama.cpp's
         dequantization gives), and its
         4-bit integers where its type has them and ``keep_4bit`` (None otherwise)."""
-        from gguf import GGMLQuantizationType, dequantize
+        from gguf import dequantize
 
         gname = self.gguf_name(name)
         if gname is None:
@@ -122,8 +122,7 @@ class GGUFCheckpoint:
         if name.endswith("shared_expert_gate.weight") and weight.dim() == 1:
             weight = weight[None]  # Qwen2-MoE's [1, hidden] gate, stored as [hidden]
         layer = None
-        kind = GGMLQuantizationType
-        four_bit = tensor.tensor_type in (kind.Q4_0, kind.Q4_1, kind.Q4_K)
+        four_bit = tensor.tensor_type.name in FOUR_BIT_TYPES
         if self.keep_4bit and four_bit and weight.dim() == 2:
             layer = unpack_4bit(np.asarray(data), tensor.tensor_type.name, weight.shape)
         rows = self._row_order(name, weight.shape[0])
@@ -140,7 +139,7 @@ class GGUFCheckpoint:
     def stored_quantized(self, name: str) -> bool:
         """Whether tensor ``name`` is stored in a quantized type (not F32 / F16 / BF16)."""
         gname = self.gguf_name(name)
-        return gname is not None and self.tensors[gname].tensor_type.name not in _FLOAT_TYPES
+        return gname is not None and self.tensors[gname].tensor_type.name not in FLOAT_TYPES
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """The stored row of each Hugging Face row of a Llama q / k projection (its weight and
@@ -156,6 +155,13 @@ class GGUFCheckpoint:
         heads = self.num_heads if "q_proj" in name else self.num_kv_heads
         half = rows // heads // 2
         return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+    def tensor_types(self) -> dict[str, int]:
+        """How many tensors of each GGML type the file holds, most first (``{"Q4_K": 97, ...}``)."""
+        counts: dict[str, int] = {}
+        for tensor in self.tensors.values():
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
     def close(self) -> None:
         """Drop the memory map (tensors already read are copies); the names stay for

@@ -31,6 +31,11 @@ from typing import Any
 from infer.model.folders import ModelLoadError
 
 POINTER_FILE = "gguf.json"
+# GGML types that hold plain floats; every other type is quantized.
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+# The 4-bit types whose integers the int4 kernel takes as they are (groups of 32;
+# model/gguf_checkpoint.py unpacks them).
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # Bump when what a folder holds changes (a config fix-up): folders made before are not reused.
 FOLDER_VERSION = 3
 GGUF_MAGIC = b"GGUF"
@@ -124,14 +129,6 @@ def gguf_tensors(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
     ]
 
 
-def tensor_types(file: Path) -> dict[str, int]:
-    """How many tensors of each GGML type ``file`` holds, most first (``{"Q4_K": 97, ...}``)."""
-    counts: dict[str, int] = {}
-    for _, _, kind in gguf_tensors(file):
-        counts[kind] = counts.get(kind, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
 def _write_folder(file: Path, out: Path) -> None:
     """config.json, the tokenizer and generation_config.json of GGUF ``file`` into ``out``."""
     from gguf import GGMLQuantizationType, GGUFReader
@@ -158,7 +155,6 @@ def _write_folder(file: Path, out: Path) -> None:
     except Exception as e:  # noqa: BLE001 - transformers' converters raise many types
         raise ModelLoadError(f"{file}: cannot read its config or tokenizer: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
-    names = set(tensors)
     data = config.to_dict()
     for key in ("_name_or_path", "_model_name_or_path"):
         data.pop(key, None)
@@ -169,8 +165,8 @@ def _write_folder(file: Path, out: Path) -> None:
         data["model_type"] = "llama"
         data.pop("sliding_window", None)
         # Biases are in the file or not (its metadata does not say).
-        data["attention_bias"] = "blk.0.attn_q.bias" in names
-        data["mlp_bias"] = "blk.0.ffn_up.bias" in names
+        data["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        data["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     # transformers' mapping leaves head_dim at its default where the heads are not
     # hidden / heads wide (Qwen3): the file says it.
     key_length = _field(reader, f"{arch}.attention.key_length")
@@ -198,10 +194,9 @@ def _write_folder(file: Path, out: Path) -> None:
         rope.update(rope_type="default", freq_factors=[float(v) for v in factors])
         data["rope_parameters"] = rope
         data.pop("rope_scaling", None)
-    floats = {GGMLQuantizationType.F32}
     # Weights are dequantized (or kept 4-bit) at load: compute in bf16 unless every tensor is
     # float32 (the GGUF's own precision); --dtype overrides it.
-    all_f32 = all(t.tensor_type in floats for t in tensors.values())
+    all_f32 = all(t.tensor_type == GGMLQuantizationType.F32 for t in tensors.values())
     data["torch_dtype"] = "float32" if all_f32 else "bfloat16"
     data.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(data, indent=1, default=str) + "\n")

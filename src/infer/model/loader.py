@@ -190,6 +190,8 @@ def load_model(
     # the runner may hold in 8 bits instead of the model's dtype (runner/quant.py).
     model.checkpoint_int4 = {}
     model.checkpoint_quantized = set()
+    # A GGUF file's tensor types, for the start-up log (its header is parsed once, here).
+    model.checkpoint_tensor_types = reader.tensor_types() if gguf_file is not None else {}
     try:
         for pname, source in sources.items():
             tensors = []

@@ -282,5 +282,4 @@ def keep_checkpoint_int4(model: nn.Module) -> list[Int4Linear]:
         parent_name, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         made.append(new)
-    model.checkpoint_int4 = {}
     return made
