@@ -25,6 +25,8 @@ from infer.core.lora_request import LoRARequest
 from infer.core.outputs import (
     BeamSearchOutput,
     BeamSequence,
+    ClassificationOutput,
+    ClassificationResult,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingResult,
@@ -33,10 +35,17 @@ from infer.core.outputs import (
     ScoreOutput,
     ScoreResult,
 )
-from infer.core.pooling_params import PoolingParams, cosine, score_pairs
+from infer.core.pooling_params import (
+    PoolingParams,
+    class_probabilities,
+    cosine,
+    relevance,
+    score_pairs,
+)
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.model.chat_template import render_chat_ids
+from infer.model.tokenizer import encode_pair
 
 PromptInput = str | Sequence[int]
 
@@ -220,29 +229,69 @@ class LLM:
         sentence-transformers files say (or as ``pooling_params.normalize`` asks). The prompts
         run as prefills (batched, chunked, prefix-cached); results in prompt order."""
         prompt_list = _normalize_prompts(prompts)
-        params = pooling_params or PoolingParams()
-        loras = self._loras(lora_request, len(prompt_list))
         encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
+        pooled = self._pool(encoded, pooling_params or PoolingParams(), lora_request, "embedding")
+        return [
+            EmbeddingResult(
+                request_id=rid,
+                prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
+                prompt_token_ids=list(encoded[i]),
+                outputs=EmbeddingOutput(last.embedding),  # type: ignore[arg-type]
+                num_cached_tokens=last.num_cached_tokens,
+                timings=last.timings,
+            )
+            for i, rid, last in pooled
+        ]
+
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+    ) -> list[ClassificationResult]:
+        """Each prompt's classification by a sequence classifier (vLLM's ``LLM.classify``;
+        ``*ForSequenceClassification`` models): its ``score`` head's logits over the final
+        hidden state of the last token, their probabilities and the likeliest label. The
+        prompts run as prefills (batched, chunked, prefix-cached); results in prompt order."""
+        prompt_list = _normalize_prompts(prompts)
+        encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
+        pooled = self._pool(encoded, PoolingParams(task="classify"), lora_request, "classify")
+        return [
+            ClassificationResult(
+                request_id=rid,
+                prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
+                prompt_token_ids=list(encoded[i]),
+                outputs=self._classification(last.embedding),  # type: ignore[arg-type]
+                num_cached_tokens=last.num_cached_tokens,
+                timings=last.timings,
+            )
+            for i, rid, last in pooled
+        ]
+
+    def _classification(self, logits: list[float]) -> ClassificationOutput:
+        labels = self.engine.spec.labels
+        return ClassificationOutput(logits, class_probabilities(logits),
+                                    labels[max(range(len(logits)), key=logits.__getitem__)])  # fmt: skip
+
+    def _pool(
+        self,
+        encoded: list[list[int]],
+        params: PoolingParams,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None,
+        what: str,
+    ) -> list[tuple[int, str, RequestOutput]]:
+        """Run ``encoded`` as pooling requests: ``(prompt index, request id, final output)``
+        for each, in prompt order."""
+        loras = self._loras(lora_request, len(encoded))
         with self._lock:
             children, collected = self._run(encoded, [params] * len(encoded), None, None, loras)
-        results = []
+        out = []
         for rid, (i, _) in children.items():
             last = collected[rid][-1]
             if last.embedding is None:  # (failed: the engine says why)
-                raise RuntimeError(
-                    f"embedding prompt {i} failed: {last.error or last.finish_reason}"
-                )
-            results.append(
-                EmbeddingResult(
-                    request_id=rid.rsplit("-", 1)[0],
-                    prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
-                    prompt_token_ids=list(encoded[i]),
-                    outputs=EmbeddingOutput(last.embedding),
-                    num_cached_tokens=last.num_cached_tokens,
-                    timings=last.timings,
-                )
-            )
-        return results
+                raise RuntimeError(f"{what} prompt {i} failed: {last.error or last.finish_reason}")
+            out.append((i, rid.rsplit("-", 1)[0], last))
+        return out
 
     def score(
         self,
@@ -251,11 +300,16 @@ class LLM:
         *,
         lora_request: LoRARequest | str | None = None,
     ) -> list[ScoreResult]:
-        """How alike texts are (vLLM's ``LLM.score`` for embedding models): the cosine
-        similarity of their embeddings (:meth:`embed`), for one ``text_1`` against each
-        ``text_2``, or pair by pair when both give as many. Each distinct text is embedded once."""
+        """How alike texts are (vLLM's ``LLM.score``), for one ``text_1`` against each
+        ``text_2``, or pair by pair when both give as many. An embedding model: the cosine
+        similarity of their embeddings (:meth:`embed`; each distinct text embedded once). A
+        cross-encoder (a one-label sequence classifier): each pair runs through the model as
+        one input (the tokenizer's pair encoding; two token-id lists are joined as they are),
+        scored by the sigmoid of its logit."""
         first, second = _normalize_prompts(text_1), _normalize_prompts(text_2)
         pairs = score_pairs(len(first), len(second))
+        if self.engine.spec.is_classifier:
+            return self._cross_encode(first, second, pairs, lora_request)
         texts = [*first, *second]
         keys = [t if isinstance(t, str) else tuple(t) for t in texts]
         distinct = list(dict.fromkeys(keys))
@@ -274,6 +328,35 @@ class LLM:
             score = cosine(vector[keys[i]], vector[keys[len(first) + j]])
             out.append(ScoreResult(first[i], second[j], ScoreOutput(score)))
         return out
+
+    def _cross_encode(
+        self,
+        first: list[PromptInput],
+        second: list[PromptInput],
+        pairs: list[tuple[int, int]],
+        lora_request: LoRARequest | str | None,
+    ) -> list[ScoreResult]:
+        encoded = []
+        for k, (i, j) in enumerate(pairs):
+            a, b = first[i], second[j]
+            if isinstance(a, str) and isinstance(b, str):
+                encoded.append(encode_pair(self.tokenizer, a, b))
+            elif not isinstance(a, str) and not isinstance(b, str):
+                ids = self._encode(a, i, 2), self._encode(b, j, 2)
+                encoded.append(ids[0] + ids[1])
+            else:
+                raise InvalidRequestError(
+                    f"pair {k} joins a text and token ids: give both as texts or both as ids",
+                    param="text_2",
+                )
+            if not encoded[-1]:
+                raise InvalidRequestError(f"pair {k} is empty", param="text_2")
+        pooled = self._pool(encoded, PoolingParams(task="classify"), lora_request, "score")
+        return [
+            ScoreResult(first[pairs[k][0]], second[pairs[k][1]],
+                        ScoreOutput(relevance(last.embedding)))  # type: ignore[arg-type]
+            for k, _, last in pooled
+        ]  # fmt: skip
 
     def _loras(
         self, lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None, n: int

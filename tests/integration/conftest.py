@@ -31,6 +31,7 @@ def make_llm(tiny_checkpoints, engine_device, engine_options):
     created: list[LLM] = []
 
     def factory(kind: str = "llama", **options) -> LLM:
+        """An engine on the tiny checkpoint ``kind`` (or on the folder ``kind`` names)."""
         for name, value in engine_options.items():
             options.setdefault(name, value)
         options.setdefault("dtype", "float32")
@@ -39,7 +40,7 @@ def make_llm(tiny_checkpoints, engine_device, engine_options):
             # A GPU's default budget is a share of its whole memory: two engines alive in one
             # test would leave the second none. 2 GiB is what a CPU engine takes at most.
             options.setdefault("kv_cache_memory", "2GiB")
-        llm = LLM(str(tiny_checkpoints[kind]), **options)
+        llm = LLM(str(tiny_checkpoints.get(kind, kind)), **options)  # (a kind, or a folder)
         created.append(llm)
         return llm
 

@@ -40,7 +40,8 @@ from infer.server.serving import SSE_DONE, sse
 logger = logging.getLogger("infer.cluster")
 
 # Embedding routes: all prefill, never split; the field holding the text routed by.
-POOLING_PATHS = {"/v1/embeddings": "input", "/score": "text_1", "/v1/score": "text_1",
+POOLING_PATHS = {"/v1/embeddings": "input", "/classify": "input", "/v1/classify": "input",
+                 "/score": "text_1", "/v1/score": "text_1",
                  "/rerank": "query", "/v1/rerank": "query", "/v2/rerank": "query"}  # fmt: skip
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", *POOLING_PATHS)
 BROADCAST_PATHS = ("/health", "/reset_prefix_cache", "/v1/load_lora_adapter",

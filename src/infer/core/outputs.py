@@ -99,8 +99,37 @@ class EmbeddingResult:
 
 
 @dataclass(frozen=True)
+class ClassificationOutput:
+    """One prompt's classification (``LLM.classify``): the ``score`` head's ``logits``, one
+    per label, their ``probs`` (softmax; sigmoid for a single label) and the likeliest
+    ``label``'s name."""
+
+    logits: list[float]
+    probs: list[float]
+    label: str
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.logits)
+
+
+@dataclass(frozen=True)
+class ClassificationResult:
+    """The offline API's result for one prompt of ``LLM.classify`` (vLLM's field names:
+    ``result.outputs.probs``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    num_cached_tokens: int
+    timings: RequestTimings | None
+
+
+@dataclass(frozen=True)
 class ScoreOutput:
-    """How alike two texts are (``LLM.score``): the cosine similarity of their embeddings."""
+    """How alike two texts are (``LLM.score``): the cosine similarity of their embeddings, or
+    for a cross-encoder (a one-label sequence classifier) the sigmoid of its logit for the pair."""
 
     score: float
 

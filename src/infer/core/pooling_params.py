@@ -5,6 +5,9 @@ batched with everyone else's decodes) and, in the step that reaches the prompt's
 final hidden state of its last token instead of sampling from it: the model's embedding of the
 text (last-token pooling, what decoder-only embedding models such as Qwen3-Embedding,
 gte-Qwen2 and e5-mistral are trained for). It then finishes, with no output tokens.
+
+A sequence classifier (a cross-encoder reranker, a reward or label model) pools the same row
+through its ``score`` head: a classify request's "embedding" is its logits, one per label.
 """
 
 from __future__ import annotations
@@ -16,18 +19,26 @@ from dataclasses import dataclass
 
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 
+TASKS = ("embed", "classify")
+
 
 @dataclass(frozen=True)
 class PoolingParams:
     """``normalize``: scale the embedding to unit length (None: as the model's configuration
     says: its sentence-transformers ``Normalize`` module, on where it has no such file).
     ``dimensions``: keep only the first ``dimensions`` values (Matryoshka embeddings; the
-    normalization, if any, comes after the cut)."""
+    normalization, if any, comes after the cut). ``task``: ``embed`` (the hidden state) or
+    ``classify`` (a sequence classifier's logits, one per label: neither cut nor normalized)."""
 
     normalize: bool | None = None
     dimensions: int | None = None
+    task: str = "embed"
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise InvalidRequestError(
+                f"task must be one of {', '.join(TASKS)}, got {self.task!r}", param="task"
+            )
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidRequestError(
                 f"normalize must be true or false, got {self.normalize!r}", param="normalize"
@@ -66,3 +77,36 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     if not norms:
         return 0.0
     return max(-1.0, min(1.0, sum(map(operator.mul, a, b)) / norms))
+
+
+def class_probabilities(logits: Sequence[float]) -> list[float]:
+    """A classification's probabilities from its logits: the softmax over the labels, or for
+    a single-label model (a cross-encoder, a binary head) the sigmoid of its one logit, as
+    transformers' and vLLM's classification pipelines compute them."""
+    if len(logits) == 1:
+        return [_sigmoid(logits[0])]
+    top = max(logits)
+    exps = [math.exp(v - top) for v in logits]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def relevance(logits: Sequence[float]) -> float:
+    """A cross-encoder's score for one pair: the sigmoid of its single logit, in (0, 1)
+    (sentence-transformers' ``CrossEncoder`` and vLLM's score for a one-label model). A model
+    with more labels does not say which of them means "relevant": ``InvalidRequestError``."""
+    if len(logits) != 1:
+        raise InvalidRequestError(
+            f"this classifier has {len(logits)} labels; scoring pairs (score, rerank) needs a "
+            "cross-encoder with one (num_labels 1): classify gives each label's probability",
+            param="model",
+        )
+    return _sigmoid(logits[0])
+
+
+def _sigmoid(x: float) -> float:
+    # (both branches, so a large logit of either sign neither overflows nor loses precision)
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)

@@ -675,6 +675,8 @@ class LLMEngine:
                 param="priority",
             )
         pooling = None
+        if not isinstance(params, PoolingParams) and self.spec.is_classifier:
+            raise InvalidRequestError(self._classifier_only(), param="prompt")
         if isinstance(params, PoolingParams):
             pooling, params = self._pooling(params), POOLING_SAMPLING
             if export_kv or kv_payload is not None:
@@ -794,6 +796,24 @@ class LLMEngine:
     def _pooling(self, params: PoolingParams) -> PoolingParams:
         """An embedding request's parameters with the model's ``normalize`` where it left it
         unset; ``InvalidRequestError`` where this model cannot give what it asks."""
+        spec = self.spec
+        if spec.is_classifier != (params.task == "classify"):
+            if spec.is_classifier:
+                raise InvalidRequestError(self._classifier_only(), param="input")
+            raise InvalidRequestError(
+                f"this model ({spec.architecture}) has no classification head: it embeds "
+                "(/v1/embeddings, LLM.embed); classifying needs a *ForSequenceClassification "
+                "model",
+                param="input",
+            )
+        if params.task == "classify":
+            if params.dimensions is not None or params.normalize:
+                raise InvalidRequestError(
+                    "a classification is the model's logits, one per label: it takes neither "
+                    "dimensions nor normalize",
+                    param="dimensions" if params.dimensions is not None else "normalize",
+                )
+            return replace(params, normalize=False)
         pooler = self.pooler_config
         if not pooler.supported:
             raise InvalidRequestError(
@@ -811,6 +831,12 @@ class LLMEngine:
         if params.normalize is None:
             params = replace(params, normalize=pooler.normalize)
         return params
+
+    def _classifier_only(self) -> str:
+        spec = self.spec
+        return (f"this model ({spec.architecture}) is a sequence classifier with "
+                f"{len(spec.labels)} label{'' if len(spec.labels) == 1 else 's'}: it classifies (/classify, LLM.classify) and scores "
+                "pairs (/score, /rerank, LLM.score); it neither generates nor embeds")  # fmt: skip
 
     def _check_payload(self, request_id: str, prompt: list[int],
                        payload: KVPayload | None) -> KVPayload | None:  # fmt: skip

@@ -52,6 +52,11 @@ class CausalLM(nn.Module):
     # The tensor-parallel group the model was built under (its layers keep it too).
     tp: TensorParallel = TensorParallel()
 
+    def __init__(self) -> None:
+        super().__init__()
+        # A sequence classifier's head (the loader adds it; None: a language model).
+        self.classifier: ClassifierHead | None = None
+
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> Any:
         """Validate ``config.json`` and return this family's frozen config dataclass.
@@ -100,6 +105,24 @@ class CausalLM(nn.Module):
         if self.tp.size == 1:
             return logits
         return self.tp.gather_vocab(logits, self.spec.vocab_size)
+
+
+class ClassifierHead(nn.Module):
+    """A sequence classifier's ``score`` head: ``[num_labels, hidden]``, no bias, applied to the
+    final hidden state of a prompt's last token (transformers' ``*ForSequenceClassification``).
+
+    Not an ``nn.Linear``, so weight quantization and packing pass it by: a few rows whose
+    outputs are the answer, kept in the model's dtype. Every tensor-parallel rank holds all of
+    it (the final hidden states are whole on each)."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> float32 ``[N, num_labels]`` logits (the product in the model's
+        dtype, as transformers computes it)."""
+        return F.linear(hidden, self.weight).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

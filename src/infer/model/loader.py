@@ -17,7 +17,7 @@ import torch
 from infer.model.folders import ModelLoadError, read_config, read_json
 from infer.model.gguf_checkpoint import GGUFCheckpoint
 from infer.model.gguf_folder import gguf_source
-from infer.model.layers import CausalLM, WeightSource
+from infer.model.layers import CausalLM, ClassifierHead, WeightSource
 from infer.model.parallel import TensorParallel
 from infer.model.quantized_checkpoint import (
     QuantizedCheckpointError,
@@ -28,7 +28,7 @@ from infer.model.quantized_checkpoint import (
     read_format,
     unpack,
 )
-from infer.model.registry import UnsupportedArchitectureError, model_class
+from infer.model.registry import UnsupportedArchitectureError, classifier_labels, model_class
 from infer.model.spec import ModelSpec, config_dtype, token_ids
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec]:
     config = read_config(model_dir)
     try:
         arch, cls = model_class(config)
+        labels = classifier_labels(arch, config)
+        if labels:  # a classifier has no vocabulary projection (no lm_head tensor to read)
+            config = {**config, "tie_word_embeddings": True}
         parsed = cls.parse_config(config)
     except UnsupportedArchitectureError as exc:
         raise ModelLoadError(f"{model_dir / 'config.json'}: {exc}") from exc
@@ -79,6 +82,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec]:
         eos_token_ids=eos,
         bos_token_id=bos,
         torch_dtype=config_dtype(config),
+        labels=labels,
     )
     return cls, parsed, spec
 
@@ -178,10 +182,14 @@ def load_model(
 
     with torch.device("meta"):
         model = cls(parsed)
+        if spec.is_classifier:
+            model.classifier = ClassifierHead(spec.hidden_size, len(spec.labels))
     model = model.to(dtype=dtype).to_empty(device=device)
     model.spec = spec
 
     sources = model.weight_sources()
+    if model.classifier is not None:
+        sources["classifier.weight"] = WeightSource(("score.weight",))
     params = dict(model.named_parameters())
     assert set(sources) == set(params), f"weight plan mismatch: {set(sources) ^ set(params)}"
 

@@ -1,4 +1,10 @@
-"""Which :class:`CausalLM` class serves a checkpoint, by ``architectures`` or ``model_type``."""
+"""Which :class:`CausalLM` class serves a checkpoint, by ``architectures`` or ``model_type``.
+
+A sequence classifier (``LlamaForSequenceClassification``, ``Qwen3ForSequenceClassification``,
+...: a cross-encoder reranker, a reward or label model) is its family's decoder with a ``score``
+head over the last token's final hidden state instead of the vocabulary projection: the same
+class serves it, with the head the loader adds (``classifier_labels``).
+"""
 
 from __future__ import annotations
 
@@ -43,6 +49,18 @@ MODEL_TYPES: dict[str, type[CausalLM]] = {
 }
 
 
+def _classifier_name(cls: type[CausalLM]) -> str:
+    """transformers' name of a family's sequence classifier (``GPT2LMHeadModel`` ->
+    ``GPT2ForSequenceClassification``; Gemma 3's text-only one is ``Gemma3Text...``)."""
+    family = cls.architecture.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
+    return f"{'Gemma3Text' if family == 'Gemma3' else family}ForSequenceClassification"
+
+
+CLASSIFIERS: dict[str, type[CausalLM]] = {
+    _classifier_name(cls): cls for cls in ARCHITECTURES.values()
+}
+
+
 class UnsupportedArchitectureError(ValueError):
     """The checkpoint's architecture has no implementation here."""
 
@@ -57,11 +75,37 @@ def model_class(config: dict[str, Any]) -> tuple[str, type[CausalLM]]:
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch, ARCHITECTURES[arch]
+        if arch in CLASSIFIERS:
+            return arch, CLASSIFIERS[arch]
     model_type = config.get("model_type")
     if not archs and model_type in MODEL_TYPES:
         cls = MODEL_TYPES[model_type]
         return cls.architecture, cls
     named = ", ".join(archs) if archs else f"model_type {model_type!r}"
     raise UnsupportedArchitectureError(
-        f"unsupported architecture {named}; supported: {', '.join(ARCHITECTURES)}"
+        f"unsupported architecture {named}; supported: {', '.join(ARCHITECTURES)} "
+        f"(and each one's sequence classifier: {', '.join(CLASSIFIERS)})"
     )
+
+
+def classifier_labels(arch: str, config: dict[str, Any]) -> tuple[str, ...]:
+    """A sequence classifier's label names in output order (``id2label``; transformers' default
+    of two, ``LABEL_0`` and ``LABEL_1``, where the config names none); ``()`` for a language
+    model."""
+    if arch not in CLASSIFIERS:
+        return ()
+    id2label = config.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            by_index = {int(k): str(v) for k, v in id2label.items()}
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"id2label keys must be label indices, got {sorted(id2label)}"
+            ) from None
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"id2label must number its labels 0..n-1, got {sorted(by_index)}")
+        return tuple(by_index[i] for i in range(len(by_index)))
+    n = config.get("num_labels", 2)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_labels must be a positive integer, got {n!r}")
+    return tuple(f"LABEL_{i}" for i in range(n))

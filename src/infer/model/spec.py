@@ -12,6 +12,8 @@ class ModelSpec:
 
     ``num_layers``, ``num_kv_heads`` and ``head_dim`` size the KV cache; ``eos_token_ids`` stop
     generation; ``torch_dtype`` is the checkpoint's own dtype, used by ``--dtype auto``.
+    ``labels``: a sequence classifier's label names, in the order of its outputs (empty for a
+    language model).
     """
 
     architecture: str
@@ -26,6 +28,13 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    labels: tuple[str, ...] = ()
+
+    @property
+    def is_classifier(self) -> bool:
+        """A sequence classifier (cross-encoder, reward or label model): it scores prompts,
+        never generates."""
+        return bool(self.labels)
 
 
 def token_ids(value: Any) -> tuple[int, ...]:

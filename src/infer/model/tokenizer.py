@@ -28,3 +28,11 @@ def load_tokenizer(path: Path):
     # sequence length is longer than ...") about prompts the engine then served or refused.
     tokenizer.model_max_length = VERY_LONG
     return tokenizer
+
+
+def encode_pair(tokenizer, text_1: str, text_2: str, add_special_tokens: bool = True) -> list[int]:
+    """A cross-encoder's input for a pair of texts: the tokenizer's own pair encoding (its
+    special tokens around and between them, as sentence-transformers' ``CrossEncoder`` and
+    vLLM tokenize a pair; a tokenizer with no pair template joins the two)."""
+    encoded = tokenizer(text_1, text_pair=text_2, add_special_tokens=add_special_tokens)
+    return list(encoded["input_ids"])

@@ -377,7 +377,7 @@ class ModelRunner:
         """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
         one forward pass, float32 logits of the sampled rows and of the prompt rows, and the
         float32 final hidden states of the pooled rows (embeddings; a copy, so a CUDA graph's
-        next replay cannot overwrite it). ``feed``: see :meth:`launch` (the Triton step only)."""
+        next replay cannot overwrite it; a sequence classifier's: its head's logits). ``feed``: see :meth:`launch` (the Triton step only)."""
         self.swap_blocks(batch)
         if batch.kv_imports:  # after the swap-outs: a block freed by one may be a target
             self.import_kv(batch.kv_imports)
@@ -391,7 +391,9 @@ class ModelRunner:
             hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
         logits = prompt_logits = pooled = None
         if batch.pool_rows:
-            pooled = hidden[self._row_index("pool_rows", batch.pool_rows)].float()
+            pooled = hidden[self._row_index("pool_rows", batch.pool_rows)]
+            head = self.model.classifier  # (a sequence classifier: its logits, not the state)
+            pooled = pooled.float() if head is None else head(pooled)
         if batch.sample_rows:
             if batch.samples_every_row:
                 sampled = hidden  # (decode): no gather

@@ -18,6 +18,7 @@ from infer.core.outputs import RequestOutput
 from infer.engine.async_engine import AsyncEngine
 from infer.server import metrics as metrics_mod
 from infer.server.chat import create_chat_completion, render_request
+from infer.server.classify import create_classification
 from infer.server.completions import create_completion
 from infer.server.dashboard import Dashboard, install_dashboard
 from infer.server.embeddings import create_embedding
@@ -36,6 +37,8 @@ from infer.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
+    ClassificationRequest,
+    ClassificationResponse,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -132,6 +135,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving.sampling_defaults = dict(getattr(engine, "sampling_defaults", None) or {})
     serving.eos_token_ids = tuple(engine.eos_token_ids)
     serving.kv_tokens = engine.capacity.num_tokens
+    serving.labels = tuple(engine.spec.labels)
     lora_parents = dict(getattr(engine, "lora_parents", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 
@@ -205,18 +209,27 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         model's sentence-transformers files say; ``--pooler-config`` overrides)."""
         return await create_embedding(serving, body, request)
 
+    @app.post("/classify", response_model=ClassificationResponse, responses=_ERRORS,
+              tags=["pooling"])  # fmt: skip
+    @app.post("/v1/classify", response_model=ClassificationResponse, responses=_ERRORS,
+              tags=["pooling"])  # fmt: skip
+    async def classify(body: ClassificationRequest, request: Request) -> Response:
+        """Each input's label probabilities by a sequence classifier (vLLM's)."""
+        return await create_classification(serving, body, request)
+
     @app.post("/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"])
     @app.post("/v1/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"])
     async def score(body: ScoreRequest, request: Request) -> Response:
-        """The cosine similarity of ``text_1``'s embedding and each ``text_2``'s (vLLM's)."""
+        """How alike ``text_1`` and each ``text_2`` are: the cosine similarity of their
+        embeddings, or a cross-encoder's relevance of each pair (vLLM's)."""
         return await create_score(serving, body, request)
 
     @app.post("/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
     @app.post("/v1/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
     @app.post("/v2/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
     async def rerank(body: RerankRequest, request: Request) -> Response:
-        """``documents`` by the cosine similarity of their embeddings to ``query``'s, best
-        first (Jina's and Cohere's shape)."""
+        """``documents`` by their relevance to ``query`` (a cross-encoder's score, or the cosine
+        similarity of embeddings), best first (Jina's and Cohere's shape)."""
         return await create_rerank(serving, body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["tokens"])

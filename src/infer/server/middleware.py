@@ -173,6 +173,8 @@ GENERATION_PATHS = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/embeddings",
+        "/classify",
+        "/v1/classify",
         "/score",
         "/v1/score",
         "/rerank",

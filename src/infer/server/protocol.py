@@ -409,9 +409,26 @@ class EmbeddingRequest(_PoolingFields):
     )
 
 
+class ClassificationRequest(_PoolingFields):
+    """``POST /classify`` (and ``/v1/classify``): each input's label probabilities by a
+    sequence classifier (vLLM's classification API)."""
+
+    input: (
+        NonEmptyStr
+        | _Texts
+        | Annotated[list[InputTokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[InputTokenId], Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_TEXTS),
+        ]
+    ) = Field(description="a string, strings, token ids, or lists of token ids")
+    user: str | None = Field(None, description="accepted and ignored")
+
+
 class ScoreRequest(_PoolingFields):
-    """``POST /score`` (and ``/v1/score``): how alike ``text_1`` and each ``text_2`` are, the
-    cosine similarity of their embeddings (vLLM's score API for embedding models)."""
+    """``POST /score`` (and ``/v1/score``): how alike ``text_1`` and each ``text_2`` are: the
+    cosine similarity of their embeddings (an embedding model), or a cross-encoder's relevance
+    of the pair, the sigmoid of its logit (a one-label sequence classifier); vLLM's score API."""
 
     text_1: NonEmptyStr | _Texts
     text_2: NonEmptyStr | _Texts
@@ -658,6 +675,17 @@ class _PoolingList(_Response):
 
 class EmbeddingResponse(_PoolingList):
     data: list[EmbeddingData]
+
+
+class ClassificationData(_Response):
+    index: int
+    label: str = Field(description="the likeliest label's name (the model's id2label)")
+    probs: list[float] = Field(description="each label's probability (softmax; sigmoid for one)")
+    num_classes: int
+
+
+class ClassificationResponse(_PoolingList):
+    data: list[ClassificationData]
 
 
 class ScoreData(_Response):

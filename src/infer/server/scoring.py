@@ -1,9 +1,12 @@
-"""``POST /score`` and ``POST /rerank`` for embedding models: similarity as the cosine of the
-texts' embeddings (a bi-encoder's score, as vLLM computes it for embedding models).
+"""``POST /score`` and ``POST /rerank``, scored as the model can:
 
-Every distinct text runs once as an embedding request (``embeddings.embed``: a query scored
-against many documents is embedded once), normalized, and each pair's score is the dot product
-of its two vectors, in [-1, 1].
+- an embedding model (a bi-encoder): the cosine of the texts' embeddings. Every distinct text
+  runs once as an embedding request (``embeddings.embed``: a query scored against many
+  documents is embedded once), normalized, and each pair's score is the dot product of its two
+  vectors, in [-1, 1];
+- a cross-encoder (a sequence classifier with one label: a reranker): each pair runs through
+  the model as one input, the tokenizer's pair encoding of the two texts, and its score is the
+  sigmoid of the head's logit, in (0, 1) (sentence-transformers' ``CrossEncoder``, vLLM).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from infer.core.pooling_params import cosine, score_pairs
+from infer.core.pooling_params import cosine, relevance, score_pairs
 from infer.core.sampling_params import InvalidRequestError
+from infer.model.tokenizer import encode_pair
+from infer.server.classify import CLASSIFY
 from infer.server.embeddings import embed, log_unknown_fields, pooling_params, tokenize_inputs
 from infer.server.errors import APIError, bad_request, from_invalid_request
 from infer.server.protocol import (
@@ -60,6 +65,30 @@ async def _similarities(
     return request_id, scores, usage
 
 
+async def _cross_scores(
+    serving: Serving, texts: list[tuple[str, str]], pairs: list[tuple[int, int]], req: Any,
+    raw: Request, prefix: str,
+) -> tuple[str, list[float], EmbeddingUsage]:  # fmt: skip
+    """A cross-encoder's score for each pair (indices into ``texts``): each pair one input;
+    the request id, the scores and the usage."""
+    if len(serving.labels) != 1:
+        raise bad_request(f"this model is a sequence classifier with {len(serving.labels)} "
+                          "labels; scoring pairs needs a cross-encoder with one (num_labels 1): "
+                          "/classify gives each label's probability", param="model")  # fmt: skip
+    special = getattr(req, "add_special_tokens", True)
+
+    def encode_all() -> list[list[int]]:
+        return [encode_pair(serving.tokenizer, texts[i][0], texts[j][0], special)
+                for i, j in pairs]  # fmt: skip
+
+    size = sum(len(texts[i][0]) + len(texts[j][0]) for i, j in pairs)
+    encoded = await serving.run_blocking(encode_all, size=size)
+    fields = [texts[j][1] for _, j in pairs]  # (a pair is named by its second text)
+    token_inputs = await tokenize_inputs(serving, encoded, req, fields)  # type: ignore[arg-type]
+    request_id, finals, usage = await embed(serving, token_inputs, CLASSIFY, req, raw, prefix)
+    return request_id, [relevance(f.embedding) for f in finals], usage  # type: ignore[arg-type]
+
+
 def _cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
     return [cosine(a, b) for a, b in pairs]
 
@@ -80,8 +109,9 @@ async def create_score(serving: Serving, req: ScoreRequest, raw: Request) -> Res
         raise from_invalid_request(e) from e
     n = len(first)
     index_pairs = [(i, n + j) for i, j in pairs]
-    request_id, scores, usage = await _similarities(serving, first + second, index_pairs, req,
-                                                    raw, "score")  # fmt: skip
+    score = _cross_scores if serving.labels else _similarities
+    request_id, scores, usage = await score(serving, first + second, index_pairs, req, raw,
+                                            "score")  # fmt: skip
     data = [ScoreData(index=k, score=s) for k, s in enumerate(scores)]
     body = ScoreResponse(id=request_id, model=model, data=data, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))
@@ -93,7 +123,8 @@ async def create_rerank(serving: Serving, req: RerankRequest, raw: Request) -> R
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     texts = [(req.query, "query"), *_listed(docs, "documents")]
     pairs = [(0, 1 + j) for j in range(len(docs))]
-    request_id, scores, usage = await _similarities(serving, texts, pairs, req, raw, "rerank")
+    score = _cross_scores if serving.labels else _similarities
+    request_id, scores, usage = await score(serving, texts, pairs, req, raw, "rerank")
     order = sorted(range(len(docs)), key=lambda j: -scores[j])
     if req.top_n:
         order = order[: req.top_n]

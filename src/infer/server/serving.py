@@ -109,6 +109,8 @@ class Serving:
         self.sampling_defaults: dict[str, Any] = {}
         self.eos_token_ids: tuple[int, ...] = ()  # (what ends a beam: server/beam.py)
         self.kv_tokens: int | None = None  # what the KV cache holds (None: unknown)
+        # A sequence classifier's label names (empty: a language model).
+        self.labels: tuple[str, ...] = ()
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:

@@ -296,6 +296,48 @@ def build_tiny_checkpoint(kind: str, root: Path) -> Path:
     return final
 
 
+def build_classifier(kind: str, root: Path, num_labels: int = 1) -> Path:
+    """The folder ``root/<kind>-classifier-<num_labels>``: ``kind``'s architecture as a
+    transformers sequence classifier (``LlamaForSequenceClassification``, ...: the decoder and a
+    ``score`` head, no vocabulary projection) with ``num_labels`` labels; built if absent."""
+    from infer.model.registry import CLASSIFIERS, model_class
+
+    root = Path(root)
+    final = root / f"{kind}-classifier-{num_labels}"
+    if final.is_dir():
+        return final
+    source = build_tiny_checkpoint(kind, root)
+
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    make_config, arch = _RECIPES[kind]
+    name = next(
+        n for n, cls in CLASSIFIERS.items() if cls is model_class({"architectures": [arch]})[1]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    eos = tokenizer.eos_token_id
+    config = make_config({"vocab_size": VOCAB_SIZE, "bos_token_id": eos, "eos_token_id": eos,
+                          "pad_token_id": eos})  # fmt: skip
+    config.architectures = [name]
+    config.num_labels = num_labels
+    config.id2label = {i: f"label_{chr(ord('a') + i)}" for i in range(num_labels)}
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    torch.manual_seed(SEED)
+    model = getattr(transformers, name)(config).to(torch.float32)
+    _randomize(model, SEED + zlib.crc32(final.name.encode()) % 10_000)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def build_all(root: Path | None = None) -> dict[str, Path]:
     """Every kind in :data:`KINDS` under ``root`` (default :func:`default_root`)."""
     root = Path(root) if root is not None else default_root()

@@ -1,0 +1,136 @@
+"""Sequence classifiers offline (``LLM.classify``; ``LLM.score`` with a cross-encoder): each
+prompt's logits are transformers' ``*ForSequenceClassification`` logits on every family, the
+same whether the prompt ran whole, in chunks, batched, or partly from the prefix cache; a
+one-label model scores a pair as the sigmoid of its logit over the tokenizer's pair encoding;
+what a classifier cannot do is refused naming why; every KV block comes back (``make_llm``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import SamplingParams
+from infer.core.pooling_params import PoolingParams
+from infer.core.sampling_params import InvalidRequestError
+from infer.testing.checkpoints import build_classifier
+
+from .conftest import PROMPTS
+
+LONG = PROMPTS[5]  # ~40 tokens
+FAMILIES = [("llama", 3), ("qwen3", 1), ("gemma3", 2), ("gpt2", 2), ("mistral", 1),
+            ("qwen2_moe", 2)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def classifiers(tiny_checkpoints):
+    """(kind, labels) -> the tiny checkpoint of that family as a sequence classifier."""
+    root = tiny_checkpoints["llama"].parent
+    return {(kind, n): build_classifier(kind, root, n) for kind, n in FAMILIES + [("qwen2", 3)]}
+
+
+def _hf(path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+
+    def logits(**encoded) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**{k: torch.tensor([v]) for k, v in encoded.items()}).logits[0]
+
+    return tok, model, logits
+
+
+def _logits(results) -> list[torch.Tensor]:
+    return [torch.tensor(r.outputs.logits) for r in results]
+
+
+@pytest.mark.parametrize(("kind", "num_labels"), FAMILIES)
+def test_classify_gives_transformers_sequence_classification_logits(
+    classifiers, make_llm, kind, num_labels
+):
+    path = classifiers[(kind, num_labels)]
+    tok, model, hf_logits = _hf(path)
+    prompts = [PROMPTS[0], PROMPTS[4], LONG]
+    llm = make_llm(str(path), max_num_batched_tokens=16)  # the long prompt runs in chunks
+    results = llm.classify(prompts)
+    labels = [model.config.id2label[i] for i in range(num_labels)]
+    for r, got in zip(results, _logits(results), strict=True):
+        ids = tok.encode(r.prompt)
+        assert r.prompt_token_ids == ids
+        want = hf_logits(input_ids=ids)
+        assert got.shape == (num_labels,)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert r.outputs.num_classes == num_labels
+        assert r.outputs.label == labels[int(want.argmax())]
+        probs = torch.sigmoid(want) if num_labels == 1 else torch.softmax(want, dim=0)
+        assert r.outputs.probs == pytest.approx(probs.tolist(), abs=1e-5)
+
+
+def test_chunked_cached_and_batched_prompts_give_the_same_logits(classifiers, make_llm):
+    path = str(classifiers[("qwen2", 3)])
+    whole = _logits(make_llm(path).classify([LONG, PROMPTS[2]]))
+    llm = make_llm(path, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=8)
+    first = llm.classify([LONG, PROMPTS[2]])
+    again = llm.classify(LONG)[0]
+    assert first[0].num_cached_tokens == 0 and again.num_cached_tokens >= 32
+    for got, want in zip(_logits([*first, again]), [*whole, whole[0]], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cross_encoder_scores_a_pair_as_the_sigmoid_of_its_logit(classifiers, make_llm):
+    path = classifiers[("qwen3", 1)]
+    tok, _, hf_logits = _hf(path)
+    llm = make_llm(str(path))
+    query, docs = "a list in Python", [PROMPTS[1], PROMPTS[0], LONG]
+
+    def want(a: str, b: str) -> float:
+        return float(torch.sigmoid(hf_logits(**tok(a, text_pair=b))[0]))
+
+    results = llm.score(query, docs)
+    assert [(r.text_1, r.text_2) for r in results] == [(query, d) for d in docs]
+    assert [r.outputs.score for r in results] == pytest.approx(
+        [want(query, d) for d in docs], abs=1e-5
+    )
+    # pair by pair; two token-id lists are joined as they are
+    pairwise = llm.score(docs[:2], docs[1:])
+    assert [r.outputs.score for r in pairwise] == pytest.approx(
+        [want(docs[0], docs[1]), want(docs[1], docs[2])], abs=1e-5
+    )
+    a, b = tok.encode(query), tok.encode(docs[0])
+    joined = llm.score([a], [b])[0].outputs.score
+    assert joined == pytest.approx(float(torch.sigmoid(hf_logits(input_ids=a + b)[0])), abs=1e-5)
+    with pytest.raises(InvalidRequestError, match="both as texts or both as ids") as e:
+        llm.score(query, [b])
+    assert e.value.param == "text_2"
+
+
+def test_what_a_classifier_cannot_do_is_refused_and_it_keeps_serving(classifiers, make_llm):
+    llm = make_llm(str(classifiers[("llama", 3)]))
+    with pytest.raises(InvalidRequestError, match="sequence classifier with 3 labels") as e:
+        llm.generate("hello", SamplingParams(max_tokens=4))
+    assert e.value.param == "prompt" and "neither generates nor embeds" in str(e.value)
+    with pytest.raises(InvalidRequestError, match="sequence classifier"):
+        llm.embed("hello")
+    with pytest.raises(InvalidRequestError, match="needs a cross-encoder with one"):
+        llm.score("a", "b")  # three labels: which one means "relevant"?
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="neither dimensions nor normalize"):
+        engine.add_request("r", [1, 2, 3], PoolingParams(task="classify", dimensions=2))
+    assert len(llm.classify(["still", "serving"])) == 2
+    # a language model has no head to classify with
+    lm = make_llm("llama")
+    with pytest.raises(InvalidRequestError, match="no classification head"):
+        lm.classify("hello")
+    with pytest.raises(InvalidRequestError, match="task must be one of embed, classify"):
+        PoolingParams(task="generate")
+
+
+def test_weight_quantization_leaves_the_head_in_the_models_dtype(classifiers, make_llm):
+    path = str(classifiers[("llama", 3)])
+    exact = _logits(make_llm(path).classify(PROMPTS[:3]))
+    llm = make_llm(path, dtype="bfloat16", quantization="int8")
+    head = llm.engine.model.classifier
+    assert head.weight.dtype == torch.bfloat16 and head.weight.shape == (3, 64)
+    for got, want in zip(_logits(llm.classify(PROMPTS[:3])), exact, strict=True):
+        torch.testing.assert_close(got, want, atol=0.15, rtol=0.05)
