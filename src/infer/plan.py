@@ -133,7 +133,7 @@ QUANTIZED_WEIGHT_BYTES = {
     "int4": lambda n, k: n * k // 2 + 3 * n * (k // 32),
     "w4a8": lambda n, k: n * k // 2 + 3 * n * (k // 32),
 }
-_NOT_LINEAR = ("embed", "wte", "wpe", "lm_head", "norm", "ln_")
+_NOT_LINEAR = ("embed", "wte", "wpe", "lm_head", "norm", "ln_", "score.weight")
 
 
 def quantized_weight_bytes(model_dir: Path, dtype_bytes: int, method: str) -> int:
@@ -141,12 +141,13 @@ def quantized_weight_bytes(model_dir: Path, dtype_bytes: int, method: str) -> in
     every linear layer's 2-D weight as the method holds it (int4: groups of 32), everything else
     (embeddings, norms, biases, the vocabulary projection) at ``dtype_bytes``, plus the
     vocabulary projection's quantized copy (int8 for the 4-bit methods), which the engine keeps
-    beside the embedding table."""
+    beside the embedding table (not for a sequence classifier: its ``score`` head, kept in the
+    model's dtype, is its only output)."""
     if method not in QUANTIZED_WEIGHT_BYTES:
         raise SystemExit(
             f"--quantization {method!r}: choose one of {', '.join(QUANTIZED_WEIGHT_BYTES)}"
         )
-    total, vocab = 0, None
+    total, vocab, classifier = 0, None, False
     for name, shape in _tensor_shapes(model_dir):
         is_linear = len(shape) == 2 and name.endswith(".weight")
         if is_linear and not any(part in name for part in _NOT_LINEAR):
@@ -155,7 +156,8 @@ def quantized_weight_bytes(model_dir: Path, dtype_bytes: int, method: str) -> in
         total += math.prod(shape) * dtype_bytes
         if is_linear and ("lm_head" in name or (vocab is None and "embed" in name)):
             vocab = shape
-    if vocab is not None:
+        classifier = classifier or name == "score.weight"
+    if vocab is not None and not classifier:
         vocab_method = "int8" if method in ("int4", "w4a8") else method
         total += QUANTIZED_WEIGHT_BYTES[vocab_method](*vocab)
     return total

@@ -134,3 +134,16 @@ def test_weight_quantization_leaves_the_head_in_the_models_dtype(classifiers, ma
     assert head.weight.dtype == torch.bfloat16 and head.weight.shape == (3, 64)
     for got, want in zip(_logits(llm.classify(PROMPTS[:3])), exact, strict=True):
         torch.testing.assert_close(got, want, atol=0.15, rtol=0.05)
+
+
+def test_the_plan_counts_what_a_quantized_classifier_holds(classifiers, make_llm):
+    """``infer plan --quantization int8`` on a classifier: its layers quantized, the head and
+    the embedding table as they are, and no quantized vocabulary copy (it projects nothing onto
+    the vocabulary): within 1% of what the engine holds."""
+    from infer.plan import quantized_weight_bytes
+
+    path = classifiers[("llama", 3)]
+    planned = quantized_weight_bytes(path, 4, "int8")
+    held = make_llm(str(path), quantization="int8").engine.weights_bytes
+    assert getattr(make_llm(str(path)).engine.model, "packed_logits", None) is None
+    assert abs(planned - held) <= 0.01 * held, (planned, held)

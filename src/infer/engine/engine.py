@@ -184,7 +184,12 @@ class LLMEngine:
         # How embedding requests pool (the model's sentence-transformers files, --pooler-config).
         self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config))
         pooler = self.pooler_config
-        if pooler.source != PoolerConfig.source:  # (files or a flag said something)
+        if self.spec.is_classifier:
+            logger.info("a sequence classifier (%s), labels %s: it serves /classify, LLM.classify"
+                        "%s", self.spec.architecture, ", ".join(self.spec.labels),
+                        " and scores pairs as a cross-encoder (/score, /rerank, LLM.score)"
+                        if len(self.spec.labels) == 1 else "")  # fmt: skip
+        elif pooler.source != PoolerConfig.source:  # (files or a flag said something)
             logger.info("embeddings (/v1/embeddings, LLM.embed): %s pooling, %s (%s)%s",
                         pooler.pooling_type, "normalized" if pooler.normalize else "not normalized",
                         pooler.source, "" if pooler.supported else

@@ -157,9 +157,12 @@ def replace_linears(
     returning None keeps that layer as it is. Returns the modules made.
 
     The vocabulary projection is read through ``project_to_vocab``, never called as a module, so
-    an untied ``lm_head`` is left in place and only its replacement is used."""
+    an untied ``lm_head`` is left in place and only its replacement is used. A sequence
+    classifier projects nothing onto the vocabulary: no copy is made for it."""
     vocab_fn = getattr(model, "vocab_projection_weight", None)
     vocab_weight = vocab_fn() if callable(vocab_fn) else None
+    if getattr(model, "classifier", None) is not None:
+        vocab = False
     linears = [
         (name, m)
         for name, m in model.named_modules()

@@ -1,0 +1,163 @@
+"""A sequence classifier served over HTTP: ``/classify`` gives each input's label
+probabilities, ``/score`` and ``/rerank`` score pairs with a one-label model (a cross-encoder)
+as transformers' ``*ForSequenceClassification`` does over the tokenizer's pair encoding;
+generation and embedding routes are refused naming why; the engine keeps serving and every KV
+block comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.server.conftest import SHARED_KEY, concurrently, start_server
+
+from infer.testing.checkpoints import build_classifier
+
+QUERY = "a list in Python"
+DOCS = [
+    "The quick brown fox",
+    "In Python, a list is a mutable sequence; a tuple is an immutable one. Both hold any objects, "
+    "and both can be indexed, sliced and iterated over in a for loop.",
+    "lists and tuples in Python",
+    "x",
+]
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_checkpoints):
+    """The tiny Qwen3 as a one-label sequence classifier: a cross-encoder reranker."""
+    return build_classifier("qwen3", tiny_checkpoints["qwen3"].parent, 1)
+
+
+@pytest.fixture(scope="module")
+def server(reranker, server_logs):
+    # A small token budget: the long document's pair runs in several chunks.
+    yield from start_server(reranker, server_logs, "--max-num-batched-tokens", "16",
+                            "--max-num-seqs", "8", "--served-model-name", "rr")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(reranker):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(reranker)
+    model = AutoModelForSequenceClassification.from_pretrained(reranker, dtype=torch.float32)
+
+    def logit(a: str, b: str | None = None) -> float:
+        encoded = tok(a, text_pair=b, return_tensors="pt")
+        with torch.no_grad():
+            return float(model.eval()(**encoded).logits[0, 0])
+
+    return tok, logit
+
+
+def sigmoid(x: float) -> float:
+    return float(torch.sigmoid(torch.tensor(x, dtype=torch.float64)))
+
+
+def test_classify_gives_each_inputs_label_probability(server, reference):
+    tok, logit = reference
+    with server.client() as c:
+        r = c.post("/classify", json={"model": "rr", "input": DOCS})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"].startswith("classify-") and body["object"] == "list"
+        assert body["model"] == "rr"
+        assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+        for d, doc in zip(body["data"], DOCS, strict=True):
+            assert d["num_classes"] == 1 and d["label"] == "label_a"
+            assert d["probs"] == pytest.approx([sigmoid(logit(doc))], abs=1e-5)
+        assert "a sequence classifier (Qwen3ForSequenceClassification), labels label_a" in (
+            server.log()
+        )
+        assert body["usage"]["prompt_tokens"] == sum(len(tok.encode(d)) for d in DOCS)
+        ids = tok.encode(DOCS[0])
+        one = c.post("/v1/classify", json={"input": ids}).json()["data"]
+        assert one[0]["probs"] == pytest.approx(body["data"][0]["probs"], abs=1e-6)
+    server.wait_idle()
+
+
+def test_score_is_the_cross_encoders_relevance_of_each_pair(server, reference):
+    tok, logit = reference
+    with server.client() as c:
+        r = c.post("/score", json={"model": "rr", "text_1": QUERY, "text_2": DOCS})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+        want = [sigmoid(logit(QUERY, d)) for d in DOCS]
+        assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-5)
+        # each pair is one input: the query counted with every document
+        pairs = [len(tok(QUERY, text_pair=d)["input_ids"]) for d in DOCS]
+        assert body["usage"]["prompt_tokens"] == sum(pairs)
+        pairwise = c.post("/v1/score", json={"text_1": DOCS[:2], "text_2": DOCS[2:]}).json()
+        assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+            [sigmoid(logit(DOCS[0], DOCS[2])), sigmoid(logit(DOCS[1], DOCS[3]))], abs=1e-5
+        )
+        bad = c.post("/score", json={"text_1": DOCS, "text_2": DOCS[:2]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    server.wait_idle()
+
+
+def test_rerank_orders_documents_by_the_cross_encoder(server, reference):
+    _, logit = reference
+    scores = [sigmoid(logit(QUERY, d)) for d in DOCS]
+    order = sorted(range(len(DOCS)), key=lambda j: -scores[j])
+    with server.client() as c:
+        r = c.post("/rerank", json={"model": "rr", "query": QUERY, "documents": DOCS})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order
+        assert [x["relevance_score"] for x in results] == pytest.approx(
+            [scores[j] for j in order], abs=1e-5
+        )
+        assert [x["document"]["text"] for x in results] == [DOCS[j] for j in order]
+        body = {"query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 2,
+                "return_documents": False}  # fmt: skip
+        top = c.post("/v2/rerank", json=body).json()["results"]
+        assert [x["index"] for x in top] == order[:2] and top[0]["document"] is None
+        # a pair past the context is refused naming its document
+        bad = c.post("/rerank", json={"query": QUERY, "documents": ["x", "word " * 5000]})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "documents[1]"
+    server.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/embeddings", {"input": "hello"}),
+    ],
+)
+def test_generation_and_embeddings_are_refused_naming_why(server, path, body):
+    with server.client() as c:
+        r = c.post(path, json={"model": "rr", **body})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Qwen3ForSequenceClassification" in message
+    assert "sequence classifier with 1 label" in message and "/classify" in message
+    server.wait_idle()
+
+
+def test_it_keeps_classifying_under_concurrent_load(server, reference):
+    _, logit = reference
+    want = [sigmoid(logit(d)) for d in DOCS]
+    with server.client() as c:
+
+        def one(i: int) -> float:
+            r = c.post("/classify", json={"input": DOCS[i % 4]})
+            assert r.status_code == 200, r.text
+            return r.json()["data"][0]["probs"][0]
+
+        got = concurrently(one, range(16))
+    assert got == pytest.approx([want[i % 4] for i in range(16)], abs=1e-5)
+    stats = server.wait_idle()
+    assert stats["in_flight"] == 0
+
+
+def test_a_language_model_refuses_classify(shared_server):
+    with shared_server.client() as c:
+        r = c.post("/classify", json={"input": "hello"},
+                   headers={"Authorization": f"Bearer {SHARED_KEY}"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert "no classification head" in r.json()["error"]["message"]
