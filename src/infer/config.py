@@ -85,8 +85,14 @@ class ModelConfig:
     # How embedding requests pool (infer.model.pooling): ``pooling_type`` / ``normalize`` over
     # the model's sentence-transformers files (a dict, or its JSON), as vLLM's --pooler-config.
     pooler_config: Any = None
+    # config.json fields set or replaced before the model is read (a dict, or its JSON; kept as
+    # canonical JSON), as vLLM's --hf-overrides (infer.model.overrides).
+    hf_overrides: Any = None
 
     def __post_init__(self) -> None:
+        from infer.model.overrides import parse_hf_overrides
+
+        object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         from infer.model.generation_config import parse_override
         from infer.model.pooling import parse_pooler_config
 

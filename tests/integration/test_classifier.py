@@ -147,3 +147,91 @@ def test_the_plan_counts_what_a_quantized_classifier_holds(classifiers, make_llm
     held = make_llm(str(path), quantization="int8").engine.weights_bytes
     assert getattr(make_llm(str(path)).engine.model, "packed_logits", None) is None
     assert abs(planned - held) <= 0.01 * held, (planned, held)
+
+
+def _causal_reranker_overrides(tok, arch: str, **extra) -> tuple[dict, list[int]]:
+    """vLLM's ``--hf-overrides`` for a causal reranker answering with one of two tokens (two
+    tokens of the tiny tokenizer stand in for "no" and "yes")."""
+    ids = [300, 301]
+    tokens = tok.convert_ids_to_tokens(ids)
+    overrides = {"architectures": [arch], "classifier_from_token": tokens, **extra}
+    return overrides, ids
+
+
+@pytest.mark.parametrize(("kind", "arch"), [("qwen3", "Qwen3ForSequenceClassification"),
+                                            ("gpt2", "GPT2ForSequenceClassification")])  # fmt: skip
+def test_a_causal_reranker_is_served_as_a_classifier_with_hf_overrides(
+    tiny_checkpoints, make_llm, monkeypatch, tmp_path, kind, arch
+):
+    """Qwen3-Reranker's recipe: the head is ``W[yes] - W[no]`` of the vocabulary projection
+    (an untied lm_head for Qwen3, the tied embedding table for GPT-2), so a pair's score is the
+    causal model's softmax probability of "yes" over the two tokens; ``no_post_processing``
+    keeps each token's row: the causal model's logits of those tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
+    path = tiny_checkpoints[kind]
+    tok = AutoTokenizer.from_pretrained(path)
+    causal = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def last_logits(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return causal(torch.tensor([ids])).logits[0, -1]
+
+    overrides, ids = _causal_reranker_overrides(tok, arch, is_original_qwen3_reranker=True)
+    llm = make_llm(str(path), hf_overrides=overrides)
+    assert llm.engine.spec.labels == (tok.convert_ids_to_tokens(ids[1]),)
+    assert llm.engine.model_path.parent == tmp_path / "overrides"
+    docs = [PROMPTS[0], LONG]
+    for r, doc in zip(llm.score(PROMPTS[1], docs), docs, strict=True):
+        want = torch.softmax(last_logits(tok(PROMPTS[1], text_pair=doc)["input_ids"])[ids], 0)[1]
+        assert r.outputs.score == pytest.approx(float(want), abs=1e-5)
+    overrides, ids = _causal_reranker_overrides(tok, arch, method="no_post_processing")
+    got = make_llm(str(path), hf_overrides=overrides).classify(PROMPTS[2])[0]
+    assert got.outputs.logits == pytest.approx(last_logits(tok.encode(PROMPTS[2]))[ids].tolist(),
+                                               abs=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"classifier_from_token": ["a"]}, "set architectures too"),
+        ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": "yes"},
+         "must be a list of token strings"),
+        ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["a"],
+          "method": "from_2_way_softmax"}, "takes two tokens"),
+        ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["a"],
+          "method": "sum"}, "is not one of from_2_way_softmax, no_post_processing"),
+        ({"architectures": ["Qwen3ForSequenceClassification"],
+          "classifier_from_token": ["no such token"]}, "is not a token of the tokenizer"),
+    ],
+)  # fmt: skip
+def test_bad_overrides_are_start_up_errors_naming_the_field(
+    tiny_checkpoints, monkeypatch, tmp_path, overrides, says
+):
+    from infer import LLM
+    from infer.model.folders import ModelLoadError
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ModelLoadError, match=says):
+        LLM(str(tiny_checkpoints["qwen3"]), dtype="float32", hf_overrides=overrides)
+    with pytest.raises(ValueError, match="--hf-overrides must be a JSON object"):
+        LLM(str(tiny_checkpoints["qwen3"]), hf_overrides="[1]")
+
+
+def test_hf_overrides_replace_config_fields_in_a_folder_of_links(tiny_checkpoints, tmp_path):
+    import json
+
+    from infer.model.overrides import overridden_folder
+
+    source = tiny_checkpoints["llama"]
+    folder = overridden_folder(source, {"max_position_embeddings": 77}, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config == {**json.loads((source / "config.json").read_text()),
+                      "max_position_embeddings": 77}  # fmt: skip
+    weights = folder / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (source / "model.safetensors").resolve()
+    # the same overrides: the same folder; others: another one; none: the folder itself
+    assert overridden_folder(source, '{"max_position_embeddings": 77}', tmp_path) == folder
+    assert overridden_folder(source, {"max_position_embeddings": 78}, tmp_path) != folder
+    assert overridden_folder(source, "", tmp_path) == source.resolve()

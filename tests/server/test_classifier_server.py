@@ -161,3 +161,39 @@ def test_a_language_model_refuses_classify(shared_server):
                    headers={"Authorization": f"Bearer {SHARED_KEY}"})  # fmt: skip
     assert r.status_code == 400, r.text
     assert "no classification head" in r.json()["error"]["message"]
+
+
+def test_vllms_qwen3_reranker_command_serves_a_causal_reranker(tiny_checkpoints, server_logs,
+                                                                tmp_path):  # fmt: skip
+    """``--hf-overrides`` as vLLM's Qwen3-Reranker recipe writes it: the causal model's "yes"
+    probability over "no" / "yes" after the pair is each document's relevance."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_checkpoints["qwen3"]
+    tok = AutoTokenizer.from_pretrained(path)
+    causal = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = [300, 301]  # (two tokens of the tiny tokenizer stand in for "no" and "yes")
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": tok.convert_ids_to_tokens(ids),
+                 "is_original_qwen3_reranker": True}  # fmt: skip
+
+    def p_yes(doc: str) -> float:
+        with torch.no_grad():
+            logits = causal(**tok(QUERY, text_pair=doc, return_tensors="pt")).logits[0, -1]
+        return float(torch.softmax(logits[ids], 0)[1])
+
+    for server in start_server(path, server_logs, "--hf-overrides", json.dumps(overrides),
+                               env={"INFER_CACHE_DIR": str(tmp_path)}):  # fmt: skip
+        with server.client() as c:
+            r = c.post("/v1/rerank", json={"query": QUERY, "documents": DOCS})
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            want = [p_yes(d) for d in DOCS]
+            assert [x["index"] for x in results] == sorted(range(4), key=lambda j: -want[j])
+            for x in results:
+                assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+            refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 400
+        server.wait_idle()

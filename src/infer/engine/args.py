@@ -93,6 +93,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "normalize, e.g. '{\"normalize\": false}'",
     )
     g.add_argument(
+        "--hf-overrides",
+        default=None,
+        help="JSON of config.json fields that set or replace the model's before it is read "
+        "(vLLM's flag), e.g. a causal reranker as a classifier: '{\"architectures\": "
+        '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", '
+        '"yes"], "is_original_qwen3_reranker": true}\'',
+    )
+    g.add_argument(
         "--attention-backend",
         default=m.attention_backend,
         choices=["auto", "torch", "triton"],
@@ -250,6 +258,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             generation_config=getattr(args, "generation_config", "auto"),
             override_generation_config=getattr(args, "override_generation_config", None),
             pooler_config=getattr(args, "pooler_config", None),
+            hf_overrides=getattr(args, "hf_overrides", None),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -169,7 +169,7 @@ class LLMEngine:
         self.backend = device_backend(mc.device, mc.seed)
         self.device = self.backend.device
 
-        self.model_path = resolve_model_path(mc.model)
+        self.model_path = resolve_model_path(mc.model, mc.hf_overrides)
         # With no --model the built-in small model is served, under that name.
         self.model_name = mc.model or "small"
         self.spec = load_model_spec(self.model_path)

@@ -136,6 +136,10 @@ class GGUFCheckpoint:
             weight = weight - 1.0  # stored as the (1 + w) Gemma's norms multiply by
         return weight, layer
 
+    def has(self, name: str) -> bool:
+        """Whether the file holds Hugging Face tensor ``name``."""
+        return self.gguf_name(name) is not None
+
     def stored_quantized(self, name: str) -> bool:
         """Whether tensor ``name`` is stored in a quantized type (not F32 / F16 / BF16)."""
         gname = self.gguf_name(name)

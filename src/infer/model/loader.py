@@ -28,7 +28,12 @@ from infer.model.quantized_checkpoint import (
     read_format,
     unpack,
 )
-from infer.model.registry import UnsupportedArchitectureError, classifier_labels, model_class
+from infer.model.registry import (
+    UnsupportedArchitectureError,
+    classifier_from_tokens,
+    classifier_labels,
+    model_class,
+)
 from infer.model.spec import ModelSpec, config_dtype, token_ids
 
 logger = logging.getLogger(__name__)
@@ -50,8 +55,9 @@ DTYPES = {
 # --------------------------------------------------------------------------- config and spec
 
 
-def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec]:
+def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, Any]]:
     config = read_config(model_dir)
+    original = config
     try:
         arch, cls = model_class(config)
         labels = classifier_labels(arch, config)
@@ -84,7 +90,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec]:
         torch_dtype=config_dtype(config),
         labels=labels,
     )
-    return cls, parsed, spec
+    return cls, parsed, spec, original
 
 
 def load_model_spec(model_dir: Path) -> ModelSpec:
@@ -167,7 +173,7 @@ def load_model(
     """
 
     model_dir = Path(model_dir)
-    cls, parsed, spec = _parse(model_dir)
+    cls, parsed, spec, config = _parse(model_dir)
     dtype = resolve_dtype(dtype, spec)
     quantized = quantized_format(model_dir)
     gguf_file = gguf_source(model_dir)
@@ -189,7 +195,8 @@ def load_model(
 
     sources = model.weight_sources()
     if model.classifier is not None:
-        sources["classifier.weight"] = WeightSource(("score.weight",))
+        sources["classifier.weight"] = _classifier_source(model, model_dir, config, sources,
+                                                          reader)  # fmt: skip
     params = dict(model.named_parameters())
     assert set(sources) == set(params), f"weight plan mismatch: {set(sources) ^ set(params)}"
 
@@ -232,6 +239,46 @@ def load_model(
     return model.eval()
 
 
+def _classifier_source(
+    model: CausalLM,
+    model_dir: Path,
+    config: dict[str, Any],
+    sources: dict[str, WeightSource],
+    reader: _SafetensorsReader | GGUFCheckpoint,
+) -> WeightSource:
+    """Where a sequence classifier's head comes from: the checkpoint's ``score.weight``, or for
+    a causal reranker (``classifier_from_token``) rows of its vocabulary projection: the
+    ``lm_head`` it was trained with, else the embedding table it is tied to."""
+    from_tokens = classifier_from_tokens(config)
+    if from_tokens is None:
+        return WeightSource(("score.weight",))
+    ids = _token_ids(model_dir, from_tokens.tokens, model.spec.vocab_size)
+    vocab = model.vocab_projection_weight()
+    tied = next(sources[name] for name, p in model.named_parameters() if p is vocab)
+    name = "lm_head.weight" if reader.has("lm_head.weight") else tied.names[0]
+
+    def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+        w = tensors[0][ids]
+        return (w[1] - w[0])[None] if from_tokens.two_way else w
+
+    return WeightSource((name,), rows)
+
+
+def _token_ids(model_dir: Path, tokens: tuple[str, ...], vocab_size: int) -> list[int]:
+    """Each token's id in the model's tokenizer ("yes" and "Yes" are different tokens)."""
+    from infer.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    ids = []
+    for token in tokens:
+        i = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(i, int) or i >= vocab_size or tokenizer.convert_ids_to_tokens(i) != token:
+            raise ModelLoadError(f"classifier_from_token: {token!r} is not a token of the "
+                                 f"tokenizer in {model_dir}")  # fmt: skip
+        ids.append(i)
+    return ids
+
+
 class _SafetensorsReader:
     """A folder's safetensors by tensor name (GPTQ / AWQ layers unpacked from their parts)."""
 
@@ -261,6 +308,9 @@ class _SafetensorsReader:
             )
         self.used.add(found)
         return _read_tensor(self.handles, file, found), None
+
+    def has(self, name: str) -> bool:
+        return _lookup(self.index, name, self.aliases)[0] is not None
 
     def stored_quantized(self, name: str) -> bool:
         """Whether ``name`` was stored quantized in a type not kept as it is: never here (a GPTQ

@@ -8,6 +8,7 @@ class serves it, with the head the loader adds (``classifier_labels``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from infer.model.gemma3 import Gemma3ForCausalLM
@@ -88,12 +89,61 @@ def model_class(config: dict[str, Any]) -> tuple[str, type[CausalLM]]:
     )
 
 
+@dataclass(frozen=True)
+class ClassifierFromTokens:
+    """A classifier whose head is made from rows of a causal model's vocabulary projection
+    (vLLM's ``classifier_from_token`` / ``method`` config fields, set with ``--hf-overrides``):
+    a reranker trained to answer "yes" or "no" as its next token.
+
+    ``two_way`` (``method: from_2_way_softmax``, or ``is_original_qwen3_reranker``): two tokens,
+    ``[false, true]``, make one label whose weight is ``W[true] - W[false]``: its sigmoid is the
+    softmax probability of ``true`` over the two. Otherwise (``no_post_processing``) each token's
+    row is one label."""
+
+    tokens: tuple[str, ...]
+    two_way: bool
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.tokens[1:] if self.two_way else self.tokens
+
+
+METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def classifier_from_tokens(config: dict[str, Any]) -> ClassifierFromTokens | None:
+    """What ``classifier_from_token`` (and ``method``) say, None where the config has none.
+    ValueError names a bad field."""
+    tokens = config.get("classifier_from_token")
+    if tokens is None:
+        return None
+    if (not isinstance(tokens, list) or not tokens
+            or not all(isinstance(t, str) and t for t in tokens)):  # fmt: skip
+        raise ValueError(f"classifier_from_token must be a list of token strings, got {tokens!r}")
+    method = config.get("method")
+    if method is None:
+        method = METHODS[0] if config.get("is_original_qwen3_reranker") else METHODS[1]
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
+    if method == METHODS[0] and len(tokens) != 2:
+        raise ValueError(f"{method} takes two tokens, [false, true]; classifier_from_token "
+                         f"has {len(tokens)}")  # fmt: skip
+    return ClassifierFromTokens(tuple(tokens), method == METHODS[0])
+
+
 def classifier_labels(arch: str, config: dict[str, Any]) -> tuple[str, ...]:
-    """A sequence classifier's label names in output order (``id2label``; transformers' default
-    of two, ``LABEL_0`` and ``LABEL_1``, where the config names none); ``()`` for a language
-    model."""
+    """A sequence classifier's label names in output order (the tokens of
+    ``classifier_from_token``, else ``id2label``; transformers' default of two, ``LABEL_0`` and
+    ``LABEL_1``, where the config names none); ``()`` for a language model."""
     if arch not in CLASSIFIERS:
+        if "classifier_from_token" in config:
+            raise ValueError(f"classifier_from_token is for a sequence classifier, and "
+                             f"{arch} is not one: set architectures too, e.g. "
+                             f"{_classifier_name(ARCHITECTURES[arch])}")  # fmt: skip
         return ()
+    from_tokens = classifier_from_tokens(config)
+    if from_tokens is not None:
+        return from_tokens.labels
     id2label = config.get("id2label")
     if isinstance(id2label, dict) and id2label:
         try:
