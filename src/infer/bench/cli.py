@@ -477,6 +477,7 @@ STUDIES = {
     "spec": "speculative decoding: n-gram and draft-model proposals vs plain decoding",
     "structured": "structured outputs: grammar compile / mask cost, throughput, TTFT",
     "embed": "embeddings: LLM.embed (cold and prefix-cached) vs transformers' forward pass",
+    "rerank": "cross-encoder reranking: LLM.score (query prefix shared) vs transformers",
     "gguf": "GGUF files: perplexity per type, batch-1 decode beside llama.cpp on one file",
     "prefix": "prefix caching in wall-clock time on a ~100M Llama",
     "micro": "engine micro-benchmarks on the toy NanoGPT, no HTTP",

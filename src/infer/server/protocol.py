@@ -368,6 +368,17 @@ class _PoolingFields(_Request):
 MAX_TEXTS = 1024
 """At most this many texts in one list of an embedding route (each is an engine request)."""
 _Texts = Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_TEXTS)]
+# What a pooling route's ``input`` holds: one or more texts, or one or more token-id lists.
+_Inputs = (
+    NonEmptyStr
+    | _Texts
+    | Annotated[list[InputTokenId], Field(min_length=1)]
+    | Annotated[
+        list[Annotated[list[InputTokenId], Field(min_length=1)]],
+        Field(min_length=1, max_length=MAX_TEXTS),
+    ]
+)
+_INPUTS = "a string, strings, token ids, or lists of token ids"
 
 
 class EmbeddingRequest(_PoolingFields):
@@ -384,15 +395,7 @@ class EmbeddingRequest(_PoolingFields):
         }
     )
 
-    input: (
-        NonEmptyStr
-        | _Texts
-        | Annotated[list[InputTokenId], Field(min_length=1)]
-        | Annotated[
-            list[Annotated[list[InputTokenId], Field(min_length=1)]],
-            Field(min_length=1, max_length=MAX_TEXTS),
-        ]
-    ) | None = Field(None, description="a string, strings, token ids, or lists of token ids")
+    input: _Inputs | None = Field(None, description=_INPUTS)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = Field(False, description="with messages (vLLM's default)")
     continue_final_message: bool = False
@@ -413,15 +416,7 @@ class ClassificationRequest(_PoolingFields):
     """``POST /classify`` (and ``/v1/classify``): each input's label probabilities by a
     sequence classifier (vLLM's classification API)."""
 
-    input: (
-        NonEmptyStr
-        | _Texts
-        | Annotated[list[InputTokenId], Field(min_length=1)]
-        | Annotated[
-            list[Annotated[list[InputTokenId], Field(min_length=1)]],
-            Field(min_length=1, max_length=MAX_TEXTS),
-        ]
-    ) = Field(description="a string, strings, token ids, or lists of token ids")
+    input: _Inputs = Field(description=_INPUTS)
     user: str | None = Field(None, description="accepted and ignored")
 
 
