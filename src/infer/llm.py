@@ -37,6 +37,7 @@ from infer.core.outputs import (
 )
 from infer.core.pooling_params import (
     PoolingParams,
+    check_cross_encoder,
     class_probabilities,
     cosine,
     relevance,
@@ -336,6 +337,7 @@ class LLM:
         pairs: list[tuple[int, int]],
         lora_request: LoRARequest | str | None,
     ) -> list[ScoreResult]:
+        check_cross_encoder(len(self.engine.spec.labels))
         encoded = []
         for k, (i, j) in enumerate(pairs):
             a, b = first[i], second[j]

@@ -28,6 +28,23 @@ def classifiers(tiny_checkpoints):
     return {(kind, n): build_classifier(kind, root, n) for kind, n in FAMILIES + [("qwen2", 3)]}
 
 
+def engine_idle(llm) -> bool:
+    kv = llm.engine.kv_manager
+    return not llm.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_num_labels_wins_over_id2label_as_transformers_reads_it(classifiers, tmp_path):
+    from infer.model.registry import classifier_labels
+
+    arch = "LlamaForSequenceClassification"
+    two = {"id2label": {"0": "neg", "1": "pos"}}
+    assert classifier_labels(arch, two) == ("neg", "pos")
+    assert classifier_labels(arch, {**two, "num_labels": 2}) == ("neg", "pos")
+    assert classifier_labels(arch, {**two, "num_labels": 1}) == ("LABEL_0",)
+    assert classifier_labels(arch, {}) == ("LABEL_0", "LABEL_1")
+    assert classifier_labels("LlamaForCausalLM", two) == ()
+
+
 def _hf(path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -112,9 +129,13 @@ def test_what_a_classifier_cannot_do_is_refused_and_it_keeps_serving(classifiers
     assert e.value.param == "prompt" and "neither generates nor embeds" in str(e.value)
     with pytest.raises(InvalidRequestError, match="sequence classifier"):
         llm.embed("hello")
+    assert "scores pairs" not in str(e.value)  # (three labels: it cannot)
     with pytest.raises(InvalidRequestError, match="needs a cross-encoder with one"):
         llm.score("a", "b")  # three labels: which one means "relevant"?
+    assert engine_idle(llm)  # (refused before any pair ran)
     engine = llm.engine
+    with pytest.raises(ValueError, match="a sequence classifier, which generates none"):
+        make_llm(str(classifiers[("llama", 3)]), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(InvalidRequestError, match="neither dimensions nor normalize"):
         engine.add_request("r", [1, 2, 3], PoolingParams(task="classify", dimensions=2))
     assert len(llm.classify(["still", "serving"])) == 2

@@ -97,8 +97,11 @@ def test_score_is_the_cross_encoders_relevance_of_each_pair(server, reference):
     server.wait_idle()
 
 
-def test_rerank_orders_documents_by_the_cross_encoder(server, reference):
-    _, logit = reference
+def test_rerank_orders_documents_by_the_cross_encoder(server, reference, reranker):
+    from transformers import AutoModelForSequenceClassification
+
+    tok, logit = reference
+    model = AutoModelForSequenceClassification.from_pretrained(reranker, dtype=torch.float32)
     scores = [sigmoid(logit(QUERY, d)) for d in DOCS]
     order = sorted(range(len(DOCS)), key=lambda j: -scores[j])
     with server.client() as c:
@@ -114,6 +117,15 @@ def test_rerank_orders_documents_by_the_cross_encoder(server, reference):
                 "return_documents": False}  # fmt: skip
         top = c.post("/v2/rerank", json=body).json()["results"]
         assert [x["index"] for x in top] == order[:2] and top[0]["document"] is None
+        # truncate_prompt_tokens cuts the longer text of a pair (the document), never the query
+        cut = c.post("/rerank", json={"query": QUERY, "documents": [DOCS[1]],
+                                      "truncate_prompt_tokens": 12}).json()  # fmt: skip
+        ids = tok(QUERY, text_pair=DOCS[1], truncation="longest_first", max_length=12)
+        assert cut["usage"]["prompt_tokens"] == 12 == len(ids["input_ids"])
+        assert ids["input_ids"][: len(tok.encode(QUERY))] == tok.encode(QUERY)
+        with torch.no_grad():
+            want = sigmoid(float(model(input_ids=torch.tensor([ids["input_ids"]])).logits[0, 0]))
+        assert cut["results"][0]["relevance_score"] == pytest.approx(want, abs=1e-5)
         # a pair past the context is refused naming its document
         bad = c.post("/rerank", json={"query": QUERY, "documents": ["x", "word " * 5000]})
         assert bad.status_code == 400, bad.text

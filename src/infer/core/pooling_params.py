@@ -95,13 +95,19 @@ def relevance(logits: Sequence[float]) -> float:
     """A cross-encoder's score for one pair: the sigmoid of its single logit, in (0, 1)
     (sentence-transformers' ``CrossEncoder`` and vLLM's score for a one-label model). A model
     with more labels does not say which of them means "relevant": ``InvalidRequestError``."""
-    if len(logits) != 1:
+    check_cross_encoder(len(logits))
+    return _sigmoid(logits[0])
+
+
+def check_cross_encoder(num_labels: int) -> None:
+    """``InvalidRequestError`` unless a classifier of ``num_labels`` labels can score pairs."""
+    if num_labels != 1:
         raise InvalidRequestError(
-            f"this classifier has {len(logits)} labels; scoring pairs (score, rerank) needs a "
-            "cross-encoder with one (num_labels 1): classify gives each label's probability",
+            f"this model is a sequence classifier with {num_labels} labels; scoring pairs "
+            "(score, rerank) needs a cross-encoder with one (num_labels 1): classify gives each "
+            "label's probability",
             param="model",
         )
-    return _sigmoid(logits[0])
 
 
 def _sigmoid(x: float) -> float:

@@ -513,6 +513,10 @@ class LLMEngine:
             return None
         if not self.config.cache.use_kv_cache:
             raise ValueError("speculative decoding needs the KV cache (drop --no-kv-cache)")
+        if self.spec.is_classifier:
+            raise ValueError(f"speculative decoding drafts tokens to generate; this model "
+                             f"({self.spec.architecture}) is a sequence classifier, which "
+                             "generates none (drop --speculative-config)")  # fmt: skip
         k = spec_cfg.num_speculative_tokens
         if spec_cfg.method == "ngram":
             logger.info(
@@ -838,10 +842,15 @@ class LLMEngine:
         return params
 
     def _classifier_only(self) -> str:
-        spec = self.spec
-        return (f"this model ({spec.architecture}) is a sequence classifier with "
-                f"{len(spec.labels)} label{'' if len(spec.labels) == 1 else 's'}: it classifies (/classify, LLM.classify) and scores "
-                "pairs (/score, /rerank, LLM.score); it neither generates nor embeds")  # fmt: skip
+        labels = self.spec.labels
+        if len(labels) == 1:
+            does = ("it classifies (/classify, LLM.classify) and scores pairs as a "
+                    "cross-encoder (/score, /rerank, LLM.score)")  # fmt: skip
+        else:
+            does = "it classifies (/classify, LLM.classify)"
+        return (f"this model ({self.spec.architecture}) is a sequence classifier with "
+                f"{len(labels)} label{'' if len(labels) == 1 else 's'}: {does}; it neither "
+                "generates nor embeds")  # fmt: skip
 
     def _check_payload(self, request_id: str, prompt: list[int],
                        payload: KVPayload | None) -> KVPayload | None:  # fmt: skip

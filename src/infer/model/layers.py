@@ -36,6 +36,9 @@ class WeightSource:
     names: tuple[str, ...]
     transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
     shard: Shard | None = None
+    # Only these rows of each tensor are read (picked before anything is converted: a causal
+    # reranker's head is 2 rows of a vocabulary projection of 150k).
+    rows: tuple[int, ...] | None = None
 
 
 class CausalLM(nn.Module):

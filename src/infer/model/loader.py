@@ -213,6 +213,8 @@ def load_model(
             unpacked = []
             for name in source.names:
                 tensor, layer = reader.read(name, pname)
+                if source.rows is not None:
+                    tensor = tensor[list(source.rows)]
                 tensors.append(tensor.float() if source.transform is not None else tensor)
                 if layer is not None:
                     unpacked.append(layer)
@@ -257,11 +259,10 @@ def _classifier_source(
     tied = next(sources[name] for name, p in model.named_parameters() if p is vocab)
     name = "lm_head.weight" if reader.has("lm_head.weight") else tied.names[0]
 
-    def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-        w = tensors[0][ids]
-        return (w[1] - w[0])[None] if from_tokens.two_way else w
+    def two_way(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return (tensors[0][1] - tensors[0][0])[None]  # (in float32, then the model's dtype)
 
-    return WeightSource((name,), rows)
+    return WeightSource((name,), two_way if from_tokens.two_way else None, rows=tuple(ids))
 
 
 def _token_ids(model_dir: Path, tokens: tuple[str, ...], vocab_size: int) -> list[int]:

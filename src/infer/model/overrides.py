@@ -10,8 +10,8 @@ The overrides are written out once as a folder beside the model, in the cache::
                                                            set to its value (top level)
                                          /<every other>    a link to the folder's own file
 
-``key`` hashes the folder's path, its ``config.json``'s size and modification time, and the
-overrides, so an edited config or other overrides make another folder. Everything that reads a
+``key`` hashes the folder's path, each entry's name, size and modification time, and the
+overrides, so an edited config, other weight files or other overrides make another folder. Everything that reads a
 model folder (spec, loader, tokenizer, tensor-parallel workers, the engine process) reads this
 one unchanged. Imports no torch.
 """
@@ -56,9 +56,9 @@ def overridden_folder(
         return folder
     config = read_config(folder)  # (a ModelLoadError naming the file when it cannot be read)
     config.update(json.loads(text))
-    stat = (folder / "config.json").stat()
+    entries = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in sorted(folder.iterdir())]
     key = hashlib.sha256(
-        json.dumps([str(folder), stat.st_size, stat.st_mtime_ns, text, FOLDER_VERSION]).encode()
+        json.dumps([str(folder), entries, text, FOLDER_VERSION]).encode()
     ).hexdigest()[:16]
     if cache is None:
         from infer.builtin.cache import cache_root

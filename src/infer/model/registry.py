@@ -133,8 +133,9 @@ def classifier_from_tokens(config: dict[str, Any]) -> ClassifierFromTokens | Non
 
 def classifier_labels(arch: str, config: dict[str, Any]) -> tuple[str, ...]:
     """A sequence classifier's label names in output order (the tokens of
-    ``classifier_from_token``, else ``id2label``; transformers' default of two, ``LABEL_0`` and
-    ``LABEL_1``, where the config names none); ``()`` for a language model."""
+    ``classifier_from_token``, else ``id2label``; ``LABEL_0``, ... where the config names none
+    or its ``num_labels`` says another count, as transformers reads it: two by default); ``()``
+    for a language model."""
     if arch not in CLASSIFIERS:
         if "classifier_from_token" in config:
             raise ValueError(f"classifier_from_token is for a sequence classifier, and "
@@ -145,7 +146,8 @@ def classifier_labels(arch: str, config: dict[str, Any]) -> tuple[str, ...]:
     if from_tokens is not None:
         return from_tokens.labels
     id2label = config.get("id2label")
-    if isinstance(id2label, dict) and id2label:
+    n = config.get("num_labels")
+    if isinstance(id2label, dict) and id2label and n in (None, len(id2label)):
         try:
             by_index = {int(k): str(v) for k, v in id2label.items()}
         except (TypeError, ValueError):
@@ -155,7 +157,7 @@ def classifier_labels(arch: str, config: dict[str, Any]) -> tuple[str, ...]:
         if sorted(by_index) != list(range(len(by_index))):
             raise ValueError(f"id2label must number its labels 0..n-1, got {sorted(by_index)}")
         return tuple(by_index[i] for i in range(len(by_index)))
-    n = config.get("num_labels", 2)
+    n = 2 if n is None else n  # (transformers' default; a num_labels given wins over id2label)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"num_labels must be a positive integer, got {n!r}")
     return tuple(f"LABEL_{i}" for i in range(n))

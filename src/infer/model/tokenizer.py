@@ -30,9 +30,18 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
-def encode_pair(tokenizer, text_1: str, text_2: str, add_special_tokens: bool = True) -> list[int]:
+def encode_pair(
+    tokenizer,
+    text_1: str,
+    text_2: str,
+    add_special_tokens: bool = True,
+    max_length: int | None = None,
+) -> list[int]:
     """A cross-encoder's input for a pair of texts: the tokenizer's own pair encoding (its
     special tokens around and between them, as sentence-transformers' ``CrossEncoder`` and
-    vLLM tokenize a pair; a tokenizer with no pair template joins the two)."""
-    encoded = tokenizer(text_1, text_pair=text_2, add_special_tokens=add_special_tokens)
+    vLLM tokenize a pair; a tokenizer with no pair template joins the two). ``max_length``:
+    at most that many tokens, the longer text cut first (the tokenizer's ``longest_first``),
+    so a long document never pushes the query out."""
+    cut = {} if max_length is None else {"truncation": "longest_first", "max_length": max_length}
+    encoded = tokenizer(text_1, text_pair=text_2, add_special_tokens=add_special_tokens, **cut)
     return list(encoded["input_ids"])

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from infer.core.pooling_params import cosine, relevance, score_pairs
+from infer.core.pooling_params import check_cross_encoder, cosine, relevance, score_pairs
 from infer.core.sampling_params import InvalidRequestError
 from infer.model.tokenizer import encode_pair
 from infer.server.classify import CLASSIFY
@@ -71,14 +71,18 @@ async def _cross_scores(
 ) -> tuple[str, list[float], EmbeddingUsage]:  # fmt: skip
     """A cross-encoder's score for each pair (indices into ``texts``): each pair one input;
     the request id, the scores and the usage."""
-    if len(serving.labels) != 1:
-        raise bad_request(f"this model is a sequence classifier with {len(serving.labels)} "
-                          "labels; scoring pairs needs a cross-encoder with one (num_labels 1): "
-                          "/classify gives each label's probability", param="model")  # fmt: skip
+    try:
+        check_cross_encoder(len(serving.labels))
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
     special = getattr(req, "add_special_tokens", True)
+    # truncate_prompt_tokens cuts a pair as the tokenizer cuts pairs (the longer text first),
+    # not by keeping its last k tokens, which would drop the query (0: tokenize_inputs' 400)
+    k = req.truncate_prompt_tokens
+    limit = None if not k else serving.max_model_len if k == -1 else k
 
     def encode_all() -> list[list[int]]:
-        return [encode_pair(serving.tokenizer, texts[i][0], texts[j][0], special)
+        return [encode_pair(serving.tokenizer, texts[i][0], texts[j][0], special, limit)
                 for i, j in pairs]  # fmt: skip
 
     size = sum(len(texts[i][0]) + len(texts[j][0]) for i, j in pairs)
