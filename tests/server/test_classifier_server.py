@@ -167,12 +167,16 @@ def test_it_keeps_classifying_under_concurrent_load(server, reference):
     assert stats["in_flight"] == 0
 
 
-def test_a_language_model_refuses_classify(shared_server):
+def test_a_language_model_answers_classify_with_404_naming_why(shared_server, server):
     with shared_server.client() as c:
-        r = c.post("/classify", json={"input": "hello"},
+        r = c.post("/v1/classify", json={"input": "hello"},
                    headers={"Authorization": f"Bearer {SHARED_KEY}"})  # fmt: skip
-    assert r.status_code == 400, r.text
-    assert "no classification head" in r.json()["error"]["message"]
+        assert r.status_code == 404, r.text
+        assert "(LlamaForCausalLM) has no classification head" in r.json()["error"]["message"]
+        # in the schema only where it is served
+        assert "/classify" not in c.get("/openapi.json").json()["paths"]
+    with server.client() as c:
+        assert {"/classify", "/v1/classify"} <= set(c.get("/openapi.json").json()["paths"])
 
 
 def test_vllms_qwen3_reranker_command_serves_a_causal_reranker(tiny_checkpoints, server_logs,

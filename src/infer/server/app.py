@@ -209,12 +209,20 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         model's sentence-transformers files say; ``--pooler-config`` overrides)."""
         return await create_embedding(serving, body, request)
 
+    # (in the schema only where it is served: a language model answers 404 naming why)
+    classifier = bool(serving.labels)
+
     @app.post("/classify", response_model=ClassificationResponse, responses=_ERRORS,
-              tags=["pooling"])  # fmt: skip
+              tags=["pooling"], include_in_schema=classifier)  # fmt: skip
     @app.post("/v1/classify", response_model=ClassificationResponse, responses=_ERRORS,
-              tags=["pooling"])  # fmt: skip
+              tags=["pooling"], include_in_schema=classifier)  # fmt: skip
     async def classify(body: ClassificationRequest, request: Request) -> Response:
         """Each input's label probabilities by a sequence classifier (vLLM's)."""
+        if not classifier:
+            raise APIError(404, f"this model ({engine.spec.architecture}) has no classification "
+                           "head: /classify serves sequence classifiers "
+                           "(*ForSequenceClassification)", param="model",
+                           code="not_a_classifier")  # fmt: skip
         return await create_classification(serving, body, request)
 
     @app.post("/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"])
