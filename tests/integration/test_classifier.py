@@ -135,7 +135,10 @@ def test_what_a_classifier_cannot_do_is_refused_and_it_keeps_serving(classifiers
     assert engine_idle(llm)  # (refused before any pair ran)
     engine = llm.engine
     with pytest.raises(ValueError, match="a sequence classifier, which generates none"):
-        make_llm(str(classifiers[("llama", 3)]), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        make_llm(
+            str(classifiers[("llama", 3)]),
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
     with pytest.raises(InvalidRequestError, match="neither dimensions nor normalize"):
         engine.add_request("r", [1, 2, 3], PoolingParams(task="classify", dimensions=2))
     assert len(llm.classify(["still", "serving"])) == 2
