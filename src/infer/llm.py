@@ -338,6 +338,7 @@ class LLM:
         lora_request: LoRARequest | str | None,
     ) -> list[ScoreResult]:
         check_cross_encoder(len(self.engine.spec.labels))
+        activation = self.engine.spec.score_activation
         encoded = []
         for k, (i, j) in enumerate(pairs):
             a, b = first[i], second[j]
@@ -356,7 +357,7 @@ class LLM:
         pooled = self._pool(encoded, PoolingParams(task="classify"), lora_request, "score")
         return [
             ScoreResult(first[pairs[k][0]], second[pairs[k][1]],
-                        ScoreOutput(relevance(last.embedding)))  # type: ignore[arg-type]
+                        ScoreOutput(relevance(last.embedding, activation)))  # type: ignore[arg-type]
             for k, _, last in pooled
         ]  # fmt: skip
 

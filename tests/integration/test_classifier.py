@@ -259,3 +259,48 @@ def test_hf_overrides_replace_config_fields_in_a_folder_of_links(tiny_checkpoint
     assert overridden_folder(source, '{"max_position_embeddings": 77}', tmp_path) == folder
     assert overridden_folder(source, {"max_position_embeddings": 78}, tmp_path) != folder
     assert overridden_folder(source, "", tmp_path) == source.resolve()
+
+
+def test_a_causal_reranker_gguf_file_is_served_with_hf_overrides(
+    tiny_checkpoints, make_llm, monkeypatch, tmp_path
+):
+    """A Qwen3-Reranker as llama.cpp users hold it, a GGUF file of the causal model: the
+    overrides apply to the folder made from its metadata, and the head's rows come from the
+    file's vocabulary projection."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infer.testing.gguf_files import write_gguf
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tiny_checkpoints["qwen3"]
+    file = write_gguf(folder, tmp_path / "reranker.gguf")
+    tok = AutoTokenizer.from_pretrained(folder)
+    overrides, ids = _causal_reranker_overrides(tok, "Qwen3ForSequenceClassification",
+                                                is_original_qwen3_reranker=True)  # fmt: skip
+    llm = make_llm(str(file), hf_overrides=overrides)
+    causal = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    query, docs = tok.encode(PROMPTS[1]), [tok.encode(PROMPTS[0]), tok.encode(LONG)]
+    for r, doc in zip(llm.score([query], docs), docs, strict=True):
+        with torch.no_grad():
+            logits = causal(torch.tensor([query + doc])).logits[0, -1]
+        assert r.outputs.score == pytest.approx(float(torch.softmax(logits[ids], 0)[1]), abs=1e-5)
+
+
+def test_a_cross_encoders_saved_activation_decides_its_score(classifiers, make_llm, monkeypatch,
+                                                              tmp_path):  # fmt: skip
+    """sentence-transformers saves a CrossEncoder's activation in config.json: Identity scores
+    a pair by its raw logit; an activation infer does not apply is a start-up error."""
+    from infer import LLM
+    from infer.model.folders import ModelLoadError
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
+    path = str(classifiers[("qwen3", 1)])
+    sigmoid = make_llm(path).score("a query", ["a document", "another"])
+    identity = {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}
+    raw = make_llm(path, hf_overrides=identity).score("a query", ["a document", "another"])
+    for s, r in zip(sigmoid, raw, strict=True):
+        assert s.outputs.score == pytest.approx(float(torch.sigmoid(torch.tensor(r.outputs.score))))
+    tanh = {"sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"}
+    with pytest.raises(ModelLoadError, match="activation 'torch.nn.modules.activation.Tanh'"):
+        LLM(path, dtype="float32", hf_overrides=tanh)

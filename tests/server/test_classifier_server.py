@@ -213,3 +213,42 @@ def test_vllms_qwen3_reranker_command_serves_a_causal_reranker(tiny_checkpoints,
             refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert refused.status_code == 400
         server.wait_idle()
+
+
+def test_use_activation_false_answers_the_raw_logits(server, reference):
+    _, logit = reference
+    with server.client() as c:
+        body = c.post("/classify", json={"input": DOCS[:2], "use_activation": False}).json()
+        assert [p for d in body["data"] for p in d["probs"]] == pytest.approx(
+            [logit(DOCS[0]), logit(DOCS[1])], abs=1e-5
+        )
+        older = c.post("/classify", json={"input": DOCS[0], "activation": False}).json()
+        assert older["data"][0]["probs"] == pytest.approx([logit(DOCS[0])], abs=1e-5)
+        scores = c.post("/score", json={"text_1": QUERY, "text_2": DOCS[:2],
+                                        "use_activation": False}).json()  # fmt: skip
+        assert [d["score"] for d in scores["data"]] == pytest.approx(
+            [logit(QUERY, DOCS[0]), logit(QUERY, DOCS[1])], abs=1e-5
+        )
+    server.wait_idle()
+
+
+def test_a_conversation_is_classified_as_the_chat_template_writes_it(server, reranker):
+    """A reward model's input: ``messages`` in place of ``input``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(reranker)
+    model = AutoModelForSequenceClassification.from_pretrained(reranker, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is a list?"},
+                {"role": "assistant", "content": "A mutable sequence."}]  # fmt: skip
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        want = sigmoid(float(model.eval()(input_ids=torch.tensor([ids])).logits[0, 0]))
+    with server.client() as c:
+        r = c.post("/classify", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["data"][0]["probs"] == pytest.approx([want], abs=1e-5)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        both = c.post("/classify", json={"messages": messages, "input": "x"})
+        assert both.status_code == 400 and "exactly one of" in both.json()["error"]["message"]
+    server.wait_idle()

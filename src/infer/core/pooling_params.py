@@ -91,12 +91,13 @@ def class_probabilities(logits: Sequence[float]) -> list[float]:
     return [e / total for e in exps]
 
 
-def relevance(logits: Sequence[float]) -> float:
+def relevance(logits: Sequence[float], activation: str = "sigmoid") -> float:
     """A cross-encoder's score for one pair: the sigmoid of its single logit, in (0, 1)
-    (sentence-transformers' ``CrossEncoder`` and vLLM's score for a one-label model). A model
-    with more labels does not say which of them means "relevant": ``InvalidRequestError``."""
+    (sentence-transformers' ``CrossEncoder`` and vLLM's score for a one-label model), or the
+    logit itself (``activation`` ``identity``). A model with more labels does not say which of
+    them means "relevant": ``InvalidRequestError``."""
     check_cross_encoder(len(logits))
-    return _sigmoid(logits[0])
+    return _sigmoid(logits[0]) if activation == "sigmoid" else float(logits[0])
 
 
 def check_cross_encoder(num_labels: int) -> None:

@@ -32,6 +32,7 @@ from infer.model.registry import (
     UnsupportedArchitectureError,
     classifier_from_tokens,
     classifier_labels,
+    cross_encoder_activation,
     model_class,
 )
 from infer.model.spec import ModelSpec, config_dtype, token_ids
@@ -61,6 +62,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
     try:
         arch, cls = model_class(config)
         labels = classifier_labels(arch, config)
+        activation = cross_encoder_activation(config) if labels else "sigmoid"
         if labels:  # a classifier has no vocabulary projection (no lm_head tensor to read)
             config = {**config, "tie_word_embeddings": True}
         parsed = cls.parse_config(config)
@@ -89,6 +91,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
         bos_token_id=bos,
         torch_dtype=config_dtype(config),
         labels=labels,
+        score_activation=activation,
     )
     return cls, parsed, spec, original
 

@@ -161,3 +161,24 @@ def classifier_labels(arch: str, config: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"num_labels must be a positive integer, got {n!r}")
     return tuple(f"LABEL_{i}" for i in range(n))
+
+
+# sentence-transformers' cross-encoder activations infer applies, by class name
+ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
+
+
+def cross_encoder_activation(config: dict[str, Any]) -> str:
+    """What a cross-encoder's pair score is of its logit: ``sigmoid`` (the default) or
+    ``identity``, as a sentence-transformers ``CrossEncoder`` saved it in the config
+    (``sentence_transformers.activation_fn``; older: ``sbert_ce_default_activation_function``).
+    ValueError for another activation."""
+    saved = config.get("sentence_transformers")
+    name = saved.get("activation_fn") if isinstance(saved, dict) else None
+    name = name or config.get("sbert_ce_default_activation_function")
+    if name is None:
+        return "sigmoid"
+    short = str(name).rsplit(".", 1)[-1]
+    if short not in ACTIVATIONS:
+        raise ValueError(f"the cross-encoder's activation {name!r} is not one infer applies "
+                         f"({', '.join(ACTIVATIONS)})")  # fmt: skip
+    return ACTIVATIONS[short]

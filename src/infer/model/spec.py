@@ -29,6 +29,8 @@ class ModelSpec:
     bos_token_id: int | None
     torch_dtype: str | None
     labels: tuple[str, ...] = ()
+    # What a one-label classifier's pair score is of its logit: sigmoid or identity.
+    score_activation: str = "sigmoid"
 
     @property
     def is_classifier(self) -> bool:

@@ -4,7 +4,9 @@
 A ``*ForSequenceClassification`` model (a label, reward or reranking model) ends in a ``score``
 head over the final hidden state of the prompt's last token; each input runs as one engine
 request (a prefill batched with everything else) and comes back as its labels' probabilities
-(softmax; the sigmoid for a one-label model) and the likeliest label's name.
+(softmax; the sigmoid for a one-label model; the raw logits with ``use_activation: false``)
+and the likeliest label's name. ``messages`` in place of ``input`` classifies one conversation
+as the chat template writes it: what a reward model scores.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from infer.core.pooling_params import PoolingParams, class_probabilities
-from infer.server.completions import prompt_list
-from infer.server.embeddings import embed, log_unknown_fields, tokenize_inputs
+from infer.server.embeddings import embed, log_unknown_fields, pooling_inputs
 from infer.server.protocol import ClassificationData, ClassificationRequest, ClassificationResponse
 from infer.server.serving import Serving
 
@@ -26,16 +27,14 @@ async def create_classification(
 ) -> Response:
     model = serving.check_model(req.model)
     log_unknown_fields(req, "/classify")
-    inputs = prompt_list(req.input, param="input")
-    params = ["input"] if len(inputs) == 1 else [f"input[{i}]" for i in range(len(inputs))]
-    token_inputs = await tokenize_inputs(serving, inputs, req, params)
+    token_inputs = await pooling_inputs(serving, req)
     request_id, finals, usage = await embed(serving, token_inputs, CLASSIFY, req, raw, "classify")
     data = []
     for index, final in enumerate(finals):
         logits: list[float] = final.embedding  # type: ignore[assignment]
         best = max(range(len(logits)), key=logits.__getitem__)
-        data.append(ClassificationData(index=index, label=serving.labels[best],
-                                       probs=class_probabilities(logits),
+        probs = class_probabilities(logits) if req.wants_activation else logits
+        data.append(ClassificationData(index=index, label=serving.labels[best], probs=probs,
                                        num_classes=len(logits)))  # fmt: skip
     body = ClassificationResponse(id=request_id, model=model, data=data, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

@@ -23,7 +23,13 @@ from infer.core.validation import check_prompt
 from infer.server.chat import render_chat
 from infer.server.completions import prompt_list
 from infer.server.errors import APIError, bad_request, from_invalid_request
-from infer.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from infer.server.protocol import (
+    ClassificationRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
 from infer.server.serving import Serving, cancel_on_disconnect, new_id, raise_if_failed
 
 logger = logging.getLogger("infer.server")
@@ -93,7 +99,8 @@ def pooling_params(**fields: Any) -> PoolingParams:
         raise from_invalid_request(e) from e
 
 
-async def _render_messages(serving: Serving, req: EmbeddingRequest) -> list[int]:
+async def _render_messages(serving: Serving, req: EmbeddingRequest | ClassificationRequest
+                           ) -> list[int]:  # fmt: skip
     """A conversation's ids as the chat template writes it (the template's own special tokens;
     the tokenizer's too only when the request sets ``add_special_tokens``), cut and checked as
     any input is."""
@@ -109,17 +116,23 @@ async def _render_messages(serving: Serving, req: EmbeddingRequest) -> list[int]
     return (await tokenize_inputs(serving, [ids], req, ["messages"]))[0]
 
 
-async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request) -> Response:
-    model = serving.check_model(req.model)
-    log_unknown_fields(req, "/v1/embeddings")
+async def pooling_inputs(serving: Serving, req: EmbeddingRequest | ClassificationRequest
+                         ) -> list[list[int]]:  # fmt: skip
+    """The token ids of a request's ``input`` (each one checked and named), or of its one
+    conversation (``messages``); a 400 unless it gives exactly one of the two."""
     if (req.input is None) == (req.messages is None):
         raise bad_request("give exactly one of 'input' and 'messages'", param="input")
     if req.messages is not None:
-        token_inputs = [await _render_messages(serving, req)]
-    else:
-        inputs = prompt_list(req.input, param="input")
-        params = ["input"] if len(inputs) == 1 else [f"input[{i}]" for i in range(len(inputs))]
-        token_inputs = await tokenize_inputs(serving, inputs, req, params)
+        return [await _render_messages(serving, req)]
+    inputs = prompt_list(req.input, param="input")
+    params = ["input"] if len(inputs) == 1 else [f"input[{i}]" for i in range(len(inputs))]
+    return await tokenize_inputs(serving, inputs, req, params)
+
+
+async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request) -> Response:
+    model = serving.check_model(req.model)
+    log_unknown_fields(req, "/v1/embeddings")
+    token_inputs = await pooling_inputs(serving, req)
     pooling = pooling_params(normalize=req.normalize, dimensions=req.dimensions)
     request_id, finals, usage = await embed(serving, token_inputs, pooling, req, raw, "embd")
     data = []

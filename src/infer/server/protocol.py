@@ -381,10 +381,9 @@ _Inputs = (
 _INPUTS = "a string, strings, token ids, or lists of token ids"
 
 
-class EmbeddingRequest(_PoolingFields):
-    """``POST /v1/embeddings`` (OpenAI's fields plus vLLM's ``truncate_prompt_tokens``,
-    ``add_special_tokens``, ``normalize`` and ``priority``); ``messages`` in place of ``input``
-    embeds one conversation as the chat template writes it (vLLM's chat form)."""
+class _InputOrMessages(_PoolingFields):
+    """``input``, or ``messages`` in its place: one conversation as the chat template writes it
+    (vLLM's chat form of the pooling routes)."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -400,27 +399,49 @@ class EmbeddingRequest(_PoolingFields):
     add_generation_prompt: bool = Field(False, description="with messages (vLLM's default)")
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    user: str | None = Field(None, description="accepted and ignored")
+
+
+class _Activation(_Request):
+    """vLLM's switch for a classifier's activation (``activation`` and ``softmax`` are its
+    older names): false answers the raw logits."""
+
+    use_activation: bool | None = Field(None, description="sigmoid / softmax over the logits "
+                                        "(default: true); false: the raw logits")  # fmt: skip
+    activation: bool | None = Field(None, description="use_activation's older name")
+    softmax: bool | None = Field(None, description="use_activation's older name")
+
+    @property
+    def wants_activation(self) -> bool:
+        for value in (self.use_activation, self.activation, self.softmax):
+            if value is not None:
+                return value
+        return True
+
+
+class EmbeddingRequest(_InputOrMessages):
+    """``POST /v1/embeddings`` (OpenAI's fields plus vLLM's ``truncate_prompt_tokens``,
+    ``add_special_tokens``, ``normalize`` and ``priority``); ``messages`` in place of ``input``
+    embeds one conversation as the chat template writes it (vLLM's chat form)."""
+
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: each vector's little-endian float32 bytes"
     )
     dimensions: int | None = Field(
         None, ge=1, description="keep the first d values (Matryoshka), normalized after the cut"
     )
-    user: str | None = Field(None, description="accepted and ignored")
     normalize: bool | None = Field(
         None, description="unit length (default: as the model's sentence-transformers files say)"
     )
 
 
-class ClassificationRequest(_PoolingFields):
+class ClassificationRequest(_InputOrMessages, _Activation):
     """``POST /classify`` (and ``/v1/classify``): each input's label probabilities by a
-    sequence classifier (vLLM's classification API)."""
-
-    input: _Inputs = Field(description=_INPUTS)
-    user: str | None = Field(None, description="accepted and ignored")
+    sequence classifier (vLLM's classification API); ``messages`` in place of ``input``
+    classifies one conversation as the chat template writes it (a reward model's input)."""
 
 
-class ScoreRequest(_PoolingFields):
+class ScoreRequest(_PoolingFields, _Activation):
     """``POST /score`` (and ``/v1/score``): how alike ``text_1`` and each ``text_2`` are: the
     cosine similarity of their embeddings (an embedding model), or a cross-encoder's relevance
     of the pair, the sigmoid of its logit (a one-label sequence classifier); vLLM's score API."""
@@ -434,7 +455,7 @@ class RerankDocumentIn(_Request):
     text: NonEmptyStr
 
 
-class RerankRequest(_PoolingFields):
+class RerankRequest(_PoolingFields, _Activation):
     """``POST /rerank`` (and ``/v1/rerank``, ``/v2/rerank``): ``documents`` ordered by how alike
     each is to ``query`` (Jina's and Cohere's shape, as vLLM serves it)."""
 

@@ -90,7 +90,9 @@ async def _cross_scores(
     fields = [texts[j][1] for _, j in pairs]  # (a pair is named by its second text)
     token_inputs = await tokenize_inputs(serving, encoded, req, fields)  # type: ignore[arg-type]
     request_id, finals, usage = await embed(serving, token_inputs, CLASSIFY, req, raw, prefix)
-    return request_id, [relevance(f.embedding) for f in finals], usage  # type: ignore[arg-type]
+    activation = serving.score_activation if req.wants_activation else "identity"
+    scores = [relevance(f.embedding, activation) for f in finals]  # type: ignore[arg-type]
+    return request_id, scores, usage
 
 
 def _cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:

@@ -111,6 +111,7 @@ class Serving:
         self.kv_tokens: int | None = None  # what the KV cache holds (None: unknown)
         # A sequence classifier's label names (empty: a language model).
         self.labels: tuple[str, ...] = ()
+        self.score_activation = "sigmoid"  # (a cross-encoder's: ModelSpec.score_activation)
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
