@@ -339,6 +339,8 @@ def register(subparsers) -> None:
         help="weights quantized at load: int8 | w8a8 | fp8 | int4 | w4a8 (a GPTQ / AWQ folder "
         "is counted as it is held either way)",
     )
+    p.add_argument("--hf-overrides", default=None,
+                   help="JSON of config.json fields set or replaced, as infer serve takes it")  # fmt: skip
     g = p.add_argument_group("shape without a folder")
     g.add_argument("--layers", type=int)
     g.add_argument("--kv-heads", type=int)
@@ -359,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             plan = plan_from_folder(
-                resolve_model_path(args.model),
+                resolve_model_path(args.model, args.hf_overrides),
                 args.memory,
                 args.concurrency,
                 args.context,
@@ -368,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
                 args.block_size,
                 args.quantization,
             )
-        except ModelLoadError as e:
+        except (ModelLoadError, ValueError) as e:
             raise SystemExit(f"infer plan: {e}") from None
     else:
         missing = [

@@ -78,6 +78,16 @@ def test_cli_reads_a_model_folder_without_loading_weights(tiny_checkpoints, caps
     assert rc == 0 and f"{bpt:,} bytes" in out
 
 
+def test_cli_reads_the_folder_with_hf_overrides(tiny_checkpoints, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
+    path = str(tiny_checkpoints["llama"])
+    rc = main(["plan", "--model", path, "--memory", "1GiB", "--hf-overrides",
+               '{"max_position_embeddings": 96}'])  # fmt: skip
+    assert rc == 0 and "KV per 96-token sequence" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--hf-overrides must be a JSON object"):
+        main(["plan", "--model", path, "--memory", "1GiB", "--hf-overrides", "[1]"])
+
+
 SHAPE = ["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--weights", "1GB",
          "--memory", "16GiB", "--context", "100"]  # fmt: skip
 

@@ -236,13 +236,14 @@ def build(args: dict[str, Any]) -> serve.Application:
 
     Keys: ``model`` (required), ``replicas`` (2), ``policy`` (prefix), ``served_model_name``,
     ``enable_prefix_caching`` (true), ``max_num_seqs``, ``max_queued_requests``,
-    ``block_size``, ``replica_cpus`` (1), ``torch_threads`` (1), ``max_load_gap`` (4).
+    ``block_size``, ``replica_cpus`` (1), ``torch_threads`` (1), ``max_load_gap`` (4),
+    ``hf_overrides`` (JSON, as ``--hf-overrides``).
     """
     from infer.engine.model_source import resolve_model_path
 
     known = {"model", "replicas", "policy", "served_model_name", "enable_prefix_caching",
              "max_num_seqs", "max_queued_requests", "block_size", "replica_cpus",
-             "torch_threads", "max_load_gap"}  # fmt: skip
+             "torch_threads", "max_load_gap", "hf_overrides"}  # fmt: skip
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown arguments {unknown}; known: {sorted(known)}")
@@ -250,7 +251,8 @@ def build(args: dict[str, Any]) -> serve.Application:
         raise ValueError("model=PATH is required")
     model = str(args["model"])
     flag = str(args.get("enable_prefix_caching", "true")).lower() in ("1", "true", "yes")
-    engine_kwargs: dict[str, Any] = {"model": model, "enable_prefix_caching": flag}
+    engine_kwargs: dict[str, Any] = {"model": model, "enable_prefix_caching": flag,
+                                     "hf_overrides": args.get("hf_overrides")}  # fmt: skip
     for key in ("max_num_seqs", "max_queued_requests", "block_size"):
         if key in args:
             engine_kwargs[key] = int(args[key])
