@@ -343,7 +343,8 @@ class LLM:
         for k, (i, j) in enumerate(pairs):
             a, b = first[i], second[j]
             if isinstance(a, str) and isinstance(b, str):
-                encoded.append(encode_pair(self.tokenizer, a, b))
+                encoded.append(encode_pair(self.tokenizer, a, b,
+                                           template=self.engine.spec.rerank_template))  # fmt: skip
             elif not isinstance(a, str) and not isinstance(b, str):
                 ids = self._encode(a, i, 2), self._encode(b, j, 2)
                 encoded.append(ids[0] + ids[1])

@@ -304,3 +304,54 @@ def test_a_cross_encoders_saved_activation_decides_its_score(classifiers, make_l
     tanh = {"sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"}
     with pytest.raises(ModelLoadError, match="activation 'torch.nn.modules.activation.Tanh'"):
         LLM(path, dtype="float32", hf_overrides=tanh)
+
+
+RERANK_TEMPLATE = ("<|im_start|>system\nJudge the document.<|im_end|>\n<|im_start|>user\n"
+                   "<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+
+
+def test_a_llama_cpp_reranker_gguf_file_is_served_as_it_is(tiny_checkpoints, make_llm,
+                                                             monkeypatch, tmp_path):  # fmt: skip
+    """A Qwen3-Reranker GGUF file as llama.cpp's converter writes it (pooling RANK, the "yes"
+    and "no" rows as cls.output.weight, a ``rerank`` chat template): no flag; a pair is the
+    template with the two texts in it, its score the softmax probability of "yes", as
+    llama-server's /v1/rerank answers."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infer.testing.gguf_files import write_gguf
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tiny_checkpoints["qwen3"]
+    yes, no = 301, 300  # (two tokens of the tiny tokenizer stand in for them)
+    file = write_gguf(folder, tmp_path / "rr.gguf", reranker=(yes, no, RERANK_TEMPLATE))
+    llm = make_llm(str(file))
+    spec = llm.engine.spec
+    assert spec.architecture == "Qwen3ForSequenceClassification" and spec.labels == ("yes",)
+    tok = AutoTokenizer.from_pretrained(folder)
+    causal = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def p_yes(ids: list[int]) -> float:
+        with torch.no_grad():
+            logits = causal(torch.tensor([ids])).logits[0, -1]
+        return float(torch.softmax(logits[[yes, no]], 0)[0])
+
+    query, docs = "a list in Python", [PROMPTS[1], LONG]
+    for r, doc in zip(llm.score(query, docs), docs, strict=True):
+        text = RERANK_TEMPLATE.replace("{query}", query).replace("{document}", doc)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3  # (parsed as specials)
+        assert r.outputs.score == pytest.approx(p_yes(ids), abs=1e-5)
+
+
+def test_a_templated_pair_past_max_length_cuts_the_document(tiny_checkpoints):
+    from transformers import AutoTokenizer
+
+    from infer.model.tokenizer import encode_pair
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoints["qwen3"])
+    whole = encode_pair(tok, "a query", LONG, template=RERANK_TEMPLATE)
+    cut = encode_pair(tok, "a query", LONG, max_length=len(whole) - 10, template=RERANK_TEMPLATE)
+    assert len(cut) == len(whole) - 10
+    end = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert cut[-len(end) :] == end and cut[:20] == whole[:20]  # the query and the prompt kept

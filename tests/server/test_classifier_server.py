@@ -252,3 +252,35 @@ def test_a_conversation_is_classified_as_the_chat_template_writes_it(server, rer
         both = c.post("/classify", json={"messages": messages, "input": "x"})
         assert both.status_code == 400 and "exactly one of" in both.json()["error"]["message"]
     server.wait_idle()
+
+
+def test_a_llama_cpp_reranker_gguf_answers_rerank_as_llama_server(tiny_checkpoints, server_logs,
+                                                                  tmp_path):  # fmt: skip
+    """``infer serve rr.gguf`` with no flag: each (query, document) is the file's ``rerank``
+    template with the two written in, scored by the softmax probability of "yes"."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infer.testing.gguf_files import write_gguf
+
+    folder = tiny_checkpoints["qwen3"]
+    template = "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    yes, no = 301, 300
+    file = write_gguf(folder, tmp_path / "rr.gguf", reranker=(yes, no, template))
+    tok = AutoTokenizer.from_pretrained(folder)
+    causal = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def p_yes(doc: str) -> float:
+        text = template.replace("{query}", QUERY).replace("{document}", doc)
+        with torch.no_grad():
+            ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+            logits = causal(ids).logits[0, -1]
+        return float(torch.softmax(logits[[yes, no]], 0)[0])
+
+    for server in start_server(file, server_logs, env={"INFER_CACHE_DIR": str(tmp_path / "c")}):
+        with server.client() as c:
+            r = c.post("/v1/rerank", json={"query": QUERY, "documents": DOCS})
+            assert r.status_code == 200, r.text
+            for x in r.json()["results"]:
+                assert x["relevance_score"] == pytest.approx(p_yes(DOCS[x["index"]]), abs=1e-5)
+        server.wait_idle()

@@ -75,6 +75,8 @@ class GGUFCheckpoint:
     def gguf_name(self, name: str) -> str | None:
         """The GGUF name of Hugging Face tensor ``name``, None when the file has no such tensor
         (an expert's: the tensor stacking every expert of its layer, :meth:`_expert`)."""
+        if name == "score.weight":  # (a reranker's head; the gguf package's map lacks it)
+            return "cls.output.weight" if "cls.output.weight" in self.tensors else None
         expert = _EXPERT.match(name)
         if expert is not None:
             name = f"{expert['layer']}.{expert['part']}"

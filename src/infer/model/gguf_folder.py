@@ -37,7 +37,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 # model/gguf_checkpoint.py unpacks them).
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # Bump when what a folder holds changes (a config fix-up): folders made before are not reused.
-FOLDER_VERSION = 3
+FOLDER_VERSION = 4
 GGUF_MAGIC = b"GGUF"
 
 # llama.cpp architecture -> the Hugging Face class infer serves it as (model/registry.py).
@@ -185,6 +185,7 @@ def _write_folder(file: Path, out: Path) -> None:
     if experts:
         data.update(_moe_config(reader, arch, int(experts)))
     data["tie_word_embeddings"] = "output.weight" not in tensors
+    data.update(_reranker(reader, arch, tensors, file))
     if "rope_freqs.weight" in tensors:
         # A Llama 3 rope's scaling, as llama.cpp's converter stores it: each frequency's divisor
         # (infer's rope reads "freq_factors"; model/rope.py).
@@ -210,6 +211,43 @@ def _write_folder(file: Path, out: Path) -> None:
         generation["eos_token_id"] = ends if len(ends) > 1 else ends[0]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
     _write_pooling(reader, arch, out)
+
+
+RANK = 4  # llama.cpp's pooling_type of a reranker (LLAMA_POOLING_TYPE_RANK)
+# The config key that says a sequence classifier's head is a GGUF reranker's two-row
+# cls.output.weight, [true, false] (model/loader.py makes its one label from them).
+RANK_HEAD = "gguf_rank_head"
+
+
+def _reranker(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> dict[str, Any]:
+    """A reranker file's config (pooling_type RANK), as llama.cpp's converter writes
+    Qwen3-Reranker: a two-row ``cls.output.weight`` (the "yes" and "no" rows of its vocabulary
+    projection) whose softmax's first value is a pair's score, and a ``rerank`` chat template
+    with ``{query}`` and ``{document}`` (llama-server formats each pair with it). Served as a
+    one-label classifier, ``W[yes] - W[no]``: the sigmoid of its logit is that softmax value.
+    {} for a file that is not a reranker."""
+    if int(_field(reader, f"{arch}.pooling_type") or 0) != RANK:
+        return {}
+    head = tensors.get("cls.output.weight")
+    shape = None if head is None else [int(n) for n in reversed(head.shape)]
+    if arch != "qwen3" or shape is None or len(shape) != 2 or shape[0] != 2:
+        raise ModelLoadError(
+            f"{file}: a reranker file (pooling RANK) of architecture {arch!r} with "
+            f"cls.output.weight {shape}; infer serves Qwen3-Reranker's (qwen3, a two-row "
+            "cls.output.weight)"
+        )
+    field = reader.fields.get(f"{arch}.classifier.output_labels")
+    labels = [] if field is None else [str(v) for v in field.contents()]
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "num_labels": 1,
+        "id2label": {"0": labels[0] if labels else "yes"},
+        RANK_HEAD: True,
+    }
+    template = _field(reader, "tokenizer.chat_template.rerank")
+    if template:
+        config["rerank_template"] = str(template)
+    return config
 
 
 # llama.cpp's pooling_type -> sentence-transformers' Pooling key (model/pooling.py reads them)

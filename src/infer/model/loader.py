@@ -16,7 +16,7 @@ import torch
 
 from infer.model.folders import ModelLoadError, read_config, read_json
 from infer.model.gguf_checkpoint import GGUFCheckpoint
-from infer.model.gguf_folder import gguf_source
+from infer.model.gguf_folder import RANK_HEAD, gguf_source
 from infer.model.layers import CausalLM, ClassifierHead, WeightSource
 from infer.model.parallel import TensorParallel
 from infer.model.quantized_checkpoint import (
@@ -63,6 +63,9 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
         arch, cls = model_class(config)
         labels = classifier_labels(arch, config)
         activation = cross_encoder_activation(config) if labels else "sigmoid"
+        template = config.get("rerank_template") if labels else None
+        if template is not None and (not isinstance(template, str) or "{document}" not in template):
+            raise ValueError("rerank_template must be a string holding {query} and {document}")
         if labels:  # a classifier has no vocabulary projection (no lm_head tensor to read)
             config = {**config, "tie_word_embeddings": True}
         parsed = cls.parse_config(config)
@@ -92,6 +95,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
         torch_dtype=config_dtype(config),
         labels=labels,
         score_activation=activation,
+        rerank_template=template,
     )
     return cls, parsed, spec, original
 
@@ -254,6 +258,12 @@ def _classifier_source(
     """Where a sequence classifier's head comes from: the checkpoint's ``score.weight``, or for
     a causal reranker (``classifier_from_token``) rows of its vocabulary projection: the
     ``lm_head`` it was trained with, else the embedding table it is tied to."""
+    if config.get(RANK_HEAD):  # a GGUF reranker's cls.output rows, [true, false]
+
+        def true_minus_false(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return (tensors[0][0] - tensors[0][1])[None]
+
+        return WeightSource(("score.weight",), true_minus_false)
     from_tokens = classifier_from_tokens(config)
     if from_tokens is None:
         return WeightSource(("score.weight",))

@@ -31,6 +31,9 @@ class ModelSpec:
     labels: tuple[str, ...] = ()
     # What a one-label classifier's pair score is of its logit: sigmoid or identity.
     score_activation: str = "sigmoid"
+    # A reranker's prompt for a pair, "{query}" and "{document}" in it (a GGUF reranker's
+    # "rerank" chat template; config.json's "rerank_template"); None: the tokenizer's pair.
+    rerank_template: str | None = None
 
     @property
     def is_classifier(self) -> bool:

@@ -36,12 +36,34 @@ def encode_pair(
     text_2: str,
     add_special_tokens: bool = True,
     max_length: int | None = None,
+    template: str | None = None,
 ) -> list[int]:
     """A cross-encoder's input for a pair of texts: the tokenizer's own pair encoding (its
     special tokens around and between them, as sentence-transformers' ``CrossEncoder`` and
     vLLM tokenize a pair; a tokenizer with no pair template joins the two). ``max_length``:
     at most that many tokens, the longer text cut first (the tokenizer's ``longest_first``),
-    so a long document never pushes the query out."""
+    so a long document never pushes the query out.
+
+    ``template`` (a reranker's prompt, ``{query}`` and ``{document}`` in it): the prompt with
+    the two texts written in, tokenized as text whose special tokens are parsed and nothing is
+    added (what llama-server does with a GGUF reranker's ``rerank`` template); past
+    ``max_length``, the document's tokens are cut from its end."""
+    if template is not None:
+        return _templated_pair(tokenizer, template, text_1, text_2, max_length)
     cut = {} if max_length is None else {"truncation": "longest_first", "max_length": max_length}
     encoded = tokenizer(text_1, text_pair=text_2, add_special_tokens=add_special_tokens, **cut)
     return list(encoded["input_ids"])
+
+
+def _templated_pair(tokenizer, template: str, query: str, document: str,
+                    max_length: int | None) -> list[int]:  # fmt: skip
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    ids = encode(template.replace("{query}", query).replace("{document}", document))
+    if max_length is None or len(ids) <= max_length or template.count("{document}") != 1:
+        return ids
+    before, after = template.replace("{query}", query).split("{document}")
+    head, tail = encode(before), encode(after)
+    keep = max(0, max_length - len(head) - len(tail))
+    return head + encode(document)[:keep] + tail

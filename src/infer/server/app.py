@@ -137,6 +137,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving.kv_tokens = engine.capacity.num_tokens
     serving.labels = tuple(engine.spec.labels)
     serving.score_activation = engine.spec.score_activation
+    serving.rerank_template = engine.spec.rerank_template
     lora_parents = dict(getattr(engine, "lora_parents", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 

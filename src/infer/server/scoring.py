@@ -82,8 +82,8 @@ async def _cross_scores(
     limit = None if not k else serving.max_model_len if k == -1 else k
 
     def encode_all() -> list[list[int]]:
-        return [encode_pair(serving.tokenizer, texts[i][0], texts[j][0], special, limit)
-                for i, j in pairs]  # fmt: skip
+        return [encode_pair(serving.tokenizer, texts[i][0], texts[j][0], special, limit,
+                            serving.rerank_template) for i, j in pairs]  # fmt: skip
 
     size = sum(len(texts[i][0]) + len(texts[j][0]) for i, j in pairs)
     encoded = await serving.run_blocking(encode_all, size=size)

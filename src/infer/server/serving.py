@@ -112,6 +112,7 @@ class Serving:
         # A sequence classifier's label names (empty: a language model).
         self.labels: tuple[str, ...] = ()
         self.score_activation = "sigmoid"  # (a cross-encoder's: ModelSpec.score_activation)
+        self.rerank_template: str | None = None  # (ModelSpec.rerank_template)
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:

@@ -75,6 +75,7 @@ def write_gguf(
     name: str = "tiny",
     drop: tuple = (),
     pooling: str | None = None,
+    reranker: tuple[int, int, str] | None = None,
 ) -> Path:
     """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2, Qwen3, a
     Gemma 3 whose every 6th layer is global and whose queries scale by its head size, or a
@@ -82,7 +83,10 @@ def write_gguf(
     GGUF ``out``: 2-D weights whose inputs split into its blocks in ``weight_type`` (F32, F16,
     BF16, Q8_0, Q4_0, Q4_1, Q4_K), the others and every 1-D tensor in F32; the Hugging Face
     tensors named in ``drop`` left out (a damaged file, for tests); ``pooling`` (MEAN, CLS,
-    LAST) marks an embedding model."""
+    LAST) marks an embedding model; ``reranker`` ``(true id, false id, template)``: a causal
+    reranker as llama.cpp's converter writes Qwen3-Reranker (pooling RANK, the two rows of its
+    vocabulary projection as ``cls.output.weight`` in place of an untied one, labels
+    ``yes`` / ``no``, the ``rerank`` chat template)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -126,6 +130,10 @@ def write_gguf(
     writer.add_vocab_size(config["vocab_size"])
     if pooling is not None:
         writer.add_pooling_type(gguf.PoolingType[pooling])
+    if reranker is not None:
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_string(gguf.Keys.Tokenizer.CHAT_TEMPLATE_N.format(name="rerank"), reranker[2])
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(experts)
@@ -144,6 +152,11 @@ def write_gguf(
     for file in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(str(file)))
     state = _stack_experts({k: v for k, v in state.items() if k not in drop})
+    if reranker is not None:
+        vocab = state.pop("lm_head.weight", None)
+        vocab = state["model.embed_tokens.weight"] if vocab is None else vocab
+        head = np.stack([vocab[reranker[0]], vocab[reranker[1]]]).astype(np.float32)
+        _add(writer, "cls.output.weight", head, gguf.GGMLQuantizationType.F32)
     for hf_name, tensor in state.items():
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = name_map.get_name(base)
