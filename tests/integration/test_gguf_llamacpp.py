@@ -86,3 +86,68 @@ def test_llama_quantized_files_give_transformers_logits(kind, tmp_path):
             logits = model(torch.tensor([ids])).logits[0].log_softmax(-1)
             want += [logits[i, t].item() for i, t in enumerate(ids[1:])]
     torch.testing.assert_close(lps, torch.tensor(want), rtol=0, atol=1e-4)
+
+
+def test_llama_cpps_qwen3_reranker_file_scores_as_transformers_and_llama_server(
+    tiny_checkpoints, tmp_path
+):
+    """A tiny Qwen3 with "yes" / "no" tokens, in a folder named as Qwen3-Reranker: llama.cpp's
+    converter writes it as a reranker (pooling RANK, cls.output.weight, a ``rerank`` chat
+    template). infer's score of each pair is transformers' softmax probability of "yes" over
+    the template (1e-5), and llama-server's ``/v1/rerank`` answer where it is built (its own
+    float32 kernels: within 1e-3)."""
+    import json
+    import time
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infer import LLM
+    from tests.server.conftest import free_port
+
+    folder = tmp_path / "qwen3-reranker"  # (the name llama.cpp's converter recognizes)
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoints["qwen3"])
+    tok.add_tokens(["yes", "no"])
+    causal = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen3"], dtype=torch.float32)
+    causal.resize_token_embeddings(len(tok), mean_resizing=False)
+    with torch.no_grad():
+        for w in (causal.get_input_embeddings().weight, causal.get_output_embeddings().weight):
+            w[-2:] = 0.2 * torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0))
+    causal.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    file = convert(folder, tmp_path / "rr.gguf")
+    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
+    query, docs = "a list in Python", ["The quick brown fox", "a list is a sequence", "x"]
+    with LLM(str(file), dtype="float32") as llm:
+        template = llm.engine.spec.rerank_template
+        got = [r.outputs.score for r in llm.score(query, docs)]
+    for score, doc in zip(got, docs, strict=True):
+        text = template.replace("{query}", query).replace("{document}", doc)
+        with torch.no_grad():
+            logits = causal.eval()(torch.tensor([tok.encode(text, add_special_tokens=False)]))
+        want = torch.softmax(logits.logits[0, -1, [yes, no]].double(), 0)[0]
+        assert score == pytest.approx(float(want), abs=1e-5)
+    server = LLAMA_CPP / "build" / "bin" / "llama-server"
+    if not server.is_file():
+        return
+    port = free_port()
+    proc = subprocess.Popen([str(server), "-m", str(file), "--host", "127.0.0.1", "--port",
+                             str(port), "--reranking", "-t", "2", "-c", "2048"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                if urllib.request.urlopen(url + "/health").status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        body = json.dumps({"query": query, "documents": docs}).encode()
+        request = urllib.request.Request(url + "/v1/rerank", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        results = json.loads(urllib.request.urlopen(request).read())["results"]
+        theirs = {r["index"]: r["relevance_score"] for r in results}
+        assert [theirs[i] for i in range(len(docs))] == pytest.approx(got, abs=1e-3)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
