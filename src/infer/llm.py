@@ -305,8 +305,9 @@ class LLM:
         ``text_2``, or pair by pair when both give as many. An embedding model: the cosine
         similarity of their embeddings (:meth:`embed`; each distinct text embedded once). A
         cross-encoder (a one-label sequence classifier): each pair runs through the model as
-        one input (the tokenizer's pair encoding; two token-id lists are joined as they are),
-        scored by the sigmoid of its logit."""
+        one input (the tokenizer's pair encoding, or the model's ``rerank_template`` with the
+        two written in; two token-id lists are joined as they are), scored by the sigmoid of its
+        logit (the logit itself where the model's saved activation is ``Identity``)."""
         first, second = _normalize_prompts(text_1), _normalize_prompts(text_2)
         pairs = score_pairs(len(first), len(second))
         if self.engine.spec.is_classifier:

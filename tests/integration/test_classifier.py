@@ -344,7 +344,7 @@ def test_a_llama_cpp_reranker_gguf_file_is_served_as_it_is(tiny_checkpoints, mak
         assert r.outputs.score == pytest.approx(p_yes(ids), abs=1e-5)
 
 
-def test_a_templated_pair_past_max_length_cuts_the_document(tiny_checkpoints):
+def test_a_templated_pair_past_max_length_drops_the_documents_last_tokens(tiny_checkpoints):
     from transformers import AutoTokenizer
 
     from infer.model.tokenizer import encode_pair
@@ -353,5 +353,60 @@ def test_a_templated_pair_past_max_length_cuts_the_document(tiny_checkpoints):
     whole = encode_pair(tok, "a query", LONG, template=RERANK_TEMPLATE)
     cut = encode_pair(tok, "a query", LONG, max_length=len(whole) - 10, template=RERANK_TEMPLATE)
     assert len(cut) == len(whole) - 10
+    # the whole prompt's tokens, ten of the document's last ones left out: the prompt around
+    # it and the query keep theirs
     end = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    assert cut[-len(end) :] == end and cut[:20] == whole[:20]  # the query and the prompt kept
+    assert cut[-len(end) :] == whole[-len(end) :] == end
+    i = next(k for k in range(len(cut)) if cut[k] != whole[k])
+    assert cut == whole[:i] + whole[i + 10 :] and i > 20
+    # a query holding the placeholder is written in as it is
+    odd = encode_pair(
+        tok, "{document}?", LONG, max_length=len(whole) - 10, template=RERANK_TEMPLATE
+    )
+    assert len(odd) == len(whole) - 10
+    with pytest.raises(InvalidRequestError, match="without the document is") as e:
+        encode_pair(tok, "a query", LONG, max_length=12, template=RERANK_TEMPLATE)
+    assert e.value.param == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "starts"),
+    [
+        ({"rerank_template": "<Document>: {document}"}, "rerank_template must be a string"),
+        ({"rerank_template": "{query} {document} {document}"}, "rerank_template must be"),
+        # a several-label model's saved activation is not one a pair score uses: it starts
+        ({"sentence_transformers": {"activation_fn": "torch.nn.Softmax"}}, None),
+    ],
+)
+def test_classifier_config_fields_checked_at_start_up(classifiers, monkeypatch, tmp_path,
+                                                       overrides, starts):  # fmt: skip
+    from infer import LLM
+    from infer.model.folders import ModelLoadError
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
+    path = str(classifiers[("llama", 3)])
+    if starts is None:
+        LLM(path, dtype="float32", hf_overrides=overrides).close()
+        return
+    with pytest.raises(ModelLoadError, match=starts):
+        LLM(path, dtype="float32", hf_overrides=overrides)
+
+
+def test_a_pair_cut_below_its_special_tokens_is_refused(tiny_checkpoints):
+    """A tokenizer that writes ``E a E b E`` for a pair cannot cut it to 2 tokens: a 400
+    naming truncate_prompt_tokens, not a pair of special tokens scored."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from infer.model.tokenizer import encode_pair
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoints["qwen3"])
+    eos = tok.eos_token
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"$A {eos}", pair=f"{eos} $A {eos} $B {eos}",
+        special_tokens=[(eos, tok.eos_token_id)],
+    )  # fmt: skip
+    assert len(encode_pair(tok, "a list", "of words", max_length=5)) == 5
+    with pytest.raises(InvalidRequestError, match="leaves no room") as e:
+        encode_pair(tok, "a list", "of words", max_length=2)
+    assert e.value.param == "truncate_prompt_tokens"

@@ -279,3 +279,11 @@ def test_messages_embed_the_conversation_as_the_chat_template_writes_it(server, 
         neither = c.post("/v1/embeddings", json={"model": "tiny"})
         assert neither.status_code == 400
     server.wait_idle()
+
+
+def test_use_activation_on_a_bi_encoders_score_is_refused(server):
+    with server.client() as c:
+        for field in ("use_activation", "activation", "softmax"):
+            r = c.post("/score", json={"text_1": "a", "text_2": "b", field: False})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert "cosine similarity of embeddings" in r.json()["error"]["message"]

@@ -62,10 +62,15 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
     try:
         arch, cls = model_class(config)
         labels = classifier_labels(arch, config)
-        activation = cross_encoder_activation(config) if labels else "sigmoid"
+        activation = cross_encoder_activation(config) if len(labels) == 1 else "sigmoid"
         template = config.get("rerank_template") if labels else None
-        if template is not None and (not isinstance(template, str) or "{document}" not in template):
-            raise ValueError("rerank_template must be a string holding {query} and {document}")
+        if template is not None and (
+            not isinstance(template, str)
+            or "{query}" not in template
+            or template.count("{document}") != 1
+        ):
+            raise ValueError("rerank_template must be a string holding {query} and, once, "
+                             "{document}")  # fmt: skip
         if labels:  # a classifier has no vocabulary projection (no lm_head tensor to read)
             config = {**config, "tie_word_embeddings": True}
         parsed = cls.parse_config(config)

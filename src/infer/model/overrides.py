@@ -56,7 +56,11 @@ def overridden_folder(
         return folder
     config = read_config(folder)  # (a ModelLoadError naming the file when it cannot be read)
     config.update(json.loads(text))
-    entries = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in sorted(folder.iterdir())]
+    try:
+        entries = [(e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                   for e in sorted(folder.iterdir())]  # fmt: skip
+    except OSError as e:  # (a dangling link in the folder, say)
+        raise ModelLoadError(f"cannot read the model folder {folder}: {e}") from e
     key = hashlib.sha256(
         json.dumps([str(folder), entries, text, FOLDER_VERSION]).encode()
     ).hexdigest()[:16]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from infer.core.sampling_params import InvalidRequestError
 from infer.model.folders import ModelLoadError
 
 VERY_LONG = int(1e30)  # transformers' own "no limit" value
@@ -47,23 +48,43 @@ def encode_pair(
     ``template`` (a reranker's prompt, ``{query}`` and ``{document}`` in it): the prompt with
     the two texts written in, tokenized as text whose special tokens are parsed and nothing is
     added (what llama-server does with a GGUF reranker's ``rerank`` template); past
-    ``max_length``, the document's tokens are cut from its end."""
+    ``max_length``, the document's last tokens are dropped. ``InvalidRequestError`` where
+    ``max_length`` cannot hold what must stay (the prompt and query, the special tokens)."""
     if template is not None:
         return _templated_pair(tokenizer, template, text_1, text_2, max_length)
     cut = {} if max_length is None else {"truncation": "longest_first", "max_length": max_length}
     encoded = tokenizer(text_1, text_pair=text_2, add_special_tokens=add_special_tokens, **cut)
-    return list(encoded["input_ids"])
+    ids = list(encoded["input_ids"])
+    if max_length is not None and len(ids) > max_length:  # (the special tokens alone are more)
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens ({max_length}) leaves no room for the pair's texts beside "
+            "the tokenizer's special tokens",
+            param="truncate_prompt_tokens",
+        )
+    return ids
 
 
 def _templated_pair(tokenizer, template: str, query: str, document: str,
                     max_length: int | None) -> list[int]:  # fmt: skip
-    def encode(text: str) -> list[int]:
+    # (split first, so a query that itself holds "{document}" is written in as it is)
+    before, after = (part.replace("{query}", query) for part in template.split("{document}"))
+    text = before + document + after
+    if max_length is None:
         return list(tokenizer.encode(text, add_special_tokens=False))
-
-    ids = encode(template.replace("{query}", query).replace("{document}", document))
-    if max_length is None or len(ids) <= max_length or template.count("{document}") != 1:
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    if len(ids) <= max_length:
         return ids
-    before, after = template.replace("{query}", query).split("{document}")
-    head, tail = encode(before), encode(after)
-    keep = max(0, max_length - len(head) - len(tail))
-    return head + encode(document)[:keep] + tail
+    # The document's tokens are those inside its characters; the last of them are dropped,
+    # so the prompt around it, the query in it, keeps its tokens.
+    start, end = len(before), len(before) + len(document)
+    inside = [i for i, (a, b) in enumerate(offsets) if a >= start and b <= end]
+    excess = len(ids) - max_length
+    if excess > len(inside):
+        raise InvalidRequestError(
+            f"the reranker's prompt without the document is {len(ids) - len(inside)} tokens, more "
+            f"than truncate_prompt_tokens ({max_length})",
+            param="truncate_prompt_tokens",
+        )
+    dropped = set(inside[len(inside) - excess :])
+    return [t for i, t in enumerate(ids) if i not in dropped]

@@ -5,8 +5,10 @@
   documents is embedded once), normalized, and each pair's score is the dot product of its two
   vectors, in [-1, 1];
 - a cross-encoder (a sequence classifier with one label: a reranker): each pair runs through
-  the model as one input, the tokenizer's pair encoding of the two texts, and its score is the
-  sigmoid of the head's logit, in (0, 1) (sentence-transformers' ``CrossEncoder``, vLLM).
+  the model as one input, the tokenizer's pair encoding of the two texts (or the model's
+  ``rerank_template`` with them written in), and its score is the sigmoid of the head's logit,
+  in (0, 1) (sentence-transformers' ``CrossEncoder``, vLLM), or the logit itself where the
+  model's saved activation is ``Identity`` or the request's ``use_activation`` is false.
 """
 
 from __future__ import annotations
@@ -86,13 +88,28 @@ async def _cross_scores(
                             serving.rerank_template) for i, j in pairs]  # fmt: skip
 
     size = sum(len(texts[i][0]) + len(texts[j][0]) for i, j in pairs)
-    encoded = await serving.run_blocking(encode_all, size=size)
+    try:
+        encoded = await serving.run_blocking(encode_all, size=size)
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
     fields = [texts[j][1] for _, j in pairs]  # (a pair is named by its second text)
     token_inputs = await tokenize_inputs(serving, encoded, req, fields)  # type: ignore[arg-type]
     request_id, finals, usage = await embed(serving, token_inputs, CLASSIFY, req, raw, prefix)
     activation = serving.score_activation if req.wants_activation else "identity"
     scores = [relevance(f.embedding, activation) for f in finals]  # type: ignore[arg-type]
     return request_id, scores, usage
+
+
+def _scorer(serving: Serving, req: ScoreRequest | RerankRequest):
+    """How this model scores pairs: a cross-encoder's head, or the cosine of embeddings (which
+    has no activation to switch off: a request's use_activation there is a 400)."""
+    if serving.labels:
+        return _cross_scores
+    for field in ("use_activation", "activation", "softmax"):
+        if getattr(req, field) is not None:
+            raise bad_request(f"{field} applies to a classifier's logits; this model scores by "
+                              "the cosine similarity of embeddings", param=field)  # fmt: skip
+    return _similarities
 
 
 def _cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
@@ -115,9 +132,8 @@ async def create_score(serving: Serving, req: ScoreRequest, raw: Request) -> Res
         raise from_invalid_request(e) from e
     n = len(first)
     index_pairs = [(i, n + j) for i, j in pairs]
-    score = _cross_scores if serving.labels else _similarities
-    request_id, scores, usage = await score(serving, first + second, index_pairs, req, raw,
-                                            "score")  # fmt: skip
+    request_id, scores, usage = await _scorer(serving, req)(serving, first + second, index_pairs,
+                                                           req, raw, "score")  # fmt: skip
     data = [ScoreData(index=k, score=s) for k, s in enumerate(scores)]
     body = ScoreResponse(id=request_id, model=model, data=data, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))
@@ -129,8 +145,8 @@ async def create_rerank(serving: Serving, req: RerankRequest, raw: Request) -> R
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     texts = [(req.query, "query"), *_listed(docs, "documents")]
     pairs = [(0, 1 + j) for j in range(len(docs))]
-    score = _cross_scores if serving.labels else _similarities
-    request_id, scores, usage = await score(serving, texts, pairs, req, raw, "rerank")
+    request_id, scores, usage = await _scorer(serving, req)(serving, texts, pairs, req, raw,
+                                                           "rerank")  # fmt: skip
     order = sorted(range(len(docs)), key=lambda j: -scores[j])
     if req.top_n:
         order = order[: req.top_n]
