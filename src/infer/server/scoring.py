@@ -102,14 +102,8 @@ async def _cross_scores(
 
 def _scorer(serving: Serving, req: ScoreRequest | RerankRequest):
     """How this model scores pairs: a cross-encoder's head, or the cosine of embeddings (which
-    has no activation to switch off: a request's use_activation there is a 400)."""
-    if serving.labels:
-        return _cross_scores
-    for field in ("use_activation", "activation", "softmax"):
-        if getattr(req, field) is not None:
-            raise bad_request(f"{field} applies to a classifier's logits; this model scores by "
-                              "the cosine similarity of embeddings", param=field)  # fmt: skip
-    return _similarities
+    has no activation: a request's ``use_activation`` there changes nothing)."""
+    return _cross_scores if serving.labels else _similarities
 
 
 def _cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
