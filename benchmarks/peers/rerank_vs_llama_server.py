@@ -7,7 +7,7 @@
 The two servers take turns (llama.cpp, infer, llama.cpp, infer, ...), each started fresh, one
 warm-up request, then ``--requests`` requests of one query against ``--docs`` documents
 (``--words`` words of Python's own documentation each, different every request) sent to
-``/v1/rerank`` one after another; then the same requests four at a time. Reported: documents
+``/v1/rerank`` one after another; then twice as many other requests four at a time. Reported: documents
 scored per second (medians over the rounds) and the largest difference between the two
 servers' relevance scores for the same (query, document). llama-server runs with
 ``--reranking -np 8 -t 2 -tb 2`` and a batch that holds a whole pair; infer serve with its
@@ -68,9 +68,11 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     scores = [rerank(url, q, d) for q, d in work]
     sequential = time.perf_counter() - t0
+    more = [(QUERIES[i % len(QUERIES)], documents(args.docs, args.words, 100 + i))
+            for i in range(2 * args.requests)]  # fmt: skip
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda w: rerank(url, *w), work * 2))
+        list(pool.map(lambda w: rerank(url, *w), more))
     concurrent_s = time.perf_counter() - t0
     docs = args.requests * args.docs
     return {"seq_docs_s": docs / sequential, "c4_docs_s": 2 * docs / concurrent_s,
