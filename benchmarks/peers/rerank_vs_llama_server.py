@@ -88,6 +88,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("rerank_vs_llama_server.md"))
+    p.add_argument("--infer-args", default="", help="more flags for infer serve, e.g. "
+                   "'--no-enable-prefix-caching' (what prefix caching buys)")  # fmt: skip
     args = p.parse_args()
     logs = args.out.with_suffix(".logs")
     logs.mkdir(parents=True, exist_ok=True)
@@ -96,7 +98,7 @@ def main() -> None:
                                      "--port", "8310", "--reranking", "-np", "8", "-c", "16384",
                                      "-b", "4096", "-ub", "4096", "-t", "2", "-tb", "2"],
         "infer serve": [sys.executable, "-m", "infer.cli", "serve", "--model", args.gguf,
-                        "--host", "127.0.0.1", "--port", "8410"],
+                        "--host", "127.0.0.1", "--port", "8410", *args.infer_args.split()],
     }  # fmt: skip
     urls = {
         "llama.cpp (llama-server)": "http://127.0.0.1:8310",
