@@ -38,7 +38,6 @@ from infer.core.outputs import (
 from infer.core.pooling_params import (
     PoolingParams,
     check_cross_encoder,
-    class_probabilities,
     cosine,
     relevance,
     score_pairs,
@@ -257,22 +256,18 @@ class LLM:
         prompt_list = _normalize_prompts(prompts)
         encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
         pooled = self._pool(encoded, PoolingParams(task="classify"), lora_request, "classify")
+        labels = self.engine.spec.labels
         return [
             ClassificationResult(
                 request_id=rid,
                 prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
                 prompt_token_ids=list(encoded[i]),
-                outputs=self._classification(last.embedding),  # type: ignore[arg-type]
+                outputs=ClassificationOutput.from_logits(last.embedding, labels),  # type: ignore[arg-type]
                 num_cached_tokens=last.num_cached_tokens,
                 timings=last.timings,
             )
             for i, rid, last in pooled
         ]
-
-    def _classification(self, logits: list[float]) -> ClassificationOutput:
-        labels = self.engine.spec.labels
-        return ClassificationOutput(logits, class_probabilities(logits),
-                                    labels[max(range(len(logits)), key=logits.__getitem__)])  # fmt: skip
 
     def _pool(
         self,

@@ -112,6 +112,14 @@ class ClassificationOutput:
     def num_classes(self) -> int:
         return len(self.logits)
 
+    @classmethod
+    def from_logits(cls, logits: list[float], labels: Sequence[str]) -> ClassificationOutput:
+        """The answer of a classifier whose labels are ``labels`` (in output order)."""
+        from infer.core.pooling_params import class_probabilities
+
+        best = max(range(len(logits)), key=logits.__getitem__)
+        return cls(logits, class_probabilities(logits), labels[best])
+
 
 @dataclass(frozen=True)
 class ClassificationResult:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +133,21 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object")
     return data
+
+
+def make_folder_once(out: Path, write: Callable[[Path], None]) -> Path:
+    """``out``, made by ``write`` filling a temporary folder beside it that is then renamed
+    into place: the folder appears whole or not at all, and one another process renamed first
+    is kept. The temporary folder is removed whatever happens."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process made it first
+            if not out.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

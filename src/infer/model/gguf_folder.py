@@ -22,13 +22,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from infer.model.folders import ModelLoadError
+from infer.model.folders import ModelLoadError, make_folder_once
 
 POINTER_FILE = "gguf.json"
 # GGML types that hold plain floats; every other type is quantized.
@@ -97,9 +94,8 @@ def gguf_model_folder(file: Path, cache: Path | None = None) -> Path:
     folder = Path(cache) / "gguf" / f"{file.stem}-{key}"
     if (folder / POINTER_FILE).is_file():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         try:
             _write_folder(file, tmp)
         except (TypeError, ValueError, KeyError) as e:  # a field missing or of another shape
@@ -108,14 +104,8 @@ def gguf_model_folder(file: Path, cache: Path | None = None) -> Path:
             ) from None
         pointer = {"file": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         (tmp / POINTER_FILE).write_text(json.dumps(pointer, indent=1) + "\n")
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process made it first
-            if not (folder / POINTER_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+
+    return make_folder_once(folder, write)
 
 
 def gguf_tensors(file: Path) -> list[tuple[str, tuple[int, ...], str]]:

@@ -34,6 +34,7 @@ from infer.model.registry import (
     classifier_labels,
     cross_encoder_activation,
     model_class,
+    rerank_template,
 )
 from infer.model.spec import ModelSpec, config_dtype, token_ids
 
@@ -63,14 +64,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
         arch, cls = model_class(config)
         labels = classifier_labels(arch, config)
         activation = cross_encoder_activation(config) if len(labels) == 1 else "sigmoid"
-        template = config.get("rerank_template") if labels else None
-        if template is not None and (
-            not isinstance(template, str)
-            or "{query}" not in template
-            or template.count("{document}") != 1
-        ):
-            raise ValueError("rerank_template must be a string holding {query} and, once, "
-                             "{document}")  # fmt: skip
+        template = rerank_template(config) if labels else None
         if labels:  # a classifier has no vocabulary projection (no lm_head tensor to read)
             config = {**config, "tie_word_embeddings": True}
         parsed = cls.parse_config(config)
@@ -264,11 +258,7 @@ def _classifier_source(
     a causal reranker (``classifier_from_token``) rows of its vocabulary projection: the
     ``lm_head`` it was trained with, else the embedding table it is tied to."""
     if config.get(RANK_HEAD):  # a GGUF reranker's cls.output rows, [true, false]
-
-        def true_minus_false(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return (tensors[0][0] - tensors[0][1])[None]
-
-        return WeightSource(("score.weight",), true_minus_false)
+        return WeightSource(("score.weight",), _true_minus_false, rows=(1, 0))
     from_tokens = classifier_from_tokens(config)
     if from_tokens is None:
         return WeightSource(("score.weight",))
@@ -276,11 +266,14 @@ def _classifier_source(
     vocab = model.vocab_projection_weight()
     tied = next(sources[name] for name, p in model.named_parameters() if p is vocab)
     name = "lm_head.weight" if reader.has("lm_head.weight") else tied.names[0]
+    transform = _true_minus_false if from_tokens.two_way else None
+    return WeightSource((name,), transform, rows=tuple(ids))
 
-    def two_way(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return (tensors[0][1] - tensors[0][0])[None]  # (in float32, then the model's dtype)
 
-    return WeightSource((name,), two_way if from_tokens.two_way else None, rows=tuple(ids))
+def _true_minus_false(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A two-way head's one label from its rows read as ``[false, true]``: ``W[true] -
+    W[false]`` (in float32, then the model's dtype)."""
+    return (tensors[0][1] - tensors[0][0])[None]
 
 
 def _token_ids(model_dir: Path, tokens: tuple[str, ...], vocab_size: int) -> list[int]:

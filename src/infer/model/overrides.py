@@ -11,9 +11,9 @@ The overrides are written out once as a folder beside the model, in the cache::
                                          /<every other>    a link to the folder's own file
 
 ``key`` hashes the folder's path, each entry's name, size and modification time, and the
-overrides, so an edited config, other weight files or other overrides make another folder. Everything that reads a
-model folder (spec, loader, tokenizer, tensor-parallel workers, the engine process) reads this
-one unchanged. Imports no torch.
+overrides, so an edited config, other weight files or other overrides make another folder.
+Everything that reads a model folder (spec, loader, tokenizer, tensor-parallel workers, the
+engine process) reads this one unchanged. Imports no torch.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from infer.model.folders import ModelLoadError, read_config
+from infer.model.folders import ModelLoadError, make_folder_once, read_config
 
 FOLDER_VERSION = 1
 
@@ -71,21 +69,15 @@ def overridden_folder(
     out = Path(cache) / "overrides" / f"{folder.name}-{key}"
     if out.is_dir():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         for entry in folder.iterdir():
             if entry.name != "config.json":
                 os.symlink(entry.resolve(), tmp / entry.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not out.is_dir():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process made it first
+        tmp.chmod(0o755)  # (mkdtemp's folder is private; the cache is shared)
+
+    try:
+        return make_folder_once(out, write)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise ModelLoadError(f"cannot write the --hf-overrides folder {out}: {e}") from e
-    return out

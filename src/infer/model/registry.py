@@ -182,3 +182,17 @@ def cross_encoder_activation(config: dict[str, Any]) -> str:
         raise ValueError(f"the cross-encoder's activation {name!r} is not one infer applies "
                          f"({', '.join(ACTIVATIONS)})")  # fmt: skip
     return ACTIVATIONS[short]
+
+
+def rerank_template(config: dict[str, Any]) -> str | None:
+    """A reranker's prompt for a pair (config.json's ``rerank_template``, which a GGUF
+    reranker's folder takes from its ``rerank`` chat template), None where there is none.
+    ValueError unless it holds ``{query}`` and, once, ``{document}``."""
+    template = config.get("rerank_template")
+    if template is not None and (
+        not isinstance(template, str)
+        or "{query}" not in template
+        or template.count("{document}") != 1
+    ):
+        raise ValueError("rerank_template must be a string holding {query} and, once, {document}")
+    return template

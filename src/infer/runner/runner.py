@@ -377,7 +377,8 @@ class ModelRunner:
         """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
         one forward pass, float32 logits of the sampled rows and of the prompt rows, and the
         float32 final hidden states of the pooled rows (embeddings; a copy, so a CUDA graph's
-        next replay cannot overwrite it; a sequence classifier's: its head's logits). ``feed``: see :meth:`launch` (the Triton step only)."""
+        next replay cannot overwrite it; a sequence classifier's: its head's logits).
+        ``feed``: see :meth:`launch` (the Triton step only)."""
         self.swap_blocks(batch)
         if batch.kv_imports:  # after the swap-outs: a block freed by one may be a target
             self.import_kv(batch.kv_imports)

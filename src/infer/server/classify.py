@@ -14,7 +14,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from infer.core.pooling_params import PoolingParams, class_probabilities
+from infer.core.outputs import ClassificationOutput
+from infer.core.pooling_params import PoolingParams
 from infer.server.embeddings import embed, log_unknown_fields, pooling_inputs
 from infer.server.protocol import ClassificationData, ClassificationRequest, ClassificationResponse
 from infer.server.serving import Serving
@@ -31,10 +32,8 @@ async def create_classification(
     request_id, finals, usage = await embed(serving, token_inputs, CLASSIFY, req, raw, "classify")
     data = []
     for index, final in enumerate(finals):
-        logits: list[float] = final.embedding  # type: ignore[assignment]
-        best = max(range(len(logits)), key=logits.__getitem__)
-        probs = class_probabilities(logits) if req.wants_activation else logits
-        data.append(ClassificationData(index=index, label=serving.labels[best], probs=probs,
-                                       num_classes=len(logits)))  # fmt: skip
+        out = ClassificationOutput.from_logits(final.embedding, serving.labels)  # type: ignore[arg-type]
+        data.append(ClassificationData(index=index, label=out.label, num_classes=out.num_classes,
+                                       probs=out.probs if req.wants_activation else out.logits))  # fmt: skip
     body = ClassificationResponse(id=request_id, model=model, data=data, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

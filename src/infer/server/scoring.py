@@ -100,7 +100,7 @@ async def _cross_scores(
     return request_id, scores, usage
 
 
-def _scorer(serving: Serving, req: ScoreRequest | RerankRequest):
+def _scorer(serving: Serving):
     """How this model scores pairs: a cross-encoder's head, or the cosine of embeddings (which
     has no activation: a request's ``use_activation`` there changes nothing)."""
     return _cross_scores if serving.labels else _similarities
@@ -126,7 +126,7 @@ async def create_score(serving: Serving, req: ScoreRequest, raw: Request) -> Res
         raise from_invalid_request(e) from e
     n = len(first)
     index_pairs = [(i, n + j) for i, j in pairs]
-    request_id, scores, usage = await _scorer(serving, req)(serving, first + second, index_pairs,
+    request_id, scores, usage = await _scorer(serving)(serving, first + second, index_pairs,
                                                            req, raw, "score")  # fmt: skip
     data = [ScoreData(index=k, score=s) for k, s in enumerate(scores)]
     body = ScoreResponse(id=request_id, model=model, data=data, usage=usage)
@@ -139,7 +139,7 @@ async def create_rerank(serving: Serving, req: RerankRequest, raw: Request) -> R
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     texts = [(req.query, "query"), *_listed(docs, "documents")]
     pairs = [(0, 1 + j) for j in range(len(docs))]
-    request_id, scores, usage = await _scorer(serving, req)(serving, texts, pairs, req, raw,
+    request_id, scores, usage = await _scorer(serving)(serving, texts, pairs, req, raw,
                                                            "rerank")  # fmt: skip
     order = sorted(range(len(docs)), key=lambda j: -scores[j])
     if req.top_n:
