@@ -46,9 +46,9 @@ def wide_llama(tiny_checkpoints, tmp_path_factory) -> Path:
     return build_wide_llama(tmp_path_factory.mktemp("wide") / "llama", tiny_checkpoints["llama"])
 
 
-def _run(model, dtype="float32", prompts=PROMPTS[:4], max_tokens=8):
+def _run(model, dtype="float32", prompts=PROMPTS[:4], max_tokens=8, **options):
     """(prompt logprobs of each prompt's tokens, greedy tokens, the engine's 4-bit layers)."""
-    with LLM(str(model), dtype=dtype, block_size=4) as llm:
+    with LLM(str(model), dtype=dtype, block_size=4, **options) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                     ignore_eos=True, prompt_logprobs=1))  # fmt: skip
         lps = torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
@@ -214,9 +214,11 @@ def test_a_quantized_gguf_gives_transformers_greedy_tokens(weight_type, wide_lla
 @pytest.mark.skipif(not int4_kernel_available(torch.device("cpu")), reason="no int4 CPU kernel")
 @pytest.mark.parametrize("weight_type", ["Q4_K", "Q4_1", "Q4_0"])
 def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wide_llama, tmp_path):
-    """bf16: the 4-bit layers stay 4-bit in the C++ kernel (float16 zeros for Q4_1 / Q4_K), so
-    their logits sit as close to the float32 file's as the same weights held in bf16 do. A
-    wrong nibble, scale, zero or row order lands far off."""
+    """bf16: the 4-bit layers stay 4-bit in the C++ kernels (float16 zeros for Q4_1 / Q4_K).
+    With bf16 activations (--no-gguf-int8-activations) their logits sit as close to the
+    float32 file's as the same weights held in bf16 do; with int8 activations (the default,
+    the w4a8 kernel: each row's groups of 32 in int8, as llama.cpp) within 3x that. A wrong
+    nibble, scale, zero or row order lands far off."""
     from transformers import AutoModelForCausalLM
 
     file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type)
@@ -227,13 +229,19 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
     save_file(state, plain / "model.safetensors")  # tied: the embedding is the head
     exact, _, _ = _run(file)
     plain_lps, _, _ = _run(plain, "bfloat16")
-    got, _, int4 = _run(file, "bfloat16")
+    got, _, int4 = _run(file, "bfloat16", gguf_int8_activations=False)
     assert len(int4) == 8 and {m.mode for m in int4} == {"kernel"}  # qkv, o, gate_up, down x 2
+    assert not any(m.int8_activations for m in int4)
     zeros = {m.zeros.dtype for m in int4}
     assert zeros == {torch.uint8 if weight_type == "Q4_0" else torch.float16}
+    w4a8, _, int4 = _run(file, "bfloat16")
+    assert len(int4) == 8 and {(m.mode, m.int8_activations) for m in int4} == {("kernel", True)}
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
-    print(f"{weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}")
+    w4a8_err = (w4a8 - exact).abs().mean()
+    print(f"{weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}, "
+          f"4-bit x int8 activations {w4a8_err:.4f}")  # fmt: skip
     assert got_err <= 1.5 * plain_err
+    assert w4a8_err <= 3 * plain_err
 
 
 @pytest.mark.skipif(not int4_kernel_available(torch.device("cpu")), reason="no int4 CPU kernel")
@@ -242,7 +250,7 @@ def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(weight_type, tiny_chec
                                                           tmp_path):  # fmt: skip
     """4-bit experts (sliced out of their layer's stacked tensor; Q4_1's with float16 zeros)
     stay 4-bit in the experts' kernel, as close to the float32 file's logits as the same
-    weights held in bf16."""
+    weights held in bf16 (within 3x with int8 activations, the default)."""
     source = tiny_checkpoints["qwen3_moe"]
     file = write_gguf(source, tmp_path / "moe.gguf", weight_type)
     plain = tmp_path / "plain"  # the same weights, rounded through the type by llama.cpp's code
@@ -256,12 +264,16 @@ def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(weight_type, tiny_chec
     save_file(state, plain / "model.safetensors")
     exact, _, _ = _run(file)
     plain_lps, _, _ = _run(plain, "bfloat16")
-    got, _, int4 = _run(file, "bfloat16")
+    got, _, int4 = _run(file, "bfloat16", gguf_int8_activations=False)
     assert len(int4) == 2 * (2 + 2 * 8)  # per layer: qkv, o, and each expert's gate_up, down
+    w4a8, _, int4 = _run(file, "bfloat16")  # int8 activations (the default)
+    assert len(int4) == 2 * (2 + 2 * 8) and all(m.int8_activations for m in int4)
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
+    w4a8_err = (w4a8 - exact).abs().mean()
     print(f"moe {weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, "
-          f"4-bit {got_err:.4f}")  # fmt: skip
+          f"4-bit {got_err:.4f}, 4-bit x int8 activations {w4a8_err:.4f}")  # fmt: skip
     assert got_err <= 1.5 * plain_err
+    assert w4a8_err <= 3 * plain_err
 
 
 def test_checkpoint_quantization_flag_and_errors(tiny_checkpoints, wide_llama, tmp_path):

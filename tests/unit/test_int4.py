@@ -123,8 +123,7 @@ def test_int4_kernel_matches_the_dequantized_product(m, k, n, group):
 @pytest.mark.parametrize("m,k,n,group", SHAPES)
 def test_int4_kernel_takes_float16_zeros(m, k, n, group):
     """GGUF's Q4_1 / Q4_K groups: a zero that is a ratio, held as float16 (negative and past 15
-    too), read by the same kernel; the w4a8 kernel (integer sums) leaves such a layer to the
-    dequantized product."""
+    too), read by the same kernels (the w4a8 kernel takes the zero's product in float32)."""
     x, q, scales, _ = _random_layer(m, k, n, group)
     torch.manual_seed(n)
     zeros = (torch.rand(n, k // group) * 40 - 8).to(torch.float16)
@@ -134,9 +133,13 @@ def test_int4_kernel_takes_float16_zeros(m, k, n, group):
     got = _kernel_f32(layer, x)
     tol = 1e-5 * (x.double().abs() @ torch.full((k, n), 160.0 * 0.1, dtype=torch.float64))
     assert torch.all((got - want).abs() <= tol + 1e-6)
-    assert Int4Linear(q, scales, zeros, None, torch.bfloat16, int8_activations=True).mode == (
-        "dequant"
-    )
+    if not int4_kernel_available(torch.device("cpu"), int8_activations=True):
+        return
+    w4a8 = Int4Linear(q, scales, zeros, None, torch.bfloat16, int8_activations=True)
+    assert w4a8.mode == "kernel" and w4a8.zeros.dtype == torch.float16
+    want = w4a8_kernel_reference(x, q, scales, zeros)
+    got = _kernel_f32(w4a8, x)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-6
 
 
 @needs_w4a8

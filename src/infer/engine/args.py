@@ -70,6 +70,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-quantize-lm-head) in int8 per channel (default); --no-gguf-int8 dequantizes "
         "them to the model's dtype",
     )
+    g.add_argument(
+        "--gguf-int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=m.gguf_int8_activations,
+        help="a GGUF file in bf16: its 4-bit layers (Q4_0, Q4_1, Q4_K) quantize each "
+        "activation row's groups of 32 to int8 and multiply bytes by nibbles (AVX-512 VNNI; "
+        "default, as llama.cpp does); --no-gguf-int8-activations keeps the activations bf16",
+    )
 
     g.add_argument(
         "--generation-config",
@@ -252,6 +260,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
             gguf_int8=args.gguf_int8,
+            gguf_int8_activations=args.gguf_int8_activations,
             attention_backend=getattr(args, "attention_backend", "auto"),
             enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", True),

@@ -210,6 +210,7 @@ class LLMEngine:
                 mc.quantize_lm_head,
                 keep_checkpoint_int4=self._keep_checkpoint_int4(),
                 checkpoint_int8=self._checkpoint_int8(load_quantization),
+                int8_activations=self._gguf_int8_activations(),
             )
         )
         if self.checkpoint_quantization is not None:
@@ -395,7 +396,8 @@ class LLMEngine:
         q = self.checkpoint_quantization
         assert q is not None
         kept = self.backend.kept_int4
-        modes = sorted({m.mode for m in kept})
+        modes = sorted({m.mode + (" x int8 activations" if m.int8_activations else "")
+                        for m in kept})  # fmt: skip
         dtype = str(self.dtype).removeprefix("torch.")
         if q.method == "gguf":
             gguf_file = gguf_source(self.model_path)
@@ -433,6 +435,19 @@ class LLMEngine:
         memory), a GGUF file's where the kernel runs them (:meth:`_gguf_kernels`)."""
         q = self.checkpoint_quantization
         return q is not None and (q.method != "gguf" or self._gguf_kernels())
+
+    def _gguf_int8_activations(self) -> bool:
+        """Whether a GGUF file's kept 4-bit layers take the w4a8 kernel
+        (``--gguf-int8-activations``, where the CPU has AVX-512 VNNI)."""
+        from infer.runner.int4 import int4_kernel_available
+
+        q = self.checkpoint_quantization
+        return (
+            q is not None
+            and q.method == "gguf"
+            and self.config.model.gguf_int8_activations
+            and int4_kernel_available(self.device, int8_activations=True)
+        )
 
     def _checkpoint_int8(self, load_quantization: str | None) -> bool:
         """Whether a GGUF file's layers of types the 4-bit kernel cannot take are held in int8

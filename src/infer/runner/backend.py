@@ -48,6 +48,8 @@ class WeightsConfig:
     keep_checkpoint_int4: bool = False
     # Its layers stored quantized in other types (GGUF's Q6_K, Q8_0, ...): held in int8.
     checkpoint_int8: bool = False
+    # The kept 4-bit layers multiply int8 activations (the w4a8 kernel; GGUF files).
+    int8_activations: bool = False
 
 
 class DeviceBackend:
@@ -96,7 +98,7 @@ class DeviceBackend:
 
         model = load_model(weights.model_path, weights.dtype, self.device)
         if weights.keep_checkpoint_int4 and not weights.quantization:
-            self.kept_int4 = keep_checkpoint_int4(model)
+            self.kept_int4 = keep_checkpoint_int4(model, weights.int8_activations)
         model.checkpoint_int4 = {}  # (the integers the loader unpacked: kept above, or not)
         self._prepare_weights(model, weights)
         self.model = model

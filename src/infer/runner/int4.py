@@ -140,10 +140,10 @@ def w4a8_kernel_reference(
     xq = torch.round(xg * inv[..., None]).to(torch.int64)  # [m, G, group]
     x_scale = torch.where(absmax > 0, absmax / 127.0, torch.zeros_like(absmax)).double()
     qg = q.to(torch.int64).view(q.shape[0], groups, group)  # [n, G, group]
-    dots = torch.einsum("mgk,ngk->mng", xq, qg)
-    dots = dots - zeros.to(torch.int64)[None] * xq.sum(dim=2)[:, None, :]
+    dots = torch.einsum("mgk,ngk->mng", xq, qg).double()
+    dots = dots - zeros.double()[None] * xq.sum(dim=2).double()[:, None, :]  # uint8 or float16
     w_scale = scales.double()[None]  # [1, n, G]
-    return (dots.double() * w_scale * x_scale[:, None, :]).sum(dim=2)
+    return (dots * w_scale * x_scale[:, None, :]).sum(dim=2)
 
 
 def int4_kernel_available(device: torch.device, int8_activations: bool = False) -> bool:
@@ -185,7 +185,6 @@ class Int4Linear(nn.Module):
             and (kernels.has_w4a8 if int8_activations else kernels.has_int4)
             and self.group_size % 16 == 0
             and dtype == torch.bfloat16  # a float32 model's activations stay float32
-            and not (int8_activations and zeros.dtype == torch.float16)  # w4a8: integer zeros
         ):
             self.mode = "kernel"
             self._kernels = kernels
@@ -260,11 +259,12 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def keep_checkpoint_int4(model: nn.Module) -> list[Int4Linear]:
-    """Swap each linear layer of a GPTQ / AWQ model whose 4-bit integers the loader kept
-    (``model.checkpoint_int4``, parameter name -> :class:`~infer.model.quantized_checkpoint.Int4Parts`)
-    for an :class:`Int4Linear` over them, so its weight takes 4 bits, not the dequantized
-    copy's 16. Returns the layers made; the others stay dequantized."""
+def keep_checkpoint_int4(model: nn.Module, int8_activations: bool = False) -> list[Int4Linear]:
+    """Swap each linear layer of a GPTQ / AWQ / GGUF model whose 4-bit integers the loader
+    kept (``model.checkpoint_int4``, parameter name ->
+    :class:`~infer.model.quantized_checkpoint.Int4Parts`) for an :class:`Int4Linear` over them,
+    so its weight takes 4 bits, not the dequantized copy's 16 (``int8_activations``: the w4a8
+    kernel). Returns the layers made; the others stay dequantized."""
     parts_by_name = getattr(model, "checkpoint_int4", None) or {}
     vocab_weight = model.vocab_projection_weight()
     made = []
@@ -278,7 +278,7 @@ def keep_checkpoint_int4(model: nn.Module) -> list[Int4Linear]:
         device = module.weight.device  # the loader's integers are on the CPU
         perm = None if parts.perm is None else parts.perm.to(device)
         new = Int4Linear(parts.q.to(device), parts.scales.to(device), parts.zeros.to(device),
-                         module.bias, module.weight.dtype, perm)  # fmt: skip
+                         module.bias, module.weight.dtype, perm, int8_activations)  # fmt: skip
         parent_name, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         made.append(new)

@@ -1,7 +1,7 @@
 // Linear layers with 4-bit weights (--quantization int4 | w4a8, GPTQ and AWQ checkpoints) on
 // AVX-512 CPUs. Weights: values q 0..15 with, per group of `group` inputs and per output, a
 // float16 scale and a zero (weight = scale * (q - zero)): an integer (uint8), or a float16 for
-// GGUF's Q4_1 / Q4_K groups, whose zero is a ratio (int4 kernel only). Two kernels read them:
+// GGUF's Q4_1 / Q4_K groups, whose zero is a ratio. Two kernels read them:
 //
 // int4 (activations stay bf16; AVX-512 BF16):
 //   y[m][n] = sum_g w_scale[g][n] * (sum_{k in g} x[m][k] * (128 + q[n][k])
@@ -18,7 +18,8 @@
 //   each row's values in each group quantized to int8 when the layer runs (symmetric,
 //   absmax / 127, rounded to nearest even), so the group's sum is one exact integer dot
 //   product: VPDPBUSD multiplies 4 unsigned bytes (the weights, unpacked from their nibbles
-//   with an AND and a shift) by 4 signed bytes (x), 128 multiply-adds per 64-byte load.
+//   with an AND and a shift) by 4 signed bytes (x), 128 multiply-adds per 64-byte load. A
+//   float16 zero's product (zero * xsum) is taken in float32 (the integer part stays exact).
 //
 //   packed W : [N/16][K/8] rows of 64 bytes (o: 8 inputs) of block nb (16 outputs n = 16 nb + c),
 //              in one of two layouts:
@@ -207,10 +208,10 @@ inline void quantize_row(const uint16_t* x, int64_t K, int64_t group, int32_t* x
 }
 
 // Rows [m0, m0 + MR) of one pass (xp interleaved for it) times column block nb.
-template <int MR, bool kOutF32>
+template <int MR, bool kOutF32, bool kHalfZeros>
 inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scale,
                        const int32_t* x_sum, const uint8_t* wb, const uint16_t* sb,
-                       const uint8_t* zb, const float* bias, void* y, int64_t m0, int64_t K,
+                       const void* zb, const float* bias, void* y, int64_t m0, int64_t K,
                        int64_t N, int64_t nb, int64_t group) {
   const int64_t groups = K / group;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -233,14 +234,25 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
     }
     const __m512 ws = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 16)));
-    const __m512i z =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zb + g * 16)));
-    for (int i = 0; i < MR; ++i) {
-      const int64_t at = (m0 + i) * groups + g;
-      const __m512i t =
-          _mm512_sub_epi32(acc[i], _mm512_mullo_epi32(z, _mm512_set1_epi32(x_sum[at])));
-      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),
-                               _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[at])), out[i]);
+    if (kHalfZeros) {  // a ratio (GGUF's Q4_1 / Q4_K): the zero's product in float32
+      const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(zb) + g * 16)));
+      for (int i = 0; i < MR; ++i) {
+        const int64_t at = (m0 + i) * groups + g;
+        const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(static_cast<float>(x_sum[at])),
+                                          _mm512_cvtepi32_ps(acc[i]));
+        out[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[at])), out[i]);
+      }
+    } else {  // an integer: the group's sum stays exact
+      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(zb) + g * 16)));
+      for (int i = 0; i < MR; ++i) {
+        const int64_t at = (m0 + i) * groups + g;
+        const __m512i t =
+            _mm512_sub_epi32(acc[i], _mm512_mullo_epi32(z, _mm512_set1_epi32(x_sum[at])));
+        out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),
+                                 _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[at])), out[i]);
+      }
     }
   }
   for (int i = 0; i < MR; ++i) store_row<kOutF32>(y, m0 + i, N, nb * 16, out[i], bias);
@@ -250,10 +262,11 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
 // multiply-adds; no barrier, no lines shared between cores), then threads take contiguous runs
 // of column blocks, each block's weights read from memory once and from cache for its further
 // passes of up to 8 rows (rows split evenly over the passes).
-template <bool kOutF32>
+template <bool kOutF32, bool kHalfZeros>
 void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
-                 const uint8_t* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                 const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
                  int64_t N, int64_t group, int num_threads) {
+  const int64_t zero_bytes = kHalfZeros ? 2 : 1;
   const int64_t pass_rows = Passes(M).rows, passes = (M + pass_rows - 1) / pass_rows;
   const int64_t nblocks = N / 16, kquads = K / 4, groups = K / group;
 #pragma omp parallel num_threads(num_threads)
@@ -271,9 +284,11 @@ void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
       for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
         const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
         infer_simd::with_count<kPassRows>(rows, [&](auto r) {
-          w4a8_block<decltype(r)::value, kOutF32>(
+          w4a8_block<decltype(r)::value, kOutF32, kHalfZeros>(
               xp + m0 * kquads, pass_rows, x_scale, x_sum, packed + b * K * 8,
-              scales + b * groups * 16, zeros + b * groups * 16, bias, y, m0, K, N, b, group);
+              scales + b * groups * 16,
+              static_cast<const uint8_t*>(zeros) + b * groups * 16 * zero_bytes, bias, y, m0, K,
+              N, b, group);
         });
       }
   }
@@ -298,7 +313,7 @@ int infer_int4_supported() {
 
 // y [M, N] (bf16, or float32 with out_f32) from x [M, K] bf16 and a weight packed as above
 // (runner/int4.py's pack_int4 builds it). flags: INFER_INT4_W4A8 picks the w4a8 kernel,
-// INFER_INT4_HALF_ZEROS says the zeros are float16 (int4 kernel only: code 3 with w4a8).
+// INFER_INT4_HALF_ZEROS says the zeros are float16.
 // N % 16 == 0, group % 16 == 0, K % group == 0.
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                       const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
@@ -306,11 +321,15 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
   if (N % 16 || group <= 0 || group % 16 || K % group || M <= 0) return 1;
   const bool half_zeros = flags & INFER_INT4_HALF_ZEROS;
   if (flags & INFER_INT4_W4A8) {
-    if (half_zeros) return 3;
 #ifdef INFER_HAVE_W4A8
-    const auto* z = static_cast<const uint8_t*>(zeros);
-    if (out_f32) w4a8_linear<true>(x, packed, scales, z, bias, y, M, K, N, group, num_threads);
-    else w4a8_linear<false>(x, packed, scales, z, bias, y, M, K, N, group, num_threads);
+    if (out_f32 && half_zeros)
+      w4a8_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    else if (out_f32)
+      w4a8_linear<true, false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    else if (half_zeros)
+      w4a8_linear<false, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    else
+      w4a8_linear<false, false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
     return 0;
 #endif
   } else {
