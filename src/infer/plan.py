@@ -102,15 +102,18 @@ def safetensors_num_params(model_dir: Path) -> int:
     return total
 
 
-def safetensors_weight_bytes(model_dir: Path, dtype_bytes: int, gguf_int8: bool = True) -> int:
+def safetensors_weight_bytes(
+    model_dir: Path, dtype_bytes: int, gguf_int8: bool = True, gguf_int8_activations: bool = True
+) -> int:
     """Bytes of the weights as the engine holds them, from the safetensors headers: every tensor
     at ``dtype_bytes`` per value, but a 4-bit GPTQ / AWQ layer as it stays (half a byte per
     weight, and per group and output a float16 scale and a one-byte zero); 8-bit GPTQ layers
     are dequantized at load, so they count as the weights they unpack to. A GGUF file's
-    folder: :func:`_gguf_weight_bytes` (``gguf_int8``: ``--gguf-int8``)."""
+    folder: :func:`_gguf_weight_bytes` (``gguf_int8``: ``--gguf-int8``;
+    ``gguf_int8_activations``: ``--gguf-int8-activations``)."""
     gguf_file = gguf_source(model_dir)
     if gguf_file is not None:
-        return _gguf_weight_bytes(gguf_file, dtype_bytes, gguf_int8)
+        return _gguf_weight_bytes(gguf_file, dtype_bytes, gguf_int8, gguf_int8_activations)
     qc = _quantization_config(model_dir)
     if not qc or int(qc.get("bits", qc.get("w_bit", 4))) != 4:
         return safetensors_num_params(model_dir) * dtype_bytes
@@ -172,11 +175,20 @@ def _quantization_config(model_dir: Path) -> dict | None:
     return qc if isinstance(qc, dict) else None
 
 
-# The 4-bit GGUF types the engine keeps 4-bit (model/gguf_checkpoint.py), and the bytes each
-# group of 32 weights' scale and zero take as held: float16 scale, uint8 zero (Q4_0) or
-# float16 zero.
-_GGUF_GROUP_BYTES = {"Q4_0": 3, "Q4_1": 4, "Q4_K": 4}  # (the keys: FOUR_BIT_TYPES)
-# Parameters fused from several GGUF tensors: kept 4-bit only when every part is.
+# The GGUF types the engine keeps in their own bits (model/gguf_checkpoint.py: FOUR_BIT_TYPES,
+# and WIDE_TYPES with int8 activations), as (bits, inputs a group, bytes of a group's zero):
+# a float16 scale and a uint8 (integer) or float16 zero per group and output.
+_GGUF_KEPT = {
+    "Q4_0": (4, 32, 1),
+    "Q4_1": (4, 32, 2),
+    "Q4_K": (4, 32, 2),
+    "Q5_0": (5, 32, 1),
+    "Q5_1": (5, 32, 2),
+    "Q5_K": (5, 32, 2),
+    "Q6_K": (6, 16, 1),
+}
+# Parameters fused from several GGUF tensors: kept only when every part is (at the widest
+# part's bits, the smallest group, the wider zero).
 _GGUF_FUSED = (
     ("attn_q", "attn_k", "attn_v"),
     ("ffn_gate", "ffn_up"),
@@ -185,29 +197,45 @@ _GGUF_FUSED = (
 )
 
 
-def _gguf_weight_bytes(file: Path, dtype_bytes: int, int8: bool = True) -> int:
+def _gguf_weight_bytes(
+    file: Path, dtype_bytes: int, int8: bool = True, int8_activations: bool = True
+) -> int:
     """Bytes of a GGUF file's weights as the engine holds them. float32: every weight
-    dequantized. 16-bit: a 4-bit layer (a fused q/k/v or gate/up only when each part is) as
-    half a byte per weight plus its groups' scales and zeros; with ``int8`` (``--gguf-int8``,
+    dequantized. 16-bit: a 4-bit layer (with ``int8_activations`` a 5- and 6-bit one too; a
+    fused q/k/v or gate/up only when each part is) at its bits per weight plus its groups'
+    scales and zeros; with ``int8`` (``--gguf-int8``,
     the default) a layer stored in another quantized type as int8 per channel, and beside the
     embedding table an int8 copy of the vocabulary projection if it was stored quantized; the
     rest at ``dtype_bytes`` per value."""
     tensors = {name: (shape, kind) for name, shape, kind in gguf_tensors(file)}
 
+    def parts(name: str) -> list[str]:
+        """``name``, or each part of the fused parameter it is one of."""
+        block, _, rest = name.rpartition(".")[0].rpartition(".")
+        for fused in _GGUF_FUSED:
+            if rest in fused:
+                return [f"{block}.{p}.weight" for p in fused]
+        return [name]
+
     def stored(name: str, kinds: Callable[[str], bool]) -> bool:
         """Whether ``name`` (each part, for a fused parameter's) is of one of ``kinds``."""
-        block, _, rest = name.rpartition(".")[0].rpartition(".")
-        names = [name]
-        for parts in _GGUF_FUSED:
-            if rest in parts:
-                names = [f"{block}.{p}.weight" for p in parts]
-        return all(n in tensors and kinds(tensors[n][1]) for n in names)
+        return all(n in tensors and kinds(tensors[n][1]) for n in parts(name))
 
     def quantized(kind: str) -> bool:
         return kind not in FLOAT_TYPES
 
+    def kept(kind: str) -> bool:
+        return kind in _GGUF_KEPT and (int8_activations or _GGUF_KEPT[kind][0] == 4)
+
+    def kept_bytes(name: str, count: int) -> int:
+        layouts = [_GGUF_KEPT[tensors[n][1]] for n in parts(name)]
+        bits = max(b for b, _, _ in layouts)
+        group = min(g for _, g, _ in layouts)
+        zero = max(z for _, _, z in layouts)
+        return count * bits // 8 + (2 + zero) * count // group
+
     total = 0
-    for name, (shape, kind) in tensors.items():
+    for name, (shape, _) in tensors.items():
         if name == "rope_freqs.weight":
             continue  # (derived state, not a weight)
         count = math.prod(shape)
@@ -215,8 +243,8 @@ def _gguf_weight_bytes(file: Path, dtype_bytes: int, int8: bool = True) -> int:
         layer = layer and "ffn_gate_inp" not in name  # (a router stays in the model's dtype)
         if dtype_bytes == 4 or not layer:
             total += count * dtype_bytes
-        elif stored(name, lambda k: k in _GGUF_GROUP_BYTES):
-            total += count // 2 + _GGUF_GROUP_BYTES[kind] * count // 32
+        elif stored(name, kept):
+            total += kept_bytes(name, count)
         elif int8 and stored(name, quantized):
             total += QUANTIZED_WEIGHT_BYTES["int8"](math.prod(shape[:-1]), shape[-1])
         else:

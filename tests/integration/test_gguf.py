@@ -9,6 +9,7 @@ package's dequantization of each block type (llama.cpp's reference code).
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 from pathlib import Path
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
 from infer.model.folders import ModelLoadError
-from infer.model.gguf_checkpoint import unpack_4bit
+from infer.model.gguf_checkpoint import unpack_4bit, unpack_wide
 from infer.model.quantized_checkpoint import layer_weight
 from infer.runner.int4 import Int4Linear, int4_kernel_available
 from infer.testing.gguf_files import (
@@ -97,6 +98,36 @@ def test_4bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
         scale = want.view(rows, -1, 32).abs().amax(dim=2, keepdim=True).clamp(min=1e-6)
         assert ((got - want).view(rows, -1, 32).abs() / scale).max() < 2**-9
     assert (want[0, :32] != 0).all() if kind != "Q4_0" else True  # the constant group
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_5_and_6_bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
+    """Random Q5 / Q6 blocks: the integers recovered from llama.cpp's values and the parsed
+    scales give them back, exactly for Q5_0 (integer zero 16, scale d), to the float16 rounding
+    of scale (and zero) for the others; Q6_K in groups of 16 with zero 32 (signed scales)."""
+    rows, cols = 32, 512
+    rng = np.random.default_rng(len(kind))
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    halves = {"Q5_0": [0], "Q5_1": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
+    for at in halves:
+        values = rng.uniform(-0.01 if kind == "Q5_1" and at else 0.001, 0.01, raw.shape[:2])
+        raw[..., at : at + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    want = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    layer = unpack_wide(raw, kind, want)
+    bits, group = {"Q6_K": (6, 16)}.get(kind, (5, 32))
+    assert layer.bits == bits and layer.q.shape == (rows, cols)
+    assert int(layer.q.max()) == (1 << bits) - 1  # (random blocks reach the top value)
+    assert layer.scales.shape == (rows, cols // group)
+    got, want = layer_weight(layer), torch.from_numpy(want)
+    if kind == "Q5_0":
+        assert layer.zeros.dtype == torch.uint8 and torch.equal(got, want)
+        return
+    assert layer.zeros.dtype == (torch.uint8 if kind == "Q6_K" else torch.float16)
+    scale = want.view(rows, -1, group).abs().amax(dim=2, keepdim=True).clamp(min=1e-6)
+    assert ((got - want).view(rows, -1, group).abs() / scale).max() < 2**-9
 
 
 def test_a_zero_float16_cannot_hold_leaves_the_layer_dequantized():
@@ -244,6 +275,51 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
     assert w4a8_err <= 3 * plain_err
 
 
+@pytest.mark.skipif(not int4_kernel_available(torch.device("cpu"), int8_activations=True),
+                    reason="no w4a8 CPU kernel")  # fmt: skip
+@pytest.mark.parametrize(
+    "weight_type,types,bits",
+    [
+        ("Q5_K", None, {5}),
+        ("Q6_K", None, {6}),
+        ("Q5_0", None, {5}),
+        ("Q5_1", None, {5}),
+        # a Q4_K_M file's mix: q / k Q4_K beside a Q6_K v (one fused q/k/v at 6 bits, groups
+        # of 16), a Q6_K down projection
+        ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}, {6, 4}),
+    ],
+)
+def test_5_and_6_bit_layers_stay_in_their_bits_with_int8_activations(
+    weight_type, types, bits, wide_llama, tmp_path
+):
+    """bf16 with int8 activations (the default): Q5 / Q6 layers are held at their own width
+    (nibbles + bit planes) in the w4a8 kernel, not int8 per channel, as close to the float32
+    file's logits as the 4-bit layers are (within 3x the same weights held in bf16); with
+    --no-gguf-int8-activations they are held in int8 per channel as before."""
+    from transformers import AutoModelForCausalLM
+
+    file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type, types=types)
+    plain = tmp_path / "plain"
+    shutil.copytree(wide_llama, plain)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, plain / "model.safetensors")
+    exact, _, _ = _run(file)
+    plain_lps, _, _ = _run(plain, "bfloat16")
+    got, _, layers = _run(file, "bfloat16")
+    assert len(layers) == 8 and {m.mode for m in layers} == {"kernel"}  # qkv, o, gate_up, down x 2
+    assert {m.bits for m in layers} == bits and all(m.int8_activations for m in layers)
+    if types:  # per layer: q/k/v and down at (6 bits, 16), o and gate/up at (4, 32)
+        kinds = collections.Counter((m.bits, m.group_size) for m in layers)
+        assert kinds == {(6, 16): 4, (4, 32): 4}
+    plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
+    print(f"{weight_type} {types}: mean |logprob error| plain bf16 {plain_err:.4f}, "
+          f"w4a8 {got_err:.4f}")  # fmt: skip
+    assert got_err <= 3 * plain_err
+    _, _, layers = _run(file, "bfloat16", gguf_int8_activations=False)
+    assert {m.bits for m in layers} <= {4}
+
+
 @pytest.mark.skipif(not int4_kernel_available(torch.device("cpu")), reason="no int4 CPU kernel")
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1"])
 def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(weight_type, tiny_checkpoints,
@@ -360,6 +436,27 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
         else:
             assert held == rest + linear + 4 * outputs + vocab_int8
             assert plain16 - packed_copy == plain_params * 2
+
+
+@pytest.mark.skipif(not int4_kernel_available(torch.device("cpu"), int8_activations=True),
+                    reason="no w4a8 CPU kernel")  # fmt: skip
+def test_plan_counts_5_and_6_bit_layers_as_the_engine_holds_them(wide_llama, tmp_path):
+    """With int8 activations a Q5 / Q6 layer counts at its bits plus a float16 scale and a zero
+    per group (16 inputs for Q6_K), and a Q4_K q / k fused with a Q6_K v at 6 bits in groups of
+    16; without, those layers count in int8 per channel."""
+    from infer.model.folders import find_model_folder
+    from infer.plan import safetensors_weight_bytes
+
+    for weight_type, types in (("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
+                               ("Q5_0", None), ("Q5_K", None)):  # fmt: skip
+        file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type, types=types)
+        folder = find_model_folder(file)
+        for int8_activations in (True, False):
+            with LLM(str(file), dtype="bfloat16", gguf_int8_activations=int8_activations) as llm:
+                held = llm.engine.weights_bytes
+            assert (
+                safetensors_weight_bytes(folder, 2, gguf_int8_activations=int8_activations) == held
+            )
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q8_0"])

@@ -12,7 +12,9 @@ from infer.runner.int4 import (
     Int4Linear,
     dequantize_int4,
     int4_kernel_available,
+    pack_int4,
     quantize_int4,
+    unpack_int4,
     w4a8_kernel_reference,
 )
 
@@ -70,6 +72,35 @@ def test_packed_layout_round_trips_to_the_quantized_weight(n, int8_activations):
         assert layer.weight_bytes == layer.packed.numel() + 3 * layer.scales.numel()
 
 
+@pytest.mark.parametrize("bits", [5, 6])
+def test_wider_weights_pack_as_nibbles_and_bit_planes(bits):
+    """GGUF's Q5 / Q6 values (0..31, 0..63): the w4a8 layout's nibbles plus a 16-byte plane per
+    bit above them, each value's bit at its byte's place; they come back exactly."""
+    torch.manual_seed(bits)
+    n, k = 32, 64
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n, 4).to(torch.float16)
+    zeros = torch.full((n, 4), 1 << (bits - 1), dtype=torch.uint8)
+    packed, _, _ = pack_int4(q, scales, zeros, int8_activations=True, bits=bits)
+    assert packed.shape == (2, 8, 64 + 16 * (bits - 4))
+    assert torch.equal(unpack_int4(packed, int8_activations=True), q)
+    # output 1, input 8 * 3 + 4 + 2 (octet 3, high nibble, j = 2): byte p = 4 * 1 + 2 = 6 of
+    # the second mask of each plane
+    q2 = torch.zeros_like(q)
+    q2[1, 30] = (1 << bits) - 1
+    packed, _, _ = pack_int4(q2, scales, zeros, int8_activations=True, bits=bits)
+    assert packed[0, 3, 6].item() == 0xF0 and packed[0, 3, :64].count_nonzero().item() == 1
+    for e in range(bits - 4):
+        plane = packed[0, 3, 64 + 16 * e : 80 + 16 * e]
+        assert plane.tolist() == [0] * 8 + [1 << 6] + [0] * 7
+    want = dequantize_int4(q, scales, zeros, torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):  # the dequantizing path, the kernel's
+        layer = Int4Linear(q, scales, zeros, None, dtype, int8_activations=True, bits=bits)
+        assert torch.equal(layer.dequantized_weight(), want.to(dtype))
+    with pytest.raises(ValueError, match="w4a8 kernel only"):
+        pack_int4(q, scales, zeros, int8_activations=False, bits=bits)
+
+
 SHAPES = [  # (rows, in, out, group)
     (1, 256, 32, 32),
     (3, 512, 48, 64),
@@ -86,7 +117,7 @@ def _kernel_f32(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     y = layer._kernels.int4_linear(
         x.bfloat16().contiguous(), layer.packed, layer.scales, layer.zeros, None,
         layer.out_features + layer.padded, layer.group_size, layer.int8_activations,
-        torch.float32,
+        torch.float32, layer.bits,
     )  # fmt: skip
     return y[:, : layer.out_features].double()
 
@@ -153,6 +184,29 @@ def test_w4a8_kernel_matches_the_integer_reference(m, k, n, group):
     assert (got - want).abs().max().item() <= tol
     got16 = Int4Linear(q, scales, zeros, None, torch.bfloat16, int8_activations=True)(x)
     torch.testing.assert_close(got16.float(), want.float().bfloat16().float(), atol=tol, rtol=8e-3)
+
+
+@needs_w4a8
+@pytest.mark.parametrize("bits,group", [(5, 32), (6, 16), (6, 64)])
+@pytest.mark.parametrize("half_zeros", [False, True])
+def test_w4a8_kernel_takes_5_and_6_bit_weights(bits, group, half_zeros):
+    """The bit planes put each value's high bits back: the kernel's sums are the integer
+    reference's, for every row count a pass takes (1, 8, 9, 17 rows) and a padded output."""
+    for m, n in ((1, 48), (8, 16), (9, 40), (17, 32)):
+        torch.manual_seed(m * 7 + bits)
+        k = 128
+        q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+        scales = ((torch.rand(n, k // group) - 0.3) * 0.1).to(torch.float16)  # some negative
+        zeros = torch.full((n, k // group), 1 << (bits - 1), dtype=torch.uint8)
+        if half_zeros:
+            zeros = (torch.rand(n, k // group) * 80 - 8).to(torch.float16)
+        x = (torch.randn(m, k) * 3).bfloat16()
+        layer = Int4Linear(q, scales, zeros, None, torch.bfloat16, int8_activations=True,
+                           bits=bits)  # fmt: skip
+        assert layer.mode == "kernel"
+        want = w4a8_kernel_reference(x, q, scales, zeros)
+        got = _kernel_f32(layer, x)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-6
 
 
 @needs_w4a8

@@ -29,6 +29,7 @@ model keeps none (``keep_4bit`` False): every weight is then exactly llama.cpp's
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from infer.model.folders import ModelLoadError
-from infer.model.gguf_folder import FLOAT_TYPES, FOUR_BIT_TYPES
+from infer.model.gguf_folder import FLOAT_TYPES, FOUR_BIT_TYPES, WIDE_TYPES
 from infer.model.quantized_checkpoint import UnpackedLayer
 
 GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
@@ -49,7 +50,9 @@ _EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<index>\d+)\.(?P<part>[^.]+\.
 class GGUFCheckpoint:
     """Tensors of one GGUF file by Hugging Face name (memory-mapped; read on demand)."""
 
-    def __init__(self, file: Path, num_heads: int, num_kv_heads: int, keep_4bit: bool) -> None:
+    def __init__(
+        self, file: Path, num_heads: int, num_kv_heads: int, keep_4bit: bool, keep_wide: bool
+    ) -> None:
         import gguf
 
         self.file = Path(file)
@@ -70,6 +73,7 @@ class GGUFCheckpoint:
         self.name_map = gguf.get_tensor_name_map(arch_id, int(block_count))
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.keep_4bit = keep_4bit
+        self.keep_wide = keep_wide  # the 5- and 6-bit types' integers too (WIDE_TYPES)
         self.used: set[str] = set()
 
     def gguf_name(self, name: str) -> str | None:
@@ -124,15 +128,17 @@ class GGUFCheckpoint:
         if name.endswith("shared_expert_gate.weight") and weight.dim() == 1:
             weight = weight[None]  # Qwen2-MoE's [1, hidden] gate, stored as [hidden]
         layer = None
-        four_bit = tensor.tensor_type.name in FOUR_BIT_TYPES
-        if self.keep_4bit and four_bit and weight.dim() == 2:
-            layer = unpack_4bit(np.asarray(data), tensor.tensor_type.name, weight.shape)
+        kind = tensor.tensor_type.name
+        if self.keep_4bit and kind in FOUR_BIT_TYPES and weight.dim() == 2:
+            layer = unpack_4bit(np.asarray(data), kind, weight.shape)
+        elif self.keep_wide and kind in WIDE_TYPES and weight.dim() == 2:
+            layer = unpack_wide(np.asarray(data), kind, weight.numpy())
         rows = self._row_order(name, weight.shape[0])
         if rows is not None:
             weight = weight[rows]
             if layer is not None:
-                layer = UnpackedLayer(
-                    layer.q[rows], layer.zeros[rows], layer.scales[rows], layer.g_idx
+                layer = dataclasses.replace(
+                    layer, q=layer.q[rows], zeros=layer.zeros[rows], scales=layer.scales[rows]
                 )
         if self.arch == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1.0  # stored as the (1 + w) Gemma's norms multiply by
@@ -190,9 +196,7 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
         blocks = raw.reshape(rows, cols // 256, 144)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        s = blocks[..., 4:16].astype(np.uint8)
-        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
-        m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        sc, m = _k_scales_mins(blocks[..., 4:16])
         qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 1, 32)
         q = np.concatenate([qs & 15, qs >> 4], axis=3)  # chunk c, half h = group 2c + h
         scale = d[..., None] * sc  # [rows, blocks, 8]
@@ -210,7 +214,77 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
             return UnpackedLayer(q, zeros, scales, torch.arange(cols) // GROUP)
         scale = d
         offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = q.reshape(rows, cols // GROUP, GROUP).astype(np.uint8)
+    return _half_zeros(q.reshape(rows, cols // GROUP, GROUP), scale, offset, 4)
+
+
+def unpack_wide(data: np.ndarray, kind: str, values: np.ndarray) -> UnpackedLayer | None:
+    """One Q5_0 / Q5_1 / Q5_K / Q6_K tensor (``WIDE_TYPES``) as integers 0..31 or 0..63 with
+    float16 scales and zeros per group (32 inputs; Q6_K's 16), like :func:`unpack_4bit`. Only
+    each group's scale and min are parsed from the blocks; the integers are recovered from
+    ``values`` (the ``gguf`` package's dequantization, ``scale * q + offset`` in float32, so
+    ``(value - offset) / scale`` rounds back to q exactly)::
+
+        Q5_0  (32: d f16 | qh[4] | qs[16])                     d (q - 16)      zero 16, exact
+        Q5_1  (32: d f16 | m f16 | qh[4] | qs[16])             d q + m         zero = -m / d
+        Q5_K  (256: d | dmin | scales[12] | qh[32] | qs[128])  d sc q - dmin m (Q4_K's sc, m)
+        Q6_K  (256: ql[128] | qh[64] | scales[16] int8 | d)    d sc (q - 32)   16 inputs a
+                                                                               group, zero 32
+    None when a scale or zero float16 cannot hold (the layer is then held as before)."""
+    bits, group = WIDE_TYPES[kind]
+    rows, cols = values.shape
+    block, size = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}[kind]
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
+
+    def half(at: int) -> np.ndarray:
+        return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    integer_zero = {"Q5_0": 16, "Q6_K": 32}.get(kind)
+    if kind == "Q5_0":
+        scale = half(0)
+    elif kind == "Q5_1":
+        scale, offset = half(0), half(2)
+    elif kind == "Q5_K":
+        sc, m = _k_scales_mins(blocks[..., 4:16])
+        scale = half(0)[..., None] * sc
+        offset = -(half(2)[..., None] * m)
+    else:
+        scale = half(208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
+    scale = scale.reshape(rows, cols // group)
+    grouped = values.reshape(rows, cols // group, group)
+    if integer_zero is not None:
+        scale16 = scale.astype(np.float16)
+        if not np.isfinite(scale16).all():
+            return None
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(scale[..., None] == 0, integer_zero,
+                         np.rint(grouped / scale[..., None]) + integer_zero)  # fmt: skip
+        q = np.clip(q, 0, (1 << bits) - 1).astype(np.uint8).reshape(rows, cols)
+        zeros = np.full(scale16.shape, integer_zero, dtype=np.uint8)
+        return UnpackedLayer(torch.from_numpy(q), torch.from_numpy(zeros),
+                             torch.from_numpy(scale16), torch.arange(cols) // group,
+                             bits)  # fmt: skip
+    offset = offset.reshape(rows, cols // group)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale[..., None] == 0, 0,
+                     np.rint((grouped - offset[..., None]) / scale[..., None]))  # fmt: skip
+    q = np.clip(q, 0, (1 << bits) - 1).astype(np.uint8)
+    return _half_zeros(q, scale, offset, bits)
+
+
+def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant super-block's 8 six-bit scales and mins from its 12 bytes (module doc)."""
+    s = s.astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc, m
+
+
+def _half_zeros(q: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                bits: int) -> UnpackedLayer | None:  # fmt: skip
+    """``weight = scale * q + offset`` per group (q ``[rows, groups, group]``) as a float16
+    scale and float16 zero, or None where they cannot hold."""
+    rows, groups, group = q.shape
+    cols = groups * group
     scale = scale.reshape(rows, -1)
     offset = offset.reshape(rows, -1)
     # weight = scale * q + offset = scale16 * (q - zero): zero = -offset / scale16. A group
@@ -228,5 +302,6 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
         torch.from_numpy(q.astype(np.uint8)),
         torch.from_numpy(zero.astype(np.float16)),
         torch.from_numpy(scale16),
-        torch.arange(cols) // GROUP,
+        torch.arange(cols) // group,
+        bits,
     )

@@ -33,6 +33,9 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 # The 4-bit types whose integers the int4 kernel takes as they are (groups of 32;
 # model/gguf_checkpoint.py unpacks them).
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# The 5- and 6-bit types the w4a8 kernel takes as they are (the nibbles plus bit planes), by
+# their bits and group size: with int8 activations only (--gguf-int8-activations).
+WIDE_TYPES = {"Q5_0": (5, 32), "Q5_1": (5, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}
 # Bump when what a folder holds changes (a config fix-up): folders made before are not reused.
 FOLDER_VERSION = 4
 GGUF_MAGIC = b"GGUF"

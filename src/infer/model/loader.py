@@ -171,11 +171,14 @@ def load_model(
     model_dir: Path,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
+    gguf_wide: bool = False,
 ) -> CausalLM:
     """Build the model of ``model_dir`` and fill it from its safetensors, in ``dtype`` on ``device``.
 
     ``dtype=None`` keeps the checkpoint's dtype. Tensors are read one at a time (memory-mapped)
     and fused/transposed into our layout; the model comes back in eval mode without grads.
+    ``gguf_wide``: a GGUF file's 5- and 6-bit layers keep their integers too (beside its 4-bit
+    ones), for the w4a8 kernel (``--gguf-int8-activations``).
     """
 
     model_dir = Path(model_dir)
@@ -188,7 +191,8 @@ def load_model(
         # float32: every weight dequantized, exactly llama.cpp's values (4-bit layers would
         # only be dequantized again for each product, with float16 zeros)
         keep_4bit = dtype != torch.float32
-        reader = GGUFCheckpoint(gguf_file, spec.num_heads, spec.num_kv_heads, keep_4bit)
+        reader = GGUFCheckpoint(gguf_file, spec.num_heads, spec.num_kv_heads, keep_4bit,
+                                keep_4bit and gguf_wide)  # fmt: skip
     else:
         reader = _SafetensorsReader(model_dir, quantized, cls.checkpoint_aliases)
 

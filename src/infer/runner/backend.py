@@ -96,7 +96,8 @@ class DeviceBackend:
         device's kernels. The model is the one :meth:`build_runner` builds on."""
         from infer.model.loader import load_model
 
-        model = load_model(weights.model_path, weights.dtype, self.device)
+        model = load_model(weights.model_path, weights.dtype, self.device,
+                           gguf_wide=weights.int8_activations)  # fmt: skip
         if weights.keep_checkpoint_int4 and not weights.quantization:
             self.kept_int4 = keep_checkpoint_int4(model, weights.int8_activations)
         model.checkpoint_int4 = {}  # (the integers the loader unpacked: kept above, or not)

@@ -83,40 +83,63 @@ def dequantize_int4(
 
 
 def pack_int4(
-    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, int8_activations: bool = False
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    int8_activations: bool = False,
+    bits: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' layouts (``csrc/linear_int4.cpp``): q ``[N, K]`` (N % 16 == 0, K % 8 == 0)
-    -> packed ``[N/16, K/8, 64]`` bytes; scales and zeros ``[N, G]`` -> ``[N/16, G, 16]``.
+    -> packed ``[N/16, K/8, 64 + 16 (bits - 4)]`` bytes; scales and zeros ``[N, G]`` ->
+    ``[N/16, G, 16]``.
 
     ::
 
         64 bytes per (16 outputs, 8 inputs k = 8o .. 8o+7); output c's 4 bytes:
         int4  two 16-bit words h = 0, 1; nibble r of word h = q[n, 8o + 2r + h]
-        w4a8  byte j = 0..3: low nibble q[n, 8o + j], high nibble q[n, 8o + 4 + j]
+        w4a8  byte p = 4c + j (j = 0..3): low nibble q[n, 8o + j] & 15, high nibble
+              q[n, 8o + 4 + j] & 15; with 5 or 6 bits (w4a8 only), then per bit e above the
+              nibble two little-endian 64-bit masks: bit p = bit 4 + e of q[n, 8o + j], and
+              of q[n, 8o + 4 + j]
     """
     n, k = q.shape
     g = scales.shape[1]
+    if bits != 4 and not int8_activations:
+        raise ValueError(f"{bits}-bit weights: the w4a8 kernel only")
     if int8_activations:
-        nib = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # nb, o, c, j, half
-        packed = nib[..., 0] | (nib[..., 1] << 4)
+        val = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # nb, o, half, c, j
+        nib = val & 15
+        packed = (nib[:, :, 0] | (nib[:, :, 1] << 4)).reshape(n // 16, k // 8, 64)
+        planes = []
+        for e in range(bits - 4):
+            bit = ((val >> (4 + e)) & 1).reshape(n // 16, k // 8, 2, 8, 8).to(torch.int64)
+            masks = (bit << torch.arange(8)).sum(dim=-1).to(torch.uint8)  # bytes, little end
+            planes.append(masks.reshape(n // 16, k // 8, 16))
+        packed = torch.cat([packed, *planes], dim=2) if planes else packed
     else:
         nib = q.view(n // 16, 16, k // 8, 4, 2).permute(0, 2, 1, 4, 3)  # nb, o, c, h, r
         packed = torch.stack([nib[..., 0] | (nib[..., 1] << 4), nib[..., 2] | (nib[..., 3] << 4)],
                              dim=-1)  # fmt: skip
     return (
-        packed.reshape(n // 16, k // 8, 64).contiguous(),
+        packed.reshape(n // 16, k // 8, -1).contiguous(),
         scales.view(n // 16, 16, g).transpose(1, 2).contiguous(),
         zeros.view(n // 16, 16, g).transpose(1, 2).contiguous(),
     )
 
 
 def unpack_int4(packed: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
-    """:func:`pack_int4`'s packed bytes back to q ``[N, K]``."""
+    """:func:`pack_int4`'s packed bytes back to q ``[N, K]`` (its bit planes too)."""
     blocks, octets = packed.shape[:2]
-    lo, hi = packed & 15, packed >> 4
+    nibbles, planes = packed[..., :64], packed[..., 64:]
+    lo, hi = nibbles & 15, nibbles >> 4
     if int8_activations:
         both = torch.stack([lo, hi], dim=-1).view(blocks, octets, 16, 4, 2)  # nb, o, c, j, half
-        q = both.permute(0, 2, 1, 4, 3)  # nb, c, o, half, j
+        both = both.permute(0, 1, 4, 2, 3).reshape(blocks, octets, 2, 64)  # nb, o, half, p
+        for e in range(planes.shape[-1] // 16):
+            masks = planes[..., 16 * e : 16 * (e + 1)].reshape(blocks, octets, 2, 8, 1)
+            bit = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # nb, o, half, byte, bit
+            both = both | (bit.reshape(blocks, octets, 2, 64) << (4 + e))
+        q = both.view(blocks, octets, 2, 16, 4).permute(0, 3, 1, 2, 4)  # nb, c, o, half, j
     else:
         b = torch.stack([lo, hi], dim=-1).view(
             blocks, octets, 16, 2, 2, 2
@@ -160,7 +183,8 @@ def int4_kernel_available(device: torch.device, int8_activations: bool = False) 
 class Int4Linear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` held in 4 bits (module docstring); through the C++ kernel
     where the CPU has it (``int8_activations``: each activation row's groups in int8), else
-    dequantized per call."""
+    dequantized per call. ``bits`` 5 or 6 (GGUF's Q5 / Q6 types: q in 0..31 or 0..63) is held
+    as the nibbles plus one or two bit planes, for the w4a8 kernel (unpacked q elsewhere)."""
 
     def __init__(
         self,
@@ -171,31 +195,34 @@ class Int4Linear(nn.Module):
         dtype: torch.dtype,
         perm: torch.Tensor | None = None,
         int8_activations: bool = False,
+        bits: int = 4,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = self.in_features // scales.shape[1]
         self.dtype = dtype
         self.int8_activations = int8_activations
+        self.bits = bits
         self.register_buffer("perm", perm, False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), False)
         kernels = tiled_linear_kernels() if q.device.type == "cpu" else None
         if (
             kernels is not None
             and (kernels.has_w4a8 if int8_activations else kernels.has_int4)
+            and (bits == 4 or int8_activations)
             and self.group_size % 16 == 0
             and dtype == torch.bfloat16  # a float32 model's activations stay float32
         ):
             self.mode = "kernel"
             self._kernels = kernels
-            self.kernel_flags = int4_flags(int8_activations, zeros.dtype)
+            self.kernel_flags = int4_flags(int8_activations, zeros.dtype, bits)
             # The kernel takes 16 outputs at a time: pad with zero rows, cut off after.
             self.padded = -self.out_features % 16
             if self.padded:
                 q = torch.cat([q, q.new_zeros(self.padded, self.in_features)])
                 scales = torch.cat([scales, scales.new_zeros(self.padded, scales.shape[1])])
                 zeros = torch.cat([zeros, zeros.new_zeros(self.padded, zeros.shape[1])])
-            packed, s, z = pack_int4(q, scales, zeros, int8_activations)
+            packed, s, z = pack_int4(q, scales, zeros, int8_activations, bits)
             self.register_buffer("packed", packed, False)
             self.register_buffer("scales", s, False)
             self.register_buffer("zeros", z, False)
@@ -206,7 +233,8 @@ class Int4Linear(nn.Module):
             return
         self.mode = "dequant"
         self.padded = 0
-        self.register_buffer("packed", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), False)
+        packed = q if bits > 4 else q[:, 0::2] | (q[:, 1::2] << 4)  # wider: a byte each
+        self.register_buffer("packed", packed.contiguous(), False)
         self.register_buffer("scales", scales.contiguous(), False)
         self.register_buffer("zeros", zeros.contiguous(), False)
 
@@ -235,7 +263,9 @@ class Int4Linear(nn.Module):
             scales = self.scales.transpose(1, 2).reshape(n, g)
             zeros = self.zeros.transpose(1, 2).reshape(n, g)
             return dequantize_int4(q, scales, zeros, self.dtype)[: self.out_features]
-        q = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).view(self.out_features, -1)
+        q = self.packed
+        if self.bits == 4:
+            q = torch.stack([q & 15, q >> 4], dim=-1).view(self.out_features, -1)
         return dequantize_int4(q, self.scales, self.zeros, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +279,7 @@ class Int4Linear(nn.Module):
             y = self._kernels.int4_linear(
                 flat.to(torch.bfloat16).contiguous(), self.packed, self.scales, self.zeros,
                 self.fbias, self.out_features + self.padded, self.group_size,
-                self.int8_activations, out_dtype,
+                self.int8_activations, out_dtype, self.bits,
             )  # fmt: skip
             if self.padded:
                 y = y[:, : self.out_features]
@@ -278,7 +308,8 @@ def keep_checkpoint_int4(model: nn.Module, int8_activations: bool = False) -> li
         device = module.weight.device  # the loader's integers are on the CPU
         perm = None if parts.perm is None else parts.perm.to(device)
         new = Int4Linear(parts.q.to(device), parts.scales.to(device), parts.zeros.to(device),
-                         module.bias, module.weight.dtype, perm, int8_activations)  # fmt: skip
+                         module.bias, module.weight.dtype, perm, int8_activations,
+                         parts.bits)  # fmt: skip
         parent_name, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         made.append(new)

@@ -4,8 +4,10 @@ Tests and benchmarks need GGUF files and no hub: :func:`write_gguf` turns one of
 checkpoints (``infer.testing.checkpoints``) into a GGUF with llama.cpp's metadata keys and
 tensor names (through the ``gguf`` package's writer and name map, which llama.cpp maintains),
 Llama's q / k rows permuted and Gemma 3's norms plus one as llama.cpp stores them, and each
-2-D weight in the type asked for. ``gguf`` quantizes Q8_0 / Q4_0 / Q4_1 itself; Q4_K it cannot, so :func:`quantize_q4_k`
-writes its blocks here from the format's definition::
+2-D weight in the type asked for. ``gguf`` quantizes Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 itself;
+the K-quants it cannot, so :func:`quantize_q4_k`, :func:`quantize_q5_k` and
+:func:`quantize_q6_k` write their blocks here from the format's definition (the ``gguf``
+package's dequantization, llama.cpp's reference, reads them back in the tests)::
 
     block_q4_K (256 weights, 144 bytes): d f16 | dmin f16 | scales[12] | qs[128]
       8 sub-blocks of 32, each with a 6-bit scale sc and a 6-bit min m packed in scales[12]:
@@ -15,6 +17,14 @@ writes its blocks here from the format's definition::
       qs: 4 chunks of 32 bytes; chunk c's byte l holds q[64c + l] (low nibble) and
           q[64c + 32 + l] (high nibble)
       weight = d * sc * q - dmin * m
+
+    block_q5_K (256 weights, 176 bytes): d | dmin | scales[12] | qh[32] | qs[128]
+      Q4_K's scales and nibbles; bit 2c of qh[l] is bit 4 of q[64c + l], bit 2c + 1 that of
+      q[64c + 32 + l]; 5-bit q
+    block_q6_K (256 weights, 210 bytes): ql[128] | qh[64] | scales[16] int8 | d f16
+      weight = d * scales[i // 16] * (q - 32), 6-bit q; per half h of 128 (ql[64h..],
+      qh[32h..]), quarter r = 0..3 of 32 (l = 0..31): the low nibble of ql[l] (r 0), ql[l + 32]
+      (r 1), the high nibble of ql[l] (r 2), ql[l + 32] (r 3); bits 2r, 2r + 1 of qh[l] on top
 """
 
 from __future__ import annotations
@@ -48,13 +58,69 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     q = np.where(s > 0, np.rint((sub + off) / np.where(s > 0, s, 1)), 0).clip(0, 15)
     q = q.astype(np.uint8).reshape(rows, k // QK_K, 4, 2, 32)  # chunk, half, l
     qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, k // QK_K, 128)
-    scales = np.zeros((rows, k // QK_K, 12), np.uint8)
+    blocks = np.concatenate(
+        [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), _k_scales_bytes(sc, m), qs],
+        axis=2,
+    )
+    return blocks.reshape(rows, -1)
+
+
+def _k_scales_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins per super-block -> its 12 bytes (Q4_K's and Q5_K's packing)."""
+    scales = np.zeros((*sc.shape[:-1], 12), np.uint8)
     scales[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
     scales[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
     scales[..., 8:12] = (sc[..., 4:8] & 15) | ((m[..., 4:8] & 15) << 4)
-    blocks = np.concatenate(
-        [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales, qs], axis=2
-    )
+    return scales
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """``[rows, k]`` float (k % 256 == 0) -> Q5_K blocks, uint8 ``[rows, k / 256 * 176]``:
+    :func:`quantize_q4_k`'s scales and mins over 31 steps, the fifth bit in ``qh``."""
+    rows, k = w.shape
+    sub = w.astype(np.float32).reshape(rows, k // QK_K, 8, 32)
+    lo = np.minimum(sub.min(axis=3), 0.0)
+    hi = np.maximum(sub.max(axis=3), 0.0)
+    scale, mn = (hi - lo) / 31.0, -lo
+    d = (scale.max(axis=2) / 63.0).astype(np.float16)
+    dmin = (mn.max(axis=2) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
+    m = np.where(dminf > 0, np.rint(mn / np.where(dminf > 0, dminf, 1)), 0)
+    m = m.clip(0, 63).astype(np.uint8)
+    s, off = (df * sc)[..., None], (dminf * m)[..., None]
+    q = np.where(s > 0, np.rint((sub + off) / np.where(s > 0, s, 1)), 0).clip(0, 31)
+    q = q.astype(np.uint8).reshape(rows, k // QK_K, 4, 2, 32)  # chunk c, half, l
+    qs = ((q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)).reshape(rows, k // QK_K, 128)
+    high = (q >> 4).astype(np.uint8)  # [rows, blocks, c, half, l]
+    qh = np.zeros((rows, k // QK_K, 32), np.uint8)
+    for c in range(4):
+        qh |= (high[:, :, c, 0] << (2 * c)) | (high[:, :, c, 1] << (2 * c + 1))
+    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8),
+                             _k_scales_bytes(sc, m), qh, qs], axis=2)  # fmt: skip
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """``[rows, k]`` float (k % 256 == 0) -> Q6_K blocks, uint8 ``[rows, k / 256 * 210]``:
+    each group of 16 symmetric over 31 steps a side, its scale an int8 multiple of the
+    super-block's ``d``."""
+    rows, k = w.shape
+    sub = w.astype(np.float32).reshape(rows, k // QK_K, 16, 16)
+    scale = np.abs(sub).max(axis=3) / 31.0
+    d = (scale.max(axis=2) / 127.0).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 127)
+    s = (df * sc)[..., None]
+    q = np.where(s > 0, np.rint(sub / np.where(s > 0, s, 1)), 0).clip(-32, 31) + 32
+    q = q.astype(np.uint8).reshape(rows, k // QK_K, 2, 4, 32)  # half h, quarter r, l
+    lo, hi = q & 15, q >> 4
+    ql = np.concatenate([lo[:, :, :, 0] | (lo[:, :, :, 2] << 4),
+                         lo[:, :, :, 1] | (lo[:, :, :, 3] << 4)], axis=3)  # fmt: skip
+    qh = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(rows, k // QK_K, 128), qh.reshape(rows, k // QK_K, 64),
+                             sc.astype(np.int8).view(np.uint8), d[..., None].view(np.uint8)],
+                            axis=2)  # fmt: skip
     return blocks.reshape(rows, -1)
 
 
@@ -76,12 +142,15 @@ def write_gguf(
     drop: tuple = (),
     pooling: str | None = None,
     reranker: tuple[int, int, str] | None = None,
+    types: dict[str, str] | None = None,
 ) -> Path:
     """Write the Hugging Face checkpoint in ``folder`` (a Llama, Mistral, Qwen2, Qwen3, a
     Gemma 3 whose every 6th layer is global and whose queries scale by its head size, or a
     Mixtral / Qwen2-MoE / Qwen3-MoE with no dense layers: experts stacked per layer) as
     GGUF ``out``: 2-D weights whose inputs split into its blocks in ``weight_type`` (F32, F16,
-    BF16, Q8_0, Q4_0, Q4_1, Q4_K), the others and every 1-D tensor in F32; the Hugging Face
+    BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; ``types``: another type for the
+    tensors whose GGUF name holds a key, e.g. ``{"attn_v": "Q6_K"}`` as in a Q4_K_M file), the
+    others and every 1-D tensor in F32; the Hugging Face
     tensors named in ``drop`` left out (a damaged file, for tests); ``pooling`` (MEAN, CLS,
     LAST) marks an embedding model; ``reranker`` ``(true id, false id, template)``: a causal
     reranker as llama.cpp's converter writes Qwen3-Reranker (pooling RANK, the two rows of its
@@ -145,8 +214,12 @@ def write_gguf(
             writer.add_expert_shared_feed_forward_length(size)
     _write_tokenizer(writer, Path(folder))
 
-    qtype = gguf.GGMLQuantizationType[weight_type]
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    def tensor_type(gguf_name: str, w: np.ndarray) -> Any:
+        kind = next((t for key, t in (types or {}).items() if key in gguf_name), weight_type)
+        qtype = gguf.GGMLQuantizationType[kind]
+        fits = w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+        return qtype if fits else gguf.GGMLQuantizationType.F32
+
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
     state: dict[str, Any] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
@@ -171,8 +244,7 @@ def write_gguf(
             w = permute_rows(w, heads if "q_proj" in hf_name else kv_heads)
         if hf_name.endswith("shared_expert_gate.weight"):
             w = w[0]  # Qwen2-MoE's [1, hidden] gate, stored as llama.cpp reads it: [hidden]
-        _add(writer, f"{gguf_name}.{suffix}", w, qtype if w.ndim >= 2 and w.shape[-1] % block == 0
-             else gguf.GGMLQuantizationType.F32)  # fmt: skip
+        _add(writer, f"{gguf_name}.{suffix}", w, tensor_type(gguf_name, w))
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(Path(folder)))
     writer.write_header_to_file()
@@ -227,8 +299,9 @@ def _add(writer: Any, name: str, w: np.ndarray, qtype: Any) -> None:
         writer.add_tensor(name, w.astype(np.float16))
     else:  # 2-D, or 3-D (stacked experts): quantized row by row, the rows' bytes re-stacked
         rows = w.reshape(-1, w.shape[-1])
-        if qtype == gguf.GGMLQuantizationType.Q4_K:
-            blocks = quantize_q4_k(rows)
+        k_quants = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+        if qtype.name in k_quants:
+            blocks = k_quants[qtype.name](rows)
         else:
             blocks = gguf.quants.quantize(rows, qtype)
         writer.add_tensor(name, blocks.reshape(*w.shape[:-1], -1), raw_dtype=qtype)

@@ -29,6 +29,11 @@
 //     w4a8:  output c's 4 bytes j = 0..3 are q[n][8o + j] | q[n][8o + 4 + j] << 4: the low
 //            nibbles are the 4-input "quad" 2o of all 16 outputs, the high nibbles quad 2o + 1,
 //            in the order VPDPBUSD reads
+//     w4a8 with 5- or 6-bit weights (GGUF's Q5 / Q6 types; flags' plane count E = 1, 2): each
+//            64 bytes followed by E planes of 16 bytes, plane e two 64-bit masks: bit p of
+//            the first is bit 4 + e of the value in byte p's low nibble, of the second its
+//            high nibble's; a masked byte add puts the bit back (values 0..63, which
+//            VPDPBUSD reads as it reads 0..15): 64 + 16E bytes per 8 inputs of 16 outputs
 //   scales   : [N/16][K/group][16] float16     zeros : [N/16][K/group][16] uint8 or float16
 //   xp (w4a8): per pass of up to 8 rows, [K/4][pass rows] 32-bit words (row r's 4 bytes of
 //              quad kq), so one broadcast feeds a row's multiply
@@ -40,6 +45,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <omp.h>
 
 #include "kernels.h"
@@ -208,12 +214,13 @@ inline void quantize_row(const uint16_t* x, int64_t K, int64_t group, int32_t* x
 }
 
 // Rows [m0, m0 + MR) of one pass (xp interleaved for it) times column block nb.
-template <int MR, bool kOutF32, bool kHalfZeros>
+template <int MR, bool kOutF32, bool kHalfZeros, int kPlanes>
 inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scale,
                        const int32_t* x_sum, const uint8_t* wb, const uint16_t* sb,
                        const void* zb, const float* bias, void* y, int64_t m0, int64_t K,
                        int64_t N, int64_t nb, int64_t group) {
   const int64_t groups = K / group;
+  constexpr int64_t kStride = 64 + 16 * kPlanes;  // bytes per 8 inputs of 16 outputs
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 out[MR];
   for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
@@ -221,10 +228,19 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
     __m512i acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
     for (int64_t o = g * group / 8; o < (g + 1) * group / 8; ++o) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + o * 64) + kAheadBytes, _MM_HINT_T1);
-      const __m512i w = _mm512_loadu_si512(wb + o * 64);
-      const __m512i lo = _mm512_and_si512(w, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      const uint8_t* wo = wb + o * kStride;
+      _mm_prefetch(reinterpret_cast<const char*>(wo) + kAheadBytes, _MM_HINT_T1);
+      if (kPlanes) _mm_prefetch(reinterpret_cast<const char*>(wo) + 64 + kAheadBytes, _MM_HINT_T1);
+      const __m512i w = _mm512_loadu_si512(wo);
+      __m512i lo = _mm512_and_si512(w, nibble);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      for (int e = 0; e < kPlanes; ++e) {  // bit 4 + e of each byte, from its bit plane
+        uint64_t bits[2];
+        std::memcpy(bits, wo + 64 + 16 * e, 16);
+        const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << e));
+        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, bit);
+        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, bit);
+      }
       const int32_t* x0 = xp + (2 * o) * pass_rows;
       const int32_t* x1 = x0 + pass_rows;
       for (int i = 0; i < MR; ++i) {
@@ -262,7 +278,7 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
 // multiply-adds; no barrier, no lines shared between cores), then threads take contiguous runs
 // of column blocks, each block's weights read from memory once and from cache for its further
 // passes of up to 8 rows (rows split evenly over the passes).
-template <bool kOutF32, bool kHalfZeros>
+template <bool kOutF32, bool kHalfZeros, int kPlanes>
 void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                  const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
                  int64_t N, int64_t group, int num_threads) {
@@ -284,8 +300,8 @@ void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
       for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
         const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
         infer_simd::with_count<kPassRows>(rows, [&](auto r) {
-          w4a8_block<decltype(r)::value, kOutF32, kHalfZeros>(
-              xp + m0 * kquads, pass_rows, x_scale, x_sum, packed + b * K * 8,
+          w4a8_block<decltype(r)::value, kOutF32, kHalfZeros, kPlanes>(
+              xp + m0 * kquads, pass_rows, x_scale, x_sum, packed + b * (K / 8) * (64 + 16 * kPlanes),
               scales + b * groups * 16,
               static_cast<const uint8_t*>(zeros) + b * groups * 16 * zero_bytes, bias, y, m0, K,
               N, b, group);
@@ -320,19 +336,32 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
                       int64_t N, int64_t group, int flags, int out_f32, int num_threads) {
   if (N % 16 || group <= 0 || group % 16 || K % group || M <= 0) return 1;
   const bool half_zeros = flags & INFER_INT4_HALF_ZEROS;
+  const int planes = (flags >> INFER_INT4_PLANES_SHIFT) & 3;
+  if (planes > 2) return 1;
   if (flags & INFER_INT4_W4A8) {
 #ifdef INFER_HAVE_W4A8
-    if (out_f32 && half_zeros)
-      w4a8_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
-    else if (out_f32)
-      w4a8_linear<true, false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
-    else if (half_zeros)
-      w4a8_linear<false, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
-    else
-      w4a8_linear<false, false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+    const auto run = [&](auto planes) {
+      constexpr int kPlanes = decltype(planes)::value;
+      if (out_f32 && half_zeros)
+        w4a8_linear<true, true, kPlanes>(x, packed, scales, zeros, bias, y, M, K, N, group,
+                                         num_threads);
+      else if (out_f32)
+        w4a8_linear<true, false, kPlanes>(x, packed, scales, zeros, bias, y, M, K, N, group,
+                                          num_threads);
+      else if (half_zeros)
+        w4a8_linear<false, true, kPlanes>(x, packed, scales, zeros, bias, y, M, K, N, group,
+                                          num_threads);
+      else
+        w4a8_linear<false, false, kPlanes>(x, packed, scales, zeros, bias, y, M, K, N, group,
+                                           num_threads);
+    };
+    if (planes == 0) run(std::integral_constant<int, 0>());
+    else if (planes == 1) run(std::integral_constant<int, 1>());
+    else run(std::integral_constant<int, 2>());
     return 0;
 #endif
   } else {
+    if (planes) return 4;  // 5- and 6-bit weights: the w4a8 kernel only
 #ifdef INFER_HAVE_INT4
     if (out_f32 && half_zeros)
       int4_bf16_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
@@ -347,7 +376,7 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
 #endif
   }
   (void)x; (void)packed; (void)scales; (void)zeros; (void)bias; (void)y; (void)out_f32;
-  (void)num_threads; (void)half_zeros;
+  (void)num_threads; (void)half_zeros; (void)planes;
   return 2;
 }
 
