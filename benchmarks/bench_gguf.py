@@ -12,12 +12,15 @@ docs/benchmarks.md says.
   own converter (``benchmarks/make_gguf.py``, F32), then ``llama-quantize``'d to each type.
   Held-out perplexity (8 windows of 1,000 tokens, from the engine's prompt logprobs) of the
   folder, and of each file: in float32 (every weight dequantized: llama.cpp's exact values),
-  in bf16 with ``--no-gguf-int8`` (4-bit layers in the int4 kernel, the others dequantized to
-  bf16) and in bf16 as served by default (the others in int8 per channel).
+  in bf16 with bf16 activations and ``--no-gguf-int8`` (4-bit layers in the int4 kernel, the
+  others dequantized to bf16), with bf16 activations (the others in int8 per channel), and as
+  served by default (int8 activations: 4-, 5- and 6-bit layers in the w4a8 kernel, the others
+  in int8 per channel).
 - **Decode** (``--decode-model``): batch-1 decode of 128 tokens after a 12-token prompt,
   rounds alternating between ``llama-server`` (1 slot, every core, its own ``timings`` of
-  the completion: ms per generated token) and infer's offline engine (the default and
-  ``--no-gguf-int8``: ms per token from the difference of a 136- and an 8-token run).
+  the completion: ms per generated token) and infer's offline engine (the default,
+  ``--no-gguf-int8-activations``, and both off: ms per token from the difference of a 136-
+  and an 8-token run).
   Medians of each round's runs; the machines here are shared, so read the rounds side by
   side.
 """
@@ -73,7 +76,9 @@ def perplexity(model: Path, windows, **options) -> tuple[float, dict]:
                             SamplingParams(max_tokens=1, prompt_logprobs=0))  # fmt: skip
         nll = [-lp.logprob for o in outs for lp in o.prompt_logprobs[1:]]
         backend = llm.engine.backend
-        held = {"int4": len(backend.kept_int4), "int8": len(backend.checkpoint_int8),
+        held = {"int4": sum(m.bits == 4 for m in backend.kept_int4),
+                "wide": sum(m.bits > 4 for m in backend.kept_int4),
+                "int8": len(backend.checkpoint_int8),
                 "weights_mib": round(llm.engine.weights_bytes / 2**20, 2)}  # fmt: skip
     return math.exp(sum(nll) / len(nll)), held
 
@@ -96,7 +101,14 @@ def quality(args: argparse.Namespace, small: Path, work: Path) -> list[dict]:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         for label, options in (
             ("float32 (exact)", {"dtype": "float32"}),
-            ("bf16, --no-gguf-int8", {"dtype": "bfloat16", "gguf_int8": False}),
+            (
+                "bf16, --no-gguf-int8 --no-gguf-int8-activations",
+                {"dtype": "bfloat16", "gguf_int8": False, "gguf_int8_activations": False},
+            ),
+            (
+                "bf16, --no-gguf-int8-activations",
+                {"dtype": "bfloat16", "gguf_int8_activations": False},
+            ),
             ("bf16 (default)", {"dtype": "bfloat16"}),
         ):
             ppl, held = perplexity(file, windows, **options)
@@ -155,16 +167,22 @@ def infer_decode(model: Path, runs: int = 3, **options) -> tuple[float, float]:
         return statistics.median(per_token), llm.engine.weights_bytes / 2**20
 
 
+DECODE_VARIANTS = (
+    ("infer (default)", {}),
+    ("infer --no-gguf-int8-activations", {"gguf_int8_activations": False}),
+    ("infer --no-gguf-int8", {"gguf_int8": False, "gguf_int8_activations": False}),
+)
+
+
 def decode(args: argparse.Namespace) -> list[dict]:
     rows = []
     for r in range(1, args.rounds + 1):
         rows.append({"round": r, "engine": "llama.cpp (llama-server)",
                      "ms": llama_server_decode(args, args.decode_model)})  # fmt: skip
-        for label, options in (("infer (default)", {}), ("infer --no-gguf-int8",
-                                                        {"gguf_int8": False})):  # fmt: skip
+        for label, options in DECODE_VARIANTS:
             ms, mib = infer_decode(args.decode_model, **options)
             rows.append({"round": r, "engine": label, "ms": ms, "weights_mib": mib})
-        print(rows[-3:], flush=True)
+        print(rows[-1 - len(DECODE_VARIANTS) :], flush=True)
     return rows
 
 
@@ -180,10 +198,10 @@ def markdown(report: dict) -> str:
         lines += ["Held-out perplexity of the built-in `small` (its folder; llama.cpp's "
                   "converter and `llama-quantize` for each file):", ""]  # fmt: skip
     lines += [] if not q else md_table(
-        ["model", "served", "perplexity", "vs folder float32", "4-bit layers", "int8 layers",
-         "weights MiB"],
+        ["model", "served", "perplexity", "vs folder float32", "4-bit layers",
+         "5/6-bit layers", "int8 layers", "weights MiB"],
         [[r["model"], r["served"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / base - 1):+.2f}%",
-          r["int4"], r["int8"], f"{r['weights_mib']:.2f}"] for r in q],
+          r["int4"], r.get("wide", 0), r["int8"], f"{r['weights_mib']:.2f}"] for r in q],
     )  # fmt: skip
     if report["decode"]:
         lines += ["", f"Batch-1 decode of {report['decode_model']} (128 tokens; ms per token, "

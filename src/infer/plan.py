@@ -176,19 +176,18 @@ def _quantization_config(model_dir: Path) -> dict | None:
 
 
 # The GGUF types the engine keeps in their own bits (model/gguf_checkpoint.py: FOUR_BIT_TYPES,
-# and WIDE_TYPES with int8 activations), as (bits, inputs a group, bytes of a group's zero):
-# a float16 scale and a uint8 (integer) or float16 zero per group and output.
+# and WIDE_TYPES with int8 activations), as (bits, bytes of a group's zero): per group of 32
+# and output a float16 scale and a uint8 (integer) or float16 zero.
 _GGUF_KEPT = {
-    "Q4_0": (4, 32, 1),
-    "Q4_1": (4, 32, 2),
-    "Q4_K": (4, 32, 2),
-    "Q5_0": (5, 32, 1),
-    "Q5_1": (5, 32, 2),
-    "Q5_K": (5, 32, 2),
-    "Q6_K": (6, 16, 1),
+    "Q4_0": (4, 1),
+    "Q4_1": (4, 2),
+    "Q4_K": (4, 2),
+    "Q5_0": (5, 1),
+    "Q5_1": (5, 2),
+    "Q5_K": (5, 2),
 }
 # Parameters fused from several GGUF tensors: kept only when every part is (at the widest
-# part's bits, the smallest group, the wider zero).
+# part's bits, the wider zero).
 _GGUF_FUSED = (
     ("attn_q", "attn_k", "attn_v"),
     ("ffn_gate", "ffn_up"),
@@ -229,10 +228,9 @@ def _gguf_weight_bytes(
 
     def kept_bytes(name: str, count: int) -> int:
         layouts = [_GGUF_KEPT[tensors[n][1]] for n in parts(name)]
-        bits = max(b for b, _, _ in layouts)
-        group = min(g for _, g, _ in layouts)
-        zero = max(z for _, _, z in layouts)
-        return count * bits // 8 + (2 + zero) * count // group
+        bits = max(b for b, _ in layouts)
+        zero = max(z for _, z in layouts)
+        return count * bits // 8 + (2 + zero) * count // 32
 
     total = 0
     for name, (shape, _) in tensors.items():

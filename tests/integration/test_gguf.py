@@ -100,32 +100,32 @@ def test_4bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
     assert (want[0, :32] != 0).all() if kind != "Q4_0" else True  # the constant group
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
-def test_5_and_6_bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
-    """Random Q5 / Q6 blocks: the integers recovered from llama.cpp's values and the parsed
-    scales give them back, exactly for Q5_0 (integer zero 16, scale d), to the float16 rounding
-    of scale (and zero) for the others; Q6_K in groups of 16 with zero 32 (signed scales)."""
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
+def test_5bit_blocks_unpack_to_llama_cpps_dequantized_values(kind):
+    """Random Q5 blocks: the integers recovered from llama.cpp's values and the parsed scales
+    give them back, exactly for Q5_0 (integer zero 16, scale d), to the float16 rounding of
+    scale and zero for the others."""
     rows, cols = 32, 512
     rng = np.random.default_rng(len(kind))
     qtype = gguf.GGMLQuantizationType[kind]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    halves = {"Q5_0": [0], "Q5_1": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
+    halves = {"Q5_0": [0], "Q5_1": [0, 2], "Q5_K": [0, 2]}[kind]
     for at in halves:
         values = rng.uniform(-0.01 if kind == "Q5_1" and at else 0.001, 0.01, raw.shape[:2])
         raw[..., at : at + 2] = values.astype(np.float16)[..., None].view(np.uint8)
     raw = raw.reshape(rows, -1)
     want = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
     layer = unpack_wide(raw, kind, want)
-    bits, group = {"Q6_K": (6, 16)}.get(kind, (5, 32))
-    assert layer.bits == bits and layer.q.shape == (rows, cols)
-    assert int(layer.q.max()) == (1 << bits) - 1  # (random blocks reach the top value)
+    group = 32
+    assert layer.bits == 5 and layer.q.shape == (rows, cols)
+    assert int(layer.q.max()) == 31  # (random blocks reach the top value)
     assert layer.scales.shape == (rows, cols // group)
     got, want = layer_weight(layer), torch.from_numpy(want)
     if kind == "Q5_0":
         assert layer.zeros.dtype == torch.uint8 and torch.equal(got, want)
         return
-    assert layer.zeros.dtype == (torch.uint8 if kind == "Q6_K" else torch.float16)
+    assert layer.zeros.dtype == torch.float16
     scale = want.view(rows, -1, group).abs().amax(dim=2, keepdim=True).clamp(min=1e-6)
     assert ((got - want).view(rows, -1, group).abs() / scale).max() < 2**-9
 
@@ -278,24 +278,25 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
 @pytest.mark.skipif(not int4_kernel_available(torch.device("cpu"), int8_activations=True),
                     reason="no w4a8 CPU kernel")  # fmt: skip
 @pytest.mark.parametrize(
-    "weight_type,types,bits",
+    "weight_type,types,kept",
     [
-        ("Q5_K", None, {5}),
-        ("Q6_K", None, {6}),
-        ("Q5_0", None, {5}),
-        ("Q5_1", None, {5}),
-        # a Q4_K_M file's mix: q / k Q4_K beside a Q6_K v (one fused q/k/v at 6 bits, groups
-        # of 16), a Q6_K down projection
-        ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}, {6, 4}),
+        ("Q5_K", None, {(5, 8)}),
+        ("Q5_0", None, {(5, 8)}),
+        ("Q5_1", None, {(5, 8)}),
+        # a Q4_K_S-like mix: q / k Q4_K beside a Q5_K v (one fused q/k/v at 5 bits, float16
+        # zeros), a Q6_K down projection (int8 per channel)
+        ("Q4_K", {"attn_v": "Q5_K", "ffn_down": "Q6_K"}, {(5, 2), (4, 4)}),
+        ("Q6_K", None, set()),  # every layer int8 per channel
     ],
 )
-def test_5_and_6_bit_layers_stay_in_their_bits_with_int8_activations(
-    weight_type, types, bits, wide_llama, tmp_path
+def test_5bit_layers_stay_in_their_bits_with_int8_activations(
+    weight_type, types, kept, wide_llama, tmp_path
 ):
-    """bf16 with int8 activations (the default): Q5 / Q6 layers are held at their own width
-    (nibbles + bit planes) in the w4a8 kernel, not int8 per channel, as close to the float32
+    """bf16 with int8 activations (the default): Q5 layers are held at their own width
+    (nibbles + a bit plane) in the w4a8 kernel, not int8 per channel, as close to the float32
     file's logits as the 4-bit layers are (within 3x the same weights held in bf16); with
-    --no-gguf-int8-activations they are held in int8 per channel as before."""
+    --no-gguf-int8-activations they are held in int8 per channel as before. Q6_K stays int8
+    per channel either way."""
     from transformers import AutoModelForCausalLM
 
     file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type, types=types)
@@ -307,11 +308,9 @@ def test_5_and_6_bit_layers_stay_in_their_bits_with_int8_activations(
     exact, _, _ = _run(file)
     plain_lps, _, _ = _run(plain, "bfloat16")
     got, _, layers = _run(file, "bfloat16")
-    assert len(layers) == 8 and {m.mode for m in layers} == {"kernel"}  # qkv, o, gate_up, down x 2
-    assert {m.bits for m in layers} == bits and all(m.int8_activations for m in layers)
-    if types:  # per layer: q/k/v and down at (6 bits, 16), o and gate/up at (4, 32)
-        kinds = collections.Counter((m.bits, m.group_size) for m in layers)
-        assert kinds == {(6, 16): 4, (4, 32): 4}
+    # (bits, layers): of each layer's qkv, o, gate_up, down
+    assert set(collections.Counter(m.bits for m in layers).items()) == kept
+    assert all(m.mode == "kernel" and m.int8_activations for m in layers)
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
     print(f"{weight_type} {types}: mean |logprob error| plain bf16 {plain_err:.4f}, "
           f"w4a8 {got_err:.4f}")  # fmt: skip
@@ -320,13 +319,17 @@ def test_5_and_6_bit_layers_stay_in_their_bits_with_int8_activations(
     assert {m.bits for m in layers} <= {4}
 
 
-@pytest.mark.skipif(not int4_kernel_available(torch.device("cpu")), reason="no int4 CPU kernel")
-@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1"])
-def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(weight_type, tiny_checkpoints,
-                                                          tmp_path):  # fmt: skip
+@pytest.mark.skipif(not int4_kernel_available(torch.device("cpu"), int8_activations=True),
+                    reason="no w4a8 CPU kernel")  # fmt: skip
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1", "Q5_1"])
+def test_a_quantized_mixture_of_experts_keeps_its_experts_in_their_bits(
+    weight_type, tiny_checkpoints, tmp_path
+):
     """4-bit experts (sliced out of their layer's stacked tensor; Q4_1's with float16 zeros)
     stay 4-bit in the experts' kernel, as close to the float32 file's logits as the same
-    weights held in bf16 (within 3x with int8 activations, the default)."""
+    weights held in bf16 (within 3x with int8 activations, the default); 5-bit ones (Q5_1)
+    stay 5-bit with int8 activations (int8 per channel without)."""
+    bits = 5 if weight_type == "Q5_1" else 4
     source = tiny_checkpoints["qwen3_moe"]
     file = write_gguf(source, tmp_path / "moe.gguf", weight_type)
     plain = tmp_path / "plain"  # the same weights, rounded through the type by llama.cpp's code
@@ -341,14 +344,16 @@ def test_a_4bit_mixture_of_experts_keeps_its_experts_4bit(weight_type, tiny_chec
     exact, _, _ = _run(file)
     plain_lps, _, _ = _run(plain, "bfloat16")
     got, _, int4 = _run(file, "bfloat16", gguf_int8_activations=False)
-    assert len(int4) == 2 * (2 + 2 * 8)  # per layer: qkv, o, and each expert's gate_up, down
+    # per layer: qkv, o, and each expert's gate_up, down
+    assert len(int4) == (2 * (2 + 2 * 8) if bits == 4 else 0)
     w4a8, _, int4 = _run(file, "bfloat16")  # int8 activations (the default)
     assert len(int4) == 2 * (2 + 2 * 8) and all(m.int8_activations for m in int4)
+    assert {m.bits for m in int4} == {bits}
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
     w4a8_err = (w4a8 - exact).abs().mean()
     print(f"moe {weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, "
-          f"4-bit {got_err:.4f}, 4-bit x int8 activations {w4a8_err:.4f}")  # fmt: skip
-    assert got_err <= 1.5 * plain_err
+          f"bf16 activations {got_err:.4f}, int8 activations {w4a8_err:.4f}")  # fmt: skip
+    assert got_err <= (1.5 if bits == 4 else 3) * plain_err  # (Q5_1: int8 per channel)
     assert w4a8_err <= 3 * plain_err
 
 

@@ -25,6 +25,10 @@ The scale and a non-integer zero are held as float16 (the 4-bit kernel's format)
 by at most 2^-12 of itself, so a weight moves by less than 2^-9 of its group's largest (a 32nd
 of a 4-bit step); Q4_0's integer zero is exact. A float32
 model keeps none (``keep_4bit`` False): every weight is then exactly llama.cpp's value.
+
+With ``keep_wide`` (int8 activations: the w4a8 kernel reads a bit plane above the nibbles) the
+5-bit types keep their integers too (:func:`unpack_wide`: Q5_0, Q5_1, Q5_K in groups of 32),
+rather than being held in int8 per channel.
 """
 
 from __future__ import annotations
@@ -218,40 +222,37 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
 
 
 def unpack_wide(data: np.ndarray, kind: str, values: np.ndarray) -> UnpackedLayer | None:
-    """One Q5_0 / Q5_1 / Q5_K / Q6_K tensor (``WIDE_TYPES``) as integers 0..31 or 0..63 with
-    float16 scales and zeros per group (32 inputs; Q6_K's 16), like :func:`unpack_4bit`. Only
-    each group's scale and min are parsed from the blocks; the integers are recovered from
-    ``values`` (the ``gguf`` package's dequantization, ``scale * q + offset`` in float32, so
-    ``(value - offset) / scale`` rounds back to q exactly)::
+    """One Q5_0 / Q5_1 / Q5_K tensor (``WIDE_TYPES``) as integers 0..31 with float16 scales and
+    zeros per group of 32, like :func:`unpack_4bit`. Only each group's scale and min are
+    parsed from the blocks; the integers are recovered from ``values`` (the ``gguf`` package's
+    dequantization, ``scale * q + offset`` in float32, so ``(value - offset) / scale`` rounds
+    back to q exactly)::
 
         Q5_0  (32: d f16 | qh[4] | qs[16])                     d (q - 16)      zero 16, exact
         Q5_1  (32: d f16 | m f16 | qh[4] | qs[16])             d q + m         zero = -m / d
         Q5_K  (256: d | dmin | scales[12] | qh[32] | qs[128])  d sc q - dmin m (Q4_K's sc, m)
-        Q6_K  (256: ql[128] | qh[64] | scales[16] int8 | d)    d sc (q - 32)   16 inputs a
-                                                                               group, zero 32
+
     None when a scale or zero float16 cannot hold (the layer is then held as before)."""
-    bits, group = WIDE_TYPES[kind]
+    bits, group = 5, GROUP
     rows, cols = values.shape
-    block, size = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}[kind]
+    block, size = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176)}[kind]
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
 
     def half(at: int) -> np.ndarray:
         return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
-    integer_zero = {"Q5_0": 16, "Q6_K": 32}.get(kind)
     if kind == "Q5_0":
         scale = half(0)
     elif kind == "Q5_1":
         scale, offset = half(0), half(2)
-    elif kind == "Q5_K":
+    else:
         sc, m = _k_scales_mins(blocks[..., 4:16])
         scale = half(0)[..., None] * sc
         offset = -(half(2)[..., None] * m)
-    else:
-        scale = half(208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
     scale = scale.reshape(rows, cols // group)
     grouped = values.reshape(rows, cols // group, group)
-    if integer_zero is not None:
+    if kind == "Q5_0":
+        integer_zero = 16
         scale16 = scale.astype(np.float16)
         if not np.isfinite(scale16).all():
             return None

@@ -26,7 +26,6 @@ scale are exact in float32), and :func:`checkpoint_int4_parts` into what a 4-bit
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +125,7 @@ class UnpackedLayer:
     zeros: torch.Tensor  # uint8 [out, groups]
     scales: torch.Tensor  # [out, groups], as stored (GPTQ and AWQ store float16)
     g_idx: torch.Tensor  # int64 [in]
-    bits: int = 4  # q's width: 5 and 6 for GGUF's Q5 / Q6 types
+    bits: int = 4  # q's width: 5 for GGUF's Q5 types
 
 
 def unpack(
@@ -184,8 +183,8 @@ def layer_weight(layer: UnpackedLayer) -> torch.Tensor:
 class Int4Parts:
     """A 4-bit layer as :class:`infer.runner.int4.Int4Linear` takes it: inputs in group order
     (``perm[i]``: the checkpoint's input at position i; None when they already are), ``q``
-    ``[out, in]``, ``scales`` float16 and ``zeros`` ``[out, groups]``; ``bits`` 5 or 6 for
-    GGUF's wider types."""
+    ``[out, in]``, ``scales`` float16 and ``zeros`` ``[out, groups]``; ``bits`` 5 for GGUF's
+    Q5 types."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -200,15 +199,13 @@ def checkpoint_int4_parts(
     """The 4-bit layer one parameter is made of (its checkpoint layers stacked along the
     outputs: fused q/k/v, gate/up), or None where it must stay dequantized: 8-bit, scales not
     float16, a transform, a tensor-parallel shard, parts with different act-order
-    permutations, or groups of unequal size. GGUF parts of different types (a Q4_K_M file's
-    Q4_K q / k beside a Q6_K v) are joined at the widest part's bits and the smallest group
-    (a group's scale and zero repeated for each smaller group it holds; integer zeros as
-    float16 where another part's are)."""
+    permutations, or groups of unequal size. GGUF parts of different types (a Q4_K q / k
+    beside a Q5_K v) are joined at the widest part's bits (integer zeros as float16 where
+    another part's are)."""
     if fmt.bits != 4 or source.transform is not None or (tp.size > 1 and source.shard):
         return None
     if any(layer.scales.dtype != torch.float16 for layer in layers):
         return None
-    layers = _common_groups(layers)
     g_idx = layers[0].g_idx
     if any(not torch.equal(layer.g_idx, g_idx) for layer in layers[1:]):
         return None
@@ -228,29 +225,3 @@ def checkpoint_int4_parts(
         None if in_order else perm,
         max(layer.bits for layer in layers),
     )
-
-
-def _common_groups(layers: list[UnpackedLayer]) -> list[UnpackedLayer]:
-    """Parts whose inputs run in order through groups of different sizes (GGUF's 32 and 16),
-    each cut to the smallest: its scales and zeros repeated. Others are returned as they are."""
-    sizes = []
-    for layer in layers:
-        inputs, groups = len(layer.g_idx), layer.scales.shape[1]
-        if inputs % groups or not torch.equal(
-            layer.g_idx, torch.arange(inputs) // (inputs // groups)
-        ):
-            return layers
-        sizes.append(inputs // groups)
-    smallest = min(sizes)
-    if len(set(sizes)) == 1 or any(size % smallest for size in sizes):
-        return layers
-    g_idx = torch.arange(len(layers[0].g_idx)) // smallest
-    return [
-        dataclasses.replace(
-            layer,
-            scales=layer.scales.repeat_interleave(size // smallest, dim=1),
-            zeros=layer.zeros.repeat_interleave(size // smallest, dim=1),
-            g_idx=g_idx,
-        )
-        for layer, size in zip(layers, sizes, strict=True)
-    ]

@@ -20,7 +20,8 @@ at small batch is bound by those bytes), and unpack them in registers:
   the products are the dequantized weight's, to float32 rounding.
 - ``w4a8``: each activation row's groups quantized to int8 (absmax / 127 per group) and one
   exact integer dot product per group (CPUs with AVX-512 VNNI): fewer instructions per
-  weight, for batches and prefill, at the cost of 8-bit activations.
+  weight, for batches and prefill, at the cost of 8-bit activations. It also reads 5-bit
+  values (GGUF's Q5 types: ``bits``), held as the nibbles plus a bit plane.
 
 Elsewhere (CPUs without them, CUDA) the weight is dequantized to the model's dtype for each
 product: correct, not fast.
@@ -90,7 +91,7 @@ def pack_int4(
     bits: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' layouts (``csrc/linear_int4.cpp``): q ``[N, K]`` (N % 16 == 0, K % 8 == 0)
-    -> packed ``[N/16, K/8, 64 + 16 (bits - 4)]`` bytes; scales and zeros ``[N, G]`` ->
+    -> packed ``[N/16, K/8, 64 + 16 (bits - 4)]`` bytes (bits 4 or 5); scales and zeros ``[N, G]`` ->
     ``[N/16, G, 16]``.
 
     ::
@@ -98,14 +99,13 @@ def pack_int4(
         64 bytes per (16 outputs, 8 inputs k = 8o .. 8o+7); output c's 4 bytes:
         int4  two 16-bit words h = 0, 1; nibble r of word h = q[n, 8o + 2r + h]
         w4a8  byte p = 4c + j (j = 0..3): low nibble q[n, 8o + j] & 15, high nibble
-              q[n, 8o + 4 + j] & 15; with 5 or 6 bits (w4a8 only), then per bit e above the
-              nibble two little-endian 64-bit masks: bit p = bit 4 + e of q[n, 8o + j], and
-              of q[n, 8o + 4 + j]
+              q[n, 8o + 4 + j] & 15; with 5 bits (w4a8 only), then two little-endian 64-bit
+              masks: bit p = bit 4 of q[n, 8o + j], and of q[n, 8o + 4 + j]
     """
     n, k = q.shape
     g = scales.shape[1]
-    if bits != 4 and not int8_activations:
-        raise ValueError(f"{bits}-bit weights: the w4a8 kernel only")
+    if bits not in (4, 5) or (bits == 5 and not int8_activations):
+        raise ValueError(f"{bits}-bit weights: 4 bits, or 5 for the w4a8 kernel only")
     if int8_activations:
         val = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # nb, o, half, c, j
         nib = val & 15
@@ -183,8 +183,8 @@ def int4_kernel_available(device: torch.device, int8_activations: bool = False) 
 class Int4Linear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` held in 4 bits (module docstring); through the C++ kernel
     where the CPU has it (``int8_activations``: each activation row's groups in int8), else
-    dequantized per call. ``bits`` 5 or 6 (GGUF's Q5 / Q6 types: q in 0..31 or 0..63) is held
-    as the nibbles plus one or two bit planes, for the w4a8 kernel (unpacked q elsewhere)."""
+    dequantized per call. ``bits`` 5 (GGUF's Q5 types: q in 0..31) is held as the nibbles plus
+    a bit plane, for the w4a8 kernel (unpacked q elsewhere)."""
 
     def __init__(
         self,

@@ -549,7 +549,7 @@ class CpuKernels:
         """``x`` ``[M, K]`` contiguous bf16 (with ``int8_activations``, each row's groups
         quantized to int8 as the layer runs) times a 4-bit weight from
         :func:`infer.runner.int4.pack_int4` (its float16 ``scales`` and uint8 or float16
-        ``zeros`` per group and output; 5 or 6 ``bits`` with ``int8_activations`` only),
+        ``zeros`` per group and output; 5 ``bits`` with ``int8_activations`` only),
         ``+ bias`` (float32 ``[N]``)."""
         m, k = x.shape
         flags = int4_flags(int8_activations, zeros.dtype, bits)
@@ -700,7 +700,7 @@ INT4_W4A8, INT4_HALF_ZEROS, INT4_PLANES_SHIFT = 1, 2, 2  # infer_int4_linear's (
 
 def int4_flags(int8_activations: bool, zeros_dtype: torch.dtype, bits: int = 4) -> int:
     """The 4-bit kernel's flags: the w4a8 kernel; float16 zeros (GGUF's Q4_1 / Q4_K); the bit
-    planes of 5- and 6-bit weights (w4a8 only)."""
+    plane of 5-bit weights (w4a8 only)."""
     return (
         (INT4_W4A8 if int8_activations else 0)
         | (INT4_HALF_ZEROS if zeros_dtype == torch.float16 else 0)

@@ -39,8 +39,8 @@ int infer_w8a8_linear(const uint16_t* x, const int8_t* packed, const int32_t* co
 // infer_int4_linear's flags (and InferLinear.int4_flags).
 #define INFER_INT4_W4A8 1        // activations to int8 per group: the w4a8 kernel
 #define INFER_INT4_HALF_ZEROS 2  // zeros are float16, not uint8 (GGUF's Q4_1 / Q4_K)
-// Bits 2-3: how many bit planes (0, 1, 2) follow each 64 bytes of nibbles: 5- and 6-bit
-// weights (GGUF's Q5 / Q6 types), w4a8 kernel only.
+// Bits 2-3: how many bit planes (0, 1) follow each 64 bytes of nibbles: 5-bit weights
+// (GGUF's Q5 types), w4a8 kernel only.
 #define INFER_INT4_PLANES_SHIFT 2
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                       const void* zeros, const float* bias, void* y, int64_t M, int64_t K,

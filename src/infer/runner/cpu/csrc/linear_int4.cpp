@@ -29,11 +29,11 @@
 //     w4a8:  output c's 4 bytes j = 0..3 are q[n][8o + j] | q[n][8o + 4 + j] << 4: the low
 //            nibbles are the 4-input "quad" 2o of all 16 outputs, the high nibbles quad 2o + 1,
 //            in the order VPDPBUSD reads
-//     w4a8 with 5- or 6-bit weights (GGUF's Q5 / Q6 types; flags' plane count E = 1, 2): each
-//            64 bytes followed by E planes of 16 bytes, plane e two 64-bit masks: bit p of
-//            the first is bit 4 + e of the value in byte p's low nibble, of the second its
-//            high nibble's; a masked byte add puts the bit back (values 0..63, which
-//            VPDPBUSD reads as it reads 0..15): 64 + 16E bytes per 8 inputs of 16 outputs
+//     w4a8 with 5-bit weights (GGUF's Q5 types; the flags' plane count 1): each 64 bytes
+//            followed by a plane of 16 bytes, two 64-bit masks: bit p of the first is bit 4
+//            of the value in byte p's low nibble, of the second its high nibble's; a masked
+//            byte add puts the bit back (values 0..31, which VPDPBUSD reads as it reads
+//            0..15): 80 bytes per 8 inputs of 16 outputs
 //   scales   : [N/16][K/group][16] float16     zeros : [N/16][K/group][16] uint8 or float16
 //   xp (w4a8): per pass of up to 8 rows, [K/4][pass rows] 32-bit words (row r's 4 bytes of
 //              quad kq), so one broadcast feeds a row's multiply
@@ -234,10 +234,10 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
       const __m512i w = _mm512_loadu_si512(wo);
       __m512i lo = _mm512_and_si512(w, nibble);
       __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-      for (int e = 0; e < kPlanes; ++e) {  // bit 4 + e of each byte, from its bit plane
+      if (kPlanes) {  // bit 4 of each byte, from the bit plane
         uint64_t bits[2];
-        std::memcpy(bits, wo + 64 + 16 * e, 16);
-        const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << e));
+        std::memcpy(bits, wo + 64, 16);
+        const __m512i bit = _mm512_set1_epi8(16);
         lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, bit);
         hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, bit);
       }
@@ -337,7 +337,7 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
   if (N % 16 || group <= 0 || group % 16 || K % group || M <= 0) return 1;
   const bool half_zeros = flags & INFER_INT4_HALF_ZEROS;
   const int planes = (flags >> INFER_INT4_PLANES_SHIFT) & 3;
-  if (planes > 2) return 1;
+  if (planes > 1) return 1;
   if (flags & INFER_INT4_W4A8) {
 #ifdef INFER_HAVE_W4A8
     const auto run = [&](auto planes) {
@@ -356,12 +356,11 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
                                            num_threads);
     };
     if (planes == 0) run(std::integral_constant<int, 0>());
-    else if (planes == 1) run(std::integral_constant<int, 1>());
-    else run(std::integral_constant<int, 2>());
+    else run(std::integral_constant<int, 1>());
     return 0;
 #endif
   } else {
-    if (planes) return 4;  // 5- and 6-bit weights: the w4a8 kernel only
+    if (planes) return 4;  // 5-bit weights: the w4a8 kernel only
 #ifdef INFER_HAVE_INT4
     if (out_f32 && half_zeros)
       int4_bf16_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
