@@ -186,8 +186,11 @@ _GGUF_KEPT = {
     "Q5_1": (5, 2),
     "Q5_K": (5, 2),
 }
+# K-quants the w4a8 kernel reads with their own scales (int8 activations): per 32 inputs a
+# uint8 scale and min, per 256 a float16 d and dmin.
+_GGUF_KQUANTS = ("Q4_K", "Q5_K")
 # Parameters fused from several GGUF tensors: kept only when every part is (at the widest
-# part's bits, the wider zero).
+# part's bits, the wider zero; with their own scales when every part is a K-quant).
 _GGUF_FUSED = (
     ("attn_q", "attn_k", "attn_v"),
     ("ffn_gate", "ffn_up"),
@@ -230,6 +233,8 @@ def _gguf_weight_bytes(
         layouts = [_GGUF_KEPT[tensors[n][1]] for n in parts(name)]
         bits = max(b for b, _ in layouts)
         zero = max(z for _, z in layouts)
+        if int8_activations and all(tensors[n][1] in _GGUF_KQUANTS for n in parts(name)):
+            return count * bits // 8 + 2 * count // 32 + 4 * count // 256
         return count * bits // 8 + (2 + zero) * count // 32
 
     total = 0

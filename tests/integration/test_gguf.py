@@ -267,6 +267,8 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
     assert zeros == {torch.uint8 if weight_type == "Q4_0" else torch.float16}
     w4a8, _, int4 = _run(file, "bfloat16")
     assert len(int4) == 8 and {(m.mode, m.int8_activations) for m in int4} == {("kernel", True)}
+    # Q4_K: the file's own scales (uint8 sc, m; float16 d, dmin per 256) in the w4a8 kernel
+    assert {m.kquant for m in int4} == {weight_type == "Q4_K"}
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
     w4a8_err = (w4a8 - exact).abs().mean()
     print(f"{weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}, "
@@ -311,6 +313,8 @@ def test_5bit_layers_stay_in_their_bits_with_int8_activations(
     # (bits, layers): of each layer's qkv, o, gate_up, down
     assert set(collections.Counter(m.bits for m in layers).items()) == kept
     assert all(m.mode == "kernel" and m.int8_activations for m in layers)
+    # K-quants (a fused Q4_K / Q5_K q/k/v too) read with their own scales
+    assert all(m.kquant == (weight_type in ("Q4_K", "Q5_K")) for m in layers)
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
     print(f"{weight_type} {types}: mean |logprob error| plain bf16 {plain_err:.4f}, "
           f"w4a8 {got_err:.4f}")  # fmt: skip
@@ -405,8 +409,9 @@ def test_the_folder_is_made_once_and_a_changed_file_gets_a_new_one(wide_llama, t
 
 def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     """`infer plan --model FILE.gguf` reads the header only: float32 holds every weight
-    dequantized; bf16 holds a 4-bit layer as half a byte a weight plus a float16 scale and a
-    zero per group (uint8 for Q4_0, float16 for Q4_K), a layer of another quantized type
+    dequantized; bf16 holds a 4-bit layer as half a byte a weight plus its scales: a float16
+    scale and a uint8 zero per group of 32 for Q4_0; Q4_K's own uint8 scale and min per group
+    and float16 d and dmin per 256 (int8 activations, the default), a layer of another quantized type
     (Q8_0 here) in int8 per channel (with --no-gguf-int8 in bf16), the embedding in bf16 (and
     the vocabulary projection packed once more: int8 when it was stored quantized, bf16 as
     for any bf16 folder otherwise)."""
@@ -419,7 +424,11 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     linear = 2 * (256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 256 * 512)  # q k v o gate up down
     outputs = 2 * (256 + 128 + 128 + 256 + 512 + 512 + 256)
     vocab_int8 = 1024 * 256 + 4 * 1024
-    for weight_type, group_bytes in (("Q4_K", 4), ("Q4_0", 3), ("Q8_0", None)):
+    for weight_type, scale_bytes in (
+        ("Q4_K", 2 * linear // 32 + 4 * linear // 256),
+        ("Q4_0", 3 * linear // 32),
+        ("Q8_0", None),
+    ):
         file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type)
         folder = find_model_folder(file)
         assert safetensors_num_params(folder) == plain_params
@@ -436,8 +445,8 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
             plain16 = llm.engine.weights_bytes
             assert safetensors_weight_bytes(folder, 2, gguf_int8=False) == plain16 - packed_copy
         rest = (plain_params - linear) * 2
-        if group_bytes is not None:
-            assert held == rest + linear // 2 + group_bytes * linear // 32 + vocab_int8
+        if scale_bytes is not None:
+            assert held == rest + linear // 2 + scale_bytes + vocab_int8
         else:
             assert held == rest + linear + 4 * outputs + vocab_int8
             assert plain16 - packed_copy == plain_params * 2

@@ -8,13 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from infer.model.quantized_checkpoint import KQuantScales
 from infer.runner.int4 import (
     Int4Linear,
     dequantize_int4,
+    dequantize_kquant,
     int4_kernel_available,
     pack_int4,
+    pack_kquant,
     quantize_int4,
     unpack_int4,
+    unpack_kquant,
     w4a8_kernel_reference,
 )
 
@@ -117,7 +121,7 @@ def _kernel_f32(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     y = layer._kernels.int4_linear(
         x.bfloat16().contiguous(), layer.packed, layer.scales, layer.zeros, None,
         layer.out_features + layer.padded, layer.group_size, layer.int8_activations,
-        torch.float32, layer.bits,
+        torch.float32, layer.bits, layer.kquant,
     )  # fmt: skip
     return y[:, : layer.out_features].double()
 
@@ -208,6 +212,59 @@ def test_w4a8_kernel_takes_5bit_weights(group, half_zeros):
         want = w4a8_kernel_reference(x, q, scales, zeros)
         got = _kernel_f32(layer, x)
         assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-6
+
+
+def _random_kquant(n: int, k: int, seed: int) -> KQuantScales:
+    g = torch.Generator().manual_seed(seed)
+    sc = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
+    m = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // 256, generator=g) * 0.01).to(torch.float16)
+    dmin = (torch.rand(n, k // 256, generator=g) * 0.01).to(torch.float16)
+    return KQuantScales(sc, m, d, dmin)
+
+
+def test_kquant_records_round_trip():
+    """GGUF's K-quant scales packed as the kernel's 320-byte records (sc, m per group; d, dmin
+    per super-block, each 16 outputs wide) come back exactly."""
+    kq = _random_kquant(32, 512, seed=1)
+    records = pack_kquant(kq)
+    assert records.shape == (2, 2, 320)
+    # output 17 (block 1, c 1), group 9 (super-block 1, j 1): sc at byte 16 j + c
+    assert records[1, 1, 16 * 1 + 1].item() == kq.sc[17, 9].item()
+    back = unpack_kquant(records)
+    for field in ("sc", "m", "d", "dmin"):
+        assert torch.equal(getattr(back, field), getattr(kq, field))
+
+
+@needs_w4a8
+@pytest.mark.parametrize("bits", [4, 5])
+def test_w4a8_kernel_reads_kquant_records(bits):
+    """Q4_K / Q5_K layers held with the file's own scales (4.625 / 5.625 bits a weight): the
+    kernel's sums are the reference's ``d sc dot - dmin m xsum``, its weight the file's
+    ``d sc q - dmin m``; padded outputs and every pass size; bf16 activations (no K-quant
+    kernel) take the float16 scales and zeros."""
+    for m_rows, n in ((1, 48), (9, 40), (17, 32)):
+        k = 512
+        torch.manual_seed(m_rows + bits)
+        q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+        kq = _random_kquant(n, k, seed=m_rows)
+        want_w = dequantize_kquant(q, kq, torch.float32)
+        scale = kq.d.float().repeat_interleave(8, dim=1) * kq.sc.float()
+        offset = kq.dmin.float().repeat_interleave(8, dim=1) * kq.m.float()
+        scales16 = scale.clamp(min=2**-14).to(torch.float16)
+        zeros16 = (offset / scales16.float()).to(torch.float16)
+        x = (torch.randn(m_rows, k) * 3).bfloat16()
+        layer = Int4Linear(q, scales16, zeros16, None, torch.bfloat16, int8_activations=True,
+                           bits=bits, kquant=kq)  # fmt: skip
+        assert layer.mode == "kernel" and layer.kquant
+        assert layer.weight_bytes == (n + layer.padded) * k * (bits * 8 + 5) // 64
+        assert torch.equal(layer.dequantized_weight(), want_w.bfloat16())
+        want = w4a8_kernel_reference(x, q, scales16, zeros16, kq)
+        got = _kernel_f32(layer, x)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-6
+    if bits == 4:
+        plain = Int4Linear(q, scales16, zeros16, None, torch.bfloat16, kquant=kq)
+        assert plain.mode == "kernel" and not plain.kquant and plain.zeros.dtype == torch.float16
 
 
 @needs_w4a8

@@ -43,7 +43,7 @@ import torch
 
 from infer.model.folders import ModelLoadError
 from infer.model.gguf_folder import FLOAT_TYPES, FOUR_BIT_TYPES, WIDE_TYPES
-from infer.model.quantized_checkpoint import UnpackedLayer
+from infer.model.quantized_checkpoint import KQuantScales, UnpackedLayer
 
 GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
 # An expert's weight: llama.cpp stacks each layer's experts into one [experts, rows, cols]
@@ -142,7 +142,11 @@ class GGUFCheckpoint:
             weight = weight[rows]
             if layer is not None:
                 layer = dataclasses.replace(
-                    layer, q=layer.q[rows], zeros=layer.zeros[rows], scales=layer.scales[rows]
+                    layer,
+                    q=layer.q[rows],
+                    zeros=layer.zeros[rows],
+                    scales=layer.scales[rows],
+                    kquant=None if layer.kquant is None else layer.kquant.rows(rows),
                 )
         if self.arch == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1.0  # stored as the (1 + w) Gemma's norms multiply by
@@ -205,6 +209,8 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
         q = np.concatenate([qs & 15, qs >> 4], axis=3)  # chunk c, half h = group 2c + h
         scale = d[..., None] * sc  # [rows, blocks, 8]
         offset = -(dmin[..., None] * m)
+        layer = _half_zeros(q.reshape(rows, cols // GROUP, GROUP), scale, offset, 4)
+        return _with_k_scales(layer, blocks, sc, m)
     else:
         size = 18 if kind == "Q4_0" else 20
         blocks = raw.reshape(rows, cols // GROUP, size)
@@ -269,7 +275,26 @@ def unpack_wide(data: np.ndarray, kind: str, values: np.ndarray) -> UnpackedLaye
         q = np.where(scale[..., None] == 0, 0,
                      np.rint((grouped - offset[..., None]) / scale[..., None]))  # fmt: skip
     q = np.clip(q, 0, (1 << bits) - 1).astype(np.uint8)
-    return _half_zeros(q, scale, offset, bits)
+    layer = _half_zeros(q, scale, offset, bits)
+    return _with_k_scales(layer, blocks, sc, m) if kind == "Q5_K" else layer
+
+
+def _with_k_scales(layer: UnpackedLayer | None, blocks: np.ndarray, sc: np.ndarray,
+                   m: np.ndarray) -> UnpackedLayer | None:  # fmt: skip
+    """A Q4_K / Q5_K layer with its own scales beside (``[rows, super-blocks, bytes]`` blocks
+    leading with d and dmin; ``sc``, ``m`` ``[rows, super-blocks, 8]``), which the w4a8 kernel
+    reads as they are: 4.625 / 5.625 bits a weight, against 5 / 6 with a float16 scale and
+    zero per group."""
+    if layer is None:
+        return None
+    rows = blocks.shape[0]
+
+    def half(at: int) -> torch.Tensor:
+        return torch.from_numpy(blocks[..., at : at + 2].copy().view(np.float16)[..., 0])
+
+    scales = KQuantScales(torch.from_numpy(sc.reshape(rows, -1).astype(np.uint8)),
+                          torch.from_numpy(m.reshape(rows, -1).astype(np.uint8)), half(0), half(2))  # fmt: skip
+    return dataclasses.replace(layer, kquant=scales)
 
 
 def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -117,6 +117,28 @@ def _nibbles(packed: torch.Tensor, axis: int, bits: int = 4) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class KQuantScales:
+    """GGUF's K-quant scales as the file holds them (Q4_K, Q5_K): per group of 32 inputs and
+    output a 6-bit scale ``sc`` and min ``m`` (uint8 ``[out, groups]``), per super-block of 256
+    inputs a float16 ``d`` and ``dmin`` (``[out, groups / 8]``): weight = d sc q - dmin m."""
+
+    sc: torch.Tensor
+    m: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> KQuantScales:
+        return KQuantScales(self.sc[index], self.m[index], self.d[index], self.dmin[index])
+
+    @staticmethod
+    def cat(parts: list[KQuantScales]) -> KQuantScales:
+        """Parts stacked along the outputs (a fused q/k/v, gate/up)."""
+        return KQuantScales(
+            *(torch.cat([getattr(p, f) for p in parts]) for f in ("sc", "m", "d", "dmin"))
+        )
+
+
+@dataclass(frozen=True)
 class UnpackedLayer:
     """One layer's integers as ``[out, in]`` rows: ``weight[j, i] = scales[j, g_idx[i]] *
     (q[j, i] - zeros[j, g_idx[i]])``."""
@@ -126,6 +148,7 @@ class UnpackedLayer:
     scales: torch.Tensor  # [out, groups], as stored (GPTQ and AWQ store float16)
     g_idx: torch.Tensor  # int64 [in]
     bits: int = 4  # q's width: 5 for GGUF's Q5 types
+    kquant: KQuantScales | None = None  # a K-quant's own scales (the scales above: d sc)
 
 
 def unpack(
@@ -184,13 +207,14 @@ class Int4Parts:
     """A 4-bit layer as :class:`infer.runner.int4.Int4Linear` takes it: inputs in group order
     (``perm[i]``: the checkpoint's input at position i; None when they already are), ``q``
     ``[out, in]``, ``scales`` float16 and ``zeros`` ``[out, groups]``; ``bits`` 5 for GGUF's
-    Q5 types."""
+    Q5 types; ``kquant``: a K-quant layer's own scales too (the w4a8 kernel reads them)."""
 
     q: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     perm: torch.Tensor | None
     bits: int = 4
+    kquant: KQuantScales | None = None
 
 
 def checkpoint_int4_parts(
@@ -224,4 +248,7 @@ def checkpoint_int4_parts(
         torch.cat([layer.zeros.to(zero_dtype) for layer in layers]),
         None if in_order else perm,
         max(layer.bits for layer in layers),
+        KQuantScales.cat([layer.kquant for layer in layers])
+        if in_order and all(layer.kquant is not None for layer in layers)
+        else None,
     )

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.model.quantized_checkpoint import KQuantScales
 from infer.runner.cpu.kernels import int4_flags
 from infer.runner.cpu.prepack import tiled_linear_kernels
 
@@ -127,6 +128,59 @@ def pack_int4(
     )
 
 
+KQUANT_RECORD = 320
+"""Bytes of one K-quant record (csrc/kernels.h ``INFER_INT4_KQUANT``): 16 outputs x 256 inputs."""
+
+
+def pack_kquant(kquant: KQuantScales) -> torch.Tensor:
+    """GGUF K-quant scales (``[N, G]`` sc and m, ``[N, G/8]`` d and dmin; N % 16 == 0) -> the
+    w4a8 kernel's records ``[N/16, G/8, 320]`` bytes::
+
+        sc[8][16] uint8 | m[8][16] uint8 | d[16] float16 | dmin[16] float16
+        (group j of the super-block, output c of the 16)
+    """
+    n, g = kquant.sc.shape
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G/8, 128]
+        return t.view(n // 16, 16, g // 8, 8).permute(0, 2, 3, 1).reshape(n // 16, g // 8, 128)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G/8] float16 -> [N/16, G/8, 32]
+        return t.view(n // 16, 16, g // 8).transpose(1, 2).contiguous().view(torch.uint8)
+
+    parts = [per_group(kquant.sc), per_group(kquant.m), per_block(kquant.d), per_block(kquant.dmin)]
+    return torch.cat(parts, dim=2).contiguous()
+
+
+def unpack_kquant(records: torch.Tensor) -> KQuantScales:
+    """:func:`pack_kquant`'s records back to the scales."""
+    blocks, supers = records.shape[:2]
+    n, g = blocks * 16, supers * 8
+
+    def per_group(at: int) -> torch.Tensor:
+        return (
+            records[..., at : at + 128]
+            .reshape(blocks, supers, 8, 16)
+            .permute(0, 3, 1, 2)
+            .reshape(n, g)
+        )
+
+    def per_block(at: int) -> torch.Tensor:
+        half = records[..., at : at + 32].contiguous().view(torch.float16)  # [blocks, supers, 16]
+        return half.transpose(1, 2).reshape(n, supers)
+
+    return KQuantScales(per_group(0), per_group(128), per_block(256), per_block(288))
+
+
+def dequantize_kquant(q: torch.Tensor, kquant: KQuantScales, dtype: torch.dtype) -> torch.Tensor:
+    """``d sc q - dmin m`` per group of 32, ``[N, K]`` in ``dtype`` (float32 arithmetic)."""
+    n, k = q.shape
+    d = kquant.d.float().repeat_interleave(8, dim=1)
+    dmin = kquant.dmin.float().repeat_interleave(8, dim=1)
+    scale, offset = d * kquant.sc.float(), dmin * kquant.m.float()
+    w = q.float().view(n, k // 32, 32) * scale[..., None] - offset[..., None]
+    return w.view(n, k).to(dtype)
+
+
 def unpack_int4(packed: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
     """:func:`pack_int4`'s packed bytes back to q ``[N, K]`` (its bit planes too)."""
     blocks, octets = packed.shape[:2]
@@ -149,11 +203,16 @@ def unpack_int4(packed: torch.Tensor, int8_activations: bool = False) -> torch.T
 
 
 def w4a8_kernel_reference(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    kquant: KQuantScales | None = None,
 ) -> torch.Tensor:
     """What the w4a8 kernel computes, in float64: each row's groups quantized to int8 exactly as
     the kernel does it (float32 ``127 / absmax``, rounded to nearest even), integer dot products
-    per group, then the scales. For tests."""
+    per group, then the scales (``kquant``: ``d sc`` times the product, less ``dmin m`` times
+    the group's quantized sum). For tests."""
     m, k = x.shape
     groups = scales.shape[1]
     group = k // groups
@@ -164,7 +223,13 @@ def w4a8_kernel_reference(
     x_scale = torch.where(absmax > 0, absmax / 127.0, torch.zeros_like(absmax)).double()
     qg = q.to(torch.int64).view(q.shape[0], groups, group)  # [n, G, group]
     dots = torch.einsum("mgk,ngk->mng", xq, qg).double()
-    dots = dots - zeros.double()[None] * xq.sum(dim=2).double()[:, None, :]  # uint8 or float16
+    xsum = xq.sum(dim=2).double()[:, None, :]
+    if kquant is not None:
+        d = kquant.d.double().repeat_interleave(8, dim=1)[None]
+        dmin = kquant.dmin.double().repeat_interleave(8, dim=1)[None]
+        terms = d * kquant.sc.double()[None] * dots - dmin * kquant.m.double()[None] * xsum
+        return (terms * x_scale[:, None, :]).sum(dim=2)
+    dots = dots - zeros.double()[None] * xsum  # uint8 or float16
     w_scale = scales.double()[None]  # [1, n, G]
     return (dots * w_scale * x_scale[:, None, :]).sum(dim=2)
 
@@ -184,7 +249,9 @@ class Int4Linear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` held in 4 bits (module docstring); through the C++ kernel
     where the CPU has it (``int8_activations``: each activation row's groups in int8), else
     dequantized per call. ``bits`` 5 (GGUF's Q5 types: q in 0..31) is held as the nibbles plus
-    a bit plane, for the w4a8 kernel (unpacked q elsewhere)."""
+    a bit plane, for the w4a8 kernel (unpacked q elsewhere). ``kquant`` (GGUF's Q4_K / Q5_K):
+    the w4a8 kernel reads the file's own scales (:func:`pack_kquant`; ``scales`` and ``zeros``
+    are then not kept), elsewhere the float16 ``scales`` and ``zeros`` serve."""
 
     def __init__(
         self,
@@ -196,6 +263,7 @@ class Int4Linear(nn.Module):
         perm: torch.Tensor | None = None,
         int8_activations: bool = False,
         bits: int = 4,
+        kquant: KQuantScales | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
@@ -215,14 +283,26 @@ class Int4Linear(nn.Module):
         ):
             self.mode = "kernel"
             self._kernels = kernels
-            self.kernel_flags = int4_flags(int8_activations, zeros.dtype, bits)
+            self.kquant = (
+                kquant is not None
+                and int8_activations
+                and self.group_size == 32
+                and self.in_features % 256 == 0
+            )
+            self.kernel_flags = int4_flags(int8_activations, zeros.dtype, bits, self.kquant)
             # The kernel takes 16 outputs at a time: pad with zero rows, cut off after.
             self.padded = -self.out_features % 16
-            if self.padded:
-                q = torch.cat([q, q.new_zeros(self.padded, self.in_features)])
-                scales = torch.cat([scales, scales.new_zeros(self.padded, scales.shape[1])])
-                zeros = torch.cat([zeros, zeros.new_zeros(self.padded, zeros.shape[1])])
+
+            def pad(t: torch.Tensor) -> torch.Tensor:
+                return torch.cat([t, t.new_zeros(self.padded, *t.shape[1:])]) if self.padded else t
+
+            q, scales, zeros = pad(q), pad(scales), pad(zeros)
             packed, s, z = pack_int4(q, scales, zeros, int8_activations, bits)
+            if self.kquant:
+                assert kquant is not None
+                s = pack_kquant(KQuantScales(*(pad(t) for t in (kquant.sc, kquant.m, kquant.d,
+                                                                 kquant.dmin))))  # fmt: skip
+                z = torch.empty(0, dtype=torch.uint8)
             self.register_buffer("packed", packed, False)
             self.register_buffer("scales", s, False)
             self.register_buffer("zeros", z, False)
@@ -232,6 +312,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("fbias", fbias, False)
             return
         self.mode = "dequant"
+        self.kquant = False
         self.padded = 0
         packed = q if bits > 4 else q[:, 0::2] | (q[:, 1::2] << 4)  # wider: a byte each
         self.register_buffer("packed", packed.contiguous(), False)
@@ -252,13 +333,17 @@ class Int4Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 2 + self.zeros.nbytes
+        return self.packed.numel() + self.scales.nbytes + self.zeros.nbytes
 
     def dequantized_weight(self) -> torch.Tensor:
         """The ``[N, K]`` weight in the model's dtype, inputs in group order (after ``perm``)."""
         if self.mode == "kernel":
             n = self.out_features + self.padded
             q = unpack_int4(self.packed, self.int8_activations)
+            if self.kquant:
+                return dequantize_kquant(q, unpack_kquant(self.scales), self.dtype)[
+                    : self.out_features
+                ]
             g = self.scales.shape[1]
             scales = self.scales.transpose(1, 2).reshape(n, g)
             zeros = self.zeros.transpose(1, 2).reshape(n, g)
@@ -279,7 +364,7 @@ class Int4Linear(nn.Module):
             y = self._kernels.int4_linear(
                 flat.to(torch.bfloat16).contiguous(), self.packed, self.scales, self.zeros,
                 self.fbias, self.out_features + self.padded, self.group_size,
-                self.int8_activations, out_dtype, self.bits,
+                self.int8_activations, out_dtype, self.bits, self.kquant,
             )  # fmt: skip
             if self.padded:
                 y = y[:, : self.out_features]
@@ -309,7 +394,7 @@ def keep_checkpoint_int4(model: nn.Module, int8_activations: bool = False) -> li
         perm = None if parts.perm is None else parts.perm.to(device)
         new = Int4Linear(parts.q.to(device), parts.scales.to(device), parts.zeros.to(device),
                          module.bias, module.weight.dtype, perm, int8_activations,
-                         parts.bits)  # fmt: skip
+                         parts.bits, parts.kquant)  # fmt: skip
         parent_name, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         made.append(new)

@@ -545,14 +545,16 @@ class CpuKernels:
         int8_activations: bool = False,
         out_dtype: torch.dtype = torch.bfloat16,
         bits: int = 4,
+        kquant: bool = False,
     ) -> torch.Tensor:
         """``x`` ``[M, K]`` contiguous bf16 (with ``int8_activations``, each row's groups
         quantized to int8 as the layer runs) times a 4-bit weight from
         :func:`infer.runner.int4.pack_int4` (its float16 ``scales`` and uint8 or float16
-        ``zeros`` per group and output; 5 ``bits`` with ``int8_activations`` only),
+        ``zeros`` per group and output; 5 ``bits`` and ``kquant``, records from
+        :func:`~infer.runner.int4.pack_kquant` as the scales, with ``int8_activations`` only),
         ``+ bias`` (float32 ``[N]``)."""
         m, k = x.shape
-        flags = int4_flags(int8_activations, zeros.dtype, bits)
+        flags = int4_flags(int8_activations, zeros.dtype, bits, kquant)
         out = torch.empty(m, out_features, dtype=out_dtype)
         rc = self._int4_linear(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                                zeros.data_ptr(), _ptr(bias), out.data_ptr(), m, k, out_features,
@@ -695,16 +697,20 @@ class PrefillChunks:
     block_tables: torch.Tensor  # [P, max_blocks] int32, contiguous
 
 
-INT4_W4A8, INT4_HALF_ZEROS, INT4_PLANES_SHIFT = 1, 2, 2  # infer_int4_linear's (csrc/kernels.h)
+# infer_int4_linear's flags (csrc/kernels.h)
+INT4_W4A8, INT4_HALF_ZEROS, INT4_PLANES_SHIFT, INT4_KQUANT = 1, 2, 2, 16
 
 
-def int4_flags(int8_activations: bool, zeros_dtype: torch.dtype, bits: int = 4) -> int:
+def int4_flags(
+    int8_activations: bool, zeros_dtype: torch.dtype, bits: int = 4, kquant: bool = False
+) -> int:
     """The 4-bit kernel's flags: the w4a8 kernel; float16 zeros (GGUF's Q4_1 / Q4_K); the bit
-    plane of 5-bit weights (w4a8 only)."""
+    plane of 5-bit weights and K-quant records as the scales (w4a8 only)."""
     return (
         (INT4_W4A8 if int8_activations else 0)
-        | (INT4_HALF_ZEROS if zeros_dtype == torch.float16 else 0)
+        | (INT4_HALF_ZEROS if zeros_dtype == torch.float16 and not kquant else 0)
         | ((bits - 4) << INT4_PLANES_SHIFT)
+        | (INT4_KQUANT if kquant else 0)
     )
 
 

@@ -213,10 +213,16 @@ inline void quantize_row(const uint16_t* x, int64_t K, int64_t group, int32_t* x
   }
 }
 
-// Rows [m0, m0 + MR) of one pass (xp interleaved for it) times column block nb.
-template <int MR, bool kOutF32, bool kHalfZeros, int kPlanes>
+// How the w4a8 kernel's groups are scaled: a float16 scale and a uint8 zero, a float16
+// scale and zero, or GGUF's K-quant records (INFER_INT4_KQUANT).
+enum ZeroKind { kZerosUint8 = 0, kZerosHalf = 1, kZerosKQuant = 2 };
+constexpr int64_t kKQuantRecord = 320;  // bytes of one (16 outputs, 256 inputs) record
+
+// Rows [m0, m0 + MR) of one pass (xp interleaved for it) times column block nb; sb, zb: the
+// block's scales and zeros (kZerosKQuant: its records; zb unused).
+template <int MR, bool kOutF32, int kZeros, int kPlanes>
 inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scale,
-                       const int32_t* x_sum, const uint8_t* wb, const uint16_t* sb,
+                       const int32_t* x_sum, const uint8_t* wb, const void* sb,
                        const void* zb, const float* bias, void* y, int64_t m0, int64_t K,
                        int64_t N, int64_t nb, int64_t group) {
   const int64_t groups = K / group;
@@ -248,9 +254,31 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
         acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(x1[i]));
       }
     }
-    const __m512 ws = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 16)));
-    if (kHalfZeros) {  // a ratio (GGUF's Q4_1 / Q4_K): the zero's product in float32
+    if constexpr (kZeros == kZerosKQuant) {  // d sc q - dmin m: scale and min in float32
+      const uint8_t* rec = static_cast<const uint8_t*>(sb) + (g / 8) * kKQuantRecord;
+      const int64_t j = g % 8;
+      const auto u8x16 = [](const uint8_t* p) {
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      };
+      const auto f16x16 = [](const uint8_t* p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      };
+      const __m512 ws = _mm512_mul_ps(u8x16(rec + 16 * j), f16x16(rec + 256));
+      const __m512 zm = _mm512_mul_ps(u8x16(rec + 128 + 16 * j), f16x16(rec + 288));
+      for (int i = 0; i < MR; ++i) {
+        const int64_t at = (m0 + i) * groups + g;
+        const float xs = x_scale[at];
+        out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]),
+                                 _mm512_mul_ps(ws, _mm512_set1_ps(xs)), out[i]);
+        out[i] = _mm512_fnmadd_ps(zm, _mm512_set1_ps(xs * static_cast<float>(x_sum[at])),
+                                  out[i]);
+      }
+      continue;
+    }
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(sb) + g * 16)));
+    if (kZeros == kZerosHalf) {  // a ratio (GGUF's Q4_1): the zero's product in float32
       const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(zb) + g * 16)));
       for (int i = 0; i < MR; ++i) {
@@ -278,11 +306,11 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
 // multiply-adds; no barrier, no lines shared between cores), then threads take contiguous runs
 // of column blocks, each block's weights read from memory once and from cache for its further
 // passes of up to 8 rows (rows split evenly over the passes).
-template <bool kOutF32, bool kHalfZeros, int kPlanes>
+template <bool kOutF32, int kZeros, int kPlanes>
 void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                  const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
                  int64_t N, int64_t group, int num_threads) {
-  const int64_t zero_bytes = kHalfZeros ? 2 : 1;
+  const int64_t zero_bytes = kZeros == kZerosHalf ? 2 : 1;
   const int64_t pass_rows = Passes(M).rows, passes = (M + pass_rows - 1) / pass_rows;
   const int64_t nblocks = N / 16, kquads = K / 4, groups = K / group;
 #pragma omp parallel num_threads(num_threads)
@@ -300,9 +328,14 @@ void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
       for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
         const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
         infer_simd::with_count<kPassRows>(rows, [&](auto r) {
-          w4a8_block<decltype(r)::value, kOutF32, kHalfZeros, kPlanes>(
-              xp + m0 * kquads, pass_rows, x_scale, x_sum, packed + b * (K / 8) * (64 + 16 * kPlanes),
-              scales + b * groups * 16,
+          const void* block_scales =
+              kZeros == kZerosKQuant
+                  ? static_cast<const void*>(reinterpret_cast<const uint8_t*>(scales) +
+                                             b * (K / 256) * kKQuantRecord)
+                  : static_cast<const void*>(scales + b * groups * 16);
+          w4a8_block<decltype(r)::value, kOutF32, kZeros, kPlanes>(
+              xp + m0 * kquads, pass_rows, x_scale, x_sum,
+              packed + b * (K / 8) * (64 + 16 * kPlanes), block_scales,
               static_cast<const uint8_t*>(zeros) + b * groups * 16 * zero_bytes, bias, y, m0, K,
               N, b, group);
         });
@@ -337,30 +370,30 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
   if (N % 16 || group <= 0 || group % 16 || K % group || M <= 0) return 1;
   const bool half_zeros = flags & INFER_INT4_HALF_ZEROS;
   const int planes = (flags >> INFER_INT4_PLANES_SHIFT) & 3;
+  const bool kquant = flags & INFER_INT4_KQUANT;
   if (planes > 1) return 1;
   if (flags & INFER_INT4_W4A8) {
 #ifdef INFER_HAVE_W4A8
-    const auto run = [&](auto planes) {
-      constexpr int kPlanes = decltype(planes)::value;
-      if (out_f32 && half_zeros)
-        w4a8_linear<true, true, kPlanes>(x, packed, scales, zeros, bias, y, M, K, N, group,
-                                         num_threads);
-      else if (out_f32)
-        w4a8_linear<true, false, kPlanes>(x, packed, scales, zeros, bias, y, M, K, N, group,
-                                          num_threads);
-      else if (half_zeros)
-        w4a8_linear<false, true, kPlanes>(x, packed, scales, zeros, bias, y, M, K, N, group,
-                                          num_threads);
-      else
-        w4a8_linear<false, false, kPlanes>(x, packed, scales, zeros, bias, y, M, K, N, group,
-                                           num_threads);
+    if (kquant && (group != 32 || K % 256)) return 1;
+    const auto run = [&](auto out32, auto zero_kind, auto planes) {
+      w4a8_linear<decltype(out32)::value, decltype(zero_kind)::value, decltype(planes)::value>(
+          x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
     };
-    if (planes == 0) run(std::integral_constant<int, 0>());
-    else run(std::integral_constant<int, 1>());
+    const auto with_planes = [&](auto out32, auto zero_kind) {
+      if (planes == 0) run(out32, zero_kind, std::integral_constant<int, 0>());
+      else run(out32, zero_kind, std::integral_constant<int, 1>());
+    };
+    const auto with_zeros = [&](auto out32) {
+      if (kquant) with_planes(out32, std::integral_constant<int, kZerosKQuant>());
+      else if (half_zeros) with_planes(out32, std::integral_constant<int, kZerosHalf>());
+      else with_planes(out32, std::integral_constant<int, kZerosUint8>());
+    };
+    if (out_f32) with_zeros(std::true_type());
+    else with_zeros(std::false_type());
     return 0;
 #endif
   } else {
-    if (planes) return 4;  // 5-bit weights: the w4a8 kernel only
+    if (planes || kquant) return 4;  // 5-bit weights, K-quant records: the w4a8 kernel only
 #ifdef INFER_HAVE_INT4
     if (out_f32 && half_zeros)
       int4_bf16_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
@@ -375,7 +408,7 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
 #endif
   }
   (void)x; (void)packed; (void)scales; (void)zeros; (void)bias; (void)y; (void)out_f32;
-  (void)num_threads; (void)half_zeros; (void)planes;
+  (void)num_threads; (void)half_zeros; (void)planes; (void)kquant;
   return 2;
 }
 
