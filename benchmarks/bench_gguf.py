@@ -3,6 +3,7 @@ beside llama.cpp on the same file: ``infer bench gguf``.
 
     infer bench gguf --llama-cpp SRC [--types Q8_0,Q6_K,Q4_K_M,Q4_0]
                      [--decode-model FILE.gguf] [--rounds 3] [--out bench-results/gguf]
+    infer bench gguf --no-quality --activations-model FILE.gguf [--rounds 4]
 
 ``SRC`` is llama.cpp's source tree with ``build/bin/llama-quantize`` (and ``llama-server`` for
 the decode part), e.g. ``vendor/llama.cpp`` of the ``llama-cpp-python`` sdist built as
@@ -23,6 +24,11 @@ docs/benchmarks.md says.
   and an 8-token run).
   Medians of each round's runs; the machines here are shared, so read the rounds side by
   side.
+- **Activations** (``--activations-model``; no llama.cpp needed): infer's default (int8
+  activations, the w4a8 kernel) against ``--no-gguf-int8-activations`` on one file, both
+  engines in one process and measured in turns (so a slow spell of the machine hits both):
+  batch-1 decode (ms per token from a 72- and an 8-token run), a 512-token prefill, and a
+  decode step of 16 sequences; the weights each holds.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp's built source tree (required)")  # fmt: skip
     p.add_argument("--types", default="Q8_0,Q6_K,Q4_K_M,Q4_0", help="llama-quantize types")
     p.add_argument("--decode-model", type=Path, default=None, help="a GGUF file to decode")
+    p.add_argument("--activations-model", type=Path, default=None,
+                   help="a GGUF file: int8 against bf16 activations, in one process")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--windows", type=int, default=8, help="held-out windows of 1,000 tokens")
     p.add_argument("--no-quality", dest="quality", action="store_false",
@@ -170,7 +178,10 @@ def infer_decode(model: Path, runs: int = 3, **options) -> tuple[float, float]:
 DECODE_VARIANTS = (
     ("infer (default)", {}),
     ("infer --no-gguf-int8-activations", {"gguf_int8_activations": False}),
-    ("infer --no-gguf-int8", {"gguf_int8": False, "gguf_int8_activations": False}),
+    (
+        "infer --no-gguf-int8 --no-gguf-int8-activations",
+        {"gguf_int8": False, "gguf_int8_activations": False},
+    ),
 )
 
 
@@ -183,6 +194,46 @@ def decode(args: argparse.Namespace) -> list[dict]:
             ms, mib = infer_decode(args.decode_model, **options)
             rows.append({"round": r, "engine": label, "ms": ms, "weights_mib": mib})
         print(rows[-1 - len(DECODE_VARIANTS) :], flush=True)
+    return rows
+
+
+def activations(args: argparse.Namespace) -> list[dict]:
+    """Rows per round and setting: batch-1 decode ms / token, 512-token prefill ms, ms per
+    decode step of 16 sequences, weights MiB (see the module doc)."""
+    import random
+
+    from infer import LLM, SamplingParams
+
+    settings = {"int8 activations (default)": True, "--no-gguf-int8-activations": False}
+    llms = {label: LLM(str(args.activations_model), dtype="bfloat16", max_model_len=1024,
+                       gguf_int8_activations=on) for label, on in settings.items()}  # fmt: skip
+    rng = random.Random(0)
+    vocab = min(llm.engine.spec.vocab_size for llm in llms.values())
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    def seconds(llm, prompts: list[list[int]], tokens: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    for llm in llms.values():
+        seconds(llm, [prompt(8)], 4)
+    rows = []
+    for r in range(1, args.rounds + 1):
+        order = list(llms.items()) if r % 2 else list(llms.items())[::-1]
+        for label, llm in order:
+            decode_ms = (seconds(llm, [prompt(8)], 72) - seconds(llm, [prompt(8)], 8)) / 64 * 1000
+            prefill_ms = seconds(llm, [prompt(512)], 1) * 1000
+            batch = [prompt(8) for _ in range(16)]
+            step_ms = (seconds(llm, batch, 40) - seconds(llm, batch, 8)) / 32 * 1000
+            rows.append({"round": r, "setting": label, "decode_ms": decode_ms,
+                         "prefill_ms": prefill_ms, "step16_ms": step_ms,
+                         "weights_mib": llm.engine.weights_bytes / 2**20})  # fmt: skip
+            print(rows[-1], flush=True)
+    for llm in llms.values():
+        llm.close()
     return rows
 
 
@@ -219,6 +270,25 @@ def markdown(report: dict) -> str:
                             f"{1000 / statistics.median(ms):.1f}"])  # fmt: skip
         lines += ["", "Over the rounds:", ""]
         lines += md_table(["engine", "median ms / token", "best round", "median tok/s"], summary)
+    rows = report.get("activations") or []
+    if rows:
+        lines += ["", f"int8 against bf16 activations on {report['activations_model']} (one "
+                  "process, the two engines measured in turns):", ""]  # fmt: skip
+        lines += md_table(
+            ["round", "setting", "batch-1 decode ms / token", "512-token prefill ms",
+             "16-sequence step ms", "weights MiB"],
+            [[r["round"], r["setting"], f"{r['decode_ms']:.1f}", f"{r['prefill_ms']:.0f}",
+              f"{r['step16_ms']:.1f}", f"{r['weights_mib']:.0f}"] for r in rows],
+        )  # fmt: skip
+        med = {s: {k: statistics.median(r[k] for r in rows if r["setting"] == s)
+                   for k in ("decode_ms", "prefill_ms", "step16_ms")}
+               for s in dict.fromkeys(r["setting"] for r in rows)}  # fmt: skip
+        base, new = med["--no-gguf-int8-activations"], med["int8 activations (default)"]
+        lines += ["", "Medians, and how much faster int8 activations are: "
+                  + "; ".join(f"{name} {base[k]:.1f} -> {new[k]:.1f} ({base[k] / new[k]:.2f}x)"
+                              for name, k in (("batch-1 decode ms", "decode_ms"),
+                                              ("prefill ms", "prefill_ms"),
+                                              ("16-sequence step ms", "step16_ms")))]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -226,18 +296,21 @@ def run(args: argparse.Namespace) -> int:
     from infer.builtin import ensure_builtin_model
     from infer.model.folders import find_model_folder
 
-    if args.llama_cpp is None:
+    if args.llama_cpp is None and (args.quality or args.decode_model):
         print("infer bench gguf: --llama-cpp SRC is required (llama.cpp's source tree, built: "
               "build/bin/llama-quantize, llama-server)", file=sys.stderr)  # fmt: skip
         return 2
-    args.llama_cpp = args.llama_cpp.expanduser().resolve()
-    small = Path(ensure_builtin_model("small"))
+    if args.llama_cpp is not None:
+        args.llama_cpp = args.llama_cpp.expanduser().resolve()
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         try:
-            scores = quality(args, small, Path(tmp)) if args.quality else []
+            small = Path(ensure_builtin_model("small")) if args.quality else None
+            scores = quality(args, small, Path(tmp)) if small is not None else []
             report = {"machine": offline_machine(), "quality": scores,
                       "decode_model": str(args.decode_model) if args.decode_model else None,
-                      "decode": decode(args) if args.decode_model else []}  # fmt: skip
+                      "decode": decode(args) if args.decode_model else [],
+                      "activations_model": str(args.activations_model or ""),
+                      "activations": activations(args) if args.activations_model else []}  # fmt: skip
         finally:  # the folders made of the temporary files' metadata
             for file in Path(tmp).glob("*.gguf"):
                 shutil.rmtree(find_model_folder(file), ignore_errors=True)

@@ -67,9 +67,11 @@ class ModelConfig:
     # A GGUF file's layers stored in a quantized type the 4-bit kernel cannot take (Q6_K, Q5_K,
     # Q8_0, ...): held in int8 per channel (False: dequantized to the model's dtype).
     gguf_int8: bool = True
-    # A GGUF file's 4-bit layers (Q4_0, Q4_1, Q4_K) multiply int8 activations (each row's groups
-    # of 32 quantized as the layer runs, as llama.cpp does): the w4a8 kernel, ~1.7x the bf16
-    # one's multiplies where they bind (prefill, batches). False: activations stay bf16.
+    # A GGUF file's 4- and 5-bit layers (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K) multiply int8
+    # activations (each row's groups of 32 quantized as the layer runs, as llama.cpp does): the
+    # w4a8 kernel, ~1.7x the bf16 one's multiplies where they bind (prefill, batches), reading
+    # the 5-bit types and the K-quants' own scales as they are. False: activations stay bf16
+    # (the 5-bit types then in int8).
     gguf_int8_activations: bool = True
     # Attention on CUDA: "triton" (paged kernels that read the block tables), "torch" (gather +
     # SDPA, the reference); "auto" is triton where it is installed. The CPU has its own kernels.

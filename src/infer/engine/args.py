@@ -74,9 +74,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--gguf-int8-activations",
         action=argparse.BooleanOptionalAction,
         default=m.gguf_int8_activations,
-        help="a GGUF file in bf16: its 4-bit layers (Q4_0, Q4_1, Q4_K) quantize each "
-        "activation row's groups of 32 to int8 and multiply bytes by nibbles (AVX-512 VNNI; "
-        "default, as llama.cpp does); --no-gguf-int8-activations keeps the activations bf16",
+        help="a GGUF file in bf16: its 4- and 5-bit layers (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, "
+        "Q5_K: held in their bits, K-quants with their own scales) quantize each activation "
+        "row's groups of 32 to int8 and multiply bytes by bytes (AVX-512 VNNI; default, as "
+        "llama.cpp does); --no-gguf-int8-activations keeps the activations bf16 (4-bit types "
+        "in the int4 kernel, 5-bit ones in int8)",
     )
 
     g.add_argument(

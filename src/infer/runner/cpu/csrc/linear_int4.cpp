@@ -230,6 +230,7 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 out[MR];
   for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
+  __m512 super_d = _mm512_setzero_ps(), super_dmin = _mm512_setzero_ps();  // (kZerosKQuant)
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
@@ -261,18 +262,18 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
         return _mm512_cvtepi32_ps(
             _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
       };
-      const auto f16x16 = [](const uint8_t* p) {
-        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      };
-      const __m512 ws = _mm512_mul_ps(u8x16(rec + 16 * j), f16x16(rec + 256));
-      const __m512 zm = _mm512_mul_ps(u8x16(rec + 128 + 16 * j), f16x16(rec + 288));
-      for (int i = 0; i < MR; ++i) {
+      if (j == 0) {  // a super-block's d and dmin, kept for its 8 groups
+        super_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+        super_dmin =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+      }
+      const __m512 ws = _mm512_mul_ps(u8x16(rec + 16 * j), super_d);
+      const __m512 zm = _mm512_mul_ps(u8x16(rec + 128 + 16 * j), super_dmin);
+      for (int i = 0; i < MR; ++i) {  // (one multiply-add on the running sum)
         const int64_t at = (m0 + i) * groups + g;
-        const float xs = x_scale[at];
-        out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]),
-                                 _mm512_mul_ps(ws, _mm512_set1_ps(xs)), out[i]);
-        out[i] = _mm512_fnmadd_ps(zm, _mm512_set1_ps(xs * static_cast<float>(x_sum[at])),
-                                  out[i]);
+        const __m512 t = _mm512_fnmadd_ps(zm, _mm512_set1_ps(static_cast<float>(x_sum[at])),
+                                          _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), ws));
+        out[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(x_scale[at]), out[i]);
       }
       continue;
     }
