@@ -15,7 +15,7 @@ docs/benchmarks.md says.
   folder, and of each file: in float32 (every weight dequantized: llama.cpp's exact values),
   in bf16 with bf16 activations and ``--no-gguf-int8`` (4-bit layers in the int4 kernel, the
   others dequantized to bf16), with bf16 activations (the others in int8 per channel), and as
-  served by default (int8 activations: 4-, 5- and 6-bit layers in the w4a8 kernel, the others
+  served by default (int8 activations: 4- and 5-bit layers in the w4a8 kernel, the others
   in int8 per channel).
 - **Decode** (``--decode-model``): batch-1 decode of 128 tokens after a 12-token prompt,
   rounds alternating between ``llama-server`` (1 slot, every core, its own ``timings`` of
@@ -255,7 +255,7 @@ def markdown(report: dict) -> str:
                   "converter and `llama-quantize` for each file):", ""]  # fmt: skip
     lines += [] if not q else md_table(
         ["model", "served", "perplexity", "vs folder float32", "4-bit layers",
-         "5/6-bit layers", "int8 layers", "weights MiB"],
+         "5-bit layers", "int8 layers", "weights MiB"],
         [[r["model"], r["served"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / base - 1):+.2f}%",
           r["int4"], r.get("wide", 0), r["int8"], f"{r['weights_mib']:.2f}"] for r in q],
     )  # fmt: skip

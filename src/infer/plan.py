@@ -203,7 +203,8 @@ def _gguf_weight_bytes(
     file: Path, dtype_bytes: int, int8: bool = True, int8_activations: bool = True
 ) -> int:
     """Bytes of a GGUF file's weights as the engine holds them. float32: every weight
-    dequantized. 16-bit: a 4-bit layer (with ``int8_activations`` a 5- and 6-bit one too; a
+    dequantized. 16-bit: a 4-bit layer (with ``int8_activations``, which assumes a CPU with
+    AVX-512 BF16 and VNNI, a 5-bit one too and K-quants with their own scales; a
     fused q/k/v or gate/up only when each part is) at its bits per weight plus its groups'
     scales and zeros; with ``int8`` (``--gguf-int8``,
     the default) a layer stored in another quantized type as int8 per channel, and beside the

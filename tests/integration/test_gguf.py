@@ -265,6 +265,8 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
     assert not any(m.int8_activations for m in int4)
     zeros = {m.zeros.dtype for m in int4}
     assert zeros == {torch.uint8 if weight_type == "Q4_0" else torch.float16}
+    if not int4_kernel_available(torch.device("cpu"), int8_activations=True):
+        return
     w4a8, _, int4 = _run(file, "bfloat16")
     assert len(int4) == 8 and {(m.mode, m.int8_activations) for m in int4} == {("kernel", True)}
     # Q4_K: the file's own scales (uint8 sc, m; float16 d, dmin per 256) in the w4a8 kernel
@@ -319,8 +321,11 @@ def test_5bit_layers_stay_in_their_bits_with_int8_activations(
     print(f"{weight_type} {types}: mean |logprob error| plain bf16 {plain_err:.4f}, "
           f"w4a8 {got_err:.4f}")  # fmt: skip
     assert got_err <= 3 * plain_err
-    _, _, layers = _run(file, "bfloat16", gguf_int8_activations=False)
-    assert {m.bits for m in layers} <= {4}
+    with LLM(str(file), dtype="bfloat16", gguf_int8_activations=False) as llm:
+        backend = llm.engine.backend
+        assert {m.bits for m in backend.kept_int4} <= {4}
+        # every layer not kept 4-bit is int8 per channel (+ the vocabulary projection)
+        assert len(backend.checkpoint_int8) == 8 - len(backend.kept_int4) + 1
 
 
 @pytest.mark.skipif(not int4_kernel_available(torch.device("cpu"), int8_activations=True),
@@ -424,8 +429,10 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     linear = 2 * (256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 256 * 512)  # q k v o gate up down
     outputs = 2 * (256 + 128 + 128 + 256 + 512 + 512 + 256)
     vocab_int8 = 1024 * 256 + 4 * 1024
+    w4a8 = int4_kernel_available(torch.device("cpu"), int8_activations=True)
     for weight_type, scale_bytes in (
-        ("Q4_K", 2 * linear // 32 + 4 * linear // 256),
+        # int8 activations: Q4_K's own scales; else a float16 scale and zero per 32
+        ("Q4_K", 2 * linear // 32 + 4 * linear // 256 if w4a8 else 4 * linear // 32),
         ("Q4_0", 3 * linear // 32),
         ("Q8_0", None),
     ):
@@ -454,14 +461,16 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
 
 @pytest.mark.skipif(not int4_kernel_available(torch.device("cpu"), int8_activations=True),
                     reason="no w4a8 CPU kernel")  # fmt: skip
-def test_plan_counts_5_and_6_bit_layers_as_the_engine_holds_them(wide_llama, tmp_path):
-    """With int8 activations a Q5 / Q6 layer counts at its bits plus a float16 scale and a zero
-    per group (16 inputs for Q6_K), and a Q4_K q / k fused with a Q6_K v at 6 bits in groups of
-    16; without, those layers count in int8 per channel."""
+def test_plan_counts_5bit_and_kquant_layers_as_the_engine_holds_them(wide_llama, tmp_path):
+    """With int8 activations a Q5 layer counts at 5 bits plus its scales (a float16 scale and
+    zero per group of 32; Q5_K its own uint8 scale and min per 32 and float16 d, dmin per 256),
+    a Q4_K q / k fused with a Q5_K v at 5 bits with their own scales, a Q6_K layer in int8 per
+    channel; without, the Q5 layers count in int8 per channel and Q4_K with float16 scales and
+    zeros."""
     from infer.model.folders import find_model_folder
     from infer.plan import safetensors_weight_bytes
 
-    for weight_type, types in (("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
+    for weight_type, types in (("Q4_K", {"attn_v": "Q5_K", "ffn_down": "Q6_K"}),
                                ("Q5_0", None), ("Q5_K", None)):  # fmt: skip
         file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type, types=types)
         folder = find_model_folder(file)

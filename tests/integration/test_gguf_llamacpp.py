@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from infer.runner.int4 import int4_kernel_available
 from infer.testing.gguf_files import build_gemma3_for_gguf, build_sparse_qwen2_moe
 
 from .test_gguf import _run
@@ -94,6 +95,8 @@ def test_llama_quantized_files_give_transformers_logits(kind, tmp_path):
             logits = model(torch.tensor([ids])).logits[0].log_softmax(-1)
             want += [logits[i, t].item() for i, t in enumerate(ids[1:])]
     torch.testing.assert_close(lps, torch.tensor(want), rtol=0, atol=1e-4)
+    if not int4_kernel_available(torch.device("cpu"), int8_activations=True):
+        return  # (the widths below are the w4a8 kernel's)
     held, _, layers = _run(file, "bfloat16", prompts=prompts)
     assert {m.bits for m in layers} == HELD_BITS[kind]
     assert (held - lps).abs().mean() < 0.05

@@ -437,8 +437,10 @@ class LLMEngine:
         return q is not None and (q.method != "gguf" or self._gguf_kernels())
 
     def _gguf_int8_activations(self) -> bool:
-        """Whether a GGUF file's kept 4-bit layers take the w4a8 kernel
-        (``--gguf-int8-activations``, where the CPU has AVX-512 VNNI)."""
+        """Whether a GGUF file's kept 4-bit layers take the w4a8 kernel and its 5-bit ones are
+        kept too (``--gguf-int8-activations``): where its layers are kept at all (a bf16 model
+        on a CPU with AVX-512 BF16, :meth:`_gguf_kernels`) and the CPU has AVX-512 VNNI, on one
+        rank, not requantized at load."""
         from infer.runner.int4 import int4_kernel_available
 
         q = self.checkpoint_quantization
@@ -446,6 +448,9 @@ class LLMEngine:
             q is not None
             and q.method == "gguf"
             and self.config.model.gguf_int8_activations
+            and self.load_quantization is None
+            and self.tp_size == 1
+            and self._gguf_kernels()
             and int4_kernel_available(self.device, int8_activations=True)
         )
 

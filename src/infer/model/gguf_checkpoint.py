@@ -77,7 +77,7 @@ class GGUFCheckpoint:
         self.name_map = gguf.get_tensor_name_map(arch_id, int(block_count))
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.keep_4bit = keep_4bit
-        self.keep_wide = keep_wide  # the 5- and 6-bit types' integers too (WIDE_TYPES)
+        self.keep_wide = keep_wide  # the 5-bit types' integers too (WIDE_TYPES)
         self.used: set[str] = set()
 
     def gguf_name(self, name: str) -> str | None:

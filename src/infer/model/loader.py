@@ -177,7 +177,7 @@ def load_model(
 
     ``dtype=None`` keeps the checkpoint's dtype. Tensors are read one at a time (memory-mapped)
     and fused/transposed into our layout; the model comes back in eval mode without grads.
-    ``gguf_wide``: a GGUF file's 5- and 6-bit layers keep their integers too (beside its 4-bit
+    ``gguf_wide``: a GGUF file's 5-bit layers keep their integers too (beside its 4-bit
     ones), for the w4a8 kernel (``--gguf-int8-activations``).
     """
 

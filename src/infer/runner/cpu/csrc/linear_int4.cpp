@@ -334,11 +334,15 @@ void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
                   ? static_cast<const void*>(reinterpret_cast<const uint8_t*>(scales) +
                                              b * (K / 256) * kKQuantRecord)
                   : static_cast<const void*>(scales + b * groups * 16);
+          const void* block_zeros =
+              kZeros == kZerosKQuant
+                  ? nullptr  // (not read)
+                  : static_cast<const void*>(static_cast<const uint8_t*>(zeros) +
+                                             b * groups * 16 * zero_bytes);
           w4a8_block<decltype(r)::value, kOutF32, kZeros, kPlanes>(
               xp + m0 * kquads, pass_rows, x_scale, x_sum,
-              packed + b * (K / 8) * (64 + 16 * kPlanes), block_scales,
-              static_cast<const uint8_t*>(zeros) + b * groups * 16 * zero_bytes, bias, y, m0, K,
-              N, b, group);
+              packed + b * (K / 8) * (64 + 16 * kPlanes), block_scales, block_zeros, bias, y,
+              m0, K, N, b, group);
         });
       }
   }
