@@ -39,15 +39,16 @@ import numpy as np
 QK_K = 256
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """``[rows, k]`` float (k % 256 == 0) -> Q4_K blocks, uint8 ``[rows, k / 256 * 144]``:
-    each sub-block's range (widened to hold 0) in 15 steps, its scale and min to 6 bits of
-    the super-block's largest."""
+def _k_quantize(w: np.ndarray, top: int) -> tuple[np.ndarray, ...]:
+    """Q4_K / Q5_K's rounding: each sub-block of 32's range (widened to hold 0) in ``top``
+    steps, its scale and min to 6 bits of the super-block's largest. Returns the d and dmin
+    (float16 ``[rows, blocks]``), the header's 12 bytes a block, and q ``[rows, blocks, chunk
+    c, half, l]`` (value 64c + 32 half + l of each block)."""
     rows, k = w.shape
     sub = w.astype(np.float32).reshape(rows, k // QK_K, 8, 32)
     lo = np.minimum(sub.min(axis=3), 0.0)
     hi = np.maximum(sub.max(axis=3), 0.0)
-    scale, mn = (hi - lo) / 15.0, -lo  # both >= 0
+    scale, mn = (hi - lo) / top, -lo  # both >= 0
     d = (scale.max(axis=2) / 63.0).astype(np.float16)
     dmin = (mn.max(axis=2) / 63.0).astype(np.float16)
     df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
@@ -55,50 +56,36 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     m = np.where(dminf > 0, np.rint(mn / np.where(dminf > 0, dminf, 1)), 0)
     m = m.clip(0, 63).astype(np.uint8)
     s, off = (df * sc)[..., None], (dminf * m)[..., None]
-    q = np.where(s > 0, np.rint((sub + off) / np.where(s > 0, s, 1)), 0).clip(0, 15)
-    q = q.astype(np.uint8).reshape(rows, k // QK_K, 4, 2, 32)  # chunk, half, l
-    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, k // QK_K, 128)
-    blocks = np.concatenate(
-        [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), _k_scales_bytes(sc, m), qs],
-        axis=2,
-    )
-    return blocks.reshape(rows, -1)
-
-
-def _k_scales_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """8 six-bit scales and mins per super-block -> its 12 bytes (Q4_K's and Q5_K's packing)."""
-    scales = np.zeros((*sc.shape[:-1], 12), np.uint8)
+    q = np.where(s > 0, np.rint((sub + off) / np.where(s > 0, s, 1)), 0).clip(0, top)
+    scales = np.zeros((rows, k // QK_K, 12), np.uint8)
     scales[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
     scales[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
     scales[..., 8:12] = (sc[..., 4:8] & 15) | ((m[..., 4:8] & 15) << 4)
-    return scales
+    header = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales],
+                            axis=2)  # fmt: skip
+    return header, q.astype(np.uint8).reshape(rows, k // QK_K, 4, 2, 32)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """``[rows, k]`` float (k % 256 == 0) -> Q4_K blocks, uint8 ``[rows, k / 256 * 144]``:
+    each sub-block's range in 15 steps (:func:`_k_quantize`)."""
+    rows, k = w.shape
+    header, q = _k_quantize(w, 15)
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, k // QK_K, 128)
+    return np.concatenate([header, qs], axis=2).reshape(rows, -1)
 
 
 def quantize_q5_k(w: np.ndarray) -> np.ndarray:
     """``[rows, k]`` float (k % 256 == 0) -> Q5_K blocks, uint8 ``[rows, k / 256 * 176]``:
-    :func:`quantize_q4_k`'s scales and mins over 31 steps, the fifth bit in ``qh``."""
+    each sub-block's range in 31 steps, the fifth bit in ``qh``."""
     rows, k = w.shape
-    sub = w.astype(np.float32).reshape(rows, k // QK_K, 8, 32)
-    lo = np.minimum(sub.min(axis=3), 0.0)
-    hi = np.maximum(sub.max(axis=3), 0.0)
-    scale, mn = (hi - lo) / 31.0, -lo
-    d = (scale.max(axis=2) / 63.0).astype(np.float16)
-    dmin = (mn.max(axis=2) / 63.0).astype(np.float16)
-    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
-    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
-    m = np.where(dminf > 0, np.rint(mn / np.where(dminf > 0, dminf, 1)), 0)
-    m = m.clip(0, 63).astype(np.uint8)
-    s, off = (df * sc)[..., None], (dminf * m)[..., None]
-    q = np.where(s > 0, np.rint((sub + off) / np.where(s > 0, s, 1)), 0).clip(0, 31)
-    q = q.astype(np.uint8).reshape(rows, k // QK_K, 4, 2, 32)  # chunk c, half, l
+    header, q = _k_quantize(w, 31)
     qs = ((q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)).reshape(rows, k // QK_K, 128)
-    high = (q >> 4).astype(np.uint8)  # [rows, blocks, c, half, l]
+    high = q >> 4  # [rows, blocks, c, half, l]
     qh = np.zeros((rows, k // QK_K, 32), np.uint8)
     for c in range(4):
         qh |= (high[:, :, c, 0] << (2 * c)) | (high[:, :, c, 1] << (2 * c + 1))
-    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8),
-                             _k_scales_bytes(sc, m), qh, qs], axis=2)  # fmt: skip
-    return blocks.reshape(rows, -1)
+    return np.concatenate([header, qh, qs], axis=2).reshape(rows, -1)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
