@@ -120,8 +120,7 @@ def _kernel_f32(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     assert layer.mode == "kernel"
     y = layer._kernels.int4_linear(
         x.bfloat16().contiguous(), layer.packed, layer.scales, layer.zeros, None,
-        layer.out_features + layer.padded, layer.group_size, layer.int8_activations,
-        torch.float32, layer.bits, layer.kquant,
+        layer.out_features + layer.padded, layer.group_size, layer.kernel_flags, torch.float32,
     )  # fmt: skip
     return y[:, : layer.out_features].double()
 

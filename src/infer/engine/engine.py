@@ -436,37 +436,34 @@ class LLMEngine:
         q = self.checkpoint_quantization
         return q is not None and (q.method != "gguf" or self._gguf_kernels())
 
-    def _gguf_int8_activations(self) -> bool:
-        """Whether a GGUF file's kept 4-bit layers take the w4a8 kernel and its 5-bit ones are
-        kept too (``--gguf-int8-activations``): where its layers are kept at all (a bf16 model
-        on a CPU with AVX-512 BF16, :meth:`_gguf_kernels`) and the CPU has AVX-512 VNNI, on one
-        rank, not requantized at load."""
-        from infer.runner.int4 import int4_kernel_available
-
+    def _gguf_held_by_kernels(self, load_quantization: str | None) -> bool:
+        """Whether this is a GGUF file whose layers the CPU kernels hold as stored: where they
+        run (:meth:`_gguf_kernels`; float32 keeps llama.cpp's exact values), on one rank (the
+        tensor-parallel ranks load as they always do), not requantized at load."""
         q = self.checkpoint_quantization
         return (
             q is not None
             and q.method == "gguf"
-            and self.config.model.gguf_int8_activations
-            and self.load_quantization is None
+            and load_quantization is None
             and self.tp_size == 1
             and self._gguf_kernels()
+        )
+
+    def _gguf_int8_activations(self) -> bool:
+        """Whether a GGUF file's kept 4-bit layers take the w4a8 kernel and its 5-bit ones are
+        kept too (``--gguf-int8-activations``, where the CPU has AVX-512 VNNI)."""
+        from infer.runner.int4 import int4_kernel_available
+
+        return (
+            self.config.model.gguf_int8_activations
+            and self._gguf_held_by_kernels(self.load_quantization)
             and int4_kernel_available(self.device, int8_activations=True)
         )
 
     def _checkpoint_int8(self, load_quantization: str | None) -> bool:
         """Whether a GGUF file's layers of types the 4-bit kernel cannot take are held in int8
-        (``--gguf-int8``): where its kernels run (float32 keeps llama.cpp's exact values), on
-        one rank (the tensor-parallel ranks load as they always do), not requantized at load."""
-        q = self.checkpoint_quantization
-        return (
-            q is not None
-            and q.method == "gguf"
-            and self.config.model.gguf_int8
-            and load_quantization is None
-            and self.tp_size == 1
-            and self._gguf_kernels()
-        )
+        (``--gguf-int8``)."""
+        return self.config.model.gguf_int8 and self._gguf_held_by_kernels(load_quantization)
 
     def _load_quantization(self) -> str | None:
         """The method to quantize the weights with at load (None: none). ``--quantization

@@ -202,8 +202,7 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1)
     if kind == "Q4_K":
         blocks = raw.reshape(rows, cols // 256, 144)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        d, dmin = _half(blocks, 0).astype(np.float32), _half(blocks, 2).astype(np.float32)
         sc, m = _k_scales_mins(blocks[..., 4:16])
         qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 1, 32)
         q = np.concatenate([qs & 15, qs >> 4], axis=3)  # chunk c, half h = group 2c + h
@@ -214,7 +213,7 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
     else:
         size = 18 if kind == "Q4_0" else 20
         blocks = raw.reshape(rows, cols // GROUP, size)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        d = _half(blocks, 0).astype(np.float32)
         qs = blocks[..., size - 16 :].reshape(rows, cols // GROUP, 1, 16)
         q = np.concatenate([qs & 15, qs >> 4], axis=2)
         if kind == "Q4_0":
@@ -223,7 +222,7 @@ def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Unpacked
             zeros = torch.full(scales.shape, 8, dtype=torch.uint8)
             return UnpackedLayer(q, zeros, scales, torch.arange(cols) // GROUP)
         scale = d
-        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        offset = _half(blocks, 2).astype(np.float32)
     return _half_zeros(q.reshape(rows, cols // GROUP, GROUP), scale, offset, 4)
 
 
@@ -245,7 +244,7 @@ def unpack_wide(data: np.ndarray, kind: str, values: np.ndarray) -> UnpackedLaye
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // block, size)
 
     def half(at: int) -> np.ndarray:
-        return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+        return _half(blocks, at).astype(np.float32)
 
     if kind == "Q5_0":
         scale = half(0)
@@ -288,13 +287,15 @@ def _with_k_scales(layer: UnpackedLayer | None, blocks: np.ndarray, sc: np.ndarr
     if layer is None:
         return None
     rows = blocks.shape[0]
-
-    def half(at: int) -> torch.Tensor:
-        return torch.from_numpy(blocks[..., at : at + 2].copy().view(np.float16)[..., 0])
-
     scales = KQuantScales(torch.from_numpy(sc.reshape(rows, -1).astype(np.uint8)),
-                          torch.from_numpy(m.reshape(rows, -1).astype(np.uint8)), half(0), half(2))  # fmt: skip
+                          torch.from_numpy(m.reshape(rows, -1).astype(np.uint8)),
+                          torch.from_numpy(_half(blocks, 0)), torch.from_numpy(_half(blocks, 2)))  # fmt: skip
     return dataclasses.replace(layer, kquant=scales)
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 field at byte ``at`` of each block (``[..., bytes]`` uint8)."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
 
 
 def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

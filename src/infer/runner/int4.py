@@ -363,8 +363,8 @@ class Int4Linear(nn.Module):
             out_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
             y = self._kernels.int4_linear(
                 flat.to(torch.bfloat16).contiguous(), self.packed, self.scales, self.zeros,
-                self.fbias, self.out_features + self.padded, self.group_size,
-                self.int8_activations, out_dtype, self.bits, self.kquant,
+                self.fbias, self.out_features + self.padded, self.group_size, self.kernel_flags,
+                out_dtype,
             )  # fmt: skip
             if self.padded:
                 y = y[:, : self.out_features]

@@ -542,19 +542,16 @@ class CpuKernels:
         bias: torch.Tensor | None,
         out_features: int,
         group_size: int,
-        int8_activations: bool = False,
+        flags: int,
         out_dtype: torch.dtype = torch.bfloat16,
-        bits: int = 4,
-        kquant: bool = False,
     ) -> torch.Tensor:
-        """``x`` ``[M, K]`` contiguous bf16 (with ``int8_activations``, each row's groups
-        quantized to int8 as the layer runs) times a 4-bit weight from
+        """``x`` ``[M, K]`` contiguous bf16 times a 4-bit weight from
         :func:`infer.runner.int4.pack_int4` (its float16 ``scales`` and uint8 or float16
-        ``zeros`` per group and output; 5 ``bits`` and ``kquant``, records from
-        :func:`~infer.runner.int4.pack_kquant` as the scales, with ``int8_activations`` only),
-        ``+ bias`` (float32 ``[N]``)."""
+        ``zeros`` per group and output; with ``INT4_KQUANT``, records from
+        :func:`~infer.runner.int4.pack_kquant` as the scales), ``+ bias`` (float32 ``[N]``);
+        ``flags``: :func:`int4_flags` (with ``INT4_W4A8``, each row's groups quantized to int8
+        as the layer runs)."""
         m, k = x.shape
-        flags = int4_flags(int8_activations, zeros.dtype, bits, kquant)
         out = torch.empty(m, out_features, dtype=out_dtype)
         rc = self._int4_linear(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                                zeros.data_ptr(), _ptr(bias), out.data_ptr(), m, k, out_features,
