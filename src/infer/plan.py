@@ -177,7 +177,9 @@ def _quantization_config(model_dir: Path) -> dict | None:
 
 # The GGUF types the engine keeps in their own bits (model/gguf_checkpoint.py: FOUR_BIT_TYPES,
 # and WIDE_TYPES with int8 activations), as (bits, bytes of a group's zero): per group of 32
-# and output a float16 scale and a uint8 (integer) or float16 zero.
+# and output a float16 scale and a uint8 (integer) or float16 zero. Q6_K (int8 activations
+# only) has its own records instead: per 16 inputs an int8 scale, per 256 a float16 d; it is
+# kept fused only with Q6_K parts (its groups of 16 match no other type's).
 _GGUF_KEPT = {
     "Q4_0": (4, 1),
     "Q4_1": (4, 2),
@@ -185,6 +187,7 @@ _GGUF_KEPT = {
     "Q5_0": (5, 1),
     "Q5_1": (5, 2),
     "Q5_K": (5, 2),
+    "Q6_K": (6, 0),
 }
 # K-quants the w4a8 kernel reads with their own scales (int8 activations): per 32 inputs a
 # uint8 scale and min, per 256 a float16 d and dmin.
@@ -204,12 +207,13 @@ def _gguf_weight_bytes(
 ) -> int:
     """Bytes of a GGUF file's weights as the engine holds them. float32: every weight
     dequantized. 16-bit: a 4-bit layer (with ``int8_activations``, which assumes a CPU with
-    AVX-512 BF16 and VNNI, a 5-bit one too and K-quants with their own scales; a
-    fused q/k/v or gate/up only when each part is) at its bits per weight plus its groups'
+    AVX-512 BF16 and VNNI, a 5- or 6-bit one too and K-quants and Q6_K with their own scales;
+    a fused q/k/v or gate/up only when each part is) at its bits per weight plus its groups'
     scales and zeros; with ``int8`` (``--gguf-int8``,
-    the default) a layer stored in another quantized type as int8 per channel, and beside the
-    embedding table an int8 copy of the vocabulary projection if it was stored quantized; the
-    rest at ``dtype_bytes`` per value."""
+    the default) a layer stored in another quantized type as int8 per channel; beside the
+    embedding table a copy of the vocabulary projection if it was stored quantized: as stored
+    where a layer of its type would be kept, else in int8 (with ``int8``); the rest at
+    ``dtype_bytes`` per value."""
     tensors = {name: (shape, kind) for name, shape, kind in gguf_tensors(file)}
 
     def parts(name: str) -> list[str]:
@@ -220,9 +224,9 @@ def _gguf_weight_bytes(
                 return [f"{block}.{p}.weight" for p in fused]
         return [name]
 
-    def stored(name: str, kinds: Callable[[str], bool]) -> bool:
-        """Whether ``name`` (each part, for a fused parameter's) is of one of ``kinds``."""
-        return all(n in tensors and kinds(tensors[n][1]) for n in parts(name))
+    def stored(names: list[str], kinds: Callable[[str], bool]) -> bool:
+        """Whether every one of ``names`` is of one of ``kinds``."""
+        return all(n in tensors and kinds(tensors[n][1]) for n in names)
 
     def quantized(kind: str) -> bool:
         return kind not in FLOAT_TYPES
@@ -230,11 +234,17 @@ def _gguf_weight_bytes(
     def kept(kind: str) -> bool:
         return kind in _GGUF_KEPT and (int8_activations or _GGUF_KEPT[kind][0] == 4)
 
-    def kept_bytes(name: str, count: int) -> int:
-        layouts = [_GGUF_KEPT[tensors[n][1]] for n in parts(name)]
-        bits = max(b for b, _ in layouts)
-        zero = max(z for _, z in layouts)
-        if int8_activations and all(tensors[n][1] in _GGUF_KQUANTS for n in parts(name)):
+    def all_kept(names: list[str]) -> bool:
+        q6k = [tensors[n][1] == "Q6_K" for n in names if n in tensors]
+        return stored(names, kept) and (all(q6k) or not any(q6k))
+
+    def kept_bytes(names: list[str], count: int) -> int:
+        kinds = [tensors[n][1] for n in names]
+        bits = max(_GGUF_KEPT[k][0] for k in kinds)
+        zero = max(_GGUF_KEPT[k][1] for k in kinds)
+        if kinds[0] == "Q6_K":
+            return count * bits // 8 + count // 16 + 2 * count // 256
+        if int8_activations and all(k in _GGUF_KQUANTS for k in kinds):
             return count * bits // 8 + 2 * count // 32 + 4 * count // 256
         return count * bits // 8 + (2 + zero) * count // 32
 
@@ -247,14 +257,16 @@ def _gguf_weight_bytes(
         layer = layer and "ffn_gate_inp" not in name  # (a router stays in the model's dtype)
         if dtype_bytes == 4 or not layer:
             total += count * dtype_bytes
-        elif stored(name, kept):
-            total += kept_bytes(name, count)
-        elif int8 and stored(name, quantized):
+        elif all_kept(parts(name)):
+            total += kept_bytes(parts(name), count)
+        elif int8 and stored(parts(name), quantized):
             total += QUANTIZED_WEIGHT_BYTES["int8"](math.prod(shape[:-1]), shape[-1])
         else:
             total += count * dtype_bytes
     vocab = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    if int8 and dtype_bytes != 4 and vocab in tensors and quantized(tensors[vocab][1]):
+    if dtype_bytes != 4 and vocab in tensors and all_kept([vocab]):
+        total += kept_bytes([vocab], math.prod(tensors[vocab][0]))
+    elif int8 and dtype_bytes != 4 and vocab in tensors and quantized(tensors[vocab][1]):
         total += QUANTIZED_WEIGHT_BYTES["int8"](*tensors[vocab][0])
     return total
 

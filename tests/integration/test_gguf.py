@@ -48,12 +48,15 @@ def wide_llama(tiny_checkpoints, tmp_path_factory) -> Path:
 
 
 def _run(model, dtype="float32", prompts=PROMPTS[:4], max_tokens=8, **options):
-    """(prompt logprobs of each prompt's tokens, greedy tokens, the engine's 4-bit layers)."""
+    """(prompt logprobs of each prompt's tokens, greedy tokens, the engine's 4-bit layers but
+    the vocabulary projection)."""
     with LLM(str(model), dtype=dtype, block_size=4, **options) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                     ignore_eos=True, prompt_logprobs=1))  # fmt: skip
         lps = torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
-        int4 = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int4Linear)]
+        model = llm.engine.runner.model
+        head = getattr(model, "packed_logits", None)
+        int4 = [m for m in model.modules() if isinstance(m, Int4Linear) and m is not head]
         return lps, [o.outputs[0].token_ids for o in outs], int4
 
 
@@ -287,20 +290,20 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
         ("Q5_K", None, {(5, 8)}),
         ("Q5_0", None, {(5, 8)}),
         ("Q5_1", None, {(5, 8)}),
-        # a Q4_K_S-like mix: q / k Q4_K beside a Q5_K v (one fused q/k/v at 5 bits, float16
-        # zeros), a Q6_K down projection (int8 per channel)
-        ("Q4_K", {"attn_v": "Q5_K", "ffn_down": "Q6_K"}, {(5, 2), (4, 4)}),
-        ("Q6_K", None, set()),  # every layer int8 per channel
+        # a Q4_K_M-like mix: q / k Q4_K beside a Q5_K v (one fused q/k/v at 5 bits, float16
+        # zeros), a Q6_K down projection (6 bits, its own scales)
+        ("Q4_K", {"attn_v": "Q5_K", "ffn_down": "Q6_K"}, {(5, 2), (4, 4), (6, 2)}),
+        ("Q6_K", None, {(6, 8)}),
     ],
 )
-def test_5bit_layers_stay_in_their_bits_with_int8_activations(
+def test_5bit_and_6bit_layers_stay_in_their_bits_with_int8_activations(
     weight_type, types, kept, wide_llama, tmp_path
 ):
-    """bf16 with int8 activations (the default): Q5 layers are held at their own width
-    (nibbles + a bit plane) in the w4a8 kernel, not int8 per channel, as close to the float32
-    file's logits as the 4-bit layers are (within 3x the same weights held in bf16); with
-    --no-gguf-int8-activations they are held in int8 per channel as before. Q6_K stays int8
-    per channel either way."""
+    """bf16 with int8 activations (the default): Q5 and Q6_K layers are held at their own
+    width (nibbles + one or two bit planes) in the w4a8 kernel, not int8 per channel, as close
+    to the float32 file's logits as the 4-bit layers are (within 3x the same weights held in
+    bf16), and so is the vocabulary projection (the tied embedding, in the file's type); with
+    --no-gguf-int8-activations they are held in int8 per channel as before."""
     from transformers import AutoModelForCausalLM
 
     file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type, types=types)
@@ -315,17 +318,26 @@ def test_5bit_layers_stay_in_their_bits_with_int8_activations(
     # (bits, layers): of each layer's qkv, o, gate_up, down
     assert set(collections.Counter(m.bits for m in layers).items()) == kept
     assert all(m.mode == "kernel" and m.int8_activations for m in layers)
-    # K-quants (a fused Q4_K / Q5_K q/k/v too) read with their own scales
-    assert all(m.kquant == (weight_type in ("Q4_K", "Q5_K")) for m in layers)
+    # K-quants (a fused Q4_K / Q5_K q/k/v too) and Q6_K read with their own scales
+    assert all(m.kquant == (weight_type in ("Q4_K", "Q5_K") and m.bits < 6) for m in layers)
+    assert all(m.q6k == (m.bits == 6) for m in layers)
     plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
     print(f"{weight_type} {types}: mean |logprob error| plain bf16 {plain_err:.4f}, "
           f"w4a8 {got_err:.4f}")  # fmt: skip
     assert got_err <= 3 * plain_err
+    with LLM(str(file), dtype="bfloat16") as llm:
+        head = llm.engine.runner.model.packed_logits
+        assert isinstance(head, Int4Linear) and head.mode == "kernel" and head.int8_activations
+        assert head.bits == {"Q4_K": 4, "Q6_K": 6}.get(weight_type, 5)
     with LLM(str(file), dtype="bfloat16", gguf_int8_activations=False) as llm:
         backend = llm.engine.backend
         assert {m.bits for m in backend.kept_int4} <= {4}
-        # every layer not kept 4-bit is int8 per channel (+ the vocabulary projection)
-        assert len(backend.checkpoint_int8) == 8 - len(backend.kept_int4) + 1
+        # every layer not kept 4-bit is int8 per channel; the vocabulary projection too unless
+        # the file holds it in 4 bits (then an Int4Linear with bf16 activations)
+        head_kept = isinstance(llm.engine.runner.model.packed_logits, Int4Linear)
+        assert head_kept == (weight_type == "Q4_K")
+        layers_kept = len(backend.kept_int4) - head_kept
+        assert len(backend.checkpoint_int8) == 8 - layers_kept + (not head_kept)
 
 
 @pytest.mark.skipif(not int4_kernel_available(torch.device("cpu"), int8_activations=True),
@@ -418,8 +430,8 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     scale and a uint8 zero per group of 32 for Q4_0; Q4_K's own uint8 scale and min per group
     and float16 d and dmin per 256 (int8 activations, the default), a layer of another quantized type
     (Q8_0 here) in int8 per channel (with --no-gguf-int8 in bf16), the embedding in bf16 (and
-    the vocabulary projection packed once more: int8 when it was stored quantized, bf16 as
-    for any bf16 folder otherwise)."""
+    the vocabulary projection held once more: as stored when its type is kept, int8 when it
+    was stored in another quantized type, bf16 as for any bf16 folder otherwise)."""
     from infer.model.folders import find_model_folder
     from infer.plan import safetensors_num_params, safetensors_weight_bytes
 
@@ -430,10 +442,11 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     outputs = 2 * (256 + 128 + 128 + 256 + 512 + 512 + 256)
     vocab_int8 = 1024 * 256 + 4 * 1024
     w4a8 = int4_kernel_available(torch.device("cpu"), int8_activations=True)
+    vocab = 1024 * 256
     for weight_type, scale_bytes in (
         # int8 activations: Q4_K's own scales; else a float16 scale and zero per 32
-        ("Q4_K", 2 * linear // 32 + 4 * linear // 256 if w4a8 else 4 * linear // 32),
-        ("Q4_0", 3 * linear // 32),
+        ("Q4_K", (lambda n: 2 * n // 32 + 4 * n // 256) if w4a8 else (lambda n: 4 * n // 32)),
+        ("Q4_0", lambda n: 3 * n // 32),
         ("Q8_0", None),
     ):
         file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type)
@@ -450,10 +463,13 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
             assert safetensors_weight_bytes(folder, 2) == held
         with LLM(str(file), dtype="bfloat16", gguf_int8=False) as llm:
             plain16 = llm.engine.weights_bytes
-            assert safetensors_weight_bytes(folder, 2, gguf_int8=False) == plain16 - packed_copy
+            # (a vocabulary projection kept as stored is counted; a bf16 packed copy is not)
+            copy = 0 if scale_bytes is not None else packed_copy
+            assert safetensors_weight_bytes(folder, 2, gguf_int8=False) == plain16 - copy
         rest = (plain_params - linear) * 2
         if scale_bytes is not None:
-            assert held == rest + linear // 2 + scale_bytes + vocab_int8
+            kept_vocab = vocab // 2 + scale_bytes(vocab)
+            assert held == rest + linear // 2 + scale_bytes(linear) + kept_vocab
         else:
             assert held == rest + linear + 4 * outputs + vocab_int8
             assert plain16 - packed_copy == plain_params * 2
@@ -464,13 +480,15 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
 def test_plan_counts_5bit_and_kquant_layers_as_the_engine_holds_them(wide_llama, tmp_path):
     """With int8 activations a Q5 layer counts at 5 bits plus its scales (a float16 scale and
     zero per group of 32; Q5_K its own uint8 scale and min per 32 and float16 d, dmin per 256),
-    a Q4_K q / k fused with a Q5_K v at 5 bits with their own scales, a Q6_K layer in int8 per
-    channel; without, the Q5 layers count in int8 per channel and Q4_K with float16 scales and
-    zeros."""
+    a Q4_K q / k fused with a Q5_K v at 5 bits with their own scales, a Q6_K layer at 6 bits
+    with its int8 scale per 16 and float16 d per 256 (a q/k/v fusing Q6_K with Q4_K in int8
+    per channel); without, the Q5 and Q6_K layers count in int8 per channel and Q4_K with
+    float16 scales and zeros."""
     from infer.model.folders import find_model_folder
     from infer.plan import safetensors_weight_bytes
 
     for weight_type, types in (("Q4_K", {"attn_v": "Q5_K", "ffn_down": "Q6_K"}),
+                               ("Q4_K", {"attn_v": "Q6_K"}), ("Q6_K", None),
                                ("Q5_0", None), ("Q5_K", None)):  # fmt: skip
         file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type, types=types)
         folder = find_model_folder(file)

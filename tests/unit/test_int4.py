@@ -8,17 +8,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.model.quantized_checkpoint import KQuantScales
+from infer.model.quantized_checkpoint import KQuantScales, Q6KScales
 from infer.runner.int4 import (
     Int4Linear,
     dequantize_int4,
     dequantize_kquant,
+    dequantize_q6k,
     int4_kernel_available,
     pack_int4,
     pack_kquant,
+    pack_q6k,
     quantize_int4,
     unpack_int4,
     unpack_kquant,
+    unpack_q6k,
     w4a8_kernel_reference,
 )
 
@@ -101,8 +104,8 @@ def test_5bit_weights_pack_as_nibbles_and_a_bit_plane():
         assert torch.equal(layer.dequantized_weight(), want.to(dtype))
     with pytest.raises(ValueError, match="w4a8 kernel only"):
         pack_int4(q, scales, zeros, int8_activations=False, bits=bits)
-    with pytest.raises(ValueError, match="6-bit weights"):
-        pack_int4(q, scales, zeros, int8_activations=True, bits=6)
+    with pytest.raises(ValueError, match="7-bit weights"):
+        pack_int4(q, scales, zeros, int8_activations=True, bits=7)
 
 
 SHAPES = [  # (rows, in, out, group)
@@ -264,6 +267,66 @@ def test_w4a8_kernel_reads_kquant_records(bits):
     if bits == 4 and int4_kernel_available(torch.device("cpu")):
         plain = Int4Linear(q, scales16, zeros16, None, torch.bfloat16, kquant=kq)
         assert plain.mode == "kernel" and not plain.kquant and plain.zeros.dtype == torch.float16
+
+
+def _random_q6k(n: int, k: int, seed: int) -> tuple[torch.Tensor, Q6KScales]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g)
+    sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
+    d = (torch.rand(n, k // 256, generator=g) * 0.001).to(torch.float16)
+    return q, Q6KScales(sc, d)
+
+
+def test_q6k_values_and_records_round_trip():
+    """6-bit values pack as the nibbles plus two bit planes and come back; Q6_K's scales
+    packed as the kernel's 288-byte records (an int8 sc per 16 inputs, a float16 d per 256,
+    each 16 outputs wide) come back exactly."""
+    q, scales = _random_q6k(32, 512, seed=4)
+    packed, _, _ = pack_int4(q, torch.zeros(32, 16, dtype=torch.float16),
+                             torch.zeros(32, 16, dtype=torch.uint8), True, bits=6)  # fmt: skip
+    assert packed.shape == (2, 64, 96)  # 64 nibble bytes + 2 x 16 plane bytes per 8 inputs
+    assert torch.equal(unpack_int4(packed, int8_activations=True), q)
+    records = pack_q6k(scales)
+    assert records.shape == (2, 2, 288)
+    # output 17 (block 1, c 1), sub-group 21 (super-block 1, s 5): sc at byte 16 s + c
+    assert records[1, 1, 16 * 5 + 1].view(torch.int8).item() == scales.sc[17, 21].item()
+    back = unpack_q6k(records)
+    assert torch.equal(back.sc, scales.sc) and torch.equal(back.d, scales.d)
+    with pytest.raises(ValueError, match="6-bit weights"):
+        pack_int4(q, torch.zeros(32, 16, dtype=torch.float16),
+                  torch.zeros(32, 16, dtype=torch.uint8), False, bits=6)  # fmt: skip
+
+
+@needs_w4a8
+@pytest.mark.parametrize("group", [32, 256])
+def test_w4a8_kernel_reads_q6k(group):
+    """Q6_K layers held as the file stores them (6.5625 bits a weight): the kernel's sums are
+    the reference's (each 16 inputs' integer product with q - 32 times its int8 sc, d and the
+    activations' scale per group), for every pass size and a padded output; the weight is the
+    file's ``d sc (q - 32)``. Without int8 activations the float16 ``d sc`` and zeros 32 serve,
+    dequantized."""
+    for m_rows, n in ((1, 48), (8, 16), (9, 40), (17, 32)):
+        k = 512
+        q, scales = _random_q6k(n, k, seed=m_rows)
+        scales16 = (scales.d.float().repeat_interleave(16, dim=1) * scales.sc.float()).half()
+        zeros = torch.full(scales16.shape, 32, dtype=torch.uint8)
+        x = (torch.randn(m_rows, k) * 3).bfloat16()
+        x[0, :256] *= 50  # (one super-block's activations far larger: their own scale)
+        layer = Int4Linear(q, scales16, zeros, None, torch.bfloat16, int8_activations=True,
+                           bits=6, kquant=scales)  # fmt: skip
+        assert layer.mode == "kernel" and layer.q6k and not layer.kquant
+        assert layer.weight_bytes == (n + layer.padded) * k * 105 // 128  # 6.5625 bits
+        assert torch.equal(layer.dequantized_weight(),
+                           dequantize_q6k(q, scales, torch.float32).bfloat16())  # fmt: skip
+        layer.group_size = group
+        want = w4a8_kernel_reference(x, q, scales16, zeros, scales, group=group)
+        got = _kernel_f32(layer, x)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-6
+    plain = Int4Linear(q, scales16, zeros, None, torch.bfloat16, bits=6, kquant=scales)
+    assert plain.mode == "dequant"
+    want = F.linear(x.float(), dequantize_q6k(q, scales, torch.float32))
+    got = plain(x).float()
+    assert (got - want).abs().max() <= 0.01 * want.abs().max()
 
 
 @needs_w4a8

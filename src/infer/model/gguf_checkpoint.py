@@ -26,8 +26,9 @@ by at most 2^-12 of itself, so a weight moves by less than 2^-9 of its group's l
 of a 4-bit step); Q4_0's integer zero is exact. A float32
 model keeps none (``keep_4bit`` False): every weight is then exactly llama.cpp's value.
 
-With ``keep_wide`` (int8 activations: the w4a8 kernel reads a bit plane above the nibbles) the
+With ``keep_wide`` (int8 activations: the w4a8 kernel reads bit planes above the nibbles) the
 5-bit types keep their integers too (:func:`unpack_wide`: Q5_0, Q5_1, Q5_K in groups of 32),
+and Q6_K (:func:`unpack_q6k`: 0..63 with its int8 scale per 16 inputs and float16 d per 256),
 rather than being held in int8 per channel.
 """
 
@@ -43,7 +44,7 @@ import torch
 
 from infer.model.folders import ModelLoadError
 from infer.model.gguf_folder import FLOAT_TYPES, FOUR_BIT_TYPES, WIDE_TYPES
-from infer.model.quantized_checkpoint import KQuantScales, UnpackedLayer
+from infer.model.quantized_checkpoint import KQuantScales, Q6KScales, UnpackedLayer
 
 GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
 # An expert's weight: llama.cpp stacks each layer's experts into one [experts, rows, cols]
@@ -77,7 +78,7 @@ class GGUFCheckpoint:
         self.name_map = gguf.get_tensor_name_map(arch_id, int(block_count))
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.keep_4bit = keep_4bit
-        self.keep_wide = keep_wide  # the 5-bit types' integers too (WIDE_TYPES)
+        self.keep_wide = keep_wide  # the 5- and 6-bit types' integers too (WIDE_TYPES)
         self.used: set[str] = set()
 
     def gguf_name(self, name: str) -> str | None:
@@ -135,6 +136,8 @@ class GGUFCheckpoint:
         kind = tensor.tensor_type.name
         if self.keep_4bit and kind in FOUR_BIT_TYPES and weight.dim() == 2:
             layer = unpack_4bit(np.asarray(data), kind, weight.shape)
+        elif self.keep_wide and kind == "Q6_K" and weight.dim() == 2:
+            layer = unpack_q6k(np.asarray(data), weight.numpy())
         elif self.keep_wide and kind in WIDE_TYPES and weight.dim() == 2:
             layer = unpack_wide(np.asarray(data), kind, weight.numpy())
         rows = self._row_order(name, weight.shape[0])
@@ -276,6 +279,39 @@ def unpack_wide(data: np.ndarray, kind: str, values: np.ndarray) -> UnpackedLaye
     q = np.clip(q, 0, (1 << bits) - 1).astype(np.uint8)
     layer = _half_zeros(q, scale, offset, bits)
     return _with_k_scales(layer, blocks, sc, m) if kind == "Q5_K" else layer
+
+
+def unpack_q6k(data: np.ndarray, values: np.ndarray) -> UnpackedLayer | None:
+    """One Q6_K tensor as integers 0..63 with its own scales (:class:`Q6KScales`) and, for
+    wherever the kernel does not run, float16 scales ``d sc`` and zeros 32 per 16 inputs::
+
+        Q6_K  (256: ql[128] | qh[64] | scales[16] int8 | d f16)    weight = d sc (q - 32)
+
+    Only ``scales`` and ``d`` are parsed; the integers are recovered from ``values`` (the
+    ``gguf`` package's dequantization, ``(d sc) (q - 32)`` in float32, so ``value / (d sc)``
+    rounds back exactly; a sub-group whose ``d sc`` is 0 is all zeros: q 32). None when the
+    recovered integers do not give ``values`` back, or ``d sc`` overflows float16."""
+    rows, cols = values.shape
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // 256, 210)
+    sc = blocks[..., 192:208].copy().view(np.int8)  # [rows, supers, 16]
+    d = _half(blocks, 208)  # [rows, supers]
+    scale = (d.astype(np.float32)[..., None] * sc.astype(np.float32)).reshape(rows, -1, 1)
+    grouped = values.reshape(rows, cols // 16, 16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale == 0, 0.0, np.rint(grouped / scale))
+    if np.abs(q).max(initial=0) > 32 or not np.array_equal(scale * q, grouped):
+        return None
+    scale16 = scale[..., 0].astype(np.float16)
+    if not np.isfinite(scale16).all():
+        return None
+    return UnpackedLayer(
+        torch.from_numpy((q + 32).astype(np.uint8).reshape(rows, cols)),
+        torch.full(scale16.shape, 32, dtype=torch.uint8),
+        torch.from_numpy(scale16),
+        torch.arange(cols) // 16,
+        bits=6,
+        kquant=Q6KScales(torch.from_numpy(sc.reshape(rows, -1).copy()), torch.from_numpy(d)),
+    )
 
 
 def _with_k_scales(layer: UnpackedLayer | None, blocks: np.ndarray, sc: np.ndarray,

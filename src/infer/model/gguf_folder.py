@@ -33,11 +33,10 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 # The 4-bit types whose integers the int4 kernel takes as they are (groups of 32;
 # model/gguf_checkpoint.py unpacks them).
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-# The 5-bit types the w4a8 kernel takes as they are (the nibbles plus a bit plane; groups of
-# 32): with int8 activations only (--gguf-int8-activations). Q6_K is not one: its groups of 16
-# double the kernel's per-group work, so its prefill ran 15% slower than in int8 per channel,
-# for 5% fewer bytes.
-WIDE_TYPES = ("Q5_0", "Q5_1", "Q5_K")
+# The 5- and 6-bit types the w4a8 kernel takes as they are (the nibbles plus one or two bit
+# planes): with int8 activations only (--gguf-int8-activations). Q6_K's int8 sub-scales per 16
+# inputs are applied in the kernel's integer sums (model/gguf_checkpoint.py unpack_q6k).
+WIDE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 # Bump when what a folder holds changes (a config fix-up): folders made before are not reused.
 FOLDER_VERSION = 4
 GGUF_MAGIC = b"GGUF"

@@ -139,6 +139,24 @@ class KQuantScales:
 
 
 @dataclass(frozen=True)
+class Q6KScales:
+    """GGUF's Q6_K scales as the file holds them: per 16 inputs and output an int8 ``sc``
+    (``[out, in / 16]``), per super-block of 256 inputs a float16 ``d`` (``[out, in / 256]``):
+    weight = d sc (q - 32), q 0..63."""
+
+    sc: torch.Tensor
+    d: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> Q6KScales:
+        return Q6KScales(self.sc[index], self.d[index])
+
+    @staticmethod
+    def cat(parts: list[Q6KScales]) -> Q6KScales:
+        """Parts stacked along the outputs (a fused q/k/v, gate/up)."""
+        return Q6KScales(torch.cat([p.sc for p in parts]), torch.cat([p.d for p in parts]))
+
+
+@dataclass(frozen=True)
 class UnpackedLayer:
     """One layer's integers as ``[out, in]`` rows: ``weight[j, i] = scales[j, g_idx[i]] *
     (q[j, i] - zeros[j, g_idx[i]])``."""
@@ -147,8 +165,9 @@ class UnpackedLayer:
     zeros: torch.Tensor  # uint8 [out, groups]
     scales: torch.Tensor  # [out, groups], as stored (GPTQ and AWQ store float16)
     g_idx: torch.Tensor  # int64 [in]
-    bits: int = 4  # q's width: 5 for GGUF's Q5 types
-    kquant: KQuantScales | None = None  # a K-quant's own scales (the scales above: d sc)
+    bits: int = 4  # q's width: 5 for GGUF's Q5 types, 6 for Q6_K
+    # a K-quant's / Q6_K's own scales (the scales above: d sc, per 32 / 16 inputs)
+    kquant: KQuantScales | Q6KScales | None = None
 
 
 def unpack(
@@ -207,14 +226,15 @@ class Int4Parts:
     """A 4-bit layer as :class:`infer.runner.int4.Int4Linear` takes it: inputs in group order
     (``perm[i]``: the checkpoint's input at position i; None when they already are), ``q``
     ``[out, in]``, ``scales`` float16 and ``zeros`` ``[out, groups]``; ``bits`` 5 for GGUF's
-    Q5 types; ``kquant``: a K-quant layer's own scales too (the w4a8 kernel reads them)."""
+    Q5 types, 6 for Q6_K; ``kquant``: a K-quant or Q6_K layer's own scales too (the w4a8
+    kernel reads them)."""
 
     q: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     perm: torch.Tensor | None
     bits: int = 4
-    kquant: KQuantScales | None = None
+    kquant: KQuantScales | Q6KScales | None = None
 
 
 def checkpoint_int4_parts(
@@ -241,6 +261,7 @@ def checkpoint_int4_parts(
     perm = torch.argsort(g_idx, stable=True)
     in_order = torch.equal(perm, torch.arange(len(g_idx)))
     q = torch.cat([layer.q for layer in layers])
+    kinds: list[Any] = [layer.kquant for layer in layers]
     zero_dtype = functools.reduce(torch.promote_types, (layer.zeros.dtype for layer in layers))
     return Int4Parts(
         q if in_order else q[:, perm].contiguous(),
@@ -248,7 +269,7 @@ def checkpoint_int4_parts(
         torch.cat([layer.zeros.to(zero_dtype) for layer in layers]),
         None if in_order else perm,
         max(layer.bits for layer in layers),
-        KQuantScales.cat([layer.kquant for layer in layers])
-        if in_order and all(layer.kquant is not None for layer in layers)
+        type(kinds[0]).cat(kinds)
+        if in_order and all(type(k) is type(kinds[0]) for k in kinds) and kinds[0] is not None
         else None,
     )

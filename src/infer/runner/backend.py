@@ -99,7 +99,8 @@ class DeviceBackend:
         model = load_model(weights.model_path, weights.dtype, self.device,
                            gguf_wide=weights.int8_activations)  # fmt: skip
         if weights.keep_checkpoint_int4 and not weights.quantization:
-            self.kept_int4 = keep_checkpoint_int4(model, weights.int8_activations)
+            self.kept_int4 = keep_checkpoint_int4(model, weights.int8_activations,
+                                                  weights.quantize_lm_head)  # fmt: skip
         model.checkpoint_int4 = {}  # (the integers the loader unpacked: kept above, or not)
         self._prepare_weights(model, weights)
         self.model = model

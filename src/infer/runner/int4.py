@@ -20,8 +20,9 @@ at small batch is bound by those bytes), and unpack them in registers:
   the products are the dequantized weight's, to float32 rounding.
 - ``w4a8``: each activation row's groups quantized to int8 (absmax / 127 per group) and one
   exact integer dot product per group (CPUs with AVX-512 VNNI): fewer instructions per
-  weight, for batches and prefill, at the cost of 8-bit activations. It also reads 5-bit
-  values (GGUF's Q5 types: ``bits``), held as the nibbles plus a bit plane.
+  weight, for batches and prefill, at the cost of 8-bit activations. It also reads 5- and
+  6-bit values (GGUF's Q5 types and Q6_K: ``bits``), held as the nibbles plus one or two bit
+  planes, and GGUF's K-quant and Q6_K scales as the file holds them.
 
 Elsewhere (CPUs without them, CUDA) the weight is dequantized to the model's dtype for each
 product: correct, not fast.
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.model.quantized_checkpoint import KQuantScales
+from infer.model.quantized_checkpoint import KQuantScales, Q6KScales
 from infer.runner.cpu.kernels import int4_flags
 from infer.runner.cpu.prepack import tiled_linear_kernels
 
@@ -92,21 +93,21 @@ def pack_int4(
     bits: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' layouts (``csrc/linear_int4.cpp``): q ``[N, K]`` (N % 16 == 0, K % 8 == 0)
-    -> packed ``[N/16, K/8, 64 + 16 (bits - 4)]`` bytes (bits 4 or 5); scales and zeros ``[N, G]`` ->
-    ``[N/16, G, 16]``.
+    -> packed ``[N/16, K/8, 64 + 16 (bits - 4)]`` bytes (bits 4, 5 or 6); scales and zeros
+    ``[N, G]`` -> ``[N/16, G, 16]``.
 
     ::
 
         64 bytes per (16 outputs, 8 inputs k = 8o .. 8o+7); output c's 4 bytes:
         int4  two 16-bit words h = 0, 1; nibble r of word h = q[n, 8o + 2r + h]
         w4a8  byte p = 4c + j (j = 0..3): low nibble q[n, 8o + j] & 15, high nibble
-              q[n, 8o + 4 + j] & 15; with 5 bits (w4a8 only), then two little-endian 64-bit
-              masks: bit p = bit 4 of q[n, 8o + j], and of q[n, 8o + 4 + j]
+              q[n, 8o + 4 + j] & 15; with 5 or 6 bits (w4a8 only), then per bit e = 4, 5 two
+              little-endian 64-bit masks: bit p = bit e of q[n, 8o + j], and of q[n, 8o + 4 + j]
     """
     n, k = q.shape
     g = scales.shape[1]
-    if bits not in (4, 5) or (bits == 5 and not int8_activations):
-        raise ValueError(f"{bits}-bit weights: 4 bits, or 5 for the w4a8 kernel only")
+    if bits not in (4, 5, 6) or (bits > 4 and not int8_activations):
+        raise ValueError(f"{bits}-bit weights: 4 bits, or 5 and 6 for the w4a8 kernel only")
     if int8_activations:
         val = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # nb, o, half, c, j
         nib = val & 15
@@ -181,6 +182,48 @@ def dequantize_kquant(q: torch.Tensor, kquant: KQuantScales, dtype: torch.dtype)
     return w.view(n, k).to(dtype)
 
 
+Q6K_RECORD = 288
+"""Bytes of one Q6_K record (csrc/kernels.h ``INFER_INT4_Q6K``): 16 outputs x 256 inputs."""
+
+Q6K_ACTIVATION_GROUP = 256
+"""The activations' int8 group for a Q6_K layer: a row's 256 inputs of one super-block share a
+scale (llama.cpp's Q8_K blocks), so the sub-scales' integer sums need one float step per
+256 inputs; groups of 32 (the 4-bit layers') ran 7-15% slower than int8 per channel at 16 and
+256 rows, 256 ran 7% faster (the kernel takes any group dividing 256)."""
+
+
+def pack_q6k(scales: Q6KScales) -> torch.Tensor:
+    """GGUF Q6_K scales (``[N, K/16]`` int8 sc, ``[N, K/256]`` float16 d; N % 16 == 0) -> the
+    w4a8 kernel's records ``[N/16, K/256, 288]`` bytes::
+
+        sc[16][16] int8 (sub-group s of 16 inputs, output c) | d[16] float16 (output c)
+    """
+    n, subs = scales.sc.shape
+    supers = subs // 16
+    sc = scales.sc.view(n // 16, 16, supers, 16).permute(0, 2, 3, 1).reshape(n // 16, supers, 256)
+    d = scales.d.view(n // 16, 16, supers).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([sc.view(torch.uint8), d], dim=2).contiguous()
+
+
+def unpack_q6k(records: torch.Tensor) -> Q6KScales:
+    """:func:`pack_q6k`'s records back to the scales."""
+    blocks, supers = records.shape[:2]
+    n = blocks * 16
+    sc = records[..., :256].contiguous().view(torch.int8).view(blocks, supers, 16, 16)
+    d = records[..., 256:].contiguous().view(torch.float16)  # [blocks, supers, 16]
+    return Q6KScales(sc.permute(0, 3, 1, 2).reshape(n, supers * 16),
+                     d.transpose(1, 2).reshape(n, supers))  # fmt: skip
+
+
+def dequantize_q6k(q: torch.Tensor, scales: Q6KScales, dtype: torch.dtype) -> torch.Tensor:
+    """``d sc (q - 32)`` per 16 inputs, ``[N, K]`` in ``dtype`` (float32 arithmetic, as
+    llama.cpp's: (d sc) first)."""
+    n, k = q.shape
+    scale = scales.d.float().repeat_interleave(16, dim=1) * scales.sc.float()
+    w = (q.float().view(n, k // 16, 16) - 32.0) * scale[..., None]
+    return w.view(n, k).to(dtype)
+
+
 def unpack_int4(packed: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
     """:func:`pack_int4`'s packed bytes back to q ``[N, K]`` (its bit planes too)."""
     blocks, octets = packed.shape[:2]
@@ -207,20 +250,30 @@ def w4a8_kernel_reference(
     q: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor,
-    kquant: KQuantScales | None = None,
+    kquant: KQuantScales | Q6KScales | None = None,
+    group: int | None = None,
 ) -> torch.Tensor:
     """What the w4a8 kernel computes, in float64: each row's groups quantized to int8 exactly as
     the kernel does it (float32 ``127 / absmax``, rounded to nearest even), integer dot products
     per group, then the scales (``kquant``: ``d sc`` times the product, less ``dmin m`` times
-    the group's quantized sum). For tests."""
+    the group's quantized sum; Q6_K: ``d sc`` times each 16 inputs' product with ``q - 32``,
+    ``group`` the activations' group). For tests."""
     m, k = x.shape
-    groups = scales.shape[1]
+    groups = scales.shape[1] if group is None else k // group
     group = k // groups
     xg = x.float().view(m, groups, group)
     absmax = xg.abs().amax(dim=2)
     inv = torch.where(absmax > 0, torch.tensor(127.0) / absmax, torch.zeros_like(absmax))
     xq = torch.round(xg * inv[..., None]).to(torch.int64)  # [m, G, group]
     x_scale = torch.where(absmax > 0, absmax / 127.0, torch.zeros_like(absmax)).double()
+    if isinstance(kquant, Q6KScales):
+        subs = k // 16
+        xs = xq.view(m, subs, 16)
+        w = (q.to(torch.int64) - 32).view(q.shape[0], subs, 16)
+        sub_dots = torch.einsum("msk,nsk->mns", xs, w) * kquant.sc.to(torch.int64)[None]
+        dots = sub_dots.view(m, q.shape[0], groups, group // 16).sum(dim=3).double()
+        d = kquant.d.double().repeat_interleave(256 // group, dim=1)[None]  # per group
+        return (dots * d * x_scale[:, None, :]).sum(dim=2)
     qg = q.to(torch.int64).view(q.shape[0], groups, group)  # [n, G, group]
     dots = torch.einsum("mgk,ngk->mng", xq, qg).double()
     xsum = xq.sum(dim=2).double()[:, None, :]
@@ -248,10 +301,12 @@ def int4_kernel_available(device: torch.device, int8_activations: bool = False) 
 class Int4Linear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` held in 4 bits (module docstring); through the C++ kernel
     where the CPU has it (``int8_activations``: each activation row's groups in int8), else
-    dequantized per call. ``bits`` 5 (GGUF's Q5 types: q in 0..31) is held as the nibbles plus
-    a bit plane, for the w4a8 kernel (unpacked q elsewhere). ``kquant`` (GGUF's Q4_K / Q5_K):
-    the w4a8 kernel reads the file's own scales (:func:`pack_kquant`; ``scales`` and ``zeros``
-    are then not kept), elsewhere the float16 ``scales`` and ``zeros`` serve."""
+    dequantized per call. ``bits`` 5 (GGUF's Q5 types: q in 0..31) or 6 (Q6_K: 0..63) is held
+    as the nibbles plus one or two bit planes, for the w4a8 kernel (unpacked q elsewhere).
+    ``kquant`` (GGUF's Q4_K / Q5_K, or Q6_K's :class:`Q6KScales`): the w4a8 kernel reads the
+    file's own scales (:func:`pack_kquant`, :func:`pack_q6k`; ``scales`` and ``zeros`` are then
+    not kept), elsewhere the float16 ``scales`` and ``zeros`` serve. 6-bit weights take the
+    kernel with Q6_K's scales only."""
 
     def __init__(
         self,
@@ -263,7 +318,7 @@ class Int4Linear(nn.Module):
         perm: torch.Tensor | None = None,
         int8_activations: bool = False,
         bits: int = 4,
-        kquant: KQuantScales | None = None,
+        kquant: KQuantScales | Q6KScales | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
@@ -274,22 +329,27 @@ class Int4Linear(nn.Module):
         self.register_buffer("perm", perm, False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), False)
         kernels = tiled_linear_kernels() if q.device.type == "cpu" else None
+        q6k = isinstance(kquant, Q6KScales) and self.in_features % 256 == 0
         if (
             kernels is not None
             and (kernels.has_w4a8 if int8_activations else kernels.has_int4)
             and (bits == 4 or int8_activations)
+            and (bits < 6 or q6k)
             and self.group_size % 16 == 0
             and dtype == torch.bfloat16  # a float32 model's activations stay float32
         ):
             self.mode = "kernel"
             self._kernels = kernels
             self.kquant = (
-                kquant is not None
+                isinstance(kquant, KQuantScales)
                 and int8_activations
                 and self.group_size == 32
                 and self.in_features % 256 == 0
             )
-            self.kernel_flags = int4_flags(int8_activations, zeros.dtype, bits, self.kquant)
+            self.q6k = q6k
+            if q6k:
+                self.group_size = Q6K_ACTIVATION_GROUP  # (the kernel's group: the activations')
+            self.kernel_flags = int4_flags(int8_activations, zeros.dtype, bits, self.kquant, q6k)
             # The kernel takes 16 outputs at a time: pad with zero rows, cut off after.
             self.padded = -self.out_features % 16
 
@@ -299,9 +359,13 @@ class Int4Linear(nn.Module):
             q, scales, zeros = pad(q), pad(scales), pad(zeros)
             packed, s, z = pack_int4(q, scales, zeros, int8_activations, bits)
             if self.kquant:
-                assert kquant is not None
+                assert isinstance(kquant, KQuantScales)
                 s = pack_kquant(KQuantScales(*(pad(t) for t in (kquant.sc, kquant.m, kquant.d,
                                                                  kquant.dmin))))  # fmt: skip
+                z = torch.empty(0, dtype=torch.uint8)
+            elif q6k:
+                assert isinstance(kquant, Q6KScales)
+                s = pack_q6k(Q6KScales(pad(kquant.sc), pad(kquant.d)))
                 z = torch.empty(0, dtype=torch.uint8)
             self.register_buffer("packed", packed, False)
             self.register_buffer("scales", s, False)
@@ -312,7 +376,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("fbias", fbias, False)
             return
         self.mode = "dequant"
-        self.kquant = False
+        self.kquant = self.q6k = False
         self.padded = 0
         packed = q if bits > 4 else q[:, 0::2] | (q[:, 1::2] << 4)  # wider: a byte each
         self.register_buffer("packed", packed.contiguous(), False)
@@ -344,6 +408,8 @@ class Int4Linear(nn.Module):
                 return dequantize_kquant(q, unpack_kquant(self.scales), self.dtype)[
                     : self.out_features
                 ]
+            if self.q6k:
+                return dequantize_q6k(q, unpack_q6k(self.scales), self.dtype)[: self.out_features]
             g = self.scales.shape[1]
             scales = self.scales.transpose(1, 2).reshape(n, g)
             zeros = self.zeros.transpose(1, 2).reshape(n, g)
@@ -374,27 +440,42 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def keep_checkpoint_int4(model: nn.Module, int8_activations: bool = False) -> list[Int4Linear]:
+def keep_checkpoint_int4(
+    model: nn.Module, int8_activations: bool = False, lm_head: bool = True
+) -> list[Int4Linear]:
     """Swap each linear layer of a GPTQ / AWQ / GGUF model whose 4-bit integers the loader
     kept (``model.checkpoint_int4``, parameter name ->
     :class:`~infer.model.quantized_checkpoint.Int4Parts`) for an :class:`Int4Linear` over them,
     so its weight takes 4 bits, not the dequantized copy's 16 (``int8_activations``: the w4a8
-    kernel). Returns the layers made; the others stay dequantized."""
+    kernel). With ``lm_head``, a vocabulary projection kept so (a GGUF file's Q6_K
+    ``token_embd``) becomes ``model.packed_logits`` where the kernel runs it (the embedding
+    keeps its dequantized rows). Returns the layers made; the others stay dequantized."""
     parts_by_name = getattr(model, "checkpoint_int4", None) or {}
     vocab_weight = model.vocab_projection_weight()
+    params = dict(model.named_parameters())
     made = []
     for pname, parts in parts_by_name.items():
+        device = params[pname].device  # the loader's integers are on the CPU
+        perm = None if parts.perm is None else parts.perm.to(device)
+
+        def build(bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+            return Int4Linear(parts.q.to(device), parts.scales.to(device),
+                              parts.zeros.to(device), bias, dtype, perm, int8_activations,
+                              parts.bits, parts.kquant)  # fmt: skip
+
+        if params[pname] is vocab_weight:
+            classifier = getattr(model, "classifier", None) is not None  # (projects no vocab)
+            if lm_head and not classifier and parts.q.shape == vocab_weight.shape:
+                head = build(None, vocab_weight.dtype)
+                if head.mode == "kernel":  # (dequantized per product: slower than packed)
+                    model.packed_logits = head
+                    made.append(head)
+            continue
         path = pname.removesuffix(".weight")
         module = model.get_submodule(path)
         if not isinstance(module, nn.Linear) or module.weight.shape != parts.q.shape:
             continue  # a reshaped one
-        if module.weight is vocab_weight:  # a quantized lm_head: read as a weight (dequantized)
-            continue
-        device = module.weight.device  # the loader's integers are on the CPU
-        perm = None if parts.perm is None else parts.perm.to(device)
-        new = Int4Linear(parts.q.to(device), parts.scales.to(device), parts.zeros.to(device),
-                         module.bias, module.weight.dtype, perm, int8_activations,
-                         parts.bits, parts.kquant)  # fmt: skip
+        new = build(module.bias, module.weight.dtype)
         parent_name, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         made.append(new)

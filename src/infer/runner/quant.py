@@ -322,7 +322,8 @@ def quantize_checkpoint_layers(model: nn.Module, lm_head: bool = True) -> list[n
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         return Int8Linear(weight, bias) if id(weight) in ids else None
 
-    made = replace_linears(model, make, vocab=lm_head)
+    vocab = lm_head and getattr(model, "packed_logits", None) is None  # (kept as stored)
+    made = replace_linears(model, make, vocab=vocab)
     logger.info("held %d linear weights the checkpoint stores quantized in int8", len(made))
     return made
 

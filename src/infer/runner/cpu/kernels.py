@@ -547,8 +547,9 @@ class CpuKernels:
     ) -> torch.Tensor:
         """``x`` ``[M, K]`` contiguous bf16 times a 4-bit weight from
         :func:`infer.runner.int4.pack_int4` (its float16 ``scales`` and uint8 or float16
-        ``zeros`` per group and output; with ``INT4_KQUANT``, records from
-        :func:`~infer.runner.int4.pack_kquant` as the scales), ``+ bias`` (float32 ``[N]``);
+        ``zeros`` per group and output; with ``INT4_KQUANT`` / ``INT4_Q6K``, records from
+        :func:`~infer.runner.int4.pack_kquant` / :func:`~infer.runner.int4.pack_q6k` as the
+        scales, ``group_size`` then the activations' group), ``+ bias`` (float32 ``[N]``);
         ``flags``: :func:`int4_flags` (with ``INT4_W4A8``, each row's groups quantized to int8
         as the layer runs)."""
         m, k = x.shape
@@ -695,19 +696,24 @@ class PrefillChunks:
 
 
 # infer_int4_linear's flags (csrc/kernels.h)
-INT4_W4A8, INT4_HALF_ZEROS, INT4_PLANES_SHIFT, INT4_KQUANT = 1, 2, 2, 16
+INT4_W4A8, INT4_HALF_ZEROS, INT4_PLANES_SHIFT, INT4_KQUANT, INT4_Q6K = 1, 2, 2, 16, 32
 
 
 def int4_flags(
-    int8_activations: bool, zeros_dtype: torch.dtype, bits: int = 4, kquant: bool = False
+    int8_activations: bool,
+    zeros_dtype: torch.dtype,
+    bits: int = 4,
+    kquant: bool = False,
+    q6k: bool = False,
 ) -> int:
     """The 4-bit kernel's flags: the w4a8 kernel; float16 zeros (GGUF's Q4_1 / Q4_K); the bit
-    plane of 5-bit weights and K-quant records as the scales (w4a8 only)."""
+    planes of 5- and 6-bit weights, K-quant or Q6_K records as the scales (w4a8 only)."""
     return (
         (INT4_W4A8 if int8_activations else 0)
-        | (INT4_HALF_ZEROS if zeros_dtype == torch.float16 and not kquant else 0)
+        | (INT4_HALF_ZEROS if zeros_dtype == torch.float16 and not (kquant or q6k) else 0)
         | ((bits - 4) << INT4_PLANES_SHIFT)
         | (INT4_KQUANT if kquant else 0)
+        | (INT4_Q6K if q6k else 0)
     )
 
 

@@ -39,13 +39,18 @@ int infer_w8a8_linear(const uint16_t* x, const int8_t* packed, const int32_t* co
 // infer_int4_linear's flags (and InferLinear.int4_flags).
 #define INFER_INT4_W4A8 1        // activations to int8 per group: the w4a8 kernel
 #define INFER_INT4_HALF_ZEROS 2  // zeros are float16, not uint8 (GGUF's Q4_1 / Q4_K)
-// Bits 2-3: how many bit planes (0, 1) follow each 64 bytes of nibbles: 5-bit weights
-// (GGUF's Q5 types), w4a8 kernel only.
+// Bits 2-3: how many bit planes (0, 1, 2) follow each 64 bytes of nibbles: 5-bit weights
+// (GGUF's Q5 types) and 6-bit ones (Q6_K), w4a8 kernel only.
 #define INFER_INT4_PLANES_SHIFT 2
 // GGUF's K-quant scales as they are (w4a8 only, groups of 32, K % 256 == 0): `scales` points at
 // one 320-byte record per 16 outputs and 256 inputs (sc[8][16] uint8 | m[8][16] uint8 |
 // d[16] float16 | dmin[16] float16; weight = d sc q - dmin m), `zeros` is not read.
 #define INFER_INT4_KQUANT 16
+// GGUF's Q6_K as it is (w4a8 only, 2 bit planes: values 0..63, K % 256 == 0, `group` the
+// activations' group, dividing 256): `scales` points at one 288-byte record per 16 outputs and
+// 256 inputs (sc[16][16] int8: sub-group s of 16 inputs, output c | d[16] float16; weight =
+// d sc (q - 32)), `zeros` is not read.
+#define INFER_INT4_Q6K 32
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                       const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
                       int64_t N, int64_t group, int flags, int out_f32, int num_threads);

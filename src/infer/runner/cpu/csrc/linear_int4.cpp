@@ -34,9 +34,19 @@
 //            of the value in byte p's low nibble, of the second its high nibble's; a masked
 //            byte add puts the bit back (values 0..31, which VPDPBUSD reads as it reads
 //            0..15): 80 bytes per 8 inputs of 16 outputs
+//     w4a8 with 6-bit weights (GGUF's Q6_K; plane count 2): two such planes (bits 4 and 5),
+//            96 bytes per 8 inputs of 16 outputs
 //   scales   : [N/16][K/group][16] float16     zeros : [N/16][K/group][16] uint8 or float16
+//              (K-quant and Q6_K records in their place: kernels.h)
 //   xp (w4a8): per pass of up to 8 rows, [K/4][pass rows] 32-bit words (row r's 4 bytes of
 //              quad kq), so one broadcast feeds a row's multiply
+//
+// Q6_K (weight = d sc (q - 32), q 0..63, an int8 sc per 16 inputs, a float16 d per 256):
+//   y[m][n] = sum_g d[n] * x_scale[m][g]
+//             * sum_{s in g} sc[s][n] * (sum_{k in s} xq[m][k] * q[n][k]  -  32 xsum16[m][s])
+//   the sub-scales applied in the integer domain (one VPMULLD per 16 inputs), one float step
+//   per activation group (up to the super-block: |the group's sum| < 16 * 16 * 127 * 32 * 128
+//   < 2^31).
 //
 // Every sum runs in a fixed order (group by group, inputs in order) and a row's result
 // depends on nothing but its own values: the same bits in any batch, any pass and any thread
@@ -184,8 +194,9 @@ void int4_bf16_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
 // Row x (bf16, K values) -> per group: its int8 values into the pass-interleaved xp, its scale
 // and the sum of its int8 values. A group with a NaN or an infinity gets a NaN scale (its
 // outputs NaN, as a float matmul's would be non-finite); an all-zero group a zero scale.
+// With x_sum16 (Q6_K), the sums of each 16 values too.
 inline void quantize_row(const uint16_t* x, int64_t K, int64_t group, int32_t* xp,
-                         int64_t pass_rows, float* x_scale, int32_t* x_sum) {
+                         int64_t pass_rows, float* x_scale, int32_t* x_sum, int32_t* x_sum16) {
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
     __m512 vmax = _mm512_setzero_ps();
     __mmask16 unordered = 0;
@@ -204,6 +215,7 @@ inline void quantize_row(const uint16_t* x, int64_t K, int64_t group, int32_t* x
       const __m512i q =
           _mm512_cvtps_epi32(_mm512_mul_ps(infer_simd::load_bf16x16(x + k), vinv));
       sum = _mm512_add_epi32(sum, q);
+      if (x_sum16) x_sum16[k / 16] = _mm512_reduce_add_epi32(q);
       alignas(16) int32_t words[4];
       _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtepi32_epi8(q));
       for (int i = 0; i < 4; ++i) xp[(k / 4 + i) * pass_rows] = words[i];
@@ -215,8 +227,72 @@ inline void quantize_row(const uint16_t* x, int64_t K, int64_t group, int32_t* x
 
 // How the w4a8 kernel's groups are scaled: a float16 scale and a uint8 zero, a float16
 // scale and zero, or GGUF's K-quant records (INFER_INT4_KQUANT).
-enum ZeroKind { kZerosUint8 = 0, kZerosHalf = 1, kZerosKQuant = 2 };
+// GGUF's Q6_K records (INFER_INT4_Q6K).
+enum ZeroKind { kZerosUint8 = 0, kZerosHalf = 1, kZerosKQuant = 2, kZerosQ6K = 3 };
 constexpr int64_t kKQuantRecord = 320;  // bytes of one (16 outputs, 256 inputs) record
+constexpr int64_t kQ6KRecord = 288;     // sc[16][16] int8 | d[16] float16
+
+// The 64 nibble bytes at wo, and the kPlanes bit planes after them: the values of the low
+// nibbles' quad (lo) and of the high nibbles' (hi), each byte 0 .. 2^(4 + kPlanes) - 1.
+template <int kPlanes>
+inline void unpack_values(const uint8_t* wo, __m512i& lo, __m512i& hi) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i w = _mm512_loadu_si512(wo);
+  lo = _mm512_and_si512(w, nibble);
+  hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+  for (int e = 0; e < kPlanes; ++e) {  // bit 4 + e of each byte, from plane e: a masked add
+    uint64_t bits[2];
+    std::memcpy(bits, wo + 64 + 16 * e, 16);
+    const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << e));
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, bit);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, bit);
+  }
+}
+
+// Q6_K: rows [m0, m0 + MR) of one pass times column block nb (records: the block's).
+template <int MR, bool kOutF32>
+inline void q6k_block(const int32_t* xp, int64_t pass_rows, const float* x_scale,
+                      const int32_t* x_sum16, const uint8_t* wb, const uint8_t* records,
+                      const float* bias, void* y, int64_t m0, int64_t K, int64_t N, int64_t nb,
+                      int64_t group) {
+  constexpr int64_t kStride = 96;  // bytes per 8 inputs of 16 outputs
+  const int64_t groups = K / group, subs = K / 16;
+  __m512 out[MR];
+  for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
+  __m512 super_d = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sum[MR];
+    for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_si512();
+    for (int64_t s = g * group / 16; s < (g + 1) * group / 16; ++s) {
+      const uint8_t* rec = records + (s / 16) * kQ6KRecord;
+      if (s % 16 == 0)  // a super-block's d (groups never straddle one)
+        super_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+      __m512i acc[MR];  // from -32 xsum16: the products' sum comes out as sum x (q - 32)
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_set1_epi32(-32 * x_sum16[(m0 + i) * subs + s]);
+      for (int64_t o = 2 * s; o < 2 * s + 2; ++o) {
+        const uint8_t* wo = wb + o * kStride;
+        _mm_prefetch(reinterpret_cast<const char*>(wo) + kAheadBytes, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(wo) + 64 + kAheadBytes, _MM_HINT_T1);
+        __m512i lo, hi;
+        unpack_values<2>(wo, lo, hi);
+        const int32_t* x0 = xp + (2 * o) * pass_rows;
+        const int32_t* x1 = x0 + pass_rows;
+        for (int i = 0; i < MR; ++i) {
+          acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(x0[i]));
+          acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(x1[i]));
+        }
+      }
+      const __m512i sc = _mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * (s % 16))));
+      for (int i = 0; i < MR; ++i) sum[i] = _mm512_add_epi32(sum[i], _mm512_mullo_epi32(acc[i], sc));
+    }
+    for (int i = 0; i < MR; ++i)
+      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
+                               _mm512_mul_ps(super_d, _mm512_set1_ps(x_scale[(m0 + i) * groups + g])),
+                               out[i]);
+  }
+  for (int i = 0; i < MR; ++i) store_row<kOutF32>(y, m0 + i, N, nb * 16, out[i], bias);
+}
 
 // Rows [m0, m0 + MR) of one pass (xp interleaved for it) times column block nb; sb, zb: the
 // block's scales and zeros (kZerosKQuant: its records; zb unused).
@@ -227,7 +303,6 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
                        int64_t N, int64_t nb, int64_t group) {
   const int64_t groups = K / group;
   constexpr int64_t kStride = 64 + 16 * kPlanes;  // bytes per 8 inputs of 16 outputs
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 out[MR];
   for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
   __m512 super_d = _mm512_setzero_ps(), super_dmin = _mm512_setzero_ps();  // (kZerosKQuant)
@@ -238,16 +313,8 @@ inline void w4a8_block(const int32_t* xp, int64_t pass_rows, const float* x_scal
       const uint8_t* wo = wb + o * kStride;
       _mm_prefetch(reinterpret_cast<const char*>(wo) + kAheadBytes, _MM_HINT_T1);
       if (kPlanes) _mm_prefetch(reinterpret_cast<const char*>(wo) + 64 + kAheadBytes, _MM_HINT_T1);
-      const __m512i w = _mm512_loadu_si512(wo);
-      __m512i lo = _mm512_and_si512(w, nibble);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-      if (kPlanes) {  // bit 4 of each byte, from the bit plane
-        uint64_t bits[2];
-        std::memcpy(bits, wo + 64, 16);
-        const __m512i bit = _mm512_set1_epi8(16);
-        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, bit);
-        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, bit);
-      }
+      __m512i lo, hi;
+      unpack_values<kPlanes>(wo, lo, hi);
       const int32_t* x0 = xp + (2 * o) * pass_rows;
       const int32_t* x1 = x0 + pass_rows;
       for (int i = 0; i < MR; ++i) {
@@ -311,38 +378,47 @@ template <bool kOutF32, int kZeros, int kPlanes>
 void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                  const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
                  int64_t N, int64_t group, int num_threads) {
+  constexpr bool kQ6K = kZeros == kZerosQ6K;
   const int64_t zero_bytes = kZeros == kZerosHalf ? 2 : 1;
   const int64_t pass_rows = Passes(M).rows, passes = (M + pass_rows - 1) / pass_rows;
-  const int64_t nblocks = N / 16, kquads = K / 4, groups = K / group;
+  const int64_t nblocks = N / 16, kquads = K / 4, groups = K / group, subs = kQ6K ? K / 16 : 0;
+  const int64_t stride = 64 + 16 * kPlanes;  // bytes per 8 inputs of 16 outputs
+  const int64_t record = kZeros == kZerosKQuant ? kKQuantRecord : kQ6KRecord;
 #pragma omp parallel num_threads(num_threads)
   {
     auto* xp = static_cast<int32_t*>(infer_simd::thread_scratch(
-        (passes * pass_rows * kquads + 2 * M * groups) * 4));
+        (passes * pass_rows * kquads + 2 * M * groups + M * subs) * 4));
     auto* x_scale = reinterpret_cast<float*>(xp + passes * pass_rows * kquads);
     auto* x_sum = reinterpret_cast<int32_t*>(x_scale + M * groups);
+    int32_t* x_sum16 = kQ6K ? x_sum + M * groups : nullptr;
     for (int64_t m = 0; m < M; ++m)
       quantize_row(x + m * K, K, group,
                    xp + (m / pass_rows) * pass_rows * kquads + m % pass_rows, pass_rows,
-                   x_scale + m * groups, x_sum + m * groups);
+                   x_scale + m * groups, x_sum + m * groups, kQ6K ? x_sum16 + m * subs : nullptr);
 #pragma omp for schedule(guided) nowait  // the region's end joins the threads
     for (int64_t b = 0; b < nblocks; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
         const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
+        const uint8_t* wb = packed + b * (K / 8) * stride;
         infer_simd::with_count<kPassRows>(rows, [&](auto r) {
-          const void* block_scales =
-              kZeros == kZerosKQuant
-                  ? static_cast<const void*>(reinterpret_cast<const uint8_t*>(scales) +
-                                             b * (K / 256) * kKQuantRecord)
-                  : static_cast<const void*>(scales + b * groups * 16);
-          const void* block_zeros =
-              kZeros == kZerosKQuant
-                  ? nullptr  // (not read)
-                  : static_cast<const void*>(static_cast<const uint8_t*>(zeros) +
-                                             b * groups * 16 * zero_bytes);
-          w4a8_block<decltype(r)::value, kOutF32, kZeros, kPlanes>(
-              xp + m0 * kquads, pass_rows, x_scale, x_sum,
-              packed + b * (K / 8) * (64 + 16 * kPlanes), block_scales, block_zeros, bias, y,
-              m0, K, N, b, group);
+          constexpr int MR = decltype(r)::value;
+          const auto* block_records = reinterpret_cast<const uint8_t*>(scales) + b * (K / 256) * record;
+          if constexpr (kQ6K) {
+            q6k_block<MR, kOutF32>(xp + m0 * kquads, pass_rows, x_scale, x_sum16, wb,
+                                   block_records, bias, y, m0, K, N, b, group);
+          } else {
+            const void* block_scales =
+                kZeros == kZerosKQuant ? static_cast<const void*>(block_records)
+                                       : static_cast<const void*>(scales + b * groups * 16);
+            const void* block_zeros =
+                kZeros == kZerosKQuant
+                    ? nullptr  // (not read)
+                    : static_cast<const void*>(static_cast<const uint8_t*>(zeros) +
+                                               b * groups * 16 * zero_bytes);
+            w4a8_block<MR, kOutF32, kZeros, kPlanes>(xp + m0 * kquads, pass_rows, x_scale,
+                                                     x_sum, wb, block_scales, block_zeros, bias,
+                                                     y, m0, K, N, b, group);
+          }
         });
       }
   }
@@ -367,7 +443,8 @@ int infer_int4_supported() {
 
 // y [M, N] (bf16, or float32 with out_f32) from x [M, K] bf16 and a weight packed as above
 // (runner/int4.py's pack_int4 builds it). flags: INFER_INT4_W4A8 picks the w4a8 kernel,
-// INFER_INT4_HALF_ZEROS says the zeros are float16.
+// INFER_INT4_HALF_ZEROS says the zeros are float16, the plane count and INFER_INT4_KQUANT /
+// INFER_INT4_Q6K (kernels.h) the wider values and the GGUF records.
 // N % 16 == 0, group % 16 == 0, K % group == 0.
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                       const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
@@ -375,11 +452,13 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
   if (N % 16 || group <= 0 || group % 16 || K % group || M <= 0) return 1;
   const bool half_zeros = flags & INFER_INT4_HALF_ZEROS;
   const int planes = (flags >> INFER_INT4_PLANES_SHIFT) & 3;
-  const bool kquant = flags & INFER_INT4_KQUANT;
-  if (planes > 1) return 1;
+  const bool kquant = flags & INFER_INT4_KQUANT, q6k = flags & INFER_INT4_Q6K;
+  // 6-bit weights come with Q6_K's records only, and they with 6-bit weights
+  if (planes > 2 || (planes == 2) != q6k || (kquant && q6k)) return 1;
   if (flags & INFER_INT4_W4A8) {
 #ifdef INFER_HAVE_W4A8
     if (kquant && (group != 32 || K % 256)) return 1;
+    if (q6k && (K % 256 || 256 % group)) return 1;
     const auto run = [&](auto out32, auto zero_kind, auto planes) {
       w4a8_linear<decltype(out32)::value, decltype(zero_kind)::value, decltype(planes)::value>(
           x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
@@ -389,7 +468,8 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
       else run(out32, zero_kind, std::integral_constant<int, 1>());
     };
     const auto with_zeros = [&](auto out32) {
-      if (kquant) with_planes(out32, std::integral_constant<int, kZerosKQuant>());
+      if (q6k) run(out32, std::integral_constant<int, kZerosQ6K>(), std::integral_constant<int, 2>());
+      else if (kquant) with_planes(out32, std::integral_constant<int, kZerosKQuant>());
       else if (half_zeros) with_planes(out32, std::integral_constant<int, kZerosHalf>());
       else with_planes(out32, std::integral_constant<int, kZerosUint8>());
     };
@@ -398,7 +478,7 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
     return 0;
 #endif
   } else {
-    if (planes || kquant) return 4;  // 5-bit weights, K-quant records: the w4a8 kernel only
+    if (planes || kquant || q6k) return 4;  // 5 / 6 bits, K-quant / Q6_K: w4a8 only
 #ifdef INFER_HAVE_INT4
     if (out_f32 && half_zeros)
       int4_bf16_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
@@ -413,7 +493,7 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
 #endif
   }
   (void)x; (void)packed; (void)scales; (void)zeros; (void)bias; (void)y; (void)out_f32;
-  (void)num_threads; (void)half_zeros; (void)planes; (void)kquant;
+  (void)num_threads; (void)half_zeros; (void)planes; (void)kquant; (void)q6k;
   return 2;
 }
 
