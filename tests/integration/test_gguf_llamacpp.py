@@ -64,15 +64,16 @@ def test_llama_cpps_f32_file_gives_its_folders_logits(kind, tiny_checkpoints, tm
 
 
 # The widths the engine holds each file's layers at in bf16 (int8 activations, the default;
-# the Q6_K layers of Q4_K_M and Q5_K_M, and a q/k/v fused with one, in int8 per channel).
-HELD_BITS = {"Q8_0": set(), "Q4_0": {4}, "Q4_1": {4}, "Q4_K_M": {4}, "Q5_K_M": {5},
-             "Q6_K": set()}  # fmt: skip
+# the Q6_K layers of Q4_K_M and Q5_K_M at 6 bits, a q/k/v fusing a Q6_K v with Q4_K / Q5_K
+# q, k in int8 per channel).
+HELD_BITS = {"Q8_0": set(), "Q4_0": {4}, "Q4_1": {4}, "Q4_K_M": {4, 6}, "Q5_K_M": {5, 6},
+             "Q6_K": {6}}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K"])
 def test_llama_quantized_files_give_transformers_logits(kind, tmp_path):
-    """float32: transformers' logits (1e-4). bf16 (the kernels, int8 activations): the 4- and
-    5-bit layers held at their widths, logprobs within 0.05 of float32's on average."""
+    """float32: transformers' logits (1e-4). bf16 (the kernels, int8 activations): the 4-, 5-
+    and 6-bit layers held at their widths, logprobs within 0.05 of float32's on average."""
     from transformers import AutoModelForCausalLM
 
     from infer.testing.checkpoints import build_all

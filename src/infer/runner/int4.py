@@ -30,6 +30,7 @@ product: correct, not fast.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -457,12 +458,10 @@ def keep_checkpoint_int4(
     for pname, parts in parts_by_name.items():
         device = params[pname].device  # the loader's integers are on the CPU
         perm = None if parts.perm is None else parts.perm.to(device)
-
-        def build(bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
-            return Int4Linear(parts.q.to(device), parts.scales.to(device),
-                              parts.zeros.to(device), bias, dtype, perm, int8_activations,
-                              parts.bits, parts.kquant)  # fmt: skip
-
+        build = functools.partial(Int4Linear, parts.q.to(device), parts.scales.to(device),
+                                  parts.zeros.to(device), perm=perm,
+                                  int8_activations=int8_activations, bits=parts.bits,
+                                  kquant=parts.kquant)  # fmt: skip
         if params[pname] is vocab_weight:
             classifier = getattr(model, "classifier", None) is not None  # (projects no vocab)
             if lm_head and not classifier and parts.q.shape == vocab_weight.shape:
