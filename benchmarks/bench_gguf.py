@@ -4,6 +4,7 @@ beside llama.cpp on the same file: ``infer bench gguf``.
     infer bench gguf --llama-cpp SRC [--types Q8_0,Q6_K,Q4_K_M,Q4_0]
                      [--decode-model FILE.gguf] [--rounds 3] [--out bench-results/gguf]
     infer bench gguf --no-quality --activations-model FILE.gguf [--rounds 4]
+    infer bench gguf --no-quality --q6k-model FILE.gguf [--rounds 4]
 
 ``SRC`` is llama.cpp's source tree with ``build/bin/llama-quantize`` (and ``llama-server`` for
 the decode part), e.g. ``vendor/llama.cpp`` of the ``llama-cpp-python`` sdist built as
@@ -15,8 +16,8 @@ docs/benchmarks.md says.
   folder, and of each file: in float32 (every weight dequantized: llama.cpp's exact values),
   in bf16 with bf16 activations and ``--no-gguf-int8`` (4-bit layers in the int4 kernel, the
   others dequantized to bf16), with bf16 activations (the others in int8 per channel), and as
-  served by default (int8 activations: 4- and 5-bit layers in the w4a8 kernel, the others
-  in int8 per channel).
+  served by default (int8 activations: 4-, 5- and 6-bit layers in the w4a8 kernel, the
+  others in int8 per channel).
 - **Decode** (``--decode-model``): batch-1 decode of 128 tokens after a 12-token prompt,
   rounds alternating between ``llama-server`` (1 slot, every core, its own ``timings`` of
   the completion: ms per generated token) and infer's offline engine (the default,
@@ -29,6 +30,9 @@ docs/benchmarks.md says.
   engines in one process and measured in turns (so a slow spell of the machine hits both):
   batch-1 decode (ms per token from a 56- and an 8-token run, the median of 3 a round), a
   512-token prefill, and a decode step of 16 sequences; the weights each holds.
+- **Q6_K** (``--q6k-model``; no llama.cpp needed): the default (Q6_K layers, and a Q6_K
+  vocabulary projection, held as stored: 6.5625 bits a weight in the w4a8 kernel) against the
+  same engine with them in int8 per channel (as before they were kept), measured as above.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-model", type=Path, default=None, help="a GGUF file to decode")
     p.add_argument("--activations-model", type=Path, default=None,
                    help="a GGUF file: int8 against bf16 activations, in one process")  # fmt: skip
+    p.add_argument("--q6k-model", type=Path, default=None,
+                   help="a GGUF file: Q6_K as stored against int8 per channel, in one process")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--windows", type=int, default=8, help="held-out windows of 1,000 tokens")
     p.add_argument("--no-quality", dest="quality", action="store_false",
@@ -85,7 +91,8 @@ def perplexity(model: Path, windows, **options) -> tuple[float, dict]:
         nll = [-lp.logprob for o in outs for lp in o.prompt_logprobs[1:]]
         backend = llm.engine.backend
         held = {"int4": sum(m.bits == 4 for m in backend.kept_int4),
-                "wide": sum(m.bits > 4 for m in backend.kept_int4),
+                "int5": sum(m.bits == 5 for m in backend.kept_int4),
+                "int6": sum(m.bits == 6 for m in backend.kept_int4),
                 "int8": len(backend.checkpoint_int8),
                 "weights_mib": round(llm.engine.weights_bytes / 2**20, 2)}  # fmt: skip
     return math.exp(sum(nll) / len(nll)), held
@@ -197,16 +204,38 @@ def decode(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def activations(args: argparse.Namespace) -> list[dict]:
+ACTIVATION_SETTINGS = {
+    "int8 activations (default)": ({"gguf_int8_activations": True}, False),
+    "--no-gguf-int8-activations": ({"gguf_int8_activations": False}, False),
+}
+Q6K_SETTINGS = {  # label: (engine options, Q6_K held in int8 per channel)
+    "Q6_K as stored (default)": ({}, False),
+    "Q6_K in int8 per channel": ({}, True),
+}
+
+
+def _engine(model: Path, options: dict, q6k_int8: bool):
+    """An engine on ``model``; ``q6k_int8``: its Q6_K tensors are not unpacked, so they are
+    held in int8 per channel (the layout before they were kept as stored)."""
+    from unittest import mock
+
+    from infer import LLM
+
+    if not q6k_int8:
+        return LLM(str(model), dtype="bfloat16", max_model_len=1024, **options)
+    with mock.patch("infer.model.gguf_checkpoint.unpack_q6k", return_value=None):
+        return LLM(str(model), dtype="bfloat16", max_model_len=1024, **options)
+
+
+def in_turns(model: Path, settings: dict, rounds: int) -> list[dict]:
     """Rows per round and setting: batch-1 decode ms / token, 512-token prefill ms, ms per
-    decode step of 16 sequences, weights MiB (see the module doc)."""
+    decode step of 16 sequences, weights MiB; every setting's engine in one process, measured
+    in turns (see the module doc)."""
     import random
 
-    from infer import LLM, SamplingParams
+    from infer import SamplingParams
 
-    settings = {"int8 activations (default)": True, "--no-gguf-int8-activations": False}
-    llms = {label: LLM(str(args.activations_model), dtype="bfloat16", max_model_len=1024,
-                       gguf_int8_activations=on) for label, on in settings.items()}  # fmt: skip
+    llms = {label: _engine(model, *setting) for label, setting in settings.items()}
     rng = random.Random(0)
     vocab = min(llm.engine.spec.vocab_size for llm in llms.values())
 
@@ -221,7 +250,7 @@ def activations(args: argparse.Namespace) -> list[dict]:
     for llm in llms.values():
         seconds(llm, [prompt(8)], 4)
     rows = []
-    for r in range(1, args.rounds + 1):
+    for r in range(1, rounds + 1):
         order = list(llms.items()) if r % 2 else list(llms.items())[::-1]
         decode = {label: [] for label in llms}
         for i in range(6):  # batch-1 decode: the two engines in turns, a median of 3 each
@@ -255,9 +284,10 @@ def markdown(report: dict) -> str:
                   "converter and `llama-quantize` for each file):", ""]  # fmt: skip
     lines += [] if not q else md_table(
         ["model", "served", "perplexity", "vs folder float32", "4-bit layers",
-         "5-bit layers", "int8 layers", "weights MiB"],
+         "5-bit layers", "6-bit layers", "int8 layers", "weights MiB"],
         [[r["model"], r["served"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / base - 1):+.2f}%",
-          r["int4"], r.get("wide", 0), r["int8"], f"{r['weights_mib']:.2f}"] for r in q],
+          r["int4"], r.get("int5", 0), r.get("int6", 0), r["int8"],
+          f"{r['weights_mib']:.2f}"] for r in q],
     )  # fmt: skip
     if report["decode"]:
         lines += ["", f"Batch-1 decode of {report['decode_model']} (128 tokens; ms per token, "
@@ -275,25 +305,37 @@ def markdown(report: dict) -> str:
                             f"{1000 / statistics.median(ms):.1f}"])  # fmt: skip
         lines += ["", "Over the rounds:", ""]
         lines += md_table(["engine", "median ms / token", "best round", "median tok/s"], summary)
-    rows = report.get("activations") or []
-    if rows:
-        lines += ["", f"int8 against bf16 activations on {report['activations_model']} (one "
-                  "process, the two engines measured in turns):", ""]  # fmt: skip
-        lines += md_table(
-            ["round", "setting", "batch-1 decode ms / token", "512-token prefill ms",
-             "16-sequence step ms", "weights MiB"],
-            [[r["round"], r["setting"], f"{r['decode_ms']:.1f}", f"{r['prefill_ms']:.0f}",
-              f"{r['step16_ms']:.1f}", f"{r['weights_mib']:.0f}"] for r in rows],
-        )  # fmt: skip
-        med = {s: {k: statistics.median(r[k] for r in rows if r["setting"] == s)
-                   for k in ("decode_ms", "prefill_ms", "step16_ms")}
-               for s in dict.fromkeys(r["setting"] for r in rows)}  # fmt: skip
-        base, new = med["--no-gguf-int8-activations"], med["int8 activations (default)"]
-        lines += ["", "Medians, and how much faster int8 activations are: "
-                  + "; ".join(f"{name} {base[k]:.1f} -> {new[k]:.1f} ({base[k] / new[k]:.2f}x)"
-                              for name, k in (("batch-1 decode ms", "decode_ms"),
-                                              ("prefill ms", "prefill_ms"),
-                                              ("16-sequence step ms", "step16_ms")))]  # fmt: skip
+    for key, title, (new_label, base_label) in (
+        ("activations", "int8 against bf16 activations", list(ACTIVATION_SETTINGS)),
+        ("q6k", "Q6_K layers as stored against int8 per channel", list(Q6K_SETTINGS)),
+    ):
+        lines += _turns_markdown(report.get(key) or [], report.get(f"{key}_model"), title,
+                                 new_label, base_label)  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _turns_markdown(rows: list[dict], model: str | None, title: str, new_label: str,
+                    base_label: str) -> list[str]:  # fmt: skip
+    """The table of :func:`in_turns` rows, and the medians: how much faster ``new_label`` is."""
+    if not rows:
+        return []
+    lines = ["", f"{title} on {model} (one process, the engines measured in turns):", ""]
+    lines += md_table(
+        ["round", "setting", "batch-1 decode ms / token", "512-token prefill ms",
+         "16-sequence step ms", "weights MiB"],
+        [[r["round"], r["setting"], f"{r['decode_ms']:.1f}", f"{r['prefill_ms']:.0f}",
+          f"{r['step16_ms']:.1f}", f"{r['weights_mib']:.0f}"] for r in rows],
+    )  # fmt: skip
+    med = {s: {k: statistics.median(r[k] for r in rows if r["setting"] == s)
+               for k in ("decode_ms", "prefill_ms", "step16_ms")}
+           for s in dict.fromkeys(r["setting"] for r in rows)}  # fmt: skip
+    base, new = med[base_label], med[new_label]
+    lines += ["", f"Medians, and how much faster {new_label} is: "
+              + "; ".join(f"{name} {base[k]:.1f} -> {new[k]:.1f} ({base[k] / new[k]:.2f}x)"
+                          for name, k in (("batch-1 decode ms", "decode_ms"),
+                                          ("prefill ms", "prefill_ms"),
+                                          ("16-sequence step ms", "step16_ms")))]  # fmt: skip
+    return lines
     return "\n".join(lines) + "\n"
 
 
@@ -315,7 +357,11 @@ def run(args: argparse.Namespace) -> int:
                       "decode_model": str(args.decode_model) if args.decode_model else None,
                       "decode": decode(args) if args.decode_model else [],
                       "activations_model": str(args.activations_model or ""),
-                      "activations": activations(args) if args.activations_model else []}  # fmt: skip
+                      "activations": in_turns(args.activations_model, ACTIVATION_SETTINGS,
+                                              args.rounds) if args.activations_model else [],
+                      "q6k_model": str(args.q6k_model or ""),
+                      "q6k": in_turns(args.q6k_model, Q6K_SETTINGS,
+                                      args.rounds) if args.q6k_model else []}  # fmt: skip
         finally:  # the folders made of the temporary files' metadata
             for file in Path(tmp).glob("*.gguf"):
                 shutil.rmtree(find_model_folder(file), ignore_errors=True)
