@@ -128,8 +128,10 @@ class StepBatch:
     row_lora_slots: list[int] | None = None
     # Transferred prompt KV to copy in after the swaps (never under tensor parallelism).
     kv_imports: list[KVImport] = field(default_factory=list)
-    # Rows whose final hidden states are embeddings (an embedding request's prompt ends there).
+    # Rows whose final hidden states are embeddings (an embedding request's prompt ends there),
+    # and the first row of each one's chunk (an encoder's CLS or MEAN pooling reads from it).
     pool_rows: list[int] = field(default_factory=list)
+    pool_starts: list[int] = field(default_factory=list)
 
     @property
     def samples_every_row(self) -> bool:

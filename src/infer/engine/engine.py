@@ -7,6 +7,7 @@ thread (``infer.engine.async_engine``).
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import logging
@@ -46,6 +47,9 @@ from infer.runner.runner import InFlightStep, TokenFeed
 from infer.spec_decode import NgramProposer, Proposer
 
 if TYPE_CHECKING:
+    import torch
+
+    from infer.model.spec import ModelSpec
     from infer.runner.lora.manager import LoRAManager
     from infer.structured.manager import StructuredOutputManager
 
@@ -148,6 +152,31 @@ class _AheadStep:
     requests: list[Request]
 
 
+def _encoder_config(config: EngineConfig, spec: ModelSpec, device: torch.device) -> EngineConfig:
+    """An encoder's engine options: every token of an input attends to every other, so an input
+    runs whole in one step and nothing of it can be reused (prefix caching off), on the torch
+    attention path (its per-input attention; the Triton step's kernels are causal). What
+    cannot hold for an encoder is a ``ValueError`` naming the option."""
+    mc, sc = config.model, config.scheduler
+    name = spec.architecture
+    for wanted, option in (
+        (sc.prefill_chunk_size is not None, "chunked prefill (--prefill-chunk-size)"),
+        (config.speculative is not None, "speculative decoding (--speculative-config)"),
+        (config.parallel.tensor_parallel_size > 1, "tensor parallelism"),
+        (config.lora is not None, "LoRA adapters (--enable-lora)"),
+        (mc.attention_backend == "triton", "--attention-backend triton (causal kernels)"),
+    ):
+        if wanted:
+            raise ValueError(f"{name} is an encoder (each input runs whole, every token seeing "
+                             f"every other): {option} does not apply to it")  # fmt: skip
+    backend = "torch" if device.type == "cuda" else mc.attention_backend
+    out = replace(config, model=replace(mc, attention_backend=backend),
+                  cache=replace(config.cache, enable_prefix_caching=False))  # fmt: skip
+    object.__setattr__(out, "prefix_caching_off_reason",
+                       "an encoder's every token sees its whole input: no prefix is reusable")  # fmt: skip
+    return out
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.tp_workers: TensorParallelWorkers | None = None
@@ -173,6 +202,9 @@ class LLMEngine:
         # With no --model the built-in small model is served, under that name.
         self.model_name = mc.model or "small"
         self.spec = load_model_spec(self.model_path)
+        if self.spec.is_encoder:
+            config = self.config = _encoder_config(config, self.spec, self.device)
+            mc, cc, sc = config.model, config.cache, config.scheduler
         # What a request's unset sampling fields take (the model's generation_config.json).
         self.sampling_defaults = sampling_defaults(
             self.model_path, mc.generation_config, dict(mc.override_generation_config)
@@ -182,9 +214,16 @@ class LLMEngine:
                         "(a request's own values win; --generation-config none uses infer's)",
                         describe_defaults(self.sampling_defaults))  # fmt: skip
         # How embedding requests pool (the model's sentence-transformers files, --pooler-config).
-        self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config))
+        self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config),
+                                                encoder=self.spec.is_encoder)  # fmt: skip
         pooler = self.pooler_config
-        if self.spec.is_classifier:
+        if self.spec.is_encoder:
+            logger.info("an encoder (%s): it embeds (/v1/embeddings, LLM.embed) by %s pooling, "
+                        "%s (%s), and generates nothing; each input runs whole, prefix caching "
+                        "off%s", self.spec.architecture, pooler.pooling_type,
+                        "normalized" if pooler.normalize else "not normalized", pooler.source,
+                        "" if pooler.supported else f"; refused: {pooler.problem}")  # fmt: skip
+        elif self.spec.is_classifier:
             logger.info("a sequence classifier (%s), labels %s: it serves /classify, LLM.classify"
                         "%s", self.spec.architecture, ", ".join(self.spec.labels),
                         " and scores pairs as a cross-encoder (/score, /rerank, LLM.score)"
@@ -268,6 +307,8 @@ class LLMEngine:
             sc, cc, self.kv_manager, max_loras=config.lora.max_loras if config.lora else 0
         )
         self.runner = self.backend.build_runner(setup)
+        if self.pooler_config.supported:
+            self.runner.pooling_type = self.pooler_config.pooling_type
         self.kv_cache = self.runner.kv_cache
         self.runner.workers = self.tp_workers
         self.runner.lora = self.lora
@@ -404,8 +445,10 @@ class LLMEngine:
             counts = self.model.checkpoint_tensor_types.items()
             types = ", ".join(f"{n} {kind}" for kind, n in counts)
             int8 = len(self.backend.checkpoint_int8)
-            logger.info("GGUF file %s (%s): %d linear layers kept in 4 bits (%s), %d held in "
-                        "int8, the others dequantized to %s", gguf_file, types, len(kept),
+            widths = collections.Counter(m.bits for m in kept)
+            bits = ", ".join(f"{n} in {b} bits" for b, n in sorted(widths.items())) or "none"
+            logger.info("GGUF file %s (%s): linear layers kept as stored: %s (%s), %d held in "
+                        "int8, the others dequantized to %s", gguf_file, types, bits,
                         ", ".join(modes) or "none", int8, dtype)  # fmt: skip
             return
         logger.info(
@@ -703,6 +746,12 @@ class LLMEngine:
         pooling = None
         if not isinstance(params, PoolingParams) and self.spec.is_classifier:
             raise InvalidRequestError(self._classifier_only(), param="prompt")
+        if not isinstance(params, PoolingParams) and self.spec.is_encoder:
+            raise InvalidRequestError(
+                f"this model ({self.spec.architecture}) is an encoder: it embeds "
+                "(/v1/embeddings, LLM.embed, /score of embeddings) and generates nothing",
+                param="prompt",
+            )
         if isinstance(params, PoolingParams):
             pooling, params = self._pooling(params), POOLING_SAMPLING
             if export_kv or kv_payload is not None:
@@ -842,9 +891,14 @@ class LLMEngine:
             return replace(params, normalize=False)
         pooler = self.pooler_config
         if not pooler.supported:
+            if spec.is_encoder:
+                pools = "an encoder's CLS, MEAN or LAST token pooling"
+            else:
+                pools = "the last token's final hidden state only"
             raise InvalidRequestError(
-                f"{pooler.problem}; infer embeds with the last token's final hidden state only "
-                '(--pooler-config \'{"pooling_type": "LAST"}\' serves it so)',
+                f"{pooler.problem}; infer embeds with {pools} "
+                f'(--pooler-config \'{{"pooling_type": "{"CLS" if spec.is_encoder else "LAST"}"}}\' '
+                "serves it so)",
                 param="input",
             )
         hidden = self.spec.hidden_size

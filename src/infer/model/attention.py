@@ -44,3 +44,10 @@ class Attention(Protocol):
         """Write ``k, v`` to the cache (unless ``kv_stored``) and attend: ``q`` ``[T, H, D]``,
         ``k, v`` ``[T, Hkv, D]`` -> ``[T, H, D]``."""
         ...
+
+    def attend_bidirectional(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        """An encoder's attention: each sequence's tokens (a whole input) attend to all of its
+        tokens; nothing is cached. ``[T, H, D]`` each -> ``[T, H, D]``."""
+        ...

@@ -49,6 +49,8 @@ class CausalLM(nn.Module):
     """
 
     architecture: ClassVar[str]
+    # A bidirectional encoder (model/bert.py): it embeds, never generates.
+    is_encoder: ClassVar[bool] = False
     # (prefix, replacement) pairs tried when a checkpoint tensor name is not found as is.
     checkpoint_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
     spec: ModelSpec

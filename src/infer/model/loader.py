@@ -41,7 +41,14 @@ from infer.model.spec import ModelSpec, config_dtype, token_ids
 logger = logging.getLogger(__name__)
 
 # Checkpoint tensors that are derived state or tied copies, never weights we lack a place for.
-_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "lm_head.weight")
+_IGNORABLE_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    ".attn.bias",
+    ".attn.masked_bias",
+    "lm_head.weight",
+    "pooler.dense.weight",
+    "pooler.dense.bias",
+)  # (a BERT's unused pooler)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -95,6 +102,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
         labels=labels,
         score_activation=activation,
         rerank_template=template,
+        is_encoder=cls.is_encoder,
     )
     return cls, parsed, spec, original
 

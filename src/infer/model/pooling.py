@@ -7,11 +7,14 @@ Embedding checkpoints published for sentence-transformers say how they pool in t
                                {"type": "sentence_transformers.models.Normalize", ...}]
     1_Pooling/config.json     {"pooling_mode_lasttoken": true, "pooling_mode_mean_tokens": false, ...}
 
-infer pools the last token (decoder-only embedding models are trained for it); a model whose
-files ask for another pooling, or hold a module infer does not run (a ``Dense`` projection), is
-served, but its embedding requests are refused naming why and ``--pooler-config``, which sets or
-replaces what the files say (vLLM's flag).
-A model without these files pools the last token and normalizes, as vLLM's embed runner does.
+A decoder pools the last token (decoder-only embedding models are trained for it); an encoder
+(BERT, RoBERTa: its prompt runs whole, every token seeing every other) the first token (CLS),
+the mean of every token's state (MEAN, special tokens included, as sentence-transformers
+averages them) or the last. A model whose files ask for another pooling, or hold a module
+infer does not run (a ``Dense`` projection), is served, but its embedding requests are refused
+naming why and ``--pooler-config``, which sets or replaces what the files say (vLLM's flag).
+A model without these files pools the last token (an encoder: CLS) and normalizes, as vLLM's
+embed runner does.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 
 from infer.model.folders import ModelLoadError, read_json
 
-SUPPORTED = ("LAST",)
+SUPPORTED = ("LAST",)  # a decoder's
+ENCODER_SUPPORTED = ("CLS", "MEAN", "LAST")  # an encoder's (its first is the default)
 # sentence-transformers' pooling config key -> the pooling type's name (vLLM's names)
 MODES = {
     "pooling_mode_lasttoken": "LAST",
@@ -43,8 +47,8 @@ _KNOWN_MODULES = (
 
 @dataclass(frozen=True)
 class PoolerConfig:
-    """``pooling_type``: how the prompt's hidden states become one vector (only ``LAST`` is
-    served); ``normalize``: whether an embedding is scaled to unit length unless the request
+    """``pooling_type``: how the prompt's hidden states become one vector (``SUPPORTED``;
+    an encoder's ``ENCODER_SUPPORTED``); ``normalize``: whether an embedding is scaled to unit length unless the request
     says; ``source``: where these came from (for errors and the start-up log); ``problem``:
     why embedding requests are refused (None: served)."""
 
@@ -71,9 +75,10 @@ def parse_pooler_config(text: str | dict[str, Any] | None) -> dict[str, Any]:
                          "(known: pooling_type, normalize)")  # fmt: skip
     if "pooling_type" in data:
         kind = data["pooling_type"]
-        if not isinstance(kind, str) or kind.upper() not in SUPPORTED:
+        if not isinstance(kind, str) or kind.upper() not in ENCODER_SUPPORTED:
             raise ValueError(f"--pooler-config: pooling_type {kind!r} is not supported "
-                             f"(infer pools: {', '.join(SUPPORTED)})")  # fmt: skip
+                             f"(infer pools: {', '.join(ENCODER_SUPPORTED)}; a decoder "
+                             f"{', '.join(SUPPORTED)})")  # fmt: skip
         data["pooling_type"] = kind.upper()
     if "normalize" in data and not isinstance(data["normalize"], bool):
         raise ValueError(f"--pooler-config: normalize must be true or false, "
@@ -81,19 +86,28 @@ def parse_pooler_config(text: str | dict[str, Any] | None) -> dict[str, Any]:
     return data
 
 
-def load_pooler_config(model_dir: Path, override: dict[str, Any] | None = None) -> PoolerConfig:
-    """The model folder's pooling (its ``modules.json``), with ``override`` over it. Never
-    raises: a model whose files infer cannot follow (another pooling, a module it does not run,
-    an unreadable file) is still served for generation, its embedding requests refused naming
-    the problem (``problem``). An override's ``pooling_type`` replaces what the files say, their
-    other modules included."""
+def load_pooler_config(
+    model_dir: Path, override: dict[str, Any] | None = None, encoder: bool = False
+) -> PoolerConfig:
+    """The model folder's pooling (its ``modules.json``), with ``override`` over it
+    (``encoder``: a bidirectional encoder's, which pools more ways). A model whose files infer
+    cannot follow (another pooling, a module it does not run, an unreadable file) is still
+    served for generation, its embedding requests refused naming the problem (``problem``).
+    An override's ``pooling_type`` replaces what the files say, their other modules included;
+    one this model cannot pool by is a ``ValueError``."""
     override = override or {}
-    config = PoolerConfig()
+    supported = ENCODER_SUPPORTED if encoder else SUPPORTED
+    config = PoolerConfig(pooling_type=supported[0])
     modules_path = Path(model_dir) / "modules.json"
     if modules_path.is_file():
-        config = _from_sentence_transformers(modules_path, "pooling_type" not in override)
+        config = _from_sentence_transformers(modules_path, "pooling_type" not in override,
+                                             supported)  # fmt: skip
     if override:
         kind = override.get("pooling_type", config.pooling_type)
+        if "pooling_type" in override and kind not in supported:
+            raise ValueError(f"--pooler-config: pooling_type {kind!r} is not supported for "
+                             f"this model (a {'n encoder' if encoder else ' decoder'}: it pools "
+                             f"by {', '.join(supported)})")  # fmt: skip
         config = PoolerConfig(
             pooling_type=kind,
             normalize=override.get("normalize", config.normalize),
@@ -103,7 +117,9 @@ def load_pooler_config(model_dir: Path, override: dict[str, Any] | None = None) 
     return config
 
 
-def _from_sentence_transformers(modules_path: Path, read_pooling: bool) -> PoolerConfig:
+def _from_sentence_transformers(
+    modules_path: Path, read_pooling: bool, supported: tuple[str, ...]
+) -> PoolerConfig:
     """What ``modules.json`` (and its Pooling module's config, with ``read_pooling``) say."""
     import json
 
@@ -121,7 +137,7 @@ def _from_sentence_transformers(modules_path: Path, read_pooling: bool) -> Poole
         return PoolerConfig(normalize=normalize, source=source,
                             problem=f"its sentence-transformers pipeline ({modules_path}) has "
                             f"{', '.join(map(str, others))}, which infer does not run")  # fmt: skip
-    pooling_type = "LAST"
+    pooling_type = supported[0]
     if _POOLING_MODULE in types and read_pooling:
         path = modules_path.parent / str(modules[types.index(_POOLING_MODULE)].get("path", ""))
         try:
@@ -135,6 +151,6 @@ def _from_sentence_transformers(modules_path: Path, read_pooling: bool) -> Poole
                                 f"{' + '.join(chosen) or 'no mode'}")  # fmt: skip
         pooling_type = chosen[0]
     problem = None
-    if pooling_type not in SUPPORTED:
+    if pooling_type not in supported:
         problem = f"this model pools by {pooling_type} ({source})"
     return PoolerConfig(pooling_type, normalize, source, problem)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from infer.model.bert import BertModel, RobertaModel, XLMRobertaModel
 from infer.model.gemma3 import Gemma3ForCausalLM
 from infer.model.gpt2 import GPT2LMHeadModel
 from infer.model.layers import CausalLM
@@ -34,6 +35,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         Qwen3MoeForCausalLM,
         Gemma3ForCausalLM,
         GPT2LMHeadModel,
+        BertModel,
+        RobertaModel,
+        XLMRobertaModel,
     )
 }
 
@@ -47,6 +51,9 @@ MODEL_TYPES: dict[str, type[CausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "bert": BertModel,
+    "roberta": RobertaModel,
+    "xlm-roberta": XLMRobertaModel,
 }
 
 
@@ -58,7 +65,7 @@ def _classifier_name(cls: type[CausalLM]) -> str:
 
 
 CLASSIFIERS: dict[str, type[CausalLM]] = {
-    _classifier_name(cls): cls for cls in ARCHITECTURES.values()
+    _classifier_name(cls): cls for cls in ARCHITECTURES.values() if not cls.is_encoder
 }
 
 

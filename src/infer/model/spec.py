@@ -34,6 +34,8 @@ class ModelSpec:
     # A reranker's prompt for a pair, "{query}" and "{document}" in it (a GGUF reranker's
     # "rerank" chat template; config.json's "rerank_template"); None: the tokenizer's pair.
     rerank_template: str | None = None
+    # A bidirectional encoder (BERT, RoBERTa): every token sees its whole input; it embeds only.
+    is_encoder: bool = False
 
     @property
     def is_classifier(self) -> bool:

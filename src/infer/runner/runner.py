@@ -162,6 +162,9 @@ class ModelRunner:
                 max_blocks=-(-max_model_len // kv_cache.block_size),
             )
         self.sampler = Sampler(device, seed)
+        # How embedding requests pool (the engine's PoolerConfig): LAST, or an encoder's CLS
+        # or MEAN (the chunk of an encoder's input is the whole input).
+        self.pooling_type = "LAST"
         # Constrained decoding (infer.structured): set by the engine on first use.
         self.structured = None
         # The torch path waits for the GPU at the end of the forward pass (its timings); the
@@ -313,6 +316,7 @@ class ModelRunner:
         prompt_targets: list[tuple[Request, int]] = []  # the prompt token each row predicts
         proposals: list[list[int]] = []  # per sampled chunk (speculative decoding)
         pool_rows: list[int] = []
+        pool_starts: list[int] = []
         pool_reqs: list[Request] = []
         for chunk in out.chunks:
             n = len(chunk.token_ids)
@@ -343,6 +347,7 @@ class ModelRunner:
                 end = len(token_ids)
                 if request.pooling is not None:  # its embedding: the prompt's last row
                     pool_rows.append(end - 1)
+                    pool_starts.append(end - n)  # (an encoder's: its whole input)
                     pool_reqs.append(request)
                     continue
                 # A chunk with k proposals is scored at its last k + 1 rows.
@@ -351,7 +356,7 @@ class ModelRunner:
                 proposals.append(chunk.spec_token_ids)
         batch = StepBatch(
             token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
-            self._lora_slots(out, requests), out.kv_imports, pool_rows,
+            self._lora_slots(out, requests), out.kv_imports, pool_rows, pool_starts,
         )  # fmt: skip
         return batch, sample_reqs, proposals, prompt_targets, pool_reqs
 
@@ -391,8 +396,12 @@ class ModelRunner:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
             hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
         logits = prompt_logits = pooled = None
-        if batch.pool_rows:
-            pooled = hidden[self._row_index("pool_rows", batch.pool_rows)]
+        if batch.pool_rows and self.pooling_type == "MEAN":  # (an encoder's whole inputs)
+            pooled = torch.stack([hidden[a : b + 1].float().mean(dim=0)
+                                  for a, b in zip(batch.pool_starts, batch.pool_rows, strict=True)])  # fmt: skip
+        elif batch.pool_rows:
+            rows = batch.pool_starts if self.pooling_type == "CLS" else batch.pool_rows
+            pooled = hidden[self._row_index("pool_rows", rows)]
             head = self.model.classifier  # (a sequence classifier: its logits, not the state)
             pooled = pooled.float() if head is None else head(pooled)
         if batch.sample_rows:

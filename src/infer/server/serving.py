@@ -113,6 +113,8 @@ class Serving:
         self.labels: tuple[str, ...] = ()
         self.score_activation = "sigmoid"  # (a cross-encoder's: ModelSpec.score_activation)
         self.rerank_template: str | None = None  # (ModelSpec.rerank_template)
+        # A bidirectional encoder's architecture (None: a model that generates, or classifies).
+        self.encoder: str | None = None
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:

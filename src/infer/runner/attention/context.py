@@ -132,6 +132,7 @@ class AttentionContext:
         self.kv_cache = kv_cache
         self.sequences = sequences
         self.device = torch.device(device)
+        self._bidirectional: tuple[torch.Tensor, torch.Tensor] | None = None  # (an encoder's)
         self.backend = backend if backend is not None else default_backend(self.device)
         self.prefill_chunks: PrefillChunks | None = None
         self.prefills: list[_PrefillSeq] = []
@@ -271,6 +272,36 @@ class AttentionContext:
             ``[T, num_heads, head_dim]``.
         """
         return self.backend.attend(self, layer_idx, q, k, v, scale, sliding_window, kv_stored)
+
+    def attend_bidirectional(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        """An encoder's attention: each sequence's tokens attend to all of its tokens, none
+        read from or written to the cache (every sequence is a whole input: no past). ``q, k,
+        v`` ``[T, H, D]`` -> ``[T, H, D]``. The sequences are padded to the longest into one
+        SDPA call, padded keys masked out::
+
+            rows   | a0 a1 a2 | b0 b1 |        index  [[0, 1, 2],     valid [[1, 1, 1],
+                                                       [3, 4, 0]]            [1, 1, 0]]
+        """
+        if self._bidirectional is None:
+            lens = [s.num_new_tokens for s in self.sequences]
+            if any(s.num_computed_tokens for s in self.sequences):
+                raise RuntimeError("an encoder's input ran in pieces: it must run whole")
+            width = max(lens)
+            starts = np.cumsum(lens) - lens
+            pos = np.arange(width)[None, :]
+            valid = pos < np.asarray(lens)[:, None]
+            index = np.where(valid, starts[:, None] + pos, 0)
+            self._bidirectional = (torch.from_numpy(index).to(self.device),
+                                   torch.from_numpy(valid).to(self.device))  # fmt: skip
+        index, valid = self._bidirectional
+        # [S, W, H, D] -> [S, H, W, D]
+        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=valid[:, None, None, :], scale=scale
+        )
+        return out.transpose(1, 2)[valid]
 
 
 def split_qkv(

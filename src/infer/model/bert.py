@@ -1,0 +1,196 @@
+"""BERT-family encoders (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``): the embedding
+models most retrieval setups run (BGE, E5, all-MiniLM, multilingual-E5, BGE-M3).
+
+Unlike the decoders, every token attends to every token of its input (no causal mask) and
+nothing is generated: a prompt runs whole in one step and its final hidden states are pooled
+(CLS or mean, as its sentence-transformers files say). Absolute learned positions (RoBERTa's
+start after its padding id), a token-type embedding (type 0: one text per input), and
+post-norm layers::
+
+    x = LayerNorm(word[ids] + position[pos] + token_type[0])
+    per layer:
+        x = LayerNorm(x + dense(attention(q, k, v of x)))        q, k, v with biases
+        x = LayerNorm(x + output(act(intermediate(x))))          act: GELU (erf)
+
+Checkpoint names as ``BertModel.save_pretrained`` writes them (``embeddings.*``,
+``encoder.layer.N.*``); a task model's (``bert.`` / ``roberta.`` prefixed) load too, its head
+left unused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from infer.model.layers import CausalLM, WeightSource, activation
+
+if TYPE_CHECKING:  # the attention backend is the runner's: models only call it
+    from infer.model.attention import Attention
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    intermediate_size: int
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    activation: str = "gelu"
+    # RoBERTa: positions count from padding_idx + 1 (its position table's first rows unused)
+    position_offset: int = 0
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class BertLayer(nn.Module):
+    """One post-norm encoder layer (the module doc); q, k and v fused into one projection."""
+
+    def __init__(self, cfg: BertConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        h = cfg.hidden_size
+        self.qkv_proj = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.intermediate = nn.Linear(h, cfg.intermediate_size)
+        self.output = nn.Linear(cfg.intermediate_size, h)
+        self.out_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.act = activation(cfg.activation)
+
+    def forward(self, x: torch.Tensor, attn: Attention) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        out = attn.attend_bidirectional(q, k, v, scale=self.scale)
+        x = self.attn_norm(x + self.attn_out(out.reshape(t, -1)))
+        return self.out_norm(x + self.output(self.act(self.intermediate(x))))
+
+
+class BertModel(CausalLM):
+    """A BERT encoder: final hidden states ``[T, hidden]`` for pooling; no vocabulary
+    projection (it never generates)."""
+
+    architecture = "BertModel"
+    is_encoder = True
+    checkpoint_aliases = (("", "bert."),)
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
+        self.position_embeddings = nn.Embedding(
+            cfg.max_position_embeddings + cfg.position_offset, h
+        )
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+        self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.layers = nn.ModuleList(BertLayer(cfg, i) for i in range(cfg.num_layers))
+
+    @classmethod
+    def parse_config(cls, config: dict[str, Any]) -> BertConfig:
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        if hidden % heads:
+            raise ValueError(f"hidden_size={hidden} is not a multiple of "
+                             f"num_attention_heads={heads}")  # fmt: skip
+        kind = config.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ValueError(f"position_embedding_type {kind!r}: only absolute positions are "
+                             "supported")  # fmt: skip
+        offset = cls.position_offset(config)
+        table = config["max_position_embeddings"]
+        return BertConfig(
+            hidden_size=hidden,
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            vocab_size=config["vocab_size"],
+            # (the positions a text may take: RoBERTa's table starts at its offset)
+            max_position_embeddings=table - offset,
+            intermediate_size=config["intermediate_size"],
+            type_vocab_size=config.get("type_vocab_size", 2),
+            layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+            activation=config.get("hidden_act", "gelu"),
+            position_offset=offset,
+        )
+
+    @staticmethod
+    def position_offset(config: dict[str, Any]) -> int:
+        """Where positions start in the position table (0 for BERT)."""
+        return 0
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
+    ) -> torch.Tensor:
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(positions + self.cfg.position_offset)
+            + self.token_type_embeddings.weight[0]
+        )
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, attn)
+        return x
+
+    def vocab_projection_weight(self) -> None:  # type: ignore[override]
+        """None: an encoder projects nothing onto its vocabulary."""
+        return None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"{self.architecture} is an encoder: it has no logits to compute")
+
+    def weight_sources(self) -> dict[str, WeightSource]:
+        def plain(name: str) -> WeightSource:
+            return WeightSource((name,))
+
+        src = {
+            "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
+            "position_embeddings.weight": plain("embeddings.position_embeddings.weight"),
+            "token_type_embeddings.weight": plain("embeddings.token_type_embeddings.weight"),
+            "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
+            "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
+        }
+        for i in range(self.cfg.num_layers):
+            theirs = f"encoder.layer.{i}."
+            ours = f"layers.{i}."
+            for suffix in ("weight", "bias"):
+                src[f"{ours}qkv_proj.{suffix}"] = WeightSource(
+                    tuple(f"{theirs}attention.self.{p}.{suffix}" for p in ("query", "key", "value"))
+                )
+                for mine, name in (
+                    ("attn_out", "attention.output.dense"),
+                    ("attn_norm", "attention.output.LayerNorm"),
+                    ("intermediate", "intermediate.dense"),
+                    ("output", "output.dense"),
+                    ("out_norm", "output.LayerNorm"),
+                ):
+                    src[f"{ours}{mine}.{suffix}"] = plain(f"{theirs}{name}.{suffix}")
+        return src
+
+
+class RobertaModel(BertModel):
+    """RoBERTa: BERT's layers, positions counted from ``pad_token_id + 1``."""
+
+    architecture = "RobertaModel"
+    checkpoint_aliases = (("", "roberta."),)
+
+    @staticmethod
+    def position_offset(config: dict[str, Any]) -> int:
+        return int(config.get("pad_token_id", 1)) + 1
+
+
+class XLMRobertaModel(RobertaModel):
+    """XLM-RoBERTa (multilingual-E5, BGE-M3): RoBERTa's layout."""
+
+    architecture = "XLMRobertaModel"

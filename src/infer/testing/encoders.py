@@ -1,0 +1,105 @@
+"""Tiny random BERT-family embedding models, saved as sentence-transformers publishes them.
+
+Each is transformers' own ``BertModel`` / ``XLMRobertaModel`` (seeded random weights) saved with
+``save_pretrained``, beside a WordPiece tokenizer trained with ``tokenizers`` on the offline
+corpus (``[CLS] text [SEP]``, as BERT's) and sentence-transformers' ``modules.json`` and
+``1_Pooling/config.json`` naming the pooling (and a ``Normalize`` module, as BGE ships one).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel"}
+VOCAB_SIZE = 512
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _tokenizer(out: Path) -> None:
+    """A lowercasing WordPiece tokenizer with BERT's post-processor, saved into ``out``."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    from infer.data.corpus import load_corpus
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,
+                                        show_progress=False)  # fmt: skip
+    tok.train_from_iterator(load_corpus(include_docstrings=False), trainer=trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )  # fmt: skip
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   model_max_length=128)  # fmt: skip
+    fast.save_pretrained(out)
+
+
+def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool = True) -> Path:
+    """The folder ``root/<kind>-<pooling>``: a tiny ``kind`` (:data:`ENCODER_KINDS`) embedding
+    model whose sentence-transformers files pool by ``pooling`` (``mean``, ``cls``,
+    ``lasttoken``) and normalize with ``normalize``; built if absent."""
+    import torch
+    import transformers
+
+    root = Path(root)
+    final = root / f"{kind}-{pooling}{'' if normalize else '-raw'}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        _tokenizer(tmp)
+        arch = ENCODER_KINDS[kind]
+        config_cls = getattr(transformers, arch.replace("Model", "Config"))
+        config = config_cls(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=128,
+                            max_position_embeddings=130 if kind == "xlm_roberta" else 128,
+                            pad_token_id=0, type_vocab_size=1 if kind == "xlm_roberta" else 2,
+                            architectures=[arch])  # fmt: skip
+        torch.manual_seed(5)
+        model = getattr(transformers, arch)(config, add_pooling_layer=True).to(torch.float32)
+        with torch.no_grad():  # wider than the default init: every layer moves the output
+            for name, param in model.named_parameters():
+                if "LayerNorm" not in name:
+                    param.normal_(0.0, 0.1)
+        model.save_pretrained(tmp, safe_serialization=True)
+        modules = [{"idx": 0, "name": "0", "path": "", "type":
+                    "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type":
+                    "sentence_transformers.models.Pooling"}]  # fmt: skip
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+        (tmp / "modules.json").write_text(json.dumps(modules))
+        (tmp / "1_Pooling").mkdir()
+        modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
+        mode = {"cls": "cls_token", "mean": "mean_tokens", "max": "max_tokens"}.get(
+            pooling, pooling
+        )
+        pooling_config = {f"pooling_mode_{m}": m == mode for m in modes}
+        pooling_config["word_embedding_dimension"] = 64
+        (tmp / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+        tmp.chmod(0o755)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not final.is_dir():
+            raise
+    return final

@@ -1,0 +1,137 @@
+"""BERT-family encoders (``BertModel``, ``XLMRobertaModel``) as embedding models: each input's
+vector is what sentence-transformers computes from transformers' hidden states (the mean of
+every token's, or the CLS token's, then normalized as the files say), whether the input ran
+alone, beside others of other lengths, or again; what an encoder cannot do is refused naming
+it; every KV block comes back (``make_llm``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.core.pooling_params import PoolingParams
+from infer.core.sampling_params import InvalidRequestError
+from infer.testing.checkpoints import default_root
+from infer.testing.encoders import build_encoder
+
+from .conftest import PROMPTS
+
+TEXTS = [PROMPTS[0], PROMPTS[5], "a", PROMPTS[2]]
+
+
+@pytest.fixture(scope="module")
+def encoder_root():
+    return default_root().parent / "encoders-v1"
+
+
+def _sentence_transformers(folder, texts: list[str], pooling: str) -> list[torch.Tensor]:
+    """transformers' hidden states of each text (its tokenizer's ``[CLS] ... [SEP]``), pooled
+    as sentence-transformers' Pooling module does (unnormalized)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            hidden = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+            out.append(hidden.mean(dim=0) if pooling == "mean" else hidden[0])
+    return out
+
+
+def _vectors(results) -> list[torch.Tensor]:
+    return [torch.tensor(r.outputs.embedding) for r in results]
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta"])
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_embeddings_are_sentence_transformers_vectors(kind, pooling, encoder_root, make_llm):
+    folder = build_encoder(kind, encoder_root, pooling)
+    want = _sentence_transformers(folder, TEXTS, pooling)
+    llm = make_llm(str(folder))
+    results = llm.embed(TEXTS)  # one step: inputs of 3 to 40 tokens side by side
+    raw = _vectors(llm.embed(TEXTS, PoolingParams(normalize=False)))
+    for r, got, unnormalized, w in zip(results, _vectors(results), raw, want, strict=True):
+        assert r.prompt_token_ids[0] == llm.tokenizer.cls_token_id  # [CLS] text [SEP]
+        assert r.prompt_token_ids[-1] == llm.tokenizer.sep_token_id
+        torch.testing.assert_close(unnormalized, w, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, torch.nn.functional.normalize(w, dim=0), atol=1e-6,
+                                   rtol=1e-5)  # fmt: skip
+    engine = llm.engine
+    assert engine.spec.is_encoder and not engine.config.cache.enable_prefix_caching
+    assert engine.pooler_config.pooling_type == pooling.upper()
+
+
+def test_an_input_gives_the_same_vector_alone_beside_others_and_again(encoder_root, make_llm):
+    """Padded into one attention call beside longer inputs, alone, or sent again (nothing
+    cached: an encoder's every token sees its whole input), with a token budget smaller than
+    the longest input (it runs whole as the step's first prefill)."""
+    folder = build_encoder("bert", encoder_root, "mean")
+    llm = make_llm(str(folder), max_num_batched_tokens=16, block_size=4)
+    together = _vectors(llm.embed(TEXTS))
+    for text, vector in zip(TEXTS, together, strict=True):
+        alone = _vectors(llm.embed(text))[0]
+        torch.testing.assert_close(alone, vector, atol=1e-6, rtol=1e-6)
+    again = llm.embed(TEXTS[1])[0]
+    assert again.num_cached_tokens == 0
+    ids = llm.tokenizer.encode(TEXTS[1])
+    assert len(ids) > 16
+    torch.testing.assert_close(_vectors([again])[0], together[1], atol=1e-6, rtol=1e-6)
+    # a one-token input (the context's decode path) is its own token's state
+    one = llm.embed([[ids[0]]], PoolingParams(normalize=False))[0]
+    assert one.prompt_token_ids == [ids[0]]
+
+
+def test_bf16_is_close_to_float32(encoder_root, make_llm):
+    folder = build_encoder("bert", encoder_root, "cls")
+    exact = _vectors(make_llm(str(folder)).embed(TEXTS))
+    half = _vectors(make_llm(str(folder), dtype="bfloat16").embed(TEXTS))
+    for a, b in zip(exact, half, strict=True):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+
+
+def test_pooler_config_overrides_the_files(encoder_root, make_llm):
+    folder = build_encoder("bert", encoder_root, "mean")
+    cls_vectors = _sentence_transformers(folder, TEXTS[:2], "cls")
+    llm = make_llm(str(folder), pooler_config={"pooling_type": "CLS", "normalize": False})
+    for got, want in zip(_vectors(llm.embed(TEXTS[:2])), cls_vectors, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the last token: [SEP]'s state
+    last = make_llm(str(folder), pooler_config={"pooling_type": "last", "normalize": False})
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        want = AutoModel.from_pretrained(folder).eval()(**tok(TEXTS[0], return_tensors="pt"))
+    torch.testing.assert_close(_vectors(last.embed(TEXTS[0]))[0],
+                               want.last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_score_is_the_cosine_of_the_embeddings(encoder_root, make_llm):
+    folder = build_encoder("xlm_roberta", encoder_root, "mean")
+    llm = make_llm(str(folder))
+    a, b = _vectors(llm.embed(TEXTS[:2]))
+    score = llm.score(TEXTS[0], TEXTS[1])[0].outputs.score
+    assert score == pytest.approx(float(torch.dot(a, b)), abs=1e-5)
+
+
+def test_what_an_encoder_cannot_do_is_refused_naming_it(encoder_root, make_llm):
+    folder = build_encoder("bert", encoder_root, "mean")
+    llm = make_llm(str(folder))
+    with pytest.raises(InvalidRequestError, match="is an encoder: it embeds") as e:
+        llm.generate(TEXTS[0], SamplingParams(max_tokens=4))
+    assert e.value.param == "prompt"
+    too_long = "word " * 200  # past its 128 positions
+    with pytest.raises(InvalidRequestError, match="128") as e:
+        llm.embed(too_long)
+    assert e.value.param == "input"
+    assert _vectors(llm.embed(TEXTS[0]))  # it goes on serving
+    for options, says in (
+        ({"prefill_chunk_size": 8}, "chunked prefill"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+         "speculative decoding"),
+        ({"pooler_config": {"pooling_type": "MAX"}}, "pooling_type 'MAX' is not supported"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            LLM(str(folder), dtype="float32", **options)
