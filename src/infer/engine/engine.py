@@ -165,6 +165,7 @@ def _encoder_config(config: EngineConfig, spec: ModelSpec, device: torch.device)
         (config.parallel.tensor_parallel_size > 1, "tensor parallelism"),
         (config.lora is not None, "LoRA adapters (--enable-lora)"),
         (mc.attention_backend == "triton", "--attention-backend triton (causal kernels)"),
+        (sc.preemption_mode == "swap", "--preemption-mode swap (it caches no KV to swap)"),
     ):
         if wanted:
             raise ValueError(f"{name} is an encoder (each input runs whole, every token seeing "
@@ -614,6 +615,9 @@ class LLMEngine:
         block_size = self.max_model_len if cc.kv_cache_backend == "contiguous" else cc.block_size
         if cc.num_kv_blocks is not None:
             return KVCapacity(bpt, block_size, cc.num_kv_blocks)
+        if s.is_encoder:  # blocks to count admissions by, no memory (build_runner: no layers)
+            full = -(-self.max_model_len // block_size)
+            return KVCapacity(0, block_size, max(sc.max_num_seqs, 1) * full)
         # A draft model's KV pool holds twice the target's tokens (its proposals on top): every
         # budget below is shared in proportion to the bytes each side spends per token.
         shared_bpt = bpt + 2 * self._draft_bytes_per_token()

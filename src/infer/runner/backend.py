@@ -143,7 +143,7 @@ class DeviceBackend:
         spec = model.spec
         tp_size = model.tp.size
         kv_cache = KVCache(
-            spec.num_layers,
+            0 if spec.is_encoder else spec.num_layers,  # (an encoder attends within its input)
             setup.num_blocks,
             setup.block_size,
             spec.num_kv_heads // tp_size,

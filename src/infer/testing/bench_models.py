@@ -17,6 +17,21 @@ def llama_100m(model: str | None = None) -> Path:
     return Path(model) if model else build_llama_100m(LLAMA_100M_DIR)
 
 
+BERT_BASE_DIR = Path.home() / ".cache/infer/bench"
+
+
+def bert_base(model: str | None = None) -> Path:
+    """``model`` when given, else a random BERT of BGE-base's shape (built once): 12 layers,
+    hidden 768, 12 heads, MLP 3072, vocabulary 30,522, 512 positions, CLS pooling (~110M)."""
+    if model:
+        return Path(model)
+    from infer.testing.encoders import build_encoder
+
+    return build_encoder("bert", BERT_BASE_DIR, "cls", name="bert-base", hidden_size=768,
+                         num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                         vocab_size=30522, max_position_embeddings=512)  # fmt: skip
+
+
 def build_llama_100m(out: Path) -> Path:
     """Random-init Llama: hidden 768, 12 layers, 12 heads, vocab 32000, tied embeddings (~110M)."""
     return build_random_llama(

@@ -51,15 +51,17 @@ def _tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool = True) -> Path:
-    """The folder ``root/<kind>-<pooling>``: a tiny ``kind`` (:data:`ENCODER_KINDS`) embedding
-    model whose sentence-transformers files pool by ``pooling`` (``mean``, ``cls``,
-    ``lasttoken``) and normalize with ``normalize``; built if absent."""
+def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool = True,
+                  name: str | None = None, **shape: int) -> Path:  # fmt: skip
+    """The folder ``root/<kind>-<pooling>`` (or ``root/<name>``): a tiny ``kind``
+    (:data:`ENCODER_KINDS`) embedding model, or one of ``shape`` (config fields: hidden_size,
+    num_hidden_layers, ...), whose sentence-transformers files pool by ``pooling`` (``mean``,
+    ``cls``, ``lasttoken``) and normalize with ``normalize``; built if absent."""
     import torch
     import transformers
 
     root = Path(root)
-    final = root / f"{kind}-{pooling}{'' if normalize else '-raw'}"
+    final = root / (name or f"{kind}-{pooling}{'' if normalize else '-raw'}")
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -68,11 +70,11 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         _tokenizer(tmp)
         arch = ENCODER_KINDS[kind]
         config_cls = getattr(transformers, arch.replace("Model", "Config"))
-        config = config_cls(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, intermediate_size=128,
-                            max_position_embeddings=130 if kind == "xlm_roberta" else 128,
-                            pad_token_id=0, type_vocab_size=1 if kind == "xlm_roberta" else 2,
-                            architectures=[arch])  # fmt: skip
+        fields = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, intermediate_size=128,
+                      max_position_embeddings=130 if kind == "xlm_roberta" else 128)  # fmt: skip
+        config = config_cls(**{**fields, **shape}, pad_token_id=0, architectures=[arch],
+                            type_vocab_size=1 if kind == "xlm_roberta" else 2)  # fmt: skip
         torch.manual_seed(5)
         model = getattr(transformers, arch)(config, add_pooling_layer=True).to(torch.float32)
         with torch.no_grad():  # wider than the default init: every layer moves the output
@@ -94,7 +96,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
             pooling, pooling
         )
         pooling_config = {f"pooling_mode_{m}": m == mode for m in modes}
-        pooling_config["word_embedding_dimension"] = 64
+        pooling_config["word_embedding_dimension"] = config.hidden_size
         (tmp / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
         tmp.chmod(0o755)
         tmp.rename(final)
