@@ -12,8 +12,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.core.pooling_params import PoolingParams
 from infer.core.sampling_params import InvalidRequestError
-from infer.testing.checkpoints import default_root
-from infer.testing.encoders import build_encoder
+from infer.testing.encoders import build_encoder, default_encoder_root
 
 from .conftest import PROMPTS
 
@@ -22,7 +21,7 @@ TEXTS = [PROMPTS[0], PROMPTS[5], "a", PROMPTS[2]]
 
 @pytest.fixture(scope="module")
 def encoder_root():
-    return default_root().parent / "encoders-v1"
+    return default_encoder_root()
 
 
 def _sentence_transformers(folder, texts: list[str], pooling: str) -> list[torch.Tensor]:
@@ -135,3 +134,34 @@ def test_what_an_encoder_cannot_do_is_refused_naming_it(encoder_root, make_llm):
     ):  # fmt: skip
         with pytest.raises(ValueError, match=says):
             LLM(str(folder), dtype="float32", **options)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta"])
+def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_llm):
+    """A ``*ForSequenceClassification`` encoder (one label: a reranker) scores each pair as
+    transformers' classifier does on the tokenizer's pair encoding (BERT's second text is token
+    type 1), through its own head (BERT's pooler and classifier; RoBERTa's dense and
+    out_proj), the sigmoid of the logit."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from infer.testing.encoders import build_cross_encoder
+
+    folder = build_cross_encoder(kind, encoder_root)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
+    query, docs = TEXTS[0], TEXTS[1:]
+    with torch.no_grad():
+        want = [torch.sigmoid(model.eval()(**tok(query, d, return_tensors="pt")).logits[0, 0])
+                for d in docs]  # fmt: skip
+    llm = make_llm(str(folder))
+    assert llm.engine.spec.is_encoder and llm.engine.spec.is_classifier
+    scores = [o.outputs.score for o in llm.score(query, docs)]
+    assert scores == pytest.approx([float(w) for w in want], abs=1e-5)
+    if kind == "bert":  # the second text's token type counts: type 0 throughout is another score
+        ids = tok(query, docs[0])
+        assert 1 in ids["token_type_ids"]
+        with torch.no_grad():
+            flat = model(input_ids=torch.tensor([ids["input_ids"]])).logits[0, 0]
+        assert abs(float(torch.sigmoid(flat)) - scores[0]) > 1e-4
+    with pytest.raises(InvalidRequestError, match="classifies"):
+        llm.embed(query)

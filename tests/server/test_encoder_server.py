@@ -9,8 +9,7 @@ import pytest
 import torch
 from tests.server.conftest import concurrently, start_server
 
-from infer.testing.checkpoints import default_root
-from infer.testing.encoders import build_encoder
+from infer.testing.encoders import build_encoder, default_encoder_root
 
 TEXTS = [
     "The quick brown fox",
@@ -21,7 +20,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    return build_encoder("bert", default_root().parent / "encoders-v1", "mean")
+    return build_encoder("bert", default_encoder_root(), "mean")
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +81,38 @@ def test_generation_is_refused_naming_the_encoder(server):
         assert r.status_code == 400 and "128" in r.json()["error"]["message"]
         assert c.post("/v1/embeddings", json={"input": TEXTS[0]}).status_code == 200
     server.wait_idle()  # (every KV block free)
+
+
+@pytest.fixture(scope="module")
+def reranker_server(server_logs):
+    from infer.testing.encoders import build_cross_encoder
+
+    folder = build_cross_encoder("bert", default_encoder_root())
+    for server in start_server(folder, server_logs, "--served-model-name", "rr"):
+        yield server, folder
+
+
+def test_a_bert_cross_encoder_reranks_over_http(reranker_server):
+    """``/rerank`` with a BERT cross-encoder: each document's relevance is transformers'
+    classifier on the tokenizer's pair encoding (its token types), sigmoid, best first."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    server, folder = reranker_server
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
+    query, docs = TEXTS[0], TEXTS[1:] + ["brown foxes jump"]
+    with torch.no_grad():
+        scores = [float(torch.sigmoid(model.eval()(**tok(query, d, return_tensors="pt")).logits[0, 0]))
+                  for d in docs]  # fmt: skip
+    order = sorted(range(len(docs)), key=lambda j: -scores[j])
+    with server.client() as c:
+        r = c.post("/rerank", json={"model": "rr", "query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order
+        assert [x["relevance_score"] for x in results] == pytest.approx(
+            [scores[j] for j in order], abs=1e-5
+        )
+        r = c.post("/v1/embeddings", json={"model": "rr", "input": query})
+        assert r.status_code == 400 and "classif" in r.json()["error"]["message"]
+    server.wait_idle()

@@ -218,7 +218,7 @@ class LLMEngine:
         self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config),
                                                 encoder=self.spec.is_encoder)  # fmt: skip
         pooler = self.pooler_config
-        if self.spec.is_encoder:
+        if self.spec.is_encoder and not self.spec.is_classifier:
             logger.info("an encoder (%s): it embeds (/v1/embeddings, LLM.embed) by %s pooling, "
                         "%s (%s), and generates nothing; each input runs whole, prefix caching "
                         "off%s", self.spec.architecture, pooler.pooling_type,
@@ -259,6 +259,8 @@ class LLMEngine:
         self.lora = self._build_lora()
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)
+        if self.spec.is_encoder:  # (a BERT pair's second text is token type 1)
+            self.model.sep_token_id = self.tokenizer.sep_token_id
         byte_table(self.tokenizer)  # built now, not at the first request (~1 ms per 1k ids)
 
         self.max_model_len = mc.max_model_len or self.spec.max_position_embeddings
@@ -308,7 +310,9 @@ class LLMEngine:
             sc, cc, self.kv_manager, max_loras=config.lora.max_loras if config.lora else 0
         )
         self.runner = self.backend.build_runner(setup)
-        if self.pooler_config.supported:
+        if self.spec.is_encoder and self.spec.is_classifier:  # (its head reads [CLS])
+            self.runner.pooling_type = "CLS"
+        elif self.pooler_config.supported:
             self.runner.pooling_type = self.pooler_config.pooling_type
         self.kv_cache = self.runner.kv_cache
         self.runner.workers = self.tp_workers

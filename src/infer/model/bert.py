@@ -13,8 +13,12 @@ post-norm layers::
         x = LayerNorm(x + output(act(intermediate(x))))          act: GELU (erf)
 
 Checkpoint names as ``BertModel.save_pretrained`` writes them (``embeddings.*``,
-``encoder.layer.N.*``); a task model's (``bert.`` / ``roberta.`` prefixed) load too, its head
-left unused.
+``encoder.layer.N.*``); a task model's (``bert.`` / ``roberta.`` prefixed) load too.
+
+A ``*ForSequenceClassification`` checkpoint (a cross-encoder reranker: BGE-reranker,
+ms-marco-MiniLM) adds :class:`EncoderClassifierHead` over the first token's state, and a BERT
+pair's second text takes token type 1 (every token after the input's first ``[SEP]``, as the
+tokenizer's pair encoding marks it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from infer.model.layers import CausalLM, WeightSource, activation
@@ -79,6 +84,24 @@ class BertLayer(nn.Module):
         return self.out_norm(x + self.output(self.act(self.intermediate(x))))
 
 
+class EncoderClassifierHead(nn.Module):
+    """A BERT / RoBERTa sequence classifier's head over the first token's final state:
+    ``out(tanh(dense(h)))`` (BERT's pooler then its ``classifier``; RoBERTa's
+    ``classifier.dense`` then ``classifier.out_proj``), float32 logits ``[N, num_labels]``.
+    Plain parameters, not ``nn.Linear``s, so packing and quantization pass it by."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense_weight = nn.Parameter(torch.empty(hidden_size, hidden_size))
+        self.dense_bias = nn.Parameter(torch.empty(hidden_size))
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_labels))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        pooled = torch.tanh(F.linear(hidden, self.dense_weight, self.dense_bias))
+        return F.linear(pooled, self.weight, self.bias).float()
+
+
 class BertModel(CausalLM):
     """A BERT encoder: final hidden states ``[T, hidden]`` for pooling; no vocabulary
     projection (it never generates)."""
@@ -87,9 +110,14 @@ class BertModel(CausalLM):
     is_encoder = True
     checkpoint_aliases = (("", "bert."),)
 
+    # The classifier head's checkpoint tensors: (dense, out) weights; biases beside them.
+    classifier_tensors = ("pooler.dense.weight", "classifier.weight")
+
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # The tokenizer's [SEP] id (the engine sets it): a pair's second text is type 1.
+        self.sep_token_id: int | None = None
         h = cfg.hidden_size
         self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
         self.position_embeddings = nn.Embedding(
@@ -136,12 +164,41 @@ class BertModel(CausalLM):
         x = (
             self.word_embeddings(input_ids)
             + self.position_embeddings(positions + self.cfg.position_offset)
-            + self.token_type_embeddings.weight[0]
+            + self.token_type_embeddings(self._token_types(input_ids, positions))
         )
         x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, attn)
         return x
+
+    def _token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's type: 1 after the first ``[SEP]`` of its input (the second text of a
+        pair), else 0. Inputs run whole, so an input starts where its position is 0::
+
+            ids    [CLS] a  b  [SEP] c  d  [SEP] | [CLS] e [SEP]
+            types    0   0  0   0    1  1   1    |   0   0   0
+        """
+        if self.sep_token_id is None or self.cfg.type_vocab_size < 2:
+            return torch.zeros_like(input_ids)
+        is_sep = (input_ids == self.sep_token_id).long()
+        before = torch.cumsum(is_sep, 0) - is_sep  # [SEP]s before each token, in the batch
+        starts = torch.cumsum((positions == 0).long(), 0) - 1  # each token's input
+        first = torch.nonzero(positions == 0).flatten()
+        return (before - before[first][starts] > 0).long()
+
+    def make_classifier(self, num_labels: int) -> EncoderClassifierHead:
+        """The head of a ``*ForSequenceClassification`` checkpoint (the loader adds it)."""
+        return EncoderClassifierHead(self.cfg.hidden_size, num_labels)
+
+    def classifier_sources(self) -> dict[str, WeightSource]:
+        """Where the head's parameters come from (:attr:`classifier_tensors`)."""
+        dense, out = self.classifier_tensors
+        return {
+            "classifier.dense_weight": WeightSource((dense,)),
+            "classifier.dense_bias": WeightSource((dense.removesuffix("weight") + "bias",)),
+            "classifier.weight": WeightSource((out,)),
+            "classifier.bias": WeightSource((out.removesuffix("weight") + "bias",)),
+        }
 
     def vocab_projection_weight(self) -> None:  # type: ignore[override]
         """None: an encoder projects nothing onto its vocabulary."""
@@ -184,6 +241,7 @@ class RobertaModel(BertModel):
 
     architecture = "RobertaModel"
     checkpoint_aliases = (("", "roberta."),)
+    classifier_tensors = ("classifier.dense.weight", "classifier.out_proj.weight")
 
     @staticmethod
     def position_offset(config: dict[str, Any]) -> int:

@@ -206,13 +206,17 @@ def load_model(
 
     with torch.device("meta"):
         model = cls(parsed)
-        if spec.is_classifier:
+        if spec.is_classifier and spec.is_encoder:  # (a BERT cross-encoder's own head)
+            model.classifier = model.make_classifier(len(spec.labels))
+        elif spec.is_classifier:
             model.classifier = ClassifierHead(spec.hidden_size, len(spec.labels))
     model = model.to(dtype=dtype).to_empty(device=device)
     model.spec = spec
 
     sources = model.weight_sources()
-    if model.classifier is not None:
+    if model.classifier is not None and spec.is_encoder:
+        sources.update(model.classifier_sources())
+    elif model.classifier is not None:
         sources["classifier.weight"] = _classifier_source(model, model_dir, config, sources,
                                                           reader)  # fmt: skip
     params = dict(model.named_parameters())

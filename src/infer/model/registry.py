@@ -61,11 +61,13 @@ def _classifier_name(cls: type[CausalLM]) -> str:
     """transformers' name of a family's sequence classifier (``GPT2LMHeadModel`` ->
     ``GPT2ForSequenceClassification``; Gemma 3's text-only one is ``Gemma3Text...``)."""
     family = cls.architecture.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
+    if cls.is_encoder:  # BertModel -> BertForSequenceClassification
+        family = family.removesuffix("Model")
     return f"{'Gemma3Text' if family == 'Gemma3' else family}ForSequenceClassification"
 
 
 CLASSIFIERS: dict[str, type[CausalLM]] = {
-    _classifier_name(cls): cls for cls in ARCHITECTURES.values() if not cls.is_encoder
+    _classifier_name(cls): cls for cls in ARCHITECTURES.values()
 }
 
 

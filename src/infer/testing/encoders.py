@@ -14,12 +14,23 @@ import tempfile
 from pathlib import Path
 
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel"}
+VERSION = "v2"  # bump when a recipe changes: folders built before are not reused
+
+
+def default_encoder_root() -> Path:
+    """The tests' folder of encoders: beside the tiny checkpoints' cache."""
+    from infer.testing.checkpoints import default_root
+
+    return default_root().parent / f"encoders-{VERSION}"
+
+
 VOCAB_SIZE = 512
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def _tokenizer(out: Path) -> None:
-    """A lowercasing WordPiece tokenizer with BERT's post-processor, saved into ``out``."""
+def _tokenizer(out: Path, token_types: bool) -> None:
+    """A lowercasing WordPiece tokenizer with BERT's post-processor, saved into ``out``
+    (``token_types``: it gives token type ids, as BERT's do and RoBERTa's do not)."""
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -45,18 +56,28 @@ def _tokenizer(out: Path) -> None:
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
     )  # fmt: skip
+    names = ["input_ids", *(["token_type_ids"] if token_types else []), "attention_mask"]
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                    cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                                   model_max_length=128)  # fmt: skip
+                                   model_max_length=128,
+                                   model_input_names=names)  # fmt: skip
     fast.save_pretrained(out)
 
 
+def build_cross_encoder(kind: str, root: Path) -> Path:
+    """The folder ``root/<kind>-reranker``: a tiny ``kind`` (:data:`ENCODER_KINDS`) as a
+    one-label ``*ForSequenceClassification`` (a cross-encoder reranker, as BGE-reranker and
+    ms-marco-MiniLM are published: no sentence-transformers files); built if absent."""
+    return build_encoder(kind, root, name=f"{kind}-reranker", labels=1)
+
+
 def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool = True,
-                  name: str | None = None, **shape: int) -> Path:  # fmt: skip
+                  name: str | None = None, labels: int = 0, **shape: int) -> Path:  # fmt: skip
     """The folder ``root/<kind>-<pooling>`` (or ``root/<name>``): a tiny ``kind``
     (:data:`ENCODER_KINDS`) embedding model, or one of ``shape`` (config fields: hidden_size,
     num_hidden_layers, ...), whose sentence-transformers files pool by ``pooling`` (``mean``,
-    ``cls``, ``lasttoken``) and normalize with ``normalize``; built if absent."""
+    ``cls``, ``lasttoken``) and normalize with ``normalize``; with ``labels``, a sequence
+    classifier of that many labels instead (no sentence-transformers files); built if absent."""
     import torch
     import transformers
 
@@ -67,21 +88,29 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
-        _tokenizer(tmp)
-        arch = ENCODER_KINDS[kind]
-        config_cls = getattr(transformers, arch.replace("Model", "Config"))
+        _tokenizer(tmp, token_types=kind != "xlm_roberta")
+        base = ENCODER_KINDS[kind]
+        config_cls = getattr(transformers, base.replace("Model", "Config"))
+        arch = base.replace("Model", "ForSequenceClassification") if labels else base
         fields = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2,
                       num_attention_heads=4, intermediate_size=128,
                       max_position_embeddings=130 if kind == "xlm_roberta" else 128)  # fmt: skip
         config = config_cls(**{**fields, **shape}, pad_token_id=0, architectures=[arch],
                             type_vocab_size=1 if kind == "xlm_roberta" else 2)  # fmt: skip
+        if labels:
+            config.num_labels = labels
         torch.manual_seed(5)
-        model = getattr(transformers, arch)(config, add_pooling_layer=True).to(torch.float32)
+        extra = {} if labels else {"add_pooling_layer": True}
+        model = getattr(transformers, arch)(config, **extra).to(torch.float32)
         with torch.no_grad():  # wider than the default init: every layer moves the output
             for name, param in model.named_parameters():
                 if "LayerNorm" not in name:
                     param.normal_(0.0, 0.1)
         model.save_pretrained(tmp, safe_serialization=True)
+        if labels:
+            tmp.chmod(0o755)
+            tmp.rename(final)
+            return final
         modules = [{"idx": 0, "name": "0", "path": "", "type":
                     "sentence_transformers.models.Transformer"},
                    {"idx": 1, "name": "1", "path": "1_Pooling", "type":
