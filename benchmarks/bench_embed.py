@@ -41,9 +41,10 @@ from infer.bench.report import machine_line, md_table, offline_machine, save_rep
 NEEDS_BENCH_EXTRA = False
 
 
-def _inputs(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+def _inputs(vocab: int, n: int, length: int, seed: int, low: int = 3) -> list[list[int]]:
+    """``n`` inputs of ``length`` random ids in ``[low, vocab)`` (past the special tokens)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=gen).tolist()
+    return torch.randint(low, vocab, (n, length), generator=gen).tolist()
 
 
 def hf_embed(model, inputs: list[list[int]], batch: int, row: int = -1) -> torch.Tensor:
@@ -97,13 +98,15 @@ def run(args: argparse.Namespace) -> int:
         return [[cls, *x, sep] for x in ids]
 
     for length in lengths:
-        warm = wrap(_inputs(vocab, 4, length, seed=10_000 + length))
+        # (an encoder's texts hold no [CLS] / [SEP]: ids past its special tokens)
+        low = max(llm.tokenizer.all_special_ids) + 1 if args.encoder else 3
+        warm = wrap(_inputs(vocab, 4, length, seed=10_000 + length, low=low))
         hf_embed(hf, warm, args.batch, row)
         infer_embed(llm, warm)
         times: dict[str, list[float]] = {"transformers": [], "infer, cold": [], "infer, again": []}
         worst = {"transformers": 1.0, "infer": 1.0}
         for r in range(args.runs):
-            inputs = wrap(_inputs(vocab, args.num_inputs, length, seed=100 * r + length))
+            inputs = wrap(_inputs(vocab, args.num_inputs, length, seed=100 * r + length, low=low))
             t, want = timed(hf_embed, hf, inputs, args.batch, row)
             times["transformers"].append(t)
             llm.reset_prefix_cache()

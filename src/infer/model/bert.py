@@ -172,13 +172,15 @@ class BertModel(CausalLM):
         return x
 
     def _token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Each token's type: 1 after the first ``[SEP]`` of its input (the second text of a
-        pair), else 0. Inputs run whole, so an input starts where its position is 0::
+        """Each token's type: for a cross-encoder, 1 after the first ``[SEP]`` of its input (the
+        second text of a pair), else 0; an embedding model's inputs are single texts, type 0
+        throughout (whatever they hold). Inputs run whole, so an input starts where its
+        position is 0::
 
             ids    [CLS] a  b  [SEP] c  d  [SEP] | [CLS] e [SEP]
             types    0   0  0   0    1  1   1    |   0   0   0
         """
-        if self.sep_token_id is None or self.cfg.type_vocab_size < 2:
+        if self.sep_token_id is None or self.cfg.type_vocab_size < 2 or self.classifier is None:
             return torch.zeros_like(input_ids)
         is_sep = (input_ids == self.sep_token_id).long()
         before = torch.cumsum(is_sep, 0) - is_sep  # [SEP]s before each token, in the batch
