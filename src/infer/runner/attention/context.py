@@ -132,7 +132,8 @@ class AttentionContext:
         self.kv_cache = kv_cache
         self.sequences = sequences
         self.device = torch.device(device)
-        self._bidirectional: tuple[torch.Tensor, torch.Tensor] | None = None  # (an encoder's)
+        # An encoder's gather index and key mask (None: inputs of one length)
+        self._bidirectional: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.backend = backend if backend is not None else default_backend(self.device)
         self.prefill_chunks: PrefillChunks | None = None
         self.prefills: list[_PrefillSeq] = []
@@ -293,15 +294,17 @@ class AttentionContext:
             pos = np.arange(width)[None, :]
             valid = pos < np.asarray(lens)[:, None]
             index = np.where(valid, starts[:, None] + pos, 0)
-            self._bidirectional = (torch.from_numpy(index).to(self.device),
-                                   torch.from_numpy(valid).to(self.device))  # fmt: skip
+            mask = None if valid.all() else torch.from_numpy(valid).to(self.device)
+            self._bidirectional = (torch.from_numpy(index).to(self.device), mask)
         index, valid = self._bidirectional
         # [S, W, H, D] -> [S, H, W, D]
         qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=valid[:, None, None, :], scale=scale
-        )
-        return out.transpose(1, 2)[valid]
+        # (inputs of one length: no mask, SDPA's fused kernel)
+        mask = None if valid is None else valid[:, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                               scale=scale)  # fmt: skip
+        out = out.transpose(1, 2)
+        return out.reshape(q.shape) if valid is None else out[valid]
 
 
 def split_qkv(
