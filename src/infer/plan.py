@@ -43,6 +43,7 @@ class CapacityPlan:
     context_len: int
     block_size: int = 16
     kv_scale_bytes: int = 0  # per row of head_dim values (int8 / fp8 caches)
+    encoder: bool = False  # a BERT-family encoder: it embeds, and holds no KV cache
 
     @property
     def bytes_per_token(self) -> int:
@@ -116,7 +117,7 @@ def safetensors_weight_bytes(
         return _gguf_weight_bytes(gguf_file, dtype_bytes, gguf_int8, gguf_int8_activations)
     qc = _quantization_config(model_dir)
     if not qc or int(qc.get("bits", qc.get("w_bit", 4))) != 4:
-        return safetensors_num_params(model_dir) * dtype_bytes
+        return (safetensors_num_params(model_dir) - _unused_pooler(model_dir)) * dtype_bytes
     total = 0
     for name, count in _tensor_sizes(model_dir):
         if name.endswith(".qweight"):
@@ -126,6 +127,20 @@ def safetensors_weight_bytes(
         elif not name.endswith((".qzeros", ".g_idx")):
             total += count * dtype_bytes
     return total
+
+
+def _unused_pooler(model_dir: Path) -> int:
+    """Values of a BERT embedding model's pooler, which it never runs (its pooling is the
+    sentence-transformers files'; a cross-encoder's head does run it)."""
+    from infer.model.loader import load_model_spec
+
+    spec = load_model_spec(model_dir)
+    if not spec.is_encoder or spec.is_classifier:
+        return 0
+    return sum(n for name, n in _tensor_sizes(model_dir) if name.endswith(_POOLER))
+
+
+_POOLER = ("pooler.dense.weight", "pooler.dense.bias")
 
 
 # Bytes a quantized linear weight [n, k] takes, by --quantization (the scales and zeros too).
@@ -323,6 +338,7 @@ def plan_from_folder(
         concurrency=concurrency,
         context_len=context_len or spec.max_position_embeddings,
         block_size=block_size,
+        encoder=spec.is_encoder,
     )
 
 
@@ -335,6 +351,17 @@ def _gb(n: float) -> str:
 
 
 def render(p: CapacityPlan) -> str:
+    if p.encoder:  # (its inputs run whole and keep nothing: there is no KV to plan)
+        left = max(p.memory_bytes - p.weights_bytes, 0)
+        lines = [
+            f"an encoder ({p.num_layers} layers): it embeds; inputs of up to {p.context_len} "
+            "tokens run whole, no KV cache is held",
+            f"memory {_gb(p.memory_bytes)} - weights {_gb(p.weights_bytes)} = {_gb(left)} for "
+            "activations",
+        ]
+        if left == 0:
+            lines.append("WARNING: the weights alone exceed the memory given")
+        return "\n".join(lines)
     row = f"{p.head_dim} x {p.kv_dtype_bytes}"
     if p.kv_scale_bytes:
         row = f"({row} + {p.kv_scale_bytes} scale)"

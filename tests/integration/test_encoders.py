@@ -165,3 +165,15 @@ def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_l
         assert abs(float(torch.sigmoid(flat)) - scores[0]) > 1e-4
     with pytest.raises(InvalidRequestError, match="classifies"):
         llm.embed(query)
+
+
+def test_plan_says_an_encoder_holds_no_kv_cache(encoder_root):
+    from infer.plan import plan_from_folder, render, safetensors_weight_bytes
+
+    folder = build_encoder("bert", encoder_root, "mean")
+    text = render(plan_from_folder(folder, 2**30, 4, None))
+    assert "an encoder (2 layers): it embeds; inputs of up to 128 tokens" in text
+    assert "KV capacity" not in text
+    with LLM(str(folder), dtype="float32") as llm:  # (what it holds: the weights, no KV)
+        assert llm.engine.weights_bytes == safetensors_weight_bytes(folder, 4)
+        assert llm.engine.kv_cache.tensor.numel() == 0
