@@ -13,14 +13,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from infer.testing.checkpoints import _publish, default_root
+
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel"}
 VERSION = "v2"  # bump when a recipe changes: folders built before are not reused
 
 
 def default_encoder_root() -> Path:
     """The tests' folder of encoders: beside the tiny checkpoints' cache."""
-    from infer.testing.checkpoints import default_root
-
     return default_root().parent / f"encoders-{VERSION}"
 
 
@@ -108,8 +108,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
                     param.normal_(0.0, 0.1)
         model.save_pretrained(tmp, safe_serialization=True)
         if labels:
-            tmp.chmod(0o755)
-            tmp.rename(final)
+            _publish(tmp, final)
             return final
         modules = [{"idx": 0, "name": "0", "path": "", "type":
                     "sentence_transformers.models.Transformer"},
@@ -127,10 +126,8 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         pooling_config = {f"pooling_mode_{m}": m == mode for m in modes}
         pooling_config["word_embedding_dimension"] = config.hidden_size
         (tmp / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
-        tmp.chmod(0o755)
-        tmp.rename(final)
+        _publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():
-            raise
+        raise
     return final
