@@ -130,17 +130,20 @@ def safetensors_weight_bytes(
 
 
 def _unused_pooler(model_dir: Path) -> int:
-    """Values of a BERT embedding model's pooler, which it never runs (its pooling is the
-    sentence-transformers files'; a cross-encoder's head does run it)."""
+    """Values of a BERT's tensors it never runs: the position ids older exports saved, and an
+    embedding model's pooler (its pooling is the sentence-transformers files'; a
+    cross-encoder's head does run it)."""
     from infer.model.loader import load_model_spec
 
     spec = load_model_spec(model_dir)
-    if not spec.is_encoder or spec.is_classifier:
+    if not spec.is_encoder:
         return 0
-    return sum(n for name, n in _tensor_sizes(model_dir) if name.endswith(_POOLER))
+    unused = _POSITION_IDS if spec.is_classifier else _POOLER + _POSITION_IDS
+    return sum(n for name, n in _tensor_sizes(model_dir) if name.endswith(unused))
 
 
 _POOLER = ("pooler.dense.weight", "pooler.dense.bias")
+_POSITION_IDS = ("embeddings.position_ids",)
 
 
 # Bytes a quantized linear weight [n, k] takes, by --quantization (the scales and zeros too).

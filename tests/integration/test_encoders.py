@@ -63,23 +63,31 @@ def test_embeddings_are_sentence_transformers_vectors(kind, pooling, encoder_roo
 
 
 def test_an_input_gives_the_same_vector_alone_beside_others_and_again(encoder_root, make_llm):
-    """Padded into one attention call beside longer inputs, alone, or sent again (nothing
+    """Padded into one attention call beside inputs of like length, attended one by one beside
+    a much longer one (padding would more than double the rows), alone, or sent again (nothing
     cached: an encoder's every token sees its whole input), with a token budget smaller than
     the longest input (it runs whole as the step's first prefill)."""
+    from transformers import AutoModel
+
     folder = build_encoder("bert", encoder_root, "mean")
     llm = make_llm(str(folder), max_num_batched_tokens=16, block_size=4)
-    together = _vectors(llm.embed(TEXTS))
-    for text, vector in zip(TEXTS, together, strict=True):
-        alone = _vectors(llm.embed(text))[0]
-        torch.testing.assert_close(alone, vector, atol=1e-6, rtol=1e-6)
-    again = llm.embed(TEXTS[1])[0]
-    assert again.num_cached_tokens == 0
-    ids = llm.tokenizer.encode(TEXTS[1])
+    alike = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # (padded: one call)
+    skewed = [PROMPTS[5], "a", "b", "c", "d"]  # (one by one)
+    for texts in (alike, skewed):
+        together = _vectors(llm.embed(texts))
+        for text, vector in zip(texts, together, strict=True):
+            alone = _vectors(llm.embed(text))[0]
+            torch.testing.assert_close(alone, vector, atol=1e-6, rtol=1e-6)
+    ids = llm.tokenizer.encode(PROMPTS[5])
     assert len(ids) > 16
-    torch.testing.assert_close(_vectors([again])[0], together[1], atol=1e-6, rtol=1e-6)
+    again = _vectors(llm.embed(PROMPTS[5]))[0]
+    torch.testing.assert_close(again, together[0], atol=1e-6, rtol=1e-6)
     # a one-token input (the context's decode path) is its own token's state
-    one = llm.embed([[ids[0]]], PoolingParams(normalize=False))[0]
-    assert one.prompt_token_ids == [ids[0]]
+    one = _vectors(llm.embed([[ids[1]]], PoolingParams(normalize=False)))[0]
+    with torch.no_grad():
+        model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+        want = model(input_ids=torch.tensor([[ids[1]]])).last_hidden_state[0, 0]
+    torch.testing.assert_close(one, want, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_is_close_to_float32(encoder_root, make_llm):
@@ -130,6 +138,10 @@ def test_what_an_encoder_cannot_do_is_refused_naming_it(encoder_root, make_llm):
         ({"prefill_chunk_size": 8}, "chunked prefill"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
          "speculative decoding"),
+        ({"tensor_parallel_size": 2}, "tensor parallelism"),
+        ({"enable_lora": True}, "LoRA adapters"),
+        ({"attention_backend": "triton"}, "triton"),
+        ({"preemption_mode": "swap"}, "preemption-mode swap"),
         ({"pooler_config": {"pooling_type": "MAX"}}, "pooling_type 'MAX' is not supported"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=says):

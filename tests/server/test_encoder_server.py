@@ -67,6 +67,27 @@ def test_the_openai_sdk_gets_sentence_transformers_vectors(server, reference):
     server.wait_idle()
 
 
+def test_truncation_keeps_cls_and_sep_as_the_tokenizer_does(server, bert):
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bert)
+    model = AutoModel.from_pretrained(bert, dtype=torch.float32).eval()
+    text = TEXTS[2]
+    enc = tok(text, truncation=True, max_length=6, return_tensors="pt")
+    assert (
+        enc["input_ids"][0, 0] == tok.cls_token_id and enc["input_ids"][0, -1] == tok.sep_token_id
+    )
+    with torch.no_grad():
+        want = model(**enc).last_hidden_state[0].mean(dim=0)
+    with server.client() as c:
+        r = c.post("/v1/embeddings", json={"input": text, "truncate_prompt_tokens": 6,
+                                           "normalize": False})  # fmt: skip
+    assert r.status_code == 200, r.text
+    torch.testing.assert_close(torch.tensor(r.json()["data"][0]["embedding"]), want, atol=1e-5,
+                               rtol=1e-5)  # fmt: skip
+    server.wait_idle()
+
+
 def test_generation_is_refused_naming_the_encoder(server):
     with server.client() as c:
         for path, body in (
@@ -79,6 +100,11 @@ def test_generation_is_refused_naming_the_encoder(server):
             assert "is an encoder: it embeds" in r.json()["error"]["message"]
         r = c.post("/v1/embeddings", json={"input": "word " * 200})
         assert r.status_code == 400 and "128" in r.json()["error"]["message"]
+        # truncated as its tokenizer truncates: the first tokens and the final [SEP]
+        r = c.post("/v1/embeddings", json={"input": "word " * 200, "truncate_prompt_tokens": 6,
+                                           "normalize": False})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 6
         assert c.post("/v1/embeddings", json={"input": TEXTS[0]}).status_code == 200
     server.wait_idle()  # (every KV block free)
 

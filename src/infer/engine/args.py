@@ -65,20 +65,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--gguf-int8",
         action=argparse.BooleanOptionalAction,
         default=m.gguf_int8,
-        help="a GGUF file in bf16 / fp16: hold its layers stored as Q6_K, Q5_K, Q8_0, ... (a "
-        "type the 4-bit kernel does not take; the vocabulary projection too, unless "
-        "--no-quantize-lm-head) in int8 per channel (default); --no-gguf-int8 dequantizes "
-        "them to the model's dtype",
+        help="a GGUF file in bf16 / fp16: hold its layers stored as Q8_0, Q3_K, ... (a type "
+        "the 4-bit kernel does not take; Q5 and Q6_K too without int8 activations; the "
+        "vocabulary projection too, unless --no-quantize-lm-head) in int8 per channel "
+        "(default); --no-gguf-int8 dequantizes them to the model's dtype",
     )
     g.add_argument(
         "--gguf-int8-activations",
         action=argparse.BooleanOptionalAction,
         default=m.gguf_int8_activations,
-        help="a GGUF file in bf16: its 4- and 5-bit layers (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, "
-        "Q5_K: held in their bits, K-quants with their own scales) quantize each activation "
-        "row's groups of 32 to int8 and multiply bytes by bytes (AVX-512 VNNI; default, as "
-        "llama.cpp does); --no-gguf-int8-activations keeps the activations bf16 (4-bit types "
-        "in the int4 kernel, 5-bit ones in int8)",
+        help="a GGUF file in bf16: its 4-, 5- and 6-bit layers (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, "
+        "Q5_K, Q6_K: held in their bits, K-quants and Q6_K with their own scales; a vocabulary "
+        "projection of those types too) quantize each activation row's groups of 32 (Q6_K: "
+        "256) to int8 and multiply bytes by bytes (AVX-512 VNNI; default, as llama.cpp does); "
+        "--no-gguf-int8-activations keeps the activations bf16 (4-bit types in the int4 "
+        "kernel, 5- and 6-bit ones in int8)",
     )
 
     g.add_argument(

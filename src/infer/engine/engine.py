@@ -240,7 +240,12 @@ class LLMEngine:
         self.load_quantization = load_quantization = self._load_quantization()
         check_quantization(load_quantization, self.device)
         self.tp_workers = self._start_tensor_parallel()
-        if not load_quantization and not mc.quantize_lm_head and not self._checkpoint_int8(None):
+        if (
+            not load_quantization
+            and not mc.quantize_lm_head
+            and not self._checkpoint_int8(None)
+            and not self._keep_checkpoint_int4()
+        ):  # (a kept vocabulary projection: it says)
             logger.warning("--no-quantize-lm-head does nothing without --quantization")
         self.model = self.backend.load_model(
             WeightsConfig(

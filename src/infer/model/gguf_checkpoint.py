@@ -299,7 +299,7 @@ def unpack_q6k(data: np.ndarray, values: np.ndarray) -> UnpackedLayer | None:
     grouped = values.reshape(rows, cols // 16, 16)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(scale == 0, 0.0, np.rint(grouped / scale))
-    if np.abs(q).max(initial=0) > 32 or not np.array_equal(scale * q, grouped):
+    if q.min(initial=0) < -32 or q.max(initial=0) > 31 or not np.array_equal(scale * q, grouped):
         return None
     scale16 = scale[..., 0].astype(np.float16)
     if not np.isfinite(scale16).all():

@@ -46,9 +46,10 @@ _IGNORABLE_SUFFIXES = (
     ".attn.bias",
     ".attn.masked_bias",
     "lm_head.weight",
-    "pooler.dense.weight",
+    "pooler.dense.weight",  # (a BERT embedding model's unused pooler,
     "pooler.dense.bias",
-)  # (a BERT's unused pooler)
+    "embeddings.position_ids",  # and the position ids older exports saved)
+)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 

@@ -157,7 +157,8 @@ class Serving:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def truncated(self, ids: list[int], req: _SamplingFields | EmbeddingRequest) -> list[int]:
-        """``truncate_prompt_tokens``: the prompt's last k tokens (-1: the context length)."""
+        """``truncate_prompt_tokens``: the prompt's last k tokens (-1: the context length); an
+        encoder's first k - 1 and its last (``[CLS] ... [SEP]``, as its tokenizer truncates)."""
         k = req.truncate_prompt_tokens
         if k is None:
             return ids
@@ -165,6 +166,8 @@ class Serving:
             raise bad_request("truncate_prompt_tokens must be at least 1 (or -1: the context "
                               "length)", param="truncate_prompt_tokens")  # fmt: skip
         keep = self.max_model_len if k == -1 else k
+        if self.encoder is not None and len(ids) > keep:
+            return ids[: keep - 1] + ids[-1:]
         return ids[-keep:]
 
     async def run_blocking(self, fn, *args, size: int = 0):

@@ -132,8 +132,11 @@ class AttentionContext:
         self.kv_cache = kv_cache
         self.sequences = sequences
         self.device = torch.device(device)
-        # An encoder's gather index and key mask (None: inputs of one length)
-        self._bidirectional: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # An encoder's gather index and key mask (None: inputs of one length), or each
+        # sequence's rows (attended one by one)
+        self._bidirectional: (
+            tuple[torch.Tensor, torch.Tensor | None] | list[tuple[int, int]] | None
+        ) = None
         self.backend = backend if backend is not None else default_backend(self.device)
         self.prefill_chunks: PrefillChunks | None = None
         self.prefills: list[_PrefillSeq] = []
@@ -284,6 +287,9 @@ class AttentionContext:
 
             rows   | a0 a1 a2 | b0 b1 |        index  [[0, 1, 2],     valid [[1, 1, 1],
                                                        [3, 4, 0]]            [1, 1, 0]]
+
+        unless padding would more than double the rows (one long input beside many short
+        ones): then one SDPA call per sequence.
         """
         if self._bidirectional is None:
             lens = [s.num_new_tokens for s in self.sequences]
@@ -291,19 +297,28 @@ class AttentionContext:
                 raise RuntimeError("an encoder's input ran in pieces: it must run whole")
             width = max(lens)
             starts = np.cumsum(lens) - lens
-            pos = np.arange(width)[None, :]
-            valid = pos < np.asarray(lens)[:, None]
-            index = np.where(valid, starts[:, None] + pos, 0)
-            mask = None if valid.all() else torch.from_numpy(valid).to(self.device)
-            self._bidirectional = (torch.from_numpy(index).to(self.device), mask)
+            if width * len(lens) > 2 * sum(lens):
+                self._bidirectional = [(int(a), int(a) + n) for a, n in zip(starts, lens,
+                                                                             strict=True)]  # fmt: skip
+            else:
+                pos = np.arange(width)[None, :]
+                valid = pos < np.asarray(lens)[:, None]
+                index = np.where(valid, starts[:, None] + pos, 0)
+                mask = None if valid.all() else torch.from_numpy(valid).to(self.device)
+                self._bidirectional = (torch.from_numpy(index).to(self.device), mask)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if isinstance(self._bidirectional, list):  # [H, n, D] per sequence
+            out = torch.empty_like(q)
+            for a, b in self._bidirectional:
+                rows = (t[a:b].transpose(0, 1) for t in (q, k, v))
+                out[a:b] = sdpa(*rows, scale=scale).transpose(0, 1)
+            return out
         index, valid = self._bidirectional
         # [S, W, H, D] -> [S, H, W, D]
         qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
         # (inputs of one length: no mask, SDPA's fused kernel)
         mask = None if valid is None else valid[:, None, None, :]
-        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                                               scale=scale)  # fmt: skip
-        out = out.transpose(1, 2)
+        out = sdpa(qs, ks, vs, attn_mask=mask, scale=scale).transpose(1, 2)
         return out.reshape(q.shape) if valid is None else out[valid]
 
 
