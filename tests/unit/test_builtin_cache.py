@@ -239,6 +239,14 @@ def _trainers(asker: subprocess.Popen, deadline: float) -> list[int]:
         time.sleep(0.1)
 
 
+def _as_a_terminal_job() -> None:
+    """In the child before exec: SIGINT at its default and not blocked, as a shell's
+    foreground job has it, whatever the test process inherited (an ignored or blocked SIGINT
+    survives exec: a CI run once left the command deaf to Ctrl-C, training on for 60 s)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ctrl_c_during_a_build_says_interrupted_and_leaves_nothing(cache_dir):
     """Ctrl-C (SIGINT to the terminal's process group) while ``infer train`` builds into the
@@ -249,6 +257,7 @@ def test_ctrl_c_during_a_build_says_interrupted_and_leaves_nothing(cache_dir):
         [sys.executable, "-m", "infer.cli", "train", "--preset", "toy", "--steps", "100000"],
         env={**os.environ, "INFER_CACHE_DIR": str(cache_dir)}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=_as_a_terminal_job,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
