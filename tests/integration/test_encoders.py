@@ -90,12 +90,21 @@ def test_an_input_gives_the_same_vector_alone_beside_others_and_again(encoder_ro
     torch.testing.assert_close(one, want, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_is_close_to_float32(encoder_root, make_llm):
+def test_bf16_and_quantized_linears_are_close_to_float32(encoder_root, make_llm):
+    """bf16 (the tiled kernels), and its linears quantized at load: int8 weights, and int8
+    weights x int8 activations (w8a8) stay close to the float32 vectors."""
     folder = build_encoder("bert", encoder_root, "cls")
     exact = _vectors(make_llm(str(folder)).embed(TEXTS))
-    half = _vectors(make_llm(str(folder), dtype="bfloat16").embed(TEXTS))
-    for a, b in zip(exact, half, strict=True):
-        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+    for options, least in (({}, 0.999), ({"quantization": "int8"}, 0.99),
+                           ({"quantization": "w8a8"}, 0.98)):  # fmt: skip
+        llm = make_llm(str(folder), dtype="bfloat16", **options)
+        held = {"int8": "Int8Linear", "w8a8": "W8A8Linear"}.get(options.get("quantization"))
+        if held is not None:  # (every projection of every layer)
+            assert {type(m).__name__ for layer in llm.engine.model.layers
+                    for m in (layer.qkv_proj, layer.attn_out, layer.intermediate,
+                              layer.output)} == {held}  # fmt: skip
+        for a, b in zip(exact, _vectors(llm.embed(TEXTS)), strict=True):
+            assert torch.nn.functional.cosine_similarity(a, b, dim=0) > least, options
 
 
 def test_pooler_config_overrides_the_files(encoder_root, make_llm):
