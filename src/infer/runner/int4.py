@@ -134,6 +134,32 @@ KQUANT_RECORD = 320
 """Bytes of one K-quant record (csrc/kernels.h ``INFER_INT4_KQUANT``): 16 outputs x 256 inputs."""
 
 
+def _to_records(t: torch.Tensor, per_record: int) -> torch.Tensor:
+    """``[N, R * per_record]`` (one value per output and group) -> ``[N/16, R, 16 per_record]``:
+    each record's groups in order, each group's 16 outputs side by side."""
+    n, cols = t.shape
+    r = cols // per_record
+    return t.view(n // 16, 16, r, per_record).permute(0, 2, 3, 1).reshape(n // 16, r, -1)
+
+
+def _from_records(b: torch.Tensor, per_record: int) -> torch.Tensor:
+    """:func:`_to_records` undone."""
+    blocks, r = b.shape[:2]
+    return b.reshape(blocks, r, per_record, 16).permute(0, 3, 1, 2).reshape(blocks * 16, -1)
+
+
+def _halves_to_records(t: torch.Tensor) -> torch.Tensor:
+    """``[N, R]`` float16 (one per output and record) -> ``[N/16, R, 32]`` bytes."""
+    n, r = t.shape
+    return t.view(n // 16, 16, r).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _halves_from_records(b: torch.Tensor) -> torch.Tensor:
+    """:func:`_halves_to_records` undone."""
+    blocks, r = b.shape[:2]
+    return b.contiguous().view(torch.float16).transpose(1, 2).reshape(blocks * 16, r)
+
+
 def pack_kquant(kquant: KQuantScales) -> torch.Tensor:
     """GGUF K-quant scales (``[N, G]`` sc and m, ``[N, G/8]`` d and dmin; N % 16 == 0) -> the
     w4a8 kernel's records ``[N/16, G/8, 320]`` bytes::
@@ -141,36 +167,19 @@ def pack_kquant(kquant: KQuantScales) -> torch.Tensor:
         sc[8][16] uint8 | m[8][16] uint8 | d[16] float16 | dmin[16] float16
         (group j of the super-block, output c of the 16)
     """
-    n, g = kquant.sc.shape
-
-    def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G/8, 128]
-        return t.view(n // 16, 16, g // 8, 8).permute(0, 2, 3, 1).reshape(n // 16, g // 8, 128)
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G/8] float16 -> [N/16, G/8, 32]
-        return t.view(n // 16, 16, g // 8).transpose(1, 2).contiguous().view(torch.uint8)
-
-    parts = [per_group(kquant.sc), per_group(kquant.m), per_block(kquant.d), per_block(kquant.dmin)]
+    parts = [_to_records(kquant.sc, 8), _to_records(kquant.m, 8),
+             _halves_to_records(kquant.d), _halves_to_records(kquant.dmin)]  # fmt: skip
     return torch.cat(parts, dim=2).contiguous()
 
 
 def unpack_kquant(records: torch.Tensor) -> KQuantScales:
     """:func:`pack_kquant`'s records back to the scales."""
-    blocks, supers = records.shape[:2]
-    n, g = blocks * 16, supers * 8
-
-    def per_group(at: int) -> torch.Tensor:
-        return (
-            records[..., at : at + 128]
-            .reshape(blocks, supers, 8, 16)
-            .permute(0, 3, 1, 2)
-            .reshape(n, g)
-        )
-
-    def per_block(at: int) -> torch.Tensor:
-        half = records[..., at : at + 32].contiguous().view(torch.float16)  # [blocks, supers, 16]
-        return half.transpose(1, 2).reshape(n, supers)
-
-    return KQuantScales(per_group(0), per_group(128), per_block(256), per_block(288))
+    return KQuantScales(
+        _from_records(records[..., :128], 8),
+        _from_records(records[..., 128:256], 8),
+        _halves_from_records(records[..., 256:288]),
+        _halves_from_records(records[..., 288:]),
+    )
 
 
 def dequantize_kquant(q: torch.Tensor, kquant: KQuantScales, dtype: torch.dtype) -> torch.Tensor:
@@ -199,21 +208,14 @@ def pack_q6k(scales: Q6KScales) -> torch.Tensor:
 
         sc[16][16] int8 (sub-group s of 16 inputs, output c) | d[16] float16 (output c)
     """
-    n, subs = scales.sc.shape
-    supers = subs // 16
-    sc = scales.sc.view(n // 16, 16, supers, 16).permute(0, 2, 3, 1).reshape(n // 16, supers, 256)
-    d = scales.d.view(n // 16, 16, supers).transpose(1, 2).contiguous().view(torch.uint8)
-    return torch.cat([sc.view(torch.uint8), d], dim=2).contiguous()
+    sc = _to_records(scales.sc, 16).view(torch.uint8)
+    return torch.cat([sc, _halves_to_records(scales.d)], dim=2).contiguous()
 
 
 def unpack_q6k(records: torch.Tensor) -> Q6KScales:
     """:func:`pack_q6k`'s records back to the scales."""
-    blocks, supers = records.shape[:2]
-    n = blocks * 16
-    sc = records[..., :256].contiguous().view(torch.int8).view(blocks, supers, 16, 16)
-    d = records[..., 256:].contiguous().view(torch.float16)  # [blocks, supers, 16]
-    return Q6KScales(sc.permute(0, 3, 1, 2).reshape(n, supers * 16),
-                     d.transpose(1, 2).reshape(n, supers))  # fmt: skip
+    sc = records[..., :256].contiguous().view(torch.int8)
+    return Q6KScales(_from_records(sc, 16), _halves_from_records(records[..., 256:]))
 
 
 def dequantize_q6k(q: torch.Tensor, scales: Q6KScales, dtype: torch.dtype) -> torch.Tensor:
