@@ -15,6 +15,7 @@ import torch
 from infer import SamplingParams
 from infer.core.pooling_params import PoolingParams
 from infer.core.sampling_params import InvalidRequestError
+from infer.model.pooling import write_pooling_files
 
 from .conftest import GEN_TOKENS, PROMPTS
 
@@ -110,17 +111,9 @@ def test_embeddings_join_running_decodes_without_changing_their_tokens(
         torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-5, rtol=1e-4)
 
 
-def _with_sentence_transformers(src, dst, mode: str, normalize: bool):
+def _with_sentence_transformers(src, dst, pooling_type: str, normalize: bool):
     shutil.copytree(src, dst)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})  # fmt: skip
-    (dst / "modules.json").write_text(json.dumps(modules))
-    (dst / "1_Pooling").mkdir()
-    (dst / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{mode}": True}))
+    write_pooling_files(dst, pooling_type, normalize)
     return dst
 
 
@@ -129,7 +122,7 @@ def test_the_models_pooling_files_decide_and_pooler_config_overrides(tiny_checkp
 
     opts = dict(dtype="float32", device="cpu", max_num_seqs=4)
     raw_folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "raw",
-                                             "lasttoken", normalize=False)  # fmt: skip
+                                             "LAST", normalize=False)  # fmt: skip
     want = _hf_hidden(raw_folder, [PROMPTS[0]])[0]
     llm = LLM(str(raw_folder), **opts)
     got = torch.tensor(llm.embed(PROMPTS[0])[0].outputs.embedding)
@@ -139,7 +132,7 @@ def test_the_models_pooling_files_decide_and_pooler_config_overrides(tiny_checkp
     assert got.norm().item() == pytest.approx(1.0, abs=1e-5)
 
     mean_folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "mean",
-                                              "mean_tokens", normalize=True)  # fmt: skip
+                                              "MEAN", normalize=True)  # fmt: skip
     llm = LLM(str(mean_folder), **opts)
     with pytest.raises(InvalidRequestError, match="pools by MEAN") as e:
         llm.embed(PROMPTS[0])
@@ -187,7 +180,7 @@ def test_files_infer_cannot_follow_refuse_embeddings_but_not_generation(
     ``pooling_type`` serves them with the last token (the files set aside)."""
     from infer import LLM
 
-    folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "m", "lasttoken",
+    folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "m", "LAST",
                                          normalize=True)  # fmt: skip
     if case == "mean+max":
         (folder / "1_Pooling" / "config.json").write_text(

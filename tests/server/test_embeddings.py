@@ -6,13 +6,14 @@ every KV block comes back."""
 from __future__ import annotations
 
 import base64
-import json
 import shutil
 import struct
 
 import pytest
 import torch
 from tests.server.conftest import concurrently, start_server
+
+from infer.model.pooling import write_pooling_files
 
 TEXTS = [
     "The quick brown fox",
@@ -28,25 +29,7 @@ def embedding_model(tiny_checkpoints, tmp_path_factory):
     last-token pooling, then a Normalize module."""
     folder = tmp_path_factory.mktemp("embed") / "model"
     shutil.copytree(tiny_checkpoints["qwen3"], folder)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
-    ]  # fmt: skip
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps(
-            {
-                "word_embedding_dimension": 64,
-                "pooling_mode_lasttoken": True,
-                "pooling_mode_mean_tokens": False,
-                "pooling_mode_cls_token": False,
-            }
-        )
-    )
+    write_pooling_files(folder, "LAST", normalize=True)
     return folder
 
 

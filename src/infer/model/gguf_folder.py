@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.model.folders import ModelLoadError, make_folder_once
+from infer.model.pooling import write_pooling_files
 
 POINTER_FILE = "gguf.json"
 # GGML types that hold plain floats; every other type is quantized.
@@ -244,28 +245,18 @@ def _reranker(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> di
     return config
 
 
-# llama.cpp's pooling_type -> sentence-transformers' Pooling key (model/pooling.py reads them)
-_POOLING_KEYS = {1: "pooling_mode_mean_tokens", 2: "pooling_mode_cls_token",
-                 3: "pooling_mode_lasttoken"}  # fmt: skip
+# llama.cpp's pooling_type -> the pooling type's name (model/pooling.py reads its files)
+_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
 
 
 def _write_pooling(reader: Any, arch: str, out: Path) -> None:
     """An embedding model's ``{arch}.pooling_type`` as the sentence-transformers files infer
     reads (mean / CLS / last token, then normalized as llama-server's embeddings are), so its
     embedding requests pool as the file says (or are refused naming the pooling)."""
-    key = _POOLING_KEYS.get(int(_field(reader, f"{arch}.pooling_type") or 0))
-    if key is None:
+    kind = _POOLING_TYPES.get(int(_field(reader, f"{arch}.pooling_type") or 0))
+    if kind is None:
         return  # none (a generative model) or a reranker's: infer's default, the last token
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
-    ]  # fmt: skip
-    (out / "modules.json").write_text(json.dumps(modules, indent=1) + "\n")
-    (out / "1_Pooling").mkdir()
-    pooling = {name: name == key for name in _POOLING_KEYS.values()}
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=1) + "\n")
+    write_pooling_files(out, kind, normalize=True)
 
 
 # Token texts llama.cpp ends generation on whatever the file's eos says ("end of turn", "end of

@@ -36,13 +36,10 @@ MODES = {
     "pooling_mode_weightedmean_tokens": "WEIGHTED_MEAN",
     "pooling_mode_mean_sqrt_len_tokens": "MEAN_SQRT_LEN",
 }
+_TRANSFORMER_MODULE = "sentence_transformers.models.Transformer"
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
-_KNOWN_MODULES = (
-    "sentence_transformers.models.Transformer",
-    _POOLING_MODULE,
-    _NORMALIZE_MODULE,
-)
+_KNOWN_MODULES = (_TRANSFORMER_MODULE, _POOLING_MODULE, _NORMALIZE_MODULE)
 
 
 @dataclass(frozen=True)
@@ -154,3 +151,20 @@ def _from_sentence_transformers(
     if pooling_type not in supported:
         problem = f"this model pools by {pooling_type} ({source})"
     return PoolerConfig(pooling_type, normalize, source, problem)
+
+
+def write_pooling_files(folder: Path, pooling_type: str, normalize: bool = True) -> None:
+    """The sentence-transformers files saying ``pooling_type`` (a name of :data:`MODES`:
+    ``LAST``, ``MEAN``, ``CLS``, ...) and, with ``normalize``, a ``Normalize`` module after it:
+    what :func:`load_pooler_config` reads (a GGUF embedding file's folder, test models)."""
+    import json
+
+    folder = Path(folder)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": _TRANSFORMER_MODULE},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": _POOLING_MODULE}]  # fmt: skip
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": _NORMALIZE_MODULE})
+    (folder / "modules.json").write_text(json.dumps(modules, indent=1) + "\n")
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    config = {key: name == pooling_type for key, name in MODES.items()}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=1) + "\n")

@@ -8,11 +8,11 @@ corpus (``[CLS] text [SEP]``, as BERT's) and sentence-transformers' ``modules.js
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
 
+from infer.model.pooling import write_pooling_files
 from infer.testing.checkpoints import _publish, default_root
 
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel"}
@@ -76,7 +76,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
     """The folder ``root/<kind>-<pooling>`` (or ``root/<name>``): a tiny ``kind``
     (:data:`ENCODER_KINDS`) embedding model, or one of ``shape`` (config fields: hidden_size,
     num_hidden_layers, ...), whose sentence-transformers files pool by ``pooling`` (``mean``,
-    ``cls``, ``lasttoken``) and normalize with ``normalize``; with ``labels``, a sequence
+    ``cls``, ``last``) and normalize with ``normalize``; with ``labels``, a sequence
     classifier of that many labels instead (no sentence-transformers files); built if absent."""
     import torch
     import transformers
@@ -110,22 +110,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         if labels:
             _publish(tmp, final)
             return final
-        modules = [{"idx": 0, "name": "0", "path": "", "type":
-                    "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type":
-                    "sentence_transformers.models.Pooling"}]  # fmt: skip
-        if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                            "type": "sentence_transformers.models.Normalize"})  # fmt: skip
-        (tmp / "modules.json").write_text(json.dumps(modules))
-        (tmp / "1_Pooling").mkdir()
-        modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
-        mode = {"cls": "cls_token", "mean": "mean_tokens", "max": "max_tokens"}.get(
-            pooling, pooling
-        )
-        pooling_config = {f"pooling_mode_{m}": m == mode for m in modes}
-        pooling_config["word_embedding_dimension"] = config.hidden_size
-        (tmp / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+        write_pooling_files(tmp, pooling.upper(), normalize)
         _publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
