@@ -161,27 +161,30 @@ class BertModel(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
+        types = self._token_types(input_ids, positions)
         x = (
             self.word_embeddings(input_ids)
             + self.position_embeddings(positions + self.cfg.position_offset)
-            + self.token_type_embeddings(self._token_types(input_ids, positions))
-        )
+            # (type 0 throughout: its one row, broadcast, not a gather of T rows)
+            + (self.token_type_embeddings.weight[0] if types is None
+               else self.token_type_embeddings(types))
+        )  # fmt: skip
         x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, attn)
         return x
 
-    def _token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Each token's type: for a cross-encoder, 1 after the first ``[SEP]`` of its input (the
-        second text of a pair), else 0; an embedding model's inputs are single texts, type 0
-        throughout (whatever they hold). Inputs run whole, so an input starts where its
-        position is 0::
+        second text of a pair), else 0; None (type 0 throughout) for an embedding model, whose
+        inputs are single texts whatever they hold. Inputs run whole, so an input starts where
+        its position is 0::
 
             ids    [CLS] a  b  [SEP] c  d  [SEP] | [CLS] e [SEP]
             types    0   0  0   0    1  1   1    |   0   0   0
         """
         if self.sep_token_id is None or self.cfg.type_vocab_size < 2 or self.classifier is None:
-            return torch.zeros_like(input_ids)
+            return None
         is_sep = (input_ids == self.sep_token_id).long()
         before = torch.cumsum(is_sep, 0) - is_sep  # [SEP]s before each token, in the batch
         starts = torch.cumsum((positions == 0).long(), 0) - 1  # each token's input
