@@ -117,7 +117,7 @@ def safetensors_weight_bytes(
         return _gguf_weight_bytes(gguf_file, dtype_bytes, gguf_int8, gguf_int8_activations)
     qc = _quantization_config(model_dir)
     if not qc or int(qc.get("bits", qc.get("w_bit", 4))) != 4:
-        return (safetensors_num_params(model_dir) - _unused_pooler(model_dir)) * dtype_bytes
+        return (safetensors_num_params(model_dir) - _unused_encoder_values(model_dir)) * dtype_bytes
     total = 0
     for name, count in _tensor_sizes(model_dir):
         if name.endswith(".qweight"):
@@ -129,21 +129,16 @@ def safetensors_weight_bytes(
     return total
 
 
-def _unused_pooler(model_dir: Path) -> int:
-    """Values of a BERT's tensors it never runs: the position ids older exports saved, and an
-    embedding model's pooler (its pooling is the sentence-transformers files'; a
-    cross-encoder's head does run it)."""
-    from infer.model.loader import load_model_spec
+def _unused_encoder_values(model_dir: Path) -> int:
+    """Values of a BERT's tensors it never runs (``loader.BERT_POSITION_IDS``, and an
+    embedding model's ``loader.BERT_POOLER``: its pooling is the sentence-transformers files')."""
+    from infer.model.loader import BERT_POOLER, BERT_POSITION_IDS, load_model_spec
 
     spec = load_model_spec(model_dir)
     if not spec.is_encoder:
         return 0
-    unused = _POSITION_IDS if spec.is_classifier else _POOLER + _POSITION_IDS
+    unused = BERT_POSITION_IDS if spec.is_classifier else BERT_POOLER + BERT_POSITION_IDS
     return sum(n for name, n in _tensor_sizes(model_dir) if name.endswith(unused))
-
-
-_POOLER = ("pooler.dense.weight", "pooler.dense.bias")
-_POSITION_IDS = ("embeddings.position_ids",)
 
 
 # Bytes a quantized linear weight [n, k] takes, by --quantization (the scales and zeros too).

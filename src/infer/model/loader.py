@@ -40,15 +40,18 @@ from infer.model.spec import ModelSpec, config_dtype, token_ids
 
 logger = logging.getLogger(__name__)
 
+# A BERT's tensors it may not run: an embedding model's pooler (a cross-encoder's head runs
+# it), and the position ids older exports saved.
+BERT_POOLER = ("pooler.dense.weight", "pooler.dense.bias")
+BERT_POSITION_IDS = ("embeddings.position_ids",)
 # Checkpoint tensors that are derived state or tied copies, never weights we lack a place for.
 _IGNORABLE_SUFFIXES = (
     "rotary_emb.inv_freq",
     ".attn.bias",
     ".attn.masked_bias",
     "lm_head.weight",
-    "pooler.dense.weight",  # (a BERT embedding model's unused pooler,
-    "pooler.dense.bias",
-    "embeddings.position_ids",  # and the position ids older exports saved)
+    *BERT_POOLER,
+    *BERT_POSITION_IDS,
 )
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -186,8 +189,8 @@ def load_model(
 
     ``dtype=None`` keeps the checkpoint's dtype. Tensors are read one at a time (memory-mapped)
     and fused/transposed into our layout; the model comes back in eval mode without grads.
-    ``gguf_wide``: a GGUF file's 5-bit layers keep their integers too (beside its 4-bit
-    ones), for the w4a8 kernel (``--gguf-int8-activations``).
+    ``gguf_wide``: a GGUF file's 5- and 6-bit layers keep their integers too (beside its
+    4-bit ones), for the w4a8 kernel (``--gguf-int8-activations``).
     """
 
     model_dir = Path(model_dir)
