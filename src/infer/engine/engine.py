@@ -760,11 +760,7 @@ class LLMEngine:
         if not isinstance(params, PoolingParams) and self.spec.is_classifier:
             raise InvalidRequestError(self._classifier_only(), param="prompt")
         if not isinstance(params, PoolingParams) and self.spec.is_encoder:
-            raise InvalidRequestError(
-                f"this model ({self.spec.architecture}) is an encoder: it embeds "
-                "(/v1/embeddings, LLM.embed, /score of embeddings) and generates nothing",
-                param="prompt",
-            )
+            raise InvalidRequestError(self.spec.encoder_only(), param="prompt")
         if isinstance(params, PoolingParams):
             pooling, params = self._pooling(params), POOLING_SAMPLING
             if export_kv or kv_payload is not None:
@@ -904,14 +900,12 @@ class LLMEngine:
             return replace(params, normalize=False)
         pooler = self.pooler_config
         if not pooler.supported:
-            if spec.is_encoder:
-                pools = "an encoder's CLS, MEAN or LAST token pooling"
-            else:
-                pools = "the last token's final hidden state only"
+            pools, default = (("an encoder's CLS, MEAN or LAST token pooling", "CLS")
+                              if spec.is_encoder else
+                              ("the last token's final hidden state only", "LAST"))  # fmt: skip
             raise InvalidRequestError(
                 f"{pooler.problem}; infer embeds with {pools} "
-                f'(--pooler-config \'{{"pooling_type": "{"CLS" if spec.is_encoder else "LAST"}"}}\' '
-                "serves it so)",
+                f'(--pooler-config \'{{"pooling_type": "{default}"}}\' serves it so)',
                 param="input",
             )
         hidden = self.spec.hidden_size

@@ -45,9 +45,9 @@ _KNOWN_MODULES = (_TRANSFORMER_MODULE, _POOLING_MODULE, _NORMALIZE_MODULE)
 @dataclass(frozen=True)
 class PoolerConfig:
     """``pooling_type``: how the prompt's hidden states become one vector (``SUPPORTED``;
-    an encoder's ``ENCODER_SUPPORTED``); ``normalize``: whether an embedding is scaled to unit length unless the request
-    says; ``source``: where these came from (for errors and the start-up log); ``problem``:
-    why embedding requests are refused (None: served)."""
+    an encoder's ``ENCODER_SUPPORTED``); ``normalize``: whether an embedding is scaled to unit
+    length unless the request says; ``source``: where these came from (for errors and the
+    start-up log); ``problem``: why embedding requests are refused (None: served)."""
 
     pooling_type: str = "LAST"
     normalize: bool = True

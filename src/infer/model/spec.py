@@ -37,6 +37,11 @@ class ModelSpec:
     # A bidirectional encoder (BERT, RoBERTa): every token sees its whole input; it embeds only.
     is_encoder: bool = False
 
+    def encoder_only(self) -> str:
+        """Why an encoder refuses to generate (the engine's and the chat endpoint's error)."""
+        return (f"this model ({self.architecture}) is an encoder: it embeds (/v1/embeddings, "
+                "LLM.embed, /score of embeddings) and generates nothing")  # fmt: skip
+
     @property
     def is_classifier(self) -> bool:
         """A sequence classifier (cross-encoder, reward or label model): it scores prompts,

@@ -136,7 +136,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving.eos_token_ids = tuple(engine.eos_token_ids)
     serving.kv_tokens = engine.capacity.num_tokens
     serving.labels = tuple(engine.spec.labels)
-    serving.encoder = engine.spec.architecture if engine.spec.is_encoder else None
+    serving.encoder_only = engine.spec.encoder_only() if engine.spec.is_encoder else None
     serving.score_activation = engine.spec.score_activation
     serving.rerank_template = engine.spec.rerank_template
     lora_parents = dict(getattr(engine, "lora_parents", None) or {})

@@ -115,9 +115,8 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
                                  raw: Request) -> Response:  # fmt: skip
     model = serving.check_model(req.model)
     serving.check_fields(req, "/v1/chat/completions")
-    if serving.encoder is not None:  # (before its chat template, which it has no use for)
-        raise bad_request(f"this model ({serving.encoder}) is an encoder: it embeds "
-                          "(/v1/embeddings) and generates nothing", param="messages")  # fmt: skip
+    if serving.encoder_only is not None:  # (before its chat template, which it has no use for)
+        raise bad_request(serving.encoder_only, param="messages")
     if req.top_logprobs and not req.logprobs:  # top_logprobs 0 without logprobs asks nothing
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens, max_tokens_param = req.max_tokens, "max_tokens"

@@ -113,8 +113,9 @@ class Serving:
         self.labels: tuple[str, ...] = ()
         self.score_activation = "sigmoid"  # (a cross-encoder's: ModelSpec.score_activation)
         self.rerank_template: str | None = None  # (ModelSpec.rerank_template)
-        # A bidirectional encoder's architecture (None: a model that generates, or classifies).
-        self.encoder: str | None = None
+        # Why a bidirectional encoder generates nothing (None: a model that generates or
+        # classifies): ModelSpec.encoder_only.
+        self.encoder_only: str | None = None
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -166,7 +167,7 @@ class Serving:
             raise bad_request("truncate_prompt_tokens must be at least 1 (or -1: the context "
                               "length)", param="truncate_prompt_tokens")  # fmt: skip
         keep = self.max_model_len if k == -1 else k
-        if self.encoder is not None and len(ids) > keep:
+        if self.encoder_only is not None and len(ids) > keep:
             return ids[: keep - 1] + ids[-1:]
         return ids[-keep:]
 
