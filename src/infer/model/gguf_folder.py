@@ -50,6 +50,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "bert": "BertModel",  # XLM-RoBERTa's too (model/gguf_bert.py)
 }
 
 
@@ -126,7 +127,7 @@ def gguf_tensors(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
 
 def _write_folder(file: Path, out: Path) -> None:
     """config.json, the tokenizer and generation_config.json of GGUF ``file`` into ``out``."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -144,6 +145,9 @@ def _write_folder(file: Path, out: Path) -> None:
             f"{file} is one part of a split GGUF; merge the parts into one file first "
             "(llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`)"
         )
+    if arch == "bert":  # (transformers reads no BERT file)
+        _write_bert_folder(reader, file, out)
+        return
     try:
         config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
@@ -190,10 +194,7 @@ def _write_folder(file: Path, out: Path) -> None:
         rope.update(rope_type="default", freq_factors=[float(v) for v in factors])
         data["rope_parameters"] = rope
         data.pop("rope_scaling", None)
-    # Weights are dequantized (or kept 4-bit) at load: compute in bf16 unless every tensor is
-    # float32 (the GGUF's own precision); --dtype overrides it.
-    all_f32 = all(t.tensor_type == GGMLQuantizationType.F32 for t in tensors.values())
-    data["torch_dtype"] = "float32" if all_f32 else "bfloat16"
+    data["torch_dtype"] = _compute_dtype(tensors)
     data.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     tokenizer.save_pretrained(out)
@@ -206,6 +207,28 @@ def _write_folder(file: Path, out: Path) -> None:
         generation["eos_token_id"] = ends if len(ends) > 1 else ends[0]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
     _write_pooling(reader, arch, out)
+
+
+def _write_bert_folder(reader: Any, file: Path, out: Path) -> None:
+    """config.json, the tokenizer and the pooling of a ``bert`` file (model/gguf_bert.py)."""
+    from infer.model.gguf_bert import bert_config, write_bert_tokenizer
+
+    tensors = {t.name: t for t in reader.tensors}
+    data = bert_config(reader, tensors, file) | _reranker(reader, "bert", tensors, file)
+    data["torch_dtype"] = _compute_dtype(tensors)
+    (out / "config.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_bert_tokenizer(reader, out, file, data["max_position_embeddings"])
+    (out / "generation_config.json").write_text("{}\n")
+    _write_pooling(reader, "bert", out)
+
+
+def _compute_dtype(tensors: dict[str, Any]) -> str:
+    """Weights are dequantized (or kept 4-bit) at load: compute in bf16 unless every tensor is
+    float32 (the GGUF's own precision); --dtype overrides it."""
+    from gguf import GGMLQuantizationType
+
+    all_f32 = all(t.tensor_type == GGMLQuantizationType.F32 for t in tensors.values())
+    return "float32" if all_f32 else "bfloat16"
 
 
 RANK = 4  # llama.cpp's pooling_type of a reranker (LLAMA_POOLING_TYPE_RANK)

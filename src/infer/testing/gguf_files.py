@@ -326,6 +326,84 @@ def _write_tokenizer(writer: Any, folder: Path) -> None:
         writer.add_chat_template(template)
 
 
+def write_bert_gguf(
+    folder: Path,
+    out: Path,
+    weight_type: str = "F32",
+    pooling: str | None = None,
+    lowercase: bool | None = True,
+) -> Path:
+    """Write the BERT / XLM-RoBERTa embedding model in ``folder`` (``infer.testing.encoders``:
+    a WordPiece tokenizer) as GGUF ``out`` the way llama.cpp's converter writes one:
+    architecture ``bert``, the vocabulary with U+2581 before each word's first piece and
+    ``##`` dropped from the others (control tokens as they are), an XLM-RoBERTa's position
+    table without its first ``pad + 1`` rows, no pooler; 2-D weights in ``weight_type``;
+    ``pooling`` (MEAN, CLS, LAST) as ``bert.pooling_type``; ``lowercase`` as
+    ``tokenizer.ggml.normalizer.lowercase`` (None: left out, as in files written before
+    llama.cpp stored it)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    offset = config["pad_token_id"] + 1 if config["model_type"] == "xlm-roberta" else 0
+    layers = config["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(out), "bert")
+    writer.add_name("tiny-encoder")
+    writer.add_context_length(config["max_position_embeddings"] - offset)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_eps(float(config["layer_norm_eps"]))
+    writer.add_causal_attention(False)
+    if pooling is not None:
+        writer.add_pooling_type(gguf.PoolingType[pooling])
+    data = json.loads((folder / "tokenizer.json").read_text())
+    special = {t["content"]: t["id"] for t in data.get("added_tokens", []) if t["special"]}
+    tokens = [""] * config["vocab_size"]
+    types = [gguf.TokenType.NORMAL] * config["vocab_size"]
+    for text, i in data["model"]["vocab"].items():
+        if text in special:
+            tokens[i], types[i] = text, gguf.TokenType.CONTROL
+        else:
+            tokens[i] = text[2:] if text.startswith("##") else "\u2581" + text
+    writer.add_tokenizer_model("bert")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_type_count(config["type_vocab_size"])
+    # (as llama.cpp's converter: [CLS] as bos and [SEP] as eos; it has no key for "cls")
+    for key, text in (("BOS", "[CLS]"), ("EOS", "[SEP]"), ("UNK", "[UNK]"), ("SEP", "[SEP]"),
+                      ("PAD", "[PAD]"), ("MASK", "[MASK]")):  # fmt: skip
+        writer.add_uint32(getattr(gguf.Keys.Tokenizer, f"{key}_ID"), special[text])
+    if lowercase is not None:
+        writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, layers)
+    state: dict[str, Any] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    for hf_name, tensor in state.items():
+        hf_name = hf_name.removeprefix("bert.").removeprefix("roberta.")
+        if hf_name.startswith("pooler.") or hf_name.endswith("position_ids"):
+            continue  # (llama.cpp's converter drops them: embeddings only)
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        w = tensor.astype(np.float32)
+        if gguf_name == "position_embd":
+            w = w[offset:]
+        qtype = gguf.GGMLQuantizationType[weight_type]
+        fits = w.ndim == 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+        _add(writer, f"{gguf_name}.{suffix}", w, qtype if fits else gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def build_wide_llama(out: Path, tokenizer_folder: Path) -> Path:
     """A tiny random Llama whose layers' inputs are 256 and 512 wide (Q4_K's blocks are 256
     inputs; the tiny checkpoints' 64 are too narrow), tied embeddings, the tokenizer of

@@ -1,0 +1,185 @@
+"""A BERT-family GGUF file's config and tokenizer (llama.cpp's ``bert`` architecture).
+
+llama.cpp writes BERT, RoBERTa-style and XLM-RoBERTa embedding models (BGE, all-MiniLM,
+mxbai-embed, snowflake-arctic-embed, multilingual-E5, BGE-M3) as architecture ``bert``.
+transformers reads no such file, so the folder standing for one (:mod:`infer.model.gguf_folder`)
+gets its ``config.json`` and tokenizer from here. No torch.
+
+The config: llama.cpp's keys for BERT's fields; the position table as stored (an XLM-RoBERTa's
+is stored without its first ``pad + 1`` rows, so every file counts positions from 0 and is
+served as a ``BertModel``).
+
+The vocabulary, as llama.cpp's converter stores a WordPiece one (``tokenizer.ggml.model``
+``bert``), marks where words start rather than where they go on::
+
+    WordPiece (tokenizer.json)    GGUF token list
+    [CLS]                         [CLS]          (control tokens as they are)
+    hello                         ▁hello         (a word's first piece: U+2581 before it)
+    ##lo                          lo             (a continuation: "##" dropped)
+
+which is undone here into a ``tokenizers`` WordPiece tokenizer with BERT's normalizer,
+pre-tokenizer and ``[CLS] A [SEP]`` template. Lowercasing and accent stripping are read from
+``tokenizer.ggml.normalizer.lowercase`` / ``.strip_accents``; a file written before llama.cpp
+stored them was tokenized lowercased (llama.cpp lowercased every WordPiece input then), and is
+here too. A SentencePiece vocabulary (``t5``: XLM-RoBERTa's Unigram, with its scores) becomes a
+``tokenizers`` Unigram tokenizer with ``<s> A </s>``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from infer.model.folders import ModelLoadError
+from infer.model.gguf_folder import _field
+
+WORD_START = "\u2581"  # what llama.cpp's converter puts before a word's first piece
+CONTROL = 3  # llama.cpp's token type of a control token ([CLS], <s>, ...)
+
+
+def bert_config(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str, Any]:
+    """``config.json``'s fields for a ``bert`` GGUF file (a ``BertModel`` of it)."""
+
+    def field(key: str, default: Any = None) -> Any:
+        value = _field(reader, key)
+        if value is None and default is None:
+            raise ModelLoadError(f"{file}: GGUF metadata {key!r} is missing")
+        return default if value is None else value
+
+    if field("bert.attention.causal", False):
+        raise ModelLoadError(f"{file}: a bert file with causal attention is not a BERT encoder")
+    for name in ("token_embd.weight", "position_embd.weight"):
+        if name not in tensors:
+            raise ModelLoadError(f"{file}: tensor {name} is missing")
+    vocab = int(tensors["token_embd.weight"].shape[-1])
+    positions = int(tensors["position_embd.weight"].shape[-1])
+    types = tensors.get("token_types.weight")
+    return {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "hidden_size": int(field("bert.embedding_length")),
+        "num_hidden_layers": int(field("bert.block_count")),
+        "num_attention_heads": int(field("bert.attention.head_count")),
+        "intermediate_size": int(field("bert.feed_forward_length")),
+        "layer_norm_eps": float(field("bert.attention.layer_norm_epsilon", 1e-12)),
+        "max_position_embeddings": positions,
+        "vocab_size": vocab,
+        "type_vocab_size": 1 if types is None else int(types.shape[-1]),
+        "hidden_act": "gelu",
+        "position_embedding_type": "absolute",
+        "pad_token_id": int(field("tokenizer.ggml.padding_token_id", 0)),
+    }
+
+
+def write_bert_tokenizer(reader: Any, out: Path, file: Path, max_length: int) -> None:
+    """The file's vocabulary as a Hugging Face fast tokenizer saved in ``out`` (module doc)."""
+    model = _field(reader, "tokenizer.ggml.model")
+    tokens = [str(t) for t in (_field(reader, "tokenizer.ggml.tokens") or [])]
+    if not tokens:
+        raise ModelLoadError(f"{file}: the file holds no vocabulary (tokenizer.ggml.tokens)")
+    types = [int(t) for t in (_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))]
+    if model == "bert":
+        tokenizer = _wordpiece(reader, tokens, types)
+    elif model == "t5":
+        tokenizer = _unigram(reader, tokens, types, file)
+    else:
+        raise ModelLoadError(
+            f"{file}: a bert file with a {model!r} vocabulary; infer reads WordPiece ('bert') "
+            "and SentencePiece Unigram ('t5') ones"
+        )
+    tokenizer.model_max_length = max_length
+    tokenizer.save_pretrained(out)
+
+
+def _special(reader: Any, tokens: list[str], key: str, *fallbacks: str) -> str | None:
+    """The text of special token ``tokenizer.ggml.<key>_token_id`` (else the first of
+    ``fallbacks`` in the vocabulary)."""
+    value = _field(reader, f"tokenizer.ggml.{key}_token_id")
+    if value is not None and 0 <= int(value) < len(tokens):
+        return tokens[int(value)]
+    return next((t for t in fallbacks if t in tokens), None)
+
+
+def _wordpiece(reader: Any, tokens: list[str], types: list[int]) -> Any:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind != CONTROL:
+            text = text[1:] if text.startswith(WORD_START) else "##" + text
+        vocab.setdefault(text, i)
+    unk = _special(reader, tokens, "unknown", "[UNK]") or "[UNK]"
+    cls = _special(reader, tokens, "cls", "[CLS]") or _special(reader, tokens, "bos")
+    sep = _special(reader, tokens, "seperator", "[SEP]")  # (llama.cpp's spelling)
+    if cls is None or sep is None:
+        raise ModelLoadError("a WordPiece vocabulary without [CLS] / [SEP] tokens")
+    lowercase = _field(reader, "tokenizer.ggml.normalizer.lowercase")
+    lowercase = True if lowercase is None else bool(lowercase)
+    strip = _field(reader, "tokenizer.ggml.normalizer.strip_accents")
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, lowercase=lowercase,
+        strip_accents=None if strip is None else bool(strip),
+    )  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
+    )  # fmt: skip
+    names = {"pad_token": _special(reader, tokens, "padding", "[PAD]"),
+             "mask_token": _special(reader, tokens, "mask", "[MASK]")}  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token=unk, cls_token=cls, sep_token=sep,
+        **{k: v for k, v in names.items() if v is not None},
+    )  # fmt: skip
+
+
+def _unigram(reader: Any, tokens: list[str], types: list[int], file: Path) -> Any:
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    scores = _field(reader, "tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ModelLoadError(f"{file}: a Unigram vocabulary needs one score per token")
+    unk_id = int(_field(reader, "tokenizer.ggml.unknown_token_id") or 0)
+    tok = Tokenizer(models.Unigram([(t, float(s)) for t, s in zip(tokens, scores, strict=True)],
+                                   unk_id=unk_id, byte_fallback=False))  # fmt: skip
+    steps = []
+    charsmap = reader.fields.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap is not None and len(charsmap.data):
+        steps.append(normalizers.Precompiled(bytes(charsmap.contents())))
+    if _field(reader, "tokenizer.ggml.remove_extra_whitespaces") is not False:
+        steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+    tok.normalizer = normalizers.Sequence(steps)
+    prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+    scheme = "never" if prefix is False else "always"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(WORD_START, prepend_scheme=scheme)
+    tok.decoder = decoders.Metaspace(WORD_START, prepend_scheme=scheme)
+    bos = _special(reader, tokens, "bos", "<s>")
+    eos = _special(reader, tokens, "eos", "</s>")
+    if bos is None or eos is None:
+        raise ModelLoadError(f"{file}: a Unigram vocabulary without <s> / </s> tokens")
+    ids = {bos: tokens.index(bos), eos: tokens.index(eos)}
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} {eos} $B {eos}",
+        special_tokens=list(ids.items()),
+    )  # fmt: skip
+    control = [t for t, kind in zip(tokens, types, strict=True) if kind == CONTROL]
+    tok.add_special_tokens(control)
+    names = {"pad_token": _special(reader, tokens, "padding", "<pad>"),
+             "mask_token": _special(reader, tokens, "mask", "<mask>"),
+             "unk_token": tokens[unk_id]}  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, cls_token=bos, sep_token=eos,
+        **{k: v for k, v in names.items() if v is not None},
+    )  # fmt: skip
