@@ -166,3 +166,55 @@ def test_llama_cpps_qwen3_reranker_file_scores_as_transformers_and_llama_server(
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_llama_cpps_bert_file_embeds_as_its_folder_and_llama_server(tmp_path):
+    """A tiny BERT (WordPiece vocabulary, MEAN pooling) through llama.cpp's converter: the
+    same tokens and vectors as its folder (float32, 1e-6), and llama-server's
+    ``/v1/embeddings`` where it is built (its GELU is tanh's approximation: within 1e-3). (An
+    XLM-RoBERTa's converter wants a SentencePiece tokenizer, which the tiny ones lack.)"""
+    import json
+    import time
+    import urllib.request
+
+    from infer import LLM
+    from infer.testing.encoders import build_encoder, default_encoder_root
+    from tests.server.conftest import free_port
+
+    folder = build_encoder("bert", default_encoder_root(), "mean")
+    file = convert(folder, tmp_path / "bert.gguf")
+    texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
+    vectors = []
+    for model in (folder, file):
+        with LLM(str(model), dtype="float32") as llm:
+            results = llm.embed(texts)
+        vectors.append(torch.tensor([r.outputs.embedding for r in results]))
+        tokens = [r.prompt_token_ids for r in results]
+        if model == folder:
+            want_tokens = tokens
+    assert tokens == want_tokens
+    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
+    server = LLAMA_CPP / "build" / "bin" / "llama-server"
+    if not server.is_file():
+        return
+    port = free_port()
+    proc = subprocess.Popen([str(server), "-m", str(file), "--host", "127.0.0.1", "--port",
+                             str(port), "--embedding", "-t", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                if urllib.request.urlopen(url + "/health").status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        body = json.dumps({"input": texts}).encode()
+        request = urllib.request.Request(url + "/v1/embeddings", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        data = json.loads(urllib.request.urlopen(request).read())["data"]
+        theirs = torch.tensor([d["embedding"] for d in sorted(data, key=lambda d: d["index"])])
+        torch.testing.assert_close(theirs, vectors[1], atol=1e-3, rtol=0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -142,3 +142,23 @@ def test_a_bert_cross_encoder_reranks_over_http(reranker_server):
         r = c.post("/v1/embeddings", json={"model": "rr", "input": query})
         assert r.status_code == 400 and "classif" in r.json()["error"]["message"]
     server.wait_idle()
+
+
+def test_a_gguf_embedding_file_is_served_as_its_folder(bert, reference, server_logs, tmp_path):
+    """``infer serve --model FILE.gguf`` on llama.cpp's layout of the same BERT (F32, MEAN
+    pooling in its metadata): the openai SDK gets the folder's sentence-transformers vectors."""
+    from openai import OpenAI
+
+    from infer.testing.gguf_files import write_bert_gguf
+
+    file = write_bert_gguf(bert, tmp_path / "bert-mean.gguf", pooling="MEAN")
+    _, vector = reference
+    env = {"INFER_CACHE_DIR": str(tmp_path / "cache")}
+    for server in start_server(file, server_logs, env=env):
+        client = OpenAI(base_url=server.base_url, api_key="none")
+        resp = client.embeddings.create(model="tiny", input=TEXTS)
+        for d, text in zip(resp.data, TEXTS, strict=True):
+            got = torch.tensor(d.embedding)
+            torch.testing.assert_close(got, vector(text), atol=1e-5, rtol=1e-5)
+        assert "MEAN pooling, normalized" in server.log()
+        server.wait_idle()

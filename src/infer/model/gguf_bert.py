@@ -159,7 +159,7 @@ def _unigram(reader: Any, tokens: list[str], types: list[int], file: Path) -> An
     if charsmap is not None and len(charsmap.data):
         steps.append(normalizers.Precompiled(bytes(charsmap.contents())))
     if _field(reader, "tokenizer.ggml.remove_extra_whitespaces") is not False:
-        steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
     tok.normalizer = normalizers.Sequence(steps)
     prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
     scheme = "never" if prefix is False else "always"

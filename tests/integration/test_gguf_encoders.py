@@ -1,0 +1,217 @@
+"""BERT-family GGUF files (llama.cpp's ``bert`` architecture): an embedding model's file gives
+its folder's vectors and tokens, pools as the file says, and what infer cannot read is refused
+naming it.
+
+The files are written by ``infer.testing.gguf_files.write_bert_gguf`` as llama.cpp's
+converter lays them out (test_gguf_llamacpp.py repeats the first check with the converter
+itself, and against llama-server, where a llama.cpp tree is at hand)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.core.pooling_params import PoolingParams
+from infer.data.corpus import load_corpus
+from infer.model.folders import ModelLoadError, find_model_folder
+from infer.testing.encoders import build_encoder, default_encoder_root
+from infer.testing.gguf_files import write_bert_gguf
+
+from .conftest import PROMPTS
+
+TEXTS = [PROMPTS[0], PROMPTS[5], "a", "Hello, World! Naïve CAFÉ 東京 x\u00a0y", PROMPTS[2]]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def encoder_root():
+    return default_encoder_root()
+
+
+def _corpus_lines() -> list[str]:
+    return [line for doc in load_corpus(include_docstrings=False) for line in doc.splitlines()]
+
+
+def _vectors(results) -> torch.Tensor:
+    return torch.tensor([r.outputs.embedding for r in results])
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta"])
+def test_a_float32_file_embeds_exactly_as_its_folder(kind, encoder_root, make_llm, tmp_path):
+    """Same tokens, same vectors (every weight as stored; an XLM-RoBERTa's position table
+    stored without its first pad + 1 rows), the pooling the file names (its folder's MEAN)."""
+    folder = build_encoder(kind, encoder_root, "mean")
+    file = write_bert_gguf(folder, tmp_path / f"{kind}.gguf", pooling="MEAN")
+    want = make_llm(str(folder), dtype="float32")
+    want_results = want.embed(TEXTS)
+    want.shutdown()
+    llm = make_llm(str(file), dtype="auto")
+    results = llm.embed(TEXTS)
+    assert llm.engine.model.word_embeddings.weight.dtype == torch.float32  # (all F32)
+    assert llm.engine.pooler_config.pooling_type == "MEAN"
+    assert [r.prompt_token_ids for r in results] == [r.prompt_token_ids for r in want_results]
+    torch.testing.assert_close(_vectors(results), _vectors(want_results), atol=1e-6, rtol=0)
+
+
+def test_a_quantized_file_embeds_close_to_its_folder(encoder_root, make_llm, tmp_path):
+    """Q8_0 linears and embeddings, computed in bf16: cosine over 0.99 with the float32
+    folder's vectors."""
+    folder = build_encoder("bert", encoder_root, "mean")
+    file = write_bert_gguf(folder, tmp_path / "bert-q8.gguf", "Q8_0", pooling="MEAN")
+    want = make_llm(str(folder), dtype="float32")
+    want_vectors = _vectors(want.embed(TEXTS))
+    want.shutdown()
+    got = _vectors(make_llm(str(file), dtype="auto").embed(TEXTS))
+    cosine = torch.nn.functional.cosine_similarity(got, want_vectors)
+    assert cosine.min() > 0.99, cosine
+
+
+def test_the_files_tokenizer_is_its_folders(encoder_root, tmp_path):
+    """The WordPiece vocabulary rebuilt from llama.cpp's word-start marks encodes every corpus
+    line, and a pair, as the folder's tokenizer does, and decodes back the same text."""
+    from transformers import AutoTokenizer
+
+    folder = build_encoder("bert", encoder_root, "mean")
+    file = write_bert_gguf(folder, tmp_path / "bert.gguf")
+    want = AutoTokenizer.from_pretrained(folder)
+    got = AutoTokenizer.from_pretrained(find_model_folder(file))
+    lines = [line for line in _corpus_lines() if line][:400]
+    for text in [*lines, *TEXTS]:
+        ids = want(text)["input_ids"]
+        assert got(text)["input_ids"] == ids, text
+        assert got.decode(ids, skip_special_tokens=True) == want.decode(
+            ids, skip_special_tokens=True
+        )
+    pair = got(TEXTS[0], TEXTS[1])["input_ids"]
+    assert pair == want(TEXTS[0], TEXTS[1])["input_ids"]
+    assert (got.cls_token, got.sep_token, got.pad_token) == ("[CLS]", "[SEP]", "[PAD]")
+
+
+@pytest.mark.parametrize("lowercase", [True, False, None])
+def test_lowercasing_follows_the_file(lowercase, encoder_root, tmp_path):
+    """``tokenizer.ggml.normalizer.lowercase``: false keeps case (an upper-case word the
+    lower-case vocabulary lacks is [UNK]); true, and a file from before llama.cpp wrote the
+    key, lowercase."""
+    from transformers import AutoTokenizer
+
+    folder = build_encoder("bert", encoder_root, "mean")
+    file = write_bert_gguf(folder, tmp_path / "bert.gguf", lowercase=lowercase)
+    got = AutoTokenizer.from_pretrained(find_model_folder(file))
+    lower, upper = got("the")["input_ids"], got("THE")["input_ids"]
+    assert (upper == lower) == (lowercase is not False)
+    if lowercase is False:
+        assert upper[1] == got.unk_token_id
+
+
+@pytest.mark.parametrize("pooling", ["CLS", "LAST"])
+def test_the_files_pooling_type_is_used(pooling, encoder_root, make_llm, tmp_path):
+    """``bert.pooling_type`` CLS / LAST: each vector is that token's state, normalized, as
+    the folder's engine gives with the same pooling asked by --pooler-config."""
+    folder = build_encoder("bert", encoder_root, "mean")
+    file = write_bert_gguf(folder, tmp_path / f"bert-{pooling}.gguf", pooling=pooling)
+    override = {"pooling_type": pooling}
+    want = make_llm(str(folder), dtype="float32", pooler_config=override)
+    want_vectors = _vectors(want.embed(TEXTS))
+    want.shutdown()
+    llm = make_llm(str(file))
+    assert llm.engine.pooler_config.pooling_type == pooling
+    torch.testing.assert_close(_vectors(llm.embed(TEXTS)), want_vectors, atol=1e-6, rtol=0)
+    raw = _vectors(llm.embed(TEXTS, PoolingParams(normalize=False)))
+    assert not torch.allclose(raw.norm(dim=1), torch.ones(len(TEXTS)))
+
+
+def test_a_file_without_a_pooling_type_pools_the_first_token(encoder_root, make_llm, tmp_path):
+    folder = build_encoder("bert", encoder_root, "mean")
+    file = write_bert_gguf(folder, tmp_path / "bert-none.gguf")
+    assert make_llm(str(file)).engine.pooler_config.pooling_type == "CLS"
+
+
+def test_a_sentencepiece_vocabulary_is_read_as_a_unigram_tokenizer(tmp_path):
+    """An XLM-RoBERTa's vocabulary as llama.cpp stores it (``t5``: pieces, scores, control
+    tokens): the rebuilt Unigram tokenizer encodes as the one it came from, ``<s> A </s>``
+    (spaces collapsed and stripped, as SentencePiece's remove_extra_whitespaces does)."""
+    import json
+
+    import gguf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    from infer.model.gguf_bert import write_bert_tokenizer
+
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=special, unk_token="<unk>",
+                                      show_progress=False)  # fmt: skip
+    lines = [line for line in _corpus_lines() if line][:2000]
+    tok.train_from_iterator(lines, trainer=trainer)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    pieces = sorted(vocab, key=vocab.get)
+    scores = dict(json.loads(tok.to_str())["model"]["vocab"])
+    file = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(file), "bert")
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(pieces)
+    writer.add_token_scores([float(scores[p]) for p in pieces])
+    control = {"<s>", "<pad>", "</s>", "<mask>"}
+    writer.add_token_types([3 if p in control else 2 if p == "<unk>" else 1 for p in pieces])
+    for key, text in (("BOS", "<s>"), ("EOS", "</s>"), ("UNK", "<unk>"), ("PAD", "<pad>"),
+                      ("MASK", "<mask>")):  # fmt: skip
+        writer.add_uint32(getattr(gguf.Keys.Tokenizer, f"{key}_ID"), vocab[text])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "tok"
+    out.mkdir()
+    write_bert_tokenizer(gguf.GGUFReader(file), out, file, 128)
+    got = AutoTokenizer.from_pretrained(out)
+    for text in [*lines[:300], *TEXTS[:3]]:
+        want = [vocab["<s>"], *tok.encode(" ".join(text.split())).ids, vocab["</s>"]]
+        assert got(text)["input_ids"] == want, text
+    assert (got.cls_token, got.sep_token, got.unk_token) == ("<s>", "</s>", "<unk>")
+
+
+def test_what_infer_cannot_read_is_refused_naming_it(encoder_root, tmp_path):
+    """A BPE vocabulary in a bert file (RoBERTa's), causal attention, a missing table."""
+    import gguf
+
+    folder = build_encoder("bert", encoder_root, "mean")
+    file = write_bert_gguf(folder, tmp_path / "bert.gguf")
+    reader = gguf.GGUFReader(file)
+
+    def rewrite(name: str, change) -> object:
+        out = tmp_path / name
+        writer = gguf.GGUFWriter(str(out), "bert")
+        for key, field in reader.fields.items():
+            if key.startswith(("GGUF.", "general.architecture")):
+                continue
+            value = change(key, field.contents())
+            if value is None:
+                continue
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, value, kind, sub_type=sub)
+        for tensor in reader.tensors:
+            if change(tensor.name, tensor) is not None:
+                writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return out
+
+    bpe = rewrite("bpe.gguf", lambda k, v: "gpt2" if k == "tokenizer.ggml.model" else v)
+    with pytest.raises(ModelLoadError, match="'gpt2' vocabulary; infer reads WordPiece"):
+        find_model_folder(bpe)
+    causal = rewrite("causal.gguf", lambda k, v: True if k == "bert.attention.causal" else v)
+    with pytest.raises(ModelLoadError, match="causal attention"):
+        find_model_folder(causal)
+    no_table = rewrite("nopos.gguf", lambda k, v: None if k == "position_embd.weight" else v)
+    with pytest.raises(ModelLoadError, match="position_embd.weight is missing"):
+        find_model_folder(no_table)
