@@ -215,3 +215,33 @@ def test_what_infer_cannot_read_is_refused_naming_it(encoder_root, tmp_path):
     no_table = rewrite("nopos.gguf", lambda k, v: None if k == "position_embd.weight" else v)
     with pytest.raises(ModelLoadError, match="position_embd.weight is missing"):
         find_model_folder(no_table)
+
+
+def test_a_reranker_file_scores_pairs_as_its_folder(encoder_root, make_llm, tmp_path):
+    """An XLM-RoBERTa cross-encoder (BGE-reranker's shape) as llama.cpp writes it (pooling
+    RANK, its head as ``cls`` and ``cls.output``): each (query, document) pair's score is the
+    folder's (the sigmoid of the one label's logit), its label the file's."""
+    from infer.testing.encoders import build_cross_encoder
+
+    folder = build_cross_encoder("xlm_roberta", encoder_root)
+    file = write_bert_gguf(folder, tmp_path / "rr.gguf")
+    query, docs = TEXTS[0], [TEXTS[1], TEXTS[2], TEXTS[4]]
+    want = make_llm(str(folder))
+    want_scores = [o.outputs.score for o in want.score(query, docs)]
+    want.shutdown()
+    llm = make_llm(str(file))
+    assert llm.engine.spec.labels == ("LABEL_0",)
+    scores = [o.outputs.score for o in llm.score(query, docs)]
+    assert scores == pytest.approx(want_scores, abs=1e-6)
+    assert len(set(scores)) == len(scores)
+
+
+def test_a_bert_reranker_file_without_its_pooler_is_refused(encoder_root, tmp_path):
+    """llama.cpp's converter drops a BERT classifier's pooler (dense + tanh before the
+    label's row): such a file's scores are not the model's, and it is refused naming why."""
+    from infer.testing.encoders import build_cross_encoder
+
+    folder = build_cross_encoder("bert", encoder_root)
+    file = write_bert_gguf(folder, tmp_path / "bert-rr.gguf")
+    with pytest.raises(ModelLoadError, match="without both cls.weight and cls.output.weight"):
+        find_model_folder(file)

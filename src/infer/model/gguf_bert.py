@@ -71,6 +71,33 @@ def bert_config(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str, A
     }
 
 
+def bert_reranker(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str, Any]:
+    """A cross-encoder reranker's config (pooling RANK: BGE-reranker, an XLM-RoBERTa): a
+    ``BertForSequenceClassification`` whose head is the file's ``cls`` (dense, then tanh)
+    and ``cls.output`` (a row per label) over the first token's state, as RoBERTa's
+    ``classifier.dense`` and ``classifier.out_proj`` are. A file without ``cls`` (llama.cpp's
+    converter drops a BERT classifier's pooler, so its scores are no longer the model's) is
+    refused."""
+    if "cls.weight" not in tensors or "cls.output.weight" not in tensors:
+        raise ModelLoadError(
+            f"{file}: a bert reranker file (pooling RANK) without both cls.weight and "
+            "cls.output.weight; infer serves the cross-encoders whose head the file holds "
+            "whole (BGE-reranker's: dense, tanh, out_proj). A BERT cross-encoder's pooler is "
+            "left out by llama.cpp's converter: serve its Hugging Face folder instead"
+        )
+    shape = tensors["cls.output.weight"].shape  # (GGUF order: [hidden, labels])
+    labels = int(shape[1]) if len(shape) > 1 else 1
+    field = reader.fields.get("bert.classifier.output_labels")
+    names = [] if field is None else [str(v) for v in field.contents()]
+    if len(names) != labels:
+        names = [f"LABEL_{i}" for i in range(labels)]
+    return {
+        "architectures": ["BertForSequenceClassification"],
+        "num_labels": labels,
+        "id2label": {str(i): name for i, name in enumerate(names)},
+    }
+
+
 def write_bert_tokenizer(reader: Any, out: Path, file: Path, max_length: int) -> None:
     """The file's vocabulary as a Hugging Face fast tokenizer saved in ``out`` (module doc)."""
     model = _field(reader, "tokenizer.ggml.model")

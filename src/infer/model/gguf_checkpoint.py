@@ -52,6 +52,15 @@ GROUP = 32  # the inputs sharing a scale and zero in Q4_0, Q4_1 and Q4_K
 _EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<index>\d+)\.(?P<part>[^.]+\.(weight|bias))$")
 
 
+# A bert reranker's head (``cls``: dense, ``cls.output``: a row per label) under the names a
+# BertForSequenceClassification's head is read by (model/bert.py classifier_tensors).
+BERT_CLASSIFIER = {
+    f"{hf}.{suffix}": f"{ours}.{suffix}"
+    for hf, ours in (("pooler.dense", "cls"), ("classifier", "cls.output"))
+    for suffix in ("weight", "bias")
+}
+
+
 class GGUFCheckpoint:
     """Tensors of one GGUF file by Hugging Face name (memory-mapped; read on demand)."""
 
@@ -86,6 +95,9 @@ class GGUFCheckpoint:
         (an expert's: the tensor stacking every expert of its layer, :meth:`_expert`)."""
         if name == "score.weight":  # (a reranker's head; the gguf package's map lacks it)
             return "cls.output.weight" if "cls.output.weight" in self.tensors else None
+        if self.arch == "bert" and name in BERT_CLASSIFIER:  # (model/gguf_bert.py)
+            full = BERT_CLASSIFIER[name]
+            return full if full in self.tensors else None
         expert = _EXPERT.match(name)
         if expert is not None:
             name = f"{expert['layer']}.{expert['part']}"

@@ -246,6 +246,10 @@ def _reranker(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> di
     {} for a file that is not a reranker."""
     if int(_field(reader, f"{arch}.pooling_type") or 0) != RANK:
         return {}
+    if arch == "bert":
+        from infer.model.gguf_bert import bert_reranker
+
+        return bert_reranker(reader, tensors, file)
     head = tensors.get("cls.output.weight")
     shape = None if head is None else [int(n) for n in reversed(head.shape)]
     if arch != "qwen3" or shape is None or len(shape) != 2 or shape[0] != 2:

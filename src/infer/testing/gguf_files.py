@@ -333,11 +333,13 @@ def write_bert_gguf(
     pooling: str | None = None,
     lowercase: bool | None = True,
 ) -> Path:
-    """Write the BERT / XLM-RoBERTa embedding model in ``folder`` (``infer.testing.encoders``:
-    a WordPiece tokenizer) as GGUF ``out`` the way llama.cpp's converter writes one:
-    architecture ``bert``, the vocabulary with U+2581 before each word's first piece and
-    ``##`` dropped from the others (control tokens as they are), an XLM-RoBERTa's position
-    table without its first ``pad + 1`` rows, no pooler; 2-D weights in ``weight_type``;
+    """Write the BERT / XLM-RoBERTa embedding model or cross-encoder in ``folder``
+    (``infer.testing.encoders``: a WordPiece tokenizer) as GGUF ``out`` the way llama.cpp's
+    converter writes one: architecture ``bert``, the vocabulary with U+2581 before each word's
+    first piece and ``##`` dropped from the others (control tokens as they are), an
+    XLM-RoBERTa's position table without its first ``pad + 1`` rows, no pooler (a
+    cross-encoder: pooling RANK, its head as ``cls`` / ``cls.output``, its labels); 2-D
+    weights in ``weight_type``;
     ``pooling`` (MEAN, CLS, LAST) as ``bert.pooling_type``; ``lowercase`` as
     ``tokenizer.ggml.normalizer.lowercase`` (None: left out, as in files written before
     llama.cpp stored it)."""
@@ -359,6 +361,10 @@ def write_bert_gguf(
     writer.add_causal_attention(False)
     if pooling is not None:
         writer.add_pooling_type(gguf.PoolingType[pooling])
+    if config["architectures"][0].endswith("ForSequenceClassification"):  # a cross-encoder
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        labels = config["id2label"]
+        writer.add_classifier_output_labels([labels[str(i)] for i in range(len(labels))])
     data = json.loads((folder / "tokenizer.json").read_text())
     special = {t["content"]: t["id"] for t in data.get("added_tokens", []) if t["special"]}
     tokens = [""] * config["vocab_size"]
@@ -386,7 +392,9 @@ def write_bert_gguf(
     for hf_name, tensor in state.items():
         hf_name = hf_name.removeprefix("bert.").removeprefix("roberta.")
         if hf_name.startswith("pooler.") or hf_name.endswith("position_ids"):
-            continue  # (llama.cpp's converter drops them: embeddings only)
+            continue  # (llama.cpp's converter drops them, a BERT classifier's pooler too)
+        if hf_name.startswith("classifier.") and hf_name.count(".") == 1:  # (BERT's head)
+            hf_name = hf_name.replace("classifier.", "classifier.out_proj.")
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = name_map.get_name(base)
         if gguf_name is None:
