@@ -107,6 +107,29 @@ def test_bf16_and_quantized_linears_are_close_to_float32(encoder_root, make_llm)
             assert torch.nn.functional.cosine_similarity(a, b, dim=0) > least, options
 
 
+def test_bf16_attention_kernel_gives_the_float32_vectors(encoder_root, make_llm, monkeypatch):
+    """Heads 64 wide (the C++ encoder attention kernel's shapes; the tiny model's 16 take
+    SDPA): in bf16 every layer's attention is one kernel call, and the vectors of inputs of
+    many lengths side by side stay within bf16's reach of float32's."""
+    from infer.runner.cpu.kernels import CpuKernels, cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.has_prefill_attention:
+        pytest.skip("no C++ attention kernels on this machine")
+    folder = build_encoder("bert", encoder_root, "mean", name="bert-mean-d64", hidden_size=128,
+                           num_attention_heads=2, intermediate_size=256)  # fmt: skip
+    texts = [*TEXTS, PROMPTS[1], PROMPTS[3] * 3]
+    exact = _vectors(make_llm(str(folder)).embed(texts))
+    calls = []
+    original = CpuKernels.encoder_attention
+    monkeypatch.setattr(CpuKernels, "encoder_attention",
+                        lambda self, *a: calls.append(1) or original(self, *a))  # fmt: skip
+    got = _vectors(make_llm(str(folder), dtype="bfloat16").embed(texts))
+    assert len(calls) == 2  # (two layers, one step)
+    for a, b in zip(exact, got, strict=True):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+
+
 def test_pooler_config_overrides_the_files(encoder_root, make_llm):
     folder = build_encoder("bert", encoder_root, "mean")
     cls_vectors = _sentence_transformers(folder, TEXTS[:2], "cls")

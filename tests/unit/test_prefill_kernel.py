@@ -128,3 +128,49 @@ def test_quantized_cache_matches_the_dequantizing_sdpa_path(kv_dtype):
     ctx.prefill_chunks = None
     with_sdpa = ctx.attend(0, q, k, v, scale=0.125)
     torch.testing.assert_close(with_kernel.float(), with_sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(12, 12, 64), (8, 2, 128), (4, 1, 32), (4, 4, 256)]
+)
+def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim):
+    """An encoder's step (``infer_encoder_attention``): each sequence's rows attend to all of
+    its own rows, none to another's; q, k and v strided views of one fused projection; lengths
+    of one row, a key block and one past it, several query tiles."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [100, 1, 16, 17, 200, 7]
+    total = sum(lens)
+    qkv = torch.randn(total, heads + 2 * kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])
+    scale = head_dim**-0.5
+    assert kernels.can_attend_encoder(q, k, v)
+    out = kernels.encoder_attention(q, k, v, starts, torch.tensor(lens), scale)
+    for s, n in zip(starts.tolist(), lens, strict=True):
+        rows = [t[s : s + n].double().transpose(0, 1)[None] for t in (q, k, v)]
+        expected = F.scaled_dot_product_attention(*rows, scale=scale,
+                                                  enable_gqa=heads != kv_heads)  # fmt: skip
+        torch.testing.assert_close(out[s : s + n].double(), expected[0].transpose(0, 1),
+                                   atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+def test_an_encoder_step_takes_the_kernel_and_agrees_with_the_sdpa_path(monkeypatch):
+    """AttentionContext.attend_bidirectional on the CPU backend calls the encoder kernel once
+    and gives what the torch reference (padded SDPA) gives; float32 stays on the reference."""
+    from infer.runner.attention.torch_ref import TorchAttention
+
+    gen = torch.Generator().manual_seed(4)
+    seqs = [SequenceSlice(0, 9, [0]), SequenceSlice(0, 30, [1, 2]), SequenceSlice(0, 5, [3])]
+    qkv = torch.randn(44, 3, 4, 64, generator=gen).to(torch.bfloat16)
+    q, k, v = qkv.unbind(1)
+    cache = KVCache(0, 4, 16, 4, 64, torch.bfloat16, "cpu")  # (an encoder's: no layers)
+    calls = count_calls(monkeypatch, type(kernels), "encoder_attention")
+    with_kernel = AttentionContext(cache, seqs, "cpu").attend_bidirectional(q, k, v, scale=0.125)
+    reference = AttentionContext(cache, seqs, "cpu", backend=TorchAttention())
+    with_sdpa = reference.attend_bidirectional(q, k, v, scale=0.125)
+    assert calls == [1]
+    torch.testing.assert_close(with_kernel.float(), with_sdpa.float(), atol=2e-2, rtol=2e-2)
+    AttentionContext(cache, seqs, "cpu").attend_bidirectional(
+        q.float(), k.float(), v.float(), scale=0.125
+    )
+    assert calls == [1]

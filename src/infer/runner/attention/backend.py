@@ -62,6 +62,29 @@ class AttentionBackend:
         """Write the step's ``k, v`` ``[T, Hkv, D]`` at its slots."""
         raise NotImplementedError
 
+    def bidirectional(
+        self, ctx: AttentionContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """An encoder's attention (:meth:`AttentionContext.attend_bidirectional`), here with
+        torch's SDPA on any device and dtype, batched as :meth:`AttentionContext.padded_layout`
+        says."""
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        layout = ctx.padded_layout()
+        if isinstance(layout, list):  # [H, n, D] per sequence
+            out = torch.empty_like(q)
+            for a, b in layout:
+                rows = (t[a:b].transpose(0, 1) for t in (q, k, v))
+                out[a:b] = sdpa(*rows, scale=scale).transpose(0, 1)
+            return out
+        index, valid = layout
+        # [S, W, H, D] -> [S, H, W, D]
+        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
+        # (inputs of one length: no mask, SDPA's fused kernel)
+        mask = None if valid is None else valid[:, None, None, :]
+        out = sdpa(qs, ks, vs, attn_mask=mask, scale=scale).transpose(1, 2)
+        return out.reshape(q.shape) if valid is None else out[valid]
+
     def decode(
         self,
         ctx: AttentionContext,

@@ -282,44 +282,40 @@ class AttentionContext:
     ) -> torch.Tensor:
         """An encoder's attention: each sequence's tokens attend to all of its tokens, none
         read from or written to the cache (every sequence is a whole input: no past). ``q, k,
-        v`` ``[T, H, D]`` -> ``[T, H, D]``. The sequences are padded to the longest into one
-        SDPA call, padded keys masked out::
+        v`` ``[T, H, D]`` -> ``[T, H, D]``; the backend computes it
+        (:meth:`AttentionBackend.bidirectional`)."""
+        return self.backend.bidirectional(self, q, k, v, scale)
+
+    def encoder_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's first row and row count (an encoder's step: whole inputs only)."""
+        lens = np.asarray([s.num_new_tokens for s in self.sequences], dtype=np.int64)
+        if any(s.num_computed_tokens for s in self.sequences):
+            raise RuntimeError("an encoder's input ran in pieces: it must run whole")
+        return np.cumsum(lens) - lens, lens
+
+    def padded_layout(self) -> tuple[torch.Tensor, torch.Tensor | None] | list[tuple[int, int]]:
+        """How the torch reference batches an encoder's step (made once a step): sequences
+        padded to the longest into one SDPA call, padded keys masked out::
 
             rows   | a0 a1 a2 | b0 b1 |        index  [[0, 1, 2],     valid [[1, 1, 1],
                                                        [3, 4, 0]]            [1, 1, 0]]
 
-        unless padding would more than double the rows (one long input beside many short
-        ones): then one SDPA call per sequence.
-        """
+        (the gather index and the mask, None for inputs of one length), unless padding would
+        more than double the rows (one long input beside many short ones): then each
+        sequence's rows ``(start, end)``, one SDPA call each."""
         if self._bidirectional is None:
-            lens = [s.num_new_tokens for s in self.sequences]
-            if any(s.num_computed_tokens for s in self.sequences):
-                raise RuntimeError("an encoder's input ran in pieces: it must run whole")
-            width = max(lens)
-            starts = np.cumsum(lens) - lens
-            if width * len(lens) > 2 * sum(lens):
-                self._bidirectional = [(int(a), int(a) + n) for a, n in zip(starts, lens,
+            starts, lens = self.encoder_rows()
+            width = int(lens.max())
+            if width * len(lens) > 2 * int(lens.sum()):
+                self._bidirectional = [(int(a), int(a + n)) for a, n in zip(starts, lens,
                                                                              strict=True)]  # fmt: skip
             else:
                 pos = np.arange(width)[None, :]
-                valid = pos < np.asarray(lens)[:, None]
+                valid = pos < lens[:, None]
                 index = np.where(valid, starts[:, None] + pos, 0)
                 mask = None if valid.all() else torch.from_numpy(valid).to(self.device)
                 self._bidirectional = (torch.from_numpy(index).to(self.device), mask)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        if isinstance(self._bidirectional, list):  # [H, n, D] per sequence
-            out = torch.empty_like(q)
-            for a, b in self._bidirectional:
-                rows = (t[a:b].transpose(0, 1) for t in (q, k, v))
-                out[a:b] = sdpa(*rows, scale=scale).transpose(0, 1)
-            return out
-        index, valid = self._bidirectional
-        # [S, W, H, D] -> [S, H, W, D]
-        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
-        # (inputs of one length: no mask, SDPA's fused kernel)
-        mask = None if valid is None else valid[:, None, None, :]
-        out = sdpa(qs, ks, vs, attn_mask=mask, scale=scale).transpose(1, 2)
-        return out.reshape(q.shape) if valid is None else out[valid]
+        return self._bidirectional
 
 
 def split_qkv(

@@ -233,6 +233,10 @@ class CpuKernels:
             ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, i32,
         )  # fmt: skip
         self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
+        self._encoder_attention = bind(
+            "infer_encoder_attention", ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64,
+            i64, f32, i32,
+        )  # fmt: skip
         self._moe = bind("infer_moe", ptr, ptr, ptr, i64, i64, i32, i32)
         self._qk_norm = bind("infer_qk_norm", ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, i32)
         self._decode_layers = bind(
@@ -616,6 +620,45 @@ class CpuKernels:
             scale,
             window or 0,
         )
+        return out
+
+    def can_attend_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether :meth:`encoder_attention` takes these: the prefill kernel's CPUs, bf16, heads
+        contiguous within each row, ``head_dim`` a multiple of 32 up to 256, k and v rows of
+        one stride."""
+        d = q.shape[-1]
+        return (
+            self.has_prefill_attention
+            and all(t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == d
+                    for t in (q, k, v))
+            and k.stride(0) == v.stride(0)
+            and d % 32 == 0
+            and d <= 256
+        )  # fmt: skip
+
+    def encoder_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        starts: Any,
+        lens: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """An encoder's attention (csrc/prefill_attention.cpp ``infer_encoder_attention``):
+        sequence i's rows ``starts[i] .. starts[i] + lens[i] - 1`` of ``q`` ``[T, H, D]``
+        attend to all of its rows of ``k, v`` ``[T, Hkv, D]`` (bf16; rows may be strided, as
+        views of a fused projection are) -> ``[T, H, D]``; ``starts``, ``lens``: int arrays."""
+        out = torch.empty(q.shape, dtype=q.dtype)
+        starts64 = torch.as_tensor(starts, dtype=torch.int64).contiguous()
+        lens64 = torch.as_tensor(lens, dtype=torch.int64).contiguous()
+        rc = self._encoder_attention(
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), out.data_ptr(),
+            out.stride(0), starts64.data_ptr(), lens64.data_ptr(), len(lens64), q.shape[1],
+            k.shape[1], q.shape[2], scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"encoder attention kernel rejected its inputs (code {rc})")
         return out
 
     def can_prefill(self, query: torch.Tensor, cache: KVCache) -> bool:

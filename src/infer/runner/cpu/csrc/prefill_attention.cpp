@@ -58,9 +58,14 @@ struct KvRows {
   const uint16_t* scales;  // [num_slots, kv_heads] bf16, or null for a plain cache
   int kind;
   int64_t num_kv_heads, head_dim;
+  int64_t row_stride = 0;  // elements from one slot's row to the next (0: num_kv_heads * head_dim)
+
+  int64_t offset(int64_t slot, int64_t kvh) const {
+    return slot * (row_stride ? row_stride : num_kv_heads * head_dim) + kvh * head_dim;
+  }
 
   const uint16_t* row(int64_t slot, int64_t kvh, uint16_t* scratch) const {
-    const int64_t at = (slot * num_kv_heads + kvh) * head_dim;
+    const int64_t at = offset(slot, kvh);
     if (kind == kKvPlain) return static_cast<const uint16_t*>(cache) + at;
     const float s = infer_simd::bf16_to_f32(scales[slot * num_kv_heads + kvh]);
     const uint8_t* q = static_cast<const uint8_t*>(cache) + at;
@@ -83,7 +88,7 @@ struct KvRows {
 
   void prefetch(int64_t slot, int64_t kvh) const {
     const int64_t bytes = head_dim * (kind == kKvPlain ? 2 : 1);
-    const char* at = static_cast<const char*>(cache) + (slot * num_kv_heads + kvh) * bytes;
+    const char* at = static_cast<const char*>(cache) + offset(slot, kvh) * (bytes / head_dim);
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(at + o);
   }
 };
@@ -429,12 +434,13 @@ struct Buffers {
   std::vector<int64_t> lo, hi;  // per row: first and last visible key column
 };
 
-// One (sequence, kv head): queries [0, n) at positions past .. past + n - 1.
+// One (sequence, kv head): queries [0, n) at positions past .. past + n - 1; each sees the
+// keys up to its own position, or with ``bidirectional`` (an encoder: past 0, no window) all n.
 void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
                  const KvRows& values, uint16_t* out, int64_t out_stride,
                  const int32_t* table, int64_t q_start, int64_t n, int64_t past, int64_t kvh,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 float scale, int64_t window, Buffers& buf) {
+                 float scale, int64_t window, bool bidirectional, Buffers& buf) {
   const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
   auto first_key = [&](int64_t pos) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; };
   const int64_t base = first_key(past) / 16 * 16;  // every column index is relative to base
@@ -451,7 +457,7 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
     const int64_t qb = qa + tile_queries < n ? qa + tile_queries : n;
     const int64_t rows = (qb - qa) * group;
     const int64_t c_start = (first_key(past + qa) - base) / 16 * 16;
-    const int64_t c_end = past + qb - base;
+    const int64_t c_end = (bidirectional ? past + n : past + qb) - base;
     const int64_t ncols = (c_end - c_start + 15) / 16 * 16;
     buf.s.resize(rows * ncols);
     buf.p.resize(rows * ncols);
@@ -465,7 +471,7 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
       buf.qrows[r] = query + (q_start + qi) * q_stride + h * head_dim;
       buf.orows[r] = out + (q_start + qi) * out_stride + h * head_dim;
       buf.lo[r] = first_key(past + qi) - base - c_start;
-      buf.hi[r] = past + qi - base - c_start;  // inclusive
+      buf.hi[r] = (bidirectional ? past + n - 1 : past + qi) - base - c_start;  // inclusive
     }
     // Scores, scaled: a block of 64 keys (in L1) against every row, kTileRows rows at a time.
     const uint32_t* kp0 = buf.kp.data() + c_start / 16 * pairs * 16;
@@ -547,7 +553,7 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind
       if (q_lens[i] <= 0) continue;
       attend_item(query, q_stride, keys, values, out, out_stride,
                   block_tables + i * max_blocks, q_starts[i], q_lens[i], pasts[i], kvh,
-                  num_heads, num_kv_heads, head_dim, block_size, scale, window, buf);
+                  num_heads, num_kv_heads, head_dim, block_size, scale, window, false, buf);
     }
   }
   return 0;
@@ -556,6 +562,44 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind
   (void)key_scales; (void)value_scales;
   (void)block_tables; (void)q_starts; (void)q_lens; (void)pasts; (void)num_seqs;
   (void)block_size; (void)max_blocks; (void)scale; (void)window; (void)num_threads;
+  return 3;
+#endif
+}
+
+// An encoder's attention: sequence i's query rows q_starts[i] .. q_starts[i] + q_lens[i] - 1
+// attend to all of that sequence's keys and values (its own rows of key / value: no cache, no
+// mask). query / out [T, heads, head_dim], key / value [T, kv_heads, head_dim], bf16, each row
+// q_stride / out_stride / kv_stride elements after the one before (heads contiguous in a row).
+// Each sequence's rows are read as a "cache" of one block holding them all.
+int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint16_t* key,
+                            const uint16_t* value, int64_t kv_stride, uint16_t* out,
+                            int64_t out_stride, const int64_t* q_starts, const int64_t* q_lens,
+                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, float scale, int num_threads) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+  if (head_dim % 32 != 0 || head_dim > 256) return 2;
+#ifdef INFER_HAVE_PREFILL_ATTENTION
+  const int64_t items = num_seqs * num_kv_heads;
+  const int32_t table[1] = {0};
+#pragma omp parallel num_threads(num_threads)
+  {
+    Buffers buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = item / num_kv_heads, kvh = item % num_kv_heads, n = q_lens[i];
+      if (n <= 0) continue;
+      const KvRows keys{key + q_starts[i] * kv_stride, nullptr, kKvPlain, num_kv_heads, head_dim,
+                        kv_stride};
+      const KvRows values{value + q_starts[i] * kv_stride, nullptr, kKvPlain, num_kv_heads,
+                          head_dim, kv_stride};
+      attend_item(query, q_stride, keys, values, out, out_stride, table, q_starts[i], n, 0, kvh,
+                  num_heads, num_kv_heads, head_dim, n, scale, 0, true, buf);
+    }
+  }
+  return 0;
+#else
+  (void)query; (void)q_stride; (void)key; (void)value; (void)kv_stride; (void)out;
+  (void)out_stride; (void)q_starts; (void)q_lens; (void)num_seqs; (void)scale; (void)num_threads;
   return 3;
 #endif
 }
