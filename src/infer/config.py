@@ -65,8 +65,11 @@ class ModelConfig:
     # With a quantization: the vocabulary projection too (False keeps it in the model's dtype).
     quantize_lm_head: bool = True
     # A GGUF file's layers stored in a quantized type the 4-bit kernel cannot take (Q6_K, Q5_K,
-    # Q8_0, ...): held in int8 per channel (False: dequantized to the model's dtype).
-    gguf_int8: bool = True
+    # Q8_0, ...): held in int8 per channel (False: dequantized to the model's dtype). None: a
+    # decoder's are (half the bytes each decode step reads), an encoder's are not (every input
+    # runs as one compute-bound pass, which int8 weights do not speed up, and requantizing a
+    # Q8_0 block's values per channel adds its own rounding).
+    gguf_int8: bool | None = None
     # A GGUF file's 4- and 5-bit layers (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K) multiply int8
     # activations (each row's groups of 32 quantized as the layer runs, as llama.cpp does): the
     # w4a8 kernel, ~1.7x the bf16 one's multiplies where they bind (prefill, batches), reading

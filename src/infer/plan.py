@@ -104,16 +104,24 @@ def safetensors_num_params(model_dir: Path) -> int:
 
 
 def safetensors_weight_bytes(
-    model_dir: Path, dtype_bytes: int, gguf_int8: bool = True, gguf_int8_activations: bool = True
+    model_dir: Path,
+    dtype_bytes: int,
+    gguf_int8: bool | None = None,
+    gguf_int8_activations: bool = True,
 ) -> int:
     """Bytes of the weights as the engine holds them, from the safetensors headers: every tensor
     at ``dtype_bytes`` per value, but a 4-bit GPTQ / AWQ layer as it stays (half a byte per
     weight, and per group and output a float16 scale and a one-byte zero); 8-bit GPTQ layers
     are dequantized at load, so they count as the weights they unpack to. A GGUF file's
-    folder: :func:`_gguf_weight_bytes` (``gguf_int8``: ``--gguf-int8``;
-    ``gguf_int8_activations``: ``--gguf-int8-activations``)."""
+    folder: :func:`_gguf_weight_bytes` (``gguf_int8``: ``--gguf-int8``, None as the engine
+    decides: a decoder's yes, an encoder's no; ``gguf_int8_activations``:
+    ``--gguf-int8-activations``)."""
     gguf_file = gguf_source(model_dir)
     if gguf_file is not None:
+        if gguf_int8 is None:
+            from infer.model.loader import load_model_spec
+
+            gguf_int8 = not load_model_spec(model_dir).is_encoder
         return _gguf_weight_bytes(gguf_file, dtype_bytes, gguf_int8, gguf_int8_activations)
     qc = _quantization_config(model_dir)
     if not qc or int(qc.get("bits", qc.get("w_bit", 4))) != 4:

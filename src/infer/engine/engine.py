@@ -515,8 +515,11 @@ class LLMEngine:
 
     def _checkpoint_int8(self, load_quantization: str | None) -> bool:
         """Whether a GGUF file's layers of types the 4-bit kernel cannot take are held in int8
-        (``--gguf-int8``)."""
-        return self.config.model.gguf_int8 and self._gguf_held_by_kernels(load_quantization)
+        (``--gguf-int8``; unset: a decoder's are, an encoder's not)."""
+        wanted = self.config.model.gguf_int8
+        if wanted is None:
+            wanted = not self.spec.is_encoder
+        return wanted and self._gguf_held_by_kernels(load_quantization)
 
     def _load_quantization(self) -> str | None:
         """The method to quantize the weights with at load (None: none). ``--quantization
