@@ -69,6 +69,7 @@ def test_a_quantized_file_embeds_close_to_its_folder(encoder_root, make_llm, tmp
     for gguf_int8 in (None, True):
         llm = make_llm(str(file), dtype="auto", gguf_int8=gguf_int8)
         if gguf_int8 and not llm.engine._checkpoint_int8(None):
+            llm.shutdown()
             continue  # (int8 layers need the CPU kernels)
         held = {type(m).__name__ for layer in llm.engine.model.layers
                 for m in (layer.qkv_proj, layer.intermediate)}  # fmt: skip
@@ -165,6 +166,8 @@ def test_a_sentencepiece_vocabulary_is_read_as_a_unigram_tokenizer(tmp_path):
     file = tmp_path / "vocab.gguf"
     writer = gguf.GGUFWriter(str(file), "bert")
     writer.add_tokenizer_model("t5")
+    writer.add_add_space_prefix(True)  # (as llama.cpp's converter writes XLM-RoBERTa's)
+    writer.add_remove_extra_whitespaces(True)
     writer.add_token_list(pieces)
     writer.add_token_scores([float(scores[p]) for p in pieces])
     control = {"<s>", "<pad>", "</s>", "<mask>"}
@@ -226,14 +229,16 @@ def test_what_infer_cannot_read_is_refused_naming_it(encoder_root, tmp_path):
         find_model_folder(no_table)
 
 
-def test_a_reranker_file_scores_pairs_as_its_folder(encoder_root, make_llm, tmp_path):
-    """An XLM-RoBERTa cross-encoder (BGE-reranker's shape) as llama.cpp writes it (pooling
-    RANK, its head as ``cls`` and ``cls.output``): each (query, document) pair's score is the
+@pytest.mark.parametrize("pooling", [None, "RANK"])
+def test_a_reranker_file_scores_pairs_as_its_folder(pooling, encoder_root, make_llm, tmp_path):
+    """An XLM-RoBERTa cross-encoder (BGE-reranker's shape) as llama.cpp's converter writes it
+    (its head as ``cls`` and ``cls.output``, no pooling type: llama-server takes
+    ``--reranking``), or saying pooling RANK: each (query, document) pair's score is the
     folder's (the sigmoid of the one label's logit), its label the file's."""
     from infer.testing.encoders import build_cross_encoder
 
     folder = build_cross_encoder("xlm_roberta", encoder_root)
-    file = write_bert_gguf(folder, tmp_path / "rr.gguf")
+    file = write_bert_gguf(folder, tmp_path / "rr.gguf", pooling=pooling)
     query, docs = TEXTS[0], [TEXTS[1], TEXTS[2], TEXTS[4]]
     want = make_llm(str(folder))
     want_scores = [o.outputs.score for o in want.score(query, docs)]

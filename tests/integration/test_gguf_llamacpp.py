@@ -168,18 +168,106 @@ def test_llama_cpps_qwen3_reranker_file_scores_as_transformers_and_llama_server(
         proc.wait(timeout=30)
 
 
-def test_llama_cpps_bert_file_embeds_as_its_folder_and_llama_server(tmp_path):
-    """A tiny BERT (WordPiece vocabulary, MEAN pooling) through llama.cpp's converter: the
-    same tokens and vectors as its folder (float32, 1e-6), and llama-server's
-    ``/v1/embeddings`` where it is built (its GELU is tanh's approximation: within 1e-3). (An
-    XLM-RoBERTa's converter wants a SentencePiece tokenizer, which the tiny ones lack.)"""
-    import json
+def _llama_server(file: Path, *flags: str):
+    """llama-server on ``file`` (a context manager yielding its URL), None where it is not
+    built."""
+    import contextlib
     import time
     import urllib.request
 
+    from tests.server.conftest import free_port
+
+    server = LLAMA_CPP / "build" / "bin" / "llama-server"
+    if not server.is_file():
+        return None
+
+    @contextlib.contextmanager
+    def running():
+        port = free_port()
+        proc = subprocess.Popen([str(server), "-m", str(file), "--host", "127.0.0.1", "--port",
+                                 str(port), "-t", "2", *flags],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(120):
+                try:
+                    if urllib.request.urlopen(url + "/health").status == 200:
+                        break
+                except OSError:
+                    time.sleep(0.5)
+            else:
+                pytest.fail(f"llama-server did not come up on {file}")
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+    return running()
+
+
+def _post(url: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    return json.loads(urllib.request.urlopen(request).read())
+
+
+def test_llama_cpps_xlm_roberta_files_embed_and_rerank_as_their_folders(tmp_path):
+    """XLM-RoBERTa with its own kind of tokenizer (SentencePiece Unigram, NFKC's precompiled
+    charsmap: what BGE-M3 and multilingual-E5 files hold) through llama.cpp's converter: the
+    rebuilt tokenizer gives the folder's ids for every corpus line and NFKC's cases, the
+    embedding file the folder's vectors (1e-6) and llama-server's (1e-3), the reranker file
+    (pooling RANK) the folder's cross-encoder scores (1e-6) and the sigmoid of llama-server's
+    ``/v1/rerank`` scores (1e-3). Needs ``sentencepiece`` (the converter reads the model)."""
+    pytest.importorskip("sentencepiece")
+    from transformers import AutoTokenizer
+
+    from infer import LLM
+    from infer.model.folders import find_model_folder
+    from infer.testing.encoders import build_encoder
+
+    folder = build_encoder("xlm_roberta", tmp_path, "mean", sentencepiece=True)
+    reranker = build_encoder("xlm_roberta", tmp_path, name="rr", labels=1, sentencepiece=True)
+    file, rr_file = convert(folder, tmp_path / "e.gguf"), convert(reranker, tmp_path / "rr.gguf")
+    want_tok = AutoTokenizer.from_pretrained(folder)
+    got_tok = AutoTokenizer.from_pretrained(find_model_folder(file))
+    texts = ["  leading and   multiple   spaces  ", "ﬁnancial ① Ｆｕｌｌ　ｗｉｄｔｈ café",
+             "tab\there\nnewline", "x\u00a0y 東京 ½ Ångström", "a", "<s> literal </s>"]  # fmt: skip
+    from infer.data.corpus import load_corpus
+
+    lines = [line for doc in load_corpus(include_docstrings=False) for line in doc.splitlines()]
+    for text in texts + lines[:300]:
+        assert got_tok(text)["input_ids"] == want_tok(text)["input_ids"], text
+    vectors, scores = [], []
+    query, docs = texts[1], [texts[0], texts[3], lines[5]]
+    for model, rr in ((folder, reranker), (file, rr_file)):
+        with LLM(str(model), dtype="float32") as llm:
+            vectors.append(torch.tensor([r.outputs.embedding for r in llm.embed(texts)]))
+        with LLM(str(rr), dtype="float32") as llm:
+            scores.append([r.outputs.score for r in llm.score(query, docs)])
+    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
+    assert scores[1] == pytest.approx(scores[0], abs=1e-6)
+    server = _llama_server(file, "--embedding")
+    if server is None:
+        return
+    with server as url:
+        data = _post(url + "/v1/embeddings", {"input": texts})["data"]
+    theirs = torch.tensor([d["embedding"] for d in sorted(data, key=lambda d: d["index"])])
+    torch.testing.assert_close(theirs, vectors[1], atol=1e-3, rtol=0)
+    with _llama_server(rr_file, "--reranking") as url:
+        results = _post(url + "/v1/rerank", {"query": query, "documents": docs})["results"]
+    logits = torch.tensor([r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])])
+    assert torch.sigmoid(logits).tolist() == pytest.approx(scores[1], abs=1e-3)
+
+
+def test_llama_cpps_bert_file_embeds_as_its_folder_and_llama_server(tmp_path):
+    """A tiny BERT (WordPiece vocabulary, MEAN pooling) through llama.cpp's converter: the
+    same tokens and vectors as its folder (float32, 1e-6), and llama-server's
+    ``/v1/embeddings`` where it is built (its GELU is tanh's approximation: within 1e-3)."""
     from infer import LLM
     from infer.testing.encoders import build_encoder, default_encoder_root
-    from tests.server.conftest import free_port
 
     folder = build_encoder("bert", default_encoder_root(), "mean")
     file = convert(folder, tmp_path / "bert.gguf")
@@ -194,27 +282,10 @@ def test_llama_cpps_bert_file_embeds_as_its_folder_and_llama_server(tmp_path):
             want_tokens = tokens
     assert tokens == want_tokens
     torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
-    server = LLAMA_CPP / "build" / "bin" / "llama-server"
-    if not server.is_file():
+    server = _llama_server(file, "--embedding")
+    if server is None:
         return
-    port = free_port()
-    proc = subprocess.Popen([str(server), "-m", str(file), "--host", "127.0.0.1", "--port",
-                             str(port), "--embedding", "-t", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(120):
-            try:
-                if urllib.request.urlopen(url + "/health").status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
-        body = json.dumps({"input": texts}).encode()
-        request = urllib.request.Request(url + "/v1/embeddings", body,
-                                         {"Content-Type": "application/json"})  # fmt: skip
-        data = json.loads(urllib.request.urlopen(request).read())["data"]
-        theirs = torch.tensor([d["embedding"] for d in sorted(data, key=lambda d: d["index"])])
-        torch.testing.assert_close(theirs, vectors[1], atol=1e-3, rtol=0)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with server as url:
+        data = _post(url + "/v1/embeddings", {"input": texts})["data"]
+    theirs = torch.tensor([d["embedding"] for d in sorted(data, key=lambda d: d["index"])])
+    torch.testing.assert_close(theirs, vectors[1], atol=1e-3, rtol=0)

@@ -1,7 +1,8 @@
 """A BERT-family GGUF file's config and tokenizer (llama.cpp's ``bert`` architecture).
 
-llama.cpp writes BERT, RoBERTa-style and XLM-RoBERTa embedding models (BGE, all-MiniLM,
-mxbai-embed, snowflake-arctic-embed, multilingual-E5, BGE-M3) as architecture ``bert``.
+llama.cpp writes BERT and XLM-RoBERTa embedding models (BGE, all-MiniLM, mxbai-embed,
+snowflake-arctic-embed, multilingual-E5, BGE-M3) and rerankers (BGE-reranker) as architecture
+``bert`` (a RoBERTa's byte-level BPE vocabulary too, which infer refuses naming it).
 transformers reads no such file, so the folder standing for one (:mod:`infer.model.gguf_folder`)
 gets its ``config.json`` and tokenizer from here. No torch.
 
@@ -22,7 +23,10 @@ pre-tokenizer and ``[CLS] A [SEP]`` template. Lowercasing and accent stripping a
 ``tokenizer.ggml.normalizer.lowercase`` / ``.strip_accents``; a file written before llama.cpp
 stored them was tokenized lowercased (llama.cpp lowercased every WordPiece input then), and is
 here too. A SentencePiece vocabulary (``t5``: XLM-RoBERTa's Unigram, with its scores) becomes a
-``tokenizers`` Unigram tokenizer with ``<s> A </s>``.
+``tokenizers`` Unigram tokenizer with ``<s> A </s>``, normalized as llama.cpp's UGM tokenizer
+does: the file's precompiled character map (NFKC for XLM-RoBERTa), then with
+``remove_extra_whitespaces`` spaces stripped and collapsed and one before each word (the
+first too), else with ``add_space_prefix`` one before the text (keys absent: neither).
 """
 
 from __future__ import annotations
@@ -71,8 +75,15 @@ def bert_config(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str, A
     }
 
 
+def is_bert_reranker(reader: Any, tensors: dict[str, Any]) -> bool:
+    """Whether a bert file is a cross-encoder: it holds a classifier head (``cls.output``;
+    llama.cpp's converter writes no pooling type for one, llama-server takes ``--reranking``),
+    or says pooling RANK."""
+    return "cls.output.weight" in tensors or int(_field(reader, "bert.pooling_type") or 0) == 4
+
+
 def bert_reranker(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str, Any]:
-    """A cross-encoder reranker's config (pooling RANK: BGE-reranker, an XLM-RoBERTa): a
+    """A cross-encoder reranker's config (BGE-reranker, an XLM-RoBERTa): a
     ``BertForSequenceClassification`` whose head is the file's ``cls`` (dense, then tanh)
     and ``cls.output`` (a row per label) over the first token's state, as RoBERTa's
     ``classifier.dense`` and ``classifier.out_proj`` are. A file without ``cls`` (llama.cpp's
@@ -80,7 +91,7 @@ def bert_reranker(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str,
     refused."""
     if "cls.weight" not in tensors or "cls.output.weight" not in tensors:
         raise ModelLoadError(
-            f"{file}: a bert reranker file (pooling RANK) without both cls.weight and "
+            f"{file}: a bert reranker file without both cls.weight and "
             "cls.output.weight; infer serves the cross-encoders whose head the file holds "
             "whole (BGE-reranker's: dense, tanh, out_proj). A BERT cross-encoder's pooler is "
             "left out by llama.cpp's converter: serve its Hugging Face folder instead"
@@ -106,7 +117,7 @@ def write_bert_tokenizer(reader: Any, out: Path, file: Path, max_length: int) ->
         raise ModelLoadError(f"{file}: the file holds no vocabulary (tokenizer.ggml.tokens)")
     types = [int(t) for t in (_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))]
     if model == "bert":
-        tokenizer = _wordpiece(reader, tokens, types)
+        tokenizer = _wordpiece(reader, tokens, types, file)
     elif model == "t5":
         tokenizer = _unigram(reader, tokens, types, file)
     else:
@@ -127,7 +138,7 @@ def _special(reader: Any, tokens: list[str], key: str, *fallbacks: str) -> str |
     return next((t for t in fallbacks if t in tokens), None)
 
 
-def _wordpiece(reader: Any, tokens: list[str], types: list[int]) -> Any:
+def _wordpiece(reader: Any, tokens: list[str], types: list[int], file: Path) -> Any:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -137,10 +148,11 @@ def _wordpiece(reader: Any, tokens: list[str], types: list[int]) -> Any:
             text = text[1:] if text.startswith(WORD_START) else "##" + text
         vocab.setdefault(text, i)
     unk = _special(reader, tokens, "unknown", "[UNK]") or "[UNK]"
-    cls = _special(reader, tokens, "cls", "[CLS]") or _special(reader, tokens, "bos")
+    # (llama.cpp's converter stores [CLS] as bos: GGUF has no key for it)
+    cls = _special(reader, tokens, "cls") or _special(reader, tokens, "bos", "[CLS]")
     sep = _special(reader, tokens, "seperator", "[SEP]")  # (llama.cpp's spelling)
     if cls is None or sep is None:
-        raise ModelLoadError("a WordPiece vocabulary without [CLS] / [SEP] tokens")
+        raise ModelLoadError(f"{file}: a WordPiece vocabulary without [CLS] / [SEP] tokens")
     lowercase = _field(reader, "tokenizer.ggml.normalizer.lowercase")
     lowercase = True if lowercase is None else bool(lowercase)
     strip = _field(reader, "tokenizer.ggml.normalizer.strip_accents")
@@ -185,11 +197,12 @@ def _unigram(reader: Any, tokens: list[str], types: list[int], file: Path) -> An
     charsmap = reader.fields.get("tokenizer.ggml.precompiled_charsmap")
     if charsmap is not None and len(charsmap.data):
         steps.append(normalizers.Precompiled(bytes(charsmap.contents())))
-    if _field(reader, "tokenizer.ggml.remove_extra_whitespaces") is not False:
+    merge = bool(_field(reader, "tokenizer.ggml.remove_extra_whitespaces"))
+    if merge:
         steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
     tok.normalizer = normalizers.Sequence(steps)
-    prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
-    scheme = "never" if prefix is False else "always"
+    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix"))
+    scheme = "always" if merge or prefix else "never"
     tok.pre_tokenizer = pre_tokenizers.Metaspace(WORD_START, prepend_scheme=scheme)
     tok.decoder = decoders.Metaspace(WORD_START, prepend_scheme=scheme)
     bos = _special(reader, tokens, "bos", "<s>")

@@ -244,12 +244,12 @@ def _reranker(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> di
     with ``{query}`` and ``{document}`` (llama-server formats each pair with it). Served as a
     one-label classifier, ``W[yes] - W[no]``: the sigmoid of its logit is that softmax value.
     {} for a file that is not a reranker."""
+    if arch == "bert":
+        from infer.model.gguf_bert import bert_reranker, is_bert_reranker
+
+        return bert_reranker(reader, tensors, file) if is_bert_reranker(reader, tensors) else {}
     if int(_field(reader, f"{arch}.pooling_type") or 0) != RANK:
         return {}
-    if arch == "bert":
-        from infer.model.gguf_bert import bert_reranker
-
-        return bert_reranker(reader, tensors, file)
     head = tensors.get("cls.output.weight")
     shape = None if head is None else [int(n) for n in reversed(head.shape)]
     if arch != "qwen3" or shape is None or len(shape) != 2 or shape[0] != 2:

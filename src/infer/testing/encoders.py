@@ -64,6 +64,45 @@ def _tokenizer(out: Path, token_types: bool) -> None:
     fast.save_pretrained(out)
 
 
+def _sentencepiece_tokenizer(out: Path) -> int:
+    """XLM-RoBERTa's kind of tokenizer, saved into ``out``: a SentencePiece Unigram model
+    (``nmt_nfkc`` normalization, as XLM-RoBERTa's) trained on the offline corpus and a few
+    lines that NFKC changes, converted as transformers converts XLM-RoBERTa's (fairseq's
+    ``<s> <pad> </s> <unk>`` first, ``<mask>`` last), beside its ``sentencepiece.bpe.model``
+    (what llama.cpp's converter reads). Needs the ``sentencepiece`` package. Returns the
+    vocabulary's size."""
+    import sentencepiece
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import XLMRobertaConverter
+
+    from infer.data.corpus import load_corpus
+
+    lines = [line for doc in load_corpus(include_docstrings=False) for line in doc.splitlines()]
+    lines += ["ﬁnancial ① Ｆｕｌｌ　ｗｉｄｔｈ café naïve Ångström 東京 ½"] * 20
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(line for line in lines if line.strip()),
+        model_prefix=str(out / "sentencepiece.bpe"), vocab_size=600, model_type="unigram",
+        bos_id=0, unk_id=1, eos_id=2, pad_id=-1, hard_vocab_limit=False, minloglevel=2,
+    )  # fmt: skip
+
+    class _Original:  # (what the converter reads of a slow XLMRobertaTokenizer)
+        vocab_file = str(out / "sentencepiece.bpe.model")
+        handle_byte_fallback = False
+        ids = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+
+        def convert_tokens_to_ids(self, token: str) -> int:
+            return self.ids[token]
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=XLMRobertaConverter(_Original()).converted(), bos_token="<s>",
+        eos_token="</s>", cls_token="<s>", sep_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", mask_token="<mask>", model_max_length=128,
+    )  # fmt: skip
+    fast.save_pretrained(out)
+    (out / "sentencepiece.bpe.vocab").unlink(missing_ok=True)
+    return len(fast)
+
+
 def build_cross_encoder(kind: str, root: Path) -> Path:
     """The folder ``root/<kind>-reranker``: a tiny ``kind`` (:data:`ENCODER_KINDS`) as a
     one-label ``*ForSequenceClassification`` (a cross-encoder reranker, as BGE-reranker and
@@ -72,12 +111,16 @@ def build_cross_encoder(kind: str, root: Path) -> Path:
 
 
 def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool = True,
-                  name: str | None = None, labels: int = 0, **shape: int) -> Path:  # fmt: skip
+                  name: str | None = None, labels: int = 0, sentencepiece: bool = False,
+                  **shape: int) -> Path:  # fmt: skip
     """The folder ``root/<kind>-<pooling>`` (or ``root/<name>``): a tiny ``kind``
     (:data:`ENCODER_KINDS`) embedding model, or one of ``shape`` (config fields: hidden_size,
     num_hidden_layers, ...), whose sentence-transformers files pool by ``pooling`` (``mean``,
     ``cls``, ``last``) and normalize with ``normalize``; with ``labels``, a sequence
-    classifier of that many labels instead (no sentence-transformers files); built if absent."""
+    classifier of that many labels instead (no sentence-transformers files); with
+    ``sentencepiece`` (an XLM-RoBERTa), XLM-RoBERTa's kind of tokenizer in place of the
+    WordPiece one (:func:`_sentencepiece_tokenizer`: needs the ``sentencepiece`` package);
+    built if absent."""
     import torch
     import transformers
 
@@ -88,14 +131,18 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
-        _tokenizer(tmp, token_types=kind != "xlm_roberta")
+        if sentencepiece:  # (XLM-RoBERTa's ids: <pad> is 1)
+            vocab_size, pad = _sentencepiece_tokenizer(tmp), 1
+        else:
+            _tokenizer(tmp, token_types=kind != "xlm_roberta")
+            vocab_size, pad = VOCAB_SIZE, 0
         base = ENCODER_KINDS[kind]
         config_cls = getattr(transformers, base.replace("Model", "Config"))
         arch = base.replace("Model", "ForSequenceClassification") if labels else base
-        fields = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2,
+        fields = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
                       num_attention_heads=4, intermediate_size=128,
                       max_position_embeddings=130 if kind == "xlm_roberta" else 128)  # fmt: skip
-        config = config_cls(**{**fields, **shape}, pad_token_id=0, architectures=[arch],
+        config = config_cls(**{**fields, **shape}, pad_token_id=pad, architectures=[arch],
                             type_vocab_size=1 if kind == "xlm_roberta" else 2)  # fmt: skip
         if labels:
             config.num_labels = labels

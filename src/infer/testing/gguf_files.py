@@ -338,11 +338,10 @@ def write_bert_gguf(
     converter writes one: architecture ``bert``, the vocabulary with U+2581 before each word's
     first piece and ``##`` dropped from the others (control tokens as they are), an
     XLM-RoBERTa's position table without its first ``pad + 1`` rows, no pooler (a
-    cross-encoder: pooling RANK, its head as ``cls`` / ``cls.output``, its labels); 2-D
-    weights in ``weight_type``;
-    ``pooling`` (MEAN, CLS, LAST) as ``bert.pooling_type``; ``lowercase`` as
-    ``tokenizer.ggml.normalizer.lowercase`` (None: left out, as in files written before
-    llama.cpp stored it)."""
+    cross-encoder: its head as ``cls`` / ``cls.output``, its labels, no pooling type); 2-D
+    weights in ``weight_type``; ``pooling`` (MEAN, CLS, LAST, RANK) as ``bert.pooling_type``;
+    ``lowercase`` as ``tokenizer.ggml.normalizer.lowercase`` (None: left out, as in files
+    written before llama.cpp stored it)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -362,7 +361,6 @@ def write_bert_gguf(
     if pooling is not None:
         writer.add_pooling_type(gguf.PoolingType[pooling])
     if config["architectures"][0].endswith("ForSequenceClassification"):  # a cross-encoder
-        writer.add_pooling_type(gguf.PoolingType.RANK)
         labels = config["id2label"]
         writer.add_classifier_output_labels([labels[str(i)] for i in range(len(labels))])
     data = json.loads((folder / "tokenizer.json").read_text())

@@ -137,6 +137,7 @@ class AttentionContext:
         self._bidirectional: (
             tuple[torch.Tensor, torch.Tensor | None] | list[tuple[int, int]] | None
         ) = None
+        self._encoder_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend = backend if backend is not None else default_backend(self.device)
         self.prefill_chunks: PrefillChunks | None = None
         self.prefills: list[_PrefillSeq] = []
@@ -286,12 +287,15 @@ class AttentionContext:
         (:meth:`AttentionBackend.bidirectional`)."""
         return self.backend.bidirectional(self, q, k, v, scale)
 
-    def encoder_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each sequence's first row and row count (an encoder's step: whole inputs only)."""
-        lens = np.asarray([s.num_new_tokens for s in self.sequences], dtype=np.int64)
-        if any(s.num_computed_tokens for s in self.sequences):
-            raise RuntimeError("an encoder's input ran in pieces: it must run whole")
-        return np.cumsum(lens) - lens, lens
+    def encoder_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's first row and row count, int64 on the host (an encoder's step:
+        whole inputs only; made once a step)."""
+        if self._encoder_rows is None:
+            if any(s.num_computed_tokens for s in self.sequences):
+                raise RuntimeError("an encoder's input ran in pieces: it must run whole")
+            lens = torch.tensor([s.num_new_tokens for s in self.sequences], dtype=torch.int64)
+            self._encoder_rows = (torch.cumsum(lens, 0) - lens, lens)
+        return self._encoder_rows
 
     def padded_layout(self) -> tuple[torch.Tensor, torch.Tensor | None] | list[tuple[int, int]]:
         """How the torch reference batches an encoder's step (made once a step): sequences
@@ -304,7 +308,7 @@ class AttentionContext:
         more than double the rows (one long input beside many short ones): then each
         sequence's rows ``(start, end)``, one SDPA call each."""
         if self._bidirectional is None:
-            starts, lens = self.encoder_rows()
+            starts, lens = (t.numpy() for t in self.encoder_rows())
             width = int(lens.max())
             if width * len(lens) > 2 * int(lens.sum()):
                 self._bidirectional = [(int(a), int(a + n)) for a, n in zip(starts, lens,

@@ -641,17 +641,17 @@ class CpuKernels:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        starts: Any,
-        lens: Any,
+        starts: torch.Tensor,
+        lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         """An encoder's attention (csrc/prefill_attention.cpp ``infer_encoder_attention``):
         sequence i's rows ``starts[i] .. starts[i] + lens[i] - 1`` of ``q`` ``[T, H, D]``
         attend to all of its rows of ``k, v`` ``[T, Hkv, D]`` (bf16; rows may be strided, as
-        views of a fused projection are) -> ``[T, H, D]``; ``starts``, ``lens``: int arrays."""
+        views of a fused projection are) -> ``[T, H, D]``; ``starts``, ``lens``: int64."""
         out = torch.empty(q.shape, dtype=q.dtype)
-        starts64 = torch.as_tensor(starts, dtype=torch.int64).contiguous()
-        lens64 = torch.as_tensor(lens, dtype=torch.int64).contiguous()
+        starts64 = starts.to(torch.int64).contiguous()
+        lens64 = lens.to(torch.int64).contiguous()
         rc = self._encoder_attention(
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), out.data_ptr(),
             out.stride(0), starts64.data_ptr(), lens64.data_ptr(), len(lens64), q.shape[1],
