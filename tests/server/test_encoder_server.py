@@ -64,6 +64,7 @@ def test_the_openai_sdk_gets_sentence_transformers_vectors(server, reference):
         torch.testing.assert_close(torch.tensor(got), vector(text), atol=1e-5, rtol=1e-5)
     assert "an encoder (BertModel): it embeds" in server.log()
     assert "MEAN pooling, normalized" in server.log()
+    assert "prefix caching off (an encoder's every token sees its whole input" in server.log()
     server.wait_idle()
 
 

@@ -354,8 +354,9 @@ def serve(args: argparse.Namespace) -> int:
         ", ".join(names), engine.model_path, args.host, args.port, engine.max_model_len,
         cap.num_tokens, cap.num_blocks, cap.block_size, cap.total_bytes / 2**20, sc.max_num_seqs,
         sc.max_num_batched_tokens,
-        "on" if config.cache.enable_prefix_caching
-        else f"off ({config.prefix_caching_off_reason or '--no-enable-prefix-caching'})",
+        # (the engine's own config: it turns prefix caching off where it cannot apply)
+        "on" if engine.config.cache.enable_prefix_caching
+        else f"off ({engine.config.prefix_caching_off_reason or '--no-enable-prefix-caching'})",
         sc.max_queued_requests if sc.max_queued_requests is not None else "none",
         "required" if settings.api_key else "off",
     )  # fmt: skip
