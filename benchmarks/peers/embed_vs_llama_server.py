@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rerank_vs_llama_server import documents, start  # noqa: E402
+from rerank_vs_llama_server import documents, take_turns  # noqa: E402
 
 
 def embed(url: str, texts: list[str]) -> list[list[float]]:
@@ -65,8 +65,6 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("embed_vs_llama_server.md"))
     p.add_argument("--infer-args", default="", help="more flags for infer serve")
     args = p.parse_args()
-    logs = args.out.with_suffix(".logs")
-    logs.mkdir(parents=True, exist_ok=True)
     servers = {
         "llama.cpp (llama-server)": [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1",
                                      "--port", "8310", "--embedding", "-np", "16", "-c", "16384",
@@ -79,17 +77,8 @@ def main() -> None:
         "llama.cpp (llama-server)": "http://127.0.0.1:8310",
         "infer serve": "http://127.0.0.1:8410",
     }
-    results: dict[str, list[dict]] = {name: [] for name in servers}
-    for rnd in range(1, args.rounds + 1):
-        for name, cmd in servers.items():
-            proc = start(cmd, urls[name], logs / f"{name.split()[0]}-r{rnd}.log")
-            try:
-                results[name].append(measure(urls[name], args))
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
-            shown = {k: round(v, 2) for k, v in results[name][-1].items() if k != "vectors"}
-            print(name, rnd, shown, flush=True)
+    results = take_turns(servers, urls, args.rounds, args.out.with_suffix(".logs"),
+                         lambda url: measure(url, args))  # fmt: skip
     a, b = (torch.tensor(results[n][0]["vectors"]).flatten(0, 1) for n in servers)
     cosine = torch.nn.functional.cosine_similarity(a, b).min().item()
     lines = [

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -52,6 +53,26 @@ def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
             raise SystemExit(f"{cmd[0]} exited; see {log}")
         time.sleep(0.5)
     raise SystemExit(f"{cmd[0]} did not come up; see {log}")
+
+
+def take_turns(servers: dict[str, list[str]], urls: dict[str, str], rounds: int, logs: Path,
+               measure: Callable[[str], dict]) -> dict[str, list[dict]]:  # fmt: skip
+    """Each round, each server in turn started fresh (its log in ``logs``), ``measure``d at
+    its URL and stopped; the measurements by server, in round order."""
+    logs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {name: [] for name in servers}
+    for rnd in range(1, rounds + 1):
+        for name, cmd in servers.items():
+            proc = start(cmd, urls[name], logs / f"{name.split()[0]}-r{rnd}.log")
+            try:
+                results[name].append(measure(urls[name]))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+            shown = {k: round(v, 2) for k, v in results[name][-1].items()
+                     if isinstance(v, float)}  # fmt: skip
+            print(name, rnd, shown, flush=True)
+    return results
 
 
 def rerank(url: str, query: str, docs: list[str]) -> list[float]:
@@ -91,8 +112,6 @@ def main() -> None:
     p.add_argument("--infer-args", default="", help="more flags for infer serve, e.g. "
                    "'--no-enable-prefix-caching' (what prefix caching buys)")  # fmt: skip
     args = p.parse_args()
-    logs = args.out.with_suffix(".logs")
-    logs.mkdir(parents=True, exist_ok=True)
     servers = {
         "llama.cpp (llama-server)": [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1",
                                      "--port", "8310", "--reranking", "-np", "8", "-c", "16384",
@@ -104,17 +123,8 @@ def main() -> None:
         "llama.cpp (llama-server)": "http://127.0.0.1:8310",
         "infer serve": "http://127.0.0.1:8410",
     }
-    results: dict[str, list[dict]] = {name: [] for name in servers}
-    for rnd in range(1, args.rounds + 1):
-        for name, cmd in servers.items():
-            proc = start(cmd, urls[name], logs / f"{name.split()[0]}-r{rnd}.log")
-            try:
-                results[name].append(measure(urls[name], args))
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
-            print(name, rnd, {k: round(v, 2) for k, v in results[name][-1].items() if k != "scores"},
-                  flush=True)  # fmt: skip
+    results = take_turns(servers, urls, args.rounds, args.out.with_suffix(".logs"),
+                         lambda url: measure(url, args))  # fmt: skip
     a, b = (results[n][0]["scores"] for n in servers)
     diff = max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
     lines = [

@@ -43,7 +43,7 @@ def _vectors(results) -> list[torch.Tensor]:
     return [torch.tensor(r.outputs.embedding) for r in results]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert"])
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_embeddings_are_sentence_transformers_vectors(kind, pooling, encoder_root, make_llm):
     folder = build_encoder(kind, encoder_root, pooling)
@@ -180,7 +180,7 @@ def test_what_an_encoder_cannot_do_is_refused_naming_it(encoder_root, make_llm):
             LLM(str(folder), dtype="float32", **options)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert"])
 def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_llm):
     """A ``*ForSequenceClassification`` encoder (one label: a reranker) scores each pair as
     transformers' classifier does on the tokenizer's pair encoding (BERT's second text is token
@@ -201,7 +201,9 @@ def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_l
     assert llm.engine.spec.is_encoder and llm.engine.spec.is_classifier
     scores = [o.outputs.score for o in llm.score(query, docs)]
     assert scores == pytest.approx([float(w) for w in want], abs=1e-5)
-    if kind == "bert":  # the second text's token type counts: type 0 throughout is another score
+    if (
+        kind != "xlm_roberta"
+    ):  # the second text's token type counts: type 0 throughout is another score
         ids = tok(query, docs[0])
         assert 1 in ids["token_type_ids"]
         with torch.no_grad():
@@ -209,6 +211,29 @@ def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_l
         assert abs(float(torch.sigmoid(flat)) - scores[0]) > 1e-4
     with pytest.raises(InvalidRequestError, match="classifies"):
         llm.embed(query)
+
+
+def test_a_nomic_bert_published_config_reads_as_transformers_one(encoder_root, make_llm,
+                                                                 tmp_path):  # fmt: skip
+    """Nomic's own config names (``n_embd``, ``rotary_emb_base``, 8,192 positions over the
+    2,048 trained: capped there, as llama.cpp caps them) serve the same model as transformers'
+    names; settings infer does not run are refused naming them."""
+    import json
+
+    from infer.model.folders import ModelLoadError
+    from infer.testing.encoders import nomic_published
+
+    folder = build_encoder("nomic_bert", encoder_root, "mean")
+    published = nomic_published(folder, tmp_path / "published")
+    want = _vectors(make_llm(str(folder)).embed(TEXTS))
+    llm = make_llm(str(published))
+    assert llm.engine.max_model_len == 2048  # (max_trained_positions)
+    for a, b in zip(want, _vectors(llm.embed(TEXTS)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    config = json.loads((published / "config.json").read_text())
+    (published / "config.json").write_text(json.dumps(config | {"rotary_emb_fraction": 0.5}))
+    with pytest.raises(ModelLoadError, match="rotary_emb_fraction=0.5 is not supported"):
+        make_llm(str(published))
 
 
 def test_plan_says_an_encoder_holds_no_kv_cache(encoder_root):

@@ -40,10 +40,11 @@ def _vectors(results) -> torch.Tensor:
     return torch.tensor([r.outputs.embedding for r in results])
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert"])
 def test_a_float32_file_embeds_exactly_as_its_folder(kind, encoder_root, make_llm, tmp_path):
     """Same tokens, same vectors (every weight as stored; an XLM-RoBERTa's position table
-    stored without its first pad + 1 rows), the pooling the file names (its folder's MEAN)."""
+    stored without its first pad + 1 rows; a Nomic BERT as ``nomic-bert``: fused q/k/v, rope
+    base from the file), the pooling the file names (its folder's MEAN)."""
     folder = build_encoder(kind, encoder_root, "mean")
     file = write_bert_gguf(folder, tmp_path / f"{kind}.gguf", pooling="MEAN")
     want = make_llm(str(folder), dtype="float32")

@@ -103,71 +103,6 @@ def test_llama_quantized_files_give_transformers_logits(kind, tmp_path):
     assert (held - lps).abs().mean() < 0.05
 
 
-def test_llama_cpps_qwen3_reranker_file_scores_as_transformers_and_llama_server(
-    tiny_checkpoints, tmp_path
-):
-    """A tiny Qwen3 with "yes" / "no" tokens, in a folder named as Qwen3-Reranker: llama.cpp's
-    converter writes it as a reranker (pooling RANK, cls.output.weight, a ``rerank`` chat
-    template). infer's score of each pair is transformers' softmax probability of "yes" over
-    the template (1e-5), and llama-server's ``/v1/rerank`` answer where it is built (its own
-    float32 kernels: within 1e-3)."""
-    import json
-    import time
-    import urllib.request
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from infer import LLM
-    from tests.server.conftest import free_port
-
-    folder = tmp_path / "qwen3-reranker"  # (the name llama.cpp's converter recognizes)
-    tok = AutoTokenizer.from_pretrained(tiny_checkpoints["qwen3"])
-    tok.add_tokens(["yes", "no"])
-    causal = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen3"], dtype=torch.float32)
-    causal.resize_token_embeddings(len(tok), mean_resizing=False)
-    with torch.no_grad():
-        for w in (causal.get_input_embeddings().weight, causal.get_output_embeddings().weight):
-            w[-2:] = 0.2 * torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0))
-    causal.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    file = convert(folder, tmp_path / "rr.gguf")
-    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
-    query, docs = "a list in Python", ["The quick brown fox", "a list is a sequence", "x"]
-    with LLM(str(file), dtype="float32") as llm:
-        template = llm.engine.spec.rerank_template
-        got = [r.outputs.score for r in llm.score(query, docs)]
-    for score, doc in zip(got, docs, strict=True):
-        text = template.replace("{query}", query).replace("{document}", doc)
-        with torch.no_grad():
-            logits = causal.eval()(torch.tensor([tok.encode(text, add_special_tokens=False)]))
-        want = torch.softmax(logits.logits[0, -1, [yes, no]].double(), 0)[0]
-        assert score == pytest.approx(float(want), abs=1e-5)
-    server = LLAMA_CPP / "build" / "bin" / "llama-server"
-    if not server.is_file():
-        return
-    port = free_port()
-    proc = subprocess.Popen([str(server), "-m", str(file), "--host", "127.0.0.1", "--port",
-                             str(port), "--reranking", "-t", "2", "-c", "2048"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(120):
-            try:
-                if urllib.request.urlopen(url + "/health").status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
-        body = json.dumps({"query": query, "documents": docs}).encode()
-        request = urllib.request.Request(url + "/v1/rerank", body,
-                                         {"Content-Type": "application/json"})  # fmt: skip
-        results = json.loads(urllib.request.urlopen(request).read())["results"]
-        theirs = {r["index"]: r["relevance_score"] for r in results}
-        assert [theirs[i] for i in range(len(docs))] == pytest.approx(got, abs=1e-3)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 def _llama_server(file: Path, *flags: str):
     """llama-server on ``file`` (a context manager yielding its URL), None where it is not
     built."""
@@ -205,6 +140,19 @@ def _llama_server(file: Path, *flags: str):
     return running()
 
 
+def _llama_server_embeds_as(file: Path, texts: list[str], vectors: torch.Tensor) -> bool:
+    """llama-server's ``/v1/embeddings`` of ``texts`` on ``file`` are ``vectors`` within 1e-3
+    (its GELU is tanh's approximation); False where it is not built."""
+    server = _llama_server(file, "--embedding")
+    if server is None:
+        return False
+    with server as url:
+        data = _post(url + "/v1/embeddings", {"input": texts})["data"]
+    theirs = torch.tensor([d["embedding"] for d in sorted(data, key=lambda d: d["index"])])
+    torch.testing.assert_close(theirs, vectors, atol=1e-3, rtol=0)
+    return True
+
+
 def _post(url: str, body: dict) -> dict:
     import json
     import urllib.request
@@ -212,6 +160,51 @@ def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})  # fmt: skip
     return json.loads(urllib.request.urlopen(request).read())
+
+
+def test_llama_cpps_qwen3_reranker_file_scores_as_transformers_and_llama_server(
+    tiny_checkpoints, tmp_path
+):
+    """A tiny Qwen3 with "yes" / "no" tokens, in a folder named as Qwen3-Reranker: llama.cpp's
+    converter writes it as a reranker (pooling RANK, cls.output.weight, a ``rerank`` chat
+    template). infer's score of each pair is transformers' softmax probability of "yes" over
+    the template (1e-5), and llama-server's ``/v1/rerank`` answer where it is built (its own
+    float32 kernels: within 1e-3)."""
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infer import LLM
+
+    folder = tmp_path / "qwen3-reranker"  # (the name llama.cpp's converter recognizes)
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoints["qwen3"])
+    tok.add_tokens(["yes", "no"])
+    causal = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen3"], dtype=torch.float32)
+    causal.resize_token_embeddings(len(tok), mean_resizing=False)
+    with torch.no_grad():
+        for w in (causal.get_input_embeddings().weight, causal.get_output_embeddings().weight):
+            w[-2:] = 0.2 * torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0))
+    causal.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    file = convert(folder, tmp_path / "rr.gguf")
+    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
+    query, docs = "a list in Python", ["The quick brown fox", "a list is a sequence", "x"]
+    with LLM(str(file), dtype="float32") as llm:
+        template = llm.engine.spec.rerank_template
+        got = [r.outputs.score for r in llm.score(query, docs)]
+    for score, doc in zip(got, docs, strict=True):
+        text = template.replace("{query}", query).replace("{document}", doc)
+        with torch.no_grad():
+            logits = causal.eval()(torch.tensor([tok.encode(text, add_special_tokens=False)]))
+        want = torch.softmax(logits.logits[0, -1, [yes, no]].double(), 0)[0]
+        assert score == pytest.approx(float(want), abs=1e-5)
+    server = _llama_server(file, "--reranking", "-c", "2048")
+    if server is None:
+        return
+    with server as url:
+        body = {"query": query, "documents": docs}
+        results = _post(url + "/v1/rerank", body)["results"]
+    theirs = {r["index"]: r["relevance_score"] for r in results}
+    assert [theirs[i] for i in range(len(docs))] == pytest.approx(got, abs=1e-3)
 
 
 def test_llama_cpps_xlm_roberta_files_embed_and_rerank_as_their_folders(tmp_path):
@@ -249,13 +242,8 @@ def test_llama_cpps_xlm_roberta_files_embed_and_rerank_as_their_folders(tmp_path
             scores.append([r.outputs.score for r in llm.score(query, docs)])
     torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
     assert scores[1] == pytest.approx(scores[0], abs=1e-6)
-    server = _llama_server(file, "--embedding")
-    if server is None:
+    if not _llama_server_embeds_as(file, texts, vectors[1]):
         return
-    with server as url:
-        data = _post(url + "/v1/embeddings", {"input": texts})["data"]
-    theirs = torch.tensor([d["embedding"] for d in sorted(data, key=lambda d: d["index"])])
-    torch.testing.assert_close(theirs, vectors[1], atol=1e-3, rtol=0)
     with _llama_server(rr_file, "--reranking") as url:
         results = _post(url + "/v1/rerank", {"query": query, "documents": docs})["results"]
     logits = torch.tensor([r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])])
@@ -282,10 +270,26 @@ def test_llama_cpps_bert_file_embeds_as_its_folder_and_llama_server(tmp_path):
             want_tokens = tokens
     assert tokens == want_tokens
     torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
-    server = _llama_server(file, "--embedding")
-    if server is None:
-        return
-    with server as url:
-        data = _post(url + "/v1/embeddings", {"input": texts})["data"]
-    theirs = torch.tensor([d["embedding"] for d in sorted(data, key=lambda d: d["index"])])
-    torch.testing.assert_close(theirs, vectors[1], atol=1e-3, rtol=0)
+    _llama_server_embeds_as(file, texts, vectors[1])
+
+
+def test_llama_cpps_nomic_bert_file_embeds_as_its_folder_and_llama_server(tmp_path):
+    """A tiny Nomic BERT, config.json as Nomic publishes nomic-embed-text (what llama.cpp's
+    converter reads), through the converter (``nomic-bert``: fused q/k/v, rope base in the
+    metadata): the folder's tokens and vectors (1e-6), llama-server's (1e-3)."""
+    from infer import LLM
+    from infer.testing.encoders import build_encoder, default_encoder_root, nomic_published
+
+    folder = build_encoder("nomic_bert", default_encoder_root(), "mean")
+    published = nomic_published(folder, tmp_path / "nomic")
+    file = convert(published, tmp_path / "nomic.gguf")
+    texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
+    vectors, tokens = [], []
+    for model in (published, file):
+        with LLM(str(model), dtype="float32") as llm:
+            results = llm.embed(texts)
+        vectors.append(torch.tensor([r.outputs.embedding for r in results]))
+        tokens.append([r.prompt_token_ids for r in results])
+    assert tokens[1] == tokens[0]
+    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
+    _llama_server_embeds_as(file, texts, vectors[1])

@@ -138,10 +138,11 @@ def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim):
     its own rows, none to another's; q, k and v strided views of one fused projection; lengths
     of one row, a key block and one past it, several query tiles."""
     gen = torch.Generator().manual_seed(3)
-    lens = [100, 1, 16, 17, 200, 7]
+    lens = [100, 1, 16, 17, 200, 7, 1000]
     total = sum(lens)
     qkv = torch.randn(total, heads + 2 * kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    k = k.contiguous()  # (rows of k and v a different stride apart: a rotated k is a copy)
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])
     scale = head_dim**-0.5
     assert kernels.can_attend_encoder(q, k, v)

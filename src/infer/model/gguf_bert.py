@@ -41,37 +41,51 @@ WORD_START = "\u2581"  # what llama.cpp's converter puts before a word's first p
 CONTROL = 3  # llama.cpp's token type of a control token ([CLS], <s>, ...)
 
 
-def bert_config(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str, Any]:
-    """``config.json``'s fields for a ``bert`` GGUF file (a ``BertModel`` of it)."""
+def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> dict[str, Any]:
+    """``config.json``'s fields for a ``bert`` GGUF file (a ``BertModel`` of it) or a
+    ``nomic-bert`` one (a ``NomicBertModel``: rotary positions, no position table)."""
 
     def field(key: str, default: Any = None) -> Any:
-        value = _field(reader, key)
+        value = _field(reader, f"{arch}.{key}")
         if value is None and default is None:
-            raise ModelLoadError(f"{file}: GGUF metadata {key!r} is missing")
+            raise ModelLoadError(f"{file}: GGUF metadata {arch}.{key!r} is missing")
         return default if value is None else value
 
-    if field("bert.attention.causal", False):
-        raise ModelLoadError(f"{file}: a bert file with causal attention is not a BERT encoder")
-    for name in ("token_embd.weight", "position_embd.weight"):
+    if field("attention.causal", False):
+        raise ModelLoadError(f"{file}: a {arch} file with causal attention is not an encoder")
+    needed = ("token_embd.weight",) + (("position_embd.weight",) if arch == "bert" else ())
+    for name in needed:
         if name not in tensors:
             raise ModelLoadError(f"{file}: tensor {name} is missing")
-    vocab = int(tensors["token_embd.weight"].shape[-1])
-    positions = int(tensors["position_embd.weight"].shape[-1])
     types = tensors.get("token_types.weight")
-    return {
+    config = {
+        "hidden_size": int(field("embedding_length")),
+        "num_hidden_layers": int(field("block_count")),
+        "num_attention_heads": int(field("attention.head_count")),
+        "intermediate_size": int(field("feed_forward_length")),
+        "layer_norm_eps": float(field("attention.layer_norm_epsilon", 1e-12)),
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "type_vocab_size": 1 if types is None else int(types.shape[-1]),
+        "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id") or 0),
+    }
+    if arch == "nomic-bert":
+        if field("expert_count", 0):
+            raise ModelLoadError(f"{file}: a nomic-bert file with experts (nomic-embed-text "
+                                 "v2's) is not supported")  # fmt: skip
+        return config | {
+            "architectures": ["NomicBertModel"],
+            "model_type": "nomic_bert",
+            "max_position_embeddings": int(field("context_length")),
+            "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default",
+                                "rope_theta": float(field("rope.freq_base", 1000.0))},
+        }  # fmt: skip
+    return config | {
         "architectures": ["BertModel"],
         "model_type": "bert",
-        "hidden_size": int(field("bert.embedding_length")),
-        "num_hidden_layers": int(field("bert.block_count")),
-        "num_attention_heads": int(field("bert.attention.head_count")),
-        "intermediate_size": int(field("bert.feed_forward_length")),
-        "layer_norm_eps": float(field("bert.attention.layer_norm_epsilon", 1e-12)),
-        "max_position_embeddings": positions,
-        "vocab_size": vocab,
-        "type_vocab_size": 1 if types is None else int(types.shape[-1]),
+        "max_position_embeddings": int(tensors["position_embd.weight"].shape[-1]),
         "hidden_act": "gelu",
         "position_embedding_type": "absolute",
-        "pad_token_id": int(field("tokenizer.ggml.padding_token_id", 0)),
     }
 
 

@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "bert": "BertModel",  # XLM-RoBERTa's too (model/gguf_bert.py)
+    "nomic-bert": "NomicBertModel",
 }
 
 
@@ -145,8 +146,8 @@ def _write_folder(file: Path, out: Path) -> None:
             f"{file} is one part of a split GGUF; merge the parts into one file first "
             "(llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`)"
         )
-    if arch == "bert":  # (transformers reads no BERT file)
-        _write_bert_folder(reader, file, out)
+    if arch in ("bert", "nomic-bert"):  # (transformers reads no BERT file)
+        _write_bert_folder(reader, arch, file, out)
         return
     try:
         config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
@@ -209,17 +210,20 @@ def _write_folder(file: Path, out: Path) -> None:
     _write_pooling(reader, arch, out)
 
 
-def _write_bert_folder(reader: Any, file: Path, out: Path) -> None:
-    """config.json, the tokenizer and the pooling of a ``bert`` file (model/gguf_bert.py)."""
+def _write_bert_folder(reader: Any, arch: str, file: Path, out: Path) -> None:
+    """config.json, the tokenizer and the pooling of a ``bert`` or ``nomic-bert`` file
+    (model/gguf_bert.py)."""
     from infer.model.gguf_bert import bert_config, write_bert_tokenizer
 
     tensors = {t.name: t for t in reader.tensors}
-    data = bert_config(reader, tensors, file) | _reranker(reader, "bert", tensors, file)
+    data = bert_config(reader, arch, tensors, file)
+    if arch == "bert":
+        data |= _reranker(reader, arch, tensors, file)
     data["torch_dtype"] = _compute_dtype(tensors)
     (out / "config.json").write_text(json.dumps(data, indent=1) + "\n")
     write_bert_tokenizer(reader, out, file, data["max_position_embeddings"])
     (out / "generation_config.json").write_text("{}\n")
-    _write_pooling(reader, "bert", out)
+    _write_pooling(reader, arch, out)
 
 
 def _compute_dtype(tensors: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from infer.model.gemma3 import Gemma3ForCausalLM
 from infer.model.gpt2 import GPT2LMHeadModel
 from infer.model.layers import CausalLM
 from infer.model.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
+from infer.model.nomic_bert import NomicBertModel
 from infer.model.qwen import (
     Qwen2ForCausalLM,
     Qwen2MoeForCausalLM,
@@ -38,6 +39,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         BertModel,
         RobertaModel,
         XLMRobertaModel,
+        NomicBertModel,
     )
 }
 
@@ -54,6 +56,7 @@ MODEL_TYPES: dict[str, type[CausalLM]] = {
     "bert": BertModel,
     "roberta": RobertaModel,
     "xlm-roberta": XLMRobertaModel,
+    "nomic_bert": NomicBertModel,
 }
 
 

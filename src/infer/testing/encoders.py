@@ -15,7 +15,8 @@ from pathlib import Path
 from infer.model.pooling import write_pooling_files
 from infer.testing.checkpoints import _publish, default_root
 
-ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel"}
+ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel",
+                 "nomic_bert": "NomicBertModel"}  # fmt: skip
 VERSION = "v2"  # bump when a recipe changes: folders built before are not reused
 
 
@@ -101,6 +102,38 @@ def _sentencepiece_tokenizer(out: Path) -> int:
     fast.save_pretrained(out)
     (out / "sentencepiece.bpe.vocab").unlink(missing_ok=True)
     return len(fast)
+
+
+def nomic_published(folder: Path, out: Path) -> Path:
+    """A copy at ``out`` of the Nomic BERT ``folder`` (transformers' config names) with
+    ``config.json`` as Nomic publishes its models (nomic-embed-text v1.5's fields, GPT-2's
+    names: ``n_embd``, ``n_layer``, ``rotary_emb_base``, ...; 8,192 positions, trained for
+    2,048), which llama.cpp's converter reads; the tensors are the same either way."""
+    import json
+
+    if out.is_dir():
+        return out
+    shutil.copytree(folder, out)
+    native = json.loads((folder / "config.json").read_text())
+    config = {
+        "architectures": ["NomicBertModel"], "model_type": "nomic_bert",
+        "activation_function": "swiglu", "causal": False, "prenorm": False,
+        "n_embd": native["hidden_size"], "n_head": native["num_attention_heads"],
+        "n_inner": native["intermediate_size"], "n_layer": native["num_hidden_layers"],
+        "n_positions": 8192, "max_trained_positions": 2048,
+        "layer_norm_epsilon": native["layer_norm_eps"],
+        "rotary_emb_base": native["rope_parameters"]["rope_theta"], "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False, "rotary_emb_scale_base": None,
+        "rotary_scaling_factor": None, "qkv_proj_bias": False, "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False, "type_vocab_size": native["type_vocab_size"],
+        "vocab_size": native["vocab_size"], "pad_token_id": native["pad_token_id"],
+    }  # fmt: skip
+    # transformers' names too: llama.cpp's converter reads config.json through transformers,
+    # whose own NomicBertConfig takes only those (the published sizes are its defaults)
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers"):
+        config[key] = native[key]
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out
 
 
 def build_cross_encoder(kind: str, root: Path) -> Path:

@@ -333,9 +333,10 @@ def write_bert_gguf(
     pooling: str | None = None,
     lowercase: bool | None = True,
 ) -> Path:
-    """Write the BERT / XLM-RoBERTa embedding model or cross-encoder in ``folder``
+    """Write the BERT / XLM-RoBERTa / Nomic BERT embedding model or cross-encoder in ``folder``
     (``infer.testing.encoders``: a WordPiece tokenizer) as GGUF ``out`` the way llama.cpp's
-    converter writes one: architecture ``bert``, the vocabulary with U+2581 before each word's
+    converter writes one: architecture ``bert`` (``nomic-bert``: its rope base, no position
+    table), the vocabulary with U+2581 before each word's
     first piece and ``##`` dropped from the others (control tokens as they are), an
     XLM-RoBERTa's position table without its first ``pad + 1`` rows, no pooler (a
     cross-encoder: its head as ``cls`` / ``cls.output``, its labels, no pooling type); 2-D
@@ -348,10 +349,14 @@ def write_bert_gguf(
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     offset = config["pad_token_id"] + 1 if config["model_type"] == "xlm-roberta" else 0
+    nomic = config["model_type"] == "nomic_bert"
+    arch = "nomic-bert" if nomic else "bert"
     layers = config["num_hidden_layers"]
-    writer = gguf.GGUFWriter(str(out), "bert")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name("tiny-encoder")
     writer.add_context_length(config["max_position_embeddings"] - offset)
+    if nomic:
+        writer.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(layers)
     writer.add_feed_forward_length(config["intermediate_size"])
@@ -383,7 +388,9 @@ def write_bert_gguf(
         writer.add_uint32(getattr(gguf.Keys.Tokenizer, f"{key}_ID"), special[text])
     if lowercase is not None:
         writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, layers)
+    name_map = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.NOMIC_BERT if nomic else gguf.MODEL_ARCH.BERT, layers
+    )
     state: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file)))

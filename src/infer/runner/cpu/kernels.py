@@ -234,8 +234,8 @@ class CpuKernels:
         )  # fmt: skip
         self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
         self._encoder_attention = bind(
-            "infer_encoder_attention", ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64,
-            i64, f32, i32,
+            "infer_encoder_attention", ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64,
+            i64, i64, f32, i32,
         )  # fmt: skip
         self._moe = bind("infer_moe", ptr, ptr, ptr, i64, i64, i32, i32)
         self._qk_norm = bind("infer_qk_norm", ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, i32)
@@ -624,14 +624,12 @@ class CpuKernels:
 
     def can_attend_encoder(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether :meth:`encoder_attention` takes these: the prefill kernel's CPUs, bf16, heads
-        contiguous within each row, ``head_dim`` a multiple of 32 up to 256, k and v rows of
-        one stride."""
+        contiguous within each row, ``head_dim`` a multiple of 32 up to 256."""
         d = q.shape[-1]
         return (
             self.has_prefill_attention
             and all(t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == d
                     for t in (q, k, v))
-            and k.stride(0) == v.stride(0)
             and d % 32 == 0
             and d <= 256
         )  # fmt: skip
@@ -653,8 +651,9 @@ class CpuKernels:
         starts64 = starts.to(torch.int64).contiguous()
         lens64 = lens.to(torch.int64).contiguous()
         rc = self._encoder_attention(
-            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), out.data_ptr(),
-            out.stride(0), starts64.data_ptr(), lens64.data_ptr(), len(lens64), q.shape[1],
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            out.data_ptr(), out.stride(0), starts64.data_ptr(), lens64.data_ptr(), len(lens64),
+            q.shape[1],
             k.shape[1], q.shape[2], scale, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

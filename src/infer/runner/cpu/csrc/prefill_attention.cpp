@@ -569,11 +569,12 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind
 // An encoder's attention: sequence i's query rows q_starts[i] .. q_starts[i] + q_lens[i] - 1
 // attend to all of that sequence's keys and values (its own rows of key / value: no cache, no
 // mask). query / out [T, heads, head_dim], key / value [T, kv_heads, head_dim], bf16, each row
-// q_stride / out_stride / kv_stride elements after the one before (heads contiguous in a row).
-// Each sequence's rows are read as a "cache" of one block holding them all.
+// q_stride / out_stride / k_stride / v_stride elements after the one before (heads contiguous
+// in a row). Each sequence's rows are read as a "cache" of one block holding them all.
 int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint16_t* key,
-                            const uint16_t* value, int64_t kv_stride, uint16_t* out,
-                            int64_t out_stride, const int64_t* q_starts, const int64_t* q_lens,
+                            int64_t k_stride, const uint16_t* value, int64_t v_stride,
+                            uint16_t* out, int64_t out_stride, const int64_t* q_starts,
+                            const int64_t* q_lens,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, float scale, int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
@@ -588,17 +589,17 @@ int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint1
     for (int64_t item = 0; item < items; ++item) {
       const int64_t i = item / num_kv_heads, kvh = item % num_kv_heads, n = q_lens[i];
       if (n <= 0) continue;
-      const KvRows keys{key + q_starts[i] * kv_stride, nullptr, kKvPlain, num_kv_heads, head_dim,
-                        kv_stride};
-      const KvRows values{value + q_starts[i] * kv_stride, nullptr, kKvPlain, num_kv_heads,
-                          head_dim, kv_stride};
+      const KvRows keys{key + q_starts[i] * k_stride, nullptr, kKvPlain, num_kv_heads, head_dim,
+                        k_stride};
+      const KvRows values{value + q_starts[i] * v_stride, nullptr, kKvPlain, num_kv_heads,
+                          head_dim, v_stride};
       attend_item(query, q_stride, keys, values, out, out_stride, table, q_starts[i], n, 0, kvh,
                   num_heads, num_kv_heads, head_dim, n, scale, 0, true, buf);
     }
   }
   return 0;
 #else
-  (void)query; (void)q_stride; (void)key; (void)value; (void)kv_stride; (void)out;
+  (void)query; (void)q_stride; (void)key; (void)k_stride; (void)value; (void)v_stride; (void)out;
   (void)out_stride; (void)q_starts; (void)q_lens; (void)num_seqs; (void)scale; (void)num_threads;
   return 3;
 #endif
