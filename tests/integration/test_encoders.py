@@ -43,7 +43,7 @@ def _vectors(results) -> list[torch.Tensor]:
     return [torch.tensor(r.outputs.embedding) for r in results]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "gte"])
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_embeddings_are_sentence_transformers_vectors(kind, pooling, encoder_root, make_llm):
     folder = build_encoder(kind, encoder_root, pooling)
@@ -180,7 +180,7 @@ def test_what_an_encoder_cannot_do_is_refused_naming_it(encoder_root, make_llm):
             LLM(str(folder), dtype="float32", **options)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "gte"])
 def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_llm):
     """A ``*ForSequenceClassification`` encoder (one label: a reranker) scores each pair as
     transformers' classifier does on the tokenizer's pair encoding (BERT's second text is token
@@ -233,6 +233,35 @@ def test_a_nomic_bert_published_config_reads_as_transformers_one(encoder_root, m
     config = json.loads((published / "config.json").read_text())
     (published / "config.json").write_text(json.dumps(config | {"rotary_emb_fraction": 0.5}))
     with pytest.raises(ModelLoadError, match="rotary_emb_fraction=0.5 is not supported"):
+        make_llm(str(published))
+
+
+def test_a_gte_published_config_reads_as_transformers_one(encoder_root, make_llm, tmp_path):
+    """Alibaba's own config for GTE (``NewModel``, model_type ``new``, ``rope_theta`` and its
+    code's options) serves the same model as transformers' ``GteModel`` config; a rope scaling
+    (gte-base-en-v1.5's NTK) is refused naming it."""
+    import json
+    import shutil
+
+    from infer.model.folders import ModelLoadError
+
+    folder = build_encoder("gte", encoder_root, "mean")
+    published = tmp_path / "published"
+    shutil.copytree(folder, published)
+    native = json.loads((folder / "config.json").read_text())
+    config = {k: v for k, v in native.items() if k != "rope_parameters"} | {
+        "architectures": ["NewModel"], "model_type": "new", "position_embedding_type": "rope",
+        "rope_theta": native["rope_parameters"]["rope_theta"], "layer_norm_type": "layer_norm",
+        "logn_attention_scale": False, "logn_attention_clip1": False, "rope_scaling": None,
+        "unpad_inputs": False, "use_memory_efficient_attention": False, "pack_qkv": True,
+    }  # fmt: skip
+    (published / "config.json").write_text(json.dumps(config))
+    want = _vectors(make_llm(str(folder)).embed(TEXTS))
+    for a, b in zip(want, _vectors(make_llm(str(published)).embed(TEXTS)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    ntk = config | {"rope_scaling": {"type": "ntk", "factor": 2.0}}
+    (published / "config.json").write_text(json.dumps(ntk))
+    with pytest.raises(ModelLoadError, match="GTE with rope_scaling=.*is not supported"):
         make_llm(str(published))
 
 

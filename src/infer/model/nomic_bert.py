@@ -42,6 +42,7 @@ class NomicBertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     activation: str = "silu"
+    bias: bool = False  # q/k/v, the attention output and the down projection (GTE's have)
     position_offset: int = 0  # (BERT's field: rotary positions start at 0)
 
     @property
@@ -54,7 +55,8 @@ class NomicBertConfig:
 
 
 class NomicBertLayer(nn.Module):
-    """One post-norm layer (the module doc); gate and up fused into one projection."""
+    """One post-norm layer (the module doc; GTE's too, with biases); gate and up fused into one
+    projection, gate first."""
 
     def __init__(self, cfg: NomicBertConfig, layer_idx: int) -> None:
         super().__init__()
@@ -63,11 +65,11 @@ class NomicBertLayer(nn.Module):
         self.scale = cfg.head_dim**-0.5
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.inter = inter
-        self.qkv_proj = nn.Linear(h, 3 * h, bias=False)
-        self.attn_out = nn.Linear(h, h, bias=False)
+        self.qkv_proj = nn.Linear(h, 3 * h, bias=cfg.bias)
+        self.attn_out = nn.Linear(h, h, bias=cfg.bias)
         self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.gate_up = nn.Linear(h, 2 * inter, bias=False)
-        self.down = nn.Linear(inter, h, bias=False)
+        self.down = nn.Linear(inter, h, bias=cfg.bias)
         self.out_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.act = activation(cfg.activation)
 

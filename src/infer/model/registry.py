@@ -14,6 +14,7 @@ from typing import Any
 from infer.model.bert import BertModel, RobertaModel, XLMRobertaModel
 from infer.model.gemma3 import Gemma3ForCausalLM
 from infer.model.gpt2 import GPT2LMHeadModel
+from infer.model.gte import GteModel, NewModel
 from infer.model.layers import CausalLM
 from infer.model.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
 from infer.model.nomic_bert import NomicBertModel
@@ -40,6 +41,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         RobertaModel,
         XLMRobertaModel,
         NomicBertModel,
+        GteModel,
+        NewModel,
     )
 }
 
@@ -57,6 +60,8 @@ MODEL_TYPES: dict[str, type[CausalLM]] = {
     "roberta": RobertaModel,
     "xlm-roberta": XLMRobertaModel,
     "nomic_bert": NomicBertModel,
+    "gte": GteModel,
+    "new": NewModel,
 }
 
 

@@ -16,7 +16,7 @@ from infer.model.pooling import write_pooling_files
 from infer.testing.checkpoints import _publish, default_root
 
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel",
-                 "nomic_bert": "NomicBertModel"}  # fmt: skip
+                 "nomic_bert": "NomicBertModel", "gte": "GteModel"}  # fmt: skip
 VERSION = "v2"  # bump when a recipe changes: folders built before are not reused
 
 

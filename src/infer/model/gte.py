@@ -1,0 +1,91 @@
+"""GTE (``GteModel``; Alibaba's ``NewModel``: gte-multilingual-base), Nomic BERT's layers
+(:mod:`infer.model.nomic_bert`: post-norm, rotary positions, a gated MLP) with biases on q, k,
+v, the attention output and the down projection, GELU as the gate's activation, and BERT's
+tensor names::
+
+    embeddings.word_embeddings, .token_type_embeddings, .LayerNorm
+    encoder.layer.N.attention.qkv_proj (fused, with bias), attention.o_proj, attn_ln
+    encoder.layer.N.mlp.up_gate_proj (up rows first, then gate), mlp.down_proj, mlp_ln
+
+``config.json`` as transformers writes it (``GteModel``, ``rope_parameters``) or as Alibaba
+published it (``NewModel``, ``rope_theta``); a rope scaling (gte-base-en-v1.5's NTK) and the
+other options of Alibaba's code are refused naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infer.model.layers import WeightSource
+from infer.model.nomic_bert import NomicBertConfig, NomicBertModel
+from infer.model.rope import RopeConfig
+
+# Alibaba's config options infer runs only at these values.
+_FIXED = {"position_embedding_type": "rope", "layer_norm_type": "layer_norm",
+          "logn_attention_scale": False, "logn_attention_clip1": False,
+          "rope_scaling": None}  # fmt: skip
+
+
+class GteModel(NomicBertModel):
+    """A GTE encoder: final hidden states ``[T, hidden]`` for pooling."""
+
+    architecture = "GteModel"
+    checkpoint_aliases = (("", "new."), ("", "gte."))
+
+    @classmethod
+    def parse_config(cls, config: dict[str, Any]) -> NomicBertConfig:  # type: ignore[override]
+        for key, value in _FIXED.items():
+            if config.get(key, value) != value:
+                raise ValueError(f"GTE with {key}={config[key]!r} is not supported (infer runs "
+                                 f"{key}={value!r})")  # fmt: skip
+        params = config.get("rope_parameters") or {}
+        if params.get("rope_type", "default") != "default":
+            raise ValueError(f"GTE with rope_type {params['rope_type']!r} is not supported")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not a multiple of {heads} heads")
+        theta = float(params.get("rope_theta", config.get("rope_theta", 160_000.0)))
+        return NomicBertConfig(
+            hidden_size=hidden,
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            vocab_size=config["vocab_size"],
+            max_position_embeddings=config.get("max_position_embeddings", 8192),
+            intermediate_size=config["intermediate_size"],
+            rope=RopeConfig(theta=theta, head_dim=hidden // heads),
+            type_vocab_size=config.get("type_vocab_size", 1),
+            layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+            activation=config.get("hidden_act", "gelu"),
+            bias=True,
+        )
+
+    def weight_sources(self) -> dict[str, WeightSource]:
+        def plain(name: str) -> WeightSource:
+            return WeightSource((name,))
+
+        src = {
+            "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
+            "token_type_embeddings.weight": plain("embeddings.token_type_embeddings.weight"),
+            "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
+            "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
+        }
+        inter = self.cfg.intermediate_size  # type: ignore[attr-defined]
+        # (the checkpoint's up_gate_proj holds up's rows first; ours takes gate's first)
+        gate_first = tuple(range(inter, 2 * inter)) + tuple(range(inter))
+        for i in range(self.cfg.num_layers):
+            ours, theirs = f"layers.{i}.", f"encoder.layer.{i}."
+            for mine, name in (("qkv_proj", "attention.qkv_proj"), ("attn_out", "attention.o_proj"),
+                               ("down", "mlp.down_proj"), ("attn_norm", "attn_ln"),
+                               ("out_norm", "mlp_ln")):  # fmt: skip
+                for suffix in ("weight", "bias"):
+                    src[f"{ours}{mine}.{suffix}"] = plain(f"{theirs}{name}.{suffix}")
+            src[f"{ours}gate_up.weight"] = WeightSource(
+                (f"{theirs}mlp.up_gate_proj.weight",), rows=gate_first
+            )
+        return src
+
+
+class NewModel(GteModel):
+    """GTE as Alibaba published it (``NewModel``, model_type ``new``)."""
+
+    architecture = "NewModel"
