@@ -43,7 +43,7 @@ def _vectors(results) -> list[torch.Tensor]:
     return [torch.tensor(r.outputs.embedding) for r in results]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "gte"])
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "gte", "modernbert"])
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_embeddings_are_sentence_transformers_vectors(kind, pooling, encoder_root, make_llm):
     folder = build_encoder(kind, encoder_root, pooling)
@@ -107,16 +107,19 @@ def test_bf16_and_quantized_linears_are_close_to_float32(encoder_root, make_llm)
             assert torch.nn.functional.cosine_similarity(a, b, dim=0) > least, options
 
 
-def test_bf16_attention_kernel_gives_the_float32_vectors(encoder_root, make_llm, monkeypatch):
+@pytest.mark.parametrize("kind,layers", [("bert", 2), ("modernbert", 3)])
+def test_bf16_attention_kernel_gives_the_float32_vectors(kind, layers, encoder_root, make_llm,
+                                                         monkeypatch):  # fmt: skip
     """Heads 64 wide (the C++ encoder attention kernel's shapes; the tiny model's 16 take
-    SDPA): in bf16 every layer's attention is one kernel call, and the vectors of inputs of
-    many lengths side by side stay within bf16's reach of float32's."""
+    SDPA): in bf16 every layer's attention is one kernel call (ModernBERT's local layers with
+    their window), and the vectors of inputs of many lengths side by side stay within bf16's
+    reach of float32's."""
     from infer.runner.cpu.kernels import CpuKernels, cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None or not kernels.has_prefill_attention:
         pytest.skip("no C++ attention kernels on this machine")
-    folder = build_encoder("bert", encoder_root, "mean", name="bert-mean-d64", hidden_size=128,
+    folder = build_encoder(kind, encoder_root, "mean", name=f"{kind}-mean-d64", hidden_size=128,
                            num_attention_heads=2, intermediate_size=256)  # fmt: skip
     texts = [*TEXTS, PROMPTS[1], PROMPTS[3] * 3]
     exact = _vectors(make_llm(str(folder)).embed(texts))
@@ -125,7 +128,7 @@ def test_bf16_attention_kernel_gives_the_float32_vectors(encoder_root, make_llm,
     monkeypatch.setattr(CpuKernels, "encoder_attention",
                         lambda self, *a: calls.append(1) or original(self, *a))  # fmt: skip
     got = _vectors(make_llm(str(folder), dtype="bfloat16").embed(texts))
-    assert calls and len(calls) % 2 == 0  # (every layer of each step: two layers)
+    assert calls and len(calls) % layers == 0  # (every layer of each step)
     for a, b in zip(exact, got, strict=True):
         assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
 
@@ -263,6 +266,14 @@ def test_a_gte_published_config_reads_as_transformers_one(encoder_root, make_llm
     (published / "config.json").write_text(json.dumps(ntk))
     with pytest.raises(ModelLoadError, match="GTE with rope_scaling=.*is not supported"):
         make_llm(str(published))
+
+
+def test_a_modernbert_cross_encoder_is_refused_naming_its_head(encoder_root, make_llm):
+    from infer.testing.encoders import build_cross_encoder
+
+    folder = build_cross_encoder("modernbert", encoder_root)
+    with pytest.raises(ValueError, match="a ModernBERT sequence classifier is not supported"):
+        make_llm(str(folder))
 
 
 def test_plan_says_an_encoder_holds_no_kv_cache(encoder_root):

@@ -131,12 +131,15 @@ def test_quantized_cache_matches_the_dequantizing_sdpa_path(kv_dtype):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(12, 12, 64), (8, 2, 128), (4, 1, 32), (4, 4, 256)]
-)
-def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim):
+    "heads,kv_heads,head_dim,window",
+    [(12, 12, 64, None), (8, 2, 128, None), (4, 1, 32, None), (4, 4, 256, None),
+     (4, 4, 64, 5), (6, 2, 32, 64)],
+)  # fmt: skip
+def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window):
     """An encoder's step (``infer_encoder_attention``): each sequence's rows attend to all of
-    its own rows, none to another's; q, k and v strided views of one fused projection; lengths
-    of one row, a key block and one past it, several query tiles."""
+    its own rows (a window: those at most that far away, ModernBERT's local layers), none to
+    another's; q, k and v strided views of one fused projection; lengths of one row, a key
+    block and one past it, several query tiles."""
     gen = torch.Generator().manual_seed(3)
     lens = [100, 1, 16, 17, 200, 7, 1000]
     total = sum(lens)
@@ -146,10 +149,12 @@ def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim):
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])
     scale = head_dim**-0.5
     assert kernels.can_attend_encoder(q, k, v)
-    out = kernels.encoder_attention(q, k, v, starts, torch.tensor(lens), scale)
+    out = kernels.encoder_attention(q, k, v, starts, torch.tensor(lens), scale, window)
     for s, n in zip(starts.tolist(), lens, strict=True):
         rows = [t[s : s + n].double().transpose(0, 1)[None] for t in (q, k, v)]
-        expected = F.scaled_dot_product_attention(*rows, scale=scale,
+        pos = torch.arange(n)
+        band = None if window is None else (pos[:, None] - pos[None, :]).abs() <= window
+        expected = F.scaled_dot_product_attention(*rows, attn_mask=band, scale=scale,
                                                   enable_gqa=heads != kv_heads)  # fmt: skip
         torch.testing.assert_close(out[s : s + n].double(), expected[0].transpose(0, 1),
                                    atol=2e-2, rtol=2e-2)  # fmt: skip

@@ -46,8 +46,15 @@ class Attention(Protocol):
         ...
 
     def attend_bidirectional(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """An encoder's attention: each sequence's tokens (a whole input) attend to all of its
-        tokens; nothing is cached. ``[T, H, D]`` each -> ``[T, H, D]``."""
+        tokens (``window``: those at most that many positions away on either side); nothing is
+        cached. ``[T, H, D]`` each -> ``[T, H, D]``."""
         ...

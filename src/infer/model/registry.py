@@ -17,6 +17,7 @@ from infer.model.gpt2 import GPT2LMHeadModel
 from infer.model.gte import GteModel, NewModel
 from infer.model.layers import CausalLM
 from infer.model.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
+from infer.model.modernbert import ModernBertModel
 from infer.model.nomic_bert import NomicBertModel
 from infer.model.qwen import (
     Qwen2ForCausalLM,
@@ -43,6 +44,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         NomicBertModel,
         GteModel,
         NewModel,
+        ModernBertModel,
     )
 }
 
@@ -62,6 +64,7 @@ MODEL_TYPES: dict[str, type[CausalLM]] = {
     "nomic_bert": NomicBertModel,
     "gte": GteModel,
     "new": NewModel,
+    "modernbert": ModernBertModel,
 }
 
 

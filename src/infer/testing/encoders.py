@@ -16,7 +16,8 @@ from infer.model.pooling import write_pooling_files
 from infer.testing.checkpoints import _publish, default_root
 
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel",
-                 "nomic_bert": "NomicBertModel", "gte": "GteModel"}  # fmt: skip
+                 "nomic_bert": "NomicBertModel", "gte": "GteModel",
+                 "modernbert": "ModernBertModel"}  # fmt: skip
 VERSION = "v2"  # bump when a recipe changes: folders built before are not reused
 
 
@@ -175,12 +176,16 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         fields = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
                       num_attention_heads=4, intermediate_size=128,
                       max_position_embeddings=130 if kind == "xlm_roberta" else 128)  # fmt: skip
-        config = config_cls(**{**fields, **shape}, pad_token_id=pad, architectures=[arch],
-                            type_vocab_size=1 if kind == "xlm_roberta" else 2)  # fmt: skip
+        if kind == "modernbert":  # (no token types; a global layer, then two local ones
+            # whose 8-token window short inputs reach past)
+            fields.update(num_hidden_layers=3, local_attention=8, max_position_embeddings=128)
+        else:
+            fields["type_vocab_size"] = 1 if kind == "xlm_roberta" else 2
+        config = config_cls(**{**fields, **shape}, pad_token_id=pad, architectures=[arch])
         if labels:
             config.num_labels = labels
         torch.manual_seed(5)
-        extra = {} if labels else {"add_pooling_layer": True}
+        extra = {} if labels or kind == "modernbert" else {"add_pooling_layer": True}
         model = getattr(transformers, arch)(config, **extra).to(torch.float32)
         with torch.no_grad():  # wider than the default init: every layer moves the output
             for name, param in model.named_parameters():

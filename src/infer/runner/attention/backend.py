@@ -64,24 +64,34 @@ class AttentionBackend:
 
     def bidirectional(
         self, ctx: AttentionContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        scale: float,
+        scale: float, window: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """An encoder's attention (:meth:`AttentionContext.attend_bidirectional`), here with
         torch's SDPA on any device and dtype, batched as :meth:`AttentionContext.padded_layout`
-        says."""
+        says; ``window``: a query sees the keys at most that many rows away."""
         sdpa = torch.nn.functional.scaled_dot_product_attention
         layout = ctx.padded_layout()
+
+        def band(width: int) -> torch.Tensor | None:  # [width, width], True where seen
+            if window is None:
+                return None
+            pos = torch.arange(width, device=q.device)
+            return (pos[:, None] - pos[None, :]).abs() <= window
+
         if isinstance(layout, list):  # [H, n, D] per sequence
             out = torch.empty_like(q)
             for a, b in layout:
                 rows = (t[a:b].transpose(0, 1) for t in (q, k, v))
-                out[a:b] = sdpa(*rows, scale=scale).transpose(0, 1)
+                out[a:b] = sdpa(*rows, attn_mask=band(b - a), scale=scale).transpose(0, 1)
             return out
         index, valid = layout
         # [S, W, H, D] -> [S, H, W, D]
         qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
-        # (inputs of one length: no mask, SDPA's fused kernel)
+        # (inputs of one length and no window: no mask, SDPA's fused kernel)
         mask = None if valid is None else valid[:, None, None, :]
+        near = band(index.shape[1])
+        if near is not None:
+            mask = near[None, None] if mask is None else mask & near[None, None]
         out = sdpa(qs, ks, vs, attn_mask=mask, scale=scale).transpose(1, 2)
         return out.reshape(q.shape) if valid is None else out[valid]
 

@@ -279,13 +279,20 @@ class AttentionContext:
         return self.backend.attend(self, layer_idx, q, k, v, scale, sliding_window, kv_stored)
 
     def attend_bidirectional(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """An encoder's attention: each sequence's tokens attend to all of its tokens, none
-        read from or written to the cache (every sequence is a whole input: no past). ``q, k,
-        v`` ``[T, H, D]`` -> ``[T, H, D]``; the backend computes it
+        """An encoder's attention: each sequence's tokens attend to all of its tokens (with
+        ``window``: those at most that many positions away on either side), none read from or
+        written to the cache (every sequence is a whole input: no past). ``q, k, v``
+        ``[T, H, D]`` -> ``[T, H, D]``; the backend computes it
         (:meth:`AttentionBackend.bidirectional`)."""
-        return self.backend.bidirectional(self, q, k, v, scale)
+        return self.backend.bidirectional(self, q, k, v, scale, window)
 
     def encoder_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's first row and row count, int64 on the host (an encoder's step:

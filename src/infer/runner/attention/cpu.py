@@ -52,11 +52,11 @@ class CpuAttention(TorchAttention):
         else:
             super().prefill(ctx, layer_idx, q, k, v, out, scale, window, gqa)
 
-    def bidirectional(self, ctx, q, k, v, scale):
+    def bidirectional(self, ctx, q, k, v, scale, window=None):
         if self.kernels.can_attend_encoder(q, k, v):
             starts, lens = ctx.encoder_rows()
-            return self.kernels.encoder_attention(q, k, v, starts, lens, scale)
-        return super().bidirectional(ctx, q, k, v, scale)
+            return self.kernels.encoder_attention(q, k, v, starts, lens, scale, window)
+        return super().bidirectional(ctx, q, k, v, scale, window)
 
     def can_store_rotated(self, ctx: AttentionContext, qkv: torch.Tensor) -> bool:
         return (

@@ -234,8 +234,8 @@ class CpuKernels:
         )  # fmt: skip
         self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
         self._encoder_attention = bind(
-            "infer_encoder_attention", ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64,
-            i64, i64, f32, i32,
+            "infer_encoder_attention", ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64,
+            i64, i64, i64, i64, f32, i32,
         )  # fmt: skip
         self._moe = bind("infer_moe", ptr, ptr, ptr, i64, i64, i32, i32)
         self._qk_norm = bind("infer_qk_norm", ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, i32)
@@ -642,18 +642,20 @@ class CpuKernels:
         starts: torch.Tensor,
         lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """An encoder's attention (csrc/prefill_attention.cpp ``infer_encoder_attention``):
         sequence i's rows ``starts[i] .. starts[i] + lens[i] - 1`` of ``q`` ``[T, H, D]``
         attend to all of its rows of ``k, v`` ``[T, Hkv, D]`` (bf16; rows may be strided, as
-        views of a fused projection are) -> ``[T, H, D]``; ``starts``, ``lens``: int64."""
+        views of a fused projection are) -> ``[T, H, D]``; ``starts``, ``lens``: int64;
+        ``window``: only the keys at most that many rows away on either side."""
         out = torch.empty(q.shape, dtype=q.dtype)
         starts64 = starts.to(torch.int64).contiguous()
         lens64 = lens.to(torch.int64).contiguous()
         rc = self._encoder_attention(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-            out.data_ptr(), out.stride(0), starts64.data_ptr(), lens64.data_ptr(), len(lens64),
-            q.shape[1],
+            out.data_ptr(), out.stride(0), starts64.data_ptr(), lens64.data_ptr(), window or 0,
+            len(lens64), q.shape[1],
             k.shape[1], q.shape[2], scale, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

@@ -435,14 +435,22 @@ struct Buffers {
 };
 
 // One (sequence, kv head): queries [0, n) at positions past .. past + n - 1; each sees the
-// keys up to its own position, or with ``bidirectional`` (an encoder: past 0, no window) all n.
+// keys up to its own position (window > 0: the last ``window`` of them), or with
+// ``bidirectional`` (an encoder: past 0) all n (window > 0: those at most ``window`` away on
+// either side, ModernBERT's local layers).
 void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
                  const KvRows& values, uint16_t* out, int64_t out_stride,
                  const int32_t* table, int64_t q_start, int64_t n, int64_t past, int64_t kvh,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  float scale, int64_t window, bool bidirectional, Buffers& buf) {
   const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
-  auto first_key = [&](int64_t pos) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; };
+  const int64_t reach = bidirectional ? window : window - 1;  // keys before a query it sees
+  auto first_key = [&](int64_t pos) { return window > 0 && pos - reach > 0 ? pos - reach : 0; };
+  // the last key a query at pos sees (inclusive)
+  auto last_key = [&](int64_t pos) {
+    if (!bidirectional) return pos;
+    return window > 0 && pos + window < past + n ? pos + window : past + n - 1;
+  };
   const int64_t base = first_key(past) / 16 * 16;  // every column index is relative to base
   const int64_t nk = past + n - base;
   const int64_t nk16 = (nk + 15) / 16 * 16;
@@ -457,7 +465,7 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
     const int64_t qb = qa + tile_queries < n ? qa + tile_queries : n;
     const int64_t rows = (qb - qa) * group;
     const int64_t c_start = (first_key(past + qa) - base) / 16 * 16;
-    const int64_t c_end = (bidirectional ? past + n : past + qb) - base;
+    const int64_t c_end = last_key(past + qb - 1) + 1 - base;
     const int64_t ncols = (c_end - c_start + 15) / 16 * 16;
     buf.s.resize(rows * ncols);
     buf.p.resize(rows * ncols);
@@ -471,7 +479,7 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
       buf.qrows[r] = query + (q_start + qi) * q_stride + h * head_dim;
       buf.orows[r] = out + (q_start + qi) * out_stride + h * head_dim;
       buf.lo[r] = first_key(past + qi) - base - c_start;
-      buf.hi[r] = (bidirectional ? past + n - 1 : past + qi) - base - c_start;  // inclusive
+      buf.hi[r] = last_key(past + qi) - base - c_start;  // inclusive
     }
     // Scores, scaled: a block of 64 keys (in L1) against every row, kTileRows rows at a time.
     const uint32_t* kp0 = buf.kp.data() + c_start / 16 * pairs * 16;
@@ -567,14 +575,15 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind
 }
 
 // An encoder's attention: sequence i's query rows q_starts[i] .. q_starts[i] + q_lens[i] - 1
-// attend to all of that sequence's keys and values (its own rows of key / value: no cache, no
-// mask). query / out [T, heads, head_dim], key / value [T, kv_heads, head_dim], bf16, each row
-// q_stride / out_stride / k_stride / v_stride elements after the one before (heads contiguous
-// in a row). Each sequence's rows are read as a "cache" of one block holding them all.
+// attend to all of that sequence's keys and values (its own rows of key / value: no cache),
+// or with window > 0 to those at most window rows away on either side. query / out
+// [T, heads, head_dim], key / value [T, kv_heads, head_dim], bf16, each row q_stride /
+// out_stride / k_stride / v_stride elements after the one before (heads contiguous in a row).
+// Each sequence's rows are read as a "cache" of one block holding them all.
 int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint16_t* key,
                             int64_t k_stride, const uint16_t* value, int64_t v_stride,
                             uint16_t* out, int64_t out_stride, const int64_t* q_starts,
-                            const int64_t* q_lens,
+                            const int64_t* q_lens, int64_t window,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, float scale, int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
@@ -594,13 +603,14 @@ int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint1
       const KvRows values{value + q_starts[i] * v_stride, nullptr, kKvPlain, num_kv_heads,
                           head_dim, v_stride};
       attend_item(query, q_stride, keys, values, out, out_stride, table, q_starts[i], n, 0, kvh,
-                  num_heads, num_kv_heads, head_dim, n, scale, 0, true, buf);
+                  num_heads, num_kv_heads, head_dim, n, scale, window, true, buf);
     }
   }
   return 0;
 #else
   (void)query; (void)q_stride; (void)key; (void)k_stride; (void)value; (void)v_stride; (void)out;
-  (void)out_stride; (void)q_starts; (void)q_lens; (void)num_seqs; (void)scale; (void)num_threads;
+  (void)out_stride; (void)q_starts; (void)q_lens; (void)window; (void)num_seqs; (void)scale;
+  (void)num_threads;
   return 3;
 #endif
 }
