@@ -268,6 +268,17 @@ def test_a_gte_published_config_reads_as_transformers_one(encoder_root, make_llm
         make_llm(str(published))
 
 
+def test_an_encoder_without_a_token_type_table(encoder_root, make_llm):
+    """``type_vocab_size`` 0 (a GTE that has none): nothing added, transformers' vectors."""
+    folder = build_encoder("gte", encoder_root, "mean", name="gte-no-types", type_vocab_size=0)
+    want = _sentence_transformers(folder, TEXTS, "mean")
+    llm = make_llm(str(folder))
+    assert llm.engine.model.token_type_embeddings is None
+    raw = _vectors(llm.embed(TEXTS, PoolingParams(normalize=False)))
+    for got, w in zip(raw, want, strict=True):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+
+
 def test_a_modernbert_cross_encoder_is_refused_naming_its_head(encoder_root, make_llm):
     from infer.testing.encoders import build_cross_encoder
 

@@ -123,7 +123,10 @@ class BertModel(CausalLM):
         self.position_embeddings = nn.Embedding(
             cfg.max_position_embeddings + cfg.position_offset, h
         )
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+        # (none where the checkpoint has no types: type_vocab_size 0)
+        self.token_type_embeddings = (
+            nn.Embedding(cfg.type_vocab_size, h) if cfg.type_vocab_size else None
+        )
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(BertLayer(cfg, i) for i in range(cfg.num_layers))
 
@@ -147,7 +150,7 @@ class BertModel(CausalLM):
             # (the positions a text may take: RoBERTa's table starts at its offset)
             max_position_embeddings=table - offset,
             intermediate_size=config["intermediate_size"],
-            type_vocab_size=config.get("type_vocab_size", 2),
+            type_vocab_size=config.get("type_vocab_size", 2) or 0,
             layer_norm_eps=config.get("layer_norm_eps", 1e-12),
             activation=config.get("hidden_act", "gelu"),
             position_offset=offset,
@@ -161,18 +164,24 @@ class BertModel(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        types = self._token_types(input_ids, positions)
-        x = (
-            self.word_embeddings(input_ids)
-            + self.position_embeddings(positions + self.cfg.position_offset)
-            # (type 0 throughout: its one row, broadcast, not a gather of T rows)
-            + (self.token_type_embeddings.weight[0] if types is None
-               else self.token_type_embeddings(types))
-        )  # fmt: skip
-        x = self.embed_norm(x)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(
+            positions + self.cfg.position_offset
+        )
+        x = self.embed_norm(self._add_token_types(x, input_ids, positions))
         for layer in self.layers:
             x = layer(x, attn)
         return x
+
+    def _add_token_types(
+        self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """``x`` plus each token's type embedding (none without a type table)."""
+        if self.token_type_embeddings is None:
+            return x
+        types = self._token_types(input_ids, positions)
+        # (type 0 throughout: its one row, broadcast, not a gather of T rows)
+        table = self.token_type_embeddings
+        return x + (table.weight[0] if types is None else table(types))
 
     def _token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Each token's type: for a cross-encoder, 1 after the first ``[SEP]`` of its input (the
@@ -190,6 +199,13 @@ class BertModel(CausalLM):
         starts = torch.cumsum((positions == 0).long(), 0) - 1  # each token's input
         first = torch.nonzero(positions == 0).flatten()
         return (before - before[first][starts] > 0).long()
+
+    def _type_source(self) -> dict[str, WeightSource]:
+        """The token type table's source ({} without one)."""
+        if self.token_type_embeddings is None:
+            return {}
+        return {"token_type_embeddings.weight": WeightSource(
+            ("embeddings.token_type_embeddings.weight",))}  # fmt: skip
 
     def make_classifier(self, num_labels: int) -> EncoderClassifierHead:
         """The head of a ``*ForSequenceClassification`` checkpoint (the loader adds it)."""
@@ -219,10 +235,9 @@ class BertModel(CausalLM):
         src = {
             "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
             "position_embeddings.weight": plain("embeddings.position_embeddings.weight"),
-            "token_type_embeddings.weight": plain("embeddings.token_type_embeddings.weight"),
             "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
             "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
-        }
+        } | self._type_source()
         for i in range(self.cfg.num_layers):
             theirs = f"encoder.layer.{i}."
             ours = f"layers.{i}."

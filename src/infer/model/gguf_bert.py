@@ -65,7 +65,7 @@ def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> 
         "intermediate_size": int(field("feed_forward_length")),
         "layer_norm_eps": float(field("attention.layer_norm_epsilon", 1e-12)),
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
-        "type_vocab_size": 1 if types is None else int(types.shape[-1]),
+        "type_vocab_size": 0 if types is None else int(types.shape[-1]),
         "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id") or 0),
     }
     if arch == "nomic-bert":
@@ -78,7 +78,8 @@ def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> 
             "max_position_embeddings": int(field("context_length")),
             "hidden_act": "silu",
             "rope_parameters": {"rope_type": "default",
-                                "rope_theta": float(field("rope.freq_base", 1000.0))},
+                                # (llama.cpp's default where the key is absent)
+                                "rope_theta": float(field("rope.freq_base", 10000.0))},
         }  # fmt: skip
     return config | {
         "architectures": ["BertModel"],

@@ -44,6 +44,9 @@ class GteModel(NomicBertModel):
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         if hidden % heads:
             raise ValueError(f"hidden size {hidden} is not a multiple of {heads} heads")
+        if config.get("head_dim") not in (None, hidden // heads):
+            raise ValueError(f"head_dim {config['head_dim']} is not hidden size / heads: "
+                             "not supported")  # fmt: skip
         theta = float(params.get("rope_theta", config.get("rope_theta", 160_000.0)))
         return NomicBertConfig(
             hidden_size=hidden,
@@ -53,7 +56,7 @@ class GteModel(NomicBertModel):
             max_position_embeddings=config.get("max_position_embeddings", 8192),
             intermediate_size=config["intermediate_size"],
             rope=RopeConfig(theta=theta, head_dim=hidden // heads),
-            type_vocab_size=config.get("type_vocab_size", 1),
+            type_vocab_size=config.get("type_vocab_size", 1) or 0,
             layer_norm_eps=config.get("layer_norm_eps", 1e-12),
             activation=config.get("hidden_act", "gelu"),
             bias=True,
@@ -65,10 +68,9 @@ class GteModel(NomicBertModel):
 
         src = {
             "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
-            "token_type_embeddings.weight": plain("embeddings.token_type_embeddings.weight"),
             "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
             "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
-        }
+        } | self._type_source()
         inter = self.cfg.intermediate_size  # type: ignore[attr-defined]
         # (the checkpoint's up_gate_proj holds up's rows first; ours takes gate's first)
         gate_first = tuple(range(inter, 2 * inter)) + tuple(range(inter))

@@ -129,6 +129,9 @@ class ModernBertModel(BertModel):
         if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
             raise ValueError(f"layer_types {types!r}: one of full_attention / "
                              f"sliding_attention per layer ({layers})")  # fmt: skip
+        if int(config.get("local_attention", 128)) < 2:
+            raise ValueError(f"local_attention {config['local_attention']}: a local layer must "
+                             "see at least its neighbours (2 or more)")  # fmt: skip
         params = config.get("rope_parameters") or {}
         head_dim = hidden // heads
 

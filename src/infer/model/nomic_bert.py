@@ -98,7 +98,9 @@ class NomicBertModel(BertModel):
         self.sep_token_id: int | None = None
         h = cfg.hidden_size
         self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+        self.token_type_embeddings = (
+            nn.Embedding(cfg.type_vocab_size, h) if cfg.type_vocab_size else None
+        )
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(  # type: ignore[assignment]
             NomicBertLayer(cfg, i) for i in range(cfg.num_layers)
@@ -127,6 +129,8 @@ class NomicBertModel(BertModel):
                 "mlp_fc1_bias": (config.get("mlp_fc1_bias", False), (False,)),
                 "mlp_fc2_bias": (config.get("mlp_fc2_bias", False), (False,)),
                 "activation_function": (config.get("activation_function", "swiglu"), ("swiglu",)),
+                "rotary_emb_scale_base": (config.get("rotary_emb_scale_base"), (None,)),
+                "parallel_block": (config.get("parallel_block", False), (False,)),
             }
             for key, (value, allowed) in unsupported.items():
                 if value not in allowed:
@@ -142,6 +146,9 @@ class NomicBertModel(BertModel):
             theta = float(params.get("rope_theta", config.get("rope_theta", 1000.0)))
             act = config.get("hidden_act", "silu")
         head_dim = hidden // heads
+        if config.get("head_dim") not in (None, head_dim):
+            raise ValueError(f"head_dim {config['head_dim']} is not hidden size / heads "
+                             f"({head_dim}): not supported")  # fmt: skip
         return NomicBertConfig(
             hidden_size=hidden,
             num_layers=field("num_hidden_layers", "n_layer"),
@@ -155,7 +162,7 @@ class NomicBertModel(BertModel):
             ),  # fmt: skip
             intermediate_size=field("intermediate_size", "n_inner"),
             rope=RopeConfig(theta=theta, head_dim=head_dim),
-            type_vocab_size=config.get("type_vocab_size", 2),
+            type_vocab_size=config.get("type_vocab_size", 2) or 0,
             layer_norm_eps=field("layer_norm_eps", "layer_norm_epsilon", 1e-12),
             activation=act,
         )
@@ -169,12 +176,8 @@ class NomicBertModel(BertModel):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        types = self._token_types(input_ids, positions)
-        x = self.word_embeddings(input_ids) + (
-            self.token_type_embeddings.weight[0] if types is None
-            else self.token_type_embeddings(types)
-        )  # fmt: skip
-        x = self.embed_norm(x)
+        x = self.embed_norm(self._add_token_types(self.word_embeddings(input_ids), input_ids,
+                                                  positions))  # fmt: skip
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
@@ -186,10 +189,9 @@ class NomicBertModel(BertModel):
 
         src = {
             "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
-            "token_type_embeddings.weight": plain("embeddings.token_type_embeddings.weight"),
             "embed_norm.weight": plain("emb_ln.weight"),
             "embed_norm.bias": plain("emb_ln.bias"),
-        }
+        } | self._type_source()
         for i in range(self.cfg.num_layers):
             ours, theirs = f"layers.{i}.", f"encoder.layers.{i}."
             for mine, parts in (("qkv_proj", ("attn.Wqkv",)), ("attn_out", ("attn.out_proj",)),
