@@ -36,8 +36,24 @@ if TYPE_CHECKING:  # the attention backend is the runner's: models only call it
     from infer.model.attention import Attention
 
 
+class EncoderShape:
+    """What every encoder config says of its heads: each has its own k and v, all as wide as
+    ``hidden_size / num_heads``."""
+
+    hidden_size: int
+    num_heads: int
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(EncoderShape):
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -49,14 +65,6 @@ class BertConfig:
     activation: str = "gelu"
     # RoBERTa: positions count from padding_idx + 1 (its position table's first rows unused)
     position_offset: int = 0
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 class BertLayer(nn.Module):

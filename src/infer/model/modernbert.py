@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.model.bert import BertModel
+from infer.model.bert import BertModel, EncoderShape
 from infer.model.layers import CausalLM, WeightSource, activation
 from infer.model.rope import RopeConfig, apply_rope, rope_tables
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ModernBertConfig:
+class ModernBertConfig(EncoderShape):
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -49,14 +49,6 @@ class ModernBertConfig:
     activation: str = "gelu"
     type_vocab_size: int = 1  # (none: BERT's field, so no token types are made)
     position_offset: int = 0
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 class ModernBertLayer(nn.Module):

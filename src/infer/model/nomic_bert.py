@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.model.bert import BertModel
+from infer.model.bert import BertModel, EncoderShape
 from infer.model.layers import CausalLM, WeightSource, activation
 from infer.model.rope import RopeConfig, apply_rope, rope_tables
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class NomicBertConfig:
+class NomicBertConfig(EncoderShape):
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -44,14 +44,6 @@ class NomicBertConfig:
     activation: str = "silu"
     bias: bool = False  # q/k/v, the attention output and the down projection (GTE's have)
     position_offset: int = 0  # (BERT's field: rotary positions start at 0)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 class NomicBertLayer(nn.Module):
