@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.model.folders import ModelLoadError
-from infer.model.gguf_folder import _field
+from infer.model.gguf_folder import RANK, _field
 
 WORD_START = "\u2581"  # what llama.cpp's converter puts before a word's first piece
 CONTROL = 3  # llama.cpp's token type of a control token ([CLS], <s>, ...)
@@ -94,7 +94,7 @@ def is_bert_reranker(reader: Any, tensors: dict[str, Any]) -> bool:
     """Whether a bert file is a cross-encoder: it holds a classifier head (``cls.output``;
     llama.cpp's converter writes no pooling type for one, llama-server takes ``--reranking``),
     or says pooling RANK."""
-    return "cls.output.weight" in tensors or int(_field(reader, "bert.pooling_type") or 0) == 4
+    return "cls.output.weight" in tensors or int(_field(reader, "bert.pooling_type") or 0) == RANK
 
 
 def bert_reranker(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str, Any]:

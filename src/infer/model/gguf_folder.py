@@ -213,12 +213,17 @@ def _write_folder(file: Path, out: Path) -> None:
 def _write_bert_folder(reader: Any, arch: str, file: Path, out: Path) -> None:
     """config.json, the tokenizer and the pooling of a ``bert`` or ``nomic-bert`` file
     (model/gguf_bert.py)."""
-    from infer.model.gguf_bert import bert_config, write_bert_tokenizer
+    from infer.model.gguf_bert import (
+        bert_config,
+        bert_reranker,
+        is_bert_reranker,
+        write_bert_tokenizer,
+    )
 
     tensors = {t.name: t for t in reader.tensors}
     data = bert_config(reader, arch, tensors, file)
-    if arch == "bert":
-        data |= _reranker(reader, arch, tensors, file)
+    if arch == "bert" and is_bert_reranker(reader, tensors):
+        data |= bert_reranker(reader, tensors, file)
     data["torch_dtype"] = _compute_dtype(tensors)
     (out / "config.json").write_text(json.dumps(data, indent=1) + "\n")
     write_bert_tokenizer(reader, out, file, data["max_position_embeddings"])
@@ -248,10 +253,6 @@ def _reranker(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> di
     with ``{query}`` and ``{document}`` (llama-server formats each pair with it). Served as a
     one-label classifier, ``W[yes] - W[no]``: the sigmoid of its logit is that softmax value.
     {} for a file that is not a reranker."""
-    if arch == "bert":
-        from infer.model.gguf_bert import bert_reranker, is_bert_reranker
-
-        return bert_reranker(reader, tensors, file) if is_bert_reranker(reader, tensors) else {}
     if int(_field(reader, f"{arch}.pooling_type") or 0) != RANK:
         return {}
     head = tensors.get("cls.output.weight")

@@ -26,7 +26,8 @@ from torch import nn
 
 from infer.model.bert import BertModel, EncoderShape
 from infer.model.layers import CausalLM, WeightSource, activation
-from infer.model.rope import RopeConfig, apply_rope, rope_tables
+from infer.model.nomic_bert import rotary_self_attention
+from infer.model.rope import RopeConfig, rope_tables
 
 if TYPE_CHECKING:
     from infer.model.attention import Attention
@@ -75,14 +76,8 @@ class ModernBertLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        t = x.shape[0]
         h = x if self.attn_norm is None else self.attn_norm(x)
-        q, k, v = self.qkv_proj(h).view(t, 3, self.num_heads, self.head_dim).unbind(1)
-        out = attn.attend_bidirectional(
-            apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, scale=self.scale,
-            window=self.window,
-        )  # fmt: skip
-        x = x + self.attn_out(out.reshape(t, -1))
+        x = x + rotary_self_attention(self, h, cos, sin, attn, self.window)
         a, b = self.wi(self.mlp_norm(x)).split(self.inter, dim=-1)
         return x + self.down(self.act(a) * b)
 

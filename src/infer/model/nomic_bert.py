@@ -46,6 +46,25 @@ class NomicBertConfig(EncoderShape):
     position_offset: int = 0  # (BERT's field: rotary positions start at 0)
 
 
+def rotary_self_attention(
+    layer: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attn: Attention,
+    window: int | None = None,
+) -> torch.Tensor:
+    """``layer.attn_out`` of the bidirectional attention of ``x``'s fused q/k/v projection
+    (``layer.qkv_proj``), q and k rotated: the attention half of a rotary encoder layer (Nomic
+    BERT, GTE, ModernBERT; ``window``: a local layer's reach)."""
+    t = x.shape[0]
+    q, k, v = layer.qkv_proj(x).view(t, 3, layer.num_heads, layer.head_dim).unbind(1)
+    out = attn.attend_bidirectional(
+        apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, scale=layer.scale, window=window
+    )
+    return layer.attn_out(out.reshape(t, -1))
+
+
 class NomicBertLayer(nn.Module):
     """One post-norm layer (the module doc; GTE's too, with biases); gate and up fused into one
     projection, gate first."""
@@ -68,12 +87,7 @@ class NomicBertLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
-        out = attn.attend_bidirectional(
-            apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, scale=self.scale
-        )
-        x = self.attn_norm(x + self.attn_out(out.reshape(t, -1)))
+        x = self.attn_norm(x + rotary_self_attention(self, x, cos, sin, attn))
         gate, up = self.gate_up(x).split(self.inter, dim=-1)
         return self.out_norm(x + self.down(self.act(gate) * up))
 
