@@ -43,7 +43,9 @@ def _vectors(results) -> list[torch.Tensor]:
     return [torch.tensor(r.outputs.embedding) for r in results]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "gte", "modernbert"])
+@pytest.mark.parametrize(
+    "kind", ["bert", "xlm_roberta", "nomic_bert", "gte", "modernbert", "mpnet"]
+)
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_embeddings_are_sentence_transformers_vectors(kind, pooling, encoder_root, make_llm):
     folder = build_encoder(kind, encoder_root, pooling)
@@ -107,7 +109,7 @@ def test_bf16_and_quantized_linears_are_close_to_float32(encoder_root, make_llm)
             assert torch.nn.functional.cosine_similarity(a, b, dim=0) > least, options
 
 
-@pytest.mark.parametrize("kind,layers", [("bert", 2), ("modernbert", 3)])
+@pytest.mark.parametrize("kind,layers", [("bert", 2), ("modernbert", 3), ("mpnet", 2)])
 def test_bf16_attention_kernel_gives_the_float32_vectors(kind, layers, encoder_root, make_llm,
                                                          monkeypatch):  # fmt: skip
     """Heads 64 wide (the C++ encoder attention kernel's shapes; the tiny model's 16 take
@@ -183,7 +185,7 @@ def test_what_an_encoder_cannot_do_is_refused_naming_it(encoder_root, make_llm):
             LLM(str(folder), dtype="float32", **options)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "gte"])
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "gte", "mpnet"])
 def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_llm):
     """A ``*ForSequenceClassification`` encoder (one label: a reranker) scores each pair as
     transformers' classifier does on the tokenizer's pair encoding (BERT's second text is token
@@ -204,9 +206,8 @@ def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_l
     assert llm.engine.spec.is_encoder and llm.engine.spec.is_classifier
     scores = [o.outputs.score for o in llm.score(query, docs)]
     assert scores == pytest.approx([float(w) for w in want], abs=1e-5)
-    if (
-        kind != "xlm_roberta"
-    ):  # the second text's token type counts: type 0 throughout is another score
+    if kind not in ("xlm_roberta", "mpnet"):  # (with token types) the second text's type
+        # counts: type 0 throughout is another score
         ids = tok(query, docs[0])
         assert 1 in ids["token_type_ids"]
         with torch.no_grad():

@@ -131,15 +131,17 @@ def test_quantized_cache_matches_the_dequantizing_sdpa_path(kv_dtype):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,window",
-    [(12, 12, 64, None), (8, 2, 128, None), (4, 1, 32, None), (4, 4, 256, None),
-     (4, 4, 64, 5), (6, 2, 32, 64)],
+    "heads,kv_heads,head_dim,window,biased",
+    [(12, 12, 64, None, False), (8, 2, 128, None, False), (4, 1, 32, None, False),
+     (4, 4, 256, None, False), (4, 4, 64, 5, False), (6, 2, 32, 64, False),
+     (12, 12, 64, None, True), (8, 2, 128, None, True), (4, 4, 64, 5, True)],
 )  # fmt: skip
-def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window):
+def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window, biased):
     """An encoder's step (``infer_encoder_attention``): each sequence's rows attend to all of
     its own rows (a window: those at most that far away, ModernBERT's local layers), none to
     another's; q, k and v strided views of one fused projection; lengths of one row, a key
-    block and one past it, several query tiles."""
+    block and one past it, several query tiles; ``biased``: a bias by distance (MPNet's, per
+    head and per signed distance) added to the scores."""
     gen = torch.Generator().manual_seed(3)
     lens = [100, 1, 16, 17, 200, 7, 1000]
     total = sum(lens)
@@ -148,13 +150,19 @@ def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window):
     k = k.contiguous()  # (rows of k and v a different stride apart: a rotated k is a copy)
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])
     scale = head_dim**-0.5
+    reach = 1100  # (past the longest input: its distances are a middle part of each row)
+    bias = 2 * torch.randn(heads, 2 * reach + 1, generator=gen) if biased else None
     assert kernels.can_attend_encoder(q, k, v)
-    out = kernels.encoder_attention(q, k, v, starts, torch.tensor(lens), scale, window)
+    out = kernels.encoder_attention(q, k, v, starts, torch.tensor(lens), scale, window, bias)
     for s, n in zip(starts.tolist(), lens, strict=True):
         rows = [t[s : s + n].double().transpose(0, 1)[None] for t in (q, k, v)]
         pos = torch.arange(n)
-        band = None if window is None else (pos[:, None] - pos[None, :]).abs() <= window
-        expected = F.scaled_dot_product_attention(*rows, attn_mask=band, scale=scale,
+        apart = pos[None, :] - pos[:, None]
+        mask = None if window is None else apart.abs() <= window
+        if bias is not None:
+            by_distance = bias.double()[:, apart + reach]
+            mask = by_distance if mask is None else by_distance.masked_fill(~mask, -torch.inf)
+        expected = F.scaled_dot_product_attention(*rows, attn_mask=mask, scale=scale,
                                                   enable_gqa=heads != kv_heads)  # fmt: skip
         torch.testing.assert_close(out[s : s + n].double(), expected[0].transpose(0, 1),
                                    atol=2e-2, rtol=2e-2)  # fmt: skip
@@ -176,7 +184,23 @@ def test_an_encoder_step_takes_the_kernel_and_agrees_with_the_sdpa_path(monkeypa
     with_sdpa = reference.attend_bidirectional(q, k, v, scale=0.125)
     assert calls == [1]
     torch.testing.assert_close(with_kernel.float(), with_sdpa.float(), atol=2e-2, rtol=2e-2)
+    # a bias by distance: the same on both, padded (these lengths) or one SDPA call a sequence
+    bias = torch.randn(4, 2 * 40 + 1, generator=gen)
+    alike = [SequenceSlice(0, n, [i]) for i, n in enumerate((12, 10, 9))]
+    skewed = [SequenceSlice(0, 40, [0, 1, 2]), *(SequenceSlice(0, 1, [3 + i]) for i in range(4))]
+    for group in (alike, skewed):
+        ctx = AttentionContext(cache, group, "cpu", backend=TorchAttention())
+        assert isinstance(ctx.padded_layout(), list) == (group is skewed)
+        rows = sum(s.num_new_tokens for s in group)
+        args = (q[:rows], k[:rows], v[:rows])
+        with_sdpa = ctx.attend_bidirectional(*args, scale=0.125, distance_bias=bias)
+        with_kernel = AttentionContext(cache, group, "cpu").attend_bidirectional(
+            *args, scale=0.125, distance_bias=bias
+        )
+        torch.testing.assert_close(with_kernel.float(), with_sdpa.float(), atol=2e-2, rtol=2e-2)
+        unbiased = ctx.attend_bidirectional(*args, scale=0.125)
+        assert (unbiased - with_sdpa).abs().max() > 0.1
     AttentionContext(cache, seqs, "cpu").attend_bidirectional(
         q.float(), k.float(), v.float(), scale=0.125
     )
-    assert calls == [1]
+    assert calls == [1, 1, 1]  # (float32: the reference, not the kernel)

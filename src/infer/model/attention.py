@@ -53,8 +53,11 @@ class Attention(Protocol):
         *,
         scale: float,
         window: int | None = None,
+        distance_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """An encoder's attention: each sequence's tokens (a whole input) attend to all of its
-        tokens (``window``: those at most that many positions away on either side); nothing is
-        cached. ``[T, H, D]`` each -> ``[T, H, D]``."""
+        tokens (``window``: those at most that many positions away on either side; with
+        ``distance_bias`` ``[H, 2R + 1]``, head h's score of key j for query i gains
+        ``distance_bias[h, j - i + R]``); nothing is cached. ``[T, H, D]`` each ->
+        ``[T, H, D]``."""
         ...

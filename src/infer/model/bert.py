@@ -84,10 +84,12 @@ class BertLayer(nn.Module):
         self.out_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.act = activation(cfg.activation)
 
-    def forward(self, x: torch.Tensor, attn: Attention) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attn: Attention, distance_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
-        out = attn.attend_bidirectional(q, k, v, scale=self.scale)
+        out = attn.attend_bidirectional(q, k, v, scale=self.scale, distance_bias=distance_bias)
         x = self.attn_norm(x + self.attn_out(out.reshape(t, -1)))
         return self.out_norm(x + self.output(self.act(self.intermediate(x))))
 

@@ -18,6 +18,7 @@ from infer.model.gte import GteModel, NewModel
 from infer.model.layers import CausalLM
 from infer.model.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
 from infer.model.modernbert import ModernBertModel
+from infer.model.mpnet import MPNetModel
 from infer.model.nomic_bert import NomicBertModel
 from infer.model.qwen import (
     Qwen2ForCausalLM,
@@ -45,6 +46,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         GteModel,
         NewModel,
         ModernBertModel,
+        MPNetModel,
     )
 }
 
@@ -65,6 +67,7 @@ MODEL_TYPES: dict[str, type[CausalLM]] = {
     "gte": GteModel,
     "new": NewModel,
     "modernbert": ModernBertModel,
+    "mpnet": MPNetModel,
 }
 
 

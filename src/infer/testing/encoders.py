@@ -17,7 +17,7 @@ from infer.testing.checkpoints import _publish, default_root
 
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel",
                  "nomic_bert": "NomicBertModel", "gte": "GteModel",
-                 "modernbert": "ModernBertModel"}  # fmt: skip
+                 "modernbert": "ModernBertModel", "mpnet": "MPNetModel"}  # fmt: skip
 VERSION = "v2"  # bump when a recipe changes: folders built before are not reused
 
 
@@ -28,11 +28,14 @@ def default_encoder_root() -> Path:
 
 VOCAB_SIZE = 512
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# MPNet's order (its <s> <pad> </s> <unk>): transformers' MPNet takes id 1 for padding
+MPNET_SPECIAL = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"]
 
 
-def _tokenizer(out: Path, token_types: bool) -> None:
+def _tokenizer(out: Path, token_types: bool, special: list[str] = SPECIAL) -> None:
     """A lowercasing WordPiece tokenizer with BERT's post-processor, saved into ``out``
-    (``token_types``: it gives token type ids, as BERT's do and RoBERTa's do not)."""
+    (``token_types``: it gives token type ids, as BERT's do and RoBERTa's do not; ``special``:
+    the special tokens, ids from 0)."""
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -50,7 +53,7 @@ def _tokenizer(out: Path, token_types: bool) -> None:
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,
+    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=special,
                                         show_progress=False)  # fmt: skip
     tok.train_from_iterator(load_corpus(include_docstrings=False), trainer=trainer)
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
@@ -168,18 +171,21 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         if sentencepiece:  # (XLM-RoBERTa's ids: <pad> is 1)
             vocab_size, pad = _sentencepiece_tokenizer(tmp), 1
         else:
-            _tokenizer(tmp, token_types=kind != "xlm_roberta")
-            vocab_size, pad = VOCAB_SIZE, 0
+            plain = kind not in ("xlm_roberta", "mpnet")  # (BERT's token types)
+            _tokenizer(tmp, token_types=plain,
+                       special=MPNET_SPECIAL if kind == "mpnet" else SPECIAL)  # fmt: skip
+            vocab_size, pad = VOCAB_SIZE, 1 if kind == "mpnet" else 0
         base = ENCODER_KINDS[kind]
         config_cls = getattr(transformers, base.replace("Model", "Config"))
         arch = base.replace("Model", "ForSequenceClassification") if labels else base
         fields = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
                       num_attention_heads=4, intermediate_size=128,
-                      max_position_embeddings=130 if kind == "xlm_roberta" else 128)  # fmt: skip
+                      max_position_embeddings=130 if kind in ("xlm_roberta", "mpnet")
+                      else 128)  # fmt: skip
         if kind == "modernbert":  # (no token types; a global layer, then two local ones
             # whose 8-token window short inputs reach past)
             fields.update(num_hidden_layers=3, local_attention=8, max_position_embeddings=128)
-        else:
+        elif kind != "mpnet":  # (MPNet has no token types)
             fields["type_vocab_size"] = 1 if kind == "xlm_roberta" else 2
         config = config_cls(**{**fields, **shape}, pad_token_id=pad, architectures=[arch])
         if labels:

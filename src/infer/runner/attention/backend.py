@@ -64,34 +64,43 @@ class AttentionBackend:
 
     def bidirectional(
         self, ctx: AttentionContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        scale: float, window: int | None = None,
+        scale: float, window: int | None = None, distance_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """An encoder's attention (:meth:`AttentionContext.attend_bidirectional`), here with
         torch's SDPA on any device and dtype, batched as :meth:`AttentionContext.padded_layout`
-        says; ``window``: a query sees the keys at most that many rows away."""
+        says; ``window``: a query sees the keys at most that many rows away;
+        ``distance_bias``: added to the scores by distance."""
         sdpa = torch.nn.functional.scaled_dot_product_attention
         layout = ctx.padded_layout()
 
-        def band(width: int) -> torch.Tensor | None:  # [width, width], True where seen
-            if window is None:
-                return None
+        def mask_of(width: int, valid: torch.Tensor | None) -> torch.Tensor | None:
+            """SDPA's mask of ``width`` rows (``valid`` ``[S, width]``: the real keys): True
+            where a key is seen, or the float bias there and -inf where not; None: all."""
             pos = torch.arange(width, device=q.device)
-            return (pos[:, None] - pos[None, :]).abs() <= window
+            apart = pos[None, :] - pos[:, None]  # [query, key]: j - i
+            seen = None if window is None else (apart.abs() <= window)[None, None]
+            if valid is not None:
+                keys = valid[:, None, None, :]
+                seen = keys if seen is None else seen & keys
+            if distance_bias is None:
+                return seen
+            reach = distance_bias.shape[1] // 2
+            bias = distance_bias.to(q.dtype)[:, apart + reach][None]  # [1, H, width, width]
+            return bias if seen is None else bias.masked_fill(~seen, float("-inf"))
 
         if isinstance(layout, list):  # [H, n, D] per sequence
             out = torch.empty_like(q)
             for a, b in layout:
                 rows = (t[a:b].transpose(0, 1) for t in (q, k, v))
-                out[a:b] = sdpa(*rows, attn_mask=band(b - a), scale=scale).transpose(0, 1)
+                mask = mask_of(b - a, None)
+                mask = None if mask is None else mask[0]
+                out[a:b] = sdpa(*rows, attn_mask=mask, scale=scale).transpose(0, 1)
             return out
         index, valid = layout
         # [S, W, H, D] -> [S, H, W, D]
         qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
-        # (inputs of one length and no window: no mask, SDPA's fused kernel)
-        mask = None if valid is None else valid[:, None, None, :]
-        near = band(index.shape[1])
-        if near is not None:
-            mask = near[None, None] if mask is None else mask & near[None, None]
+        # (inputs of one length, no window or bias: no mask, SDPA's fused kernel)
+        mask = mask_of(index.shape[1], valid)
         out = sdpa(qs, ks, vs, attn_mask=mask, scale=scale).transpose(1, 2)
         return out.reshape(q.shape) if valid is None else out[valid]
 

@@ -286,13 +286,24 @@ class AttentionContext:
         *,
         scale: float,
         window: int | None = None,
+        distance_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """An encoder's attention: each sequence's tokens attend to all of its tokens (with
         ``window``: those at most that many positions away on either side), none read from or
         written to the cache (every sequence is a whole input: no past). ``q, k, v``
         ``[T, H, D]`` -> ``[T, H, D]``; the backend computes it
-        (:meth:`AttentionBackend.bidirectional`)."""
-        return self.backend.bidirectional(self, q, k, v, scale, window)
+        (:meth:`AttentionBackend.bidirectional`).
+
+        ``distance_bias`` ``[H, 2R + 1]`` (R at least the longest input's length - 1): a score
+        added by how far a key sits from its query (MPNet's relative position buckets, ALiBi's
+        slopes)::
+
+            score(h, i, j) = scale * q_i . k_j + distance_bias[h, (j - i) + R]
+
+            j - i :  -R ... -1   0   1 ... R
+            column:   0 ... R-1  R  R+1 ... 2R
+        """
+        return self.backend.bidirectional(self, q, k, v, scale, window, distance_bias)
 
     def encoder_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's first row and row count, int64 on the host (an encoder's step:

@@ -52,11 +52,12 @@ class CpuAttention(TorchAttention):
         else:
             super().prefill(ctx, layer_idx, q, k, v, out, scale, window, gqa)
 
-    def bidirectional(self, ctx, q, k, v, scale, window=None):
+    def bidirectional(self, ctx, q, k, v, scale, window=None, distance_bias=None):
         if self.kernels.can_attend_encoder(q, k, v):
             starts, lens = ctx.encoder_rows()
-            return self.kernels.encoder_attention(q, k, v, starts, lens, scale, window)
-        return super().bidirectional(ctx, q, k, v, scale, window)
+            return self.kernels.encoder_attention(q, k, v, starts, lens, scale, window,
+                                                  distance_bias)  # fmt: skip
+        return super().bidirectional(ctx, q, k, v, scale, window, distance_bias)
 
     def can_store_rotated(self, ctx: AttentionContext, qkv: torch.Tensor) -> bool:
         return (

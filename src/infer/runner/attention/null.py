@@ -22,7 +22,7 @@ class NullAttention(AttentionBackend):
     def attend(self, ctx, layer_idx, q, k, v, scale, sliding_window, kv_stored) -> torch.Tensor:
         return q
 
-    def bidirectional(self, ctx, q, k, v, scale, window=None) -> torch.Tensor:
+    def bidirectional(self, ctx, q, k, v, scale, window=None, distance_bias=None) -> torch.Tensor:
         return q
 
     def can_store_rotated(self, ctx, qkv: torch.Tensor) -> bool:

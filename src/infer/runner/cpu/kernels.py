@@ -235,7 +235,7 @@ class CpuKernels:
         self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
         self._encoder_attention = bind(
             "infer_encoder_attention", ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64,
-            i64, i64, i64, i64, f32, i32,
+            ptr, i64, i64, i64, i64, i64, f32, i32,
         )  # fmt: skip
         self._moe = bind("infer_moe", ptr, ptr, ptr, i64, i64, i32, i32)
         self._qk_norm = bind("infer_qk_norm", ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, i32)
@@ -643,18 +643,23 @@ class CpuKernels:
         lens: torch.Tensor,
         scale: float,
         window: int | None = None,
+        distance_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """An encoder's attention (csrc/prefill_attention.cpp ``infer_encoder_attention``):
         sequence i's rows ``starts[i] .. starts[i] + lens[i] - 1`` of ``q`` ``[T, H, D]``
         attend to all of its rows of ``k, v`` ``[T, Hkv, D]`` (bf16; rows may be strided, as
         views of a fused projection are) -> ``[T, H, D]``; ``starts``, ``lens``: int64;
-        ``window``: only the keys at most that many rows away on either side."""
+        ``window``: only the keys at most that many rows away on either side;
+        ``distance_bias`` ``[H, 2R + 1]``: entry ``(j - i) + R`` of a head's row added to
+        the scaled score of key j for query i (:meth:`AttentionContext.attend_bidirectional`)."""
         out = torch.empty(q.shape, dtype=q.dtype)
         starts64 = starts.to(torch.int64).contiguous()
         lens64 = lens.to(torch.int64).contiguous()
+        bias = None if distance_bias is None else distance_bias.float().contiguous()
         rc = self._encoder_attention(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             out.data_ptr(), out.stride(0), starts64.data_ptr(), lens64.data_ptr(), window or 0,
+            0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.shape[1] // 2,
             len(lens64), q.shape[1],
             k.shape[1], q.shape[2], scale, torch.get_num_threads(),
         )  # fmt: skip

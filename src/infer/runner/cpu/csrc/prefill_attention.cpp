@@ -434,15 +434,25 @@ struct Buffers {
   std::vector<int64_t> lo, hi;  // per row: first and last visible key column
 };
 
+// A score added by how far a key is from its query (MPNet's relative position buckets,
+// ALiBi's slopes): head h's bias for key j of query i is at[h * row + (j - i) + reach], for
+// |j - i| <= reach.
+struct DistanceBias {
+  const float* at = nullptr;  // [heads, row] float32, or null: none
+  int64_t reach = 0;
+  int64_t row() const { return 2 * reach + 1; }
+};
+
 // One (sequence, kv head): queries [0, n) at positions past .. past + n - 1; each sees the
 // keys up to its own position (window > 0: the last ``window`` of them), or with
 // ``bidirectional`` (an encoder: past 0) all n (window > 0: those at most ``window`` away on
-// either side, ModernBERT's local layers).
+// either side, ModernBERT's local layers); ``bias``: added to the scaled scores.
 void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
                  const KvRows& values, uint16_t* out, int64_t out_stride,
                  const int32_t* table, int64_t q_start, int64_t n, int64_t past, int64_t kvh,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 float scale, int64_t window, bool bidirectional, Buffers& buf) {
+                 float scale, int64_t window, bool bidirectional, const DistanceBias& bias,
+                 Buffers& buf) {
   const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
   const int64_t reach = bidirectional ? window : window - 1;  // keys before a query it sees
   auto first_key = [&](int64_t pos) { return window > 0 && pos - reach > 0 ? pos - reach : 0; };
@@ -492,6 +502,13 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
                 scale);
       }
     }
+    if (bias.at != nullptr)  // column c is key base + c_start + c: distance c - (row's lo key)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qi = qa + r / group, h = kvh * group + r % group;
+        const float* b = bias.at + h * bias.row() + bias.reach + base + c_start - (past + qi);
+        float* s = buf.s.data() + r * ncols;
+        for (int64_t c = buf.lo[r]; c <= buf.hi[r]; ++c) s[c] += b[c];
+      }
     for (int64_t r = 0; r < rows; ++r)
       buf.inv[r] = softmax_row(buf.s.data() + r * ncols, buf.p.data() + r * ncols, buf.lo[r],
                                buf.hi[r], ncols);
@@ -561,7 +578,8 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind
       if (q_lens[i] <= 0) continue;
       attend_item(query, q_stride, keys, values, out, out_stride,
                   block_tables + i * max_blocks, q_starts[i], q_lens[i], pasts[i], kvh,
-                  num_heads, num_kv_heads, head_dim, block_size, scale, window, false, buf);
+                  num_heads, num_kv_heads, head_dim, block_size, scale, window, false, DistanceBias{},
+                  buf);
     }
   }
   return 0;
@@ -579,16 +597,23 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind
 // or with window > 0 to those at most window rows away on either side. query / out
 // [T, heads, head_dim], key / value [T, kv_heads, head_dim], bf16, each row q_stride /
 // out_stride / k_stride / v_stride elements after the one before (heads contiguous in a row).
-// Each sequence's rows are read as a "cache" of one block holding them all.
+// distance_bias (or null): float32 [heads, 2 * bias_reach + 1], head h's entry
+// (j - i) + bias_reach added to the scaled score of key j for query i (every sequence at most
+// bias_reach + 1 rows long). Each sequence's rows are read as a "cache" of one block holding
+// them all.
 int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint16_t* key,
                             int64_t k_stride, const uint16_t* value, int64_t v_stride,
                             uint16_t* out, int64_t out_stride, const int64_t* q_starts,
-                            const int64_t* q_lens, int64_t window,
-                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, float scale, int num_threads) {
+                            const int64_t* q_lens, int64_t window, const float* distance_bias,
+                            int64_t bias_reach, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
   if (head_dim % 32 != 0 || head_dim > 256) return 2;
+  if (distance_bias != nullptr)
+    for (int64_t i = 0; i < num_seqs; ++i)
+      if (q_lens[i] > bias_reach + 1) return 5;
 #ifdef INFER_HAVE_PREFILL_ATTENTION
+  const DistanceBias bias{distance_bias, bias_reach};
   const int64_t items = num_seqs * num_kv_heads;
   const int32_t table[1] = {0};
 #pragma omp parallel num_threads(num_threads)
@@ -603,14 +628,14 @@ int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint1
       const KvRows values{value + q_starts[i] * v_stride, nullptr, kKvPlain, num_kv_heads,
                           head_dim, v_stride};
       attend_item(query, q_stride, keys, values, out, out_stride, table, q_starts[i], n, 0, kvh,
-                  num_heads, num_kv_heads, head_dim, n, scale, window, true, buf);
+                  num_heads, num_kv_heads, head_dim, n, scale, window, true, bias, buf);
     }
   }
   return 0;
 #else
   (void)query; (void)q_stride; (void)key; (void)k_stride; (void)value; (void)v_stride; (void)out;
   (void)out_stride; (void)q_starts; (void)q_lens; (void)window; (void)num_seqs; (void)scale;
-  (void)num_threads;
+  (void)num_threads; (void)distance_bias;
   return 3;
 #endif
 }
