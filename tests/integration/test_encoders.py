@@ -185,17 +185,24 @@ def test_what_an_encoder_cannot_do_is_refused_naming_it(encoder_root, make_llm):
             LLM(str(folder), dtype="float32", **options)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "gte", "mpnet"])
-def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_llm):
+CROSS_ENCODERS = [("bert", {}), ("xlm_roberta", {}), ("nomic_bert", {}), ("gte", {}),
+                  ("mpnet", {}), ("modernbert", {}),
+                  ("modernbert", {"classifier_pooling": "mean", "classifier_bias": True,
+                                  "classifier_activation": "silu"})]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,head", CROSS_ENCODERS)
+def test_a_cross_encoder_scores_pairs_as_transformers(kind, head, encoder_root, make_llm):
     """A ``*ForSequenceClassification`` encoder (one label: a reranker) scores each pair as
     transformers' classifier does on the tokenizer's pair encoding (BERT's second text is token
-    type 1), through its own head (BERT's pooler and classifier; RoBERTa's dense and
-    out_proj), the sigmoid of the logit."""
+    type 1), through its own head (BERT's pooler and classifier; RoBERTa's and MPNet's dense
+    and out_proj; ModernBERT's dense, activation and norm over the first token's state or
+    the mean of all, as its ``classifier_pooling`` says), the sigmoid of the logit."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from infer.testing.encoders import build_cross_encoder
 
-    folder = build_cross_encoder(kind, encoder_root)
+    folder = build_cross_encoder(kind, encoder_root, **head)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
     query, docs = TEXTS[0], TEXTS[1:]
@@ -206,7 +213,7 @@ def test_a_cross_encoder_scores_pairs_as_transformers(kind, encoder_root, make_l
     assert llm.engine.spec.is_encoder and llm.engine.spec.is_classifier
     scores = [o.outputs.score for o in llm.score(query, docs)]
     assert scores == pytest.approx([float(w) for w in want], abs=1e-5)
-    if kind not in ("xlm_roberta", "mpnet"):  # (with token types) the second text's type
+    if kind in ("bert", "nomic_bert", "gte"):  # (with token types) the second text's type
         # counts: type 0 throughout is another score
         ids = tok(query, docs[0])
         assert 1 in ids["token_type_ids"]
@@ -280,12 +287,19 @@ def test_an_encoder_without_a_token_type_table(encoder_root, make_llm):
         torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
 
 
-def test_a_modernbert_cross_encoder_is_refused_naming_its_head(encoder_root, make_llm):
+def test_a_mean_pooled_cross_encoder_in_bf16_is_close_to_float32(encoder_root, make_llm):
+    """A ModernBERT cross-encoder that pools by the mean: its head runs on the mean in the
+    model's dtype (bf16 here), scores within bf16's reach of float32's."""
     from infer.testing.encoders import build_cross_encoder
 
-    folder = build_cross_encoder("modernbert", encoder_root)
-    with pytest.raises(ValueError, match="a ModernBERT sequence classifier is not supported"):
-        make_llm(str(folder))
+    folder = build_cross_encoder("modernbert", encoder_root, classifier_pooling="mean",
+                                 classifier_bias=True, classifier_activation="silu")  # fmt: skip
+    query, docs = TEXTS[0], TEXTS[1:]
+    exact = [o.outputs.score for o in make_llm(str(folder)).score(query, docs)]
+    llm = make_llm(str(folder), dtype="bfloat16")
+    assert llm.engine.runner.pooling_type == "MEAN"
+    got = [o.outputs.score for o in llm.score(query, docs)]
+    assert got == pytest.approx(exact, abs=2e-2)
 
 
 def test_plan_says_an_encoder_holds_no_kv_cache(encoder_root):

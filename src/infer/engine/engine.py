@@ -315,8 +315,8 @@ class LLMEngine:
             sc, cc, self.kv_manager, max_loras=config.lora.max_loras if config.lora else 0
         )
         self.runner = self.backend.build_runner(setup)
-        if self.spec.is_encoder and self.spec.is_classifier:  # (its head reads [CLS])
-            self.runner.pooling_type = "CLS"
+        if self.spec.is_encoder and self.spec.is_classifier:  # (what its head reads)
+            self.runner.pooling_type = self.model.classifier_pooling
         elif self.pooler_config.supported:
             self.runner.pooling_type = self.pooler_config.pooling_type
         self.kv_cache = self.runner.kv_cache

@@ -122,6 +122,8 @@ class BertModel(CausalLM):
 
     # The classifier head's checkpoint tensors: (dense, out) weights; biases beside them.
     classifier_tensors = ("pooler.dense.weight", "classifier.weight")
+    # What a sequence classifier's head reads: the first token's state (CLS) or the mean (MEAN)
+    classifier_pooling = "CLS"
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()

@@ -12,8 +12,10 @@ layers, rotary positions, a GELU-gated MLP, no biases, and local attention in mo
 Which layers are global: ``layer_types`` (transformers' config) or every
 ``global_attn_every_n_layers``-th (the published one); the local reach is
 ``local_attention // 2`` positions on either side. LayerNorms without a bias unless
-``norm_bias``. Pooling and serving are BERT's (:mod:`infer.model.bert`); a ModernBERT
-cross-encoder's head (dense, GELU, norm over a pooled state) is not served yet.
+``norm_bias``. Pooling and serving are BERT's (:mod:`infer.model.bert`). A
+``ModernBertForSequenceClassification`` (a cross-encoder: gte-reranker-modernbert) pools as its
+``classifier_pooling`` says (the first token, or the mean of every token), then
+``classifier(LayerNorm(act(dense(pooled))))`` (:class:`ModernBertClassifierHead`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from infer.model.bert import BertModel, EncoderShape
@@ -50,6 +53,30 @@ class ModernBertConfig(EncoderShape):
     activation: str = "gelu"
     type_vocab_size: int = 1  # (none: BERT's field, so no token types are made)
     position_offset: int = 0
+    # a sequence classifier's head: what it pools (CLS or MEAN), its activation and dense bias
+    classifier_pooling: str = "CLS"
+    classifier_activation: str = "gelu"
+    classifier_bias: bool = False
+
+
+class ModernBertClassifierHead(nn.Module):
+    """A ModernBERT sequence classifier's head over the pooled state:
+    ``classifier(LayerNorm(act(dense(h))))``, float32 logits ``[N, num_labels]``. Plain
+    parameters, not ``nn.Linear``s, so packing and quantization pass it by."""
+
+    def __init__(self, cfg: ModernBertConfig, num_labels: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.dense_weight = nn.Parameter(torch.empty(h, h))
+        self.dense_bias = nn.Parameter(torch.empty(h)) if cfg.classifier_bias else None
+        self.act = activation(cfg.classifier_activation)
+        self.norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
+        self.weight = nn.Parameter(torch.empty(num_labels, h))
+        self.bias = nn.Parameter(torch.empty(num_labels))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        pooled = self.norm(self.act(F.linear(hidden, self.dense_weight, self.dense_bias)))
+        return F.linear(pooled, self.weight, self.bias).float()
 
 
 class ModernBertLayer(nn.Module):
@@ -121,6 +148,10 @@ class ModernBertModel(BertModel):
                              "see at least its neighbours (2 or more)")  # fmt: skip
         params = config.get("rope_parameters") or {}
         head_dim = hidden // heads
+        pooling = config.get("classifier_pooling", "cls")
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"ModernBERT with classifier_pooling={pooling!r} is not supported "
+                             "(cls or mean)")  # fmt: skip
 
         def rope(kind: str, old_key: str, default: float) -> RopeConfig:
             own = params.get(kind) or {}
@@ -143,6 +174,9 @@ class ModernBertModel(BertModel):
             norm_eps=config.get("norm_eps", 1e-5),
             norm_bias=bool(config.get("norm_bias", False)),
             activation=config.get("hidden_activation", "gelu"),
+            classifier_pooling=pooling.upper(),
+            classifier_activation=config.get("classifier_activation", "gelu"),
+            classifier_bias=bool(config.get("classifier_bias", False)),
         )
 
     def init_buffers(self, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -152,9 +186,23 @@ class ModernBertModel(BertModel):
             self.register_buffer(f"{name}_cos", cos, persistent=False)
             self.register_buffer(f"{name}_sin", sin, persistent=False)
 
-    def make_classifier(self, num_labels: int) -> Any:
-        raise ValueError("a ModernBERT sequence classifier is not supported yet (its head pools, "
-                         "then dense, GELU, norm); its embedding model is")  # fmt: skip
+    @property
+    def classifier_pooling(self) -> str:  # type: ignore[override]
+        return self.cfg.classifier_pooling  # type: ignore[attr-defined]
+
+    def make_classifier(self, num_labels: int) -> ModernBertClassifierHead:  # type: ignore[override]
+        return ModernBertClassifierHead(self.cfg, num_labels)  # type: ignore[arg-type]
+
+    def classifier_sources(self) -> dict[str, WeightSource]:
+        cfg: ModernBertConfig = self.cfg  # type: ignore[assignment]
+        src = {"classifier.dense_weight": WeightSource(("head.dense.weight",)),
+               "classifier.weight": WeightSource(("classifier.weight",)),
+               "classifier.bias": WeightSource(("classifier.bias",))}  # fmt: skip
+        if cfg.classifier_bias:
+            src["classifier.dense_bias"] = WeightSource(("head.dense.bias",))
+        for suffix in ("weight", "bias") if cfg.norm_bias else ("weight",):
+            src[f"classifier.norm.{suffix}"] = WeightSource((f"head.norm.{suffix}",))
+        return src
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention

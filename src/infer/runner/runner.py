@@ -396,14 +396,16 @@ class ModelRunner:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
             hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
         logits = prompt_logits = pooled = None
-        if batch.pool_rows and self.pooling_type == "MEAN":  # (an encoder's whole inputs)
-            pooled = torch.stack([hidden[a : b + 1].float().mean(dim=0)
-                                  for a, b in zip(batch.pool_starts, batch.pool_rows, strict=True)])  # fmt: skip
-        elif batch.pool_rows:
-            rows = batch.pool_starts if self.pooling_type == "CLS" else batch.pool_rows
-            pooled = hidden[self._row_index("pool_rows", rows)]
+        if batch.pool_rows:
+            if self.pooling_type == "MEAN":  # (an encoder's whole inputs)
+                pooled = torch.stack([hidden[a : b + 1].float().mean(dim=0)
+                                      for a, b in zip(batch.pool_starts, batch.pool_rows,
+                                                      strict=True)])  # fmt: skip
+            else:
+                rows = batch.pool_starts if self.pooling_type == "CLS" else batch.pool_rows
+                pooled = hidden[self._row_index("pool_rows", rows)]
             head = self.model.classifier  # (a sequence classifier: its logits, not the state)
-            pooled = pooled.float() if head is None else head(pooled)
+            pooled = pooled.float() if head is None else head(pooled.to(hidden.dtype))
         if batch.sample_rows:
             if batch.samples_every_row:
                 sampled = hidden  # (decode): no gather

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from infer.model.pooling import write_pooling_files
 from infer.testing.checkpoints import _publish, default_root
@@ -140,16 +141,18 @@ def nomic_published(folder: Path, out: Path) -> Path:
     return out
 
 
-def build_cross_encoder(kind: str, root: Path) -> Path:
+def build_cross_encoder(kind: str, root: Path, **config: Any) -> Path:
     """The folder ``root/<kind>-reranker``: a tiny ``kind`` (:data:`ENCODER_KINDS`) as a
     one-label ``*ForSequenceClassification`` (a cross-encoder reranker, as BGE-reranker and
-    ms-marco-MiniLM are published: no sentence-transformers files); built if absent."""
-    return build_encoder(kind, root, name=f"{kind}-reranker", labels=1)
+    ms-marco-MiniLM are published: no sentence-transformers files), ``config`` set in its
+    config (a ModernBERT's ``classifier_pooling``, ...: in the name too); built if absent."""
+    tag = "".join(f"-{k}-{v}" for k, v in sorted(config.items()))
+    return build_encoder(kind, root, name=f"{kind}-reranker{tag}", labels=1, **config)
 
 
 def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool = True,
                   name: str | None = None, labels: int = 0, sentencepiece: bool = False,
-                  **shape: int) -> Path:  # fmt: skip
+                  **shape: Any) -> Path:  # fmt: skip
     """The folder ``root/<kind>-<pooling>`` (or ``root/<name>``): a tiny ``kind``
     (:data:`ENCODER_KINDS`) embedding model, or one of ``shape`` (config fields: hidden_size,
     num_hidden_layers, ...), whose sentence-transformers files pool by ``pooling`` (``mean``,
