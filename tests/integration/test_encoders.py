@@ -249,8 +249,10 @@ def test_a_nomic_bert_published_config_reads_as_transformers_one(encoder_root, m
 
 def test_a_gte_published_config_reads_as_transformers_one(encoder_root, make_llm, tmp_path):
     """Alibaba's own config for GTE (``NewModel``, model_type ``new``, ``rope_theta`` and its
-    code's options) serves the same model as transformers' ``GteModel`` config; a rope scaling
-    (gte-base-en-v1.5's NTK) is refused naming it."""
+    code's options) serves the same model as transformers' ``GteModel`` config; its fixed NTK
+    scaling (gte-base-en-v1.5's: base theta * f, frequencies over f ** (2 / d)) gives
+    transformers' vectors of a linear rope of that base and factor; its mixed NTK (mixed_b) is
+    refused naming it."""
     import json
     import shutil
 
@@ -272,6 +274,20 @@ def test_a_gte_published_config_reads_as_transformers_one(encoder_root, make_llm
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     ntk = config | {"rope_scaling": {"type": "ntk", "factor": 2.0}}
     (published / "config.json").write_text(json.dumps(ntk))
+    scaled = _vectors(make_llm(str(published)).embed(TEXTS, PoolingParams(normalize=False)))
+    oracle = tmp_path / "linear"  # (transformers' GteModel config of the same frequencies)
+    shutil.copytree(folder, oracle)
+    head_dim = native["hidden_size"] // native["num_attention_heads"]
+    linear = {"rope_type": "linear", "factor": 2.0 ** (2 / head_dim),
+              "rope_theta": 2.0 * native["rope_parameters"]["rope_theta"]}  # fmt: skip
+    (oracle / "config.json").write_text(json.dumps(native | {"rope_parameters": linear}))
+    want = _sentence_transformers(oracle, TEXTS, "mean")
+    for got, w, plain in zip(scaled, want, _sentence_transformers(folder, TEXTS, "mean"),
+                             strict=True):  # fmt: skip
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+        assert (got - plain).abs().max() > 1e-4  # (the scaling changes every vector)
+    mixed = config | {"rope_scaling": {"type": "ntk", "factor": 2.0, "mixed_b": 0.75}}
+    (published / "config.json").write_text(json.dumps(mixed))
     with pytest.raises(ModelLoadError, match="GTE with rope_scaling=.*is not supported"):
         make_llm(str(published))
 

@@ -8,8 +8,15 @@ tensor names::
     encoder.layer.N.mlp.up_gate_proj (up rows first, then gate), mlp.down_proj, mlp_ln
 
 ``config.json`` as transformers writes it (``GteModel``, ``rope_parameters``) or as Alibaba
-published it (``NewModel``, ``rope_theta``); a rope scaling (gte-base-en-v1.5's NTK) and the
-other options of Alibaba's code are refused naming them.
+published it (``NewModel``, ``rope_theta``, ``rope_scaling``). Alibaba's fixed NTK scaling
+(gte-base-en-v1.5, gte-large-en-v1.5: ``{"type": "ntk", "factor": f}``) rotates every position,
+short inputs too, by::
+
+    inv_freq[i] = (theta * f) ** (-2i / d) / f ** (2 / d)        (d: the head's width)
+
+that is a rope of base ``theta * f`` whose positions are divided by ``f ** (2 / d)``: a
+"linear" rope (:mod:`infer.model.rope`) of that base and factor. Its mixed form (``mixed_b``)
+and the other options of Alibaba's code are refused naming them.
 """
 
 from __future__ import annotations
@@ -22,8 +29,24 @@ from infer.model.rope import RopeConfig
 
 # Alibaba's config options infer runs only at these values.
 _FIXED = {"position_embedding_type": "rope", "layer_norm_type": "layer_norm",
-          "logn_attention_scale": False, "logn_attention_clip1": False,
-          "rope_scaling": None}  # fmt: skip
+          "logn_attention_scale": False, "logn_attention_clip1": False}  # fmt: skip
+
+
+def ntk_rope(config: dict[str, Any], theta: float, head_dim: int) -> RopeConfig:
+    """The rope of Alibaba's ``rope_scaling`` (the module doc): a plain one without it, a
+    linear one for its fixed NTK scaling; ValueError names what is not run."""
+    scaling = config.get("rope_scaling")
+    if not scaling:
+        return RopeConfig(theta=theta, head_dim=head_dim)
+    kind = scaling.get("type") or scaling.get("rope_type")
+    factor = scaling.get("factor")
+    if kind != "ntk" or scaling.get("mixed_b") is not None or not factor or factor < 1:
+        raise ValueError(f"GTE with rope_scaling={scaling!r} is not supported (infer runs "
+                         "Alibaba's fixed NTK scaling: type ntk, a factor of 1 or more, no "
+                         "mixed_b)")  # fmt: skip
+    factor = float(factor)
+    return RopeConfig(theta=theta * factor, head_dim=head_dim, rope_type="linear",
+                      factor=factor ** (2 / head_dim))  # fmt: skip
 
 
 class GteModel(NomicBertModel):
@@ -39,7 +62,7 @@ class GteModel(NomicBertModel):
                 raise ValueError(f"GTE with {key}={config[key]!r} is not supported (infer runs "
                                  f"{key}={value!r})")  # fmt: skip
         params = config.get("rope_parameters") or {}
-        if params.get("rope_type", "default") != "default":
+        if params.get("rope_type", "default") not in ("default", "linear"):
             raise ValueError(f"GTE with rope_type {params['rope_type']!r} is not supported")
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         if hidden % heads:
@@ -48,6 +71,12 @@ class GteModel(NomicBertModel):
             raise ValueError(f"head_dim {config['head_dim']} is not hidden size / heads: "
                              "not supported")  # fmt: skip
         theta = float(params.get("rope_theta", config.get("rope_theta", 160_000.0)))
+        head_dim = hidden // heads
+        if params.get("rope_type") == "linear":  # (transformers' config of a scaled GTE)
+            rope = RopeConfig(theta=theta, head_dim=head_dim, rope_type="linear",
+                              factor=float(params["factor"]))  # fmt: skip
+        else:
+            rope = ntk_rope(config, theta, head_dim)
         return NomicBertConfig(
             hidden_size=hidden,
             num_layers=config["num_hidden_layers"],
@@ -55,7 +84,7 @@ class GteModel(NomicBertModel):
             vocab_size=config["vocab_size"],
             max_position_embeddings=config.get("max_position_embeddings", 8192),
             intermediate_size=config["intermediate_size"],
-            rope=RopeConfig(theta=theta, head_dim=hidden // heads),
+            rope=rope,
             type_vocab_size=config.get("type_vocab_size", 1) or 0,
             layer_norm_eps=config.get("layer_norm_eps", 1e-12),
             activation=config.get("hidden_act", "gelu"),
