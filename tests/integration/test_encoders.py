@@ -44,7 +44,7 @@ def _vectors(results) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["bert", "xlm_roberta", "nomic_bert", "gte", "modernbert", "mpnet"]
+    "kind", ["bert", "xlm_roberta", "nomic_bert", "gte", "modernbert", "mpnet", "distilbert"]
 )
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_embeddings_are_sentence_transformers_vectors(kind, pooling, encoder_root, make_llm):
@@ -186,7 +186,7 @@ def test_what_an_encoder_cannot_do_is_refused_naming_it(encoder_root, make_llm):
 
 
 CROSS_ENCODERS = [("bert", {}), ("xlm_roberta", {}), ("nomic_bert", {}), ("gte", {}),
-                  ("mpnet", {}), ("modernbert", {}),
+                  ("mpnet", {}), ("distilbert", {}), ("modernbert", {}),
                   ("modernbert", {"classifier_pooling": "mean", "classifier_bias": True,
                                   "classifier_activation": "silu"})]  # fmt: skip
 
@@ -196,7 +196,7 @@ def test_a_cross_encoder_scores_pairs_as_transformers(kind, head, encoder_root, 
     """A ``*ForSequenceClassification`` encoder (one label: a reranker) scores each pair as
     transformers' classifier does on the tokenizer's pair encoding (BERT's second text is token
     type 1), through its own head (BERT's pooler and classifier; RoBERTa's and MPNet's dense
-    and out_proj; ModernBERT's dense, activation and norm over the first token's state or
+    and out_proj; DistilBERT's pre_classifier, ReLU and classifier; ModernBERT's dense, activation and norm over the first token's state or
     the mean of all, as its ``classifier_pooling`` says), the sigmoid of the logit."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -96,19 +96,21 @@ class BertLayer(nn.Module):
 
 class EncoderClassifierHead(nn.Module):
     """A BERT / RoBERTa sequence classifier's head over the first token's final state:
-    ``out(tanh(dense(h)))`` (BERT's pooler then its ``classifier``; RoBERTa's
-    ``classifier.dense`` then ``classifier.out_proj``), float32 logits ``[N, num_labels]``.
-    Plain parameters, not ``nn.Linear``s, so packing and quantization pass it by."""
+    ``out(act(dense(h)))``, act tanh (BERT's pooler then its ``classifier``; RoBERTa's
+    ``classifier.dense`` then ``classifier.out_proj``) or ReLU (DistilBERT's
+    ``pre_classifier`` then ``classifier``), float32 logits ``[N, num_labels]``. Plain
+    parameters, not ``nn.Linear``s, so packing and quantization pass it by."""
 
-    def __init__(self, hidden_size: int, num_labels: int) -> None:
+    def __init__(self, hidden_size: int, num_labels: int, act: str = "tanh") -> None:
         super().__init__()
         self.dense_weight = nn.Parameter(torch.empty(hidden_size, hidden_size))
         self.dense_bias = nn.Parameter(torch.empty(hidden_size))
         self.weight = nn.Parameter(torch.empty(num_labels, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_labels))
+        self.act = torch.tanh if act == "tanh" else activation(act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        pooled = torch.tanh(F.linear(hidden, self.dense_weight, self.dense_bias))
+        pooled = self.act(F.linear(hidden, self.dense_weight, self.dense_bias))
         return F.linear(pooled, self.weight, self.bias).float()
 
 
@@ -124,6 +126,8 @@ class BertModel(CausalLM):
     classifier_tensors = ("pooler.dense.weight", "classifier.weight")
     # What a sequence classifier's head reads: the first token's state (CLS) or the mean (MEAN)
     classifier_pooling = "CLS"
+    # The head's activation between its dense and out projections
+    classifier_activation = "tanh"
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -221,7 +225,7 @@ class BertModel(CausalLM):
 
     def make_classifier(self, num_labels: int) -> EncoderClassifierHead:
         """The head of a ``*ForSequenceClassification`` checkpoint (the loader adds it)."""
-        return EncoderClassifierHead(self.cfg.hidden_size, num_labels)
+        return EncoderClassifierHead(self.cfg.hidden_size, num_labels, self.classifier_activation)
 
     def classifier_sources(self) -> dict[str, WeightSource]:
         """Where the head's parameters come from (:attr:`classifier_tensors`)."""

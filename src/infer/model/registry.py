@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infer.model.bert import BertModel, RobertaModel, XLMRobertaModel
+from infer.model.distilbert import DistilBertModel
 from infer.model.gemma3 import Gemma3ForCausalLM
 from infer.model.gpt2 import GPT2LMHeadModel
 from infer.model.gte import GteModel, NewModel
@@ -47,6 +48,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         NewModel,
         ModernBertModel,
         MPNetModel,
+        DistilBertModel,
     )
 }
 
@@ -68,6 +70,7 @@ MODEL_TYPES: dict[str, type[CausalLM]] = {
     "new": NewModel,
     "modernbert": ModernBertModel,
     "mpnet": MPNetModel,
+    "distilbert": DistilBertModel,
 }
 
 

@@ -18,7 +18,8 @@ from infer.testing.checkpoints import _publish, default_root
 
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel",
                  "nomic_bert": "NomicBertModel", "gte": "GteModel",
-                 "modernbert": "ModernBertModel", "mpnet": "MPNetModel"}  # fmt: skip
+                 "modernbert": "ModernBertModel", "mpnet": "MPNetModel",
+                 "distilbert": "DistilBertModel"}  # fmt: skip
 VERSION = "v2"  # bump when a recipe changes: folders built before are not reused
 
 
@@ -174,7 +175,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         if sentencepiece:  # (XLM-RoBERTa's ids: <pad> is 1)
             vocab_size, pad = _sentencepiece_tokenizer(tmp), 1
         else:
-            plain = kind not in ("xlm_roberta", "mpnet")  # (BERT's token types)
+            plain = kind not in ("xlm_roberta", "mpnet", "distilbert")  # (BERT's token types)
             _tokenizer(tmp, token_types=plain,
                        special=MPNET_SPECIAL if kind == "mpnet" else SPECIAL)  # fmt: skip
             vocab_size, pad = VOCAB_SIZE, 1 if kind == "mpnet" else 0
@@ -188,17 +189,21 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         if kind == "modernbert":  # (no token types; a global layer, then two local ones
             # whose 8-token window short inputs reach past)
             fields.update(num_hidden_layers=3, local_attention=8, max_position_embeddings=128)
+        elif kind == "distilbert":  # (its own names, no token types)
+            fields = dict(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                          max_position_embeddings=128)  # fmt: skip
         elif kind != "mpnet":  # (MPNet has no token types)
             fields["type_vocab_size"] = 1 if kind == "xlm_roberta" else 2
         config = config_cls(**{**fields, **shape}, pad_token_id=pad, architectures=[arch])
         if labels:
             config.num_labels = labels
         torch.manual_seed(5)
-        extra = {} if labels or kind == "modernbert" else {"add_pooling_layer": True}
+        pooler = not labels and kind not in ("modernbert", "distilbert")  # (they have none)
+        extra = {"add_pooling_layer": True} if pooler else {}
         model = getattr(transformers, arch)(config, **extra).to(torch.float32)
         with torch.no_grad():  # wider than the default init: every layer moves the output
             for name, param in model.named_parameters():
-                if "LayerNorm" not in name:
+                if "LayerNorm" not in name and "layer_norm" not in name:
                     param.normal_(0.0, 0.1)
         model.save_pretrained(tmp, safe_serialization=True)
         if labels:
