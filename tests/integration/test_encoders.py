@@ -109,7 +109,7 @@ def test_bf16_and_quantized_linears_are_close_to_float32(encoder_root, make_llm)
             assert torch.nn.functional.cosine_similarity(a, b, dim=0) > least, options
 
 
-@pytest.mark.parametrize("kind,layers", [("bert", 2), ("modernbert", 3), ("mpnet", 2)])
+@pytest.mark.parametrize("kind,layers", [("bert", 2), ("modernbert", 3), ("mpnet", 2), ("jina", 2)])
 def test_bf16_attention_kernel_gives_the_float32_vectors(kind, layers, encoder_root, make_llm,
                                                          monkeypatch):  # fmt: skip
     """Heads 64 wide (the C++ encoder attention kernel's shapes; the tiny model's 16 take
@@ -121,8 +121,13 @@ def test_bf16_attention_kernel_gives_the_float32_vectors(kind, layers, encoder_r
     kernels = cpu_kernels()
     if kernels is None or not kernels.has_prefill_attention:
         pytest.skip("no C++ attention kernels on this machine")
-    folder = build_encoder(kind, encoder_root, "mean", name=f"{kind}-mean-d64", hidden_size=128,
-                           num_attention_heads=2, intermediate_size=256)  # fmt: skip
+    from infer.testing.encoders import build_jina
+
+    shape = dict(hidden_size=128, num_attention_heads=2, intermediate_size=256)
+    if kind == "jina":  # (ALiBi: a bias by distance inside the kernel)
+        folder = build_jina(encoder_root, name="jina-mean-d64", **shape)
+    else:
+        folder = build_encoder(kind, encoder_root, "mean", name=f"{kind}-mean-d64", **shape)
     texts = [*TEXTS, PROMPTS[1], PROMPTS[3] * 3]
     exact = _vectors(make_llm(str(folder)).embed(texts))
     calls = []
@@ -328,3 +333,78 @@ def test_plan_says_an_encoder_holds_no_kv_cache(encoder_root):
     with LLM(str(folder), dtype="float32") as llm:  # (what it holds: the weights, no KV)
         assert llm.engine.weights_bytes == safetensors_weight_bytes(folder, 4)
         assert llm.engine.kv_cache.tensor.numel() == 0
+
+
+def _jina_reference(folder, ids: list[int]) -> torch.Tensor:
+    """Jina BERT v2's hidden states of one input, written out here from its published design
+    (float64, the checkpoint's tensors; ALiBi's slopes as llama.cpp computes them: m0 ** (h+1)
+    for the first 2 ** floor(log2 n) heads, m1 ** (2 (h - that) + 1) for the rest)."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = {k: v.double() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    heads, inter = cfg["num_attention_heads"], cfg["intermediate_size"]
+    h = cfg["hidden_size"]
+    d = h // heads
+
+    def norm(x, name):
+        return torch.nn.functional.layer_norm(x, (h,), w[f"{name}.weight"], w[f"{name}.bias"],
+                                              cfg["layer_norm_eps"])  # fmt: skip
+
+    def linear(x, name):
+        return x @ w[f"{name}.weight"].T + w.get(f"{name}.bias", 0)
+
+    log2 = 2 ** math.floor(math.log2(heads))
+    m0, m1 = 2 ** (-8 / log2), 2 ** (-4 / log2)
+    slopes = torch.tensor([m0 ** (i + 1) if i < log2 else m1 ** (2 * (i - log2) + 1)
+                           for i in range(heads)], dtype=torch.float64)  # fmt: skip
+    n = len(ids)
+    pos = torch.arange(n)
+    alibi = -slopes[:, None, None] * (pos[None, :] - pos[:, None]).abs()[None].double()
+    x = (
+        w["embeddings.word_embeddings.weight"][ids]
+        + w["embeddings.token_type_embeddings.weight"][0]
+    )
+    x = norm(x, "embeddings.LayerNorm")
+    for i in range(cfg["num_hidden_layers"]):
+        at = f"encoder.layer.{i}."
+        q, k, v = (linear(x, f"{at}attention.self.{p}").view(n, heads, d).transpose(0, 1)
+                   for p in ("query", "key", "value"))  # fmt: skip
+        scores = q @ k.transpose(1, 2) / math.sqrt(d) + alibi
+        out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, h)
+        x = norm(x + linear(out, f"{at}attention.output.dense"), f"{at}attention.output.LayerNorm")
+        gated = linear(x, f"{at}mlp.gated_layers")
+        mlp = torch.nn.functional.gelu(gated[:, :inter]) * gated[:, inter:]
+        x = norm(x + linear(mlp, f"{at}mlp.wo"), f"{at}mlp.layernorm")
+    return x
+
+
+def test_a_jina_bert_embeds_as_its_design(encoder_root, make_llm):
+    """Jina BERT v2 (``JinaBertForMaskedLM`` with ALiBi, as jina-embeddings-v2 is published;
+    6 heads: ALiBi's slopes of a count that is not a power of two): the mean of the hidden
+    states written out in float64 above, inputs side by side (padded) or one by one beside a
+    long one; a Jina reranker is refused naming it."""
+    import json
+    import shutil
+
+    from infer.testing.encoders import build_jina
+
+    folder = build_jina(encoder_root)
+    llm = make_llm(str(folder))
+    for texts in (TEXTS, [PROMPTS[5] * 2, "a", "b", "c"]):
+        results = llm.embed(texts, PoolingParams(normalize=False))
+        for r in results:
+            want = _jina_reference(folder, r.prompt_token_ids).mean(0).float()
+            torch.testing.assert_close(torch.tensor(r.outputs.embedding), want, atol=1e-5,
+                                       rtol=1e-5)  # fmt: skip
+    reranker = encoder_root / "jina-as-reranker"
+    if not reranker.is_dir():
+        shutil.copytree(folder, reranker)
+        config = json.loads((reranker / "config.json").read_text())
+        config["architectures"] = ["JinaBertForSequenceClassification"]
+        (reranker / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="a Jina BERT sequence classifier .* is not supported"):
+        make_llm(str(reranker))

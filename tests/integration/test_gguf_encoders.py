@@ -40,12 +40,15 @@ def _vectors(results) -> torch.Tensor:
     return torch.tensor([r.outputs.embedding for r in results])
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "jina"])
 def test_a_float32_file_embeds_exactly_as_its_folder(kind, encoder_root, make_llm, tmp_path):
     """Same tokens, same vectors (every weight as stored; an XLM-RoBERTa's position table
     stored without its first pad + 1 rows; a Nomic BERT as ``nomic-bert``: fused q/k/v, rope
-    base from the file), the pooling the file names (its folder's MEAN)."""
-    folder = build_encoder(kind, encoder_root, "mean")
+    base from the file; a Jina BERT v2 as ``jina-bert-v2``: ALiBi, the gated MLP whole in
+    ``ffn_up``), the pooling the file names (its folder's MEAN)."""
+    from infer.testing.encoders import build_jina
+
+    folder = build_jina(encoder_root) if kind == "jina" else build_encoder(kind, encoder_root)
     file = write_bert_gguf(folder, tmp_path / f"{kind}.gguf", pooling="MEAN")
     want = make_llm(str(folder), dtype="float32")
     want_results = want.embed(TEXTS)
@@ -228,6 +231,34 @@ def test_what_infer_cannot_read_is_refused_naming_it(encoder_root, tmp_path):
     no_table = rewrite("nopos.gguf", lambda k, v: None if k == "position_embd.weight" else v)
     with pytest.raises(ModelLoadError, match="position_embd.weight is missing"):
         find_model_folder(no_table)
+
+
+def test_a_jina_file_infer_cannot_run_is_refused_naming_it(encoder_root, tmp_path):
+    """A jina-bert-v2 file whose gated MLP is split in two (``ffn_gate`` beside ``ffn_up``, as
+    older llama.cpp converters wrote them) or with q/k norms (Jina's code models)."""
+    import gguf
+
+    from infer.testing.encoders import build_jina
+
+    file = write_bert_gguf(build_jina(encoder_root), tmp_path / "jina.gguf")
+    reader = gguf.GGUFReader(file)
+    for extra, says in (("ffn_gate", "the gated MLP's halves split"), ("attn_q_norm", "q/k norms")):
+        out = tmp_path / f"{extra}.gguf"
+        writer = gguf.GGUFWriter(str(out), "jina-bert-v2")
+        for key, field in reader.fields.items():
+            if not key.startswith(("GGUF.", "general.architecture")):
+                kind = field.types[0]
+                sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+        for tensor in reader.tensors:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        writer.add_tensor(f"blk.0.{extra}.weight", reader.tensors[0].data)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ModelLoadError, match=f"a jina-bert-v2 file with {says}"):
+            find_model_folder(out)
 
 
 @pytest.mark.parametrize("pooling", [None, "RANK"])

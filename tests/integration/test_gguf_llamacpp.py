@@ -293,3 +293,24 @@ def test_llama_cpps_nomic_bert_file_embeds_as_its_folder_and_llama_server(tmp_pa
     assert tokens[1] == tokens[0]
     torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
     _llama_server_embeds_as(file, texts, vectors[1])
+
+
+def test_llama_cpps_jina_bert_file_embeds_as_its_folder_and_llama_server(tmp_path):
+    """A tiny Jina BERT v2 (``JinaBertForMaskedLM``, ALiBi over 6 heads, a GELU gated MLP)
+    through llama.cpp's converter (``jina-bert-v2``): the folder's tokens and vectors (1e-6),
+    llama-server's (1e-3)."""
+    from infer import LLM
+    from infer.testing.encoders import build_jina, default_encoder_root
+
+    folder = build_jina(default_encoder_root())
+    file = convert(folder, tmp_path / "jina.gguf")
+    texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
+    vectors, tokens = [], []
+    for model in (folder, file):
+        with LLM(str(model), dtype="float32") as llm:
+            results = llm.embed(texts)
+        vectors.append(torch.tensor([r.outputs.embedding for r in results]))
+        tokens.append([r.prompt_token_ids for r in results])
+    assert tokens[1] == tokens[0]
+    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
+    _llama_server_embeds_as(file, texts, vectors[1])

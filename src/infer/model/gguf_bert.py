@@ -2,7 +2,8 @@
 
 llama.cpp writes BERT and XLM-RoBERTa embedding models (BGE, all-MiniLM, mxbai-embed,
 snowflake-arctic-embed, multilingual-E5, BGE-M3) and rerankers (BGE-reranker) as architecture
-``bert`` (a RoBERTa's byte-level BPE vocabulary too, which infer refuses naming it).
+``bert`` (a RoBERTa's byte-level BPE vocabulary too, which infer refuses naming it), Nomic
+BERT as ``nomic-bert`` and Jina BERT v2 (jina-embeddings-v2-base-en) as ``jina-bert-v2``.
 transformers reads no such file, so the folder standing for one (:mod:`infer.model.gguf_folder`)
 gets its ``config.json`` and tokenizer from here. No torch.
 
@@ -42,8 +43,10 @@ CONTROL = 3  # llama.cpp's token type of a control token ([CLS], <s>, ...)
 
 
 def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> dict[str, Any]:
-    """``config.json``'s fields for a ``bert`` GGUF file (a ``BertModel`` of it) or a
-    ``nomic-bert`` one (a ``NomicBertModel``: rotary positions, no position table)."""
+    """``config.json``'s fields for a ``bert`` GGUF file (a ``BertModel`` of it), a
+    ``nomic-bert`` one (a ``NomicBertModel``: rotary positions, no position table) or a
+    ``jina-bert-v2`` one (a ``JinaBertModel``: ALiBi, its gated MLP's two halves in one
+    ``ffn_up``)."""
 
     def field(key: str, default: Any = None) -> Any:
         value = _field(reader, f"{arch}.{key}")
@@ -80,6 +83,27 @@ def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> 
             "rope_parameters": {"rope_type": "default",
                                 # (llama.cpp's default where the key is absent)
                                 "rope_theta": float(field("rope.freq_base", 10000.0))},
+        }  # fmt: skip
+    if arch == "jina-bert-v2":
+        for part, what in (
+            (
+                "ffn_gate",
+                "the gated MLP's halves split (as older llama.cpp "
+                "converters wrote them: convert it again)",
+            ),
+            ("attn_q_norm", "q/k norms (Jina's code models)"),
+            ("attn_norm_2", "a second attention norm (Jina's code models)"),
+        ):
+            if f"blk.0.{part}.weight" in tensors:
+                raise ModelLoadError(f"{file}: a jina-bert-v2 file with {what} is not "
+                                     "supported")  # fmt: skip
+        return config | {
+            "architectures": ["JinaBertModel"],
+            "model_type": "bert",
+            "position_embedding_type": "alibi",
+            "feed_forward_type": "geglu",
+            "max_position_embeddings": int(field("context_length")),
+            "hidden_act": "gelu",
         }  # fmt: skip
     return config | {
         "architectures": ["BertModel"],

@@ -52,7 +52,10 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "bert": "BertModel",  # XLM-RoBERTa's too (model/gguf_bert.py)
     "nomic-bert": "NomicBertModel",
+    "jina-bert-v2": "JinaBertModel",
 }
+# (transformers reads none of these: model/gguf_bert.py writes their folders)
+BERT_ARCHITECTURES = ("bert", "nomic-bert", "jina-bert-v2")
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -146,7 +149,7 @@ def _write_folder(file: Path, out: Path) -> None:
             f"{file} is one part of a split GGUF; merge the parts into one file first "
             "(llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`)"
         )
-    if arch in ("bert", "nomic-bert"):  # (transformers reads no BERT file)
+    if arch in BERT_ARCHITECTURES:
         _write_bert_folder(reader, arch, file, out)
         return
     try:
@@ -211,8 +214,8 @@ def _write_folder(file: Path, out: Path) -> None:
 
 
 def _write_bert_folder(reader: Any, arch: str, file: Path, out: Path) -> None:
-    """config.json, the tokenizer and the pooling of a ``bert`` or ``nomic-bert`` file
-    (model/gguf_bert.py)."""
+    """config.json, the tokenizer and the pooling of a ``bert``, ``nomic-bert`` or
+    ``jina-bert-v2`` file (model/gguf_bert.py)."""
     from infer.model.gguf_bert import (
         bert_config,
         bert_reranker,

@@ -87,7 +87,10 @@ class NomicBertLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        x = self.attn_norm(x + rotary_self_attention(self, x, cos, sin, attn))
+        return self.mlp(self.attn_norm(x + rotary_self_attention(self, x, cos, sin, attn)))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's half of the layer, with its residual and norm."""
         gate, up = self.gate_up(x).split(self.inter, dim=-1)
         return self.out_norm(x + self.down(self.act(gate) * up))
 

@@ -16,6 +16,7 @@ from infer.model.distilbert import DistilBertModel
 from infer.model.gemma3 import Gemma3ForCausalLM
 from infer.model.gpt2 import GPT2LMHeadModel
 from infer.model.gte import GteModel, NewModel
+from infer.model.jina_bert import JinaBertModel
 from infer.model.layers import CausalLM
 from infer.model.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
 from infer.model.modernbert import ModernBertModel
@@ -49,8 +50,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         ModernBertModel,
         MPNetModel,
         DistilBertModel,
+        JinaBertModel,
     )
-}
+} | {"JinaBertForMaskedLM": JinaBertModel}  # (how Jina publishes its embedding models)
 
 MODEL_TYPES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,

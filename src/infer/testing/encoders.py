@@ -215,3 +215,66 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def build_jina(root: Path, pooling: str = "mean", name: str | None = None,
+               **shape: int) -> Path:  # fmt: skip
+    """The folder ``root/jina-<pooling>`` (or ``root/<name>``): a tiny Jina BERT v2 embedding
+    model as Jina publishes one (``JinaBertForMaskedLM``, model_type ``bert``, ALiBi, a GELU
+    gated MLP; tensors in its code's names: transformers has no class for it, so seeded random
+    tensors are written directly), a WordPiece tokenizer with token types (its
+    ``tokenizer_config.json`` naming ``BertTokenizer``, as Jina's, which llama.cpp's converter
+    reads), and sentence-transformers' pooling files; ``shape``: config fields (6 heads by
+    default: ALiBi's slopes of a head count that is not a power of two). Built if absent."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    final = root / (name or f"jina-{pooling}")
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        _tokenizer(tmp, token_types=True)
+        tok_config = json.loads((tmp / "tokenizer_config.json").read_text())
+        tok_config["tokenizer_class"] = "BertTokenizer"
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
+        config = {"architectures": ["JinaBertForMaskedLM"], "model_type": "bert",
+                  "position_embedding_type": "alibi", "feed_forward_type": "geglu",
+                  "emb_pooler": "mean", "attn_implementation": "torch", "hidden_act": "gelu",
+                  "hidden_size": 96, "num_hidden_layers": 2, "num_attention_heads": 6,
+                  "intermediate_size": 128, "max_position_embeddings": 128,
+                  "type_vocab_size": 2, "vocab_size": VOCAB_SIZE, "layer_norm_eps": 1e-12,
+                  "pad_token_id": 0, "initializer_range": 0.02} | shape  # fmt: skip
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        h, inter = config["hidden_size"], config["intermediate_size"]
+        gen = torch.Generator().manual_seed(5)
+
+        def rand(*size: int, mean: float = 0.0) -> torch.Tensor:
+            return mean + 0.1 * torch.randn(*size, generator=gen)
+
+        tensors = {"embeddings.word_embeddings.weight": rand(VOCAB_SIZE, h),
+                   "embeddings.token_type_embeddings.weight": rand(2, h),
+                   "embeddings.LayerNorm.weight": rand(h, mean=1.0),
+                   "embeddings.LayerNorm.bias": rand(h),
+                   "pooler.dense.weight": rand(h, h), "pooler.dense.bias": rand(h)}  # fmt: skip
+        for i in range(config["num_hidden_layers"]):
+            at = f"encoder.layer.{i}."
+            for part in ("attention.self.query", "attention.self.key", "attention.self.value",
+                         "attention.output.dense"):  # fmt: skip
+                tensors[f"{at}{part}.weight"], tensors[f"{at}{part}.bias"] = rand(h, h), rand(h)
+            for norm in ("attention.output.LayerNorm", "mlp.layernorm"):
+                tensors[f"{at}{norm}.weight"] = rand(h, mean=1.0)
+                tensors[f"{at}{norm}.bias"] = rand(h)
+            tensors[f"{at}mlp.gated_layers.weight"] = rand(2 * inter, h)
+            tensors[f"{at}mlp.wo.weight"], tensors[f"{at}mlp.wo.bias"] = rand(h, inter), rand(h)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_pooling_files(tmp, pooling.upper(), normalize=True)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

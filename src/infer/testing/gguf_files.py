@@ -333,10 +333,11 @@ def write_bert_gguf(
     pooling: str | None = None,
     lowercase: bool | None = True,
 ) -> Path:
-    """Write the BERT / XLM-RoBERTa / Nomic BERT embedding model or cross-encoder in ``folder``
-    (``infer.testing.encoders``: a WordPiece tokenizer) as GGUF ``out`` the way llama.cpp's
-    converter writes one: architecture ``bert`` (``nomic-bert``: its rope base, no position
-    table), the vocabulary with U+2581 before each word's
+    """Write the BERT / XLM-RoBERTa / Nomic BERT / Jina BERT v2 embedding model or
+    cross-encoder in ``folder`` (``infer.testing.encoders``: a WordPiece tokenizer) as GGUF
+    ``out`` the way llama.cpp's converter writes one: architecture ``bert`` (``nomic-bert``: its
+    rope base, no position table; ``jina-bert-v2``: no position table, the gated MLP's
+    ``gated_layers`` whole as ``ffn_up``), the vocabulary with U+2581 before each word's
     first piece and ``##`` dropped from the others (control tokens as they are), an
     XLM-RoBERTa's position table without its first ``pad + 1`` rows, no pooler (a
     cross-encoder: its head as ``cls`` / ``cls.output``, its labels, no pooling type); 2-D
@@ -350,7 +351,8 @@ def write_bert_gguf(
     config = json.loads((folder / "config.json").read_text())
     offset = config["pad_token_id"] + 1 if config["model_type"] == "xlm-roberta" else 0
     nomic = config["model_type"] == "nomic_bert"
-    arch = "nomic-bert" if nomic else "bert"
+    jina = config.get("position_embedding_type") == "alibi"
+    arch = "nomic-bert" if nomic else "jina-bert-v2" if jina else "bert"
     layers = config["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name("tiny-encoder")
@@ -388,9 +390,8 @@ def write_bert_gguf(
         writer.add_uint32(getattr(gguf.Keys.Tokenizer, f"{key}_ID"), special[text])
     if lowercase is not None:
         writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
-    name_map = gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH.NOMIC_BERT if nomic else gguf.MODEL_ARCH.BERT, layers
-    )
+    kind = {"nomic-bert": gguf.MODEL_ARCH.NOMIC_BERT, "jina-bert-v2": gguf.MODEL_ARCH.JINA_BERT_V2}
+    name_map = gguf.get_tensor_name_map(kind.get(arch, gguf.MODEL_ARCH.BERT), layers)
     state: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file)))
