@@ -168,7 +168,8 @@ def test_bad_embedding_requests_are_refused_naming_the_field(make_llm):
     [
         ("mean+max", "pools by MEAN + MAX"),
         ("no pooling config", "missing the sentence-transformers pooling config"),
-        ("dense", "sentence_transformers.models.Dense, which infer does not run"),
+        ("dense after normalize", "its Dense modules are not between its Pooling and Normalize"),
+        ("dense without files", "a sentence-transformers Dense config"),
         ("unreadable", "modules.json cannot be read"),
     ],
 )
@@ -188,10 +189,11 @@ def test_files_infer_cannot_follow_refuse_embeddings_but_not_generation(
         )
     elif case == "no pooling config":
         (folder / "1_Pooling" / "config.json").unlink()
-    elif case == "dense":
+    elif case.startswith("dense"):
         modules = json.loads((folder / "modules.json").read_text())
-        modules.append({"idx": 3, "name": "3", "path": "3_Dense",
-                        "type": "sentence_transformers.models.Dense"})  # fmt: skip
+        dense = {"idx": 3, "name": "3", "path": "3_Dense",
+                 "type": "sentence_transformers.models.Dense"}  # fmt: skip
+        modules.insert(len(modules) if case == "dense after normalize" else 2, dense)
         (folder / "modules.json").write_text(json.dumps(modules))
     else:
         (folder / "modules.json").write_text("{not json")

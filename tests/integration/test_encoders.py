@@ -408,3 +408,45 @@ def test_a_jina_bert_embeds_as_its_design(encoder_root, make_llm):
         (reranker / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="a Jina BERT sequence classifier .* is not supported"):
         make_llm(str(reranker))
+
+
+def test_dense_modules_project_the_pooled_vector(encoder_root, make_llm, tmp_path):
+    """sentence-transformers ``Dense`` modules after the pooling (LaBSE's and stella's kind:
+    64 -> 48 with a tanh, then 48 -> 32 without an activation, its weights in an older
+    ``pytorch_model.bin``) project the pooled vector before it is normalized, as
+    sentence-transformers runs them; ``dimensions`` counts the projected values; a Dense module
+    whose activation infer does not run refuses embedding requests naming it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from infer.testing.encoders import with_dense_modules
+
+    base = build_encoder("bert", encoder_root, "cls")
+    folder = with_dense_modules(base, encoder_root / "bert-cls-dense", [48, 32])
+    first = load_file(str(folder / "2_Dense" / "model.safetensors"))
+    second = torch.load(folder / "3_Dense" / "pytorch_model.bin", weights_only=True)
+    want = []
+    for pooled in _sentence_transformers(folder, TEXTS, "cls"):
+        x = torch.tanh(first["linear.weight"] @ pooled + first["linear.bias"])
+        x = second["linear.weight"] @ x + second["linear.bias"]
+        want.append(torch.nn.functional.normalize(x, dim=0))
+    llm = make_llm(str(folder))
+    assert llm.engine.embedding_size == 32
+    for got, w in zip(_vectors(llm.embed(TEXTS)), want, strict=True):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+    short = _vectors(llm.embed(TEXTS[:1], PoolingParams(dimensions=16)))[0]
+    assert len(short) == 16
+    with pytest.raises(InvalidRequestError, match=r"more than the model's embedding size \(32\)"):
+        llm.embed(TEXTS[0], PoolingParams(dimensions=33))
+    odd = tmp_path / "odd"
+    shutil.copytree(folder, odd)
+    config = json.loads((odd / "2_Dense" / "config.json").read_text())
+    config["activation_function"] = "torch.nn.modules.activation.Softplus"
+    (odd / "2_Dense" / "config.json").write_text(json.dumps(config))
+    llm = make_llm(str(odd))
+    with pytest.raises(
+        InvalidRequestError, match="activation torch.nn.modules.activation.Softplus"
+    ):
+        llm.embed(TEXTS[0])

@@ -163,3 +163,29 @@ def test_a_gguf_embedding_file_is_served_as_its_folder(bert, reference, server_l
             torch.testing.assert_close(got, vector(text), atol=1e-5, rtol=1e-5)
         assert "MEAN pooling, normalized" in server.log()
         server.wait_idle()
+
+
+def test_a_dense_projected_model_over_http(server_logs):
+    """A model whose sentence-transformers pipeline ends in Dense modules (64 -> 48 -> 32): the
+    openai SDK gets 32 values, the schema bounds ``dimensions`` by 32, and 33 answers 400
+    naming it."""
+    import httpx
+    from openai import BadRequestError, OpenAI
+
+    from infer.testing.encoders import with_dense_modules
+
+    root = default_encoder_root()
+    folder = with_dense_modules(build_encoder("bert", root, "cls"), root / "bert-cls-dense",
+                                [48, 32])  # fmt: skip
+    for server in start_server(folder, server_logs):
+        client = OpenAI(base_url=server.base_url, api_key="none")
+        resp = client.embeddings.create(model="tiny", input=TEXTS)
+        assert [len(d.embedding) for d in resp.data] == [32] * len(TEXTS)
+        assert abs(sum(v * v for v in resp.data[0].embedding) - 1) < 1e-5
+        schema = httpx.get(server.url + "/openapi.json", headers=server.headers).json()
+        dims = schema["components"]["schemas"]["EmbeddingRequest"]["properties"]["dimensions"]
+        assert 32 in [o.get("maximum") for o in dims.get("anyOf", [dims])]
+        with pytest.raises(BadRequestError) as e:
+            client.embeddings.create(model="tiny", input="x", dimensions=33)
+        assert "embedding size (32)" in e.value.message
+        server.wait_idle()

@@ -98,6 +98,7 @@ _ATTRS = (
     "lora_adapters",
     "lora_parents",
     "sampling_defaults",
+    "embedding_size",
 )
 
 

@@ -319,6 +319,12 @@ class LLMEngine:
             self.runner.pooling_type = self.model.classifier_pooling
         elif self.pooler_config.supported:
             self.runner.pooling_type = self.pooler_config.pooling_type
+            if self.pooler_config.dense:  # (sentence-transformers' Dense modules)
+                from infer.model.dense import EmbeddingProjection
+
+                self.runner.embed_projection = EmbeddingProjection(
+                    self.pooler_config.dense, self.spec.hidden_size, self.runner.device
+                )
         self.kv_cache = self.runner.kv_cache
         self.runner.workers = self.tp_workers
         self.runner.lora = self.lora
@@ -911,16 +917,21 @@ class LLMEngine:
                 f'(--pooler-config \'{{"pooling_type": "{default}"}}\' serves it so)',
                 param="input",
             )
-        hidden = self.spec.hidden_size
-        if params.dimensions is not None and params.dimensions > hidden:
+        size = self.embedding_size
+        if params.dimensions is not None and params.dimensions > size:
             raise InvalidRequestError(
                 f"dimensions ({params.dimensions}) is more than the model's embedding size "
-                f"({hidden})",
+                f"({size})",
                 param="dimensions",
             )
         if params.normalize is None:
             params = replace(params, normalize=pooler.normalize)
         return params
+
+    @property
+    def embedding_size(self) -> int:
+        """How many values an embedding has (the hidden size, or its Dense projection's)."""
+        return self.pooler_config.embedding_size(self.spec.hidden_size)
 
     def _classifier_only(self) -> str:
         labels = self.spec.labels

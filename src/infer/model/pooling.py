@@ -10,11 +10,17 @@ Embedding checkpoints published for sentence-transformers say how they pool in t
 A decoder pools the last token (decoder-only embedding models are trained for it); an encoder
 (BERT, RoBERTa: its prompt runs whole, every token seeing every other) the first token (CLS),
 the mean of every token's state (MEAN, special tokens included, as sentence-transformers
-averages them) or the last. A model whose files ask for another pooling, or hold a module
-infer does not run (a ``Dense`` projection), is served, but its embedding requests are refused
-naming why and ``--pooler-config``, which sets or replaces what the files say (vLLM's flag).
-A model without these files pools the last token (an encoder: CLS) and normalizes, as vLLM's
-embed runner does.
+averages them) or the last. ``Dense`` modules after the pooling (LaBSE's, stella's) project
+the pooled vector, each ``act(W x + b)`` (:mod:`infer.model.dense`), before it is normalized::
+
+    2_Dense/config.json       {"in_features": 768, "out_features": 768, "bias": true,
+                               "activation_function": "torch.nn.modules.activation.Tanh"}
+    2_Dense/model.safetensors linear.weight, linear.bias     (or pytorch_model.bin)
+
+A model whose files ask for another pooling, or hold a module infer does not run, is served,
+but its embedding requests are refused naming why and ``--pooler-config``, which sets or
+replaces what the files say (vLLM's flag). A model without these files pools the last token
+(an encoder: CLS) and normalizes, as vLLM's embed runner does.
 """
 
 from __future__ import annotations
@@ -39,7 +45,30 @@ MODES = {
 _TRANSFORMER_MODULE = "sentence_transformers.models.Transformer"
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
-_KNOWN_MODULES = (_TRANSFORMER_MODULE, _POOLING_MODULE, _NORMALIZE_MODULE)
+_DENSE_MODULE = "sentence_transformers.models.Dense"
+_KNOWN_MODULES = (_TRANSFORMER_MODULE, _POOLING_MODULE, _NORMALIZE_MODULE, _DENSE_MODULE)
+# A Dense module's activation_function (torch's class path) -> its name here
+DENSE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.ReLU": "relu",
+    "torch.nn.modules.activation.GELU": "gelu",
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.SiLU": "silu",
+}
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """One sentence-transformers ``Dense`` module: ``act(W x + b)`` from ``in_features`` to
+    ``out_features`` (``activation``: a name of :data:`DENSE_ACTIVATIONS`' values), its
+    weights in the folder ``path``."""
+
+    path: Path
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
 
 
 @dataclass(frozen=True)
@@ -47,16 +76,22 @@ class PoolerConfig:
     """``pooling_type``: how the prompt's hidden states become one vector (``SUPPORTED``;
     an encoder's ``ENCODER_SUPPORTED``); ``normalize``: whether an embedding is scaled to unit
     length unless the request says; ``source``: where these came from (for errors and the
-    start-up log); ``problem``: why embedding requests are refused (None: served)."""
+    start-up log); ``problem``: why embedding requests are refused (None: served);
+    ``dense``: the projections after the pooling, in order."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
     source: str = "infer's default"
     problem: str | None = None
+    dense: tuple[DenseLayer, ...] = ()
 
     @property
     def supported(self) -> bool:
         return self.problem is None
+
+    def embedding_size(self, hidden_size: int) -> int:
+        """How many values an embedding has: the last projection's, else the hidden size."""
+        return self.dense[-1].out_features if self.dense else hidden_size
 
 
 def parse_pooler_config(text: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -90,8 +125,9 @@ def load_pooler_config(
     (``encoder``: a bidirectional encoder's, which pools more ways). A model whose files infer
     cannot follow (another pooling, a module it does not run, an unreadable file) is still
     served for generation, its embedding requests refused naming the problem (``problem``).
-    An override's ``pooling_type`` replaces what the files say, their other modules included;
-    one this model cannot pool by is a ``ValueError``."""
+    An override's ``pooling_type`` replaces what the files say (the projections after it stay;
+    a module infer cannot run is set aside); one this model cannot pool by is a
+    ``ValueError``."""
     override = override or {}
     supported = ENCODER_SUPPORTED if encoder else SUPPORTED
     config = PoolerConfig(pooling_type=supported[0])
@@ -110,6 +146,7 @@ def load_pooler_config(
             normalize=override.get("normalize", config.normalize),
             source=f"--pooler-config over {config.source}",
             problem=None if "pooling_type" in override else config.problem,
+            dense=config.dense,
         )
     return config
 
@@ -134,6 +171,9 @@ def _from_sentence_transformers(
         return PoolerConfig(normalize=normalize, source=source,
                             problem=f"its sentence-transformers pipeline ({modules_path}) has "
                             f"{', '.join(map(str, others))}, which infer does not run")  # fmt: skip
+    dense, problem = _dense_layers(modules_path.parent, modules, types)
+    if problem is not None:
+        return PoolerConfig(normalize=normalize, source=source, problem=problem)
     pooling_type = supported[0]
     if _POOLING_MODULE in types and read_pooling:
         path = modules_path.parent / str(modules[types.index(_POOLING_MODULE)].get("path", ""))
@@ -150,7 +190,40 @@ def _from_sentence_transformers(
     problem = None
     if pooling_type not in supported:
         problem = f"this model pools by {pooling_type} ({source})"
-    return PoolerConfig(pooling_type, normalize, source, problem)
+    return PoolerConfig(pooling_type, normalize, source, problem, dense)
+
+
+def _dense_layers(
+    folder: Path, modules: list[dict[str, Any]], types: list[Any]
+) -> tuple[tuple[DenseLayer, ...], str | None]:
+    """The ``Dense`` modules of ``modules.json`` (each after the pooling and before the
+    normalization, as sentence-transformers runs them), or why infer cannot run them."""
+    at = [i for i, t in enumerate(types) if t == _DENSE_MODULE]
+    if not at:
+        return (), None
+    after = types.index(_POOLING_MODULE) if _POOLING_MODULE in types else -1
+    before = types.index(_NORMALIZE_MODULE) if _NORMALIZE_MODULE in types else len(types)
+    if not all(after < i < before for i in at):
+        return (), "its Dense modules are not between its Pooling and Normalize modules"
+    layers = []
+    for i in at:
+        path = folder / str(modules[i].get("path", ""))
+        try:
+            config = read_json(path / "config.json", "a sentence-transformers Dense config")
+            act = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+            if act not in DENSE_ACTIVATIONS:
+                return (), (f"its Dense module {path.name} has activation {act}, which infer "
+                            f"does not run ({', '.join(sorted(DENSE_ACTIVATIONS))})")  # fmt: skip
+            layers.append(DenseLayer(path, int(config["in_features"]),
+                                     int(config["out_features"]), bool(config.get("bias", True)),
+                                     DENSE_ACTIVATIONS[act]))  # fmt: skip
+        except (ModelLoadError, KeyError, TypeError, ValueError) as e:
+            return (), f"its Dense module {path} cannot be read: {e}"
+    for a, b in zip(layers, layers[1:], strict=False):
+        if a.out_features != b.in_features:
+            return (), (f"its Dense module {b.path.name} takes {b.in_features} values, "
+                        f"{a.path.name} gives {a.out_features}")  # fmt: skip
+    return tuple(layers), None
 
 
 def write_pooling_files(folder: Path, pooling_type: str, normalize: bool = True) -> None:

@@ -165,6 +165,8 @@ class ModelRunner:
         # How embedding requests pool (the engine's PoolerConfig): LAST, or an encoder's CLS
         # or MEAN (the chunk of an encoder's input is the whole input).
         self.pooling_type = "LAST"
+        # The model's Dense projections of a pooled embedding (model/dense.py; None: none).
+        self.embed_projection: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Constrained decoding (infer.structured): set by the engine on first use.
         self.structured = None
         # The torch path waits for the GPU at the end of the forward pass (its timings); the
@@ -406,6 +408,8 @@ class ModelRunner:
                 pooled = hidden[self._row_index("pool_rows", rows)]
             head = self.model.classifier  # (a sequence classifier: its logits, not the state)
             pooled = pooled.float() if head is None else head(pooled.to(hidden.dtype))
+            if head is None and self.embed_projection is not None:
+                pooled = self.embed_projection(pooled)
         if batch.sample_rows:
             if batch.samples_every_row:
                 sampled = hidden  # (decode): no gather

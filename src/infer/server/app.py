@@ -312,7 +312,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     def openapi() -> dict[str, Any]:
         """FastAPI's schema plus what it cannot see: the SSE event bodies (referenced by the
         streaming routes), the vocabulary's bound on every token id the model reads, and the
-        hidden size's on an embedding's ``dimensions``."""
+        embedding size's on an embedding's ``dimensions``."""
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
@@ -325,11 +325,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                     schemas.setdefault(name, sub_schema)
                 schemas.setdefault(model.__name__, extra)
             _bound_token_ids(schema, min(len(serving.tokenizer), engine.spec.vocab_size) - 1)
-            # an embedding's dimensions: at most the model's hidden size
+            # an embedding's dimensions: at most the model's embedding size
             dims = schemas["EmbeddingRequest"]["properties"]["dimensions"]
             for option in dims.get("anyOf", [dims]):
                 if option.get("type") == "integer":
-                    option["maximum"] = engine.spec.hidden_size
+                    option["maximum"] = engine.embedding_size
             if fim_tokens(serving.tokenizer) is None:  # no fill-in-the-middle: suffix stays empty
                 props = schemas["CompletionRequest"]["properties"]
                 props["suffix"] = {

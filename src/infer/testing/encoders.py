@@ -278,3 +278,53 @@ def build_jina(root: Path, pooling: str = "mean", name: str | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def with_dense_modules(folder: Path, out: Path, widths: list[int], seed: int = 7) -> Path:
+    """A copy at ``out`` of the embedding model ``folder`` whose sentence-transformers pipeline
+    projects the pooled vector by a ``Dense`` module per entry of ``widths`` (its
+    ``out_features``) before normalizing, as LaBSE's and stella's do: the first with a tanh
+    and its weights in ``model.safetensors``, the others without an activation (``Identity``)
+    and in ``pytorch_model.bin`` (older sentence-transformers' file); seeded random weights.
+    Built if absent."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.is_dir():
+        return out
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        shutil.copytree(folder, tmp, dirs_exist_ok=True)
+        modules = json.loads((tmp / "modules.json").read_text())
+        normalize = [m for m in modules if m["type"].endswith(".Normalize")]
+        modules = [m for m in modules if not m["type"].endswith(".Normalize")]
+        width = json.loads((tmp / "config.json").read_text()).get("hidden_size")
+        gen = torch.Generator().manual_seed(seed)
+        for i, out_features in enumerate(widths):
+            path = f"{len(modules)}_Dense"
+            (tmp / path).mkdir()
+            act = "Tanh" if i == 0 else "Identity"
+            module = "activation" if act == "Tanh" else "linear"
+            (tmp / path / "config.json").write_text(json.dumps({
+                "in_features": width, "out_features": out_features, "bias": True,
+                "activation_function": f"torch.nn.modules.{module}.{act}"}))  # fmt: skip
+            state = {"linear.weight": 0.2 * torch.randn(out_features, width, generator=gen),
+                     "linear.bias": 0.1 * torch.randn(out_features, generator=gen)}  # fmt: skip
+            if i == 0:
+                save_file(state, str(tmp / path / "model.safetensors"))
+            else:
+                torch.save(state, tmp / path / "pytorch_model.bin")
+            modules.append({"idx": len(modules), "name": str(len(modules)), "path": path,
+                            "type": "sentence_transformers.models.Dense"})  # fmt: skip
+            width = out_features
+        for m in normalize:
+            modules.append(m | {"idx": len(modules), "name": str(len(modules))})
+        (tmp / "modules.json").write_text(json.dumps(modules, indent=1))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
