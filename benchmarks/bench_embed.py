@@ -23,7 +23,9 @@ bf16 rounds differently in each, so neither matches the other exactly.
 vocabulary 30,522, 512 positions; random weights, CLS pooling) unless ``--model``, in
 ``--dtype`` (BGE's checkpoints are float32, what infer serves them in by default);
 transformers pools ``last_hidden_state[:, 0]`` and L is 128 and 510 (512 with [CLS] / [SEP]).
-Nothing is prefix-cached for an encoder, so "again" is a second cold run.
+Nothing is prefix-cached for an encoder, so "again" is a second cold run. ``--encoder-kind
+mpnet``: an MPNet of all-mpnet-base-v2's shape instead (the same sizes, a relative position
+bias added to every layer's attention scores).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = args.dtype
     if args.encoder:
-        path, row, lengths = bert_base(args.model), 0, (128, 510)
+        path, row, lengths = bert_base(args.model, args.encoder_kind), 0, (128, 510)
         llm = LLM(str(path), dtype=dtype, max_num_seqs=args.num_inputs,
                   max_num_batched_tokens=max(8192, 512 * 8))  # fmt: skip
     else:
@@ -168,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="transformers' batch size")
     p.add_argument("--encoder", action="store_true",
                    help="a BERT encoder of BGE-base's shape (CLS pooling) in place of the Llama")  # fmt: skip
+    p.add_argument("--encoder-kind", choices=("bert", "mpnet"), default="bert",
+                   help="with --encoder: BERT, or MPNet (all-mpnet-base-v2's shape: a relative "
+                        "position bias in every layer's attention)")  # fmt: skip
     return p
 
 

@@ -40,15 +40,24 @@ def _vectors(results) -> torch.Tensor:
     return torch.tensor([r.outputs.embedding for r in results])
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm_roberta", "nomic_bert", "jina"])
+@pytest.mark.parametrize(
+    "kind", ["bert", "xlm_roberta", "roberta", "nomic_bert", "jina", "modernbert"]
+)
 def test_a_float32_file_embeds_exactly_as_its_folder(kind, encoder_root, make_llm, tmp_path):
-    """Same tokens, same vectors (every weight as stored; an XLM-RoBERTa's position table
-    stored without its first pad + 1 rows; a Nomic BERT as ``nomic-bert``: fused q/k/v, rope
-    base from the file; a Jina BERT v2 as ``jina-bert-v2``: ALiBi, the gated MLP whole in
-    ``ffn_up``), the pooling the file names (its folder's MEAN)."""
+    """Same tokens, same vectors (every weight as stored; an (XLM-)RoBERTa's position table
+    stored without its first pad + 1 rows; a RoBERTa's byte-level BPE vocabulary with its
+    merges; a Nomic BERT as ``nomic-bert``: fused q/k/v, rope base from the file; a Jina BERT
+    v2 as ``jina-bert-v2``: ALiBi, the gated MLP whole in ``ffn_up``; a ModernBERT as
+    ``modern-bert``: two rope bases, its local window and layer pattern, a byte-level BPE
+    vocabulary with BERT's [CLS] / [SEP]), the pooling the file names (its folder's MEAN)."""
     from infer.testing.encoders import build_jina
 
-    folder = build_jina(encoder_root) if kind == "jina" else build_encoder(kind, encoder_root)
+    if kind == "jina":
+        folder = build_jina(encoder_root)
+    elif kind == "modernbert":
+        folder = build_encoder(kind, encoder_root, name="modernbert-mean-bpe", bpe=True)
+    else:
+        folder = build_encoder(kind, encoder_root)
     file = write_bert_gguf(folder, tmp_path / f"{kind}.gguf", pooling="MEAN")
     want = make_llm(str(folder), dtype="float32")
     want_results = want.embed(TEXTS)
@@ -185,7 +194,7 @@ def test_a_sentencepiece_vocabulary_is_read_as_a_unigram_tokenizer(tmp_path):
     writer.close()
     out = tmp_path / "tok"
     out.mkdir()
-    write_bert_tokenizer(gguf.GGUFReader(file), out, file, 128)
+    write_bert_tokenizer(gguf.GGUFReader(file), "bert", out, file, 128)
     got = AutoTokenizer.from_pretrained(out)
     for text in [*lines[:300], *TEXTS[:3]]:
         want = [vocab["<s>"], *tok.encode(" ".join(text.split())).ids, vocab["</s>"]]
@@ -223,7 +232,7 @@ def test_what_infer_cannot_read_is_refused_naming_it(encoder_root, tmp_path):
         return out
 
     bpe = rewrite("bpe.gguf", lambda k, v: "gpt2" if k == "tokenizer.ggml.model" else v)
-    with pytest.raises(ModelLoadError, match="'gpt2' vocabulary; infer reads WordPiece"):
+    with pytest.raises(ModelLoadError, match="a byte-level BPE vocabulary without its merges"):
         find_model_folder(bpe)
     causal = rewrite("causal.gguf", lambda k, v: True if k == "bert.attention.causal" else v)
     with pytest.raises(ModelLoadError, match="causal attention"):
@@ -259,6 +268,31 @@ def test_a_jina_file_infer_cannot_run_is_refused_naming_it(encoder_root, tmp_pat
         writer.close()
         with pytest.raises(ModelLoadError, match=f"a jina-bert-v2 file with {says}"):
             find_model_folder(out)
+
+
+@pytest.mark.parametrize("kind", ["roberta", "modernbert"])
+def test_a_byte_level_bpe_vocabulary_tokenizes_as_its_folder(kind, encoder_root, tmp_path):
+    """A RoBERTa's or ModernBERT's byte-level BPE vocabulary (``gpt2``, with its merges)
+    read back from the file: 300 corpus lines, odd spacing and non-ASCII text give the
+    folder's tokens, single and in pairs (RoBERTa's ``<s> A </s></s> B </s>``; ModernBERT's
+    ``[CLS] A [SEP] B [SEP]``)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from infer.model.gguf_bert import write_bert_tokenizer
+
+    name = "modernbert-mean-bpe" if kind == "modernbert" else None
+    folder = build_encoder(kind, encoder_root, name=name, bpe=True)
+    file = write_bert_gguf(folder, tmp_path / f"{kind}.gguf")
+    out = tmp_path / "tok"
+    out.mkdir()
+    arch = "modern-bert" if kind == "modernbert" else "bert"
+    write_bert_tokenizer(gguf.GGUFReader(file), arch, out, file, 128)
+    got, want = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(folder)
+    texts = [*_corpus_lines()[:300], *TEXTS, "  two  spaces ", "\ttab\nnewline", "émoji 🚀"]
+    for text in texts:
+        assert got(text)["input_ids"] == want(text)["input_ids"], text
+    assert got(TEXTS[0], TEXTS[2])["input_ids"] == want(TEXTS[0], TEXTS[2])["input_ids"]
 
 
 @pytest.mark.parametrize("pooling", [None, "RANK"])

@@ -314,3 +314,40 @@ def test_llama_cpps_jina_bert_file_embeds_as_its_folder_and_llama_server(tmp_pat
     assert tokens[1] == tokens[0]
     torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
     _llama_server_embeds_as(file, texts, vectors[1])
+
+
+@pytest.mark.parametrize("kind", ["roberta", "modernbert"])
+def test_llama_cpps_byte_level_bpe_files_embed_as_their_folders_and_llama_server(kind, tmp_path):
+    """A tiny RoBERTa (``bert``, its byte-level BPE vocabulary as ``gpt2`` with merges) and a
+    tiny ModernBERT (``modern-bert``: two rope bases, a local window; ``layer_norm_eps`` beside
+    its ``norm_eps``, which this converter writes as an RMS norm's epsilon that llama.cpp's
+    runtime does not read) through llama.cpp's converter: the folder's tokens and vectors
+    (1e-6), llama-server's (1e-3)."""
+    import json
+    import shutil
+
+    from infer import LLM
+    from infer.testing.encoders import build_encoder, default_encoder_root
+
+    root = default_encoder_root()
+    if kind == "modernbert":
+        folder = build_encoder(kind, root, name="modernbert-mean-bpe", bpe=True)
+        published = tmp_path / "published"
+        shutil.copytree(folder, published)
+        config = json.loads((published / "config.json").read_text())
+        (published / "config.json").write_text(json.dumps(config | {"layer_norm_eps":
+                                                                   config["norm_eps"]}))  # fmt: skip
+        folder = published
+    else:
+        folder = build_encoder(kind, root)
+    file = convert(folder, tmp_path / f"{kind}.gguf")
+    texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
+    vectors, tokens = [], []
+    for model in (folder, file):
+        with LLM(str(model), dtype="float32") as llm:
+            results = llm.embed(texts)
+        vectors.append(torch.tensor([r.outputs.embedding for r in results]))
+        tokens.append([r.prompt_token_ids for r in results])
+    assert tokens[1] == tokens[0]
+    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
+    _llama_server_embeds_as(file, texts, vectors[1])

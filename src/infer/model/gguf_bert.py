@@ -2,8 +2,9 @@
 
 llama.cpp writes BERT and XLM-RoBERTa embedding models (BGE, all-MiniLM, mxbai-embed,
 snowflake-arctic-embed, multilingual-E5, BGE-M3) and rerankers (BGE-reranker) as architecture
-``bert`` (a RoBERTa's byte-level BPE vocabulary too, which infer refuses naming it), Nomic
-BERT as ``nomic-bert`` and Jina BERT v2 (jina-embeddings-v2-base-en) as ``jina-bert-v2``.
+``bert`` (a RoBERTa's too, with its byte-level BPE vocabulary), Nomic BERT as ``nomic-bert``,
+Jina BERT v2 (jina-embeddings-v2-base-en) as ``jina-bert-v2`` and ModernBERT (modernbert-embed,
+gte-modernbert) as ``modern-bert``.
 transformers reads no such file, so the folder standing for one (:mod:`infer.model.gguf_folder`)
 gets its ``config.json`` and tokenizer from here. No torch.
 
@@ -27,7 +28,9 @@ here too. A SentencePiece vocabulary (``t5``: XLM-RoBERTa's Unigram, with its sc
 ``tokenizers`` Unigram tokenizer with ``<s> A </s>``, normalized as llama.cpp's UGM tokenizer
 does: the file's precompiled character map (NFKC for XLM-RoBERTa), then with
 ``remove_extra_whitespaces`` spaces stripped and collapsed and one before each word (the
-first too), else with ``add_space_prefix`` one before the text (keys absent: neither).
+first too), else with ``add_space_prefix`` one before the text (keys absent: neither). A
+byte-level BPE vocabulary (``gpt2``: RoBERTa's, ModernBERT's) is its tokens as they are and its
+merges, split by GPT-2's pre-tokenizer.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> 
                                 # (llama.cpp's default where the key is absent)
                                 "rope_theta": float(field("rope.freq_base", 10000.0))},
         }  # fmt: skip
+    if arch == "modern-bert":
+        return config | _modern_bert(reader, field, tensors, file)
     if arch == "jina-bert-v2":
         for part, what in (
             (
@@ -112,6 +117,49 @@ def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> 
         "hidden_act": "gelu",
         "position_embedding_type": "absolute",
     }
+
+
+def _modern_bert(
+    reader: Any, field: Any, tensors: dict[str, Any], file: Path
+) -> dict[str, Any]:
+    """A ``modern-bert`` file's ``ModernBertModel`` fields: its two rope bases (global:
+    ``rope.freq_base``; local: ``rope.freq_base_swa``), the local layers' full window
+    (``attention.sliding_window``, ``local_attention``) and which layers are local
+    (``attention.sliding_window_pattern``: every n-th layer global from the first, or a flag
+    per layer; llama.cpp's default 3), its MLP's activation (``hidden_act``, GELU when
+    absent)."""
+    if "cls.output.weight" in tensors:
+        raise ModelLoadError(f"{file}: a modern-bert reranker file is not supported (its "
+                             "embedding files are)")  # fmt: skip
+    layers = int(field("block_count"))
+    window = int(field("attention.sliding_window", 0))
+    pattern = _field(reader, "modern-bert.attention.sliding_window_pattern")
+    if window <= 0:
+        local = [False] * layers
+    elif isinstance(pattern, list):
+        local = [bool(p) for p in pattern][:layers]
+    else:
+        every = int(pattern or 3)
+        local = [i % every != 0 for i in range(layers)]
+    base = float(field("rope.freq_base", 160_000.0))
+    config = {
+        "architectures": ["ModernBertModel"],
+        "model_type": "modernbert",
+        "max_position_embeddings": int(field("context_length")),
+        # (llama.cpp's converter writes ModernBERT's norm_eps as an RMS norm's epsilon)
+        "norm_eps": float(_field(reader, "modern-bert.attention.layer_norm_epsilon")
+                          or field("attention.layer_norm_rms_epsilon", 1e-5)),
+        "norm_bias": "token_embd_norm.bias" in tensors,
+        "hidden_activation": str(_field(reader, "modern-bert.hidden_act") or "gelu"),
+        "local_attention": window if window > 0 else 128,
+        "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": base},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": float(field("rope.freq_base_swa", base))},
+        },
+    }  # fmt: skip
+    return config
 
 
 def is_bert_reranker(reader: Any, tensors: dict[str, Any]) -> bool:
@@ -148,7 +196,9 @@ def bert_reranker(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str,
     }
 
 
-def write_bert_tokenizer(reader: Any, out: Path, file: Path, max_length: int) -> None:
+def write_bert_tokenizer(
+    reader: Any, arch: str, out: Path, file: Path, max_length: int
+) -> None:
     """The file's vocabulary as a Hugging Face fast tokenizer saved in ``out`` (module doc)."""
     model = _field(reader, "tokenizer.ggml.model")
     tokens = [str(t) for t in (_field(reader, "tokenizer.ggml.tokens") or [])]
@@ -159,10 +209,12 @@ def write_bert_tokenizer(reader: Any, out: Path, file: Path, max_length: int) ->
         tokenizer = _wordpiece(reader, tokens, types, file)
     elif model == "t5":
         tokenizer = _unigram(reader, tokens, types, file)
+    elif model == "gpt2":
+        tokenizer = _byte_level_bpe(reader, tokens, types, file, roberta=arch == "bert")
     else:
         raise ModelLoadError(
-            f"{file}: a bert file with a {model!r} vocabulary; infer reads WordPiece ('bert') "
-            "and SentencePiece Unigram ('t5') ones"
+            f"{file}: a {arch} file with a {model!r} vocabulary; infer reads WordPiece ('bert'), "
+            "SentencePiece Unigram ('t5') and byte-level BPE ('gpt2') ones"
         )
     tokenizer.model_max_length = max_length
     tokenizer.save_pretrained(out)
@@ -261,4 +313,48 @@ def _unigram(reader: Any, tokens: list[str], types: list[int], file: Path) -> An
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=bos, eos_token=eos, cls_token=bos, sep_token=eos,
         **{k: v for k, v in names.items() if v is not None},
+    )  # fmt: skip
+
+
+def _byte_level_bpe(
+    reader: Any, tokens: list[str], types: list[int], file: Path, roberta: bool
+) -> Any:
+    """A byte-level BPE vocabulary (``gpt2``: RoBERTa's, ModernBERT's) as a ``tokenizers`` BPE
+    with its merges and GPT-2's byte-level pre-tokenizer (no space added before the text), the
+    file's control tokens special; RoBERTa's ``<s> A </s>`` (a pair ``<s> A </s></s> B </s>``)
+    or, for ModernBERT, BERT's ``[CLS] A [SEP]`` (``[CLS] A [SEP] B [SEP]``)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    merges = [str(m) for m in (_field(reader, "tokenizer.ggml.merges") or [])]
+    if not merges:
+        raise ModelLoadError(f"{file}: a byte-level BPE vocabulary without its merges "
+                             "(tokenizer.ggml.merges)")  # fmt: skip
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        vocab.setdefault(text, i)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab, pairs, unk_token=_special(reader, tokens, "unknown")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    control = [t for t, kind in zip(tokens, types, strict=True) if kind == CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    names = ("<s>", "</s>") if roberta else ("[CLS]", "[SEP]")
+    cls = _special(reader, tokens, "cls") or _special(reader, tokens, "bos", names[0])
+    sep = (_special(reader, tokens, "seperator") or _special(reader, tokens, "sep")
+           or _special(reader, tokens, "eos", names[1]))  # fmt: skip
+    if cls is None or sep is None:
+        raise ModelLoadError(f"{file}: a byte-level BPE vocabulary without {' / '.join(names)}")
+    pair = f"{cls} $A {sep} {sep} $B {sep}" if roberta else f"{cls} $A {sep} $B {sep}"
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=pair, special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])]
+    )
+    extra = {"pad_token": _special(reader, tokens, "padding", "<pad>", "[PAD]"),
+             "mask_token": _special(reader, tokens, "mask", "<mask>", "[MASK]"),
+             "unk_token": _special(reader, tokens, "unknown", "<unk>", "[UNK]")}  # fmt: skip
+    if roberta:
+        extra |= {"bos_token": cls, "eos_token": sep}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, cls_token=cls, sep_token=sep,
+        **{k: v for k, v in extra.items() if v is not None},
     )  # fmt: skip

@@ -53,9 +53,10 @@ ARCHITECTURES = {
     "bert": "BertModel",  # XLM-RoBERTa's too (model/gguf_bert.py)
     "nomic-bert": "NomicBertModel",
     "jina-bert-v2": "JinaBertModel",
+    "modern-bert": "ModernBertModel",
 }
 # (transformers reads none of these: model/gguf_bert.py writes their folders)
-BERT_ARCHITECTURES = ("bert", "nomic-bert", "jina-bert-v2")
+BERT_ARCHITECTURES = ("bert", "nomic-bert", "jina-bert-v2", "modern-bert")
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -214,8 +215,8 @@ def _write_folder(file: Path, out: Path) -> None:
 
 
 def _write_bert_folder(reader: Any, arch: str, file: Path, out: Path) -> None:
-    """config.json, the tokenizer and the pooling of a ``bert``, ``nomic-bert`` or
-    ``jina-bert-v2`` file (model/gguf_bert.py)."""
+    """config.json, the tokenizer and the pooling of a ``bert``, ``nomic-bert``,
+    ``jina-bert-v2`` or ``modern-bert`` file (model/gguf_bert.py)."""
     from infer.model.gguf_bert import (
         bert_config,
         bert_reranker,
@@ -229,7 +230,7 @@ def _write_bert_folder(reader: Any, arch: str, file: Path, out: Path) -> None:
         data |= bert_reranker(reader, tensors, file)
     data["torch_dtype"] = _compute_dtype(tensors)
     (out / "config.json").write_text(json.dumps(data, indent=1) + "\n")
-    write_bert_tokenizer(reader, out, file, data["max_position_embeddings"])
+    write_bert_tokenizer(reader, arch, out, file, data["max_position_embeddings"])
     (out / "generation_config.json").write_text("{}\n")
     _write_pooling(reader, arch, out)
 

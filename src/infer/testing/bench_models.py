@@ -20,16 +20,19 @@ def llama_100m(model: str | None = None) -> Path:
 BERT_BASE_DIR = Path.home() / ".cache/infer/bench"
 
 
-def bert_base(model: str | None = None) -> Path:
+def bert_base(model: str | None = None, kind: str = "bert") -> Path:
     """``model`` when given, else a random BERT of BGE-base's shape (built once): 12 layers,
-    hidden 768, 12 heads, MLP 3072, vocabulary 30,522, 512 positions, CLS pooling (~110M)."""
+    hidden 768, 12 heads, MLP 3072, vocabulary 30,522, 512 positions, CLS pooling (~110M);
+    ``kind`` ``mpnet``: an MPNet of all-mpnet-base-v2's shape (the same sizes, 514 positions
+    counted from 2, a relative position bias)."""
     if model:
         return Path(model)
     from infer.testing.encoders import build_encoder
 
-    return build_encoder("bert", BERT_BASE_DIR, "cls", name="bert-base", hidden_size=768,
+    positions = 514 if kind == "mpnet" else 512
+    return build_encoder(kind, BERT_BASE_DIR, "cls", name=f"{kind}-base", hidden_size=768,
                          num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                         vocab_size=30522, max_position_embeddings=512)  # fmt: skip
+                         vocab_size=30522, max_position_embeddings=positions)  # fmt: skip
 
 
 def build_llama_100m(out: Path) -> Path:

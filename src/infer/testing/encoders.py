@@ -19,7 +19,7 @@ from infer.testing.checkpoints import _publish, default_root
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel",
                  "nomic_bert": "NomicBertModel", "gte": "GteModel",
                  "modernbert": "ModernBertModel", "mpnet": "MPNetModel",
-                 "distilbert": "DistilBertModel"}  # fmt: skip
+                 "distilbert": "DistilBertModel", "roberta": "RobertaModel"}  # fmt: skip
 VERSION = "v2"  # bump when a recipe changes: folders built before are not reused
 
 
@@ -68,6 +68,39 @@ def _tokenizer(out: Path, token_types: bool, special: list[str] = SPECIAL) -> No
                                    cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
                                    model_max_length=128,
                                    model_input_names=names)  # fmt: skip
+    fast.save_pretrained(out)
+
+
+def _bpe_tokenizer(out: Path, roberta: bool) -> None:
+    """A byte-level BPE tokenizer trained on the offline corpus (GPT-2's pre-tokenizer, no
+    space before the text), saved into ``out``: RoBERTa's (``<s> <pad> </s> <unk> <mask>``,
+    ``<s> A </s>``, a pair ``<s> A </s></s> B </s>``) or ModernBERT's (BERT's special tokens,
+    ``[CLS] A [SEP]``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from infer.data.corpus import load_corpus
+
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"] if roberta else SPECIAL
+    cls, pad, sep, unk, mask = (special if roberta else
+                                ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"])  # fmt: skip
+    tok = Tokenizer(models.BPE(unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(load_corpus(include_docstrings=False), trainer=trainer)
+    ids = {t: tok.token_to_id(t) for t in (cls, sep)}
+    pair = f"{cls} $A {sep} {sep} $B {sep}" if roberta else f"{cls} $A {sep} $B {sep}"
+    tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=pair,
+                                                       special_tokens=list(ids.items()))  # fmt: skip
+    names = {"bos_token": cls, "eos_token": sep} if roberta else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, cls_token=cls, sep_token=sep,
+                                   pad_token=pad, unk_token=unk, mask_token=mask,
+                                   model_max_length=128,
+                                   model_input_names=["input_ids", "attention_mask"],
+                                   **names)  # fmt: skip
     fast.save_pretrained(out)
 
 
@@ -153,7 +186,7 @@ def build_cross_encoder(kind: str, root: Path, **config: Any) -> Path:
 
 def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool = True,
                   name: str | None = None, labels: int = 0, sentencepiece: bool = False,
-                  **shape: Any) -> Path:  # fmt: skip
+                  bpe: bool = False, **shape: Any) -> Path:  # fmt: skip
     """The folder ``root/<kind>-<pooling>`` (or ``root/<name>``): a tiny ``kind``
     (:data:`ENCODER_KINDS`) embedding model, or one of ``shape`` (config fields: hidden_size,
     num_hidden_layers, ...), whose sentence-transformers files pool by ``pooling`` (``mean``,
@@ -161,6 +194,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
     classifier of that many labels instead (no sentence-transformers files); with
     ``sentencepiece`` (an XLM-RoBERTa), XLM-RoBERTa's kind of tokenizer in place of the
     WordPiece one (:func:`_sentencepiece_tokenizer`: needs the ``sentencepiece`` package);
+    with ``bpe`` (a RoBERTa always; a ModernBERT), a byte-level BPE one (:func:`_bpe_tokenizer`);
     built if absent."""
     import torch
     import transformers
@@ -174,6 +208,9 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
     try:
         if sentencepiece:  # (XLM-RoBERTa's ids: <pad> is 1)
             vocab_size, pad = _sentencepiece_tokenizer(tmp), 1
+        elif bpe or kind == "roberta":
+            _bpe_tokenizer(tmp, roberta=kind == "roberta")
+            vocab_size, pad = VOCAB_SIZE, 1 if kind == "roberta" else 0
         else:
             plain = kind not in ("xlm_roberta", "mpnet", "distilbert")  # (BERT's token types)
             _tokenizer(tmp, token_types=plain,
@@ -184,7 +221,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         arch = base.replace("Model", "ForSequenceClassification") if labels else base
         fields = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
                       num_attention_heads=4, intermediate_size=128,
-                      max_position_embeddings=130 if kind in ("xlm_roberta", "mpnet")
+                      max_position_embeddings=130 if kind in ("xlm_roberta", "mpnet", "roberta")
                       else 128)  # fmt: skip
         if kind == "modernbert":  # (no token types; a global layer, then two local ones
             # whose 8-token window short inputs reach past)
@@ -193,7 +230,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
             fields = dict(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
                           max_position_embeddings=128)  # fmt: skip
         elif kind != "mpnet":  # (MPNet has no token types)
-            fields["type_vocab_size"] = 1 if kind == "xlm_roberta" else 2
+            fields["type_vocab_size"] = 1 if kind in ("xlm_roberta", "roberta") else 2
         config = config_cls(**{**fields, **shape}, pad_token_id=pad, architectures=[arch])
         if labels:
             config.num_labels = labels

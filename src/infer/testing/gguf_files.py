@@ -333,13 +333,15 @@ def write_bert_gguf(
     pooling: str | None = None,
     lowercase: bool | None = True,
 ) -> Path:
-    """Write the BERT / XLM-RoBERTa / Nomic BERT / Jina BERT v2 embedding model or
-    cross-encoder in ``folder`` (``infer.testing.encoders``: a WordPiece tokenizer) as GGUF
-    ``out`` the way llama.cpp's converter writes one: architecture ``bert`` (``nomic-bert``: its
-    rope base, no position table; ``jina-bert-v2``: no position table, the gated MLP's
-    ``gated_layers`` whole as ``ffn_up``), the vocabulary with U+2581 before each word's
-    first piece and ``##`` dropped from the others (control tokens as they are), an
-    XLM-RoBERTa's position table without its first ``pad + 1`` rows, no pooler (a
+    """Write the BERT / (XLM-)RoBERTa / Nomic BERT / Jina BERT v2 / ModernBERT embedding
+    model or cross-encoder in ``folder`` (``infer.testing.encoders``: a WordPiece or byte-level
+    BPE tokenizer) as GGUF ``out`` the way llama.cpp's converter writes one: architecture
+    ``bert`` (``nomic-bert``: its rope base, no position table; ``jina-bert-v2``: no position
+    table, the gated MLP's ``gated_layers`` whole as ``ffn_up``; ``modern-bert``: its two rope
+    bases, window and layer pattern), a WordPiece vocabulary with U+2581 before each word's
+    first piece and ``##`` dropped from the others (control tokens as they are; a BPE one as it
+    is, with its merges: ``gpt2``), an (XLM-)RoBERTa's position table without its first
+    ``pad + 1`` rows, no pooler (a
     cross-encoder: its head as ``cls`` / ``cls.output``, its labels, no pooling type); 2-D
     weights in ``weight_type``; ``pooling`` (MEAN, CLS, LAST, RANK) as ``bert.pooling_type``;
     ``lowercase`` as ``tokenizer.ggml.normalizer.lowercase`` (None: left out, as in files
@@ -349,21 +351,30 @@ def write_bert_gguf(
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    offset = config["pad_token_id"] + 1 if config["model_type"] == "xlm-roberta" else 0
+    robertas = ("xlm-roberta", "roberta")
+    offset = config["pad_token_id"] + 1 if config["model_type"] in robertas else 0
     nomic = config["model_type"] == "nomic_bert"
     jina = config.get("position_embedding_type") == "alibi"
-    arch = "nomic-bert" if nomic else "jina-bert-v2" if jina else "bert"
+    modern = config["model_type"] == "modernbert"
+    arch = ("nomic-bert" if nomic else "jina-bert-v2" if jina else "modern-bert" if modern
+            else "bert")  # fmt: skip
     layers = config["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name("tiny-encoder")
     writer.add_context_length(config["max_position_embeddings"] - offset)
     if nomic:
         writer.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
+    if modern:  # (global: every third layer from the first, as transformers' default)
+        ropes = config["rope_parameters"]
+        writer.add_rope_freq_base(float(ropes["full_attention"]["rope_theta"]))
+        writer.add_rope_freq_base_swa(float(ropes["sliding_attention"]["rope_theta"]))
+        writer.add_sliding_window(config["local_attention"])
+        writer.add_sliding_window_pattern(3)
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(layers)
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_layer_norm_eps(float(config["layer_norm_eps"]))
+    writer.add_layer_norm_eps(float(config["norm_eps" if modern else "layer_norm_eps"]))
     writer.add_causal_attention(False)
     if pooling is not None:
         writer.add_pooling_type(gguf.PoolingType[pooling])
@@ -374,29 +385,41 @@ def write_bert_gguf(
     special = {t["content"]: t["id"] for t in data.get("added_tokens", []) if t["special"]}
     tokens = [""] * config["vocab_size"]
     types = [gguf.TokenType.NORMAL] * config["vocab_size"]
+    bpe = data["model"]["type"] == "BPE"
     for text, i in data["model"]["vocab"].items():
         if text in special:
             tokens[i], types[i] = text, gguf.TokenType.CONTROL
+        elif bpe:
+            tokens[i] = text
         else:
             tokens[i] = text[2:] if text.startswith("##") else "\u2581" + text
-    writer.add_tokenizer_model("bert")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_model("gpt2" if bpe else "bert")
+    writer.add_tokenizer_pre("gpt-2" if bpe else "default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_type_count(config["type_vocab_size"])
+    if bpe:
+        merges = data["model"]["merges"]
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    if not modern:
+        writer.add_token_type_count(config["type_vocab_size"])
     # (as llama.cpp's converter: [CLS] as bos and [SEP] as eos; it has no key for "cls")
-    for key, text in (("BOS", "[CLS]"), ("EOS", "[SEP]"), ("UNK", "[UNK]"), ("SEP", "[SEP]"),
-                      ("PAD", "[PAD]"), ("MASK", "[MASK]")):  # fmt: skip
+    names = ("<s>", "</s>", "<unk>", "</s>", "<pad>", "<mask>") if "<s>" in special else (
+        "[CLS]", "[SEP]", "[UNK]", "[SEP]", "[PAD]", "[MASK]")  # fmt: skip
+    for key, text in zip(("BOS", "EOS", "UNK", "SEP", "PAD", "MASK"), names, strict=True):
         writer.add_uint32(getattr(gguf.Keys.Tokenizer, f"{key}_ID"), special[text])
     if lowercase is not None:
         writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
-    kind = {"nomic-bert": gguf.MODEL_ARCH.NOMIC_BERT, "jina-bert-v2": gguf.MODEL_ARCH.JINA_BERT_V2}
+    kind = {
+        "nomic-bert": gguf.MODEL_ARCH.NOMIC_BERT,
+        "jina-bert-v2": gguf.MODEL_ARCH.JINA_BERT_V2,
+        "modern-bert": gguf.MODEL_ARCH.MODERN_BERT,
+    }
     name_map = gguf.get_tensor_name_map(kind.get(arch, gguf.MODEL_ARCH.BERT), layers)
     state: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file)))
     for hf_name, tensor in state.items():
-        hf_name = hf_name.removeprefix("bert.").removeprefix("roberta.")
+        hf_name = hf_name.removeprefix("bert.").removeprefix("roberta.").removeprefix("model.")
         if hf_name.startswith("pooler.") or hf_name.endswith("position_ids"):
             continue  # (llama.cpp's converter drops them, a BERT classifier's pooler too)
         if hf_name.startswith("classifier.") and hf_name.count(".") == 1:  # (BERT's head)
