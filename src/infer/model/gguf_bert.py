@@ -119,9 +119,7 @@ def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> 
     }
 
 
-def _modern_bert(
-    reader: Any, field: Any, tensors: dict[str, Any], file: Path
-) -> dict[str, Any]:
+def _modern_bert(reader: Any, field: Any, tensors: dict[str, Any], file: Path) -> dict[str, Any]:
     """A ``modern-bert`` file's ``ModernBertModel`` fields: its two rope bases (global:
     ``rope.freq_base``; local: ``rope.freq_base_swa``), the local layers' full window
     (``attention.sliding_window``, ``local_attention``) and which layers are local
@@ -196,9 +194,7 @@ def bert_reranker(reader: Any, tensors: dict[str, Any], file: Path) -> dict[str,
     }
 
 
-def write_bert_tokenizer(
-    reader: Any, arch: str, out: Path, file: Path, max_length: int
-) -> None:
+def write_bert_tokenizer(reader: Any, arch: str, out: Path, file: Path, max_length: int) -> None:
     """The file's vocabulary as a Hugging Face fast tokenizer saved in ``out`` (module doc)."""
     model = _field(reader, "tokenizer.ggml.model")
     tokens = [str(t) for t in (_field(reader, "tokenizer.ggml.tokens") or [])]
