@@ -316,6 +316,28 @@ def test_a_reranker_file_scores_pairs_as_its_folder(pooling, encoder_root, make_
     assert len(set(scores)) == len(scores)
 
 
+@pytest.mark.parametrize("pooled", ["mean", "cls"])
+def test_a_modernbert_reranker_file_scores_pairs_as_its_folder(pooled, encoder_root, make_llm,
+                                                               tmp_path):  # fmt: skip
+    """A ModernBERT cross-encoder (gte-reranker-modernbert's kind) as llama.cpp's converter
+    writes it (``cls`` with its bias, ``cls.norm``, ``cls.output``, ``classifier.pooling_type``
+    mean or CLS): each pair's score is the folder's."""
+    from infer.testing.encoders import build_cross_encoder
+
+    folder = build_cross_encoder("modernbert", encoder_root, bpe=True, classifier_pooling=pooled,
+                                 classifier_bias=True)  # fmt: skip
+    file = write_bert_gguf(folder, tmp_path / "rr.gguf")
+    query, docs = TEXTS[0], [TEXTS[1], TEXTS[2], TEXTS[4]]
+    want = make_llm(str(folder))
+    want_scores = [o.outputs.score for o in want.score(query, docs)]
+    want.shutdown()
+    llm = make_llm(str(file))
+    assert llm.engine.runner.pooling_type == pooled.upper()
+    scores = [o.outputs.score for o in llm.score(query, docs)]
+    assert scores == pytest.approx(want_scores, abs=1e-6)
+    assert len(set(scores)) == len(scores)
+
+
 def test_a_bert_reranker_file_without_its_pooler_is_refused(encoder_root, tmp_path):
     """llama.cpp's converter drops a BERT classifier's pooler (dense + tanh before the
     label's row): such a file's scores are not the model's, and it is refused naming why."""

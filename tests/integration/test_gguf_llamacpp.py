@@ -351,3 +351,39 @@ def test_llama_cpps_byte_level_bpe_files_embed_as_their_folders_and_llama_server
     assert tokens[1] == tokens[0]
     torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
     _llama_server_embeds_as(file, texts, vectors[1])
+
+
+def test_llama_cpps_modernbert_reranker_file_scores_as_its_folder_and_llama_server(tmp_path):
+    """A tiny ModernBERT cross-encoder (gte-reranker-modernbert's kind: mean pooling, a head of
+    dense, GELU and norm, then the classifier; no dense bias, which llama.cpp's loader does not
+    take) through llama.cpp's converter (``cls``, ``cls.norm``, ``cls.output``,
+    ``classifier.pooling_type``): the folder's scores (1e-6) and the sigmoid of llama-server's
+    ``/v1/rerank`` (1e-3)."""
+    import json
+    import shutil
+
+    from infer import LLM
+    from infer.testing.encoders import build_cross_encoder, default_encoder_root
+
+    folder = build_cross_encoder("modernbert", default_encoder_root(), bpe=True,
+                                 classifier_pooling="mean")  # fmt: skip
+    published = tmp_path / "published"  # (layer_norm_eps: see the test above)
+    shutil.copytree(folder, published)
+    config = json.loads((published / "config.json").read_text())
+    (published / "config.json").write_text(json.dumps(config | {"layer_norm_eps":
+                                                               config["norm_eps"]}))  # fmt: skip
+    file = convert(published, tmp_path / "rr.gguf")
+    query = "what is a tuple"
+    docs = ["a tuple is an immutable sequence", "x", "Hello, World! naïve café"]
+    scores = []
+    for model in (published, file):
+        with LLM(str(model), dtype="float32") as llm:
+            scores.append([r.outputs.score for r in llm.score(query, docs)])
+    assert scores[1] == pytest.approx(scores[0], abs=1e-6)
+    server = _llama_server(file, "--reranking")
+    if server is None:
+        return
+    with server as url:
+        results = _post(url + "/v1/rerank", {"query": query, "documents": docs})["results"]
+    logits = torch.tensor([r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])])
+    assert torch.sigmoid(logits).tolist() == pytest.approx(scores[1], abs=1e-3)

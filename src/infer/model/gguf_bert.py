@@ -42,6 +42,7 @@ from infer.model.folders import ModelLoadError
 from infer.model.gguf_folder import RANK, _field
 
 WORD_START = "\u2581"  # what llama.cpp's converter puts before a word's first piece
+MEAN, CLS = 1, 2  # llama.cpp's pooling types
 CONTROL = 3  # llama.cpp's token type of a control token ([CLS], <s>, ...)
 
 
@@ -124,11 +125,11 @@ def _modern_bert(reader: Any, field: Any, tensors: dict[str, Any], file: Path) -
     ``rope.freq_base``; local: ``rope.freq_base_swa``), the local layers' full window
     (``attention.sliding_window``, ``local_attention``) and which layers are local
     (``attention.sliding_window_pattern``: every n-th layer global from the first, or a flag
-    per layer; llama.cpp's default 3), its MLP's activation (``hidden_act``, GELU when
-    absent)."""
-    if "cls.output.weight" in tensors:
-        raise ModelLoadError(f"{file}: a modern-bert reranker file is not supported (its "
-                             "embedding files are)")  # fmt: skip
+    per layer; llama.cpp's default 3), its MLP's activation (``hidden_activation``, GELU
+    when absent). A reranker (gte-reranker-modernbert: ``cls``, ``cls.norm``, ``cls.output``)
+    is a ``ModernBertForSequenceClassification`` pooling as ``classifier.pooling_type`` says
+    (mean where absent, as llama.cpp), its head's activation GELU (the file does not say;
+    llama.cpp takes GELU)."""
     layers = int(field("block_count"))
     window = int(field("attention.sliding_window", 0))
     pattern = _field(reader, "modern-bert.attention.sliding_window_pattern")
@@ -148,7 +149,7 @@ def _modern_bert(reader: Any, field: Any, tensors: dict[str, Any], file: Path) -
         "norm_eps": float(_field(reader, "modern-bert.attention.layer_norm_epsilon")
                           or field("attention.layer_norm_rms_epsilon", 1e-5)),
         "norm_bias": "token_embd_norm.bias" in tensors,
-        "hidden_activation": str(_field(reader, "modern-bert.hidden_act") or "gelu"),
+        "hidden_activation": str(_field(reader, "modern-bert.hidden_activation") or "gelu"),
         "local_attention": window if window > 0 else 128,
         "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
         "rope_parameters": {
@@ -157,7 +158,26 @@ def _modern_bert(reader: Any, field: Any, tensors: dict[str, Any], file: Path) -
                                   "rope_theta": float(field("rope.freq_base_swa", base))},
         },
     }  # fmt: skip
-    return config
+    head = tensors.get("cls.output.weight")
+    if head is None:
+        return config
+    for name in ("cls.weight", "cls.norm.weight"):
+        if name not in tensors:
+            raise ModelLoadError(f"{file}: a modern-bert reranker without {name}")
+    labels = int(head.shape[-1]) if len(head.shape) > 1 else 1
+    field_labels = reader.fields.get("modern-bert.classifier.output_labels")
+    names = [] if field_labels is None else [str(v) for v in field_labels.contents()]
+    if len(names) != labels:
+        names = [f"LABEL_{i}" for i in range(labels)]
+    pooling = int(_field(reader, "modern-bert.classifier.pooling_type") or MEAN)
+    return config | {
+        "architectures": ["ModernBertForSequenceClassification"],
+        "num_labels": labels,
+        "id2label": {str(i): name for i, name in enumerate(names)},
+        "classifier_pooling": "cls" if pooling == CLS else "mean",
+        "classifier_bias": "cls.bias" in tensors,
+        "classifier_activation": "gelu",
+    }
 
 
 def is_bert_reranker(reader: Any, tensors: dict[str, Any]) -> bool:

@@ -61,6 +61,11 @@ BERT_CLASSIFIER = {
 }
 
 
+# A modern-bert reranker's output projection (the gguf package maps "classifier" to cls, the
+# head's dense: ModernBertForSequenceClassification's head.dense is cls too).
+MODERN_BERT_CLASSIFIER = {f"classifier.{s}": f"cls.output.{s}" for s in ("weight", "bias")}
+
+
 class GGUFCheckpoint:
     """Tensors of one GGUF file by Hugging Face name (memory-mapped; read on demand)."""
 
@@ -95,9 +100,9 @@ class GGUFCheckpoint:
         (an expert's: the tensor stacking every expert of its layer, :meth:`_expert`)."""
         if name == "score.weight":  # (a reranker's head; the gguf package's map lacks it)
             return "cls.output.weight" if "cls.output.weight" in self.tensors else None
-        if self.arch == "bert" and name in BERT_CLASSIFIER:  # (model/gguf_bert.py)
-            full = BERT_CLASSIFIER[name]
-            return full if full in self.tensors else None
+        head = {"bert": BERT_CLASSIFIER, "modern-bert": MODERN_BERT_CLASSIFIER}.get(self.arch, {})
+        if name in head:  # (model/gguf_bert.py)
+            return head[name] if head[name] in self.tensors else None
         expert = _EXPERT.match(name)
         if expert is not None:
             name = f"{expert['layer']}.{expert['part']}"

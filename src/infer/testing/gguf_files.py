@@ -381,6 +381,9 @@ def write_bert_gguf(
     if config["architectures"][0].endswith("ForSequenceClassification"):  # a cross-encoder
         labels = config["id2label"]
         writer.add_classifier_output_labels([labels[str(i)] for i in range(len(labels))])
+        if modern:  # (llama.cpp's MEAN 1, CLS 2)
+            pooled = {"mean": 1, "cls": 2}[config.get("classifier_pooling", "cls")]
+            writer.add_uint32("modern-bert.classifier.pooling_type", pooled)
     data = json.loads((folder / "tokenizer.json").read_text())
     special = {t["content"]: t["id"] for t in data.get("added_tokens", []) if t["special"]}
     tokens = [""] * config["vocab_size"]
