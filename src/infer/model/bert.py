@@ -114,6 +114,40 @@ class EncoderClassifierHead(nn.Module):
         return F.linear(pooled, self.weight, self.bias).float()
 
 
+def plain(name: str) -> WeightSource:
+    """The one checkpoint tensor ``name``."""
+    return WeightSource((name,))
+
+
+def embedding_sources(norm: str = "embeddings.LayerNorm", positions: bool = True
+                      ) -> dict[str, WeightSource]:  # fmt: skip
+    """An encoder's word table, position table (``positions``) and embedding norm (``norm``)
+    as BERT names them."""
+    src = {"word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
+           "embed_norm.weight": plain(f"{norm}.weight"),
+           "embed_norm.bias": plain(f"{norm}.bias")}  # fmt: skip
+    if positions:
+        src["position_embeddings.weight"] = plain("embeddings.position_embeddings.weight")
+    return src
+
+
+def post_norm_layer_sources(
+    num_layers: int, layer: str, qkv: tuple[str, str, str], parts: dict[str, str]
+) -> dict[str, WeightSource]:
+    """Each :class:`BertLayer`'s weights and biases: its fused ``qkv_proj`` from the three
+    tensors ``qkv`` and each of ``parts`` (ours -> theirs), under ``layer.format(i)``."""
+    src = {}
+    for i in range(num_layers):
+        theirs, ours = layer.format(i), f"layers.{i}."
+        for suffix in ("weight", "bias"):
+            src[f"{ours}qkv_proj.{suffix}"] = WeightSource(
+                tuple(f"{theirs}{p}.{suffix}" for p in qkv)
+            )
+            for mine, name in parts.items():
+                src[f"{ours}{mine}.{suffix}"] = plain(f"{theirs}{name}.{suffix}")
+    return src
+
+
 class BertModel(CausalLM):
     """A BERT encoder: final hidden states ``[T, hidden]`` for pooling; no vocabulary
     projection (it never generates)."""
@@ -245,31 +279,14 @@ class BertModel(CausalLM):
         raise RuntimeError(f"{self.architecture} is an encoder: it has no logits to compute")
 
     def weight_sources(self) -> dict[str, WeightSource]:
-        def plain(name: str) -> WeightSource:
-            return WeightSource((name,))
-
-        src = {
-            "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
-            "position_embeddings.weight": plain("embeddings.position_embeddings.weight"),
-            "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
-            "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
-        } | self._type_source()
-        for i in range(self.cfg.num_layers):
-            theirs = f"encoder.layer.{i}."
-            ours = f"layers.{i}."
-            for suffix in ("weight", "bias"):
-                src[f"{ours}qkv_proj.{suffix}"] = WeightSource(
-                    tuple(f"{theirs}attention.self.{p}.{suffix}" for p in ("query", "key", "value"))
-                )
-                for mine, name in (
-                    ("attn_out", "attention.output.dense"),
-                    ("attn_norm", "attention.output.LayerNorm"),
-                    ("intermediate", "intermediate.dense"),
-                    ("output", "output.dense"),
-                    ("out_norm", "output.LayerNorm"),
-                ):
-                    src[f"{ours}{mine}.{suffix}"] = plain(f"{theirs}{name}.{suffix}")
-        return src
+        attention = "attention.self."
+        return embedding_sources() | self._type_source() | post_norm_layer_sources(
+            self.cfg.num_layers, "encoder.layer.{}.",
+            (f"{attention}query", f"{attention}key", f"{attention}value"),
+            {"attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm",
+             "intermediate": "intermediate.dense", "output": "output.dense",
+             "out_norm": "output.LayerNorm"},
+        )  # fmt: skip
 
 
 class RobertaModel(BertModel):

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.model.bert import BertConfig, BertModel
+from infer.model.bert import (
+    BertConfig,
+    BertModel,
+    embedding_sources,
+    post_norm_layer_sources,
+)
 from infer.model.layers import WeightSource
 
 
@@ -45,27 +50,9 @@ class DistilBertModel(BertModel):
         )
 
     def weight_sources(self) -> dict[str, WeightSource]:
-        def plain(name: str) -> WeightSource:
-            return WeightSource((name,))
-
-        src = {
-            "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
-            "position_embeddings.weight": plain("embeddings.position_embeddings.weight"),
-            "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
-            "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
-        }
-        for i in range(self.cfg.num_layers):
-            theirs, ours = f"transformer.layer.{i}.", f"layers.{i}."
-            for suffix in ("weight", "bias"):
-                src[f"{ours}qkv_proj.{suffix}"] = WeightSource(
-                    tuple(f"{theirs}attention.{p}_lin.{suffix}" for p in ("q", "k", "v"))
-                )
-                for mine, name in (
-                    ("attn_out", "attention.out_lin"),
-                    ("attn_norm", "sa_layer_norm"),
-                    ("intermediate", "ffn.lin1"),
-                    ("output", "ffn.lin2"),
-                    ("out_norm", "output_layer_norm"),
-                ):
-                    src[f"{ours}{mine}.{suffix}"] = plain(f"{theirs}{name}.{suffix}")
-        return src
+        return embedding_sources() | post_norm_layer_sources(
+            self.cfg.num_layers, "transformer.layer.{}.",
+            ("attention.q_lin", "attention.k_lin", "attention.v_lin"),
+            {"attn_out": "attention.out_lin", "attn_norm": "sa_layer_norm",
+             "intermediate": "ffn.lin1", "output": "ffn.lin2", "out_norm": "output_layer_norm"},
+        )  # fmt: skip

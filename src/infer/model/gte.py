@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from infer.model.bert import embedding_sources, plain
 from infer.model.layers import WeightSource
 from infer.model.nomic_bert import NomicBertConfig, NomicBertModel
 from infer.model.rope import RopeConfig
@@ -92,14 +93,7 @@ class GteModel(NomicBertModel):
         )
 
     def weight_sources(self) -> dict[str, WeightSource]:
-        def plain(name: str) -> WeightSource:
-            return WeightSource((name,))
-
-        src = {
-            "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
-            "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
-            "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
-        } | self._type_source()
+        src = embedding_sources(positions=False) | self._type_source()
         inter = self.cfg.intermediate_size  # type: ignore[attr-defined]
         # (the checkpoint's up_gate_proj holds up's rows first; ours takes gate's first)
         gate_first = tuple(range(inter, 2 * inter)) + tuple(range(inter))

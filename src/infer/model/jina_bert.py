@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from infer.model.bert import BertModel, EncoderShape
-from infer.model.layers import CausalLM, WeightSource
-from infer.model.nomic_bert import NomicBertLayer
+from infer.model.bert import EncoderShape, embedding_sources, plain, post_norm_layer_sources
+from infer.model.layers import WeightSource
+from infer.model.nomic_bert import NomicBertLayer, NomicBertModel
 
 if TYPE_CHECKING:
     from infer.model.attention import Attention
@@ -80,26 +79,12 @@ class JinaBertLayer(NomicBertLayer):
         return self.mlp(self.attn_norm(x + self.attn_out(out.reshape(t, -1))))
 
 
-class JinaBertModel(BertModel):
+class JinaBertModel(NomicBertModel):
     """A Jina BERT v2 encoder: final hidden states ``[T, hidden]`` for pooling."""
 
     architecture = "JinaBertModel"
     checkpoint_aliases = (("", "bert."),)
-
-    def __init__(self, cfg: JinaBertConfig) -> None:  # type: ignore[override]
-        CausalLM.__init__(self)
-        self.cfg = cfg  # type: ignore[assignment]
-        self.sep_token_id: int | None = None
-        h = cfg.hidden_size
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
-        self.token_type_embeddings = (
-            nn.Embedding(cfg.type_vocab_size, h) if cfg.type_vocab_size else None
-        )
-        self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
-        self.layers = nn.ModuleList(  # type: ignore[assignment]
-            JinaBertLayer(cfg, i)
-            for i in range(cfg.num_layers)  # type: ignore[arg-type]
-        )
+    layer_class = JinaBertLayer
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> JinaBertConfig:  # type: ignore[override]
@@ -148,23 +133,13 @@ class JinaBertModel(BertModel):
         return x
 
     def weight_sources(self) -> dict[str, WeightSource]:
-        def plain(name: str) -> WeightSource:
-            return WeightSource((name,))
-
-        src = {
-            "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
-            "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
-            "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
-        } | self._type_source()
-        for i in range(self.cfg.num_layers):
-            theirs, ours = f"encoder.layer.{i}.", f"layers.{i}."
-            for suffix in ("weight", "bias"):
-                src[f"{ours}qkv_proj.{suffix}"] = WeightSource(
-                    tuple(f"{theirs}attention.self.{p}.{suffix}" for p in ("query", "key", "value"))
-                )
-                for mine, name in (("attn_out", "attention.output.dense"),
-                                   ("attn_norm", "attention.output.LayerNorm"),
-                                   ("down", "mlp.wo"), ("out_norm", "mlp.layernorm")):  # fmt: skip
-                    src[f"{ours}{mine}.{suffix}"] = plain(f"{theirs}{name}.{suffix}")
-            src[f"{ours}gate_up.weight"] = plain(f"{theirs}mlp.gated_layers.weight")
+        attention = "attention.self."
+        src = embedding_sources(positions=False) | self._type_source() | post_norm_layer_sources(
+            self.cfg.num_layers, "encoder.layer.{}.",
+            (f"{attention}query", f"{attention}key", f"{attention}value"),
+            {"attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm",
+             "down": "mlp.wo", "out_norm": "mlp.layernorm"},
+        )  # fmt: skip
+        for i in range(self.cfg.num_layers):  # (the gated MLP's one projection has no bias)
+            src[f"layers.{i}.gate_up.weight"] = plain(f"encoder.layer.{i}.mlp.gated_layers.weight")
         return src

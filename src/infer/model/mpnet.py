@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.model.bert import BertConfig, BertModel
+from infer.model.bert import (
+    BertConfig,
+    BertModel,
+    embedding_sources,
+    plain,
+    post_norm_layer_sources,
+)
 from infer.model.layers import WeightSource
 
 if TYPE_CHECKING:
@@ -97,28 +103,11 @@ class MPNetModel(BertModel):
         return x
 
     def weight_sources(self) -> dict[str, WeightSource]:
-        def plain(name: str) -> WeightSource:
-            return WeightSource((name,))
-
-        src = {
-            "word_embeddings.weight": plain("embeddings.word_embeddings.weight"),
-            "position_embeddings.weight": plain("embeddings.position_embeddings.weight"),
-            "embed_norm.weight": plain("embeddings.LayerNorm.weight"),
-            "embed_norm.bias": plain("embeddings.LayerNorm.bias"),
-            "relative_attention_bias.weight": plain("encoder.relative_attention_bias.weight"),
-        }
-        for i in range(self.cfg.num_layers):
-            theirs, ours = f"encoder.layer.{i}.", f"layers.{i}."
-            for suffix in ("weight", "bias"):
-                src[f"{ours}qkv_proj.{suffix}"] = WeightSource(
-                    tuple(f"{theirs}attention.attn.{p}.{suffix}" for p in ("q", "k", "v"))
-                )
-                for mine, name in (
-                    ("attn_out", "attention.attn.o"),
-                    ("attn_norm", "attention.LayerNorm"),
-                    ("intermediate", "intermediate.dense"),
-                    ("output", "output.dense"),
-                    ("out_norm", "output.LayerNorm"),
-                ):
-                    src[f"{ours}{mine}.{suffix}"] = plain(f"{theirs}{name}.{suffix}")
-        return src
+        bias = {"relative_attention_bias.weight": plain("encoder.relative_attention_bias.weight")}
+        return embedding_sources() | bias | post_norm_layer_sources(
+            self.cfg.num_layers, "encoder.layer.{}.",
+            ("attention.attn.q", "attention.attn.k", "attention.attn.v"),
+            {"attn_out": "attention.attn.o", "attn_norm": "attention.LayerNorm",
+             "intermediate": "intermediate.dense", "output": "output.dense",
+             "out_norm": "output.LayerNorm"},
+        )  # fmt: skip

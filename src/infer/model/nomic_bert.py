@@ -100,6 +100,7 @@ class NomicBertModel(BertModel):
 
     architecture = "NomicBertModel"
     checkpoint_aliases = (("", "nomic_bert."),)
+    layer_class: type[NomicBertLayer] = NomicBertLayer
 
     def __init__(self, cfg: NomicBertConfig) -> None:  # type: ignore[override]
         CausalLM.__init__(self)
@@ -112,7 +113,7 @@ class NomicBertModel(BertModel):
         )
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(  # type: ignore[assignment]
-            NomicBertLayer(cfg, i) for i in range(cfg.num_layers)
+            self.layer_class(cfg, i) for i in range(cfg.num_layers)
         )
 
     @classmethod
