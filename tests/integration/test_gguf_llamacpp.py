@@ -153,6 +153,23 @@ def _llama_server_embeds_as(file: Path, texts: list[str], vectors: torch.Tensor)
     return True
 
 
+def _embeds_as_its_folder(folder: Path, file: Path) -> None:
+    """``file`` gives ``folder``'s tokens and vectors (float32, 1e-6), and llama-server's
+    within 1e-3 where it is built."""
+    from infer import LLM
+
+    texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
+    vectors, tokens = [], []
+    for model in (folder, file):
+        with LLM(str(model), dtype="float32") as llm:
+            results = llm.embed(texts)
+        vectors.append(torch.tensor([r.outputs.embedding for r in results]))
+        tokens.append([r.prompt_token_ids for r in results])
+    assert tokens[1] == tokens[0]
+    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
+    _llama_server_embeds_as(file, texts, vectors[1])
+
+
 def _post(url: str, body: dict) -> dict:
     import json
     import urllib.request
@@ -277,43 +294,23 @@ def test_llama_cpps_nomic_bert_file_embeds_as_its_folder_and_llama_server(tmp_pa
     """A tiny Nomic BERT, config.json as Nomic publishes nomic-embed-text (what llama.cpp's
     converter reads), through the converter (``nomic-bert``: fused q/k/v, rope base in the
     metadata): the folder's tokens and vectors (1e-6), llama-server's (1e-3)."""
-    from infer import LLM
     from infer.testing.encoders import build_encoder, default_encoder_root, nomic_published
 
     folder = build_encoder("nomic_bert", default_encoder_root(), "mean")
     published = nomic_published(folder, tmp_path / "nomic")
     file = convert(published, tmp_path / "nomic.gguf")
-    texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
-    vectors, tokens = [], []
-    for model in (published, file):
-        with LLM(str(model), dtype="float32") as llm:
-            results = llm.embed(texts)
-        vectors.append(torch.tensor([r.outputs.embedding for r in results]))
-        tokens.append([r.prompt_token_ids for r in results])
-    assert tokens[1] == tokens[0]
-    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
-    _llama_server_embeds_as(file, texts, vectors[1])
+    _embeds_as_its_folder(published, file)
 
 
 def test_llama_cpps_jina_bert_file_embeds_as_its_folder_and_llama_server(tmp_path):
     """A tiny Jina BERT v2 (``JinaBertForMaskedLM``, ALiBi over 6 heads, a GELU gated MLP)
     through llama.cpp's converter (``jina-bert-v2``): the folder's tokens and vectors (1e-6),
     llama-server's (1e-3)."""
-    from infer import LLM
     from infer.testing.encoders import build_jina, default_encoder_root
 
     folder = build_jina(default_encoder_root())
     file = convert(folder, tmp_path / "jina.gguf")
-    texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
-    vectors, tokens = [], []
-    for model in (folder, file):
-        with LLM(str(model), dtype="float32") as llm:
-            results = llm.embed(texts)
-        vectors.append(torch.tensor([r.outputs.embedding for r in results]))
-        tokens.append([r.prompt_token_ids for r in results])
-    assert tokens[1] == tokens[0]
-    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
-    _llama_server_embeds_as(file, texts, vectors[1])
+    _embeds_as_its_folder(folder, file)
 
 
 @pytest.mark.parametrize("kind", ["roberta", "modernbert"])
@@ -326,7 +323,6 @@ def test_llama_cpps_byte_level_bpe_files_embed_as_their_folders_and_llama_server
     import json
     import shutil
 
-    from infer import LLM
     from infer.testing.encoders import build_encoder, default_encoder_root
 
     root = default_encoder_root()
@@ -341,16 +337,7 @@ def test_llama_cpps_byte_level_bpe_files_embed_as_their_folders_and_llama_server
     else:
         folder = build_encoder(kind, root)
     file = convert(folder, tmp_path / f"{kind}.gguf")
-    texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
-    vectors, tokens = [], []
-    for model in (folder, file):
-        with LLM(str(model), dtype="float32") as llm:
-            results = llm.embed(texts)
-        vectors.append(torch.tensor([r.outputs.embedding for r in results]))
-        tokens.append([r.prompt_token_ids for r in results])
-    assert tokens[1] == tokens[0]
-    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
-    _llama_server_embeds_as(file, texts, vectors[1])
+    _embeds_as_its_folder(folder, file)
 
 
 def test_llama_cpps_modernbert_reranker_file_scores_as_its_folder_and_llama_server(tmp_path):
