@@ -382,24 +382,29 @@ def _jina_reference(folder, ids: list[int]) -> torch.Tensor:
     return x
 
 
-def test_a_jina_bert_embeds_as_its_design(encoder_root, make_llm):
+def test_a_jina_bert_embeds_as_its_design(encoder_root, make_llm, monkeypatch):
     """Jina BERT v2 (``JinaBertForMaskedLM`` with ALiBi, as jina-embeddings-v2 is published;
     6 heads: ALiBi's slopes of a count that is not a power of two): the mean of the hidden
     states written out in float64 above, inputs side by side (padded) or one by one beside a
-    long one; a Jina reranker is refused naming it."""
+    long one, the bias made for the whole input or a few queries at a time (as for a long
+    input); a Jina reranker is refused naming it."""
     import json
     import shutil
 
+    from infer.runner.attention import backend
     from infer.testing.encoders import build_jina
 
     folder = build_jina(encoder_root)
     llm = make_llm(str(folder))
-    for texts in (TEXTS, [PROMPTS[5] * 2, "a", "b", "c"]):
-        results = llm.embed(texts, PoolingParams(normalize=False))
-        for r in results:
-            want = _jina_reference(folder, r.prompt_token_ids).mean(0).float()
-            torch.testing.assert_close(torch.tensor(r.outputs.embedding), want, atol=1e-5,
-                                       rtol=1e-5)  # fmt: skip
+    for blocked in (False, True):
+        if blocked:  # (a mask of at most 6 heads x 4 queries x 60 keys: blocks of queries)
+            monkeypatch.setattr(backend, "MASK_ELEMENTS", 6 * 4 * 60)
+        for texts in (TEXTS, [PROMPTS[5] * 2, "a", "b", "c"]):
+            results = llm.embed(texts, PoolingParams(normalize=False))
+            for r in results:
+                want = _jina_reference(folder, r.prompt_token_ids).mean(0).float()
+                torch.testing.assert_close(torch.tensor(r.outputs.embedding), want, atol=1e-5,
+                                           rtol=1e-5)  # fmt: skip
     reranker = encoder_root / "jina-as-reranker"
     if not reranker.is_dir():
         shutil.copytree(folder, reranker)

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from infer.runner.attention.context import AttentionContext
 
 
+# The most values of a float mask the torch reference makes for one SDPA call (64 MiB in
+# float32): an encoder's bias by distance is made for a block of queries at a time.
+MASK_ELEMENTS = 1 << 24
+
+
 class AttentionBackend:
     """How one step's attention is computed; subclasses say how each part runs."""
 
@@ -69,15 +74,19 @@ class AttentionBackend:
         """An encoder's attention (:meth:`AttentionContext.attend_bidirectional`), here with
         torch's SDPA on any device and dtype, batched as :meth:`AttentionContext.padded_layout`
         says; ``window``: a query sees the keys at most that many rows away;
-        ``distance_bias``: added to the scores by distance."""
+        ``distance_bias``: added to the scores by distance, as a float mask made for a block of
+        queries at a time (at most :data:`MASK_ELEMENTS` values: a whole one for an 8,192-token
+        input would be gigabytes)."""
         sdpa = torch.nn.functional.scaled_dot_product_attention
         layout = ctx.padded_layout()
 
-        def mask_of(width: int, valid: torch.Tensor | None) -> torch.Tensor | None:
-            """SDPA's mask of ``width`` rows (``valid`` ``[S, width]``: the real keys): True
-            where a key is seen, or the float bias there and -inf where not; None: all."""
+        def mask_of(width: int, valid: torch.Tensor | None, q0: int, q1: int
+                    ) -> torch.Tensor | None:  # fmt: skip
+            """SDPA's mask of query rows ``q0 .. q1 - 1`` of ``width`` (``valid`` ``[S, width]``:
+            the real keys): True where a key is seen, or the float bias there and -inf where
+            not; None: all."""
             pos = torch.arange(width, device=q.device)
-            apart = pos[None, :] - pos[:, None]  # [query, key]: j - i
+            apart = pos[None, :] - pos[q0:q1, None]  # [query, key]: j - i
             seen = None if window is None else (apart.abs() <= window)[None, None]
             if valid is not None:
                 keys = valid[:, None, None, :]
@@ -85,23 +94,42 @@ class AttentionBackend:
             if distance_bias is None:
                 return seen
             reach = distance_bias.shape[1] // 2
-            bias = distance_bias.to(q.dtype)[:, apart + reach][None]  # [1, H, width, width]
+            bias = distance_bias.to(q.dtype)[:, apart + reach][None]  # [1, H, rows, width]
             return bias if seen is None else bias.masked_fill(~seen, float("-inf"))
+
+        def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                   valid: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+            """SDPA of ``[(S,) H, W, D]`` (a 3-D one: one sequence), a block of queries at a
+            time where the mask is a float bias."""
+            width, heads = qs.shape[-2], qs.shape[-3]
+            rows = width
+            if distance_bias is not None:
+                seqs = qs.shape[0] if qs.dim() == 4 else 1
+                rows = max(1, MASK_ELEMENTS // (seqs * heads * width))
+            out = torch.empty_like(qs) if rows < width else None
+            for q0 in range(0, width, rows):
+                q1 = min(width, q0 + rows)
+                mask = mask_of(width, valid, q0, q1)
+                if mask is not None and qs.dim() == 3:
+                    mask = mask[0]
+                part = sdpa(qs[..., q0:q1, :], ks, vs, attn_mask=mask, scale=scale)
+                if out is None:
+                    return part
+                out[..., q0:q1, :] = part
+            assert out is not None
+            return out
 
         if isinstance(layout, list):  # [H, n, D] per sequence
             out = torch.empty_like(q)
             for a, b in layout:
-                rows = (t[a:b].transpose(0, 1) for t in (q, k, v))
-                mask = mask_of(b - a, None)
-                mask = None if mask is None else mask[0]
-                out[a:b] = sdpa(*rows, attn_mask=mask, scale=scale).transpose(0, 1)
+                rows = [t[a:b].transpose(0, 1) for t in (q, k, v)]
+                out[a:b] = attend(*rows, None).transpose(0, 1)
             return out
         index, valid = layout
-        # [S, W, H, D] -> [S, H, W, D]
+        # [S, W, H, D] -> [S, H, W, D]; (inputs of one length, no window or bias: no mask,
+        # SDPA's fused kernel)
         qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
-        # (inputs of one length, no window or bias: no mask, SDPA's fused kernel)
-        mask = mask_of(index.shape[1], valid)
-        out = sdpa(qs, ks, vs, attn_mask=mask, scale=scale).transpose(1, 2)
+        out = attend(qs, ks, vs, valid).transpose(1, 2)
         return out.reshape(q.shape) if valid is None else out[valid]
 
     def decode(
