@@ -226,7 +226,7 @@ def write_bert_tokenizer(reader: Any, arch: str, out: Path, file: Path, max_leng
     elif model == "t5":
         tokenizer = _unigram(reader, tokens, types, file)
     elif model == "gpt2":
-        tokenizer = _byte_level_bpe(reader, tokens, types, file, roberta=arch == "bert")
+        tokenizer = _byte_level_bpe(reader, tokens, types, file)
     else:
         raise ModelLoadError(
             f"{file}: a {arch} file with a {model!r} vocabulary; infer reads WordPiece ('bert'), "
@@ -332,13 +332,12 @@ def _unigram(reader: Any, tokens: list[str], types: list[int], file: Path) -> An
     )  # fmt: skip
 
 
-def _byte_level_bpe(
-    reader: Any, tokens: list[str], types: list[int], file: Path, roberta: bool
-) -> Any:
-    """A byte-level BPE vocabulary (``gpt2``: RoBERTa's, ModernBERT's) as a ``tokenizers`` BPE
-    with its merges and GPT-2's byte-level pre-tokenizer (no space added before the text), the
-    file's control tokens special; RoBERTa's ``<s> A </s>`` (a pair ``<s> A </s></s> B </s>``)
-    or, for ModernBERT, BERT's ``[CLS] A [SEP]`` (``[CLS] A [SEP] B [SEP]``)."""
+def _byte_level_bpe(reader: Any, tokens: list[str], types: list[int], file: Path) -> Any:
+    """A byte-level BPE vocabulary (``gpt2``: RoBERTa's, ModernBERT's, Jina's German and
+    Chinese ones) as a ``tokenizers`` BPE with its merges and GPT-2's byte-level pre-tokenizer
+    (no space added before the text), the file's control tokens special; where ``<s>`` is one
+    of them, RoBERTa's ``<s> A </s>`` (a pair ``<s> A </s></s> B </s>``), else BERT's
+    ``[CLS] A [SEP]`` (``[CLS] A [SEP] B [SEP]``: ModernBERT's)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -355,6 +354,7 @@ def _byte_level_bpe(
     tok.decoder = decoders.ByteLevel()
     control = [t for t, kind in zip(tokens, types, strict=True) if kind == CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    roberta = "<s>" in control
     names = ("<s>", "</s>") if roberta else ("[CLS]", "[SEP]")
     cls = _special(reader, tokens, "cls") or _special(reader, tokens, "bos", names[0])
     sep = (_special(reader, tokens, "seperator") or _special(reader, tokens, "sep")
