@@ -131,21 +131,47 @@ def test_the_models_pooling_files_decide_and_pooler_config_overrides(tiny_checkp
     got = torch.tensor(llm.embed(PROMPTS[0])[0].outputs.embedding)
     assert got.norm().item() == pytest.approx(1.0, abs=1e-5)
 
-    mean_folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "mean",
-                                              "MEAN", normalize=True)  # fmt: skip
-    llm = LLM(str(mean_folder), **opts)
-    with pytest.raises(InvalidRequestError, match="pools by MEAN") as e:
+    cls_folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "cls",
+                                             "CLS", normalize=True)  # fmt: skip
+    llm = LLM(str(cls_folder), **opts)
+    with pytest.raises(InvalidRequestError, match="pools by CLS") as e:
         llm.embed(PROMPTS[0])
     assert e.value.param == "input"
     assert llm.generate(PROMPTS[0])[0].outputs[0].token_ids  # it still generates
-    llm = LLM(str(mean_folder), pooler_config={"pooling_type": "last"}, **opts)
+    llm = LLM(str(cls_folder), pooler_config={"pooling_type": "last"}, **opts)
     got = torch.tensor(llm.embed(PROMPTS[0])[0].outputs.embedding)
     torch.testing.assert_close(got, torch.nn.functional.normalize(want, dim=0), atol=2e-5,
                                rtol=1e-4)  # fmt: skip
-    with pytest.raises(ValueError, match="pooling_type 'MEAN' is not supported"):
-        LLM(str(mean_folder), pooler_config='{"pooling_type": "MEAN"}', **opts)
+    with pytest.raises(ValueError, match="pooling_type 'CLS' is not supported"):
+        LLM(str(cls_folder), pooler_config='{"pooling_type": "CLS"}', **opts)
     with pytest.raises(ValueError, match="unknown field"):
-        LLM(str(mean_folder), pooler_config='{"pooling": "LAST"}', **opts)
+        LLM(str(cls_folder), pooler_config='{"pooling": "LAST"}', **opts)
+
+
+def test_a_mean_pooling_decoder_embeds_the_mean_of_its_prompts_states(tiny_checkpoints,
+                                                                     make_llm, tmp_path):  # fmt: skip
+    """A decoder whose sentence-transformers files pool by the mean (stella's, KaLM's): each
+    vector is the mean of transformers' last hidden states over the whole prompt, whether the
+    prompt ran whole or in chunks of 8 tokens over several steps, beside other requests and
+    again; prefix caching is off for it (a cached prefix computes no states)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    folder = _with_sentence_transformers(tiny_checkpoints["qwen3"], tmp_path / "mean", "MEAN",
+                                         normalize=False)  # fmt: skip
+    prompts = [LONG, PROMPTS[0], "a", LONG + " " + PROMPTS[3]]
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [model(torch.tensor([tok.encode(p)])).last_hidden_state[0].mean(0)
+                for p in prompts]  # fmt: skip
+    for options in ({}, {"max_num_batched_tokens": 8, "block_size": 4}):
+        llm = make_llm(str(folder), enable_prefix_caching=True, **options)
+        assert not llm.engine.config.cache.enable_prefix_caching
+        assert "mean of every prompt token" in llm.engine.config.prefix_caching_off_reason
+        for _ in range(2):  # (again: nothing carried over)
+            for got, w in zip(_vectors(llm.embed(prompts)), want, strict=True):
+                torch.testing.assert_close(got, w, atol=2e-4, rtol=1e-4)
+        assert not llm.engine.runner._mean_sums
 
 
 def test_bad_embedding_requests_are_refused_naming_the_field(make_llm):

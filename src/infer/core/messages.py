@@ -132,6 +132,10 @@ class StepBatch:
     # and the first row of each one's chunk (an encoder's CLS or MEAN pooling reads from it).
     pool_rows: list[int] = field(default_factory=list)
     pool_starts: list[int] = field(default_factory=list)
+    # A decoder that pools by the mean: every chunk of an embedding request's prompt, as
+    # (request id, first row, end row, the chunk's first position); the rows are summed, and
+    # the sum carried to the request's next chunk (its last chunk's rows are in pool_rows).
+    pool_sums: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     @property
     def samples_every_row(self) -> bool:

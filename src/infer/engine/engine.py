@@ -234,6 +234,15 @@ class LLMEngine:
                         pooler.pooling_type, "normalized" if pooler.normalize else "not normalized",
                         pooler.source, "" if pooler.supported else
                         f"; refused: {pooler.problem}")  # fmt: skip
+        if (not self.spec.is_encoder and not self.spec.is_classifier and pooler.supported
+                and pooler.pooling_type == "MEAN" and cc.enable_prefix_caching):  # fmt: skip
+            # (a cached prefix computes no hidden states: its tokens would be missing from the
+            # mean)
+            config = self.config = replace(config, cache=replace(cc, enable_prefix_caching=False))
+            object.__setattr__(config, "prefix_caching_off_reason", "the model's embeddings are "
+                               "the mean of every prompt token's state")  # fmt: skip
+            cc = config.cache
+            logger.info("prefix caching off: %s", config.prefix_caching_off_reason)
         self.dtype = self.backend.resolve_dtype(mc.dtype, self.spec.torch_dtype)
         t0 = time.perf_counter()
         self.checkpoint_quantization = quantized_format(self.model_path)
@@ -911,7 +920,8 @@ class LLMEngine:
         if not pooler.supported:
             pools, default = (("an encoder's CLS, MEAN or LAST token pooling", "CLS")
                               if spec.is_encoder else
-                              ("the last token's final hidden state only", "LAST"))  # fmt: skip
+                              ("the last token's final hidden state or the mean of every "
+                               "token's", "LAST"))  # fmt: skip
             raise InvalidRequestError(
                 f"{pooler.problem}; infer embeds with {pools} "
                 f'(--pooler-config \'{{"pooling_type": "{default}"}}\' serves it so)',

@@ -7,7 +7,9 @@ Embedding checkpoints published for sentence-transformers say how they pool in t
                                {"type": "sentence_transformers.models.Normalize", ...}]
     1_Pooling/config.json     {"pooling_mode_lasttoken": true, "pooling_mode_mean_tokens": false, ...}
 
-A decoder pools the last token (decoder-only embedding models are trained for it); an encoder
+A decoder pools the last token (most decoder-only embedding models are trained for it) or
+the mean of every prompt token's state (stella's, KaLM's: summed chunk by chunk as the prompt
+runs, so prefix caching is off for such a model); an encoder
 (BERT, RoBERTa: its prompt runs whole, every token seeing every other) the first token (CLS),
 the mean of every token's state (MEAN, special tokens included, as sentence-transformers
 averages them) or the last. ``Dense`` modules after the pooling (LaBSE's, stella's) project
@@ -31,7 +33,7 @@ from typing import Any
 
 from infer.model.folders import ModelLoadError, read_json
 
-SUPPORTED = ("LAST",)  # a decoder's
+SUPPORTED = ("LAST", "MEAN")  # a decoder's (its first is the default)
 ENCODER_SUPPORTED = ("CLS", "MEAN", "LAST")  # an encoder's (its first is the default)
 # sentence-transformers' pooling config key -> the pooling type's name (vLLM's names)
 MODES = {

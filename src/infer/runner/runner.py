@@ -167,6 +167,9 @@ class ModelRunner:
         self.pooling_type = "LAST"
         # The model's Dense projections of a pooled embedding (model/dense.py; None: none).
         self.embed_projection: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # A decoder pooling by the mean: each embedding request's float32 sum of its prompt's
+        # final hidden states so far (its prompt runs in chunks, over several steps).
+        self._mean_sums: dict[str, torch.Tensor] = {}
         # Constrained decoding (infer.structured): set by the engine on first use.
         self.structured = None
         # The torch path waits for the GPU at the end of the forward pass (its timings); the
@@ -320,6 +323,12 @@ class ModelRunner:
         pool_rows: list[int] = []
         pool_starts: list[int] = []
         pool_reqs: list[Request] = []
+        pool_sums: list[tuple[str, int, int, int]] = []
+        mean_of_decoder = (self.pooling_type == "MEAN" and not self.model.is_encoder
+                           and self.model.classifier is None)  # fmt: skip
+        if self._mean_sums:  # (a request that ended before its last chunk: aborted)
+            for request_id in [r for r in self._mean_sums if r not in requests]:
+                del self._mean_sums[request_id]
         for chunk in out.chunks:
             n = len(chunk.token_ids)
             start = chunk.num_computed_tokens
@@ -336,6 +345,8 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
             seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0))
+            if mean_of_decoder and requests[chunk.request_id].pooling is not None:
+                pool_sums.append((chunk.request_id, len(token_ids) - n, len(token_ids), start))
             if chunk.prompt_logprobs:
                 request = requests[chunk.request_id]
                 first_row = len(token_ids) - n
@@ -358,7 +369,7 @@ class ModelRunner:
                 proposals.append(chunk.spec_token_ids)
         batch = StepBatch(
             token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
-            self._lora_slots(out, requests), out.kv_imports, pool_rows, pool_starts,
+            self._lora_slots(out, requests), out.kv_imports, pool_rows, pool_starts, pool_sums,
         )  # fmt: skip
         return batch, sample_reqs, proposals, prompt_targets, pool_reqs
 
@@ -398,7 +409,11 @@ class ModelRunner:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
             hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
         logits = prompt_logits = pooled = None
-        if batch.pool_rows:
+        if batch.pool_sums:  # (a decoder's mean: its chunks summed, then each last one's)
+            pooled = self._decoder_means(hidden, batch)
+            if pooled is not None and self.embed_projection is not None:
+                pooled = self.embed_projection(pooled)
+        elif batch.pool_rows:
             if self.pooling_type == "MEAN":  # (an encoder's whole inputs)
                 pooled = torch.stack([hidden[a : b + 1].float().mean(dim=0)
                                       for a, b in zip(batch.pool_starts, batch.pool_rows,
@@ -422,6 +437,24 @@ class ModelRunner:
         if self._sync:
             torch.cuda.synchronize(self.device)
         return logits, prompt_logits, pooled
+
+    def _decoder_means(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
+        """A mean-pooling decoder's step: each embedding chunk's rows of ``hidden`` added to its
+        request's running sum (a chunk at position 0 starts it: the prompt ran again after a
+        preemption); the means ``[len(pool_rows), hidden]`` of the prompts that end here, in
+        ``pool_rows`` order (None: none ends)."""
+        ends = {}
+        for request_id, first, end, start in batch.pool_sums:
+            part = hidden[first:end].float().sum(dim=0)
+            before = self._mean_sums.pop(request_id, None) if start else None
+            total = part if before is None else before + part
+            if end - 1 in batch.pool_rows:
+                ends[end - 1] = total / (start + end - first)
+            else:
+                self._mean_sums[request_id] = total
+        if not batch.pool_rows:
+            return None
+        return torch.stack([ends[row] for row in batch.pool_rows])
 
     @torch.inference_mode()
     def execute(
