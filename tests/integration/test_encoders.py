@@ -455,3 +455,30 @@ def test_dense_modules_project_the_pooled_vector(encoder_root, make_llm, tmp_pat
         InvalidRequestError, match="activation torch.nn.modules.activation.Softplus"
     ):
         llm.embed(TEXTS[0])
+
+
+@pytest.mark.parametrize("kind", ["mpnet", "distilbert", "bert"])
+def test_an_encoder_published_with_its_masked_lm_head_embeds_as_its_encoder(
+    kind, encoder_root, make_llm, tmp_path
+):
+    """all-mpnet-base-v2 is published as ``MPNetForMaskedLM`` (its encoder's tensors under
+    ``mpnet.``, beside the head's): it embeds as the bare encoder does; the head is not read."""
+    import shutil
+
+    import transformers
+
+    folder = build_encoder(kind, encoder_root, "mean")
+    arch = transformers.AutoConfig.from_pretrained(folder).architectures[0]
+    masked = getattr(transformers, arch.replace("Model", "ForMaskedLM"))
+    published = tmp_path / "published"
+    masked.from_pretrained(folder, dtype=torch.float32).save_pretrained(published)
+    for item in folder.iterdir():
+        if not (published / item.name).exists():
+            copy = shutil.copytree if item.is_dir() else shutil.copy
+            copy(item, published / item.name)
+    assert transformers.AutoConfig.from_pretrained(published).architectures == [
+        arch.replace("Model", "ForMaskedLM")
+    ]
+    want = _vectors(make_llm(str(folder)).embed(TEXTS))
+    for a, b in zip(want, _vectors(make_llm(str(published)).embed(TEXTS)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

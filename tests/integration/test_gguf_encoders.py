@@ -244,14 +244,19 @@ def test_what_infer_cannot_read_is_refused_naming_it(encoder_root, tmp_path):
 
 def test_a_jina_file_infer_cannot_run_is_refused_naming_it(encoder_root, tmp_path):
     """A jina-bert-v2 file whose gated MLP is split in two (``ffn_gate`` beside ``ffn_up``, as
-    older llama.cpp converters wrote them) or with q/k norms (Jina's code models)."""
+    older llama.cpp converters wrote them), with q/k norms (Jina's code models), or a reranker
+    (jina-reranker: its ``cls`` head)."""
     import gguf
 
     from infer.testing.encoders import build_jina
 
     file = write_bert_gguf(build_jina(encoder_root), tmp_path / "jina.gguf")
     reader = gguf.GGUFReader(file)
-    for extra, says in (("ffn_gate", "the gated MLP's halves split"), ("attn_q_norm", "q/k norms")):
+    for extra, says in (
+        ("blk.0.ffn_gate", " file with the gated MLP's halves split"),
+        ("blk.0.attn_q_norm", " file with q/k norms"),
+        ("cls", " reranker file"),
+    ):
         out = tmp_path / f"{extra}.gguf"
         writer = gguf.GGUFWriter(str(out), "jina-bert-v2")
         for key, field in reader.fields.items():
@@ -261,12 +266,12 @@ def test_a_jina_file_infer_cannot_run_is_refused_naming_it(encoder_root, tmp_pat
                 writer.add_key_value(key, field.contents(), kind, sub_type=sub)
         for tensor in reader.tensors:
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-        writer.add_tensor(f"blk.0.{extra}.weight", reader.tensors[0].data)
+        writer.add_tensor(f"{extra}.weight", reader.tensors[0].data)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        with pytest.raises(ModelLoadError, match=f"a jina-bert-v2 file with {says}"):
+        with pytest.raises(ModelLoadError, match=f"a jina-bert-v2{says}"):
             find_model_folder(out)
 
 

@@ -168,6 +168,18 @@ def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window, biased):
                                    atol=2e-2, rtol=2e-2)  # fmt: skip
 
 
+def test_a_distance_bias_that_does_not_fit_is_refused():
+    """A bias of the wrong head count, of an even width, or too short for the longest input
+    is a ValueError naming its shape, never a read past it."""
+    q = torch.zeros(20, 4, 64, dtype=torch.bfloat16)
+    starts, lens = torch.tensor([0, 12]), torch.tensor([12, 8])
+    for bias in (torch.zeros(3, 31), torch.zeros(4, 30), torch.zeros(4, 21)):
+        shape = r"\(%d, %d\)" % tuple(bias.shape)  # noqa: UP031
+        with pytest.raises(ValueError, match=f"a distance bias {shape} does not fit"):
+            kernels.encoder_attention(q, q, q, starts, lens, 0.125, None, bias)
+    kernels.encoder_attention(q, q, q, starts, lens, 0.125, None, torch.zeros(4, 23))
+
+
 def test_an_encoder_step_takes_the_kernel_and_agrees_with_the_sdpa_path(monkeypatch):
     """AttentionContext.attend_bidirectional on the CPU backend calls the encoder kernel once
     and gives what the torch reference (padded SDPA) gives; float32 stays on the reference."""

@@ -91,6 +91,9 @@ def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> 
     if arch == "modern-bert":
         return config | _modern_bert(reader, field, tensors, file)
     if arch == "jina-bert-v2":
+        if "cls.weight" in tensors or int(field("pooling_type", 0)) == RANK:
+            raise ModelLoadError(f"{file}: a jina-bert-v2 reranker file (jina-reranker) is not "
+                                 "supported; its embedding files are")  # fmt: skip
         for part, what in (
             (
                 "ffn_gate",
@@ -136,10 +139,13 @@ def _modern_bert(reader: Any, field: Any, tensors: dict[str, Any], file: Path) -
     if window <= 0:
         local = [False] * layers
     elif isinstance(pattern, list):
+        if len(pattern) < layers:
+            raise ModelLoadError(f"{file}: sliding_window_pattern has {len(pattern)} flags for "
+                                 f"{layers} layers")  # fmt: skip
         local = [bool(p) for p in pattern][:layers]
     else:
-        every = int(pattern or 3)
-        local = [i % every != 0 for i in range(layers)]
+        every = 3 if pattern is None else int(pattern)  # (0: every layer local, as llama.cpp)
+        local = [every == 0 or i % every != 0 for i in range(layers)]
     base = float(field("rope.freq_base", 160_000.0))
     config = {
         "architectures": ["ModernBertModel"],

@@ -41,7 +41,8 @@ def ntk_rope(config: dict[str, Any], theta: float, head_dim: int) -> RopeConfig:
         return RopeConfig(theta=theta, head_dim=head_dim)
     kind = scaling.get("type") or scaling.get("rope_type")
     factor = scaling.get("factor")
-    if kind != "ntk" or scaling.get("mixed_b") is not None or not factor or factor < 1:
+    if (kind != "ntk" or scaling.get("mixed_b") is not None
+            or not isinstance(factor, (int, float)) or factor < 1):  # fmt: skip
         raise ValueError(f"GTE with rope_scaling={scaling!r} is not supported (infer runs "
                          "Alibaba's fixed NTK scaling: type ntk, a factor of 1 or more, no "
                          "mixed_b)")  # fmt: skip
@@ -74,8 +75,11 @@ class GteModel(NomicBertModel):
         theta = float(params.get("rope_theta", config.get("rope_theta", 160_000.0)))
         head_dim = hidden // heads
         if params.get("rope_type") == "linear":  # (transformers' config of a scaled GTE)
+            factor = params.get("factor")
+            if not isinstance(factor, (int, float)) or factor <= 0:
+                raise ValueError(f"GTE with a linear rope needs a positive factor, got {factor!r}")
             rope = RopeConfig(theta=theta, head_dim=head_dim, rope_type="linear",
-                              factor=float(params["factor"]))  # fmt: skip
+                              factor=float(factor))  # fmt: skip
         else:
             rope = ntk_rope(config, theta, head_dim)
         return NomicBertConfig(

@@ -109,7 +109,7 @@ class JinaBertModel(NomicBertModel):
             intermediate_size=config["intermediate_size"],
             type_vocab_size=config.get("type_vocab_size", 2) or 0,
             layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-            activation=config.get("hidden_act", "gelu"),
+            activation="gelu",  # (Jina's gated MLP: exact GELU, whatever hidden_act says)
         )
 
     def make_classifier(self, num_labels: int) -> Any:

@@ -52,7 +52,14 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         DistilBertModel,
         JinaBertModel,
     )
-} | {"JinaBertForMaskedLM": JinaBertModel}  # (how Jina publishes its embedding models)
+}
+# An encoder published with its masked-language-model head (all-mpnet-base-v2's
+# MPNetForMaskedLM, Jina's JinaBertForMaskedLM): its encoder embeds; the head is not read.
+ARCHITECTURES |= {
+    cls.architecture.removesuffix("Model") + "ForMaskedLM": cls
+    for cls in list(ARCHITECTURES.values())
+    if cls.is_encoder
+}
 
 MODEL_TYPES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,

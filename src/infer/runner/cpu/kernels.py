@@ -656,6 +656,13 @@ class CpuKernels:
         starts64 = starts.to(torch.int64).contiguous()
         lens64 = lens.to(torch.int64).contiguous()
         bias = None if distance_bias is None else distance_bias.float().contiguous()
+        if bias is not None and (
+            bias.dim() != 2 or bias.shape[0] != q.shape[1] or bias.shape[1] % 2 == 0
+            or int(lens64.max()) > bias.shape[1] // 2 + 1
+        ):  # fmt: skip
+            raise ValueError(f"a distance bias {tuple(bias.shape)} does not fit {q.shape[1]} "
+                             f"heads and inputs of up to {int(lens64.max())} rows: it must be "
+                             "[heads, 2R + 1], R at least the longest input's rows - 1")  # fmt: skip
         rc = self._encoder_attention(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             out.data_ptr(), out.stride(0), starts64.data_ptr(), lens64.data_ptr(), window or 0,

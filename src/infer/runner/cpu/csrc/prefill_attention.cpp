@@ -502,7 +502,7 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
                 scale);
       }
     }
-    if (bias.at != nullptr)  // column c is key base + c_start + c: distance c - (row's lo key)
+    if (bias.at != nullptr)  // column c is key base + c_start + c, at (that - query) + reach
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t qi = qa + r / group, h = kvh * group + r % group;
         const float* b = bias.at + h * bias.row() + bias.reach + base + c_start - (past + qi);
@@ -635,7 +635,7 @@ int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint1
 #else
   (void)query; (void)q_stride; (void)key; (void)k_stride; (void)value; (void)v_stride; (void)out;
   (void)out_stride; (void)q_starts; (void)q_lens; (void)window; (void)num_seqs; (void)scale;
-  (void)num_threads; (void)distance_bias;
+  (void)num_threads; (void)distance_bias; (void)bias_reach;
   return 3;
 #endif
 }
