@@ -369,33 +369,46 @@ def _jina_reference(folder, ids: list[int]) -> torch.Tensor:
         + w["embeddings.token_type_embeddings.weight"][0]
     )
     x = norm(x, "embeddings.LayerNorm")
+    code = "auto_map" in cfg  # (the code model: q / k norms, a second residual, up first)
     for i in range(cfg["num_hidden_layers"]):
         at = f"encoder.layer.{i}."
-        q, k, v = (linear(x, f"{at}attention.self.{p}").view(n, heads, d).transpose(0, 1)
-                   for p in ("query", "key", "value"))  # fmt: skip
+        q, k, v = (linear(x, f"{at}attention.self.{p}") for p in ("query", "key", "value"))
+        if code:
+            q = norm(q, f"{at}attention.self.layer_norm_q")
+            k = norm(k, f"{at}attention.self.layer_norm_k")
+        q, k, v = (z.view(n, heads, d).transpose(0, 1) for z in (q, k, v))
         scores = q @ k.transpose(1, 2) / math.sqrt(d) + alibi
         out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, h)
-        x = norm(x + linear(out, f"{at}attention.output.dense"), f"{at}attention.output.LayerNorm")
-        gated = linear(x, f"{at}mlp.gated_layers")
-        mlp = torch.nn.functional.gelu(gated[:, :inter]) * gated[:, inter:]
-        x = norm(x + linear(mlp, f"{at}mlp.wo"), f"{at}mlp.layernorm")
+        a = norm(x + linear(out, f"{at}attention.output.dense"), f"{at}attention.output.LayerNorm")
+        if code:
+            x = norm(x + a, f"{at}layer_norm_1")
+            both = linear(x, f"{at}mlp.up_gated_layer")
+            mlp = both[:, :inter] * torch.nn.functional.gelu(both[:, inter:])
+            x = norm(x + linear(mlp, f"{at}mlp.down_layer"), f"{at}layer_norm_2")
+        else:
+            gated = linear(a, f"{at}mlp.gated_layers")
+            mlp = torch.nn.functional.gelu(gated[:, :inter]) * gated[:, inter:]
+            x = norm(a + linear(mlp, f"{at}mlp.wo"), f"{at}mlp.layernorm")
     return x
 
 
-def test_a_jina_bert_embeds_as_its_design(encoder_root, make_llm, monkeypatch):
+@pytest.mark.parametrize("code", [False, True])
+def test_a_jina_bert_embeds_as_its_design(code, encoder_root, make_llm, monkeypatch):
     """Jina BERT v2 (``JinaBertForMaskedLM`` with ALiBi, as jina-embeddings-v2 is published;
     6 heads: ALiBi's slopes of a count that is not a power of two): the mean of the hidden
     states written out in float64 above, inputs side by side (padded) or one by one beside a
     long one, the bias made for the whole input or a few queries at a time (as for a long
-    input); a Jina reranker is refused naming it."""
+    input); Jina's code model too (q / k norms, a second residual); a Jina reranker is refused
+    naming it."""
     import json
     import shutil
 
     from infer.runner.attention import backend
     from infer.testing.encoders import build_jina
 
-    folder = build_jina(encoder_root)
+    folder = build_jina(encoder_root, name="jina-code" if code else None, code=code)
     llm = make_llm(str(folder))
+    assert llm.engine.model.cfg.qk_post_norm == code
     for blocked in (False, True):
         if blocked:  # (a mask of at most 6 heads x 4 queries x 60 keys: blocks of queries)
             monkeypatch.setattr(backend, "MASK_ELEMENTS", 6 * 4 * 60)

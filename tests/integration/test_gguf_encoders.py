@@ -41,7 +41,7 @@ def _vectors(results) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "kind", ["bert", "xlm_roberta", "roberta", "nomic_bert", "jina", "modernbert"]
+    "kind", ["bert", "xlm_roberta", "roberta", "nomic_bert", "jina", "jina_code", "modernbert"]
 )
 def test_a_float32_file_embeds_exactly_as_its_folder(kind, encoder_root, make_llm, tmp_path):
     """Same tokens, same vectors (every weight as stored; an (XLM-)RoBERTa's position table
@@ -52,8 +52,9 @@ def test_a_float32_file_embeds_exactly_as_its_folder(kind, encoder_root, make_ll
     vocabulary with BERT's [CLS] / [SEP]), the pooling the file names (its folder's MEAN)."""
     from infer.testing.encoders import build_jina
 
-    if kind == "jina":
-        folder = build_jina(encoder_root)
+    if kind.startswith("jina"):
+        code = kind == "jina_code"  # (q / k norms, a second residual norm, its MLP's up first)
+        folder = build_jina(encoder_root, name="jina-code" if code else None, code=code)
     elif kind == "modernbert":
         folder = build_encoder(kind, encoder_root, name="modernbert-mean-bpe", bpe=True)
     else:
@@ -244,8 +245,8 @@ def test_what_infer_cannot_read_is_refused_naming_it(encoder_root, tmp_path):
 
 def test_a_jina_file_infer_cannot_run_is_refused_naming_it(encoder_root, tmp_path):
     """A jina-bert-v2 file whose gated MLP is split in two (``ffn_gate`` beside ``ffn_up``, as
-    older llama.cpp converters wrote them), with q/k norms (Jina's code models), or a reranker
-    (jina-reranker: its ``cls`` head)."""
+    older llama.cpp converters wrote them), with a q norm but not the code model's other
+    norms, or a reranker (jina-reranker: its ``cls`` head)."""
     import gguf
 
     from infer.testing.encoders import build_jina
@@ -254,7 +255,7 @@ def test_a_jina_file_infer_cannot_run_is_refused_naming_it(encoder_root, tmp_pat
     reader = gguf.GGUFReader(file)
     for extra, says in (
         ("blk.0.ffn_gate", " file with the gated MLP's halves split"),
-        ("blk.0.attn_q_norm", " file with q/k norms"),
+        ("blk.0.attn_q_norm", " file with only some of Jina's code model's"),
         ("cls", " reranker file"),
     ):
         out = tmp_path / f"{extra}.gguf"

@@ -153,9 +153,9 @@ def _llama_server_embeds_as(file: Path, texts: list[str], vectors: torch.Tensor)
     return True
 
 
-def _embeds_as_its_folder(folder: Path, file: Path) -> None:
-    """``file`` gives ``folder``'s tokens and vectors (float32, 1e-6), and llama-server's
-    within 1e-3 where it is built."""
+def _embeds_as_its_folder(folder: Path, file: Path, llama_server: bool = True) -> None:
+    """``file`` gives ``folder``'s tokens and vectors (float32, 1e-6), and (``llama_server``)
+    llama-server's within 1e-3 where it is built."""
     from infer import LLM
 
     texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
@@ -167,7 +167,8 @@ def _embeds_as_its_folder(folder: Path, file: Path) -> None:
         tokens.append([r.prompt_token_ids for r in results])
     assert tokens[1] == tokens[0]
     torch.testing.assert_close(vectors[1], vectors[0], atol=1e-6, rtol=0)
-    _llama_server_embeds_as(file, texts, vectors[1])
+    if llama_server:
+        _llama_server_embeds_as(file, texts, vectors[1])
 
 
 def _post(url: str, body: dict) -> dict:
@@ -311,6 +312,19 @@ def test_llama_cpps_jina_bert_file_embeds_as_its_folder_and_llama_server(tmp_pat
     folder = build_jina(default_encoder_root())
     file = convert(folder, tmp_path / "jina.gguf")
     _embeds_as_its_folder(folder, file)
+
+
+def test_llama_cpps_jina_code_file_embeds_as_its_folder(tmp_path):
+    """Jina's code model (q / k norms, a second residual norm, ``up_gated_layer`` with its up
+    half first) through llama.cpp's converter: the folder's tokens and vectors (1e-6). Not
+    llama-server's: its runtime applies GELU to the first half of the fused ``ffn_up`` (the up
+    half here), where Jina's code applies it to the second; llama-server's vectors are this
+    folder's with the two halves swapped."""
+    from infer.testing.encoders import build_jina, default_encoder_root
+
+    folder = build_jina(default_encoder_root(), name="jina-code", code=True)
+    file = convert(folder, tmp_path / "jina-code.gguf")
+    _embeds_as_its_folder(folder, file, llama_server=False)
 
 
 @pytest.mark.parametrize("kind", ["roberta", "modernbert"])

@@ -94,19 +94,18 @@ def bert_config(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> 
         if "cls.weight" in tensors or int(field("pooling_type", 0)) == RANK:
             raise ModelLoadError(f"{file}: a jina-bert-v2 reranker file (jina-reranker) is not "
                                  "supported; its embedding files are")  # fmt: skip
-        for part, what in (
-            (
-                "ffn_gate",
-                "the gated MLP's halves split (as older llama.cpp "
-                "converters wrote them: convert it again)",
-            ),
-            ("attn_q_norm", "q/k norms (Jina's code models)"),
-            ("attn_norm_2", "a second attention norm (Jina's code models)"),
-        ):
-            if f"blk.0.{part}.weight" in tensors:
-                raise ModelLoadError(f"{file}: a jina-bert-v2 file with {what} is not "
-                                     "supported")  # fmt: skip
+        if "blk.0.ffn_gate.weight" in tensors:
+            raise ModelLoadError(f"{file}: a jina-bert-v2 file with the gated MLP's halves split "
+                                 "(as older llama.cpp converters wrote them: convert it again) "
+                                 "is not supported")  # fmt: skip
+        # Jina's code model: q / k norms and a second residual norm (model/jina_bert.py)
+        code = [f"blk.0.{p}.weight" in tensors for p in ("attn_q_norm", "attn_k_norm",
+                                                           "attn_norm_2")]  # fmt: skip
+        if any(code) and not all(code):
+            raise ModelLoadError(f"{file}: a jina-bert-v2 file with only some of Jina's code "
+                                 "model's attn_q_norm, attn_k_norm and attn_norm_2")  # fmt: skip
         return config | {
+            "qk_post_norm": all(code),
             "architectures": ["JinaBertModel"],
             "model_type": "bert",
             "position_embedding_type": "alibi",

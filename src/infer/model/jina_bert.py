@@ -20,17 +20,26 @@ Tensors as Jina's code names them (``bert.`` prefixed too)::
     encoder.layer.N.attention.self.query / key / value, attention.output.dense / .LayerNorm
     encoder.layer.N.mlp.gated_layers (no bias), mlp.wo, mlp.layernorm
 
-Pooling and serving are BERT's (:mod:`infer.model.bert`). Jina's code models (q/k norms,
-``up_gated_layer``) and rerankers are not served.
+Jina's code model (jina-embeddings-v2-base-code, its code ``jina-bert-v2-qk-post-norm``, which
+``auto_map`` names) normalizes q and k, adds the layer's input twice, and keeps its MLP's up half
+first::
+
+    q, k = LayerNorm_q(query(x)), LayerNorm_k(key(x))
+    a = LayerNorm(x + dense(attention(q, k, v)));  x = layer_norm_1(x + a)
+    x = layer_norm_2(x + down_layer(u * gelu(g))),  u, g = up_gated_layer(x)   (u: the first half)
+
+Pooling and serving are BERT's (:mod:`infer.model.bert`). Jina's rerankers are not served.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from infer.model.bert import EncoderShape, embedding_sources, plain, post_norm_layer_sources
 from infer.model.layers import WeightSource
@@ -53,6 +62,7 @@ class JinaBertConfig(EncoderShape):
     activation: str = "gelu"
     bias: bool = True  # (q/k/v, the attention output and wo; gated_layers has none)
     position_offset: int = 0
+    qk_post_norm: bool = False  # the code model's layers (the module doc)
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
@@ -68,15 +78,29 @@ def alibi_slopes(num_heads: int) -> list[float]:
 
 
 class JinaBertLayer(NomicBertLayer):
-    """One post-norm layer (the module doc): Nomic BERT's with ALiBi in place of rotations."""
+    """One post-norm layer (the module doc): Nomic BERT's with ALiBi in place of rotations;
+    the code model's with its q / k norms and second residual."""
+
+    def __init__(self, cfg: JinaBertConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)  # type: ignore[arg-type]
+        h = cfg.hidden_size
+        self.qk_norms = (
+            nn.ModuleList(nn.LayerNorm(h, eps=cfg.layer_norm_eps) for _ in range(2))
+            if cfg.qk_post_norm else None
+        )  # fmt: skip
+        self.norm_1 = nn.LayerNorm(h, eps=cfg.layer_norm_eps) if cfg.qk_post_norm else None
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, alibi: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        if self.qk_norms is not None:  # (over the whole width, before the heads split)
+            q, k = self.qk_norms[0](q), self.qk_norms[1](k)
+        q, k, v = (z.reshape(t, self.num_heads, self.head_dim) for z in (q, k, v))
         out = attn.attend_bidirectional(q, k, v, scale=self.scale, distance_bias=alibi)
-        return self.mlp(self.attn_norm(x + self.attn_out(out.reshape(t, -1))))
+        y = self.attn_norm(x + self.attn_out(out.reshape(t, -1)))
+        return self.mlp(y if self.norm_1 is None else self.norm_1(x + y))
 
 
 class JinaBertModel(NomicBertModel):
@@ -110,6 +134,9 @@ class JinaBertModel(NomicBertModel):
             type_vocab_size=config.get("type_vocab_size", 2) or 0,
             layer_norm_eps=config.get("layer_norm_eps", 1e-12),
             activation="gelu",  # (Jina's gated MLP: exact GELU, whatever hidden_act says)
+            # (its own code, as auto_map names it; infer's key in a GGUF file's folder)
+            qk_post_norm=bool(config.get("qk_post_norm"))
+            or "qk-post-norm" in json.dumps(config.get("auto_map") or {}),
         )
 
     def make_classifier(self, num_labels: int) -> Any:
@@ -133,13 +160,26 @@ class JinaBertModel(NomicBertModel):
         return x
 
     def weight_sources(self) -> dict[str, WeightSource]:
+        cfg: JinaBertConfig = self.cfg  # type: ignore[assignment]
         attention = "attention.self."
+        parts = {"attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm"}
+        if cfg.qk_post_norm:
+            parts |= {"qk_norms.0": f"{attention}layer_norm_q", "qk_norms.1":
+                      f"{attention}layer_norm_k", "norm_1": "layer_norm_1",
+                      "down": "mlp.down_layer", "out_norm": "layer_norm_2"}  # fmt: skip
+        else:
+            parts |= {"down": "mlp.wo", "out_norm": "mlp.layernorm"}
         src = embedding_sources(positions=False) | self._type_source() | post_norm_layer_sources(
-            self.cfg.num_layers, "encoder.layer.{}.",
-            (f"{attention}query", f"{attention}key", f"{attention}value"),
-            {"attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm",
-             "down": "mlp.wo", "out_norm": "mlp.layernorm"},
+            cfg.num_layers, "encoder.layer.{}.",
+            (f"{attention}query", f"{attention}key", f"{attention}value"), parts,
         )  # fmt: skip
-        for i in range(self.cfg.num_layers):  # (the gated MLP's one projection has no bias)
-            src[f"layers.{i}.gate_up.weight"] = plain(f"encoder.layer.{i}.mlp.gated_layers.weight")
+        inter = cfg.intermediate_size
+        for i in range(cfg.num_layers):  # (the gated MLP's one projection has no bias)
+            mlp = f"encoder.layer.{i}.mlp."
+            src[f"layers.{i}.gate_up.weight"] = (
+                # (the code model's holds the up half first; ours takes the gate's first)
+                WeightSource((f"{mlp}up_gated_layer.weight",),
+                             rows=tuple(range(inter, 2 * inter)) + tuple(range(inter)))
+                if cfg.qk_post_norm else plain(f"{mlp}gated_layers.weight")
+            )  # fmt: skip
         return src

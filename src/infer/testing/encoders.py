@@ -254,7 +254,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
     return final
 
 
-def build_jina(root: Path, pooling: str = "mean", name: str | None = None,
+def build_jina(root: Path, pooling: str = "mean", name: str | None = None, code: bool = False,
                **shape: int) -> Path:  # fmt: skip
     """The folder ``root/jina-<pooling>`` (or ``root/<name>``): a tiny Jina BERT v2 embedding
     model as Jina publishes one (``JinaBertForMaskedLM``, model_type ``bert``, ALiBi, a GELU
@@ -262,7 +262,9 @@ def build_jina(root: Path, pooling: str = "mean", name: str | None = None,
     tensors are written directly), a WordPiece tokenizer with token types (its
     ``tokenizer_config.json`` naming ``BertTokenizer``, as Jina's, which llama.cpp's converter
     reads), and sentence-transformers' pooling files; ``shape``: config fields (6 heads by
-    default: ALiBi's slopes of a head count that is not a power of two). Built if absent."""
+    default: ALiBi's slopes of a head count that is not a power of two); ``code``: Jina's code
+    model's layers instead (q / k norms, ``layer_norm_1`` / ``_2``, ``up_gated_layer``; its
+    ``auto_map`` naming ``jina-bert-v2-qk-post-norm``). Built if absent."""
     import json
 
     import torch
@@ -286,6 +288,10 @@ def build_jina(root: Path, pooling: str = "mean", name: str | None = None,
                   "intermediate_size": 128, "max_position_embeddings": 128,
                   "type_vocab_size": 2, "vocab_size": VOCAB_SIZE, "layer_norm_eps": 1e-12,
                   "pad_token_id": 0, "initializer_range": 0.02} | shape  # fmt: skip
+        if code:
+            impl = "jinaai/jina-bert-v2-qk-post-norm--"
+            config["auto_map"] = {"AutoConfig": impl + "configuration_bert.JinaBertConfig",
+                                  "AutoModel": impl + "modeling_bert.JinaBertModel"}  # fmt: skip
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         h, inter = config["hidden_size"], config["intermediate_size"]
         gen = torch.Generator().manual_seed(5)
@@ -303,11 +309,17 @@ def build_jina(root: Path, pooling: str = "mean", name: str | None = None,
             for part in ("attention.self.query", "attention.self.key", "attention.self.value",
                          "attention.output.dense"):  # fmt: skip
                 tensors[f"{at}{part}.weight"], tensors[f"{at}{part}.bias"] = rand(h, h), rand(h)
-            for norm in ("attention.output.LayerNorm", "mlp.layernorm"):
+            norms = ("attention.output.LayerNorm", "mlp.layernorm")
+            mlp = ("mlp.gated_layers", "mlp.wo")
+            if code:
+                norms = ("attention.output.LayerNorm", "layer_norm_1", "layer_norm_2",
+                         "attention.self.layer_norm_q", "attention.self.layer_norm_k")  # fmt: skip
+                mlp = ("mlp.up_gated_layer", "mlp.down_layer")
+            for norm in norms:
                 tensors[f"{at}{norm}.weight"] = rand(h, mean=1.0)
                 tensors[f"{at}{norm}.bias"] = rand(h)
-            tensors[f"{at}mlp.gated_layers.weight"] = rand(2 * inter, h)
-            tensors[f"{at}mlp.wo.weight"], tensors[f"{at}mlp.wo.bias"] = rand(h, inter), rand(h)
+            tensors[f"{at}{mlp[0]}.weight"] = rand(2 * inter, h)
+            tensors[f"{at}{mlp[1]}.weight"], tensors[f"{at}{mlp[1]}.bias"] = rand(h, inter), rand(h)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_pooling_files(tmp, pooling.upper(), normalize=True)
         _publish(tmp, final)
