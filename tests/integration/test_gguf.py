@@ -550,7 +550,8 @@ def test_a_hub_repository_of_gguf_files_resolves_by_tag(wide_llama, tmp_path, mo
 
 def test_an_embedding_gguf_pools_as_its_file_says(tiny_checkpoints, tmp_path):
     """``pooling_type`` LAST: the folder's embeddings (last token, normalized, as llama-server's
-    are); MEAN: served, but embedding requests are refused naming the pooling."""
+    are); MEAN: the mean of every prompt token's state, as the folder pools by the mean; CLS (a
+    decoder's first token): served, but embedding requests are refused naming the pooling."""
     from infer.core.pooling_params import PoolingParams
     from infer.core.sampling_params import InvalidRequestError
 
@@ -564,8 +565,14 @@ def test_an_embedding_gguf_pools_as_its_file_says(tiny_checkpoints, tmp_path):
         raw = llm.embed(prompts[:1], PoolingParams(normalize=False))[0].outputs.embedding
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert abs(torch.tensor(raw).norm().item() - 1.0) > 1e-3  # (normalizing did something)
+    with LLM(str(folder), dtype="float32", pooler_config={"pooling_type": "MEAN"}) as llm:
+        want = torch.tensor([r.outputs.embedding for r in llm.embed(prompts)])
     mean = write_gguf(folder, tmp_path / "mean.gguf", "F32", pooling="MEAN")
     with LLM(str(mean), dtype="float32") as llm:
-        with pytest.raises(InvalidRequestError, match="MEAN"):
+        got = torch.tensor([r.outputs.embedding for r in llm.embed(prompts)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    cls = write_gguf(folder, tmp_path / "cls.gguf", "F32", pooling="CLS")
+    with LLM(str(cls), dtype="float32") as llm:
+        with pytest.raises(InvalidRequestError, match="CLS"):
             llm.embed(prompts[:1])
         assert llm.generate(prompts[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
