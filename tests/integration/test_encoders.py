@@ -495,3 +495,23 @@ def test_an_encoder_published_with_its_masked_lm_head_embeds_as_its_encoder(
     want = _vectors(make_llm(str(folder)).embed(TEXTS))
     for a, b in zip(want, _vectors(make_llm(str(published)).embed(TEXTS)), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_jina_folder_without_pooling_files_pools_as_its_config_says(encoder_root, make_llm,
+                                                                       tmp_path):  # fmt: skip
+    """Without sentence-transformers files, Jina BERT's ``emb_pooler: mean`` (what its own
+    ``encode`` does) pools by the mean, normalized: the vectors its files give."""
+    import shutil
+
+    from infer.testing.encoders import build_jina
+
+    folder = build_jina(encoder_root)
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("modules.json", "*_Pooling",
+                                                                 "*_Normalize"))  # fmt: skip
+    llm = make_llm(str(bare))
+    assert llm.engine.pooler_config.pooling_type == "MEAN"
+    assert "emb_pooler" in llm.engine.pooler_config.source
+    want = _vectors(make_llm(str(folder)).embed(TEXTS))  # (its files: MEAN, normalized)
+    for a, b in zip(want, _vectors(llm.embed(TEXTS)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

@@ -22,7 +22,8 @@ the pooled vector, each ``act(W x + b)`` (:mod:`infer.model.dense`), before it i
 A model whose files ask for another pooling, or hold a module infer does not run, is served,
 but its embedding requests are refused naming why and ``--pooler-config``, which sets or
 replaces what the files say (vLLM's flag). A model without these files pools the last token
-(an encoder: CLS) and normalizes, as vLLM's embed runner does.
+(an encoder: CLS, or the mean where its ``config.json`` says ``emb_pooler: mean``, as Jina
+BERT's does) and normalizes, as vLLM's embed runner does.
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def load_pooler_config(
     if modules_path.is_file():
         config = _from_sentence_transformers(modules_path, "pooling_type" not in override,
                                              supported)  # fmt: skip
+    elif encoder and _emb_pooler(Path(model_dir)) == "mean":  # (Jina BERT's own config)
+        config = PoolerConfig("MEAN", source=f"{Path(model_dir) / 'config.json'} emb_pooler")
     if override:
         kind = override.get("pooling_type", config.pooling_type)
         if "pooling_type" in override and kind not in supported:
@@ -151,6 +154,18 @@ def load_pooler_config(
             dense=config.dense,
         )
     return config
+
+
+def _emb_pooler(model_dir: Path) -> str | None:
+    """``emb_pooler`` of the model's ``config.json`` (Jina BERT's: how its own ``encode``
+    pools), None where it has none or cannot be read."""
+    import json
+
+    try:
+        value = json.loads((model_dir / "config.json").read_text()).get("emb_pooler")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _from_sentence_transformers(
