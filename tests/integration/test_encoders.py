@@ -515,3 +515,46 @@ def test_a_jina_folder_without_pooling_files_pools_as_its_config_says(encoder_ro
     want = _vectors(make_llm(str(folder)).embed(TEXTS))  # (its files: MEAN, normalized)
     for a, b in zip(want, _vectors(llm.embed(TEXTS)), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_embedding_gemma_embeds_as_transformers(encoder_root, make_llm, tiny_checkpoints,
+                                                monkeypatch):  # fmt: skip
+    """EmbeddingGemma (Gemma 3's layers, every token attending to its whole input, sliding
+    layers to the keys at most ``sliding_window // 2`` away on either side; 4 query heads over
+    2 kv heads): the mean of transformers' ``Gemma3TextModel`` hidden states in float32, inputs
+    side by side, one by one beside a long one, and in bf16 through the C++ encoder kernel (64
+    wide heads) within bf16's reach."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from infer.runner.cpu.kernels import CpuKernels, cpu_kernels
+    from infer.testing.encoders import build_embedding_gemma
+
+    folder = build_embedding_gemma(encoder_root, tiny_checkpoints["gemma3"])
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = make_llm(str(folder))
+    assert llm.engine.spec.is_encoder and llm.engine.pooler_config.pooling_type == "MEAN"
+    for texts in (TEXTS, [PROMPTS[5] * 2, "a", "b", "c"]):
+        results = llm.embed(texts)
+        for r, text in zip(results, texts, strict=True):
+            assert r.prompt_token_ids == tok(text)["input_ids"]  # (its tokenizer's encoding)
+            with torch.no_grad():
+                ids = torch.tensor([r.prompt_token_ids])
+                want = model(input_ids=ids).last_hidden_state[0].mean(0)
+            torch.testing.assert_close(torch.tensor(r.outputs.embedding), want, atol=1e-5,
+                                       rtol=1e-5)  # fmt: skip
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.has_prefill_attention:
+        return
+    wide = build_embedding_gemma(encoder_root, tiny_checkpoints["gemma3"],
+                                 name="embedding-gemma-d64", head_dim=64,
+                                 query_pre_attn_scalar=64)  # fmt: skip
+    exact = _vectors(make_llm(str(wide)).embed(TEXTS))
+    calls = []
+    original = CpuKernels.encoder_attention
+    monkeypatch.setattr(CpuKernels, "encoder_attention",
+                        lambda self, *a: calls.append(1) or original(self, *a))  # fmt: skip
+    got = _vectors(make_llm(str(wide), dtype="bfloat16").embed(TEXTS))
+    assert calls and len(calls) % 3 == 0  # (every layer)
+    for a, b in zip(exact, got, strict=True):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999

@@ -9,11 +9,17 @@ Differences from Llama, all expressed as :class:`DecoderConfig` settings:
 * ``layer_types``: "sliding_attention" layers see the last ``sliding_window`` tokens and use the
   local rope base (``rope_local_base_freq``, default 10k, never scaled), "full_attention" layers
   see everything and use the global rope (``rope_theta``, default 1M, with ``rope_scaling``).
+
+EmbeddingGemma (``Gemma3TextModel``, ``use_bidirectional_attention``) is the same layers as an
+encoder: :class:`Gemma3TextEncoder`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from infer.model.llama import DecoderConfig, DecoderLM, common_fields, require
 from infer.model.rope import rope_config_from_dict, rope_params
@@ -80,3 +86,36 @@ class Gemma3ForCausalLM(DecoderLM):
             final_logit_softcap=config.get("final_logit_softcapping"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
         )
+
+
+class Gemma3TextEncoder(Gemma3ForCausalLM):
+    """EmbeddingGemma (``Gemma3TextModel`` with ``use_bidirectional_attention``): Gemma 3's
+    layers with every token attending to its whole input, a sliding layer to the keys at most
+    ``sliding_window // 2`` positions away on either side (transformers halves the configured
+    window and counts it exclusive: ``|i - j| < sliding_window // 2 + 1``); an encoder
+    (:mod:`infer.model.bert`'s serving: each input whole, pooled as its files say), with no
+    vocabulary projection. Its checkpoint is the bare model's (no ``model.`` prefix)."""
+
+    architecture = "Gemma3TextModel"
+    is_encoder = True
+    checkpoint_aliases = (("model.", ""),)
+
+    @classmethod
+    def parse_config(cls, config: dict[str, Any]) -> DecoderConfig:
+        if not config.get("use_bidirectional_attention"):
+            raise ValueError("Gemma3TextModel without use_bidirectional_attention: a decoder's "
+                             "base model (serve its Gemma3ForCausalLM checkpoint)")  # fmt: skip
+        causal = super().parse_config(config | {"use_bidirectional_attention": False})
+        windows = tuple(None if w is None else w // 2 for w in causal.sliding_windows)
+        return replace(causal, sliding_windows=windows, bidirectional=True,
+                       tie_word_embeddings=True)  # fmt: skip
+
+    def plain_decoder(self) -> None:  # type: ignore[override]
+        return None  # (the fused decode loop is causal)
+
+    def vocab_projection_weight(self) -> None:  # type: ignore[override]
+        """None: an encoder projects nothing onto its vocabulary."""
+        return None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"{self.architecture} is an encoder: it has no logits to compute")

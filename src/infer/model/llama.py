@@ -73,6 +73,9 @@ class DecoderConfig:
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
     moe: MoEConfig | None = None  # Mixtral, Qwen MoE: experts in the layers it marks sparse
+    # Every token attends to its whole input (an encoder: EmbeddingGemma); a sliding window
+    # is then the keys at most that many positions away on either side.
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -203,6 +206,7 @@ class DecoderAttention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx]
+        self.bidirectional = cfg.bidirectional
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
         )
@@ -228,7 +232,9 @@ class DecoderAttention(nn.Module):
         t = x.shape[0]
         heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x)
-        if self._norm_in_place(qkv, attn) or (self.q_norm is None and attn.can_store_rotated(qkv)):
+        if not self.bidirectional and (
+            self._norm_in_place(qkv, attn) or (self.q_norm is None and attn.can_store_rotated(qkv))
+        ):
             # One kernel rotates q and k in place and stores k, v in the cache.
             q, k, v = attn.rotate_and_store(
                 self.layer_idx, qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim
@@ -250,9 +256,12 @@ class DecoderAttention(nn.Module):
             k = apply_rope(self.k_norm(qk[:, self.num_heads :]), cos, sin)
         else:  # rotate q and k heads in one go
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attn.attend(
-            self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
-        )
+        if self.bidirectional:  # (nothing cached: the whole input is in this step)
+            out = attn.attend_bidirectional(q, k, v, scale=self.scale, window=self.sliding_window)
+        else:
+            out = attn.attend(
+                self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
+            )
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from infer.model.bert import BertModel, RobertaModel, XLMRobertaModel
 from infer.model.distilbert import DistilBertModel
-from infer.model.gemma3 import Gemma3ForCausalLM
+from infer.model.gemma3 import Gemma3ForCausalLM, Gemma3TextEncoder
 from infer.model.gpt2 import GPT2LMHeadModel
 from infer.model.gte import GteModel, NewModel
 from infer.model.jina_bert import JinaBertModel
@@ -51,14 +51,17 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         MPNetModel,
         DistilBertModel,
         JinaBertModel,
+        Gemma3TextEncoder,
     )
 }
 # An encoder published with its masked-language-model head (all-mpnet-base-v2's
 # MPNetForMaskedLM, Jina's JinaBertForMaskedLM): its encoder embeds; the head is not read.
+# (EmbeddingGemma is Gemma 3's base model read as an encoder: it has no head of its own)
+_HEADLESS = (Gemma3TextEncoder,)
 ARCHITECTURES |= {
     cls.architecture.removesuffix("Model") + "ForMaskedLM": cls
     for cls in list(ARCHITECTURES.values())
-    if cls.is_encoder
+    if cls.is_encoder and cls not in _HEADLESS
 }
 
 MODEL_TYPES: dict[str, type[CausalLM]] = {
@@ -93,7 +96,7 @@ def _classifier_name(cls: type[CausalLM]) -> str:
 
 
 CLASSIFIERS: dict[str, type[CausalLM]] = {
-    _classifier_name(cls): cls for cls in ARCHITECTURES.values()
+    _classifier_name(cls): cls for cls in ARCHITECTURES.values() if cls not in _HEADLESS
 }
 
 

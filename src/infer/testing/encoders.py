@@ -377,3 +377,44 @@ def with_dense_modules(folder: Path, out: Path, widths: list[int], seed: int = 7
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def build_embedding_gemma(root: Path, tokenizer_folder: Path, name: str = "embedding-gemma",
+                          **shape: Any) -> Path:  # fmt: skip
+    """The folder ``root/<name>``: a tiny EmbeddingGemma (transformers' ``Gemma3TextModel``
+    with ``use_bidirectional_attention``, seeded random weights: 2 sliding layers of window 8,
+    then a global one; 4 query heads over 2 kv heads), ``tokenizer_folder``'s tokenizer (a Gemma
+    3 one), and sentence-transformers' files pooling by the mean, unnormalized; ``shape``:
+    config fields. Built if absent."""
+    import torch
+    import transformers
+
+    root = Path(root)
+    final = root / name
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder)
+        tokenizer.save_pretrained(tmp)
+        fields = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, sliding_window=8, max_position_embeddings=128,
+                      layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                      query_pre_attn_scalar=32, use_bidirectional_attention=True,
+                      pad_token_id=tokenizer.pad_token_id or 0,
+                      architectures=["Gemma3TextModel"])  # fmt: skip
+        config = transformers.Gemma3TextConfig(**{**fields, **shape})
+        torch.manual_seed(5)
+        model = transformers.Gemma3TextModel(config).to(torch.float32)
+        with torch.no_grad():  # wider than the default init: every layer moves the output
+            for param in model.parameters():
+                param.normal_(0.0, 0.1)
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_pooling_files(tmp, "MEAN", normalize=False)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

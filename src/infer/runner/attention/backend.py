@@ -112,7 +112,8 @@ class AttentionBackend:
                 mask = mask_of(width, valid, q0, q1)
                 if mask is not None and qs.dim() == 3:
                     mask = mask[0]
-                part = sdpa(qs[..., q0:q1, :], ks, vs, attn_mask=mask, scale=scale)
+                part = sdpa(qs[..., q0:q1, :], ks, vs, attn_mask=mask, scale=scale,
+                            enable_gqa=ks.shape[-3] != qs.shape[-3])  # fmt: skip
                 if out is None:
                     return part
                 out[..., q0:q1, :] = part
