@@ -93,6 +93,11 @@ def test_chunked_cached_and_batched_prompts_give_the_same_logits(classifiers, ma
     assert first[0].num_cached_tokens == 0 and again.num_cached_tokens >= 32
     for got, want in zip(_logits([*first, again]), [*whole, whole[0]], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # a pooling config cannot move a decoder classifier's head off its last token
+    llm = make_llm(path, max_num_batched_tokens=8, pooler_config={"pooling_type": "MEAN"})
+    assert llm.engine.runner.pooling_type == "LAST"
+    for got, want in zip(_logits(llm.classify([LONG, PROMPTS[2]])), whole, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_cross_encoder_scores_a_pair_as_the_sigmoid_of_its_logit(classifiers, make_llm):

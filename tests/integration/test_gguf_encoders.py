@@ -243,6 +243,24 @@ def test_what_infer_cannot_read_is_refused_naming_it(encoder_root, tmp_path):
         find_model_folder(no_table)
 
 
+def test_a_4_bit_jina_code_file_keeps_its_mlp_halves_in_order(encoder_root, make_llm, tmp_path):
+    """Jina's code model as Q4_0 in bf16 (the default on a CPU): its gated MLP's rows are
+    reordered (up half first in the file), so its 4-bit integers are not kept as the file
+    orders them; the vectors stay close to the float32 folder's."""
+    from infer.testing.encoders import build_jina
+
+    folder = build_jina(encoder_root, name="jina-code", code=True)
+    file = write_bert_gguf(folder, tmp_path / "jina-code-q4.gguf", "Q4_0", pooling="MEAN")
+    want = make_llm(str(folder), dtype="float32")
+    want_vectors = _vectors(want.embed(TEXTS))
+    want.shutdown()
+    llm = make_llm(str(file), dtype="bfloat16")
+    held = {type(m).__name__ for layer in llm.engine.model.layers for m in (layer.gate_up,)}
+    assert "Int4Linear" not in held  # (the MLP's reordered rows: from its float weights)
+    cosine = torch.nn.functional.cosine_similarity(_vectors(llm.embed(TEXTS)), want_vectors)
+    assert cosine.min() > 0.95, cosine
+
+
 def test_a_jina_file_infer_cannot_run_is_refused_naming_it(encoder_root, tmp_path):
     """A jina-bert-v2 file whose gated MLP is split in two (``ffn_gate`` beside ``ffn_up``, as
     older llama.cpp converters wrote them), with a q norm but not the code model's other

@@ -136,6 +136,8 @@ class StepBatch:
     # (request id, first row, end row, the chunk's first position); the rows are summed, and
     # the sum carried to the request's next chunk (its last chunk's rows are in pool_rows).
     pool_sums: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # Requests whose running sums to forget (they ended before their last chunk: aborted).
+    pool_drop: list[str] = field(default_factory=list)
 
     @property
     def samples_every_row(self) -> bool:

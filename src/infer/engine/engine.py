@@ -324,8 +324,10 @@ class LLMEngine:
             sc, cc, self.kv_manager, max_loras=config.lora.max_loras if config.lora else 0
         )
         self.runner = self.backend.build_runner(setup)
-        if self.spec.is_encoder and self.spec.is_classifier:  # (what its head reads)
-            self.runner.pooling_type = self.model.classifier_pooling
+        if self.spec.is_classifier:  # (what its head reads: a decoder's, its last token)
+            self.runner.pooling_type = (
+                self.model.classifier_pooling if self.spec.is_encoder else "LAST"
+            )
         elif self.pooler_config.supported:
             self.runner.pooling_type = self.pooler_config.pooling_type
             if self.pooler_config.dense:  # (sentence-transformers' Dense modules)

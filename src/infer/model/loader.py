@@ -247,7 +247,10 @@ def load_model(
             if all(reader.stored_quantized(name) for name in source.names):
                 model.checkpoint_quantized.add(pname)
             _fill(params[pname], pname, source, tensors, model.tp)
-            if len(unpacked) == len(source.names) and quantized is not None:
+            # (a reordered source's 4-bit integers are in the file's row order: computed from
+            # the reordered float weights instead)
+            if (len(unpacked) == len(source.names) and quantized is not None
+                    and source.rows is None):  # fmt: skip
                 kept = checkpoint_int4_parts(quantized, unpacked, source, model.tp)
                 if kept is not None:
                     model.checkpoint_int4[pname] = kept

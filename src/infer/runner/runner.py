@@ -326,9 +326,9 @@ class ModelRunner:
         pool_sums: list[tuple[str, int, int, int]] = []
         mean_of_decoder = (self.pooling_type == "MEAN" and not self.model.is_encoder
                            and self.model.classifier is None)  # fmt: skip
-        if self._mean_sums:  # (a request that ended before its last chunk: aborted)
-            for request_id in [r for r in self._mean_sums if r not in requests]:
-                del self._mean_sums[request_id]
+        # (a request that ended before its last chunk, aborted: its sum is dropped in run(),
+        # on every tensor-parallel rank)
+        pool_drop = [r for r in self._mean_sums if r not in requests] if self._mean_sums else []
         for chunk in out.chunks:
             n = len(chunk.token_ids)
             start = chunk.num_computed_tokens
@@ -370,6 +370,7 @@ class ModelRunner:
         batch = StepBatch(
             token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
             self._lora_slots(out, requests), out.kv_imports, pool_rows, pool_starts, pool_sums,
+            pool_drop,
         )  # fmt: skip
         return batch, sample_reqs, proposals, prompt_targets, pool_reqs
 
@@ -409,6 +410,8 @@ class ModelRunner:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
             hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
         logits = prompt_logits = pooled = None
+        for request_id in batch.pool_drop:
+            self._mean_sums.pop(request_id, None)
         if batch.pool_sums:  # (a decoder's mean: its chunks summed, then each last one's)
             pooled = self._decoder_means(hidden, batch)
             if pooled is not None and self.embed_projection is not None:
@@ -446,7 +449,12 @@ class ModelRunner:
         ends = {}
         for request_id, first, end, start in batch.pool_sums:
             part = hidden[first:end].float().sum(dim=0)
-            before = self._mean_sums.pop(request_id, None) if start else None
+            before = self._mean_sums.pop(request_id, None)
+            if start == 0:  # (its first chunk, or its prompt again after a preemption)
+                before = None
+            elif before is None:
+                raise RuntimeError(f"embedding request {request_id}: its prompt's first "
+                                   f"{start} tokens were never summed (a mean needs them all)")  # fmt: skip
             total = part if before is None else before + part
             if end - 1 in batch.pool_rows:
                 ends[end - 1] = total / (start + end - first)
