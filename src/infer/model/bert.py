@@ -36,12 +36,17 @@ if TYPE_CHECKING:  # the attention backend is the runner's: models only call it
     from infer.model.attention import Attention
 
 
+@dataclass(frozen=True)
 class EncoderShape:
-    """What every encoder config says of its heads: each has its own k and v, all as wide as
-    ``hidden_size / num_heads``."""
+    """What every encoder config holds: its sizes, and heads that each have their own k and v,
+    all as wide as ``hidden_size / num_heads``."""
 
     hidden_size: int
+    num_layers: int
     num_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    intermediate_size: int
 
     @property
     def num_kv_heads(self) -> int:
@@ -52,14 +57,16 @@ class EncoderShape:
         return self.hidden_size // self.num_heads
 
 
+def check_heads(hidden: int, heads: int, names: str = "hidden_size/num_attention_heads") -> None:
+    """ValueError unless ``heads`` heads split ``hidden`` evenly (``names``: the config's keys
+    for the two, for the message)."""
+    if hidden % heads:
+        hidden_key, heads_key = names.split("/")
+        raise ValueError(f"{hidden_key}={hidden} is not a multiple of {heads_key}={heads}")
+
+
 @dataclass(frozen=True)
 class BertConfig(EncoderShape):
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    max_position_embeddings: int
-    intermediate_size: int
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     activation: str = "gelu"
@@ -183,9 +190,7 @@ class BertModel(CausalLM):
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> BertConfig:
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        if hidden % heads:
-            raise ValueError(f"hidden_size={hidden} is not a multiple of "
-                             f"num_attention_heads={heads}")  # fmt: skip
+        check_heads(hidden, heads)
         kind = config.get("position_embedding_type", "absolute")
         if kind != "absolute":
             raise ValueError(f"position_embedding_type {kind!r}: only absolute positions are "

@@ -18,6 +18,7 @@ from typing import Any
 from infer.model.bert import (
     BertConfig,
     BertModel,
+    check_heads,
     embedding_sources,
     post_norm_layer_sources,
 )
@@ -35,8 +36,7 @@ class DistilBertModel(BertModel):
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> BertConfig:
         hidden, heads = config.get("dim", 768), config.get("n_heads", 12)
-        if hidden % heads:
-            raise ValueError(f"dim={hidden} is not a multiple of n_heads={heads}")
+        check_heads(hidden, heads, "dim/n_heads")
         return BertConfig(
             hidden_size=hidden,
             num_layers=config.get("n_layers", 6),

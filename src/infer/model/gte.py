@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.model.bert import embedding_sources, plain
+from infer.model.bert import check_heads, embedding_sources, plain
 from infer.model.layers import WeightSource
 from infer.model.nomic_bert import NomicBertConfig, NomicBertModel
 from infer.model.rope import RopeConfig
@@ -67,8 +67,7 @@ class GteModel(NomicBertModel):
         if params.get("rope_type", "default") not in ("default", "linear"):
             raise ValueError(f"GTE with rope_type {params['rope_type']!r} is not supported")
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        if hidden % heads:
-            raise ValueError(f"hidden size {hidden} is not a multiple of {heads} heads")
+        check_heads(hidden, heads)
         if config.get("head_dim") not in (None, hidden // heads):
             raise ValueError(f"head_dim {config['head_dim']} is not hidden size / heads: "
                              "not supported")  # fmt: skip

@@ -41,7 +41,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.model.bert import EncoderShape, embedding_sources, plain, post_norm_layer_sources
+from infer.model.bert import (
+    EncoderShape,
+    check_heads,
+    embedding_sources,
+    plain,
+    post_norm_layer_sources,
+)
 from infer.model.layers import WeightSource
 from infer.model.nomic_bert import NomicBertLayer, NomicBertModel
 
@@ -51,12 +57,6 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class JinaBertConfig(EncoderShape):
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    max_position_embeddings: int
-    intermediate_size: int
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     activation: str = "gelu"
@@ -121,9 +121,7 @@ class JinaBertModel(NomicBertModel):
             raise ValueError(f"Jina BERT with feed_forward_type {mlp!r} is not supported "
                              "(geglu)")  # fmt: skip
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        if hidden % heads:
-            raise ValueError(f"hidden_size={hidden} is not a multiple of "
-                             f"num_attention_heads={heads}")  # fmt: skip
+        check_heads(hidden, heads)
         return JinaBertConfig(
             hidden_size=hidden,
             num_layers=config["num_hidden_layers"],

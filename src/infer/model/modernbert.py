@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.model.bert import BertModel, EncoderShape
+from infer.model.bert import BertModel, EncoderShape, check_heads
 from infer.model.layers import CausalLM, WeightSource, activation
 from infer.model.nomic_bert import rotary_self_attention
 from infer.model.rope import RopeConfig, rope_tables
@@ -38,12 +38,6 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModernBertConfig(EncoderShape):
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    max_position_embeddings: int
-    intermediate_size: int
     global_rope: RopeConfig
     local_rope: RopeConfig
     local_layers: tuple[bool, ...]  # per layer: local attention (else global)
@@ -130,8 +124,7 @@ class ModernBertModel(BertModel):
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> ModernBertConfig:  # type: ignore[override]
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        if hidden % heads:
-            raise ValueError(f"hidden size {hidden} is not a multiple of {heads} heads")
+        check_heads(hidden, heads)
         for key in ("attention_bias", "mlp_bias"):
             if config.get(key):
                 raise ValueError(f"ModernBERT with {key}=true is not supported")

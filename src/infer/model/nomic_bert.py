@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.model.bert import BertModel, EncoderShape
+from infer.model.bert import BertModel, EncoderShape, check_heads
 from infer.model.layers import CausalLM, WeightSource, activation
 from infer.model.rope import RopeConfig, apply_rope, rope_tables
 
@@ -32,12 +32,6 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class NomicBertConfig(EncoderShape):
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    max_position_embeddings: int
-    intermediate_size: int
     rope: RopeConfig
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
@@ -127,8 +121,7 @@ class NomicBertModel(BertModel):
             return value
 
         hidden, heads = field("hidden_size", "n_embd"), field("num_attention_heads", "n_head")
-        if hidden % heads:
-            raise ValueError(f"hidden size {hidden} is not a multiple of {heads} heads")
+        check_heads(hidden, heads, "n_embd/n_head" if nomic else "hidden_size/num_attention_heads")
         if nomic:
             unsupported = {
                 "rotary_emb_fraction": (config.get("rotary_emb_fraction", 1.0), (1.0, 1)),
