@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rerank_vs_llama_server import documents, take_turns  # noqa: E402
+from rerank_vs_llama_server import URLS, documents, server_commands, take_turns  # noqa: E402
 
 
 def embed(url: str, texts: list[str]) -> list[list[float]]:
@@ -65,19 +65,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("embed_vs_llama_server.md"))
     p.add_argument("--infer-args", default="", help="more flags for infer serve")
     args = p.parse_args()
-    servers = {
-        "llama.cpp (llama-server)": [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1",
-                                     "--port", "8310", "--embedding", "-np", "16", "-c", "16384",
-                                     "-b", "16384", "-ub", "16384", "-t", "2", "-tb", "2"],
-        "infer serve": [sys.executable, "-m", "infer.cli", "serve", "--model", args.gguf,
-                        "--host", "127.0.0.1", "--port", "8410", "--served-model-name", "m",
-                        *args.infer_args.split()],
-    }  # fmt: skip
-    urls = {
-        "llama.cpp (llama-server)": "http://127.0.0.1:8310",
-        "infer serve": "http://127.0.0.1:8410",
-    }
-    results = take_turns(servers, urls, args.rounds, args.out.with_suffix(".logs"),
+    servers = server_commands(args, ["--embedding", "-np", "16", "-c", "16384", "-b", "16384",
+                                     "-ub", "16384"], ["--served-model-name", "m"])  # fmt: skip
+    results = take_turns(servers, URLS, args.rounds, args.out.with_suffix(".logs"),
                          lambda url: measure(url, args))  # fmt: skip
     a, b = (torch.tensor(results[n][0]["vectors"]).flatten(0, 1) for n in servers)
     cosine = torch.nn.functional.cosine_similarity(a, b).min().item()

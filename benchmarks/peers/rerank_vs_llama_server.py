@@ -75,6 +75,22 @@ def take_turns(servers: dict[str, list[str]], urls: dict[str, str], rounds: int,
     return results
 
 
+LLAMA, INFER = "llama.cpp (llama-server)", "infer serve"
+URLS = {LLAMA: "http://127.0.0.1:8310", INFER: "http://127.0.0.1:8410"}
+
+
+def server_commands(args: argparse.Namespace, llama_flags: list[str],
+                    infer_flags: list[str]) -> dict[str, list[str]]:  # fmt: skip
+    """llama-server and infer serve on ``args.gguf`` at :data:`URLS`, with their own flags
+    (and ``args.infer_args`` for infer)."""
+    return {
+        LLAMA: [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", "8310",
+                "-t", "2", "-tb", "2", *llama_flags],
+        INFER: [sys.executable, "-m", "infer.cli", "serve", "--model", args.gguf, "--host",
+                "127.0.0.1", "--port", "8410", *infer_flags, *args.infer_args.split()],
+    }  # fmt: skip
+
+
 def rerank(url: str, query: str, docs: list[str]) -> list[float]:
     r = httpx.post(url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=600)
     r.raise_for_status()
@@ -112,18 +128,9 @@ def main() -> None:
     p.add_argument("--infer-args", default="", help="more flags for infer serve, e.g. "
                    "'--no-enable-prefix-caching' (what prefix caching buys)")  # fmt: skip
     args = p.parse_args()
-    servers = {
-        "llama.cpp (llama-server)": [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1",
-                                     "--port", "8310", "--reranking", "-np", "8", "-c", "16384",
-                                     "-b", "4096", "-ub", "4096", "-t", "2", "-tb", "2"],
-        "infer serve": [sys.executable, "-m", "infer.cli", "serve", "--model", args.gguf,
-                        "--host", "127.0.0.1", "--port", "8410", *args.infer_args.split()],
-    }  # fmt: skip
-    urls = {
-        "llama.cpp (llama-server)": "http://127.0.0.1:8310",
-        "infer serve": "http://127.0.0.1:8410",
-    }
-    results = take_turns(servers, urls, args.rounds, args.out.with_suffix(".logs"),
+    servers = server_commands(args, ["--reranking", "-np", "8", "-c", "16384", "-b", "4096",
+                                     "-ub", "4096"], [])  # fmt: skip
+    results = take_turns(servers, URLS, args.rounds, args.out.with_suffix(".logs"),
                          lambda url: measure(url, args))  # fmt: skip
     a, b = (results[n][0]["scores"] for n in servers)
     diff = max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
