@@ -129,12 +129,12 @@ class StepBatch:
     # Transferred prompt KV to copy in after the swaps (never under tensor parallelism).
     kv_imports: list[KVImport] = field(default_factory=list)
     # Rows whose final hidden states are embeddings (an embedding request's prompt ends there),
-    # and the first row of each one's chunk (an encoder's CLS or MEAN pooling reads from it).
+    # and the first row of each one's chunk (an encoder's CLS pooling reads it).
     pool_rows: list[int] = field(default_factory=list)
     pool_starts: list[int] = field(default_factory=list)
-    # A decoder that pools by the mean: every chunk of an embedding request's prompt, as
-    # (request id, first row, end row, the chunk's first position); the rows are summed, and
-    # the sum carried to the request's next chunk (its last chunk's rows are in pool_rows).
+    # A model that pools by the mean: every chunk of a pooled request's prompt, as (request id,
+    # first row, end row, the chunk's first position); the rows are summed, and the sum carried
+    # to the request's next chunk (its last chunk's rows are in pool_rows).
     pool_sums: list[tuple[str, int, int, int]] = field(default_factory=list)
     # Requests whose running sums to forget (they ended before their last chunk: aborted).
     pool_drop: list[str] = field(default_factory=list)

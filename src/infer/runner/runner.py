@@ -324,8 +324,7 @@ class ModelRunner:
         pool_starts: list[int] = []
         pool_reqs: list[Request] = []
         pool_sums: list[tuple[str, int, int, int]] = []
-        mean_of_decoder = (self.pooling_type == "MEAN" and not self.model.is_encoder
-                           and self.model.classifier is None)  # fmt: skip
+        by_mean = self.pooling_type == "MEAN"  # (an encoder's input or a decoder's prompt)
         # (a request that ended before its last chunk, aborted: its sum is dropped in run(),
         # on every tensor-parallel rank)
         pool_drop = [r for r in self._mean_sums if r not in requests] if self._mean_sums else []
@@ -345,7 +344,7 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
             seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0))
-            if mean_of_decoder and requests[chunk.request_id].pooling is not None:
+            if by_mean and requests[chunk.request_id].pooling is not None:
                 pool_sums.append((chunk.request_id, len(token_ids) - n, len(token_ids), start))
             if chunk.prompt_logprobs:
                 request = requests[chunk.request_id]
@@ -412,18 +411,12 @@ class ModelRunner:
         logits = prompt_logits = pooled = None
         for request_id in batch.pool_drop:
             self._mean_sums.pop(request_id, None)
-        if batch.pool_sums:  # (a decoder's mean: its chunks summed, then each last one's)
-            pooled = self._decoder_means(hidden, batch)
-            if pooled is not None and self.embed_projection is not None:
-                pooled = self.embed_projection(pooled)
+        if batch.pool_sums:  # (the mean: each chunk summed, then each last one's)
+            pooled = self._means(hidden, batch)
         elif batch.pool_rows:
-            if self.pooling_type == "MEAN":  # (an encoder's whole inputs)
-                pooled = torch.stack([hidden[a : b + 1].float().mean(dim=0)
-                                      for a, b in zip(batch.pool_starts, batch.pool_rows,
-                                                      strict=True)])  # fmt: skip
-            else:
-                rows = batch.pool_starts if self.pooling_type == "CLS" else batch.pool_rows
-                pooled = hidden[self._row_index("pool_rows", rows)]
+            rows = batch.pool_starts if self.pooling_type == "CLS" else batch.pool_rows
+            pooled = hidden[self._row_index("pool_rows", rows)]
+        if pooled is not None:
             head = self.model.classifier  # (a sequence classifier: its logits, not the state)
             pooled = pooled.float() if head is None else head(pooled.to(hidden.dtype))
             if head is None and self.embed_projection is not None:
@@ -441,11 +434,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return logits, prompt_logits, pooled
 
-    def _decoder_means(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
-        """A mean-pooling decoder's step: each embedding chunk's rows of ``hidden`` added to its
-        request's running sum (a chunk at position 0 starts it: the prompt ran again after a
-        preemption); the means ``[len(pool_rows), hidden]`` of the prompts that end here, in
-        ``pool_rows`` order (None: none ends)."""
+    def _means(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
+        """A mean-pooling step: each pooled request's chunk rows of ``hidden`` added to its
+        running sum (a decoder's prompt runs in chunks; an encoder's input whole, in one; a
+        chunk at position 0 starts it: the prompt ran again after a preemption); the float32
+        means ``[len(pool_rows), hidden]`` of the prompts that end here, in ``pool_rows`` order
+        (None: none ends)."""
         ends = {}
         for request_id, first, end, start in batch.pool_sums:
             part = hidden[first:end].float().sum(dim=0)
