@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="the GGUF file to write")
     p.add_argument("--outtype", default="bf16", help="f32, f16, bf16 or q8_0 (default bf16)")
     p.add_argument("--pre-tokenizer", default="gpt-2", help="tokenizer.ggml.pre to write")
+    p.add_argument(
+        "--dense-modules",
+        action="store_true",
+        help="write the sentence-transformers Dense modules too (EmbeddingGemma)",
+    )
     a = p.parse_args(argv)
     src = a.llama_cpp_src.expanduser().resolve()
     converter = load_converter(src)
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         str(a.out.expanduser()),
         "--outtype",
         a.outtype,
-    ]
+    ] + (["--sentence-transformers-dense-modules"] if a.dense_modules else [])
     converter.main()
     print(f"wrote {a.out}", flush=True)
     return 0

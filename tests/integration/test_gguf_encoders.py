@@ -15,7 +15,7 @@ from infer.core.pooling_params import PoolingParams
 from infer.data.corpus import load_corpus
 from infer.model.folders import ModelLoadError, find_model_folder
 from infer.testing.encoders import build_encoder, default_encoder_root
-from infer.testing.gguf_files import write_bert_gguf
+from infer.testing.gguf_files import write_bert_gguf, write_gguf
 
 from .conftest import PROMPTS
 
@@ -371,3 +371,79 @@ def test_a_bert_reranker_file_without_its_pooler_is_refused(encoder_root, tmp_pa
     file = write_bert_gguf(folder, tmp_path / "bert-rr.gguf")
     with pytest.raises(ModelLoadError, match="without both cls.weight and cls.output.weight"):
         find_model_folder(file)
+
+
+def _embedding_gemma(encoder_root, tiny_checkpoints, dense: bool = True):
+    """A tiny EmbeddingGemma in llama.cpp's layer pattern (every 6th layer global, the others
+    sliding over 16 positions: 8 either side) with its two bias-free Dense projections (64 ->
+    256 -> 64) where ``dense``; pooled by the mean, unnormalized (its folder's files)."""
+    from infer.testing.encoders import build_embedding_gemma, with_dense_modules
+
+    folder = build_embedding_gemma(encoder_root, tiny_checkpoints["gemma3"],
+                                   name="embedding-gemma-6", num_hidden_layers=6,
+                                   sliding_window=16, layer_types=None)  # fmt: skip
+    if not dense:
+        return folder
+    return with_dense_modules(folder, encoder_root / "embedding-gemma-6-dense", [256, 64],
+                              plain=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_an_embedding_gemma_file_embeds_exactly_as_its_folder(dense, encoder_root,
+                                                              tiny_checkpoints, make_llm,
+                                                              tmp_path):  # fmt: skip
+    """llama.cpp's ``gemma-embedding`` file (Gemma 3's metadata and tensors under another
+    name, Dense projections as ``dense_2`` / ``dense_3``): the folder's tokens and vectors,
+    normalized as llama-server's are, through every sliding layer (inputs past its window)."""
+    folder = _embedding_gemma(encoder_root, tiny_checkpoints, dense)
+    file = write_gguf(folder, tmp_path / "eg.gguf", pooling="MEAN")
+    texts = TEXTS + [PROMPTS[5] * 2]
+    want = make_llm(str(folder), dtype="float32")
+    want_results = want.embed(texts, PoolingParams(normalize=True))
+    want.shutdown()
+    llm = make_llm(str(file), dtype="auto")
+    assert llm.engine.spec.is_encoder and llm.engine.pooler_config.pooling_type == "MEAN"
+    assert len(llm.engine.pooler_config.dense) == (2 if dense else 0)
+    results = llm.embed(texts)
+    assert [r.prompt_token_ids for r in results] == [r.prompt_token_ids for r in want_results]
+    assert max(len(r.prompt_token_ids) for r in results) > 16
+    torch.testing.assert_close(_vectors(results), _vectors(want_results), atol=1e-6, rtol=0)
+
+
+def test_a_quantized_embedding_gemma_file_embeds_close_to_its_folder(encoder_root,
+                                                                     tiny_checkpoints,
+                                                                     make_llm, tmp_path):  # fmt: skip
+    """Q8_0 layers and Dense projections, computed in bf16: cosine over 0.99."""
+    folder = _embedding_gemma(encoder_root, tiny_checkpoints)
+    file = write_gguf(folder, tmp_path / "eg-q8.gguf", "Q8_0", pooling="MEAN")
+    want = make_llm(str(folder), dtype="float32")
+    want_vectors = _vectors(want.embed(TEXTS))
+    want.shutdown()
+    got = _vectors(make_llm(str(file)).embed(TEXTS))
+    cosine = torch.nn.functional.cosine_similarity(got, want_vectors)
+    assert cosine.min() > 0.99, cosine
+
+
+def test_an_embedding_gemma_file_without_a_pooling_type_pools_the_mean(encoder_root,
+                                                                       tiny_checkpoints,
+                                                                       make_llm, tmp_path):  # fmt: skip
+    folder = _embedding_gemma(encoder_root, tiny_checkpoints, dense=False)
+    file = write_gguf(folder, tmp_path / "eg-none.gguf")
+    assert make_llm(str(file)).engine.pooler_config.pooling_type == "MEAN"
+
+
+def test_an_embedding_gemma_file_whose_projections_do_not_chain_is_refused(encoder_root,
+                                                                           tiny_checkpoints,
+                                                                           tmp_path):  # fmt: skip
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(_embedding_gemma(encoder_root, tiny_checkpoints), folder)
+    second = folder / "3_Dense" / "model.safetensors"
+    save_file({"linear.weight": load_file(str(second))["linear.weight"][:, :128].contiguous()},
+              str(second))  # fmt: skip
+    file = write_gguf(folder, tmp_path / "eg-broken.gguf", pooling="MEAN")
+    with pytest.raises(ModelLoadError, match=r"dense_3.weight is \[64, 128\]; it takes 256"):
+        find_model_folder(str(file))

@@ -38,10 +38,10 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def convert(folder: Path, out: Path, outtype: str = "f32") -> Path:
+def convert(folder: Path, out: Path, outtype: str = "f32", *flags: str) -> Path:
     """llama.cpp's converter, run as benchmarks/make_gguf.py runs it (in a child process)."""
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_gguf.py"), str(LLAMA_CPP),
-                    str(folder), str(out), "--outtype", outtype],
+                    str(folder), str(out), "--outtype", outtype, *flags],
                    check=True, capture_output=True)  # fmt: skip
     return out
 
@@ -154,15 +154,18 @@ def _llama_server_embeds_as(file: Path, texts: list[str], vectors: torch.Tensor)
 
 
 def _embeds_as_its_folder(folder: Path, file: Path, llama_server: bool = True) -> None:
-    """``file`` gives ``folder``'s tokens and vectors (float32, 1e-6), and (``llama_server``)
-    llama-server's within 1e-3 where it is built."""
+    """``file`` gives ``folder``'s tokens and vectors (float32, 1e-6; normalized, as
+    llama-server's are), and (``llama_server``) llama-server's within 1e-3 where it is
+    built."""
     from infer import LLM
+    from infer.core.pooling_params import PoolingParams
 
     texts = ["The quick brown fox", "Hello, World! naïve café", "x", "def f(a, b): return a"]
+    texts.append(texts[-1] * 4)  # (past a sliding window)
     vectors, tokens = [], []
     for model in (folder, file):
         with LLM(str(model), dtype="float32") as llm:
-            results = llm.embed(texts)
+            results = llm.embed(texts, PoolingParams(normalize=True))
         vectors.append(torch.tensor([r.outputs.embedding for r in results]))
         tokens.append([r.prompt_token_ids for r in results])
     assert tokens[1] == tokens[0]
@@ -325,6 +328,27 @@ def test_llama_cpps_jina_code_file_embeds_as_its_folder(tmp_path):
     folder = build_jina(default_encoder_root(), name="jina-code", code=True)
     file = convert(folder, tmp_path / "jina-code.gguf")
     _embeds_as_its_folder(folder, file, llama_server=False)
+
+
+def test_llama_cpps_embedding_gemma_file_embeds_as_its_folder_and_llama_server(
+    tiny_checkpoints, tmp_path
+):
+    """A tiny EmbeddingGemma (6 layers in llama.cpp's pattern, windows of 16, two bias-free
+    Dense projections) through llama.cpp's converter with ``--sentence-transformers-dense-
+    modules`` (``gemma-embedding``, ``dense_2`` / ``dense_3``): the folder's tokens and
+    vectors (1e-6), llama-server's (1e-3)."""
+    from infer.testing.encoders import (
+        build_embedding_gemma,
+        default_encoder_root,
+        with_dense_modules,
+    )
+
+    root = default_encoder_root()
+    folder = build_embedding_gemma(root, tiny_checkpoints["gemma3"], name="embedding-gemma-6",
+                                   num_hidden_layers=6, sliding_window=16, layer_types=None)  # fmt: skip
+    folder = with_dense_modules(folder, root / "embedding-gemma-6-dense", [256, 64], plain=True)
+    file = convert(folder, tmp_path / "eg.gguf", "f32", "--dense-modules")
+    _embeds_as_its_folder(folder, file)
 
 
 @pytest.mark.parametrize("kind", ["roberta", "modernbert"])

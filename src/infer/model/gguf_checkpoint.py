@@ -168,7 +168,7 @@ class GGUFCheckpoint:
                     scales=layer.scales[rows],
                     kquant=None if layer.kquant is None else layer.kquant.rows(rows),
                 )
-        if self.arch == "gemma3" and name.endswith("norm.weight"):
+        if self.arch in ("gemma3", "gemma-embedding") and name.endswith("norm.weight"):
             weight = weight - 1.0  # stored as the (1 + w) Gemma's norms multiply by
         return weight, layer
 
@@ -210,8 +210,10 @@ class GGUFCheckpoint:
         self.reader = None
 
     def unused(self) -> list[str]:
-        """The file's tensors no parameter took (rope_freqs is derived state, not a weight)."""
-        return sorted(n for n in self.tensors if n not in self.used and n != "rope_freqs.weight")
+        """The file's tensors no parameter took (rope_freqs is derived state, not a weight;
+        EmbeddingGemma's Dense projections are read into its folder: model/gguf_embedding_gemma.py)."""
+        taken = {"rope_freqs.weight", "dense_2.weight", "dense_3.weight"}
+        return sorted(n for n in self.tensors if n not in self.used and n not in taken)
 
 
 def unpack_4bit(data: np.ndarray, kind: str, shape: tuple[int, int]) -> UnpackedLayer | None:

@@ -54,6 +54,7 @@ ARCHITECTURES = {
     "nomic-bert": "NomicBertModel",
     "jina-bert-v2": "JinaBertModel",
     "modern-bert": "ModernBertModel",
+    "gemma-embedding": "Gemma3TextModel",  # EmbeddingGemma (model/gguf_embedding_gemma.py)
 }
 # (transformers reads none of these: model/gguf_bert.py writes their folders)
 BERT_ARCHITECTURES = ("bert", "nomic-bert", "jina-bert-v2", "modern-bert")
@@ -133,7 +134,6 @@ def gguf_tensors(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
 def _write_folder(file: Path, out: Path) -> None:
     """config.json, the tokenizer and generation_config.json of GGUF ``file`` into ``out``."""
     from gguf import GGUFReader
-    from transformers import AutoConfig, AutoTokenizer
 
     try:
         reader = GGUFReader(file)
@@ -152,10 +152,28 @@ def _write_folder(file: Path, out: Path) -> None:
         )
     if arch in BERT_ARCHITECTURES:
         _write_bert_folder(reader, arch, file, out)
-        return
+    elif arch == "gemma-embedding":
+        from infer.model.gguf_embedding_gemma import write_embedding_gemma_folder
+
+        write_embedding_gemma_folder(reader, file, out)
+    else:
+        write_decoder_folder(reader, arch, file, out)
+
+
+def write_decoder_folder(reader: Any, arch: str, file: Path, out: Path,
+                         metadata_file: Path | None = None, tokenizer_class: Any = None) -> None:  # fmt: skip
+    """config.json, the tokenizer, generation_config.json and the pooling of a decoder's GGUF
+    ``file`` (open as ``reader``) into ``out``; transformers reads the config and tokenizer
+    from ``metadata_file`` (a file of the same metadata under an architecture it knows),
+    else from ``file``, the tokenizer as ``tokenizer_class`` (else the one its config
+    names)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = metadata_file or file
     try:
-        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+        tokenizer = (tokenizer_class or AutoTokenizer).from_pretrained(source.parent,
+                                                                       gguf_file=source.name)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - transformers' converters raise many types
         raise ModelLoadError(f"{file}: cannot read its config or tokenizer: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
@@ -176,8 +194,8 @@ def _write_folder(file: Path, out: Path) -> None:
     key_length = _field(reader, f"{arch}.attention.key_length")
     if key_length is not None:
         data["head_dim"] = int(key_length)
-    if arch == "gemma3":
-        data.update(_gemma3_config(reader, data))
+    if arch in ("gemma3", "gemma-embedding"):
+        data.update(_gemma3_config(reader, arch, data))
     elif "rope_freqs.weight" not in tensors:
         scaling = _rope_scaling(reader, arch, file)
         if scaling:
@@ -285,14 +303,16 @@ def _reranker(reader: Any, arch: str, tensors: dict[str, Any], file: Path) -> di
 _POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
 
 
-def _write_pooling(reader: Any, arch: str, out: Path) -> None:
-    """An embedding model's ``{arch}.pooling_type`` as the sentence-transformers files infer
-    reads (mean / CLS / last token, then normalized as llama-server's embeddings are), so its
-    embedding requests pool as the file says (or are refused naming the pooling)."""
-    kind = _POOLING_TYPES.get(int(_field(reader, f"{arch}.pooling_type") or 0))
+def _write_pooling(reader: Any, arch: str, out: Path, dense: tuple[str, ...] = (),
+                   default: str | None = None) -> None:  # fmt: skip
+    """An embedding model's ``{arch}.pooling_type`` (else ``default``) as the
+    sentence-transformers files infer reads (mean / CLS / last token, the ``dense`` modules'
+    folders, then normalized as llama-server's embeddings are), so its embedding requests pool
+    as the file says (or are refused naming the pooling)."""
+    kind = _POOLING_TYPES.get(int(_field(reader, f"{arch}.pooling_type") or 0), default)
     if kind is None:
         return  # none (a generative model) or a reranker's: infer's default, the last token
-    write_pooling_files(out, kind, normalize=True)
+    write_pooling_files(out, kind, normalize=True, dense=dense)
 
 
 # Token texts llama.cpp ends generation on whatever the file's eos says ("end of turn", "end of
@@ -362,7 +382,7 @@ def _moe_config(reader: Any, arch: str, experts: int) -> dict[str, Any]:
     return fields
 
 
-def _gemma3_config(reader: Any, data: dict[str, Any]) -> dict[str, Any]:
+def _gemma3_config(reader: Any, arch: str, data: dict[str, Any]) -> dict[str, Any]:
     """A Gemma 3 text model's fields as llama.cpp runs a "gemma3" file: every 6th layer global
     (unless the file lists the pattern), the others sliding over ``sliding_window`` tokens with
     a rope base of 10k (or ``rope.freq_base_swa``) never scaled; the global layers' base and
@@ -370,7 +390,7 @@ def _gemma3_config(reader: Any, data: dict[str, Any]) -> dict[str, Any]:
     1 / sqrt(hidden / heads)); a final logit soft-cap only if the file has one."""
 
     def field(key: str) -> Any:
-        return _field(reader, "gemma3." + key)
+        return _field(reader, f"{arch}.{key}")
 
     layers, head_dim = int(field("block_count")), int(data["head_dim"])
     window = field("attention.sliding_window")

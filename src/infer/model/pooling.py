@@ -243,17 +243,22 @@ def _dense_layers(
     return tuple(layers), None
 
 
-def write_pooling_files(folder: Path, pooling_type: str, normalize: bool = True) -> None:
+def write_pooling_files(
+    folder: Path, pooling_type: str, normalize: bool = True, dense: tuple[str, ...] = ()
+) -> None:
     """The sentence-transformers files saying ``pooling_type`` (a name of :data:`MODES`:
-    ``LAST``, ``MEAN``, ``CLS``, ...) and, with ``normalize``, a ``Normalize`` module after it:
-    what :func:`load_pooler_config` reads (a GGUF embedding file's folder, test models)."""
+    ``LAST``, ``MEAN``, ``CLS``, ...), then the ``Dense`` modules in the sub-folders named by
+    ``dense`` (their files already there) and, with ``normalize``, a ``Normalize`` module: what
+    :func:`load_pooler_config` reads (a GGUF embedding file's folder, test models)."""
     import json
 
     folder = Path(folder)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": _TRANSFORMER_MODULE},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": _POOLING_MODULE}]  # fmt: skip
+    modules = [{"path": "", "type": _TRANSFORMER_MODULE},
+               {"path": "1_Pooling", "type": _POOLING_MODULE}]  # fmt: skip
+    modules += [{"path": path, "type": _DENSE_MODULE} for path in dense]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": _NORMALIZE_MODULE})
+        modules.append({"path": f"{len(modules)}_Normalize", "type": _NORMALIZE_MODULE})
+    modules = [{"idx": i, "name": str(i)} | m for i, m in enumerate(modules)]
     (folder / "modules.json").write_text(json.dumps(modules, indent=1) + "\n")
     (folder / "1_Pooling").mkdir(exist_ok=True)
     config = {key: name == pooling_type for key, name in MODES.items()}

@@ -329,13 +329,16 @@ def build_jina(root: Path, pooling: str = "mean", name: str | None = None, code:
     return final
 
 
-def with_dense_modules(folder: Path, out: Path, widths: list[int], seed: int = 7) -> Path:
+def with_dense_modules(
+    folder: Path, out: Path, widths: list[int], seed: int = 7, plain: bool = False
+) -> Path:
     """A copy at ``out`` of the embedding model ``folder`` whose sentence-transformers pipeline
     projects the pooled vector by a ``Dense`` module per entry of ``widths`` (its
     ``out_features``) before normalizing, as LaBSE's and stella's do: the first with a tanh
     and its weights in ``model.safetensors``, the others without an activation (``Identity``)
-    and in ``pytorch_model.bin`` (older sentence-transformers' file); seeded random weights.
-    Built if absent."""
+    and in ``pytorch_model.bin`` (older sentence-transformers' file); with ``plain``, every one
+    bias-free, without an activation, in ``model.safetensors`` (EmbeddingGemma's); seeded
+    random weights. Built if absent."""
     import json
 
     import torch
@@ -355,14 +358,16 @@ def with_dense_modules(folder: Path, out: Path, widths: list[int], seed: int = 7
         for i, out_features in enumerate(widths):
             path = f"{len(modules)}_Dense"
             (tmp / path).mkdir()
-            act = "Tanh" if i == 0 else "Identity"
+            act = "Tanh" if i == 0 and not plain else "Identity"
             module = "activation" if act == "Tanh" else "linear"
             (tmp / path / "config.json").write_text(json.dumps({
-                "in_features": width, "out_features": out_features, "bias": True,
+                "in_features": width, "out_features": out_features, "bias": not plain,
                 "activation_function": f"torch.nn.modules.{module}.{act}"}))  # fmt: skip
             state = {"linear.weight": 0.2 * torch.randn(out_features, width, generator=gen),
                      "linear.bias": 0.1 * torch.randn(out_features, generator=gen)}  # fmt: skip
-            if i == 0:
+            if plain:
+                del state["linear.bias"]
+            if i == 0 or plain:
                 save_file(state, str(tmp / path / "model.safetensors"))
             else:
                 torch.save(state, tmp / path / "pytorch_model.bin")

@@ -148,6 +148,9 @@ def write_gguf(
 
     config = json.loads((Path(folder) / "config.json").read_text())
     arch = _ARCH.get(config["model_type"], config["model_type"])
+    embedding_gemma = config.get("use_bidirectional_attention", False)
+    if embedding_gemma:
+        arch = "gemma-embedding"
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     layers = config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -163,7 +166,7 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     rope = config.get("rope_parameters") or {}
-    if arch == "gemma3":  # the global layers' rope; llama.cpp's local one is fixed (10k)
+    if arch in ("gemma3", "gemma-embedding"):  # the global layers' rope (local: 10k)
         rope = rope["full_attention"]
         writer.add_sliding_window(config["sliding_window"])
         if config.get("final_logit_softcapping"):
@@ -207,10 +210,17 @@ def write_gguf(
         fits = w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
         return qtype if fits else gguf.GGMLQuantizationType.F32
 
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], layers)
     state: dict[str, Any] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(str(file)))
+    if embedding_gemma:  # (a bare Gemma3TextModel's names; its Dense modules as llama.cpp's)
+        state = {f"model.{k}": v for k, v in state.items()}
+        for dense, path in (("dense_2", "2_Dense"), ("dense_3", "3_Dense")):
+            if (Path(folder) / path / "model.safetensors").is_file():
+                w = load_file(str(Path(folder) / path / "model.safetensors"))["linear.weight"]
+                writer.add_dense_features_dims(dense, w.shape[1], w.shape[0])
+                _add(writer, f"{dense}.weight", w.astype(np.float32), tensor_type(dense, w))
     state = _stack_experts({k: v for k, v in state.items() if k not in drop})
     if reranker is not None:
         vocab = state.pop("lm_head.weight", None)
@@ -223,7 +233,7 @@ def write_gguf(
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         w = tensor.astype(np.float32)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma3", "gemma-embedding") and hf_name.endswith("norm.weight"):
             w = w + 1.0  # llama.cpp stores the (1 + w) Gemma's norms multiply by
         if arch == "llama" and hf_name.endswith(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
@@ -314,7 +324,10 @@ def _write_tokenizer(writer: Any, folder: Path) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    generation = json.loads((folder / "generation_config.json").read_text())
+    generation_file = folder / "generation_config.json"  # (an encoder's: its config's)
+    if not generation_file.is_file():
+        generation_file = folder / "config.json"
+    generation = json.loads(generation_file.read_text())
     writer.add_bos_token_id(generation["bos_token_id"])
     writer.add_eos_token_id(generation["eos_token_id"])
     writer.add_add_bos_token(False)
