@@ -31,6 +31,8 @@ from infer.core.outputs import (
     EmbeddingOutput,
     EmbeddingResult,
     GenerationResult,
+    PoolingOutput,
+    PoolingResult,
     RequestOutput,
     ScoreOutput,
     ScoreResult,
@@ -237,6 +239,39 @@ class LLM:
                 prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
                 prompt_token_ids=list(encoded[i]),
                 outputs=EmbeddingOutput(last.embedding),  # type: ignore[arg-type]
+                num_cached_tokens=last.num_cached_tokens,
+                timings=last.timings,
+            )
+            for i, rid, last in pooled
+        ]
+
+    def encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        *,
+        pooling_task: str = "token_embed",
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+    ) -> list[PoolingResult]:
+        """Each prompt's pooled data as a tensor (vLLM's ``LLM.encode``): with ``pooling_task``
+        ``token_embed`` (an encoder's) one vector per input token, ``[tokens, size]`` (cut
+        and normalized per token as ``pooling_params`` or the model's files say: a ColBERT
+        model's late-interaction vectors); ``embed`` the embedding :meth:`embed` gives;
+        ``classify`` a sequence classifier's logits. Results in prompt order."""
+        import torch
+
+        params = pooling_params or PoolingParams()
+        if params.task != pooling_task:
+            params = PoolingParams(params.normalize, params.dimensions, pooling_task)
+        prompt_list = _normalize_prompts(prompts)
+        encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
+        pooled = self._pool(encoded, params, lora_request, pooling_task)
+        return [
+            PoolingResult(
+                request_id=rid,
+                prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
+                prompt_token_ids=list(encoded[i]),
+                outputs=PoolingOutput(torch.tensor(last.embedding, dtype=torch.float32)),
                 num_cached_tokens=last.num_cached_tokens,
                 timings=last.timings,
             )

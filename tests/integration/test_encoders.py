@@ -470,6 +470,65 @@ def test_dense_modules_project_the_pooled_vector(encoder_root, make_llm, tmp_pat
         llm.embed(TEXTS[0])
 
 
+def test_token_embeddings_are_every_tokens_projected_state(encoder_root, make_llm):
+    """``LLM.encode`` (``token_embed``): each input's every token's final hidden state,
+    through the model's Dense modules row by row (as a ColBERT model projects its tokens),
+    normalized per token as the model's files say, cut by ``dimensions``; a step holding
+    token-embedding requests beside pooled ones gives each its own; a decoder refuses them
+    naming why."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel, AutoTokenizer
+
+    from infer.testing.encoders import with_dense_modules
+
+    folder = with_dense_modules(build_encoder("bert", encoder_root, "cls"),
+                                encoder_root / "bert-cls-dense", [48, 32])  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    first = load_file(str(folder / "2_Dense" / "model.safetensors"))
+    second = torch.load(folder / "3_Dense" / "pytorch_model.bin", weights_only=True)
+
+    def projected(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            x = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+        x = torch.tanh(x @ first["linear.weight"].T + first["linear.bias"])
+        return torch.nn.functional.normalize(x @ second["linear.weight"].T + second["linear.bias"],
+                                             dim=1)  # fmt: skip
+
+    llm = make_llm(str(folder))
+    results = llm.encode(TEXTS)
+    for r, text in zip(results, TEXTS, strict=True):
+        assert r.prompt_token_ids == tok(text)["input_ids"]
+        assert r.outputs.data.shape == (len(r.prompt_token_ids), 32)
+        torch.testing.assert_close(r.outputs.data, projected(text), atol=1e-5, rtol=1e-5)
+    cut = llm.encode(TEXTS[0], PoolingParams(dimensions=8, normalize=False))[0].outputs.data
+    assert cut.shape[1] == 8 and not torch.allclose(cut.norm(dim=1), torch.ones(len(cut)))
+    vectors = llm.encode(TEXTS, pooling_task="embed")
+    for got, want in zip(vectors, _vectors(llm.embed(TEXTS)), strict=True):
+        torch.testing.assert_close(got.outputs.data, want)
+    # one step: two token-embedding requests around a pooled one
+    engine = llm.engine
+    params = [PoolingParams(task="token_embed"), PoolingParams(), PoolingParams(task="token_embed")]
+    for k, (text, p) in enumerate(zip(TEXTS, params, strict=False)):
+        engine.add_request(f"r{k}", tok(text)["input_ids"], p)
+    outputs = {o.request_id: o for o in engine.step()}
+    assert sorted(outputs) == ["r0", "r1", "r2"] and all(o.finished for o in outputs.values())
+    torch.testing.assert_close(torch.tensor(outputs["r0"].embedding), projected(TEXTS[0]),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(torch.tensor(outputs["r2"].embedding), projected(TEXTS[2]),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(torch.tensor(outputs["r1"].embedding),
+                               _vectors(llm.embed(TEXTS[1]))[0])  # fmt: skip
+    assert not engine.has_unfinished_requests()  # (and every KV block back: make_llm checks)
+
+
+def test_a_decoder_refuses_token_embeddings_naming_why(tiny_checkpoints, make_llm):
+    llm = make_llm(str(tiny_checkpoints["llama"]))
+    with pytest.raises(InvalidRequestError, match="is a decoder: token embeddings"):
+        llm.encode(TEXTS[0])
+    assert llm.embed(TEXTS[0])  # it goes on serving
+
+
 @pytest.mark.parametrize("kind", ["mpnet", "distilbert", "bert"])
 def test_an_encoder_published_with_its_masked_lm_head_embeds_as_its_encoder(
     kind, encoder_root, make_llm, tmp_path

@@ -110,6 +110,63 @@ def test_generation_is_refused_naming_the_encoder(server):
     server.wait_idle()  # (every KV block free)
 
 
+def test_pooling_gives_every_tokens_vector(server, bert):
+    """``POST /pooling`` with ``task: token_embed``: each input's every token's final hidden
+    state (transformers', normalized per token unless asked not), as floats or base64; sent
+    beside ``/v1/embeddings`` requests in the same steps, each gets its own; every KV block
+    back."""
+    import base64
+    import struct
+
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bert)
+    model = AutoModel.from_pretrained(bert, dtype=torch.float32).eval()
+
+    def states(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+
+    with server.client() as c:
+        r = c.post("/pooling", json={"input": TEXTS, "task": "token_embed", "normalize": False})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["pooling"] * 3
+        for d, text in zip(body["data"], TEXTS, strict=True):
+            torch.testing.assert_close(torch.tensor(d["data"]), states(text), atol=1e-5,
+                                       rtol=1e-5)  # fmt: skip
+        assert body["usage"]["prompt_tokens"] == sum(len(tok(t)["input_ids"]) for t in TEXTS)
+        r = c.post("/pooling", json={"input": TEXTS[0], "task": "token_embed",
+                                     "encoding_format": "base64", "dimensions": 8})  # fmt: skip
+        raw = base64.b64decode(r.json()["data"][0]["data"])
+        got = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw)).view(-1, 8)
+        want = torch.nn.functional.normalize(states(TEXTS[0])[:, :8], dim=1)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # (no task: an embedding model's embedding, as /v1/embeddings gives it)
+        r = c.post("/pooling", json={"input": TEXTS[1]})
+        vector = c.post("/v1/embeddings", json={"input": TEXTS[1]}).json()["data"][0]
+        assert r.json()["data"][0]["data"] == vector["embedding"]
+        r = c.post("/pooling", json={"input": TEXTS[1], "task": "classify"})
+        assert r.status_code == 400 and "no classification head" in r.text
+
+    def either(k: int):
+        text = TEXTS[k % 3]
+        if k % 2:
+            body = {"input": text, "task": "token_embed", "normalize": False}
+            return server.client().post("/pooling", json=body).json()["data"][0]["data"]
+        return server.client().post("/v1/embeddings", json={"input": text}).json()["data"][0]
+
+    for k, got in enumerate(concurrently(either, range(12))):
+        text = TEXTS[k % 3]
+        if k % 2:
+            torch.testing.assert_close(torch.tensor(got), states(text), atol=1e-5, rtol=1e-5)
+        else:
+            want = torch.nn.functional.normalize(states(text).mean(0), dim=0)
+            torch.testing.assert_close(torch.tensor(got["embedding"]), want, atol=1e-5,
+                                       rtol=1e-5)  # fmt: skip
+    server.wait_idle()
+
+
 @pytest.fixture(scope="module")
 def reranker_server(server_logs):
     from infer.testing.encoders import build_cross_encoder

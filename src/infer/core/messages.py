@@ -138,6 +138,9 @@ class StepBatch:
     pool_sums: list[tuple[str, int, int, int]] = field(default_factory=list)
     # Requests whose running sums to forget (they ended before their last chunk: aborted).
     pool_drop: list[str] = field(default_factory=list)
+    # Token embeddings (an encoder's ``token_embed`` requests): each one's rows, first and end;
+    # they follow the pooled rows' vectors, in order, in the step's output.
+    pool_tokens: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples_every_row(self) -> bool:
@@ -167,7 +170,7 @@ class ModelRunnerOutput:
     timings: StepTimings
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
     # Embedding requests whose prompt this step ended: their embeddings (core/pooling_params.py).
-    embeddings: dict[str, list[float]] = field(default_factory=dict)
+    embeddings: dict[str, list[float] | list[list[float]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # An ``export_kv`` request's final output: its prompt KV (a ``core.kv_transfer.KVPayload``).
     kv_payload: Any = None
-    # An embedding request's final output: its embedding (core/pooling_params.py).
-    embedding: list[float] | None = None
+    # An embedding request's final output: its embedding (core/pooling_params.py; a
+    # token_embed request's: one vector per input token).
+    embedding: list[float] | list[list[float]] | None = None
 
     def __reduce__(self) -> tuple:
         # Pickled as the class and its fields in order, not the default slots-state dict: the
@@ -94,6 +95,28 @@ class EmbeddingResult:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    num_cached_tokens: int
+    timings: RequestTimings | None
+
+
+@dataclass(frozen=True)
+class PoolingOutput:
+    """One prompt's pooled data (``LLM.encode``): a ``torch.Tensor``, ``[tokens, size]`` for
+    ``token_embed`` (one vector per input token), ``[size]`` for ``embed``, the logits
+    ``[labels]`` for ``classify``."""
+
+    data: Any
+
+
+@dataclass(frozen=True)
+class PoolingResult:
+    """The offline API's result for one prompt of ``LLM.encode`` (vLLM's field names:
+    ``result.outputs.data``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
     num_cached_tokens: int
     timings: RequestTimings | None
 

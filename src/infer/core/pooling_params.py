@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 
-TASKS = ("embed", "classify")
+TASKS = ("embed", "classify", "token_embed")
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,10 @@ class PoolingParams:
     """``normalize``: scale the embedding to unit length (None: as the model's configuration
     says: its sentence-transformers ``Normalize`` module, on where it has no such file).
     ``dimensions``: keep only the first ``dimensions`` values (Matryoshka embeddings; the
-    normalization, if any, comes after the cut). ``task``: ``embed`` (the hidden state) or
-    ``classify`` (a sequence classifier's logits, one per label: neither cut nor normalized)."""
+    normalization, if any, comes after the cut). ``task``: ``embed`` (the hidden state),
+    ``classify`` (a sequence classifier's logits, one per label: neither cut nor normalized)
+    or ``token_embed`` (an encoder's every token's state, each cut and normalized as an
+    embedding is: the vectors late-interaction models such as ColBERT score by)."""
 
     normalize: bool | None = None
     dimensions: int | None = None

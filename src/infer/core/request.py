@@ -160,7 +160,7 @@ class Request:
         # An embedding request (core/pooling_params.py): it pools the hidden state of its
         # prompt's last token in the step that reaches it, into ``embedding``, and finishes.
         self.pooling = pooling
-        self.embedding: list[float] | None = None
+        self.embedding: list[float] | list[list[float]] | None = None
         max_new = sampling_params.max_tokens
         if max_new is None and default_max_tokens is not None:
             # Unset max_tokens: the model's recommended length (its generation config's

@@ -919,7 +919,13 @@ class LLMEngine:
                 )
             return replace(params, normalize=False)
         pooler = self.pooler_config
-        if not pooler.supported:
+        if params.task == "token_embed" and not spec.is_encoder:
+            raise InvalidRequestError(
+                f"this model ({spec.architecture}) is a decoder: token embeddings (one vector "
+                "per input token) are served for encoders (BERT-family models, ColBERT)",
+                param="input",
+            )
+        if not pooler.supported and params.task == "embed":
             pools, default = (("an encoder's CLS, MEAN or LAST token pooling", "CLS")
                               if spec.is_encoder else
                               ("the last token's final hidden state or the mean of every "

@@ -487,7 +487,7 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: dict[str, Sampled],
         prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] | None = None,
-        embeddings: dict[str, list[float]] | None = None,
+        embeddings: dict[str, list[float] | list[list[float]]] | None = None,
     ) -> list[Request]:
         """Apply a step's results; returns the requests that progressed (finished ones included).
         An embedding request whose prompt the step ended takes its embedding and finishes.

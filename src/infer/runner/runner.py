@@ -324,6 +324,8 @@ class ModelRunner:
         pool_starts: list[int] = []
         pool_reqs: list[Request] = []
         pool_sums: list[tuple[str, int, int, int]] = []
+        pool_tokens: list[tuple[int, int]] = []  # (token_embed: every row of its input)
+        token_reqs: list[Request] = []
         by_mean = self.pooling_type == "MEAN"  # (an encoder's input or a decoder's prompt)
         # (a request that ended before its last chunk, aborted: its sum is dropped in run(),
         # on every tensor-parallel rank)
@@ -344,7 +346,8 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
             seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0))
-            if by_mean and requests[chunk.request_id].pooling is not None:
+            pooling = requests[chunk.request_id].pooling
+            if by_mean and pooling is not None and pooling.task != "token_embed":
                 pool_sums.append((chunk.request_id, len(token_ids) - n, len(token_ids), start))
             if chunk.prompt_logprobs:
                 request = requests[chunk.request_id]
@@ -357,6 +360,10 @@ class ModelRunner:
             if chunk.sample:
                 request = requests[chunk.request_id]
                 end = len(token_ids)
+                if request.pooling is not None and request.pooling.task == "token_embed":
+                    pool_tokens.append((end - n, end))  # (an encoder's input: whole)
+                    token_reqs.append(request)
+                    continue
                 if request.pooling is not None:  # its embedding: the prompt's last row
                     pool_rows.append(end - 1)
                     pool_starts.append(end - n)  # (an encoder's: its whole input)
@@ -369,9 +376,9 @@ class ModelRunner:
         batch = StepBatch(
             token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
             self._lora_slots(out, requests), out.kv_imports, pool_rows, pool_starts, pool_sums,
-            pool_drop,
+            pool_drop, pool_tokens,
         )  # fmt: skip
-        return batch, sample_reqs, proposals, prompt_targets, pool_reqs
+        return batch, sample_reqs, proposals, prompt_targets, pool_reqs + token_reqs
 
     def _lora_slots(self, out: SchedulerOutput, requests: dict[str, Request]) -> list[int] | None:
         """Each row's adapter slot, the step's adapters put in slots first (None: no row has
@@ -421,6 +428,11 @@ class ModelRunner:
             pooled = pooled.float() if head is None else head(pooled.to(hidden.dtype))
             if head is None and self.embed_projection is not None:
                 pooled = self.embed_projection(pooled)
+        if batch.pool_tokens:  # (every row of each input, projected as a pooled vector is)
+            tokens = torch.cat([hidden[a:b] for a, b in batch.pool_tokens]).float()
+            if self.embed_projection is not None:
+                tokens = self.embed_projection(tokens)
+            pooled = tokens if pooled is None else torch.cat([pooled, tokens])
         if batch.sample_rows:
             if batch.samples_every_row:
                 sampled = hidden  # (decode): no gather
@@ -547,17 +559,27 @@ class ModelRunner:
         return out
 
 
-def pool(hidden: torch.Tensor, requests: list[Request]) -> dict[str, list[float]]:
-    """Each embedding request's vector from its row of ``hidden`` (float32 ``[n, hidden]``):
-    cut to its ``dimensions``, then scaled to unit length if it normalizes (the engine has
-    resolved ``normalize`` from the model's configuration)."""
-    out: dict[str, list[float]] = {}
-    for row, request in zip(hidden, requests, strict=True):
+def pool(
+    hidden: torch.Tensor, requests: list[Request]
+) -> dict[str, list[float] | list[list[float]]]:
+    """Each embedding request's vector from its row of ``hidden`` (float32 ``[n, hidden]``;
+    a ``token_embed`` request's rows, one per input token, follow the others': a list of
+    vectors): cut to its ``dimensions``, then scaled to unit length if it normalizes (the
+    engine has resolved ``normalize`` from the model's configuration)."""
+    out: dict[str, list[float] | list[list[float]]] = {}
+    at = 0
+    for request in requests:
         params = request.pooling
         assert params is not None
+        n = request.num_prompt_tokens if params.task == "token_embed" else 1
+        rows = hidden[at : at + n]
+        at += n
         if params.dimensions is not None:
-            row = row[: params.dimensions]
+            rows = rows[:, : params.dimensions]
         if params.normalize:
-            row = torch.nn.functional.normalize(row, dim=0)
-        out[request.request_id] = row.tolist()
+            rows = torch.nn.functional.normalize(rows, dim=1)
+        out[request.request_id] = (
+            rows.tolist() if params.task == "token_embed" else rows[0].tolist()
+        )
+    assert at == len(hidden), f"{len(hidden)} pooled rows for {at}"
     return out

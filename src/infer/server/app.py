@@ -21,7 +21,7 @@ from infer.server.chat import create_chat_completion, render_request
 from infer.server.classify import create_classification
 from infer.server.completions import create_completion
 from infer.server.dashboard import Dashboard, install_dashboard
-from infer.server.embeddings import create_embedding
+from infer.server.embeddings import create_embedding, create_pooling
 from infer.server.errors import APIError, install_error_handlers
 from infer.server.fim import fim_tokens
 from infer.server.lora_routes import install_lora_routes, runtime_lora_updating
@@ -50,6 +50,8 @@ from infer.server.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
+    PoolingRequest,
+    PoolingResponse,
     RerankRequest,
     RerankResponse,
     ScoreRequest,
@@ -214,6 +216,14 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     # (in the schema only where it is served: a language model answers 404 naming why)
     classifier = bool(serving.labels)
+
+    @app.post("/pooling", response_model=PoolingResponse, responses=_ERRORS, tags=["pooling"])
+    async def pooling(body: PoolingRequest, request: Request) -> Response:
+        """Each input's pooled data (vLLM's): an encoder's vector per input token
+        (``task: token_embed``: what late-interaction models such as ColBERT score by), the
+        embedding, or a classifier's logits."""
+        return await create_pooling(serving, body, request,
+                                    "classify" if classifier else "embed")  # fmt: skip
 
     @app.post("/classify", response_model=ClassificationResponse, responses=_ERRORS,
               tags=["pooling"], include_in_schema=classifier)  # fmt: skip

@@ -29,6 +29,9 @@ from infer.server.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
+    PoolingData,
+    PoolingRequest,
+    PoolingResponse,
 )
 from infer.server.serving import Serving, cancel_on_disconnect, new_id, raise_if_failed
 
@@ -99,8 +102,10 @@ def pooling_params(**fields: Any) -> PoolingParams:
         raise from_invalid_request(e) from e
 
 
-async def _render_messages(serving: Serving, req: EmbeddingRequest | ClassificationRequest
-                           ) -> list[int]:  # fmt: skip
+_Pooled = EmbeddingRequest | ClassificationRequest | PoolingRequest
+
+
+async def _render_messages(serving: Serving, req: _Pooled) -> list[int]:
     """A conversation's ids as the chat template writes it (the template's own special tokens;
     the tokenizer's too only when the request sets ``add_special_tokens``), cut and checked as
     any input is."""
@@ -116,8 +121,7 @@ async def _render_messages(serving: Serving, req: EmbeddingRequest | Classificat
     return (await tokenize_inputs(serving, [ids], req, ["messages"]))[0]
 
 
-async def pooling_inputs(serving: Serving, req: EmbeddingRequest | ClassificationRequest
-                         ) -> list[list[int]]:  # fmt: skip
+async def pooling_inputs(serving: Serving, req: _Pooled) -> list[list[int]]:
     """The token ids of a request's ``input`` (each one checked and named), or of its one
     conversation (``messages``); a 400 unless it gives exactly one of the two."""
     if (req.input is None) == (req.messages is None):
@@ -135,11 +139,36 @@ async def create_embedding(serving: Serving, req: EmbeddingRequest, raw: Request
     token_inputs = await pooling_inputs(serving, req)
     pooling = pooling_params(normalize=req.normalize, dimensions=req.dimensions)
     request_id, finals, usage = await embed(serving, token_inputs, pooling, req, raw, "embd")
-    data = []
-    for index, final in enumerate(finals):
-        vector: list[float] | str = final.embedding  # type: ignore[assignment]
-        if req.encoding_format == "base64":
-            vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-        data.append(EmbeddingData(index=index, embedding=vector))
+    data = [EmbeddingData(index=index, embedding=_encoded(final.embedding, req.encoding_format))  # type: ignore[arg-type]
+            for index, final in enumerate(finals)]  # fmt: skip
     body = EmbeddingResponse(id=request_id, model=model, data=data, usage=usage)
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+def _encoded(values: list[float] | list[list[float]], encoding_format: str
+             ) -> list[float] | list[list[float]] | str:  # fmt: skip
+    """``values`` as the request's ``encoding_format`` asks: as they are, or (base64) their
+    little-endian float32 bytes, rows in order."""
+    if encoding_format != "base64":
+        return values
+    flat = [v for row in values for v in row] if values and isinstance(values[0], list) else values
+    return base64.b64encode(struct.pack(f"<{len(flat)}f", *flat)).decode("ascii")
+
+
+async def create_pooling(serving: Serving, req: PoolingRequest, raw: Request,
+                         default_task: str) -> Response:  # fmt: skip
+    """``POST /pooling``: each input's pooled data as ``req.task`` (else ``default_task``)
+    asks (:class:`PoolingRequest`)."""
+    model = serving.check_model(req.model)
+    log_unknown_fields(req, "/pooling")
+    token_inputs = await pooling_inputs(serving, req)
+    task = req.task or default_task
+    fields: dict[str, Any] = {"task": task}
+    if task != "classify" or req.normalize is not None or req.dimensions is not None:
+        fields |= {"normalize": req.normalize, "dimensions": req.dimensions}
+    pooling = pooling_params(**fields)
+    request_id, finals, usage = await embed(serving, token_inputs, pooling, req, raw, "pool")
+    data = [PoolingData(index=index, data=_encoded(final.embedding, req.encoding_format))  # type: ignore[arg-type]
+            for index, final in enumerate(finals)]  # fmt: skip
+    body = PoolingResponse(id=request_id, model=model, data=data, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

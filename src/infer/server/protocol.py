@@ -435,6 +435,26 @@ class EmbeddingRequest(_InputOrMessages):
     )
 
 
+class PoolingRequest(_InputOrMessages):
+    """``POST /pooling`` (vLLM's): each input's pooled data as the ``task`` asks:
+    ``token_embed`` one vector per input token (an encoder's; a ColBERT model's default),
+    ``embed`` the embedding ``/v1/embeddings`` gives (an embedding model's default),
+    ``classify`` a sequence classifier's logits (its default)."""
+
+    task: Literal["token_embed", "embed", "classify"] | None = Field(
+        None, description="default: the model's (classify, token_embed for ColBERT, else embed)"
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: the data's little-endian float32 bytes, rows in order"
+    )
+    dimensions: int | None = Field(
+        None, ge=1, description="keep the first d values of each vector, normalized after"
+    )
+    normalize: bool | None = Field(
+        None, description="unit length (default: as the model's sentence-transformers files say)"
+    )
+
+
 class ClassificationRequest(_InputOrMessages, _Activation):
     """``POST /classify`` (and ``/v1/classify``): each input's label probabilities by a
     sequence classifier (vLLM's classification API); ``messages`` in place of ``input``
@@ -691,6 +711,19 @@ class _PoolingList(_Response):
 
 class EmbeddingResponse(_PoolingList):
     data: list[EmbeddingData]
+
+
+class PoolingData(_Response):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[list[float]] | list[float] | str = Field(
+        description="token_embed: a vector per input token; embed: one vector; classify: "
+        "the logits (a string: base64)"
+    )
+
+
+class PoolingResponse(_PoolingList):
+    data: list[PoolingData]
 
 
 class ClassificationData(_Response):
