@@ -336,10 +336,17 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 schemas.setdefault(model.__name__, extra)
             _bound_token_ids(schema, min(len(serving.tokenizer), engine.spec.vocab_size) - 1)
             # an embedding's dimensions: at most the model's embedding size
-            dims = schemas["EmbeddingRequest"]["properties"]["dimensions"]
-            for option in dims.get("anyOf", [dims]):
-                if option.get("type") == "integer":
-                    option["maximum"] = engine.embedding_size
+            for request in ("EmbeddingRequest", "PoolingRequest"):
+                dims = schemas[request]["properties"]["dimensions"]
+                for option in dims.get("anyOf", [dims]):
+                    if option.get("type") == "integer":
+                        option["maximum"] = engine.embedding_size
+            # /pooling's tasks: those this model serves
+            tasks = (["classify"] if classifier else
+                     ["token_embed", "embed"] if engine.spec.is_encoder else ["embed"])  # fmt: skip
+            for option in schemas["PoolingRequest"]["properties"]["task"].get("anyOf", []):
+                if "enum" in option:
+                    option["enum"] = tasks
             if fim_tokens(serving.tokenizer) is None:  # no fill-in-the-middle: suffix stays empty
                 props = schemas["CompletionRequest"]["properties"]
                 props["suffix"] = {
