@@ -6,6 +6,7 @@ sequences (seeded children use ``seed + i`` so they differ yet stay reproducible
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import threading
@@ -262,7 +263,7 @@ class LLM:
 
         params = pooling_params or PoolingParams()
         if params.task != pooling_task:
-            params = PoolingParams(params.normalize, params.dimensions, pooling_task)
+            params = dataclasses.replace(params, task=pooling_task)
         prompt_list = _normalize_prompts(prompts)
         encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
         pooled = self._pool(encoded, params, lora_request, pooling_task)

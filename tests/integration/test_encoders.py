@@ -522,6 +522,68 @@ def test_token_embeddings_are_every_tokens_projected_state(encoder_root, make_ll
     assert not engine.has_unfinished_requests()  # (and every KV block back: make_llm checks)
 
 
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_tokens_past_attended_tokens_are_queries_only(kind, encoder_root, make_llm,
+                                                     monkeypatch):  # fmt: skip
+    """``attended_tokens`` n: an input's tokens after its first n attend to them but are not
+    attended to (transformers with those tokens' attention mask 0; what a ColBERT query's
+    [MASK] expansion is); every token's vector comes back. In float32 (the torch reference:
+    inputs of one length and of many, padded together) and in bf16 (the C++ kernel, heads 64
+    wide)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from infer.runner.cpu.kernels import CpuKernels
+
+    shape = dict(hidden_size=128, num_attention_heads=2, intermediate_size=256)
+    folder = build_encoder(kind, encoder_root, "mean", name=f"{kind}-mean-d64", **shape)
+    calls = []
+    original = CpuKernels.encoder_attention
+    monkeypatch.setattr(CpuKernels, "encoder_attention",
+                        lambda self, *a: calls.append(a[-1]) or original(self, *a))  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    mask_id = tok.mask_token_id
+    inputs = [ids for ids in (tok(t)["input_ids"] for t in TEXTS) if len(ids) < 40]
+    # (4 expansion tokens: each within ModernBERT's local window, 4 either side, of a key)
+    padded = [ids + [mask_id] * 4 for ids in inputs]
+    want = []
+    for ids, real in zip(padded, inputs, strict=False):
+        attention = torch.tensor([[1] * len(real) + [0] * (len(ids) - len(real))])
+        with torch.no_grad():
+            want.append(model(input_ids=torch.tensor([ids]), attention_mask=attention)
+                        .last_hidden_state[0])  # fmt: skip
+    lengths = [len(ids) for ids in inputs]
+    assert len(lengths) >= 3
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", None)):
+        llm = make_llm(str(folder), dtype=dtype)
+        for batch in ([0], list(range(len(padded)))):
+            got = [llm.encode([padded[i]], PoolingParams(normalize=False,
+                                                         attended_tokens=lengths[i]))[0]
+                   for i in batch] if len(batch) == 1 else [
+                llm.engine.add_request(f"r{i}", padded[i], PoolingParams(
+                    task="token_embed", normalize=False, attended_tokens=lengths[i]))
+                for i in batch]  # fmt: skip
+            if len(batch) > 1:  # (one step: every input at once)
+                outputs = {o.request_id: o for o in llm.engine.step()}
+                got = [torch.tensor(outputs[f"r{i}"].embedding) for i in batch]
+            else:
+                got = [got[0].outputs.data]
+            for i, g in zip(batch, got, strict=True):
+                if tol is not None:
+                    torch.testing.assert_close(g, want[i], atol=tol, rtol=tol)
+                else:
+                    cosine = torch.nn.functional.cosine_similarity(g, want[i], dim=1)
+                    assert cosine.min() > 0.99, cosine
+        with pytest.raises(InvalidRequestError, match="attended_tokens"):
+            llm.encode([padded[0]], PoolingParams(attended_tokens=len(padded[0]) + 1))
+        llm.shutdown()
+    from infer.runner.cpu.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is not None and kernels.has_prefill_attention:  # (the bf16 runs took it)
+        assert calls and all(keys is not None for keys in calls)
+
+
 def test_a_decoder_refuses_token_embeddings_naming_why(tiny_checkpoints, make_llm):
     llm = make_llm(str(tiny_checkpoints["llama"]))
     with pytest.raises(InvalidRequestError, match="is a decoder: token embeddings"):

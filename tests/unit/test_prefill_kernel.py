@@ -131,19 +131,24 @@ def test_quantized_cache_matches_the_dequantizing_sdpa_path(kv_dtype):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,window,biased",
-    [(12, 12, 64, None, False), (8, 2, 128, None, False), (4, 1, 32, None, False),
-     (4, 4, 256, None, False), (4, 4, 64, 5, False), (6, 2, 32, 64, False),
-     (12, 12, 64, None, True), (8, 2, 128, None, True), (4, 4, 64, 5, True)],
+    "heads,kv_heads,head_dim,window,biased,keyed",
+    [(12, 12, 64, None, False, False), (8, 2, 128, None, False, False),
+     (4, 1, 32, None, False, False), (4, 4, 256, None, False, False),
+     (4, 4, 64, 5, False, False), (6, 2, 32, 64, False, False), (12, 12, 64, None, True, False),
+     (8, 2, 128, None, True, False), (4, 4, 64, 5, True, False), (8, 2, 64, None, False, True),
+     (4, 4, 64, 8, True, True)],
 )  # fmt: skip
-def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window, biased):
+def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window, biased, keyed):
     """An encoder's step (``infer_encoder_attention``): each sequence's rows attend to all of
     its own rows (a window: those at most that far away, ModernBERT's local layers), none to
     another's; q, k and v strided views of one fused projection; lengths of one row, a key
     block and one past it, several query tiles; ``biased``: a bias by distance (MPNet's, per
-    head and per signed distance) added to the scores."""
+    head and per signed distance) added to the scores; ``keyed``: only each sequence's first
+    rows are keys (a ColBERT query's expansion tokens are queries only), within a window of
+    them."""
     gen = torch.Generator().manual_seed(3)
     lens = [100, 1, 16, 17, 200, 7, 1000]
+    key_lens = [90, 1, 9, 17, 193, 3, 996] if keyed else lens
     total = sum(lens)
     qkv = torch.randn(total, heads + 2 * kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
@@ -153,12 +158,18 @@ def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window, biased):
     reach = 1100  # (past the longest input: its distances are a middle part of each row)
     bias = 2 * torch.randn(heads, 2 * reach + 1, generator=gen) if biased else None
     assert kernels.can_attend_encoder(q, k, v)
-    out = kernels.encoder_attention(q, k, v, starts, torch.tensor(lens), scale, window, bias)
-    for s, n in zip(starts.tolist(), lens, strict=True):
+    out = kernels.encoder_attention(q, k, v, starts, torch.tensor(lens), scale, window, bias,
+                                    torch.tensor(key_lens) if keyed else None)  # fmt: skip
+    for s, n, keys in zip(starts.tolist(), lens, key_lens, strict=True):
         rows = [t[s : s + n].double().transpose(0, 1)[None] for t in (q, k, v)]
         pos = torch.arange(n)
         apart = pos[None, :] - pos[:, None]
         mask = None if window is None else apart.abs() <= window
+        if keys < n:
+            seen = (pos < keys)[None, :].expand(n, n).clone()
+            mask = seen if mask is None else mask & seen
+            blind = ~mask.any(1)  # (past the window from every key: it sees the last key)
+            mask[blind, keys - 1] = True
         if bias is not None:
             by_distance = bias.double()[:, apart + reach]
             mask = by_distance if mask is None else by_distance.masked_fill(~mask, -torch.inf)
@@ -166,6 +177,15 @@ def test_encoder_kernel_matches_sdpa(heads, kv_heads, head_dim, window, biased):
                                                   enable_gqa=heads != kv_heads)  # fmt: skip
         torch.testing.assert_close(out[s : s + n].double(), expected[0].transpose(0, 1),
                                    atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+def test_key_counts_outside_an_input_are_refused():
+    q = torch.zeros(20, 4, 64, dtype=torch.bfloat16)
+    starts, lens = torch.tensor([0, 12]), torch.tensor([12, 8])
+    for keys in ([12, 9], [0, 8]):
+        with pytest.raises(ValueError, match="key_lens"):
+            kernels.encoder_attention(q, q, q, starts, lens, 0.125, None, None,
+                                      torch.tensor(keys))  # fmt: skip
 
 
 def test_a_distance_bias_that_does_not_fit_is_refused():

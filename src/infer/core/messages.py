@@ -32,6 +32,9 @@ class SequenceSlice:
     # the decode path: for a few queries after a long context (speculative verification)
     # that is the decode kernel instead of a gathered, masked prefill.
     as_decode_rows: bool = False
+    # An encoder's input whose first num_keys tokens alone are attended to (the rest are
+    # queries only: a ColBERT query's expansion tokens); None: every token.
+    num_keys: int | None = None
 
     @property
     def context_len(self) -> int:

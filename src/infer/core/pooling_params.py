@@ -35,6 +35,9 @@ class PoolingParams:
     normalize: bool | None = None
     dimensions: int | None = None
     task: str = "embed"
+    # An encoder's input of which only the first n tokens are attended to (keys); the rest are
+    # queries only: a ColBERT query's expansion tokens (model/late_interaction.py). None: all.
+    attended_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -44,6 +47,11 @@ class PoolingParams:
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidRequestError(
                 f"normalize must be true or false, got {self.normalize!r}", param="normalize"
+            )
+        a = self.attended_tokens
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1):
+            raise InvalidRequestError(
+                f"attended_tokens must be a positive integer, got {a!r}", param="attended_tokens"
             )
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):

@@ -783,6 +783,12 @@ class LLMEngine:
             raise InvalidRequestError(self.spec.encoder_only(), param="prompt")
         if isinstance(params, PoolingParams):
             pooling, params = self._pooling(params), POOLING_SAMPLING
+            if pooling.attended_tokens is not None and (
+                not self.spec.is_encoder or pooling.attended_tokens > n
+            ):
+                raise InvalidRequestError(f"attended_tokens ({pooling.attended_tokens}) must be "
+                                          f"at most the input's {n} tokens, on an encoder",
+                                          param="attended_tokens")  # fmt: skip
             if export_kv or kv_payload is not None:
                 raise InvalidRequestError("an embedding request has no decode phase to hand "
                                           "its KV to", param="input")  # fmt: skip

@@ -345,8 +345,9 @@ class ModelRunner:
                     continue
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
-            seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0))
             pooling = requests[chunk.request_id].pooling
+            keys = None if pooling is None else pooling.attended_tokens
+            seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0, keys))
             if by_mean and pooling is not None and pooling.task != "token_embed":
                 pool_sums.append((chunk.request_id, len(token_ids) - n, len(token_ids), start))
             if chunk.prompt_logprobs:

@@ -91,6 +91,9 @@ class AttentionBackend:
             if valid is not None:
                 keys = valid[:, None, None, :]
                 seen = keys if seen is None else seen & keys
+                if window is not None:  # (a query past the window from every key: the last)
+                    last = pos[None, :] == valid.sum(1, keepdim=True) - 1
+                    seen = seen | (~seen.any(-1, keepdim=True) & last[:, None, None, :])
             if distance_bias is None:
                 return seen
             reach = distance_bias.shape[1] // 2
@@ -111,7 +114,7 @@ class AttentionBackend:
                 q1 = min(width, q0 + rows)
                 mask = mask_of(width, valid, q0, q1)
                 if mask is not None and qs.dim() == 3:
-                    mask = mask[0]
+                    mask = mask[0]  # (one sequence: its own [H or 1, rows, width])
                 part = sdpa(qs[..., q0:q1, :], ks, vs, attn_mask=mask, scale=scale,
                             enable_gqa=ks.shape[-3] != qs.shape[-3])  # fmt: skip
                 if out is None:
@@ -122,15 +125,16 @@ class AttentionBackend:
 
         if isinstance(layout, list):  # [H, n, D] per sequence
             out = torch.empty_like(q)
-            for a, b in layout:
+            for a, b, keys in layout:
                 rows = [t[a:b].transpose(0, 1) for t in (q, k, v)]
-                out[a:b] = attend(*rows, None).transpose(0, 1)
+                seen = None if keys == b - a else (torch.arange(b - a, device=q.device) < keys)
+                out[a:b] = attend(*rows, None if seen is None else seen[None]).transpose(0, 1)
             return out
-        index, valid = layout
+        index, valid, keys_valid = layout
         # [S, W, H, D] -> [S, H, W, D]; (inputs of one length, no window or bias: no mask,
         # SDPA's fused kernel)
         qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
-        out = attend(qs, ks, vs, valid).transpose(1, 2)
+        out = attend(qs, ks, vs, keys_valid).transpose(1, 2)
         return out.reshape(q.shape) if valid is None else out[valid]
 
     def decode(

@@ -315,28 +315,43 @@ class AttentionContext:
             self._encoder_rows = (torch.cumsum(lens, 0) - lens, lens)
         return self._encoder_rows
 
-    def padded_layout(self) -> tuple[torch.Tensor, torch.Tensor | None] | list[tuple[int, int]]:
+    def encoder_keys(self) -> torch.Tensor | None:
+        """Each sequence's count of rows that are keys (int64 on the host: its first ones;
+        :attr:`SequenceSlice.num_keys`), None where every row of every sequence is one."""
+        if all(s.num_keys is None for s in self.sequences):
+            return None
+        return torch.tensor([s.num_new_tokens if s.num_keys is None else s.num_keys
+                             for s in self.sequences], dtype=torch.int64)  # fmt: skip
+
+    def padded_layout(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | list[tuple[int, int, int]]:
         """How the torch reference batches an encoder's step (made once a step): sequences
         padded to the longest into one SDPA call, padded keys masked out::
 
             rows   | a0 a1 a2 | b0 b1 |        index  [[0, 1, 2],     valid [[1, 1, 1],
                                                        [3, 4, 0]]            [1, 1, 0]]
 
-        (the gather index and the mask, None for inputs of one length), unless padding would
-        more than double the rows (one long input beside many short ones): then each
-        sequence's rows ``(start, end)``, one SDPA call each."""
+        (the gather index, the rows' mask and the keys' mask: None for inputs of one length;
+        the keys' differs where a sequence's last rows are no keys, :meth:`encoder_keys`),
+        unless padding would more than double the rows (one long input beside many short
+        ones): then each sequence's rows ``(start, end, keys)``, one SDPA call each."""
         if self._bidirectional is None:
             starts, lens = (t.numpy() for t in self.encoder_rows())
+            key_lens = self.encoder_keys()
+            keys = lens if key_lens is None else key_lens.numpy()
             width = int(lens.max())
             if width * len(lens) > 2 * int(lens.sum()):
-                self._bidirectional = [(int(a), int(a + n)) for a, n in zip(starts, lens,
-                                                                             strict=True)]  # fmt: skip
+                self._bidirectional = [(int(a), int(a + n), int(k)) for a, n, k in
+                                       zip(starts, lens, keys, strict=True)]  # fmt: skip
             else:
                 pos = np.arange(width)[None, :]
                 valid = pos < lens[:, None]
                 index = np.where(valid, starts[:, None] + pos, 0)
                 mask = None if valid.all() else torch.from_numpy(valid).to(self.device)
-                self._bidirectional = (torch.from_numpy(index).to(self.device), mask)
+                seen = pos < keys[:, None]
+                key_mask = mask if key_lens is None else torch.from_numpy(seen).to(self.device)
+                self._bidirectional = (torch.from_numpy(index).to(self.device), mask, key_mask)
         return self._bidirectional
 
 

@@ -56,7 +56,7 @@ class CpuAttention(TorchAttention):
         if self.kernels.can_attend_encoder(q, k, v):
             starts, lens = ctx.encoder_rows()
             return self.kernels.encoder_attention(q, k, v, starts, lens, scale, window,
-                                                  distance_bias)  # fmt: skip
+                                                  distance_bias, ctx.encoder_keys())  # fmt: skip
         return super().bidirectional(ctx, q, k, v, scale, window, distance_bias)
 
     def can_store_rotated(self, ctx: AttentionContext, qkv: torch.Tensor) -> bool:

@@ -234,8 +234,8 @@ class CpuKernels:
         )  # fmt: skip
         self.has_prefill_attention = bool(bind("infer_prefill_attention_available")())
         self._encoder_attention = bind(
-            "infer_encoder_attention", ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64,
-            ptr, i64, i64, i64, i64, i64, f32, i32,
+            "infer_encoder_attention", ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr,
+            i64, ptr, i64, i64, i64, i64, i64, f32, i32,
         )  # fmt: skip
         self._moe = bind("infer_moe", ptr, ptr, ptr, i64, i64, i32, i32)
         self._qk_norm = bind("infer_qk_norm", ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, i32)
@@ -644,6 +644,7 @@ class CpuKernels:
         scale: float,
         window: int | None = None,
         distance_bias: torch.Tensor | None = None,
+        key_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """An encoder's attention (csrc/prefill_attention.cpp ``infer_encoder_attention``):
         sequence i's rows ``starts[i] .. starts[i] + lens[i] - 1`` of ``q`` ``[T, H, D]``
@@ -651,10 +652,15 @@ class CpuKernels:
         views of a fused projection are) -> ``[T, H, D]``; ``starts``, ``lens``: int64;
         ``window``: only the keys at most that many rows away on either side;
         ``distance_bias`` ``[H, 2R + 1]``: entry ``(j - i) + R`` of a head's row added to
-        the scaled score of key j for query i (:meth:`AttentionContext.attend_bidirectional`)."""
+        the scaled score of key j for query i (:meth:`AttentionContext.attend_bidirectional`);
+        ``key_lens``: only each sequence's first ``key_lens[i]`` rows are keys."""
         out = torch.empty(q.shape, dtype=q.dtype)
         starts64 = starts.to(torch.int64).contiguous()
         lens64 = lens.to(torch.int64).contiguous()
+        keys64 = None if key_lens is None else key_lens.to(torch.int64).contiguous()
+        if keys64 is not None and not bool(((keys64 >= 1) & (keys64 <= lens64)).all()):
+            raise ValueError(f"key_lens {keys64.tolist()} must be 1 .. each input's rows "
+                             f"{lens64.tolist()}")  # fmt: skip
         bias = None if distance_bias is None else distance_bias.float().contiguous()
         if bias is not None and (
             bias.dim() != 2 or bias.shape[0] != q.shape[1] or bias.shape[1] % 2 == 0
@@ -665,7 +671,8 @@ class CpuKernels:
                              "[heads, 2R + 1], R at least the longest input's rows - 1")  # fmt: skip
         rc = self._encoder_attention(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-            out.data_ptr(), out.stride(0), starts64.data_ptr(), lens64.data_ptr(), window or 0,
+            out.data_ptr(), out.stride(0), starts64.data_ptr(), lens64.data_ptr(),
+            0 if keys64 is None else keys64.data_ptr(), window or 0,
             0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.shape[1] // 2,
             len(lens64), q.shape[1],
             k.shape[1], q.shape[2], scale, torch.get_num_threads(),

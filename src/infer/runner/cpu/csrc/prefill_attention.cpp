@@ -452,14 +452,21 @@ void attend_item(const uint16_t* query, int64_t q_stride, const KvRows& keys,
                  const int32_t* table, int64_t q_start, int64_t n, int64_t past, int64_t kvh,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  float scale, int64_t window, bool bidirectional, const DistanceBias& bias,
-                 Buffers& buf) {
+                 Buffers& buf, int64_t num_keys = -1) {
   const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
   const int64_t reach = bidirectional ? window : window - 1;  // keys before a query it sees
-  auto first_key = [&](int64_t pos) { return window > 0 && pos - reach > 0 ? pos - reach : 0; };
+  // (bidirectional: only the first num_keys rows are keys when num_keys >= 0; the rows after
+  // them are queries only, as a ColBERT query's expansion tokens)
+  const int64_t key_end = bidirectional && num_keys >= 0 ? num_keys : past + n;
   // the last key a query at pos sees (inclusive)
   auto last_key = [&](int64_t pos) {
     if (!bidirectional) return pos;
-    return window > 0 && pos + window < past + n ? pos + window : past + n - 1;
+    return window > 0 && pos + window < key_end ? pos + window : key_end - 1;
+  };
+  // (never past its last: a query further than the window from every key sees the last one)
+  auto first_key = [&](int64_t pos) {
+    const int64_t first = window > 0 && pos - reach > 0 ? pos - reach : 0;
+    return first < last_key(pos) ? first : last_key(pos);
   };
   const int64_t base = first_key(past) / 16 * 16;  // every column index is relative to base
   const int64_t nk = past + n - base;
@@ -594,7 +601,8 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind
 
 // An encoder's attention: sequence i's query rows q_starts[i] .. q_starts[i] + q_lens[i] - 1
 // attend to all of that sequence's keys and values (its own rows of key / value: no cache),
-// or with window > 0 to those at most window rows away on either side. query / out
+// or with window > 0 to those at most window rows away on either side; key_lens (or null):
+// only the sequence's first key_lens[i] rows are keys (1 .. q_lens[i]). query / out
 // [T, heads, head_dim], key / value [T, kv_heads, head_dim], bf16, each row q_stride /
 // out_stride / k_stride / v_stride elements after the one before (heads contiguous in a row).
 // distance_bias (or null): float32 [heads, 2 * bias_reach + 1], head h's entry
@@ -604,14 +612,18 @@ int infer_prefill_attention(const uint16_t* query, int64_t q_stride, int kv_kind
 int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint16_t* key,
                             int64_t k_stride, const uint16_t* value, int64_t v_stride,
                             uint16_t* out, int64_t out_stride, const int64_t* q_starts,
-                            const int64_t* q_lens, int64_t window, const float* distance_bias,
-                            int64_t bias_reach, int64_t num_seqs, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
+                            const int64_t* q_lens, const int64_t* key_lens, int64_t window,
+                            const float* distance_bias, int64_t bias_reach, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            float scale, int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
   if (head_dim % 32 != 0 || head_dim > 256) return 2;
   if (distance_bias != nullptr)
     for (int64_t i = 0; i < num_seqs; ++i)
       if (q_lens[i] > bias_reach + 1) return 5;
+  if (key_lens != nullptr)
+    for (int64_t i = 0; i < num_seqs; ++i)
+      if (key_lens[i] < 1 || key_lens[i] > q_lens[i]) return 6;
 #ifdef INFER_HAVE_PREFILL_ATTENTION
   const DistanceBias bias{distance_bias, bias_reach};
   const int64_t items = num_seqs * num_kv_heads;
@@ -628,14 +640,15 @@ int infer_encoder_attention(const uint16_t* query, int64_t q_stride, const uint1
       const KvRows values{value + q_starts[i] * v_stride, nullptr, kKvPlain, num_kv_heads,
                           head_dim, v_stride};
       attend_item(query, q_stride, keys, values, out, out_stride, table, q_starts[i], n, 0, kvh,
-                  num_heads, num_kv_heads, head_dim, n, scale, window, true, bias, buf);
+                  num_heads, num_kv_heads, head_dim, n, scale, window, true, bias, buf,
+                  key_lens != nullptr ? key_lens[i] : -1);
     }
   }
   return 0;
 #else
   (void)query; (void)q_stride; (void)key; (void)k_stride; (void)value; (void)v_stride; (void)out;
   (void)out_stride; (void)q_starts; (void)q_lens; (void)window; (void)num_seqs; (void)scale;
-  (void)num_threads; (void)distance_bias; (void)bias_reach;
+  (void)num_threads; (void)distance_bias; (void)bias_reach; (void)key_lens;
   return 3;
 #endif
 }
