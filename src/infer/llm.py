@@ -308,15 +308,16 @@ class LLM:
     def _pool(
         self,
         encoded: list[list[int]],
-        params: PoolingParams,
+        params: PoolingParams | list[PoolingParams],
         lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None,
         what: str,
     ) -> list[tuple[int, str, RequestOutput]]:
-        """Run ``encoded`` as pooling requests: ``(prompt index, request id, final output)``
-        for each, in prompt order."""
+        """Run ``encoded`` as pooling requests (``params`` for all, or one per input):
+        ``(prompt index, request id, final output)`` for each, in prompt order."""
         loras = self._loras(lora_request, len(encoded))
+        each = params if isinstance(params, list) else [params] * len(encoded)
         with self._lock:
-            children, collected = self._run(encoded, [params] * len(encoded), None, None, loras)
+            children, collected = self._run(encoded, each, None, None, loras)
         out = []
         for rid, (i, _) in children.items():
             last = collected[rid][-1]
@@ -343,6 +344,8 @@ class LLM:
         pairs = score_pairs(len(first), len(second))
         if self.engine.spec.is_classifier:
             return self._cross_encode(first, second, pairs, lora_request)
+        if self.engine.late_interaction is not None:
+            return self._late_interaction(first, second, pairs, lora_request)
         texts = [*first, *second]
         keys = [t if isinstance(t, str) else tuple(t) for t in texts]
         distinct = list(dict.fromkeys(keys))
@@ -361,6 +364,32 @@ class LLM:
             score = cosine(vector[keys[i]], vector[keys[len(first) + j]])
             out.append(ScoreResult(first[i], second[j], ScoreOutput(score)))
         return out
+
+    def _late_interaction(
+        self,
+        first: list[PromptInput],
+        second: list[PromptInput],
+        pairs: list[tuple[int, int]],
+        lora_request: LoRARequest | str | None,
+    ) -> list[ScoreResult]:
+        """A ColBERT model's MaxSim score of each pair: ``text_1`` encoded as queries,
+        ``text_2`` as documents (:mod:`infer.model.late_interaction`), each once."""
+        import torch
+
+        from infer.model.late_interaction import maxsim
+
+        li = self.engine.late_interaction
+        queries = [li.query(self._encode(p, i, len(first))) for i, p in enumerate(first)]
+        docs = [li.document(self._encode(p, j, len(second))) for j, p in enumerate(second)]
+        encoded = [ids for ids, _ in queries] + docs
+        params = [PoolingParams(normalize=True, task="token_embed", attended_tokens=attended)
+                  for _, attended in queries] + [PoolingParams(normalize=True,
+                                                               task="token_embed")] * len(docs)  # fmt: skip
+        pooled = self._pool(encoded, params, lora_request, "score")
+        vectors = [torch.tensor(last.embedding) for _, _, last in sorted(pooled)]
+        kept = [vectors[len(first) + j][li.document_rows(ids)] for j, ids in enumerate(docs)]
+        return [ScoreResult(first[i], second[j], ScoreOutput(maxsim(vectors[i], kept[j])))
+                for i, j in pairs]  # fmt: skip
 
     def _cross_encode(
         self,

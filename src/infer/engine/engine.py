@@ -37,6 +37,7 @@ from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManage
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.model.generation_config import describe as describe_defaults
 from infer.model.generation_config import sampling_defaults
+from infer.model.late_interaction import LateInteractionTokens
 from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
 from infer.model.pooling import PoolerConfig, load_pooler_config
@@ -275,6 +276,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(mc.tokenizer or self.model_path)
         if self.spec.is_encoder:  # (a BERT pair's second text is token type 1)
             self.model.sep_token_id = self.tokenizer.sep_token_id
+        # A ColBERT model's query and document encoding, in its tokenizer's ids.
+        self.late_interaction = None
+        if self.pooler_config.late_interaction is not None:
+            self.late_interaction = LateInteractionTokens.from_tokenizer(
+                self.pooler_config.late_interaction, self.tokenizer
+            )
+            li = self.pooler_config.late_interaction
+            logger.info("a ColBERT model: every token's vector (/pooling, LLM.encode) and "
+                        "MaxSim scores (/score, /rerank, LLM.score); queries of %d tokens%s, "
+                        "documents of up to %d", li.query_length, " (expanded)"
+                        if li.query_expansion else "", li.document_length)  # fmt: skip
         byte_table(self.tokenizer)  # built now, not at the first request (~1 ms per 1k ids)
 
         self.max_model_len = mc.max_model_len or self.spec.max_position_embeddings
@@ -925,12 +937,22 @@ class LLMEngine:
                 )
             return replace(params, normalize=False)
         pooler = self.pooler_config
+        if params.task == "embed" and self.late_interaction is not None:
+            raise InvalidRequestError(
+                "this is a ColBERT model: it gives every token's vector (/pooling with task "
+                "token_embed, LLM.encode) and scores by late interaction (/score, /rerank, "
+                "LLM.score), not one vector per input",
+                param="input",
+            )
         if params.task == "token_embed" and not spec.is_encoder:
             raise InvalidRequestError(
                 f"this model ({spec.architecture}) is a decoder: token embeddings (one vector "
                 "per input token) are served for encoders (BERT-family models, ColBERT)",
                 param="input",
             )
+        if params.task == "token_embed" and pooler.tokens_problem is not None:
+            raise InvalidRequestError(f"{pooler.tokens_problem}: infer cannot give its token "
+                                      "embeddings", param="input")  # fmt: skip
         if not pooler.supported and params.task == "embed":
             pools, default = (("an encoder's CLS, MEAN or LAST token pooling", "CLS")
                               if spec.is_encoder else

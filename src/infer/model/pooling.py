@@ -28,7 +28,8 @@ BERT's does) and normalizes, as vLLM's embed runner does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import string
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ _TRANSFORMER_MODULE = "sentence_transformers.models.Transformer"
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 _DENSE_MODULE = "sentence_transformers.models.Dense"
-_KNOWN_MODULES = (_TRANSFORMER_MODULE, _POOLING_MODULE, _NORMALIZE_MODULE, _DENSE_MODULE)
+_PYLATE_DENSE_MODULE = "pylate.models.Dense.Dense"  # (a ColBERT's projection of every token)
+_DENSE_MODULES = (_DENSE_MODULE, _PYLATE_DENSE_MODULE)
+_KNOWN_MODULES = (_TRANSFORMER_MODULE, _POOLING_MODULE, _NORMALIZE_MODULE, *_DENSE_MODULES)
 # A Dense module's activation_function (torch's class path) -> its name here
 DENSE_ACTIVATIONS = {
     "torch.nn.modules.activation.Tanh": "tanh",
@@ -75,18 +78,42 @@ class DenseLayer:
 
 
 @dataclass(frozen=True)
+class LateInteraction:
+    """A ColBERT model's encoding of queries and documents (PyLate's
+    ``config_sentence_transformers.json``; :mod:`infer.model.late_interaction` applies it):
+    ``query_prefix`` / ``document_prefix``: the token inserted after the first (``[Q] ``,
+    ``[D] ``; "" none); a query cut to ``query_length`` tokens and, with ``query_expansion``,
+    padded to it with mask tokens, attended to only with ``attend_to_expansion``; a document
+    cut to ``document_length``, its ``skiplist_words``' tokens left out of its vectors."""
+
+    query_prefix: str = "[Q] "
+    document_prefix: str = "[D] "
+    query_length: int = 32
+    document_length: int = 180
+    query_expansion: bool = True
+    attend_to_expansion: bool = False
+    skiplist_words: tuple[str, ...] = tuple(string.punctuation)  # (PyLate's default)
+
+
+@dataclass(frozen=True)
 class PoolerConfig:
     """``pooling_type``: how the prompt's hidden states become one vector (``SUPPORTED``;
     an encoder's ``ENCODER_SUPPORTED``); ``normalize``: whether an embedding is scaled to unit
     length unless the request says; ``source``: where these came from (for errors and the
     start-up log); ``problem``: why embedding requests are refused (None: served);
-    ``dense``: the projections after the pooling, in order."""
+    ``dense``: the projections after the pooling, in order; ``late_interaction``: a ColBERT
+    model's query and document encoding (its vectors are every token's, scored by MaxSim),
+    None for any other; ``tokens_problem``: why token embeddings are refused too."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
     source: str = "infer's default"
     problem: str | None = None
     dense: tuple[DenseLayer, ...] = ()
+    late_interaction: LateInteraction | None = None
+    # Why not even every token's vector can be given (a module infer does not run, a file it
+    # cannot read), None where only the pooling is the problem (or nothing is).
+    tokens_problem: str | None = None
 
     @property
     def supported(self) -> bool:
@@ -135,25 +162,75 @@ def load_pooler_config(
     supported = ENCODER_SUPPORTED if encoder else SUPPORTED
     config = PoolerConfig(pooling_type=supported[0])
     modules_path = Path(model_dir) / "modules.json"
+    late = load_late_interaction(Path(model_dir)) if encoder else None
     if modules_path.is_file():
         config = _from_sentence_transformers(modules_path, "pooling_type" not in override,
                                              supported)  # fmt: skip
     elif encoder and _emb_pooler(Path(model_dir)) == "mean":  # (Jina BERT's own config)
         config = PoolerConfig("MEAN", source=f"{Path(model_dir) / 'config.json'} emb_pooler")
+    if late is not None:  # (its every token's vector, normalized as PyLate encodes)
+        config = replace(config, normalize=True, late_interaction=late)
     if override:
         kind = override.get("pooling_type", config.pooling_type)
         if "pooling_type" in override and kind not in supported:
             raise ValueError(f"--pooler-config: pooling_type {kind!r} is not supported for "
                              f"this model (a {'n encoder' if encoder else ' decoder'}: it pools "
                              f"by {', '.join(supported)})")  # fmt: skip
-        config = PoolerConfig(
+        config = replace(
+            config,
             pooling_type=kind,
             normalize=override.get("normalize", config.normalize),
             source=f"--pooler-config over {config.source}",
             problem=None if "pooling_type" in override else config.problem,
-            dense=config.dense,
+            tokens_problem=None if "pooling_type" in override else config.tokens_problem,
         )
     return config
+
+
+def load_late_interaction(model_dir: Path) -> LateInteraction | None:
+    """A PyLate ColBERT folder's query and document encoding (its
+    ``config_sentence_transformers.json`` says ``model_type: ColBERT`` or ``similarity_fn_name:
+    MaxSim``; PyLate's defaults where a key is absent), None for any other folder. An
+    unreadable value is a :class:`ModelLoadError` naming it."""
+    import json
+
+    path = model_dir / "config_sentence_transformers.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not (
+        data.get("model_type") == "ColBERT" or data.get("similarity_fn_name") == "MaxSim"
+    ):
+        return None
+    fields = {"query_prefix": str, "document_prefix": str, "query_length": int,
+              "document_length": int, "do_query_expansion": bool,
+              "attend_to_expansion_tokens": bool}  # fmt: skip
+    values: dict[str, Any] = {}
+    for key, kind in fields.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 2)):
+            raise ModelLoadError(f"{path}: {key} {value!r} is not a{'n integer of 2 or more' if kind is int else ' ' + kind.__name__}")  # fmt: skip
+        values[key] = value
+    words = data.get("skiplist_words")
+    if words is not None and not (
+        isinstance(words, list) and all(isinstance(w, str) for w in words)
+    ):
+        raise ModelLoadError(f"{path}: skiplist_words is not a list of strings")
+    default = LateInteraction()
+    return LateInteraction(
+        query_prefix=values.get("query_prefix", default.query_prefix),
+        document_prefix=values.get("document_prefix", default.document_prefix),
+        query_length=values.get("query_length", default.query_length),
+        document_length=values.get("document_length", default.document_length),
+        query_expansion=values.get("do_query_expansion", default.query_expansion),
+        attend_to_expansion=values.get(
+            "attend_to_expansion_tokens", default.attend_to_expansion
+        ),  # fmt: skip
+        skiplist_words=default.skiplist_words if words is None else tuple(words),
+    )
 
 
 def _emb_pooler(model_dir: Path) -> str | None:
@@ -180,17 +257,20 @@ def _from_sentence_transformers(
         if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
             raise ValueError("expected a list of module objects")
     except (ValueError, UnicodeDecodeError) as e:
-        return PoolerConfig(source=source, problem=f"{modules_path} cannot be read: {e}")
+        problem = f"{modules_path} cannot be read: {e}"
+        return PoolerConfig(source=source, problem=problem, tokens_problem=problem)
     types = [m.get("type") for m in modules]
     normalize = _NORMALIZE_MODULE in types
     others = [t for t in types if t not in _KNOWN_MODULES]
     if others and read_pooling:
-        return PoolerConfig(normalize=normalize, source=source,
-                            problem=f"its sentence-transformers pipeline ({modules_path}) has "
-                            f"{', '.join(map(str, others))}, which infer does not run")  # fmt: skip
+        problem = (f"its sentence-transformers pipeline ({modules_path}) has "
+                   f"{', '.join(map(str, others))}, which infer does not run")  # fmt: skip
+        return PoolerConfig(normalize=normalize, source=source, problem=problem,
+                            tokens_problem=problem)  # fmt: skip
     dense, problem = _dense_layers(modules_path.parent, modules, types)
     if problem is not None:
-        return PoolerConfig(normalize=normalize, source=source, problem=problem)
+        return PoolerConfig(normalize=normalize, source=source, problem=problem,
+                            tokens_problem=problem)  # fmt: skip
     pooling_type = supported[0]
     if _POOLING_MODULE in types and read_pooling:
         path = modules_path.parent / str(modules[types.index(_POOLING_MODULE)].get("path", ""))
@@ -215,7 +295,7 @@ def _dense_layers(
 ) -> tuple[tuple[DenseLayer, ...], str | None]:
     """The ``Dense`` modules of ``modules.json`` (each after the pooling and before the
     normalization, as sentence-transformers runs them), or why infer cannot run them."""
-    at = [i for i, t in enumerate(types) if t == _DENSE_MODULE]
+    at = [i for i, t in enumerate(types) if t in _DENSE_MODULES]
     if not at:
         return (), None
     after = types.index(_POOLING_MODULE) if _POOLING_MODULE in types else -1
@@ -228,6 +308,9 @@ def _dense_layers(
         try:
             config = read_json(path / "config.json", "a sentence-transformers Dense config")
             act = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+            if config.get("use_residual"):
+                return (), (f"its Dense module {path.name} adds its input back (use_residual), "
+                            "which infer does not run")  # fmt: skip
             if act not in DENSE_ACTIVATIONS:
                 return (), (f"its Dense module {path.name} has activation {act}, which infer "
                             f"does not run ({', '.join(sorted(DENSE_ACTIVATIONS))})")  # fmt: skip

@@ -141,6 +141,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving.encoder_only = engine.spec.encoder_only() if engine.spec.is_encoder else None
     serving.score_activation = engine.spec.score_activation
     serving.rerank_template = engine.spec.rerank_template
+    serving.late_interaction = getattr(engine, "late_interaction", None)
     lora_parents = dict(getattr(engine, "lora_parents", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 
@@ -222,8 +223,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         """Each input's pooled data (vLLM's): an encoder's vector per input token
         (``task: token_embed``: what late-interaction models such as ColBERT score by), the
         embedding, or a classifier's logits."""
-        return await create_pooling(serving, body, request,
-                                    "classify" if classifier else "embed")  # fmt: skip
+        default = ("classify" if classifier else
+                   "token_embed" if serving.late_interaction is not None else "embed")  # fmt: skip
+        return await create_pooling(serving, body, request, default)
 
     @app.post("/classify", response_model=ClassificationResponse, responses=_ERRORS,
               tags=["pooling"], include_in_schema=classifier)  # fmt: skip

@@ -65,11 +65,12 @@ async def tokenize_inputs(serving: Serving, inputs: list[str | list[int]], req: 
     return out
 
 
-async def embed(serving: Serving, token_inputs: list[list[int]], params: PoolingParams,
-                req: Any, raw: Request,
+async def embed(serving: Serving, token_inputs: list[list[int]],
+                params: PoolingParams | list[PoolingParams], req: Any, raw: Request,
                 prefix: str) -> tuple[str, list[RequestOutput], EmbeddingUsage]:  # fmt: skip
-    """Run ``token_inputs`` as embedding requests: the request id, each input's final output
-    (its ``embedding`` set) and the usage; a 500 / 503 when one failed or was aborted."""
+    """Run ``token_inputs`` as embedding requests (``params`` for all, or one per input): the
+    request id, each input's final output (its ``embedding`` set) and the usage; a 500 / 503
+    when one failed or was aborted."""
     request_id = new_id(prefix)
     raw.state.request_id = request_id
     stream = await serving.submit(request_id, token_inputs, params, req)

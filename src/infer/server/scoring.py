@@ -100,10 +100,54 @@ async def _cross_scores(
     return request_id, scores, usage
 
 
+async def _late_interaction_scores(
+    serving: Serving, texts: list[tuple[str, str]], pairs: list[tuple[int, int]], req: Any,
+    raw: Request, prefix: str,
+) -> tuple[str, list[float], EmbeddingUsage]:  # fmt: skip
+    """A ColBERT model's MaxSim score of each pair (indices into ``texts``): the first text
+    of a pair encoded as a query, the second as a document (model/late_interaction.py), each
+    such text once; the request id, the scores and the usage."""
+    import torch
+
+    from infer.model.late_interaction import maxsim
+
+    li = serving.late_interaction
+    special = getattr(req, "add_special_tokens", True)
+    roles = list(
+        dict.fromkeys([(i, "query") for i, _ in pairs] + [(j, "document") for _, j in pairs])
+    )
+    if len(roles) > MAX_SEQUENCES:
+        raise bad_request(f"{len(roles)} texts to encode is more than the {MAX_SEQUENCES} one "
+                          "request may give", param=texts[-1][1].split("[")[0])  # fmt: skip
+    token_inputs, params = [], []
+    for i, role in roles:
+        text, field = texts[i]
+        ids = await serving.run_blocking(serving.encode, text, special, size=len(text))
+        if role == "query":  # (cut to the query length, as the model encodes: not a 400)
+            ids, attended = li.query(ids)
+        else:
+            ids, attended = li.document(ids), None
+        token_inputs.append(ids)
+        params.append(pooling_params(task="token_embed", normalize=True,
+                                     attended_tokens=attended))  # fmt: skip
+    request_id, finals, usage = await embed(serving, token_inputs, params, req, raw, prefix)
+    vectors = {}
+    for (i, role), ids, final in zip(roles, token_inputs, finals, strict=True):
+        rows = torch.tensor(final.embedding)
+        vectors[i, role] = rows[li.document_rows(ids)] if role == "document" else rows
+    work = [(vectors[i, "query"], vectors[j, "document"]) for i, j in pairs]
+    scores = await serving.run_blocking(lambda: [maxsim(q, d) for q, d in work],
+                                        size=len(work) * 64)  # fmt: skip
+    return request_id, scores, usage
+
+
 def _scorer(serving: Serving):
-    """How this model scores pairs: a cross-encoder's head, or the cosine of embeddings (which
-    has no activation: a request's ``use_activation`` there changes nothing)."""
-    return _cross_scores if serving.labels else _similarities
+    """How this model scores pairs: a cross-encoder's head, a ColBERT model's late interaction,
+    or the cosine of embeddings (which has no activation: a request's ``use_activation`` there
+    changes nothing)."""
+    if serving.labels:
+        return _cross_scores
+    return _similarities if serving.late_interaction is None else _late_interaction_scores
 
 
 def _cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:

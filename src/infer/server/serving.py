@@ -116,6 +116,9 @@ class Serving:
         # Why a bidirectional encoder generates nothing (None: a model that generates or
         # classifies): ModelSpec.encoder_only.
         self.encoder_only: str | None = None
+        # A ColBERT model's query and document encoding (model/late_interaction.py; None: any
+        # other model).
+        self.late_interaction: Any = None
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -234,10 +237,11 @@ class Serving:
 
     # ---- fan-out ------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompts: list[list[int]],
-                     params: SamplingParams | PoolingParams, req: _SamplingFields | EmbeddingRequest,
+                     params: SamplingParams | PoolingParams | list[PoolingParams],
+                     req: _SamplingFields | EmbeddingRequest,
                      kv: KVHandoff | None = None) -> RequestStream:  # fmt: skip
         """One engine request per (prompt, choice): choice index ``i * n + j``, id ``{id}-{index}``
-        (``PoolingParams``: one embedding request per prompt).
+        (``PoolingParams``: one embedding request per prompt; a list: each prompt's own).
 
         ``kv``: a disaggregated replica's hand-off (``infer.core.kv_transfer``): prefill
         requests hold their KV for export, a decode request's first sequence starts from the
@@ -264,6 +268,8 @@ class Serving:
                         prompt_token_ids=ids,
                         params=params.for_choice(j)
                         if isinstance(params, SamplingParams)
+                        else params[i]
+                        if isinstance(params, list)
                         else params,
                         priority=req.priority,
                         cache_salt=getattr(req, "cache_salt", None),

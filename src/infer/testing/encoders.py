@@ -384,6 +384,62 @@ def with_dense_modules(
     return out
 
 
+def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
+                  **settings: Any) -> Path:  # fmt: skip
+    """The folder ``root/<name>`` (``colbert-<kind>``): a tiny ColBERT model as PyLate saves
+    one, on ``build_encoder(kind)``'s weights: its tokenizer with the ``[Q] `` and ``[D] ``
+    prefix tokens added (two new embedding rows), a bias-free ``pylate.models.Dense.Dense``
+    projection to ``dim`` values in ``1_Dense``, no pooling, and
+    ``config_sentence_transformers.json`` (``model_type: ColBERT``; ``settings``: its
+    ``query_length`` (default 16), ``document_length`` (24), ``do_query_expansion``,
+    ``attend_to_expansion_tokens``, ... over PyLate's defaults); seeded random weights. Built if
+    absent."""
+    import json
+    import string
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    final = root / (name or f"colbert-{kind}")
+    if final.is_dir():
+        return final
+    base = build_encoder(kind, root, "cls")
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+        tokenizer.add_tokens(["[Q] ", "[D] "])
+        model = transformers.AutoModel.from_pretrained(base, dtype=torch.float32)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        gen = torch.Generator().manual_seed(11)
+        hidden = model.config.hidden_size
+        with torch.no_grad():
+            model.get_input_embeddings().weight[-2:] = 0.1 * torch.randn(2, hidden, generator=gen)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "1_Dense").mkdir()
+        (tmp / "1_Dense" / "config.json").write_text(json.dumps({
+            "in_features": hidden, "out_features": dim, "bias": False,
+            "activation_function": "torch.nn.modules.linear.Identity", "use_residual": False}))  # fmt: skip
+        save_file({"linear.weight": 0.2 * torch.randn(dim, hidden, generator=gen)},
+                  str(tmp / "1_Dense" / "model.safetensors"))  # fmt: skip
+        modules = [{"idx": 0, "name": "0", "path": "",
+                    "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]  # fmt: skip
+        (tmp / "modules.json").write_text(json.dumps(modules))
+        config = {"model_type": "ColBERT", "similarity_fn_name": "MaxSim", "query_prefix": "[Q] ",
+                  "document_prefix": "[D] ", "query_length": 16, "document_length": 24,
+                  "attend_to_expansion_tokens": False, "do_query_expansion": True,
+                  "skiplist_words": list(string.punctuation)} | settings  # fmt: skip
+        (tmp / "config_sentence_transformers.json").write_text(json.dumps(config, indent=1))
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def build_embedding_gemma(root: Path, tokenizer_folder: Path, name: str = "embedding-gemma",
                           **shape: Any) -> Path:  # fmt: skip
     """The folder ``root/<name>``: a tiny EmbeddingGemma (transformers' ``Gemma3TextModel``
