@@ -32,9 +32,12 @@ def _reference(folder, settings: dict):
     from transformers import AutoModel, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
+    stanford = (folder / "artifact.metadata").is_file()  # (Stanford's: linear.weight beside)
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-    weight = load_file(str(folder / "1_Dense" / "model.safetensors"))["linear.weight"]
-    q_id, d_id = tok.convert_tokens_to_ids(["[Q] ", "[D] "])
+    weight = load_file(str(folder / ("" if stanford else "1_Dense") / "model.safetensors"))
+    weight = weight["linear.weight"]
+    q_id, d_id = tok.convert_tokens_to_ids(["[unused0]", "[unused1]"] if stanford else
+                                           ["[Q] ", "[D] "])  # fmt: skip
     skip = set(tok.convert_tokens_to_ids(list(string.punctuation)))
 
     def vectors(ids: list[int], attended: int) -> torch.Tensor:
@@ -48,15 +51,16 @@ def _reference(folder, settings: dict):
         return ids[:1] + [prefix] + ids[1:]
 
     def query(text: str) -> torch.Tensor:
-        length = settings.get("query_length", 16)
+        length = settings.get("query_maxlen" if stanford else "query_length", 16)
         ids = encode(text, q_id, length)
         real = len(ids)
         if settings.get("do_query_expansion", True):
             ids += [tok.mask_token_id] * (length - real)
-        return vectors(ids, len(ids) if settings.get("attend_to_expansion_tokens") else real)
+        attend = settings.get("attend_to_mask_tokens" if stanford else "attend_to_expansion_tokens")
+        return vectors(ids, len(ids) if attend else real)
 
     def document(text: str) -> torch.Tensor:
-        ids = encode(text, d_id, settings.get("document_length", 24))
+        ids = encode(text, d_id, settings.get("doc_maxlen" if stanford else "document_length", 24))
         return vectors(ids, len(ids))[[i for i, t in enumerate(ids) if t not in skip]]
 
     return query, document
@@ -72,6 +76,8 @@ VARIANTS = [
     ("bert", {"do_query_expansion": False, "query_length": 8}),
     # (ModernBERT: [MASK]s within its 4-token local window of a query token)
     ("modernbert", {"query_length": 10}),
+    ("stanford", {"query_maxlen": 12, "doc_maxlen": 20}),
+    ("stanford", {"attend_to_mask_tokens": True}),
 ]
 
 
@@ -81,9 +87,12 @@ def test_scores_are_the_maxsim_of_query_and_document_vectors(kind, settings, enc
     """``LLM.score(queries, documents)``: each query's vectors (prefixed, cut, padded with
     [MASK]s attended to or not) against each document's (prefixed, cut, punctuation's left out),
     summed best dot products, as the reference computes them (float32, 1e-4); inputs past
-    the query and document lengths are cut, not refused."""
+    the query and document lengths are cut, not refused. PyLate's folders (BERT, ModernBERT)
+    and Stanford's (``HF_ColBERT``: its projection in its checkpoint, ``artifact.metadata``)."""
     name = "colbert-" + kind + "".join(f"-{k}={v}" for k, v in sorted(settings.items()))
-    folder = build_colbert(kind, encoder_root, name=name, **settings)
+    stanford = kind == "stanford"
+    folder = build_colbert("bert" if stanford else kind, encoder_root, name=name,
+                           stanford=stanford, **settings)  # fmt: skip
     query, document = _reference(folder, settings)
     llm = make_llm(str(folder), dtype="float32")
     assert llm.engine.late_interaction is not None

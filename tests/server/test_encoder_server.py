@@ -246,3 +246,33 @@ def test_a_dense_projected_model_over_http(server_logs):
             client.embeddings.create(model="tiny", input="x", dimensions=33)
         assert "embedding size (32)" in e.value.message
         server.wait_idle()
+
+
+def test_a_colbert_model_reranks_by_late_interaction_over_http(server_logs):
+    """A ColBERT model (PyLate's folder): ``/rerank`` and ``/score`` give the MaxSim scores of
+    the design (tests/integration/test_colbert.py's reference), best first, with the default
+    ``--engine-process``; ``/pooling`` gives every token's vector with no task named;
+    ``/v1/embeddings`` answers 400 naming what the model gives instead; every KV block back."""
+    from tests.integration.test_colbert import DOCS, QUERIES, _maxsim, _reference
+
+    from infer.testing.encoders import build_colbert
+
+    folder = build_colbert("bert", default_encoder_root())
+    query, document = _reference(folder, {})
+    want = [_maxsim(query(QUERIES[0]), document(d)) for d in DOCS]
+    for server in start_server(folder, server_logs):
+        with server.client() as c:
+            r = c.post("/rerank", json={"query": QUERIES[0], "documents": DOCS})
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            assert [x["index"] for x in results] == sorted(range(3), key=lambda j: -want[j])
+            for x in results:
+                assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-4)
+            r = c.post("/score", json={"text_1": QUERIES[0], "text_2": DOCS})
+            assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-4)
+            r = c.post("/pooling", json={"input": DOCS[1]})
+            assert r.status_code == 200 and len(r.json()["data"][0]["data"][0]) == 32
+            r = c.post("/v1/embeddings", json={"input": DOCS[1]})
+            assert r.status_code == 400 and "this is a ColBERT model" in r.text
+        assert "a ColBERT model: every token's vector" in server.log()
+        server.wait_idle()

@@ -294,6 +294,17 @@ class BertModel(CausalLM):
         )  # fmt: skip
 
 
+class HFColBERT(BertModel):
+    """A ColBERT model as Stanford's ColBERT library saves it (colbertv2.0,
+    answerai-colbert-small-v1: ``architectures: HF_ColBERT``): a BERT encoder whose
+    ``linear.weight`` beside it projects every token (read as a Dense module,
+    :func:`infer.model.pooling.load_pooler_config`; its query and document settings from
+    ``artifact.metadata``)."""
+
+    architecture = "HF_ColBERT"
+    side_tensors = ("linear.weight",)
+
+
 class RobertaModel(BertModel):
     """RoBERTa: BERT's layers, positions counted from ``pad_token_id + 1``."""
 

@@ -19,11 +19,14 @@ _ACTIVATIONS = {"tanh": torch.tanh, "identity": lambda x: x, "relu": F.relu, "ge
 
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
-    """A Dense module's tensors: ``model.safetensors``, else ``pytorch_model.bin``."""
+    """A Dense module's tensors (``linear.*``): ``model.safetensors``, else
+    ``pytorch_model.bin`` (a ColBERT checkpoint's own file holds its model too: only these are
+    read from a safetensors one)."""
     if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        return load_file(str(path / "model.safetensors"))
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if k.startswith("linear.")}  # noqa: SIM118
     if (path / "pytorch_model.bin").is_file():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise ModelLoadError(f"{path}: a Dense module without model.safetensors or "

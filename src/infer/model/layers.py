@@ -53,6 +53,8 @@ class CausalLM(nn.Module):
     is_encoder: ClassVar[bool] = False
     # (prefix, replacement) pairs tried when a checkpoint tensor name is not found as is.
     checkpoint_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Checkpoint tensors read by something other than the model (a ColBERT's projection).
+    side_tensors: ClassVar[tuple[str, ...]] = ()
     spec: ModelSpec
     # The tensor-parallel group the model was built under (its layers keep it too).
     tp: TensorParallel = TensorParallel()

@@ -256,7 +256,7 @@ def load_model(
                     model.checkpoint_int4[pname] = kept
     finally:
         reader.close()
-    unused = reader.unused()
+    unused = [name for name in reader.unused() if name not in cls.side_tensors]
     if unused:
         # Not fatal (extra heads, vision towers), but a sign of a mislabeled architecture.
         logger.warning(

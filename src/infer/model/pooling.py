@@ -163,7 +163,12 @@ def load_pooler_config(
     config = PoolerConfig(pooling_type=supported[0])
     modules_path = Path(model_dir) / "modules.json"
     late = load_late_interaction(Path(model_dir)) if encoder else None
-    if modules_path.is_file():
+    stanford = _stanford_colbert(Path(model_dir)) if encoder else None
+    if stanford is not None:  # (its projection in its own checkpoint; settings beside it)
+        late = stanford[0]
+        config = PoolerConfig("CLS", True, str(Path(model_dir) / "artifact.metadata"),
+                              dense=(stanford[1],))  # fmt: skip
+    elif modules_path.is_file():
         config = _from_sentence_transformers(modules_path, "pooling_type" not in override,
                                              supported)  # fmt: skip
     elif encoder and _emb_pooler(Path(model_dir)) == "mean":  # (Jina BERT's own config)
@@ -185,6 +190,58 @@ def load_pooler_config(
             tokens_problem=None if "pooling_type" in override else config.tokens_problem,
         )
     return config
+
+
+def _stanford_colbert(model_dir: Path) -> tuple[LateInteraction, DenseLayer] | None:
+    """A ColBERT folder as Stanford's library saves it (``architectures: HF_ColBERT``): its
+    settings from ``artifact.metadata`` (``query_token_id``, ``doc_token_id``,
+    ``query_maxlen``, ``doc_maxlen``, ``attend_to_mask_tokens``; PyLate's reading, its
+    defaults where absent: prefixes ``[unused0]`` / ``[unused1]``) and its checkpoint's
+    ``linear.weight`` as a bias-free Dense layer; None for any other folder."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or (config.get("architectures") or [None])[0] != "HF_ColBERT":
+        return None
+    path = model_dir / "artifact.metadata"
+    meta: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            meta = json.loads(path.read_text())
+        except ValueError as e:
+            raise ModelLoadError(f"{path} cannot be read: {e}") from None
+    default = LateInteraction()
+    late = LateInteraction(
+        query_prefix=str(meta.get("query_token_id") or "[unused0]"),
+        document_prefix=str(meta.get("doc_token_id") or "[unused1]"),
+        query_length=int(meta.get("query_maxlen") or default.query_length),
+        document_length=int(meta.get("doc_maxlen") or default.document_length),
+        attend_to_expansion=bool(meta.get("attend_to_mask_tokens", False)),
+    )
+    shape = _tensor_shape(model_dir / "model.safetensors", "linear.weight")
+    if shape is None or len(shape) != 2:
+        raise ModelLoadError(f"{model_dir}: an HF_ColBERT checkpoint without a 2-D linear.weight "
+                             "(its projection) in model.safetensors")  # fmt: skip
+    return late, DenseLayer(model_dir, shape[1], shape[0], False, "identity")
+
+
+def _tensor_shape(file: Path, name: str) -> list[int] | None:
+    """The shape of tensor ``name`` in safetensors ``file`` (its header only), None where the
+    file or the tensor is missing."""
+    import json
+    import struct
+
+    try:
+        with open(file, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error):
+        return None
+    entry = header.get(name)
+    return None if not isinstance(entry, dict) else list(entry.get("shape", []))
 
 
 def load_late_interaction(model_dir: Path) -> LateInteraction | None:

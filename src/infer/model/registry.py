@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infer.model.bert import BertModel, RobertaModel, XLMRobertaModel
+from infer.model.bert import BertModel, HFColBERT, RobertaModel, XLMRobertaModel
 from infer.model.distilbert import DistilBertModel
 from infer.model.gemma3 import Gemma3ForCausalLM, Gemma3TextEncoder
 from infer.model.gpt2 import GPT2LMHeadModel
@@ -52,12 +52,14 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
         DistilBertModel,
         JinaBertModel,
         Gemma3TextEncoder,
+        HFColBERT,
     )
 }
 # An encoder published with its masked-language-model head (all-mpnet-base-v2's
 # MPNetForMaskedLM, Jina's JinaBertForMaskedLM): its encoder embeds; the head is not read.
 # (EmbeddingGemma is Gemma 3's base model read as an encoder: it has no head of its own)
-_HEADLESS = (Gemma3TextEncoder,)
+# (nor has Stanford's ColBERT, whose name is no family's)
+_HEADLESS = (Gemma3TextEncoder, HFColBERT)
 ARCHITECTURES |= {
     cls.architecture.removesuffix("Model") + "ForMaskedLM": cls
     for cls in list(ARCHITECTURES.values())

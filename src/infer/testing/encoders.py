@@ -385,14 +385,17 @@ def with_dense_modules(
 
 
 def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
-                  **settings: Any) -> Path:  # fmt: skip
+                  stanford: bool = False, **settings: Any) -> Path:  # fmt: skip
     """The folder ``root/<name>`` (``colbert-<kind>``): a tiny ColBERT model as PyLate saves
     one, on ``build_encoder(kind)``'s weights: its tokenizer with the ``[Q] `` and ``[D] ``
     prefix tokens added (two new embedding rows), a bias-free ``pylate.models.Dense.Dense``
     projection to ``dim`` values in ``1_Dense``, no pooling, and
     ``config_sentence_transformers.json`` (``model_type: ColBERT``; ``settings``: its
     ``query_length`` (default 16), ``document_length`` (24), ``do_query_expansion``,
-    ``attend_to_expansion_tokens``, ... over PyLate's defaults); seeded random weights. Built if
+    ``attend_to_expansion_tokens``, ... over PyLate's defaults); seeded random weights. With
+    ``stanford`` (a BERT), as Stanford's ColBERT library saves one instead: ``HF_ColBERT``,
+    ``bert.``-prefixed weights with ``linear.weight`` beside them, ``[unused0]`` /
+    ``[unused1]`` as the prefixes, ``artifact.metadata`` (``settings``: its keys). Built if
     absent."""
     import json
     import string
@@ -409,21 +412,33 @@ def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(base)
-        tokenizer.add_tokens(["[Q] ", "[D] "])
+        tokenizer.add_tokens(["[unused0]", "[unused1]"] if stanford else ["[Q] ", "[D] "])
         model = transformers.AutoModel.from_pretrained(base, dtype=torch.float32)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         gen = torch.Generator().manual_seed(11)
         hidden = model.config.hidden_size
         with torch.no_grad():
             model.get_input_embeddings().weight[-2:] = 0.1 * torch.randn(2, hidden, generator=gen)
-        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        linear = 0.2 * torch.randn(dim, hidden, generator=gen)
+        if stanford:
+            model.save_pretrained(tmp)
+            state = {f"bert.{k}": v.contiguous() for k, v in model.state_dict().items()}
+            save_file(state | {"linear.weight": linear}, str(tmp / "model.safetensors"))
+            config = json.loads((tmp / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps(config | {"architectures": ["HF_ColBERT"]}))
+            meta = {"query_token_id": "[unused0]", "doc_token_id": "[unused1]", "query_maxlen": 16,
+                    "doc_maxlen": 24, "attend_to_mask_tokens": False, "dim": dim,
+                    "similarity": "cosine"} | settings  # fmt: skip
+            (tmp / "artifact.metadata").write_text(json.dumps(meta, indent=1))
+            _publish(tmp, final)
+            return final
+        model.save_pretrained(tmp)
         (tmp / "1_Dense").mkdir()
         (tmp / "1_Dense" / "config.json").write_text(json.dumps({
             "in_features": hidden, "out_features": dim, "bias": False,
             "activation_function": "torch.nn.modules.linear.Identity", "use_residual": False}))  # fmt: skip
-        save_file({"linear.weight": 0.2 * torch.randn(dim, hidden, generator=gen)},
-                  str(tmp / "1_Dense" / "model.safetensors"))  # fmt: skip
+        save_file({"linear.weight": linear}, str(tmp / "1_Dense" / "model.safetensors"))
         modules = [{"idx": 0, "name": "0", "path": "",
                     "type": "sentence_transformers.models.Transformer"},
                    {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]  # fmt: skip
