@@ -258,7 +258,8 @@ class LLM:
         ``token_embed`` (an encoder's) one vector per input token, ``[tokens, size]`` (cut
         and normalized per token as ``pooling_params`` or the model's files say: a ColBERT
         model's late-interaction vectors); ``embed`` the embedding :meth:`embed` gives;
-        ``classify`` a sequence classifier's logits. Results in prompt order."""
+        ``classify`` a sequence classifier's logits (``pooling_task`` decides: the task of
+        ``pooling_params`` is not read). Results in prompt order."""
         import torch
 
         params = pooling_params or PoolingParams()

@@ -144,3 +144,25 @@ def test_a_pylate_dense_module_that_adds_its_input_is_refused(encoder_root, make
     llm = make_llm(str(folder))
     with pytest.raises(InvalidRequestError, match="use_residual"):
         llm.encode(DOCS[0])
+    llm.shutdown()
+    # (a pooling override sets a refused projection aside for pooled vectors, never for a
+    # ColBERT's: its vectors are the projection's)
+    llm = make_llm(str(folder), pooler_config={"pooling_type": "CLS"})
+    with pytest.raises(InvalidRequestError, match="use_residual"):
+        llm.score(QUERIES[0], DOCS[0])
+
+
+def test_stanford_settings_infer_cannot_use_are_refused(encoder_root, tmp_path):
+    import json
+    import shutil
+
+    from infer import LLM
+    from infer.model.folders import ModelLoadError
+
+    folder = tmp_path / "short"
+    shutil.copytree(build_colbert("bert", encoder_root, name="colbert-stanford", stanford=True),
+                    folder)  # fmt: skip
+    meta = json.loads((folder / "artifact.metadata").read_text())
+    (folder / "artifact.metadata").write_text(json.dumps(meta | {"query_maxlen": 1}))
+    with pytest.raises(ModelLoadError, match="query_maxlen 1 is not an integer of 2 or more"):
+        LLM(str(folder), dtype="float32")

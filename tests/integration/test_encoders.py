@@ -470,7 +470,7 @@ def test_dense_modules_project_the_pooled_vector(encoder_root, make_llm, tmp_pat
         llm.embed(TEXTS[0])
 
 
-def test_token_embeddings_are_every_tokens_projected_state(encoder_root, make_llm):
+def test_token_embeddings_are_every_tokens_projected_state(encoder_root, make_llm, tmp_path):
     """``LLM.encode`` (``token_embed``): each input's every token's final hidden state,
     through the model's Dense modules row by row (as a ColBERT model projects its tokens),
     normalized per token as the model's files say, cut by ``dimensions``; a step holding
@@ -520,6 +520,20 @@ def test_token_embeddings_are_every_tokens_projected_state(encoder_root, make_ll
     torch.testing.assert_close(torch.tensor(outputs["r1"].embedding),
                                _vectors(llm.embed(TEXTS[1]))[0])  # fmt: skip
     assert not engine.has_unfinished_requests()  # (and every KV block back: make_llm checks)
+    # A model whose pooling infer refuses (MAX) still gives its tokens, projected.
+    import json
+    import shutil
+
+    odd = tmp_path / "max"
+    shutil.copytree(folder, odd)
+    modes = json.loads((odd / "1_Pooling" / "config.json").read_text())
+    modes = {k: k == "pooling_mode_max_tokens" for k in modes}
+    (odd / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+    max_pooled = make_llm(str(odd))
+    with pytest.raises(InvalidRequestError, match="pools by MAX"):
+        max_pooled.embed(TEXTS[0])
+    torch.testing.assert_close(max_pooled.encode(TEXTS[0])[0].outputs.data,
+                               projected(TEXTS[0]), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["bert", "modernbert"])

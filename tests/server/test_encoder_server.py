@@ -274,5 +274,7 @@ def test_a_colbert_model_reranks_by_late_interaction_over_http(server_logs):
             assert r.status_code == 200 and len(r.json()["data"][0]["data"][0]) == 32
             r = c.post("/v1/embeddings", json={"input": DOCS[1]})
             assert r.status_code == 400 and "this is a ColBERT model" in r.text
+            schema = c.get("/openapi.json").json()["components"]["schemas"]["PoolingRequest"]
+            assert schema["properties"]["task"]["anyOf"][0]["enum"] == ["token_embed"]
         assert "a ColBERT model: every token's vector" in server.log()
         server.wait_idle()

@@ -340,9 +340,11 @@ class LLMEngine:
             self.runner.pooling_type = (
                 self.model.classifier_pooling if self.spec.is_encoder else "LAST"
             )
-        elif self.pooler_config.supported:
-            self.runner.pooling_type = self.pooler_config.pooling_type
-            if self.pooler_config.dense:  # (sentence-transformers' Dense modules)
+        else:
+            if self.pooler_config.supported:
+                self.runner.pooling_type = self.pooler_config.pooling_type
+            if self.pooler_config.dense:  # (sentence-transformers' Dense modules: token
+                # embeddings take them where only the pooling is refused)
                 from infer.model.dense import EmbeddingProjection
 
                 self.runner.embed_projection = EmbeddingProjection(
@@ -922,10 +924,12 @@ class LLMEngine:
         if spec.is_classifier != (params.task == "classify"):
             if spec.is_classifier:
                 raise InvalidRequestError(self._classifier_only(), param="input")
+            gives = ("gives token embeddings (/pooling, LLM.encode)"
+                     if self.late_interaction is not None else
+                     "embeds (/v1/embeddings, LLM.embed)")  # fmt: skip
             raise InvalidRequestError(
-                f"this model ({spec.architecture}) has no classification head: it embeds "
-                "(/v1/embeddings, LLM.embed); classifying needs a *ForSequenceClassification "
-                "model",
+                f"this model ({spec.architecture}) has no classification head: it {gives}; "
+                "classifying needs a *ForSequenceClassification model",
                 param="input",
             )
         if params.task == "classify":

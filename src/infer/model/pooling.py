@@ -187,7 +187,10 @@ def load_pooler_config(
             normalize=override.get("normalize", config.normalize),
             source=f"--pooler-config over {config.source}",
             problem=None if "pooling_type" in override else config.problem,
-            tokens_problem=None if "pooling_type" in override else config.tokens_problem,
+            # (a ColBERT's refused projection stays refused: its vectors are the projection's)
+            tokens_problem=None
+            if "pooling_type" in override and config.late_interaction is None
+            else config.tokens_problem,
         )
     return config
 
@@ -214,11 +217,18 @@ def _stanford_colbert(model_dir: Path) -> tuple[LateInteraction, DenseLayer] | N
         except ValueError as e:
             raise ModelLoadError(f"{path} cannot be read: {e}") from None
     default = LateInteraction()
+    lengths = {}
+    for key, fallback in (("query_maxlen", default.query_length),
+                          ("doc_maxlen", default.document_length)):  # fmt: skip
+        value = meta.get(key) or fallback
+        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+            raise ModelLoadError(f"{path}: {key} {value!r} is not an integer of 2 or more")
+        lengths[key] = value
     late = LateInteraction(
         query_prefix=str(meta.get("query_token_id") or "[unused0]"),
         document_prefix=str(meta.get("doc_token_id") or "[unused1]"),
-        query_length=int(meta.get("query_maxlen") or default.query_length),
-        document_length=int(meta.get("doc_maxlen") or default.document_length),
+        query_length=lengths["query_maxlen"],
+        document_length=lengths["doc_maxlen"],
         attend_to_expansion=bool(meta.get("attend_to_mask_tokens", False)),
     )
     shape = _tensor_shape(model_dir / "model.safetensors", "linear.weight")
@@ -334,12 +344,12 @@ def _from_sentence_transformers(
         try:
             pooling = read_json(path / "config.json", "the sentence-transformers pooling config")
         except ModelLoadError as e:
-            return PoolerConfig(normalize=normalize, source=source, problem=str(e))
+            return PoolerConfig(normalize=normalize, source=source, problem=str(e), dense=dense)
         chosen = [name for key, name in MODES.items() if pooling.get(key)]
         if len(chosen) != 1:
             return PoolerConfig("+".join(chosen) or "NONE", normalize, source,
                                 f"{path / 'config.json'} pools by "
-                                f"{' + '.join(chosen) or 'no mode'}")  # fmt: skip
+                                f"{' + '.join(chosen) or 'no mode'}", dense)  # fmt: skip
         pooling_type = chosen[0]
     problem = None
     if pooling_type not in supported:

@@ -343,12 +343,19 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 for option in dims.get("anyOf", [dims]):
                     if option.get("type") == "integer":
                         option["maximum"] = engine.embedding_size
-            # /pooling's tasks: those this model serves
-            tasks = (["classify"] if classifier else
+            # /pooling's tasks: those this model serves (a classifier's logits are neither cut
+            # nor normalized)
+            tasks = (["classify"] if classifier else ["token_embed"]
+                     if serving.late_interaction is not None else
                      ["token_embed", "embed"] if engine.spec.is_encoder else ["embed"])  # fmt: skip
-            for option in schemas["PoolingRequest"]["properties"]["task"].get("anyOf", []):
+            props = schemas["PoolingRequest"]["properties"]
+            for option in props["task"].get("anyOf", []):
                 if "enum" in option:
                     option["enum"] = tasks
+            if classifier:
+                props["dimensions"] = {"type": "null", "description": "(logits: not cut)"}
+                props["normalize"] = {"anyOf": [{"const": False}, {"type": "null"}],
+                                      "description": "(logits: not normalized)"}  # fmt: skip
             if fim_tokens(serving.tokenizer) is None:  # no fill-in-the-middle: suffix stays empty
                 props = schemas["CompletionRequest"]["properties"]
                 props["suffix"] = {

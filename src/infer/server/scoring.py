@@ -121,24 +121,33 @@ async def _late_interaction_scores(
                           "request may give", param=texts[-1][1].split("[")[0])  # fmt: skip
     token_inputs, params = [], []
     for i, role in roles:
-        text, field = texts[i]
+        text, _ = texts[i]
         ids = await serving.run_blocking(serving.encode, text, special, size=len(text))
-        if role == "query":  # (cut to the query length, as the model encodes: not a 400)
+        ids = serving.truncated(ids, req)  # (then cut to the model's lengths: never a 400)
+        if role == "query":
             ids, attended = li.query(ids)
         else:
             ids, attended = li.document(ids), None
         token_inputs.append(ids)
         params.append(pooling_params(task="token_embed", normalize=True,
                                      attended_tokens=attended))  # fmt: skip
-    request_id, finals, usage = await embed(serving, token_inputs, params, req, raw, prefix)
-    vectors = {}
-    for (i, role), ids, final in zip(roles, token_inputs, finals, strict=True):
-        rows = torch.tensor(final.embedding)
-        vectors[i, role] = rows[li.document_rows(ids)] if role == "document" else rows
-    work = [(vectors[i, "query"], vectors[j, "document"]) for i, j in pairs]
-    scores = await serving.run_blocking(lambda: [maxsim(q, d) for q, d in work],
-                                        size=len(work) * 64)  # fmt: skip
-    return request_id, scores, usage
+    try:
+        request_id, finals, usage = await embed(serving, token_inputs, params, req, raw, prefix)
+    except APIError as e:  # the engine's refusals name /v1/embeddings' field: name this route's
+        if e.param == "input":
+            e.param = texts[-1][1].split("[")[0]
+        raise
+
+    def score_all() -> list[float]:
+        vectors = {}
+        for (i, role), ids, final in zip(roles, token_inputs, finals, strict=True):
+            rows = torch.tensor(final.embedding)
+            vectors[i, role] = rows[li.document_rows(ids)] if role == "document" else rows
+        return [maxsim(vectors[i, "query"], vectors[j, "document"]) for i, j in pairs]
+
+    # (off the event loop: a thousand documents' vectors are millions of floats)
+    size = sum(len(ids) for ids in token_inputs) * 64
+    return request_id, await serving.run_blocking(score_all, size=size), usage
 
 
 def _scorer(serving: Serving):

@@ -385,7 +385,8 @@ def with_dense_modules(
 
 
 def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
-                  stanford: bool = False, **settings: Any) -> Path:  # fmt: skip
+                  stanford: bool = False, shape: dict[str, Any] | None = None,
+                  **settings: Any) -> Path:  # fmt: skip
     """The folder ``root/<name>`` (``colbert-<kind>``): a tiny ColBERT model as PyLate saves
     one, on ``build_encoder(kind)``'s weights: its tokenizer with the ``[Q] `` and ``[D] ``
     prefix tokens added (two new embedding rows), a bias-free ``pylate.models.Dense.Dense``
@@ -395,8 +396,8 @@ def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
     ``attend_to_expansion_tokens``, ... over PyLate's defaults); seeded random weights. With
     ``stanford`` (a BERT), as Stanford's ColBERT library saves one instead: ``HF_ColBERT``,
     ``bert.``-prefixed weights with ``linear.weight`` beside them, ``[unused0]`` /
-    ``[unused1]`` as the prefixes, ``artifact.metadata`` (``settings``: its keys). Built if
-    absent."""
+    ``[unused1]`` as the prefixes, ``artifact.metadata`` (``settings``: its keys); ``shape``:
+    the encoder's config fields (hidden_size, ...). Built if absent."""
     import json
     import string
 
@@ -408,7 +409,8 @@ def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
     final = root / (name or f"colbert-{kind}")
     if final.is_dir():
         return final
-    base = build_encoder(kind, root, "cls")
+    base = build_encoder(kind, root, "cls", name=f"{final.name}-base" if shape else None,
+                         **(shape or {}))  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(base)

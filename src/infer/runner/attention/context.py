@@ -138,6 +138,7 @@ class AttentionContext:
             tuple[torch.Tensor, torch.Tensor | None] | list[tuple[int, int]] | None
         ) = None
         self._encoder_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._encoder_keys: torch.Tensor | bool | None = None  # (True: every row is a key)
         self.backend = backend if backend is not None else default_backend(self.device)
         self.prefill_chunks: PrefillChunks | None = None
         self.prefills: list[_PrefillSeq] = []
@@ -318,10 +319,11 @@ class AttentionContext:
     def encoder_keys(self) -> torch.Tensor | None:
         """Each sequence's count of rows that are keys (int64 on the host: its first ones;
         :attr:`SequenceSlice.num_keys`), None where every row of every sequence is one."""
-        if all(s.num_keys is None for s in self.sequences):
-            return None
-        return torch.tensor([s.num_new_tokens if s.num_keys is None else s.num_keys
-                             for s in self.sequences], dtype=torch.int64)  # fmt: skip
+        if self._encoder_keys is None:  # (made once a step)
+            self._encoder_keys = all(s.num_keys is None for s in self.sequences) or torch.tensor(
+                [s.num_new_tokens if s.num_keys is None else s.num_keys for s in self.sequences],
+                dtype=torch.int64)  # fmt: skip
+        return None if self._encoder_keys is True else self._encoder_keys
 
     def padded_layout(
         self,
