@@ -110,13 +110,21 @@ class AttentionBackend:
                 seqs = qs.shape[0] if qs.dim() == 4 else 1
                 rows = max(1, MASK_ELEMENTS // (seqs * heads * width))
             out = torch.empty_like(qs) if rows < width else None
+            gqa = ks.shape[-3] != qs.shape[-3]
+            if gqa and qs.is_cuda and (valid is not None or window is not None
+                                       or distance_bias is not None):  # fmt: skip
+                # (CUDA's SDPA kernels that take a mask do not take enable_gqa: it would fall
+                # to the math kernel; the kv heads repeated are what it computes)
+                group = qs.shape[-3] // ks.shape[-3]
+                ks, vs = (t.repeat_interleave(group, dim=-3) for t in (ks, vs))
+                gqa = False
             for q0 in range(0, width, rows):
                 q1 = min(width, q0 + rows)
                 mask = mask_of(width, valid, q0, q1)
                 if mask is not None and qs.dim() == 3:
                     mask = mask[0]  # (one sequence: its own [H or 1, rows, width])
                 part = sdpa(qs[..., q0:q1, :], ks, vs, attn_mask=mask, scale=scale,
-                            enable_gqa=ks.shape[-3] != qs.shape[-3])  # fmt: skip
+                            enable_gqa=gqa)  # fmt: skip
                 if out is None:
                     return part
                 out[..., q0:q1, :] = part
