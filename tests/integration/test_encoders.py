@@ -598,6 +598,34 @@ def test_tokens_past_attended_tokens_are_queries_only(kind, encoder_root, make_l
         assert calls and all(keys is not None for keys in calls)
 
 
+def test_bge_m3_token_embeddings_are_its_multi_vector_output(encoder_root, make_llm, tmp_path):
+    """A BGE-M3 folder (an XLM-RoBERTa with ``colbert_linear.pt`` beside it): its token
+    embeddings are FlagEmbedding's multi-vector output, ``colbert_linear`` over every token's
+    state but the first, normalized; its embedding stays the CLS one its files name."""
+    import shutil
+
+    from transformers import AutoModel, AutoTokenizer
+
+    folder = tmp_path / "bge-m3"
+    shutil.copytree(build_encoder("xlm_roberta", encoder_root, "cls"), folder)
+    gen = torch.Generator().manual_seed(3)
+    linear = {"weight": 0.2 * torch.randn(64, 64, generator=gen),
+              "bias": 0.1 * torch.randn(64, generator=gen)}  # fmt: skip
+    torch.save(linear, folder / "colbert_linear.pt")
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = make_llm(str(folder))
+    for text, got in zip(TEXTS, llm.encode(TEXTS), strict=True):
+        with torch.no_grad():
+            hidden = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+        want = torch.nn.functional.normalize(hidden[1:] @ linear["weight"].T + linear["bias"],
+                                             dim=1)  # fmt: skip
+        torch.testing.assert_close(got.outputs.data, want, atol=1e-5, rtol=1e-5)
+        dense = torch.tensor(llm.embed(text)[0].outputs.embedding)
+        torch.testing.assert_close(dense, torch.nn.functional.normalize(hidden[0], dim=0),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
 def test_a_decoder_refuses_token_embeddings_naming_why(tiny_checkpoints, make_llm):
     llm = make_llm(str(tiny_checkpoints["llama"]))
     with pytest.raises(InvalidRequestError, match="is a decoder: token embeddings"):

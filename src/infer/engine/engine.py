@@ -343,13 +343,16 @@ class LLMEngine:
         else:
             if self.pooler_config.supported:
                 self.runner.pooling_type = self.pooler_config.pooling_type
-            if self.pooler_config.dense:  # (sentence-transformers' Dense modules: token
-                # embeddings take them where only the pooling is refused)
-                from infer.model.dense import EmbeddingProjection
+            from infer.model.dense import EmbeddingProjection
 
-                self.runner.embed_projection = EmbeddingProjection(
-                    self.pooler_config.dense, self.spec.hidden_size, self.runner.device
-                )
+            pooler, hidden, device = self.pooler_config, self.spec.hidden_size, self.runner.device
+            if pooler.dense:  # (sentence-transformers' Dense modules: token embeddings take
+                # them where only the pooling is refused)
+                self.runner.embed_projection = EmbeddingProjection(pooler.dense, hidden, device)
+            if pooler.token_dense:  # (BGE-M3's multi-vector projection, past the first row)
+                self.runner.token_projection = EmbeddingProjection(pooler.token_dense, hidden,
+                                                                   device)  # fmt: skip
+                self.runner.token_first = pooler.token_first
         self.kv_cache = self.runner.kv_cache
         self.runner.workers = self.tp_workers
         self.runner.lora = self.lora
@@ -968,6 +971,8 @@ class LLMEngine:
                 param="input",
             )
         size = self.embedding_size
+        if params.task == "token_embed":
+            size = pooler.token_size(spec.hidden_size)
         if params.dimensions is not None and params.dimensions > size:
             raise InvalidRequestError(
                 f"dimensions ({params.dimensions}) is more than the model's embedding size "

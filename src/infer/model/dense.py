@@ -6,7 +6,6 @@ normalization."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +17,14 @@ _ACTIVATIONS = {"tanh": torch.tanh, "identity": lambda x: x, "relu": F.relu, "ge
                 "sigmoid": torch.sigmoid, "silu": F.silu}  # fmt: skip
 
 
-def _state(path: Path) -> dict[str, torch.Tensor]:
-    """A Dense module's tensors (``linear.*``): ``model.safetensors``, else
-    ``pytorch_model.bin`` (a ColBERT checkpoint's own file holds its model too: only these are
-    read from a safetensors one)."""
+def _state(layer: DenseLayer) -> dict[str, torch.Tensor]:
+    """A Dense module's tensors as ``linear.weight`` / ``linear.bias``: from its ``file``, else
+    ``model.safetensors``, else ``pytorch_model.bin`` (a ColBERT checkpoint's own file holds
+    its model too: only these are read from a safetensors one)."""
+    path, prefix = layer.path, layer.prefix
+    if layer.file is not None:
+        state = torch.load(path / layer.file, map_location="cpu", weights_only=True)
+        return {f"linear.{k[len(prefix) :]}": v for k, v in state.items() if k.startswith(prefix)}
     if (path / "model.safetensors").is_file():
         from safetensors import safe_open
 
@@ -45,7 +48,7 @@ class EmbeddingProjection:
             if layer.in_features != width:
                 raise ModelLoadError(f"{layer.path}: a Dense module taking {layer.in_features} "
                                      f"values after the model's {width}")  # fmt: skip
-            state = _state(layer.path)
+            state = _state(layer)
             weight = state.get("linear.weight")
             if weight is None or tuple(weight.shape) != (layer.out_features, layer.in_features):
                 raise ModelLoadError(f"{layer.path}: linear.weight is not "

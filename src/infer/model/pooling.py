@@ -75,6 +75,10 @@ class DenseLayer:
     out_features: int
     bias: bool
     activation: str
+    # The file holding the weights (None: ``model.safetensors``, else ``pytorch_model.bin``)
+    # and the prefix of their names (BGE-M3's ``colbert_linear.pt``: none).
+    file: str | None = None
+    prefix: str = "linear."
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,11 @@ class PoolerConfig:
     problem: str | None = None
     dense: tuple[DenseLayer, ...] = ()
     late_interaction: LateInteraction | None = None
+    # A token embedding's own projection in place of ``dense``, of the rows after the
+    # input's first ``token_first`` (BGE-M3's multi-vector output: ``colbert_linear.pt`` over
+    # every token but its CLS); None: ``dense``, every row.
+    token_dense: tuple[DenseLayer, ...] | None = None
+    token_first: int = 0
     # Why not even every token's vector can be given (a module infer does not run, a file it
     # cannot read), None where only the pooling is the problem (or nothing is).
     tokens_problem: str | None = None
@@ -122,6 +131,12 @@ class PoolerConfig:
     def embedding_size(self, hidden_size: int) -> int:
         """How many values an embedding has: the last projection's, else the hidden size."""
         return self.dense[-1].out_features if self.dense else hidden_size
+
+    def token_size(self, hidden_size: int) -> int:
+        """How many values a token embedding has (its own projection's, or an embedding's)."""
+        if self.token_dense:
+            return self.token_dense[-1].out_features
+        return self.embedding_size(hidden_size)
 
 
 def parse_pooler_config(text: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -175,6 +190,9 @@ def load_pooler_config(
         config = PoolerConfig("MEAN", source=f"{Path(model_dir) / 'config.json'} emb_pooler")
     if late is not None:  # (its every token's vector, normalized as PyLate encodes)
         config = replace(config, normalize=True, late_interaction=late)
+    multi = _bge_m3_vectors(Path(model_dir)) if encoder else None
+    if multi is not None:
+        config = replace(config, token_dense=(multi,), token_first=1)
     if override:
         kind = override.get("pooling_type", config.pooling_type)
         if "pooling_type" in override and kind not in supported:
@@ -236,6 +254,24 @@ def _stanford_colbert(model_dir: Path) -> tuple[LateInteraction, DenseLayer] | N
         raise ModelLoadError(f"{model_dir}: an HF_ColBERT checkpoint without a 2-D linear.weight "
                              "(its projection) in model.safetensors")  # fmt: skip
     return late, DenseLayer(model_dir, shape[1], shape[0], False, "identity")
+
+
+def _bge_m3_vectors(model_dir: Path) -> DenseLayer | None:
+    """BGE-M3's multi-vector projection (``colbert_linear.pt`` beside its encoder: a
+    ``Linear(hidden, hidden)``'s ``weight`` and ``bias``, applied to every token's state but
+    the first, as FlagEmbedding's ``BGEM3FlagModel`` does), None where the folder has none."""
+    path = model_dir / "colbert_linear.pt"
+    if not path.is_file():
+        return None
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        rows, cols = state["weight"].shape
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types
+        raise ModelLoadError(f"{path} is not a Linear layer's state ({e})") from None
+    return DenseLayer(model_dir, int(cols), int(rows), "bias" in state, "identity",
+                      file=path.name, prefix="")  # fmt: skip
 
 
 def _tensor_shape(file: Path, name: str) -> list[int] | None:

@@ -167,6 +167,10 @@ class ModelRunner:
         self.pooling_type = "LAST"
         # The model's Dense projections of a pooled embedding (model/dense.py; None: none).
         self.embed_projection: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # A token embedding's own projection (None: embed_projection) and how many of an
+        # input's first rows have none (BGE-M3's multi-vector output skips its CLS).
+        self.token_projection: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.token_first = 0
         # A decoder pooling by the mean: each embedding request's float32 sum of its prompt's
         # final hidden states so far (its prompt runs in chunks, over several steps).
         self._mean_sums: dict[str, torch.Tensor] = {}
@@ -362,7 +366,7 @@ class ModelRunner:
                 request = requests[chunk.request_id]
                 end = len(token_ids)
                 if request.pooling is not None and request.pooling.task == "token_embed":
-                    pool_tokens.append((end - n, end))  # (an encoder's input: whole)
+                    pool_tokens.append((end - n + self.token_first, end))  # (input: whole)
                     token_reqs.append(request)
                     continue
                 if request.pooling is not None:  # its embedding: the prompt's last row
@@ -431,8 +435,9 @@ class ModelRunner:
                 pooled = self.embed_projection(pooled)
         if batch.pool_tokens:  # (every row of each input, projected as a pooled vector is)
             tokens = torch.cat([hidden[a:b] for a, b in batch.pool_tokens]).float()
-            if self.embed_projection is not None:
-                tokens = self.embed_projection(tokens)
+            project = self.token_projection or self.embed_projection
+            if project is not None:
+                tokens = project(tokens)
             pooled = tokens if pooled is None else torch.cat([pooled, tokens])
         if batch.sample_rows:
             if batch.samples_every_row:
@@ -539,7 +544,7 @@ class ModelRunner:
             sampled[request.request_id] = result
         embeddings = {}
         if step.pooled is not None:
-            embeddings = pool(step.pooled, step.pool_reqs)
+            embeddings = pool(step.pooled, step.pool_reqs, self.token_first)
         t3 = time.perf_counter()
         # forward: queueing the pass (on a GPU; the whole pass on a CPU); sample: from the
         # collect on, the wait for the device included
@@ -561,18 +566,19 @@ class ModelRunner:
 
 
 def pool(
-    hidden: torch.Tensor, requests: list[Request]
+    hidden: torch.Tensor, requests: list[Request], token_first: int = 0
 ) -> dict[str, list[float] | list[list[float]]]:
     """Each embedding request's vector from its row of ``hidden`` (float32 ``[n, hidden]``;
-    a ``token_embed`` request's rows, one per input token, follow the others': a list of
-    vectors): cut to its ``dimensions``, then scaled to unit length if it normalizes (the
-    engine has resolved ``normalize`` from the model's configuration)."""
+    a ``token_embed`` request's rows, one per input token after its first ``token_first``,
+    follow the others': a list of vectors): cut to its ``dimensions``, then scaled to unit
+    length if it normalizes (the engine has resolved ``normalize`` from the model's
+    configuration)."""
     out: dict[str, list[float] | list[list[float]]] = {}
     at = 0
     for request in requests:
         params = request.pooling
         assert params is not None
-        n = request.num_prompt_tokens if params.task == "token_embed" else 1
+        n = request.num_prompt_tokens - token_first if params.task == "token_embed" else 1
         rows = hidden[at : at + n]
         at += n
         if params.dimensions is not None:
