@@ -260,7 +260,6 @@ class LLM:
         model's late-interaction vectors); ``embed`` the embedding :meth:`embed` gives;
         ``classify`` a sequence classifier's logits (``pooling_task`` decides: the task of
         ``pooling_params`` is not read). Results in prompt order."""
-        import torch
 
         params = pooling_params or PoolingParams()
         if params.task != pooling_task:
@@ -273,7 +272,9 @@ class LLM:
                 request_id=rid,
                 prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
                 prompt_token_ids=list(encoded[i]),
-                outputs=PoolingOutput(torch.tensor(last.embedding, dtype=torch.float32)),
+                outputs=PoolingOutput(
+                    _as_tensor(last.embedding, pooling_task, self.engine.token_embedding_size)
+                ),
                 num_cached_tokens=last.num_cached_tokens,
                 timings=last.timings,
             )
@@ -532,3 +533,12 @@ def _merge(index: int, outs: list[RequestOutput]) -> CompletionOutput:
         stop_reason=last.stop_reason,
         logprobs=logprobs or None,
     )
+
+
+def _as_tensor(data: list, task: str, token_size: int) -> Any:
+    """A pooling result as a float32 tensor (token embeddings of no token: ``[0, size]``)."""
+    import torch
+
+    if task == "token_embed" and not data:
+        return torch.zeros(0, token_size)
+    return torch.tensor(data, dtype=torch.float32)

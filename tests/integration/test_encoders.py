@@ -599,9 +599,10 @@ def test_tokens_past_attended_tokens_are_queries_only(kind, encoder_root, make_l
 
 
 def test_bge_m3_token_embeddings_are_its_multi_vector_output(encoder_root, make_llm, tmp_path):
-    """A BGE-M3 folder (an XLM-RoBERTa with ``colbert_linear.pt`` beside it): its token
-    embeddings are FlagEmbedding's multi-vector output, ``colbert_linear`` over every token's
-    state but the first, normalized; its embedding stays the CLS one its files name."""
+    """A BGE-M3 folder (an XLM-RoBERTa with ``colbert_linear.pt`` beside it, here projecting
+    to 32 values as a ``colbert_dim`` would): its token embeddings are FlagEmbedding's
+    multi-vector output, ``colbert_linear`` over every token's state but the first,
+    normalized; its embedding stays the CLS one its files name; one step serves both."""
     import shutil
 
     from transformers import AutoModel, AutoTokenizer
@@ -609,8 +610,8 @@ def test_bge_m3_token_embeddings_are_its_multi_vector_output(encoder_root, make_
     folder = tmp_path / "bge-m3"
     shutil.copytree(build_encoder("xlm_roberta", encoder_root, "cls"), folder)
     gen = torch.Generator().manual_seed(3)
-    linear = {"weight": 0.2 * torch.randn(64, 64, generator=gen),
-              "bias": 0.1 * torch.randn(64, generator=gen)}  # fmt: skip
+    linear = {"weight": 0.2 * torch.randn(32, 64, generator=gen),
+              "bias": 0.1 * torch.randn(32, generator=gen)}  # fmt: skip
     torch.save(linear, folder / "colbert_linear.pt")
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
@@ -624,6 +625,39 @@ def test_bge_m3_token_embeddings_are_its_multi_vector_output(encoder_root, make_
         dense = torch.tensor(llm.embed(text)[0].outputs.embedding)
         torch.testing.assert_close(dense, torch.nn.functional.normalize(hidden[0], dim=0),
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
+    engine = llm.engine
+    ids = tok(TEXTS[0])["input_ids"]
+    engine.add_request("e", ids, PoolingParams())
+    engine.add_request("t", ids, PoolingParams(task="token_embed"))
+    outputs = {o.request_id: o for o in engine.step()}
+    assert len(outputs["e"].embedding) == 64 and len(outputs["t"].embedding) == len(ids) - 1
+    assert len(outputs["t"].embedding[0]) == 32
+    with pytest.raises(InvalidRequestError, match=r"token embedding size|embedding size \(32\)"):
+        llm.encode(TEXTS[0], PoolingParams(dimensions=33))
+
+
+def test_a_dense_module_after_two_poolings_refuses_token_embeddings(encoder_root, make_llm,
+                                                                      tmp_path):  # fmt: skip
+    """A Dense module taking the CLS and mean vectors side by side (twice the hidden size)
+    cannot project a token: such a model loads, and refuses token embeddings naming its
+    pooling, as it refuses embeddings."""
+    import json
+    import shutil
+
+    from infer.testing.encoders import with_dense_modules
+
+    folder = tmp_path / "two"
+    shutil.copytree(build_encoder("bert", encoder_root, "cls"), folder)
+    modes = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    modes |= {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+    dense = with_dense_modules(folder, tmp_path / "two-dense", [16])
+    config = json.loads((dense / "2_Dense" / "config.json").read_text())
+    (dense / "2_Dense" / "config.json").write_text(json.dumps(config | {"in_features": 128}))
+    llm = make_llm(str(dense))
+    for call in (llm.embed, llm.encode):
+        with pytest.raises(InvalidRequestError, match="pools by MEAN \\+ CLS"):
+            call(TEXTS[0])
 
 
 def test_a_decoder_refuses_token_embeddings_naming_why(tiny_checkpoints, make_llm):

@@ -99,6 +99,7 @@ _ATTRS = (
     "lora_parents",
     "sampling_defaults",
     "embedding_size",
+    "token_embedding_size",
     "late_interaction",
 )
 

@@ -972,7 +972,7 @@ class LLMEngine:
             )
         size = self.embedding_size
         if params.task == "token_embed":
-            size = pooler.token_size(spec.hidden_size)
+            size = self.token_embedding_size
         if params.dimensions is not None and params.dimensions > size:
             raise InvalidRequestError(
                 f"dimensions ({params.dimensions}) is more than the model's embedding size "
@@ -982,6 +982,12 @@ class LLMEngine:
         if params.normalize is None:
             params = replace(params, normalize=pooler.normalize)
         return params
+
+    @property
+    def token_embedding_size(self) -> int:
+        """How many values a token embedding has (BGE-M3's multi-vector projection's, else
+        as :attr:`embedding_size`)."""
+        return self.pooler_config.token_size(self.spec.hidden_size)
 
     @property
     def embedding_size(self) -> int:

@@ -190,9 +190,14 @@ def load_pooler_config(
         config = PoolerConfig("MEAN", source=f"{Path(model_dir) / 'config.json'} emb_pooler")
     if late is not None:  # (its every token's vector, normalized as PyLate encodes)
         config = replace(config, normalize=True, late_interaction=late)
-    multi = _bge_m3_vectors(Path(model_dir)) if encoder else None
-    if multi is not None:
-        config = replace(config, token_dense=(multi,), token_first=1)
+    if encoder and late is None:  # (BGE-M3's multi-vector projection)
+        try:
+            multi = _bge_m3_vectors(Path(model_dir))
+        except ModelLoadError as e:  # (its dense embeddings need no such file)
+            config = replace(config, tokens_problem=str(e))
+        else:
+            if multi is not None:
+                config = replace(config, token_dense=(multi,), token_first=1)
     if override:
         kind = override.get("pooling_type", config.pooling_type)
         if "pooling_type" in override and kind not in supported:
@@ -238,7 +243,8 @@ def _stanford_colbert(model_dir: Path) -> tuple[LateInteraction, DenseLayer] | N
     lengths = {}
     for key, fallback in (("query_maxlen", default.query_length),
                           ("doc_maxlen", default.document_length)):  # fmt: skip
-        value = meta.get(key) or fallback
+        value = meta.get(key, fallback)
+        value = fallback if value is None else value
         if not isinstance(value, int) or isinstance(value, bool) or value < 2:
             raise ModelLoadError(f"{path}: {key} {value!r} is not an integer of 2 or more")
         lengths[key] = value
@@ -377,15 +383,18 @@ def _from_sentence_transformers(
     pooling_type = supported[0]
     if _POOLING_MODULE in types and read_pooling:
         path = modules_path.parent / str(modules[types.index(_POOLING_MODULE)].get("path", ""))
+        # (a Dense module after several modes takes them side by side, not a token's state:
+        # here, token embeddings are refused with the pooling)
         try:
             pooling = read_json(path / "config.json", "the sentence-transformers pooling config")
         except ModelLoadError as e:
-            return PoolerConfig(normalize=normalize, source=source, problem=str(e), dense=dense)
+            return PoolerConfig(normalize=normalize, source=source, problem=str(e),
+                                tokens_problem=str(e))  # fmt: skip
         chosen = [name for key, name in MODES.items() if pooling.get(key)]
         if len(chosen) != 1:
-            return PoolerConfig("+".join(chosen) or "NONE", normalize, source,
-                                f"{path / 'config.json'} pools by "
-                                f"{' + '.join(chosen) or 'no mode'}", dense)  # fmt: skip
+            problem = f"{path / 'config.json'} pools by {' + '.join(chosen) or 'no mode'}"
+            return PoolerConfig("+".join(chosen) or "NONE", normalize, source, problem,
+                                tokens_problem=problem)  # fmt: skip
         pooling_type = chosen[0]
     problem = None
     if pooling_type not in supported:

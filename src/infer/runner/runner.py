@@ -65,6 +65,13 @@ FAST_DECODE_ENV = "INFER_FAST_DECODE"
 """Set to 0 to run every step through the model's modules (for measuring the fast path)."""
 
 
+Pooled = tuple[torch.Tensor | None, torch.Tensor | None]
+"""A step's pooled rows (float32 ``[pooled requests, size]``, None: none) and its
+token-embedding rows (each such request's input rows in turn, after its first ``token_first``:
+BGE-M3's skip its CLS; None: none): two tensors, as a token embedding's projection may give
+another width than a pooled one's."""
+
+
 @dataclass(frozen=True)
 class TokenFeed:
     """Input ids of a step launched before the step it follows has reached the host: row
@@ -90,9 +97,9 @@ class InFlightStep:
     t0: float  # launch began
     t1: float  # inputs prepared
     t2: float  # launched
-    # Embedding requests whose prompt this step ends, and their last rows' hidden states.
+    # Embedding requests whose prompt this step ends, and their rows (ModelRunner.run's).
     pool_reqs: list[Request] = field(default_factory=list)
-    pooled: torch.Tensor | None = None
+    pooled: Pooled | None = None
 
 
 class ModelRunner:
@@ -403,11 +410,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, batch: StepBatch, feed: TokenFeed | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, Pooled | None]:
         """The model's part of a step, the same on every tensor-parallel rank: swap blocks,
         one forward pass, float32 logits of the sampled rows and of the prompt rows, and the
         float32 final hidden states of the pooled rows (embeddings; a copy, so a CUDA graph's
-        next replay cannot overwrite it; a sequence classifier's: its head's logits).
+        next replay cannot overwrite it; a sequence classifier's: its head's logits) and of
+        the token-embedding rows (:data:`Pooled`: the two widths may differ).
         ``feed``: see :meth:`launch` (the Triton step only)."""
         self.swap_blocks(batch)
         if batch.kv_imports:  # after the swap-outs: a block freed by one may be a target
@@ -433,12 +441,12 @@ class ModelRunner:
             pooled = pooled.float() if head is None else head(pooled.to(hidden.dtype))
             if head is None and self.embed_projection is not None:
                 pooled = self.embed_projection(pooled)
+        tokens = None
         if batch.pool_tokens:  # (every row of each input, projected as a pooled vector is)
             tokens = torch.cat([hidden[a:b] for a, b in batch.pool_tokens]).float()
             project = self.token_projection or self.embed_projection
             if project is not None:
                 tokens = project(tokens)
-            pooled = tokens if pooled is None else torch.cat([pooled, tokens])
         if batch.sample_rows:
             if batch.samples_every_row:
                 sampled = hidden  # (decode): no gather
@@ -450,7 +458,8 @@ class ModelRunner:
             prompt_logits = self.model.compute_logits(hidden[rows]).float()
         if self._sync:
             torch.cuda.synchronize(self.device)
-        return logits, prompt_logits, pooled
+        both = None if pooled is None and tokens is None else (pooled, tokens)
+        return logits, prompt_logits, both
 
     def _means(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         """A mean-pooling step: each pooled request's chunk rows of ``hidden`` added to its
@@ -566,21 +575,23 @@ class ModelRunner:
 
 
 def pool(
-    hidden: torch.Tensor, requests: list[Request], token_first: int = 0
+    pooled: Pooled, requests: list[Request], token_first: int = 0
 ) -> dict[str, list[float] | list[list[float]]]:
-    """Each embedding request's vector from its row of ``hidden`` (float32 ``[n, hidden]``;
-    a ``token_embed`` request's rows, one per input token after its first ``token_first``,
-    follow the others': a list of vectors): cut to its ``dimensions``, then scaled to unit
-    length if it normalizes (the engine has resolved ``normalize`` from the model's
-    configuration)."""
+    """Each embedding request's vector from its row of ``pooled`` (the pooled requests first,
+    then the ``token_embed`` ones, whose rows are a list of vectors): cut to its
+    ``dimensions``, then scaled to unit length if it normalizes (the engine has resolved
+    ``normalize`` from the model's configuration)."""
     out: dict[str, list[float] | list[list[float]]] = {}
-    at = 0
+    at = [0, 0]
     for request in requests:
         params = request.pooling
         assert params is not None
-        n = request.num_prompt_tokens - token_first if params.task == "token_embed" else 1
-        rows = hidden[at : at + n]
-        at += n
+        by_token = params.task == "token_embed"
+        n = max(0, request.num_prompt_tokens - token_first) if by_token else 1
+        rows = pooled[by_token]
+        assert rows is not None
+        rows = rows[at[by_token] : at[by_token] + n]
+        at[by_token] += n
         if params.dimensions is not None:
             rows = rows[:, : params.dimensions]
         if params.normalize:
@@ -588,5 +599,6 @@ def pool(
         out[request.request_id] = (
             rows.tolist() if params.task == "token_embed" else rows[0].tolist()
         )
-    assert at == len(hidden), f"{len(hidden)} pooled rows for {at}"
+    for kind, rows in enumerate(pooled):
+        assert at[kind] == (0 if rows is None else len(rows)), f"{at} of {pooled} rows used"
     return out

@@ -338,11 +338,14 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 schemas.setdefault(model.__name__, extra)
             _bound_token_ids(schema, min(len(serving.tokenizer), engine.spec.vocab_size) - 1)
             # an embedding's dimensions: at most the model's embedding size
-            for request in ("EmbeddingRequest", "PoolingRequest"):
+            sizes = {"EmbeddingRequest": engine.embedding_size,  # (a token's may differ)
+                     "PoolingRequest": max(engine.embedding_size,
+                                           getattr(engine, "token_embedding_size", 0))}  # fmt: skip
+            for request, size in sizes.items():
                 dims = schemas[request]["properties"]["dimensions"]
                 for option in dims.get("anyOf", [dims]):
                     if option.get("type") == "integer":
-                        option["maximum"] = engine.embedding_size
+                        option["maximum"] = size
             # /pooling's tasks: those this model serves (a classifier's logits are neither cut
             # nor normalized)
             tasks = (["classify"] if classifier else ["token_embed"]
