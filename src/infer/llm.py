@@ -252,6 +252,7 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         *,
         pooling_task: str = "token_embed",
+        input_type: str | None = None,
         lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[PoolingResult]:
         """Each prompt's pooled data as a tensor (vLLM's ``LLM.encode``): with ``pooling_task``
@@ -259,14 +260,30 @@ class LLM:
         and normalized per token as ``pooling_params`` or the model's files say: a ColBERT
         model's late-interaction vectors); ``embed`` the embedding :meth:`embed` gives;
         ``classify`` a sequence classifier's logits (``pooling_task`` decides: the task of
-        ``pooling_params`` is not read). Results in prompt order."""
-
+        ``pooling_params`` is not read). ``input_type`` (a ColBERT model's token embeddings):
+        ``query`` or ``document``, each prompt encoded as one (:mod:`infer.model.late_interaction`;
+        a document's skiplist words' vectors left out). Results in prompt order."""
         params = pooling_params or PoolingParams()
         if params.task != pooling_task:
             params = dataclasses.replace(params, task=pooling_task)
         prompt_list = _normalize_prompts(prompts)
         encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
-        pooled = self._pool(encoded, params, lora_request, pooling_task)
+        each: PoolingParams | list[PoolingParams] = params
+        li = self.engine.late_interaction
+        if input_type is not None:
+            if li is None or pooling_task != "token_embed" or input_type not in ("query",
+                                                                                 "document"):  # fmt: skip
+                raise InvalidRequestError(
+                    "input_type ('query' or 'document') is for a ColBERT model's token "
+                    f"embeddings, got {input_type!r}", param="input_type")  # fmt: skip
+            roles = [li.query(ids) if input_type == "query" else (li.document(ids), None)
+                     for ids in encoded]  # fmt: skip
+            encoded = [ids for ids, _ in roles]
+            each = [dataclasses.replace(params, attended_tokens=n) for _, n in roles]
+        pooled = self._pool(encoded, each, lora_request, pooling_task)
+        if input_type == "document":  # (its skiplist words' vectors left out)
+            for i, _, last in pooled:
+                last.embedding = [last.embedding[r] for r in li.document_rows(encoded[i])]  # type: ignore[index,union-attr]
         return [
             PoolingResult(
                 request_id=rid,
@@ -376,21 +393,14 @@ class LLM:
     ) -> list[ScoreResult]:
         """A ColBERT model's MaxSim score of each pair: ``text_1`` encoded as queries,
         ``text_2`` as documents (:mod:`infer.model.late_interaction`), each once."""
-        import torch
 
         from infer.model.late_interaction import maxsim
 
-        li = self.engine.late_interaction
-        queries = [li.query(self._encode(p, i, len(first))) for i, p in enumerate(first)]
-        docs = [li.document(self._encode(p, j, len(second))) for j, p in enumerate(second)]
-        encoded = [ids for ids, _ in queries] + docs
-        params = [PoolingParams(normalize=True, task="token_embed", attended_tokens=attended)
-                  for _, attended in queries] + [PoolingParams(normalize=True,
-                                                               task="token_embed")] * len(docs)  # fmt: skip
-        pooled = self._pool(encoded, params, lora_request, "score")
-        vectors = [torch.tensor(last.embedding) for _, _, last in sorted(pooled)]
-        kept = [vectors[len(first) + j][li.document_rows(ids)] for j, ids in enumerate(docs)]
-        return [ScoreResult(first[i], second[j], ScoreOutput(maxsim(vectors[i], kept[j])))
+        unit = PoolingParams(normalize=True)
+        queries = self.encode(first, unit, input_type="query", lora_request=lora_request)
+        docs = self.encode(second, unit, input_type="document", lora_request=lora_request)
+        return [ScoreResult(first[i], second[j],
+                            ScoreOutput(maxsim(queries[i].outputs.data, docs[j].outputs.data)))
                 for i, j in pairs]  # fmt: skip
 
     def _cross_encode(

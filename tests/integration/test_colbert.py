@@ -102,6 +102,31 @@ def test_scores_are_the_maxsim_of_query_and_document_vectors(kind, settings, enc
         assert got == pytest.approx(want, abs=1e-4, rel=1e-5)
 
 
+def test_queries_and_documents_encoded_for_an_index(encoder_root, make_llm):
+    """``LLM.encode(texts, input_type=...)``: each text's vectors as a query or a document (what
+    an index of documents stores, and what a search sends), equal to the reference's; their
+    MaxSim is ``LLM.score``'s; ``input_type`` on another model is refused naming it."""
+    folder = build_colbert("bert", encoder_root)
+    query, document = _reference(folder, {})
+    llm = make_llm(str(folder), dtype="float32")
+    docs = llm.encode(DOCS, input_type="document")
+    queries = llm.encode(QUERIES, input_type="query")
+    for got, text in zip(docs, DOCS, strict=True):
+        torch.testing.assert_close(got.outputs.data, document(text), atol=1e-5, rtol=1e-5)
+    for got, text in zip(queries, QUERIES, strict=True):
+        torch.testing.assert_close(got.outputs.data, query(text), atol=1e-5, rtol=1e-5)
+        assert len(got.prompt_token_ids) == 16  # ([CLS] [Q] ... [SEP] [MASK]...)
+    scores = [r.outputs.score for r in llm.score(QUERIES[0], DOCS)]
+    assert scores == pytest.approx([_maxsim(queries[0].outputs.data, d.outputs.data)
+                                    for d in docs], abs=1e-9)  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="input_type"):
+        llm.encode(DOCS[0], input_type="passage")
+    llm.shutdown()
+    plain = make_llm(str(build_colbert("bert", encoder_root).parent / "bert-cls"))
+    with pytest.raises(InvalidRequestError, match="is for a ColBERT model"):
+        plain.encode(DOCS[0], input_type="document")
+
+
 def test_token_vectors_and_what_a_colbert_model_refuses(encoder_root, make_llm):
     """``LLM.encode`` gives every token's projected, normalized vector of the input as given;
     a one-vector embedding is refused naming the model's kind; pairs score the same in bf16

@@ -272,6 +272,16 @@ def test_a_colbert_model_reranks_by_late_interaction_over_http(server_logs):
             assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-4)
             r = c.post("/pooling", json={"input": DOCS[1]})
             assert r.status_code == 200 and len(r.json()["data"][0]["data"][0]) == 32
+            r = c.post("/pooling", json={"input": DOCS, "input_type": "document"})
+            for d, text in zip(r.json()["data"], DOCS, strict=True):
+                torch.testing.assert_close(torch.tensor(d["data"]), document(text), atol=1e-5,
+                                           rtol=1e-5)  # fmt: skip
+            r = c.post("/pooling", json={"input": QUERIES[1], "input_type": "query"})
+            torch.testing.assert_close(torch.tensor(r.json()["data"][0]["data"]),
+                                       query(QUERIES[1]), atol=1e-5, rtol=1e-5)  # fmt: skip
+            r = c.post("/pooling", json={"input": DOCS[0], "input_type": "query",
+                                         "task": "embed"})  # fmt: skip
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input_type"
             r = c.post("/v1/embeddings", json={"input": DOCS[1]})
             assert r.status_code == 400 and "this is a ColBERT model" in r.text
             schema = c.get("/openapi.json").json()["components"]["schemas"]["PoolingRequest"]

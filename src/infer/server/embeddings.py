@@ -156,19 +156,58 @@ def _encoded(values: list[float] | list[list[float]], encoding_format: str
     return base64.b64encode(struct.pack(f"<{len(flat)}f", *flat)).decode("ascii")
 
 
+async def late_interaction_inputs(
+    serving: Serving, items: list[tuple[str | list[int], str]], req: Any, **fields: Any
+) -> tuple[list[list[int]], list[PoolingParams]]:
+    """A ColBERT model's inputs for ``items`` (``(text or token ids, "query" or
+    "document")``), encoded as the model encodes each role (model/late_interaction.py: cut to
+    its lengths, never a 400 for a long text), and each one's token-embedding parameters
+    (``fields``: normalize, dimensions)."""
+    li = serving.late_interaction
+    special = getattr(req, "add_special_tokens", True)
+    inputs, params = [], []
+    for text, role in items:
+        if isinstance(text, str):
+            ids = await serving.run_blocking(serving.encode, text, special, size=len(text))
+        else:
+            ids = list(text)
+        ids = serving.truncated(ids, req)
+        ids, attended = li.query(ids) if role == "query" else (li.document(ids), None)
+        inputs.append(ids)
+        params.append(pooling_params(task="token_embed", attended_tokens=attended, **fields))
+    return inputs, params
+
+
 async def create_pooling(serving: Serving, req: PoolingRequest, raw: Request,
                          default_task: str) -> Response:  # fmt: skip
     """``POST /pooling``: each input's pooled data as ``req.task`` (else ``default_task``)
-    asks (:class:`PoolingRequest`)."""
+    asks (:class:`PoolingRequest`); a ColBERT model's ``input_type`` encodes every input as
+    a query or a document."""
     model = serving.check_model(req.model)
     log_unknown_fields(req, "/pooling")
-    token_inputs = await pooling_inputs(serving, req)
     task = req.task or default_task
-    fields: dict[str, Any] = {"task": task}
-    if task != "classify" or req.normalize is not None or req.dimensions is not None:
-        fields |= {"normalize": req.normalize, "dimensions": req.dimensions}
-    pooling = pooling_params(**fields)
+    if req.input_type is not None:
+        if serving.late_interaction is None or task != "token_embed":
+            raise bad_request("input_type is for a ColBERT model's token embeddings (its "
+                              "queries and documents are encoded differently)",
+                              param="input_type")  # fmt: skip
+        if req.input is None:
+            raise bad_request("input_type takes 'input', not 'messages'", param="input")
+        inputs = prompt_list(req.input, param="input")
+        token_inputs, pooling = await late_interaction_inputs(
+            serving, [(text, req.input_type) for text in inputs], req,
+            normalize=req.normalize, dimensions=req.dimensions)  # fmt: skip
+    else:
+        token_inputs = await pooling_inputs(serving, req)
+        fields: dict[str, Any] = {"task": task}
+        if task != "classify" or req.normalize is not None or req.dimensions is not None:
+            fields |= {"normalize": req.normalize, "dimensions": req.dimensions}
+        pooling = pooling_params(**fields)
     request_id, finals, usage = await embed(serving, token_inputs, pooling, req, raw, "pool")
+    if req.input_type == "document":  # (its skiplist words' vectors left out)
+        li = serving.late_interaction
+        for final, ids in zip(finals, token_inputs, strict=True):
+            final.embedding = [final.embedding[i] for i in li.document_rows(ids)]  # type: ignore[index]
     data = [PoolingData(index=index, data=_encoded(final.embedding, req.encoding_format))  # type: ignore[arg-type]
             for index, final in enumerate(finals)]  # fmt: skip
     body = PoolingResponse(id=request_id, model=model, data=data, usage=usage)

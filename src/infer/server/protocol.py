@@ -444,6 +444,11 @@ class PoolingRequest(_InputOrMessages):
     task: Literal["token_embed", "embed", "classify"] | None = Field(
         None, description="default: the model's (classify, token_embed for ColBERT, else embed)"
     )
+    input_type: Literal["query", "document"] | None = Field(
+        None,
+        description="a ColBERT model: encode every input as a query or a document "
+        "(prefix, length, query padding; a document's punctuation vectors left out)",
+    )
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: the data's little-endian float32 bytes, rows in order"
     )

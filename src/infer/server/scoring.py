@@ -22,7 +22,13 @@ from infer.core.pooling_params import check_cross_encoder, cosine, relevance, sc
 from infer.core.sampling_params import InvalidRequestError
 from infer.model.tokenizer import encode_pair
 from infer.server.classify import CLASSIFY
-from infer.server.embeddings import embed, log_unknown_fields, pooling_params, tokenize_inputs
+from infer.server.embeddings import (
+    embed,
+    late_interaction_inputs,
+    log_unknown_fields,
+    pooling_params,
+    tokenize_inputs,
+)
 from infer.server.errors import APIError, bad_request, from_invalid_request
 from infer.server.protocol import (
     EmbeddingUsage,
@@ -112,25 +118,15 @@ async def _late_interaction_scores(
     from infer.model.late_interaction import maxsim
 
     li = serving.late_interaction
-    special = getattr(req, "add_special_tokens", True)
     roles = list(
         dict.fromkeys([(i, "query") for i, _ in pairs] + [(j, "document") for _, j in pairs])
     )
     if len(roles) > MAX_SEQUENCES:
         raise bad_request(f"{len(roles)} texts to encode is more than the {MAX_SEQUENCES} one "
                           "request may give", param=texts[-1][1].split("[")[0])  # fmt: skip
-    token_inputs, params = [], []
-    for i, role in roles:
-        text, _ = texts[i]
-        ids = await serving.run_blocking(serving.encode, text, special, size=len(text))
-        ids = serving.truncated(ids, req)  # (then cut to the model's lengths: never a 400)
-        if role == "query":
-            ids, attended = li.query(ids)
-        else:
-            ids, attended = li.document(ids), None
-        token_inputs.append(ids)
-        params.append(pooling_params(task="token_embed", normalize=True,
-                                     attended_tokens=attended))  # fmt: skip
+    token_inputs, params = await late_interaction_inputs(
+        serving, [(texts[i][0], role) for i, role in roles], req, normalize=True
+    )
     try:
         request_id, finals, usage = await embed(serving, token_inputs, params, req, raw, prefix)
     except APIError as e:  # the engine's refusals name /v1/embeddings' field: name this route's
