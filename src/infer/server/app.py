@@ -355,6 +355,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             for option in props["task"].get("anyOf", []):
                 if "enum" in option:
                     option["enum"] = tasks
+            if serving.late_interaction is None:
+                props["input_type"] = {"type": "null", "description": "(a ColBERT model's)"}
             if classifier:
                 props["dimensions"] = {"type": "null", "description": "(logits: not cut)"}
                 props["normalize"] = {"anyOf": [{"const": False}, {"type": "null"}],
