@@ -351,6 +351,71 @@ def test_llama_cpps_embedding_gemma_file_embeds_as_its_folder_and_llama_server(
     _embeds_as_its_folder(folder, file)
 
 
+def test_llama_cpps_embedding_gemma_file_with_gemmas_sentencepiece_vocabulary(
+    tiny_checkpoints, tmp_path
+):
+    """EmbeddingGemma's own kind of vocabulary (a SentencePiece BPE model with byte fallback,
+    Gemma's special ids, no prefix space; trained here on the corpus, 1,000 pieces) through
+    llama.cpp's converter (``llama`` tokenizer, bos and eos added): the file tokenizes every
+    text as the folder's Gemma tokenizer and as llama-server's ``/tokenize`` (double spaces,
+    newlines, non-ASCII), and embeds as the folder (1e-6) and llama-server (1e-3)."""
+    import json
+    import shutil
+
+    spm = pytest.importorskip("sentencepiece")
+    from transformers import AutoTokenizer
+
+    from infer.data.corpus import load_corpus
+    from infer.testing.encoders import (
+        build_embedding_gemma,
+        default_encoder_root,
+        with_dense_modules,
+    )
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(load_corpus(include_docstrings=False))[:2_000_000])
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "gemma"), vocab_size=1000,
+        model_type="bpe", byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", character_coverage=1.0, minloglevel=2,
+    )  # fmt: skip
+    tokdir = tmp_path / "tok"
+    tokdir.mkdir()
+    shutil.copy(tmp_path / "gemma.model", tokdir / "tokenizer.model")
+    (tokdir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True,
+        "add_eos_token": True}))  # fmt: skip
+    root = default_encoder_root()
+    base = build_embedding_gemma(root, tiny_checkpoints["gemma3"], name="embedding-gemma-6",
+                                 num_hidden_layers=6, sliding_window=16, layer_types=None)  # fmt: skip
+    dense = with_dense_modules(base, root / "embedding-gemma-6-dense", [256, 64], plain=True)
+    folder = tmp_path / "eg-spm"
+    shutil.copytree(dense, folder, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    AutoTokenizer.from_pretrained(tokdir).save_pretrained(folder)
+    shutil.copy(tmp_path / "gemma.model", folder / "tokenizer.model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"bos_token_id": 2,
+                                                             "eos_token_id": 1, "pad_token_id": 0}))  # fmt: skip
+    file = convert(folder, tmp_path / "eg-spm.gguf", "f32", "--dense-modules")
+    _embeds_as_its_folder(folder, file)
+    texts = ["Hello world  two  spaces é 東", "def f(a, b):\n    return a  + b\n", " leading"]
+    want = AutoTokenizer.from_pretrained(folder)
+    from infer import LLM
+
+    with LLM(str(file), dtype="float32") as llm:
+        got = [r.prompt_token_ids for r in llm.embed(texts)]
+    assert got == [want(t)["input_ids"] for t in texts]
+    server = _llama_server(file, "--embedding")
+    if server is not None:
+        with server as url:
+            theirs = [_post(url + "/tokenize", {"content": t, "add_special": True})["tokens"]
+                      for t in texts]  # fmt: skip
+        assert theirs == got
+
+
 @pytest.mark.parametrize("kind", ["roberta", "modernbert"])
 def test_llama_cpps_byte_level_bpe_files_embed_as_their_folders_and_llama_server(kind, tmp_path):
     """A tiny RoBERTa (``bert``, its byte-level BPE vocabulary as ``gpt2`` with merges) and a
