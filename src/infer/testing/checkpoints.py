@@ -246,6 +246,22 @@ def _tokenizer(root: Path) -> Path:
     return final
 
 
+def build_once(final: Path, write: Callable[[Path], None]) -> Path:
+    """The folder ``final``, unless it is there already: ``write`` fills a temporary folder
+    beside it, published whole (:func:`_publish`), removed if ``write`` fails."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        write(tmp)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def _publish(tmp: Path, final: Path) -> None:
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any build output
     try:
@@ -283,17 +299,13 @@ def build_tiny_checkpoint(kind: str, root: Path) -> Path:
     # Seeded by name so adding a kind never changes the others; "_sharded" shares the weights.
     _randomize(model, SEED + zlib.crc32(kind.removesuffix("_sharded").encode()) % 10_000)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-", dir=root))
-    try:
+    def write(tmp: Path) -> None:
         shard = {"max_shard_size": "100KB"} if kind.endswith("_sharded") else {}
         model.save_pretrained(tmp, safe_serialization=True, **shard)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return build_once(final, write)
 
 
 def build_classifier(kind: str, root: Path, num_labels: int = 1) -> Path:
@@ -327,15 +339,12 @@ def build_classifier(kind: str, root: Path, num_labels: int = 1) -> Path:
     torch.manual_seed(SEED)
     model = getattr(transformers, name)(config).to(torch.float32)
     _randomize(model, SEED + zlib.crc32(final.name.encode()) % 10_000)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return build_once(final, write)
 
 
 def build_all(root: Path | None = None) -> dict[str, Path]:

@@ -9,12 +9,11 @@ corpus (``[CLS] text [SEP]``, as BERT's) and sentence-transformers' ``modules.js
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from infer.model.pooling import write_pooling_files
-from infer.testing.checkpoints import _publish, default_root
+from infer.testing.checkpoints import build_once, default_root
 
 ENCODER_KINDS = {"bert": "BertModel", "xlm_roberta": "XLMRobertaModel",
                  "nomic_bert": "NomicBertModel", "gte": "GteModel",
@@ -201,11 +200,8 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
 
     root = Path(root)
     final = root / (name or f"{kind}-{pooling}{'' if normalize else '-raw'}")
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
         if sentencepiece:  # (XLM-RoBERTa's ids: <pad> is 1)
             vocab_size, pad = _sentencepiece_tokenizer(tmp), 1
         elif bpe or kind == "roberta":
@@ -244,14 +240,10 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
                     param.normal_(0.0, 0.1)
         model.save_pretrained(tmp, safe_serialization=True)
         if labels:
-            _publish(tmp, final)
-            return final
+            return
         write_pooling_files(tmp, pooling.upper(), normalize)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return build_once(final, write)
 
 
 def build_jina(root: Path, pooling: str = "mean", name: str | None = None, code: bool = False,
@@ -272,11 +264,8 @@ def build_jina(root: Path, pooling: str = "mean", name: str | None = None, code:
 
     root = Path(root)
     final = root / (name or f"jina-{pooling}")
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
         _tokenizer(tmp, token_types=True)
         tok_config = json.loads((tmp / "tokenizer_config.json").read_text())
         tok_config["tokenizer_class"] = "BertTokenizer"
@@ -322,11 +311,8 @@ def build_jina(root: Path, pooling: str = "mean", name: str | None = None, code:
             tensors[f"{at}{mlp[1]}.weight"], tensors[f"{at}{mlp[1]}.bias"] = rand(h, inter), rand(h)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_pooling_files(tmp, pooling.upper(), normalize=True)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return build_once(final, write)
 
 
 def with_dense_modules(
@@ -345,10 +331,8 @@ def with_dense_modules(
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.is_dir():
-        return out
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         shutil.copytree(folder, tmp, dirs_exist_ok=True)
         modules = json.loads((tmp / "modules.json").read_text())
         normalize = [m for m in modules if m["type"].endswith(".Normalize")]
@@ -377,11 +361,8 @@ def with_dense_modules(
         for m in normalize:
             modules.append(m | {"idx": len(modules), "name": str(len(modules))})
         (tmp / "modules.json").write_text(json.dumps(modules, indent=1))
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return build_once(out, write)
 
 
 def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
@@ -407,12 +388,10 @@ def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
 
     root = Path(root)
     final = root / (name or f"colbert-{kind}")
-    if final.is_dir():
-        return final
-    base = build_encoder(kind, root, "cls", name=f"{final.name}-base" if shape else None,
-                         **(shape or {}))  # fmt: skip
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
+        base = build_encoder(kind, root, "cls", name=f"{final.name}-base" if shape else None,
+                             **(shape or {}))  # fmt: skip
         tokenizer = transformers.AutoTokenizer.from_pretrained(base)
         tokenizer.add_tokens(["[unused0]", "[unused1]"] if stanford else ["[Q] ", "[D] "])
         model = transformers.AutoModel.from_pretrained(base, dtype=torch.float32)
@@ -433,8 +412,7 @@ def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
                     "doc_maxlen": 24, "attend_to_mask_tokens": False, "dim": dim,
                     "similarity": "cosine"} | settings  # fmt: skip
             (tmp / "artifact.metadata").write_text(json.dumps(meta, indent=1))
-            _publish(tmp, final)
-            return final
+            return
         model.save_pretrained(tmp)
         (tmp / "1_Dense").mkdir()
         (tmp / "1_Dense" / "config.json").write_text(json.dumps({
@@ -450,11 +428,8 @@ def build_colbert(kind: str, root: Path, name: str | None = None, dim: int = 32,
                   "attend_to_expansion_tokens": False, "do_query_expansion": True,
                   "skiplist_words": list(string.punctuation)} | settings  # fmt: skip
         (tmp / "config_sentence_transformers.json").write_text(json.dumps(config, indent=1))
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return build_once(final, write)
 
 
 def build_embedding_gemma(root: Path, tokenizer_folder: Path, name: str = "embedding-gemma",
@@ -469,11 +444,8 @@ def build_embedding_gemma(root: Path, tokenizer_folder: Path, name: str = "embed
 
     root = Path(root)
     final = root / name
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder)
         tokenizer.save_pretrained(tmp)
         fields = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -491,8 +463,5 @@ def build_embedding_gemma(root: Path, tokenizer_folder: Path, name: str = "embed
                 param.normal_(0.0, 0.1)
         model.save_pretrained(tmp, safe_serialization=True)
         write_pooling_files(tmp, "MEAN", normalize=False)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return build_once(final, write)
