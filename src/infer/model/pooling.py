@@ -281,19 +281,15 @@ def _bge_m3_vectors(model_dir: Path) -> DenseLayer | None:
 
 
 def _tensor_shape(file: Path, name: str) -> list[int] | None:
-    """The shape of tensor ``name`` in safetensors ``file`` (its header only), None where the
-    file or the tensor is missing."""
-    import json
-    import struct
+    """The shape of tensor ``name`` in safetensors ``file`` (read from its header: no data),
+    None where the file or the tensor is missing."""
+    from safetensors import SafetensorError, safe_open
 
     try:
-        with open(file, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(size))
-    except (OSError, ValueError, struct.error):
+        with safe_open(str(file), framework="numpy") as f:
+            return list(f.get_slice(name).get_shape()) if name in f.keys() else None  # noqa: SIM118
+    except (OSError, SafetensorError):
         return None
-    entry = header.get(name)
-    return None if not isinstance(entry, dict) else list(entry.get("shape", []))
 
 
 def load_late_interaction(model_dir: Path) -> LateInteraction | None:
