@@ -356,13 +356,13 @@ class ModelRunner:
                     continue
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
-            pooling = requests[chunk.request_id].pooling
+            request = requests[chunk.request_id]
+            pooling = request.pooling
             keys = None if pooling is None else pooling.attended_tokens
             seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0, keys))
             if by_mean and pooling is not None and pooling.task != "token_embed":
                 pool_sums.append((chunk.request_id, len(token_ids) - n, len(token_ids), start))
             if chunk.prompt_logprobs:
-                request = requests[chunk.request_id]
                 first_row = len(token_ids) - n
                 for i in range(n):
                     target = chunk.num_computed_tokens + i + 1
@@ -370,13 +370,12 @@ class ModelRunner:
                         prompt_rows.append(first_row + i)
                         prompt_targets.append((request, target))
             if chunk.sample:
-                request = requests[chunk.request_id]
                 end = len(token_ids)
-                if request.pooling is not None and request.pooling.task == "token_embed":
+                if pooling is not None and pooling.task == "token_embed":
                     pool_tokens.append((end - n + self.token_first, end))  # (input: whole)
                     token_reqs.append(request)
                     continue
-                if request.pooling is not None:  # its embedding: the prompt's last row
+                if pooling is not None:  # its embedding: the prompt's last row
                     pool_rows.append(end - 1)
                     pool_starts.append(end - n)  # (an encoder's: its whole input)
                     pool_reqs.append(request)
