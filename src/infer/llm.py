@@ -283,7 +283,7 @@ class LLM:
         pooled = self._pool(encoded, each, lora_request, pooling_task)
         if input_type == "document":  # (its skiplist words' vectors left out)
             for i, _, last in pooled:
-                last.embedding = [last.embedding[r] for r in li.document_rows(encoded[i])]  # type: ignore[index,union-attr]
+                last.embedding = li.document_vectors(encoded[i], last.embedding)  # type: ignore[union-attr,arg-type]
         return [
             PoolingResult(
                 request_id=rid,

@@ -79,9 +79,10 @@ class LateInteractionTokens:
         """A document's input from its tokens."""
         return _with_prefix(ids, self.document_prefix, self.settings.document_length)
 
-    def document_rows(self, ids: list[int]) -> list[int]:
-        """The rows of a document's input whose vectors it keeps (its skiplist's left out)."""
-        return [i for i, token in enumerate(ids) if token not in self.skiplist]
+    def document_vectors(self, ids: list[int], vectors: list) -> list:
+        """The vectors a document keeps of its input ``ids``' (one per token): its skiplist
+        words' left out."""
+        return [v for token, v in zip(ids, vectors, strict=True) if token not in self.skiplist]
 
 
 def _with_prefix(ids: list[int], prefix: int | None, length: int) -> list[int]:

@@ -207,7 +207,7 @@ async def create_pooling(serving: Serving, req: PoolingRequest, raw: Request,
     if req.input_type == "document":  # (its skiplist words' vectors left out)
         li = serving.late_interaction
         for final, ids in zip(finals, token_inputs, strict=True):
-            final.embedding = [final.embedding[i] for i in li.document_rows(ids)]  # type: ignore[index]
+            final.embedding = li.document_vectors(ids, final.embedding)  # type: ignore[arg-type]
     data = [PoolingData(index=index, data=_encoded(final.embedding, req.encoding_format))  # type: ignore[arg-type]
             for index, final in enumerate(finals)]  # fmt: skip
     body = PoolingResponse(id=request_id, model=model, data=data, usage=usage)

@@ -137,8 +137,9 @@ async def _late_interaction_scores(
     def score_all() -> list[float]:
         vectors = {}
         for (i, role), ids, final in zip(roles, token_inputs, finals, strict=True):
-            rows = torch.tensor(final.embedding)
-            vectors[i, role] = rows[li.document_rows(ids)] if role == "document" else rows
+            rows = final.embedding
+            vectors[i, role] = torch.tensor(li.document_vectors(ids, rows) if role == "document"
+                                            else rows)  # fmt: skip
         return [maxsim(vectors[i, "query"], vectors[j, "document"]) for i, j in pairs]
 
     # (off the event loop: a thousand documents' vectors are millions of floats)
