@@ -239,22 +239,16 @@ def _stanford_colbert(model_dir: Path) -> tuple[LateInteraction, DenseLayer] | N
             meta = json.loads(path.read_text())
         except ValueError as e:
             raise ModelLoadError(f"{path} cannot be read: {e}") from None
-    default = LateInteraction()
-    lengths = {}
-    for key, fallback in (("query_maxlen", default.query_length),
-                          ("doc_maxlen", default.document_length)):  # fmt: skip
-        value = meta.get(key, fallback)
-        value = fallback if value is None else value
-        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
-            raise ModelLoadError(f"{path}: {key} {value!r} is not an integer of 2 or more")
-        lengths[key] = value
     late = LateInteraction(
         query_prefix=str(meta.get("query_token_id") or "[unused0]"),
         document_prefix=str(meta.get("doc_token_id") or "[unused1]"),
-        query_length=lengths["query_maxlen"],
-        document_length=lengths["doc_maxlen"],
         attend_to_expansion=bool(meta.get("attend_to_mask_tokens", False)),
     )
+    late = replace(late, **{
+        field: _setting(path, key, meta[key], int)
+        for key, field in (("query_maxlen", "query_length"), ("doc_maxlen", "document_length"))
+        if meta.get(key) is not None
+    })  # fmt: skip
     shape = _tensor_shape(model_dir / "model.safetensors", "linear.weight")
     if shape is None or len(shape) != 2:
         raise ModelLoadError(f"{model_dir}: an HF_ColBERT checkpoint without a 2-D linear.weight "
@@ -308,34 +302,37 @@ def load_late_interaction(model_dir: Path) -> LateInteraction | None:
         data.get("model_type") == "ColBERT" or data.get("similarity_fn_name") == "MaxSim"
     ):
         return None
-    fields = {"query_prefix": str, "document_prefix": str, "query_length": int,
-              "document_length": int, "do_query_expansion": bool,
-              "attend_to_expansion_tokens": bool}  # fmt: skip
-    values: dict[str, Any] = {}
-    for key, kind in fields.items():
-        value = data.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 2)):
-            raise ModelLoadError(f"{path}: {key} {value!r} is not a{'n integer of 2 or more' if kind is int else ' ' + kind.__name__}")  # fmt: skip
-        values[key] = value
+    values = {field: _setting(path, key, data[key], kind)
+              for key, (field, kind) in _PYLATE_SETTINGS.items() if data.get(key) is not None}  # fmt: skip
     words = data.get("skiplist_words")
     if words is not None and not (
         isinstance(words, list) and all(isinstance(w, str) for w in words)
     ):
         raise ModelLoadError(f"{path}: skiplist_words is not a list of strings")
-    default = LateInteraction()
-    return LateInteraction(
-        query_prefix=values.get("query_prefix", default.query_prefix),
-        document_prefix=values.get("document_prefix", default.document_prefix),
-        query_length=values.get("query_length", default.query_length),
-        document_length=values.get("document_length", default.document_length),
-        query_expansion=values.get("do_query_expansion", default.query_expansion),
-        attend_to_expansion=values.get(
-            "attend_to_expansion_tokens", default.attend_to_expansion
-        ),  # fmt: skip
-        skiplist_words=default.skiplist_words if words is None else tuple(words),
-    )
+    if words is not None:
+        values["skiplist_words"] = tuple(words)
+    return replace(LateInteraction(), **values)
+
+
+# PyLate's config keys -> the LateInteraction field each sets, and its type
+_PYLATE_SETTINGS = {
+    "query_prefix": ("query_prefix", str),
+    "document_prefix": ("document_prefix", str),
+    "query_length": ("query_length", int),
+    "document_length": ("document_length", int),
+    "do_query_expansion": ("query_expansion", bool),
+    "attend_to_expansion_tokens": ("attend_to_expansion", bool),
+}
+
+
+def _setting(path: Path, key: str, value: Any, kind: type) -> Any:
+    """A ColBERT setting ``key`` of the file ``path``, checked as ``kind`` (a length: an integer
+    of 2 or more, room for a prefix and a token); a :class:`ModelLoadError` naming it else."""
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
+        raise ModelLoadError(f"{path}: {key} {value!r} is not an integer of 2 or more")
+    if not isinstance(value, kind):
+        raise ModelLoadError(f"{path}: {key} {value!r} is not a {kind.__name__}")
+    return value
 
 
 def _emb_pooler(model_dir: Path) -> str | None:
