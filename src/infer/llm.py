@@ -41,6 +41,7 @@ from infer.core.outputs import (
 from infer.core.pooling_params import (
     PoolingParams,
     check_cross_encoder,
+    class_probabilities,
     cosine,
     relevance,
     score_pairs,
@@ -258,9 +259,13 @@ class LLM:
         """Each prompt's pooled data as a tensor (vLLM's ``LLM.encode``): with ``pooling_task``
         ``token_embed`` (an encoder's) one vector per input token, ``[tokens, size]`` (cut
         and normalized per token as ``pooling_params`` or the model's files say: a ColBERT
-        model's late-interaction vectors); ``embed`` the embedding :meth:`embed` gives;
-        ``classify`` a sequence classifier's logits (``pooling_task`` decides: the task of
-        ``pooling_params`` is not read). ``input_type`` (a ColBERT model's token embeddings):
+        model's late-interaction vectors); ``token_classify`` (a ``*ForTokenClassification``
+        model's) each input token's label probabilities, ``[tokens, labels]`` (BGE-M3's sparse
+        weight of each token but ``<s>`` and ``</s>``: ``[tokens - 2, 1]``); ``embed`` the
+        embedding :meth:`embed` gives; ``classify`` a sequence classifier's label
+        probabilities (``pooling_params.use_activation`` false: the raw logits, for either
+        classification; ``pooling_task`` decides the task: that of ``pooling_params`` is not
+        read). ``input_type`` (a ColBERT model's token embeddings):
         ``query`` or ``document``, each prompt encoded as one (:mod:`infer.model.late_interaction`;
         a document's skiplist words' vectors left out). Results in prompt order."""
         params = pooling_params or PoolingParams()
@@ -284,14 +289,17 @@ class LLM:
         if input_type == "document":  # (its skiplist words' vectors left out)
             for i, _, last in pooled:
                 last.embedding = li.document_vectors(encoded[i], last.embedding)  # type: ignore[union-attr,arg-type]
+        if pooling_task == "classify" and params.use_activation:
+            for _, _, last in pooled:
+                last.embedding = class_probabilities(last.embedding)  # type: ignore[arg-type]
+        widths = {"token_embed": self.engine.token_embedding_size,
+                  "token_classify": len(self.engine.token_classes)}  # fmt: skip
         return [
             PoolingResult(
                 request_id=rid,
                 prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
                 prompt_token_ids=list(encoded[i]),
-                outputs=PoolingOutput(
-                    _as_tensor(last.embedding, pooling_task, self.engine.token_embedding_size)
-                ),
+                outputs=PoolingOutput(_as_tensor(last.embedding, widths.get(pooling_task))),
                 num_cached_tokens=last.num_cached_tokens,
                 timings=last.timings,
             )
@@ -545,10 +553,11 @@ def _merge(index: int, outs: list[RequestOutput]) -> CompletionOutput:
     )
 
 
-def _as_tensor(data: list, task: str, token_size: int) -> Any:
-    """A pooling result as a float32 tensor (token embeddings of no token: ``[0, size]``)."""
+def _as_tensor(data: list, row_width: int | None) -> Any:
+    """A pooling result as a float32 tensor (rows of ``row_width`` values, a per-token task's:
+    ``[0, row_width]`` where it covers no token)."""
     import torch
 
-    if task == "token_embed" and not data:
-        return torch.zeros(0, token_size)
+    if row_width is not None and not data:
+        return torch.zeros(0, row_width)
     return torch.tensor(data, dtype=torch.float32)

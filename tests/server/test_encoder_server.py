@@ -199,7 +199,66 @@ def test_a_bert_cross_encoder_reranks_over_http(reranker_server):
         )
         r = c.post("/v1/embeddings", json={"model": "rr", "input": query})
         assert r.status_code == 400 and "classif" in r.json()["error"]["message"]
+        # /pooling: the classifier's probability (vLLM's default), or its logit if asked
+        with torch.no_grad():
+            logit = float(model(**tok(query, return_tensors="pt")).logits[0, 0])
+        for body, want in (({}, torch.sigmoid(torch.tensor(logit)).item()),
+                           ({"use_activation": False}, logit)):  # fmt: skip
+            r = c.post("/pooling", json={"model": "rr", "input": query} | body)
+            assert r.json()["data"][0]["data"] == pytest.approx([want], abs=1e-5)
     server.wait_idle()
+
+
+def test_a_token_classifier_tags_every_token_over_http(server_logs):
+    """A ``BertForTokenClassification`` (an NER tagger): ``/pooling`` with no task gives each
+    input token's label probabilities, transformers' softmax (the logits with
+    ``use_activation: false``; base64 of them in order); the schema lists ``token_classify``
+    as its one task; embeddings, another task and ``dimensions`` answer 400 naming why;
+    every KV block back."""
+    import base64
+    import struct
+
+    import httpx
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from infer.testing.encoders import NER_LABELS, build_token_classifier
+
+    folder = build_token_classifier("bert", default_encoder_root())
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForTokenClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = [model(**tok(t, return_tensors="pt")).logits[0] for t in TEXTS]
+    for server in start_server(folder, server_logs):
+        with server.client() as c:
+            r = c.post("/pooling", json={"input": TEXTS})
+            assert r.status_code == 200, r.text
+            for d, want in zip(r.json()["data"], logits, strict=True):
+                torch.testing.assert_close(torch.tensor(d["data"]), want.softmax(1), atol=1e-5,
+                                           rtol=1e-5)  # fmt: skip
+            r = c.post(
+                "/pooling",
+                json={
+                    "input": TEXTS[2],
+                    "task": "token_classify",
+                    "use_activation": False,
+                    "encoding_format": "base64",
+                },
+            )
+            raw = base64.b64decode(r.json()["data"][0]["data"])
+            got = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw))
+            torch.testing.assert_close(got.view(-1, len(NER_LABELS)), logits[2], atol=1e-5,
+                                       rtol=1e-5)  # fmt: skip
+            for path, body, words in (
+                ("/v1/embeddings", {"input": "x"}, "is a token classifier"),
+                ("/pooling", {"input": "x", "task": "embed"}, "is a token classifier"),
+                ("/pooling", {"input": "x", "dimensions": 2}, "neither dimensions nor normalize"),
+            ):
+                r = c.post(path, json=body)
+                assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        schema = httpx.get(server.url + "/openapi.json", headers=server.headers).json()
+        task = schema["components"]["schemas"]["PoolingRequest"]["properties"]["task"]
+        assert [o["enum"] for o in task["anyOf"] if "enum" in o] == [["token_classify"]]
+        server.wait_idle()
 
 
 def test_a_gguf_embedding_file_is_served_as_its_folder(bert, reference, server_logs, tmp_path):

@@ -144,6 +144,9 @@ class StepBatch:
     # Token embeddings (an encoder's ``token_embed`` requests): each one's rows, first and end;
     # they follow the pooled rows' vectors, in order, in the step's output.
     pool_tokens: list[tuple[int, int]] = field(default_factory=list)
+    # Token classifications (``token_classify`` requests): each one's rows, first and end;
+    # their logits follow the token embeddings', in order.
+    classify_tokens: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples_every_row(self) -> bool:

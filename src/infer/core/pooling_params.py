@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 
-TASKS = ("embed", "classify", "token_embed")
+TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,15 @@ class PoolingParams:
     says: its sentence-transformers ``Normalize`` module, on where it has no such file).
     ``dimensions``: keep only the first ``dimensions`` values (Matryoshka embeddings; the
     normalization, if any, comes after the cut). ``task``: ``embed`` (the hidden state),
-    ``classify`` (a sequence classifier's logits, one per label: neither cut nor normalized)
-    or ``token_embed`` (an encoder's every token's state, each cut and normalized as an
-    embedding is: the vectors late-interaction models such as ColBERT score by)."""
+    ``classify`` (a sequence classifier's logits, one per label: neither cut nor
+    normalized), ``token_embed`` (an encoder's every token's state, each cut and normalized as an
+    embedding is: the vectors late-interaction models such as ColBERT score by) or
+    ``token_classify`` (a token classifier's logits for every input token, one per label: an
+    NER tagger's; BGE-M3's sparse weight of each token but its first and last).
+    ``use_activation`` (``token_classify``): each token's logits through the model's
+    activation (softmax over the labels, sigmoid for one label, BGE-M3's ReLU); false: the
+    raw logits. A ``classify`` request's logits come back raw whatever it says (the server
+    and ``LLM.encode`` apply it)."""
 
     normalize: bool | None = None
     dimensions: int | None = None
@@ -38,11 +44,17 @@ class PoolingParams:
     # An encoder's input of which only the first n tokens are attended to (keys); the rest are
     # queries only: a ColBERT query's expansion tokens (model/late_interaction.py). None: all.
     attended_tokens: int | None = None
+    use_activation: bool = True
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise InvalidRequestError(
                 f"task must be one of {', '.join(TASKS)}, got {self.task!r}", param="task"
+            )
+        if not isinstance(self.use_activation, bool):
+            raise InvalidRequestError(
+                f"use_activation must be true or false, got {self.use_activation!r}",
+                param="use_activation",
             )
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidRequestError(

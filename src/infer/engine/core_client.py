@@ -100,6 +100,7 @@ _ATTRS = (
     "sampling_defaults",
     "embedding_size",
     "token_embedding_size",
+    "token_classes",
     "late_interaction",
 )
 

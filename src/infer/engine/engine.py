@@ -44,7 +44,7 @@ from infer.model.pooling import PoolerConfig, load_pooler_config
 from infer.runner.backend import WeightsConfig, device_backend
 from infer.runner.cpu.prepack import model_weight_bytes
 from infer.runner.quant import check_quantization
-from infer.runner.runner import InFlightStep, TokenFeed
+from infer.runner.runner import InFlightStep, TokenFeed, TokenRows
 from infer.spec_decode import NgramProposer, Proposer
 
 if TYPE_CHECKING:
@@ -219,7 +219,12 @@ class LLMEngine:
         self.pooler_config = load_pooler_config(self.model_path, dict(mc.pooler_config),
                                                 encoder=self.spec.is_encoder)  # fmt: skip
         pooler = self.pooler_config
-        if self.spec.is_encoder and not self.spec.is_classifier:
+        if self.spec.token_labels:
+            logger.info("a token classifier (%s), labels %s: it labels every input token "
+                        "(/pooling and LLM.encode with task token_classify) and generates "
+                        "nothing; each input runs whole, prefix caching off",
+                        self.spec.architecture, ", ".join(self.spec.token_labels))  # fmt: skip
+        elif self.spec.is_encoder and not self.spec.is_classifier:
             logger.info("an encoder (%s): it embeds (/v1/embeddings, LLM.embed) by %s pooling, "
                         "%s (%s), and generates nothing; each input runs whole, prefix caching "
                         "off%s", self.spec.architecture, pooler.pooling_type,
@@ -352,7 +357,12 @@ class LLMEngine:
             if pooler.token_dense:  # (BGE-M3's multi-vector projection, past the first row)
                 self.runner.token_projection = EmbeddingProjection(pooler.token_dense, hidden,
                                                                    device)  # fmt: skip
-                self.runner.token_first = pooler.token_first
+            self.runner.token_rows = self._token_rows()
+            if self.spec.token_labels:  # (a token classifier's own head)
+                self.runner.token_classifier = self.model.token_classifier
+            elif pooler.sparse is not None:  # (BGE-M3's sparse weights: float32, as its others)
+                sparse = EmbeddingProjection((pooler.sparse,), hidden, device)
+                self.runner.token_classifier = lambda rows: sparse(rows.float())
         self.kv_cache = self.runner.kv_cache
         self.runner.workers = self.tp_workers
         self.runner.lora = self.lora
@@ -920,10 +930,34 @@ class LLMEngine:
                 param="allowed_token_ids",
             )
 
+    def _token_rows(self) -> TokenRows:
+        """Which rows this model's per-token outputs cover: BGE-M3's token embeddings skip the
+        first (``PoolerConfig.token_first``), its sparse weights the first and last where they
+        are its tokenizer's ``<s>`` / ``</s>`` (FlagEmbedding leaves their weights out); a
+        token classifier's logits cover every token, through a softmax over its labels (a
+        sigmoid for one label), BGE-M3's through a ReLU."""
+        pooler, tok = self.pooler_config, self.tokenizer
+        if self.spec.token_labels:
+            return TokenRows(pooler.token_first, None,
+                             "sigmoid" if len(self.spec.token_labels) == 1 else "softmax")  # fmt: skip
+        first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
+        last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
+        return TokenRows(pooler.token_first, (first, last), "relu")
+
+    @property
+    def token_classes(self) -> tuple[str, ...]:
+        """What a token classification gives per token: the token classifier's labels,
+        ``("weight",)`` for BGE-M3's sparse weights, ``()`` where this model gives none."""
+        if self.spec.token_labels:
+            return self.spec.token_labels
+        return ("weight",) if self.pooler_config.sparse is not None else ()
+
     def _pooling(self, params: PoolingParams) -> PoolingParams:
         """An embedding request's parameters with the model's ``normalize`` where it left it
         unset; ``InvalidRequestError`` where this model cannot give what it asks."""
         spec = self.spec
+        if params.task == "token_classify" or spec.token_labels:
+            return self._token_classification(params)
         if spec.is_classifier != (params.task == "classify"):
             if spec.is_classifier:
                 raise InvalidRequestError(self._classifier_only(), param="input")
@@ -982,6 +1016,34 @@ class LLMEngine:
         if params.normalize is None:
             params = replace(params, normalize=pooler.normalize)
         return params
+
+    def _token_classification(self, params: PoolingParams) -> PoolingParams:
+        """A ``token_classify`` request's parameters (or any request to a token classifier,
+        which gives nothing else); ``InvalidRequestError`` naming what it cannot have."""
+        spec, pooler = self.spec, self.pooler_config
+        if params.task != "token_classify":  # (a *ForTokenClassification model)
+            raise InvalidRequestError(
+                f"this model ({spec.architecture}) is a token classifier: it gives every input "
+                "token's label probabilities (/pooling with task token_classify, "
+                "LLM.encode(pooling_task='token_classify')), not "
+                f"{'a classification' if params.task == 'classify' else 'embeddings'}",
+                param="input",
+            )
+        if not self.token_classes:
+            why = f" ({pooler.sparse_problem})" if pooler.sparse_problem is not None else ""
+            raise InvalidRequestError(
+                f"this model ({spec.architecture}) has no token classification head{why}: "
+                "token_classify needs a *ForTokenClassification model (an NER tagger) or "
+                "BGE-M3's sparse_linear.pt",
+                param="input",
+            )
+        if params.dimensions is not None or params.normalize:
+            raise InvalidRequestError(
+                "a token classification is each token's logits, one per label: it takes "
+                "neither dimensions nor normalize",
+                param="dimensions" if params.dimensions is not None else "normalize",
+            )
+        return replace(params, normalize=False)
 
     @property
     def token_embedding_size(self) -> int:

@@ -121,6 +121,20 @@ class EncoderClassifierHead(nn.Module):
         return F.linear(pooled, self.weight, self.bias).float()
 
 
+class TokenClassifierHead(nn.Module):
+    """A token classifier's head (``*ForTokenClassification``'s ``classifier``): one linear
+    layer over every token's final state, float32 logits ``[T, num_labels]``. Plain
+    parameters, as :class:`EncoderClassifierHead`'s."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_labels))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight, self.bias).float()
+
+
 def plain(name: str) -> WeightSource:
     """The one checkpoint tensor ``name``."""
     return WeightSource((name,))
@@ -275,6 +289,15 @@ class BertModel(CausalLM):
             "classifier.weight": WeightSource((out,)),
             "classifier.bias": WeightSource((out.removesuffix("weight") + "bias",)),
         }
+
+    def make_token_classifier(self, num_labels: int) -> nn.Module:
+        """The head of a ``*ForTokenClassification`` checkpoint (the loader adds it)."""
+        return TokenClassifierHead(self.cfg.hidden_size, num_labels)
+
+    def token_classifier_sources(self) -> dict[str, WeightSource]:
+        """Where the token head's parameters come from (transformers' ``classifier``)."""
+        return {"token_classifier.weight": plain("classifier.weight"),
+                "token_classifier.bias": plain("classifier.bias")}  # fmt: skip
 
     def vocab_projection_weight(self) -> None:  # type: ignore[override]
         """None: an encoder projects nothing onto its vocabulary."""

@@ -63,6 +63,8 @@ class CausalLM(nn.Module):
         super().__init__()
         # A sequence classifier's head (the loader adds it; None: a language model).
         self.classifier: ClassifierHead | None = None
+        # A token classifier's head over every token's state (model/bert.py; None: none).
+        self.token_classifier: nn.Module | None = None
 
     @classmethod
     def parse_config(cls, config: dict[str, Any]) -> Any:

@@ -35,6 +35,7 @@ from infer.model.registry import (
     cross_encoder_activation,
     model_class,
     rerank_template,
+    token_classifier_labels,
 )
 from infer.model.spec import ModelSpec, config_dtype, token_ids
 
@@ -74,6 +75,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
     try:
         arch, cls = model_class(config)
         labels = classifier_labels(arch, config)
+        token_labels = token_classifier_labels(arch, config)
         activation = cross_encoder_activation(config) if len(labels) == 1 else "sigmoid"
         template = rerank_template(config) if labels else None
         if labels:  # a classifier has no vocabulary projection (no lm_head tensor to read)
@@ -104,6 +106,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
         bos_token_id=bos,
         torch_dtype=config_dtype(config),
         labels=labels,
+        token_labels=token_labels,
         score_activation=activation,
         rerank_template=template,
         is_encoder=cls.is_encoder,
@@ -214,6 +217,8 @@ def load_model(
             model.classifier = model.make_classifier(len(spec.labels))
         elif spec.is_classifier:
             model.classifier = ClassifierHead(spec.hidden_size, len(spec.labels))
+        if spec.token_labels:  # (a token classifier's head, over every row)
+            model.token_classifier = model.make_token_classifier(len(spec.token_labels))
     model = model.to(dtype=dtype).to_empty(device=device)
     model.spec = spec
 
@@ -223,6 +228,8 @@ def load_model(
     elif model.classifier is not None:
         sources["classifier.weight"] = _classifier_source(model, model_dir, config, sources,
                                                           reader)  # fmt: skip
+    if model.token_classifier is not None:
+        sources.update(model.token_classifier_sources())
     params = dict(model.named_parameters())
     assert set(sources) == set(params), f"weight plan mismatch: {set(sources) ^ set(params)}"
 

@@ -186,16 +186,23 @@ class ModernBertModel(BertModel):
     def make_classifier(self, num_labels: int) -> ModernBertClassifierHead:  # type: ignore[override]
         return ModernBertClassifierHead(self.cfg, num_labels)  # type: ignore[arg-type]
 
-    def classifier_sources(self) -> dict[str, WeightSource]:
+    def classifier_sources(self, ours: str = "classifier.") -> dict[str, WeightSource]:
         cfg: ModernBertConfig = self.cfg  # type: ignore[assignment]
-        src = {"classifier.dense_weight": WeightSource(("head.dense.weight",)),
-               "classifier.weight": WeightSource(("classifier.weight",)),
-               "classifier.bias": WeightSource(("classifier.bias",))}  # fmt: skip
+        src = {f"{ours}dense_weight": WeightSource(("head.dense.weight",)),
+               f"{ours}weight": WeightSource(("classifier.weight",)),
+               f"{ours}bias": WeightSource(("classifier.bias",))}  # fmt: skip
         if cfg.classifier_bias:
-            src["classifier.dense_bias"] = WeightSource(("head.dense.bias",))
+            src[f"{ours}dense_bias"] = WeightSource(("head.dense.bias",))
         for suffix in ("weight", "bias") if cfg.norm_bias else ("weight",):
-            src[f"classifier.norm.{suffix}"] = WeightSource((f"head.norm.{suffix}",))
+            src[f"{ours}norm.{suffix}"] = WeightSource((f"head.norm.{suffix}",))
         return src
+
+    # A token classifier's head is its sequence classifier's, over every token's state.
+    def make_token_classifier(self, num_labels: int) -> ModernBertClassifierHead:
+        return self.make_classifier(num_labels)
+
+    def token_classifier_sources(self) -> dict[str, WeightSource]:
+        return self.classifier_sources("token_classifier.")
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention

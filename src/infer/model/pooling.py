@@ -120,6 +120,11 @@ class PoolerConfig:
     # every token but its CLS); None: ``dense``, every row.
     token_dense: tuple[DenseLayer, ...] | None = None
     token_first: int = 0
+    # BGE-M3's sparse (lexical) weights: ``sparse_linear.pt``, a ``Linear(hidden, 1)`` over
+    # every token's state but its first and last (``token_classify``; ReLU its activation),
+    # None: none; ``sparse_problem``: why a folder's such file cannot be read.
+    sparse: DenseLayer | None = None
+    sparse_problem: str | None = None
     # Why not even every token's vector can be given (a module infer does not run, a file it
     # cannot read), None where only the pooling is the problem (or nothing is).
     tokens_problem: str | None = None
@@ -190,14 +195,19 @@ def load_pooler_config(
         config = PoolerConfig("MEAN", source=f"{Path(model_dir) / 'config.json'} emb_pooler")
     if late is not None:  # (its every token's vector, normalized as PyLate encodes)
         config = replace(config, normalize=True, late_interaction=late)
-    if encoder and late is None:  # (BGE-M3's multi-vector projection)
+    if encoder and late is None:  # (BGE-M3's multi-vector projection and sparse weights)
         try:
-            multi = _bge_m3_vectors(Path(model_dir))
+            multi = _bge_m3_linear(Path(model_dir), "colbert_linear.pt")
         except ModelLoadError as e:  # (its dense embeddings need no such file)
             config = replace(config, tokens_problem=str(e))
         else:
             if multi is not None:
                 config = replace(config, token_dense=(multi,), token_first=1)
+        try:
+            config = replace(config, sparse=_bge_m3_linear(Path(model_dir), "sparse_linear.pt",
+                                                           out_features=1))  # fmt: skip
+        except ModelLoadError as e:
+            config = replace(config, sparse_problem=str(e))
     if override:
         kind = override.get("pooling_type", config.pooling_type)
         if "pooling_type" in override and kind not in supported:
@@ -256,11 +266,14 @@ def _stanford_colbert(model_dir: Path) -> tuple[LateInteraction, DenseLayer] | N
     return late, DenseLayer(model_dir, shape[1], shape[0], False, "identity")
 
 
-def _bge_m3_vectors(model_dir: Path) -> DenseLayer | None:
-    """BGE-M3's multi-vector projection (``colbert_linear.pt`` beside its encoder: a
-    ``Linear(hidden, hidden)``'s ``weight`` and ``bias``, applied to every token's state but
-    the first, as FlagEmbedding's ``BGEM3FlagModel`` does), None where the folder has none."""
-    path = model_dir / "colbert_linear.pt"
+def _bge_m3_linear(model_dir: Path, name: str, out_features: int | None = None
+                   ) -> DenseLayer | None:  # fmt: skip
+    """One of BGE-M3's layers beside its encoder, a ``Linear``'s ``weight`` and ``bias`` as
+    FlagEmbedding's ``BGEM3FlagModel`` saves them: ``colbert_linear.pt`` (its multi-vector
+    projection, ``hidden -> hidden``, applied to every token's state but the first) or
+    ``sparse_linear.pt`` (``hidden -> 1``: each token's lexical weight, ``out_features``);
+    None where the folder has no such file."""
+    path = model_dir / name
     if not path.is_file():
         return None
     import torch
@@ -270,6 +283,8 @@ def _bge_m3_vectors(model_dir: Path) -> DenseLayer | None:
         rows, cols = state["weight"].shape
     except Exception as e:  # noqa: BLE001 - torch.load raises many types
         raise ModelLoadError(f"{path} is not a Linear layer's state ({e})") from None
+    if out_features is not None and rows != out_features:
+        raise ModelLoadError(f"{path}: a Linear layer to {rows} values, not {out_features}")
     return DenseLayer(model_dir, int(cols), int(rows), "bias" in state, "identity",
                       file=path.name, prefix="")  # fmt: skip
 

@@ -3,7 +3,9 @@
 A sequence classifier (``LlamaForSequenceClassification``, ``Qwen3ForSequenceClassification``,
 ...: a cross-encoder reranker, a reward or label model) is its family's decoder with a ``score``
 head over the last token's final hidden state instead of the vocabulary projection: the same
-class serves it, with the head the loader adds (``classifier_labels``).
+class serves it, with the head the loader adds (``classifier_labels``). A token classifier
+(``BertForTokenClassification``, ...: an NER or part-of-speech tagger) is its family's encoder
+with a head over every token's final state (``token_classifier_labels``).
 """
 
 from __future__ import annotations
@@ -102,6 +104,15 @@ CLASSIFIERS: dict[str, type[CausalLM]] = {
 }
 
 
+# transformers' token classifiers of the encoder families it has one for: a linear head over
+# every token's state (ModernBERT's: its prediction head first)
+TOKEN_CLASSIFIERS: dict[str, type[CausalLM]] = {
+    cls.architecture.removesuffix("Model") + "ForTokenClassification": cls
+    for cls in (BertModel, RobertaModel, XLMRobertaModel, DistilBertModel, ModernBertModel,
+                MPNetModel)
+}  # fmt: skip
+
+
 class UnsupportedArchitectureError(ValueError):
     """The checkpoint's architecture has no implementation here."""
 
@@ -118,6 +129,8 @@ def model_class(config: dict[str, Any]) -> tuple[str, type[CausalLM]]:
             return arch, ARCHITECTURES[arch]
         if arch in CLASSIFIERS:
             return arch, CLASSIFIERS[arch]
+        if arch in TOKEN_CLASSIFIERS:
+            return arch, TOKEN_CLASSIFIERS[arch]
     model_type = config.get("model_type")
     if not archs and model_type in MODEL_TYPES:
         cls = MODEL_TYPES[model_type]
@@ -125,7 +138,8 @@ def model_class(config: dict[str, Any]) -> tuple[str, type[CausalLM]]:
     named = ", ".join(archs) if archs else f"model_type {model_type!r}"
     raise UnsupportedArchitectureError(
         f"unsupported architecture {named}; supported: {', '.join(ARCHITECTURES)} "
-        f"(and each one's sequence classifier: {', '.join(CLASSIFIERS)})"
+        f"(and each one's sequence classifier: {', '.join(CLASSIFIERS)}; token classifiers: "
+        f"{', '.join(TOKEN_CLASSIFIERS)})"
     )
 
 
@@ -180,11 +194,22 @@ def classifier_labels(arch: str, config: dict[str, Any]) -> tuple[str, ...]:
         if "classifier_from_token" in config:
             raise ValueError(f"classifier_from_token is for a sequence classifier, and "
                              f"{arch} is not one: set architectures too, e.g. "
-                             f"{_classifier_name(ARCHITECTURES[arch])}")  # fmt: skip
+                             f"{_classifier_name(model_class({'architectures': [arch]})[1])}"
+                             )  # fmt: skip
         return ()
     from_tokens = classifier_from_tokens(config)
     if from_tokens is not None:
         return from_tokens.labels
+    return _label_names(config)
+
+
+def token_classifier_labels(arch: str, config: dict[str, Any]) -> tuple[str, ...]:
+    """A token classifier's label names in output order (as :func:`classifier_labels` reads
+    them); ``()`` for any other model."""
+    return _label_names(config) if arch in TOKEN_CLASSIFIERS else ()
+
+
+def _label_names(config: dict[str, Any]) -> tuple[str, ...]:
     id2label = config.get("id2label")
     n = config.get("num_labels")
     if isinstance(id2label, dict) and id2label and n in (None, len(id2label)):

@@ -36,6 +36,9 @@ class ModelSpec:
     rerank_template: str | None = None
     # A bidirectional encoder (BERT, RoBERTa): every token sees its whole input; it embeds only.
     is_encoder: bool = False
+    # A token classifier's label names (``*ForTokenClassification``: an NER tagger's; its
+    # head labels every input token), in the order of its outputs; empty for any other model.
+    token_labels: tuple[str, ...] = ()
 
     def encoder_only(self) -> str:
         """Why an encoder refuses to generate (the engine's and the chat endpoint's error)."""

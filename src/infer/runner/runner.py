@@ -65,11 +65,34 @@ FAST_DECODE_ENV = "INFER_FAST_DECODE"
 """Set to 0 to run every step through the model's modules (for measuring the fast path)."""
 
 
-Pooled = tuple[torch.Tensor | None, torch.Tensor | None]
-"""A step's pooled rows (float32 ``[pooled requests, size]``, None: none) and its
+Pooled = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+"""A step's pooled rows (float32 ``[pooled requests, size]``, None: none), its
 token-embedding rows (each such request's input rows in turn, after its first ``token_first``:
-BGE-M3's skip its CLS; None: none): two tensors, as a token embedding's projection may give
-another width than a pooled one's."""
+BGE-M3's skip its CLS; None: none) and its token-classification rows (each such request's
+:func:`classified_span` in turn, the token head's logits): three tensors, as each may have
+its own width."""
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Which of an input's rows its per-token outputs cover, and the token head's activation
+    (the engine sets them from the model): token embeddings skip the first ``token_first``
+    (BGE-M3's multi-vector output skips its CLS); token classifications skip a first token
+    equal to ``skip[0]`` and a last equal to ``skip[1]`` (BGE-M3's sparse weights: its
+    ``<s>`` and ``</s>``; None: every token) and take ``activation`` (``softmax`` over the
+    labels, ``sigmoid``, ``relu``) unless a request asks for the raw logits."""
+
+    token_first: int = 0
+    skip: tuple[int | None, int | None] | None = None
+    activation: str = "softmax"
+
+    def classified_span(self, ids: list[int]) -> tuple[int, int]:
+        """The first and end index of ``ids`` whose rows a token classification gives."""
+        if self.skip is None:
+            return 0, len(ids)
+        first = 1 if ids and ids[0] == self.skip[0] else 0
+        end = len(ids) - (1 if len(ids) > first and ids[-1] == self.skip[1] else 0)
+        return first, end
 
 
 @dataclass(frozen=True)
@@ -177,7 +200,10 @@ class ModelRunner:
         # A token embedding's own projection (None: embed_projection) and how many of an
         # input's first rows have none (BGE-M3's multi-vector output skips its CLS).
         self.token_projection: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.token_first = 0
+        # A token classifier's head over rows of the model's dtype (float32 logits; BGE-M3's
+        # sparse layer), and which rows the per-token outputs cover.
+        self.token_classifier: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.token_rows = TokenRows()
         # A decoder pooling by the mean: each embedding request's float32 sum of its prompt's
         # final hidden states so far (its prompt runs in chunks, over several steps).
         self._mean_sums: dict[str, torch.Tensor] = {}
@@ -337,6 +363,8 @@ class ModelRunner:
         pool_sums: list[tuple[str, int, int, int]] = []
         pool_tokens: list[tuple[int, int]] = []  # (token_embed: every row of its input)
         token_reqs: list[Request] = []
+        classify_tokens: list[tuple[int, int]] = []  # (token_classify)
+        classify_reqs: list[Request] = []
         by_mean = self.pooling_type == "MEAN"  # (an encoder's input or a decoder's prompt)
         # (a request that ended before its last chunk, aborted: its sum is dropped in run(),
         # on every tensor-parallel rank)
@@ -360,7 +388,7 @@ class ModelRunner:
             pooling = request.pooling
             keys = None if pooling is None else pooling.attended_tokens
             seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0, keys))
-            if by_mean and pooling is not None and pooling.task != "token_embed":
+            if by_mean and pooling is not None and not pooling.task.startswith("token_"):
                 pool_sums.append((chunk.request_id, len(token_ids) - n, len(token_ids), start))
             if chunk.prompt_logprobs:
                 first_row = len(token_ids) - n
@@ -372,8 +400,13 @@ class ModelRunner:
             if chunk.sample:
                 end = len(token_ids)
                 if pooling is not None and pooling.task == "token_embed":
-                    pool_tokens.append((end - n + self.token_first, end))  # (input: whole)
+                    pool_tokens.append((end - n + self.token_rows.token_first, end))  # (whole)
                     token_reqs.append(request)
+                    continue
+                if pooling is not None and pooling.task == "token_classify":
+                    first, last = self.token_rows.classified_span(request.prompt_token_ids)
+                    classify_tokens.append((end - n + first, end - n + last))  # (input: whole)
+                    classify_reqs.append(request)
                     continue
                 if pooling is not None:  # its embedding: the prompt's last row
                     pool_rows.append(end - 1)
@@ -387,9 +420,10 @@ class ModelRunner:
         batch = StepBatch(
             token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
             self._lora_slots(out, requests), out.kv_imports, pool_rows, pool_starts, pool_sums,
-            pool_drop, pool_tokens,
+            pool_drop, pool_tokens, classify_tokens,
         )  # fmt: skip
-        return batch, sample_reqs, proposals, prompt_targets, pool_reqs + token_reqs
+        return (batch, sample_reqs, proposals, prompt_targets,
+                pool_reqs + token_reqs + classify_reqs)  # fmt: skip
 
     def _lora_slots(self, out: SchedulerOutput, requests: dict[str, Request]) -> list[int] | None:
         """Each row's adapter slot, the step's adapters put in slots first (None: no row has
@@ -414,7 +448,7 @@ class ModelRunner:
         one forward pass, float32 logits of the sampled rows and of the prompt rows, and the
         float32 final hidden states of the pooled rows (embeddings; a copy, so a CUDA graph's
         next replay cannot overwrite it; a sequence classifier's: its head's logits) and of
-        the token-embedding rows (:data:`Pooled`: the two widths may differ).
+        the token-embedding and token-classification rows (:data:`Pooled`).
         ``feed``: see :meth:`launch` (the Triton step only)."""
         self.swap_blocks(batch)
         if batch.kv_imports:  # after the swap-outs: a block freed by one may be a target
@@ -446,6 +480,11 @@ class ModelRunner:
             project = self.token_projection or self.embed_projection
             if project is not None:
                 tokens = project(tokens)
+        classes = None
+        if batch.classify_tokens:  # (every row of each input's span, through the token head)
+            classes = torch.cat([hidden[a:b] for a, b in batch.classify_tokens])
+            head = self.token_classifier
+            classes = classes.float() if head is None else head(classes)
         if batch.sample_rows:
             if batch.samples_every_row:
                 sampled = hidden  # (decode): no gather
@@ -457,8 +496,8 @@ class ModelRunner:
             prompt_logits = self.model.compute_logits(hidden[rows]).float()
         if self._sync:
             torch.cuda.synchronize(self.device)
-        both = None if pooled is None and tokens is None else (pooled, tokens)
-        return logits, prompt_logits, both
+        parts = (pooled, tokens, classes)
+        return logits, prompt_logits, None if parts == (None, None, None) else parts
 
     def _means(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         """A mean-pooling step: each pooled request's chunk rows of ``hidden`` added to its
@@ -552,7 +591,7 @@ class ModelRunner:
             sampled[request.request_id] = result
         embeddings = {}
         if step.pooled is not None:
-            embeddings = pool(step.pooled, step.pool_reqs, self.token_first)
+            embeddings = pool(step.pooled, step.pool_reqs, self.token_rows)
         t3 = time.perf_counter()
         # forward: queueing the pass (on a GPU; the whole pass on a CPU); sample: from the
         # collect on, the wait for the device included
@@ -574,30 +613,47 @@ class ModelRunner:
 
 
 def pool(
-    pooled: Pooled, requests: list[Request], token_first: int = 0
+    pooled: Pooled, requests: list[Request], token_rows: TokenRows = TokenRows()
 ) -> dict[str, list[float] | list[list[float]]]:
-    """Each embedding request's vector from its row of ``pooled`` (the pooled requests first,
-    then the ``token_embed`` ones, whose rows are a list of vectors): cut to its
-    ``dimensions``, then scaled to unit length if it normalizes (the engine has resolved
-    ``normalize`` from the model's configuration)."""
+    """Each embedding request's data from its rows of ``pooled`` (the pooled requests first,
+    then the ``token_embed`` ones, then the ``token_classify`` ones, whose rows are a list
+    each): a vector cut to its ``dimensions``, then scaled to unit length if it normalizes
+    (the engine has resolved ``normalize`` from the model's configuration); a token
+    classification's logits through ``token_rows.activation`` unless it asks for them raw."""
     out: dict[str, list[float] | list[list[float]]] = {}
-    at = [0, 0]
+    at = [0, 0, 0]
     for request in requests:
         params = request.pooling
         assert params is not None
-        by_token = params.task == "token_embed"
-        n = max(0, request.num_prompt_tokens - token_first) if by_token else 1
-        rows = pooled[by_token]
+        kind = {"token_embed": 1, "token_classify": 2}.get(params.task, 0)
+        if kind == 1:
+            n = max(0, request.num_prompt_tokens - token_rows.token_first)
+        elif kind == 2:
+            first, end = token_rows.classified_span(request.prompt_token_ids)
+            n = end - first
+        else:
+            n = 1
+        rows = pooled[kind]
         assert rows is not None
-        rows = rows[at[by_token] : at[by_token] + n]
-        at[by_token] += n
+        rows = rows[at[kind] : at[kind] + n]
+        at[kind] += n
+        if kind == 2:
+            if params.use_activation:
+                rows = _activate(rows, token_rows.activation)
+            out[request.request_id] = rows.tolist()
+            continue
         if params.dimensions is not None:
             rows = rows[:, : params.dimensions]
         if params.normalize:
             rows = torch.nn.functional.normalize(rows, dim=1)
-        out[request.request_id] = (
-            rows.tolist() if params.task == "token_embed" else rows[0].tolist()
-        )
+        out[request.request_id] = rows.tolist() if kind == 1 else rows[0].tolist()
     for kind, rows in enumerate(pooled):
         assert at[kind] == (0 if rows is None else len(rows)), f"{at} of {pooled} rows used"
     return out
+
+
+def _activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """``[T, labels]`` logits through a token head's activation (softmax over the labels)."""
+    if activation == "softmax":
+        return torch.softmax(logits, dim=1)
+    return torch.sigmoid(logits) if activation == "sigmoid" else torch.relu(logits)

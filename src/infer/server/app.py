@@ -221,9 +221,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.post("/pooling", response_model=PoolingResponse, responses=_ERRORS, tags=["pooling"])
     async def pooling(body: PoolingRequest, request: Request) -> Response:
         """Each input's pooled data (vLLM's): an encoder's vector per input token
-        (``task: token_embed``: what late-interaction models such as ColBERT score by), the
-        embedding, or a classifier's logits."""
+        (``task: token_embed``: what late-interaction models such as ColBERT score by), a
+        token classifier's label probabilities per input token (``token_classify``), the
+        embedding, or a classifier's label probabilities."""
         default = ("classify" if classifier else
+                   "token_classify" if engine.spec.token_labels else
                    "token_embed" if serving.late_interaction is not None else "embed")  # fmt: skip
         return await create_pooling(serving, body, request, default)
 
@@ -348,16 +350,19 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                         option["maximum"] = size
             # /pooling's tasks: those this model serves (a classifier's logits are neither cut
             # nor normalized)
-            tasks = (["classify"] if classifier else ["token_embed"]
+            tasks = (["classify"] if classifier else ["token_classify"]
+                     if engine.spec.token_labels else ["token_embed"]
                      if serving.late_interaction is not None else
                      ["token_embed", "embed"] if engine.spec.is_encoder else ["embed"])  # fmt: skip
+            if getattr(engine, "token_classes", ()) and "embed" in tasks:  # (BGE-M3's sparse)
+                tasks.append("token_classify")
             props = schemas["PoolingRequest"]["properties"]
             for option in props["task"].get("anyOf", []):
                 if "enum" in option:
                     option["enum"] = tasks
             if serving.late_interaction is None:
                 props["input_type"] = {"type": "null", "description": "(a ColBERT model's)"}
-            if classifier:
+            if classifier or engine.spec.token_labels:
                 props["dimensions"] = {"type": "null", "description": "(logits: not cut)"}
                 props["normalize"] = {"anyOf": [{"const": False}, {"type": "null"}],
                                       "description": "(logits: not normalized)"}  # fmt: skip

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from infer.core.outputs import RequestOutput
-from infer.core.pooling_params import PoolingParams
+from infer.core.pooling_params import PoolingParams, class_probabilities
 from infer.core.sampling_params import InvalidRequestError
 from infer.core.validation import check_prompt
 from infer.server.chat import render_chat
@@ -199,8 +199,9 @@ async def create_pooling(serving: Serving, req: PoolingRequest, raw: Request,
             normalize=req.normalize, dimensions=req.dimensions)  # fmt: skip
     else:
         token_inputs = await pooling_inputs(serving, req)
-        fields: dict[str, Any] = {"task": task}
-        if task != "classify" or req.normalize is not None or req.dimensions is not None:
+        fields: dict[str, Any] = {"task": task, "use_activation": req.wants_activation}
+        classifies = task in ("classify", "token_classify")
+        if not classifies or req.normalize is not None or req.dimensions is not None:
             fields |= {"normalize": req.normalize, "dimensions": req.dimensions}
         pooling = pooling_params(**fields)
     request_id, finals, usage = await embed(serving, token_inputs, pooling, req, raw, "pool")
@@ -208,6 +209,9 @@ async def create_pooling(serving: Serving, req: PoolingRequest, raw: Request,
         li = serving.late_interaction
         for final, ids in zip(finals, token_inputs, strict=True):
             final.embedding = li.document_vectors(ids, final.embedding)  # type: ignore[arg-type]
+    if task == "classify" and req.wants_activation:  # (token_classify's: the engine's)
+        for final in finals:
+            final.embedding = class_probabilities(final.embedding)  # type: ignore[arg-type]
     data = [PoolingData(index=index, data=_encoded(final.embedding, req.encoding_format))  # type: ignore[arg-type]
             for index, final in enumerate(finals)]  # fmt: skip
     body = PoolingResponse(id=request_id, model=model, data=data, usage=usage)

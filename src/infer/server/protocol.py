@@ -435,14 +435,18 @@ class EmbeddingRequest(_InputOrMessages):
     )
 
 
-class PoolingRequest(_InputOrMessages):
+class PoolingRequest(_InputOrMessages, _Activation):
     """``POST /pooling`` (vLLM's): each input's pooled data as the ``task`` asks:
     ``token_embed`` one vector per input token (an encoder's; a ColBERT model's default),
-    ``embed`` the embedding ``/v1/embeddings`` gives (an embedding model's default),
-    ``classify`` a sequence classifier's logits (its default)."""
+    ``token_classify`` each input token's label probabilities (a token classifier's default;
+    BGE-M3's sparse weights), ``embed`` the embedding ``/v1/embeddings`` gives (an embedding
+    model's default), ``classify`` a sequence classifier's label probabilities (its default);
+    ``use_activation: false``: a classification's raw logits."""
 
-    task: Literal["token_embed", "embed", "classify"] | None = Field(
-        None, description="default: the model's (classify, token_embed for ColBERT, else embed)"
+    task: Literal["token_embed", "token_classify", "embed", "classify"] | None = Field(
+        None,
+        description="default: the model's (classify, token_classify for a token "
+        "classifier, token_embed for ColBERT, else embed)",
     )
     input_type: Literal["query", "document"] | None = Field(
         None,
@@ -722,8 +726,9 @@ class PoolingData(_Response):
     index: int
     object: Literal["pooling"] = "pooling"
     data: list[list[float]] | list[float] | str = Field(
-        description="token_embed: a vector per input token; embed: one vector; classify: "
-        "the logits (a string: base64)"
+        description="token_embed: a vector per input token; token_classify: each input "
+        "token's label probabilities (or logits); embed: one vector; classify: the label "
+        "probabilities (or logits) (a string: base64)"
     )
 
 

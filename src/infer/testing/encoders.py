@@ -183,14 +183,29 @@ def build_cross_encoder(kind: str, root: Path, **config: Any) -> Path:
     return build_encoder(kind, root, name=f"{kind}-reranker{tag}", labels=1, **config)
 
 
+NER_LABELS = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")  # (a tagger's, as CoNLL's are named)
+
+
+def build_token_classifier(kind: str, root: Path, labels: tuple[str, ...] = NER_LABELS,
+                           **config: Any) -> Path:  # fmt: skip
+    """The folder ``root/<kind>-tagger-<n>``: a tiny ``kind`` (:data:`ENCODER_KINDS`) as a
+    ``*ForTokenClassification`` of ``labels`` (its ``id2label``: an NER tagger, as
+    dslim/bert-base-NER is published), ``config`` set in its config; built if absent."""
+    tag = "".join(f"-{k}-{v}" for k, v in sorted(config.items()))
+    return build_encoder(kind, root, name=f"{kind}-tagger-{len(labels)}{tag}",
+                         token_labels=labels, **config)  # fmt: skip
+
+
 def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool = True,
                   name: str | None = None, labels: int = 0, sentencepiece: bool = False,
-                  bpe: bool = False, **shape: Any) -> Path:  # fmt: skip
+                  bpe: bool = False, token_labels: tuple[str, ...] = (),
+                  **shape: Any) -> Path:  # fmt: skip
     """The folder ``root/<kind>-<pooling>`` (or ``root/<name>``): a tiny ``kind``
     (:data:`ENCODER_KINDS`) embedding model, or one of ``shape`` (config fields: hidden_size,
     num_hidden_layers, ...), whose sentence-transformers files pool by ``pooling`` (``mean``,
     ``cls``, ``last``) and normalize with ``normalize``; with ``labels``, a sequence
     classifier of that many labels instead (no sentence-transformers files); with
+    ``token_labels``, a token classifier of those labels (neither); with
     ``sentencepiece`` (an XLM-RoBERTa), XLM-RoBERTa's kind of tokenizer in place of the
     WordPiece one (:func:`_sentencepiece_tokenizer`: needs the ``sentencepiece`` package);
     with ``bpe`` (a RoBERTa always; a ModernBERT), a byte-level BPE one (:func:`_bpe_tokenizer`);
@@ -214,7 +229,8 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
             vocab_size, pad = VOCAB_SIZE, 1 if kind == "mpnet" else 0
         base = ENCODER_KINDS[kind]
         config_cls = getattr(transformers, base.replace("Model", "Config"))
-        arch = base.replace("Model", "ForSequenceClassification") if labels else base
+        arch = (base.replace("Model", "ForSequenceClassification") if labels else
+                base.replace("Model", "ForTokenClassification") if token_labels else base)  # fmt: skip
         fields = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
                       num_attention_heads=4, intermediate_size=128,
                       max_position_embeddings=130 if kind in ("xlm_roberta", "mpnet", "roberta")
@@ -230,8 +246,12 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
         config = config_cls(**{**fields, **shape}, pad_token_id=pad, architectures=[arch])
         if labels:
             config.num_labels = labels
+        if token_labels:
+            config.id2label = dict(enumerate(token_labels))
+            config.label2id = {label: i for i, label in enumerate(token_labels)}
         torch.manual_seed(5)
-        pooler = not labels and kind not in ("modernbert", "distilbert")  # (they have none)
+        headless = labels or token_labels or kind in ("modernbert", "distilbert")  # (no pooler)
+        pooler = not headless
         extra = {"add_pooling_layer": True} if pooler else {}
         model = getattr(transformers, arch)(config, **extra).to(torch.float32)
         with torch.no_grad():  # wider than the default init: every layer moves the output
@@ -239,7 +259,7 @@ def build_encoder(kind: str, root: Path, pooling: str = "mean", normalize: bool 
                 if "LayerNorm" not in name and "layer_norm" not in name:
                     param.normal_(0.0, 0.1)
         model.save_pretrained(tmp, safe_serialization=True)
-        if labels:
+        if labels or token_labels:
             return
         write_pooling_files(tmp, pooling.upper(), normalize)
 
