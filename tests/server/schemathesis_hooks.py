@@ -14,16 +14,19 @@ from typing import Any
 import schemathesis
 
 
+def _tool_name(tool: Any) -> str | None:
+    """A chat tool's ``function.name``, or a Responses tool's own ``name``."""
+    if not isinstance(tool, dict):
+        return None
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else tool.get("name")
+    return name if isinstance(name, str) else None
+
+
 def _tool_names(tools: Any) -> set[str]:
     if not isinstance(tools, list):
         return set()
-    return {
-        t["function"]["name"]
-        for t in tools
-        if isinstance(t, dict)
-        and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str)
-    }
+    return {name for t in tools if (name := _tool_name(t)) is not None}
 
 
 def _ints(*values: Any) -> bool:
@@ -72,17 +75,31 @@ def breaks_a_cross_field_rule(body: dict) -> bool:
         return True
     tools = body.get("tools")
     if isinstance(tools, list) and len(_tool_names(tools)) < sum(
-        isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
+        isinstance(t, dict) for t in tools
     ):
         return True  # two tools with one name (or a nameless one)
     choice = body.get("tool_choice")
     if choice == "required" and not _tool_names(body.get("tools")):
         return True
     if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        return not (isinstance(name, str) and name in _tool_names(body.get("tools")))
-    return False
+        return _tool_name(choice) not in _tool_names(body.get("tools"))
+    return _breaks_a_responses_rule(body)
+
+
+def _breaks_a_responses_rule(body: dict) -> bool:
+    """/v1/responses: a previous response must be stored here (no fuzzed id is), the input
+    must hold something to answer (not only reasoning items), a json_schema format needs its
+    schema."""
+    if body.get("previous_response_id") is not None:
+        return True
+    items = body.get("input")
+    if isinstance(items, list) and all(
+        isinstance(i, dict) and i.get("type") == "reasoning" for i in items
+    ):
+        return True
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    return isinstance(fmt, dict) and fmt.get("type") == "json_schema" and fmt.get("schema") is None
 
 
 @schemathesis.hook

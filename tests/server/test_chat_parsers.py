@@ -128,3 +128,28 @@ def test_llama3_json_calls_are_tool_calls(server):
         text = {**body, "structured_outputs": {"regex": r"[a-z]{3,6}"}}
         plain = c.post("/v1/chat/completions", json=text).json()["choices"][0]
         assert plain["message"]["tool_calls"] == [] and plain["finish_reason"] == "stop"
+
+
+def test_a_response_puts_the_thinking_in_a_reasoning_item(server):
+    """``/v1/responses`` with the parser: the thinking is a ``reasoning`` item (its
+    ``reasoning_text``) before the ``message``, as the chat reply splits them; streamed, the
+    ``reasoning_text`` deltas come first and the events assemble the same two items."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url, api_key="none")
+    with server.client() as c:
+        message = _chat(c, MESSAGES, THINKS)
+    body = dict(model="tiny", input=MESSAGES[0]["content"], max_output_tokens=40, temperature=0,
+                extra_body={"structured_outputs": {"regex": THINKS}})  # fmt: skip
+    resp = client.responses.create(**body)
+    assert [item.type for item in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == message["reasoning"]
+    assert resp.output_text == message["content"]
+    assert 0 < resp.usage.output_tokens_details.reasoning_tokens < resp.usage.output_tokens
+    with client.responses.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events if e.type.endswith(".delta")]
+    assert kinds[0] == "response.reasoning_text.delta" and kinds[-1].startswith("response.output")
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output_text == resp.output_text

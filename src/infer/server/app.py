@@ -59,6 +59,13 @@ from infer.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from infer.server.responses import ResponseStore, create_response
+from infer.server.responses_protocol import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 from infer.server.scoring import create_rerank, create_score
 from infer.server.serving import ServerSettings, Serving
 
@@ -208,6 +215,27 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(serving, body, request)
 
+    responses_store = ResponseStore()
+
+    @app.post("/v1/responses", response_model=ResponseObject,
+              responses=_streamed(ResponseStreamEvent), tags=["openai"])  # fmt: skip
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API: ``input`` items in, output items (reasoning, message,
+        function calls) out, streamed as typed events with ``stream``; kept in memory for
+        ``previous_response_id`` unless ``store`` is false."""
+        return await create_response(serving, responses_store, body, request)
+
+    # (one route for both methods: a 405's Allow header then names both)
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"],
+                   response_model=ResponseObject | DeletedResponse, responses=_ERRORS,
+                   tags=["openai"])  # fmt: skip
+    async def stored_response(response_id: str, request: Request) -> Response:
+        """GET: a stored response; DELETE: forget it (404 where none is kept under this id)."""
+        if request.method == "DELETE":
+            responses_store.delete(response_id)
+            return JSONResponse(DeletedResponse(id=response_id).model_dump(mode="json"))
+        return JSONResponse(responses_store.get(response_id).response)
+
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS,
               tags=["openai"])  # fmt: skip
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
@@ -333,7 +361,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
                                  routes=app.routes)  # fmt: skip
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionStreamResponse, ChatCompletionStreamResponse):
+            for model in (
+                CompletionStreamResponse,
+                ChatCompletionStreamResponse,
+                ResponseStreamEvent,
+            ):  # (the SSE events' bodies)
                 extra = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 for name, sub_schema in extra.pop("$defs", {}).items():
                     schemas.setdefault(name, sub_schema)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -15,6 +15,7 @@ from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
+from infer.core.structured import StructuredOutputs
 from infer.engine.async_engine import RequestStream
 from infer.model.chat_template import render_chat_ids
 from infer.server import beam
@@ -31,6 +32,7 @@ from infer.server.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     TokenizeRequest,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
@@ -111,10 +113,31 @@ def chat_logprobs(serving: Serving, lps: list[TokenLogprob], k: int) -> ChatLogp
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
-                                 raw: Request) -> Response:  # fmt: skip
-    model = serving.check_model(req.model)
-    serving.check_fields(req, "/v1/chat/completions")
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request checked and rendered: its prompt ids, tool mode (and the constraint a
+    required or named tool choice imposes) and its ``max_tokens``."""
+
+    ids: list[int]
+    mode: ToolMode
+    constraint: StructuredOutputs | None
+    max_tokens: int | None
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request in the engine: its stream, how its reply's tool calls and thinking are
+    read."""
+
+    request_id: str
+    stream: RequestStream
+    mode: ToolMode
+    thinking: Thinking
+
+
+async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str) -> ChatPrompt:
+    """The checks every chat-shaped request passes (fields, tools, lengths) and its prompt."""
+    serving.check_fields(req, route)
     if serving.encoder_only is not None:  # (before its chat template, which it has no use for)
         raise bad_request(serving.encoder_only, param="messages")
     if req.top_logprobs and not req.logprobs:  # top_logprobs 0 without logprobs asks nothing
@@ -131,25 +154,51 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     ids = await serving.run_blocking(lambda: render_request(serving, req), size=size)
     ids = serving.truncated(ids, req)
     serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
+    return ChatPrompt(ids, mode, constraint, max_tokens)
+
+
+async def submit_chat(serving: Serving, req: ChatCompletionRequest, raw: Request,
+                      prompt: ChatPrompt, prefix: str = "chatcmpl") -> ChatRun:  # fmt: skip
+    """Queue a checked chat request (:func:`chat_prompt`) in the engine."""
     k = (req.top_logprobs or 0) if req.logprobs else None
-    if req.use_beam_search:
-        return await cancel_on_disconnect(raw, _beam_search(serving, req, raw, ids, max_tokens,
-                                                            model))  # fmt: skip
-    params = serving.sampling_params(req, max_tokens, k, constraint)
+    params = serving.sampling_params(req, prompt.max_tokens, k, prompt.constraint)
+    mode = prompt.mode
     if mode.kind == "auto" and mode.parser == "mistral":  # its [TOOL_CALLS] is a special token
         params = replace(params, skip_special_tokens=False)
-    request_id = new_id("chatcmpl")
+    request_id = new_id(prefix)
     raw.state.request_id = request_id
     stream = await serving.submit(
-        request_id, [ids], params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY)
+        request_id, [prompt.ids], params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY)
     )
-    thinking = _thinking(serving, ids, params)
+    return ChatRun(request_id, stream, mode, _thinking(serving, prompt.ids, params))
+
+
+def final_reply(text: str, run: ChatRun, include_reasoning: bool = True
+                ) -> tuple[str | None, str | None, list[ToolCall]]:  # fmt: skip
+    """A finished reply's ``(reasoning, content, tool calls)``: its thinking split off as
+    --reasoning-parser reads it (None: none, or not asked for), the rest parsed for calls as
+    the request's tool mode says (content None where all of it was thinking)."""
+    reasoning = None
+    if run.thinking is not NO_PARSER:
+        reasoning, text = split_reasoning(text, run.thinking)
+        reasoning = (reasoning or None) if include_reasoning else None
+    content, calls = parse_reply(run.mode, text)
+    if run.thinking is not NO_PARSER and not content:
+        content = None  # (all of it was thinking)
+    return reasoning, content, calls
+
+
+async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
+                                 raw: Request) -> Response:  # fmt: skip
+    model = serving.check_model(req.model)
+    prompt = await chat_prompt(serving, req, "/v1/chat/completions")
+    if req.use_beam_search:
+        return await cancel_on_disconnect(raw, _beam_search(serving, req, raw, prompt.ids,
+                                                            prompt.max_tokens, model))  # fmt: skip
+    run = await submit_chat(serving, req, raw, prompt)
     if req.stream:
-        return SSEResponse(_stream(serving, req, raw, stream, request_id, model, mode, thinking),
-                           on_close=stream.abort)  # fmt: skip
-    return await cancel_on_disconnect(
-        raw, _collect(serving, req, raw, stream, request_id, model, mode, thinking)
-    )
+        return SSEResponse(_stream(serving, req, raw, run, model), on_close=run.stream.abort)
+    return await cancel_on_disconnect(raw, _collect(serving, req, raw, run, model))
 
 
 def _thinking(serving: Serving, ids: list[int], params: SamplingParams) -> Thinking:
@@ -197,9 +246,9 @@ def _finish_reason(out: RequestOutput, calls: list) -> str | None:
     return "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
 
 
-async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
-                   stream: RequestStream, request_id: str, model: str,
-                   mode: ToolMode, thinking: Thinking) -> Response:  # fmt: skip
+async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request, run: ChatRun,
+                   model: str) -> Response:  # fmt: skip
+    stream = run.stream
     acc = Choices(len(stream.request_ids))
     async for index, out in stream:
         acc.add(index, out)
@@ -211,18 +260,13 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(serving, acc.logprobs[index], req.top_logprobs or 0)
-        text, reasoning = "".join(acc.text[index]), None
-        if thinking is not NO_PARSER:
-            reasoning, text = split_reasoning(text, thinking)
-            reasoning = (reasoning or None) if req.include_reasoning else None
-        content, calls = parse_reply(mode, text)
-        if thinking is not NO_PARSER and not content:
-            content = None  # (all of it was thinking)
+        reasoning, content, calls = final_reply("".join(acc.text[index]), run,
+                                                req.include_reasoning)  # fmt: skip
         if echo:
             content = echo + (content or "")
         message = ChatResponseMessage(content=content, reasoning=reasoning,
                                       reasoning_content=reasoning, tool_calls=calls)  # fmt: skip
-        message._reasoning_parser = thinking is not NO_PARSER
+        message._reasoning_parser = run.thinking is not NO_PARSER
         choices.append(ChatChoice(
             index=index, message=message,
             logprobs=logprobs, finish_reason=_finish_reason(final, calls),
@@ -233,15 +277,15 @@ async def _collect(serving: Serving, req: ChatCompletionRequest, raw: Request,
     prompt_lps = None
     if req.prompt_logprobs is not None:  # one prompt: the first choice carries them
         prompt_lps = serving.prompt_logprobs(acc.prompt_logprobs[0], req.prompt_logprobs)
-    body = ChatCompletionResponse(id=request_id, model=model, choices=choices,
+    body = ChatCompletionResponse(id=run.request_id, model=model, choices=choices,
                                   usage=serving.usage(prompt, completion, cached),
                                   prompt_logprobs=prompt_lps)  # fmt: skip
     return JSONResponse(body.model_dump(mode="json"))
 
 
-def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, stream: RequestStream,
-            request_id: str, model: str, mode: ToolMode,
-            thinking: Thinking) -> AsyncIterator[bytes]:  # fmt: skip
+def _stream(serving: Serving, req: ChatCompletionRequest, raw: Request, run: ChatRun,
+            model: str) -> AsyncIterator[bytes]:  # fmt: skip
+    stream, request_id, mode, thinking = run.stream, run.request_id, run.mode, run.thinking
     created = int(time.time())
     tool_streams = [ToolStream(mode) for _ in stream.request_ids]
     thoughts = [] if thinking is NO_PARSER else [ReasoningStream(thinking) for _ in tool_streams]
