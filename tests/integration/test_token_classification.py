@@ -69,11 +69,13 @@ def test_a_one_label_token_classifier_gives_sigmoids(encoder_root, make_llm):
         torch.testing.assert_close(g.outputs.data, w.sigmoid(), atol=1e-6, rtol=1e-5)
 
 
-def test_what_a_token_classifier_cannot_give_is_refused(encoder_root, make_llm):
-    """A tagger gives token classifications only: embeddings, token embeddings and a
-    classification are refused naming what it gives; so are ``dimensions`` and ``normalize``
-    (logits are neither cut nor normalized). A plain embedding model refuses
-    ``token_classify`` naming the heads that give it. The engine serves on after each."""
+def test_what_a_token_classifier_cannot_give_is_refused(encoder_root, make_llm, tmp_path):
+    """A tagger gives token classifications only: embeddings, token embeddings, a
+    classification and generation are refused naming what it gives; so are ``dimensions``,
+    ``normalize`` (logits are neither cut nor normalized) and ``attended_tokens``. A plain
+    embedding model refuses ``token_classify`` naming the heads that give it, and so does a
+    cross-encoder with a ``sparse_linear.pt`` beside it (its head is its own). The engine
+    serves on after each."""
     tagger = make_llm(str(build_token_classifier("bert", encoder_root)))
     for call in (lambda: tagger.embed(TEXTS[0]), lambda: tagger.encode(TEXTS[0]),
                  lambda: tagger.classify(TEXTS[0])):  # fmt: skip
@@ -84,10 +86,19 @@ def test_what_a_token_classifier_cannot_give_is_refused(encoder_root, make_llm):
         with pytest.raises(InvalidRequestError, match="neither dimensions nor normalize") as e:
             tagger.encode(TEXTS[0], params, pooling_task="token_classify")
         assert e.value.param == field
+    with pytest.raises(InvalidRequestError, match="attended_tokens is for token embeddings"):
+        tagger.encode(TEXTS[0], PoolingParams(attended_tokens=1), pooling_task="token_classify")
+    with pytest.raises(InvalidRequestError, match="is a token classifier: it labels every"):
+        tagger.generate(TEXTS[0])
     assert len(tagger.encode(TEXTS[0], pooling_task="token_classify")) == 1
     embedder = make_llm(str(build_encoder("bert", encoder_root, "cls")))
     with pytest.raises(InvalidRequestError, match="no token classification head.*sparse_linear"):
         embedder.encode(TEXTS[0], pooling_task="token_classify")
+    folder = tmp_path / "reranker"
+    shutil.copytree(build_encoder("xlm_roberta", encoder_root, name="xlmr-rr", labels=1), folder)
+    torch.save({"weight": torch.zeros(1, 64), "bias": torch.zeros(1)}, folder / "sparse_linear.pt")
+    with pytest.raises(InvalidRequestError, match="no token classification head"):
+        make_llm(str(folder)).encode(TEXTS[0], pooling_task="token_classify")
     with pytest.raises(InvalidRequestError, match="use_activation must be true or false"):
         PoolingParams(task="token_classify", use_activation="yes")  # type: ignore[arg-type]
 

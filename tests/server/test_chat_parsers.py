@@ -153,3 +153,33 @@ def test_a_response_puts_the_thinking_in_a_reasoning_item(server):
     assert kinds[0] == "response.reasoning_text.delta" and kinds[-1].startswith("response.output")
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output_text == resp.output_text
+    # with logprobs too: the same two items either way, every output token's logprob on the
+    # message's text (the thinking's tokens included, as they make no text of their own)
+    body["include"] = ["message.output_text.logprobs"]
+    whole = client.responses.create(**body)
+    with client.responses.stream(**body) as stream:
+        final = stream.get_final_response()
+    for got in (whole, final):
+        assert [item.type for item in got.output] == ["reasoning", "message"]
+        assert len(got.output[1].content[0].logprobs) == whole.usage.output_tokens
+
+
+def test_a_message_puts_the_thinking_in_a_thinking_block(server):
+    """``/v1/messages`` with the parser: a ``thinking`` block (its ``signature`` empty) before
+    the ``text``, as the chat reply splits them; streamed, the SDK assembles the same blocks."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="none")
+    with server.client() as c:
+        message = _chat(c, MESSAGES, THINKS)
+    body = dict(model="tiny", max_tokens=40, messages=MESSAGES,
+                extra_body={"temperature": 0, "structured_outputs": {"regex": THINKS}})  # fmt: skip
+    got = client.messages.create(**body)
+    assert [b.type for b in got.content] == ["thinking", "text"]
+    assert (got.content[0].thinking, got.content[1].text) == (message["reasoning"],
+                                                              message["content"])  # fmt: skip
+    with client.messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == got.content[0].thinking
+    assert final.content[1].text == got.content[1].text

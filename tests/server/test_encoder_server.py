@@ -258,6 +258,7 @@ def test_a_token_classifier_tags_every_token_over_http(server_logs):
         schema = httpx.get(server.url + "/openapi.json", headers=server.headers).json()
         task = schema["components"]["schemas"]["PoolingRequest"]["properties"]["task"]
         assert [o["enum"] for o in task["anyOf"] if "enum" in o] == [["token_classify"]]
+        assert "/v1/embeddings" not in schema["paths"] and "/rerank" not in schema["paths"]
         server.wait_idle()
 
 

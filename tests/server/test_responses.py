@@ -168,6 +168,10 @@ def test_text_format_and_logprobs(client):
         ({"input": []}, "input", "no message"),
         ({"input": "x", "top_k": "many"}, "top_k", "valid integer"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"input": "x", "n": 2}, "n", "one reply"),
+        ({"input": "x", "use_beam_search": True}, "use_beam_search", "one reply"),
+        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens",
+         "reduce the prompt or max_output_tokens"),
     ],
 )  # fmt: skip
 def test_what_is_not_served_is_a_400_naming_it(shared_server, body, param, words):

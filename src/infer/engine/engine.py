@@ -950,7 +950,9 @@ class LLMEngine:
         ``("weight",)`` for BGE-M3's sparse weights, ``()`` where this model gives none."""
         if self.spec.token_labels:
             return self.spec.token_labels
-        return ("weight",) if self.pooler_config.sparse is not None else ()
+        # (a sequence classifier's head is the one it serves, whatever lies beside it)
+        sparse = self.pooler_config.sparse is not None and not self.spec.is_classifier
+        return ("weight",) if sparse else ()
 
     def _pooling(self, params: PoolingParams) -> PoolingParams:
         """An embedding request's parameters with the model's ``normalize`` where it left it
@@ -1043,6 +1045,10 @@ class LLMEngine:
                 "neither dimensions nor normalize",
                 param="dimensions" if params.dimensions is not None else "normalize",
             )
+        if params.attended_tokens is not None:
+            raise InvalidRequestError("attended_tokens is for token embeddings (a ColBERT "
+                                      "query's), not token classifications",
+                                      param="attended_tokens")  # fmt: skip
         return replace(params, normalize=False)
 
     @property

@@ -42,6 +42,10 @@ class ModelSpec:
 
     def encoder_only(self) -> str:
         """Why an encoder refuses to generate (the engine's and the chat endpoint's error)."""
+        if self.token_labels:
+            return (f"this model ({self.architecture}) is a token classifier: it labels every "
+                    "input token (/pooling with task token_classify, LLM.encode) and generates "
+                    "nothing")  # fmt: skip
         return (f"this model ({self.architecture}) is an encoder: it embeds (/v1/embeddings, "
                 "LLM.embed, /score of embeddings) and generates nothing")  # fmt: skip
 

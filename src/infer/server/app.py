@@ -25,6 +25,14 @@ from infer.server.embeddings import create_embedding, create_pooling
 from infer.server.errors import APIError, install_error_handlers
 from infer.server.fim import fim_tokens
 from infer.server.lora_routes import install_lora_routes, runtime_lora_updating
+from infer.server.messages import count_tokens, create_message
+from infer.server.messages_protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+    MessagesStreamEvent,
+)
 from infer.server.middleware import (
     AccessLogMiddleware,
     APIKeyMiddleware,
@@ -205,25 +213,45 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
+    # (an encoder generates nothing: the generation routes answer it 400, out of its schema)
+    generates = not engine.spec.is_encoder
+
     @app.post("/v1/completions", response_model=CompletionResponse,
-              responses=_streamed(CompletionStreamResponse), tags=["openai"])  # fmt: skip
+              responses=_streamed(CompletionStreamResponse), tags=["openai"],
+              include_in_schema=generates)  # fmt: skip
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(serving, body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses=_streamed(ChatCompletionStreamResponse), tags=["openai"])  # fmt: skip
+              responses=_streamed(ChatCompletionStreamResponse), tags=["openai"],
+              include_in_schema=generates)  # fmt: skip
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(serving, body, request)
 
     responses_store = ResponseStore()
 
     @app.post("/v1/responses", response_model=ResponseObject,
-              responses=_streamed(ResponseStreamEvent), tags=["openai"])  # fmt: skip
+              responses=_streamed(ResponseStreamEvent), tags=["openai"],
+              include_in_schema=generates)  # fmt: skip
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API: ``input`` items in, output items (reasoning, message,
         function calls) out, streamed as typed events with ``stream``; kept in memory for
         ``previous_response_id`` unless ``store`` is false."""
         return await create_response(serving, responses_store, body, request)
+
+    @app.post("/v1/messages", response_model=MessagesResponse,
+              responses=_streamed(MessagesStreamEvent), tags=["anthropic"],
+              include_in_schema=generates)  # fmt: skip
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API: content blocks in and out (text, tool use, thinking),
+        streamed as Anthropic's events with ``stream``."""
+        return await create_message(serving, body, request)
+
+    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse,
+              responses=_ERRORS, tags=["anthropic"], include_in_schema=generates)  # fmt: skip
+    async def messages_count_tokens(body: CountTokensRequest) -> Response:
+        """How many tokens a Messages request's prompt holds (its system, messages, tools)."""
+        return await count_tokens(serving, body)
 
     # (one route for both methods: a 405's Allow header then names both)
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"],
@@ -236,8 +264,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             return JSONResponse(DeletedResponse(id=response_id).model_dump(mode="json"))
         return JSONResponse(responses_store.get(response_id).response)
 
+    # (a token classifier serves none of the routes of one vector an input: out of its schema)
+    vectors = not engine.spec.token_labels
+
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS,
-              tags=["openai"])  # fmt: skip
+              tags=["openai"], include_in_schema=vectors)  # fmt: skip
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         """Each input's embedding: the final hidden state of its last token (normalized as the
         model's sentence-transformers files say; ``--pooler-config`` overrides)."""
@@ -270,16 +301,21 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                            code="not_a_classifier")  # fmt: skip
         return await create_classification(serving, body, request)
 
-    @app.post("/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"])
-    @app.post("/v1/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"])
+    @app.post("/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"],
+              include_in_schema=vectors)  # fmt: skip
+    @app.post("/v1/score", response_model=ScoreResponse, responses=_ERRORS, tags=["pooling"],
+              include_in_schema=vectors)  # fmt: skip
     async def score(body: ScoreRequest, request: Request) -> Response:
         """How alike ``text_1`` and each ``text_2`` are: the cosine similarity of their
         embeddings, or a cross-encoder's relevance of each pair (vLLM's)."""
         return await create_score(serving, body, request)
 
-    @app.post("/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
-    @app.post("/v1/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
-    @app.post("/v2/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"])
+    @app.post("/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"],
+              include_in_schema=vectors)  # fmt: skip
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"],
+              include_in_schema=vectors)  # fmt: skip
+    @app.post("/v2/rerank", response_model=RerankResponse, responses=_ERRORS, tags=["pooling"],
+              include_in_schema=vectors)  # fmt: skip
     async def rerank(body: RerankRequest, request: Request) -> Response:
         """``documents`` by their relevance to ``query`` (a cross-encoder's score, or the cosine
         similarity of embeddings), best first (Jina's and Cohere's shape)."""
@@ -365,6 +401,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 CompletionStreamResponse,
                 ChatCompletionStreamResponse,
                 ResponseStreamEvent,
+                MessagesStreamEvent,
             ):  # (the SSE events' bodies)
                 extra = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 for name, sub_schema in extra.pop("$defs", {}).items():
@@ -376,6 +413,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                      "PoolingRequest": max(engine.embedding_size,
                                            getattr(engine, "token_embedding_size", 0))}  # fmt: skip
             for request, size in sizes.items():
+                if request not in schemas:  # (a route left out of this model's schema)
+                    continue
                 dims = schemas[request]["properties"]["dimensions"]
                 for option in dims.get("anyOf", [dims]):
                     if option.get("type") == "integer":
@@ -387,7 +426,14 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                      if serving.late_interaction is not None else
                      ["token_embed", "embed"] if engine.spec.is_encoder else ["embed"])  # fmt: skip
             if getattr(engine, "token_classes", ()) and "embed" in tasks:  # (BGE-M3's sparse)
-                tasks.append("token_classify")
+                tasks.append("token_classify")  # (its weights: neither cut nor normalized)
+                schemas["PoolingRequest"]["if"] = {
+                    "required": ["task"],
+                    "properties": {"task": {"const": "token_classify"}},
+                }
+                schemas["PoolingRequest"]["then"] = {"properties": {
+                    "dimensions": {"type": "null"},
+                    "normalize": {"anyOf": [{"const": False}, {"type": "null"}]}}}  # fmt: skip
             props = schemas["PoolingRequest"]["properties"]
             for option in props["task"].get("anyOf", []):
                 if "enum" in option:
@@ -398,7 +444,17 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 props["dimensions"] = {"type": "null", "description": "(logits: not cut)"}
                 props["normalize"] = {"anyOf": [{"const": False}, {"type": "null"}],
                                       "description": "(logits: not normalized)"}  # fmt: skip
-            if fim_tokens(serving.tokenizer) is None:  # no fill-in-the-middle: suffix stays empty
+            if not (serving.settings.chat_template
+                    or getattr(serving.tokenizer, "chat_template", None)):  # fmt: skip
+                for request in ("EmbeddingRequest", "PoolingRequest", "ClassificationRequest",
+                                "TokenizeRequest"):  # fmt: skip
+                    if request in schemas:  # (messages would be a 400: no template)
+                        schemas[request]["properties"]["messages"] = {
+                            "type": "null",
+                            "description": "(this model has no chat template)",
+                        }
+            if fim_tokens(serving.tokenizer) is None and "CompletionRequest" in schemas:
+                # no fill-in-the-middle: suffix stays empty
                 props = schemas["CompletionRequest"]["properties"]
                 props["suffix"] = {
                     "anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}],

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -19,7 +22,7 @@ from infer.core.structured import StructuredOutputs
 from infer.engine.async_engine import RequestStream
 from infer.model.chat_template import render_chat_ids
 from infer.server import beam
-from infer.server.errors import bad_request, from_invalid_request
+from infer.server.errors import APIError, bad_request, from_invalid_request, validation_error
 from infer.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -158,19 +161,57 @@ async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str) 
 
 
 async def submit_chat(serving: Serving, req: ChatCompletionRequest, raw: Request,
-                      prompt: ChatPrompt, prefix: str = "chatcmpl") -> ChatRun:  # fmt: skip
-    """Queue a checked chat request (:func:`chat_prompt`) in the engine."""
+                      prompt: ChatPrompt, request_id: str | None = None) -> ChatRun:  # fmt: skip
+    """Queue a checked chat request (:func:`chat_prompt`) in the engine (``request_id``: its
+    id, a new ``chatcmpl-...`` one by default)."""
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, prompt.max_tokens, k, prompt.constraint)
     mode = prompt.mode
     if mode.kind == "auto" and mode.parser == "mistral":  # its [TOOL_CALLS] is a special token
         params = replace(params, skip_special_tokens=False)
-    request_id = new_id(prefix)
+    request_id = request_id or new_id("chatcmpl")
     raw.state.request_id = request_id
     stream = await serving.submit(
         request_id, [prompt.ids], params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY)
     )
     return ChatRun(request_id, stream, mode, _thinking(serving, prompt.ids, params))
+
+
+# Chat fields a one-reply front (the Responses and Messages APIs) cannot answer with its shape
+_ONE_REPLY = {"n": 1, "use_beam_search": False, "echo": False, "prompt_logprobs": None}
+
+
+def as_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's front builds (``body``: its fields, None left out), a
+    400 naming a bad one, or one that asks for more than one reply (``n``, beam search) or for
+    what that API has no place for (``echo``, ``prompt_logprobs``)."""
+    try:
+        req = ChatCompletionRequest.model_validate({k: v for k, v in body.items()
+                                                    if v is not None})  # fmt: skip
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
+    for name, default in _ONE_REPLY.items():
+        if getattr(req, name) != default:
+            raise bad_request(f"{name} is not served on this route (one reply, no prompt "
+                              "logprobs: use /v1/chat/completions)", param=name)  # fmt: skip
+    return req
+
+
+@contextmanager
+def renamed_params(names: dict[str, str]) -> Iterator[None]:
+    """A 400 raised inside names its field, in ``param`` and in its message, as the front's
+    caller knows it (``names``: chat field -> theirs)."""
+    try:
+        yield
+    except APIError as e:
+        if e.param is not None:
+            head, dot, rest = e.param.partition(".")
+            base, bracket, index = head.partition("[")
+            if base in names:
+                e.param = names[base] + bracket + index + dot + rest
+        for chat_name, theirs in names.items():
+            e.message = re.sub(rf"\b{chat_name}\b", theirs, e.message)
+        raise
 
 
 def final_reply(text: str, run: ChatRun, include_reasoning: bool = True

@@ -99,7 +99,8 @@ class AccessLogMiddleware:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every route but /health (401 otherwise).
+    """``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) on every route
+    but /health (401 otherwise).
 
     A browser cannot add that header to a page load or an ``EventSource``, so the dashboard's
     routes also take the key as ``?api_key=``; its static assets (page code and the vendored
@@ -119,13 +120,17 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 given = value
                 break
+            if name == b"x-api-key":  # (Anthropic's clients send the key so)
+                given = b"Bearer " + value
         if not given and path.startswith("/dashboard"):
             key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
             given = f"Bearer {key[0]}".encode() if key else b""
         if not hmac.compare_digest(given, self.expected):
             why = "missing API key" if not given else "incorrect API key"
             error = APIError(
-                401, f"{why}: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                401,
+                f"{why}: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                code="invalid_api_key",
             )
             await _send_error(send, error, {"WWW-Authenticate": "Bearer"})
             return

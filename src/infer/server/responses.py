@@ -25,25 +25,26 @@ continues its conversation (its input and output, but not its instructions, as O
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from infer.core.outputs import RequestOutput
 from infer.server.chat import (
     ChatRun,
+    as_chat_request,
     chat_logprobs,
     chat_prompt,
-    final_reply,
+    renamed_params,
     submit_chat,
 )
-from infer.server.errors import APIError, bad_request, validation_error
+from infer.server.errors import APIError, bad_request, internal_error
 from infer.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -72,8 +73,15 @@ from infer.server.responses_protocol import (
 from infer.server.serving import Serving, SSEResponse, cancel_on_disconnect, sse
 from infer.server.tools import ToolStream
 
+logger = logging.getLogger("infer.server")
+# The chat request's fields a refusal may name, by their names here
+_CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input"}
 STORED = 1024  # responses kept for previous_response_id / GET (the oldest forgotten first)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# A finish that is not a completion: its response's status
+_STATUS = {"length": "incomplete", "abort": "failed"}
+ABORTED = ("the request ended before its reply did (its --request-timeout passed, or the "
+            "server is stopping)")  # fmt: skip
 # Responses API fields infer does not serve, whose values would change what is asked
 _REFUSED = {"background": (None, False), "conversation": (None,), "prompt": (None,)}
 # Fields of the Responses API itself (not forwarded to the chat request as extensions)
@@ -119,7 +127,8 @@ class ResponseStore:
         del self.items[response_id]
 
 
-def _id(prefix: str) -> str:
+def new_item_id(prefix: str) -> str:
+    """An id as OpenAI and Anthropic write theirs: ``<prefix>_<32 hex digits>``."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -186,11 +195,7 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
             raise bad_request("text.format json_schema needs a schema", param="text.format.schema")
         spec = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
         body["response_format"] = {"type": "json_schema", "json_schema": spec}
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items()
-                                                     if v is not None})  # fmt: skip
-    except ValidationError as e:
-        raise validation_error(e.errors()) from e
+    return as_chat_request(body)
 
 
 def wants_logprobs(req: ResponsesRequest) -> bool:
@@ -232,9 +237,11 @@ async def create_response(serving: Serving, store: ResponseStore, req: Responses
         raise bad_request("input has no message to answer", param="input")
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     chat = chat_request(req, system + history + new)
-    prompt = await chat_prompt(serving, chat, "/v1/responses")
-    run = await submit_chat(serving, chat, raw, prompt, prefix="resp")
-    turn = Turn(serving, store, req, run, _echo(req, _id("resp"), model), history + new)
+    with renamed_params(_CHAT_NAMES):
+        prompt = await chat_prompt(serving, chat, "/v1/responses")
+    response_id = new_item_id("resp")
+    run = await submit_chat(serving, chat, raw, prompt, request_id=response_id)
+    turn = Turn(serving, store, req, run, _echo(req, response_id, model), history + new, raw)
     if req.stream:
         return SSEResponse(turn.events(), on_close=run.stream.abort)
     return await cancel_on_disconnect(raw, turn.collect())
@@ -242,8 +249,9 @@ async def create_response(serving: Serving, store: ResponseStore, req: Responses
 
 @dataclass
 class Turn:
-    """One response being generated: its reply turned into output items, streamed or whole,
-    and stored when it ends."""
+    """One response being generated: its reply turned into output items as it streams (the
+    same path whole: :meth:`collect` reads :meth:`events` to the end), and stored when it
+    ends."""
 
     serving: Serving
     store: ResponseStore
@@ -251,51 +259,31 @@ class Turn:
     run: ChatRun
     response: ResponseObject
     conversation: list[ChatMessage]
+    raw: Request
+    failure: APIError | None = None
 
     async def collect(self) -> Response:
-        text: list[str] = []
-        logprobs: list = []
-        final = None
-        async for _, out in self.run.stream:
-            text.append(out.new_text)
-            logprobs.extend(out.new_logprobs)
-            if out.finished:
-                final = out
-        assert final is not None
-        if final.finish_reason == "error":
-            raise APIError(500, f"the engine failed while serving this request: {final.error}",
-                           type="server_error", code="engine_error")  # fmt: skip
-        reasoning, content, calls = final_reply("".join(text), self.run)
-        items: list[OutputItem] = []
-        if reasoning:
-            items.append(OutputReasoning(id=_id("rs"), status="completed",
-                                         content=[ReasoningText(text=reasoning)]))  # fmt: skip
-        if content or not (reasoning or calls):
-            part = OutputText(text=content or "", logprobs=self._logprobs(logprobs))
-            items.append(OutputMessage(id=_id("msg"), status=self._status(final),
-                                       content=[part]))  # fmt: skip
-        items.extend(_function_call(call) for call in calls)
-        body = self._finish(final, items, reasoning or "")
-        return JSONResponse(body)
+        async for _ in self.events():
+            pass
+        if self.failure is not None:
+            raise self.failure
+        return JSONResponse(self.response.model_dump(mode="json"))
 
-    def _logprobs(self, lps: list) -> list[dict[str, Any]] | None:
-        """The reply's tokens' log-probabilities as ``output_text.logprobs`` (None: not asked)."""
-        if not wants_logprobs(self.req):
-            return None
+    def _logprobs(self, lps: list) -> list[dict[str, Any]]:
+        """Tokens' log-probabilities as ``output_text.logprobs`` (none: not asked)."""
+        if not lps or not wants_logprobs(self.req):
+            return []
         chat = chat_logprobs(self.serving, lps, self.req.top_logprobs or 0)
         return [t.model_dump(mode="json") for t in chat.content or ()]
 
-    @staticmethod
-    def _status(final: RequestOutput) -> str:
-        return "incomplete" if final.finish_reason == "length" else "completed"
-
-    def _finish(self, final: RequestOutput, items: list[OutputItem],
-                reasoning: str) -> dict[str, Any]:  # fmt: skip
-        """The finished response (status, output, usage), stored if asked, as JSON."""
+    def _finish(self, final: RequestOutput, items: list[OutputItem], reasoning: str) -> None:
+        """The response finished: status, output, usage; stored if asked."""
         response = self.response
-        response.status = self._status(final)  # type: ignore[assignment]
-        if response.status == "incomplete":
+        response.status = _STATUS.get(final.finish_reason or "", "completed")  # type: ignore[assignment]
+        if final.finish_reason == "length":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+        elif final.finish_reason == "abort":
+            response.error = {"code": "aborted", "message": ABORTED}
         response.output = items
         thought = len(self.serving.encode(reasoning)) if reasoning else 0
         response.usage = ResponseUsage(
@@ -307,63 +295,75 @@ class Turn:
             ),
             total_tokens=final.num_prompt_tokens + final.num_output_tokens,
         )
-        body = response.model_dump(mode="json")
-        if self.req.store:
+        self.raw.state.usage = (final.num_prompt_tokens, final.num_output_tokens)
+        if self.req.store and response.status != "failed":
+            body = response.model_dump(mode="json")
             self.store.put(response.id, Stored(body, self.conversation + [_reply(items)]))
-        return body
 
     async def events(self) -> AsyncIterator[bytes]:
         """The response as Server-Sent Events (the module docstring)."""
         stream = _EventStream()
-        yield stream.event("response.created", response=self.response.model_dump(mode="json"))
-        yield stream.event("response.in_progress",
-                           response=self.response.model_dump(mode="json"))  # fmt: skip
+        response = self.response
+        yield stream.event("response.created", response=response.model_dump(mode="json"))
+        yield stream.event("response.in_progress", response=response.model_dump(mode="json"))
         thoughts = None if self.run.thinking is NO_PARSER else ReasoningStream(self.run.thinking)
         tools = ToolStream(self.run.mode)
         reasoning: list[str] = []
+        held: list = []  # logprobs of tokens whose text is not out yet (thinking, a call's)
         try:
             async for _, out in self.run.stream:
                 if out.finish_reason == "error":
-                    yield stream.event("error", code="engine_error", param=None,
-                                       message=f"the engine failed while serving this request: "
-                                               f"{out.error}")  # fmt: skip
-                    self.response.status = "failed"  # type: ignore[assignment]
-                    self.response.error = {"code": "server_error", "message": str(out.error)}
-                    yield stream.event("response.failed",
-                                       response=self.response.model_dump(mode="json"))  # fmt: skip
+                    message = f"the engine failed while serving this request: {out.error}"
+                    self.failure = APIError(500, message, type="server_error",
+                                            code="engine_error")  # fmt: skip
+                    for event in stream.close("incomplete"):
+                        yield event
+                    yield stream.event("error", code="engine_error", message=message, param=None)
+                    response.status, response.output = "failed", stream.items  # type: ignore[assignment]
+                    response.error = {"code": "server_error", "message": message}
+                    yield stream.event("response.failed", response=response.model_dump(mode="json"))
                     return
                 text, thought = out.new_text, ""
                 if thoughts is not None:
                     thought, text = thoughts.feed(text, out.finished)
                 content, calls = tools.feed(text, out.finished)
+                held.extend(out.new_logprobs)
                 if thought:
                     reasoning.append(thought)
                     for event in stream.reasoning(thought):
                         yield event
-                lps = self._logprobs(out.new_logprobs) or []
-                if content or (lps and not calls):
-                    for event in stream.text(content, lps):
+                if content:
+                    for event in stream.text(content, self._logprobs(held)):
                         yield event
+                    held = []
                 for call in calls:
                     for event in stream.call(call.id, call.function.name,
                                              call.function.arguments or ""):  # fmt: skip
                         yield event
                 if out.finished:
-                    if not stream.items:  # (nothing said: an empty message, as unstreamed)
-                        for event in stream.text("", []):
+                    if not stream.items:  # (nothing said: an empty message)
+                        for event in stream.text("", self._logprobs(held)):
                             yield event
-                    for event in stream.close(self._status(out)):
+                    elif held:  # (the last tokens' logprobs go with the text there is)
+                        stream.add_logprobs(self._logprobs(held))
+                    status = "incomplete" if out.finish_reason in _STATUS else "completed"
+                    for event in stream.close(status):
                         yield event
-                    body = self._finish(out, stream.items, "".join(reasoning))
-                    kind = ("response.incomplete" if body["status"] == "incomplete" else
-                            "response.completed")  # fmt: skip
-                    yield stream.event(kind, response=body)
+                    self._finish(out, stream.items, "".join(reasoning))
+                    kind = {"incomplete": "response.incomplete", "failed": "response.failed"}
+                    yield stream.event(kind.get(response.status, "response.completed"),
+                                       response=response.model_dump(mode="json"))  # fmt: skip
+        except Exception as e:  # a bug while writing events: an error event, not a cut stream
+            logger.exception("unhandled error while streaming a response")
+            self.failure = internal_error(e)
+            yield stream.event("error", code="server_error", message=self.failure.message,
+                               param=None)  # fmt: skip
         finally:
             self.run.stream.abort()
 
 
 def _function_call(call: ToolCall, status: str = "completed") -> OutputFunctionCall:
-    return OutputFunctionCall(id=_id("fc"), call_id=call.id, name=call.function.name,
+    return OutputFunctionCall(id=new_item_id("fc"), call_id=call.id, name=call.function.name,
                               arguments=call.function.arguments, status=status)  # fmt: skip
 
 
@@ -410,7 +410,7 @@ class _EventStream:
     def reasoning(self, delta: str) -> list[bytes]:
         events = []
         if not isinstance(self.open, OutputReasoning):
-            events = self._start(OutputReasoning(id=_id("rs"), status="in_progress",
+            events = self._start(OutputReasoning(id=new_item_id("rs"), status="in_progress",
                                                  content=[ReasoningText(text="")]))  # fmt: skip
         item = self.open
         assert isinstance(item, OutputReasoning)
@@ -422,7 +422,7 @@ class _EventStream:
     def text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         events = []
         if not isinstance(self.open, OutputMessage):
-            events = self._start(OutputMessage(id=_id("msg"), status="in_progress",
+            events = self._start(OutputMessage(id=new_item_id("msg"), status="in_progress",
                                                content=[OutputText(text="")]))  # fmt: skip
         item = self.open
         assert isinstance(item, OutputMessage)
@@ -435,8 +435,10 @@ class _EventStream:
         return events
 
     def call(self, call_id: str, name: str, arguments: str) -> list[bytes]:
-        events = self.close()
-        item = OutputFunctionCall(id=_id("fc"), call_id=call_id, name=name, arguments="",
+        # (an open message stays open: text after a call goes on in it, as a whole reply's
+        # parse joins the text around its calls)
+        events = self.close() if isinstance(self.open, OutputReasoning) else []
+        item = OutputFunctionCall(id=new_item_id("fc"), call_id=call_id, name=name, arguments="",
                                   status="in_progress")  # fmt: skip
         self.items.append(item)
         where = self._where(item)
@@ -451,6 +453,12 @@ class _EventStream:
                                  output_index=where["output_index"]))  # fmt: skip
         return events
 
+    def add_logprobs(self, logprobs: list[dict[str, Any]]) -> None:
+        """Log-probabilities of tokens that made no text, to the reply's message."""
+        message = next((i for i in reversed(self.items) if isinstance(i, OutputMessage)), None)
+        if message is not None and logprobs:
+            message.content[0].logprobs = (message.content[0].logprobs or []) + logprobs
+
     def close(self, status: str = "completed") -> list[bytes]:
         """The ``.done`` events of the open item (none open: none)."""
         item, self.open = self.open, None
@@ -464,7 +472,7 @@ class _EventStream:
                                  logprobs=part.logprobs or [])]  # fmt: skip
         else:
             part = item.content[0]  # type: ignore[assignment]
-            item.status = "completed"
+            item.status = status  # type: ignore[assignment]
             events = [self.event("response.reasoning_text.done", **where, text=part.text)]
         events.append(self.event("response.content_part.done", **where,
                                  part=part.model_dump(mode="json", exclude_none=True)))  # fmt: skip

@@ -178,6 +178,7 @@ OutputItem = OutputMessage | OutputReasoning | OutputFunctionCall
 
 class InputTokensDetails(_Response):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # (the SDK's field; nothing is written to a cache for a fee)
 
 
 class OutputTokensDetails(_Response):
