@@ -45,15 +45,17 @@ def test_a_message_is_the_chat_reply(client, chat, shared_server):
     assert message.id.startswith("msg_") and message.role == "assistant"
     assert [b.type for b in message.content] == ["text"]
     assert message.content[0].text == want.choices[0].message.content
-    assert message.usage.input_tokens == want.usage.prompt_tokens
-    assert message.usage.output_tokens == want.usage.completion_tokens
+    # (Anthropic counts the prompt's tokens read from the prefix cache apart)
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert usage.output_tokens == want.usage.completion_tokens
     length = want.choices[0].finish_reason == "length"
     assert message.stop_reason == ("max_tokens" if length else "end_turn")
     counted = client.messages.count_tokens(model="tiny", system="Be brief.",
                                            messages=body["messages"])  # fmt: skip
     message = client.messages.create(**body | {"extra_body": {"temperature": 0, "top_k": 1}})
     assert message.content[0].text == want.choices[0].message.content
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == want.usage.prompt_tokens
     stats = shared_server.wait_idle()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
@@ -70,7 +72,9 @@ def test_a_streamed_message_is_the_same_message(client):
     assert text == whole.content[0].text == final.content[0].text
     assert (final.stop_reason, final.usage.output_tokens) == (whole.stop_reason,
                                                               whole.usage.output_tokens)  # fmt: skip
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == (
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    )
     with client.messages.stream(**body) as stream:
         kinds = [event.type for event in stream]
     assert kinds[:2] == ["message_start", "content_block_start"]
@@ -120,6 +124,49 @@ def test_tool_use_blocks_and_tool_results(client):
     assert [b.type for b in follow.content] == ["text"]
 
 
+def test_text_around_a_call_keeps_its_place(shared_server, client):
+    """A reply "hi <call> bye" (a grammar makes the model write it; auto tool choice): a text
+    block, the ``tool_use`` block, a text block, in that order, whole and streamed."""
+    import re
+
+    reply = ('hi <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> '
+             "bye")  # fmt: skip
+    body = dict(model="tiny", max_tokens=60, tools=TOOLS, messages=[{"role": "user",
+                "content": QUESTION}], extra_body={"structured_outputs": {
+                    "regex": re.sub(r"([\[\]{}])", r"\\\1", reply)}})  # fmt: skip
+    whole = client.messages.create(**body)
+    with client.messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    for got in (whole, final):
+        assert [(b.type, getattr(b, "text", None) or getattr(b, "name", None))
+                for b in got.content] == [("text", "hi"), ("tool_use", "get_time"),
+                                          ("text", "bye")]  # fmt: skip
+        assert got.stop_reason == "tool_use"
+
+
+def test_the_conversation_is_read_as_anthropic_reads_it(client, chat):
+    """A final assistant message is a reply begun for the model (it goes on from it, as the
+    chat route's ``continue_final_message``); two user turns in a row are one; a prompt
+    longer than the context is still counted."""
+    begun = [{"role": "user", "content": QUESTION},
+             {"role": "assistant", "content": "The weather"}]  # fmt: skip
+    message = client.messages.create(model="tiny", max_tokens=6, messages=begun,
+                                     extra_body=GREEDY)  # fmt: skip
+    want = chat.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
+                                        messages=begun, extra_body={
+                                            "continue_final_message": True,
+                                            "add_generation_prompt": False})  # fmt: skip
+    assert message.content[0].text == want.choices[0].message.content
+    split = client.messages.count_tokens(model="tiny", messages=[
+        {"role": "user", "content": "Hello"}, {"role": "user", "content": "there"}])  # fmt: skip
+    joined = client.messages.count_tokens(model="tiny", messages=[
+        {"role": "user", "content": "Hello\n\nthere"}])  # fmt: skip
+    assert split.input_tokens == joined.input_tokens
+    long = client.messages.count_tokens(model="tiny", messages=[
+        {"role": "user", "content": "word " * 5000}])  # fmt: skip
+    assert long.input_tokens > 4000
+
+
 def test_output_config_format_makes_json_its_schema_accepts(client):
     import json
 
@@ -133,9 +180,17 @@ def test_output_config_format_makes_json_its_schema_accepts(client):
 
 
 def test_the_api_key_may_come_as_x_api_key(shared_server):
+    """Either header may hold the key (a client may send both, one of them for another
+    service); a wrong one in both is a 401."""
     bad = anthropic.Anthropic(base_url=shared_server.url, api_key="wrong")
     with pytest.raises(anthropic.AuthenticationError):
         bad.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    for headers, status in (({"x-api-key": shared_server.api_key,
+                              "Authorization": "Bearer other"}, 200),
+                            ({"x-api-key": "", "Authorization": "Basic abc"}, 401)):  # fmt: skip
+        r = httpx.post(shared_server.url + "/v1/messages", json=body, headers=headers)
+        assert r.status_code == status, r.text
 
 
 @pytest.mark.parametrize(

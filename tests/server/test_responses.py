@@ -134,6 +134,25 @@ def test_tool_calls_are_function_call_items(client):
     assert [item.type for item in follow.output] == ["message"]
 
 
+def test_text_around_a_call_is_one_message_before_it(client):
+    """A reply "hi <call> bye" (a grammar makes the model write it; auto tool choice): one
+    message of the text around the call, then the call, whole and streamed (the message
+    stays open across the call while streaming)."""
+    import re
+
+    reply = ('hi <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> '
+             "bye")  # fmt: skip
+    body = dict(model="tiny", input=QUESTION, tools=TOOLS, max_output_tokens=60,
+                extra_body={"structured_outputs": {
+                    "regex": re.sub(r"([\[\]{}])", r"\\\1", reply)}})  # fmt: skip
+    whole = client.responses.create(**body)
+    with client.responses.stream(**body) as stream:
+        final = stream.get_final_response()
+    for got in (whole, final):
+        assert [item.type for item in got.output] == ["message", "function_call"]
+        assert got.output_text == "hibye" and got.output[1].name == "get_time"
+
+
 def test_text_format_and_logprobs(client):
     """``text.format`` json_schema makes the reply JSON its schema accepts; ``include`` of
     ``message.output_text.logprobs`` gives each output token's log-probability and its

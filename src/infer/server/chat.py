@@ -138,8 +138,10 @@ class ChatRun:
     thinking: Thinking
 
 
-async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str) -> ChatPrompt:
-    """The checks every chat-shaped request passes (fields, tools, lengths) and its prompt."""
+async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str,
+                      check_lengths: bool = True) -> ChatPrompt:  # fmt: skip
+    """The checks every chat-shaped request passes (fields, tools, lengths: not with
+    ``check_lengths`` false, for a count of the prompt's tokens) and its prompt."""
     serving.check_fields(req, route)
     if serving.encoder_only is not None:  # (before its chat template, which it has no use for)
         raise bad_request(serving.encoder_only, param="messages")
@@ -156,7 +158,8 @@ async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str) 
     size = sum(len(m.content) if isinstance(m.content, str) else 64 for m in req.messages)
     ids = await serving.run_blocking(lambda: render_request(serving, req), size=size)
     ids = serving.truncated(ids, req)
-    serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
+    if check_lengths:
+        serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
     return ChatPrompt(ids, mode, constraint, max_tokens)
 
 
@@ -210,7 +213,8 @@ def renamed_params(names: dict[str, str]) -> Iterator[None]:
             if base in names:
                 e.param = names[base] + bracket + index + dot + rest
         for chat_name, theirs in names.items():
-            e.message = re.sub(rf"\b{chat_name}\b", theirs, e.message)
+            if "_" in chat_name:  # (a field's name, never a plain word of the message)
+                e.message = re.sub(rf"\b{chat_name}\b", theirs, e.message)
         raise
 
 

@@ -49,7 +49,7 @@ from infer.server.messages_protocol import (
 )
 from infer.server.protocol import ChatCompletionRequest, ToolCall
 from infer.server.reasoning import NO_PARSER, ReasoningStream
-from infer.server.responses import ABORTED, new_item_id
+from infer.server.responses import new_item_id
 from infer.server.serving import Serving, SSEResponse, cancel_on_disconnect, sse
 from infer.server.tools import ToolStream
 
@@ -61,35 +61,47 @@ _OWN_EXTRAS = {"thinking", "service_tier", "container", "mcp_servers", "context_
 
 
 def _text(content: list[TextBlock] | str) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+    # (blocks are paragraphs: Claude Code sends its system prompt as several)
+    return content if isinstance(content, str) else "\n\n".join(b.text for b in content)
 
 
 def chat_messages(system: list[TextBlock] | str | None,
                   messages: list[AnthropicMessage]) -> list[dict[str, Any]]:  # fmt: skip
-    """The conversation as chat messages (see the module docstring); thinking blocks are left
-    out, as chat templates leave earlier thinking out."""
+    """The conversation as chat messages (see the module docstring): a user turn's tool
+    results first (tool messages, a failed one's output marked ``Error:``), then its text;
+    consecutive turns of one role joined into one, as Anthropic's API joins them; thinking
+    blocks left out, as chat templates leave earlier thinking out."""
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _text(system)})
     for message in messages:
         blocks = message.content
         if isinstance(blocks, str):
-            out.append({"role": message.role, "content": blocks})
-            continue
-        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+            blocks = [TextBlock(type="text", text=blocks)]
+        text = _text([b for b in blocks if isinstance(b, TextBlock)])
+        turn: dict[str, Any] = {"role": message.role, "content": text}
         if message.role == "assistant":
             calls = [{"id": b.id, "type": "function",
                       "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                      for b in blocks if isinstance(b, ToolUseBlock)]  # fmt: skip
-            out.append({"role": "assistant", "content": text, **({"tool_calls": calls}
-                                                                  if calls else {})})  # fmt: skip
+            if calls:
+                turn["tool_calls"] = calls
+        else:
+            for b in blocks:
+                if isinstance(b, ToolResultBlock):
+                    result = ("Error: " if b.is_error else "") + _text(b.content)
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                "content": result})  # fmt: skip
+            if not text and any(isinstance(b, ToolResultBlock) for b in blocks):
+                continue
+        last = out[-1] if out else None
+        if last is not None and last["role"] == turn["role"] != "tool":  # (one turn)
+            last["content"] = "\n\n".join(t for t in (last["content"], text) if t)
+            last["tool_calls"] = last.get("tool_calls", []) + turn.get("tool_calls", [])
+            if not last["tool_calls"]:
+                del last["tool_calls"]
             continue
-        for b in blocks:
-            if isinstance(b, ToolResultBlock):
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": _text(b.content)})  # fmt: skip
-        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
-            out.append({"role": "user", "content": text})
+        out.append(turn)
     return out
 
 
@@ -98,7 +110,12 @@ def chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionReq
     are: a bad one is a 400 naming it)."""
     extra = req.model_extra or {}
     body: dict[str, Any] = {k: v for k, v in extra.items() if k not in _OWN_EXTRAS}
-    body |= {"model": req.model, "messages": chat_messages(req.system, req.messages)}
+    messages = chat_messages(req.system, req.messages)
+    body |= {"model": req.model, "messages": messages}
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] and "tool_calls" not in last:
+        # (a reply begun for the model, Anthropic's "prefill": it goes on from there)
+        body |= {"continue_final_message": True, "add_generation_prompt": False}
     if isinstance(req, MessagesRequest):
         body |= {"max_completion_tokens": req.max_tokens, "stop": req.stop_sequences,
                  "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}  # fmt: skip
@@ -134,7 +151,7 @@ async def create_message(serving: Serving, req: MessagesRequest, raw: Request) -
     chat = chat_request(req)
     with renamed_params(_CHAT_NAMES):
         prompt = await chat_prompt(serving, chat, "/v1/messages")
-    run = await submit_chat(serving, chat, raw, prompt, request_id=new_item_id("msg"))
+        run = await submit_chat(serving, chat, raw, prompt, request_id=new_item_id("msg"))
     turn = MessageTurn(serving, run, model, raw)
     if req.stream:
         return SSEResponse(turn.events(), on_close=run.stream.abort)
@@ -143,10 +160,12 @@ async def create_message(serving: Serving, req: MessagesRequest, raw: Request) -
 
 async def count_tokens(serving: Serving, req: CountTokensRequest) -> JSONResponse:
     """``POST /v1/messages/count_tokens``: the tokens of the request's prompt, as the chat
-    template writes it (its tools included)."""
+    template writes it (its tools included; one longer than the context is counted too: a
+    client asks to know whether to shorten it)."""
     serving.check_model(req.model)
     with renamed_params(_CHAT_NAMES):
-        prompt = await chat_prompt(serving, chat_request(req), "/v1/messages/count_tokens")
+        prompt = await chat_prompt(serving, chat_request(req), "/v1/messages/count_tokens",
+                                   check_lengths=False)  # fmt: skip
     return JSONResponse({"input_tokens": len(prompt.ids)})
 
 
@@ -162,8 +181,11 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.function.name, "input": args}
 
 
-def _stop(final: RequestOutput, calls: bool) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)`` of a finished reply."""
+def _stop(final: RequestOutput, calls: bool) -> tuple[str | None, str | None]:
+    """``(stop_reason, stop_sequence)`` of a finished reply (None: it was aborted, by
+    --request-timeout or a stopping server: the content so far, with no reason to give)."""
+    if final.finish_reason == "abort":
+        return None, None
     if final.finish_reason == "length":
         return "max_tokens", None
     if calls:
@@ -209,29 +231,29 @@ class MessageTurn:
         try:
             async for _, out in self.run.stream:
                 if first:  # (the prompt's size is known with the first delta)
-                    message.usage.input_tokens = out.num_prompt_tokens
+                    # (Anthropic counts the tokens read from the cache apart: the input is
+                    # the sum of the two)
+                    message.usage.input_tokens = out.num_prompt_tokens - out.num_cached_tokens
                     message.usage.cache_read_input_tokens = out.num_cached_tokens
                     yield _event("message_start", message=message.model_dump(mode="json"))
                     first = False
-                if out.finish_reason in ("error", "abort"):
-                    why = (f"the engine failed while serving this request: {out.error}"
-                           if out.finish_reason == "error" else ABORTED)  # fmt: skip
-                    yield self._fail(why, "engine_error" if out.finish_reason == "error"
-                                     else "aborted")  # fmt: skip
+                if out.finish_reason == "error":
+                    yield self._fail(f"the engine failed while serving this request: "
+                                     f"{out.error}", "engine_error")  # fmt: skip
                     return
                 text, thought = out.new_text, ""
                 if thoughts is not None:
                     thought, text = thoughts.feed(text, out.finished)
-                content, calls = tools.feed(text, out.finished)
                 if thought:
                     for event in blocks.delta("thinking", thought):
                         yield event
-                if content:
-                    for event in blocks.delta("text", content):
-                        yield event
-                for call in calls:
-                    for event in blocks.tool_use(_tool_use(call)):
-                        yield event
+                for piece in tools.feed_pieces(text, out.finished):  # (in the reply's order)
+                    if not isinstance(piece, str):
+                        for event in blocks.tool_use(_tool_use(tools.calls[piece.index])):
+                            yield event
+                    elif piece:
+                        for event in blocks.delta("text", piece):
+                            yield event
                 if out.finished:
                     if not blocks.content:  # (nothing said: an empty text block)
                         for event in blocks.delta("text", ""):

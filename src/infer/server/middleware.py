@@ -115,17 +115,15 @@ class APIKeyMiddleware:
         path = scope["path"] if scope["type"] == "http" else ""
         if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(DASHBOARD_ASSETS):
             return await self.app(scope, receive, send)
-        given = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                given = value
-                break
-            if name == b"x-api-key":  # (Anthropic's clients send the key so)
-                given = b"Bearer " + value
-        if not given and path.startswith("/dashboard"):
+        offered = [value for name, value in scope["headers"] if name == b"authorization"]
+        # (Anthropic's clients send the key as x-api-key: either header may hold it)
+        offered += [b"Bearer " + value for name, value in scope["headers"]
+                    if name == b"x-api-key" and value]  # fmt: skip
+        if not any(offered) and path.startswith("/dashboard"):
             key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
-            given = f"Bearer {key[0]}".encode() if key else b""
-        if not hmac.compare_digest(given, self.expected):
+            offered = [f"Bearer {key[0]}".encode()] if key else []
+        given = b"".join(offered)
+        if not any(hmac.compare_digest(value, self.expected) for value in offered):
             why = "missing API key" if not given else "incorrect API key"
             error = APIError(
                 401,

@@ -237,10 +237,10 @@ async def create_response(serving: Serving, store: ResponseStore, req: Responses
         raise bad_request("input has no message to answer", param="input")
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     chat = chat_request(req, system + history + new)
+    response_id = new_item_id("resp")
     with renamed_params(_CHAT_NAMES):
         prompt = await chat_prompt(serving, chat, "/v1/responses")
-    response_id = new_item_id("resp")
-    run = await submit_chat(serving, chat, raw, prompt, request_id=response_id)
+        run = await submit_chat(serving, chat, raw, prompt, request_id=response_id)
     turn = Turn(serving, store, req, run, _echo(req, response_id, model), history + new, raw)
     if req.stream:
         return SSEResponse(turn.events(), on_close=run.stream.abort)
@@ -326,19 +326,22 @@ class Turn:
                 text, thought = out.new_text, ""
                 if thoughts is not None:
                     thought, text = thoughts.feed(text, out.finished)
-                content, calls = tools.feed(text, out.finished)
                 held.extend(out.new_logprobs)
                 if thought:
                     reasoning.append(thought)
                     for event in stream.reasoning(thought):
                         yield event
-                if content:
-                    for event in stream.text(content, self._logprobs(held)):
-                        yield event
-                    held = []
-                for call in calls:
-                    for event in stream.call(call.id, call.function.name,
-                                             call.function.arguments or ""):  # fmt: skip
+                for piece in tools.feed_pieces(text, out.finished):  # (in the reply's order)
+                    if isinstance(piece, str):
+                        if piece:
+                            for event in stream.text(piece, self._logprobs(held)):
+                                yield event
+                            held = []
+                        continue
+                    call = piece.function
+                    assert call is not None
+                    for event in stream.call(piece.id or "", call.name or "",
+                                             call.arguments or ""):  # fmt: skip
                         yield event
                 if out.finished:
                     if not stream.items:  # (nothing said: an empty message)

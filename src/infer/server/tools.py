@@ -229,16 +229,24 @@ class ToolStream:
     scanned: int = 0
 
     def feed(self, new_text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """The new content (what text there is, joined) and the new calls."""
+        pieces = self.feed_pieces(new_text, finished)
+        content = "".join(p for p in pieces if isinstance(p, str))
+        return content, [p for p in pieces if not isinstance(p, str)]
+
+    def feed_pieces(self, new_text: str, finished: bool) -> list[str | DeltaToolCall]:
+        """The new content and calls in the order the reply wrote them (text after a call
+        after it: what a front that answers in blocks needs, whatever the deltas' size)."""
         self.text += new_text
         if self.mode.constrained:
             if not finished:
-                return "", []
+                return []
             content, calls = parse_reply(self.mode, self.text)
             self.sent = len(self.text)
-            return content or "", self._deltas(calls)
+            return [content or "", *self._deltas(calls)]
         if self.mode.kind != "auto":
             out, self.sent = self.text[self.sent :], len(self.text)
-            return out, []
+            return [out]
         if self.mode.parser == "llama3_json":
             return self._feed_llama3(finished)
         if self.mode.parser == "mistral":
@@ -246,8 +254,7 @@ class ToolStream:
         # Whitespace next to a call's block is not content (as in parse_hermes): trailing
         # whitespace waits until text follows it (or the reply ends without a call after it),
         # and whitespace after a call is dropped.
-        content: list[str] = []
-        deltas: list[DeltaToolCall] = []
+        content: list[str | DeltaToolCall] = []
         names = {t.function.name for t in self.mode.tools}
         while True:
             rest = self.text[self.sent :]
@@ -278,21 +285,21 @@ class ToolStream:
                 content.append(rest[:block_end])
             else:
                 content.append(rest[:start].rstrip())
-                deltas.extend(self._deltas([call]))
+                content.extend(self._deltas([call]))
                 self.after_call = True
             self.sent += block_end
-        return "".join(content), deltas
+        return content
 
-    def _feed_llama3(self, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+    def _feed_llama3(self, finished: bool) -> list[str | DeltaToolCall]:
         """A reply that may be calls (it opens with ``{`` or ``<|python_tag|>``) is held back
         whole until it ends; one that cannot be streams as content."""
         if self.is_call is None:  # (decided on the first characters, then kept)
             self.is_call = may_start_llama3_calls(self.text)
         if finished or self.is_call is False:
             return self._whole(finished)
-        return "", []
+        return []
 
-    def _feed_mistral(self, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+    def _feed_mistral(self, finished: bool) -> list[str | DeltaToolCall]:
         """Content streams up to ``[TOOL_CALLS]`` (less its trailing whitespace, and what could
         be the marker's start); from the marker on, the calls are held back until the end."""
         if self.marker < 0:  # (looked for only where the new text could complete it)
@@ -304,25 +311,25 @@ class ToolStream:
         rest = self.text[self.sent : start if start >= 0 else len(self.text)]
         if start < 0:
             rest = rest[: len(rest) - partial_suffix(rest, TOOL_CALLS)]
-        content: list[str] = []
+        content: list[str | DeltaToolCall] = []
         self._emit(content, rest)
-        return "".join(content), []
+        return content
 
-    def _whole(self, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+    def _whole(self, finished: bool) -> list[str | DeltaToolCall]:
         """The unsent text: at the end, parsed as the whole reply is (content before the calls
         already sent), else as content."""
         if not finished:
             out, self.sent = self.text[self.sent :], len(self.text)
-            return out, []
+            return [out]
         content, calls = parse_reply(self.mode, self.text)
         if not calls:
             out, self.sent = self.text[self.sent :], len(self.text)
-            return out, []
+            return [out]
         unsent = (content or "")[self.sent :]
         self.sent = len(self.text)
-        return unsent, self._deltas(calls)
+        return [unsent, *self._deltas(calls)]
 
-    def _emit(self, content: list[str], text: str) -> None:
+    def _emit(self, content: list[str | DeltaToolCall], text: str) -> None:
         """Send ``text`` (the start of the unsent text) less its trailing whitespace."""
         body = text.rstrip()
         content.append(body)
