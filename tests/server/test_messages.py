@@ -215,3 +215,52 @@ def test_what_is_not_served_is_a_400_naming_it(shared_server, body, param, words
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"].startswith(param) and words in error["message"], error
+
+
+def test_qwen3_coder_calls_reach_anthropic_clients_typed(llama_checkpoint, server_logs):
+    """``--tool-call-parser qwen3_coder`` (Qwen3-Coder's ``<function=...>`` blocks; a grammar
+    makes the random model write one): ``/v1/messages`` gives a ``tool_use`` block whose input
+    is typed by the tool's schema, whole and streamed; the chat route gives the same call."""
+    import json
+    import re
+
+    from tests.server.conftest import start_server
+
+    reply = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+             "<parameter=unit>\ncelsius\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+             "</function>\n</tool_call>")  # fmt: skip
+    tools = [
+        {
+            "name": "get_weather",
+            "input_schema": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string"},
+                    "days": {"type": "integer"},
+                },
+            },
+        }
+    ]
+    body = dict(model="tiny", max_tokens=300, tools=tools,
+                messages=[{"role": "user", "content": QUESTION}],
+                extra_body={"structured_outputs": {"regex": re.escape(reply)}})  # fmt: skip
+    want = {"city": "Paris", "unit": "celsius", "days": 3}
+    for server in start_server(llama_checkpoint, server_logs, "--served-model-name", "tiny",
+                               "--tool-call-parser", "qwen3_coder"):  # fmt: skip
+        client = anthropic.Anthropic(base_url=server.url, api_key="none")
+        message = client.messages.create(**body)
+        assert message.stop_reason == "tool_use", message
+        with client.messages.stream(**body) as stream:
+            final = stream.get_final_message()
+        for got in (message, final):
+            assert [(b.type, b.name, b.input) for b in got.content] == [
+                ("tool_use", "get_weather", want)]  # fmt: skip
+            assert got.stop_reason == "tool_use"
+        chat = OpenAI(base_url=server.base_url, api_key="none").chat.completions.create(
+            model="tiny", max_tokens=300, messages=body["messages"],
+            tools=[{"type": "function", "function": {"name": "get_weather",
+                                                     "parameters": tools[0]["input_schema"]}}],
+            extra_body=body["extra_body"])  # fmt: skip
+        [call] = chat.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == want

@@ -173,3 +173,47 @@ def test_mistral_calls_have_the_ids_its_templates_take():
         assert calls and all(re.fullmatch(r"[A-Za-z0-9]{9}", c.id) for c in calls), calls
         _, hermes = parse_reply(tool_mode(req), text.replace("[TOOL_CALLS]", ""))
         assert all(c.id.startswith("call_") for c in hermes)
+
+
+CODER_TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {
+    "type": "object", "properties": {
+        "cmd": {"type": "string"}, "timeout": {"type": "integer"}, "ratio": {"type": "number"},
+        "dry": {"type": "boolean"}, "env": {"type": "object"}, "args": {"type": "array"},
+        "note": {"type": ["string", "null"]}}}}}]  # fmt: skip
+CODER_REPLY = (
+    "I will run it.\n<tool_call>\n<function=run>\n<parameter=cmd>\nls -la\n  src/\n"
+    "</parameter>\n<parameter=timeout>\n30\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+    '<parameter=dry>\nTrue\n</parameter>\n<parameter=env>\n{"A": "1"}\n</parameter>\n'
+    "<parameter=args>\n[1, 2]\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
+    "<parameter=other>\n7\n</parameter>\n</function>\n</tool_call>\nDone."
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [1, 5, 10_000])
+def test_qwen3_coder_blocks_are_calls_typed_by_the_tools_schema(split):
+    """Qwen3-Coder's ``<function=...>`` / ``<parameter=...>`` blocks: each value read as its
+    schema types it (a parameter the schema does not name, or a string one, as written, less
+    the line breaks next to its tags); the text around stays content, in its place when
+    streamed; a block naming no tool is content."""
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": CODER_TOOLS}
+    )
+    mode = tool_mode(req, "qwen3_coder")
+    content, calls = parse_reply(mode, CODER_REPLY)
+    assert content == "I will run it.Done."
+    [call] = calls
+    assert call.function.name == "run"
+    assert json.loads(call.function.arguments) == {
+        "cmd": "ls -la\n  src/", "timeout": 30, "ratio": 0.5, "dry": True, "env": {"A": "1"},
+        "args": [1, 2], "note": None, "other": "7"}  # fmt: skip
+    stream, order = ToolStream(mode), []
+    pieces = [CODER_REPLY[i : i + split] for i in range(0, len(CODER_REPLY), split)]
+    for i, piece in enumerate(pieces):
+        for p in stream.feed_pieces(piece, finished=i == len(pieces) - 1):
+            if isinstance(p, str) and p and order and isinstance(order[-1], str):
+                order[-1] += p
+            elif not isinstance(p, str) or p:
+                order.append(p if isinstance(p, str) else ("call", p.function.name))
+    assert order == ["I will run it.", ("call", "run"), "Done."]
+    unknown = CODER_REPLY.replace("<function=run>", "<function=rm>")
+    assert parse_reply(mode, unknown) == (unknown, [])

@@ -51,8 +51,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     g.add_argument("--port", type=_number(int, 0, high=65535), default=8000)
     g.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                   "(default: $INFER_API_KEY)")  # fmt: skip
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every "
+                   "route but /health (default: $INFER_API_KEY)")  # fmt: skip
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use for the model (default: the --model value)")  # fmt: skip
     g.add_argument("--chat-template", type=Path, default=None,
@@ -60,11 +60,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                    help="chat replies: a thinking model's <think>...</think> in the message's "
                    "'reasoning' field (and 'reasoning_content'), apart from its content")  # fmt: skip
-    g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
-                   default="hermes",
+    g.add_argument("--tool-call-parser", default="hermes",
+                   choices=["hermes", "llama3_json", "mistral", "qwen3_coder"],
                    help="how the model writes tool calls in a tool_choice auto reply: hermes "
                    "(<tool_call> blocks: Hermes, Qwen) | llama3_json (Llama 3.1/3.2) | mistral "
-                   "([TOOL_CALLS] and a JSON array)")  # fmt: skip
+                   "([TOOL_CALLS] and a JSON array) | qwen3_coder (<tool_call> blocks of "
+                   "<function=...> and <parameter=...>: Qwen3-Coder)")  # fmt: skip
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always on")  # fmt: skip
     g.add_argument("--max-request-bytes", type=byte_size, default=8 * 2**20,

@@ -12,6 +12,20 @@
   that may call tools keeps special tokens in its text; its calls get the 9-character
   alphanumeric ids Mistral's templates insist on.
 
+- ``qwen3_coder`` (Qwen3-Coder's template): ``<tool_call>`` blocks as hermes', each holding
+  ``<function=NAME>`` and a ``<parameter=KEY>`` element per argument, its value as raw text
+  (a line break after the opening tag and before the closing one is the template's, not the
+  value's), read as the tool's JSON schema types that argument (integer, number, boolean,
+  null, object, array; a string, or a value that does not read as its type, as it is)::
+
+      <tool_call>
+      <function=get_weather>
+      <parameter=city>
+      Paris
+      </parameter>
+      </function>
+      </tool_call>
+
 A call names one of the request's tools and has an object for arguments (or a string holding
 one); text that does not parse as calls is content, whole, as vLLM returns it.
 """
@@ -19,6 +33,7 @@ one); text that does not parse as calls is content, whole, as vLLM returns it.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 import uuid
@@ -26,7 +41,7 @@ from typing import Any
 
 from infer.server.protocol import FunctionCall, ToolCall
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -125,3 +140,57 @@ def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall
     if not calls or any(c is None for c in calls):
         return text, []
     return (text[:start].rstrip() or None), mistral_ids(calls)  # type: ignore[arg-type]
+
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+def qwen3_coder_call(body: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    """The call a ``qwen3_coder`` block's body makes (``schemas``: each tool's parameters
+    schema by name), None where it names no tool."""
+    match = _FUNCTION.search(body)
+    if match is None or match.group(1).strip() not in schemas:
+        return None
+    name = match.group(1).strip()
+    properties = schemas[name].get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    arguments = {}
+    for key, raw in _PARAMETER.findall(match.group(2)):
+        key = key.strip()
+        value = raw[1:] if raw.startswith("\n") else raw
+        value = value[:-1] if value.endswith("\n") else value
+        spec = properties.get(key)
+        arguments[key] = _typed(value, spec.get("type") if isinstance(spec, dict) else None)
+    return make_call(name, arguments)
+
+
+def _typed(value: str, kind: Any) -> Any:
+    """A parameter's text as the JSON schema ``kind`` types it (as it is where it does not
+    read as one, or the schema says string or nothing)."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    text = value.strip()
+    if "null" in kinds and text.lower() in ("null", "none"):
+        return None
+    if "boolean" in kinds and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if "integer" in kinds or "number" in kinds:
+        try:
+            number = float(text)
+        except ValueError:
+            pass
+        else:
+            if "integer" in kinds and number.is_integer() and "." not in text:
+                return int(text)
+            if "number" in kinds:
+                return int(number) if number.is_integer() and "." not in text else number
+    if "object" in kinds or "array" in kinds:
+        try:
+            decoded = json.loads(text)
+        except json.JSONDecodeError:
+            return value
+        if isinstance(decoded, dict if "object" in kinds else list) or (
+            "object" in kinds and "array" in kinds and isinstance(decoded, (dict, list))
+        ):
+            return decoded
+    return value

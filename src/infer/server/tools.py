@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from infer.server.tool_formats import (
     mistral_ids,
     parse_llama3_json,
     parse_mistral,
+    qwen3_coder_call,
 )
 from infer.structured import compile_grammar
 
@@ -174,20 +176,33 @@ def parse_reply(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
             return parse_llama3_json(text, names)
         if mode.parser == "mistral":
             return parse_mistral(text, names)
-        return parse_hermes(text, names)
+        return parse_hermes(text, names, block_parser(mode))
     return text, []
 
 
-def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """Calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+def block_parser(mode: ToolMode) -> Callable[[str, set[str]], ToolCall | None]:
+    """How a ``<tool_call>`` block's body makes a call in this mode: hermes' JSON, or
+    ``qwen3_coder``'s ``<function=...>`` elements (typed by each tool's schema)."""
+    if mode.parser != "qwen3_coder":
+        return _hermes_call
+    schemas = {t.function.name: _parameters(t) for t in mode.tools}
+    return lambda body, _names: qwen3_coder_call(body, schemas)
+
+
+def parse_hermes(text: str, names: set[str],
+                 parse_block: Callable[[str, set[str]], ToolCall | None] | None = None
+                 ) -> tuple[str | None, list[ToolCall]]:  # fmt: skip
+    """Calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
+    (``parse_block``: how a block's body makes a call, hermes' JSON by default).
 
     The content is the text outside the calls' blocks, less the whitespace next to each block
     (the line breaks a template writes around them); the stream gives the same content."""
+    parse_block = parse_block or _hermes_call
     calls: list[ToolCall] = []
     kept: list[str] = []
     last = 0
     for match in _BLOCK.finditer(text):
-        call = _hermes_call(match.group(1), names)
+        call = parse_block(match.group(1), names)
         if call is None:
             continue
         before = text[last : match.start()]
@@ -256,6 +271,7 @@ class ToolStream:
         # and whitespace after a call is dropped.
         content: list[str | DeltaToolCall] = []
         names = {t.function.name for t in self.mode.tools}
+        parse_block = block_parser(self.mode)
         while True:
             rest = self.text[self.sent :]
             if self.after_call:
@@ -279,7 +295,7 @@ class ToolStream:
                 else:
                     self._emit(content, rest[:start])
                 break
-            call = _hermes_call(rest[start + len(CALL_OPEN) : end].strip(), names)
+            call = parse_block(rest[start + len(CALL_OPEN) : end].strip(), names)
             block_end = end + len(CALL_CLOSE)
             if call is None:
                 content.append(rest[:block_end])
