@@ -55,6 +55,28 @@ def test_fuzzing_finds_nothing(fuzz_server, tmp_path):
     _fuzz(fuzz_server, max_examples=50, seed=1, tmp_path=tmp_path)
 
 
+def test_fuzzing_an_encoders_schema_finds_nothing(server_logs, tmp_path):
+    """A BGE-M3 folder (an XLM-RoBERTa with its multi-vector and sparse layers beside it):
+    its schema leaves out the generation routes, lists /pooling's tasks it serves (token
+    classification taking neither dimensions nor normalize) and no ``messages`` (it has no
+    chat template); no schema-valid request is refused."""
+    import torch
+
+    from infer.testing.encoders import build_encoder, default_encoder_root
+
+    folder = tmp_path / "bge-m3"
+    shutil.copytree(build_encoder("xlm_roberta", default_encoder_root(), "cls"), folder)
+    gen = torch.Generator().manual_seed(1)
+    for name, rows in (("colbert_linear.pt", 32), ("sparse_linear.pt", 1)):
+        torch.save({"weight": 0.2 * torch.randn(rows, 64, generator=gen),
+                    "bias": torch.zeros(rows)}, folder / name)  # fmt: skip
+    for server in start_server(folder, server_logs, "--no-access-log",
+                               "--scheduling-policy", "priority"):  # fmt: skip
+        schema = httpx.get(server.url + "/openapi.json").json()
+        assert "/v1/chat/completions" not in schema["paths"]
+        _fuzz(server, max_examples=20, seed=1, tmp_path=tmp_path)
+
+
 @pytest.mark.slow
 def test_fuzzing_a_fresh_seed_finds_nothing(fuzz_server, tmp_path):
     seed = random.randrange(2**32)
