@@ -112,6 +112,11 @@ def chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionReq
     body: dict[str, Any] = {k: v for k, v in extra.items() if k not in _OWN_EXTRAS}
     messages = chat_messages(req.system, req.messages)
     body |= {"model": req.model, "messages": messages}
+    thinking = extra.get("thinking")
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind in ("enabled", "disabled"):  # (a hybrid model's switch: Qwen3's templates read it)
+        body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled",
+                                        **(body.get("chat_template_kwargs") or {})}  # fmt: skip
     last = messages[-1]
     if last["role"] == "assistant" and last["content"] and "tool_calls" not in last:
         # (a reply begun for the model, Anthropic's "prefill": it goes on from there)

@@ -170,6 +170,14 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
         if extra.get(name) not in allowed:
             raise bad_request(f"{name} is not supported by infer's /v1/responses", param=name)
     body: dict[str, Any] = {k: v for k, v in extra.items() if k not in _OWN_EXTRAS}
+    reasoning = extra.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if isinstance(effort, str):  # (gpt-oss's templates read reasoning_effort; "none" is a
+        # hybrid model's switch off, which Qwen3's templates read as enable_thinking)
+        kwargs = {"reasoning_effort": effort} | (
+            {"enable_thinking": False} if effort == "none" else {}
+        )
+        body["chat_template_kwargs"] = kwargs | (body.get("chat_template_kwargs") or {})
     body |= {
         "model": req.model,
         "messages": [m.model_dump(mode="json", exclude_none=True) for m in messages],
