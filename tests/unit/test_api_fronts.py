@@ -66,7 +66,7 @@ def test_a_final_assistant_turn_is_continued_and_thinking_is_switched():
 def test_responses_input_items_become_chat_messages():
     """A function call joins the assistant message before it; its output is a tool message;
     reasoning items are left out; ``reasoning.effort`` reaches the template (``none``:
-    thinking off)."""
+    thinking off), the request's own template arguments winning."""
     req = ResponsesRequest.model_validate({"input": [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
         {"type": "reasoning", "id": "rs_1", "summary": []},
@@ -82,7 +82,22 @@ def test_responses_input_items_become_chat_messages():
         ("tool", "21C", 0),
     ]
     chat = responses_chat(req, messages)
-    assert chat.chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False}
+    assert chat.chat_template_kwargs == {"enable_thinking": False}
+    req = ResponsesRequest.model_validate(
+        {
+            "input": "x",
+            "reasoning": {"effort": "low"},
+            "chat_template_kwargs": {"reasoning_effort": "high"},
+        }
+    )
+    assert responses_chat(req, input_messages(req)).chat_template_kwargs == {
+        "reasoning_effort": "high"
+    }  # (the request's own wins)
+    bad = ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": "low"},
+                                           "chat_template_kwargs": ["x"]})  # fmt: skip
+    with pytest.raises(APIError) as e:
+        responses_chat(bad, input_messages(bad))
+    assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize("field", ["n", "use_beam_search", "echo", "prompt_logprobs"])

@@ -217,3 +217,34 @@ def test_qwen3_coder_blocks_are_calls_typed_by_the_tools_schema(split):
     assert order == ["I will run it.", ("call", "run"), "Done."]
     unknown = CODER_REPLY.replace("<function=run>", "<function=rm>")
     assert parse_reply(mode, unknown) == (unknown, [])
+
+
+@pytest.mark.parametrize(("value", "schema", "want"), [
+    ("1e3", {"type": "integer"}, "1e3"),  # (not an integer as written: kept)
+    ("12345678901234567890123", {"type": "number"}, 12345678901234567890123),
+    ("nan", {"type": "number"}, "nan"), ("inf", {"type": "number"}, "inf"),  # (not JSON)
+    ("2.5", {"type": "number"}, 2.5), ("-7", {"type": "integer"}, -7),
+    ("5", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 5),
+    ("null", {"type": "integer"}, None), ("null", {"type": "string"}, "null"),
+    ("42", {"type": "string"}, "42"), ("[1]", {"type": "object"}, "[1]"),
+])  # fmt: skip
+def test_qwen3_coder_values_take_only_what_their_type_reads(value, schema, want):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": schema}}}}]  # fmt: skip
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    )
+    text = f"<tool_call>\n<function=f>\n<parameter=p>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    _, [call] = parse_reply(tool_mode(req, "qwen3_coder"), text)
+    assert json.loads(call.function.arguments) == {"p": want}
+
+
+def test_qwen3_coder_block_may_hold_several_calls():
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": CODER_TOOLS}
+    )
+    text = ("<tool_call>\n<function=run>\n<parameter=cmd>\nls\n</parameter>\n</function>\n"
+            "<function=run>\n</function>\n</tool_call>")  # fmt: skip
+    content, calls = parse_reply(tool_mode(req, "qwen3_coder"), text)
+    assert content is None
+    assert [json.loads(c.function.arguments) for c in calls] == [{"cmd": "ls"}, {}]

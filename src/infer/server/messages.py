@@ -115,8 +115,9 @@ def chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionReq
     thinking = extra.get("thinking")
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind in ("enabled", "disabled"):  # (a hybrid model's switch: Qwen3's templates read it)
-        body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled",
-                                        **(body.get("chat_template_kwargs") or {})}  # fmt: skip
+        own = body.get("chat_template_kwargs")  # (the request's own wins; not an object: a 400)
+        if own is None or isinstance(own, dict):
+            body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled", **(own or {})}
     last = messages[-1]
     if last["role"] == "assistant" and last["content"] and "tool_calls" not in last:
         # (a reply begun for the model, Anthropic's "prefill": it goes on from there)

@@ -174,10 +174,10 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
     if isinstance(effort, str):  # (gpt-oss's templates read reasoning_effort; "none" is a
         # hybrid model's switch off, which Qwen3's templates read as enable_thinking)
-        kwargs = {"reasoning_effort": effort} | (
-            {"enable_thinking": False} if effort == "none" else {}
-        )
-        body["chat_template_kwargs"] = kwargs | (body.get("chat_template_kwargs") or {})
+        kwargs = {"enable_thinking": False} if effort == "none" else {"reasoning_effort": effort}
+        own = body.get("chat_template_kwargs")  # (the request's own wins; not an object: a 400)
+        if own is None or isinstance(own, dict):
+            body["chat_template_kwargs"] = kwargs | (own or {})
     body |= {
         "model": req.model,
         "messages": [m.model_dump(mode="json", exclude_none=True) for m in messages],

@@ -33,6 +33,7 @@ one); text that does not parse as calls is content, whole, as vLLM returns it.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import string
@@ -146,51 +147,66 @@ _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
 
-def qwen3_coder_call(body: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
-    """The call a ``qwen3_coder`` block's body makes (``schemas``: each tool's parameters
-    schema by name), None where it names no tool."""
-    match = _FUNCTION.search(body)
-    if match is None or match.group(1).strip() not in schemas:
-        return None
-    name = match.group(1).strip()
-    properties = schemas[name].get("properties")
-    properties = properties if isinstance(properties, dict) else {}
-    arguments = {}
-    for key, raw in _PARAMETER.findall(match.group(2)):
-        key = key.strip()
-        value = raw[1:] if raw.startswith("\n") else raw
-        value = value[:-1] if value.endswith("\n") else value
-        spec = properties.get(key)
-        arguments[key] = _typed(value, spec.get("type") if isinstance(spec, dict) else None)
-    return make_call(name, arguments)
+def qwen3_coder_calls(body: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall]:
+    """The calls a ``qwen3_coder`` block's body makes, one per ``<function=...>`` element
+    (``schemas``: each tool's parameters schema by name); none where one names no tool (the
+    block is then text)."""
+    calls = []
+    for name, inner in _FUNCTION.findall(body):
+        name = name.strip()
+        if name not in schemas:
+            return []
+        properties = schemas[name].get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        arguments = {}
+        for key, raw in _PARAMETER.findall(inner):
+            key = key.strip()
+            value = raw[1:] if raw.startswith("\n") else raw
+            value = value[:-1] if value.endswith("\n") else value
+            arguments[key] = _typed(value, _types(properties.get(key)))
+        calls.append(make_call(name, arguments))
+    return calls
 
 
-def _typed(value: str, kind: Any) -> Any:
-    """A parameter's text as the JSON schema ``kind`` types it (as it is where it does not
-    read as one, or the schema says string or nothing)."""
-    kinds = kind if isinstance(kind, list) else [kind]
+def _types(spec: Any) -> list[Any]:
+    """The JSON types a parameter's schema allows (its ``type``, or its ``anyOf`` /
+    ``oneOf`` branches' types: ``Optional[int]`` as pydantic writes it)."""
+    if not isinstance(spec, dict):
+        return []
+    kind = spec.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    for branch in (spec.get("anyOf") or []) + (spec.get("oneOf") or []):
+        kinds += _types(branch)
+    return kinds
+
+
+def _typed(value: str, kinds: list[Any]) -> Any:
+    """A parameter's text as the JSON schema types ``kinds`` read it: a string, a value of no
+    known type, or one that does not read as its type, as it is; ``null`` as None for any
+    type but a string."""
     text = value.strip()
-    if "null" in kinds and text.lower() in ("null", "none"):
+    if text.lower() in ("null", "none") and kinds and kinds != ["string"]:
         return None
     if "boolean" in kinds and text.lower() in ("true", "false"):
         return text.lower() == "true"
     if "integer" in kinds or "number" in kinds:
         try:
-            number = float(text)
+            return int(text)  # (exact, however long)
         except ValueError:
             pass
-        else:
-            if "integer" in kinds and number.is_integer() and "." not in text:
-                return int(text)
-            if "number" in kinds:
-                return int(number) if number.is_integer() and "." not in text else number
+        if "number" in kinds:
+            try:
+                number = float(text)
+            except ValueError:
+                number = math.nan
+            if math.isfinite(number):  # (no NaN or infinity: they are not JSON)
+                return number
     if "object" in kinds or "array" in kinds:
         try:
             decoded = json.loads(text)
         except json.JSONDecodeError:
             return value
-        if isinstance(decoded, dict if "object" in kinds else list) or (
-            "object" in kinds and "array" in kinds and isinstance(decoded, (dict, list))
-        ):
+        wanted = tuple(t for k, t in (("object", dict), ("array", list)) if k in kinds)
+        if isinstance(decoded, wanted):
             return decoded
     return value

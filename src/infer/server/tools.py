@@ -47,7 +47,7 @@ from infer.server.tool_formats import (
     mistral_ids,
     parse_llama3_json,
     parse_mistral,
-    qwen3_coder_call,
+    qwen3_coder_calls,
 )
 from infer.structured import compile_grammar
 
@@ -180,47 +180,50 @@ def parse_reply(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     return text, []
 
 
-def block_parser(mode: ToolMode) -> Callable[[str, set[str]], ToolCall | None]:
-    """How a ``<tool_call>`` block's body makes a call in this mode: hermes' JSON, or
+BlockParser = Callable[[str, set[str]], list[ToolCall]]
+
+
+def block_parser(mode: ToolMode) -> BlockParser:
+    """How a ``<tool_call>`` block's body makes calls in this mode: hermes' JSON (one), or
     ``qwen3_coder``'s ``<function=...>`` elements (typed by each tool's schema)."""
     if mode.parser != "qwen3_coder":
-        return _hermes_call
+        return _hermes_calls
     schemas = {t.function.name: _parameters(t) for t in mode.tools}
-    return lambda body, _names: qwen3_coder_call(body, schemas)
+    return lambda body, _names: qwen3_coder_calls(body, schemas)
 
 
-def parse_hermes(text: str, names: set[str],
-                 parse_block: Callable[[str, set[str]], ToolCall | None] | None = None
+def parse_hermes(text: str, names: set[str], parse_block: BlockParser | None = None
                  ) -> tuple[str | None, list[ToolCall]]:  # fmt: skip
     """Calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
-    (``parse_block``: how a block's body makes a call, hermes' JSON by default).
+    (``parse_block``: how a block's body makes calls, hermes' JSON by default).
 
     The content is the text outside the calls' blocks, less the whitespace next to each block
     (the line breaks a template writes around them); the stream gives the same content."""
-    parse_block = parse_block or _hermes_call
+    parse_block = parse_block or _hermes_calls
     calls: list[ToolCall] = []
     kept: list[str] = []
     last = 0
     for match in _BLOCK.finditer(text):
-        call = parse_block(match.group(1), names)
-        if call is None:
+        made = parse_block(match.group(1), names)
+        if not made:
             continue
         before = text[last : match.start()]
         kept.append((before.lstrip() if calls else before).rstrip())
         last = match.end()
-        calls.append(call)
+        calls.extend(made)
     if not calls:
         return text, []
     kept.append(text[last:].lstrip())
     return ("".join(kept) or None), calls
 
 
-def _hermes_call(body: str, names: set[str]) -> ToolCall | None:
-    """The call a block's JSON makes, or None when it makes none (``call_from_json``)."""
+def _hermes_calls(body: str, names: set[str]) -> list[ToolCall]:
+    """The call a block's JSON makes, none when it makes none (``call_from_json``)."""
     try:
-        return call_from_json(json.loads(body), names)
+        call = call_from_json(json.loads(body), names)
     except json.JSONDecodeError:
-        return None
+        return []
+    return [] if call is None else [call]
 
 
 @dataclass
@@ -242,6 +245,7 @@ class ToolStream:
     is_call: bool | None = None  # llama3_json: whether the reply is calls (None: undecided)
     marker: int = -1  # mistral: where [TOOL_CALLS] is (-1: not yet seen in text[:scanned])
     scanned: int = 0
+    parse_block: BlockParser | None = None  # (block_parser's, made on the first block)
 
     def feed(self, new_text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         """The new content (what text there is, joined) and the new calls."""
@@ -271,7 +275,8 @@ class ToolStream:
         # and whitespace after a call is dropped.
         content: list[str | DeltaToolCall] = []
         names = {t.function.name for t in self.mode.tools}
-        parse_block = block_parser(self.mode)
+        if self.parse_block is None:
+            self.parse_block = block_parser(self.mode)
         while True:
             rest = self.text[self.sent :]
             if self.after_call:
@@ -295,13 +300,13 @@ class ToolStream:
                 else:
                     self._emit(content, rest[:start])
                 break
-            call = parse_block(rest[start + len(CALL_OPEN) : end].strip(), names)
+            made = self.parse_block(rest[start + len(CALL_OPEN) : end].strip(), names)
             block_end = end + len(CALL_CLOSE)
-            if call is None:
+            if not made:
                 content.append(rest[:block_end])
             else:
                 content.append(rest[:start].rstrip())
-                content.extend(self._deltas([call]))
+                content.extend(self._deltas(made))
                 self.after_call = True
             self.sent += block_end
         return content
