@@ -167,6 +167,25 @@ def test_the_conversation_is_read_as_anthropic_reads_it(client, chat):
     assert long.input_tokens > 4000
 
 
+def test_a_max_tokens_past_the_context_is_cut_to_what_it_leaves(client, shared_server):
+    """Claude Code asks for 32,000 tokens whatever the model: the reply gets the room the
+    context leaves and stops there with ``max_tokens`` (a prompt that leaves none is a 400)."""
+    info = httpx.get(shared_server.base_url + "/models", headers=shared_server.headers).json()
+    context = info["data"][0]["max_model_len"]
+    # (streamed, as Claude Code asks: the SDK refuses so large a max_tokens otherwise)
+    with client.messages.stream(model="tiny", max_tokens=32000,
+                                messages=[{"role": "user", "content": "x"}],
+                                extra_body={"ignore_eos": True}) as stream:  # fmt: skip
+        message = stream.get_final_message()
+    assert message.stop_reason == "max_tokens"
+    assert (
+        message.usage.input_tokens
+        + message.usage.cache_read_input_tokens
+        + (message.usage.output_tokens)
+        == context
+    )
+
+
 def test_output_config_format_makes_json_its_schema_accepts(client):
     import json
 
@@ -204,8 +223,8 @@ def test_the_api_key_may_come_as_x_api_key(shared_server):
           "tool_choice": {"type": "tool"}}, "tool_choice.name", "needs a name"),
         ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n",
          "one reply"),
-        ({"max_tokens": 10**6, "messages": [{"role": "user", "content": "x"}]}, "max_tokens",
-         "reduce the prompt or max_tokens"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": "x " * 5000}]},
+         "messages", "context length"),
     ],
 )  # fmt: skip
 def test_what_is_not_served_is_a_400_naming_it(shared_server, body, param, words):

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -139,9 +139,11 @@ class ChatRun:
 
 
 async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str,
-                      check_lengths: bool = True) -> ChatPrompt:  # fmt: skip
-    """The checks every chat-shaped request passes (fields, tools, lengths: not with
-    ``check_lengths`` false, for a count of the prompt's tokens) and its prompt."""
+                      lengths: Literal["check", "clamp", "skip"] = "check") -> ChatPrompt:  # fmt: skip
+    """The checks every chat-shaped request passes (fields, tools, lengths) and its prompt.
+    ``lengths``: ``check`` refuses a prompt that, with its ``max_tokens``, passes the context;
+    ``clamp`` cuts ``max_tokens`` to the room the prompt leaves (for clients that always ask
+    for more than a small model's context holds); ``skip``: no check (a token count)."""
     serving.check_fields(req, route)
     if serving.encoder_only is not None:  # (before its chat template, which it has no use for)
         raise bad_request(serving.encoder_only, param="messages")
@@ -158,7 +160,11 @@ async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str,
     size = sum(len(m.content) if isinstance(m.content, str) else 64 for m in req.messages)
     ids = await serving.run_blocking(lambda: render_request(serving, req), size=size)
     ids = serving.truncated(ids, req)
-    if check_lengths:
+    if lengths == "clamp" and max_tokens is not None:
+        room = serving.max_model_len - len(ids)
+        if 0 < room < max_tokens:
+            max_tokens = room
+    if lengths != "skip":
         serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
     return ChatPrompt(ids, mode, constraint, max_tokens)
 

@@ -156,7 +156,9 @@ async def create_message(serving: Serving, req: MessagesRequest, raw: Request) -
     model = serving.check_model(req.model)
     chat = chat_request(req)
     with renamed_params(_CHAT_NAMES):
-        prompt = await chat_prompt(serving, chat, "/v1/messages")
+        # (Anthropic's clients ask for a large max_tokens whatever the model: Claude Code
+        # 32k; cut to what the context leaves, the reply stops there with max_tokens)
+        prompt = await chat_prompt(serving, chat, "/v1/messages", lengths="clamp")
         run = await submit_chat(serving, chat, raw, prompt, request_id=new_item_id("msg"))
     turn = MessageTurn(serving, run, model, raw)
     if req.stream:
@@ -171,7 +173,7 @@ async def count_tokens(serving: Serving, req: CountTokensRequest) -> JSONRespons
     serving.check_model(req.model)
     with renamed_params(_CHAT_NAMES):
         prompt = await chat_prompt(serving, chat_request(req), "/v1/messages/count_tokens",
-                                   check_lengths=False)  # fmt: skip
+                                   lengths="skip")  # fmt: skip
     return JSONResponse({"input_tokens": len(prompt.ids)})
 
 
