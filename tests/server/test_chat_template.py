@@ -51,3 +51,33 @@ def test_a_template_that_raises_is_a_400(tiny_engine):
                               chat_template="{{ raise_exception('roles must alternate') }}")  # fmt: skip
     got = call(tiny_engine, settings, "/v1/chat/completions", {"messages": MESSAGES})
     assert got.status_code == 400 and "roles must alternate" in got.json()["error"]["message"]
+
+
+def test_the_reasoning_switches_reach_the_template(tiny_engine):
+    """Chat's ``reasoning_effort``, the Responses API's ``reasoning.effort`` and Anthropic's
+    ``thinking`` type reach the template as ``reasoning_effort`` / ``enable_thinking`` (the
+    prompt's token count tells which text it wrote)."""
+    template = ("{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
+                "{% if reasoning_effort is defined %}[effort {{ reasoning_effort }}]{% endif %}"
+                + TEMPLATE)  # fmt: skip
+    settings = ServerSettings(served_model_names=("tiny",), chat_template=template)
+
+    def tokens(text: str) -> int:
+        return len(tiny_engine.tokenizer.encode(text + "[user] hello there\n[assistant]",
+                                                add_special_tokens=False))  # fmt: skip
+
+    cases = [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
+                                  "reasoning_effort": "high"}, "[effort high]"),
+        ("/v1/responses", {"input": "hello there", "max_output_tokens": 1,
+                           "reasoning": {"effort": "none"}}, "[no-think]"),
+        ("/v1/messages", {"messages": MESSAGES, "max_tokens": 1,
+                          "thinking": {"type": "disabled"}}, "[no-think]"),
+    ]  # fmt: skip
+    for path, body, text in cases:
+        got = call(tiny_engine, settings, path, body).json()
+        usage = got["usage"]
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        if path == "/v1/messages":
+            prompt += usage["cache_read_input_tokens"]
+        assert prompt == tokens(text), (path, got)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from infer.server.chat import as_chat_request, renamed_params
+from infer.server.chat import as_chat_request, renamed_params, template_kwargs
 from infer.server.errors import APIError
 from infer.server.messages import chat_request as messages_chat
 from infer.server.messages_protocol import MessagesRequest
@@ -82,17 +82,15 @@ def test_responses_input_items_become_chat_messages():
         ("tool", "21C", 0),
     ]
     chat = responses_chat(req, messages)
-    assert chat.chat_template_kwargs == {"enable_thinking": False}
-    req = ResponsesRequest.model_validate(
-        {
-            "input": "x",
-            "reasoning": {"effort": "low"},
-            "chat_template_kwargs": {"reasoning_effort": "high"},
-        }
-    )
-    assert responses_chat(req, input_messages(req)).chat_template_kwargs == {
-        "reasoning_effort": "high"
-    }  # (the request's own wins)
+    assert chat.reasoning_effort == "none"
+    assert template_kwargs(chat) == {"enable_thinking": False}
+    req = ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": "low"},
+                                           "chat_template_kwargs": {"reasoning_effort": "high"}})  # fmt: skip
+    chat = responses_chat(req, input_messages(req))
+    assert template_kwargs(chat) == {"reasoning_effort": "high"}  # (the request's own wins)
+    chat = as_chat_request({"messages": [{"role": "user", "content": "x"}],
+                            "reasoning_effort": "low"})  # (the chat route's own field)  # fmt: skip
+    assert template_kwargs(chat) == {"reasoning_effort": "low"}
     bad = ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": "low"},
                                            "chat_template_kwargs": ["x"]})  # fmt: skip
     with pytest.raises(APIError) as e:

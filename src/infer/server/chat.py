@@ -98,9 +98,21 @@ def render_request(serving: Serving, body: ChatCompletionRequest | TokenizeReque
     return render_chat(serving, body.messages or [],
                        add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message,
-                       kwargs=body.chat_template_kwargs, tools=tools or None,
+                       kwargs=template_kwargs(body), tools=tools or None,
                        documents=body.documents,
                        add_special_tokens=bool(body.add_special_tokens))  # fmt: skip
+
+
+def template_kwargs(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any] | None:
+    """The chat template's extra arguments: ``chat_template_kwargs``, and ``reasoning_effort``
+    as gpt-oss's templates read it (``none``: thinking off, as Qwen3's read
+    ``enable_thinking``) where those do not set it."""
+    own = body.chat_template_kwargs
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is None:
+        return own
+    mapped = {"enable_thinking": False} if effort == "none" else {"reasoning_effort": effort}
+    return mapped | (own or {})
 
 
 def chat_logprobs(serving: Serving, lps: list[TokenLogprob], k: int) -> ChatLogprobs:

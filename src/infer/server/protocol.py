@@ -297,6 +297,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    reasoning_effort: str | None = Field(
+        None,
+        description="passed to the chat template as reasoning_effort (gpt-oss's); "
+        "'none' also as enable_thinking: false (Qwen3's switch)",
+    )
 
 
 # Fields that change what a request means; accepting and ignoring them would return something

@@ -172,12 +172,8 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
     body: dict[str, Any] = {k: v for k, v in extra.items() if k not in _OWN_EXTRAS}
     reasoning = extra.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
-    if isinstance(effort, str):  # (gpt-oss's templates read reasoning_effort; "none" is a
-        # hybrid model's switch off, which Qwen3's templates read as enable_thinking)
-        kwargs = {"enable_thinking": False} if effort == "none" else {"reasoning_effort": effort}
-        own = body.get("chat_template_kwargs")  # (the request's own wins; not an object: a 400)
-        if own is None or isinstance(own, dict):
-            body["chat_template_kwargs"] = kwargs | (own or {})
+    if isinstance(effort, str):  # (the chat route's reasoning_effort: chat.template_kwargs)
+        body["reasoning_effort"] = effort
     body |= {
         "model": req.model,
         "messages": [m.model_dump(mode="json", exclude_none=True) for m in messages],
