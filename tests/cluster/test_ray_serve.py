@@ -181,6 +181,28 @@ def test_completions_and_chat_through_the_router(prefix_server):
     wait_idle(prefix_server)
 
 
+def test_a_stored_response_is_found_on_the_replica_that_made_it(prefix_server):
+    """``/v1/responses`` goes to the replicas in turn, and a response is kept by the one that
+    made it: continuing it, fetching it and deleting it reach that replica whichever the turn
+    falls on (an unknown id is still a 400 / 404 naming it)."""
+    client = openai.OpenAI(base_url=prefix_server.base_url, api_key=prefix_server.api_key)
+    first = client.responses.create(model="tiny", input="Name a prime number.",
+                                    max_output_tokens=4, temperature=0)  # fmt: skip
+    last = first
+    for _ in range(3):  # (the turns fall on both replicas)
+        last = client.responses.create(model="tiny", input="And another?", temperature=0,
+                                        max_output_tokens=4, previous_response_id=last.id)  # fmt: skip
+        assert last.previous_response_id is not None
+        assert last.usage.input_tokens > first.usage.input_tokens
+    for _ in range(2):
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match="no response with id"):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="no response with id"):
+        client.responses.create(model="tiny", input="x", previous_response_id=first.id)
+
+
 def test_text_prompts_with_a_shared_prefix_stay_on_one_replica(prefix_server):
     before = metric_values(prefix_server)
     long_doc = "The quick brown fox jumps over the lazy dog near the river bank. " * 12

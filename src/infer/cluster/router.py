@@ -212,6 +212,8 @@ class Router:
         named = request.query_params.get("replica")
         if named in self.names:  # e.g. /dashboard?replica=decode-0: that replica's live view
             return await self._forward(self.names.index(named), forwarded, request, on_end=None)
+        if _names_a_stored_response(forwarded):
+            return await self._stored_response(forwarded)
         replica = self._any
         self._any = (self._any + 1) % len(self.replicas)
         return await self._forward(replica, forwarded, request, on_end=None)
@@ -422,6 +424,32 @@ class Router:
                 on_end()
         return Response(b"".join(chunks), status_code=start.status, headers=headers)
 
+    async def _stored_response(self, fwd: ForwardedRequest) -> Response:
+        """A request about a stored response (``previous_response_id``, ``GET`` / ``DELETE
+        /v1/responses/{id}``): a response is kept by the replica that made it, so each replica
+        in turn until one knows it (one that answers ``response_not_found`` is passed by; the
+        last one's answer stands)."""
+        first = self._any
+        self._any = (self._any + 1) % len(self.replicas)
+        for k in range(len(self.replicas)):
+            replica = (first + k) % len(self.replicas)
+            gen = self.replicas[replica].options(stream=True).handle.remote(fwd)
+            try:
+                start = await gen.__anext__()
+            except BaseException:
+                gen.cancel()
+                raise
+            if start.status not in (400, 404) or k == len(self.replicas) - 1:
+                return await self._relay(gen, start, on_end=None)
+            try:
+                body = b"".join([chunk async for chunk in gen])
+            finally:
+                gen.cancel()
+            if b'"response_not_found"' not in body:  # (another 400: the answer)
+                return Response(body, status_code=start.status,
+                                headers=_response_headers(start))  # fmt: skip
+        raise AssertionError("unreachable: the last replica's answer is returned")
+
     async def _call(self, replica: int, fwd: ForwardedRequest) -> tuple[ResponseStart, bytes]:
         """One whole response from ``replica``."""
         pieces = [p async for p in self.replicas[replica].options(stream=True).handle.remote(fwd)]
@@ -584,6 +612,20 @@ def reset_answer(answers: list[tuple[ResponseStart, bytes]]) -> tuple[Response, 
                         headers=_response_headers(failed[0])), False  # fmt: skip
     every = all(json.loads(body).get("reset") is True for _, body in answers)
     return JSONResponse({"reset": every}), every
+
+
+def _names_a_stored_response(fwd: ForwardedRequest) -> bool:
+    """A Responses API request that names a stored response: ``GET`` / ``DELETE
+    /v1/responses/{id}``, or a new response continuing one (``previous_response_id``)."""
+    if fwd.path.startswith("/v1/responses/") and fwd.method in ("GET", "DELETE"):
+        return True
+    if fwd.path != "/v1/responses" or fwd.method != "POST":
+        return False
+    try:
+        body = json.loads(fwd.body)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("previous_response_id") is not None
 
 
 def _response_headers(start: ResponseStart) -> dict[str, str]:
