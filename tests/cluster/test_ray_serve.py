@@ -224,6 +224,28 @@ def test_text_prompts_with_a_shared_prefix_stay_on_one_replica(prefix_server):
     assert cached > 0
 
 
+def test_the_responses_and_messages_apis_are_routed_by_prefix(prefix_server):
+    """``/v1/responses`` and ``/v1/messages`` are routed as chat is: by their conversation's
+    blocks (the instructions or the system prompt a client sends every time), so requests
+    sharing it follow its cached prefix."""
+    before = metric_values(prefix_server)
+    long_doc = "Answer in one word, about rivers, foxes and dogs near the bank. " * 12
+    with prefix_server.client() as c:
+        for q in ("Who jumps?", "Where is the dog?", "Why?"):
+            r = c.post("/v1/responses", json={"model": "tiny", "max_output_tokens": 2,
+                                              "instructions": long_doc, "input": q})  # fmt: skip
+            assert r.status_code == 200, r.text
+            r = c.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "system": long_doc,
+                                             "messages": [{"role": "user", "content": q}]})  # fmt: skip
+            assert r.status_code == 200, r.text
+    after = metric_values(prefix_server)
+    hits = [total(after, "infer:router_requests_total", replica=f"replica-{i}", reason="prefix-hit")
+            - total(before, "infer:router_requests_total", replica=f"replica-{i}",
+                    reason="prefix-hit") for i in range(2)]  # fmt: skip
+    assert sorted(hits) == [0, 5]  # (the two fronts write the same chat prompt)
+    wait_idle(prefix_server)
+
+
 def test_embeddings_of_one_document_stay_on_one_replica(prefix_server):
     """Embedding requests are routed as generation is: their first input's blocks decide, so
     chunks of one long document sent one by one follow its cached prefix."""

@@ -43,7 +43,10 @@ logger = logging.getLogger("infer.cluster")
 POOLING_PATHS = {"/v1/embeddings": "input", "/classify": "input", "/v1/classify": "input",
                  "/score": "text_1", "/v1/score": "text_1",
                  "/rerank": "query", "/v1/rerank": "query", "/v2/rerank": "query"}  # fmt: skip
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", *POOLING_PATHS)
+# The chat route's fronts (OpenAI's Responses API, Anthropic's Messages API): routed by their
+# prompt as chat is, never split (their bodies are not the chat route's).
+FRONT_PATHS = ("/v1/responses", "/v1/messages")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", *POOLING_PATHS, *FRONT_PATHS)
 BROADCAST_PATHS = ("/health", "/reset_prefix_cache", "/v1/load_lora_adapter",
                    "/v1/unload_lora_adapter")  # fmt: skip
 # Tokenize off the event loop above this many characters (as the server does).
@@ -186,6 +189,8 @@ class Router:
             client=(request.client.host, request.client.port) if request.client else None,
         )
         path = forwarded.path
+        if _names_a_stored_response(forwarded):  # (its replica, not the best one, has it)
+            return await self._stored_response(forwarded)
         if request.method == "POST" and path in ROUTED_PATHS:
             if self.draining:  # as a single server answers while it drains
                 return _error(503, "the server is shutting down", "unavailable")
@@ -212,8 +217,6 @@ class Router:
         named = request.query_params.get("replica")
         if named in self.names:  # e.g. /dashboard?replica=decode-0: that replica's live view
             return await self._forward(self.names.index(named), forwarded, request, on_end=None)
-        if _names_a_stored_response(forwarded):
-            return await self._stored_response(forwarded)
         replica = self._any
         self._any = (self._any + 1) % len(self.replicas)
         return await self._forward(replica, forwarded, request, on_end=None)
@@ -258,7 +261,7 @@ class Router:
     async def _generate(self, fwd: ForwardedRequest, arrived: float, raw: Request) -> Response:
         decide_from = time.perf_counter()
         prefill_fwd = None
-        if self.decode_policy is not None and fwd.path not in POOLING_PATHS:
+        if self.decode_policy is not None and fwd.path not in (*POOLING_PATHS, *FRONT_PATHS):
             prefill_fwd = split_request(fwd)
         # (an embedding request is all prefill with nothing to hand over: disaggregated, a
         # decode replica runs it whole, as a request that is not split)
@@ -496,13 +499,11 @@ class Router:
 
     def _prompt_ids(self, path: str, data: dict[str, Any]) -> list[int]:
         """The first prompt's token ids, as the server computes them."""
-        if path == "/v1/chat/completions":
+        if path in ("/v1/chat/completions", *FRONT_PATHS):
             from infer.server.chat import render_request
-            from infer.server.protocol import ChatCompletionRequest
 
-            request = ChatCompletionRequest.model_validate(data)
             # (self.chat has the two attributes rendering reads: settings, tokenizer)
-            return render_request(self.chat, request)  # type: ignore[arg-type]
+            return render_request(self.chat, _as_chat(path, data))  # type: ignore[arg-type]
         prompt = data.get(POOLING_PATHS.get(path, "prompt"))
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # several prompts: route by the first
@@ -612,6 +613,24 @@ def reset_answer(answers: list[tuple[ResponseStart, bytes]]) -> tuple[Response, 
                         headers=_response_headers(failed[0])), False  # fmt: skip
     every = all(json.loads(body).get("reset") is True for _, body in answers)
     return JSONResponse({"reset": every}), every
+
+
+def _as_chat(path: str, data: dict[str, Any]) -> Any:
+    """The chat request a chat-shaped body runs as (the fronts' own conversion)."""
+    if path == "/v1/messages":
+        from infer.server.messages import chat_request
+        from infer.server.messages_protocol import MessagesRequest
+
+        return chat_request(MessagesRequest.model_validate(data))
+    if path == "/v1/responses":
+        from infer.server.responses import chat_request, front_messages
+        from infer.server.responses_protocol import ResponsesRequest
+
+        request = ResponsesRequest.model_validate(data)
+        return chat_request(request, front_messages(request))
+    from infer.server.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate(data)
 
 
 def _names_a_stored_response(fwd: ForwardedRequest) -> bool:

@@ -162,6 +162,14 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     return messages
 
 
+def front_messages(req: ResponsesRequest, history: list[ChatMessage] | None = None,
+                   new: list[ChatMessage] | None = None) -> list[ChatMessage]:  # fmt: skip
+    """The conversation a response answers: ``instructions`` (a system message), the stored
+    ``history`` of its previous response, then its input (``new``: :func:`input_messages`)."""
+    system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    return system + (history or []) + (input_messages(req) if new is None else new)
+
+
 def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
     """The chat request that serves ``req`` (its vLLM sampling extensions passed on as they
     are: a bad one is a 400 naming it)."""
@@ -239,8 +247,7 @@ async def create_response(serving: Serving, store: ResponseStore, req: Responses
     new = input_messages(req)
     if not history and not new:
         raise bad_request("input has no message to answer", param="input")
-    system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
-    chat = chat_request(req, system + history + new)
+    chat = chat_request(req, front_messages(req, history, new))
     response_id = new_item_id("resp")
     with renamed_params(_CHAT_NAMES):
         prompt = await chat_prompt(serving, chat, "/v1/responses")
