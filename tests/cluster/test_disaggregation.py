@@ -142,6 +142,26 @@ def test_embeddings_run_whole_on_a_decode_replica(pd_server, one_engine):
     assert counted == 2
 
 
+def test_the_responses_and_messages_apis_run_whole_on_a_decode_replica(pd_server):
+    """Their bodies are not the chat route's, so they are not split: a decode replica runs
+    each whole, as the chat reply to the same conversation (greedy: the same text)."""
+    before = metric_values(pd_server)
+    question = [{"role": "user", "content": PROMPTS[0]}]
+    with pd_server.client() as c:
+        chat = c.post("/v1/chat/completions", json={"model": "tiny", "messages": question,
+                                                    "max_tokens": 6, "temperature": 0})  # fmt: skip
+        want = chat.json()["choices"][0]["message"]["content"]
+        r = c.post("/v1/responses", json={"model": "tiny", "input": PROMPTS[0],
+                                          "max_output_tokens": 6, "temperature": 0})  # fmt: skip
+        assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == want
+        r = c.post("/v1/messages", json={"model": "tiny", "messages": question, "max_tokens": 6,
+                                         "temperature": 0})  # fmt: skip
+        assert r.status_code == 200 and r.json()["content"][0]["text"] == want
+    after = wait_idle(pd_server)
+    # (the chat request was split: one transfer; the two fronts none)
+    assert total(after, "infer:kv_transfers_total") - total(before, "infer:kv_transfers_total") == 1
+
+
 def test_metrics_show_transfers_and_each_live_view_its_role(pd_server):
     import json
 
