@@ -63,7 +63,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=new_session)  # fmt: skip
         ray = any(flag in args for flag in RAY_FLAGS)
-        self._wait_ready(RAY_STARTUP_TIMEOUT if ray else STARTUP_TIMEOUT)
+        self._wait_ready(RAY_STARTUP_TIMEOUT if ray else STARTUP_TIMEOUT, own_log=not ray)
 
     @property
     def base_url(self) -> str:
@@ -73,8 +73,13 @@ class ServerProcess:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float, own_log: bool = True) -> None:
+        """Until ``/health`` answers 200 from this process: ``own_log``, its log says uvicorn
+        serves this port (free_port's port may be taken by another test's server starting at
+        the same moment, on the other worker: its 200 must not be taken for this one's, whose
+        SIGTERM handler is not installed yet)."""
         deadline = time.monotonic() + timeout
+        serving = f"Uvicorn running on http://127.0.0.1:{self.port}"
         # NOTE: one client for every poll. httpx.get builds a client each call, loading the CA
         # bundle: ~20 ms of CPU a poll, taken from the server starting on a 2-core box. With one
         # client a refused connection costs ~0.1 ms, so the interval can be short (each of the
@@ -84,7 +89,9 @@ class ServerProcess:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
                 try:
-                    if client.get(self.url + "/health").status_code == 200:
+                    if client.get(self.url + "/health").status_code == 200 and (
+                        not own_log or serving in self.log()
+                    ):
                         return
                 except httpx.HTTPError:
                     pass
