@@ -217,9 +217,7 @@ class Router:
         named = request.query_params.get("replica")
         if named in self.names:  # e.g. /dashboard?replica=decode-0: that replica's live view
             return await self._forward(self.names.index(named), forwarded, request, on_end=None)
-        replica = self._any
-        self._any = (self._any + 1) % len(self.replicas)
-        return await self._forward(replica, forwarded, request, on_end=None)
+        return await self._forward(self._next_turn(), forwarded, request, on_end=None)
 
     async def drain(self, timeout: float) -> bool:
         """Shutting down: refuse new requests (503) and wait up to ``timeout`` s for those in
@@ -384,13 +382,18 @@ class Router:
     async def _forward(self, replica: int, fwd: ForwardedRequest, raw: Request,
                        on_end: Any) -> Response:  # fmt: skip
         """Call the replica; return its answer as it comes (an SSE stream chunk by chunk)."""
+        gen, start = await self._open(replica, fwd)
+        return await self._relay(gen, start, on_end)
+
+    async def _open(self, replica: int, fwd: ForwardedRequest) -> tuple[Any, Any]:
+        """Call the replica: its answer's stream and first piece (the stream cancelled if
+        that never comes)."""
         gen = self.replicas[replica].options(stream=True).handle.remote(fwd)
         try:
-            start = await gen.__anext__()
+            return gen, await gen.__anext__()
         except BaseException:
             gen.cancel()
             raise
-        return await self._relay(gen, start, on_end)
 
     async def _relay(self, gen: Any, start: Any, on_end: Any) -> Response:
         """A replica's answer from its first piece on: an SSE stream relayed chunk by chunk
@@ -427,21 +430,20 @@ class Router:
                 on_end()
         return Response(b"".join(chunks), status_code=start.status, headers=headers)
 
+    def _next_turn(self) -> int:
+        """The replica whose turn it is for an un-routed request (round-robin)."""
+        replica = self._any
+        self._any = (self._any + 1) % len(self.replicas)
+        return replica
+
     async def _stored_response(self, fwd: ForwardedRequest) -> Response:
         """A request about a stored response (``previous_response_id``, ``GET`` / ``DELETE
         /v1/responses/{id}``): a response is kept by the replica that made it, so each replica
         in turn until one knows it (one that answers ``response_not_found`` is passed by; the
         last one's answer stands)."""
-        first = self._any
-        self._any = (self._any + 1) % len(self.replicas)
+        first = self._next_turn()
         for k in range(len(self.replicas)):
-            replica = (first + k) % len(self.replicas)
-            gen = self.replicas[replica].options(stream=True).handle.remote(fwd)
-            try:
-                start = await gen.__anext__()
-            except BaseException:
-                gen.cancel()
-                raise
+            gen, start = await self._open((first + k) % len(self.replicas), fwd)
             if start.status not in (400, 404) or k == len(self.replicas) - 1:
                 return await self._relay(gen, start, on_end=None)
             try:

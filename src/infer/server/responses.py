@@ -49,7 +49,6 @@ from infer.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCallIn,
-    ToolCall,
     ToolCallIn,
 )
 from infer.server.reasoning import NO_PARSER, ReasoningStream
@@ -80,7 +79,7 @@ STORED = 1024  # responses kept for previous_response_id / GET (the oldest forgo
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # A finish that is not a completion: its response's status
 _STATUS = {"length": "incomplete", "abort": "failed"}
-ABORTED = ("the request ended before its reply did (its --request-timeout passed, or the "
+_ABORTED = ("the request ended before its reply did (its --request-timeout passed, or the "
             "server is stopping)")  # fmt: skip
 # Responses API fields infer does not serve, whose values would change what is asked
 _REFUSED = {"background": (None, False), "conversation": (None,), "prompt": (None,)}
@@ -294,7 +293,7 @@ class Turn:
         if final.finish_reason == "length":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         elif final.finish_reason == "abort":
-            response.error = {"code": "aborted", "message": ABORTED}
+            response.error = {"code": "aborted", "message": _ABORTED}
         response.output = items
         thought = len(self.serving.encode(reasoning)) if reasoning else 0
         response.usage = ResponseUsage(
@@ -374,11 +373,6 @@ class Turn:
                                param=None)  # fmt: skip
         finally:
             self.run.stream.abort()
-
-
-def _function_call(call: ToolCall, status: str = "completed") -> OutputFunctionCall:
-    return OutputFunctionCall(id=new_item_id("fc"), call_id=call.id, name=call.function.name,
-                              arguments=call.function.arguments, status=status)  # fmt: skip
 
 
 def _reply(items: list[OutputItem]) -> ChatMessage:
