@@ -23,6 +23,7 @@ from infer.core.beam_search import (
     rounds_for,
 )
 from infer.core.lora_request import LoRARequest
+from infer.core.multimodal import ImageInput
 from infer.core.outputs import (
     BeamSearchOutput,
     BeamSequence,
@@ -48,10 +49,10 @@ from infer.core.pooling_params import (
 )
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
-from infer.model.chat_template import render_chat_ids
+from infer.model.chat_template import message_images, render_chat_ids
 from infer.model.tokenizer import encode_pair
 
-PromptInput = str | Sequence[int]
+PromptInput = str | Sequence[int] | dict[str, Any]
 
 
 class LLM:
@@ -120,7 +121,9 @@ class LLM:
         loras = self._loras(lora_request, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"{len(priority)} priorities for {len(prompt_list)} prompts")
-        encoded = [self._encode(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
+        prompts_in = [self._multimodal(p, i, len(prompt_list)) for i, p in enumerate(prompt_list)]
+        encoded = [ids for ids, _ in prompts_in]
+        images = [ims for _, ims in prompts_in]
         for params in params_list:
             if params.structured_outputs is not None:  # a bad grammar raises here, naming it
                 from infer.structured import compile_grammar
@@ -128,7 +131,8 @@ class LLM:
                 compile_grammar(params.structured_outputs)
 
         with self._lock:
-            children, collected = self._run(encoded, params_list, priority, cache_salt, loras)
+            children, collected = self._run(encoded, params_list, priority, cache_salt, loras,
+                                            images)  # fmt: skip
         results = []
         for i, token_ids in enumerate(encoded):
             rids = [rid for rid, (pi, _) in children.items() if pi == i]
@@ -137,7 +141,7 @@ class LLM:
             results.append(
                 GenerationResult(
                     request_id=rids[0].rsplit("-", 1)[0],
-                    prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
+                    prompt=_prompt_text(prompt_list[i]),
                     prompt_token_ids=list(token_ids),
                     outputs=outputs,
                     num_cached_tokens=last[0].num_cached_tokens,
@@ -173,13 +177,17 @@ class LLM:
         batch = bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = messages if batch else [messages]
         kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
-        prompts = [
-            render_chat_ids(self.tokenizer, list(c), chat_template=chat_template,
-                            add_generation_prompt=add_generation_prompt,
-                            continue_final_message=continue_final_message, tools=tools,
-                            documents=documents, template_kwargs=kwargs)
-            for c in conversations
-        ]  # fmt: skip
+        vision = self.engine.image_prompts
+        prompts: list[Any] = []
+        for c in conversations:
+            ids = render_chat_ids(self.tokenizer, list(c), chat_template=chat_template,
+                                  add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, tools=tools,
+                                  documents=documents, template_kwargs=kwargs,
+                                  image_token=None if vision is None else vision.token)  # fmt: skip
+            images = message_images(list(c))
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+                           if images else ids)  # fmt: skip
         results = self.generate(prompts, sampling_params, lora_request=lora_request)
         return results if batch else results[0]
 
@@ -476,6 +484,7 @@ class LLM:
         priority: Sequence[int] | None,
         cache_salt: str | None,
         loras: Sequence[LoRARequest | str | None],
+        images: Sequence[tuple[ImageInput, ...]] | None = None,
     ) -> tuple[dict[str, tuple[int, int]], dict[str, list[RequestOutput]]]:
         """Add every (prompt, choice) as a request and step the engine until all finish: the
         request ids (-> prompt index, choice index) and each one's outputs. Whatever stops it
@@ -495,6 +504,7 @@ class LLM:
                         priority=priority[i] if priority else 0,
                         cache_salt=cache_salt,
                         lora_request=loras[i],
+                        images=images[i] if images else (),
                     )
                     children[rid] = (i, j)
                     collected[rid] = []
@@ -509,6 +519,40 @@ class LLM:
             self._drain()
             raise
         return children, collected
+
+    def _multimodal(
+        self, prompt: PromptInput | dict[str, Any], index: int, count: int
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """A prompt's ids and images: a string or ids as :meth:`_encode`, or vLLM's dict form,
+        ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` with ``"multi_modal_data":
+        {"image": an image or a list}`` (one placeholder in the prompt for each, in order)."""
+        if not isinstance(prompt, dict):
+            return self._encode(prompt, index, count), ()
+        param = "prompt" if count == 1 else f"prompts[{index}]"
+        text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        if text is None or unknown:
+            raise InvalidRequestError(f"{param}: a prompt dict has 'prompt' or 'prompt_token_ids' "
+                                      "and 'multi_modal_data'"
+                                      + (f" (not {', '.join(unknown)})" if unknown else ""),
+                                      param=param)  # fmt: skip
+        ids = self._encode(text, index, count)
+        data = prompt.get("multi_modal_data") or {}
+        other = sorted(set(data) - {"image"})
+        if other:
+            raise InvalidRequestError(f"{param}: multi_modal_data takes images ('image'), not "
+                                      f"{', '.join(other)}", param=param)  # fmt: skip
+        found = data.get("image")
+        if found is None:
+            return ids, ()
+        found = list(found) if isinstance(found, list | tuple) else [found]
+        vision = self.engine.image_prompts
+        if vision is None:
+            raise InvalidRequestError(f"this model ({self.engine.spec.architecture}) reads no "
+                                      "images", param=param)  # fmt: skip
+        pixels = [vision.pixels(im, f"{param}.multi_modal_data.image[{k}]")
+                  for k, im in enumerate(found)]  # fmt: skip
+        return vision.expand(ids, pixels, param)
 
     def _encode(self, prompt: PromptInput, index: int, count: int) -> list[int]:
         param = "prompt" if count == 1 else f"prompts[{index}]"
@@ -531,8 +575,14 @@ class LLM:
             self.engine.step()
 
 
+def _prompt_text(prompt: Any) -> str | None:
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
 def _normalize_prompts(prompts) -> list[PromptInput]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infer.core.kv_transfer import KVPayload
+from infer.core.multimodal import ImageSlice
 from infer.core.request import TokenLogprob
 
 
@@ -147,6 +148,9 @@ class StepBatch:
     # Token classifications (``token_classify`` requests): each one's rows, first and end;
     # their logits follow the token embeddings', in order.
     classify_tokens: list[tuple[int, int]] = field(default_factory=list)
+    # A vision-language model's rows that take image features instead of their placeholder
+    # tokens' embeddings (core/multimodal.py).
+    images: list[ImageSlice] = field(default_factory=list)
 
     @property
     def samples_every_row(self) -> bool:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field, fields
 
 from infer.core.kv_transfer import KVPayload
+from infer.core.multimodal import ImageInput
 from infer.core.pooling_params import PoolingParams
 from infer.core.sampling_params import SamplingParams
 
@@ -116,6 +117,7 @@ class Request:
         export_kv: bool = False,
         kv_payload: KVPayload | None = None,
         pooling: PoolingParams | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -161,6 +163,9 @@ class Request:
         # prompt's last token in the step that reaches it, into ``embedding``, and finishes.
         self.pooling = pooling
         self.embedding: list[float] | list[list[float]] | None = None
+        # A vision-language model's images: their pixels and where their placeholder tokens
+        # sit in the prompt (core/multimodal.py), in prompt order.
+        self.images = images
         max_new = sampling_params.max_tokens
         if max_new is None and default_max_tokens is not None:
             # Unset max_tokens: the model's recommended length (its generation config's

@@ -23,6 +23,7 @@ from infer.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
 from infer.core.kv_transfer import KVPayload
 from infer.core.lora_request import LoRARequest
 from infer.core.messages import ModelRunnerOutput, RunnerSetup, SchedulerOutput
+from infer.core.multimodal import ImageInput
 from infer.core.outputs import RequestOutput
 from infer.core.pooling_params import POOLING_SAMPLING, PoolingParams
 from infer.core.request import Request, RequestStatus
@@ -37,6 +38,7 @@ from infer.kv_cache.manager import ContiguousKVManager, KVManager, PagedKVManage
 from infer.kv_cache.sizing import kv_bytes_per_token, kv_value_bytes
 from infer.model.generation_config import describe as describe_defaults
 from infer.model.generation_config import sampling_defaults
+from infer.model.images import ImagePrompts
 from infer.model.late_interaction import LateInteractionTokens
 from infer.model.moe import describe_experts, expert_load, sparse_layers
 from infer.model.parallel import check_tensor_parallel, get_tensor_parallel
@@ -179,6 +181,24 @@ def _encoder_config(config: EngineConfig, spec: ModelSpec, device: torch.device)
     return out
 
 
+def _vision_config(config: EngineConfig, spec: ModelSpec, device: torch.device) -> EngineConfig:
+    """A vision-language model's engine options: its image rows take the modules' path (the
+    Triton step's buffers hold token ids only: CUDA takes the torch path); what is not built
+    for images yet is a ``ValueError`` naming the option."""
+    mc = config.model
+    for wanted, option in (
+        (config.parallel.tensor_parallel_size > 1, "tensor parallelism"),
+        (config.lora is not None, "LoRA adapters (--enable-lora)"),
+        (mc.attention_backend == "triton", "--attention-backend triton"),
+    ):
+        if wanted:
+            raise ValueError(f"{spec.architecture} reads images: {option} is not supported with "
+                             "a vision-language model yet")  # fmt: skip
+    if device.type != "cuda":
+        return config
+    return replace(config, model=replace(mc, attention_backend="torch"))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.tp_workers: TensorParallelWorkers | None = None
@@ -207,6 +227,9 @@ class LLMEngine:
         if self.spec.is_encoder:
             config = self.config = _encoder_config(config, self.spec, self.device)
             mc, cc, sc = config.model, config.cache, config.scheduler
+        if self.spec.image_tokens:
+            config = self.config = _vision_config(config, self.spec, self.device)
+            mc = config.model
         # What a request's unset sampling fields take (the model's generation_config.json).
         self.sampling_defaults = sampling_defaults(
             self.model_path, mc.generation_config, dict(mc.override_generation_config)
@@ -293,6 +316,14 @@ class LLMEngine:
                         "documents of up to %d", li.query_length, " (expanded)"
                         if li.query_expansion else "", li.document_length)  # fmt: skip
         byte_table(self.tokenizer)  # built now, not at the first request (~1 ms per 1k ids)
+        # A vision-language model's images: how prompts take them (model/images.py).
+        self.image_prompts: ImagePrompts | None = None
+        if self.spec.image_tokens:
+            self.image_prompts = ImagePrompts(self.model_path, self.spec, self.tokenizer)
+            shape = self.spec.image_shape
+            logger.info("a vision-language model (%s): an image is %d tokens (%s in the prompt), "
+                        "read at %dx%d pixels", self.spec.architecture, self.spec.image_tokens,
+                        self.image_prompts.token, shape[1], shape[2])  # fmt: skip
 
         self.max_model_len = mc.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:
@@ -783,8 +814,12 @@ class LLMEngine:
         lora_request: LoRARequest | str | None = None,
         export_kv: bool = False,
         kv_payload: KVPayload | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         """Queue one sequence. Raises ``InvalidRequestError`` naming the problem.
+
+        ``images``: a vision-language model's images, each's placeholder run in the prompt
+        (:meth:`infer.model.images.ImagePrompts.expand` makes both).
 
         ``lora_request``: the adapter to run with, a ``LoRARequest`` (read now if new) or the
         name of a loaded one. Prefill/decode disaggregation (``infer.core.kv_transfer``):
@@ -822,6 +857,7 @@ class LLMEngine:
         check_prompt(prompt_token_ids, self.max_model_len, vocab_size=self.spec.vocab_size,
                      param="input" if pooling else "prompt",
                      generates=pooling is None)  # fmt: skip
+        self._check_images(prompt_token_ids, images, pooling is not None)
         params = params.with_bad_words_tokenized(
             lambda text: self.tokenizer.encode(text, add_special_tokens=False)
         )
@@ -866,6 +902,7 @@ class LLMEngine:
             export_kv=export_kv,
             kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload),
             pooling=pooling,
+            images=tuple(images),
         )
         longest = n + request.max_new_tokens
         # (the last output token is never fed back: its KV is never written)
@@ -953,6 +990,40 @@ class LLMEngine:
         # (a sequence classifier's head is the one it serves, whatever lies beside it)
         sparse = self.pooler_config.sparse is not None and not self.spec.is_classifier
         return ("weight",) if sparse else ()
+
+    def _check_images(self, ids: list[int], images: tuple[ImageInput, ...], pooled: bool) -> None:
+        """A prompt's images sit on placeholder runs of the model's size, in order, and every
+        placeholder token has its image (an unfilled one would be read as a word)."""
+        spec = self.spec
+        if images and spec.image_token_id is None:
+            raise InvalidRequestError(f"this model ({spec.architecture}) reads no images",
+                                      param="images")  # fmt: skip
+        if spec.image_token_id is None:
+            return
+        if images and pooled:
+            raise InvalidRequestError("embeddings of prompts with images are not served",
+                                      param="images")  # fmt: skip
+        end = 0
+        for i, image in enumerate(images):
+            shape = tuple(getattr(image.pixel_values, "shape", ()))
+            span = ids[image.offset : image.end]
+            if shape != spec.image_shape:
+                raise InvalidRequestError(f"image {i}: pixels of shape {shape}, the model reads "
+                                          f"{spec.image_shape}", param="images")  # fmt: skip
+            if (image.length != spec.image_tokens or image.offset < end
+                    or span != [spec.image_token_id] * image.length):  # fmt: skip
+                raise InvalidRequestError(f"image {i}: its placeholders (from {image.offset}, "
+                                          f"{image.length}) are not a run of "
+                                          f"{spec.image_tokens} image tokens in the prompt after "
+                                          "the image before it", param="images")  # fmt: skip
+            end = image.end
+        count = ids.count(spec.image_token_id)
+        if count != len(images) * spec.image_tokens:
+            raise InvalidRequestError(f"the prompt holds {count} image placeholder tokens (id "
+                                      f"{spec.image_token_id}) and {len(images)} image"
+                                      f"{'s' * (len(images) != 1)} of {spec.image_tokens} "
+                                      "tokens: every placeholder needs its image",
+                                      param="prompt")  # fmt: skip
 
     def _pooling(self, params: PoolingParams) -> PoolingParams:
         """An embedding request's parameters with the model's ``normalize`` where it left it

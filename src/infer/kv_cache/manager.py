@@ -18,6 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from infer.core.multimodal import block_image_keys
 from infer.core.request import Request
 from infer.kv_cache.block_pool import Block, BlockHash, BlockPool, PrefixCacheStats
 
@@ -235,7 +236,7 @@ class PagedKVManager(KVManager):
         parent: BlockHash | None = None
         for i in range(max_blocks):
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
-            block = self.pool.lookup(parent, chunk, extra)
+            block = self.pool.lookup(parent, chunk, _block_keys(request, extra, i, self.block_size))
             if block is None:
                 break
             blocks.append(block)
@@ -299,11 +300,12 @@ class PagedKVManager(KVManager):
         uncachable = request.request_id in self._uncachable
         for i in range(len(hashes), num_full):
             chunk = request.token_ids(i * self.block_size, (i + 1) * self.block_size)
+            keys = _block_keys(request, extra, i, self.block_size)
             if uncachable:  # the chain goes on (its hashes), nothing of it is cached
-                h = self.pool.hash_fn(parent, chunk, extra)
+                h = self.pool.hash_fn(parent, chunk, keys)
             else:
-                h = self.pool.cache_block(blocks[i], parent, chunk, extra)
-                if not self.pool.holds(h, parent, chunk, extra):
+                h = self.pool.cache_block(blocks[i], parent, chunk, keys)
+                if not self.pool.holds(h, parent, chunk, keys):
                     # Another prefix's block holds this hash (a collision, or an identity
                     # evicted and taken since): this block stays private, and so must every
                     # later one, whose parent hash would pass for that other prefix's.
@@ -345,3 +347,11 @@ def _extra_keys(request: Request) -> tuple:
     again from other weights)."""
     keys: tuple = (request.cache_salt,) if request.cache_salt else ()
     return keys + (("lora", request.lora_id),) if request.lora_id is not None else keys
+
+
+def _block_keys(request: Request, extra: tuple, index: int, block_size: int) -> tuple:
+    """Block ``index``'s keys: the request's, and the digests of the images whose placeholder
+    tokens it holds (the same placeholders stand for any image: the KV is the image's)."""
+    if not request.images:
+        return extra
+    return extra + block_image_keys(request.images, index * block_size, (index + 1) * block_size)

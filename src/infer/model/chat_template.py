@@ -38,11 +38,17 @@ def render_chat_ids(
     tools: list[dict[str, Any]] | None = None,
     documents: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    image_token: str | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (``{"role", "content", ...}`` dicts) rendered by
     ``chat_template`` (default: the tokenizer's). Raises ``InvalidRequestError`` naming the
     field at fault: ``messages`` where the template cannot render them, ``continue_final_message``
-    or ``chat_template_kwargs`` for inconsistent options."""
+    or ``chat_template_kwargs`` for inconsistent options.
+
+    ``image_token``: a vision-language model's placeholder (None: the model reads no images,
+    and an image part is refused). An image part (``image_url``, ``image``, ``image_pil``)
+    reaches a template that loops over content as ``{"type": "image"}``; any other template
+    gets the placeholder in its place among the texts."""
     kwargs = dict(template_kwargs or {})
     reserved = sorted(RESERVED_KWARGS & kwargs.keys())
     if reserved:
@@ -63,7 +69,7 @@ def render_chat_ids(
     parts_as_list = isinstance(template, str) and loops_over_content(template)
     try:
         text = tokenizer.apply_chat_template(
-            [_message(m, parts_as_list) for m in messages],
+            [_message(m, parts_as_list, image_token) for m in messages],
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -79,18 +85,33 @@ def render_chat_ids(
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _message(message: dict[str, Any], parts_as_list: bool) -> dict[str, Any]:
+IMAGE_PARTS = ("image_url", "image", "image_pil")
+
+
+def _message(
+    message: dict[str, Any], parts_as_list: bool, image_token: str | None
+) -> dict[str, Any]:
     out = {k: v for k, v in message.items() if v is not None}
     content = message.get("content")
     if isinstance(content, list):  # parts: [{"type": "text", "text": ...}, ...]
-        texts = [p.get("text") if isinstance(p, dict) else p for p in content]
-        if not all(isinstance(t, str) for t in texts):
-            raise InvalidRequestError(
-                "message content parts must be text parts ({'type': 'text', 'text': ...})",
-                param="messages",
-            )
-        out["content"] = [{"type": "text", "text": t} for t in texts] if parts_as_list else (
-            "\n".join(texts))  # fmt: skip
+        parts: list[dict[str, str]] = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
+                if image_token is None:
+                    raise InvalidRequestError(f"an {p['type']} part: this model reads no images",
+                                              param="messages")  # fmt: skip
+                parts.append({"type": "image"})
+                continue
+            text = p.get("text") if isinstance(p, dict) else p
+            if not isinstance(text, str):
+                raise InvalidRequestError(
+                    "message content parts must be text parts ({'type': 'text', 'text': ...})"
+                    + (" or images" if image_token else ""),
+                    param="messages",
+                )
+            parts.append({"type": "text", "text": text})
+        out["content"] = parts if parts_as_list else "\n".join(
+            p["text"] if p["type"] == "text" else str(image_token) for p in parts)  # fmt: skip
     elif isinstance(content, str) and parts_as_list:
         out["content"] = [{"type": "text", "text": content}]
     elif content is None and "content" in message:  # (a tool-calling assistant turn's)
@@ -131,3 +152,19 @@ def loops_over_content(template: str) -> bool:
         )  # fmt: skip
 
     return any(is_content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[Any]:
+    """The images of ``messages``' image parts, in order (what each part holds: a URL, a PIL
+    image, ...), as the template writes their placeholders."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                out.append(url.get("url") if isinstance(url, dict) else url)
+            elif kind in IMAGE_PARTS:
+                out.append(part.get(kind))
+    return out

@@ -375,11 +375,19 @@ class DecoderLM(CausalLM):
             self.register_buffer("embed_scale", scale, persistent=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: Attention,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``embeds``: ``(rows, vectors)`` that take those rows' place after the embedding (an
+        image's features in place of its placeholder tokens: model/llava.py)."""
         x = self.tp.embed(self.embed_tokens.weight, input_ids)
         if self.cfg.embed_scale is not None:
             x = x * self.embed_scale
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         trig = [
             (
                 getattr(self, f"rope_cos_{j}")[positions].unsqueeze(1),

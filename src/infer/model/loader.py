@@ -18,6 +18,7 @@ from infer.model.folders import ModelLoadError, read_config, read_json
 from infer.model.gguf_checkpoint import GGUFCheckpoint
 from infer.model.gguf_folder import RANK_HEAD, gguf_source
 from infer.model.layers import CausalLM, ClassifierHead, WeightSource
+from infer.model.llava import LlavaConfig
 from infer.model.parallel import TensorParallel
 from infer.model.quantized_checkpoint import (
     QuantizedCheckpointError,
@@ -85,8 +86,9 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
         raise ModelLoadError(f"{model_dir / 'config.json'}: {exc}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{model_dir / 'config.json'}: {exc}") from exc
-    eos = token_ids(config.get("eos_token_id"))
-    bos = config.get("bos_token_id")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    eos = token_ids(config.get("eos_token_id", text.get("eos_token_id")))
+    bos = config.get("bos_token_id", text.get("bos_token_id"))
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.is_file():
         gen = read_json(gen_path, what="generation config")
@@ -110,8 +112,18 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
         score_activation=activation,
         rerank_template=template,
         is_encoder=cls.is_encoder,
+        **_image_fields(parsed),
     )
     return cls, parsed, spec, original
+
+
+def _image_fields(parsed: Any) -> dict[str, Any]:
+    """A vision-language model's :class:`ModelSpec` fields (none for any other)."""
+    if not isinstance(parsed, LlavaConfig):
+        return {}
+    v = parsed.vision
+    return dict(image_token_id=parsed.image_token_id, image_tokens=parsed.num_image_tokens,
+                image_shape=(v.num_channels, v.image_size, v.image_size))  # fmt: skip
 
 
 def load_model_spec(model_dir: Path) -> ModelSpec:

@@ -21,6 +21,8 @@ from infer.model.gte import GteModel, NewModel
 from infer.model.jina_bert import JinaBertModel
 from infer.model.layers import CausalLM
 from infer.model.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
+from infer.model.llava import ARCHITECTURE as LLAVA
+from infer.model.llava import llava_class
 from infer.model.modernbert import ModernBertModel
 from infer.model.mpnet import MPNetModel
 from infer.model.nomic_bert import NomicBertModel
@@ -113,6 +115,22 @@ TOKEN_CLASSIFIERS: dict[str, type[CausalLM]] = {
 }  # fmt: skip
 
 
+# LLaVA over each decoder family its text_config may name (by model_type)
+LLAVA_TEXT_TYPES = ("llama", "mistral", "qwen2")
+_LLAVA_CLASSES: dict[str, type[CausalLM]] = {}
+
+
+def _llava(config: dict[str, Any]) -> type[CausalLM]:
+    text_type = (config.get("text_config") or {}).get("model_type")
+    if text_type not in LLAVA_TEXT_TYPES:
+        raise UnsupportedArchitectureError(
+            f"{LLAVA} with a {text_type!r} language model; supported: {', '.join(LLAVA_TEXT_TYPES)}"
+        )
+    if text_type not in _LLAVA_CLASSES:
+        _LLAVA_CLASSES[text_type] = llava_class(MODEL_TYPES[text_type])  # type: ignore[arg-type]
+    return _LLAVA_CLASSES[text_type]
+
+
 class UnsupportedArchitectureError(ValueError):
     """The checkpoint's architecture has no implementation here."""
 
@@ -125,6 +143,8 @@ def model_class(config: dict[str, Any]) -> tuple[str, type[CausalLM]]:
     """
     archs = config.get("architectures") or []
     for arch in archs:
+        if arch == LLAVA:
+            return arch, _llava(config)
         if arch in ARCHITECTURES:
             return arch, ARCHITECTURES[arch]
         if arch in CLASSIFIERS:
@@ -137,7 +157,7 @@ def model_class(config: dict[str, Any]) -> tuple[str, type[CausalLM]]:
         return cls.architecture, cls
     named = ", ".join(archs) if archs else f"model_type {model_type!r}"
     raise UnsupportedArchitectureError(
-        f"unsupported architecture {named}; supported: {', '.join(ARCHITECTURES)} "
+        f"unsupported architecture {named}; supported: {', '.join(ARCHITECTURES)}, {LLAVA} "
         f"(and each one's sequence classifier: {', '.join(CLASSIFIERS)}; token classifiers: "
         f"{', '.join(TOKEN_CLASSIFIERS)})"
     )

@@ -39,6 +39,12 @@ class ModelSpec:
     # A token classifier's label names (``*ForTokenClassification``: an NER tagger's; its
     # head labels every input token), in the order of its outputs; empty for any other model.
     token_labels: tuple[str, ...] = ()
+    # A vision-language model (LLaVA): the token standing for an image in a prompt, how many
+    # of them one image is (its feature vectors), and the pixels' shape ``(C, H, W)`` its
+    # processor makes (None, 0, None: a model that reads no images).
+    image_token_id: int | None = None
+    image_tokens: int = 0
+    image_shape: tuple[int, int, int] | None = None
 
     def encoder_only(self) -> str:
         """Why an encoder refuses to generate (the engine's and the chat endpoint's error)."""

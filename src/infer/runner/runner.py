@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -32,6 +33,7 @@ from infer.core.messages import (
     StepBatch,
     StepTimings,
 )
+from infer.core.multimodal import ImageSlice, image_slices
 from infer.core.request import Request, TokenLogprob
 from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, default_backend
@@ -207,6 +209,11 @@ class ModelRunner:
         # A decoder pooling by the mean: each embedding request's float32 sum of its prompt's
         # final hidden states so far (its prompt runs in chunks, over several steps).
         self._mean_sums: dict[str, torch.Tensor] = {}
+        # A vision-language model's image features by the image's digest, the newest last: an
+        # image whose prompt runs in several chunks (or is sent again) is computed once.
+        self._image_features: OrderedDict[str, torch.Tensor] = OrderedDict()
+        # (a draft model runs the same requests as text: their placeholders' own embeddings)
+        self.reads_images = hasattr(model, "embed_images")
         # Constrained decoding (infer.structured): set by the engine on first use.
         self.structured = None
         # The torch path waits for the GPU at the end of the forward pass (its timings); the
@@ -329,16 +336,47 @@ class ModelRunner:
         return ids_t, pos_t, ctx
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final hidden states of one pass: the fast path where it covers the step, else the
-        model's modules."""
-        if self.fast_decoder is not None and self.fast_decoder.covers(ctx):
+        model's modules (``embeds``: rows' vectors in place of their tokens' embeddings, a
+        prompt's image features)."""
+        if embeds is None and self.fast_decoder is not None and self.fast_decoder.covers(ctx):
             return self.fast_decoder.forward(input_ids, positions, ctx)
+        args = (
+            (input_ids, positions, ctx) if embeds is None else (input_ids, positions, ctx, embeds)
+        )
         if self.device.type == "cuda":
             with sdpa_kernel(CUDA_SDPA_BACKENDS):
-                return self.model(input_ids, positions, ctx)
-        return self.model(input_ids, positions, ctx)
+                return self.model(*args)
+        return self.model(*args)
+
+    # Image features kept (by digest) for the chunks and requests that read them again.
+    MAX_CACHED_IMAGES = 16
+
+    def _image_embeds(self, slices: list[ImageSlice]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's image rows and their features: ``(rows [K], vectors [K, hidden])``, the
+        images not computed yet run through the vision tower together."""
+        cache = self._image_features
+        missing = {s.image.digest: s.image for s in slices if s.image.digest not in cache}
+        if missing:
+            pixels = torch.stack([torch.from_numpy(im.pixel_values) for im in missing.values()])
+            features = self.model.embed_images(pixels.to(self.device))
+            for digest, vectors in zip(missing, features, strict=True):
+                cache[digest] = vectors
+        rows, parts = [], []
+        for s in slices:
+            cache.move_to_end(s.image.digest)
+            rows.extend(range(s.row, s.row + s.end - s.first))
+            parts.append(cache[s.image.digest][s.first : s.end])
+        while len(cache) > max(self.MAX_CACHED_IMAGES, len(slices)):
+            cache.popitem(last=False)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return index, torch.cat(parts)
 
     def prepare(
         self, out: SchedulerOutput, requests: dict[str, Request]
@@ -365,6 +403,7 @@ class ModelRunner:
         token_reqs: list[Request] = []
         classify_tokens: list[tuple[int, int]] = []  # (token_classify)
         classify_reqs: list[Request] = []
+        images: list[ImageSlice] = []
         by_mean = self.pooling_type == "MEAN"  # (an encoder's input or a decoder's prompt)
         # (a request that ended before its last chunk, aborted: its sum is dropped in run(),
         # on every tensor-parallel rank)
@@ -374,7 +413,10 @@ class ModelRunner:
             start = chunk.num_computed_tokens
             if n == 1 and chunk.sample:
                 request = requests[chunk.request_id]
-                if request.pooling is None:  # a decode (most rows of most steps): the short way
+                # a decode (most rows of most steps): the short way
+                if request.pooling is None and not (
+                    self.reads_images and _in_image(request, start)
+                ):
                     token_ids.append(chunk.token_ids[0])
                     positions.append(start)
                     seqs.append(SequenceSlice(start, 1, chunk.block_table))
@@ -385,6 +427,8 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
             request = requests[chunk.request_id]
+            if request.images and self.reads_images:
+                images.extend(image_slices(request.images, start, start + n, len(token_ids) - n))
             pooling = request.pooling
             keys = None if pooling is None else pooling.attended_tokens
             seqs.append(SequenceSlice(start, n, chunk.block_table, chunk.num_spec_tokens > 0, keys))
@@ -420,7 +464,7 @@ class ModelRunner:
         batch = StepBatch(
             token_ids, positions, seqs, sample_rows, prompt_rows, out.swap_out, out.swap_in,
             self._lora_slots(out, requests), out.kv_imports, pool_rows, pool_starts, pool_sums,
-            pool_drop, pool_tokens, classify_tokens,
+            pool_drop, pool_tokens, classify_tokens, images,
         )  # fmt: skip
         return (batch, sample_reqs, proposals, prompt_targets,
                 pool_reqs + token_reqs + classify_reqs)  # fmt: skip
@@ -460,7 +504,9 @@ class ModelRunner:
         else:
             if feed is not None:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
-            hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs))
+            embeds = self._image_embeds(batch.images) if batch.images else None
+            hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs),
+                                  embeds=embeds)  # fmt: skip
         logits = prompt_logits = pooled = None
         for request_id in batch.pool_drop:
             self._mean_sums.pop(request_id, None)
@@ -610,6 +656,11 @@ class ModelRunner:
             lp = token_logprob(logprobs[j], token, k)
             out.setdefault(request.request_id, []).append((position, lp))
         return out
+
+
+def _in_image(request: Request, position: int) -> bool:
+    """Whether prompt ``position`` may be an image's (before the end of its last one)."""
+    return bool(request.images) and position < request.images[-1].end
 
 
 def pool(

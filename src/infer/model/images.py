@@ -1,0 +1,199 @@
+"""Images in a vision-language model's prompts: read (a data URL, a web address, bytes, a PIL
+image or an array), made pixels by the model's own image processor
+(``preprocessor_config.json``, transformers' processor class), and put in the prompt as a run of
+placeholder tokens, one per feature vector the model makes of the image.
+
+A prompt names an image with one placeholder token (LLaVA's ``<image>``), which the chat
+template writes for an image part and a plain prompt writes itself; :meth:`ImagePrompts.expand`
+widens each to the image's run (a run already that wide is kept: ids from ``/tokenize``)::
+
+    ids      : 1  319  29901  <image>  13  1724 ...       one <image> per image
+    expanded : 1  319  29901  <image> x N  13  1724 ...   N = the model's tokens per image
+                              ^ ImageInput(offset 3, length N, digest, pixels)
+
+The server and the offline ``LLM`` share this; the engine receives the expanded ids and the
+:class:`~infer.core.multimodal.ImageInput` of each image.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+from infer.core.multimodal import ImageInput
+from infer.core.sampling_params import InvalidRequestError
+from infer.model.spec import ModelSpec
+
+# The most bytes an image may be (a data URL's decoded or a download's).
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# Seconds a web image may take to arrive.
+FETCH_TIMEOUT = 10.0
+
+
+class ImagePrompts:
+    """How a vision-language model's prompts take images: its processor, placeholder token and
+    tokens per image (``spec``'s), and the placeholder's text (``token``) for templates that
+    write content as text."""
+
+    def __init__(self, model_dir: Path, spec: ModelSpec, tokenizer: Any) -> None:
+        assert spec.image_token_id is not None and spec.image_shape is not None
+        self.spec = spec
+        self.token_id = spec.image_token_id
+        self.tokens_per_image = spec.image_tokens
+        self.token = tokenizer.convert_ids_to_tokens(self.token_id)
+        self.processor = _image_processor(Path(model_dir))
+
+    def pixels(self, image: Any, param: str = "image") -> Any:
+        """One image (anything :func:`as_pil_image` reads) -> float32 pixels ``[C, H, W]``."""
+        pil = as_pil_image(image, param)
+        try:
+            out = self.processor(images=[pil], return_tensors="np")["pixel_values"][0]
+        except Exception as e:  # noqa: BLE001 - the processor's own errors (odd modes, sizes)
+            raise InvalidRequestError(f"{param}: the model's image processor cannot read it: "
+                                      f"{e}", param=param) from None  # fmt: skip
+        if tuple(out.shape) != self.spec.image_shape:
+            raise InvalidRequestError(f"{param}: the image processor made pixels of shape "
+                                      f"{tuple(out.shape)}, the model reads "
+                                      f"{self.spec.image_shape}", param=param)  # fmt: skip
+        return out.astype("float32", copy=False)
+
+    def expand(
+        self, token_ids: list[int], images: list[Any], param: str = "prompt"
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """``token_ids`` with each image's placeholder widened to its run, and the images
+        (pixels already, :meth:`pixels`) as the engine takes them. The placeholders must match
+        the images one to one, in order."""
+        runs = placeholder_runs(token_ids, self.token_id)
+        if len(runs) != len(images):
+            raise InvalidRequestError(
+                f"the prompt has {len(runs)} image placeholder{'s' * (len(runs) != 1)} "
+                f"({self.token}) for {len(images)} image{'s' * (len(images) != 1)}: write one "
+                "where each image goes",
+                param=param,
+            )
+        out: list[int] = []
+        inputs = []
+        at = 0
+        n = self.tokens_per_image
+        for (start, length), pixels in zip(runs, images, strict=True):
+            if length not in (1, n):
+                raise InvalidRequestError(f"a run of {length} image placeholders: an image is "
+                                          f"one {self.token} (or {n} of them)", param=param)  # fmt: skip
+            out.extend(token_ids[at:start])
+            inputs.append(ImageInput(len(out), n, image_digest(pixels), pixels))
+            out.extend([self.token_id] * n)
+            at = start + length
+        out.extend(token_ids[at:])
+        return out, tuple(inputs)
+
+
+def placeholder_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each run of ``token_id`` in ``token_ids``."""
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(token_ids)
+    while i < n:
+        if token_ids[i] == token_id:
+            j = i
+            while j < n and token_ids[j] == token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def image_digest(pixels: Any) -> str:
+    """What the prefix cache and the runner's features cache know an image by: its pixels'."""
+    h = hashlib.sha256(str(pixels.shape).encode())
+    h.update(pixels.tobytes())
+    return h.hexdigest()
+
+
+def as_pil_image(image: Any, param: str = "image") -> Any:
+    """A PIL RGB image from a PIL image, a numpy ``[H, W, 3]`` uint8 array, raw file bytes, a
+    ``data:image/...;base64,`` URL, an ``http(s)://`` address (fetched) or a file path (the
+    offline API's). Raises ``InvalidRequestError`` naming ``param``."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if hasattr(image, "__array_interface__"):
+        try:
+            return Image.fromarray(image).convert("RGB")
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"{param}: not an image array: {e}", param=param) from None
+    if isinstance(image, str):
+        image = _image_bytes(image, param)
+    if not isinstance(image, bytes | bytearray):
+        raise InvalidRequestError(f"{param}: an image is a PIL image, an array, bytes or a URL, "
+                                  f"not {type(image).__name__}", param=param)  # fmt: skip
+    try:
+        pil = Image.open(io.BytesIO(image))
+        pil.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise InvalidRequestError(f"{param}: not an image file PIL can read: {e}",
+                                  param=param) from None  # fmt: skip
+    return pil.convert("RGB")
+
+
+def _image_bytes(url: str, param: str) -> bytes:
+    if url.startswith("data:"):
+        head, comma, data = url.partition(",")
+        if not comma or not head.endswith(";base64"):
+            raise InvalidRequestError(f"{param}: a data URL must be data:<type>;base64,<data>",
+                                      param=param)  # fmt: skip
+        if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+            raise InvalidRequestError(f"{param}: the image is more than {MAX_IMAGE_BYTES} "
+                                      "bytes", param=param)  # fmt: skip
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError(f"{param}: the data URL is not valid base64",
+                                      param=param) from None  # fmt: skip
+    if url.startswith(("http://", "https://")):
+        return fetch_image(url, param)
+    path = Path(url).expanduser()
+    if path.is_file():  # (the offline API: a file of the caller's)
+        return path.read_bytes()
+    raise InvalidRequestError(f"{param}: {url[:60]!r} is not a data:, http(s):// URL or a file",
+                              param=param)  # fmt: skip
+
+
+def fetch_image(url: str, param: str) -> bytes:
+    """An image from the web, at most :data:`MAX_IMAGE_BYTES`, within :data:`FETCH_TIMEOUT`."""
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT, follow_redirects=True) as r:
+            if r.status_code != 200:
+                raise InvalidRequestError(f"{param}: fetching {url} answered HTTP "
+                                          f"{r.status_code}", param=param)  # fmt: skip
+            data = bytearray()
+            for part in r.iter_bytes():
+                data += part
+                if len(data) > MAX_IMAGE_BYTES:
+                    raise InvalidRequestError(f"{param}: {url} is more than {MAX_IMAGE_BYTES} "
+                                              "bytes", param=param)  # fmt: skip
+            return bytes(data)
+    except httpx.HTTPError as e:
+        raise InvalidRequestError(f"{param}: cannot fetch {url}: {e}", param=param) from None
+
+
+def _image_processor(model_dir: Path) -> Any:
+    """The model's image processor (``preprocessor_config.json``), its numpy / PIL version
+    (torchvision, which the default one needs, is not installed)."""
+    import warnings
+
+    from transformers import AutoImageProcessor
+
+    if not (model_dir / "preprocessor_config.json").is_file():
+        raise ValueError(f"{model_dir} has no preprocessor_config.json: a vision-language model "
+                         "needs its image processor's settings")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoImageProcessor.from_pretrained(str(model_dir))
