@@ -185,7 +185,7 @@ class LLM:
                                   continue_final_message=continue_final_message, tools=tools,
                                   documents=documents, template_kwargs=kwargs,
                                   image_token=None if vision is None else vision.token)  # fmt: skip
-            images = message_images(list(c))
+            images = [image for image, _ in message_images(list(c))]
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
                            if images else ids)  # fmt: skip
         results = self.generate(prompts, sampling_params, lora_request=lora_request)

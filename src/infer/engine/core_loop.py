@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.core.multimodal import ImageInput
 from infer.core.outputs import RequestOutput
 from infer.core.pooling_params import PoolingParams
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
@@ -50,6 +51,7 @@ class AddRequest:
     lora_name: str | None = None  # a loaded LoRA adapter (None: the base model)
     export_kv: bool = False  # prefill/decode disaggregation (LLMEngine.add_request)
     kv_payload: Any = None  # a KVPayload for the decode side
+    images: tuple[ImageInput, ...] = ()  # a vision-language model's (LLMEngine.add_request)
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class _Loop:
                         lora_request=cmd.lora_name,
                         export_kv=cmd.export_kv,
                         kv_payload=cmd.kv_payload,
+                        images=cmd.images,
                     )
                 except InvalidRequestError as e:
                     error = e

@@ -154,17 +154,21 @@ def loops_over_content(template: str) -> bool:
     return any(is_content(loop.iter) for loop in tree.find_all(nodes.For))
 
 
-def message_images(messages: list[dict[str, Any]]) -> list[Any]:
+def message_images(messages: list[dict[str, Any]]) -> list[tuple[Any, str]]:
     """The images of ``messages``' image parts, in order (what each part holds: a URL, a PIL
-    image, ...), as the template writes their placeholders."""
+    image, ...), as the template writes their placeholders, each with its place
+    (``messages[i].content[j]``) for errors."""
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
         content = message.get("content")
-        for part in content if isinstance(content, list) else ():
+        for j, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "image_url":
                 url = part.get("image_url")
-                out.append(url.get("url") if isinstance(url, dict) else url)
+                image = url.get("url") if isinstance(url, dict) else url
             elif kind in IMAGE_PARTS:
-                out.append(part.get(kind))
+                image = part.get(kind)
+            else:
+                continue
+            out.append((image, f"messages[{i}].content[{j}].{kind}"))
     return out

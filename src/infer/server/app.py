@@ -157,6 +157,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving.score_activation = engine.spec.score_activation
     serving.rerank_template = engine.spec.rerank_template
     serving.late_interaction = getattr(engine, "late_interaction", None)
+    if engine.spec.image_tokens:  # (the server process reads and expands a request's images)
+        from infer.model.images import ImagePrompts
+
+        serving.image_prompts = ImagePrompts(engine.model_path, engine.spec, engine.tokenizer)
     lora_parents = dict(getattr(engine, "lora_parents", None) or {})
     prefix_caching = engine.config.cache.enable_prefix_caching
 

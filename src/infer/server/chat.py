@@ -15,12 +15,13 @@ from starlette.responses import JSONResponse, Response
 
 from infer.core.beam_search import beam_text
 from infer.core.kv_transfer import KV_TRANSFER_SCOPE_KEY
+from infer.core.multimodal import ImageInput
 from infer.core.outputs import RequestOutput
 from infer.core.request import TokenLogprob
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.structured import StructuredOutputs
 from infer.engine.async_engine import RequestStream
-from infer.model.chat_template import render_chat_ids
+from infer.model.chat_template import message_images, render_chat_ids
 from infer.server import beam
 from infer.server.errors import APIError, bad_request, from_invalid_request, validation_error
 from infer.server.protocol import (
@@ -79,6 +80,7 @@ def render_chat(serving: Serving, messages: list[ChatMessage], *, add_generation
     if template is None and not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; start the server with "
                           "--chat-template FILE or use /v1/completions", param="messages")  # fmt: skip
+    vision = serving.image_prompts
     try:
         return render_chat_ids(
             tok, [{"content": None, **m.model_dump(mode="json", exclude_none=True)}
@@ -86,6 +88,7 @@ def render_chat(serving: Serving, messages: list[ChatMessage], *, add_generation
             chat_template=template, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, add_special_tokens=add_special_tokens,
             tools=tools, documents=documents, template_kwargs=kwargs,
+            image_token=None if vision is None else vision.token,
         )  # fmt: skip
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
@@ -101,6 +104,21 @@ def render_request(serving: Serving, body: ChatCompletionRequest | TokenizeReque
                        kwargs=template_kwargs(body), tools=tools or None,
                        documents=body.documents,
                        add_special_tokens=bool(body.add_special_tokens))  # fmt: skip
+
+
+def with_images(serving: Serving, messages: list[ChatMessage],
+                ids: list[int]) -> tuple[list[int], tuple[ImageInput, ...]]:  # fmt: skip
+    """A rendered chat prompt's ids with its images' placeholders widened, and the images
+    (read, fetched, made pixels): a vision-language model's image parts (none: as they are)."""
+    found = message_images([m.model_dump(mode="json", exclude_none=True) for m in messages])
+    vision = serving.image_prompts
+    if not found or vision is None:
+        return ids, ()
+    try:
+        pixels = [vision.pixels(image, param) for image, param in found]
+        return vision.expand(ids, pixels, "messages")
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from e
 
 
 def template_kwargs(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any] | None:
@@ -137,6 +155,7 @@ class ChatPrompt:
     mode: ToolMode
     constraint: StructuredOutputs | None
     max_tokens: int | None
+    images: tuple[ImageInput, ...] = ()  # (a vision-language model's, in prompt order)
 
 
 @dataclass(frozen=True)
@@ -170,7 +189,11 @@ async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str,
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
     size = sum(len(m.content) if isinstance(m.content, str) else 64 for m in req.messages)
-    ids = await serving.run_blocking(lambda: render_request(serving, req), size=size)
+    if serving.image_prompts is not None:  # (images are read and made pixels off the loop)
+        size += sum(1 << 20 for m in req.messages if not isinstance(m.content, str | None))
+    ids, images = await serving.run_blocking(
+        lambda: with_images(serving, req.messages, render_request(serving, req)), size=size
+    )
     ids = serving.truncated(ids, req)
     if lengths == "clamp" and max_tokens is not None:
         room = serving.max_model_len - len(ids)
@@ -178,7 +201,7 @@ async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str,
             max_tokens = room
     if lengths != "skip":
         serving.check_lengths(ids, max_tokens, "messages", max_tokens_param)
-    return ChatPrompt(ids, mode, constraint, max_tokens)
+    return ChatPrompt(ids, mode, constraint, max_tokens, images)
 
 
 async def submit_chat(serving: Serving, req: ChatCompletionRequest, raw: Request,
@@ -193,7 +216,7 @@ async def submit_chat(serving: Serving, req: ChatCompletionRequest, raw: Request
     request_id = request_id or new_id("chatcmpl")
     raw.state.request_id = request_id
     stream = await serving.submit(
-        request_id, [prompt.ids], params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY)
+        request_id, [prompt.ids], params, req, raw.scope.get(KV_TRANSFER_SCOPE_KEY), prompt.images
     )
     return ChatRun(request_id, stream, mode, _thinking(serving, prompt.ids, params))
 

@@ -219,6 +219,18 @@ class TextContentPart(_Request):
     text: str
 
 
+class ImageUrl(_Request):
+    url: str = Field(..., description="data:image/...;base64,... or an http(s):// address")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlContentPart(_Request):
+    """An image of a user turn (a vision-language model's)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCallIn(_Request):
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -234,7 +246,7 @@ class ToolCallIn(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | ImageUrlContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallIn] | None = None

@@ -12,13 +12,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from infer.core.kv_transfer import KVHandoff
+from infer.core.multimodal import ImageInput
 from infer.core.outputs import RequestOutput
 from infer.core.pooling_params import PoolingParams
 from infer.core.request import TokenLogprob
@@ -42,6 +43,9 @@ from infer.server.protocol import (
     _SamplingFields,
 )
 from infer.server.structured_outputs import STRUCTURED_FIELDS, structured_outputs_of
+
+if TYPE_CHECKING:
+    from infer.model.images import ImagePrompts
 
 logger = logging.getLogger("infer.server")
 
@@ -119,6 +123,8 @@ class Serving:
         # A ColBERT model's query and document encoding (model/late_interaction.py; None: any
         # other model).
         self.late_interaction: Any = None
+        # A vision-language model's image handling (model/images.py; None: reads no images).
+        self.image_prompts: ImagePrompts | None = None
 
     # ---- request policing ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -239,13 +245,14 @@ class Serving:
     async def submit(self, request_id: str, prompts: list[list[int]],
                      params: SamplingParams | PoolingParams | list[PoolingParams],
                      req: _SamplingFields | EmbeddingRequest,
-                     kv: KVHandoff | None = None) -> RequestStream:  # fmt: skip
+                     kv: KVHandoff | None = None,
+                     images: tuple[ImageInput, ...] = ()) -> RequestStream:  # fmt: skip
         """One engine request per (prompt, choice): choice index ``i * n + j``, id ``{id}-{index}``
         (``PoolingParams``: one embedding request per prompt; a list: each prompt's own).
 
         ``kv``: a disaggregated replica's hand-off (``infer.core.kv_transfer``): prefill
         requests hold their KV for export, a decode request's first sequence starts from the
-        transferred payload.
+        transferred payload. ``images``: every prompt's (a chat request's one prompt).
 
         Raises ``APIError`` 429 when the queue is full, 400 when the engine refuses the request.
         """
@@ -277,6 +284,7 @@ class Serving:
                         lora_name=lora_name,
                         export_kv=kv is not None and kv.role == "prefill",
                         kv_payload=kv.payload if kv is not None and not adds else None,
+                        images=images,
                     )
                 )
         if kv is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from infer.testing.checkpoints import SEED, VOCAB_SIZE, _randomize, _tokenizer, build_once
 
-VERSION = "v1"  # bump when the recipe changes: folders built before are not reused
+VERSION = "v2"  # bump when the recipe changes: folders built before are not reused
 IMAGE_SIZE = 56  # pixels a side: (56 / 14)^2 = 16 patches, 16 placeholder tokens an image
 PATCH_SIZE = 14
 
@@ -17,14 +17,14 @@ PATCH_SIZE = 14
 # written as its placeholder; the template loops over the content parts)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
-    "{% else %}{{ message['role'].upper() }}: "
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n' }}"
+    "{% else %}{{ message['role'].upper() + ': ' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>\n"
+    "{% if part['type'] == 'image' %}{{ '<image>\\n' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
 
