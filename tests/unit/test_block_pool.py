@@ -135,3 +135,31 @@ def test_block_states_marks_used_cached_and_empty():
     assert pool.block_states() == "cuu."
     pool.free([b])
     assert pool.block_states() == "c.u."
+
+
+def test_an_images_blocks_are_keyed_by_its_digest():
+    """The same placeholder tokens with another image share only the blocks before the image's
+    first placeholder; the same image shares every block; a block that holds the end of an
+    image and text after it is the image's too."""
+    from infer.core.multimodal import ImageInput, block_image_keys
+
+    IMG = 999  # prompt: 5 text tokens, an image of 6 placeholders (5..10), 5 text tokens
+    prompt = [1, 2, 3, 4, 5] + [IMG] * 6 + [6, 7, 8, 9, 10]
+
+    def with_image(rid: str, digest: str):
+        r = make_request(rid, prompt=prompt)
+        r.images = (ImageInput(5, 6, digest, None),)
+        return r
+
+    kv = PagedKVManager(32, 4, enable_prefix_caching=True)
+    first = with_image("a", "cat")
+    assert _admit(kv, first) == 0
+    assert _admit(kv, with_image("b", "dog")) == 1  # block 0 (tokens 0..3) only
+    assert _admit(kv, with_image("c", "cat")) == 3  # all but the block of the last token
+    assert _admit(kv, make_request("d", prompt=prompt)) == 1  # (placeholders with no image)
+    for rid in "abcd":
+        kv.free(make_request(rid))
+    assert kv.num_free_blocks == 32
+    assert block_image_keys(first.images, 8, 12) == (("image", "cat"),)
+    assert block_image_keys(first.images, 12, 16) == ()
+    assert block_image_keys(first.images, 0, 4) == ()

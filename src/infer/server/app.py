@@ -457,6 +457,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                             "type": "null",
                             "description": "(this model has no chat template)",
                         }
+            if serving.image_prompts is None and "ChatMessage" in schemas:
+                # a model that reads no images: a message's parts are text
+                _drop_ref(schemas["ChatMessage"], "ImageUrlContentPart")
+                for name in ("ImageUrlContentPart", "ImageUrl"):
+                    schemas.pop(name, None)
             if fim_tokens(serving.tokenizer) is None and "CompletionRequest" in schemas:
                 # no fill-in-the-middle: suffix stays empty
                 props = schemas["CompletionRequest"]["properties"]
@@ -526,3 +531,17 @@ def _version() -> str:
     from infer import __version__
 
     return __version__
+
+
+def _drop_ref(node: Any, name: str) -> None:
+    """Take the option that references schema ``name`` out of every ``anyOf`` under ``node``."""
+    if isinstance(node, dict):
+        options = node.get("anyOf")
+        if isinstance(options, list):
+            node["anyOf"] = [o for o in options
+                             if o.get("$ref") != f"#/components/schemas/{name}"]  # fmt: skip
+        for value in node.values():
+            _drop_ref(value, name)
+    elif isinstance(node, list):
+        for value in node:
+            _drop_ref(value, name)
