@@ -550,7 +550,7 @@ class LLM:
         if vision is None:
             raise InvalidRequestError(f"this model ({self.engine.spec.architecture}) reads no "
                                       "images", param=param)  # fmt: skip
-        pixels = [vision.pixels(im, f"{param}.multi_modal_data.image[{k}]")
+        pixels = [vision.pixels(im, f"{param}.multi_modal_data.image[{k}]", local_files=True)
                   for k, im in enumerate(found)]  # fmt: skip
         return vision.expand(ids, pixels, param)
 

@@ -158,7 +158,9 @@ def test_bad_images_and_placeholders_are_refused(make_llm, llava_llama, tiny_che
         ({"prompt": ONE, "multi_modal_data": {"audio": a}}, "takes images ('image'), not audio"),
     ]  # fmt: skip
     for prompt, message in cases:
-        with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(
+            InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")
+        ):
             llm.generate(prompt, GREEDY)
     # the engine goes on serving
     ok = llm.generate({"prompt": ONE, "multi_modal_data": {"image": a}}, GREEDY)[0]

@@ -119,18 +119,21 @@ def test_an_image_from_a_web_address(server, expected, tmp_path):
     assert missing.json()["error"]["param"] == "messages[0].content[0].image_url"
 
 
-def test_bad_images_are_400_naming_the_part(server):
+def test_bad_images_are_400_naming_the_part(server, tmp_path):
+    cat = tmp_path / "cat.png"  # (a file of the server's machine: a client never reads it)
+    cat.write_bytes(png_bytes(random_image(3)))
     with server.client() as c:
         for url, message in [
             ("data:image/png;base64,@@@@", "not valid base64"),
             ("data:image/png;base64," + base64.b64encode(b"not an image").decode(),
              "not an image file"),
             ("ftp://example.com/x.png", "is not a data:, http(s):// URL"),
+            (str(cat), "is not a data:, http(s):// URL"),
         ]:  # fmt: skip
             r = c.post("/v1/chat/completions", json={"messages": ask(url), "max_tokens": 2})
             assert r.status_code == 400, r.text
             error = r.json()["error"]
-            assert message in error["message"]
+            assert message in error["message"] and "or a file" not in error["message"]
             assert error["param"] == "messages[0].content[0].image_url"
         # the server goes on serving
         ok = c.post("/v1/chat/completions", json={"messages": ask(data_url(random_image(1))),

@@ -47,9 +47,9 @@ class ImagePrompts:
         self.token = tokenizer.convert_ids_to_tokens(self.token_id)
         self.processor = _image_processor(Path(model_dir))
 
-    def pixels(self, image: Any, param: str = "image") -> Any:
+    def pixels(self, image: Any, param: str = "image", local_files: bool = False) -> Any:
         """One image (anything :func:`as_pil_image` reads) -> float32 pixels ``[C, H, W]``."""
-        pil = as_pil_image(image, param)
+        pil = as_pil_image(image, param, local_files)
         try:
             out = self.processor(images=[pil], return_tensors="np")["pixel_values"][0]
         except Exception as e:  # noqa: BLE001 - the processor's own errors (odd modes, sizes)
@@ -114,10 +114,11 @@ def image_digest(pixels: Any) -> str:
     return h.hexdigest()
 
 
-def as_pil_image(image: Any, param: str = "image") -> Any:
+def as_pil_image(image: Any, param: str = "image", local_files: bool = False) -> Any:
     """A PIL RGB image from a PIL image, a numpy ``[H, W, 3]`` uint8 array, raw file bytes, a
-    ``data:image/...;base64,`` URL, an ``http(s)://`` address (fetched) or a file path (the
-    offline API's). Raises ``InvalidRequestError`` naming ``param``."""
+    ``data:image/...;base64,`` URL, an ``http(s)://`` address (fetched) or, with
+    ``local_files`` (the offline API: never a server's client), a file path. Raises
+    ``InvalidRequestError`` naming ``param``."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
@@ -128,7 +129,7 @@ def as_pil_image(image: Any, param: str = "image") -> Any:
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"{param}: not an image array: {e}", param=param) from None
     if isinstance(image, str):
-        image = _image_bytes(image, param)
+        image = _image_bytes(image, param, local_files)
     if not isinstance(image, bytes | bytearray):
         raise InvalidRequestError(f"{param}: an image is a PIL image, an array, bytes or a URL, "
                                   f"not {type(image).__name__}", param=param)  # fmt: skip
@@ -141,7 +142,7 @@ def as_pil_image(image: Any, param: str = "image") -> Any:
     return pil.convert("RGB")
 
 
-def _image_bytes(url: str, param: str) -> bytes:
+def _image_bytes(url: str, param: str, local_files: bool) -> bytes:
     if url.startswith("data:"):
         head, comma, data = url.partition(",")
         if not comma or not head.endswith(";base64"):
@@ -157,11 +158,12 @@ def _image_bytes(url: str, param: str) -> bytes:
                                       param=param) from None  # fmt: skip
     if url.startswith(("http://", "https://")):
         return fetch_image(url, param)
-    path = Path(url).expanduser()
-    if path.is_file():  # (the offline API: a file of the caller's)
-        return path.read_bytes()
-    raise InvalidRequestError(f"{param}: {url[:60]!r} is not a data:, http(s):// URL or a file",
-                              param=param)  # fmt: skip
+    if local_files:  # (the offline API: a file of the caller's)
+        path = Path(url).expanduser()
+        if path.is_file():
+            return path.read_bytes()
+    kinds = "a data:, http(s):// URL" + (" or a file" if local_files else "")
+    raise InvalidRequestError(f"{param}: {url[:60]!r} is not {kinds}", param=param)
 
 
 def fetch_image(url: str, param: str) -> bytes:
