@@ -148,3 +148,29 @@ def test_a_text_model_refuses_images(shared_server):
                    json={"messages": ask(data_url(random_image(2))), "max_tokens": 2})  # fmt: skip
     assert r.status_code == 400
     assert "this model reads no images" in r.json()["error"]["message"]
+
+
+def test_responses_and_messages_apis_take_images(server, expected):
+    """OpenAI's Responses API (``input_image``) and Anthropic's Messages API (an ``image``
+    block, base64) reach the same chat prompt: transformers' reply."""
+    import anthropic
+    from openai import OpenAI
+
+    image = random_image(40)
+    openai_client = OpenAI(base_url=server.base_url, api_key="none")
+    response = openai_client.responses.create(
+        model="tiny", max_output_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": data_url(image)},
+                                            {"type": "input_text", "text": "What is this?"}]}],
+    )  # fmt: skip
+    assert response.output_text == expected(image)
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none")
+    source = {"type": "base64", "media_type": "image/png",
+              "data": base64.b64encode(png_bytes(image)).decode()}  # fmt: skip
+    message = claude.messages.create(
+        model="tiny", max_tokens=MAX_TOKENS, extra_body={"temperature": 0, "ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "image", "source": source},
+                                               {"type": "text", "text": "What is this?"}]}],
+    )  # fmt: skip
+    assert message.content[0].text == expected(image)
+    server.wait_idle()

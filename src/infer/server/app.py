@@ -457,11 +457,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                             "type": "null",
                             "description": "(this model has no chat template)",
                         }
-            if serving.image_prompts is None and "ChatMessage" in schemas:
-                # a model that reads no images: a message's parts are text
-                _drop_ref(schemas["ChatMessage"], "ImageUrlContentPart")
-                for name in ("ImageUrlContentPart", "ImageUrl"):
-                    schemas.pop(name, None)
+            if serving.image_prompts is None:  # a model that reads no images: no image parts
+                for holder, part in (("ChatMessage", "ImageUrlContentPart"),
+                                     ("InputMessage", "InputImagePart"),
+                                     ("AnthropicMessage", "ImageBlock")):  # fmt: skip
+                    if holder in schemas:
+                        _drop_ref(schemas[holder], part)
+                        schemas.pop(part, None)
             if fim_tokens(serving.tokenizer) is None and "CompletionRequest" in schemas:
                 # no fill-in-the-middle: suffix stays empty
                 props = schemas["CompletionRequest"]["properties"]
@@ -534,11 +536,13 @@ def _version() -> str:
 
 
 def _drop_ref(node: Any, name: str) -> None:
-    """Take the option that references schema ``name`` out of every ``anyOf`` under ``node``."""
+    """Take the option that references schema ``name`` out of every ``anyOf`` / ``oneOf``
+    under ``node``."""
     if isinstance(node, dict):
-        options = node.get("anyOf")
-        if isinstance(options, list):
-            node["anyOf"] = [o for o in options
+        for key in ("anyOf", "oneOf"):
+            options = node.get(key)
+            if isinstance(options, list):
+                node[key] = [o for o in options
                              if o.get("$ref") != f"#/components/schemas/{name}"]  # fmt: skip
         for value in node.values():
             _drop_ref(value, name)

@@ -41,6 +41,7 @@ from infer.server.messages_protocol import (
     AnthropicMessage,
     AnthropicUsage,
     CountTokensRequest,
+    ImageBlock,
     MessagesRequest,
     MessagesResponse,
     TextBlock,
@@ -65,6 +66,19 @@ def _text(content: list[TextBlock] | str) -> str:
     return content if isinstance(content, str) else "\n\n".join(b.text for b in content)
 
 
+def _joined(first: str | list[dict[str, Any]], then: str | list[dict[str, Any]]) -> Any:
+    """Two turns' contents as one: texts as paragraphs; with images, the parts in order."""
+    if isinstance(first, str) and isinstance(then, str):
+        return "\n\n".join(t for t in (first, then) if t)
+
+    def parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if isinstance(content, list):
+            return content
+        return [{"type": "text", "text": content}] if content else []
+
+    return parts(first) + parts(then)
+
+
 def chat_messages(system: list[TextBlock] | str | None,
                   messages: list[AnthropicMessage]) -> list[dict[str, Any]]:  # fmt: skip
     """The conversation as chat messages (see the module docstring): a user turn's tool
@@ -79,7 +93,12 @@ def chat_messages(system: list[TextBlock] | str | None,
         if isinstance(blocks, str):
             blocks = [TextBlock(type="text", text=blocks)]
         text = _text([b for b in blocks if isinstance(b, TextBlock)])
-        turn: dict[str, Any] = {"role": message.role, "content": text}
+        content: str | list[dict[str, Any]] = text
+        if any(isinstance(b, ImageBlock) for b in blocks):  # (its texts and images, in order)
+            content = [{"type": "image_url", "image_url": {"url": b.source.as_url()}}
+                       if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+                       for b in blocks if isinstance(b, ImageBlock | TextBlock)]  # fmt: skip
+        turn: dict[str, Any] = {"role": message.role, "content": content}
         if message.role == "assistant":
             calls = [{"id": b.id, "type": "function",
                       "function": {"name": b.name, "arguments": json.dumps(b.input)}}
@@ -92,11 +111,11 @@ def chat_messages(system: list[TextBlock] | str | None,
                     result = ("Error: " if b.is_error else "") + _text(b.content)
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                 "content": result})  # fmt: skip
-            if not text and any(isinstance(b, ToolResultBlock) for b in blocks):
+            if not content and any(isinstance(b, ToolResultBlock) for b in blocks):
                 continue
         last = out[-1] if out else None
         if last is not None and last["role"] == turn["role"] != "tool":  # (one turn)
-            last["content"] = "\n\n".join(t for t in (last["content"], text) if t)
+            last["content"] = _joined(last["content"], content)
             last["tool_calls"] = last.get("tool_calls", []) + turn.get("tool_calls", [])
             if not last["tool_calls"]:
                 del last["tool_calls"]

@@ -20,6 +20,28 @@ class TextBlock(_Request):
     text: str
 
 
+class ImageSource(_Request):
+    """``base64`` (``media_type`` and ``data``) or ``url``."""
+
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+    def as_url(self) -> str:
+        """The image as the chat route reads it: a data URL, or the address."""
+        if self.type == "url":
+            return self.url or ""
+        return f"data:{self.media_type or 'image/png'};base64,{self.data or ''}"
+
+
+class ImageBlock(_Request):
+    """An image of a user turn (a vision-language model's)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ToolUseBlock(_Request):
     """A call the model made in an earlier turn."""
 
@@ -52,13 +74,14 @@ def _block_kind(value: Any) -> str:
 
 ContentBlock = Annotated[
     Annotated[TextBlock, Tag("block-text")]
+    | Annotated[ImageBlock, Tag("block-image")]
     | Annotated[ToolUseBlock, Tag("block-tool_use")]
     | Annotated[ToolResultBlock, Tag("block-tool_result")]
     | Annotated[ThinkingBlock, Tag("block-thinking")]
     | Annotated[ThinkingBlock, Tag("block-redacted_thinking")],
     Discriminator(_block_kind, custom_error_type="content_block_type",
-                  custom_error_message="a content block's type is text, tool_use, tool_result, "
-                  "thinking or redacted_thinking (infer serves text: no image or document)"),
+                  custom_error_message="a content block's type is text, image, tool_use, "
+                  "tool_result, thinking or redacted_thinking (no document)"),
 ]  # fmt: skip
 
 

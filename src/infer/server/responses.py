@@ -49,6 +49,9 @@ from infer.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCallIn,
+    ImageUrl,
+    ImageUrlContentPart,
+    TextContentPart,
     ToolCallIn,
 )
 from infer.server.reasoning import NO_PARSER, ReasoningStream
@@ -56,6 +59,7 @@ from infer.server.responses_protocol import (
     FunctionCallInput,
     FunctionCallOutputInput,
     IncompleteDetails,
+    InputImagePart,
     InputMessage,
     InputTokensDetails,
     OutputFunctionCall,
@@ -143,10 +147,19 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
     for item in req.input:
         if isinstance(item, InputMessage):
-            text = item.content
-            if not isinstance(text, str):
-                text = "".join(part.text for part in text)
-            messages.append(ChatMessage(role=item.role, content=text))
+            content: Any = item.content
+            if not isinstance(content, str):
+                if any(isinstance(part, InputImagePart) for part in content):
+                    content = [  # (a vision-language model's images, among the texts)
+                        ImageUrlContentPart(type="image_url",
+                                            image_url=ImageUrl(url=part.image_url))
+                        if isinstance(part, InputImagePart)
+                        else TextContentPart(type="text", text=part.text)
+                        for part in content
+                    ]  # fmt: skip
+                else:
+                    content = "".join(part.text for part in content)  # type: ignore[union-attr]
+            messages.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, FunctionCallInput):
             call = ToolCallIn(id=item.call_id, function=FunctionCallIn(name=item.name,
                                                                       arguments=item.arguments))  # fmt: skip

@@ -23,12 +23,21 @@ class InputTextPart(_Request):
     text: str
 
 
+class InputImagePart(_Request):
+    """An image (a vision-language model's): ``image_url`` a data URL or an http(s) address."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class InputMessage(_Request):
     """A message item (``type`` may be left out, as the SDK's easy form does)."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: list[InputTextPart] | str  # (the list first: its errors name the part)
+    # (the list first: its errors name the part)
+    content: list[InputTextPart | InputImagePart] | str
 
 
 class FunctionCallInput(_Request):
