@@ -135,6 +135,10 @@ def test_bad_images_are_400_naming_the_part(server, tmp_path):
             error = r.json()["error"]
             assert message in error["message"] and "or a file" not in error["message"]
             assert error["param"] == "messages[0].content[0].image_url"
+        beam = c.post("/v1/chat/completions", json={
+            "messages": ask(data_url(random_image(1))), "max_tokens": 2, "n": 2,
+            "use_beam_search": True})  # fmt: skip
+        assert beam.status_code == 400 and beam.json()["error"]["param"] == "use_beam_search"
         # the server goes on serving
         ok = c.post("/v1/chat/completions", json={"messages": ask(data_url(random_image(1))),
                                                   "max_tokens": 2})  # fmt: skip

@@ -279,6 +279,9 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
     model = serving.check_model(req.model)
     prompt = await chat_prompt(serving, req, "/v1/chat/completions")
     if req.use_beam_search:
+        if prompt.images:
+            raise bad_request("beam search of a prompt with images is not served",
+                              param="use_beam_search")  # fmt: skip
         return await cancel_on_disconnect(raw, _beam_search(serving, req, raw, prompt.ids,
                                                             prompt.max_tokens, model))  # fmt: skip
     run = await submit_chat(serving, req, raw, prompt)

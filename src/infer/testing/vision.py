@@ -29,12 +29,15 @@ CHAT_TEMPLATE = (
 
 
 def build_llava(root: Path, text: str = "llama", strategy: str = "default",
-                feature_layer: int | list[int] = -2) -> Path:  # fmt: skip
-    """The folder ``root/llava-<text>-<strategy>-<layers>-<VERSION>``, built if absent: a
-    LLaVA whose language model is a tiny ``text`` decoder (llama, mistral or qwen2)."""
+                feature_layer: int | list[int] = -2, *, name: str | None = None,
+                text_shape: dict | None = None, vision_shape: dict | None = None) -> Path:  # fmt: skip
+    """The folder ``root/llava-<text>-<strategy>-<layers>-<VERSION>`` (or ``root/name``),
+    built if absent: a LLaVA whose language model is a tiny ``text`` decoder (llama, mistral
+    or qwen2); ``text_shape`` / ``vision_shape`` replace the tiny shapes' fields (a benchmark's
+    larger model, under its own ``name``)."""
     layers = "_".join(str(i) for i in (feature_layer if isinstance(feature_layer, list)
                                        else [feature_layer]))  # fmt: skip
-    final = Path(root) / f"llava-{text}-{strategy}-{layers}-{VERSION}"
+    final = Path(root) / (name or f"llava-{text}-{strategy}-{layers}-{VERSION}")
     if final.is_dir():
         return final
 
@@ -60,24 +63,26 @@ def build_llava(root: Path, text: str = "llama", strategy: str = "default",
     eos = tokenizer.eos_token_id
     text_cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[text]
     text_config = text_cls(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, max_position_embeddings=1024, vocab_size=VOCAB_SIZE + 8,
+        **{"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 2, **(text_shape or {})},
+        max_position_embeddings=1024, vocab_size=VOCAB_SIZE + 8,
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False,
     )  # fmt: skip
-    vision_config = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=16,
-    )  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE,
+              **(vision_shape or {})}  # fmt: skip
+    vision_config = CLIPVisionConfig(projection_dim=16, **vision)
+    size, patch = vision["image_size"], vision["patch_size"]
     config = LlavaConfig(
         vision_config=vision_config, text_config=text_config, image_token_index=image_id,
         vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer,
-        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2 + (strategy == "full"),
+        image_seq_length=(size // patch) ** 2 + (strategy == "full"),
     )  # fmt: skip
     torch.manual_seed(SEED)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
     _randomize(model, SEED + zlib.crc32(final.name.encode()) % 10_000)
-    processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
-                                   crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})  # fmt: skip
+    processor = CLIPImageProcessor(size={"shortest_edge": size},
+                                   crop_size={"height": size, "width": size})  # fmt: skip
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
