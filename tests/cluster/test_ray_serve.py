@@ -432,3 +432,19 @@ def test_sigterm_finishes_the_streams_in_flight_and_refuses_new_requests(prefix_
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 600
     assert server.proc.wait(120) == 0
+
+
+def test_the_router_renders_a_chat_as_the_server_does(llama_checkpoint):
+    """The router hashes a chat's prompt from its own rendering (a tokenizer and the settings,
+    no engine): the same ids the server computes, so a repeated chat goes where its prefix is."""
+    from transformers import AutoTokenizer
+
+    from infer.cluster.router import _ChatRendering
+    from infer.server.chat import render_request
+    from infer.server.protocol import ChatCompletionRequest
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_checkpoint)
+    req = ChatCompletionRequest(messages=MESSAGES)
+    ids = render_request(_ChatRendering(tokenizer, None), req)  # type: ignore[arg-type]
+    assert ids == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)  # fmt: skip

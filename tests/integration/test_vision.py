@@ -157,6 +157,9 @@ def test_bad_images_and_placeholders_are_refused(make_llm, llava_llama, tiny_che
          "not valid base64"),
         ({"prompt": ONE, "multi_modal_data": {"audio": a}}, "takes images ('image'), not audio"),
     ]  # fmt: skip
+    bomb = _png_header(10_000, 10_000)  # (a 70-byte file declaring 100M pixels)
+    cases.append(({"prompt": ONE, "multi_modal_data": {"image": bomb}}, "is more than 40000000 "
+                  "pixels"))  # fmt: skip
     for prompt, message in cases:
         with pytest.raises(
             InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")
@@ -171,3 +174,33 @@ def test_bad_images_and_placeholders_are_refused(make_llm, llava_llama, tiny_che
     with pytest.raises(InvalidRequestError, match="reads no images"):
         text_only.chat([{"role": "user", "content": [{"type": "image_url",
                                                       "image_url": {"url": "data:,"}}]}])  # fmt: skip
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG declaring an RGB image of that size whose pixel data is a few bytes (PIL reads
+    the size from its header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))  # fmt: skip
+
+
+def test_adjacent_and_widened_placeholders(make_llm, llava_llama):
+    """``<image><image>`` is two images; ids whose every run is widened already are kept."""
+    llm = make_llm(str(llava_llama))
+    a, b = random_image(11), random_image(12)
+    two = llm.generate({"prompt": "USER: <image><image> ASSISTANT:",
+                        "multi_modal_data": {"image": [a, b]}}, GREEDY)[0]  # fmt: skip
+    assert two.outputs[0].token_ids == hf_greedy(llava_llama, two.prompt_token_ids,
+                                                 pixels_of(llm, [a, b]))  # fmt: skip
+    again = llm.generate({"prompt_token_ids": two.prompt_token_ids,
+                          "multi_modal_data": {"image": [a, b]}}, GREEDY)[0]  # fmt: skip
+    assert again.prompt_token_ids == two.prompt_token_ids
+    assert again.outputs[0].token_ids == two.outputs[0].token_ids

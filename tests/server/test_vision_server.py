@@ -135,6 +135,28 @@ def test_bad_images_are_400_naming_the_part(server, tmp_path):
             error = r.json()["error"]
             assert message in error["message"] and "or a file" not in error["message"]
             assert error["param"] == "messages[0].content[0].image_url"
+        cut = c.post(
+            "/v1/chat/completions",
+            json={"messages": ask(data_url(random_image(1))), "truncate_prompt_tokens": 8},
+        )
+        assert cut.status_code == 400 and cut.json()["error"]["param"] == "truncate_prompt_tokens"
+        many = c.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": data_url(random_image(1))}}
+                        ]
+                        * 17,
+                    }
+                ]
+            },
+        )
+        assert many.status_code == 400 and "at most 16" in many.json()["error"]["message"]
+        embed = c.post("/v1/embeddings", json={"messages": ask(data_url(random_image(1)))})
+        assert embed.status_code == 400 and "images are not served" in embed.text
         beam = c.post("/v1/chat/completions", json={
             "messages": ask(data_url(random_image(1))), "max_tokens": 2, "n": 2,
             "use_beam_search": True})  # fmt: skip

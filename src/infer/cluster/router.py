@@ -87,7 +87,10 @@ def replica_names(roles: tuple[str, ...]) -> list[str]:
 
 class _ChatRendering:
     """What ``infer.server.chat.render_chat`` reads of a ``Serving``: the tokenizer and the
-    ``--chat-template`` override."""
+    ``--chat-template`` override (and no images: a prompt's placeholders are hashed as
+    tokens, so prompts with images route by their text)."""
+
+    image_prompts = None
 
     def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
         from infer.server.serving import ServerSettings

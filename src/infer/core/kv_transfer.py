@@ -39,6 +39,9 @@ class KVPayload:
     block_size: int
     layout: tuple[tuple[str, tuple[int, ...]], ...]
     arrays: tuple[Any, ...]
+    # The digests of the prompt's images (a vision-language model's): the same placeholder
+    # tokens with other images are another prompt.
+    image_digests: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -52,8 +55,12 @@ class KVPayload:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.arrays)
 
-    def usable_for(self, prompt_token_ids: list[int], block_size: int) -> str | None:
-        """None when this payload can seed a request with that prompt, else why not."""
+    def usable_for(self, prompt_token_ids: list[int], block_size: int,
+                   image_digests: tuple[str, ...] = ()) -> str | None:  # fmt: skip
+        """None when this payload can seed a request with that prompt (and those images),
+        else why not."""
+        if image_digests != self.image_digests:
+            return "the payload's images are not this prompt's"
         if block_size != self.block_size:
             return f"block size {self.block_size}, the cache's is {block_size}"
         n = self.num_tokens

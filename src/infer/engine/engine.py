@@ -900,7 +900,7 @@ class LLMEngine:
             lora_name=lora[0] if lora else None,
             lora_id=lora[1] if lora else None,
             export_kv=export_kv,
-            kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload),
+            kv_payload=self._check_payload(request_id, prompt_token_ids, kv_payload, images),
             pooling=pooling,
             images=tuple(images),
         )
@@ -1003,9 +1003,16 @@ class LLMEngine:
         if images and pooled:
             raise InvalidRequestError("embeddings of prompts with images are not served",
                                       param="images")  # fmt: skip
+        import numpy as np
+
         end = 0
         for i, image in enumerate(images):
-            shape = tuple(getattr(image.pixel_values, "shape", ()))
+            pixels = image.pixel_values
+            if not isinstance(pixels, np.ndarray) or pixels.dtype != np.float32:
+                raise InvalidRequestError(f"image {i}: pixels are a float32 numpy array "
+                                          f"(ImagePrompts.pixels), not {type(pixels).__name__}",
+                                          param="images")  # fmt: skip
+            shape = tuple(pixels.shape)
             span = ids[image.offset : image.end]
             if shape != spec.image_shape:
                 raise InvalidRequestError(f"image {i}: pixels of shape {shape}, the model reads "
@@ -1144,12 +1151,13 @@ class LLMEngine:
                 f"{len(labels)} label{'' if len(labels) == 1 else 's'}: {does}; it neither "
                 "generates nor embeds")  # fmt: skip
 
-    def _check_payload(self, request_id: str, prompt: list[int],
-                       payload: KVPayload | None) -> KVPayload | None:  # fmt: skip
+    def _check_payload(self, request_id: str, prompt: list[int], payload: KVPayload | None,
+                       images: tuple[ImageInput, ...] = ()) -> KVPayload | None:  # fmt: skip
         """The payload if this engine can use it for this prompt, else None (logged)."""
         if payload is None:
             return None
-        why = payload.usable_for(prompt, self.kv_manager.block_size)
+        digests = tuple(im.digest for im in images)
+        why = payload.usable_for(prompt, self.kv_manager.block_size, digests)
         if why is None and self.tp_workers is not None:
             why = "the cache is split over tensor-parallel ranks"
         if why is None and payload.layout != self.runner.kv_layout(payload.num_blocks):
@@ -1172,7 +1180,8 @@ class LLMEngine:
             try:
                 layout, arrays = self.runner.export_kv(table)
                 request.exported_kv = KVPayload(tuple(request.prompt_token_ids[:num_tokens]),
-                                                block_size, layout, arrays)  # fmt: skip
+                                                block_size, layout, arrays,
+                                                tuple(im.digest for im in request.images))  # fmt: skip
             except Exception:  # noqa: BLE001 - the prefill stands; its KV does not travel
                 logger.exception("exporting the KV of %s failed", request_id)
             self.scheduler.release_held(request_id)

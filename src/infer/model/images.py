@@ -5,7 +5,7 @@ placeholder tokens, one per feature vector the model makes of the image.
 
 A prompt names an image with one placeholder token (LLaVA's ``<image>``), which the chat
 template writes for an image part and a plain prompt writes itself; :meth:`ImagePrompts.expand`
-widens each to the image's run (a run already that wide is kept: ids from ``/tokenize``)::
+widens each to the image's run (ids with every run widened already are kept as they are)::
 
     ids      : 1  319  29901  <image>  13  1724 ...       one <image> per image
     expanded : 1  319  29901  <image> x N  13  1724 ...   N = the model's tokens per image
@@ -21,6 +21,7 @@ import base64
 import binascii
 import hashlib
 import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,13 @@ from infer.model.spec import ModelSpec
 
 # The most bytes an image may be (a data URL's decoded or a download's).
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
-# Seconds a web image may take to arrive.
+# The most pixels an image may declare (a 6000 x 4000 photo is 24M): a small file can declare
+# a huge image, which would take gigabytes to decode.
+MAX_IMAGE_PIXELS = 40_000_000
+# Seconds a web image may take to arrive, in all.
 FETCH_TIMEOUT = 10.0
+# The most images one prompt may hold (each is read, fetched and encoded).
+MAX_IMAGES_PER_PROMPT = 16
 
 
 class ImagePrompts:
@@ -45,6 +51,9 @@ class ImagePrompts:
         self.token_id = spec.image_token_id
         self.tokens_per_image = spec.image_tokens
         self.token = tokenizer.convert_ids_to_tokens(self.token_id)
+        if tokenizer.encode(self.token, add_special_tokens=False) != [self.token_id]:
+            raise ValueError(f"the image token {self.token!r} ({self.token_id}) is not one token "
+                             "of the tokenizer: prompts could not name their images")  # fmt: skip
         self.processor = _image_processor(Path(model_dir))
 
     def pixels(self, image: Any, param: str = "image", local_files: bool = False) -> Any:
@@ -66,45 +75,37 @@ class ImagePrompts:
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """``token_ids`` with each image's placeholder widened to its run, and the images
         (pixels already, :meth:`pixels`) as the engine takes them. The placeholders must match
-        the images one to one, in order."""
-        runs = placeholder_runs(token_ids, self.token_id)
-        if len(runs) != len(images):
+        the images one to one, in order: one token each (``<image><image>``: two images), or
+        each already its whole run."""
+        n = self.tokens_per_image
+        at_tokens = [i for i, t in enumerate(token_ids) if t == self.token_id]
+        if len(at_tokens) == len(images) * n and n > 1:  # (widened already: keep them)
+            starts = at_tokens[::n]
+            if any(at_tokens[k * n + n - 1] != s + n - 1 for k, s in enumerate(starts)):
+                raise InvalidRequestError(f"the prompt's {len(at_tokens)} image placeholders "
+                                          f"are not {len(images)} runs of {n}", param=param)  # fmt: skip
+            inputs = [
+                ImageInput(s, n, image_digest(p), p) for s, p in zip(starts, images, strict=True)
+            ]
+            return list(token_ids), tuple(inputs)
+        if len(at_tokens) != len(images):
+            count = len(at_tokens)
             raise InvalidRequestError(
-                f"the prompt has {len(runs)} image placeholder{'s' * (len(runs) != 1)} "
-                f"({self.token}) for {len(images)} image{'s' * (len(images) != 1)}: write one "
-                "where each image goes",
+                f"the prompt has {count} image placeholder{'s' * (count != 1)} ({self.token}) "
+                f"for {len(images)} image{'s' * (len(images) != 1)}: write one where each "
+                "image goes",
                 param=param,
             )
         out: list[int] = []
         inputs = []
         at = 0
-        n = self.tokens_per_image
-        for (start, length), pixels in zip(runs, images, strict=True):
-            if length not in (1, n):
-                raise InvalidRequestError(f"a run of {length} image placeholders: an image is "
-                                          f"one {self.token} (or {n} of them)", param=param)  # fmt: skip
+        for start, pixels in zip(at_tokens, images, strict=True):
             out.extend(token_ids[at:start])
             inputs.append(ImageInput(len(out), n, image_digest(pixels), pixels))
             out.extend([self.token_id] * n)
-            at = start + length
+            at = start + 1
         out.extend(token_ids[at:])
         return out, tuple(inputs)
-
-
-def placeholder_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each run of ``token_id`` in ``token_ids``."""
-    runs: list[tuple[int, int]] = []
-    i, n = 0, len(token_ids)
-    while i < n:
-        if token_ids[i] == token_id:
-            j = i
-            while j < n and token_ids[j] == token_id:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    return runs
 
 
 def image_digest(pixels: Any) -> str:
@@ -134,9 +135,15 @@ def as_pil_image(image: Any, param: str = "image", local_files: bool = False) ->
         raise InvalidRequestError(f"{param}: an image is a PIL image, an array, bytes or a URL, "
                                   f"not {type(image).__name__}", param=param)  # fmt: skip
     try:
-        pil = Image.open(io.BytesIO(image))
+        with warnings.catch_warnings():  # (PIL's own bound warns; ours, below, refuses)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            pil = Image.open(io.BytesIO(image))  # (reads the header: the size, not the pixels)
+        width, height = pil.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise InvalidRequestError(f"{param}: a {width}x{height} image is more than "
+                                      f"{MAX_IMAGE_PIXELS} pixels", param=param)  # fmt: skip
         pil.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise InvalidRequestError(f"{param}: not an image file PIL can read: {e}",
                                   param=param) from None  # fmt: skip
     return pil.convert("RGB")
@@ -167,20 +174,30 @@ def _image_bytes(url: str, param: str, local_files: bool) -> bytes:
 
 
 def fetch_image(url: str, param: str) -> bytes:
-    """An image from the web, at most :data:`MAX_IMAGE_BYTES`, within :data:`FETCH_TIMEOUT`."""
+    """An image from the web, at most :data:`MAX_IMAGE_BYTES` (as sent: no compression
+    undone), within :data:`FETCH_TIMEOUT` in all. Like vLLM, any address the server can reach
+    is fetched (redirects followed): a server open to untrusted clients sits behind a proxy
+    that limits where it may connect."""
+    import time
+
     import httpx
 
+    deadline = time.monotonic() + FETCH_TIMEOUT
     try:
-        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT, follow_redirects=True) as r:
+        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT, follow_redirects=True,
+                          headers={"Accept-Encoding": "identity"}) as r:  # fmt: skip
             if r.status_code != 200:
                 raise InvalidRequestError(f"{param}: fetching {url} answered HTTP "
                                           f"{r.status_code}", param=param)  # fmt: skip
             data = bytearray()
-            for part in r.iter_bytes():
+            for part in r.iter_raw():
                 data += part
                 if len(data) > MAX_IMAGE_BYTES:
                     raise InvalidRequestError(f"{param}: {url} is more than {MAX_IMAGE_BYTES} "
                                               "bytes", param=param)  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise InvalidRequestError(f"{param}: {url} took more than {FETCH_TIMEOUT:g} "
+                                              "s to arrive", param=param)  # fmt: skip
             return bytes(data)
     except httpx.HTTPError as e:
         raise InvalidRequestError(f"{param}: cannot fetch {url}: {e}", param=param) from None
@@ -189,8 +206,6 @@ def fetch_image(url: str, param: str) -> bytes:
 def _image_processor(model_dir: Path) -> Any:
     """The model's image processor (``preprocessor_config.json``), its numpy / PIL version
     (torchvision, which the default one needs, is not installed)."""
-    import warnings
-
     from transformers import AutoImageProcessor
 
     if not (model_dir / "preprocessor_config.json").is_file():

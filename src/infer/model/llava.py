@@ -206,11 +206,12 @@ class VisionTower(nn.Module):
         wanted = [i % count for i in layers]
         x = self.pre_layrnorm(self.embeddings(pixels))
         n, length, width = x.shape
-        states = {0: x}
+        states = {0: x} if 0 in wanted else {}  # (only the states read: memory)
         h = x.reshape(n * length, width)
         for i, layer in enumerate(self.layers[: max(wanted)], start=1):
             h = layer(h, (n, length))
-            states[i] = h.view(n, length, width)
+            if i in wanted:
+                states[i] = h.view(n, length, width)
         return [states[i] for i in wanted]
 
 

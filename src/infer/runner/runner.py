@@ -355,19 +355,23 @@ class ModelRunner:
                 return self.model(*args)
         return self.model(*args)
 
-    # Image features kept (by digest) for the chunks and requests that read them again.
+    # Image features kept (by digest) for the chunks and requests that read them again; images
+    # the vision tower takes at once.
     MAX_CACHED_IMAGES = 16
+    IMAGE_BATCH = 8
 
     def _image_embeds(self, slices: list[ImageSlice]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's image rows and their features: ``(rows [K], vectors [K, hidden])``, the
         images not computed yet run through the vision tower together."""
         cache = self._image_features
-        missing = {s.image.digest: s.image for s in slices if s.image.digest not in cache}
-        if missing:
-            pixels = torch.stack([torch.from_numpy(im.pixel_values) for im in missing.values()])
+        missing = list({s.image.digest: s.image for s in slices
+                        if s.image.digest not in cache}.values())  # fmt: skip
+        for i in range(0, len(missing), self.IMAGE_BATCH):  # (a few at a time: activations)
+            batch = missing[i : i + self.IMAGE_BATCH]
+            pixels = torch.stack([torch.from_numpy(im.pixel_values) for im in batch])
             features = self.model.embed_images(pixels.to(self.device))
-            for digest, vectors in zip(missing, features, strict=True):
-                cache[digest] = vectors
+            for image, vectors in zip(batch, features, strict=True):
+                cache[image.digest] = vectors.clone()  # (its own memory: evicted alone)
         rows, parts = [], []
         for s in slices:
             cache.move_to_end(s.image.digest)

@@ -22,6 +22,7 @@ from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.core.structured import StructuredOutputs
 from infer.engine.async_engine import RequestStream
 from infer.model.chat_template import message_images, render_chat_ids
+from infer.model.images import MAX_IMAGES_PER_PROMPT
 from infer.server import beam
 from infer.server.errors import APIError, bad_request, from_invalid_request, validation_error
 from infer.server.protocol import (
@@ -35,6 +36,7 @@ from infer.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    ImageUrlContentPart,
     TokenizeRequest,
     ToolCall,
     TopLogprob,
@@ -80,7 +82,7 @@ def render_chat(serving: Serving, messages: list[ChatMessage], *, add_generation
     if template is None and not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; start the server with "
                           "--chat-template FILE or use /v1/completions", param="messages")  # fmt: skip
-    vision = serving.image_prompts
+    vision = getattr(serving, "image_prompts", None)  # (the router renders with less)
     try:
         return render_chat_ids(
             tok, [{"content": None, **m.model_dump(mode="json", exclude_none=True)}
@@ -114,11 +116,20 @@ def with_images(serving: Serving, messages: list[ChatMessage],
     vision = serving.image_prompts
     if not found or vision is None:
         return ids, ()
+    if len(found) > MAX_IMAGES_PER_PROMPT:
+        raise bad_request(f"{len(found)} images: a prompt takes at most "
+                          f"{MAX_IMAGES_PER_PROMPT}", param="messages")  # fmt: skip
     try:
         pixels = [vision.pixels(image, param) for image, param in found]
         return vision.expand(ids, pixels, "messages")
     except InvalidRequestError as e:
         raise from_invalid_request(e) from e
+
+
+def has_images(messages: list[ChatMessage] | None) -> bool:
+    """Whether any message has an image part."""
+    return any(isinstance(part, ImageUrlContentPart) for m in messages or ()
+               if isinstance(m.content, list) for part in m.content)  # fmt: skip
 
 
 def template_kwargs(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any] | None:
@@ -194,6 +205,9 @@ async def chat_prompt(serving: Serving, req: ChatCompletionRequest, route: str,
     ids, images = await serving.run_blocking(
         lambda: with_images(serving, req.messages, render_request(serving, req)), size=size
     )
+    if images and req.truncate_prompt_tokens is not None:
+        raise bad_request("truncate_prompt_tokens would cut a prompt with images (its "
+                          "placeholders)", param="truncate_prompt_tokens")  # fmt: skip
     ids = serving.truncated(ids, req)
     if lengths == "clamp" and max_tokens is not None:
         room = serving.max_model_len - len(ids)
@@ -277,11 +291,11 @@ def final_reply(text: str, run: ChatRun, include_reasoning: bool = True
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest,
                                  raw: Request) -> Response:  # fmt: skip
     model = serving.check_model(req.model)
+    if req.use_beam_search and has_images(req.messages):  # (before any image is fetched)
+        raise bad_request("beam search of a prompt with images is not served",
+                          param="use_beam_search")  # fmt: skip
     prompt = await chat_prompt(serving, req, "/v1/chat/completions")
     if req.use_beam_search:
-        if prompt.images:
-            raise bad_request("beam search of a prompt with images is not served",
-                              param="use_beam_search")  # fmt: skip
         return await cancel_on_disconnect(raw, _beam_search(serving, req, raw, prompt.ids,
                                                             prompt.max_tokens, model))  # fmt: skip
     run = await submit_chat(serving, req, raw, prompt)

@@ -20,7 +20,7 @@ from infer.core.outputs import RequestOutput
 from infer.core.pooling_params import PoolingParams, class_probabilities
 from infer.core.sampling_params import InvalidRequestError
 from infer.core.validation import check_prompt
-from infer.server.chat import render_chat
+from infer.server.chat import has_images, render_chat
 from infer.server.completions import prompt_list
 from infer.server.errors import APIError, bad_request, from_invalid_request
 from infer.server.protocol import (
@@ -111,6 +111,8 @@ async def _render_messages(serving: Serving, req: _Pooled) -> list[int]:
     the tokenizer's too only when the request sets ``add_special_tokens``), cut and checked as
     any input is."""
     special = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False
+    if has_images(req.messages):
+        raise bad_request("embeddings of prompts with images are not served", param="messages")
 
     def render() -> list[int]:
         return render_chat(serving, req.messages or [],
