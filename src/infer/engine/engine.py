@@ -184,10 +184,10 @@ def _encoder_config(config: EngineConfig, spec: ModelSpec, device: torch.device)
 def _vision_config(config: EngineConfig, spec: ModelSpec, device: torch.device) -> EngineConfig:
     """A vision-language model's engine options: its image rows take the modules' path (the
     Triton step's buffers hold token ids only: CUDA takes the torch path); what is not built
-    for images yet is a ``ValueError`` naming the option."""
+    for images yet is a ``ValueError`` naming the option. (Under tensor parallelism each rank
+    computes the images itself, from the pixels its batch carries.)"""
     mc = config.model
     for wanted, option in (
-        (config.parallel.tensor_parallel_size > 1, "tensor parallelism"),
         (config.lora is not None, "LoRA adapters (--enable-lora)"),
         (mc.attention_backend == "triton", "--attention-backend triton"),
     ):
