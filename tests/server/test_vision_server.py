@@ -157,6 +157,12 @@ def test_bad_images_are_400_naming_the_part(server, tmp_path):
         assert many.status_code == 400 and "at most 16" in many.json()["error"]["message"]
         embed = c.post("/v1/embeddings", json={"messages": ask(data_url(random_image(1)))})
         assert embed.status_code == 400 and "images are not served" in embed.text
+        counted = c.post("/tokenize", json={"messages": ask(data_url(random_image(1)))})
+        usage = c.post(
+            "/v1/chat/completions",
+            json={"messages": ask(data_url(random_image(1))), "max_tokens": 1},
+        ).json()["usage"]
+        assert counted.json()["count"] == usage["prompt_tokens"] > 16
         beam = c.post("/v1/chat/completions", json={
             "messages": ask(data_url(random_image(1))), "max_tokens": 2, "n": 2,
             "use_beam_search": True})  # fmt: skip

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from infer.core.outputs import RequestOutput
 from infer.engine.async_engine import AsyncEngine
 from infer.server import metrics as metrics_mod
-from infer.server.chat import create_chat_completion, render_request
+from infer.server.chat import create_chat_completion, render_request, with_images
 from infer.server.classify import create_classification
 from infer.server.completions import create_completion
 from infer.server.dashboard import Dashboard, install_dashboard
@@ -333,7 +333,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages is empty", param="messages")
-            ids = await serving.run_blocking(lambda: render_request(serving, body), size=4096)
+            ids, _ = await serving.run_blocking(  # (images: their placeholders widened)
+                lambda: with_images(serving, body.messages, render_request(serving, body)),
+                size=4096 if serving.image_prompts is None else 1 << 20,
+            )
         else:
             text = body.prompt or ""
             special = body.add_special_tokens is not False
