@@ -108,6 +108,7 @@ def safetensors_weight_bytes(
     dtype_bytes: int,
     gguf_int8: bool | None = None,
     gguf_int8_activations: bool = True,
+    gguf_kernels: bool | None = None,
 ) -> int:
     """Bytes of the weights as the engine holds them, from the safetensors headers: every tensor
     at ``dtype_bytes`` per value, but a 4-bit GPTQ / AWQ layer as it stays (half a byte per
@@ -115,13 +116,25 @@ def safetensors_weight_bytes(
     are dequantized at load, so they count as the weights they unpack to. A GGUF file's
     folder: :func:`_gguf_weight_bytes` (``gguf_int8``: ``--gguf-int8``, None as the engine
     decides: a decoder's yes, an encoder's no; ``gguf_int8_activations``:
-    ``--gguf-int8-activations``)."""
+    ``--gguf-int8-activations``; ``gguf_kernels``: whether the CPU kernels that hold a GGUF
+    file's layers as stored run, None: those of this machine's CPU, as the engine asks;
+    without them every weight is held dequantized)."""
     gguf_file = gguf_source(model_dir)
     if gguf_file is not None:
         if gguf_int8 is None:
             from infer.model.loader import load_model_spec
 
             gguf_int8 = not load_model_spec(model_dir).is_encoder
+        if gguf_kernels is None:
+            import torch
+
+            from infer.runner.int4 import int4_kernel_available
+
+            cpu = torch.device("cpu")
+            gguf_kernels = int4_kernel_available(cpu)
+            gguf_int8_activations &= int4_kernel_available(cpu, int8_activations=True)
+        if not gguf_kernels:  # (held dequantized: every value at the model's dtype)
+            return _gguf_weight_bytes(gguf_file, dtype_bytes, dequantized=True)
         return _gguf_weight_bytes(gguf_file, dtype_bytes, gguf_int8, gguf_int8_activations)
     qc = _quantization_config(model_dir)
     if not qc or int(qc.get("bits", qc.get("w_bit", 4))) != 4:
@@ -224,7 +237,11 @@ _GGUF_FUSED = (
 
 
 def _gguf_weight_bytes(
-    file: Path, dtype_bytes: int, int8: bool = True, int8_activations: bool = True
+    file: Path,
+    dtype_bytes: int,
+    int8: bool = True,
+    int8_activations: bool = True,
+    dequantized: bool = False,
 ) -> int:
     """Bytes of a GGUF file's weights as the engine holds them. float32: every weight
     dequantized. 16-bit: a 4-bit layer (with ``int8_activations``, which assumes a CPU with
@@ -234,7 +251,8 @@ def _gguf_weight_bytes(
     another quantized type as int8 per channel; beside the
     embedding table a copy of the vocabulary projection if it was stored quantized: as stored
     where a layer of its type would be kept, else in int8 (with ``int8``); the rest at
-    ``dtype_bytes`` per value."""
+    ``dtype_bytes`` per value. ``dequantized`` (no kernel holds the layers as stored): every
+    weight at ``dtype_bytes``."""
     tensors = {name: (shape, kind) for name, shape, kind in gguf_tensors(file)}
 
     def parts(name: str) -> list[str]:
@@ -276,7 +294,7 @@ def _gguf_weight_bytes(
         count = math.prod(shape)
         layer = len(shape) in (2, 3) and name.startswith("blk.") and name.endswith(".weight")
         layer = layer and "ffn_gate_inp" not in name  # (a router stays in the model's dtype)
-        if dtype_bytes == 4 or not layer:
+        if dtype_bytes == 4 or dequantized or not layer:
             total += count * dtype_bytes
         elif all_kept(parts(name)):
             total += kept_bytes(parts(name), count)
@@ -285,6 +303,8 @@ def _gguf_weight_bytes(
         else:
             total += count * dtype_bytes
     vocab = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    if dequantized:
+        return total
     if dtype_bytes != 4 and vocab in tensors and all_kept([vocab]):
         total += kept_bytes([vocab], math.prod(tensors[vocab][0]))
     elif int8 and dtype_bytes != 4 and vocab in tensors and quantized(tensors[vocab][1]):

@@ -42,9 +42,11 @@ MESSAGES = [
 def prefix_server(llama_checkpoint, server_logs) -> Iterator[ServerProcess]:
     # (an API key: the replicas check it, and the router on its own routes; steps of at least
     # 5 ms, so each of the overload's 200-token requests runs >= 1 s: the others arrive while
-    # the first ones still hold the queues, even when Ray routes slowly)
+    # the first ones still hold the queues, even when Ray routes slowly; a drain as long as the
+    # SIGTERM test's stream takes on a slow machine, where 30 s once cut it)
     yield from start_server(llama_checkpoint, server_logs, *REPLICA_FLAGS,
-                            "--router-policy", "prefix", api_key="router-key",
+                            "--router-policy", "prefix", "--drain-timeout", "300",
+                            api_key="router-key",
                             env={"INFER_TEST_STEP_DELAY": "0.005",
                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})  # fmt: skip
 

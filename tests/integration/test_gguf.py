@@ -442,6 +442,8 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     outputs = 2 * (256 + 128 + 128 + 256 + 512 + 512 + 256)
     vocab_int8 = 1024 * 256 + 4 * 1024
     w4a8 = int4_kernel_available(torch.device("cpu"), int8_activations=True)
+    # (where the CPU has no 4-bit kernel the engine holds a GGUF file's weights dequantized)
+    kernels = int4_kernel_available(torch.device("cpu"))
     vocab = 1024 * 256
     for weight_type, scale_bytes in (
         # int8 activations: Q4_K's own scales; else a float16 scale and zero per 32
@@ -460,6 +462,10 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
             )
         with LLM(str(file), dtype="bfloat16") as llm:
             held = llm.engine.weights_bytes
+            if not kernels:  # (every weight dequantized, as a bf16 folder's: plus its copy)
+                assert safetensors_weight_bytes(folder, 2) == held - packed_copy
+                assert held == plain_params * 2 + packed_copy
+                continue
             assert safetensors_weight_bytes(folder, 2) == held
         with LLM(str(file), dtype="bfloat16", gguf_int8=False) as llm:
             plain16 = llm.engine.weights_bytes
@@ -508,11 +514,17 @@ def test_plan_counts_a_gguf_mixture_of_experts_as_the_engine_holds_it(weight_typ
     from infer.model.folders import find_model_folder
     from infer.plan import safetensors_weight_bytes
 
-    file = write_gguf(tiny_checkpoints["qwen3_moe"], tmp_path / "moe.gguf", weight_type)
+    source = tiny_checkpoints["qwen3_moe"]
+    file = write_gguf(source, tmp_path / "moe.gguf", weight_type)
     folder = find_model_folder(file)
+    copy = 0  # (no 4-bit kernel: held dequantized, as a bf16 folder, plus its packed copy)
+    if not int4_kernel_available(torch.device("cpu")):
+        with LLM(str(source), dtype="bfloat16") as llm:
+            copy = llm.engine.weights_bytes - safetensors_weight_bytes(source, 2)
     for dtype, size in (("bfloat16", 2), ("float32", 4)):
         with LLM(str(file), dtype=dtype) as llm:
-            assert safetensors_weight_bytes(folder, size) == llm.engine.weights_bytes
+            held = llm.engine.weights_bytes - (copy if size == 2 else 0)
+            assert safetensors_weight_bytes(folder, size) == held
 
 
 def test_a_hub_repository_of_gguf_files_resolves_by_tag(wide_llama, tmp_path, monkeypatch):
