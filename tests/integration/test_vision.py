@@ -43,14 +43,23 @@ _HF: dict[str, object] = {}
 
 
 def hf_greedy(folder, ids: list[int], pixels: list, num_tokens: int = 10) -> list[int]:
-    """transformers' greedy continuation of expanded prompt ids with these images' pixels."""
-    from transformers import LlavaForConditionalGeneration
+    """transformers' greedy continuation of expanded prompt ids with these images' pixels
+    (LLaVA-NeXT's: each image's tiles padded to the most any has, with the images' sizes)."""
+    from transformers import AutoModelForImageTextToText
 
     key = str(folder)
     if key not in _HF:
-        _HF[key] = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        _HF[key] = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     model = _HF[key]
-    images = {"pixel_values": torch.stack([torch.from_numpy(p) for p in pixels])} if pixels else {}
+    images = {}
+    if pixels and pixels[0].values.ndim == 4:  # (LLaVA-NeXT)
+        most = max(len(p.values) for p in pixels)
+        padded = torch.zeros(len(pixels), most, *pixels[0].values.shape[1:])
+        for k, p in enumerate(pixels):
+            padded[k, : len(p.values)] = torch.from_numpy(p.values)
+        images = {"pixel_values": padded, "image_sizes": torch.tensor([p.size for p in pixels])}
+    elif pixels:
+        images = {"pixel_values": torch.stack([torch.from_numpy(p.values) for p in pixels])}
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([ids]), **images,
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -72,10 +81,10 @@ def test_generate_with_images_matches_transformers(make_llm, llava):
         "USER: no picture here ASSISTANT:",
     ]
     results = llm.generate(prompts, GREEDY)
-    per_image = llm.engine.spec.image_tokens
+    layout = llm.engine.spec.images
     for result, images in zip(results, [[a], [b], [c, a], []], strict=True):
         ids = result.prompt_token_ids
-        assert ids.count(llm.engine.spec.image_token_id) == per_image * len(images)
+        assert ids.count(layout.token_id) == layout.base_tokens * len(images)
         assert result.outputs[0].token_ids == hf_greedy(llava, ids, pixels_of(llm, images))
     # the image decides the reply: the same words about two images differ
     assert results[0].outputs[0].token_ids != results[1].outputs[0].token_ids
@@ -99,7 +108,7 @@ def test_prefix_cache_keys_blocks_by_image(make_llm, llava_llama):
     first = llm.generate({"prompt": text, "multi_modal_data": {"image": a}}, GREEDY)[0]
     other = llm.generate({"prompt": text, "multi_modal_data": {"image": b}}, GREEDY)[0]
     again = llm.generate({"prompt": text, "multi_modal_data": {"image": a}}, GREEDY)[0]
-    start = first.prompt_token_ids.index(llm.engine.spec.image_token_id)
+    start = first.prompt_token_ids.index(llm.engine.spec.images.token_id)
     # the other image: only the blocks before its first placeholder are shared
     assert other.num_cached_tokens == start // 4 * 4
     assert other.outputs[0].token_ids == hf_greedy(llava_llama, other.prompt_token_ids,
@@ -204,3 +213,24 @@ def test_adjacent_and_widened_placeholders(make_llm, llava_llama):
                           "multi_modal_data": {"image": [a, b]}}, GREEDY)[0]  # fmt: skip
     assert again.prompt_token_ids == two.prompt_token_ids
     assert again.outputs[0].token_ids == two.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("text", ["llama", "mistral"])
+def test_llava_next_tiles_match_transformers(make_llm, text):
+    """LLaVA-NeXT: an image is tiled at the resolution that fits it best, its tiles' vectors
+    unpadded to its aspect ratio with a newline vector after each row, so its placeholder run
+    depends on its size: wide, tall and square images, one or two a prompt, chunked through
+    the runs, give transformers' tokens."""
+    folder = build_llava(default_root(), text, next_=True)
+    llm = make_llm(str(folder), prefill_chunk_size=24, max_num_batched_tokens=32)
+    sizes = [(70, 90), (200, 60), (56, 56), (300, 120), (40, 160)]  # (width, height)
+    images = [random_image(60 + i, size) for i, size in enumerate(sizes)]
+    prompts = [{"prompt": ONE, "multi_modal_data": {"image": im}} for im in images]
+    prompts.append({"prompt": TWO, "multi_modal_data": {"image": images[:2]}})
+    results = llm.generate(prompts, GREEDY)
+    lengths = set()
+    for result, ims in zip(results, [[im] for im in images] + [images[:2]], strict=True):
+        pixels = pixels_of(llm, ims)
+        lengths.update(llm.engine.spec.images.tokens_for(p.size) for p in pixels)
+        assert result.outputs[0].token_ids == hf_greedy(folder, result.prompt_token_ids, pixels)
+    assert len(lengths) >= 4  # (the runs' lengths follow the images' shapes)

@@ -25,12 +25,13 @@ class ImageInput:
     how many tokens it is (``length``: the features the model makes of it), the digest of its
     pixels (what the prefix cache and the runner's features cache know it by: the same image
     sent twice is computed once) and the pixels as the model's processor made them
-    (``pixel_values``: float32 ``[3, height, width]``, a numpy array)."""
+    (``pixel_values``: a float32 numpy array, ``ImageLayout.pixel_shape``)."""
 
     offset: int
     length: int
     digest: str
     pixel_values: Any
+    size: tuple[int, int] | None = None  # (height, width) as sent: LLaVA-NeXT's tiling reads it
 
     @property
     def end(self) -> int:

@@ -227,7 +227,7 @@ class LLMEngine:
         if self.spec.is_encoder:
             config = self.config = _encoder_config(config, self.spec, self.device)
             mc, cc, sc = config.model, config.cache, config.scheduler
-        if self.spec.image_tokens:
+        if self.spec.images is not None:
             config = self.config = _vision_config(config, self.spec, self.device)
             mc = config.model
         # What a request's unset sampling fields take (the model's generation_config.json).
@@ -318,12 +318,14 @@ class LLMEngine:
         byte_table(self.tokenizer)  # built now, not at the first request (~1 ms per 1k ids)
         # A vision-language model's images: how prompts take them (model/images.py).
         self.image_prompts: ImagePrompts | None = None
-        if self.spec.image_tokens:
+        layout = self.spec.images
+        if layout is not None:
             self.image_prompts = ImagePrompts(self.model_path, self.spec, self.tokenizer)
-            shape = self.spec.image_shape
+            tiles = (f"; tiled at the best of {len(layout.pinpoints)} resolutions, each tile "
+                     "as many more" if layout.pinpoints else "")  # fmt: skip
             logger.info("a vision-language model (%s): an image is %d tokens (%s in the prompt), "
-                        "read at %dx%d pixels", self.spec.architecture, self.spec.image_tokens,
-                        self.image_prompts.token, shape[1], shape[2])  # fmt: skip
+                        "read at %dx%d pixels%s", self.spec.architecture, layout.base_tokens,
+                        self.image_prompts.token, layout.image_size, layout.image_size, tiles)  # fmt: skip
 
         self.max_model_len = mc.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:
@@ -992,13 +994,13 @@ class LLMEngine:
         return ("weight",) if sparse else ()
 
     def _check_images(self, ids: list[int], images: tuple[ImageInput, ...], pooled: bool) -> None:
-        """A prompt's images sit on placeholder runs of the model's size, in order, and every
+        """A prompt's images sit on placeholder runs of their size, in order, and every
         placeholder token has its image (an unfilled one would be read as a word)."""
-        spec = self.spec
-        if images and spec.image_token_id is None:
-            raise InvalidRequestError(f"this model ({spec.architecture}) reads no images",
+        layout = self.spec.images
+        if images and layout is None:
+            raise InvalidRequestError(f"this model ({self.spec.architecture}) reads no images",
                                       param="images")  # fmt: skip
-        if spec.image_token_id is None:
+        if layout is None:
             return
         if images and pooled:
             raise InvalidRequestError("embeddings of prompts with images are not served",
@@ -1012,25 +1014,29 @@ class LLMEngine:
                 raise InvalidRequestError(f"image {i}: pixels are a float32 numpy array "
                                           f"(ImagePrompts.pixels), not {type(pixels).__name__}",
                                           param="images")  # fmt: skip
-            shape = tuple(pixels.shape)
+            if layout.pinpoints and image.size is None:
+                raise InvalidRequestError(f"image {i}: LLaVA-NeXT needs the image's size",
+                                          param="images")  # fmt: skip
+            want = layout.pixel_shape(image.size)
+            if tuple(pixels.shape) != want:
+                raise InvalidRequestError(f"image {i}: pixels of shape {tuple(pixels.shape)}, "
+                                          f"the model reads {want}", param="images")  # fmt: skip
+            length = layout.tokens_for(image.size)
             span = ids[image.offset : image.end]
-            if shape != spec.image_shape:
-                raise InvalidRequestError(f"image {i}: pixels of shape {shape}, the model reads "
-                                          f"{spec.image_shape}", param="images")  # fmt: skip
-            if (image.length != spec.image_tokens or image.offset < end
-                    or span != [spec.image_token_id] * image.length):  # fmt: skip
+            if (image.length != length or image.offset < end
+                    or span != [layout.token_id] * length):  # fmt: skip
                 raise InvalidRequestError(f"image {i}: its placeholders (from {image.offset}, "
-                                          f"{image.length}) are not a run of "
-                                          f"{spec.image_tokens} image tokens in the prompt after "
-                                          "the image before it", param="images")  # fmt: skip
+                                          f"{image.length}) are not a run of {length} image "
+                                          "tokens in the prompt after the image before it",
+                                          param="images")  # fmt: skip
             end = image.end
-        count = ids.count(spec.image_token_id)
-        if count != len(images) * spec.image_tokens:
+        count = ids.count(layout.token_id)
+        if count != sum(image.length for image in images):
             raise InvalidRequestError(f"the prompt holds {count} image placeholder tokens (id "
-                                      f"{spec.image_token_id}) and {len(images)} image"
-                                      f"{'s' * (len(images) != 1)} of {spec.image_tokens} "
-                                      "tokens: every placeholder needs its image",
-                                      param="prompt")  # fmt: skip
+                                      f"{layout.token_id}) and {len(images)} image"
+                                      f"{'s' * (len(images) != 1)} of "
+                                      f"{sum(image.length for image in images)} tokens: every "
+                                      "placeholder needs its image", param="prompt")  # fmt: skip
 
     def _pooling(self, params: PoolingParams) -> PoolingParams:
         """An embedding request's parameters with the model's ``normalize`` where it left it

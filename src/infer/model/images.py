@@ -22,6 +22,7 @@ import binascii
 import hashlib
 import io
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,53 +41,68 @@ FETCH_TIMEOUT = 10.0
 MAX_IMAGES_PER_PROMPT = 16
 
 
+@dataclass(frozen=True)
+class Pixels:
+    """An image as the model's processor made it: ``values`` float32 (``ImageLayout.
+    pixel_shape``) and the image's ``size`` as sent (height, width: LLaVA-NeXT's tiling)."""
+
+    values: Any
+    size: tuple[int, int]
+
+
 class ImagePrompts:
-    """How a vision-language model's prompts take images: its processor, placeholder token and
-    tokens per image (``spec``'s), and the placeholder's text (``token``) for templates that
-    write content as text."""
+    """How a vision-language model's prompts take images: its processor, its placeholder
+    token and how many of them an image is (``spec.images``), and the placeholder's text
+    (``token``) for templates that write content as text."""
 
     def __init__(self, model_dir: Path, spec: ModelSpec, tokenizer: Any) -> None:
-        assert spec.image_token_id is not None and spec.image_shape is not None
-        self.spec = spec
-        self.token_id = spec.image_token_id
-        self.tokens_per_image = spec.image_tokens
+        assert spec.images is not None
+        self.layout = spec.images
+        self.token_id = spec.images.token_id
         self.token = tokenizer.convert_ids_to_tokens(self.token_id)
         if tokenizer.encode(self.token, add_special_tokens=False) != [self.token_id]:
             raise ValueError(f"the image token {self.token!r} ({self.token_id}) is not one token "
                              "of the tokenizer: prompts could not name their images")  # fmt: skip
         self.processor = _image_processor(Path(model_dir))
 
-    def pixels(self, image: Any, param: str = "image", local_files: bool = False) -> Any:
-        """One image (anything :func:`as_pil_image` reads) -> float32 pixels ``[C, H, W]``."""
+    def pixels(self, image: Any, param: str = "image", local_files: bool = False) -> Pixels:
+        """One image (anything :func:`as_pil_image` reads) as the model's processor makes it."""
         pil = as_pil_image(image, param, local_files)
         try:
-            out = self.processor(images=[pil], return_tensors="np")["pixel_values"][0]
+            out = self.processor(images=[pil], return_tensors="np")
         except Exception as e:  # noqa: BLE001 - the processor's own errors (odd modes, sizes)
             raise InvalidRequestError(f"{param}: the model's image processor cannot read it: "
                                       f"{e}", param=param) from None  # fmt: skip
-        if tuple(out.shape) != self.spec.image_shape:
+        values = out["pixel_values"][0]
+        sizes = out.get("image_sizes")
+        size = (int(sizes[0][0]), int(sizes[0][1])) if sizes is not None else (pil.height,
+                                                                              pil.width)  # fmt: skip
+        want = self.layout.pixel_shape(size)
+        if tuple(values.shape) != want:
             raise InvalidRequestError(f"{param}: the image processor made pixels of shape "
-                                      f"{tuple(out.shape)}, the model reads "
-                                      f"{self.spec.image_shape}", param=param)  # fmt: skip
-        return out.astype("float32", copy=False)
+                                      f"{tuple(values.shape)}, the model reads {want}",
+                                      param=param)  # fmt: skip
+        return Pixels(values.astype("float32", copy=False), size)
 
     def expand(
-        self, token_ids: list[int], images: list[Any], param: str = "prompt"
+        self, token_ids: list[int], images: list[Pixels], param: str = "prompt"
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """``token_ids`` with each image's placeholder widened to its run, and the images
-        (pixels already, :meth:`pixels`) as the engine takes them. The placeholders must match
-        the images one to one, in order: one token each (``<image><image>``: two images), or
-        each already its whole run."""
-        n = self.tokens_per_image
+        (:meth:`pixels`) as the engine takes them. The placeholders must match the images one
+        to one, in order: one token each (``<image><image>``: two images), or each already
+        its whole run."""
+        lengths = [self.layout.tokens_for(p.size) for p in images]
         at_tokens = [i for i, t in enumerate(token_ids) if t == self.token_id]
-        if len(at_tokens) == len(images) * n and n > 1:  # (widened already: keep them)
-            starts = at_tokens[::n]
-            if any(at_tokens[k * n + n - 1] != s + n - 1 for k, s in enumerate(starts)):
-                raise InvalidRequestError(f"the prompt's {len(at_tokens)} image placeholders "
-                                          f"are not {len(images)} runs of {n}", param=param)  # fmt: skip
-            inputs = [
-                ImageInput(s, n, image_digest(p), p) for s, p in zip(starts, images, strict=True)
-            ]
+        if len(at_tokens) == sum(lengths) and len(at_tokens) > len(images):  # (widened already)
+            inputs, k = [], 0
+            for n, p in zip(lengths, images, strict=True):
+                start = at_tokens[k]
+                if at_tokens[k + n - 1] != start + n - 1:
+                    raise InvalidRequestError(f"the prompt's {len(at_tokens)} image "
+                                              "placeholders are not one run per image",
+                                              param=param)  # fmt: skip
+                inputs.append(ImageInput(start, n, image_digest(p.values), p.values, p.size))
+                k += n
             return list(token_ids), tuple(inputs)
         if len(at_tokens) != len(images):
             count = len(at_tokens)
@@ -99,9 +115,9 @@ class ImagePrompts:
         out: list[int] = []
         inputs = []
         at = 0
-        for start, pixels in zip(at_tokens, images, strict=True):
+        for start, n, p in zip(at_tokens, lengths, images, strict=True):
             out.extend(token_ids[at:start])
-            inputs.append(ImageInput(len(out), n, image_digest(pixels), pixels))
+            inputs.append(ImageInput(len(out), n, image_digest(p.values), p.values, p.size))
             out.extend([self.token_id] * n)
             at = start + 1
         out.extend(token_ids[at:])

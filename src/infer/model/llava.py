@@ -24,8 +24,10 @@ from torch import nn
 
 from infer.model.layers import WeightSource
 from infer.model.llama import DecoderConfig, DecoderLM
+from infer.model.spec import ImageLayout
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
+NEXT_ARCHITECTURE = "LlavaNextForConditionalGeneration"
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -67,6 +69,8 @@ class LlavaConfig:
     projector_act: str
     projector_bias: bool
     image_token_id: int
+    # LLaVA-NeXT's tiling resolutions, (height, width) each (empty: LLaVA's one tile)
+    pinpoints: tuple[tuple[int, int], ...] = ()
 
     # The fields the engine reads of any parsed config (ModelSpec), the decoder's.
     num_layers = property(lambda self: self.text.num_layers)
@@ -78,9 +82,10 @@ class LlavaConfig:
     max_position_embeddings = property(lambda self: self.text.max_position_embeddings)
 
     @property
-    def num_image_tokens(self) -> int:
-        """Placeholder tokens per image: one per vector the projector makes."""
-        return self.vision.num_patches + (0 if self.drop_cls else 1)
+    def layout(self) -> ImageLayout:
+        v = self.vision
+        return ImageLayout(self.image_token_id, v.image_size, v.patch_size, v.num_channels,
+                           not self.drop_cls, self.pinpoints)  # fmt: skip
 
 
 def _with_defaults(sub: dict[str, Any], what: str) -> dict[str, Any]:
@@ -232,7 +237,6 @@ class LlavaMixin:
     """What a decoder family gains as LLaVA's language model (:func:`llava_class` puts it in
     front of the family's class): the vision tower, the projector, and ``embed_images``."""
 
-    architecture = ARCHITECTURE
     # Ours are the decoder's names (model.*, lm_head.*) and CLIP's (vision_tower.vision_model.*);
     # checkpoints nest them as transformers 4 (language_model.model.*) or 5 does.
     checkpoint_aliases = (
@@ -243,6 +247,7 @@ class LlavaMixin:
         ("vision_tower.vision_model.", "model.vision_tower.vision_model."),
         ("vision_tower.vision_model.", "model.vision_tower."),
         ("multi_modal_projector.", "model.multi_modal_projector."),
+        ("image_newline", "model.image_newline"),
     )
     llava: LlavaConfig
 
@@ -252,9 +257,12 @@ class LlavaMixin:
         width = cfg.vision.hidden_size * len(cfg.feature_layers)
         self.multi_modal_projector = Projector(width, cfg.text.hidden_size, cfg.projector_act,
                                                cfg.projector_bias)  # fmt: skip
+        # LLaVA-NeXT: the vector that ends each row of an image's tiles
+        self.image_newline = (nn.Parameter(torch.empty(cfg.text.hidden_size))
+                              if cfg.pinpoints else None)  # fmt: skip
 
-    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``[N, C, S, S]`` float pixels -> ``[N, num_image_tokens, text hidden]``."""
+    def embed_tiles(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[N, C, S, S]`` float pixels (tiles) -> ``[N, vectors per tile, text hidden]``."""
         states = self.vision_tower(pixels, self.llava.feature_layers)
         if self.llava.drop_cls:
             states = [s[:, 1:] for s in states]
@@ -263,8 +271,46 @@ class LlavaMixin:
         out = self.multi_modal_projector(features.reshape(n * length, width))
         return out.view(n, length, -1)
 
+    def embed_images(self, pixels: list[torch.Tensor],
+                     sizes: list[tuple[int, int] | None]) -> list[torch.Tensor]:  # fmt: skip
+        """Each image's vectors ``[tokens, text hidden]``, in its placeholders' order, from
+        its pixels (``[C, S, S]``; LLaVA-NeXT's ``[1 + tiles, C, S, S]``) and its size as sent
+        (height, width: LLaVA-NeXT's layout); the images' tiles run through the tower
+        together."""
+        tiles = [p if p.dim() == 4 else p[None] for p in pixels]
+        vectors = self.embed_tiles(torch.cat(tiles)).split([len(t) for t in tiles])
+        if not self.llava.pinpoints:
+            return [v[0] for v in vectors]
+        return [self._pack(v, size) for v, size in zip(vectors, sizes, strict=True)]
+
+    def _pack(self, vectors: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor:
+        """LLaVA-NeXT: the whole image's vectors, then its tiles' as one grid (tile rows and
+        columns side by side), its padding cut away, a newline vector after each row::
+
+            tiles [r*c, s*s, H] -> grid [H, r*s, c*s] -> unpadded [H, h, w]
+                                -> + newline column [H, h, w+1] -> rows [h*(w+1), H]
+        """
+        assert size is not None and self.image_newline is not None
+        layout = self.llava.layout
+        rows, columns = layout.grid(size)
+        side = layout.side
+        base, tiles = vectors[0], vectors[1:]
+        if layout.cls:  # (the tiles' grid is of patches: a kept CLS vector has no place in it)
+            raise ValueError("LLaVA-NeXT with the full feature selection is not supported")
+        grid = tiles.view(rows, columns, side, side, -1).permute(4, 0, 2, 1, 3)
+        grid = grid.reshape(-1, rows * side, columns * side)
+        height, width = layout.unpadded(size)
+        top = (rows * side - height) // 2
+        left = (columns * side - width) // 2
+        grid = grid[:, top : top + height, left : left + width]
+        newline = self.image_newline[:, None, None].expand(-1, height, 1).to(grid.dtype)
+        grid = torch.cat([grid, newline], dim=-1)
+        return torch.cat([base, grid.flatten(1, 2).transpose(0, 1)])
+
     def vision_sources(self) -> dict[str, WeightSource]:
         src = {}
+        if self.image_newline is not None:
+            src["image_newline"] = WeightSource(("image_newline",))
         for name, _ in self.vision_tower.named_parameters():
             src[f"vision_tower.{name}"] = WeightSource((_vision_name(name),))
         for name, _ in self.multi_modal_projector.named_parameters():
@@ -279,7 +325,7 @@ def _vision_name(ours: str) -> str:
     return f"vision_tower.vision_model.{ours}"
 
 
-def parse_llava_config(config: dict[str, Any], parse_text) -> LlavaConfig:
+def parse_llava_config(config: dict[str, Any], parse_text, next_: bool = False) -> LlavaConfig:
     text_raw = config.get("text_config")
     vision_raw = config.get("vision_config")
     if not isinstance(text_raw, dict) or not isinstance(vision_raw, dict):
@@ -303,15 +349,31 @@ def parse_llava_config(config: dict[str, Any], parse_text) -> LlavaConfig:
         raise ValueError(f"projector_hidden_act {act!r} is not supported")
     if vision.image_size % vision.patch_size:
         raise ValueError("vision_config.image_size is not a multiple of its patch_size")
+    pinpoints: tuple[tuple[int, int], ...] = ()
+    if next_:
+        raw = config.get("image_grid_pinpoints")
+        if (not isinstance(raw, list) or not raw
+                or any(not isinstance(p, list | tuple) or len(p) != 2 for p in raw)):  # fmt: skip
+            raise ValueError("image_grid_pinpoints must be a list of [height, width] pairs")
+        pinpoints = tuple((int(h), int(w)) for h, w in raw)
+        if any(h % vision.image_size or w % vision.image_size for h, w in pinpoints):
+            raise ValueError(f"image_grid_pinpoints {raw} are not multiples of the vision "
+                             f"tower's {vision.image_size} pixels")  # fmt: skip
+        if strategy != "default":
+            raise ValueError("LLaVA-NeXT with vision_feature_select_strategy full is not "
+                             "supported (its tiles' grid is of patches)")  # fmt: skip
     return LlavaConfig(text, vision, layers, strategy == "default", act,
-                       bool(config.get("multimodal_projector_bias", True)), image_token)  # fmt: skip
+                       bool(config.get("multimodal_projector_bias", True)), image_token,
+                       pinpoints)  # fmt: skip
 
 
-def llava_class(text_cls: type[DecoderLM]) -> type[DecoderLM]:
-    """LLaVA over the decoder family ``text_cls`` (its ``text_config``'s)."""
+def llava_class(text_cls: type[DecoderLM], next_: bool = False) -> type[DecoderLM]:
+    """LLaVA (``next_``: LLaVA-NeXT) over the decoder family ``text_cls`` (its
+    ``text_config``'s)."""
 
     class Llava(LlavaMixin, text_cls):  # type: ignore[misc, valid-type]
         __doc__ = f"LLaVA with {text_cls.__name__} as its language model."
+        architecture = NEXT_ARCHITECTURE if next_ else ARCHITECTURE
 
         def __init__(self, cfg: LlavaConfig) -> None:
             text_cls.__init__(self, cfg.text)
@@ -319,10 +381,11 @@ def llava_class(text_cls: type[DecoderLM]) -> type[DecoderLM]:
 
         @classmethod
         def parse_config(cls, config: dict[str, Any]) -> LlavaConfig:  # type: ignore[override]
-            return parse_llava_config(config, text_cls.parse_config)
+            return parse_llava_config(config, text_cls.parse_config, next_)
 
         def weight_sources(self) -> dict[str, WeightSource]:
             return {**text_cls.weight_sources(self), **self.vision_sources()}
 
-    Llava.__name__ = Llava.__qualname__ = f"Llava{text_cls.__name__.removesuffix('ForCausalLM')}"
+    family = text_cls.__name__.removesuffix("ForCausalLM")
+    Llava.__name__ = Llava.__qualname__ = f"Llava{'Next' if next_ else ''}{family}"
     return Llava

@@ -119,11 +119,7 @@ def _parse(model_dir: Path) -> tuple[type[CausalLM], Any, ModelSpec, dict[str, A
 
 def _image_fields(parsed: Any) -> dict[str, Any]:
     """A vision-language model's :class:`ModelSpec` fields (none for any other)."""
-    if not isinstance(parsed, LlavaConfig):
-        return {}
-    v = parsed.vision
-    return dict(image_token_id=parsed.image_token_id, image_tokens=parsed.num_image_tokens,
-                image_shape=(v.num_channels, v.image_size, v.image_size))  # fmt: skip
+    return {"images": parsed.layout} if isinstance(parsed, LlavaConfig) else {}
 
 
 def load_model_spec(model_dir: Path) -> ModelSpec:

@@ -22,6 +22,7 @@ from infer.model.jina_bert import JinaBertModel
 from infer.model.layers import CausalLM
 from infer.model.llama import LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM
 from infer.model.llava import ARCHITECTURE as LLAVA
+from infer.model.llava import NEXT_ARCHITECTURE as LLAVA_NEXT
 from infer.model.llava import llava_class
 from infer.model.modernbert import ModernBertModel
 from infer.model.mpnet import MPNetModel
@@ -117,18 +118,20 @@ TOKEN_CLASSIFIERS: dict[str, type[CausalLM]] = {
 
 # LLaVA over each decoder family its text_config may name (by model_type)
 LLAVA_TEXT_TYPES = ("llama", "mistral", "qwen2")
-_LLAVA_CLASSES: dict[str, type[CausalLM]] = {}
+_LLAVA_CLASSES: dict[tuple[str, str], type[CausalLM]] = {}
 
 
-def _llava(config: dict[str, Any]) -> type[CausalLM]:
+def _llava(arch: str, config: dict[str, Any]) -> type[CausalLM]:
     text_type = (config.get("text_config") or {}).get("model_type")
     if text_type not in LLAVA_TEXT_TYPES:
         raise UnsupportedArchitectureError(
-            f"{LLAVA} with a {text_type!r} language model; supported: {', '.join(LLAVA_TEXT_TYPES)}"
+            f"{arch} with a {text_type!r} language model; supported: {', '.join(LLAVA_TEXT_TYPES)}"
         )
-    if text_type not in _LLAVA_CLASSES:
-        _LLAVA_CLASSES[text_type] = llava_class(MODEL_TYPES[text_type])  # type: ignore[arg-type]
-    return _LLAVA_CLASSES[text_type]
+    key = (arch, text_type)
+    if key not in _LLAVA_CLASSES:
+        text_cls = MODEL_TYPES[text_type]
+        _LLAVA_CLASSES[key] = llava_class(text_cls, next_=arch == LLAVA_NEXT)  # type: ignore[arg-type]
+    return _LLAVA_CLASSES[key]
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -143,8 +146,8 @@ def model_class(config: dict[str, Any]) -> tuple[str, type[CausalLM]]:
     """
     archs = config.get("architectures") or []
     for arch in archs:
-        if arch == LLAVA:
-            return arch, _llava(config)
+        if arch in (LLAVA, LLAVA_NEXT):
+            return arch, _llava(arch, config)
         if arch in ARCHITECTURES:
             return arch, ARCHITECTURES[arch]
         if arch in CLASSIFIERS:
@@ -157,7 +160,7 @@ def model_class(config: dict[str, Any]) -> tuple[str, type[CausalLM]]:
         return cls.architecture, cls
     named = ", ".join(archs) if archs else f"model_type {model_type!r}"
     raise UnsupportedArchitectureError(
-        f"unsupported architecture {named}; supported: {', '.join(ARCHITECTURES)}, {LLAVA} "
+        f"unsupported architecture {named}; supported: {', '.join(ARCHITECTURES)}, {LLAVA}, {LLAVA_NEXT} "
         f"(and each one's sequence classifier: {', '.join(CLASSIFIERS)}; token classifiers: "
         f"{', '.join(TOKEN_CLASSIFIERS)})"
     )

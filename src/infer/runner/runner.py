@@ -368,8 +368,8 @@ class ModelRunner:
                         if s.image.digest not in cache}.values())  # fmt: skip
         for i in range(0, len(missing), self.IMAGE_BATCH):  # (a few at a time: activations)
             batch = missing[i : i + self.IMAGE_BATCH]
-            pixels = torch.stack([torch.from_numpy(im.pixel_values) for im in batch])
-            features = self.model.embed_images(pixels.to(self.device))
+            pixels = [torch.from_numpy(im.pixel_values).to(self.device) for im in batch]
+            features = self.model.embed_images(pixels, [im.size for im in batch])
             for image, vectors in zip(batch, features, strict=True):
                 cache[image.digest] = vectors.clone()  # (its own memory: evicted alone)
         rows, parts = [], []

@@ -157,7 +157,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     serving.score_activation = engine.spec.score_activation
     serving.rerank_template = engine.spec.rerank_template
     serving.late_interaction = getattr(engine, "late_interaction", None)
-    if engine.spec.image_tokens:  # (the server process reads and expands a request's images)
+    if engine.spec.images is not None:  # (the server process reads and expands images)
         from infer.model.images import ImagePrompts
 
         serving.image_prompts = ImagePrompts(engine.model_path, engine.spec, engine.tokenizer)

@@ -28,16 +28,22 @@ CHAT_TEMPLATE = (
 )
 
 
+# LLaVA-NeXT's tiling resolutions for 56-pixel tiles (as llava-v1.6's are for 336)
+PINPOINTS = [[56, 112], [112, 56], [112, 112], [56, 168], [168, 56]]
+
+
 def build_llava(root: Path, text: str = "llama", strategy: str = "default",
                 feature_layer: int | list[int] = -2, *, name: str | None = None,
-                text_shape: dict | None = None, vision_shape: dict | None = None) -> Path:  # fmt: skip
+                text_shape: dict | None = None, vision_shape: dict | None = None,
+                next_: bool = False) -> Path:  # fmt: skip
     """The folder ``root/llava-<text>-<strategy>-<layers>-<VERSION>`` (or ``root/name``),
     built if absent: a LLaVA whose language model is a tiny ``text`` decoder (llama, mistral
     or qwen2); ``text_shape`` / ``vision_shape`` replace the tiny shapes' fields (a benchmark's
     larger model, under its own ``name``)."""
     layers = "_".join(str(i) for i in (feature_layer if isinstance(feature_layer, list)
                                        else [feature_layer]))  # fmt: skip
-    final = Path(root) / (name or f"llava-{text}-{strategy}-{layers}-{VERSION}")
+    kind = "llava-next" if next_ else "llava"
+    final = Path(root) / (name or f"{kind}-{text}-{strategy}-{layers}-{VERSION}")
     if final.is_dir():
         return final
 
@@ -50,6 +56,9 @@ def build_llava(root: Path, text: str = "llama", strategy: str = "default",
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
         MistralConfig,
         Qwen2Config,
     )
@@ -73,16 +82,20 @@ def build_llava(root: Path, text: str = "llama", strategy: str = "default",
               **(vision_shape or {})}  # fmt: skip
     vision_config = CLIPVisionConfig(projection_dim=16, **vision)
     size, patch = vision["image_size"], vision["patch_size"]
-    config = LlavaConfig(
-        vision_config=vision_config, text_config=text_config, image_token_index=image_id,
-        vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer,
-        image_seq_length=(size // patch) ** 2 + (strategy == "full"),
-    )  # fmt: skip
+    common = dict(vision_config=vision_config, text_config=text_config,
+                  image_token_index=image_id, vision_feature_select_strategy=strategy,
+                  vision_feature_layer=feature_layer,
+                  image_seq_length=(size // patch) ** 2 + (strategy == "full"))  # fmt: skip
     torch.manual_seed(SEED)
-    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    square = {"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size}}
+    if next_:
+        config = LlavaNextConfig(image_grid_pinpoints=PINPOINTS, **common)
+        model = LlavaNextForConditionalGeneration(config).to(torch.float32)
+        processor = LlavaNextImageProcessor(image_grid_pinpoints=PINPOINTS, **square)
+    else:
+        model = LlavaForConditionalGeneration(LlavaConfig(**common)).to(torch.float32)
+        processor = CLIPImageProcessor(**square)
     _randomize(model, SEED + zlib.crc32(final.name.encode()) % 10_000)
-    processor = CLIPImageProcessor(size={"shortest_edge": size},
-                                   crop_size={"height": size, "width": size})  # fmt: skip
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
