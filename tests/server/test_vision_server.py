@@ -206,3 +206,26 @@ def test_responses_and_messages_apis_take_images(server, expected):
     )  # fmt: skip
     assert message.content[0].text == expected(image)
     server.wait_idle()
+
+
+def test_llava_next_over_http_is_the_offline_reply(server_logs):
+    """LLaVA-NeXT's runs follow each image's size, which crosses to the engine with its
+    pixels: a wide and a tall image over HTTP answer what ``LLM.chat`` (transformers' tokens,
+    tests/integration/test_vision.py) answers."""
+    from infer import LLM, SamplingParams
+
+    folder = build_llava(default_root(), next_=True)
+    images = [random_image(70, (200, 60)), random_image(71, (40, 160))]
+    llm = LLM(str(folder), dtype="float32")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    offline = [llm.chat(ask(data_url(im)), params).outputs[0].text for im in images]
+    llm.shutdown()
+    for server in start_server(folder, server_logs, "--dtype", "float32"):
+        with server.client() as c:
+            for image, want in zip(images, offline, strict=True):
+                r = c.post("/v1/chat/completions", json={
+                    "messages": ask(data_url(image)), "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True})  # fmt: skip
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == want
+        server.wait_idle()
