@@ -234,3 +234,20 @@ def test_llava_next_tiles_match_transformers(make_llm, text):
         lengths.update(llm.engine.spec.images.tokens_for(p.size) for p in pixels)
         assert result.outputs[0].token_ids == hf_greedy(folder, result.prompt_token_ids, pixels)
     assert len(lengths) >= 4  # (the runs' lengths follow the images' shapes)
+
+
+def test_llava_next_same_pixels_other_size_is_another_image(make_llm):
+    """Two sizes can make the same pixels (a solid 20x240 and 20x241 image) and different runs
+    (52 and 28 tokens: one keeps no column of tiles once unpadded): the prefix cache and the
+    features cache tell them apart by the size too."""
+    from PIL import Image
+
+    folder = build_llava(default_root(), next_=True)
+    llm = make_llm(str(folder), enable_prefix_caching=True, block_size=4)
+    images = [Image.new("RGB", (20, height), (120, 30, 200)) for height in (240, 241)]
+    pixels = pixels_of(llm, images)
+    assert (pixels[0].values == pixels[1].values).all()
+    for image, p in zip(images, pixels, strict=True):  # (one after another: the cache is warm)
+        out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": image}}, GREEDY)[0]
+        assert out.outputs[0].token_ids == hf_greedy(folder, out.prompt_token_ids, [p])
+    assert [llm.engine.spec.images.tokens_for(p.size) for p in pixels] == [52, 28]

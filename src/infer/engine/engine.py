@@ -321,11 +321,13 @@ class LLMEngine:
         layout = self.spec.images
         if layout is not None:
             self.image_prompts = ImagePrompts(self.model_path, self.spec, self.tokenizer)
-            tiles = (f"; tiled at the best of {len(layout.pinpoints)} resolutions, each tile "
-                     "as many more" if layout.pinpoints else "")  # fmt: skip
-            logger.info("a vision-language model (%s): an image is %d tokens (%s in the prompt), "
-                        "read at %dx%d pixels%s", self.spec.architecture, layout.base_tokens,
-                        self.image_prompts.token, layout.image_size, layout.image_size, tiles)  # fmt: skip
+            most = max((layout.tokens_for(p) for p in layout.pinpoints), default=0)
+            tiles = (f" and its tiles: {layout.base_tokens}-{most} tokens by its size"
+                     if layout.pinpoints else "")  # fmt: skip
+            logger.info("a vision-language model (%s): an image is %d tokens%s (%s in the "
+                        "prompt), read at %dx%d pixels", self.spec.architecture,
+                        layout.base_tokens, tiles, self.image_prompts.token, layout.image_size,
+                        layout.image_size)  # fmt: skip
 
         self.max_model_len = mc.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:
@@ -1014,9 +1016,11 @@ class LLMEngine:
                 raise InvalidRequestError(f"image {i}: pixels are a float32 numpy array "
                                           f"(ImagePrompts.pixels), not {type(pixels).__name__}",
                                           param="images")  # fmt: skip
-            if layout.pinpoints and image.size is None:
-                raise InvalidRequestError(f"image {i}: LLaVA-NeXT needs the image's size",
-                                          param="images")  # fmt: skip
+            size = image.size
+            if layout.pinpoints and not (isinstance(size, tuple) and len(size) == 2
+                                         and all(isinstance(n, int) and n > 0 for n in size)):  # fmt: skip
+                raise InvalidRequestError(f"image {i}: LLaVA-NeXT needs the image's size "
+                                          f"(height, width), not {size!r}", param="images")  # fmt: skip
             want = layout.pixel_shape(image.size)
             if tuple(pixels.shape) != want:
                 raise InvalidRequestError(f"image {i}: pixels of shape {tuple(pixels.shape)}, "

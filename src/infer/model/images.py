@@ -64,6 +64,22 @@ class ImagePrompts:
             raise ValueError(f"the image token {self.token!r} ({self.token_id}) is not one token "
                              "of the tokenizer: prompts could not name their images")  # fmt: skip
         self.processor = _image_processor(Path(model_dir))
+        layout = self.layout
+        crop = getattr(self.processor, "crop_size", None) or {}
+        side = crop.get("height") if isinstance(crop, dict) else getattr(crop, "height", None)
+        if side is not None and side != layout.image_size:
+            raise ValueError(f"the image processor crops to {side} pixels, the vision tower "
+                             f"reads {layout.image_size}")  # fmt: skip
+        pinpoints = getattr(self.processor, "image_grid_pinpoints", None)
+        if layout.pinpoints and [list(p) for p in pinpoints or ()] != [list(p) for p in
+                                                                         layout.pinpoints]:  # fmt: skip
+            raise ValueError(f"the image processor tiles at {pinpoints}, the model at "
+                             f"{[list(p) for p in layout.pinpoints]} (image_grid_pinpoints)")  # fmt: skip
+
+    def _digest(self, p: Pixels) -> str:
+        """An image's digest: its pixels', and LLaVA-NeXT's its size too (two sizes may make the
+        same pixels and different runs)."""
+        return image_digest(p.values, p.size if self.layout.pinpoints else None)
 
     def pixels(self, image: Any, param: str = "image", local_files: bool = False) -> Pixels:
         """One image (anything :func:`as_pil_image` reads) as the model's processor makes it."""
@@ -101,7 +117,7 @@ class ImagePrompts:
                     raise InvalidRequestError(f"the prompt's {len(at_tokens)} image "
                                               "placeholders are not one run per image",
                                               param=param)  # fmt: skip
-                inputs.append(ImageInput(start, n, image_digest(p.values), p.values, p.size))
+                inputs.append(ImageInput(start, n, self._digest(p), p.values, p.size))
                 k += n
             return list(token_ids), tuple(inputs)
         if len(at_tokens) != len(images):
@@ -117,16 +133,17 @@ class ImagePrompts:
         at = 0
         for start, n, p in zip(at_tokens, lengths, images, strict=True):
             out.extend(token_ids[at:start])
-            inputs.append(ImageInput(len(out), n, image_digest(p.values), p.values, p.size))
+            inputs.append(ImageInput(len(out), n, self._digest(p), p.values, p.size))
             out.extend([self.token_id] * n)
             at = start + 1
         out.extend(token_ids[at:])
         return out, tuple(inputs)
 
 
-def image_digest(pixels: Any) -> str:
-    """What the prefix cache and the runner's features cache know an image by: its pixels'."""
-    h = hashlib.sha256(str(pixels.shape).encode())
+def image_digest(pixels: Any, size: tuple[int, int] | None = None) -> str:
+    """What the prefix cache and the runner's features cache know an image by: its pixels' and
+    its size's (LLaVA-NeXT's vectors follow the size too: two sizes may resize alike)."""
+    h = hashlib.sha256(f"{pixels.shape} {size}".encode())
     h.update(pixels.tobytes())
     return h.hexdigest()
 

@@ -33,7 +33,7 @@ from infer.core.messages import (
     StepBatch,
     StepTimings,
 )
-from infer.core.multimodal import ImageSlice, image_slices
+from infer.core.multimodal import ImageInput, ImageSlice, image_slices
 from infer.core.request import Request, TokenLogprob
 from infer.model.parallel import TensorParallel
 from infer.runner.attention import AttentionContext, KVCache, default_backend
@@ -355,10 +355,11 @@ class ModelRunner:
                 return self.model(*args)
         return self.model(*args)
 
-    # Image features kept (by digest) for the chunks and requests that read them again; images
-    # the vision tower takes at once.
-    MAX_CACHED_IMAGES = 16
-    IMAGE_BATCH = 8
+    # Image features kept (by digest, the least recent out first) for the chunks and requests
+    # that read them again, in vectors (LLaVA 1.5's image is 576, LLaVA-NeXT's up to ~2,900);
+    # tiles the vision tower takes at once.
+    MAX_CACHED_VECTORS = 16_384
+    IMAGE_TILES = 8
 
     def _image_embeds(self, slices: list[ImageSlice]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's image rows and their features: ``(rows [K], vectors [K, hidden])``, the
@@ -366,8 +367,11 @@ class ModelRunner:
         cache = self._image_features
         missing = list({s.image.digest: s.image for s in slices
                         if s.image.digest not in cache}.values())  # fmt: skip
-        for i in range(0, len(missing), self.IMAGE_BATCH):  # (a few at a time: activations)
-            batch = missing[i : i + self.IMAGE_BATCH]
+        while missing:  # (a few tiles at a time: the tower's activations)
+            batch, tiles = [], 0
+            while missing and (not batch or tiles + _tiles(missing[0]) <= self.IMAGE_TILES):
+                tiles += _tiles(missing[0])
+                batch.append(missing.pop(0))
             pixels = [torch.from_numpy(im.pixel_values).to(self.device) for im in batch]
             features = self.model.embed_images(pixels, [im.size for im in batch])
             for image, vectors in zip(batch, features, strict=True):
@@ -377,8 +381,10 @@ class ModelRunner:
             cache.move_to_end(s.image.digest)
             rows.extend(range(s.row, s.row + s.end - s.first))
             parts.append(cache[s.image.digest][s.first : s.end])
-        while len(cache) > max(self.MAX_CACHED_IMAGES, len(slices)):
-            cache.popitem(last=False)
+        needed = {s.image.digest for s in slices}
+        held = sum(len(v) for v in cache.values())
+        while held > self.MAX_CACHED_VECTORS and next(iter(cache)) not in needed:
+            held -= len(cache.popitem(last=False)[1])
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return index, torch.cat(parts)
 
@@ -660,6 +666,12 @@ class ModelRunner:
             lp = token_logprob(logprobs[j], token, k)
             out.setdefault(request.request_id, []).append((position, lp))
         return out
+
+
+def _tiles(image: ImageInput) -> int:
+    """The vision tower's inputs an image is (LLaVA-NeXT's: the whole image and its tiles)."""
+    shape = image.pixel_values.shape
+    return shape[0] if len(shape) == 4 else 1
 
 
 def _in_image(request: Request, position: int) -> bool:
