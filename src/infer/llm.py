@@ -50,6 +50,7 @@ from infer.core.pooling_params import (
 from infer.core.sampling_params import InvalidRequestError, SamplingParams
 from infer.engine.engine import LLMEngine
 from infer.model.chat_template import message_images, render_chat_ids
+from infer.model.images import Pixels
 from infer.model.tokenizer import encode_pair
 
 PromptInput = str | Sequence[int] | dict[str, Any]
@@ -185,9 +186,12 @@ class LLM:
                                   continue_final_message=continue_final_message, tools=tools,
                                   documents=documents, template_kwargs=kwargs,
                                   image_token=None if vision is None else vision.token)  # fmt: skip
-            images = [image for image, _ in message_images(list(c))]
-            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
-                           if images else ids)  # fmt: skip
+            found = message_images(list(c))
+            if found and vision is not None:  # (read here: an error names the message's part)
+                pixels = [vision.pixels(image, place, local_files=True) for image, place in found]
+                prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": pixels}})
+            else:
+                prompts.append(ids)
         results = self.generate(prompts, sampling_params, lora_request=lora_request)
         return results if batch else results[0]
 
@@ -550,7 +554,8 @@ class LLM:
         if vision is None:
             raise InvalidRequestError(f"this model ({self.engine.spec.architecture}) reads no "
                                       "images", param=param)  # fmt: skip
-        pixels = [vision.pixels(im, f"{param}.multi_modal_data.image[{k}]", local_files=True)
+        pixels = [im if isinstance(im, Pixels)  # (LLM.chat's, read already)
+                  else vision.pixels(im, f"{param}.multi_modal_data.image[{k}]", local_files=True)
                   for k, im in enumerate(found)]  # fmt: skip
         return vision.expand(ids, pixels, param)
 

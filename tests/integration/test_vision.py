@@ -177,6 +177,10 @@ def test_bad_images_and_placeholders_are_refused(make_llm, llava_llama, tiny_che
     # the engine goes on serving
     ok = llm.generate({"prompt": ONE, "multi_modal_data": {"image": a}}, GREEDY)[0]
     assert len(ok.outputs[0].token_ids) == 10
+    bad_part = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image_url", "image_url": {"url": "data:,"}}]}]  # fmt: skip
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\]\.image_url"):
+        llm.chat(bad_part, GREEDY)
     text_only = make_llm("llama")
     with pytest.raises(InvalidRequestError, match="reads no images"):
         text_only.generate({"prompt": "x", "multi_modal_data": {"image": a}}, GREEDY)
