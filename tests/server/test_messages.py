@@ -218,7 +218,10 @@ def test_the_api_key_may_come_as_x_api_key(shared_server):
         ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens", "Field required"),
         ({"max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "data": "AA=="}}]}]},
-         "messages[0].content[0]", "infer serves text"),
+         "messages[0].content[0]", "this model reads no images"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "document", "source": {"type": "text", "data": "AA=="}}]}]},
+         "messages[0].content[0]", "no document"),
         ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
           "tool_choice": {"type": "tool"}}, "tool_choice.name", "needs a name"),
         ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n",

@@ -183,6 +183,8 @@ def test_text_format_and_logprobs(client):
     [
         ({"input": "x", "background": True}, "background", "not supported"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         "input[0].content[0]", "this model reads no images"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
          "input[0].content", "input_text"),
         ({"input": []}, "input", "no message"),
         ({"input": "x", "top_k": "many"}, "top_k", "valid integer"),

@@ -179,7 +179,9 @@ def test_a_text_model_refuses_images(shared_server):
         r = c.post("/v1/chat/completions",
                    json={"messages": ask(data_url(random_image(2))), "max_tokens": 2})  # fmt: skip
     assert r.status_code == 400
-    assert "this model reads no images" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert error["message"] == "an image_url part: this model reads no images"
+    assert error["param"] == "messages[0].content[0]"
 
 
 def test_responses_and_messages_apis_take_images(server, expected):

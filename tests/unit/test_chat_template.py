@@ -89,7 +89,29 @@ def test_inconsistent_options_are_named(tok, options, param, message):
 
 
 def test_a_part_that_is_not_text_is_named(tok):
-    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]
     with pytest.raises(InvalidRequestError, match="must be text parts") as e:
-        render_chat_ids(tok, image)
-    assert e.value.param == "messages"
+        render_chat_ids(tok, audio)
+    assert e.value.param == "messages[0].content[0]"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(InvalidRequestError, match="this model reads no images") as e:
+        render_chat_ids(tok, image)  # (no image_token: a text model's template)
+    assert e.value.param == "messages[0].content[0]"
+
+
+def test_image_parts_are_placeholders_in_order(tok):
+    """A template that loops over the parts gets ``{"type": "image"}``; any other the
+    placeholder's text among the texts, and the images come back in the parts' order."""
+    from infer.model.chat_template import message_images
+
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u1"}},
+        {"type": "image_pil", "image_pil": "pil"}, {"type": "text", "text": "b"}]}]  # fmt: skip
+    text = tok.decode(render_chat_ids(tok, messages, image_token="<IMG>",
+                                      chat_template="{{ messages[0]['content'] }}"))  # fmt: skip
+    assert text == "a\n<IMG>\n<IMG>\nb"
+    looped = "{% for p in messages[0]['content'] %}{{ p['type'] }};{% endfor %}"
+    assert tok.decode(render_chat_ids(tok, messages, image_token="<IMG>",
+                                      chat_template=looped)) == "text;image;image;text;"  # fmt: skip
+    assert message_images(messages) == [("u1", "messages[0].content[1].image_url"),
+                                        ("pil", "messages[0].content[2].image_pil")]  # fmt: skip

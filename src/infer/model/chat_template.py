@@ -67,9 +67,10 @@ def render_chat_ids(
         )
     template = chat_template or getattr(tokenizer, "chat_template", None)
     parts_as_list = isinstance(template, str) and loops_over_content(template)
+    converted = [_message(m, parts_as_list, image_token, i) for i, m in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(
-            [_message(m, parts_as_list, image_token) for m in messages],
+            converted,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -89,17 +90,17 @@ IMAGE_PARTS = ("image_url", "image", "image_pil")
 
 
 def _message(
-    message: dict[str, Any], parts_as_list: bool, image_token: str | None
+    message: dict[str, Any], parts_as_list: bool, image_token: str | None, index: int
 ) -> dict[str, Any]:
     out = {k: v for k, v in message.items() if v is not None}
     content = message.get("content")
     if isinstance(content, list):  # parts: [{"type": "text", "text": ...}, ...]
         parts: list[dict[str, str]] = []
-        for p in content:
+        for j, p in enumerate(content):
             if isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
                 if image_token is None:
                     raise InvalidRequestError(f"an {p['type']} part: this model reads no images",
-                                              param="messages")  # fmt: skip
+                                              param=f"messages[{index}].content[{j}]")  # fmt: skip
                 parts.append({"type": "image"})
                 continue
             text = p.get("text") if isinstance(p, dict) else p
@@ -107,7 +108,7 @@ def _message(
                 raise InvalidRequestError(
                     "message content parts must be text parts ({'type': 'text', 'text': ...})"
                     + (" or images" if image_token else ""),
-                    param="messages",
+                    param=f"messages[{index}].content[{j}]",
                 )
             parts.append({"type": "text", "text": text})
         out["content"] = parts if parts_as_list else "\n".join(
