@@ -514,9 +514,11 @@ class ModelRunner:
         else:
             if feed is not None:
                 raise ValueError("a token feed needs the Triton step (its input buffers)")
-            embeds = self._image_embeds(batch.images) if batch.images else None
-            hidden = self.forward(*self.model_inputs(batch.token_ids, batch.positions, batch.seqs),
-                                  embeds=embeds)  # fmt: skip
+            inputs = self.model_inputs(batch.token_ids, batch.positions, batch.seqs)
+            if batch.images:  # (a prompt's image rows: their features in place of the tokens')
+                hidden = self.forward(*inputs, embeds=self._image_embeds(batch.images))
+            else:
+                hidden = self.forward(*inputs)
         logits = prompt_logits = pooled = None
         for request_id in batch.pool_drop:
             self._mean_sums.pop(request_id, None)
