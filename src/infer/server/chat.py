@@ -112,10 +112,10 @@ def with_images(serving: Serving, messages: list[ChatMessage],
                 ids: list[int]) -> tuple[list[int], tuple[ImageInput, ...]]:  # fmt: skip
     """A rendered chat prompt's ids with its images' placeholders widened, and the images
     (read, fetched, made pixels): a vision-language model's image parts (none: as they are)."""
-    found = message_images([m.model_dump(mode="json", exclude_none=True) for m in messages])
     vision = serving.image_prompts
-    if not found or vision is None:
+    if vision is None or not has_images(messages):  # (a text chat: nothing dumped again)
         return ids, ()
+    found = message_images([m.model_dump(mode="json", exclude_none=True) for m in messages])
     if len(found) > MAX_IMAGES_PER_PROMPT:
         raise bad_request(f"{len(found)} images: a prompt takes at most "
                           f"{MAX_IMAGES_PER_PROMPT}", param="messages")  # fmt: skip
