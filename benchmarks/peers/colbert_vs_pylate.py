@@ -21,11 +21,10 @@ each infer path's scores from PyLate's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from infer.bench.offline import median_seconds
 from infer.bench.report import machine_line, offline_machine
 
 
@@ -52,13 +51,8 @@ def main() -> None:
     torch.manual_seed(0)
 
     def timed(fn) -> tuple[float, list[float]]:
-        fn()  # (warm-up)
-        times, scores = [], []
-        for _ in range(a.runs):
-            t0 = time.perf_counter()
-            scores = fn()
-            times.append(time.perf_counter() - t0)
-        return a.docs / statistics.median(times), scores
+        seconds, scores = median_seconds(fn, a.runs)
+        return a.docs / seconds, scores
 
     model = ColBERT(str(folder), device="cpu")
 

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from infer.bench.offline import median_seconds
 from infer.bench.report import machine_line, offline_machine
 
 QUESTIONS = ["Describe the picture.", "What colours are in it?", "Is there a person?",
@@ -70,13 +71,8 @@ def main() -> None:
         return out[:, len(ids) :].tolist()
 
     def timed(fn) -> tuple[float, object]:
-        fn()  # (warm-up)
-        rates, result = [], None
-        for _ in range(a.runs):
-            t = time.perf_counter()
-            result = fn()
-            rates.append(a.prompts * a.tokens / (time.perf_counter() - t))
-        return statistics.median(rates), result
+        seconds, result = median_seconds(fn, a.runs)
+        return a.prompts * a.tokens / seconds, result
 
     rate_hf, want = timed(hf)
     print(machine_line(offline_machine()))

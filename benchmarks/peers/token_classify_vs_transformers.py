@@ -18,11 +18,10 @@ probability difference from transformers' over the first 8 texts.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from infer.bench.offline import median_seconds
 from infer.bench.report import machine_line, offline_machine
 
 LABELS = ("O", "B-MISC", "I-MISC", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC")
@@ -59,13 +58,8 @@ def main() -> None:
         return out
 
     def timed(fn) -> tuple[float, list]:
-        fn()  # (warm-up)
-        rates, result = [], None
-        for _ in range(a.runs):
-            t = time.perf_counter()
-            result = fn()
-            rates.append(len(texts) / (time.perf_counter() - t))
-        return statistics.median(rates), result
+        seconds, result = median_seconds(fn, a.runs)
+        return len(texts) / seconds, result
 
     rate_hf, want = timed(hf)
     print(machine_line(offline_machine()))

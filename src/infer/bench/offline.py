@@ -18,9 +18,9 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from infer.bench.metrics import percentile
 
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 Request = tuple[str, list[int], "SamplingParams"] | tuple[str, list[int], "SamplingParams", dict]
 """``(request id, prompt ids, params[, add_request keyword options])``."""
+
+T = TypeVar("T")
 
 STEP_PARTS = ("steps", "schedule", "prepare", "forward", "sample", "update")
 """The engine's step-time counters (``engine.step_times``) that :func:`run_load` splits."""
@@ -228,6 +230,18 @@ def random_decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps:
     prompts = random_prompts(prompt_vocab(engine), batch, prompt_len, 0)
     params = greedy(steps + 8)
     return decode_step_ms(engine, [(f"d{i}", p, params) for i, p in enumerate(prompts)], steps)
+
+
+def median_seconds(fn: Callable[[], T], runs: int) -> tuple[float, T]:
+    """``fn`` run once to warm up, then ``runs`` times: the median of those runs' wall seconds
+    and the last run's result (the peer comparisons' timing)."""
+    fn()
+    times, result = [], None
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result  # type: ignore[return-value]
 
 
 def timed_generate(llm: Any, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
