@@ -100,12 +100,22 @@ def test_decode_attention_never_runs_cudnn_sdpa(make_llm, cuda_device):
     assert not [n for n in names if "cudnn_attention" in n]
 
 
+def _skip_unless_the_gpu_is_ours(device: torch.device, share: float) -> None:
+    """A budget of ``share`` of the whole GPU is measurable only when other processes (pytest-xdist
+    workers beside this one, say) hold little of it: their memory counts as in use."""
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)
+    if others > total * share / 2:
+        pytest.skip(f"other processes hold {others / 2**30:.1f} GiB of the GPU: run alone")
+
+
 def test_kv_budget_is_a_share_of_the_gpus_memory(tiny_checkpoints, cuda_device):
     """--gpu-memory-utilization: the KV cache fills that share of the whole GPU, less what is
     already in use (the weights), to within one block."""
     torch.cuda.empty_cache()
     device = torch.device(cuda_device)
     share = 0.05
+    _skip_unless_the_gpu_is_ours(device, share)
     with LLM(str(tiny_checkpoints["llama"]), device=cuda_device, dtype="bfloat16",
              gpu_memory_utilization=share) as llm:  # fmt: skip
         cap = llm.engine.capacity
@@ -130,6 +140,7 @@ def test_a_dropped_engines_memory_goes_to_the_next(tiny_checkpoints, cuda_device
     path = str(tiny_checkpoints["llama"])
     options = dict(device=cuda_device, dtype="bfloat16", gpu_memory_utilization=0.05)
     gc.collect()  # engines of earlier tests: gone before the first plan, as after the drop
+    _skip_unless_the_gpu_is_ours(torch.device(cuda_device), 0.05)
     llm = LLM(path, **options)
     cap = llm.engine.capacity
     first, first_bytes = cap.num_blocks, cap.num_blocks * cap.block_size * cap.bytes_per_token

@@ -256,6 +256,11 @@ def test_the_start_up_warm_up_launches_every_variant_a_load_does_and_writes_no_k
 
     assert not decode_steps(warm)
     assert seen - decode_steps(seen) <= warm, seen - decode_steps(seen) - warm
+    if step.mixed_graphs is not None and step.mixed_graphs.graphs:
+        # A GPU with INFER_MIXED_GRAPHS=1: every step of the load replayed a graph (decode or
+        # mixed bucket), so nothing launched from Python: nothing for the warm-up to cover.
+        assert not seen and step.step_kinds["mixed eager"] == 0
+        return
     assert {key[1] for key in seen} == {True, False}  # gemma3: windowed and global layers
     assert {key[2] for key in seen} == {kv_dtype}
     lists = {key[3] for key in seen if key[0] == "paged_decode_attention" and key[4]}

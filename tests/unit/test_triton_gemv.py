@@ -20,6 +20,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2),
        torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}  # fmt: skip
+if DEVICE == "cuda":
+    # On a GPU a float32 tl.dot multiplies in TF32 (10-bit mantissas: ~2e-3 off over K = 512);
+    # the engine installs these kernels for half-precision weights only.
+    TOL[torch.float32] = dict(atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
