@@ -12,7 +12,7 @@ WHEELS=(
     fastapi==0.124.4 starlette==0.50.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated_types
     typing_inspection typing_extensions==4.16.0 uvicorn httptools llguidance openai==1.109.1
     jiter distro sniffio jsonschema jsonschema_specifications referencing rpds_py
-    pytest-xdist execnet py-spy
+    gguf==0.19.0 pytest-xdist execnet py-spy
 )
 mkdir -p .whl
 # (pip's own notes about the local index's folders filtered out, its exit status kept)

@@ -26,6 +26,13 @@ PROMPTS = [
 GEN_TOKENS = 24
 
 
+def skip_unless_cpu(device: str, what: str) -> None:
+    """Skip a test of ``what`` (a C++ CPU kernel, a property only the CPU path has) when the
+    engine tests run on a GPU (``--device cuda``)."""
+    if not str(device).startswith("cpu"):
+        pytest.skip(f"{what}: a CPU engine's (the engines run on {device})")
+
+
 @pytest.fixture
 def make_llm(tiny_checkpoints, engine_device, engine_options):
     created: list[LLM] = []

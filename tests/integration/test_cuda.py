@@ -8,6 +8,7 @@ cuda`` (transformers, the oracle, then runs there too). These skip without CUDA.
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -103,6 +104,8 @@ def test_decode_attention_never_runs_cudnn_sdpa(make_llm, cuda_device):
 def _skip_unless_the_gpu_is_ours(device: torch.device, share: float) -> None:
     """A budget of ``share`` of the whole GPU is measurable only when other processes (pytest-xdist
     workers beside this one, say) hold little of it: their memory counts as in use."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.skip("measures the whole GPU's memory, which other xdist workers share: run alone")
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)
     if others > total * share / 2:
@@ -126,7 +129,9 @@ def test_kv_budget_is_a_share_of_the_gpus_memory(tiny_checkpoints, cuda_device):
         # CUDA graphs, captured after it, take theirs out of the rest (logged at start-up).
         step = llm.engine.runner.cuda_step
         graphs = step.graph_bytes if step is not None else 0
-        assert abs((total - free) - graphs - total * share) < block_bytes + (64 << 20)
+        # Beyond the plan: what torch's caching allocator keeps of the start-up warm-up's and
+        # capture's activations, cuBLAS's and Triton's workspaces (~100 MB on an H200).
+        assert abs((total - free) - graphs - total * share) < block_bytes + (192 << 20)
         out = llm.generate(PROMPTS[:2], GREEDY)
         assert [len(o.outputs[0].token_ids) for o in out] == [16, 16]
         kv = llm.engine.kv_manager

@@ -20,7 +20,7 @@ from infer.plan import safetensors_num_params
 from infer.runner.attention import AttentionContext, KVCache, SequenceSlice
 from infer.runner.cpu.prepack import onednn_bf16_available, tiled_linear_kernels
 
-from .conftest import GEN_TOKENS, PROMPTS
+from .conftest import GEN_TOKENS, PROMPTS, skip_unless_cpu
 
 KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 GREEDY = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
@@ -139,9 +139,11 @@ def test_int8_experts_stay_close_to_the_model(kind, tiny_checkpoints):
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "w8a8", "int4", "w4a8"])
-def test_bf16_experts_tokens_do_not_depend_on_the_batch(quantization, make_llm):
+def test_bf16_experts_tokens_do_not_depend_on_the_batch(quantization, make_llm, engine_device):
     from infer.runner.quant import w8a8_available
 
+    # (cuBLAS's bf16 sums depend on the batch's rows: batch invariance is the C++ kernels')
+    skip_unless_cpu(engine_device, "batch-invariant bf16 experts")
     if quantization in ("w8a8", "w4a8") and not w8a8_available(torch.device("cpu")):
         pytest.skip(f"{quantization} needs a CPU with AVX-512 VNNI")
     options = dict(dtype="bfloat16", quantization=quantization)
@@ -168,10 +170,12 @@ def _tokens_and_logprobs(llm):
 @pytest.mark.parametrize(("kind", "quantization"), FAST_CASES)
 @pytest.mark.parametrize("max_num_seqs", [1, 5])
 def test_fast_decode_path_gives_the_module_paths_bits(kind, quantization, max_num_seqs,
-                                                      make_llm, monkeypatch):  # fmt: skip
+                                                      make_llm, monkeypatch,
+                                                      engine_device):  # fmt: skip
     """A mixture of experts' all-decode steps run in the fused C++ layer loop (Qwen 3's q/k
     norms, the C++ expert layer for each sparse layer): the same tokens and logprobs, bit for
     bit, as the module path, at batch 1 and a few rows."""
+    skip_unless_cpu(engine_device, "the fused C++ decode loop")
     kernels = tiled_linear_kernels()
     if kernels is None:
         pytest.skip("the fast decode path needs tiled linear layers")
