@@ -187,7 +187,12 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
     mixed = {**r["http"], "mode": "graphs-mixed", "output_tok_s": 15_500.0, "ratio": 0.97,
              "offline_mode": "graphs", "step_kinds": {"decode replayed": 900,
                                                       "mixed replayed": 80},
-             "cpu_cores": {"api_server": 0.41, "engine": 0.97, "clients": None}}  # fmt: skip
+             "cpu_cores": {"api_server": 0.41, "engine": 0.97, "clients": None},
+             "concurrency": 64,
+             "server_view": {"running_mean": 47.25, "waiting_mean": 0.5, "samples": 30,
+                             "server_ttft_ms_mean": 9.0, "server_queue_ms_mean": 1.25,
+                             "server_e2e_ms_mean": 210.0, "client_ttft_ms_mean": 80.5,
+                             "client_e2e_ms_mean": 290.0}}  # fmt: skip
     r["http_modes"] = {"graphs": {**r["http"], "mode": "graphs"}, "graphs-mixed": mixed}
     r["targets"] = gpu.targets(r)
     md = gpu.render_markdown(r)
@@ -200,6 +205,11 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
     # who set the pace: each side's cores over the load (the first mode measured none)
     assert md.count("Cores kept busy") == 1
     assert "(CPU seconds / wall): api server 0.41, engine 0.97, clients -." in md
+    # what the server saw beside the clients (its /metrics): a batch short of C
+    assert ("The load as the server saw it (its /metrics, 30 reads): 47.2 requests running and "
+            "0.5 waiting on average, of 64 the clients keep in flight; mean time to first token "
+            "9.0 ms at the server (queued 1.2 ms) against 80.5 ms at the clients; a request "
+            "210 ms against 290 ms.") in md  # fmt: skip
     log = "INFO captured 11 CUDA graphs\nINFO steps run: 812 decode replayed, 95 mixed eager\n"
     assert server_step_kinds(log) == {"decode replayed": 812, "mixed eager": 95}
     assert server_step_kinds("INFO shutting down\n") == {}

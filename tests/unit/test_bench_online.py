@@ -81,3 +81,63 @@ def test_a_process_cpu_time_is_what_it_says_of_itself():
     assert len(poller.samples) >= 2
     start, end = poller.samples[0][0], poller.samples[-1][0]
     assert poller.cores(start, end)["me"] is not None
+
+
+def test_the_metrics_poller_reads_gauges_over_a_window_and_histograms_over_the_load():
+    """MetricsPoller against a /metrics page prometheus_client renders (the server's own
+    exposition, labels per model): the running gauge's mean over a window of its reads, the
+    latency histograms' means over what they counted between the first and last reads (not
+    before: a warm-up), and a server gone: no reads, counted."""
+    import http.server
+    import threading
+    import time
+
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+    from infer.bench.online import MetricsPoller
+
+    registry = CollectorRegistry()
+    running = Gauge("vllm:num_requests_running", "", ["model_name"], registry=registry)
+    ttft = Histogram("vllm:time_to_first_token_seconds", "", ["model_name"], registry=registry)
+    running.labels("a").set(3)
+    running.labels("b").set(1)  # (summed over the labels: 4)
+    ttft.labels("a").observe(5.0)  # before the load: not counted
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with MetricsPoller(url, interval_s=0.01) as poller:
+            while len(poller.samples) < 3:
+                time.sleep(0.01)
+            running.labels("a").set(7)  # 8 from now on
+            ttft.labels("a").observe(0.010)
+            ttft.labels("b").observe(0.030)
+            n = len(poller.samples)
+            while len(poller.samples) < n + 2:  # (the second read began after the change)
+                time.sleep(0.01)
+            start, n = time.perf_counter(), len(poller.samples)
+            while len(poller.samples) < n + 3:
+                time.sleep(0.01)
+            end = time.perf_counter()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert poller.first["vllm:num_requests_running"] == 4
+    means = poller.gauge_means(start, end)
+    assert means["running"] == 8 and means["waiting"] is None  # (the page has no such gauge)
+    assert poller.gauge_means(0.0, poller.samples[0][0] - 1) == {"running": None, "waiting": None}
+    got = poller.histogram_means_ms()
+    assert got["ttft"] == pytest.approx(20.0) and got["e2e"] is None
+    gone = MetricsPoller(url)
+    assert gone.scrape() == {} and gone.errors == 1

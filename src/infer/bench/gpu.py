@@ -1011,6 +1011,17 @@ def _http_markdown(http: dict) -> list[str]:
         busy = ", ".join(f"{name.replace('_', ' ')} {_f(cores.get(name))}"
                          for name in ("api_server", "engine", "clients"))  # fmt: skip
         lines += ["", f"Cores kept busy while the load ran (CPU seconds / wall): {busy}."]
+    view = http.get("server_view") or {}
+    if view.get("samples"):
+        lines += ["", f"The load as the server saw it (its /metrics, {view['samples']} reads): "
+                  f"{_f(view.get('running_mean'), '.1f')} requests running and "
+                  f"{_f(view.get('waiting_mean'), '.1f')} waiting on average, of "
+                  f"{http.get('concurrency', '-')} the clients keep in flight; mean time to first "
+                  f"token {_f(view.get('server_ttft_ms_mean'), '.1f')} ms at the server (queued "
+                  f"{_f(view.get('server_queue_ms_mean'), '.1f')} ms) against "
+                  f"{_f(view.get('client_ttft_ms_mean'), '.1f')} ms at the clients; a request "
+                  f"{_f(view.get('server_e2e_ms_mean'), '.0f')} ms against "
+                  f"{_f(view.get('client_e2e_ms_mean'), '.0f')} ms."]  # fmt: skip
     for name, prof in (http.get("profile") or {}).items():
         if not isinstance(prof, dict) or not prof.get("samples"):
             lines += ["", f"py-spy, {name}: {(prof or {}).get('error', 'no samples')}"]

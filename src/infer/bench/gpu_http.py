@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from infer.bench.online import ClientSpan, CpuPoller
+    from infer.bench.online import ClientSpan, CpuPoller, MetricsPoller
 
 WARMUP_TOKENS = 4
 
@@ -70,6 +70,7 @@ def http_section(
     from infer.bench.online import (
         ClientSpan,
         CpuPoller,
+        MetricsPoller,
         closed_loop,
         closed_loop_processes,
         free_port,
@@ -98,6 +99,7 @@ def http_section(
         pids = {"api_server": proc.pid, "engine": pyspy.engine_pid(proc.pid)}
         with (
             CpuPoller({k: v for k, v in pids.items() if v is not None}) as poller,
+            MetricsPoller(url) as server,
             concurrent.futures.ThreadPoolExecutor(1) as pool,
         ):
             load_done = pool.submit(closed_loop_processes, url + "/v1", prompts, c, output_len,
@@ -106,6 +108,7 @@ def http_section(
                 res["profile"] = profile_server(proc.pid, args.http_profile, out, log, mode)
             records, wall = load_done.result()
         res["cpu_cores"] = cpu_cores(poller, span)
+        res["server_view"] = server_view(server, span, records)
     finally:
         stop_server(proc)
     res["step_kinds"] = server_step_kinds(Path(proc.log_file.name).read_text(errors="replace"))
@@ -123,6 +126,8 @@ def http_section(
     offline_toks = (offline or {}).get("output_tok_s")
     res["offline_tok_s"] = offline_toks
     res["ratio"] = res["output_tok_s"] / offline_toks if offline_toks else None
+    view = res["server_view"]
+    running = view["running_mean"]
     log(
         f"http {res['load']}: {res['output_tok_s']:,.0f} tok/s, TTFT p50 "
         f"{res['ttft_ms_p50']:.0f} ms, ITL p50 {res['itl_ms_p50']:.2f} ms"
@@ -131,8 +136,33 @@ def http_section(
         + ", ".join(
             f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in res["cpu_cores"].items()
         )
+        + (f"; running at the server {running:.1f} of {c}" if running is not None else "")
     )
     return res
+
+
+def server_view(server: MetricsPoller, span: ClientSpan, records: list) -> dict:
+    """The load as the server saw it beside the clients: the mean running and waiting requests
+    over the clients' window (a batch short of C means requests spent part of their cycle
+    outside the engine), and the mean time to first token and request latency at each end."""
+    ok = [r for r in records if r.success]
+
+    def mean_ms(values: list[float]) -> float | None:
+        return 1000 * sum(values) / len(values) if values else None
+
+    gauges = server.gauge_means(span.start, span.end)
+    at_server = server.histogram_means_ms()
+    return {
+        "running_mean": gauges["running"],
+        "waiting_mean": gauges["waiting"],
+        "server_ttft_ms_mean": at_server["ttft"],
+        "server_queue_ms_mean": at_server["queue"],
+        "server_e2e_ms_mean": at_server["e2e"],
+        "client_ttft_ms_mean": mean_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "client_e2e_ms_mean": mean_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "samples": len(server.samples),
+        "scrape_errors": server.errors,
+    }
 
 
 def cpu_cores(poller: CpuPoller, span: ClientSpan) -> dict[str, float | None]:

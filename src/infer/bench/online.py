@@ -333,6 +333,92 @@ class CpuPoller:
         return {name: cores_between(self.samples, name, start, end) for name in self.pids}
 
 
+class MetricsPoller:
+    """Reads a server's ``/metrics`` every ``interval_s`` on a thread: the running and waiting
+    requests' gauges, whose means over a window known only afterwards (a load's
+    :class:`ClientSpan`) say how full the batch was; and, first and last, the latency
+    histograms' sums and counts, whose differences give the server's own mean time to first
+    token, queue time and request latency over the load (what the clients add is the rest)::
+
+        with MetricsPoller(url) as server:
+            records, wall = closed_loop_processes(..., span=span)
+        server.gauge_means(span.start, span.end)   # {"running": 61.2, "waiting": 0.4}
+        server.histogram_means_ms()                # {"ttft": 7.9, "queue": 1.1, "e2e": 190.3}
+    """
+
+    GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
+    HISTOGRAMS = {
+        "ttft": "vllm:time_to_first_token_seconds",
+        "queue": "vllm:request_queue_time_seconds",
+        "e2e": "vllm:e2e_request_latency_seconds",
+    }
+
+    def __init__(self, url: str, interval_s: float = 0.1) -> None:
+        self.url = url.rstrip("/") + "/metrics"
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
+
+    def scrape(self) -> dict[str, float]:
+        """The gauges and the histograms' ``_sum`` / ``_count``, each summed over its labels
+        (empty when the server does not answer)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        wanted = set(self.GAUGES.values()) | {
+            f"{name}{part}" for name in self.HISTOGRAMS.values() for part in ("_sum", "_count")
+        }
+        try:
+            with urllib.request.urlopen(self.url, timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            self.errors += 1
+            return {}
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            values = self.scrape()
+            if values:
+                self.samples.append((time.perf_counter(), values))
+
+    def __enter__(self) -> MetricsPoller:
+        self.first = self.scrape()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.last = self.scrape()
+
+    def gauge_means(self, start: float, end: float) -> dict[str, float | None]:
+        """Each gauge's mean over the samples read in ``[start, end]`` (None: none was)."""
+        inside = [values for t, values in self.samples if start <= t <= end]
+        means: dict[str, float | None] = {}
+        for key, name in self.GAUGES.items():
+            seen = [v[name] for v in inside if name in v]
+            means[key] = sum(seen) / len(seen) if seen else None
+        return means
+
+    def histogram_means_ms(self) -> dict[str, float | None]:
+        """Each histogram's mean (ms) over what it counted between the first and last reads."""
+        means: dict[str, float | None] = {}
+        for key, name in self.HISTOGRAMS.items():
+            counted = self.last.get(f"{name}_count", 0.0) - self.first.get(f"{name}_count", 0.0)
+            total = self.last.get(f"{name}_sum", 0.0) - self.first.get(f"{name}_sum", 0.0)
+            means[key] = 1000 * total / counted if counted > 0 else None
+        return means
+
+
 def cores_between(
     samples: list[tuple[float, dict[str, float | None]]], name: str, start: float, end: float
 ) -> float | None:
