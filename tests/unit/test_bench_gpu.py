@@ -338,7 +338,7 @@ def test_kernel_section_skips_without_the_module(monkeypatch):
     assert "not importable" in res["skipped"]
 
 
-def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
+def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys, monkeypatch):
     """Model build, roofline, the torch-eager engine with its buckets, a failing mode, the
     report files: what runs on a GPU, shrunk (kernels and transformers skipped)."""
     out = tmp_path / "out"
@@ -380,11 +380,40 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys):
     assert "## Profile: torch-eager, a step with an arrival at batch 1" in md
     assert "Host side (the profiler's CPU events, self time)" in md
     assert "targets:" in capsys.readouterr().out
-    # A second run (one load, nothing else) reuses the model folder.
+    # A second run (one load, nothing else) reuses the model folder; its HTTP modes take turns
+    # (--http-repeats; the server runs stood in for: the section's own test starts one)
+    from infer.bench import gpu_http
+
+    served = []
+
+    def fake_http(model, args, load, vocab, offline, out, log, res, mode, tag):
+        served.append((mode, tag))
+        tok_s = {"torch-eager": [100.0, 300.0, 200.0], "eager": [50.0, 60.0, 70.0]}[mode]
+        runs = sum(m == mode for m, _ in served)
+        res.update(mode=mode, load="16x4@1", output_tok_s=tok_s[runs - 1], offline_tok_s=400.0,
+                   ratio=tok_s[runs - 1] / 400.0, concurrency=1)  # fmt: skip
+        return res
+
+    monkeypatch.setattr(gpu_http, "http_section", fake_http)
     args = _args(*tiny, "--modes", "torch-eager", "--concurrency", "1", "--long", "none",
-                 "--skip-buckets", "--profile", "", "--http", "")  # fmt: skip
+                 "--skip-buckets", "--profile", "", "--http", "1", "--http-modes",
+                 "torch-eager,eager", "--http-repeats", "3")  # fmt: skip
     assert gpu.run(args) == 0
-    assert json.loads((out / "gpu.json").read_text())["model"]["reused"]
+    report = json.loads((out / "gpu.json").read_text())
+    assert report["model"]["reused"]
+    assert served == [("torch-eager", "torch-eager"), ("eager", "eager"),
+                      ("torch-eager", "torch-eager-2"), ("eager", "eager-2"),
+                      ("torch-eager", "torch-eager-3"), ("eager", "eager-3")]  # fmt: skip
+    first = report["http_modes"]["torch-eager"]
+    assert first["runs_tok_s"] == [100.0, 300.0, 200.0] and first["median_tok_s"] == 200.0
+    assert first["median_ratio"] == 0.5 and report["http"] is not None
+    assert report["http_modes"]["eager"]["median_tok_s"] == 60.0
+    target = next(t for t in report["targets"] if t["target"].startswith("HTTP"))
+    assert target["measured"] == "median of 3 runs 200 / 400 = 0.50x"
+    assert target["status"] == "MISS"
+    md = (out / "gpu.md").read_text()
+    assert "| torch-eager | 100, 300, 200 | 200 | 0.50 |" in md
+    assert "6 server runs, the modes taking turns" in md
 
 
 def test_runner_info_names_the_attention_path_and_the_graphs():

@@ -202,6 +202,14 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
         "thousand events a second: fewer than a GPU server sends at C=64)",
     )
     p.add_argument(
+        "--http-repeats",
+        type=int,
+        default=1,
+        help="runs of the HTTP modes in alternation (graphs, graphs-mixed, graphs, ...): each "
+        "mode's median is its figure (one server's run-to-run spread can be as large as a "
+        "switch's effect)",
+    )
+    p.add_argument(
         "--http-server-args",
         default="",
         help="more `infer serve` flags for the HTTP section's server (e.g. "

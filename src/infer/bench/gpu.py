@@ -813,6 +813,24 @@ def _status(ok: bool | None) -> str:
     return "N/A" if ok is None else ("MET" if ok else "MISS")
 
 
+def http_medians(report: dict) -> None:
+    """With ``--http-repeats``: each mode's runs' output tok/s, their median and its ratio to
+    the offline figure, written into the mode's first run (the dict the targets and the report
+    read)."""
+    by_mode: dict[str, list[dict]] = {}
+    for res in report.get("http_runs") or []:
+        by_mode.setdefault(res.get("mode", "graphs"), []).append(res)
+    for runs in by_mode.values():
+        first, done = runs[0], [r for r in runs if "output_tok_s" in r]
+        if not done:
+            continue
+        offline = next((r["offline_tok_s"] for r in done if r.get("offline_tok_s")), None)
+        first["runs_tok_s"] = [r["output_tok_s"] for r in done]
+        first["median_tok_s"] = statistics.median(first["runs_tok_s"])
+        first["median_ratio"] = first["median_tok_s"] / offline if offline else None
+        first.setdefault("offline_tok_s", offline)
+
+
 def targets(report: dict) -> list[dict]:
     """The CUDA targets with the measured value and MET / MISS (N/A: not measured)."""
     p, o = report.get("prompt_len", 128), report.get("output_len", 128)
@@ -880,11 +898,14 @@ def targets(report: dict) -> list[dict]:
     )
 
     http = report.get("http") or {}
-    ratio = http.get("ratio")
+    ratio = http.get("median_ratio") or http.get("ratio")
+    runs = http.get("runs_tok_s") or []
+    figure = (f"median of {len(runs)} runs {http['median_tok_s']:,.0f}" if http.get("median_ratio")
+              else f"{http.get('output_tok_s', 0):,.0f}")  # fmt: skip
     add(
         f"HTTP (infer serve) within 10% of the offline engine at C={http.get('concurrency', 64)}"
         " (tok/s)",
-        ratio and f"{http['output_tok_s']:,.0f} / {http['offline_tok_s']:,.0f} = {ratio:.2f}x",
+        ratio and f"{figure} / {http['offline_tok_s']:,.0f} = {ratio:.2f}x",
         None if ratio is None else ratio >= TARGET_HTTP_RATIO,
     )
 
@@ -981,6 +1002,21 @@ def arrivals_markdown(eng: dict, prompt_len: int) -> list[str]:
             "mode | batch | with an arrival | pure decode | ratio | steps ran as", rows, "lrrrrl"
         ),  # fmt: skip
     ]
+
+
+def _http_runs_markdown(r: dict) -> list[str]:
+    """``--http-repeats``: every run's tok/s, mode by mode, beside the median."""
+    firsts = [h for h in (r.get("http_modes") or {}).values() or [r.get("http") or {}]
+              if h.get("runs_tok_s")]  # fmt: skip
+    if not r.get("http_runs") or not firsts:
+        return []
+    rows = [[h.get("mode", "graphs"), ", ".join(f"{t:,.0f}" for t in h["runs_tok_s"]),
+             _f(h.get("median_tok_s"), ",.0f"), _f(h.get("median_ratio"))]
+            for h in firsts]  # fmt: skip
+    return ["", "## Over HTTP: the modes in alternation", "",
+            f"{len(r['http_runs'])} server runs, the modes taking turns (`--http-repeats`); "
+            "each mode's figure is its median.", ""] + md_table(
+        "mode | runs, output tok/s | median tok/s | median / offline", rows, "lrrr")  # fmt: skip
 
 
 def _http_markdown(http: dict) -> list[str]:
@@ -1092,6 +1128,7 @@ def render_markdown(r: dict) -> str:
     lines += _engine_markdown(eng, roof, p, o) if eng else []
     for http in (r.get("http_modes") or {}).values() or ([r["http"]] if r.get("http") else []):
         lines += _http_markdown(http)
+    lines += _http_runs_markdown(r)
     if kern and (kernels := kernel_benchmark()) is not None:
         lines += kernels.markdown(kern)
     elif kern:
@@ -1190,6 +1227,11 @@ def summary(r: dict) -> str:
                 f"  http {http['load']}{' ' + http['mode'] if http.get('mode') else ''}: "
                 f"{http['output_tok_s']:,.0f} tok/s"
                 + (f" = {http['ratio']:.2f}x offline" if http.get("ratio") else "")
+                + (
+                    f"; median of {len(http['runs_tok_s'])} runs {http['median_tok_s']:,.0f}"
+                    if http.get("runs_tok_s")
+                    else ""
+                )  # fmt: skip
             )
     for n, row in (_get(r, "hf", "rows") or {}).items():
         lines.append(f"  transformers generate_batch {n} prompts: {row['tok_s']:,.0f} tok/s")
@@ -1378,9 +1420,11 @@ def _run_sections(
 
     if args.http and not args.skip_engine:
         http_modes = list(dict.fromkeys(m for m in args.http_modes.split(",") if m))
-        for i, http_mode in enumerate(http_modes):
+        repeats = max(1, getattr(args, "http_repeats", 1))
+        runs = [(rep, i, m) for rep in range(repeats) for i, m in enumerate(http_modes)]
+        for rep, i, http_mode in runs:  # (the modes in alternation, run after run)
 
-            def http_section(mode: str = http_mode, first: bool = i == 0) -> dict:
+            def http_section(mode: str = http_mode, first: bool = i == 0, rep: int = rep) -> dict:
                 from infer.bench.gpu_http import http_section as run_http
 
                 c = int(args.http)
@@ -1392,13 +1436,19 @@ def _run_sections(
                     offline = _get(report, "engine", "graphs", "loads", load_key(*load))
                 vocab = min(model["shape"]["vocab_size"], model["tokenizer_vocab"])
                 res: dict = {"offline_mode": offline_mode}
-                if first:  # the targets' figure
+                if rep == 0 and first:  # the targets' figure (with the later runs' median)
                     report["http"] = res
-                if len(http_modes) > 1:
+                if rep == 0 and len(http_modes) > 1:
                     report.setdefault("http_modes", {})[mode] = res
-                return run_http(model_dir, args, load, vocab, offline, out_dir, _log, res, mode)
+                if repeats > 1:
+                    report.setdefault("http_runs", []).append(res)
+                tag = mode if rep == 0 else f"{mode}-{rep + 1}"
+                return run_http(model_dir, args, load, vocab, offline, out_dir, _log, res, mode,
+                                tag=tag)  # fmt: skip
 
-            sections.run(f"http {http_mode}", http_section, device)
+            suffix = f" #{rep + 1}" if repeats > 1 else ""
+            sections.run(f"http {http_mode}{suffix}", http_section, device)
+        http_medians(report)
 
     if not args.skip_kernels:
 

@@ -59,11 +59,13 @@ def http_section(
     log: Callable[[str], None],
     res: dict,
     mode: str = "graphs",
+    tag: str | None = None,
 ) -> dict:
     """Start ``infer serve`` with the engine settings (and environment) of ``mode``, warm it,
     run ``load`` (prompt len, output len, C) over HTTP with the offline cell's prompts, stop
     it; ``res`` gets the figures and the ratio to ``offline`` (that cell's row from the same
-    run, if it ran)."""
+    run, if it ran). ``tag`` names the server's log and profiles (default: the mode)."""
+    tag = tag or mode
     from infer.bench import pyspy
     from infer.bench.gpu import load_key, mode_environ
     from infer.bench.offline import random_prompts
@@ -87,7 +89,7 @@ def http_section(
     t = time.perf_counter()
     env = {**os.environ, **mode_environ(mode)}
     proc, url = launch_server(
-        server_command(model, args, port, mode), port, out / f"http_server_{mode}.log", env=env
+        server_command(model, args, port, mode), port, out / f"http_server_{tag}.log", env=env
     )
     try:
         res["server_start_s"] = time.perf_counter() - t
@@ -105,7 +107,7 @@ def http_section(
             load_done = pool.submit(closed_loop_processes, url + "/v1", prompts, c, output_len,
                                     args.http_clients, span=span)  # fmt: skip
             if args.http_profile:
-                res["profile"] = profile_server(proc.pid, args.http_profile, out, log, mode)
+                res["profile"] = profile_server(proc.pid, args.http_profile, out, log, tag)
             records, wall = load_done.result()
         res["cpu_cores"] = cpu_cores(poller, span)
         res["server_view"] = server_view(server, span, records)
