@@ -392,7 +392,8 @@ def test_the_lm_head_row_indices_are_copied_before_the_forward_pass(make_llm, mo
         monkeypatch.setattr(cls, name, recorded)
 
     record(cuda_step.CudaStep, "forward", "step")
-    record(step_mod.StepInputs, "row_index", None)  # its name: sample_rows, prompt_rows, ...
+    record(step_mod.StepInputs, "stage", None)  # its name: sample_rows, prompt_rows, ...
+    record(step_mod.StepInputs, "upload", "upload")
     record(type(model), "forward", "pass")
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, ignore_eos=True)
     llm.generate(FEW[:3], params)
@@ -402,6 +403,11 @@ def test_the_lm_head_row_indices_are_copied_before_the_forward_pass(make_llm, mo
         assert events.count("pass") == 1, events
         after = events[events.index("pass") :]
         assert "sample_rows" not in after and "prompt_rows" not in after, events
+        # one upload of the step's buffers, after the last row staged, before the pass
+        assert events.count("upload") == 1, events
+        assert events.index("upload") > max(events.index(n) for n in ("sample_rows",
+                                             "prompt_rows") if n in events), events  # fmt: skip
+        assert events.index("upload") < events.index("pass"), events
 
 
 def test_requests_stopped_while_the_next_step_runs_leave_no_generator(make_llm):

@@ -321,63 +321,78 @@ def prefill_tiles(query_lens: np.ndarray, tile_size: int) -> tuple[np.ndarray, n
     return _ragged(-(-np.asarray(query_lens, dtype=np.int64) // tile_size))
 
 
+# Each dtype's fields laid end to end in one buffer, in this order: a step copies one prefix of
+# each buffer, as far as the last field it wrote (the per-step fields first, the tables last).
+_INT64_FIELDS = ("ids", "positions", "feed_rows", "feed_sources", "sample_rows", "prompt_rows",
+                 "pool_rows")  # fmt: skip
+_INT32_FIELDS = ("slots", "context_lens", "query_start", "num_computed", "tiles", "decode_list",
+                 "tables")  # fmt: skip
+_ALIGN = 32  # elements: every field starts 128-byte aligned (Triton's pointer specializations)
+
+
 class StepInputs:
     """Pinned host buffers and their device twins for the step's model inputs (see module doc).
 
-    ``fill`` writes a step on the host and issues one non-blocking copy per field; before it
-    writes the host buffers again it waits for the previous copies (an event), so a step with
-    nothing sampled (no synchronisation of its own) cannot have its inputs overwritten in flight.
+    ``fill`` writes a step on the host; :meth:`stage` writes more index rows beside it; then
+    :meth:`upload` issues one non-blocking copy per dtype (two a step: each buffer's prefix as
+    far as the last field written; a copy per field cost ~15 us of host time each, several a
+    step) and records an event. Before it writes the host buffers again, ``fill`` waits for
+    that event, so a step with nothing sampled (no synchronisation of its own) cannot have its
+    inputs overwritten in flight::
+
+        int64: ids | positions | feed_rows | feed_sources | sample_rows | prompt_rows | pool_rows
+        int32: slots | context_lens | query_start | num_computed | tiles | decode_list | tables
+               └──────────── a decode step copies this prefix ────────────────────────┘ rows of
+                                                                                   its tables
     """
 
     def __init__(self, shape: StepShape, device: torch.device) -> None:
         self.shape = shape
         self.device = device
         pin = device.type == "cuda"
-
-        def pair(*size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            host = torch.zeros(*size, dtype=dtype, pin_memory=pin)
-            return host, torch.zeros(*size, dtype=dtype, device=device)
-
-        self.ids = pair(shape.max_rows, dtype=torch.long)
-        self.positions = pair(shape.max_rows, dtype=torch.long)
-        self.slots = pair(shape.max_rows, dtype=torch.int32)
-        self.context_lens = pair(shape.max_table_rows, dtype=torch.int32)
-        self.tables = pair(shape.max_table_rows, shape.max_blocks, dtype=torch.int32)
-        self.query_start = pair(shape.max_seqs + 1, dtype=torch.int32)
-        self.num_computed = pair(shape.max_seqs, dtype=torch.int32)
-        # count | sequences | tile indices: one copy a step (the few unused entries between
-        # the used parts go along)
-        self.tiles = pair(1 + 2 * shape.max_tiles, dtype=torch.int32)
-        # query rows | sequences | contexts: one copy a step, as the tile list (a step has at
-        # most max_seqs decodes)
-        self.decode_list = pair(3 * shape.max_seqs, dtype=torch.int32)
-        # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
-        self.sample_rows = pair(shape.max_rows, dtype=torch.long)
-        self.prompt_rows = pair(shape.max_rows, dtype=torch.long)
-        self.pool_rows = pair(shape.max_rows, dtype=torch.long)  # (embeddings)
-        # a step launched ahead: its rows fed the step before's sampled ids, and from where
-        self.feed_rows = pair(shape.max_table_rows, dtype=torch.long)
-        self.feed_sources = pair(shape.max_table_rows, dtype=torch.long)
-        # numpy views of the host halves: filled without building tensors
-        self._np = {
-            name: getattr(self, name)[0].numpy()
-            for name in (
-                "ids",
-                "positions",
-                "slots",
-                "context_lens",
-                "tables",
-                "query_start",
-                "num_computed",
-                "tiles",
-                "decode_list",
-                "sample_rows",
-                "prompt_rows",
-                "pool_rows",
-                "feed_rows",
-                "feed_sources",
-            )
+        sizes = {
+            "ids": (shape.max_rows,),
+            "positions": (shape.max_rows,),
+            "slots": (shape.max_rows,),
+            "context_lens": (shape.max_table_rows,),
+            "tables": (shape.max_table_rows, shape.max_blocks),
+            "query_start": (shape.max_seqs + 1,),
+            "num_computed": (shape.max_seqs,),
+            # count | sequences | tile indices
+            "tiles": (1 + 2 * shape.max_tiles,),
+            # query rows | sequences | contexts (a step has at most max_seqs decodes)
+            "decode_list": (3 * shape.max_seqs,),
+            # rows of the hidden states that go to the LM head (sampled, prompt-logprob rows)
+            "sample_rows": (shape.max_rows,),
+            "prompt_rows": (shape.max_rows,),
+            "pool_rows": (shape.max_rows,),  # (embeddings)
+            # a step launched ahead: its rows fed the step before's sampled ids, and from where
+            "feed_rows": (shape.max_table_rows,),
+            "feed_sources": (shape.max_table_rows,),
         }
+        # name -> (dtype, offset in its buffer, elements a row)
+        self._where: dict[str, tuple[torch.dtype, int, int]] = {}
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._extent: dict[torch.dtype, int] = {}
+        for dtype, names in ((torch.long, _INT64_FIELDS), (torch.int32, _INT32_FIELDS)):
+            offset = 0
+            for name in names:
+                self._where[name] = (dtype, offset, int(np.prod(sizes[name][1:], dtype=np.int64)))
+                offset += -(-int(np.prod(sizes[name], dtype=np.int64)) // _ALIGN) * _ALIGN
+            host = torch.zeros(offset, dtype=dtype, pin_memory=pin)
+            self._buffers[dtype] = (host, torch.zeros(offset, dtype=dtype, device=device))
+            self._extent[dtype] = 0
+        for name, size in sizes.items():
+            dtype, offset, _ = self._where[name]
+            count = int(np.prod(size, dtype=np.int64))
+            host, dev = self._buffers[dtype]
+            pair = (
+                host[offset : offset + count].view(size),
+                dev[offset : offset + count].view(size),
+            )
+            setattr(self, name, pair)
+        # numpy views of the host halves: filled without building tensors
+        self._np = {name: getattr(self, name)[0].numpy() for name in sizes}
         self._copied = torch.cuda.Event() if pin else None
 
     def _wait_for_last_copy(self) -> None:
@@ -385,26 +400,33 @@ class StepInputs:
             self._copied.synchronize()
 
     def _upload(self, name: str, n: int) -> torch.Tensor:
-        host, dev = getattr(self, name)
-        if n:
-            dev[:n].copy_(host[:n], non_blocking=True)
-        return dev[:n]
+        """The device view of ``name``'s first ``n`` rows, which :meth:`upload` copies."""
+        dtype, offset, per_row = self._where[name]
+        self._extent[dtype] = max(self._extent[dtype], offset + n * per_row)
+        return getattr(self, name)[1][:n]
 
-    def row_index(self, name: str, rows: list[int]) -> torch.Tensor:
-        """``rows`` (``name``: ``"sample_rows"``, ``"prompt_rows"``, ``"pool_rows"``,
-        ``"feed_rows"`` or
-        ``"feed_sources"``) as a device index, copied
-        without waiting: a tensor built from a list would be a pageable copy, which waits for
-        the forward pass queued before it (and so for the host work meant to overlap it)."""
-        host, dev = getattr(self, name)
-        n = len(rows)
-        if n > host.shape[0]:
-            return torch.tensor(rows, dtype=torch.long, device=self.device)
-        self._np[name][:n] = rows
-        dev[:n].copy_(host[:n], non_blocking=True)
+    def upload(self) -> None:
+        """Copy what the step wrote (:meth:`fill`, :meth:`stage`): one non-blocking copy per
+        buffer, of its prefix as far as the last field written, then record the event ``fill``
+        waits for."""
+        for dtype, end in self._extent.items():
+            if end:
+                host, dev = self._buffers[dtype]
+                dev[:end].copy_(host[:end], non_blocking=True)
+                self._extent[dtype] = 0
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
-        return dev[:n]
+
+    def stage(self, name: str, rows: list[int]) -> torch.Tensor:
+        """``rows`` (``name``: ``"sample_rows"``, ``"prompt_rows"``, ``"pool_rows"``,
+        ``"feed_rows"`` or ``"feed_sources"``) as a device index that the next :meth:`upload`
+        copies (a tensor built from a list would be a pageable copy, which waits for the
+        forward pass queued before it, and so for the host work meant to overlap it)."""
+        n = len(rows)
+        if n > getattr(self, name)[0].shape[0]:
+            return torch.tensor(rows, dtype=torch.long, device=self.device)
+        self._np[name][:n] = rows
+        return self._upload(name, n)
 
     def tile_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The device tile list's parts: sequences ``[max_tiles]``, tile indices
@@ -435,8 +457,11 @@ class StepInputs:
         padded_rows: int | None = None,
         tile_size: int | None = None,
         decode_rows: int | None = None,
+        upload: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Write one step; returns ``(input_ids, positions, context fields)`` device views.
+        """Write one step; returns ``(input_ids, positions, context fields)`` device views,
+        copied to the device at the end (``upload=False``: by the caller's :meth:`upload`,
+        after it staged more rows).
 
         ``padded_rows``: pad to this many rows (a graph bucket) with rows that store nothing
         and attend to nothing. ``tile_size`` (a mixed step): also write its list of query
@@ -510,6 +535,6 @@ class StepInputs:
             )
         ids = self._upload("ids", rows)
         positions_t = self._upload("positions", rows)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.device))
+        if upload:
+            self.upload()
         return ids, positions_t, fields
