@@ -4,6 +4,8 @@ attention walks. Plain CPU tensors (the buffers are pinned only on a GPU); no ke
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from infer.core.messages import SequenceSlice
@@ -108,3 +110,75 @@ def test_start_up_warms_the_kernels_up_after_capturing_the_graphs_on_cuda_only()
         runner.device = torch.device(device)
         runner.capture_graphs()
         assert calls == want, device
+
+
+def test_a_step_is_copied_in_a_few_copies_of_what_it_wrote_after_its_rows_are_staged(
+    monkeypatch,
+):
+    """fill(upload=False) writes the host side only; stage adds index rows; upload copies
+    every part written (parts less than _MERGE_GAP apart in one copy) and nothing else; a step
+    filled before the one before was uploaded is refused."""
+    import pytest
+
+    from infer.runner.gpu import step as step_mod
+
+    inputs = _inputs()
+    seqs = [SequenceSlice(6, 1, [3, 9]), SequenceSlice(1, 1, [4])]
+    ids, positions, fields = inputs.fill([11, 12], [6, 1], seqs, BS, upload=False)
+    assert ids.tolist() == [0, 0] and fields["slots"].tolist() == [0, 0]  # (not yet copied)
+    rows = inputs.stage("sample_rows", [1, 0])
+    copies = []
+    original = torch.Tensor.copy_
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "copy_",
+                  lambda self, src, **kw: copies.append(src.numel()) or original(self, src))  # fmt: skip
+        inputs.upload()
+    assert ids.tolist() == [11, 12] and positions.tolist() == [6, 1]
+    assert rows.tolist() == [1, 0] and fields["context_lens"].tolist() == [7, 2]
+    assert fields["slots"].tolist() == [9 * BS + 2, 4 * BS + 1]
+    assert len(copies) <= 3 and not any(inputs._written.values())  # (a small shape: few gaps)
+    inputs.fill([11], [7], seqs[:1], BS, upload=False)
+    with pytest.raises(AssertionError, match="never uploaded"):
+        inputs.fill([11], [7], seqs[:1], BS)
+    inputs.upload()
+    big = inputs.stage("sample_rows", list(range(65)))  # more than the buffer: its own tensor
+    assert big.tolist() == list(range(65)) and not any(inputs._written.values())
+    assert step_mod.merged_ranges([(9000, 9004), (0, 4), (100, 104), (2, 8)], 4096) == [
+        (0, 104),
+        (9000, 9004),
+    ]
+
+
+def test_the_fields_share_two_buffers_without_overlapping_each_aligned():
+    inputs = _inputs()
+    spans = {}
+    for name, (dtype, offset, per_row) in inputs._where.items():
+        host, dev = getattr(inputs, name)
+        assert host.dtype == dev.dtype == dtype and offset % 32 == 0
+        spans.setdefault(dtype, []).append((offset, offset + host.numel()))
+        assert dev.data_ptr() == inputs._buffers[dtype][1].data_ptr() + offset * dev.element_size()
+        assert per_row == (host.shape[1] if host.dim() == 2 else 1)
+    for ranges in spans.values():
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ranges))  # no two overlap
+
+
+def test_a_decode_step_of_the_bench_engine_takes_five_copies(monkeypatch):
+    """The 1B bench engine's buffers (8,192 batched tokens + a 2,048-token context apart): a
+    decode step of 64 rows fed by the step before copies ids, positions, the fed rows, the
+    slots and (context lengths .. tables) — five copies, each no larger than its parts plus
+    the small fields between them."""
+    shape = StepShape(max_rows=8192 + 2048, max_table_rows=256, max_seqs=256, max_blocks=128)
+    inputs = StepInputs(shape, torch.device("cpu"))
+    seqs = [SequenceSlice(100 + i, 1, list(range(8))) for i in range(64)]
+    inputs.fill([1] * 64, [100 + i for i in range(64)], seqs, 16, padded_rows=64, upload=False)
+    inputs.stage("feed_rows", list(range(64)))
+    inputs.stage("feed_sources", list(range(64)))
+    copies = []
+    original = torch.Tensor.copy_
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "copy_",
+                  lambda self, src, **kw: copies.append(src.numel()) or original(self, src))  # fmt: skip
+        inputs.upload()
+    assert len(copies) == 5
+    assert sum(copies) < 64 * 5 + 64 * 128 + 3 * 256 + 2 * 256 + 4 * 32 * 8

@@ -1,8 +1,9 @@
 """A step's inputs in persistent device buffers, and the attention context that reads them.
 
-The host fills pinned buffers (numpy views, no tensors built from lists) and each field is one
-non-blocking copy to a device buffer whose address never changes, so a CUDA graph captured on
-these buffers replays any later step of its size::
+The host fills pinned buffers (numpy views, no tensors built from lists) and copies what it
+wrote, non-blocking, to device buffers whose addresses never change (each dtype's fields end to
+end in one buffer, a step's parts in a few copies: :class:`StepInputs`), so a CUDA graph
+captured on these buffers replays any later step of its size::
 
     host (pinned)                                  device (fixed addresses)
     input_ids    [max_rows] int64   ── copy [:n] ─►  input_ids
@@ -321,29 +322,48 @@ def prefill_tiles(query_lens: np.ndarray, tile_size: int) -> tuple[np.ndarray, n
     return _ragged(-(-np.asarray(query_lens, dtype=np.int64) // tile_size))
 
 
-# Each dtype's fields laid end to end in one buffer, in this order: a step copies one prefix of
-# each buffer, as far as the last field it wrote (the per-step fields first, the tables last).
+# Each dtype's fields laid end to end in one buffer, in this order (the tables last: a step
+# writes their first rows). A step copies the parts it wrote, parts closer than _MERGE_GAP
+# elements in one copy (a copy's host cost, ~11 us, buys ~50 KB of PCIe time).
 _INT64_FIELDS = ("ids", "positions", "feed_rows", "feed_sources", "sample_rows", "prompt_rows",
                  "pool_rows")  # fmt: skip
 _INT32_FIELDS = ("slots", "context_lens", "query_start", "num_computed", "tiles", "decode_list",
                  "tables")  # fmt: skip
 _ALIGN = 32  # elements: every field starts 128-byte aligned (Triton's pointer specializations)
+_MERGE_GAP = 4096  # elements (16 or 32 KB): a gap copied rather than a copy more
+
+
+def merged_ranges(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges sorted, those less than ``gap`` apart (or overlapping) joined::
+
+    (0,4) (100,104) (9000,9004)  gap 4096  ->  (0,104) (9000,9004)
+    """
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start - out[-1][1] < gap:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 class StepInputs:
     """Pinned host buffers and their device twins for the step's model inputs (see module doc).
 
     ``fill`` writes a step on the host; :meth:`stage` writes more index rows beside it; then
-    :meth:`upload` issues one non-blocking copy per dtype (two a step: each buffer's prefix as
-    far as the last field written; a copy per field cost ~15 us of host time each, several a
-    step) and records an event. Before it writes the host buffers again, ``fill`` waits for
+    :meth:`upload` copies what was written, non-blocking, parts of a buffer less than
+    ``_MERGE_GAP`` apart in one copy (a copy per field cost ~11 us of host time, up to ten a
+    step), and records an event. Before it writes the host buffers again, ``fill`` waits for
     that event, so a step with nothing sampled (no synchronisation of its own) cannot have its
-    inputs overwritten in flight::
+    inputs overwritten in flight. The copies of a decode step of r rows fed by the step
+    before (``max_rows`` apart: ids, positions and slots hold a step of prompt chunks)::
 
         int64: ids | positions | feed_rows | feed_sources | sample_rows | prompt_rows | pool_rows
+               └1┘   └─2─┘       └────────3─────────┘
         int32: slots | context_lens | query_start | num_computed | tiles | decode_list | tables
-               └──────────── a decode step copies this prefix ────────────────────────┘ rows of
-                                                                                   its tables
+               └4┘     └──────────────────────────5────────────────────────────────── [:r] ┘
+
+    Five copies (one per field was seven; a step with prompt chunks also five, was up to ten).
     """
 
     def __init__(self, shape: StepShape, device: torch.device) -> None:
@@ -373,7 +393,7 @@ class StepInputs:
         # name -> (dtype, offset in its buffer, elements a row)
         self._where: dict[str, tuple[torch.dtype, int, int]] = {}
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._extent: dict[torch.dtype, int] = {}
+        self._written: dict[torch.dtype, list[tuple[int, int]]] = {}
         for dtype, names in ((torch.long, _INT64_FIELDS), (torch.int32, _INT32_FIELDS)):
             offset = 0
             for name in names:
@@ -381,7 +401,7 @@ class StepInputs:
                 offset += -(-int(np.prod(sizes[name], dtype=np.int64)) // _ALIGN) * _ALIGN
             host = torch.zeros(offset, dtype=dtype, pin_memory=pin)
             self._buffers[dtype] = (host, torch.zeros(offset, dtype=dtype, device=device))
-            self._extent[dtype] = 0
+            self._written[dtype] = []
         for name, size in sizes.items():
             dtype, offset, _ = self._where[name]
             count = int(np.prod(size, dtype=np.int64))
@@ -402,18 +422,18 @@ class StepInputs:
     def _upload(self, name: str, n: int) -> torch.Tensor:
         """The device view of ``name``'s first ``n`` rows, which :meth:`upload` copies."""
         dtype, offset, per_row = self._where[name]
-        self._extent[dtype] = max(self._extent[dtype], offset + n * per_row)
+        if n:
+            self._written[dtype].append((offset, offset + n * per_row))
         return getattr(self, name)[1][:n]
 
     def upload(self) -> None:
-        """Copy what the step wrote (:meth:`fill`, :meth:`stage`): one non-blocking copy per
-        buffer, of its prefix as far as the last field written, then record the event ``fill``
-        waits for."""
-        for dtype, end in self._extent.items():
-            if end:
-                host, dev = self._buffers[dtype]
-                dev[:end].copy_(host[:end], non_blocking=True)
-                self._extent[dtype] = 0
+        """Copy what the step wrote (:meth:`fill`, :meth:`stage`), non-blocking, then record
+        the event ``fill`` waits for."""
+        for dtype, written in self._written.items():
+            host, dev = self._buffers[dtype]
+            for start, end in merged_ranges(written, _MERGE_GAP):
+                dev[start:end].copy_(host[start:end], non_blocking=True)
+            written.clear()
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
 
@@ -470,6 +490,7 @@ class StepInputs:
         0: as many entries as it has (an exact step), n > 0: n entries (a padded step's
         graph), the unused ones of context 0; ``fields["decode_entries"]``: how many (none:
         no list)."""
+        assert not any(self._written.values()), "the step before was never uploaded"
         self._wait_for_last_copy()
         n = len(token_ids)
         rows = padded_rows or n
