@@ -159,13 +159,14 @@ def test_markdown_tables_from_a_result():
     r = _report()
     r["engine"]["graphs"]["loads"]["128x128@64"]["step_kinds"] = {"decode replayed": 250,
                                                                   "mixed eager": 3}  # fmt: skip
+    r["engine"]["graphs"]["loads"]["128x128@64"]["gpu_busy_pct"] = 96.4
     r["targets"] = gpu.targets(r)
     md = gpu.render_markdown(r)
     assert "Device: **NVIDIA H100 80GB HBM3**" in md
     assert "1.236B parameters, 2.47 GB" in md
     # graphs vs the torch-eager baseline at C=64: 16,000 / 3,200
-    assert "| graphs | 128x128@64 | 16,000 | 5.00x | 1.00 | 20 | 1.00 | 250 decode replayed, " \
-           "3 mixed eager |" in md  # fmt: skip
+    assert "| graphs | 128x128@64 | 16,000 | 5.00x | 1.00 | 20 | 1.00 | 96 | 250 decode " \
+           "replayed, 3 mixed eager |" in md  # fmt: skip
     assert "| 1 | 1.000 | 3.000 | 0.33 |" in md  # the bucket table: graphs, eager, ratio
     assert "| 8 | 100.0 | 5.00 |" in md  # split-K
     assert "| 64 | 128 | 8192 | 8.2 | 1,000 | 16,000 | 16.0 |" in md
@@ -188,7 +189,7 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
              "offline_mode": "graphs", "step_kinds": {"decode replayed": 900,
                                                       "mixed replayed": 80},
              "cpu_cores": {"api_server": 0.41, "engine": 0.97, "clients": None},
-             "concurrency": 64,
+             "concurrency": 64, "gpu_busy_pct": 71.6,
              "server_view": {"running_mean": 47.25, "waiting_mean": 0.5, "samples": 30,
                              "server_ttft_ms_mean": 9.0, "server_queue_ms_mean": 1.25,
                              "server_e2e_ms_mean": 210.0, "client_ttft_ms_mean": 80.5,
@@ -210,6 +211,7 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
             "0.5 waiting on average, of 64 the clients keep in flight; mean time to first token "
             "9.0 ms at the server (queued 1.2 ms) against 80.5 ms at the clients; a request "
             "210 ms against 290 ms.") in md  # fmt: skip
+    assert "The GPU ran kernels 72% of the load (nvidia-smi's utilization every 0.1 s)." in md
     log = "INFO captured 11 CUDA graphs\nINFO steps run: 812 decode replayed, 95 mixed eager\n"
     assert server_step_kinds(log) == {"decode replayed": 812, "mixed eager": 95}
     assert server_step_kinds("INFO shutting down\n") == {}

@@ -141,3 +141,36 @@ def test_the_metrics_poller_reads_gauges_over_a_window_and_histograms_over_the_l
     assert got["ttft"] == pytest.approx(20.0) and got["e2e"] is None
     gone = MetricsPoller(url)
     assert gone.scrape() == {} and gone.errors == 1
+
+
+def test_the_gpu_utilization_poller_reads_nvidia_smi_over_a_window(tmp_path, monkeypatch):
+    """GpuUtilPoller runs ``nvidia-smi --query-gpu=utilization.gpu ... -lms=N`` (here a script
+    of that name printing what nvidia-smi prints, a line it cannot read among them) and means
+    the samples read inside a window; without nvidia-smi on the PATH: no samples, None."""
+    import time
+
+    from infer.bench.online import GpuUtilPoller
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *utilization.gpu*-lms=20*) ;; *) echo "bad args: $*"; exit 2;; esac\n'
+        "echo 40; sleep 0.05; echo '[N/A]'; echo 60; sleep 0.05\n"
+        "while true; do echo 90; sleep 0.02; done\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with GpuUtilPoller(interval_ms=20) as poller:
+        deadline = time.monotonic() + 10
+        while sum(v == 90 for _, v in poller.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    values = [v for _, v in poller.samples]
+    assert values[:2] == [40.0, 60.0] and set(values[2:]) == {90.0}
+    first, last = poller.samples[0][0], poller.samples[-1][0]
+    assert poller.mean(first, last) == sum(values) / len(values)
+    assert poller.mean(last + 1, last + 2) is None
+    assert poller._proc.poll() is not None  # (stopped with the block)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with GpuUtilPoller() as none:
+        pass
+    assert none.samples == [] and none.mean(0.0, 1e9) is None

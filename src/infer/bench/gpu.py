@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from infer.bench.online import GpuUtilPoller
 from infer.bench.report import md_table, num
 from infer.runner.gpu.timing import sync as _sync
 from infer.runner.gpu.timing import time_ms
@@ -662,19 +663,24 @@ def engine_mode(
             # As the server's engine process does once built: full collections would walk the
             # start-up heap every so often, a stall of milliseconds in the middle of a step.
             freeze_startup_heap()
-            for pin, pout, c in loads:
-                key = load_key(pin, pout, c)
-                n = max(args.requests_per_c * c, 2 if c == 1 else c)
-                with _cell(res, "loads", key, f"{mode} {key}", log):
-                    kinds_before = _step_kinds(engine)
-                    res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
-                    row["step_kinds"] = _step_kinds_since(engine, kinds_before)
-                    log(
-                        f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
-                        f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 {row['ttft_ms']['p50']:.0f} ms "
-                        f"({row['wall_s']:.1f}s)"
-                        + "".join(f"; {v} {k}" for k, v in row["step_kinds"].items())
-                    )
+            with GpuUtilPoller() as gpu_util:  # (nvidia-smi: none on a CPU)
+                for pin, pout, c in loads:
+                    key = load_key(pin, pout, c)
+                    n = max(args.requests_per_c * c, 2 if c == 1 else c)
+                    with _cell(res, "loads", key, f"{mode} {key}", log):
+                        kinds_before = _step_kinds(engine)
+                        start = time.perf_counter()
+                        res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
+                        row["gpu_busy_pct"] = gpu_util.mean(start, time.perf_counter())
+                        row["step_kinds"] = _step_kinds_since(engine, kinds_before)
+                        busy = row["gpu_busy_pct"]
+                        log(
+                            f"{mode} {key}: {row['output_tok_s']:,.0f} tok/s, ITL p50 "
+                            f"{row['itl_ms']['p50']:.2f} ms, TTFT p50 "
+                            f"{row['ttft_ms']['p50']:.0f} ms ({row['wall_s']:.1f}s)"
+                            + (f"; GPU busy {busy:.0f}%" if busy is not None else "")
+                            + "".join(f"; {v} {k}" for k, v in row["step_kinds"].items())
+                        )
             for b in buckets:
                 with _cell(res, "buckets", str(b), f"{mode} bucket {b}", log):
                     res["buckets"][str(b)] = r = decode_step_ms(
@@ -939,21 +945,25 @@ def _engine_markdown(eng: dict, roof: dict, p: int, o: int) -> list[str]:
     rows: list[list[Any]] = []
     for mode, res in eng.items():
         if "error" in res and not res.get("loads"):
-            rows.append([mode, "-", f"failed: {_last_line(res['error'], 120)}", "", "", "", ""])
+            rows.append([mode, "-", f"failed: {_last_line(res['error'], 120)}", *[""] * 6])
         for key, row in res.get("loads", {}).items():
             if "error" in row:
-                rows.append([mode, key, f"failed: {row['error'][:120]}", "", "", "", "", ""])
+                rows.append([mode, key, f"failed: {row['error'][:120]}", *[""] * 6])
                 continue
             tok_s = row["output_tok_s"]
             kinds = ", ".join(f"{v} {k}" for k, v in (row.get("step_kinds") or {}).items())
             rows.append([mode, key, f"{tok_s:,.0f}",
                          _ratio(tok_s, _get(base, key, "output_tok_s"), suffix="x"),
                          f"{row['itl_ms']['p50']:.2f}", f"{row['ttft_ms']['p50']:.0f}",
-                         f"{row['mean_step_ms']:.2f}", kinds or "-"])  # fmt: skip
+                         f"{row['mean_step_ms']:.2f}", _f(row.get("gpu_busy_pct"), ".0f"),
+                         kinds or "-"])  # fmt: skip
     lines = ["", "## Offline engine, closed loop (C in flight, greedy, ignore_eos)", ""]
     lines += md_table("mode | PxO@C | output tok/s | vs torch-eager | ITL p50 ms | TTFT p50 ms "
-                      "| mean step ms | steps (GPU step: replayed / padded / eager)", rows,
-                      "llrrrrrl")  # fmt: skip
+                      "| mean step ms | GPU busy % | steps (GPU step: replayed / padded / eager)",
+                      rows, "llrrrrrrl")  # fmt: skip
+    lines += ["", "GPU busy: nvidia-smi's utilization (the share of time a kernel ran), sampled "
+              "every 0.1 s over the load; well under 100 with the host's work overlapping "
+              "the GPU's means the host sets the pace."]  # fmt: skip
     rows = []
     lim = roof.get("weight_read_ms")
     for mode, res in eng.items():
@@ -1047,6 +1057,9 @@ def _http_markdown(http: dict) -> list[str]:
         busy = ", ".join(f"{name.replace('_', ' ')} {_f(cores.get(name))}"
                          for name in ("api_server", "engine", "clients"))  # fmt: skip
         lines += ["", f"Cores kept busy while the load ran (CPU seconds / wall): {busy}."]
+    if http.get("gpu_busy_pct") is not None:
+        lines += ["", f"The GPU ran kernels {http['gpu_busy_pct']:.0f}% of the load "
+                  "(nvidia-smi's utilization every 0.1 s)."]  # fmt: skip
     view = http.get("server_view") or {}
     if view.get("samples"):
         lines += ["", f"The load as the server saw it (its /metrics, {view['samples']} reads): "

@@ -72,6 +72,7 @@ def http_section(
     from infer.bench.online import (
         ClientSpan,
         CpuPoller,
+        GpuUtilPoller,
         MetricsPoller,
         closed_loop,
         closed_loop_processes,
@@ -102,6 +103,7 @@ def http_section(
         with (
             CpuPoller({k: v for k, v in pids.items() if v is not None}) as poller,
             MetricsPoller(url) as server,
+            GpuUtilPoller() as gpu_util,
             concurrent.futures.ThreadPoolExecutor(1) as pool,
         ):
             load_done = pool.submit(closed_loop_processes, url + "/v1", prompts, c, output_len,
@@ -111,6 +113,7 @@ def http_section(
             records, wall = load_done.result()
         res["cpu_cores"] = cpu_cores(poller, span)
         res["server_view"] = server_view(server, span, records)
+        res["gpu_busy_pct"] = gpu_util.mean(span.start, span.end)
     finally:
         stop_server(proc)
     res["step_kinds"] = server_step_kinds(Path(proc.log_file.name).read_text(errors="replace"))

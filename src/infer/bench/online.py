@@ -333,6 +333,69 @@ class CpuPoller:
         return {name: cores_between(self.samples, name, start, end) for name in self.pids}
 
 
+class GpuUtilPoller:
+    """``nvidia-smi``'s GPU utilization (the share of its last sample period in which a kernel
+    ran), read every ``interval_ms`` by one ``nvidia-smi -lms`` process and a thread, so that
+    its mean over a window known only afterwards (a load's) says whether the GPU or the host
+    set the pace: a host-bound step leaves the GPU idle between its kernels. Without
+    ``nvidia-smi`` (a CPU machine) there are no samples and every mean is None::
+
+        with GpuUtilPoller() as gpu:
+            records, wall = closed_loop_processes(..., span=span)
+        gpu.mean(span.start, span.end)   # 97.5
+    """
+
+    def __init__(self, interval_ms: int = 100, index: int = 0, command: str = "nvidia-smi"):
+        self.interval_ms = interval_ms
+        self.index = index
+        self.command = command
+        self.samples: list[tuple[float, float]] = []
+        self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> GpuUtilPoller:
+        import shutil
+
+        exe = shutil.which(self.command)
+        if exe is None:
+            return self
+        query = ["--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+        self._proc = subprocess.Popen(
+            [exe, f"--id={self.index}", *query, f"-lms={self.interval_ms}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self._thread = threading.Thread(target=self._read, name="gpu-util", daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                value = float(line.split(",")[0])
+            except ValueError:  # ("[N/A]", a warning)
+                continue
+            self.samples.append((time.perf_counter(), value))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def mean(self, start: float, end: float) -> float | None:
+        """The mean utilization (%) of the samples read in ``[start, end]`` (None: none)."""
+        inside = [value for t, value in self.samples if start <= t <= end]
+        return sum(inside) / len(inside) if inside else None
+
+
 class MetricsPoller:
     """Reads a server's ``/metrics`` every ``interval_s`` on a thread: the running and waiting
     requests' gauges, whose means over a window known only afterwards (a load's
