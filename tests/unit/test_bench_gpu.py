@@ -189,7 +189,7 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
              "offline_mode": "graphs", "step_kinds": {"decode replayed": 900,
                                                       "mixed replayed": 80},
              "cpu_cores": {"api_server": 0.41, "engine": 0.97, "clients": None},
-             "concurrency": 64, "gpu_busy_pct": 71.6,
+             "concurrency": 64, "gpu_busy_pct": 71.6, "gpu_busy_samples": 25,
              "server_view": {"running_mean": 47.25, "waiting_mean": 0.5, "samples": 30,
                              "server_ttft_ms_mean": 9.0, "server_queue_ms_mean": 1.25,
                              "server_e2e_ms_mean": 210.0, "client_ttft_ms_mean": 80.5,
@@ -211,7 +211,8 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
             "0.5 waiting on average, of 64 the clients keep in flight; mean time to first token "
             "9.0 ms at the server (queued 1.2 ms) against 80.5 ms at the clients; a request "
             "210 ms against 290 ms.") in md  # fmt: skip
-    assert "The GPU ran kernels 72% of the load (nvidia-smi's utilization every 0.1 s)." in md
+    assert "The GPU ran kernels 72% of the load (nvidia-smi's utilization, 25 reads 0.1 s " \
+           "apart)." in md  # fmt: skip
     log = "INFO captured 11 CUDA graphs\nINFO steps run: 812 decode replayed, 95 mixed eager\n"
     assert server_step_kinds(log) == {"decode replayed": 812, "mixed eager": 95}
     assert server_step_kinds("INFO shutting down\n") == {}
@@ -383,7 +384,7 @@ def test_the_whole_flow_on_a_tiny_model_on_the_cpu(tmp_path, capsys, monkeypatch
     assert "Host side (the profiler's CPU events, self time)" in md
     assert "targets:" in capsys.readouterr().out
     # A second run (one load, nothing else) reuses the model folder; its HTTP modes take turns
-    # (--http-repeats; the server runs stood in for: the section's own test starts one)
+    # (--http-repeats; the server runs stood in for: a server on a CPU takes a minute here)
     from infer.bench import gpu_http
 
     served = []

@@ -117,18 +117,21 @@ def test_the_metrics_poller_reads_gauges_over_a_window_and_histograms_over_the_l
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        with MetricsPoller(url, interval_s=0.01) as poller:
-            while len(poller.samples) < 3:
+        deadline = time.monotonic() + 30
+
+        def wait_for(k: int) -> None:
+            while len(poller.samples) < k:
+                assert time.monotonic() < deadline, poller.errors
                 time.sleep(0.01)
+
+        with MetricsPoller(url, interval_s=0.01) as poller:
+            wait_for(3)
             running.labels("a").set(7)  # 8 from now on
             ttft.labels("a").observe(0.010)
             ttft.labels("b").observe(0.030)
-            n = len(poller.samples)
-            while len(poller.samples) < n + 2:  # (the second read began after the change)
-                time.sleep(0.01)
-            start, n = time.perf_counter(), len(poller.samples)
-            while len(poller.samples) < n + 3:
-                time.sleep(0.01)
+            wait_for(len(poller.samples) + 2)  # (the second read began after the change)
+            start = time.perf_counter()
+            wait_for(len(poller.samples) + 3)
             end = time.perf_counter()
     finally:
         server.shutdown()
@@ -141,6 +144,8 @@ def test_the_metrics_poller_reads_gauges_over_a_window_and_histograms_over_the_l
     assert got["ttft"] == pytest.approx(20.0) and got["e2e"] is None
     gone = MetricsPoller(url)
     assert gone.scrape() == {} and gone.errors == 1
+    gone.last = poller.last  # (a first read that failed: no delta to take, no mean)
+    assert gone.histogram_means_ms() == {"ttft": None, "queue": None, "e2e": None}
 
 
 def test_the_gpu_utilization_poller_reads_nvidia_smi_over_a_window(tmp_path, monkeypatch):
@@ -154,7 +159,7 @@ def test_the_gpu_utilization_poller_reads_nvidia_smi_over_a_window(tmp_path, mon
     fake = tmp_path / "nvidia-smi"
     fake.write_text(
         "#!/bin/sh\n"
-        'case "$*" in *utilization.gpu*-lms=20*) ;; *) echo "bad args: $*"; exit 2;; esac\n'
+        'case "$*" in *utilization.gpu*--loop-ms=20*) ;; *) echo "bad args: $*"; exit 2;; esac\n'
         "echo 40; sleep 0.05; echo '[N/A]'; echo 60; sleep 0.05\n"
         "while true; do echo 90; sleep 0.02; done\n"
     )
@@ -162,15 +167,30 @@ def test_the_gpu_utilization_poller_reads_nvidia_smi_over_a_window(tmp_path, mon
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     with GpuUtilPoller(interval_ms=20) as poller:
         deadline = time.monotonic() + 10
-        while sum(v == 90 for _, v in poller.samples) < 3 and time.monotonic() < deadline:
+        settled = poller.SETTLE_S + 0.1  # (reads past the window's first, which are dropped)
+        while time.monotonic() < deadline and (
+            len(poller.samples) < 3 or poller.samples[-1][0] < poller.samples[0][0] + settled
+        ):
             time.sleep(0.01)
     values = [v for _, v in poller.samples]
     assert values[:2] == [40.0, 60.0] and set(values[2:]) == {90.0}
+    assert poller.unread == ["[N/A]"]
     first, last = poller.samples[0][0], poller.samples[-1][0]
-    assert poller.mean(first, last) == sum(values) / len(values)
+    settled = [v for t, v in poller.samples if t >= first + poller.SETTLE_S]
+    assert poller.mean(first, last) == sum(settled) / len(settled)  # (the first reads dropped)
+    assert poller.mean(first - poller.SETTLE_S, last) == sum(values) / len(values)
     assert poller.mean(last + 1, last + 2) is None
     assert poller._proc.poll() is not None  # (stopped with the block)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with GpuUtilPoller() as none:
         pass
     assert none.samples == [] and none.mean(0.0, 1e9) is None
+    fake.write_text(
+        "#!/bin/sh\necho 'Failed to initialize NVML: Driver/library version mismatch'\n"
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with GpuUtilPoller() as failing:
+        deadline = time.monotonic() + 10
+        while not failing.unread and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert failing.samples == [] and "Failed to initialize NVML" in failing.unread[-1]

@@ -671,7 +671,11 @@ def engine_mode(
                         kinds_before = _step_kinds(engine)
                         start = time.perf_counter()
                         res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
-                        row["gpu_busy_pct"] = gpu_util.mean(start, time.perf_counter())
+                        end = time.perf_counter()
+                        row["gpu_busy_pct"] = gpu_util.mean(start, end)
+                        row["gpu_busy_samples"] = len(gpu_util.window(start, end))
+                        if gpu_util.unread and row["gpu_busy_pct"] is None:
+                            log(f"nvidia-smi: {gpu_util.unread[-1]}")
                         row["step_kinds"] = _step_kinds_since(engine, kinds_before)
                         busy = row["gpu_busy_pct"]
                         log(
@@ -832,6 +836,7 @@ def http_medians(report: dict) -> None:
             continue
         offline = next((r["offline_tok_s"] for r in done if r.get("offline_tok_s")), None)
         first["runs_tok_s"] = [r["output_tok_s"] for r in done]
+        first["runs_failed"] = len(runs) - len(done)
         first["median_tok_s"] = statistics.median(first["runs_tok_s"])
         first["median_ratio"] = first["median_tok_s"] / offline if offline else None
         first.setdefault("offline_tok_s", offline)
@@ -906,7 +911,12 @@ def targets(report: dict) -> list[dict]:
     http = report.get("http") or {}
     ratio = http.get("median_ratio") or http.get("ratio")
     runs = http.get("runs_tok_s") or []
-    figure = (f"median of {len(runs)} runs {http['median_tok_s']:,.0f}" if http.get("median_ratio")
+    of = (
+        f"{len(runs)} of {len(runs) + http['runs_failed']}"
+        if http.get("runs_failed")
+        else len(runs)
+    )
+    figure = (f"median of {of} runs {http['median_tok_s']:,.0f}" if http.get("median_ratio")
               else f"{http.get('output_tok_s', 0):,.0f}")  # fmt: skip
     add(
         f"HTTP (infer serve) within 10% of the offline engine at C={http.get('concurrency', 64)}"
@@ -961,9 +971,11 @@ def _engine_markdown(eng: dict, roof: dict, p: int, o: int) -> list[str]:
     lines += md_table("mode | PxO@C | output tok/s | vs torch-eager | ITL p50 ms | TTFT p50 ms "
                       "| mean step ms | GPU busy % | steps (GPU step: replayed / padded / eager)",
                       rows, "llrrrrrrl")  # fmt: skip
-    lines += ["", "GPU busy: nvidia-smi's utilization (the share of time a kernel ran), sampled "
-              "every 0.1 s over the load; well under 100 with the host's work overlapping "
-              "the GPU's means the host sets the pace."]  # fmt: skip
+    if any(_get(res, "loads", k, "gpu_busy_pct") is not None
+           for res in eng.values() for k in res.get("loads") or {}):  # fmt: skip
+        lines += ["", "GPU busy: nvidia-smi's utilization (the share of time a kernel ran), "
+                  "sampled every 0.1 s over the load; well under 100 with the host's work "
+                  "overlapping the GPU's means the host sets the pace."]  # fmt: skip
     rows = []
     lim = roof.get("weight_read_ms")
     for mode, res in eng.items():
@@ -1059,7 +1071,8 @@ def _http_markdown(http: dict) -> list[str]:
         lines += ["", f"Cores kept busy while the load ran (CPU seconds / wall): {busy}."]
     if http.get("gpu_busy_pct") is not None:
         lines += ["", f"The GPU ran kernels {http['gpu_busy_pct']:.0f}% of the load "
-                  "(nvidia-smi's utilization every 0.1 s)."]  # fmt: skip
+                  f"(nvidia-smi's utilization, {http.get('gpu_busy_samples', '-')} reads "
+                  "0.1 s apart)."]  # fmt: skip
     view = http.get("server_view") or {}
     if view.get("samples"):
         lines += ["", f"The load as the server saw it (its /metrics, {view['samples']} reads): "
@@ -1262,6 +1275,7 @@ class _Sections:
         self.report, self.out = report, out
 
     def write(self) -> None:
+        http_medians(self.report)  # (also of the runs so far, when a limit cuts the repeats)
         self.report["targets"] = targets(self.report)
         (self.out / "gpu.json").write_text(json.dumps(self.report, indent=2, default=str))
         (self.out / "gpu.md").write_text(render_markdown(self.report))

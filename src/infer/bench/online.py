@@ -345,11 +345,16 @@ class GpuUtilPoller:
         gpu.mean(span.start, span.end)   # 97.5
     """
 
+    # A sample averages the driver's last period (1/6 s to 1 s by the product, nvidia-smi's
+    # manual says): those read this soon after a window opens still hold what came before it.
+    SETTLE_S = 0.2
+
     def __init__(self, interval_ms: int = 100, index: int = 0, command: str = "nvidia-smi"):
         self.interval_ms = interval_ms
         self.index = index
         self.command = command
         self.samples: list[tuple[float, float]] = []
+        self.unread: list[str] = []  # the last lines that were no number (an error, say)
         self._proc: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
 
@@ -361,9 +366,9 @@ class GpuUtilPoller:
             return self
         query = ["--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
         self._proc = subprocess.Popen(
-            [exe, f"--id={self.index}", *query, f"-lms={self.interval_ms}"],
+            [exe, f"--id={self.index}", *query, f"--loop-ms={self.interval_ms}"],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
             text=True,
         )
         self._thread = threading.Thread(target=self._read, name="gpu-util", daemon=True)
@@ -375,7 +380,8 @@ class GpuUtilPoller:
         for line in self._proc.stdout:
             try:
                 value = float(line.split(",")[0])
-            except ValueError:  # ("[N/A]", a warning)
+            except ValueError:  # ("[N/A]", a warning, an error)
+                self.unread = [*self.unread[-2:], line.strip()[:200]]
                 continue
             self.samples.append((time.perf_counter(), value))
 
@@ -386,13 +392,20 @@ class GpuUtilPoller:
                 self._proc.wait(timeout=5)
             if self._proc.poll() is None:
                 self._proc.kill()
-                self._proc.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=5)
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._proc is not None and self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+    def window(self, start: float, end: float) -> list[float]:
+        """The samples read in ``[start + SETTLE_S, end]``."""
+        return [value for t, value in self.samples if start + self.SETTLE_S <= t <= end]
 
     def mean(self, start: float, end: float) -> float | None:
-        """The mean utilization (%) of the samples read in ``[start, end]`` (None: none)."""
-        inside = [value for t, value in self.samples if start <= t <= end]
+        """The mean utilization (%) over ``[start, end]`` (:meth:`window`; None: no sample)."""
+        inside = self.window(start, end)
         return sum(inside) / len(inside) if inside else None
 
 
@@ -434,17 +447,17 @@ class MetricsPoller:
         wanted = set(self.GAUGES.values()) | {
             f"{name}{part}" for name in self.HISTOGRAMS.values() for part in ("_sum", "_count")
         }
+        values: dict[str, float] = {}
         try:
             with urllib.request.urlopen(self.url, timeout=2) as resp:
                 text = resp.read().decode()
-        except OSError:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in wanted:
+                        values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        except Exception:  # noqa: BLE001 - a read that failed (a reset, a cut page) counts, no more
             self.errors += 1
             return {}
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in wanted:
-                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
         return values
 
     def _run(self) -> None:
@@ -474,7 +487,9 @@ class MetricsPoller:
 
     def histogram_means_ms(self) -> dict[str, float | None]:
         """Each histogram's mean (ms) over what it counted between the first and last reads."""
-        means: dict[str, float | None] = {}
+        means: dict[str, float | None] = dict.fromkeys(self.HISTOGRAMS)
+        if not self.first or not self.last:  # (a delta from the server's start: no mean)
+            return means
         for key, name in self.HISTOGRAMS.items():
             counted = self.last.get(f"{name}_count", 0.0) - self.first.get(f"{name}_count", 0.0)
             total = self.last.get(f"{name}_sum", 0.0) - self.first.get(f"{name}_sum", 0.0)
