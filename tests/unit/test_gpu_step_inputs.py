@@ -14,6 +14,17 @@ from infer.runner.gpu.step import StepInputs, StepShape
 BS = 4
 
 
+def _upload_counting_copies(inputs: StepInputs, monkeypatch) -> list[int]:
+    """``inputs.upload()``, and the size of each copy it made."""
+    copies: list[int] = []
+    original = torch.Tensor.copy_
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "copy_",
+                  lambda self, src, **kw: copies.append(src.numel()) or original(self, src))  # fmt: skip
+        inputs.upload()
+    return copies
+
+
 def _inputs() -> StepInputs:
     shape = StepShape(max_rows=64, max_table_rows=8, max_seqs=4, max_blocks=6, max_tiles=8)
     return StepInputs(shape, torch.device("cpu"))
@@ -127,12 +138,7 @@ def test_a_step_is_copied_in_a_few_copies_of_what_it_wrote_after_its_rows_are_st
     ids, positions, fields = inputs.fill([11, 12], [6, 1], seqs, BS, upload=False)
     assert ids.tolist() == [0, 0] and fields["slots"].tolist() == [0, 0]  # (not yet copied)
     rows = inputs.stage("sample_rows", [1, 0])
-    copies = []
-    original = torch.Tensor.copy_
-    with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "copy_",
-                  lambda self, src, **kw: copies.append(src.numel()) or original(self, src))  # fmt: skip
-        inputs.upload()
+    copies = _upload_counting_copies(inputs, monkeypatch)
     assert ids.tolist() == [11, 12] and positions.tolist() == [6, 1]
     assert rows.tolist() == [1, 0] and fields["context_lens"].tolist() == [7, 2]
     assert fields["slots"].tolist() == [9 * BS + 2, 4 * BS + 1]
@@ -174,11 +180,6 @@ def test_a_decode_step_of_the_bench_engine_takes_five_copies(monkeypatch):
     inputs.fill([1] * 64, [100 + i for i in range(64)], seqs, 16, padded_rows=64, upload=False)
     inputs.stage("feed_rows", list(range(64)))
     inputs.stage("feed_sources", list(range(64)))
-    copies = []
-    original = torch.Tensor.copy_
-    with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "copy_",
-                  lambda self, src, **kw: copies.append(src.numel()) or original(self, src))  # fmt: skip
-        inputs.upload()
+    copies = _upload_counting_copies(inputs, monkeypatch)
     assert len(copies) == 5
     assert sum(copies) < 64 * 5 + 64 * 128 + 3 * 256 + 2 * 256 + 4 * 32 * 8

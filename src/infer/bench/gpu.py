@@ -671,11 +671,7 @@ def engine_mode(
                         kinds_before = _step_kinds(engine)
                         start = time.perf_counter()
                         res["loads"][key] = row = run_load(engine, c, n, pin, pout, seed=args.seed)
-                        end = time.perf_counter()
-                        row["gpu_busy_pct"] = gpu_util.mean(start, end)
-                        row["gpu_busy_samples"] = len(gpu_util.window(start, end))
-                        if gpu_util.unread and row["gpu_busy_pct"] is None:
-                            log(f"nvidia-smi: {gpu_util.unread[-1]}")
+                        row.update(gpu_util.report(start, time.perf_counter(), log))
                         row["step_kinds"] = _step_kinds_since(engine, kinds_before)
                         busy = row["gpu_busy_pct"]
                         log(

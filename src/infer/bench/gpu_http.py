@@ -113,10 +113,7 @@ def http_section(
             records, wall = load_done.result()
         res["cpu_cores"] = cpu_cores(poller, span)
         res["server_view"] = server_view(server, span, records)
-        res["gpu_busy_pct"] = gpu_util.mean(span.start, span.end)
-        res["gpu_busy_samples"] = len(gpu_util.window(span.start, span.end))
-        if gpu_util.unread and res["gpu_busy_pct"] is None:
-            log(f"nvidia-smi: {gpu_util.unread[-1]}")
+        res.update(gpu_util.report(span.start, span.end, log))
     finally:
         stop_server(proc)
     res["step_kinds"] = server_step_kinds(Path(proc.log_file.name).read_text(errors="replace"))

@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -407,6 +407,14 @@ class GpuUtilPoller:
         """The mean utilization (%) over ``[start, end]`` (:meth:`window`; None: no sample)."""
         inside = self.window(start, end)
         return sum(inside) / len(inside) if inside else None
+
+    def report(self, start: float, end: float, log: Callable[[str], None]) -> dict:
+        """A load's ``gpu_busy_pct`` and ``gpu_busy_samples`` over ``[start, end]``; when it
+        got no sample, logs the last line nvidia-smi wrote that was no number (its error)."""
+        busy = self.mean(start, end)
+        if busy is None and self.unread:
+            log(f"nvidia-smi: {self.unread[-1]}")
+        return {"gpu_busy_pct": busy, "gpu_busy_samples": len(self.window(start, end))}
 
 
 class MetricsPoller:
