@@ -180,6 +180,9 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     max_wait_steps: int | None = None  # priority aging: promote after this many waiting steps
     max_queued_requests: int | None = None  # bound on waiting requests (None: unbounded)
+    # A request's output goes out every this many tokens (its first token and its end at once):
+    # fewer, larger stream events, for less host work a token (vLLM's --stream-interval).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -200,6 +203,8 @@ class SchedulerConfig:
             )
         if self.max_wait_steps is not None and self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(  # (0 would refuse every request: nothing could ever wait)
                 f"max_queued_requests must be positive, got {self.max_queued_requests}"

@@ -320,12 +320,15 @@ def test_sampling_with_a_seed_is_reproducible(make_llm):
     assert _tokens(a, FEW[:3], params) == _tokens(b, FEW[:3], params)
 
 
-def test_deferred_outputs_stop_strings_aborts_and_n(make_llm):
+@pytest.mark.parametrize("stream_interval", [1, 3])
+def test_deferred_outputs_stop_strings_aborts_and_n(make_llm, stream_interval):
     """On the GPU step a step's outputs are made during the next step's forward pass: stop
     strings, stop ids, max_tokens, n > 1 and an abort mid-way give what the torch path gives,
-    and the last outputs are not left behind."""
+    and the last outputs are not left behind (also when ``--stream-interval`` holds tokens
+    back)."""
     ref = make_llm("llama", block_size=4)
-    llm = make_llm("llama", attention_backend="triton", block_size=4, max_num_seqs=4)
+    llm = make_llm("llama", attention_backend="triton", block_size=4, max_num_seqs=4,
+                   stream_interval=stream_interval)  # fmt: skip
     assert llm.engine._defer_outputs
     greedy = ref.generate(FEW[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     text = greedy[0].outputs[0].text

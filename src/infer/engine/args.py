@@ -197,6 +197,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default=s.preemption_mode, choices=["recompute", "swap"])
     g.add_argument("--max-wait-steps", type=int, default=None)
     g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=s.stream_interval,
+        help="send a request's new tokens every N tokens (its first token and its end at once): "
+        "fewer, larger stream events and less host work per token at high token rates "
+        "(default 1: every token)",
+    )
 
     g = parser.add_argument_group("parallelism")
     g.add_argument(
@@ -293,6 +301,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             preemption_mode=args.preemption_mode,
             max_wait_steps=args.max_wait_steps,
             max_queued_requests=args.max_queued_requests,
+            stream_interval=getattr(args, "stream_interval", 1),
         ),
         speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
         parallel=ParallelConfig(tensor_parallel_size=getattr(args, "tensor_parallel_size", 1)),

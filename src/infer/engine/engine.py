@@ -140,11 +140,27 @@ class KVCapacity:
 
 
 class _OutputState:
+    """What of a request has been turned into text and sent out.
+
+    With ``--stream-interval N`` an output goes out every N tokens; the tokens between wait
+    here (``num_sent_tokens`` stays behind), detokenized only when they go out, except for a
+    request with stop strings: its text is made every step (a stop string must end it at the
+    token that completed it) and held in ``text`` until it goes out::
+
+        output_token_ids  t0 t1 t2 t3 t4 t5 t6
+                          ^sent ...............^ num_output_tokens
+                          ^text ...........^ num_text_tokens (stop strings: every step)
+                          ^grammar ...........^ num_grammar_tokens (every step)
+    """
+
     def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
         self.detokenizer = detokenizer
         self.num_sent_tokens = 0
         self.num_sent_logprobs = 0
         self.sent_prompt_logprobs = False
+        self.num_text_tokens = 0  # tokens turned into text (held in ``text`` until sent)
+        self.text = ""
+        self.num_grammar_tokens = 0  # tokens a structured-output matcher has taken
 
 
 @dataclass(frozen=True)
@@ -421,6 +437,7 @@ class LLMEngine:
         # outputs at once) nor for steps with constrained requests (their grammars advance at
         # once).
         self._defer_outputs = self.runner.cuda_step is not None and self.proposer is None
+        self._stream_interval = config.scheduler.stream_interval
         self._deferred: list[tuple[Request, _OutputState]] = []
         # Async scheduling (the Triton step, one device): a decode step launched while the step
         # before runs, with the requests it was planned for (see _launch_ahead).
@@ -1374,7 +1391,7 @@ class LLMEngine:
                 self._advance_grammar(request)
             if defer:
                 self._deferred.append((request, self._states[request.request_id]))
-            else:
+            elif self._output_due(request, self._states[request.request_id]):
                 outputs.append(self._make_output(request))
         outputs.extend(self._pending)
         self._pending = []
@@ -1465,7 +1482,8 @@ class LLMEngine:
             if self._states.get(request.request_id) is not state:
                 continue
             try:
-                outputs.append(self._make_output(request))
+                if self._output_due(request, state):
+                    outputs.append(self._make_output(request))
             except Exception as e:  # noqa: BLE001 - one request's output must not lose the rest
                 logger.exception("making the output of %s failed", request.request_id)
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
@@ -1487,7 +1505,9 @@ class LLMEngine:
         """Feed a constrained request's new tokens to its matcher; end it when the grammar has
         ended (``stop``) or refused a token (``error``, which the mask makes impossible)."""
         assert self.structured is not None
-        new = request.output_token_ids[self._states[request.request_id].num_sent_tokens :]
+        state = self._states[request.request_id]
+        new = request.output_token_ids[state.num_grammar_tokens :]
+        state.num_grammar_tokens = request.num_output_tokens
         verdict = self.structured.advance(request, new)
         if verdict == "stop":
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -1528,20 +1548,37 @@ class LLMEngine:
             return
         self.scheduler.add_proposals(proposals)
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        state = self._states[request.request_id]
+    def _output_due(self, request: Request, state: _OutputState) -> bool:
+        """Whether a request that progressed this step sends an output now: always, unless
+        ``--stream-interval`` holds its tokens back (not its first, not its last). A request
+        with stop strings held back still has its text made (:meth:`_advance_text`)."""
+        interval = self._stream_interval
+        if interval == 1 or request.is_finished or state.num_sent_tokens == 0:
+            return True
+        if request.num_output_tokens - state.num_sent_tokens >= interval:
+            return True
+        if state.detokenizer.stop:
+            self._advance_text(request, state)
+            return request.is_finished  # it has just met a stop string
+        return False
+
+    def _advance_text(self, request: Request, state: _OutputState) -> None:
+        """Turn the tokens not yet made text into text (held in ``state.text``); a stop string
+        among them ends the request there."""
+        new_ids = request.output_token_ids[state.num_text_tokens :]
+        if not new_ids:  # (made already: a held-back request whose output goes out now)
+            return
         detok = state.detokenizer
-        new_ids = request.output_token_ids[state.num_sent_tokens :]
+        state.num_text_tokens = request.num_output_tokens
         # An EOS or stop id ends the output, its text left out (as a stop string's is) unless
         # include_stop_str_in_output; the token stays in the output's ids and counts.
         stop_text = request.sampling_params.include_stop_str_in_output
         if new_ids and request.stopped_on_token and not stop_text:
             new_ids = new_ids[:-1]
         try:
-            text = detok.add_tokens(new_ids)
+            state.text += detok.add_tokens(new_ids)
         except Exception as e:  # noqa: BLE001 - a decoding failure fails this request only
             logger.exception("detokenization failed for %s", request.request_id)
-            text = ""
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
                 request.error = f"detokenization failed: {e}"
@@ -1550,9 +1587,15 @@ class LLMEngine:
         if detok.stop_string is not None:
             request.stop_reason = detok.stop_string
             self.scheduler.stop_at_string(request, detok.num_output_tokens)
+            state.num_text_tokens = request.num_output_tokens
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        state = self._states[request.request_id]
+        self._advance_text(request, state)
+        text, state.text = state.text, ""
         finished = request.is_finished  # decided from here on
         if finished:
-            text += detok.finish()
+            text += state.detokenizer.finish()
         new_ids = request.output_token_ids[state.num_sent_tokens :]  # after a stop string's cut
         state.num_sent_tokens = request.num_output_tokens
         new_logprobs = request.output_logprobs[state.num_sent_logprobs :]
