@@ -111,6 +111,9 @@ MODES: dict[str, dict[str, Any]] = {
     "graphs-mixed-tiles": {"attention_backend": "triton", "enforce_eager": False},
     # graphs with torch.compile's kernels for the norms and the activation (compiled_ops.py)
     "graphs-compile": {"attention_backend": "triton", "enforce_eager": False},
+    # graphs, a request's tokens sent 8 at a time (--stream-interval 8): over HTTP, what the
+    # server's work per streamed token costs
+    "graphs-stream8": {"attention_backend": "triton", "enforce_eager": False, "stream_interval": 8},
 }
 # Modes that are an environment switch over their engine settings (set while the engine starts).
 MODE_ENV: dict[str, dict[str, str]] = {
@@ -152,6 +155,8 @@ def mode_server_flags(mode: str) -> list[str]:
         flags.append("--enforce-eager")
     if settings.get("async_scheduling") is False:
         flags.append("--no-async-scheduling")
+    if settings.get("stream_interval", 1) != 1:
+        flags += ["--stream-interval", str(settings["stream_interval"])]
     return flags
 
 
