@@ -39,13 +39,8 @@ def test_streamed_events_carry_n_tokens_and_the_text_is_the_offline_engines(serv
     assert [e["usage"]["completion_tokens"] for e in chunks] == [1, 5, 9, 13, 14]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 14
-    want = (
-        offline_llm.generate(PROMPT, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))[
-            0
-        ]
-        .outputs[0]
-        .text
-    )
+    greedy = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    want = offline_llm.generate(PROMPT, greedy)[0].outputs[0].text
     assert "".join(e["choices"][0]["text"] for e in chunks) == want
 
 
