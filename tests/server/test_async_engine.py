@@ -159,6 +159,45 @@ def test_timeout_ends_the_request_with_abort(engine, monkeypatch):
     assert outs[-1].num_output_tokens < 900
 
 
+@pytest.mark.parametrize("how", ["end", "drain"])
+def test_a_stream_the_server_ends_gets_the_tokens_the_stream_interval_held_back(
+    engine, monkeypatch, how
+):
+    """A deadline or a drain ends a request through its stream (``_End``): the final output is
+    the engine's abort, with every token made since the last one sent."""
+    monkeypatch.setenv(STEP_DELAY_ENV, "0.01")
+    monkeypatch.setattr(engine, "_stream_interval", 10_000)
+    finished = []
+
+    async def body(bridge):
+        stream = bridge.add_group([AddRequest("slow", ids(engine, "Once"), LONG)])
+        await stream.accepted()
+        start = bridge.stats.generation_tokens_total
+        while bridge.stats.generation_tokens_total < start + 4:  # its first token, 3 held
+            await asyncio.sleep(0.01)
+        if how == "end":
+            stream.end("ended by the test")
+            return [out async for _, out in stream]
+        outs = []
+
+        async def consume():
+            outs.extend([out async for _, out in stream])
+
+        task = asyncio.ensure_future(consume())
+        await bridge.drain(0.0)  # the drain's abort, then the engine stops (run's shutdown)
+        await bridge.shutdown()
+        await task
+        return outs
+
+    outs = run(engine, body, on_finished=finished.append)
+    final = outs[-1]
+    why = "ended by the test" if how == "end" else "server shutting down"
+    assert final.finished and final.finish_reason == "abort" and final.error == why
+    assert len(outs) == 2  # the first token alone, then the rest with the end
+    assert sum(len(o.new_token_ids) for o in outs) == final.num_output_tokens >= 4
+    assert [o.num_output_tokens for o in finished] == [final.num_output_tokens]
+
+
 def test_calls_run_on_the_engine_thread(engine, monkeypatch):
     monkeypatch.setattr(
         engine, "where", lambda x: (threading.current_thread().name, x), raising=False

@@ -76,3 +76,17 @@ def test_the_server_side_puts_every_list_back_together():
     final = mirror.unpack(final)
     assert final[0].timings.token_times == engine_times
     assert mirror._times == {}  # nothing kept for a finished request
+
+
+def test_an_output_sent_after_the_next_step_carries_its_own_tokens_timestamps():
+    """On the GPU step a step's outputs are made while the next step runs and sent after it:
+    the request's live list has the next step's time too, which is not this output's."""
+    mirror = TokenTimesMirror()
+    live = [0.0, 1.0, 2.0]
+    first = _output("a", live, 3, False)  # a first output goes whole
+    mirror.unpack(pickle.loads(pickle.dumps(pack_for_pipe([first]))))
+    live += [3.0, 4.0, 5.0]  # tokens 4 and 5 (held back), then the next step's token 6
+    held = RequestOutput("a", [1, 1], "x", finished=False, num_output_tokens=5,
+                         timings=first.timings)  # fmt: skip
+    (got,) = mirror.unpack(pickle.loads(pickle.dumps(pack_for_pipe([held]))))
+    assert got.timings.token_times == [0.0, 1.0, 2.0, 3.0, 4.0]

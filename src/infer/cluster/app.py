@@ -236,13 +236,13 @@ def build(args: dict[str, Any]) -> serve.Application:
 
     Keys: ``model`` (required), ``replicas`` (2), ``policy`` (prefix), ``served_model_name``,
     ``enable_prefix_caching`` (true), ``max_num_seqs``, ``max_queued_requests``,
-    ``block_size``, ``replica_cpus`` (1), ``torch_threads`` (1), ``max_load_gap`` (4),
+    ``block_size``, ``stream_interval`` (1), ``replica_cpus`` (1), ``torch_threads`` (1), ``max_load_gap`` (4),
     ``hf_overrides`` (JSON, as ``--hf-overrides``).
     """
     from infer.engine.model_source import resolve_model_path
 
     known = {"model", "replicas", "policy", "served_model_name", "enable_prefix_caching",
-             "max_num_seqs", "max_queued_requests", "block_size", "replica_cpus",
+             "max_num_seqs", "max_queued_requests", "block_size", "stream_interval", "replica_cpus",
              "torch_threads", "max_load_gap", "hf_overrides"}  # fmt: skip
     unknown = sorted(set(args) - known)
     if unknown:
@@ -253,7 +253,7 @@ def build(args: dict[str, Any]) -> serve.Application:
     flag = str(args.get("enable_prefix_caching", "true")).lower() in ("1", "true", "yes")
     engine_kwargs: dict[str, Any] = {"model": model, "enable_prefix_caching": flag,
                                      "hf_overrides": args.get("hf_overrides")}  # fmt: skip
-    for key in ("max_num_seqs", "max_queued_requests", "block_size"):
+    for key in ("max_num_seqs", "max_queued_requests", "block_size", "stream_interval"):
         if key in args:
             engine_kwargs[key] = int(args[key])
     config = EngineConfig.from_kwargs(**engine_kwargs)

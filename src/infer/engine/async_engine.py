@@ -63,6 +63,11 @@ __all__ = [
 ]
 
 
+END_GRACE_S = 5.0
+"""How long a stream the server ends (a deadline, a drain) waits for the engine's final outputs
+of its aborted requests (one step, normally) before it makes them itself."""
+
+
 class EngineStoppedError(Exception):
     """The engine is shutting down or has died (HTTP 503)."""
 
@@ -145,8 +150,8 @@ class RequestStream:
                         raise item.error
                     continue
                 if isinstance(item, _End):
-                    for rid, out in self._abort_outputs(item.why):
-                        yield self._index[rid], out
+                    async for pair in self._end(item.why):
+                        yield pair
                     return
                 out: RequestOutput = item
                 if out.request_id not in self._unfinished:
@@ -162,6 +167,35 @@ class RequestStream:
                 self.abort()
             if self._timer is not None:
                 self._timer.cancel()
+
+    async def _end(self, why: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The server ends the unfinished children (a deadline, a drain): the engine aborts
+        them, and their final outputs are the engine's, which carry every token it made, those
+        held back by ``--stream-interval`` included; they end with ``finish_reason`` abort
+        and ``why`` as their error. Where the engine has not answered within
+        ``END_GRACE_S`` (or is dead) the final outputs are made here, from the last ones seen."""
+        ids = tuple(rid for rid in self.request_ids if rid in self._unfinished)
+        if ids and self._engine.dead is None:
+            self._engine.send(AbortRequests(ids))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + END_GRACE_S
+            while self._unfinished:
+                try:
+                    item = await asyncio.wait_for(self._get(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    break
+                if not isinstance(item, RequestOutput) or item.request_id not in self._unfinished:
+                    continue  # an ack, an earlier end
+                out = self._take_queued(item)
+                if out.finished:
+                    if out.finish_reason == "abort" and out.error is None:
+                        out = dataclasses.replace(out, error=why)
+                    self._unfinished.discard(out.request_id)
+                    self._engine.request_done(out.request_id, out)
+                self._last[out.request_id] = out
+                yield self._index[out.request_id], out
+        for rid, out in self._abort_outputs(why, tell_engine=False):
+            yield self._index[rid], out
 
     def _take_queued(self, out: RequestOutput) -> RequestOutput:
         """``out`` joined with the deltas of the same request already queued behind it.
@@ -181,12 +215,13 @@ class RequestStream:
                 self._early.append(item)
         return out
 
-    def _abort_outputs(self, why: str) -> list[tuple[str, RequestOutput]]:
+    def _abort_outputs(self, why: str, tell_engine: bool = True) -> list[tuple[str, RequestOutput]]:
         """End every unfinished child as aborted: tell the engine, synthesise final deltas."""
         ids = [rid for rid in self.request_ids if rid in self._unfinished]
         if not ids:
             return []
-        self._engine.send(AbortRequests(tuple(ids)))
+        if tell_engine:
+            self._engine.send(AbortRequests(tuple(ids)))
         done = []
         now = time.perf_counter()
         for rid in ids:

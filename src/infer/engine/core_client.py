@@ -187,7 +187,10 @@ def pack_for_pipe(replies: list) -> list:
                 times = t.token_times
                 new = len(r.new_token_ids)
                 if not r.finished and len(times) > new:
-                    times = times[len(times) - new :]
+                    # (by the output's own count: an output made during the next step, on the
+                    # GPU step, is sent after that step has added its tokens' times)
+                    end = r.num_output_tokens
+                    times = times[end - new : end]
                 t = (t.arrival, t.first_scheduled, t.first_token, times, t.finished)
             r = (r.request_id, r.new_token_ids, r.new_text, r.new_logprobs, r.finished,
                  r.finish_reason, r.stop_reason, r.num_prompt_tokens, r.num_output_tokens,

@@ -10,7 +10,8 @@ process: see ``core_client``), so both modes serve by exactly the same rules:
   error, and nothing else changes;
 - a forward pass that fails fails the requests of its batch (``LLMEngine.step``); any other
   exception out of ``step()`` fails every unfinished request, and the loop goes on serving;
-- ``Stop`` aborts whatever is left, lets the engine release it, and returns.
+- ``Stop`` aborts whatever is left, lets the engine release it, emits their final outputs and
+  returns.
 
 Every emitted list ends with a ``StatsUpdate``, so the frontend's view of the queue (for 429s and
 ``/metrics``) is never more than one step old.
@@ -141,7 +142,7 @@ class _Loop:
                 for rid in engine.unfinished_request_ids():
                     engine.abort_request(rid)
                 while engine.has_unfinished_requests():
-                    engine.step()
+                    replies.extend(engine.step())  # the aborted requests' final outputs
                 self.emit([*replies, self.stats(), EngineStopped()])
                 return
             if engine.has_unfinished_requests() or aborted:

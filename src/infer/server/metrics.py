@@ -172,7 +172,9 @@ class _ManyHistogram(Collector):
 
     def __init__(self, name: str, doc: str, label: tuple[str, str], buckets: Iterable[float]):
         self.name, self.doc, self.label = name, doc, label
-        self.bounds = [float(b) for b in buckets]
+        self.bounds = [float(b) for b in buckets if b != float("inf")]  # (+Inf: added below)
+        if self.bounds != sorted(set(self.bounds)):
+            raise ValueError("histogram buckets must be in increasing order")
         self._counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
         self._sum = 0.0
         self._lock = threading.Lock()  # (a scrape may run on another thread)
