@@ -1,6 +1,7 @@
 """The engine's host work per decode step at a large batch, with a model too small to matter.
 
-    python benchmarks/host_step.py [--batch 256] [--steps 96] [--runs 5] [--out bench-results/host]
+    python benchmarks/host_step.py [--batch 256] [--steps 96] [--runs 5] [--stream-interval 1]
+                                   [--out bench-results/host]
 
 On a GPU a step of 256 decoding requests is host-bound: the device finishes its part (~2 ms for
 a 1B model) before the host has scheduled the step, filled its inputs, applied the sampled
@@ -13,6 +14,8 @@ counters (``engine.step_times``), the median step of each run, the median over r
 Parts: ``schedule`` (the scheduler's plan, blocks included), ``prepare`` (the runner's inputs),
 ``update`` (the sampled tokens applied, stop checks, the outputs made: detokenization, logprobs)
 and, for reference only, ``forward`` and ``sample`` (the CPU computing what a GPU would).
+``--stream-interval N``: the engine makes a request's output every N tokens (``update`` then
+holds what ``--stream-interval`` saves the engine).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=96)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--out", default="bench-results/host")
     args = p.parse_args(argv)
 
@@ -67,19 +71,22 @@ def main(argv: list[str]) -> int:
         num_attention_heads=2, num_key_value_heads=2,
     )  # fmt: skip
     engine = make_engine(model, dtype="bfloat16", max_num_seqs=args.batch,
-                         max_num_batched_tokens=max(8192, args.batch), kv_cache_memory=1 << 30)  # fmt: skip
+                         max_num_batched_tokens=max(8192, args.batch), kv_cache_memory=1 << 30,
+                         stream_interval=args.stream_interval)  # fmt: skip
     measure(engine, args.batch, 8, seed=0)  # warm-up
     runs = [measure(engine, args.batch, args.steps, seed=r + 1) for r in range(args.runs)]
     result = {
         "cpu": cpu_model(),
         "batch": args.batch,
+        "stream_interval": args.stream_interval,
         "steps": args.steps,
         "runs": runs,
         "median_ms": {k: statistics.median(r[k] for r in runs) for k in PARTS},
     }
     med = result["median_ms"]
     host = med["schedule"] + med["prepare"] + med["update"]
-    print(f"{result['cpu']}: batch {args.batch}, median ms per decode step: "
+    print(f"{result['cpu']}: batch {args.batch}, stream interval {args.stream_interval}, "
+          "median ms per decode step: "
           + ", ".join(f"{k} {med[k]:.3f}" for k in PARTS) + f"; host (schedule + prepare + "
           f"update) {host:.3f} ms = {1000 * args.batch / host:,.0f} tok/s if nothing else ran")  # fmt: skip
     out = Path(args.out)
