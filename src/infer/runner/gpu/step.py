@@ -419,8 +419,9 @@ class StepInputs:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def _upload(self, name: str, n: int) -> torch.Tensor:
-        """The device view of ``name``'s first ``n`` rows, which :meth:`upload` copies."""
+    def _device_rows(self, name: str, n: int) -> torch.Tensor:
+        """The device view of ``name``'s first ``n`` rows; their range is marked written, for
+        :meth:`upload` to copy (nothing is copied here)."""
         dtype, offset, per_row = self._where[name]
         if n:
             self._written[dtype].append((offset, offset + n * per_row))
@@ -446,7 +447,7 @@ class StepInputs:
         if n > getattr(self, name)[0].shape[0]:
             return torch.tensor(rows, dtype=torch.long, device=self.device)
         self._np[name][:n] = rows
-        return self._upload(name, n)
+        return self._device_rows(name, n)
 
     def tile_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The device tile list's parts: sequences ``[max_tiles]``, tile indices
@@ -515,11 +516,11 @@ class StepInputs:
             a["slots"][:n] = blocks * block_size + pos % block_size
             a["context_lens"][:n] = pos + 1
             a["context_lens"][n:rows] = 0
-            self._upload("tables", rows)
+            self._device_rows("tables", rows)
             fields = dict(
-                slots=self._upload("slots", rows),
+                slots=self._device_rows("slots", rows),
                 tables=self.tables[1][:rows],
-                context_lens=self._upload("context_lens", rows),
+                context_lens=self._device_rows("context_lens", rows),
             )
         else:
             _write_rows(tables, [s.block_table for s in seqs])
@@ -539,23 +540,23 @@ class StepInputs:
                 for start, values in ((0, one), (m, seq_of_token[one]), (2 * m, pos[one] + 1)):
                     a["decode_list"][start : start + k] = values
                     a["decode_list"][start + k : start + entries] = 0  # unused: writes nothing
-                self._upload("decode_list", 2 * m + entries)
+                self._device_rows("decode_list", 2 * m + entries)
                 fields["decode_entries"] = entries
             if tile_size is not None:
                 seq, tile = prefill_tiles(chunks, tile_size)
                 k, m, t = len(seq), self.shape.max_tiles, a["tiles"]
                 t[0], t[1 : 1 + k], t[1 + m : 1 + m + k] = k, seq, tile
-                self._upload("tiles", 1 + m + k)
-            self._upload("tables", len(seqs))
+                self._device_rows("tiles", 1 + m + k)
+            self._device_rows("tables", len(seqs))
             fields |= dict(
-                slots=self._upload("slots", rows),
+                slots=self._device_rows("slots", rows),
                 tables=self.tables[1][: len(seqs)],
-                query_start=self._upload("query_start", len(seqs) + 1),
-                num_computed=self._upload("num_computed", len(seqs)),
+                query_start=self._device_rows("query_start", len(seqs) + 1),
+                num_computed=self._device_rows("num_computed", len(seqs)),
                 max_query_len=int(new.max()),
             )
-        ids = self._upload("ids", rows)
-        positions_t = self._upload("positions", rows)
+        ids = self._device_rows("ids", rows)
+        positions_t = self._device_rows("positions", rows)
         if upload:
             self.upload()
         return ids, positions_t, fields
