@@ -54,3 +54,22 @@ def test_a_stop_string_ends_the_stream_where_it_ends_offline(server, offline_llm
     chunks = [e for e in _events(server, body) if e["choices"]]
     assert "".join(e["choices"][0]["text"] for e in chunks) == text[: text.index(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_streamed_chat_reply_with_logprobs_adds_up_to_the_whole_reply(server):
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 9, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    whole = httpx.post(f"{server.base_url}/chat/completions", headers=server.headers,
+                       json=body, timeout=120).json()["choices"][0]  # fmt: skip
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", headers=server.headers,
+                      json={**body, "stream": True}, timeout=120) as r:  # fmt: skip
+        lines = [ln[len("data: ") :] for ln in r.iter_lines() if ln.startswith("data: ")]
+    events = [json.loads(ln) for ln in lines[:-1]]
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    logprobs = [lp for c in choices if c.get("logprobs") for lp in c["logprobs"]["content"]]
+    assert content == whole["message"]["content"]
+    assert logprobs == whole["logprobs"]["content"] and len(logprobs) == 9
+    # 9 tokens at an interval of 4: the first alone, then 4, then the last 4 with the end
+    assert [len(c["logprobs"]["content"]) for c in choices if c.get("logprobs")] == [1, 4, 4]
