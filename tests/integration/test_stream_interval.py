@@ -10,6 +10,7 @@ import pytest
 from infer import SamplingParams
 from infer.core.outputs import RequestOutput
 from infer.core.structured import StructuredOutputs
+from infer.engine.detokenizer import IncrementalDetokenizer
 
 from .conftest import PROMPTS
 
@@ -107,6 +108,29 @@ def test_a_constrained_request_held_back_follows_its_grammar(make_llm):
     for rid, deltas in held.items():
         assert _joined(deltas) == _joined(every[rid])
         assert re.fullmatch(spec.regex, _joined(deltas)[1]), _joined(deltas)[1]
+
+
+@pytest.mark.parametrize("interval", [1, 100])
+def test_text_that_cannot_be_made_at_the_end_ends_the_request_with_an_error(
+    make_llm, monkeypatch, interval
+):
+    """A detokenization failure on a request's last tokens (at an interval, all it held back)
+    is the request's error, not text silently missing from an answer that ends as usual."""
+    real = IncrementalDetokenizer.add_tokens
+
+    def failing_at_the_end(self, token_ids):
+        if self.num_output_tokens + len(token_ids) >= 10:
+            raise ValueError("undecodable")
+        return real(self, token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens", failing_at_the_end)
+    llm = make_llm("llama", stream_interval=interval)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    deltas = _deltas(llm, [params])["r0"]
+    final = deltas[-1]
+    assert final.finished and final.finish_reason == "error"
+    assert final.error == "detokenization failed: undecodable"
+    assert llm.engine.scheduler.counters.finished == {"error": 1}
 
 
 def test_the_stream_interval_is_checked(make_llm):

@@ -1579,9 +1579,12 @@ class LLMEngine:
             state.text += detok.add_tokens(new_ids)
         except Exception as e:  # noqa: BLE001 - a decoding failure fails this request only
             logger.exception("detokenization failed for %s", request.request_id)
+            request.error = f"detokenization failed: {e}"
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-                request.error = f"detokenization failed: {e}"
+            else:  # (its last tokens, or tokens --stream-interval held back: text is missing)
+                self.scheduler.refinish(request, RequestStatus.FINISHED_ERROR)
+            return
         # A stop string wins over a finish on the same or a later token (max_tokens, a
         # grammar's end): the output ends with it, so it is why the output ended.
         if detok.stop_string is not None:

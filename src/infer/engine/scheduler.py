@@ -352,13 +352,19 @@ class Scheduler:
         if not request.is_finished:
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             return
+        self.refinish(request, RequestStatus.FINISHED_STOPPED)
+
+    def refinish(self, request: Request, status: RequestStatus) -> None:
+        """A finished request ends another way after all (a stop string found after a finish
+        on length, a failure found while its output was made): its finish is counted anew."""
         finished = self.counters.finished
         old = request.status.finish_reason or "unknown"
         finished[old] -= 1
         if not finished[old]:
             del finished[old]
-        finished["stop"] = finished.get("stop", 0) + 1
-        request.status = RequestStatus.FINISHED_STOPPED
+        new = status.finish_reason or "unknown"
+        finished[new] = finished.get(new, 0) + 1
+        request.status = status
 
     def add_proposals(self, proposals: dict[str, list[int]]) -> None:
         """Speculative decoding: tokens proposed to follow each request, verified next step.
