@@ -14,6 +14,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.done: list[str] = []
         self.sent: list = []
+        self.forgotten: list[str] = []
+        self.dead = None
 
     def request_done(self, request_id: str, out: RequestOutput) -> None:
         self.done.append(request_id)
@@ -22,7 +24,7 @@ class FakeEngine:
         self.sent.append(command)
 
     def forget(self, request_id: str) -> None:
-        pass
+        self.forgotten.append(request_id)
 
 
 def delta(rid: str, tokens: list[int], text: str, total: int, finished: bool = False,
@@ -86,3 +88,39 @@ def test_a_finished_delta_is_never_merged_with_what_follows():
     items = [Ack("a", None), delta("a", [1], "x", 1, finished=True), delta("a", [9], "n", 1)]
     got, _ = consume(["a"], items)
     assert [out.new_token_ids for _, out in got] == [[1]]
+
+
+def _ended(items_after_end: list, delay_s: float = 0.01):
+    """A stream ended by the server (``_End``) while its child's ack was pending; what the
+    engine sends after is queued ``delay_s`` later. The outputs, the finished ids, the engine."""
+
+    async def main():
+        engine = FakeEngine()
+        stream = RequestStream(engine, ["a"], deadline=None)
+        stream.end("server shutting down")
+        loop = asyncio.get_running_loop()
+        for item in items_after_end:
+            loop.call_later(delay_s, stream._put, item)
+        t0 = loop.time()
+        await stream.accepted()
+        got = [out async for _, out in stream]
+        return got, engine, loop.time() - t0
+
+    return asyncio.run(main())
+
+
+def test_a_refused_request_the_server_ends_is_not_reported_and_not_waited_for():
+    got, engine, seconds = _ended([Ack("a", ValueError("too long"))])
+    assert got == [] and engine.done == [] and engine.forgotten == ["a"]
+    assert seconds < 1  # not END_GRACE_S
+    assert [type(c).__name__ for c in engine.sent] == ["AbortRequests"]
+
+
+def test_an_engine_failure_while_the_server_ends_a_stream_still_ends_it_as_an_abort():
+    from infer.engine.core_loop import error_output
+
+    got, engine, _ = _ended([Ack("a", None), delta("a", [7], "x", 1),
+                             error_output("a", "the engine was stopped")])  # fmt: skip
+    assert [o.finish_reason for o in got] == [None, "abort"]
+    assert got[-1].error == "server shutting down" and got[-1].num_output_tokens == 1
+    assert engine.done == ["a"]

@@ -66,6 +66,7 @@ __all__ = [
 END_GRACE_S = 5.0
 """How long a stream the server ends (a deadline, a drain) waits for the engine's final outputs
 of its aborted requests (one step, normally) before it makes them itself."""
+_GRACE_OVER = object()  # queued into a stream when END_GRACE_S has passed
 
 
 class EngineStoppedError(Exception):
@@ -172,28 +173,44 @@ class RequestStream:
         """The server ends the unfinished children (a deadline, a drain): the engine aborts
         them, and their final outputs are the engine's, which carry every token it made, those
         held back by ``--stream-interval`` included; they end with ``finish_reason`` abort
-        and ``why`` as their error. Where the engine has not answered within
-        ``END_GRACE_S`` (or is dead) the final outputs are made here, from the last ones seen."""
+        and ``why`` as their error. Where the engine has not answered within ``END_GRACE_S``,
+        has failed meanwhile (an error output) or is dead, the final outputs are made here,
+        from the last ones seen, as before the engine could answer."""
         ids = tuple(rid for rid in self.request_ids if rid in self._unfinished)
         if ids and self._engine.dead is None:
             self._engine.send(AbortRequests(ids))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + END_GRACE_S
-            while self._unfinished:
-                try:
-                    item = await asyncio.wait_for(self._get(), deadline - loop.time())
-                except asyncio.TimeoutError:
-                    break
-                if not isinstance(item, RequestOutput) or item.request_id not in self._unfinished:
-                    continue  # an ack, an earlier end
-                out = self._take_queued(item)
-                if out.finished:
-                    if out.finish_reason == "abort" and out.error is None:
-                        out = dataclasses.replace(out, error=why)
-                    self._unfinished.discard(out.request_id)
-                    self._engine.request_done(out.request_id, out)
-                self._last[out.request_id] = out
-                yield self._index[out.request_id], out
+            logger.info("aborting %s (%s)", ",".join(ids), why)
+            # NOTE: a marker queued by a timer, not asyncio.wait_for: on Python < 3.12
+            # wait_for can swallow the consumer's cancellation (a client that left).
+            timer = asyncio.get_running_loop().call_later(END_GRACE_S, self._put, _GRACE_OVER)
+            try:
+                while self._unfinished:
+                    item = await self._get()
+                    if item is _GRACE_OVER:
+                        break
+                    if isinstance(item, Ack):
+                        self._unacked.discard(item.request_id)
+                        if item.error is not None:  # refused: it never ran, is not reported
+                            self._unfinished.discard(item.request_id)
+                            self._engine.forget(item.request_id)
+                        continue
+                    if (
+                        not isinstance(item, RequestOutput)
+                        or item.request_id not in self._unfinished
+                    ):
+                        continue  # an earlier end
+                    out = item  # (not merged: an error output would swallow the deltas)
+                    if out.finish_reason == "error":
+                        break  # the engine failed meanwhile: the abort is made here
+                    if out.finished:
+                        if out.finish_reason == "abort" and out.error is None:
+                            out = dataclasses.replace(out, error=why)
+                        self._unfinished.discard(out.request_id)
+                        self._engine.request_done(out.request_id, out)
+                    self._last[out.request_id] = out
+                    yield self._index[out.request_id], out
+            finally:
+                timer.cancel()
         for rid, out in self._abort_outputs(why, tell_engine=False):
             yield self._index[rid], out
 

@@ -18,6 +18,7 @@ import uvicorn
 from infer.config import EngineConfig
 from infer.engine.affinity import CpuBinding, plan_cpu_binding
 from infer.engine.args import add_engine_args, byte_size, engine_config_from_args
+from infer.engine.async_engine import END_GRACE_S
 from infer.engine.heap import freeze_startup_heap, frozen_imports
 
 if TYPE_CHECKING:
@@ -370,7 +371,8 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,  # ours (infer.access) says more: request id, tokens
-        timeout_graceful_shutdown=args.drain_timeout + 5,
+        # (the drain, then each ended stream's wait for the engine's final outputs)
+        timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S + 5,
         timeout_keep_alive=30,
     )
     server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
