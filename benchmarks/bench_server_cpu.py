@@ -2,8 +2,9 @@
 
 Starts ``infer serve`` on a tiny random Llama (hidden 64, one layer, float32: the engine's step
 is short, so the server's share shows) once per arm and round, drives it from a client process
-of its own (httpx, ``C`` streamed completions of 128-token token-id prompts in flight) and
-reads the API server process's CPU seconds from ``/proc`` over the load. CPU seconds, not wall
+of its own (the online driver's closed loop, infer's own client: ``C`` streamed completions of
+128-token token-id prompts in flight) and reads the API server process's CPU seconds from
+``/proc`` over the load. CPU seconds, not wall
 time: the figure holds on a small shared box where the server, its engine process and the
 client share the cores. Arms alternate round by round; each arm is a name, the source folder
 it runs from (``PYTHONPATH``, so two commits can be compared side by side) and server flags::
@@ -28,7 +29,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 LOADS = {  # name: (concurrency, requests, output tokens)
@@ -39,43 +39,19 @@ PROMPT_LEN = 128
 
 
 def _client(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
-    """The load, in this (client) process: events and tokens seen, wall seconds."""
-    import httpx
+    """The load, in this (client) process, through the online driver's closed loop (infer's
+    own client): events and tokens seen, wall seconds."""
+    from infer.bench.client import api_base
+    from infer.bench.online import closed_loop
 
-    random.seed(0)
-    prompts = [[random.randrange(3, 1000) for _ in range(PROMPT_LEN)] for _ in range(requests)]
-    events = tokens = 0
-
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
-        nonlocal events, tokens
-        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event["choices"]:
-                    events += 1
-                if event.get("usage"):
-                    tokens += event["usage"]["completion_tokens"]
-
-    async def main() -> float:
-        limits = httpx.Limits(max_connections=concurrency + 8)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            todo = list(prompts)
-
-            async def worker() -> None:
-                while todo:
-                    await one(client, todo.pop())
-
-            t0 = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return time.perf_counter() - t0
-
-    wall = asyncio.run(main())
-    return {"events": events, "tokens": tokens, "wall_s": wall}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(PROMPT_LEN)] for _ in range(requests)]
+    records, wall = asyncio.run(closed_loop(api_base(url), prompts, concurrency, max_tokens))
+    failed = [r.error for r in records if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0]}")
+    return {"events": sum(len(r.chunk_times_s) for r in records),
+            "tokens": sum(r.output_tokens or 0 for r in records), "wall_s": wall}  # fmt: skip
 
 
 def _run_arm(model: Path, src: str, flags: list[str], load: str, log: Path) -> dict:
@@ -125,7 +101,7 @@ def render(report: dict) -> str:
         per = "us_per_token" if load == "tokens" else "ms_per_request"
         unit = "us per token" if load == "tokens" else "ms per request"
         lines += [f"## {load}: C={c}, {n} requests x {t} tokens", "",
-                  f"| arm | {unit} (rounds) | median | output tok/s (rounds) | tokens per event |",
+                  f"| arm | {unit} (rounds) | median | output tok/s (rounds) | tokens per event with text |",
                   "|---|---|---:|---|---:|"]  # fmt: skip
         digits = 1 if load == "tokens" else 2
         for arm, runs in report["results"].get(load, {}).items():

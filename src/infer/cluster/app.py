@@ -236,14 +236,14 @@ def build(args: dict[str, Any]) -> serve.Application:
 
     Keys: ``model`` (required), ``replicas`` (2), ``policy`` (prefix), ``served_model_name``,
     ``enable_prefix_caching`` (true), ``max_num_seqs``, ``max_queued_requests``,
-    ``block_size``, ``stream_interval`` (1), ``replica_cpus`` (1), ``torch_threads`` (1), ``max_load_gap`` (4),
-    ``hf_overrides`` (JSON, as ``--hf-overrides``).
+    ``block_size``, ``stream_interval`` (1), ``replica_cpus`` (1), ``torch_threads`` (1),
+    ``max_load_gap`` (4), ``hf_overrides`` (JSON, as ``--hf-overrides``).
     """
     from infer.engine.model_source import resolve_model_path
 
     known = {"model", "replicas", "policy", "served_model_name", "enable_prefix_caching",
-             "max_num_seqs", "max_queued_requests", "block_size", "stream_interval", "replica_cpus",
-             "torch_threads", "max_load_gap", "hf_overrides"}  # fmt: skip
+             "max_num_seqs", "max_queued_requests", "block_size", "stream_interval",
+             "replica_cpus", "torch_threads", "max_load_gap", "hf_overrides"}  # fmt: skip
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown arguments {unknown}; known: {sorted(known)}")

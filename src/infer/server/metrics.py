@@ -18,7 +18,6 @@ import bisect
 import threading
 import time
 from collections.abc import Callable, Iterable
-from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import (
@@ -248,16 +247,8 @@ class ServerMetrics:
             "vllm:request_generation_tokens", "Output length of finished requests.", ln,
             buckets=buckets, registry=r,
         )  # fmt: skip
-        # Each histogram's one series, and each finish reason's counter, looked up once (a
-        # ``labels()`` call takes a lock and a dict lookup, five a finished request).
-        self._series = SimpleNamespace(**{
-            key: getattr(self, key).labels(model_name)
-            for key in ("ttft", "e2e", "queue_time", "prompt_tokens", "generation_tokens")
-        })  # fmt: skip
-        self._success = {  # (the four exported as zeros from the start)
-            reason: self.request_success.labels(model_name, reason)
-            for reason in ("stop", "length", "abort", "error")
-        }
+        for reason in ("stop", "length", "abort", "error"):  # export zeros from the start
+            self.request_success.labels(model_name, reason)
         # What each API request finished as, as its client saw it: the one count of finished
         # requests (/metrics and /debug/engine both report it).
         self.finished: dict[str, int] = {}
@@ -268,24 +259,20 @@ class ServerMetrics:
         self.finished[reason] = self.finished.get(reason, 0) + 1
         if not self.counts_requests:
             return
-        success = self._success.get(reason)
-        if success is None:
-            success = self._success[reason] = self.request_success.labels(name, reason)
-        success.inc()
-        series = self._series
-        series.prompt_tokens.observe(out.num_prompt_tokens)
-        series.generation_tokens.observe(out.num_output_tokens)
+        self.request_success.labels(name, reason).inc()
+        self.prompt_tokens.labels(name).observe(out.num_prompt_tokens)
+        self.generation_tokens.labels(name).observe(out.num_output_tokens)
         t = out.timings
         if t is None:
             return
         if t.first_token is not None:
-            series.ttft.observe(max(0.0, t.first_token - t.arrival))
+            self.ttft.labels(name).observe(max(0.0, t.first_token - t.arrival))
         times = t.token_times
         self.itl.observe_many(max(0.0, b - a) for a, b in zip(times, times[1:], strict=False))
         if t.finished is not None:
-            series.e2e.observe(max(0.0, t.finished - t.arrival))
+            self.e2e.labels(name).observe(max(0.0, t.finished - t.arrival))
         if t.first_scheduled is not None:
-            series.queue_time.observe(max(0.0, t.first_scheduled - t.arrival))
+            self.queue_time.labels(name).observe(max(0.0, t.first_scheduled - t.arrival))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
