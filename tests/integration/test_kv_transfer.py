@@ -133,6 +133,26 @@ def test_a_payload_comes_only_with_a_normal_finish(make_llm):
     assert got["kept"].nbytes == engine.runner.kv_cache.block_views()[0][:, :, :8].numel() * 4
 
 
+def test_a_payload_comes_with_a_finish_by_stop_string(make_llm):
+    # A stop string is found when the step's outputs are made, after the step has exported
+    # the payloads of the requests it finished: the request's own output still carries one.
+    llm = make_llm("llama", block_size=4)
+    engine = llm.engine
+    prompt = list(range(10, 40))
+    text = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                 ignore_eos=True))[0].outputs[0].text  # fmt: skip
+    assert text.strip()
+    stop = text.strip()[-1]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=[stop])
+    engine.add_request("s", prompt, params, export_kv=True)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [(o.finish_reason, o.stop_reason) for o in finals] == [("stop", stop)]
+    assert finals[0].kv_payload is not None and finals[0].kv_payload.num_tokens == len(prompt) - 1
+    assert not engine.scheduler.held
+
+
 def test_decode_side_preempted_after_import_recomputes_correctly(make_llm):
     # A pool too small for every request at once: requests seeded with a payload get
     # preempted (recompute) and must still give one engine's tokens.

@@ -1599,6 +1599,8 @@ class LLMEngine:
         finished = request.is_finished  # decided from here on
         if finished:
             text += state.detokenizer.finish()
+            if request.request_id in self.scheduler.held:  # a stop string ended it just now
+                self._export_held()  # (its payload rides on this output)
         new_ids = request.output_token_ids[state.num_sent_tokens :]  # after a stop string's cut
         state.num_sent_tokens = request.num_output_tokens
         new_logprobs = request.output_logprobs[state.num_sent_logprobs :]
