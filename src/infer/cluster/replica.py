@@ -71,9 +71,9 @@ class InferReplica:
 
     async def __init__(self, spec: ReplicaSpec) -> None:
         from infer.server.app import build_app
-        from infer.server.cli import _configure_logging, start_engine
+        from infer.server.cli import configure_logging, start_engine
 
-        _configure_logging(spec.log_level, access_log=False)
+        configure_logging(spec.log_level, access_log=False)
         self.engine = start_engine(spec.engine, spec.engine_process, spec.torch_threads)
         settings = spec.settings
         if spec.role != "both":

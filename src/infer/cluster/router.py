@@ -107,9 +107,9 @@ class Router:
         from prometheus_client import disable_created_metrics
 
         from infer.model.tokenizer import load_tokenizer
-        from infer.server.cli import _configure_logging
+        from infer.server.cli import configure_logging
 
-        _configure_logging(spec.log_level, access_log=False)
+        configure_logging(spec.log_level, access_log=False)
         if not replicas:
             raise ValueError("the router needs at least one replica")
         self.spec = spec

@@ -45,6 +45,11 @@ def leave_shutdown_to_parent() -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """In a child: be killed (SIGKILL) when the parent dies (``PR_SET_PDEATHSIG``; Linux)."""
     with contextlib.suppress(Exception):
         import ctypes
 

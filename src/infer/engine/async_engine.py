@@ -30,14 +30,14 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from infer.core.outputs import RequestOutput, merge_deltas
 from infer.core.pooling_params import PoolingParams
 from infer.core.request import RequestTimings
 from infer.core.sampling_params import InvalidRequestError
-from infer.engine.core_client import EngineProcess, ThreadCore
+from infer.engine.core_client import EngineConnection, EngineProcess, ThreadCore
 from infer.engine.core_loop import (
     AbortRequests,
     Ack,
@@ -45,6 +45,7 @@ from infer.engine.core_loop import (
     CallEngine,
     CallResult,
     EngineStopped,
+    FinishedElsewhere,
     RequestFailedError,
     StatsUpdate,
     Stop,
@@ -299,8 +300,8 @@ class AsyncEngine:
         request_timeout: float | None = None,
         on_finished: Callable[[RequestOutput], None] | None = None,
     ) -> None:
-        if isinstance(engine, EngineProcess):
-            self.core: ThreadCore | EngineProcess = engine
+        if isinstance(engine, EngineProcess | EngineConnection):
+            self.core: ThreadCore | EngineProcess | EngineConnection = engine
             self.stats = engine.startup_stats
         else:
             self.core = ThreadCore(engine)
@@ -309,6 +310,9 @@ class AsyncEngine:
         self.request_timeout = request_timeout
         self.on_finished = on_finished
         self.on_dead: Callable[[str], None] | None = None
+        # Awaited by shutdown() before it stops the engine (the first of several API servers
+        # waits there for the others to leave).
+        self.before_stop: Callable[[], Awaitable[None]] | None = None
         self.num_steps = 0
         self.num_step_failures = 0
         self._streams: dict[str, RequestStream] = {}
@@ -369,6 +373,8 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Stop the engine loop (after ``drain``) and wait for it to leave."""
         self.stop_accepting()
+        if self.before_stop is not None:
+            await self.before_stop()
         if self.dead is None and self._stopped is not None:
             self.core.send(Stop())
             with contextlib.suppress(asyncio.TimeoutError):
@@ -463,6 +469,12 @@ class AsyncEngine:
                         future.set_result(item.value)
             elif isinstance(item, EngineStopped):
                 self._on_stopped(item.error)
+            elif isinstance(item, FinishedElsewhere):  # another API server's: the metrics'
+                if self.on_finished is not None:
+                    try:
+                        self.on_finished(item.output)
+                    except Exception:  # metrics must never break serving
+                        logger.exception("on_finished hook failed")
             else:  # Ack or RequestOutput
                 if isinstance(item, Ack):
                     self._unacked_adds -= 1

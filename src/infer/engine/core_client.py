@@ -111,8 +111,10 @@ def _child(
     log_level: int,
     torch_threads: int | None,
     binding: CpuBinding | None = None,
+    other_conns: tuple = (),
 ) -> None:
-    """The engine process: build the engine, then run the loop over the pipe."""
+    """The engine process: build the engine, then run the loop over the pipe (over one pipe
+    per API server with ``other_conns``: ``engine.frontends``)."""
     # The server decides when to stop: a SIGTERM or SIGINT sent to the whole process group
     # (systemd, kill -- -PGID, Ctrl-C) must drain through it, not kill the engine mid-stream.
     leave_shutdown_to_parent()
@@ -154,11 +156,17 @@ def _child(
     def emit(replies: list) -> None:
         conn.send(pack_for_pipe(replies))
 
+    if other_conns:
+        from infer.engine.frontends import FrontendMux
+
+        mux = FrontendMux([conn, *other_conns], pack_for_pipe)
+        next_commands, emit = mux.next_commands, mux.emit  # noqa: F811 - one pipe per server
     try:
         run_engine_loop(engine, next_commands, emit)
     except BaseException as e:  # noqa: BLE001 - say why before the pipe closes
-        with contextlib.suppress(OSError):
-            conn.send([EngineStopped(error=f"the engine died: {e}")])
+        for c in (conn, *other_conns):
+            with contextlib.suppress(OSError):
+                c.send([EngineStopped(error=f"the engine died: {e}")])
         raise
     finally:
         engine.close()
@@ -249,105 +257,21 @@ def _cores(cores: frozenset[int]) -> str:
     return ",".join(map(str, sorted(cores)))
 
 
-class EngineProcess:
-    """The engine loop in a child process; exposes what the server reads off an engine."""
+class _PipeClient:
+    """The server's end of a pipe to the engine process: commands out, replies in on a reader
+    thread (``start``)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        torch_threads: int | None = None,
-        binding: CpuBinding | None = None,
-        meanwhile: Callable[[], object] | None = None,
-    ) -> None:
-        """Start the engine process and return once its engine is built.
+    _conn: Any
 
-        ``meanwhile`` runs in this process while the child builds its engine (the server
-        imports its app there), after the server's tokenizer is loaded.
-        """
-        ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads or locks
-        self._conn, child_conn = ctx.Pipe()
-        # A daemonic process may not start processes of its own: with tensor parallelism the
-        # engine starts its workers, so it is not one (it still dies with us: PDEATHSIG).
-        self._proc = ctx.Process(target=_child, name="infer-engine",
-                                 args=(child_conn, config, logging.getLogger().level, torch_threads,
-                                       binding),
-                                 daemon=config.parallel.tensor_parallel_size == 1)  # fmt: skip
-        with spawnable_main():
-            self._proc.start()
-        child_conn.close()
+    def _init_pipe(self) -> None:
         self._send_lock = threading.Lock()
         self._outbox: queue.SimpleQueue | None = None  # see send()
         self._on_replies: Replies | None = None
         self._reader: threading.Thread | None = None
-        try:
-            self._finish_start(config, binding, meanwhile)
-        except BaseException:
-            # NOTE: the child ignores SIGTERM and SIGINT (its parent ends it) and waits on the
-            # pipe: left alone it would keep this process's exit waiting on it for ever
-            # (multiprocessing joins its children at exit), a Ctrl-C during start-up included.
-            self._conn.close()
-            if self._proc.is_alive():
-                self._proc.kill()
-            self._proc.join(10)
-            raise
 
-    def _finish_start(
-        self,
-        config: EngineConfig,
-        binding: CpuBinding | None,
-        meanwhile: Callable[[], object] | None,
-    ) -> None:
-        """The rest of start-up once the child runs: this process's own work meanwhile, then
-        the child's answer."""
-        # The server tokenizes and renders chat templates itself, from the child's files. It
-        # loads its tokenizer (importing torch and transformers) while the child builds the
-        # engine: loaded after the child's answer, it added ~3 s to the ~3.5 s start of a tiny
-        # model on 2 cores. A failure here is raised once the child has answered, so a child
-        # that failed says why first.
-        from infer.model.tokenizer import load_tokenizer
-
-        tokenizer: Any = None
-        tokenizer_error: Exception | None = None
-        try:
-            source = _tokenizer_source_now(config)
-            if source is not None:
-                tokenizer = load_tokenizer(source)
-        except Exception as e:  # noqa: BLE001 - raised below, after the child's answer
-            tokenizer_error = e
-        if meanwhile is not None:
-            meanwhile()
-        try:
-            status, info = self._conn.recv()
-        except EOFError as e:
-            raise RuntimeError(
-                f"the engine process exited during start-up (code {self._proc.exitcode})"
-            ) from e
-        if status != "ok":
-            self._proc.join(10)
-            raise RuntimeError(f"the engine process failed to start: {info}")
-        for name, value in info.items():
-            setattr(self, name, value)
-        if tokenizer_error is not None:
-            error, tokenizer_error = tokenizer_error, None  # no cycle through this frame
-            raise RuntimeError(f"the server could not load the tokenizer: {error}") from error
-        if tokenizer is None:  # a built-in model the child has just built
-            from infer.engine.model_source import resolve_model_path
-
-            try:
-                tokenizer = load_tokenizer(resolve_model_path(config.model.model))
-            except Exception as e:  # noqa: BLE001 - named as the start-up's failure
-                raise RuntimeError(f"the server could not load the tokenizer: {e}") from e
-        self.tokenizer = tokenizer
-        logger.info("engine runs in process %d (%d start-up objects frozen out of the garbage "
-                    "collector's full passes)", self._proc.pid, self.frozen_objects)  # fmt: skip
-        if binding is not None:  # after the spawn: the child started with every core
-            bind_process(binding.server)
-            logger.info("cores: engine main thread %d, its other threads %s, server %s",
-                        binding.main, _cores(binding.workers), _cores(binding.server))  # fmt: skip
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
+    def _gone(self) -> EngineStopped:
+        """What the pipe's end means."""
+        return EngineStopped(error="the engine process has gone")
 
     def start(self, on_replies: Replies) -> None:
         mirror = TokenTimesMirror()
@@ -358,11 +282,7 @@ class EngineProcess:
                 try:
                     replies = self._conn.recv()
                 except (EOFError, OSError):
-                    code = self._proc.exitcode
-                    if code is None:
-                        self._proc.join(5)
-                        code = self._proc.exitcode
-                    on_replies([EngineStopped(error=f"the engine process exited (code {code})")])
+                    on_replies([self._gone()])
                     return
                 replies = mirror.unpack(replies)
                 on_replies(replies)
@@ -408,9 +328,143 @@ class EngineProcess:
         if self._reader is not None:
             self._reader.join(timeout)
 
+
+class EngineProcess(_PipeClient):
+    """The engine loop in a child process; exposes what the server reads off an engine."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        torch_threads: int | None = None,
+        binding: CpuBinding | None = None,
+        meanwhile: Callable[[], object] | None = None,
+        api_servers: int = 1,
+    ) -> None:
+        """Start the engine process and return once its engine is built.
+
+        ``meanwhile`` runs in this process while the child builds its engine (the server
+        imports its app there), after the server's tokenizer is loaded. ``api_servers`` > 1:
+        the engine listens on a pipe per API server; this process's is the first, the others'
+        ends wait in ``api_server_conns`` for the processes that take them
+        (:class:`EngineConnection`; ``engine.frontends``).
+        """
+        ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads or locks
+        self._conn, child_conn = ctx.Pipe()
+        pipes = [ctx.Pipe() for _ in range(api_servers - 1)]
+        self.api_server_conns = [ours for ours, _ in pipes]
+        # A daemonic process may not start processes of its own: with tensor parallelism the
+        # engine starts its workers, so it is not one (it still dies with us: PDEATHSIG).
+        self._proc = ctx.Process(target=_child, name="infer-engine",
+                                 args=(child_conn, config, logging.getLogger().level, torch_threads,
+                                       binding, tuple(theirs for _, theirs in pipes)),
+                                 daemon=config.parallel.tensor_parallel_size == 1)  # fmt: skip
+        with spawnable_main():
+            self._proc.start()
+        child_conn.close()
+        for _, theirs in pipes:
+            theirs.close()
+        self._init_pipe()
+        try:
+            self._finish_start(config, binding, meanwhile)
+        except BaseException:
+            # NOTE: the child ignores SIGTERM and SIGINT (its parent ends it) and waits on the
+            # pipe: left alone it would keep this process's exit waiting on it for ever
+            # (multiprocessing joins its children at exit), a Ctrl-C during start-up included.
+            self._conn.close()
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(10)
+            raise
+
+    def _finish_start(
+        self,
+        config: EngineConfig,
+        binding: CpuBinding | None,
+        meanwhile: Callable[[], object] | None,
+    ) -> None:
+        """The rest of start-up once the child runs: this process's own work meanwhile, then
+        the child's answer."""
+        # The server tokenizes and renders chat templates itself, from the child's files. It
+        # loads its tokenizer (importing torch and transformers) while the child builds the
+        # engine: loaded after the child's answer, it added ~3 s to the ~3.5 s start of a tiny
+        # model on 2 cores. A failure here is raised once the child has answered, so a child
+        # that failed says why first.
+        from infer.model.tokenizer import load_tokenizer
+
+        tokenizer: Any = None
+        tokenizer_error: Exception | None = None
+        source: str | Path | None = None
+        try:
+            source = _tokenizer_source_now(config)
+            if source is not None:
+                tokenizer = load_tokenizer(source)
+        except Exception as e:  # noqa: BLE001 - raised below, after the child's answer
+            tokenizer_error = e
+        if meanwhile is not None:
+            meanwhile()
+        try:
+            status, info = self._conn.recv()
+        except EOFError as e:
+            raise RuntimeError(
+                f"the engine process exited during start-up (code {self._proc.exitcode})"
+            ) from e
+        if status != "ok":
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process failed to start: {info}")
+        self.info = info  # (for the other API servers' EngineConnection)
+        for name, value in info.items():
+            setattr(self, name, value)
+        if tokenizer_error is not None:
+            error, tokenizer_error = tokenizer_error, None  # no cycle through this frame
+            raise RuntimeError(f"the server could not load the tokenizer: {error}") from error
+        if tokenizer is None:  # a built-in model the child has just built
+            from infer.engine.model_source import resolve_model_path
+
+            try:
+                source = resolve_model_path(config.model.model)
+                tokenizer = load_tokenizer(source)
+            except Exception as e:  # noqa: BLE001 - named as the start-up's failure
+                raise RuntimeError(f"the server could not load the tokenizer: {e}") from e
+        self.tokenizer = tokenizer
+        self.tokenizer_source = source
+        logger.info("engine runs in process %d (%d start-up objects frozen out of the garbage "
+                    "collector's full passes)", self._proc.pid, self.frozen_objects)  # fmt: skip
+        if binding is not None:  # after the spawn: the child started with every core
+            bind_process(binding.server)
+            logger.info("cores: engine main thread %d, its other threads %s, server %s",
+                        binding.main, _cores(binding.workers), _cores(binding.server))  # fmt: skip
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def _gone(self) -> EngineStopped:
+        code = self._proc.exitcode
+        if code is None:
+            self._proc.join(5)
+            code = self._proc.exitcode
+        return EngineStopped(error=f"the engine process exited (code {code})")
+
     def close(self) -> None:
         """Wait for the child to leave (after ``Stop``); kill it if it does not."""
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+
+
+class EngineConnection(_PipeClient):
+    """Another API server's end of its own pipe to the engine process (``--api-server-count``):
+    what :class:`EngineProcess` gives the server (its start-up ``info``, a tokenizer), without
+    the process, which the first API server owns. ``Stop`` from here ends this API server's
+    use of the engine, not the engine."""
+
+    def __init__(self, conn: Any, info: dict, tokenizer: Any) -> None:
+        self._conn = conn
+        self._init_pipe()
+        for name, value in info.items():
+            setattr(self, name, value)
+        self.tokenizer = tokenizer
+
+    def close(self) -> None:
+        self._conn.close()

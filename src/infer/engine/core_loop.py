@@ -100,6 +100,14 @@ class StatsUpdate:
 
 
 @dataclass(frozen=True)
+class FinishedElsewhere:
+    """With several API server processes: a request another one served has finished (its final
+    output, without payloads), for this one's metrics and live view (``engine.frontends``)."""
+
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
 class EngineStopped:
     """The loop has returned (after ``Stop``) or died (``error`` says why)."""
 

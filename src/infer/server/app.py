@@ -246,7 +246,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(serving, body, request)
 
-    responses_store = ResponseStore()
+    responses_store = ResponseStore(api_servers=settings.api_server_count)
 
     @app.post("/v1/responses", response_model=ResponseObject,
               responses=_streamed(ResponseStreamEvent), tags=["openai"],

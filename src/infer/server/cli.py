@@ -83,6 +83,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-threads", type=_number(int, 1), default=None,
                    help="intra-op threads for the engine's torch (default: torch's choice; 1 is "
                    "far steadier on a small, shared CPU box - see docs/server.md)")  # fmt: skip
+    g.add_argument("--api-server-count", "-asc", type=_number(int, 1), default=1, metavar="N",
+                   help="processes serving HTTP over the one engine, sharing the port: more "
+                   "than one when the API server's CPU is the bound (many streams of a fast "
+                   "engine; see docs/server.md; default 1)")  # fmt: skip
     g.add_argument("--cpu-bind", default="off", metavar="off|auto|CORES",
                    help="give the engine's main thread the first core to itself; its other compute "
                    "threads (one per other core) and the server process share the rest: auto = "
@@ -132,6 +136,7 @@ def server_settings(
         dashboard=args.dashboard,
         reasoning_parser=getattr(args, "reasoning_parser", None),
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
+        api_server_count=getattr(args, "api_server_count", 1),
     )
 
 
@@ -153,9 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _configure_logging(level: str, access_log: bool) -> None:
+def configure_logging(level: str, access_log: bool, tag: str | None = None) -> None:
+    """The server's log format (``tag``: which of several API server processes writes)."""
+    where = f" [{tag}]" if tag else ""
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+                        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s")  # fmt: skip
     logging.getLogger("infer.access").setLevel(logging.INFO if access_log else logging.WARNING)
 
 
@@ -176,16 +183,18 @@ def start_engine(
     torch_threads: int | None,
     binding: CpuBinding | None = None,
     meanwhile: Callable[[], object] | None = None,
+    api_servers: int = 1,
 ) -> Any:
     """The engine ``build_app`` serves: the loop in its own process (``EngineProcess``) or an
     ``LLMEngine`` whose loop will run on a thread of this process. Also used by each replica
     of ``--data-parallel-size``. ``meanwhile`` is work of this process to do while the engine
-    process starts (before the engine is built, without one)."""
+    process starts (before the engine is built, without one); ``api_servers``: the engine
+    process's pipes, one per API server process (``--api-server-count``)."""
     if engine_process:
         from infer.engine.core_client import EngineProcess
 
         return EngineProcess(config, torch_threads=torch_threads, binding=binding,
-                             meanwhile=meanwhile)  # fmt: skip
+                             meanwhile=meanwhile, api_servers=api_servers)  # fmt: skip
     if meanwhile is not None:
         meanwhile()
     from infer.engine.engine import LLMEngine
@@ -276,7 +285,8 @@ def template_syntax_error(source: str) -> str | None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    _configure_logging(args.log_level, args.access_log)
+    configure_logging(args.log_level, args.access_log,
+                      tag="api0" if args.api_server_count > 1 else None)  # fmt: skip
     chat_template = None
     if args.chat_template is not None:
         try:
@@ -307,6 +317,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         binding = cpu_binding(args, config)
+        api_server_count_problem(args)
     except ValueError as e:
         logger.error("%s", e)
         return 2
@@ -337,7 +348,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         with imports:
             engine = start_engine(config, args.engine_process, args.torch_threads, binding,
-                                  meanwhile=_while_the_engine_starts)  # fmt: skip
+                                  meanwhile=_while_the_engine_starts,
+                                  api_servers=args.api_server_count)  # fmt: skip
     except (ValueError, RuntimeError, OSError) as e:
         logger.debug("engine start-up failure", exc_info=True)  # --log-level debug: the trace
         logger.error("the engine could not start: %s", e)
@@ -365,7 +377,38 @@ def serve(args: argparse.Namespace) -> int:
     if settings.dashboard:
         key = "?api_key=<key>" if settings.api_key else ""
         logger.info("live view: http://%s:%d/dashboard%s", args.host, args.port, key)
-    uv_config = uvicorn.Config(
+    uv_config = uvicorn_config(app, args)
+    server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
+    sockets = None
+    if args.api_server_count > 1:
+        from infer.server.api_servers import ApiServers
+
+        sock = uv_config.bind_socket()  # shared: the kernel spreads connections over them
+        sockets = [sock]
+        try:
+            others = ApiServers.start(args, settings, engine, sock)
+        except RuntimeError as e:
+            logger.error("%s", e)
+            from infer.engine.core_loop import Stop
+
+            engine.send(Stop())
+            engine.close()
+            return 1
+        server.api_servers = others
+        others.watch(server.api_server_died)
+        # the others leave (drained) before the engine stops
+        grace = args.drain_timeout + END_GRACE_S + 10
+        app.state.async_engine.before_stop = lambda: others.stop(grace)
+    # The engine (in this process with --no-engine-process) and the app are built: keep full
+    # garbage collections from walking their objects mid-stream (engine/heap.py).
+    logger.debug("froze %d start-up objects", freeze_startup_heap())
+    server.run(sockets=sockets)
+    return server.exit_code
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's settings for the app (every API server process's)."""
+    return uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -375,12 +418,28 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.drain_timeout + END_GRACE_S + 5,
         timeout_keep_alive=30,
     )
-    server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
-    # The engine (in this process with --no-engine-process) and the app are built: keep full
-    # garbage collections from walking their objects mid-stream (engine/heap.py).
-    logger.debug("froze %d start-up objects", freeze_startup_heap())
-    server.run()
-    return server.exit_code
+
+
+def api_server_count_problem(args: argparse.Namespace) -> None:
+    """Refuse (ValueError) what ``--api-server-count`` > 1 does not combine with."""
+    n = args.api_server_count
+    if n == 1:
+        return
+    if not args.engine_process:
+        raise ValueError(f"--api-server-count {n} needs the engine in its own process (drop "
+                         "--no-engine-process)")  # fmt: skip
+    if args.data_parallel_size > 1 or args.ray_address:
+        raise ValueError(f"--api-server-count {n} is for one engine: replicas "
+                         "(--data-parallel-size, disaggregated serving, Ray) have their own "
+                         "front end")  # fmt: skip
+    if args.cpu_bind != "off":
+        raise ValueError(f"--api-server-count {n} does not combine with --cpu-bind yet")
+    from infer.server.lora_routes import RUNTIME_LORA_ENVS, runtime_lora_updating
+
+    if runtime_lora_updating():
+        raise ValueError(f"--api-server-count {n}: loading LoRA adapters at run time "
+                         f"({RUNTIME_LORA_ENVS[0]}) needs one API server (each keeps its own "
+                         "list of adapters)")  # fmt: skip
 
 
 class DrainingServer(uvicorn.Server):
@@ -396,7 +455,14 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self._draining = False
         self.exit_code = 0
+        self.api_servers: Any = None  # the other API server processes (server/api_servers.py)
         async_engine.on_dead = self._engine_died
+
+    def api_server_died(self, why: str) -> None:
+        """Another API server process died (a thread's call): shut down, exit 1."""
+        logger.error("%s; shutting the server down", why)
+        self.exit_code = 1
+        self.should_exit = True
 
     def _engine_died(self, why: str) -> None:
         """The engine died on its own: answer what is in flight with errors, then exit 1."""
@@ -412,6 +478,8 @@ class DrainingServer(uvicorn.Server):
         self._draining = True
         logger.info("received %s: finishing in-flight requests (up to %gs), then exiting",
                     signal.Signals(sig).name, self.drain_timeout)  # fmt: skip
+        if self.api_servers is not None:  # (a `kill PID` reaches this process only)
+            self.api_servers.signal()
         self.should_exit = True  # uvicorn stops accepting and waits for open responses
         loop = self.async_engine._loop
         if loop is not None and not loop.is_closed():

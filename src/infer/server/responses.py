@@ -107,6 +107,7 @@ class ResponseStore:
 
     capacity: int = STORED
     items: OrderedDict[str, Stored] = field(default_factory=OrderedDict)
+    api_servers: int = 1  # --api-server-count: each process keeps the responses it served
 
     def put(self, response_id: str, stored: Stored) -> None:
         self.items[response_id] = stored
@@ -118,10 +119,14 @@ class ResponseStore:
         it, for one not kept)."""
         stored = self.items.get(response_id)
         if stored is None:
+            where = ""
+            if self.api_servers > 1:
+                where = (f"; with --api-server-count {self.api_servers}, by the API server "
+                         "process that served them")  # fmt: skip
             raise APIError(404 if param is None else 400,
                            f"no response with id '{response_id}' is stored here (responses "
                            f"are kept in memory, the newest {self.capacity}, and only with "
-                           "store: true)", param=param,
+                           f"store: true{where})", param=param,
                            code="response_not_found")  # fmt: skip
         return stored
 

@@ -73,6 +73,7 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # How auto tool-choice replies write calls: hermes | llama3_json | mistral (tool_formats.py)
     tool_call_parser: str = "hermes"
+    api_server_count: int = 1  # processes serving HTTP over one engine (server/api_servers.py)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

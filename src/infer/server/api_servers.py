@@ -1,0 +1,158 @@
+"""Several API server processes over one engine: ``infer serve --api-server-count N``.
+
+One Python process parses requests, renders and writes streamed events for every client; at
+tens of thousands of streamed tokens a second (a GPU engine at high concurrency) that process,
+not the engine, sets the pace. With ``N`` > 1 the first process (the one ``infer serve``
+started) binds the listening socket, starts the engine process with one pipe per API server
+(``engine.frontends``), then starts ``N - 1`` more API server processes that share the socket:
+the kernel hands each new connection to one of them, and each runs the same app over its own
+pipe::
+
+    infer serve (api server 0) ──┬── engine process (FrontendMux: a pipe per API server)
+      ├── api server 1 ──────────┤
+      └── api server N-1 ────────┘
+
+What stays the same for clients: every route, on any connection. ``/metrics`` and
+``/dashboard`` count every request the engine served, whichever process answers (each
+finished request's final output reaches every API server). What differs: a Responses API
+response is kept by the process that served it (``GET /v1/responses/{id}`` and
+``previous_response_id`` find it there only), and each log line names its process
+(``[api1]``).
+
+Lifecycle: a SIGTERM or SIGINT to the first process is passed on to the others; each drains its
+own streams; the first stops the engine once the others have left. An API server that dies
+takes the server down (exit status 1), as the engine's death does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+from infer.distributed.spawn import die_with_parent, spawnable_main
+
+logger = logging.getLogger("infer.server")
+
+
+class ApiServers:
+    """The first API server's handle on the others: starts them, passes its exit signal on,
+    waits for them to leave, and reports one that dies on its own."""
+
+    def __init__(self, procs: list[Any]) -> None:
+        self.procs = procs
+        self.stopping = False
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, settings: Any, engine: Any,
+              sock: socket.socket, timeout: float = 600.0) -> ApiServers:  # fmt: skip
+        """Start an API server process for each of ``engine.api_server_conns``; return once
+        each has built its app (RuntimeError if one fails first or ``timeout`` s pass)."""
+        ctx = mp.get_context("spawn")
+        count = len(engine.api_server_conns) + 1
+        procs, readies = [], []
+        for index, conn in enumerate(engine.api_server_conns, start=1):
+            ours, theirs = ctx.Pipe(duplex=False)  # (a readiness message)
+            proc = ctx.Process(target=_api_server_main, name=f"infer-api-{index}",
+                               args=(index, count, args, settings, conn, engine.info,
+                                     str(engine.tokenizer_source), sock, theirs))  # fmt: skip
+            with spawnable_main():
+                proc.start()
+            conn.close()  # theirs now: its end closes when that process leaves
+            theirs.close()
+            procs.append(proc)
+            readies.append(ours)
+        engine.api_server_conns = []
+        servers = cls(procs)
+        deadline = time.monotonic() + timeout
+        for proc, ready in zip(procs, readies, strict=True):
+            left = max(0.0, deadline - time.monotonic())
+            if not ready.poll(left):
+                servers.kill()
+                raise RuntimeError(f"API server process {proc.pid} did not start in {timeout:g}s")
+            try:
+                ready.recv()
+            except EOFError:
+                proc.join(5)
+                servers.kill()
+                raise RuntimeError(f"API server process {proc.pid} failed to start (code "
+                                   f"{proc.exitcode}; its log says why)") from None  # fmt: skip
+        logger.info("%d more API server processes serve: %s", len(procs),
+                    ", ".join(str(p.pid) for p in procs))  # fmt: skip
+        return servers
+
+    def kill(self) -> None:
+        self.stopping = True
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+    def watch(self, on_death: Any) -> None:
+        """Call ``on_death(why)`` (from a thread) if one of them exits before ``stop``."""
+
+        def run() -> None:
+            ready = wait([p.sentinel for p in self.procs])
+            if self.stopping:
+                return
+            dead = next(p for p in self.procs if p.sentinel in ready)
+            dead.join(1)
+            on_death(f"API server process {dead.pid} exited (code {dead.exitcode})")
+
+        threading.Thread(target=run, name="infer-api-servers", daemon=True).start()
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        """Pass an exit signal on (each drains its streams, then leaves)."""
+        self.stopping = True
+        for proc in self.procs:
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
+
+    async def stop(self, timeout: float) -> None:
+        """Ask the others to leave and wait up to ``timeout`` s; kill those still there."""
+        self.signal()
+
+        def join() -> None:
+            for proc in self.procs:
+                proc.join(timeout)
+                if proc.is_alive():
+                    logger.warning("API server process %d did not leave: killing it", proc.pid)
+                    proc.kill()
+                    proc.join(5)
+
+        await asyncio.to_thread(join)
+
+
+def _api_server_main(index: int, count: int, args: argparse.Namespace, settings: Any,
+                     conn: Any, info: dict, tokenizer_source: str, sock: socket.socket,
+                     ready: Any) -> None:  # fmt: skip
+    """API server ``index`` of ``count``: the app over its own pipe, on the shared socket."""
+    die_with_parent()
+    from infer.engine.core_client import EngineConnection
+    from infer.engine.heap import freeze_startup_heap
+    from infer.model.tokenizer import load_tokenizer
+    from infer.server.app import build_app
+    from infer.server.cli import DrainingServer, configure_logging, uvicorn_config
+
+    configure_logging(args.log_level, args.access_log, tag=f"api{index}")
+    engine = EngineConnection(conn, info, load_tokenizer(tokenizer_source))
+    app = build_app(engine, settings)
+    server = DrainingServer(uvicorn_config(app, args), app.state.async_engine,
+                            args.drain_timeout)  # fmt: skip
+    freeze_startup_heap()
+    logger.info("API server %d of %d (process %d) serves", index + 1, count, os.getpid())
+    ready.send(True)
+    ready.close()
+    server.run(sockets=[sock])
+    sys.exit(server.exit_code)

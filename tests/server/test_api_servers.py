@@ -1,0 +1,144 @@
+"""``infer serve --api-server-count N``: N processes serve HTTP on one port over one engine.
+Every process answers as one server would (the offline engine's text, streamed or not), every
+``/metrics`` counts every request, a drain reaches them all, and the death of one ends the
+server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from tests.server.conftest import assert_start_fails, start_server
+
+from infer import SamplingParams
+from infer.engine.core_loop import STEP_DELAY_ENV
+
+PROMPT = "The import statement combines two operations"
+ACCESS = re.compile(r"infer\.access \[(api\d)\]")
+SERVES = re.compile(r"API server 2 of 2 \(process (\d+)\) serves")
+
+
+@pytest.fixture(scope="module")
+def server(llama_checkpoint, server_logs):
+    # Each step sleeps 5 ms: the drain test's streams are in flight when the signal comes.
+    yield from start_server(llama_checkpoint, server_logs, "--api-server-count", "2",
+                            "--drain-timeout", "60", env={STEP_DELAY_ENV: "0.005"})  # fmt: skip
+
+
+def _completion(server, stream: bool) -> tuple[str, dict]:
+    """One greedy completion on a connection of its own (the kernel picks the process)."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    if not stream:
+        r = httpx.post(server.base_url + "/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        return got["choices"][0]["text"], got["usage"]
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(ln) for ln in lines[:-1]]
+    return "".join(e["choices"][0]["text"] for e in events if e["choices"]), events[-1]["usage"]
+
+
+def _successes(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))  # fmt: skip
+
+
+def test_every_api_server_answers_as_one_server_would(server, offline_llm):
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = offline_llm.generate(PROMPT, greedy)[0].outputs[0].text
+    sent = 0
+    # New connections until each process has answered some (the kernel hands each to
+    # whichever process accepts it first): streamed and whole, the offline engine's text.
+    while sent < 80:
+        for stream in (False, True):
+            text, usage = _completion(server, stream)
+            assert text == want and usage["completion_tokens"] == 8
+            sent += 1
+        tags = {m.group(1) for m in map(ACCESS.search, server.log().splitlines()) if m}
+        if tags == {"api0", "api1"} and sent >= 8:
+            break
+    assert tags == {"api0", "api1"}, tags
+    # Every process's /metrics counts every request, whichever served it (scrapes on new
+    # connections land on either process).
+    counts = {_successes(server) for _ in range(6)}
+    assert counts == {float(sent)}
+    server.wait_idle()
+
+
+def test_a_drain_reaches_every_api_server_and_every_stream_finishes(server):
+    """Last but one user of the module's server: SIGTERM to the first process only (as
+    `kill PID` sends it); it passes the signal on, every process lets its streams finish,
+    and all exit, the first with 0."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+
+    def stream() -> list[str]:
+        with httpx.stream("POST", server.base_url + "/completions", json=body,
+                          timeout=120) as r:  # fmt: skip
+            return [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    helper = int(SERVES.search(server.log()).group(1))
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream) for _ in range(6)]
+        deadline = time.monotonic() + 60
+        while server.debug()["num_running"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.proc.send_signal(signal.SIGTERM)
+        for f in streams:
+            events = f.result()
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(60) == 0
+    deadline = time.monotonic() + 30
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(helper)
+    log = server.log()
+    assert log.count("received SIGTERM") == 2  # each process drained
+    assert "Traceback" not in log and "exited (code" not in log
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has left
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_an_api_server_that_dies_takes_the_server_down(llama_checkpoint, server_logs):
+    gen = start_server(llama_checkpoint, server_logs, "--api-server-count", "2")
+    server = next(gen)
+    try:
+        helper = int(SERVES.search(server.log()).group(1))
+        os.kill(helper, signal.SIGKILL)
+        assert server.proc.wait(60) == 1
+        assert f"API server process {helper} exited (code -9)" in server.log()
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--api-server-count", "2", "--no-engine-process"], "needs the engine in its own"),
+        (["--api-server-count", "0"], "must be >= 1"),
+        (["--api-server-count", "2", "--cpu-bind", "auto"], "does not combine with --cpu-bind"),
+    ],
+    ids=["no-engine-process", "zero", "cpu-bind"],
+)
+def test_what_it_does_not_combine_with_is_refused(flags, message, llama_checkpoint):
+    assert_start_fails(llama_checkpoint, flags, message)
