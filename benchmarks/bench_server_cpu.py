@@ -3,8 +3,8 @@
 Starts ``infer serve`` on a tiny random Llama (hidden 64, one layer, float32: the engine's step
 is short, so the server's share shows) once per arm and round, drives it from a client process
 of its own (the online driver's closed loop, infer's own client: ``C`` streamed completions of
-128-token token-id prompts in flight) and reads the API server process's CPU seconds from
-``/proc`` over the load. CPU seconds, not wall
+128-token token-id prompts in flight) and reads the API server processes' CPU seconds from
+``/proc`` over the load (summed over them with ``--api-server-count``). CPU seconds, not wall
 time: the figure holds on a small shared box where the server, its engine process and the
 client share the cores. Arms alternate round by round; each arm is a name, the source folder
 it runs from (``PYTHONPATH``, so two commits can be compared side by side) and server flags::
@@ -56,6 +56,7 @@ def _client(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
 
 def _run_arm(model: Path, src: str, flags: list[str], load: str, log: Path) -> dict:
     from infer.bench.online import free_port, process_cpu_s, serving
+    from infer.bench.pyspy import api_server_pids
 
     concurrency, requests, max_tokens = LOADS[load]
     port = free_port()
@@ -68,14 +69,16 @@ def _run_arm(model: Path, src: str, flags: list[str], load: str, log: Path) -> d
         warm = [sys.executable, "-c", f"from benchmarks.bench_server_cpu import _client; "
                 f"_client({url!r}, 4, 8, 8)"]  # fmt: skip
         subprocess.run(warm, check=True, cwd=Path(__file__).parent.parent)
-        cpu0 = process_cpu_s(proc.pid)
+        servers = api_server_pids(proc.pid)  # (several with --api-server-count)
+        cpu0 = sum(process_cpu_s(pid) or 0.0 for pid in servers)
         code = f"import json; from benchmarks.bench_server_cpu import _client; " \
                f"print(json.dumps(_client({url!r}, {concurrency}, {requests}, {max_tokens})))"  # fmt: skip
         done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                               text=True, cwd=Path(__file__).parent.parent)  # fmt: skip
-        cpu1 = process_cpu_s(proc.pid)
+        cpu1 = sum(process_cpu_s(pid) or 0.0 for pid in servers)
     res = json.loads(done.stdout.strip().splitlines()[-1])
-    res["server_cpu_s"] = (cpu1 or 0.0) - (cpu0 or 0.0)
+    res["server_cpu_s"] = cpu1 - cpu0
+    res["api_servers"] = len(servers)
     res["us_per_token"] = 1e6 * res["server_cpu_s"] / max(1, res["tokens"])
     res["ms_per_request"] = 1e3 * res["server_cpu_s"] / requests
     res["tok_s"] = res["tokens"] / res["wall_s"]
@@ -93,7 +96,7 @@ def render(report: dict) -> str:
         "# The API server's CPU per streamed token and per request",
         "",
         f"{report['machine']}; tiny float32 Llama (hidden 64, one layer); {report['rounds']} "
-        "rounds, arms in alternation; the API server process's CPU seconds over the load "
+        "rounds, arms in alternation; the API server processes' CPU seconds (summed) over the load "
         "(`/proc`), per token the client counted (usage) and per request.",
         "",
     ]

@@ -228,6 +228,9 @@ def test_http_modes_each_get_a_section_and_their_servers_flags(tmp_path, monkeyp
     cmd = server_command(tmp_path, args, 8000, "graphs-stream8")
     assert cmd[cmd.index("--stream-interval") + 1] == "8"
     assert "--stream-interval" not in server_command(tmp_path, args, 8000, "graphs")
+    cmd = server_command(tmp_path, args, 8000, "graphs-api4")
+    assert cmd[cmd.index("--api-server-count") + 1] == "4"
+    assert "--api-server-count" not in server_command(tmp_path, args, 8000, "graphs")
     off = {"INFER_TRITON_GEMV": "0", "INFER_MIXED_GRAPHS": "0", "INFER_TRITON_FUSED": "1",
            "INFER_MIXED_DECODE_ROWS": "1"}  # fmt: skip
     assert gpu.mode_environ("graphs-mixed") == off | {"INFER_MIXED_GRAPHS": "1"}

@@ -114,7 +114,12 @@ MODES: dict[str, dict[str, Any]] = {
     # graphs, a request's tokens sent 8 at a time (--stream-interval 8): over HTTP, what the
     # server's work per streamed token costs
     "graphs-stream8": {"attention_backend": "triton", "enforce_eager": False, "stream_interval": 8},
+    # graphs, four API server processes over the engine (--api-server-count 4): over HTTP,
+    # whether one server process's CPU is the bound (offline: the same as graphs)
+    "graphs-api4": {"attention_backend": "triton", "enforce_eager": False},
 }
+# Modes with server flags of their own (none of the engine's settings).
+MODE_SERVER_FLAGS: dict[str, list[str]] = {"graphs-api4": ["--api-server-count", "4"]}
 # Modes that are an environment switch over their engine settings (set while the engine starts).
 MODE_ENV: dict[str, dict[str, str]] = {
     "graphs-gemv": {"INFER_TRITON_GEMV": "1"},
@@ -157,7 +162,7 @@ def mode_server_flags(mode: str) -> list[str]:
         flags.append("--no-async-scheduling")
     if settings.get("stream_interval", 1) != 1:
         flags += ["--stream-interval", str(settings["stream_interval"])]
-    return flags
+    return flags + MODE_SERVER_FLAGS.get(mode, [])
 
 
 # Defaults of the list options: (full run, --quick). An explicit flag wins over both.
@@ -1069,6 +1074,8 @@ def _http_markdown(http: dict) -> list[str]:
     if cores:
         busy = ", ".join(f"{name.replace('_', ' ')} {_f(cores.get(name))}"
                          for name in ("api_server", "engine", "clients"))  # fmt: skip
+        if cores.get("api_servers"):
+            busy = busy.replace("api server", f"api servers ({cores['api_servers']}, summed)")
         lines += ["", f"Cores kept busy while the load ran (CPU seconds / wall): {busy}."]
     if http.get("gpu_busy_pct") is not None:
         lines += ["", f"The GPU ran kernels {http['gpu_busy_pct']:.0f}% of the load "

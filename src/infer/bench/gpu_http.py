@@ -99,7 +99,9 @@ def http_section(
         asyncio.run(closed_loop(url + "/v1", warm, c, WARMUP_TOKENS))
         prompts = random_prompts(vocab, n, prompt_len, args.seed)
         span = ClientSpan()
-        pids = {"api_server": proc.pid, "engine": pyspy.engine_pid(proc.pid)}
+        pids = {"engine": pyspy.engine_pid(proc.pid)}
+        for i, pid in enumerate(pyspy.api_server_pids(proc.pid)):  # (--api-server-count)
+            pids["api_server" if i == 0 else f"api_server_{i + 1}"] = pid
         with (
             CpuPoller({k: v for k, v in pids.items() if v is not None}) as poller,
             MetricsPoller(url) as server,
@@ -176,6 +178,10 @@ def cpu_cores(poller: CpuPoller, span: ClientSpan) -> dict[str, float | None]:
     and the client processes together (py-spy, when it samples, adds its own pauses)."""
     wall = span.end - span.start
     cores = poller.cores(span.start, span.end)
+    more = [cores.pop(name) for name in list(cores) if name.startswith("api_server_")]
+    if more:  # several API server processes: their sum (api_servers: how many)
+        cores["api_server"] = sum(c or 0.0 for c in [cores.get("api_server"), *more])
+        cores["api_servers"] = 1 + len(more)
     cores["clients"] = sum(span.cpu_s) / wall if wall > 0 and span.cpu_s else None
     return cores
 

@@ -38,17 +38,31 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-def engine_pid(server_pid: int) -> int | None:
-    """The engine process of ``infer serve`` (a ``multiprocessing`` spawn child of the API
-    server; the resource tracker, also a child, is not it)."""
+def spawned_children(server_pid: int) -> list[int]:
+    """The ``multiprocessing`` spawn children of ``infer serve`` (not the resource tracker, also
+    a child), oldest first: the engine process, then any more API server processes
+    (``--api-server-count``: started once the engine is up)."""
+    found = []
     for pid in child_pids(server_pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except (OSError, IndexError, ValueError):
             continue
         if b"spawn_main" in cmdline:
-            return pid
-    return None
+            found.append((started, pid))
+    return [pid for _, pid in sorted(found)]
+
+
+def engine_pid(server_pid: int) -> int | None:
+    """The engine process of ``infer serve`` (its first spawn child)."""
+    children = spawned_children(server_pid)
+    return children[0] if children else None
+
+
+def api_server_pids(server_pid: int) -> list[int]:
+    """Every API server process of ``infer serve``: itself, then those it started."""
+    return [server_pid, *spawned_children(server_pid)[1:]]
 
 
 def record(py_spy: str, pid: int, seconds: float, out: Path, rate: int = 200) -> subprocess.Popen:
