@@ -255,6 +255,50 @@ def test_decode_block_larger_than_contexts_and_strided_q() -> None:
     assert (big[:, 0] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_nothing_past_a_rows_visible_keys_is_read(dtype: torch.dtype) -> None:
+    """Every slot no row can see holds NaN, and every table entry past a row's blocks names a
+    block of NaN (as CUDA-graph padding and freed blocks may): a read of one would make NaN
+    out of the row (0 x NaN), so the outputs must have none."""
+    gen = torch.Generator().manual_seed(11)
+    bs, hkv, g, d, num_blocks = 8, 2, 2, 32, 12
+    poison = num_blocks - 1
+
+    def caches(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = torch.full((num_blocks * bs, hkv, d), float("nan"), dtype=dtype)
+        v = k.clone()
+        tables = torch.full((len(lens), 6), poison, dtype=torch.int32)
+        first = 0
+        for row, n in enumerate(lens):
+            used = math.ceil(n / bs)
+            tables[row, :used] = torch.arange(first, first + used, dtype=torch.int32)
+            first += used
+            slots = tables[row].long()[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+            k[slots] = torch.randn(n, hkv, d, generator=gen).to(dtype)
+            v[slots] = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        assert first <= poison
+        return k.to(DEVICE), v.to(DEVICE), tables.to(DEVICE)
+
+    lens = [13, 1, 40, 0, 17]  # (ending mid-block, one key, none: a padding row)
+    k, v, tables = caches(lens)
+    q = torch.randn(len(lens), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for window in (None, 5):
+        for splits in (1, 3):
+            out = ta.paged_decode_attention(q, k, v, tables, ctx, block_size=bs, scale=0.2,
+                                            sliding_window=window, num_splits=splits)  # fmt: skip
+            assert not out[ctx > 0].isnan().any(), (window, splits)
+    # Prefill: chunks of 11 (no past) and 5 (after 19 cached keys), ending mid-block.
+    k, v, tables = caches([11, 24])
+    q = torch.randn(16, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    starts = torch.tensor([0, 11, 16], dtype=torch.int32, device=DEVICE)
+    past = torch.tensor([0, 19], dtype=torch.int32, device=DEVICE)
+    for window in (None, 4):
+        out = ta.paged_prefill_attention(q, k, v, tables, starts, past, 11, block_size=bs,
+                                         scale=0.2, sliding_window=window)  # fmt: skip
+        assert not out.isnan().any(), window
+
+
 def test_fp8_bit_arithmetic_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The e4m3 decoding used on GPUs without fp8 (before sm_89) gives the bitcast's values."""
     gen = torch.Generator().manual_seed(5)

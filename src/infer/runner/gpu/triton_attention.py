@@ -759,6 +759,7 @@ def store_kv(
     _check_triton()
     t, hkv, w = k.shape
     assert v.shape == k.shape and slots.shape == (t,)
+    assert slots.is_contiguous()  # (the kernel reads slots[t] at offset t)
     assert k_cache.shape[1:] == (hkv, w) and v_cache.shape == k_cache.shape
     assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, (
         "store_kv copies, dtypes must match"
@@ -1040,6 +1041,7 @@ def paged_prefill_attention_tiles(
         block_size, scale, sliding_window, k_scales, v_scales, kv_kind, out,
     )  # fmt: skip
     assert tile_seq.shape == tile_index.shape and num_tiles.numel() == 1
+    assert tile_seq.is_contiguous() and tile_index.is_contiguous()
     if tile_size is not None and tile_size != meta["BLOCK_M"]:
         raise ValueError(f"tiles of {tile_size} queries, but the kernel's are {meta['BLOCK_M']}")
     if q.shape[0] == 0 or num_programs <= 0:
@@ -1073,6 +1075,7 @@ def _prefill_args(
     assert dk == d and v_cache.shape == k_cache.shape and h % hkv == 0
     num_seqs = num_computed.shape[0]
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] >= num_seqs
+    assert query_start_loc.is_contiguous() and num_computed.is_contiguous()  # read by offset
     assert block_tables.stride(1) == 1 and q.stride(2) == 1
     assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     kind = _kind_code(kv_kind, k_scales)
