@@ -126,6 +126,38 @@ def test_a_reused_id_does_not_lose_the_ended_requests_last_output(make_llm):
         engine.step()
 
 
+def test_a_reused_id_draws_from_its_own_seed(make_llm):
+    """A seeded request is aborted while a step launched ahead holds its row, and a new request
+    takes its id with the same parameters. That step samples when collected (a request admitted
+    into it wants logprobs), so it still draws for the dropped row: the new request must draw
+    from its own seed, as a fresh run does, not from a generator that draw made again."""
+    llm = make_llm("llama", **OPTIONS)
+    engine, tok = llm.engine, llm.tokenizer
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=123, ignore_eos=True)
+    engine.add_request("fresh", tok.encode(PROMPTS[0]), seeded)
+    want = _run_to_the_end(engine)["fresh"]
+    engine.add_request("r", tok.encode(PROMPTS[0]), seeded)
+    engine.add_request("g", tok.encode(PROMPTS[1]),
+                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))  # fmt: skip
+    for _ in range(3):
+        engine.step()
+    engine.add_request("p", tok.encode(PROMPTS[2]), SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1))  # fmt: skip
+    engine.step()
+    ahead = engine._ahead
+    assert ahead is not None and ahead.step.pending is None  # it samples when collected
+    assert "r" in [c.request_id for c in ahead.step.out.chunks]
+    engine.abort_request("r")
+    engine.add_request("r", tok.encode(PROMPTS[0]), seeded)
+    got: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "r" and out.finish_reason != "abort":  # (not the old r's end)
+                got += out.new_token_ids
+    assert got == want
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
+
+
 def test_a_discarded_step_launched_ahead_still_counts_its_launch(make_llm):
     """A stop token ends the only request while the step after it is already launched: that
     step is dropped, and its launch (inputs, queueing the pass) is still in ``step_times``."""

@@ -1325,6 +1325,8 @@ class LLMEngine:
                 drained.extend(self._drain_deferred())
             drain_time = time.perf_counter() - t
             result = self.runner.collect(running)
+            if ahead is not None and sched is not ahead.step.out:
+                self._forget_dropped_draws(ahead.step.out, sched)
         except EngineDeadError:
             raise
         except Exception as e:  # noqa: BLE001 - one failed batch must not kill the engine
@@ -1470,6 +1472,18 @@ class LLMEngine:
         if len(live) == len(out.chunks):
             return out
         return step_output(live, out.preempted, out.swap_out, out.swap_in, out.kv_imports)
+
+    def _forget_dropped_draws(self, planned: SchedulerOutput, live: SchedulerOutput) -> None:
+        """A step launched ahead that samples when collected (logprobs, penalties, ...) still
+        draws for the rows ``_live_part`` dropped: a seeded row's draw makes its generator
+        again, under an id that a new request may hold by now (an abort, then the id reused),
+        which would then draw from the old seed, already advanced. Forgotten here: the new
+        request's first draw (a later step: none is admitted ahead under a reused id) seeds its
+        own."""
+        kept = {id(chunk) for chunk in live.chunks}
+        for chunk in planned.chunks:
+            if id(chunk) not in kept:
+                self.runner.sampler.forget(chunk.request_id)
 
     def _drain_deferred(self) -> list[RequestOutput]:
         """The outputs of the requests an earlier step deferred (see :meth:`step`). A request
