@@ -413,6 +413,35 @@ def test_the_lm_head_row_indices_are_copied_before_the_forward_pass(make_llm, mo
         assert events.index("upload") < events.index("pass"), events
 
 
+def test_a_step_that_fails_before_its_inputs_are_copied_fails_alone(make_llm, monkeypatch):
+    """A step failing between writing its inputs and copying them (here: staging its LM-head
+    rows) fails its requests; the next steps write theirs afresh and serve the next requests
+    as a fresh engine does, every KV block back."""
+    llm = make_llm("llama", attention_backend="triton", block_size=4)
+    want = _tokens(llm, FEW[:2])
+    inputs = llm.engine.runner.cuda_step.inputs
+    stage, calls = inputs.stage, [0]
+
+    def failing_once(name, rows):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("staging failed")
+        return stage(name, rows)
+
+    monkeypatch.setattr(inputs, "stage", failing_once)
+    engine = llm.engine
+    engine.add_request("doomed", engine.tokenizer.encode(FEW[2]), GREEDY)
+    engine.add_request("doomed-too", engine.tokenizer.encode(FEW[3]), GREEDY)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert {o.finish_reason for o in finals} == {"error"} and calls[0] >= 1
+    assert "staging failed" in finals[0].error
+    assert _tokens(llm, FEW[:2]) == want
+    kv = engine.kv_manager
+    assert kv.num_free_blocks == kv.num_total_blocks
+
+
 def test_requests_stopped_while_the_next_step_runs_leave_no_generator(make_llm):
     """A seeded request whose stop string is found while its next step runs (deferred outputs)
     still has that step's draw made, which re-creates its generator: the engine forgets it."""

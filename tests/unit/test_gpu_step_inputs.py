@@ -128,7 +128,8 @@ def test_a_step_is_copied_in_a_few_copies_of_what_it_wrote_after_its_rows_are_st
 ):
     """fill(upload=False) writes the host side only; stage adds index rows; upload copies
     every part written (parts less than _MERGE_GAP apart in one copy) and nothing else; a step
-    filled before the one before was uploaded is refused."""
+    filled before the one before was uploaded is refused, unless that one's writes were
+    discarded (it failed)."""
     import pytest
 
     from infer.runner.gpu import step as step_mod
@@ -146,7 +147,9 @@ def test_a_step_is_copied_in_a_few_copies_of_what_it_wrote_after_its_rows_are_st
     inputs.fill([11], [7], seqs[:1], BS, upload=False)
     with pytest.raises(AssertionError, match="never uploaded"):
         inputs.fill([11], [7], seqs[:1], BS)
-    inputs.upload()
+    inputs.discard()  # (a step that failed before its upload)
+    ids, _, _ = inputs.fill([13], [7], seqs[:1], BS)
+    assert ids.tolist() == [13] and not any(inputs._written.values())
     big = inputs.stage("sample_rows", list(range(65)))  # more than the buffer: its own tensor
     assert big.tolist() == list(range(65)) and not any(inputs._written.values())
     assert step_mod.merged_ranges([(9000, 9004), (0, 4), (100, 104), (2, 8)], 4096) == [

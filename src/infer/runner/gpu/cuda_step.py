@@ -398,34 +398,39 @@ class CudaStep:
             inputs = StepInputs(StepShape(n, table_rows, len(seqs), width), self.device)
             size = None
         tile_size = self._tile_size if size is not None and not decode else None
-        ids, positions, fields = inputs.fill(
-            batch.token_ids,
-            batch.positions,
-            seqs,
-            self.kv_cache.block_size,
-            size,
-            tile_size,
-            decode_rows=self._fill_decode_rows(decode, size),
-            upload=False,
-        )
-        entries = fields.pop("decode_entries", None)
-        if tile_size is not None and self._mixed_decode_rows:
-            # the list a padded mixed step's graph reads, all of it written for this step
-            assert entries == self._decode_entries(size), (entries, size)
-        if feed is not None:
-            feed_rows = inputs.stage("feed_rows", feed.rows)
-            feed_sources = inputs.stage("feed_sources", feed.sources)
-        # The LM head's row indices, copied with the step's inputs, before the forward pass is
-        # queued: a copy queued after it would end after it, and the next step's fill (which
-        # waits for the last copy out of these pinned buffers) would wait for this whole step.
-        self._staged = {}
-        if batch.sample_rows and not batch.samples_every_row:
-            self._staged["sample_rows"] = inputs.stage("sample_rows", batch.sample_rows)
-        if batch.prompt_rows:
-            self._staged["prompt_rows"] = inputs.stage("prompt_rows", batch.prompt_rows)
-        if batch.pool_rows:
-            self._staged["pool_rows"] = inputs.stage("pool_rows", batch.pool_rows)
-        inputs.upload()  # two copies: every field above
+        try:
+            ids, positions, fields = inputs.fill(
+                batch.token_ids,
+                batch.positions,
+                seqs,
+                self.kv_cache.block_size,
+                size,
+                tile_size,
+                decode_rows=self._fill_decode_rows(decode, size),
+                upload=False,
+            )
+            entries = fields.pop("decode_entries", None)
+            if tile_size is not None and self._mixed_decode_rows:
+                # the list a padded mixed step's graph reads, all of it written for this step
+                assert entries == self._decode_entries(size), (entries, size)
+            if feed is not None:
+                feed_rows = inputs.stage("feed_rows", feed.rows)
+                feed_sources = inputs.stage("feed_sources", feed.sources)
+            # The LM head's row indices, copied with the step's inputs, before the forward pass
+            # is queued: a copy queued after it would end after it, and the next step's fill
+            # (which waits for the last copy out of these pinned buffers) would wait for this
+            # whole step.
+            self._staged = {}
+            if batch.sample_rows and not batch.samples_every_row:
+                self._staged["sample_rows"] = inputs.stage("sample_rows", batch.sample_rows)
+            if batch.prompt_rows:
+                self._staged["prompt_rows"] = inputs.stage("prompt_rows", batch.prompt_rows)
+            if batch.pool_rows:
+                self._staged["pool_rows"] = inputs.stage("pool_rows", batch.pool_rows)
+            inputs.upload()  # two copies: every field above
+        except BaseException:
+            inputs.discard()  # the step fails; the next one's fill must not find its writes
+            raise
         if feed is not None:  # queued after the step before's sampler and the copies above
             ids.index_copy_(0, feed_rows, feed.tokens.index_select(0, feed_sources))
         kind = "decode" if decode else "mixed"

@@ -438,6 +438,12 @@ class StepInputs:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
 
+    def discard(self) -> None:
+        """Forget what a step that failed before its :meth:`upload` wrote (nothing of it is
+        copied): the next step's :meth:`fill` starts clean."""
+        for written in self._written.values():
+            written.clear()
+
     def stage(self, name: str, rows: list[int]) -> torch.Tensor:
         """``rows`` (``name``: ``"sample_rows"``, ``"prompt_rows"``, ``"pool_rows"``,
         ``"feed_rows"`` or ``"feed_sources"``) as a device index that the next :meth:`upload`
