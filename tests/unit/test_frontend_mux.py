@@ -166,3 +166,16 @@ def test_when_every_api_server_has_gone_the_engine_stops(pipes):
     while not any(isinstance(c, Stop) for c in commands):
         commands += mux.next_commands(block=True)
     assert mux.live == set()
+
+
+def test_a_second_end_of_one_request_is_counted_nowhere(pipes):
+    """A step that fails outside the forward pass ends its requests twice (the abort it asks
+    for, the error it reports): the owner gets the first, the others see it once."""
+    servers, mux = pipes
+    servers[1].send(AddRequest("a", [1], PARAMS))
+    mux.next_commands(block=True)
+    mux.emit([_output("a", finished=True), _output("a", finished=True), _stats()])
+    got = [_read(s) for s in servers]
+    assert [type(r).__name__ for r in got[1]] == ["RequestOutput", "StatsUpdate"]
+    for other in (got[0], got[2]):
+        assert [type(r).__name__ for r in other] == ["FinishedElsewhere", "StatsUpdate"]

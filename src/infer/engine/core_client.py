@@ -445,6 +445,15 @@ class EngineProcess(_PipeClient):
             code = self._proc.exitcode
         return EngineStopped(error=f"the engine process exited (code {code})")
 
+    def kill(self) -> None:
+        """End the child now (nothing stopped it: it ignores SIGINT and SIGTERM)."""
+        self._conn.close()
+        for conn in self.api_server_conns:
+            conn.close()
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(5)
+
     def close(self) -> None:
         """Wait for the child to leave (after ``Stop``); kill it if it does not."""
         self._proc.join(10)

@@ -123,7 +123,7 @@ class FrontendMux:
             kind = type(r)
             if kind is RequestOutput:
                 index = self.owner.get(r.request_id)
-                if r.finished:
+                if r.finished and index is not None:  # (a second end of one request: dropped)
                     self.owner.pop(r.request_id, None)
                     seen = FinishedElsewhere(dataclasses.replace(
                         r, kv_payload=None, embedding=None, prompt_logprobs=None,

@@ -60,12 +60,26 @@ class ApiServers:
         each has built its app (RuntimeError if one fails first or ``timeout`` s pass)."""
         ctx = mp.get_context("spawn")
         count = len(engine.api_server_conns) + 1
-        procs, readies = [], []
+        procs: list[Any] = []
+        readies: list[Any] = []
+        try:
+            cls._start(ctx, count, args, settings, engine, sock, procs, readies, timeout)
+        except BaseException:  # (a Ctrl-C while they start too): none is left behind
+            cls(procs).kill()
+            raise
+        logger.info("%d more API server processes serve: %s", len(procs),
+                    ", ".join(str(p.pid) for p in procs))  # fmt: skip
+        return cls(procs)
+
+    @staticmethod
+    def _start(ctx: Any, count: int, args: argparse.Namespace, settings: Any, engine: Any,
+               sock: socket.socket, procs: list, readies: list, timeout: float) -> None:  # fmt: skip
         for index, conn in enumerate(engine.api_server_conns, start=1):
             ours, theirs = ctx.Pipe(duplex=False)  # (a readiness message)
             proc = ctx.Process(target=_api_server_main, name=f"infer-api-{index}",
                                args=(index, count, args, settings, conn, engine.info,
-                                     str(engine.tokenizer_source), sock, theirs))  # fmt: skip
+                                     str(engine.tokenizer_source), sock, theirs,
+                                     os.getpid()))  # fmt: skip
             with spawnable_main():
                 proc.start()
             conn.close()  # theirs now: its end closes when that process leaves
@@ -73,23 +87,17 @@ class ApiServers:
             procs.append(proc)
             readies.append(ours)
         engine.api_server_conns = []
-        servers = cls(procs)
         deadline = time.monotonic() + timeout
         for proc, ready in zip(procs, readies, strict=True):
             left = max(0.0, deadline - time.monotonic())
             if not ready.poll(left):
-                servers.kill()
                 raise RuntimeError(f"API server process {proc.pid} did not start in {timeout:g}s")
             try:
                 ready.recv()
             except EOFError:
                 proc.join(5)
-                servers.kill()
                 raise RuntimeError(f"API server process {proc.pid} failed to start (code "
                                    f"{proc.exitcode}; its log says why)") from None  # fmt: skip
-        logger.info("%d more API server processes serve: %s", len(procs),
-                    ", ".join(str(p.pid) for p in procs))  # fmt: skip
-        return servers
 
     def kill(self) -> None:
         self.stopping = True
@@ -99,7 +107,8 @@ class ApiServers:
             proc.join(5)
 
     def watch(self, on_death: Any) -> None:
-        """Call ``on_death(why)`` (from a thread) if one of them exits before ``stop``."""
+        """Call ``on_death(why, failed)`` (from a thread) if one of them exits before ``stop``
+        (``failed``: not with status 0, as one that drained on a signal of its own does)."""
 
         def run() -> None:
             ready = wait([p.sentinel for p in self.procs])
@@ -107,7 +116,8 @@ class ApiServers:
                 return
             dead = next(p for p in self.procs if p.sentinel in ready)
             dead.join(1)
-            on_death(f"API server process {dead.pid} exited (code {dead.exitcode})")
+            why = f"API server process {dead.pid} exited (code {dead.exitcode})"
+            on_death(why, dead.exitcode != 0)
 
         threading.Thread(target=run, name="infer-api-servers", daemon=True).start()
 
@@ -124,8 +134,9 @@ class ApiServers:
         self.signal()
 
         def join() -> None:
+            deadline = time.monotonic() + timeout  # (one grace for them all)
             for proc in self.procs:
-                proc.join(timeout)
+                proc.join(max(0.0, deadline - time.monotonic()))
                 if proc.is_alive():
                     logger.warning("API server process %d did not leave: killing it", proc.pid)
                     proc.kill()
@@ -136,9 +147,11 @@ class ApiServers:
 
 def _api_server_main(index: int, count: int, args: argparse.Namespace, settings: Any,
                      conn: Any, info: dict, tokenizer_source: str, sock: socket.socket,
-                     ready: Any) -> None:  # fmt: skip
+                     ready: Any, parent: int) -> None:  # fmt: skip
     """API server ``index`` of ``count``: the app over its own pipe, on the shared socket."""
     die_with_parent()
+    if os.getppid() != parent:  # the first died before the line above: leave the port free
+        return
     from infer.engine.core_client import EngineConnection
     from infer.engine.heap import freeze_startup_heap
     from infer.model.tokenizer import load_tokenizer

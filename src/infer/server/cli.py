@@ -387,12 +387,11 @@ def serve(args: argparse.Namespace) -> int:
         sockets = [sock]
         try:
             others = ApiServers.start(args, settings, engine, sock)
-        except RuntimeError as e:
+        except BaseException as e:  # (a Ctrl-C while they start too: the engine goes with it)
+            engine.kill()
+            if not isinstance(e, RuntimeError):
+                raise
             logger.error("%s", e)
-            from infer.engine.core_loop import Stop
-
-            engine.send(Stop())
-            engine.close()
             return 1
         server.api_servers = others
         others.watch(server.api_server_died)
@@ -403,6 +402,11 @@ def serve(args: argparse.Namespace) -> int:
     # garbage collections from walking their objects mid-stream (engine/heap.py).
     logger.debug("froze %d start-up objects", freeze_startup_heap())
     server.run(sockets=sockets)
+    if server.force_exit:  # a second Ctrl+C: no shutdown ran, nothing stopped the engine
+        if server.api_servers is not None:
+            server.api_servers.kill()
+        if hasattr(engine, "kill"):
+            engine.kill()
     return server.exit_code
 
 
@@ -458,10 +462,13 @@ class DrainingServer(uvicorn.Server):
         self.api_servers: Any = None  # the other API server processes (server/api_servers.py)
         async_engine.on_dead = self._engine_died
 
-    def api_server_died(self, why: str) -> None:
-        """Another API server process died (a thread's call): shut down, exit 1."""
-        logger.error("%s; shutting the server down", why)
-        self.exit_code = 1
+    def api_server_died(self, why: str, failed: bool = True) -> None:
+        """Another API server process left (a thread's call): shut down; exit 1 if it failed."""
+        if failed:
+            logger.error("%s; shutting the server down", why)
+            self.exit_code = 1
+        else:
+            logger.info("%s; shutting the server down", why)
         self.should_exit = True
 
     def _engine_died(self, why: str) -> None:
