@@ -442,6 +442,11 @@ class AsyncEngine:
     def request_done(self, request_id: str, final: RequestOutput) -> None:
         """A request's stream has seen its final output: stop routing, run the metrics hook."""
         self._streams.pop(request_id, None)
+        self._observe_finished(final)
+
+    def _observe_finished(self, final: RequestOutput) -> None:
+        """The metrics hook, for a request this server or (``FinishedElsewhere``) another
+        API server process served."""
         if self.on_finished is not None:
             try:
                 self.on_finished(final)
@@ -470,11 +475,7 @@ class AsyncEngine:
             elif isinstance(item, EngineStopped):
                 self._on_stopped(item.error)
             elif isinstance(item, FinishedElsewhere):  # another API server's: the metrics'
-                if self.on_finished is not None:
-                    try:
-                        self.on_finished(item.output)
-                    except Exception:  # metrics must never break serving
-                        logger.exception("on_finished hook failed")
+                self._observe_finished(item.output)
             else:  # Ack or RequestOutput
                 if isinstance(item, Ack):
                     self._unacked_adds -= 1

@@ -3,8 +3,8 @@
 One Python process parses requests, renders and writes streamed events for every client; at
 tens of thousands of streamed tokens a second (a GPU engine at high concurrency) that process,
 not the engine, sets the pace. With ``N`` > 1 the first process (the one ``infer serve``
-started) binds the listening socket, starts the engine process with one pipe per API server
-(``engine.frontends``), then starts ``N - 1`` more API server processes that share the socket:
+started) starts the engine process with one pipe per API server (``engine.frontends``), then
+binds the listening socket and starts ``N - 1`` more API server processes that share it:
 the kernel hands each new connection to one of them, and each runs the same app over its own
 pipe::
 
@@ -58,22 +58,23 @@ class ApiServers:
               sock: socket.socket, timeout: float = 600.0) -> ApiServers:  # fmt: skip
         """Start an API server process for each of ``engine.api_server_conns``; return once
         each has built its app (RuntimeError if one fails first or ``timeout`` s pass)."""
+        servers = cls([])
+        try:
+            readies = servers._spawn(args, settings, engine, sock)
+            servers._wait_ready(readies, timeout)
+        except BaseException:  # (a Ctrl-C while they start too): none is left behind
+            servers.kill()
+            raise
+        logger.info("%d more API server processes serve: %s", len(servers.procs),
+                    ", ".join(str(p.pid) for p in servers.procs))  # fmt: skip
+        return servers
+
+    def _spawn(self, args: argparse.Namespace, settings: Any, engine: Any,
+               sock: socket.socket) -> list[Any]:  # fmt: skip
+        """Start them, one per pipe in ``engine.api_server_conns``; each one's readiness pipe."""
         ctx = mp.get_context("spawn")
         count = len(engine.api_server_conns) + 1
-        procs: list[Any] = []
-        readies: list[Any] = []
-        try:
-            cls._start(ctx, count, args, settings, engine, sock, procs, readies, timeout)
-        except BaseException:  # (a Ctrl-C while they start too): none is left behind
-            cls(procs).kill()
-            raise
-        logger.info("%d more API server processes serve: %s", len(procs),
-                    ", ".join(str(p.pid) for p in procs))  # fmt: skip
-        return cls(procs)
-
-    @staticmethod
-    def _start(ctx: Any, count: int, args: argparse.Namespace, settings: Any, engine: Any,
-               sock: socket.socket, procs: list, readies: list, timeout: float) -> None:  # fmt: skip
+        readies = []
         for index, conn in enumerate(engine.api_server_conns, start=1):
             ours, theirs = ctx.Pipe(duplex=False)  # (a readiness message)
             proc = ctx.Process(target=_api_server_main, name=f"infer-api-{index}",
@@ -84,20 +85,25 @@ class ApiServers:
                 proc.start()
             conn.close()  # theirs now: its end closes when that process leaves
             theirs.close()
-            procs.append(proc)
+            self.procs.append(proc)
             readies.append(ours)
         engine.api_server_conns = []
+        return readies
+
+    def _wait_ready(self, readies: list[Any], timeout: float) -> None:
+        """Wait until each has built its app (RuntimeError: one failed, or ``timeout`` s)."""
         deadline = time.monotonic() + timeout
-        for proc, ready in zip(procs, readies, strict=True):
-            left = max(0.0, deadline - time.monotonic())
-            if not ready.poll(left):
-                raise RuntimeError(f"API server process {proc.pid} did not start in {timeout:g}s")
-            try:
-                ready.recv()
-            except EOFError:
-                proc.join(5)
-                raise RuntimeError(f"API server process {proc.pid} failed to start (code "
-                                   f"{proc.exitcode}; its log says why)") from None  # fmt: skip
+        for proc, ready in zip(self.procs, readies, strict=True):
+            with ready:
+                if not ready.poll(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"API server process {proc.pid} did not start in "
+                                       f"{timeout:g}s")  # fmt: skip
+                try:
+                    ready.recv()
+                except EOFError:
+                    proc.join(5)
+                    raise RuntimeError(f"API server process {proc.pid} failed to start (code "
+                                       f"{proc.exitcode}; its log says why)") from None  # fmt: skip
 
     def kill(self) -> None:
         self.stopping = True
