@@ -31,6 +31,24 @@ if not _has_cuda():
 from infer.testing.checkpoints import KINDS, build_all  # noqa: E402
 
 
+def _patient_httpx(seconds: float = 60.0) -> None:
+    """httpx waits 5 s by default, for its module helpers (``httpx.get``) and its clients alike.
+    Tests talk to real servers on a 2-core box another worker keeps busy: one answer can take
+    longer than that without anything being wrong (a dashboard test failed so in CI once). A
+    test that means to time out says so with its own ``timeout=``."""
+    import httpx
+
+    patient = httpx.Timeout(seconds)
+    for name in ("get", "post", "put", "patch", "delete", "head", "options", "request", "stream"):
+        function = getattr(httpx, name)
+        getattr(function, "__wrapped__", function).__kwdefaults__["timeout"] = patient
+    for client in (httpx.Client, httpx.AsyncClient):
+        client.__init__.__kwdefaults__["timeout"] = patient
+
+
+_patient_httpx()
+
+
 # `pytest tests/integration --device cuda` runs the engine and model tests on a GPU, with
 # transformers (the oracle) on the same device; CPU-only tests (kernels, CPU binding) ignore it.
 def pytest_addoption(parser: pytest.Parser) -> None:
