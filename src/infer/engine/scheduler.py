@@ -34,7 +34,6 @@ on the device, :class:`infer.runner.runner.TokenFeed`)."""
 class SchedulerCounters:
     """Monotone engine-wide counters."""
 
-    steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
@@ -135,7 +134,6 @@ class Scheduler:
         num_prefills = 0
         self.kv.end_step()
         self.waiting.tick()
-        self.counters.steps += 1
         sort_key = self.waiting.sort_key
         self.running.sort(key=sort_key)
         batch_was_empty = not self.running
@@ -332,7 +330,6 @@ class Scheduler:
             return None
         self.kv.end_step()
         self.waiting.tick()
-        self.counters.steps += 1
         if waiting:
             chunks += self._admit_ahead(budget, cfg.max_num_seqs - len(chunks))
         return step_output(chunks)
