@@ -3,7 +3,9 @@ command in, every reply to the API server it belongs to, over real pipes."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import threading
 
 import pytest
 
@@ -39,10 +41,10 @@ def pipes():
         theirs.close()
 
 
-def _read(conn) -> list:
+def _read(conn, wait: float = 0.2) -> list:
     """What one API server got: the packed outputs made whole again, as its reader does."""
     got = []
-    while conn.poll(0.2):
+    while conn.poll(wait):
         got += TokenTimesMirror().unpack(conn.recv())
     return got
 
@@ -179,3 +181,45 @@ def test_a_second_end_of_one_request_is_counted_nowhere(pipes):
     assert [type(r).__name__ for r in got[1]] == ["RequestOutput", "StatsUpdate"]
     for other in (got[0], got[2]):
         assert [type(r).__name__ for r in other] == ["FinishedElsewhere", "StatsUpdate"]
+
+
+def test_an_api_server_that_stops_reading_never_stalls_the_engine(pipes):
+    """One API server stops reading its pipe (stopped, hung): the engine's sends to it queue
+    up instead of blocking, the others get theirs at once, and it gets every message, in
+    order, once it reads again."""
+    servers, mux = pipes
+    servers[0].send(AddRequest("a", [1], PARAMS))
+    servers[1].send(AddRequest("b", [1], PARAMS))
+    commands = mux.next_commands(block=True)
+    while len(commands) < 2:
+        commands += mux.next_commands(block=True)
+    text = "x" * 4096  # ~4 KB a message: a few MB in all, far past what a pipe holds
+    steps = 600
+
+    def engine() -> None:
+        for step in range(steps):
+            out = _output("a")
+            mux.emit([dataclasses.replace(out, new_text=f"{step}:{text}"), _output("b"), _stats()])
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    got_b = []
+    while len(got_b) < 2 * steps:  # API server 1 reads along while API server 0 does not
+        assert servers[1].poll(30), "the engine stalled behind API server 0's full pipe"
+        got_b += TokenTimesMirror().unpack(servers[1].recv())
+        _read(servers[2], wait=0)  # (API server 2 reads along too)
+    thread.join(30)
+    assert not thread.is_alive()
+    _read(servers[2], wait=0)
+    assert mux.outboxes[0].backlog > 0  # (it really was behind)
+
+    closing = threading.Thread(target=mux.close, daemon=True)
+    closing.start()  # writes what is queued for API server 0 as it reads
+    mirror, got_a = TokenTimesMirror(), []
+    while len(got_a) < 2 * steps:
+        assert servers[0].poll(30)
+        got_a += mirror.unpack(servers[0].recv())
+    closing.join(30)
+    texts = [r.new_text for r in got_a if isinstance(r, RequestOutput)]
+    assert texts == [f"{step}:{text}" for step in range(steps)]
+    assert mux.outboxes[0].backlog == 0

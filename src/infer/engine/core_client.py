@@ -156,19 +156,24 @@ def _child(
     def emit(replies: list) -> None:
         conn.send(pack_for_pipe(replies))
 
+    mux = None
     if other_conns:
         from infer.engine.frontends import FrontendMux
 
         mux = FrontendMux([conn, *other_conns], pack_for_pipe)
         next_commands, emit = mux.next_commands, mux.emit  # noqa: F811 - one pipe per server
+    error = None
     try:
         run_engine_loop(engine, next_commands, emit)
     except BaseException as e:  # noqa: BLE001 - say why before the pipe closes
-        for c in (conn, *other_conns):
+        error = f"the engine died: {e}"
+        if mux is None:
             with contextlib.suppress(OSError):
-                c.send([EngineStopped(error=f"the engine died: {e}")])
+                conn.send([EngineStopped(error=error)])
         raise
     finally:
+        if mux is not None:  # (its writers hold what a slow reader has not taken yet)
+            mux.close(error)
         engine.close()
 
 

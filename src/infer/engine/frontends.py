@@ -24,15 +24,25 @@ where it belongs:
 
 ``Stop`` from API server 0 stops the engine; from any other, or a pipe that closes, only that
 API server leaves: its requests are aborted and it gets its own ``EngineStopped``.
+
+The engine never waits on one API server's pipe (:class:`Outbox`): a process that stops
+reading (stopped, swapped out, hung) would otherwise fill its pipe and stall the engine, and
+every other API server's streams with it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
+import logging
+import queue
+import select
+import socket
+import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from infer.core.outputs import RequestOutput
@@ -48,6 +58,83 @@ from infer.engine.core_loop import (
     Stop,
 )
 
+logger = logging.getLogger(__name__)
+
+
+class Outbox:
+    """One API server's pipe, written so that the engine never waits on it.
+
+    A message goes straight into the pipe while nothing is queued and the pipe has room for
+    it (the common case: no thread hop, the order kept); otherwise it is queued for a writer
+    thread of this pipe's own, which waits for the reader instead of the engine. A pipe whose
+    reader has gone (its end closed) takes nothing more; the mux's reading side finds it gone.
+    """
+
+    WARN_BACKLOG = 1000  # messages queued behind a reader that does not read: said at 1k, 10k, ...
+
+    def __init__(self, conn: Any, name: str) -> None:
+        self.conn = conn
+        self.name = name
+        self.broken = False
+        self._queued = 0  # messages handed to the writer (counted by the engine's thread)
+        self._written = 0  # ... of which written (counted by the writer's thread)
+        self._warn_at = self.WARN_BACKLOG
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._room = select.poll()
+        self._room.register(conn.fileno(), select.POLLOUT)
+        # A Unix socket pair is writable while three quarters of its send buffer are free
+        # (counted with each chunk's overhead): a quarter of the buffer goes in unblocked.
+        with socket.socket(fileno=conn.fileno()) as sock:
+            try:
+                self._direct_limit = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
+            finally:
+                sock.detach()  # (the descriptor is the connection's)
+
+    @property
+    def backlog(self) -> int:
+        """Messages queued and not yet written."""
+        return self._queued - self._written
+
+    def send(self, obj: Any) -> None:
+        if self.broken:
+            return
+        buf = ForkingPickler.dumps(obj)
+        # NOTE: with nothing queued the writer is not writing either (it counts a message
+        # written only once it is), so this thread may write without interleaving with it.
+        if not self.backlog and len(buf) <= self._direct_limit and self._room.poll(0):
+            try:
+                self.conn.send_bytes(buf)
+            except OSError:
+                self.broken = True
+            return
+        if self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write, name=f"outbox-{self.name}", daemon=True
+            )
+            self._writer.start()
+        self._queued += 1
+        self._queue.put(buf)
+        if self.backlog >= self._warn_at:
+            logger.warning("%s has not read %d messages the engine sent it; the engine goes "
+                           "on without waiting", self.name, self.backlog)  # fmt: skip
+            self._warn_at *= 10
+
+    def _write(self) -> None:
+        while (buf := self._queue.get()) is not None:
+            if not self.broken:
+                try:
+                    self.conn.send_bytes(buf)
+                except OSError:
+                    self.broken = True
+            self._written += 1
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued, waiting at most ``timeout`` seconds for a slow reader."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join(timeout)
+
 
 class FrontendMux:
     """The engine loop's ``next_commands`` and ``emit`` over one connection per API server
@@ -56,6 +143,7 @@ class FrontendMux:
     def __init__(self, conns: list[Any], pack: Callable[[list], list]) -> None:
         self.conns = list(conns)
         self.pack = pack
+        self.outboxes = [Outbox(c, f"API server {i}") for i, c in enumerate(self.conns)]
         self.live = set(range(len(conns)))
         self.owner: dict[str, int] = {}  # request id -> the API server that added it
         self.calls: dict[int, tuple[int, int]] = {}  # engine call id -> (API server, its id)
@@ -152,5 +240,14 @@ class FrontendMux:
         for index in range(n):
             if out[index] and (index in self.live or index in left):
                 # (one that has gone: its pipe's end tells next_commands)
-                with contextlib.suppress(OSError):
-                    self.conns[index].send(self.pack(out[index]))
+                self.outboxes[index].send(self.pack(out[index]))
+
+    def close(self, error: str | None = None, timeout: float = 5.0) -> None:
+        """The engine stops: with ``error``, every API server still there is told why; what
+        is queued is written, waiting at most ``timeout`` seconds in all for slow readers."""
+        if error is not None:
+            for index in self.live:
+                self.outboxes[index].send([EngineStopped(error=error)])
+        deadline = time.monotonic() + timeout
+        for box in self.outboxes:
+            box.close(max(0.0, deadline - time.monotonic()))
