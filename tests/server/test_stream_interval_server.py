@@ -17,7 +17,11 @@ PROMPT = "The import statement combines two operations"
 
 @pytest.fixture(scope="module")
 def server(llama_checkpoint, server_logs):
-    yield from start_server(llama_checkpoint, server_logs, "--stream-interval", "4")
+    # A stream that falls behind the engine takes the deltas queued up as one event (by
+    # design), so on a fast machine the first token and the next four could go out together.
+    # Steps slowed to 50 ms each leave the reader ample time to take every event alone.
+    yield from start_server(llama_checkpoint, server_logs, "--stream-interval", "4",
+                            env={"INFER_TEST_STEP_DELAY": "0.05"})  # fmt: skip
 
 
 def _events(server, body: dict) -> list[dict]:
