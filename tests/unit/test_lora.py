@@ -53,10 +53,25 @@ def _float_reference(layer: LoRALinear, x: torch.Tensor, y: torch.Tensor, slots:
     return out.to(y.dtype)
 
 
+class _RowByRow(torch.nn.Module):
+    """A projection applied to one row at a time: the same bits whatever else is in the batch."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.inner(row) for row in x.split(1)])
+
+
 @pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels do not build here")
 @pytest.mark.parametrize(("rows", "k", "rank"), [(1, 40, 8), (7, 41, 8), (64, 40, 24)])
 def test_kernel_matches_float_math_and_leaves_other_rows_alone(rows, k, rank):
     layer, state = _random_layer(torch.bfloat16, k=k, rank=rank)
+    # The base projection row by row: torch's bf16 matmul may round one row differently from
+    # seven (a CI run on another CPU saw one element 1 ulp apart), and what is checked here is
+    # the adapter update's promise, not the base GEMM's.
+    layer.base = _RowByRow(layer.base)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, layer.in_features, generator=gen).to(torch.bfloat16)
     slots = [[-1, 2, 0, 1, 0][i % 5] for i in range(rows)]
