@@ -5,7 +5,10 @@ server."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import concurrent.futures
+import errno
 import json
 import os
 import re
@@ -77,6 +80,41 @@ def test_every_api_server_answers_as_one_server_would(server, offline_llm):
     server.wait_idle()
 
 
+def test_a_burst_of_connections_spreads_over_the_api_servers(llama_checkpoint, server_logs):
+    """128 connections opened at once, one request each, to 4 idle API servers: each serves
+    about a quarter (a socket each, SO_REUSEPORT: the kernel hashes connections over them). On one
+    shared socket the first process to wake took most of a burst (63/1/0/0 of 64). One
+    getting under 14 of 128 by chance: ~4e-4 for the four."""
+
+    async def burst(server) -> list[int]:
+        clients = [httpx.AsyncClient(base_url=server.url) for _ in range(128)]
+        try:
+            replies = await asyncio.gather(*(c.get("/health") for c in clients))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+        return [r.status_code for r in replies]
+
+    def served(server) -> collections.Counter:
+        lines = server.log().splitlines()
+        return collections.Counter(m.group(1) for m in map(ACCESS.search, lines)
+                                   if m and '"GET /health"' in m.string)  # fmt: skip
+
+    for server in start_server(llama_checkpoint, server_logs, "--api-server-count", "4"):
+        deadline = time.monotonic() + 10  # (the first listens a moment after the others)
+        while (listening := _listening_sockets(server.port)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert listening == 4  # one each, not one shared
+        time.sleep(0.5)  # (the start-up's own /health polls logged)
+        before = served(server)
+        assert asyncio.run(burst(server)) == [200] * 128
+        deadline = time.monotonic() + 30
+        while sum((tags := served(server) - before).values()) < 128:  # (logged as each ends)
+            assert time.monotonic() < deadline, tags
+            time.sleep(0.05)
+        counts = [tags[f"api{i}"] for i in range(4)]
+        assert sum(counts) == 128 and min(counts) >= 14, counts
+
+
 def test_a_drain_reaches_every_api_server_and_every_stream_finishes(server):
     """Last but one user of the module's server: SIGTERM to the first process only (as
     `kill PID` sends it); it passes the signal on, every process lets its streams finish,
@@ -108,6 +146,29 @@ def test_a_drain_reaches_every_api_server_and_every_stream_finishes(server):
     log = server.log()
     assert log.count("received SIGTERM") == 2  # each process drained
     assert "Traceback" not in log and "exited (code" not in log
+
+
+def test_the_first_socket_refuses_a_port_another_server_holds():
+    """The API servers share a port through SO_REUSEPORT; a second server started on that
+    port must fail ("address in use") rather than quietly take a share of its connections."""
+    from infer.server.api_servers import listening_socket
+
+    with listening_socket("127.0.0.1", 0, first=True) as first:
+        first.listen()
+        port = first.getsockname()[1]
+        with listening_socket("127.0.0.1", port) as helper:  # another API server of the same
+            helper.listen()
+            with pytest.raises(OSError) as e:
+                listening_socket("127.0.0.1", port, first=True)
+            assert e.value.errno == errno.EADDRINUSE
+
+
+def _listening_sockets(port: int) -> int:
+    """How many TCP sockets listen on ``port`` (IPv4, this network namespace)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    # local address "0100007F:1F90", state "0A" (LISTEN)
+    return sum(1 for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A")
 
 
 def _alive(pid: int) -> bool:

@@ -381,18 +381,24 @@ def serve(args: argparse.Namespace) -> int:
     server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
     sockets = None
     if args.api_server_count > 1:
-        from infer.server.api_servers import ApiServers
+        from infer.server.api_servers import ApiServers, listening_socket
 
-        sock = uv_config.bind_socket()  # shared: the kernel spreads connections over them
-        sockets = [sock]
         try:
-            others = ApiServers.start(args, settings, engine, sock)
+            # one each (SO_REUSEPORT); taken since the check at start-up: an error, as uvicorn's
+            sock = listening_socket(args.host, args.port, first=True)
+            sockets = [sock]
+            others = ApiServers.start(args, settings, engine, sock.getsockname()[1])
         except BaseException as e:  # (a Ctrl-C while they start too: the engine goes with it)
             engine.kill()
-            if not isinstance(e, RuntimeError):
+            if not isinstance(e, (RuntimeError, OSError)):
                 raise
             logger.error("%s", e)
             return 1
+        # (what uvicorn says when it binds the socket itself, as with one API server)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        logging.getLogger("uvicorn.error").info(
+            "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, sock.getsockname()[1]
+        )
         server.api_servers = others
         others.watch(server.api_server_died)
         # the others leave (drained) before the engine stops
