@@ -56,7 +56,7 @@ def listening_socket(host: str, port: int, first: bool = False) -> socket.socket
 
     One socket shared by all instead has them race to accept: the first to wake takes every
     connection waiting (asyncio accepts in a loop), so a burst lands mostly on one process
-    (64 connections opened at once over 4 processes: 63/1/0/0, 50/7/7/0, 33/14/9/8 on a
+    (64 connections opened at once over 4 processes: 63/1/0/0, 50/7/7/0, 33/20/8/3 on a
     2-core VM), and a client's keep-alive connections stay where they landed for the run."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (as uvicorn tells them)
     if first:  # a plain bind fails on a port in use, SO_REUSEPORT or not

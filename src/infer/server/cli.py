@@ -387,7 +387,8 @@ def serve(args: argparse.Namespace) -> int:
             # one each (SO_REUSEPORT); taken since the check at start-up: an error, as uvicorn's
             sock = listening_socket(args.host, args.port, first=True)
             sockets = [sock]
-            others = ApiServers.start(args, settings, engine, sock.getsockname()[1])
+            port = sock.getsockname()[1]  # (--port 0: the one the kernel chose)
+            others = ApiServers.start(args, settings, engine, port)
         except BaseException as e:  # (a Ctrl-C while they start too: the engine goes with it)
             engine.kill()
             if not isinstance(e, (RuntimeError, OSError)):
@@ -397,7 +398,7 @@ def serve(args: argparse.Namespace) -> int:
         # (what uvicorn says when it binds the socket itself, as with one API server)
         host = f"[{args.host}]" if ":" in args.host else args.host
         logging.getLogger("uvicorn.error").info(
-            "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, sock.getsockname()[1]
+            "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port
         )
         server.api_servers = others
         others.watch(server.api_server_died)
