@@ -22,6 +22,14 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Tests that keep their built models and conversions apart set INFER_CACHE_DIR to a folder of
+# their own; the C++ CPU kernels would be compiled again under each (~20-40 s on 2 cores for
+# every server such a test starts): one kernel build serves them all.
+os.environ.setdefault(
+    "INFER_KERNELS_DIR",
+    str(Path(os.environ.get("INFER_CACHE_DIR") or Path.home() / ".cache" / "infer") / "kernels"),
+)
+
 # Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. The variable is
 # read when the kernels are defined, so before anything imports infer.
 if not _has_cuda():

@@ -13,18 +13,24 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
 import pytest
-from tests.server.conftest import assert_start_fails, start_server
+from tests.server.conftest import assert_start_fails, free_port, start_server
 
 from infer import SamplingParams
+from infer.engine.core_client import ENGINE_START_GATE_ENV
 from infer.engine.core_loop import STEP_DELAY_ENV
 
 PROMPT = "The import statement combines two operations"
 ACCESS = re.compile(r"infer\.access \[(api\d)\]")
 SERVES = re.compile(r"API server 2 of 2 \(process (\d+)\) serves")
+WAITS = re.compile(r"API server 2 of 2 \(process (\d+)\) waits for the engine")
+ENGINE_UP = "engine runs in process"
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +206,100 @@ def test_an_api_server_that_dies_takes_the_server_down(llama_checkpoint, server_
 )
 def test_what_it_does_not_combine_with_is_refused(flags, message, llama_checkpoint):
     assert_start_fails(llama_checkpoint, flags, message)
+
+
+def _wait_for_line(
+    path, pattern: re.Pattern, timeout: float = 120.0
+) -> tuple[re.Match | None, str]:
+    """The first match of ``pattern`` in the log at ``path`` (None after ``timeout`` s), and
+    the log as it was then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        match = pattern.search(text)
+        if match or time.monotonic() > deadline:
+            return match, text
+        time.sleep(0.05)
+
+
+def test_the_other_api_servers_start_while_the_engine_starts(llama_checkpoint, tmp_path):
+    """The other API servers import their modules and bind their sockets while the engine
+    starts (a model's load can take minutes), not after: with the engine held at start-up (a
+    hook), the second process says it waits for the engine before the engine is up; let go,
+    the engine starts and both serve."""
+    gate = tmp_path / "engine-may-start"
+    seen: dict = {}
+
+    def open_the_gate_once_the_other_waits() -> None:
+        try:
+            match, text = None, ""
+            deadline = time.monotonic() + 120
+            while match is None and time.monotonic() < deadline:
+                for log in logs.glob("server-*.log"):
+                    match, text = _wait_for_line(log, WAITS, timeout=0)
+                time.sleep(0.05)
+            seen.update(waits=match is not None, engine_up=ENGINE_UP in text)
+        finally:
+            gate.touch()
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    thread = threading.Thread(target=open_the_gate_once_the_other_waits)
+    thread.start()
+    gen = start_server(llama_checkpoint, logs, "--api-server-count", "2",
+                       env={ENGINE_START_GATE_ENV: str(gate)})  # fmt: skip
+    try:
+        server = next(gen)
+        thread.join()
+        assert seen == {"waits": True, "engine_up": False}
+        text, usage = _completion(server, stream=False)
+        assert usage["completion_tokens"] == 8
+        assert SERVES.search(server.log())
+    finally:
+        thread.join()
+        gen.close()
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` still running (not zombies)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
+
+
+def test_a_ctrl_c_while_the_engine_starts_leaves_no_process_behind(llama_checkpoint, tmp_path):
+    """A Ctrl-C in the terminal (SIGINT to the whole process group) while the engine starts:
+    the first process leaves and takes the others and the engine with it (both ignore the
+    signal until they serve: the first decides)."""
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "infer.server", "--model", str(llama_checkpoint),
+           "--port", str(free_port()), "--api-server-count", "2"]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               **{ENGINE_START_GATE_ENV: str(tmp_path / "never")})  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    try:
+        match, text = _wait_for_line(log, WAITS)
+        assert match, text
+        assert ENGINE_UP not in text
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) != 0
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _group_alive(proc.pid) == []
+        assert not _alive(int(match.group(1)))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

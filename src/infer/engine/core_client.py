@@ -24,7 +24,9 @@ import multiprocessing as mp
 import os
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,10 @@ class ThreadCore:
 
 
 # What the server reads off the engine once, at start-up.
+# Tests: the engine process waits to build its engine until this file exists (a start-up
+# that provably lasts until the test says so).
+ENGINE_START_GATE_ENV = "INFER_TEST_ENGINE_START_GATE"
+
 _ATTRS = (
     "model_name",
     "max_model_len",
@@ -130,6 +136,9 @@ def _child(
             torch.set_num_threads(torch_threads)
         from infer.engine.engine import LLMEngine
 
+    gate = os.environ.get(ENGINE_START_GATE_ENV)
+    while gate and not os.path.exists(gate):
+        time.sleep(0.02)
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - report why, then exit
@@ -343,31 +352,29 @@ class EngineProcess(_PipeClient):
         torch_threads: int | None = None,
         binding: CpuBinding | None = None,
         meanwhile: Callable[[], object] | None = None,
-        api_servers: int = 1,
+        frontends: Sequence[Connection] = (),
     ) -> None:
         """Start the engine process and return once its engine is built.
 
         ``meanwhile`` runs in this process while the child builds its engine (the server
-        imports its app there), after the server's tokenizer is loaded. ``api_servers`` > 1:
-        the engine listens on a pipe per API server; this process's is the first, the others'
-        ends wait in ``api_server_conns`` for the processes that take them
-        (:class:`EngineConnection`; ``engine.frontends``).
+        imports its app there), after the server's tokenizer is loaded. ``frontends``: the
+        engine's ends of the pipes of more API server processes (``--api-server-count``; each
+        an :class:`EngineConnection` at the other end): the engine listens on those beside
+        this process's (``engine.frontends``); they are the child's once it has started.
         """
         ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads or locks
         self._conn, child_conn = ctx.Pipe()
-        pipes = [ctx.Pipe() for _ in range(api_servers - 1)]
-        self.api_server_conns = [ours for ours, _ in pipes]
         # A daemonic process may not start processes of its own: with tensor parallelism the
         # engine starts its workers, so it is not one (it still dies with us: PDEATHSIG).
         self._proc = ctx.Process(target=_child, name="infer-engine",
                                  args=(child_conn, config, logging.getLogger().level, torch_threads,
-                                       binding, tuple(theirs for _, theirs in pipes)),
+                                       binding, tuple(frontends)),
                                  daemon=config.parallel.tensor_parallel_size == 1)  # fmt: skip
         with spawnable_main():
             self._proc.start()
         child_conn.close()
-        for _, theirs in pipes:
-            theirs.close()
+        for conn in frontends:
+            conn.close()
         self._init_pipe()
         try:
             self._finish_start(config, binding, meanwhile)
@@ -453,8 +460,6 @@ class EngineProcess(_PipeClient):
     def kill(self) -> None:
         """End the child now (nothing stopped it: it ignores SIGINT and SIGTERM)."""
         self._conn.close()
-        for conn in self.api_server_conns:
-            conn.close()
         if self._proc.is_alive():
             self._proc.kill()
         self._proc.join(5)

@@ -3,10 +3,10 @@
 One Python process parses requests, renders and writes streamed events for every client; at
 tens of thousands of streamed tokens a second (a GPU engine at high concurrency) that process,
 not the engine, sets the pace. With ``N`` > 1 the first process (the one ``infer serve``
-started) starts the engine process with one pipe per API server (``engine.frontends``), then
-binds its listening socket and starts ``N - 1`` more API server processes, each with a socket
-of its own on the same port (:func:`listening_socket`): the kernel hands each new connection
-to one of them, and each runs the same app over its own pipe::
+started) binds its listening socket, starts ``N - 1`` more API server processes, each with a
+socket of its own on the same port (:func:`listening_socket`), and then the engine process,
+with one pipe per API server (``engine.frontends``): the kernel hands each new connection to
+one of the API servers, and each runs the same app over its own pipe::
 
     infer serve (api server 0) ──┬── engine process (FrontendMux: a pipe per API server)
       ├── api server 1 ──────────┤
@@ -19,7 +19,8 @@ response is kept by the process that served it (``GET /v1/responses/{id}`` and
 ``previous_response_id`` find it there only), and each log line names its process
 (``[api1]``).
 
-Start-up: each process listens once every one of them has built its app, so ``/health``
+Start-up: the others import their modules while the engine starts, and build their apps once
+it is up; each process listens once every one of them has built its app, so ``/health``
 answers only when all serve. Lifecycle: a SIGTERM or SIGINT to the first process is passed on
 to the others; each drains its own streams; the first stops the engine once the others have
 left. An API server that dies takes the server down (exit status 1), as the engine's death
@@ -40,9 +41,10 @@ import sys
 import threading
 import time
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
-from infer.distributed.spawn import die_with_parent, spawnable_main
+from infer.distributed.spawn import leave_shutdown_to_parent, spawnable_main
 
 logger = logging.getLogger("infer.server")
 
@@ -77,59 +79,80 @@ def listening_socket(host: str, port: int, first: bool = False) -> socket.socket
 
 class ApiServers:
     """The first API server's handle on the others: starts them, passes its exit signal on,
-    waits for them to leave, and reports one that dies on its own."""
+    waits for them to leave, and reports one that dies on its own.
 
-    def __init__(self, procs: list[Any]) -> None:
-        self.procs = procs
+    They start in two steps, so that their imports overlap the engine's start (a model's load
+    can take minutes; each process's imports take seconds): :meth:`spawn` before the engine
+    (each imports its modules, binds its socket and waits), :meth:`start` once it is up (each
+    gets the engine's start-up info, builds its app and, once all have, listens)::
+
+        first:   bind ─ spawn ─ engine starts ......... up ─ start: send ─ wait built ─ go
+        api k:          imports ─ bind ─ wait ......... recv ─ tokenizer, app ─ built ─ listen
+    """
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.engine_ends: list[Any] = []  # the engine's end of each one's pipe
+        self._readies: list[Any] = []  # each one's readiness pipe
         self.stopping = False
 
     @classmethod
-    def start(cls, args: argparse.Namespace, settings: Any, engine: Any,
-              port: int, timeout: float = 600.0) -> ApiServers:  # fmt: skip
-        """Start an API server process for each of ``engine.api_server_conns``, on ``port``
-        (the first's: the one asked for, or the one ``--port 0`` got); return once each has
-        built its app and been told to listen (RuntimeError if one fails first or ``timeout``
-        s pass)."""
-        servers = cls([])
+    def spawn(cls, args: argparse.Namespace, port: int,
+              tokenizer_source: str | None = None) -> ApiServers:  # fmt: skip
+        """Start ``args.api_server_count - 1`` API server processes on ``port`` (the first's:
+        the one asked for, or the one ``--port 0`` got), before the engine. Each gets a pipe
+        to the engine; the engine's ends wait in ``engine_ends`` for the engine process.
+        ``tokenizer_source``: the tokenizer's folder where it is known before the engine is
+        up (:func:`tokenizer_folder_now`): each loads it while it waits."""
+        ctx = mp.get_context("spawn")
+        servers = cls()
+        count = args.api_server_count
         try:
-            readies = servers._spawn(args, settings, engine, port)
-            servers._wait_ready(readies, timeout)
-            for ready in readies:  # all built: listen
-                ready.send(True)
-                ready.close()
+            for index in range(1, count):
+                engine_end, server_end = ctx.Pipe()
+                ours, theirs = ctx.Pipe()
+                servers.engine_ends.append(engine_end)
+                servers._readies.append(ours)
+                # daemonic: should this process leave before they serve (a failure of its
+                # own start-up), multiprocessing ends them rather than waiting on them for ever
+                proc = ctx.Process(target=_api_server_main, name=f"infer-api-{index}",
+                                   args=(index, count, args, server_end, port, theirs,
+                                         os.getpid(), tokenizer_source),
+                                   daemon=True)  # fmt: skip
+                with spawnable_main():
+                    proc.start()
+                servers.procs.append(proc)
+                server_end.close()  # theirs now: its end closes when that process leaves
+                theirs.close()
         except BaseException:  # (a Ctrl-C while they start too): none is left behind
             servers.kill()
             raise
-        logger.info("%d more API server processes serve: %s", len(servers.procs),
-                    ", ".join(str(p.pid) for p in servers.procs))  # fmt: skip
         return servers
 
-    def _spawn(self, args: argparse.Namespace, settings: Any, engine: Any,
-               port: int) -> list[Any]:  # fmt: skip
-        """Start them, one per pipe in ``engine.api_server_conns``; each one's readiness pipe
-        (it says when it has built its app, and is told when to listen)."""
-        ctx = mp.get_context("spawn")
-        count = len(engine.api_server_conns) + 1
-        readies = []
-        for index, conn in enumerate(engine.api_server_conns, start=1):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_api_server_main, name=f"infer-api-{index}",
-                               args=(index, count, args, settings, conn, engine.info,
-                                     str(engine.tokenizer_source), port, theirs,
-                                     os.getpid()))  # fmt: skip
-            with spawnable_main():
-                proc.start()
-            conn.close()  # theirs now: its end closes when that process leaves
-            theirs.close()
-            self.procs.append(proc)
-            readies.append(ours)
-        engine.api_server_conns = []
-        return readies
+    def start(self, settings: Any, engine: Any, timeout: float = 600.0) -> None:
+        """Once the engine is up: hand each the app's settings and the engine's start-up info;
+        return once each has built its app and been told to listen (RuntimeError if one fails
+        first or ``timeout`` s pass; then none is left)."""
+        try:
+            for ready in self._readies:
+                # OSError: it has gone (its imports failed, it was killed): said below, at
+                # the end of its readiness pipe
+                with contextlib.suppress(OSError):
+                    ready.send((settings, engine.info, str(engine.tokenizer_source)))
+            self._wait_ready(timeout)
+            for ready in self._readies:  # all built: listen
+                ready.send(True)
+                ready.close()
+        except BaseException:  # (a Ctrl-C while they start too): none is left behind
+            self.kill()
+            raise
+        logger.info("%d more API server processes serve: %s", len(self.procs),
+                    ", ".join(str(p.pid) for p in self.procs))  # fmt: skip
 
-    def _wait_ready(self, readies: list[Any], timeout: float) -> None:
+    def _wait_ready(self, timeout: float) -> None:
         """Wait until each has built its app (RuntimeError: one failed, or ``timeout`` s)."""
         deadline = time.monotonic() + timeout
-        for proc, ready in zip(self.procs, readies, strict=True):
+        for proc, ready in zip(self.procs, self._readies, strict=True):
             if not ready.poll(max(0.0, deadline - time.monotonic())):
                 raise RuntimeError(f"API server process {proc.pid} did not start in "
                                    f"{timeout:g}s")  # fmt: skip
@@ -141,7 +164,10 @@ class ApiServers:
                                    f"{proc.exitcode}; its log says why)") from None  # fmt: skip
 
     def kill(self) -> None:
+        """End them now (a failed start, or a second Ctrl-C)."""
         self.stopping = True
+        for conn in self.engine_ends + self._readies:
+            conn.close()
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -186,14 +212,32 @@ class ApiServers:
         await asyncio.to_thread(join)
 
 
-def _api_server_main(index: int, count: int, args: argparse.Namespace, settings: Any,
-                     conn: Any, info: dict, tokenizer_source: str, port: int,
-                     ready: Any, parent: int) -> None:  # fmt: skip
+def tokenizer_folder_now(config: Any) -> str | None:
+    """The folder the first API server will load its tokenizer from, where that is plainly a
+    local folder (``--tokenizer``'s, or the model's; the name it will give it): None where it
+    is known only once the engine is up (a built-in model, a GGUF file, a hub id)."""
+    if config.model.tokenizer:
+        return config.model.tokenizer if Path(config.model.tokenizer).is_dir() else None
+    model = Path(str(config.model.model)).expanduser() if config.model.model else None
+    if model is None or not (model / "config.json").is_file():
+        return None
+    return str(model.resolve())
+
+
+def _api_server_main(index: int, count: int, args: argparse.Namespace, conn: Any,
+                     port: int, ready: Any, parent: int,
+                     tokenizer_source: str | None) -> None:  # fmt: skip
     """API server ``index`` of ``count``: the app over its own pipe, on a socket of its own
-    on the first's port."""
-    die_with_parent()
+    on the first's port. Started before the engine: it imports what its app needs (and loads
+    the tokenizer from ``tokenizer_source`` where that is known) while the engine starts, waits
+    for the engine's start-up info on ``ready``, then builds its app."""
+    # Until it serves, the first decides: a Ctrl-C in the terminal reaches the whole process
+    # group, and the first ends the others (its own exit, or kill()) -- no traceback from each.
+    # uvicorn sets its own handlers when it serves.
+    leave_shutdown_to_parent()
     if os.getppid() != parent:  # the first died before the line above: leave the port free
         return
+    import infer.engine.engine  # noqa: F401 - (the classes the engine's info carries)
     from infer.engine.core_client import EngineConnection
     from infer.engine.heap import freeze_startup_heap
     from infer.model.tokenizer import load_tokenizer
@@ -202,7 +246,20 @@ def _api_server_main(index: int, count: int, args: argparse.Namespace, settings:
 
     configure_logging(args.log_level, args.access_log, tag=f"api{index}")
     sock = listening_socket(args.host, port)
-    engine = EngineConnection(conn, info, load_tokenizer(tokenizer_source))
+    tokenizer = None
+    if tokenizer_source is not None:
+        # (the first loads the same one and says what is wrong with it, if anything)
+        with contextlib.suppress(Exception):
+            tokenizer = load_tokenizer(tokenizer_source)
+    logger.info("API server %d of %d (process %d) waits for the engine", index + 1, count,
+                os.getpid())  # fmt: skip
+    try:
+        settings, info, source = ready.recv()  # the engine is up
+    except EOFError:  # the engine did not start: the first is leaving
+        return
+    if tokenizer is None or source != tokenizer_source:
+        tokenizer = load_tokenizer(source)
+    engine = EngineConnection(conn, info, tokenizer)
     app = build_app(engine, settings)
     server = DrainingServer(uvicorn_config(app, args), app.state.async_engine,
                             args.drain_timeout)  # fmt: skip

@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -183,18 +183,18 @@ def start_engine(
     torch_threads: int | None,
     binding: CpuBinding | None = None,
     meanwhile: Callable[[], object] | None = None,
-    api_servers: int = 1,
+    frontends: Sequence[Any] = (),
 ) -> Any:
     """The engine ``build_app`` serves: the loop in its own process (``EngineProcess``) or an
     ``LLMEngine`` whose loop will run on a thread of this process. Also used by each replica
     of ``--data-parallel-size``. ``meanwhile`` is work of this process to do while the engine
-    process starts (before the engine is built, without one); ``api_servers``: the engine
-    process's pipes, one per API server process (``--api-server-count``)."""
+    process starts (before the engine is built, without one); ``frontends``: the engine's
+    ends of the other API server processes' pipes (``--api-server-count``)."""
     if engine_process:
         from infer.engine.core_client import EngineProcess
 
         return EngineProcess(config, torch_threads=torch_threads, binding=binding,
-                             meanwhile=meanwhile, api_servers=api_servers)  # fmt: skip
+                             meanwhile=meanwhile, frontends=frontends)  # fmt: skip
     if meanwhile is not None:
         meanwhile()
     from infer.engine.engine import LLMEngine
@@ -342,6 +342,21 @@ def serve(args: argparse.Namespace) -> int:
             logger.error("%s (%s)", RAY_INSTALL_HINT, e)
             return 2
         return serve_cluster(args, config, chat_template)
+    sockets = None
+    others = None  # the other API server processes (--api-server-count)
+    port = args.port
+    if args.api_server_count > 1:
+        from infer.server.api_servers import ApiServers, listening_socket, tokenizer_folder_now
+
+        try:
+            # one each (SO_REUSEPORT); taken since the check above: an error, as uvicorn's
+            sockets = [listening_socket(args.host, args.port, first=True)]
+        except OSError as e:
+            logger.error("cannot serve on %s:%d: %s", args.host, args.port, e)
+            return 1
+        port = sockets[0].getsockname()[1]  # (--port 0: the one the kernel chose)
+        # Started now, they import their modules while the engine starts.
+        others = ApiServers.spawn(args, port, tokenizer_folder_now(config))
     # With the engine in its own process, this one only imports modules and loads the
     # tokenizer until the engine is up: without the cyclic collector (engine/heap.py).
     imports = frozen_imports() if args.engine_process else contextlib.nullcontext()
@@ -349,8 +364,12 @@ def serve(args: argparse.Namespace) -> int:
         with imports:
             engine = start_engine(config, args.engine_process, args.torch_threads, binding,
                                   meanwhile=_while_the_engine_starts,
-                                  api_servers=args.api_server_count)  # fmt: skip
-    except (ValueError, RuntimeError, OSError) as e:
+                                  frontends=others.engine_ends if others else ())  # fmt: skip
+    except BaseException as e:  # (a Ctrl-C during the start too: the others go with it)
+        if others is not None:
+            others.kill()
+        if not isinstance(e, (ValueError, RuntimeError, OSError)):
+            raise
         logger.debug("engine start-up failure", exc_info=True)  # --log-level debug: the trace
         logger.error("the engine could not start: %s", e)
         return 1
@@ -379,19 +398,12 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("live view: http://%s:%d/dashboard%s", args.host, args.port, key)
     uv_config = uvicorn_config(app, args)
     server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
-    sockets = None
-    if args.api_server_count > 1:
-        from infer.server.api_servers import ApiServers, listening_socket
-
+    if others is not None:
         try:
-            # one each (SO_REUSEPORT); taken since the check at start-up: an error, as uvicorn's
-            sock = listening_socket(args.host, args.port, first=True)
-            sockets = [sock]
-            port = sock.getsockname()[1]  # (--port 0: the one the kernel chose)
-            others = ApiServers.start(args, settings, engine, port)
+            others.start(settings, engine)
         except BaseException as e:  # (a Ctrl-C while they start too: the engine goes with it)
             engine.kill()
-            if not isinstance(e, (RuntimeError, OSError)):
+            if not isinstance(e, RuntimeError):
                 raise
             logger.error("%s", e)
             return 1

@@ -4,7 +4,8 @@ The sources (``csrc/*.cpp``: paged decode attention, the tiled linear layer) are
 OpenMP and no torch headers, so they build with the system's ``g++`` (or ``$CXX``) and need
 nothing at install time: ~20 s once per machine on 2 cores (a log line says so while it runs),
 one compiler process per source file at a time per core. The shared library is cached under
-``$INFER_CACHE_DIR/kernels`` (default ``~/.cache/infer/kernels``), keyed by the sources, the
+``$INFER_KERNELS_DIR``, else ``$INFER_CACHE_DIR/kernels`` (default ``~/.cache/infer/kernels``;
+a cache of its own keeps one build for every ``INFER_CACHE_DIR``), keyed by the sources, the
 compiler and this CPU's instruction-set flags, and is linked against the same OpenMP runtime as
 torch (``libgomp.so.1``, already loaded by torch), so both share one thread pool.
 
@@ -49,6 +50,9 @@ ACT_MUL_CODES = {"silu": 0, "gelu_tanh": 1}
 
 
 def _cache_dir() -> Path:
+    """``$INFER_KERNELS_DIR``, else ``$INFER_CACHE_DIR/kernels``, else ``~/.cache/infer/kernels``."""
+    if os.environ.get("INFER_KERNELS_DIR"):
+        return Path(os.environ["INFER_KERNELS_DIR"]).expanduser()
     root = os.environ.get("INFER_CACHE_DIR") or Path.home() / ".cache" / "infer"
     return Path(root) / "kernels"
 
