@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import random
-import shlex
 import statistics
 import subprocess
 import sys
@@ -85,12 +84,6 @@ def _run_arm(model: Path, src: str, flags: list[str], load: str, log: Path) -> d
     return res
 
 
-def _parse_arm(text: str) -> tuple[str, str, list[str]]:
-    name, _, rest = text.partition("=")
-    src, _, flags = rest.partition(":")
-    return name, src or "src", shlex.split(flags)
-
-
 def render(report: dict) -> str:
     lines = [
         "# The API server's CPU per streamed token and per request",
@@ -131,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     model = build_random_llama(Path.home() / ".cache/infer/bench/llama-tiny-64", hidden_size=64,
                                intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                                num_key_value_heads=1)  # fmt: skip
-    arms = [_parse_arm(a) for a in args.arm]
+    from infer.bench.online import parse_arm
+
+    arms = [parse_arm(a) for a in args.arm]
     loads = [x for x in args.loads.split(",") if x]
     cpu = platform.processor() or platform.machine()
     try:

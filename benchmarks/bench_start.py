@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -72,12 +71,6 @@ def time_to_serve(model: Path, src: str, flags: list[str], log: Path,
         stop_server(proc, port)
 
 
-def _parse_arm(text: str) -> tuple[str, str, list[str]]:
-    name, _, rest = text.partition("=")
-    src, _, flags = rest.partition(":")
-    return name, src or "src", shlex.split(flags)
-
-
 def render(report: dict) -> str:
     lines = [
         "# Time to serve: `infer serve` to `/health` 200",
@@ -116,13 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--tag", default="start")
     args = ap.parse_args(argv)
-    from infer.bench.report import cpu_model
+    from infer.bench.report import cpu_model, save_report
     from infer.testing.bench_models import build_random_llama
 
     shape = SIZES[args.size]
     model = build_random_llama(Path.home() / f".cache/infer/bench/llama-start-{args.size}",
                                **shape)  # fmt: skip
-    arms = [_parse_arm(a) for a in args.arm]
+    from infer.bench.online import parse_arm
+
+    arms = [parse_arm(a) for a in args.arm]
     report: dict = {"machine": f"{cpu_model()}, {os.cpu_count()} CPUs", "rounds": args.rounds,
                     "size": args.size, "shape": ", ".join(f"{k} {v}" for k, v in shape.items()),
                     "arms": [{"name": n, "src": s, "flags": f} for n, s, f in arms],
@@ -133,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             times = time_to_serve(model, src, flags, args.out / f"{args.tag}_server.log")
             report["results"].setdefault(name, []).append(times)
             print(f"round {r + 1} {name}: {json.dumps(times)}", flush=True)
-    (args.out / f"{args.tag}.json").write_text(json.dumps(report, indent=1))
-    (args.out / f"{args.tag}.md").write_text(render(report))
-    print(render(report))
+    save_report(report, render(report), args.out, args.tag)
     return 0
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from infer.bench.cli import checkout_benchmark
-from infer.runner.cpu.kernels import CSRC, cpu_kernels
+from infer.runner.cpu.kernels import CSRC, build_library, cpu_kernels, find_compiler, kernels_dir
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels on this machine")
 kb = checkout_benchmark("kernels")  # benchmarks/kernels.py: outside the package
@@ -43,9 +45,14 @@ def test_bad_revisions_and_cases_are_named(tmp_path):
         kb.parse_pairs("16by128")
 
 
-def test_a_kernel_that_computes_otherwise_is_reported(tmp_path):
-    """A changed copy of the sources (decode attention scaling its scores twice) is built (~10 s);
-    its different outputs are reported and make the command fail."""
+def test_a_kernel_that_computes_otherwise_is_reported(tmp_path, monkeypatch, caplog):
+    """A changed copy of the sources (decode attention scaling its scores twice) is built: the
+    changed file only, the others' objects are this revision's (a cache of its own, holding
+    them). Its different outputs are reported and make the command fail."""
+    build_library(find_compiler(), CSRC)  # (this revision's objects, in the shared cache)
+    cache = tmp_path / "kernels"
+    shutil.copytree(kernels_dir() / "objects", cache / "objects")
+    monkeypatch.setenv("INFER_KERNELS_DIR", str(cache))
     changed = tmp_path / "csrc"
     shutil.copytree(CSRC, changed)
     src = changed / "paged_attention.cpp"
@@ -55,9 +62,13 @@ def test_a_kernel_that_computes_otherwise_is_reported(tmp_path):
     at = text.index(entry, text.index("int infer_decode_attention(")) + len(entry)
     src.write_text(text[:at] + "  scale *= 2.f;\n" + text[at:])
     out = tmp_path / "out"
-    assert kb.run(_args(out, str(changed), cases="decode")) == 1
+    with caplog.at_level(logging.INFO, logger="infer.runner"):
+        assert kb.run(_args(out, str(changed), cases="decode")) == 1
     (row,) = json.loads((out / "kernels.json").read_text())["rows"]
     assert row["case"] == "decode" and not row["same_bits"]
+    sources = len(list(CSRC.glob("*.cpp")))
+    built = re.findall(r"compiling the C\+\+ CPU kernels \((\d+) of (\d+) sources", caplog.text)
+    assert built == [("0", str(sources)), ("1", str(sources))]  # this revision's, the copy
 
 
 def test_the_step_case_times_the_real_decode_step_with_each_library(

@@ -65,6 +65,14 @@ def wait_port_free(port: int, timeout_s: float = 30.0) -> bool:
     return True
 
 
+def parse_arm(text: str) -> tuple[str, str, list[str]]:
+    """``NAME=SRC[:FLAGS]``, a benchmark's arm: a name, the source folder its server runs from
+    (``PYTHONPATH``; ``src`` when empty) and server flags: ``(name, src, flags)``."""
+    name, _, rest = text.partition("=")
+    src, _, flags = rest.partition(":")
+    return name, src or "src", shlex.split(flags)
+
+
 def start_server(cmd: list[str], env: dict | None, log_path: Path, port: int) -> subprocess.Popen:
     """Start a server in its own session (process group), its command line and output to
     ``log_path``. Refuses to start when ``port`` is taken: whatever listens there is not ours

@@ -49,8 +49,9 @@ ACT_MUL_CODES = {"silu": 0, "gelu_tanh": 1}
 """Activations :meth:`CpuKernels.act_mul` fuses, by the name :mod:`infer.model.layers` gives them."""
 
 
-def _cache_dir() -> Path:
-    """``$INFER_KERNELS_DIR``, else ``$INFER_CACHE_DIR/kernels``, else ``~/.cache/infer/kernels``."""
+def kernels_dir() -> Path:
+    """Where the built kernels are kept: ``$INFER_KERNELS_DIR``, else ``$INFER_CACHE_DIR/kernels``,
+    else ``~/.cache/infer/kernels``."""
     if os.environ.get("INFER_KERNELS_DIR"):
         return Path(os.environ["INFER_KERNELS_DIR"]).expanduser()
     root = os.environ.get("INFER_CACHE_DIR") or Path.home() / ".cache" / "infer"
@@ -72,47 +73,56 @@ def cpu_flags_line() -> str:
 
 def build_library(compiler: str, csrc: Path = CSRC) -> Path:
     """Compile the kernel sources of folder ``csrc`` (``*.cpp``, ``*.h``) into a shared library,
-    or return the cached one built from the same sources, compiler and CPU flags."""
+    or return the cached one built from the same sources, compiler and CPU flags. Each source's
+    object is cached too (keyed by it, the headers, the compiler and the CPU flags): a copy of
+    the sources with one file changed (``infer bench kernels`` against another revision, a
+    kernel being worked on) compiles that file only."""
     sources = sorted(csrc.glob("*.cpp"))
-    files = sorted([*sources, *csrc.glob("*.h")])
-    source = b"".join(p.name.encode() + p.read_bytes() for p in files)
+    headers = b"".join(p.name.encode() + p.read_bytes() for p in sorted(csrc.glob("*.h")))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17"]
     # The compiler's path too: a wrapper script that adds flags (-mno-avx512f, to test the AVX2
     # build) prints the same --version as the compiler it wraps.
-    key = hashlib.sha256(
-        source + version.encode() + compiler.encode() + cpu_flags_line().encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"infer_cpu_{key}.so"
+    common = b"".join([headers, version.encode(), compiler.encode(), " ".join(flags).encode(),
+                       cpu_flags_line().encode()])  # fmt: skip
+
+    def object_of(src: Path) -> Path:
+        return kernels_dir() / "objects" / f"{src.stem}_{_digest(src.read_bytes() + common)}.o"
+
+    objects = {src: object_of(src) for src in sources}
+    key = _digest(b"".join(p.name.encode() + p.read_bytes() for p in sources) + common)
+    target = kernels_dir() / f"infer_cpu_{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    jobs = max(1, min(len(sources), os.cpu_count() or 1))
+    objects[sources[0]].parent.mkdir(parents=True, exist_ok=True)
+    missing = [src for src in sources if not objects[src].exists()]
+    jobs = max(1, min(len(missing), os.cpu_count() or 1))
     # NOTE: the first start on a machine waits for this (~20 s on 2 cores): say so.
-    logger.info(
-        "compiling the C++ CPU kernels (%d sources, %d at a time; once per source, compiler "
-        "and CPU, cached in %s) ...",
-        len(sources),
-        jobs,
-        target.parent,
-    )
+    logger.info("compiling the C++ CPU kernels (%d of %d sources, %d at a time; once per "
+                "source, compiler and CPU, cached in %s) ...", len(missing), len(sources), jobs,
+                target.parent)  # fmt: skip
     t0 = time.perf_counter()
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17"]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmpdir:
         # One object per source, compiled in parallel (the largest file alone takes most of the
-        # time), then one link into a temporary name and a rename: concurrent processes never
-        # see half a library.
-        def compile_one(src: Path) -> Path:
+        # time), each written under a temporary name and renamed, then one link into a
+        # temporary name and a rename: concurrent processes never see half an object or half
+        # a library.
+        def compile_one(src: Path) -> None:
             obj = Path(tmpdir) / (src.stem + ".o")
             _run([compiler, *flags, "-c", str(src), "-o", str(obj)])
-            return obj
+            os.replace(obj, objects[src])
 
         with ThreadPoolExecutor(jobs) as pool:
-            objects = list(pool.map(compile_one, sources))
+            list(pool.map(compile_one, missing))
         tmp = Path(tmpdir) / "lib.so"
-        _run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(tmp)])
+        _run([compiler, "-shared", "-fopenmp", *(str(objects[s]) for s in sources), "-o", str(tmp)])
         os.replace(tmp, target)
     logger.info("compiled the C++ CPU kernels in %.1fs", time.perf_counter() - t0)
     return target
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _run(cmd: list[str]) -> None:
