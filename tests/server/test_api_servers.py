@@ -303,3 +303,25 @@ def test_a_ctrl_c_while_the_engine_starts_leaves_no_process_behind(llama_checkpo
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_tokenizer_is_loaded_early_only_from_a_plain_local_folder(llama_checkpoint, tmp_path):
+    """The other API servers load the tokenizer while the engine starts where its folder is
+    known then (the one the first will name: the model's resolved, or ``--tokenizer``'s); a
+    built-in model or a GGUF file is resolved by the engine's start, so they wait for it."""
+    from types import SimpleNamespace
+
+    from infer.server.api_servers import tokenizer_folder_now
+
+    def config(model, tokenizer=None):
+        return SimpleNamespace(model=SimpleNamespace(model=model, tokenizer=tokenizer))
+
+    link = tmp_path / "link"
+    link.symlink_to(llama_checkpoint)
+    assert tokenizer_folder_now(config(str(link))) == str(llama_checkpoint.resolve())
+    assert tokenizer_folder_now(config("small", tokenizer=str(link))) == str(link)
+    assert tokenizer_folder_now(config("small")) is None
+    assert tokenizer_folder_now(config(None)) is None
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert tokenizer_folder_now(config(str(gguf))) is None
