@@ -305,6 +305,46 @@ def test_a_ctrl_c_while_the_engine_starts_leaves_no_process_behind(llama_checkpo
             proc.wait()
 
 
+def test_a_port_taken_while_the_engine_loads_ends_the_start_with_no_process_left(
+    llama_checkpoint, tmp_path
+):
+    """The API servers' sockets are bound, not listening, while the engine loads; a program
+    that takes the port meanwhile makes their listen fail once the engine is up. The first
+    process must then leave, not wait on the others and the engine for ever (both ignore the
+    SIGTERM multiprocessing's exit sends)."""
+    import socket
+
+    log = tmp_path / "server.log"
+    port = free_port()
+    gate = tmp_path / "engine-may-start"
+    cmd = [sys.executable, "-m", "infer.server", "--model", str(llama_checkpoint),
+           "--port", str(port), "--api-server-count", "2"]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               **{ENGINE_START_GATE_ENV: str(gate)})  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    taker = socket.socket()
+    try:
+        match, text = _wait_for_line(log, WAITS)
+        assert match, text
+        taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taker.bind(("127.0.0.1", port))
+        taker.listen()
+        gate.touch()
+        assert proc.wait(120) != 0
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _group_alive(proc.pid) == []
+        assert "address already in use" in log.read_text().lower()
+    finally:
+        taker.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_the_tokenizer_is_loaded_early_only_from_a_plain_local_folder(llama_checkpoint, tmp_path):
     """The other API servers load the tokenizer while the engine starts where its folder is
     known then (the one the first will name: the model's resolved, or ``--tokenizer``'s); a

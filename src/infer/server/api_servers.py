@@ -113,12 +113,10 @@ class ApiServers:
                 ours, theirs = ctx.Pipe()
                 servers.engine_ends.append(engine_end)
                 servers._readies.append(ours)
-                # daemonic: should this process leave before they serve (a failure of its
-                # own start-up), multiprocessing ends them rather than waiting on them for ever
+                # (they ignore SIGTERM until they serve: a failed start kills them, kill())
                 proc = ctx.Process(target=_api_server_main, name=f"infer-api-{index}",
                                    args=(index, count, args, server_end, port, theirs,
-                                         os.getpid(), tokenizer_source),
-                                   daemon=True)  # fmt: skip
+                                         os.getpid(), tokenizer_source))  # fmt: skip
                 with spawnable_main():
                     proc.start()
                 servers.procs.append(proc)
@@ -140,8 +138,12 @@ class ApiServers:
                 with contextlib.suppress(OSError):
                     ready.send((settings, engine.info, str(engine.tokenizer_source)))
             self._wait_ready(timeout)
-            for ready in self._readies:  # all built: listen
-                ready.send(True)
+            for proc, ready in zip(self.procs, self._readies, strict=True):  # all built: listen
+                try:
+                    ready.send(True)
+                except OSError:
+                    raise RuntimeError(f"API server process {proc.pid} exited during "
+                                       "start-up") from None  # fmt: skip
                 ready.close()
         except BaseException:  # (a Ctrl-C while they start too): none is left behind
             self.kill()
@@ -158,7 +160,7 @@ class ApiServers:
                                    f"{timeout:g}s")  # fmt: skip
             try:
                 ready.recv()
-            except EOFError:
+            except (EOFError, OSError):  # (OSError: it left with our message unread)
                 proc.join(5)
                 raise RuntimeError(f"API server process {proc.pid} failed to start (code "
                                    f"{proc.exitcode}; its log says why)") from None  # fmt: skip
@@ -242,7 +244,7 @@ def _api_server_main(index: int, count: int, args: argparse.Namespace, conn: Any
     from infer.engine.heap import freeze_startup_heap
     from infer.model.tokenizer import load_tokenizer
     from infer.server.app import build_app
-    from infer.server.cli import DrainingServer, configure_logging, uvicorn_config
+    from infer.server.cli import DrainingServer, configure_logging, listen, uvicorn_config
 
     configure_logging(args.log_level, args.access_log, tag=f"api{index}")
     sock = listening_socket(args.host, port)
@@ -255,7 +257,7 @@ def _api_server_main(index: int, count: int, args: argparse.Namespace, conn: Any
                 os.getpid())  # fmt: skip
     try:
         settings, info, source = ready.recv()  # the engine is up
-    except EOFError:  # the engine did not start: the first is leaving
+    except (EOFError, OSError):  # the engine did not start: the first is leaving
         return
     if tokenizer is None or source != tokenizer_source:
         tokenizer = load_tokenizer(source)
@@ -265,11 +267,19 @@ def _api_server_main(index: int, count: int, args: argparse.Namespace, conn: Any
                             args.drain_timeout)  # fmt: skip
     freeze_startup_heap()
     logger.info("API server %d of %d (process %d) serves", index + 1, count, os.getpid())
-    ready.send(True)
+    try:
+        ready.send(True)
+    except OSError:  # the first has gone (or is killing us)
+        return
     try:
         ready.recv()  # every API server has built its app: listen
-    except EOFError:  # the first has gone
+    except (EOFError, OSError):  # the first has gone (or is killing us)
         return
     ready.close()
+    try:
+        listen([sock], server.config.backlog)
+    except OSError as e:  # (the first goes down with us: its watch)
+        logger.error("cannot serve on %s:%d: %s", args.host, port, e)
+        sys.exit(1)
     server.run(sockets=[sock])
     sys.exit(server.exit_code)

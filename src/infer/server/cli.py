@@ -373,6 +373,23 @@ def serve(args: argparse.Namespace) -> int:
         logger.debug("engine start-up failure", exc_info=True)  # --log-level debug: the trace
         logger.error("the engine could not start: %s", e)
         return 1
+    try:
+        return _serve_app(args, config, chat_template, engine, others, sockets, port)
+    except BaseException:
+        # Raised before a clean exit (a failure or a Ctrl-C while the app builds, a socket
+        # uvicorn cannot listen on): nothing else stops the engine process and the other API
+        # servers, and both ignore the SIGTERM that multiprocessing's exit sends them before
+        # it waits for them.
+        if others is not None:
+            others.kill()
+        if hasattr(engine, "kill"):
+            engine.kill()
+        raise
+
+
+def _serve_app(args: argparse.Namespace, config: EngineConfig, chat_template: str | None,
+               engine: Any, others: Any, sockets: list | None, port: int) -> int:  # fmt: skip
+    """``serve`` once the engine is up: the app, the other API servers, uvicorn until exit."""
     from infer.server.app import build_app
 
     names = tuple(args.served_model_name or [engine.model_name])
@@ -399,6 +416,15 @@ def serve(args: argparse.Namespace) -> int:
     uv_config = uvicorn_config(app, args)
     server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
     if others is not None:
+        try:
+            # Listen now, not in uvicorn: on uvloop a socket that cannot listen (a program took
+            # the port while the engine loaded) was served without a word, and nothing answered.
+            listen(sockets, uv_config.backlog)
+        except OSError as e:
+            logger.error("cannot serve on %s:%d: %s", args.host, port, e)
+            others.kill()
+            engine.kill()
+            return 1
         try:
             others.start(settings, engine)
         except BaseException as e:  # (a Ctrl-C while they start too: the engine goes with it)
@@ -427,6 +453,13 @@ def serve(args: argparse.Namespace) -> int:
         if hasattr(engine, "kill"):
             engine.kill()
     return server.exit_code
+
+
+def listen(sockets: list, backlog: int) -> None:
+    """Make bound sockets listen (OSError: one cannot, as when another socket without
+    ``SO_REUSEPORT`` listens on the port)."""
+    for sock in sockets:
+        sock.listen(backlog)
 
 
 def uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:

@@ -77,8 +77,13 @@ def build_library(compiler: str, csrc: Path = CSRC) -> Path:
     object is cached too (keyed by it, the headers, the compiler and the CPU flags): a copy of
     the sources with one file changed (``infer bench kernels`` against another revision, a
     kernel being worked on) compiles that file only."""
-    sources = sorted(csrc.glob("*.cpp"))
-    headers = b"".join(p.name.encode() + p.read_bytes() for p in sorted(csrc.glob("*.h")))
+    # Each file read once: what is compiled is what the keys were made of (a file saved while
+    # the build runs waits for the next build).
+    snapshot = {p.name: p.read_bytes() for p in sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")])}
+    sources = [name for name in snapshot if name.endswith(".cpp")]
+    headers = b"".join(
+        name.encode() + data for name, data in snapshot.items() if name.endswith(".h")
+    )
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17"]
     # The compiler's path too: a wrapper script that adds flags (-mno-avx512f, to test the AVX2
@@ -86,11 +91,11 @@ def build_library(compiler: str, csrc: Path = CSRC) -> Path:
     common = b"".join([headers, version.encode(), compiler.encode(), " ".join(flags).encode(),
                        cpu_flags_line().encode()])  # fmt: skip
 
-    def object_of(src: Path) -> Path:
-        return kernels_dir() / "objects" / f"{src.stem}_{_digest(src.read_bytes() + common)}.o"
+    def object_of(src: str) -> Path:
+        return kernels_dir() / "objects" / f"{Path(src).stem}_{_digest(snapshot[src] + common)}.o"
 
     objects = {src: object_of(src) for src in sources}
-    key = _digest(b"".join(p.name.encode() + p.read_bytes() for p in sources) + common)
+    key = _digest(b"".join(name.encode() + snapshot[name] for name in sources) + common)
     target = kernels_dir() / f"infer_cpu_{key}.so"
     if target.exists():
         return target
@@ -103,13 +108,18 @@ def build_library(compiler: str, csrc: Path = CSRC) -> Path:
                 target.parent)  # fmt: skip
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmpdir:
+        copy = Path(tmpdir) / "csrc"
+        copy.mkdir()
+        for name, data in snapshot.items():
+            (copy / name).write_bytes(data)
+
         # One object per source, compiled in parallel (the largest file alone takes most of the
         # time), each written under a temporary name and renamed, then one link into a
         # temporary name and a rename: concurrent processes never see half an object or half
         # a library.
-        def compile_one(src: Path) -> None:
-            obj = Path(tmpdir) / (src.stem + ".o")
-            _run([compiler, *flags, "-c", str(src), "-o", str(obj)])
+        def compile_one(src: str) -> None:
+            obj = Path(tmpdir) / (Path(src).stem + ".o")
+            _run([compiler, *flags, "-c", str(copy / src), "-o", str(obj)])
             os.replace(obj, objects[src])
 
         with ThreadPoolExecutor(jobs) as pool:
