@@ -239,20 +239,22 @@ def _api_server_main(index: int, count: int, args: argparse.Namespace, conn: Any
     leave_shutdown_to_parent()
     if os.getppid() != parent:  # the first died before the line above: leave the port free
         return
-    import infer.engine.engine  # noqa: F401 - (the classes the engine's info carries)
-    from infer.engine.core_client import EngineConnection
-    from infer.engine.heap import freeze_startup_heap
-    from infer.model.tokenizer import load_tokenizer
-    from infer.server.app import build_app
-    from infer.server.cli import DrainingServer, configure_logging, listen, uvicorn_config
+    from infer.engine.heap import freeze_startup_heap, frozen_imports
 
-    configure_logging(args.log_level, args.access_log, tag=f"api{index}")
-    sock = listening_socket(args.host, port)
-    tokenizer = None
-    if tokenizer_source is not None:
-        # (the first loads the same one and says what is wrong with it, if anything)
-        with contextlib.suppress(Exception):
-            tokenizer = load_tokenizer(tokenizer_source)
+    with frozen_imports():  # (as the first's: no full collections walking the new modules)
+        import infer.engine.engine  # noqa: F401 - (the classes the engine's info carries)
+        from infer.engine.core_client import EngineConnection
+        from infer.model.tokenizer import load_tokenizer
+        from infer.server.app import build_app
+        from infer.server.cli import DrainingServer, configure_logging, listen, uvicorn_config
+
+        configure_logging(args.log_level, args.access_log, tag=f"api{index}")
+        sock = listening_socket(args.host, port)
+        tokenizer = None
+        if tokenizer_source is not None:
+            # (the first loads the same one and says what is wrong with it, if anything)
+            with contextlib.suppress(Exception):
+                tokenizer = load_tokenizer(tokenizer_source)
     logger.info("API server %d of %d (process %d) waits for the engine", index + 1, count,
                 os.getpid())  # fmt: skip
     try:
