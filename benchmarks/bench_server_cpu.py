@@ -119,13 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
     ap.add_argument("--tag", default="server_cpu")
     args = ap.parse_args(argv)
+    from infer.bench.online import parse_arm
     from infer.testing.bench_models import build_random_llama
 
     model = build_random_llama(Path.home() / ".cache/infer/bench/llama-tiny-64", hidden_size=64,
                                intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                                num_key_value_heads=1)  # fmt: skip
-    from infer.bench.online import parse_arm
-
     arms = [parse_arm(a) for a in args.arm]
     loads = [x for x in args.loads.split(",") if x]
     cpu = platform.processor() or platform.machine()

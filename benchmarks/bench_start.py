@@ -109,14 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--tag", default="start")
     args = ap.parse_args(argv)
+    from infer.bench.online import parse_arm
     from infer.bench.report import cpu_model, save_report
     from infer.testing.bench_models import build_random_llama
 
     shape = SIZES[args.size]
     model = build_random_llama(Path.home() / f".cache/infer/bench/llama-start-{args.size}",
                                **shape)  # fmt: skip
-    from infer.bench.online import parse_arm
-
     arms = [parse_arm(a) for a in args.arm]
     report: dict = {"machine": f"{cpu_model()}, {os.cpu_count()} CPUs", "rounds": args.rounds,
                     "size": args.size, "shape": ", ".join(f"{k} {v}" for k, v in shape.items()),

@@ -22,21 +22,19 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# Tests that keep their built models and conversions apart set INFER_CACHE_DIR to a folder of
-# their own; the C++ CPU kernels would be compiled again under each (~20-40 s on 2 cores for
-# every server such a test starts): one kernel build serves them all.
-os.environ.setdefault(
-    "INFER_KERNELS_DIR",
-    str(Path(os.environ.get("INFER_CACHE_DIR") or Path.home() / ".cache" / "infer") / "kernels"),
-)
-
 # Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. The variable is
 # read when the kernels are defined, so before anything imports infer.
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+from infer.runner.cpu.kernels import kernels_dir  # noqa: E402
 from infer.testing.checkpoints import KINDS, build_all  # noqa: E402
+
+# Tests that keep their built models and conversions apart set INFER_CACHE_DIR to a folder of
+# their own; the C++ CPU kernels would be compiled again under each (~20-40 s on 2 cores for
+# every server such a test starts): one kernel build serves them all.
+os.environ.setdefault("INFER_KERNELS_DIR", str(kernels_dir()))
 
 
 def _patient_httpx(seconds: float = 60.0) -> None:

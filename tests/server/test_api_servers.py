@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -276,28 +277,41 @@ def _group_alive(pgid: int) -> list[int]:
     return alive
 
 
+def _start_held(model, tmp_path, gate, port: int | None = None) -> tuple[subprocess.Popen, Path]:
+    """``infer serve --api-server-count 2`` leading a process group of its own, its engine held
+    at start-up until ``gate`` exists; the process and its log."""
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "infer.server", "--model", str(model),
+           "--port", str(port or free_port()), "--api-server-count", "2"]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               **{ENGINE_START_GATE_ENV: str(gate)})  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    return proc, log
+
+
+def _assert_the_group_is_gone(proc: subprocess.Popen, timeout: float) -> None:
+    """``proc`` (a group leader) exits non-zero within ``timeout`` s, and nothing of its group
+    is left."""
+    assert proc.wait(timeout) != 0
+    deadline = time.monotonic() + 10
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _group_alive(proc.pid) == []
+
+
 def test_a_ctrl_c_while_the_engine_starts_leaves_no_process_behind(llama_checkpoint, tmp_path):
     """A Ctrl-C in the terminal (SIGINT to the whole process group) while the engine starts:
     the first process leaves and takes the others and the engine with it (both ignore the
     signal until they serve: the first decides)."""
-    log = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "infer.server", "--model", str(llama_checkpoint),
-           "--port", str(free_port()), "--api-server-count", "2"]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               **{ENGINE_START_GATE_ENV: str(tmp_path / "never")})  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+    proc, log = _start_held(llama_checkpoint, tmp_path, tmp_path / "never")
     try:
         match, text = _wait_for_line(log, WAITS)
         assert match, text
         assert ENGINE_UP not in text
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(60) != 0
-        deadline = time.monotonic() + 10
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _group_alive(proc.pid) == []
+        _assert_the_group_is_gone(proc, 60)
         assert not _alive(int(match.group(1)))
     finally:
         if proc.poll() is None:
@@ -314,16 +328,9 @@ def test_a_port_taken_while_the_engine_loads_ends_the_start_with_no_process_left
     SIGTERM multiprocessing's exit sends)."""
     import socket
 
-    log = tmp_path / "server.log"
     port = free_port()
     gate = tmp_path / "engine-may-start"
-    cmd = [sys.executable, "-m", "infer.server", "--model", str(llama_checkpoint),
-           "--port", str(port), "--api-server-count", "2"]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               **{ENGINE_START_GATE_ENV: str(gate)})  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+    proc, log = _start_held(llama_checkpoint, tmp_path, gate, port)
     taker = socket.socket()
     try:
         match, text = _wait_for_line(log, WAITS)
@@ -332,11 +339,7 @@ def test_a_port_taken_while_the_engine_loads_ends_the_start_with_no_process_left
         taker.bind(("127.0.0.1", port))
         taker.listen()
         gate.touch()
-        assert proc.wait(120) != 0
-        deadline = time.monotonic() + 10
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _group_alive(proc.pid) == []
+        _assert_the_group_is_gone(proc, 120)
         assert "address already in use" in log.read_text().lower()
     finally:
         taker.close()

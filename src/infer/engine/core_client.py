@@ -88,11 +88,11 @@ class ThreadCore:
         self.engine.close()
 
 
-# What the server reads off the engine once, at start-up.
 # Tests: the engine process waits to build its engine until this file exists (a start-up
 # that provably lasts until the test says so).
 ENGINE_START_GATE_ENV = "INFER_TEST_ENGINE_START_GATE"
 
+# What the server reads off the engine once, at start-up.
 _ATTRS = (
     "model_name",
     "max_model_len",

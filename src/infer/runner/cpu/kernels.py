@@ -91,15 +91,14 @@ def build_library(compiler: str, csrc: Path = CSRC) -> Path:
     common = b"".join([headers, version.encode(), compiler.encode(), " ".join(flags).encode(),
                        cpu_flags_line().encode()])  # fmt: skip
 
-    def object_of(src: str) -> Path:
-        return kernels_dir() / "objects" / f"{Path(src).stem}_{_digest(snapshot[src] + common)}.o"
-
-    objects = {src: object_of(src) for src in sources}
+    cache = kernels_dir()
+    objects = {src: cache / "objects" / f"{Path(src).stem}_{_digest(snapshot[src] + common)}.o"
+               for src in sources}  # fmt: skip
     key = _digest(b"".join(name.encode() + snapshot[name] for name in sources) + common)
-    target = kernels_dir() / f"infer_cpu_{key}.so"
+    target = cache / f"infer_cpu_{key}.so"
     if target.exists():
         return target
-    objects[sources[0]].parent.mkdir(parents=True, exist_ok=True)
+    (cache / "objects").mkdir(parents=True, exist_ok=True)
     missing = [src for src in sources if not objects[src].exists()]
     jobs = max(1, min(len(missing), os.cpu_count() or 1))
     # NOTE: the first start on a machine waits for this (~20 s on 2 cores): say so.
