@@ -1,5 +1,6 @@
-"""4-bit weights: the quantizer's bounds, the packed layout, and the VNNI kernel against an exact
-integer / float64 reference over shapes, groups, zero and extreme groups; batch and thread
+"""4-bit weights: the quantizer's bounds, the packed layout, and the kernels (bf16 activations on
+AVX-512 BF16 and, on any x86 CPU with AVX2, the AVX2 one; int8 activations on VNNI) against a
+float64 / exact integer reference over shapes, groups, zero and extreme groups; batch and thread
 invariance."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.model.quantized_checkpoint import KQuantScales, Q6KScales
+from infer.runner.cpu.kernels import INT4_AVX2
 from infer.runner.int4 import (
     Int4Linear,
     dequantize_int4,
@@ -26,7 +28,7 @@ from infer.runner.int4 import (
 )
 
 needs_kernel = pytest.mark.skipif(
-    not int4_kernel_available(torch.device("cpu")), reason="needs AVX-512 BF16 and a g++"
+    not int4_kernel_available(torch.device("cpu")), reason="needs AVX-512 BF16 or AVX2, and a g++"
 )
 needs_w4a8 = pytest.mark.skipif(
     not int4_kernel_available(torch.device("cpu"), int8_activations=True),
@@ -141,30 +143,48 @@ def _random_layer(m, k, n, group):
     return x, q, scales, zeros
 
 
+KERNELS = [
+    pytest.param(False, False, marks=needs_kernel),
+    pytest.param(False, True, marks=needs_kernel),
+    pytest.param(True, False, marks=needs_w4a8),
+]
+KERNEL_IDS = ["int4", "int4-avx2", "w4a8"]
+
+
+def _on_avx2(layer: Int4Linear, avx2: bool) -> Int4Linear:
+    """The layer through the AVX2 kernel (``avx2``) or the CPU's own (AVX-512 BF16 where it has
+    it): the AVX2 one is checked on every x86 CPU, not only where it is the one that runs."""
+    if avx2:
+        layer.kernel_flags |= INT4_AVX2
+    return layer
+
+
 @needs_kernel
+@pytest.mark.parametrize("avx2", [False, True], ids=["native", "avx2"])
 @pytest.mark.parametrize("m,k,n,group", SHAPES)
-def test_int4_kernel_matches_the_dequantized_product(m, k, n, group):
+def test_int4_kernel_matches_the_dequantized_product(m, k, n, group, avx2):
     x, q, scales, zeros = _random_layer(m, k, n, group)
-    layer = Int4Linear(q, scales, zeros, None, torch.bfloat16)
+    layer = _on_avx2(Int4Linear(q, scales, zeros, None, torch.bfloat16), avx2)
     want = _bf16_reference(x, q, scales, zeros)
     got = _kernel_f32(layer, x)
     # float32 sums that carry 128 + q for each weight (the kernel's doc): ~1e-6 of the row
     tol = 1e-5 * (x.double().abs() @ torch.full((k, n), 128.0 * 0.1, dtype=torch.float64))
     assert torch.all((got - want).abs() <= tol + 1e-6)
     # bf16 model: the same sums, rounded once
-    got16 = Int4Linear(q, scales, zeros, None, torch.bfloat16)(x)
+    got16 = _on_avx2(Int4Linear(q, scales, zeros, None, torch.bfloat16), avx2)(x)
     assert torch.all((got16.double() - want).abs() <= tol + want.abs() / 128)
 
 
 @needs_kernel
+@pytest.mark.parametrize("avx2", [False, True], ids=["native", "avx2"])
 @pytest.mark.parametrize("m,k,n,group", SHAPES)
-def test_int4_kernel_takes_float16_zeros(m, k, n, group):
+def test_int4_kernel_takes_float16_zeros(m, k, n, group, avx2):
     """GGUF's Q4_1 / Q4_K groups: a zero that is a ratio, held as float16 (negative and past 15
     too), read by the same kernels (the w4a8 kernel takes the zero's product in float32)."""
     x, q, scales, _ = _random_layer(m, k, n, group)
     torch.manual_seed(n)
     zeros = (torch.rand(n, k // group) * 40 - 8).to(torch.float16)
-    layer = Int4Linear(q, scales, zeros, None, torch.bfloat16)
+    layer = _on_avx2(Int4Linear(q, scales, zeros, None, torch.bfloat16), avx2)
     assert layer.mode == "kernel" and layer.zeros.dtype == torch.float16
     want = _bf16_reference(x, q, scales, zeros)
     got = _kernel_f32(layer, x)
@@ -329,13 +349,13 @@ def test_w4a8_kernel_reads_q6k(group):
     assert (got - want).abs().max() <= 0.01 * want.abs().max()
 
 
-@needs_w4a8
-@pytest.mark.parametrize("int8_activations", [False, True])
-def test_kernels_are_close_to_the_float_product_and_add_bias(int8_activations):
+@pytest.mark.parametrize("int8_activations,avx2", KERNELS, ids=KERNEL_IDS)
+def test_kernels_are_close_to_the_float_product_and_add_bias(int8_activations, avx2):
     torch.manual_seed(2)
     w, b = torch.randn(40, 256), torch.randn(40)
     x = torch.randn(5, 256).bfloat16()
     layer = Int4Linear.from_weight(w.bfloat16(), b.bfloat16(), int8_activations=int8_activations)
+    _on_avx2(layer, avx2)
     want = F.linear(x.float(), layer.dequantized_weight().float(), b.bfloat16().float())
     got = layer(x).float()
     assert got.shape == (5, 40)
@@ -343,14 +363,14 @@ def test_kernels_are_close_to_the_float_product_and_add_bias(int8_activations):
     assert (got - want).abs().max() <= (0.02 if int8_activations else 0.008) * want.abs().max()
 
 
-@needs_w4a8
-@pytest.mark.parametrize("int8_activations", [False, True])
-def test_a_rows_result_depends_on_nothing_but_the_row(int8_activations):
+@pytest.mark.parametrize("int8_activations,avx2", KERNELS, ids=KERNEL_IDS)
+def test_a_rows_result_depends_on_nothing_but_the_row(int8_activations, avx2):
     """The same token gives the same bits alone, in any batch (any pass of rows) and with any
     thread count."""
     torch.manual_seed(3)
     layer = Int4Linear.from_weight(torch.randn(96, 512).bfloat16(), None,
                                    int8_activations=int8_activations)  # fmt: skip
+    _on_avx2(layer, avx2)
     x = torch.randn(21, 512).bfloat16()
     batched = layer(x)
     threads = torch.get_num_threads()
@@ -364,11 +384,11 @@ def test_a_rows_result_depends_on_nothing_but_the_row(int8_activations):
         assert torch.equal(layer(x[i : i + 1])[0], batched[i])
 
 
-@needs_w4a8
-@pytest.mark.parametrize("int8_activations", [False, True])
-def test_a_non_finite_row_stays_in_its_row(int8_activations):
+@pytest.mark.parametrize("int8_activations,avx2", KERNELS, ids=KERNEL_IDS)
+def test_a_non_finite_row_stays_in_its_row(int8_activations, avx2):
     layer = Int4Linear.from_weight(torch.randn(16, 64).bfloat16(), None,
                                    int8_activations=int8_activations)  # fmt: skip
+    _on_avx2(layer, avx2)
     x = torch.randn(3, 64).bfloat16()
     x[1, 3] = float("inf")
     y = layer(x)

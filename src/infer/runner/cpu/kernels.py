@@ -783,6 +783,9 @@ class PrefillChunks:
 
 # infer_int4_linear's flags (csrc/kernels.h)
 INT4_W4A8, INT4_HALF_ZEROS, INT4_PLANES_SHIFT, INT4_KQUANT, INT4_Q6K = 1, 2, 2, 16, 32
+INT4_AVX2 = 64
+"""A flag for tests: the AVX2 kernel even where the AVX-512 BF16 one runs (what an AVX2 CPU
+computes, checked on any x86 CPU)."""
 
 
 def int4_flags(

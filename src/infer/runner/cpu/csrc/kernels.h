@@ -51,9 +51,17 @@ int infer_w8a8_linear(const uint16_t* x, const int8_t* packed, const int32_t* co
 // 256 inputs (sc[16][16] int8: sub-group s of 16 inputs, output c | d[16] float16; weight =
 // d sc (q - 32)), `zeros` is not read.
 #define INFER_INT4_Q6K 32
+// The AVX2 kernel even where the AVX-512 BF16 one runs (tests: what an AVX2 CPU computes).
+#define INFER_INT4_AVX2 64
 int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
                       const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
                       int64_t N, int64_t group, int flags, int out_f32, int num_threads);
+// The int4 kernel on AVX2 + FMA + F16C (csrc/linear_int4_avx2.cpp): the same layout and flags'
+// meaning (uint8 or float16 zeros; no w4a8, bit planes or GGUF records).
+int infer_int4_avx2_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                           const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                           int64_t N, int64_t group, int half_zeros, int out_f32,
+                           int num_threads);
 int infer_tiled_linear(const uint16_t* x, const void* packed, int weight_bytes,
                        const float* col_scale, const float* bias, void* y, int64_t M, int64_t K,
                        int64_t N, int out_f32, int num_threads);

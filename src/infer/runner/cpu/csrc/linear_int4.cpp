@@ -429,10 +429,11 @@ void w4a8_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
 
 extern "C" {
 
-// 1: the int4 kernel (bf16 activations), 2: the w4a8 one (int8 activations), 3: both.
+// 1: the int4 kernel (bf16 activations: AVX-512 BF16, or AVX2 in linear_int4_avx2.cpp), 2: the
+// w4a8 one (int8 activations), 3: both.
 int infer_int4_supported() {
   int kinds = 0;
-#ifdef INFER_HAVE_INT4
+#if defined(INFER_HAVE_INT4) || defined(INFER_HAVE_AVX2)
   kinds |= 1;
 #endif
 #ifdef INFER_HAVE_W4A8
@@ -479,6 +480,15 @@ int infer_int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* 
 #endif
   } else {
     if (planes || kquant || q6k) return 4;  // 5 / 6 bits, K-quant / Q6_K: w4a8 only
+#ifdef INFER_HAVE_AVX2
+    bool avx2 = flags & INFER_INT4_AVX2;
+#ifndef INFER_HAVE_INT4
+    avx2 = true;
+#endif
+    if (avx2)
+      return infer_int4_avx2_linear(x, packed, scales, zeros, bias, y, M, K, N, group, half_zeros,
+                                    out_f32, num_threads);
+#endif
 #ifdef INFER_HAVE_INT4
     if (out_f32 && half_zeros)
       int4_bf16_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);

@@ -1,0 +1,219 @@
+// Linear layers with 4-bit weights on CPUs with AVX2 and FMA but no AVX-512 BF16 (Intel's
+// desktop cores, Skylake-class Xeons, AMD Zen 2/3): --quantization int4, GPTQ and AWQ folders,
+// GGUF's 4-bit groups. The weights are linear_int4.cpp's int4 layout, as runner/int4.py packs
+// them for the AVX-512 kernel (weight = scale * (q - zero) per group of `group` inputs):
+//
+//   64 bytes per (16 outputs, 8 inputs k = 8o .. 8o+7); output c's 32-bit lane (4c .. 4c+3)
+//   holds two 16-bit words h = 0, 1, nibble r of word h = q[n][8o + 2r + h]:
+//
+//     lane c: | q(8o+7) q(8o+5) q(8o+3) q(8o+1) | q(8o+6) q(8o+4) q(8o+2) q(8o) |
+//               bits 28..16: h = 1 (odd inputs)     bits 12..0: h = 0 (even inputs)
+//
+// Nothing here multiplies bf16 or bytes, so every weight becomes a float32 in registers, one
+// 32-byte half of a row (8 outputs) at a time. For r = 0..3, t = lane >> 4r:
+//
+//   even input 8o + 2r:     t & 0xF                      -> converted: q
+//   odd input  8o + 2r + 1: (t & 0xF0000) | 0x43000000   -> the float 128 + q (128 is
+//                           0x43000000, whose last mantissa bits count ones from bit 16)
+//
+// five instructions per 16 weights, no conversion for the odd half. Each feeds one float32 FMA
+// per row of x, and per group the offsets come off against the group's sums of x:
+//
+//   y[m][n] = sum_g scale[g][n] * (acc[m][g][n] - zero[g][n] * xsum[m][g] - 128 * xodd[m][g])
+//   acc[m][g][n] = sum_{k in g} x[m][k] * (q[n][k] + (k odd ? 128 : 0))   (one FMA chain)
+//
+// The float32 chain carries the 128s: ~7 of its 24 bits, far below bf16's 8 (as the AVX-512
+// kernel's). Rows go in passes of up to 4 against one 8-output half (4 sums + 4 totals in
+// registers); the two halves of a 16-output block run one after the other on one thread, so
+// a weight line comes from memory once. x is widened to float32 once per call, the rows of a
+// pass side by side for each k (linear_avx2.cpp's layout):
+//
+//   xg : [groups of 4 rows][K][4] float32      xs : [M][groups][2] float32 (xsum, xodd)
+//
+// Every (row, output) is the same chain in the same order whatever the other rows are, so a
+// row's bits do not depend on its batch, its pass or the thread count.
+
+#include <cstdint>
+#include <type_traits>
+#include <omp.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#ifdef INFER_HAVE_AVX2
+
+namespace {
+
+constexpr int64_t kRows = 2;          // rows per pass (x's layout: the rows of a pass side by side)
+constexpr int64_t kChunkRows = 96;    // rows walked against one panel (x's chunk in cache)
+constexpr int64_t kPanel = 4;         // 16-output blocks per panel
+constexpr int64_t kAheadBytes = 4096; // weight prefetch distance into L2
+
+template <bool kOutF32>
+inline void store8(void* y, int64_t at, __m256 v) {
+  if (kOutF32)
+    _mm256_storeu_ps(static_cast<float*>(y) + at, v);
+  else
+    infer_simd::store_bf16x8(static_cast<uint16_t*>(y) + at, v);
+}
+
+// x [M, K] bf16 -> xg (above) and each row's group sums, in the order of k (a row's sums are
+// its own); inside a parallel region, whose threads share the rows.
+inline void widen(const uint16_t* x, float* xg, float* xs, int64_t M, int64_t K,
+                  int64_t group) {
+  const int64_t padded = (M + kRows - 1) / kRows * kRows, groups = K / group;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < padded; ++m) {
+    float* dst = xg + (m / kRows) * K * kRows + m % kRows;
+    if (m >= M) {
+      for (int64_t k = 0; k < K; ++k) dst[k * kRows] = 0.f;
+      continue;
+    }
+    const uint16_t* row = x + m * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f, odd = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+        const float a = infer_simd::bf16_to_f32(row[k]), b = infer_simd::bf16_to_f32(row[k + 1]);
+        dst[k * kRows] = a;
+        dst[(k + 1) * kRows] = b;
+        sum += a;
+        sum += b;
+        odd += b;
+      }
+      xs[(m * groups + g) * 2] = sum;
+      xs[(m * groups + g) * 2 + 1] = odd;
+    }
+  }
+}
+
+// 8 uint8 or float16 zeros of one group -> float32.
+template <bool kHalfZeros>
+inline __m256 load_zeros(const void* zb, int64_t at) {
+  if (kHalfZeros)
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(zb) + at)));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(zb) + at))));
+}
+
+// Rows [m0, m0 + MR) (xp: their pass in xg) times H halves from `half` on (8 outputs each) of
+// block nb; wb, sb, zb: the block's weights, scales and zeros. Each (row, 8 outputs) sums a
+// group in four chains, one per r (one chain had each FMA wait on the one before: a batch-1
+// pass ran at a quarter of the rate), added at the group's end: MR x H x 4 sums + MR x H
+// totals fit the 16 registers for MR x H <= 2.
+template <int MR, int H, bool kOutF32, bool kHalfZeros>
+inline void block(const float* xp, const float* xs, const uint8_t* wb, const uint16_t* sb,
+                  const void* zb, const float* bias, void* y, int64_t m0, int64_t K, int64_t N,
+                  int64_t nb, int half, int64_t group) {
+  const int64_t groups = K / group;
+  const __m256i low = _mm256_set1_epi32(0xF), high = _mm256_set1_epi32(0xF0000);
+  const __m256i f128 = _mm256_set1_epi32(0x43000000);
+  __m256 out[MR][H];
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < H; ++h) out[i][h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[MR][H][4];
+    for (int i = 0; i < MR; ++i)
+      for (int h = 0; h < H; ++h)
+        for (int r = 0; r < 4; ++r) acc[i][h][r] = _mm256_setzero_ps();
+    for (int64_t o = g * group / 8; o < (g + 1) * group / 8; ++o) {
+      const uint8_t* wo = wb + o * 64;
+      if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wo) + kAheadBytes, _MM_HINT_T1);
+      __m256i w[H];
+      for (int h = 0; h < H; ++h)
+        w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 32 * (half + h)));
+      const float* xk = xp + 8 * o * kRows;  // row i's input 8o + j at xk[j * kRows + i]
+      for (int r = 0; r < 4; ++r)
+        for (int h = 0; h < H; ++h) {
+          const __m256i t = r ? _mm256_srli_epi32(w[h], 4 * r) : w[h];
+          const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(t, low));
+          const __m256 odd = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, high), f128));
+          for (int i = 0; i < MR; ++i) {
+            __m256& a = acc[i][h][r];
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + (2 * r) * kRows + i), even, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + (2 * r + 1) * kRows + i), odd, a);
+          }
+        }
+    }
+    for (int h = 0; h < H; ++h) {
+      const int64_t at = g * 16 + 8 * (half + h);
+      const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + at)));
+      const __m256 z = load_zeros<kHalfZeros>(zb, at);
+      for (int i = 0; i < MR; ++i) {
+        const float* s = xs + ((m0 + i) * groups + g) * 2;
+        const __m256 off = _mm256_fmadd_ps(z, _mm256_set1_ps(s[0]), _mm256_set1_ps(128.f * s[1]));
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][h][0], acc[i][h][1]),
+                                         _mm256_add_ps(acc[i][h][2], acc[i][h][3]));
+        out[i][h] = _mm256_fmadd_ps(_mm256_sub_ps(sum, off), ws, out[i][h]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t col = nb * 16 + 8 * (half + h);
+    const __m256 b = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
+    for (int i = 0; i < MR; ++i)
+      store8<kOutF32>(y, (m0 + i) * N + col, _mm256_add_ps(out[i][h], b));
+  }
+}
+
+// One parallel region: x widened (then the loop's barrier), threads take panels of 4 blocks;
+// within a panel, 96-row chunks, each block's rows in passes: a lone row against both halves
+// at once, pairs of rows against one half, then the other (so a weight line comes from memory
+// once, on the first).
+template <bool kOutF32, bool kHalfZeros>
+void int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                 const void* zeros, const float* bias, void* y, int64_t M, int64_t K, int64_t N,
+                 int64_t group, int num_threads) {
+  const int64_t zero_bytes = kHalfZeros ? 2 : 1;
+  const int64_t nblocks = N / 16, groups = K / group;
+  const int64_t npanels = (nblocks + kPanel - 1) / kPanel;
+  const int64_t padded = (M + kRows - 1) / kRows * kRows;
+  auto* xg = static_cast<float*>(infer_simd::thread_scratch((padded * K + M * groups * 2) * 4));
+  float* xs = xg + padded * K;
+#pragma omp parallel num_threads(num_threads)
+  {
+    widen(x, xg, xs, M, K, group);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < npanels; ++p) {
+      const int64_t b1 = (p + 1) * kPanel < nblocks ? (p + 1) * kPanel : nblocks;
+      for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
+        const int64_t c1 = c0 + kChunkRows < M ? c0 + kChunkRows : M;
+        for (int64_t b = p * kPanel; b < b1; ++b) {
+          const uint8_t* wb = packed + b * K * 8;
+          const uint16_t* sb = scales + b * groups * 16;
+          const void* zb = static_cast<const uint8_t*>(zeros) + b * groups * 16 * zero_bytes;
+          const auto run = [&](auto mr, auto h, int64_t m0, int half) {
+            block<decltype(mr)::value, decltype(h)::value, kOutF32, kHalfZeros>(
+                xg + (m0 / kRows) * K * kRows + m0 % kRows, xs, wb, sb, zb, bias, y, m0, K, N,
+                b, half, group);
+          };
+          using One = std::integral_constant<int, 1>;
+          using Two = std::integral_constant<int, 2>;
+          for (int half = 0; half < 2; ++half)
+            for (int64_t m0 = c0; m0 + 1 < c1; m0 += 2) run(Two(), One(), m0, half);
+          if ((c1 - c0) % 2) run(One(), Two(), c1 - 1, 0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int infer_int4_avx2_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                           const void* zeros, const float* bias, void* y, int64_t M, int64_t K,
+                           int64_t N, int64_t group, int half_zeros, int out_f32,
+                           int num_threads) {
+  if (N % 16 || group <= 0 || group % 8 || K % group || M <= 0) return 1;
+  if (out_f32 && half_zeros)
+    int4_linear<true, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+  else if (out_f32)
+    int4_linear<true, false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+  else if (half_zeros)
+    int4_linear<false, true>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+  else
+    int4_linear<false, false>(x, packed, scales, zeros, bias, y, M, K, N, group, num_threads);
+  return 0;
+}
+
+#endif  // INFER_HAVE_AVX2
