@@ -24,6 +24,7 @@ from infer.model.folders import ModelLoadError
 from infer.model.gguf_checkpoint import unpack_4bit, unpack_wide
 from infer.model.quantized_checkpoint import layer_weight
 from infer.runner.int4 import Int4Linear, int4_kernel_available
+from infer.runner.quant import gguf_int8_default
 from infer.testing.gguf_files import (
     build_gemma3_for_gguf,
     build_sparse_qwen2_moe,
@@ -329,7 +330,7 @@ def test_5bit_and_6bit_layers_stay_in_their_bits_with_int8_activations(
         head = llm.engine.runner.model.packed_logits
         assert isinstance(head, Int4Linear) and head.mode == "kernel" and head.int8_activations
         assert head.bits == {"Q4_K": 4, "Q6_K": 6}.get(weight_type, 5)
-    with LLM(str(file), dtype="bfloat16", gguf_int8_activations=False) as llm:
+    with LLM(str(file), dtype="bfloat16", gguf_int8_activations=False, gguf_int8=True) as llm:
         backend = llm.engine.backend
         assert {m.bits for m in backend.kept_int4} <= {4}
         # every layer not kept 4-bit is int8 per channel; the vocabulary projection too unless
@@ -429,7 +430,8 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     dequantized; bf16 holds a 4-bit layer as half a byte a weight plus its scales: a float16
     scale and a uint8 zero per group of 32 for Q4_0; Q4_K's own uint8 scale and min per group
     and float16 d and dmin per 256 (int8 activations, the default), a layer of another quantized type
-    (Q8_0 here) in int8 per channel (with --no-gguf-int8 in bf16), the embedding in bf16 (and
+    (Q8_0 here) in int8 per channel where the CPU has the int8 kernel (with --no-gguf-int8, or
+    without it, in bf16), the embedding in bf16 (and
     the vocabulary projection held once more: as stored when its type is kept, int8 when it
     was stored in another quantized type, bf16 as for any bf16 folder otherwise)."""
     from infer.model.folders import find_model_folder
@@ -444,6 +446,7 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
     w4a8 = int4_kernel_available(torch.device("cpu"), int8_activations=True)
     # (where the CPU has no 4-bit kernel the engine holds a GGUF file's weights dequantized)
     kernels = int4_kernel_available(torch.device("cpu"))
+    int8 = gguf_int8_default(False, torch.device("cpu"))  # (Q8_0 layers: int8 or bf16)
     vocab = 1024 * 256
     for weight_type, scale_bytes in (
         # int8 activations: Q4_K's own scales; else a float16 scale and zero per 32
@@ -462,7 +465,8 @@ def test_plan_counts_a_gguf_file_as_the_engine_holds_it(wide_llama, tmp_path):
             )
         with LLM(str(file), dtype="bfloat16") as llm:
             held = llm.engine.weights_bytes
-            if not kernels:  # (every weight dequantized, as a bf16 folder's: plus its copy)
+            if not kernels or (scale_bytes is None and not int8):
+                # every weight dequantized, as a bf16 folder's: plus its packed copy
                 assert safetensors_weight_bytes(folder, 2) == held - packed_copy
                 assert held == plain_params * 2 + packed_copy
                 continue
@@ -517,8 +521,11 @@ def test_plan_counts_a_gguf_mixture_of_experts_as_the_engine_holds_it(weight_typ
     source = tiny_checkpoints["qwen3_moe"]
     file = write_gguf(source, tmp_path / "moe.gguf", weight_type)
     folder = find_model_folder(file)
-    copy = 0  # (no 4-bit kernel: held dequantized, as a bf16 folder, plus its packed copy)
-    if not int4_kernel_available(torch.device("cpu")):
+    # held dequantized, as a bf16 folder, plus its packed copy: without the 4-bit kernel, and
+    # Q8_0 without the int8 one
+    copy = 0
+    cpu = torch.device("cpu")
+    if not int4_kernel_available(cpu) or (weight_type == "Q8_0" and not gguf_int8_default(False, cpu)):
         with LLM(str(source), dtype="bfloat16") as llm:
             copy = llm.engine.weights_bytes - safetensors_weight_bytes(source, 2)
     for dtype, size in (("bfloat16", 2), ("float32", 4)):

@@ -68,7 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="a GGUF file in bf16 / fp16: hold its layers stored as Q8_0, Q3_K, ... (a type "
         "the 4-bit kernel does not take; Q5 and Q6_K too without int8 activations; the "
         "vocabulary projection too, unless --no-quantize-lm-head) in int8 per channel "
-        "(default for a decoder; an encoder's are dequantized: no faster in int8); "
+        "(default for a decoder where the CPU has the int8 kernel: AMX, or AVX-512 BF16 and "
+        "VBMI; elsewhere, and an encoder's, they are dequantized: no faster in int8); "
         "--no-gguf-int8 dequantizes them to the model's dtype",
     )
     g.add_argument(

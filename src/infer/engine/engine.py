@@ -570,8 +570,8 @@ class LLMEngine:
         )
 
     def _gguf_kernels(self) -> bool:
-        """Whether a GGUF file's 4-bit and int8 layers have their CPU kernels here (a bf16 model
-        on a CPU with AVX-512 BF16); elsewhere they are held dequantized in the model's dtype,
+        """Whether a GGUF file's 4-bit layers have their CPU kernel here (a bf16 model on a CPU
+        with AVX-512 BF16 or AVX2); elsewhere they are held dequantized in the model's dtype,
         which this device's own matmuls run faster than a per-product dequantization."""
         import torch
 
@@ -611,10 +611,13 @@ class LLMEngine:
 
     def _checkpoint_int8(self, load_quantization: str | None) -> bool:
         """Whether a GGUF file's layers of types the 4-bit kernel cannot take are held in int8
-        (``--gguf-int8``; unset: a decoder's are, an encoder's not)."""
+        (``--gguf-int8``; unset: a decoder's are where the CPU has the int8 kernel, an
+        encoder's not: :func:`~infer.runner.quant.gguf_int8_default`)."""
+        from infer.runner.quant import gguf_int8_default
+
         wanted = self.config.model.gguf_int8
         if wanted is None:
-            wanted = not self.spec.is_encoder
+            wanted = gguf_int8_default(self.spec.is_encoder, self.device)
         return wanted and self._gguf_held_by_kernels(load_quantization)
 
     def _load_quantization(self) -> str | None:

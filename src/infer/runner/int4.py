@@ -16,15 +16,16 @@ its inputs into group order before the product.
 The C++ kernels (``csrc/linear_int4.cpp``) read the packed nibbles, half int8's bytes (decode
 at small batch is bound by those bytes), and unpack them in registers:
 
-- ``int4`` (GPTQ / AWQ folders too): activations as they are, bf16 (CPUs with AVX-512 BF16);
-  the products are the dequantized weight's, to float32 rounding.
+- ``int4`` (GPTQ / AWQ folders too): activations as they are, bf16 (CPUs with AVX-512 BF16;
+  on CPUs with AVX2 and FMA but not those, ``csrc/linear_int4_avx2.cpp`` widens them and the
+  nibbles to float32); the products are the dequantized weight's, to float32 rounding.
 - ``w4a8``: each activation row's groups quantized to int8 (absmax / 127 per group) and one
   exact integer dot product per group (CPUs with AVX-512 VNNI): fewer instructions per
   weight, for batches and prefill, at the cost of 8-bit activations. It also reads 5- and
   6-bit values (GGUF's Q5 types and Q6_K: ``bits``), held as the nibbles plus one or two bit
   planes, and GGUF's K-quant and Q6_K scales as the file holds them.
 
-Elsewhere (CPUs without them, CUDA) the weight is dequantized to the model's dtype for each
+Elsewhere (CPUs without AVX2, CUDA) the weight is dequantized to the model's dtype for each
 product: correct, not fast.
 """
 
@@ -291,8 +292,8 @@ def w4a8_kernel_reference(
 
 
 def int4_kernel_available(device: torch.device, int8_activations: bool = False) -> bool:
-    """4-bit products through the C++ kernel: a CPU with AVX-512 BF16 (``int8_activations``:
-    AVX-512 VNNI)."""
+    """4-bit products through the C++ kernel: a CPU with AVX-512 BF16, or AVX2 and FMA
+    (``int8_activations``: AVX-512 VNNI)."""
     if device.type != "cpu":
         return False
     kernels = tiled_linear_kernels()

@@ -16,8 +16,8 @@ checkpoint's own bf16 / fp32 weights: no pre-quantized checkpoint is needed.
   AVX-512 VNNI only; anything else is refused at start-up.
 - ``int4``: 4-bit weights in groups of 32 inputs, a float16 scale and a zero per group
   (:mod:`infer.runner.int4`), activations in the model's dtype: the C++ kernel unpacks the
-  nibbles to bf16 in registers (CPUs with AVX-512 BF16); elsewhere the weight is dequantized
-  per product. ``w4a8``: the same weights and each activation row's groups quantized to int8,
+  nibbles to bf16 (CPUs with AVX-512 BF16) or float32 (AVX2 + FMA: Intel's desktop cores, AMD
+  Zen 2/3) in registers; elsewhere the weight is dequantized per product. ``w4a8``: the same weights and each activation row's groups quantized to int8,
   multiplied byte by nibble with VNNI (CPUs with AVX-512 VNNI only). For both, the vocabulary
   projection is quantized to int8 instead (4 bits there costs the most accuracy for the fewest
   bytes), unless ``--no-quantize-lm-head`` keeps it in the model's dtype.
@@ -84,6 +84,24 @@ def fp8_matmul_available(device: torch.device) -> bool:
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def int8_kernel_available(device: torch.device) -> bool:
+    """int8 weights through the C++ tiled kernel: a CPU with AMX, or AVX-512 BF16 and VBMI.
+    Elsewhere ``Int8Linear`` runs torch's ``_weight_int8pack_mm``: on a 2-core Zen 2 (AVX2) a
+    2048 x 8192 layer took as long as the bf16 kernel at one row and twice as long at 16, so
+    int8 there saves memory, not time."""
+    if device.type != "cpu":
+        return False
+    kernels = tiled_linear_kernels()
+    return kernels is not None and kernels.linear_int8
+
+
+def gguf_int8_default(is_encoder: bool, device: torch.device) -> bool:
+    """``--gguf-int8`` unset: a GGUF decoder's layers of types the 4-bit kernel does not take
+    are held in int8 where the int8 kernel runs (:func:`int8_kernel_available`: half the bytes
+    to read); an encoder's, and any elsewhere, are dequantized (int8 is no faster there)."""
+    return not is_encoder and int8_kernel_available(device)
 
 
 def w8a8_available(device: torch.device) -> bool:
