@@ -525,7 +525,8 @@ def test_plan_counts_a_gguf_mixture_of_experts_as_the_engine_holds_it(weight_typ
     # Q8_0 without the int8 one
     copy = 0
     cpu = torch.device("cpu")
-    if not int4_kernel_available(cpu) or (weight_type == "Q8_0" and not gguf_int8_default(False, cpu)):
+    dequantized = weight_type == "Q8_0" and not gguf_int8_default(False, cpu)
+    if not int4_kernel_available(cpu) or dequantized:
         with LLM(str(source), dtype="bfloat16") as llm:
             copy = llm.engine.weights_bytes - safetensors_weight_bytes(source, 2)
     for dtype, size in (("bfloat16", 2), ("float32", 4)):
