@@ -76,6 +76,11 @@ class ModelConfig:
     # the 5-bit types and the K-quants' own scales as they are. False: activations stay bf16
     # (the 5-bit types then in int8).
     gguf_int8_activations: bool = True
+    # A GGUF file's layers all dequantized to the model's dtype at load, as without the CPU
+    # kernels: more memory, and on AVX2 CPUs (where the 4-bit kernel widens every weight to
+    # float32 and runs batches and prefill at about half the bf16 kernel's rate) faster
+    # batches; slower batch-1 decode everywhere.
+    gguf_dequantize: bool = False
     # Attention on CUDA: "triton" (paged kernels that read the block tables), "torch" (gather +
     # SDPA, the reference); "auto" is triton where it is installed. The CPU has its own kernels.
     attention_backend: str = "auto"

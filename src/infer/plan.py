@@ -249,9 +249,10 @@ def _gguf_weight_bytes(
 ) -> int:
     """Bytes of a GGUF file's weights as the engine holds them. float32: every weight
     dequantized. 16-bit: a 4-bit layer (with ``int8_activations``, which assumes a CPU with
-    AVX-512 BF16 and VNNI, a 5- or 6-bit one too and K-quants and Q6_K with their own scales;
+    AVX-512 VNNI, a 5- or 6-bit one too and K-quants and Q6_K with their own scales;
     a fused q/k/v or gate/up only when each part is) at its bits per weight plus its groups'
-    scales and zeros; with ``int8`` (``--gguf-int8``, a decoder's default) a layer stored in
+    scales and zeros; with ``int8`` (``--gguf-int8``; by default a decoder's where the int8
+    kernel runs) a layer stored in
     another quantized type as int8 per channel; beside the
     embedding table a copy of the vocabulary projection if it was stored quantized: as stored
     where a layer of its type would be kept, else in int8 (with ``int8``); the rest at

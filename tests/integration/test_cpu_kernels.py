@@ -88,7 +88,7 @@ def test_fast_decode_path_gives_the_module_paths_bits(kind, quant, make_llm, mon
     if quant.get("quantization") == "w8a8" and not kernels.has_w8a8:
         pytest.skip("w8a8 needs AVX-512 VNNI")
     if quant.get("quantization") == "int4" and not kernels.has_int4:
-        pytest.skip("int4 needs AVX-512 BF16")
+        pytest.skip("int4 needs AVX-512 BF16 or AVX2")
     if quant.get("quantization") == "w4a8" and not kernels.has_w4a8:
         pytest.skip("w4a8 needs AVX-512 VNNI")
     fast_llm = make_llm(kind, dtype="bfloat16", **quant)

@@ -253,7 +253,8 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
     With bf16 activations (--no-gguf-int8-activations) their logits sit as close to the
     float32 file's as the same weights held in bf16 do; with int8 activations (the default,
     the w4a8 kernel: each row's groups of 32 in int8, as llama.cpp) within 3x that. A wrong
-    nibble, scale, zero or row order lands far off."""
+    nibble, scale, zero or row order lands far off. ``--gguf-dequantize`` holds every layer
+    dequantized, as the plain bf16 folder does."""
     from transformers import AutoModelForCausalLM
 
     file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type)
@@ -269,17 +270,21 @@ def test_bf16_keeps_4bit_layers_as_close_as_the_plain_bf16_model(weight_type, wi
     assert not any(m.int8_activations for m in int4)
     zeros = {m.zeros.dtype for m in int4}
     assert zeros == {torch.uint8 if weight_type == "Q4_0" else torch.float16}
+    plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
+    print(f"{weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}")
+    assert got_err <= 1.5 * plain_err
+    # --gguf-dequantize: every layer dequantized at load, as the plain bf16 folder holds them
+    dequantized, _, int4 = _run(file, "bfloat16", gguf_dequantize=True)
+    assert int4 == []
+    torch.testing.assert_close(dequantized, plain_lps, rtol=0, atol=1e-4)
     if not int4_kernel_available(torch.device("cpu"), int8_activations=True):
         return
     w4a8, _, int4 = _run(file, "bfloat16")
     assert len(int4) == 8 and {(m.mode, m.int8_activations) for m in int4} == {("kernel", True)}
     # Q4_K: the file's own scales (uint8 sc, m; float16 d, dmin per 256) in the w4a8 kernel
     assert {m.kquant for m in int4} == {weight_type == "Q4_K"}
-    plain_err, got_err = (plain_lps - exact).abs().mean(), (got - exact).abs().mean()
     w4a8_err = (w4a8 - exact).abs().mean()
-    print(f"{weight_type}: mean |logprob error| plain bf16 {plain_err:.4f}, 4-bit {got_err:.4f}, "
-          f"4-bit x int8 activations {w4a8_err:.4f}")  # fmt: skip
-    assert got_err <= 1.5 * plain_err
+    print(f"{weight_type}: 4-bit x int8 activations {w4a8_err:.4f}")
     assert w4a8_err <= 3 * plain_err
 
 
@@ -492,8 +497,9 @@ def test_plan_counts_5bit_and_kquant_layers_as_the_engine_holds_them(wide_llama,
     zero per group of 32; Q5_K its own uint8 scale and min per 32 and float16 d, dmin per 256),
     a Q4_K q / k fused with a Q5_K v at 5 bits with their own scales, a Q6_K layer at 6 bits
     with its int8 scale per 16 and float16 d per 256 (a q/k/v fusing Q6_K with Q4_K in int8
-    per channel); without, the Q5 and Q6_K layers count in int8 per channel and Q4_K with
-    float16 scales and zeros."""
+    per channel); without, the Q5 and Q6_K layers count in int8 per channel (``--gguf-int8``,
+    asked: off by default where the CPU has no int8 kernel) and Q4_K with float16 scales and
+    zeros."""
     from infer.model.folders import find_model_folder
     from infer.plan import safetensors_weight_bytes
 
@@ -502,12 +508,10 @@ def test_plan_counts_5bit_and_kquant_layers_as_the_engine_holds_them(wide_llama,
                                ("Q5_0", None), ("Q5_K", None)):  # fmt: skip
         file = write_gguf(wide_llama, tmp_path / f"m-{weight_type}.gguf", weight_type, types=types)
         folder = find_model_folder(file)
-        for int8_activations in (True, False):
-            with LLM(str(file), dtype="bfloat16", gguf_int8_activations=int8_activations) as llm:
+        for act in (True, False):
+            with LLM(str(file), dtype="bfloat16", gguf_int8_activations=act, gguf_int8=True) as llm:
                 held = llm.engine.weights_bytes
-            assert (
-                safetensors_weight_bytes(folder, 2, gguf_int8_activations=int8_activations) == held
-            )
+            assert safetensors_weight_bytes(folder, 2, True, gguf_int8_activations=act) == held
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q8_0"])

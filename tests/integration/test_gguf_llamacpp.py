@@ -65,7 +65,7 @@ def test_llama_cpps_f32_file_gives_its_folders_logits(kind, tiny_checkpoints, tm
 
 # The widths the engine holds each file's layers at in bf16 (int8 activations, the default;
 # the Q6_K layers of Q4_K_M and Q5_K_M at 6 bits, a q/k/v fusing a Q6_K v with Q4_K / Q5_K
-# q, k in int8 per channel).
+# q, k in int8 per channel, or bf16 where the CPU has no int8 kernel).
 HELD_BITS = {"Q8_0": set(), "Q4_0": {4}, "Q4_1": {4}, "Q4_K_M": {4, 6}, "Q5_K_M": {5, 6},
              "Q6_K": {6}}  # fmt: skip
 

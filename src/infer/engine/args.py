@@ -81,7 +81,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "projection of those types too) quantize each activation row's groups of 32 (Q6_K: "
         "256) to int8 and multiply bytes by bytes (AVX-512 VNNI; default, as llama.cpp does); "
         "--no-gguf-int8-activations keeps the activations bf16 (4-bit types in the int4 "
-        "kernel, 5- and 6-bit ones in int8)",
+        "kernel, 5- and 6-bit ones in int8 or bf16 as --gguf-int8 says)",
+    )
+    g.add_argument(
+        "--gguf-dequantize",
+        action=argparse.BooleanOptionalAction,
+        default=m.gguf_dequantize,
+        help="a GGUF file: dequantize every layer to the model's dtype at load instead of "
+        "holding its 4-bit (and int8) layers as stored: more memory and slower batch-1 "
+        "decode, faster batches and prefill on AVX2 CPUs (no AVX-512 BF16), where the 4-bit "
+        "kernel runs them at about half the bf16 kernel's rate",
     )
 
     g.add_argument(
@@ -274,6 +283,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             quantize_lm_head=args.quantize_lm_head,
             gguf_int8=args.gguf_int8,
             gguf_int8_activations=args.gguf_int8_activations,
+            gguf_dequantize=args.gguf_dequantize,
             attention_backend=getattr(args, "attention_backend", "auto"),
             enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", True),

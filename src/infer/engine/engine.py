@@ -570,14 +570,19 @@ class LLMEngine:
         )
 
     def _gguf_kernels(self) -> bool:
-        """Whether a GGUF file's 4-bit layers have their CPU kernel here (a bf16 model on a CPU
-        with AVX-512 BF16 or AVX2); elsewhere they are held dequantized in the model's dtype,
-        which this device's own matmuls run faster than a per-product dequantization."""
+        """Whether a GGUF file's 4-bit layers are held as stored: where they have their CPU
+        kernel (a bf16 model on a CPU with AVX-512 BF16 or AVX2) unless ``--gguf-dequantize``;
+        elsewhere they are held dequantized in the model's dtype, which this device's own
+        matmuls run faster than a per-product dequantization."""
         import torch
 
         from infer.runner.int4 import int4_kernel_available
 
-        return self.dtype == torch.bfloat16 and int4_kernel_available(self.device)
+        return (
+            not self.config.model.gguf_dequantize
+            and self.dtype == torch.bfloat16
+            and int4_kernel_available(self.device)
+        )
 
     def _keep_checkpoint_int4(self) -> bool:
         """Whether the checkpoint's 4-bit layers stay 4-bit: a GPTQ / AWQ folder's always (its

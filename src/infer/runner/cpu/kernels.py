@@ -231,7 +231,7 @@ class CpuKernels:
             "infer_w8a8_linear", ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32
         )
         int4_kinds = int(bind("infer_int4_supported")())
-        self.has_int4 = bool(int4_kinds & 1)  # 4-bit weights x bf16: AVX-512 BF16
+        self.has_int4 = bool(int4_kinds & 1)  # 4-bit weights x bf16: AVX-512 BF16 or AVX2
         self.has_w4a8 = bool(int4_kinds & 2)  # 4-bit weights x int8: AVX-512 VNNI
         self._int4_linear = bind(
             "infer_int4_linear", ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32

@@ -20,15 +20,21 @@
 // per row of x, and per group the offsets come off against the group's sums of x:
 //
 //   y[m][n] = sum_g scale[g][n] * (acc[m][g][n] - zero[g][n] * xsum[m][g] - 128 * xodd[m][g])
-//   acc[m][g][n] = sum_{k in g} x[m][k] * (q[n][k] + (k odd ? 128 : 0))   (one FMA chain)
+//   acc[m][g][n] = sum_{k in g} x[m][k] * (q[n][k] + (k odd ? 128 : 0))
 //
-// The float32 chain carries the 128s: ~7 of its 24 bits, far below bf16's 8 (as the AVX-512
-// kernel's). Rows go in passes of up to 4 against one 8-output half (4 sums + 4 totals in
-// registers); the two halves of a 16-output block run one after the other on one thread, so
-// a weight line comes from memory once. x is widened to float32 once per call, the rows of a
-// pass side by side for each k (linear_avx2.cpp's layout):
+// each acc in four FMA chains (one per r, in the order of k, added at the group's end). The
+// float32 sums carry the 128s: ~7 of their 24 bits, far below bf16's 8 (as the AVX-512
+// kernel's). A lone row runs both 8-output halves of a block at once (8 chains in flight);
+// more rows go in pairs against one half, then the other, on one thread, so a weight line
+// comes from memory once. x is widened to float32 once per call, the two rows of a pair side
+// by side for each k (linear_avx2.cpp's layout, in groups of 2):
 //
-//   xg : [groups of 4 rows][K][4] float32      xs : [M][groups][2] float32 (xsum, xodd)
+//   xg : [pairs of rows][K][2] float32      xs : [M][groups][2] float32 (xsum, xodd)
+//
+// Where the time goes (2-core Zen 2): a lone row at ~12G weights a second and core, twice the
+// bf16 kernel's rate per layer; pairs run at about half its rate (each broadcast of x feeds one FMA, the
+// bf16 kernel's two, and the four chains leave no registers for more rows or halves; unpacking
+// each group once into a scratch for every pair measured the same).
 //
 // Every (row, output) is the same chain in the same order whatever the other rows are, so a
 // row's bits do not depend on its batch, its pass or the thread count.
