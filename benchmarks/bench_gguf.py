@@ -5,6 +5,7 @@ beside llama.cpp on the same file: ``infer bench gguf``.
                      [--decode-model FILE.gguf] [--rounds 3] [--out bench-results/gguf]
     infer bench gguf --no-quality --activations-model FILE.gguf [--rounds 4]
     infer bench gguf --no-quality --q6k-model FILE.gguf [--rounds 4]
+    infer bench gguf --no-quality --dequantize-model FILE.gguf [--rounds 4]
 
 ``SRC`` is llama.cpp's source tree with ``build/bin/llama-quantize`` (and ``llama-server`` for
 the decode part), e.g. ``vendor/llama.cpp`` of the ``llama-cpp-python`` sdist built as
@@ -33,6 +34,10 @@ docs/benchmarks.md says.
 - **Q6_K** (``--q6k-model``; no llama.cpp needed): the default (Q6_K layers, and a Q6_K
   vocabulary projection, held as stored: 6.5625 bits a weight in the w4a8 kernel) against the
   same engine with them in int8 per channel (as before they were kept), measured as above.
+- **Dequantized** (``--dequantize-model``; no llama.cpp needed): the default (layers held as
+  stored where the CPU kernels run them) against ``--gguf-dequantize`` (every layer dequantized
+  to bf16 at load), measured as above: on AVX2 CPUs the 4-bit kernel wins batch-1 decode and
+  loses batches to the bf16 one.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a GGUF file: int8 against bf16 activations, in one process")  # fmt: skip
     p.add_argument("--q6k-model", type=Path, default=None,
                    help="a GGUF file: Q6_K as stored against int8 per channel, in one process")  # fmt: skip
+    p.add_argument("--dequantize-model", type=Path, default=None,
+                   help="a GGUF file: held as stored against --gguf-dequantize, in one process")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--windows", type=int, default=8, help="held-out windows of 1,000 tokens")
     p.add_argument("--no-quality", dest="quality", action="store_false",
@@ -212,6 +219,10 @@ Q6K_SETTINGS = {  # label: (engine options, Q6_K held in int8 per channel)
     "Q6_K as stored (default)": ({}, False),
     "Q6_K in int8 per channel": ({}, True),
 }
+DEQUANTIZE_SETTINGS = {
+    "held as stored (default)": ({}, False),
+    "--gguf-dequantize": ({"gguf_dequantize": True}, False),
+}
 
 
 def _engine(model: Path, options: dict, q6k_int8: bool):
@@ -308,6 +319,11 @@ def markdown(report: dict) -> str:
     for key, title, (new_label, base_label) in (
         ("activations", "int8 against bf16 activations", list(ACTIVATION_SETTINGS)),
         ("q6k", "Q6_K layers as stored against int8 per channel", list(Q6K_SETTINGS)),
+        (
+            "dequantize",
+            "layers held as stored against dequantized at load",
+            list(DEQUANTIZE_SETTINGS),
+        ),
     ):
         lines += _turns_markdown(report.get(key) or [], report.get(f"{key}_model"), title,
                                  new_label, base_label)  # fmt: skip
@@ -361,7 +377,10 @@ def run(args: argparse.Namespace) -> int:
                                               args.rounds) if args.activations_model else [],
                       "q6k_model": str(args.q6k_model or ""),
                       "q6k": in_turns(args.q6k_model, Q6K_SETTINGS,
-                                      args.rounds) if args.q6k_model else []}  # fmt: skip
+                                      args.rounds) if args.q6k_model else [],
+                      "dequantize_model": str(args.dequantize_model or ""),
+                      "dequantize": in_turns(args.dequantize_model, DEQUANTIZE_SETTINGS,
+                                             args.rounds) if args.dequantize_model else []}  # fmt: skip
         finally:  # the folders made of the temporary files' metadata
             for file in Path(tmp).glob("*.gguf"):
                 shutil.rmtree(find_model_folder(file), ignore_errors=True)
