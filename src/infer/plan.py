@@ -115,26 +115,23 @@ def safetensors_weight_bytes(
     weight, and per group and output a float16 scale and a one-byte zero); 8-bit GPTQ layers
     are dequantized at load, so they count as the weights they unpack to. A GGUF file's
     folder: :func:`_gguf_weight_bytes` (``gguf_int8``: ``--gguf-int8``, None as the engine
-    decides: :func:`~infer.runner.quant.gguf_int8_default` on this machine's CPU; ``gguf_int8_activations``:
-    ``--gguf-int8-activations``; ``gguf_kernels``: whether the CPU kernels that hold a GGUF
-    file's layers as stored run, None: those of this machine's CPU, as the engine asks;
-    without them every weight is held dequantized)."""
+    decides: :func:`~infer.runner.quant.gguf_int8_default` on this machine's CPU;
+    ``gguf_int8_activations``: ``--gguf-int8-activations``; ``gguf_kernels``: whether the CPU
+    kernels that hold a GGUF file's layers as stored run, None: those of this machine's CPU,
+    as the engine asks; without them every weight is held dequantized)."""
     gguf_file = gguf_source(model_dir)
     if gguf_file is not None:
-        if gguf_int8 is None:
-            import torch
+        import torch
 
+        cpu = torch.device("cpu")
+        if gguf_int8 is None:
             from infer.model.loader import load_model_spec
             from infer.runner.quant import gguf_int8_default
 
-            gguf_int8 = gguf_int8_default(load_model_spec(model_dir).is_encoder,
-                                          torch.device("cpu"))  # fmt: skip
+            gguf_int8 = gguf_int8_default(load_model_spec(model_dir).is_encoder, cpu)
         if gguf_kernels is None:
-            import torch
-
             from infer.runner.int4 import int4_kernel_available
 
-            cpu = torch.device("cpu")
             gguf_kernels = int4_kernel_available(cpu)
             gguf_int8_activations &= int4_kernel_available(cpu, int8_activations=True)
         if not gguf_kernels:  # (held dequantized: every value at the model's dtype)
