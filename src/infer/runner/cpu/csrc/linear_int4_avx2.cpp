@@ -115,25 +115,34 @@ inline void block(const float* xp, const float* xs, const uint8_t* wb, const uin
   const __m256i low = _mm256_set1_epi32(0xF), high = _mm256_set1_epi32(0xF0000);
   const __m256i f128 = _mm256_set1_epi32(0x43000000);
   __m256 out[MR][H];
+  #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 16
     for (int h = 0; h < H; ++h) out[i][h] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256 acc[MR][H][4];
+    #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 16
       for (int h = 0; h < H; ++h)
+        #pragma GCC unroll 16
         for (int r = 0; r < 4; ++r) acc[i][h][r] = _mm256_setzero_ps();
     for (int64_t o = g * group / 8; o < (g + 1) * group / 8; ++o) {
       const uint8_t* wo = wb + o * 64;
       if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wo) + kAheadBytes, _MM_HINT_T1);
       __m256i w[H];
+      #pragma GCC unroll 16
       for (int h = 0; h < H; ++h)
         w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 32 * (half + h)));
       const float* xk = xp + 8 * o * kRows;  // row i's input 8o + j at xk[j * kRows + i]
+      #pragma GCC unroll 16
       for (int r = 0; r < 4; ++r)
+        #pragma GCC unroll 16
         for (int h = 0; h < H; ++h) {
           const __m256i t = r ? _mm256_srli_epi32(w[h], 4 * r) : w[h];
           const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(t, low));
           const __m256 odd = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, high), f128));
+          #pragma GCC unroll 16
           for (int i = 0; i < MR; ++i) {
             __m256& a = acc[i][h][r];
             a = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + (2 * r) * kRows + i), even, a);
@@ -141,10 +150,12 @@ inline void block(const float* xp, const float* xs, const uint8_t* wb, const uin
           }
         }
     }
+    #pragma GCC unroll 16
     for (int h = 0; h < H; ++h) {
       const int64_t at = g * 16 + 8 * (half + h);
       const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + at)));
       const __m256 z = load_zeros<kHalfZeros>(zb, at);
+      #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const float* s = xs + ((m0 + i) * groups + g) * 2;
         const __m256 off = _mm256_fmadd_ps(z, _mm256_set1_ps(s[0]), _mm256_set1_ps(128.f * s[1]));
@@ -154,9 +165,11 @@ inline void block(const float* xp, const float* xs, const uint8_t* wb, const uin
       }
     }
   }
+  #pragma GCC unroll 16
   for (int h = 0; h < H; ++h) {
     const int64_t col = nb * 16 + 8 * (half + h);
     const __m256 b = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
+    #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
       store8<kOutF32>(y, (m0 + i) * N + col, _mm256_add_ps(out[i][h], b));
   }
