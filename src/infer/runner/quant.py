@@ -17,7 +17,8 @@ checkpoint's own bf16 / fp32 weights: no pre-quantized checkpoint is needed.
 - ``int4``: 4-bit weights in groups of 32 inputs, a float16 scale and a zero per group
   (:mod:`infer.runner.int4`), activations in the model's dtype: the C++ kernel unpacks the
   nibbles to bf16 (CPUs with AVX-512 BF16) or float32 (AVX2 + FMA: Intel's desktop cores, AMD
-  Zen 2/3) in registers; elsewhere the weight is dequantized per product. ``w4a8``: the same weights and each activation row's groups quantized to int8,
+  Zen 2/3) in registers; elsewhere the weight is dequantized per product. ``w4a8``: the same
+  weights and each activation row's groups quantized to int8,
   multiplied byte by nibble with VNNI (CPUs with AVX-512 VNNI only). For both, the vocabulary
   projection is quantized to int8 instead (4 bits there costs the most accuracy for the fewest
   bytes), unless ``--no-quantize-lm-head`` keeps it in the model's dtype.

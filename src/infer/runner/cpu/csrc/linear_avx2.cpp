@@ -36,14 +36,6 @@ constexpr int64_t kBlockRows = 4;   // rows per block (4 x 16 outputs: 8 accumul
 constexpr int64_t kChunkRows = 96;  // rows walked against one panel
 constexpr int64_t kPanel = 4;       // 16-column blocks per panel
 
-template <bool kOutF32>
-inline void store_out8(void* y, int64_t at, __m256 v) {
-  if (kOutF32)
-    _mm256_storeu_ps(static_cast<float*>(y) + at, v);
-  else
-    infer_simd::store_bf16x8(static_cast<uint16_t*>(y) + at, v);
-}
-
 // x [M, K] bf16 -> xg with groups of R rows (see the top of the file); called inside a parallel
 // region, whose threads share the work.
 inline void widen_rows(const uint16_t* x, float* xg, int64_t M, int64_t K, int64_t R) {
@@ -87,7 +79,7 @@ inline void fma_block(const float* xg, const uint16_t* wb, const float* bias, vo
   for (int h = 0; h < 2; ++h) {
     const __m256 b = bias ? _mm256_loadu_ps(bias + col + 8 * h) : _mm256_setzero_ps();
     for (int i = 0; i < MR; ++i)
-      store_out8<kOutF32>(y, (m0 + i) * N + col + 8 * h, _mm256_add_ps(acc[i][h], b));
+      infer_simd::store_out8<kOutF32>(y, (m0 + i) * N + col + 8 * h, _mm256_add_ps(acc[i][h], b));
   }
 }
 

@@ -32,9 +32,9 @@
 //   xg : [pairs of rows][K][2] float32      xs : [M][groups][2] float32 (xsum, xodd)
 //
 // Where the time goes (2-core Zen 2): a lone row at ~12G weights a second and core, twice the
-// bf16 kernel's rate per layer; pairs run at about half its rate (each broadcast of x feeds one FMA, the
-// bf16 kernel's two, and the four chains leave no registers for more rows or halves; unpacking
-// each group once into a scratch for every pair measured the same).
+// bf16 kernel's rate per layer; pairs run at about half its rate (each broadcast of x feeds
+// one FMA, the bf16 kernel's two, and the four chains leave no registers for more rows or
+// halves; unpacking each group once into a scratch for every pair measured the same).
 //
 // Every (row, output) is the same chain in the same order whatever the other rows are, so a
 // row's bits do not depend on its batch, its pass or the thread count.
@@ -55,26 +55,15 @@ constexpr int64_t kChunkRows = 96;    // rows walked against one panel (x's chun
 constexpr int64_t kPanel = 4;         // 16-output blocks per panel
 constexpr int64_t kAheadBytes = 4096; // weight prefetch distance into L2
 
-template <bool kOutF32>
-inline void store8(void* y, int64_t at, __m256 v) {
-  if (kOutF32)
-    _mm256_storeu_ps(static_cast<float*>(y) + at, v);
-  else
-    infer_simd::store_bf16x8(static_cast<uint16_t*>(y) + at, v);
-}
-
 // x [M, K] bf16 -> xg (above) and each row's group sums, in the order of k (a row's sums are
-// its own); inside a parallel region, whose threads share the rows.
+// its own); inside a parallel region, whose threads share the rows. (An odd M's last pair has
+// no second row: its slots are left as they are, a lone row being run alone.)
 inline void widen(const uint16_t* x, float* xg, float* xs, int64_t M, int64_t K,
                   int64_t group) {
-  const int64_t padded = (M + kRows - 1) / kRows * kRows, groups = K / group;
+  const int64_t groups = K / group;
 #pragma omp for schedule(static)
-  for (int64_t m = 0; m < padded; ++m) {
+  for (int64_t m = 0; m < M; ++m) {
     float* dst = xg + (m / kRows) * K * kRows + m % kRows;
-    if (m >= M) {
-      for (int64_t k = 0; k < K; ++k) dst[k * kRows] = 0.f;
-      continue;
-    }
     const uint16_t* row = x + m * K;
     for (int64_t g = 0; g < groups; ++g) {
       float sum = 0.f, odd = 0.f;
@@ -174,7 +163,7 @@ inline void block(const float* xp, const float* xs, const uint8_t* wb, const uin
     const __m256 b = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
     #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
-      store8<kOutF32>(y, (m0 + i) * N + col, _mm256_add_ps(out[i][h], b));
+      infer_simd::store_out8<kOutF32>(y, (m0 + i) * N + col, _mm256_add_ps(out[i][h], b));
   }
 }
 

@@ -195,6 +195,15 @@ inline void store_bf16x8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16x8(v));
 }
 
+// 8 float32 sums -> y[at .. at + 7]: float32 (kOutF32), or rounded to bf16 (the AVX2 linears').
+template <bool kOutF32>
+inline void store_out8(void* y, int64_t at, __m256 v) {
+  if (kOutF32)
+    _mm256_storeu_ps(static_cast<float*>(y) + at, v);
+  else
+    store_bf16x8(static_cast<uint16_t*>(y) + at, v);
+}
+
 // 8 words, each a pair of bf16 (low half: element 2i, high half: element 2i + 1), -> the 8
 // even elements (lo) or the 8 odd ones (hi) as float32: the bf16 bits are a float's high half.
 inline __m256 pair_lo(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
