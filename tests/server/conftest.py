@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +27,9 @@ RAY_STARTUP_TIMEOUT = 420.0
 RAY_FLAGS = ("--data-parallel-size", "--prefill-replicas", "--decode-replicas")
 
 
+_SERVER_NUMBERS = itertools.count()  # (each server's log file: server-N.log)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,10 +48,15 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         new_session: bool = False,
     ):
-        self.port = free_port()
+        ray = any(flag in args for flag in RAY_FLAGS)
+        # --port 0: the kernel's choice, read from the log once it serves. A port chosen here
+        # and given could be taken before the server binds it (an ephemeral port the kernel
+        # hands a tensor-parallel worker's gloo socket, another test's server). Ray Serve's
+        # proxy wants a port named.
+        self.port = free_port() if ray else 0
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.log_path = log_dir / f"server-{self.port}.log"
+        self.log_path = log_dir / f"server-{next(_SERVER_NUMBERS)}.log"
         cmd = [sys.executable, "-m", "infer.server", "--model", str(model),
                "--port", str(self.port), "--served-model-name", "tiny", *args]  # fmt: skip
         if api_key:
@@ -62,7 +72,6 @@ class ServerProcess:
         # test can signal as a whole, as systemd or `kill -- -PGID` do.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=new_session)  # fmt: skip
-        ray = any(flag in args for flag in RAY_FLAGS)
         self._wait_ready(RAY_STARTUP_TIMEOUT if ray else STARTUP_TIMEOUT, own_log=not ray)
 
     @property
@@ -74,12 +83,11 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _wait_ready(self, timeout: float, own_log: bool = True) -> None:
-        """Until ``/health`` answers 200 from this process: ``own_log``, its log says uvicorn
-        serves this port (free_port's port may be taken by another test's server starting at
-        the same moment, on the other worker: its 200 must not be taken for this one's, whose
+        """Until ``/health`` answers 200 from this process: ``own_log``, once its log says
+        which port uvicorn serves (``--port 0``; with a port given, another test's server
+        starting at the same moment on it must not have its 200 taken for this one's, whose
         SIGTERM handler is not installed yet)."""
         deadline = time.monotonic() + timeout
-        serving = f"Uvicorn running on http://127.0.0.1:{self.port}"
         # NOTE: one client for every poll. httpx.get builds a client each call, loading the CA
         # bundle: ~20 ms of CPU a poll, taken from the server starting on a 2-core box. With one
         # client a refused connection costs ~0.1 ms, so the interval can be short (each of the
@@ -88,13 +96,18 @@ class ServerProcess:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-                try:
-                    if client.get(self.url + "/health").status_code == 200 and (
-                        not own_log or serving in self.log()
-                    ):
-                        return
-                except httpx.HTTPError:
-                    pass
+                if own_log and not self.port:
+                    serving = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)",
+                                        self.log())  # fmt: skip
+                    if serving:
+                        self.port = int(serving.group(1))
+                        self.url = f"http://127.0.0.1:{self.port}"
+                if self.port:
+                    try:
+                        if client.get(self.url + "/health").status_code == 200:
+                            return
+                    except httpx.HTTPError:
+                        pass
                 time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"server did not become healthy:\n{self.log()}")
@@ -192,7 +205,7 @@ def assert_start_fails(model: Path, flags: list[str], message: str) -> None:
     """``infer.server`` with ``flags`` exits non-zero at start-up, ``message`` on stderr and no
     traceback."""
     cmd = [sys.executable, "-m", "infer.server", "--model", str(model),
-           "--port", str(free_port()), *flags]  # fmt: skip
+           "--port", "0", *flags]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert message in done.stderr

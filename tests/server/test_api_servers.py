@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.server.conftest import assert_start_fails, free_port, start_server
+from tests.server.conftest import assert_start_fails, start_server
 
 from infer import SamplingParams
 from infer.engine.core_client import ENGINE_START_GATE_ENV
@@ -277,12 +277,12 @@ def _group_alive(pgid: int) -> list[int]:
     return alive
 
 
-def _start_held(model, tmp_path, gate, port: int | None = None) -> tuple[subprocess.Popen, Path]:
+def _start_held(model, tmp_path, gate) -> tuple[subprocess.Popen, Path]:
     """``infer serve --api-server-count 2`` leading a process group of its own, its engine held
     at start-up until ``gate`` exists; the process and its log."""
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "infer.server", "--model", str(model),
-           "--port", str(port or free_port()), "--api-server-count", "2"]  # fmt: skip
+           "--port", "0", "--api-server-count", "2"]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                **{ENGINE_START_GATE_ENV: str(gate)})  # fmt: skip
     with open(log, "w") as out:
@@ -328,13 +328,13 @@ def test_a_port_taken_while_the_engine_loads_ends_the_start_with_no_process_left
     SIGTERM multiprocessing's exit sends)."""
     import socket
 
-    port = free_port()
     gate = tmp_path / "engine-may-start"
-    proc, log = _start_held(llama_checkpoint, tmp_path, gate, port)
+    proc, log = _start_held(llama_checkpoint, tmp_path, gate)
     taker = socket.socket()
     try:
         match, text = _wait_for_line(log, WAITS)
         assert match, text
+        port = int(re.search(r"port (\d+) held", text).group(1))
         taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         taker.bind(("127.0.0.1", port))
         taker.listen()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import signal
 
 import httpx
@@ -195,3 +197,60 @@ def test_sigterm_to_the_whole_process_group_drains(tensor_parallel, llama_checkp
         assert "engine stopped" not in log and "Traceback" not in log
     finally:
         gen.close()
+
+
+def test_the_port_is_held_from_the_start_and_refuses_until_the_server_is_up(
+    llama_checkpoint, tmp_path
+):
+    """The listening socket is bound before the engine starts (a load can take minutes, and a
+    tensor-parallel start hands out ephemeral ports to its workers' sockets): meanwhile no
+    other program can bind the port, and a client is refused at once rather than left
+    waiting; once the engine is up, the server serves on it."""
+    import socket
+    import threading
+    import time
+
+    from tests.server.conftest import ServerProcess
+
+    from infer.engine.core_client import ENGINE_START_GATE_ENV
+
+    gate = tmp_path / "engine-may-start"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    seen: dict = {}
+
+    def probe_while_held() -> None:
+        try:
+            deadline = time.monotonic() + 120
+            port = None
+            while port is None and time.monotonic() < deadline:
+                for log in logs.glob("server-*.log"):
+                    held = re.search(r"port (\d+) held", log.read_text(errors="replace"))
+                    if held:
+                        port = int(held.group(1))
+                time.sleep(0.05)
+            seen["port"] = port
+            with socket.socket() as other:
+                try:
+                    other.bind(("127.0.0.1", port))
+                except OSError as e:
+                    seen["bind"] = e.errno
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            except OSError as e:
+                seen["connect"] = type(e).__name__
+        finally:
+            gate.touch()
+
+    thread = threading.Thread(target=probe_while_held)
+    thread.start()
+    server = ServerProcess(llama_checkpoint, log_dir=logs,
+                           env={ENGINE_START_GATE_ENV: str(gate)})  # fmt: skip
+    try:
+        thread.join()
+        assert seen == {"port": server.port, "bind": errno.EADDRINUSE,
+                        "connect": "ConnectionRefusedError"}  # fmt: skip
+        with server.client() as client:
+            assert client.get("/health").status_code == 200
+    finally:
+        assert server.terminate() == 0

@@ -49,19 +49,21 @@ from infer.distributed.spawn import leave_shutdown_to_parent, spawnable_main
 logger = logging.getLogger("infer.server")
 
 
-def listening_socket(host: str, port: int, first: bool = False) -> socket.socket:
+def listening_socket(host: str, port: int, first: bool = False,
+                     shared: bool = True) -> socket.socket:  # fmt: skip
     """A socket bound to ``host:port``, not yet listening, for one API server process: every
     process binds one with ``SO_REUSEPORT`` and the kernel hashes each new connection to one
     of them, an even spread. ``first``: the first process's, which makes sure nothing holds
     the port yet (OSError "address in use", as with one API server): ``SO_REUSEPORT`` alone
-    would let a second ``infer serve`` on the same port share it without a word.
+    would let a second ``infer serve`` on the same port share it without a word. Not
+    ``shared``: the one API server's socket, bound as uvicorn binds one (no ``SO_REUSEPORT``).
 
     One socket shared by all instead has them race to accept: the first to wake takes every
     connection waiting (asyncio accepts in a loop), so a burst lands mostly on one process
     (64 connections opened at once over 4 processes: 63/1/0/0, 50/7/7/0, 33/20/8/3 on a
     2-core VM), and a client's keep-alive connections stay where they landed for the run."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (as uvicorn tells them)
-    if first:  # a plain bind fails on a port in use, SO_REUSEPORT or not
+    if first and shared:  # a plain bind fails on a port in use, SO_REUSEPORT or not
         with socket.socket(family) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (TIME_WAIT is free)
             probe.bind((host, port))
@@ -69,7 +71,8 @@ def listening_socket(host: str, port: int, first: bool = False) -> socket.socket
     sock = socket.socket(family)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except BaseException:
         sock.close()

@@ -342,19 +342,23 @@ def serve(args: argparse.Namespace) -> int:
             logger.error("%s (%s)", RAY_INSTALL_HINT, e)
             return 2
         return serve_cluster(args, config, chat_template)
-    sockets = None
-    others = None  # the other API server processes (--api-server-count)
-    port = args.port
-    if args.api_server_count > 1:
-        from infer.server.api_servers import ApiServers, listening_socket, tokenizer_folder_now
+    from infer.server.api_servers import ApiServers, listening_socket, tokenizer_folder_now
 
-        try:
-            # one each (SO_REUSEPORT); taken since the check above: an error, as uvicorn's
-            sockets = [listening_socket(args.host, args.port, first=True)]
-        except OSError as e:
-            logger.error("cannot serve on %s:%d: %s", args.host, args.port, e)
-            return 1
-        port = sockets[0].getsockname()[1]  # (--port 0: the one the kernel chose)
+    others = None  # the other API server processes (--api-server-count)
+    try:
+        # Bound now, listening once the app is built (a connection meanwhile is refused, not
+        # left waiting out the load): held through the engine's start, the port cannot be
+        # taken meanwhile, as by an ephemeral port the kernel hands tensor-parallel workers'
+        # gloo sockets. With more API servers, one each (SO_REUSEPORT). Taken since the check
+        # above: an error, as uvicorn's.
+        sockets = [listening_socket(args.host, args.port, first=True,
+                                    shared=args.api_server_count > 1)]  # fmt: skip
+    except OSError as e:
+        logger.error("cannot serve on %s:%d: %s", args.host, args.port, e)
+        return 1
+    port = sockets[0].getsockname()[1]  # (--port 0: the one the kernel chose)
+    logger.info("port %d held (listening once the engine is up); the engine starts", port)
+    if args.api_server_count > 1:
         # Started now, they import their modules while the engine starts.
         others = ApiServers.spawn(args, port, tokenizer_folder_now(config))
     # With the engine in its own process, this one only imports modules and loads the
@@ -366,6 +370,7 @@ def serve(args: argparse.Namespace) -> int:
                                   meanwhile=_while_the_engine_starts,
                                   frontends=others.engine_ends if others else ())  # fmt: skip
     except BaseException as e:  # (a Ctrl-C during the start too: the others go with it)
+        sockets[0].close()
         if others is not None:
             others.kill()
         if not isinstance(e, (ValueError, RuntimeError, OSError)):
@@ -388,7 +393,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _serve_app(args: argparse.Namespace, config: EngineConfig, chat_template: str | None,
-               engine: Any, others: Any, sockets: list | None, port: int) -> int:  # fmt: skip
+               engine: Any, others: Any, sockets: list, port: int) -> int:  # fmt: skip
     """``serve`` once the engine is up: the app, the other API servers, uvicorn until exit."""
     from infer.server.app import build_app
 
@@ -401,7 +406,7 @@ def _serve_app(args: argparse.Namespace, config: EngineConfig, chat_template: st
         "serving %s (%s) on http://%s:%d: context %d tokens; KV cache %d tokens in %d blocks of %d "
         "(%.1f MiB); max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, queue bound "
         "%s, API key %s",
-        ", ".join(names), engine.model_path, args.host, args.port, engine.max_model_len,
+        ", ".join(names), engine.model_path, args.host, port, engine.max_model_len,
         cap.num_tokens, cap.num_blocks, cap.block_size, cap.total_bytes / 2**20, sc.max_num_seqs,
         sc.max_num_batched_tokens,
         # (the engine's own config: it turns prefix caching off where it cannot apply)
@@ -412,19 +417,21 @@ def _serve_app(args: argparse.Namespace, config: EngineConfig, chat_template: st
     )  # fmt: skip
     if settings.dashboard:
         key = "?api_key=<key>" if settings.api_key else ""
-        logger.info("live view: http://%s:%d/dashboard%s", args.host, args.port, key)
+        logger.info("live view: http://%s:%d/dashboard%s", args.host, port, key)
     uv_config = uvicorn_config(app, args)
     server = DrainingServer(uv_config, app.state.async_engine, args.drain_timeout)
-    if others is not None:
-        try:
-            # Listen now, not in uvicorn: on uvloop a socket that cannot listen (a program took
-            # the port while the engine loaded) was served without a word, and nothing answered.
-            listen(sockets, uv_config.backlog)
-        except OSError as e:
-            logger.error("cannot serve on %s:%d: %s", args.host, port, e)
+    try:
+        # Listen now, not in uvicorn: on uvloop a socket that cannot listen (a program took
+        # the port while the engine loaded) was served without a word, and nothing answered.
+        listen(sockets, uv_config.backlog)
+    except OSError as e:
+        logger.error("cannot serve on %s:%d: %s", args.host, port, e)
+        if others is not None:
             others.kill()
+        if hasattr(engine, "kill"):
             engine.kill()
-            return 1
+        return 1
+    if others is not None:
         try:
             others.start(settings, engine)
         except BaseException as e:  # (a Ctrl-C while they start too: the engine goes with it)
@@ -433,11 +440,12 @@ def _serve_app(args: argparse.Namespace, config: EngineConfig, chat_template: st
                 raise
             logger.error("%s", e)
             return 1
-        # (what uvicorn says when it binds the socket itself, as with one API server)
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        logging.getLogger("uvicorn.error").info(
-            "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port
-        )
+    # (what uvicorn says when it binds the socket itself; given one, it says nothing)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port
+    )
+    if others is not None:
         server.api_servers = others
         others.watch(server.api_server_died)
         # the others leave (drained) before the engine stops
