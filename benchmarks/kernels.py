@@ -20,6 +20,9 @@ heads of 64, MLP 2048, vocabulary 32000; bf16):
 
 - ``linear``: its 49 linear layers (12 x qkv, o, gate_up, down, then the LM head), each with its
   own weights, at 1, 16, 33, 64 and 256 rows (``--rows``); GFLOP/s;
+- ``int4``: the same 48 layers but the LM head with 4-bit weights (groups of 128, as GPTQ
+  folders; ``runner/int4.py``'s packing), through the 4-bit kernel this CPU runs (the AVX2 one
+  where AVX-512 BF16 is absent), at the ``--rows`` counts; GFLOP/s;
 - ``decode``: 12 layers of paged decode attention at 16 x 128, 16 x 1024 and 64 x 128
   (sequences x tokens, ``--decode``), blocks in random order; GB/s of K and V read;
 - ``prefill``: one layer of prefill attention, 1 x 1024 and 16 x 64 tokens (``--prefill``);
@@ -55,11 +58,14 @@ from infer.runner.cpu.kernels import (
     PrefillChunks,
     build_library,
     find_compiler,
+    int4_flags,
 )
+from infer.runner.int4 import pack_int4
 from infer.testing.bench_models import llama_100m
 
 HIDDEN, LAYERS, HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 768, 12, 12, 64, 2048, 32000, 16
-CASES = ("linear", "decode", "prefill", "step")
+CASES = ("linear", "int4", "decode", "prefill", "step")
+INT4_GROUP = 128
 
 Outputs = torch.Tensor | list[torch.Tensor]
 Case = tuple[Callable[[CpuKernels], Callable[[], Outputs]], float, str]
@@ -149,6 +155,31 @@ def linear_case(libs: list[CpuKernels], rows: int, gen: torch.Generator) -> Case
             return [
                 lib.tiled_linear(xs[k], p, None, n)
                 for (n, k), p in zip(shapes, packed, strict=True)
+            ]
+
+        return call
+
+    return calls, flops / 1e9, "GFLOP/s"
+
+
+def int4_case(rows: int, gen: torch.Generator) -> Case:
+    shapes = [(3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    shapes = shapes * LAYERS
+    layers = []
+    for n, k in shapes:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        scales = (torch.rand(n, k // INT4_GROUP, generator=gen) * 0.01).to(torch.float16)
+        zeros = torch.randint(0, 16, (n, k // INT4_GROUP), dtype=torch.uint8, generator=gen)
+        layers.append(pack_int4(q, scales, zeros))
+    xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (HIDDEN, INTER)}
+    flags = int4_flags(False, torch.uint8)
+    flops = 2 * rows * sum(n * k for n, k in shapes)
+
+    def calls(lib: CpuKernels) -> Callable[[], list[torch.Tensor]]:
+        def call() -> list[torch.Tensor]:
+            return [
+                lib.int4_linear(xs[k], *layer, None, n, INT4_GROUP, flags)
+                for (n, k), layer in zip(shapes, layers, strict=True)
             ]
 
         return call
@@ -271,9 +302,14 @@ def run(args: argparse.Namespace) -> int:
     for case in cases:
         if case == "step":
             continue  # after the others: it loads a model
-        if case == "linear":
+        if case in ("linear", "int4"):
             for m in (int(x) for x in args.rows.split(",")):
-                plan.append((case, f"{m} rows", lambda m=m: linear_case(libs, m, gen)))
+                make_rows = (
+                    (lambda m=m: linear_case(libs, m, gen))
+                    if case == "linear"
+                    else (lambda m=m: int4_case(m, gen))
+                )
+                plan.append((case, f"{m} rows", make_rows))
         else:
             sizes = parse_pairs(args.decode if case == "decode" else args.prefill)
             make = decode_case if case == "decode" else prefill_case

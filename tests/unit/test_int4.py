@@ -365,13 +365,13 @@ def test_kernels_are_close_to_the_float_product_and_add_bias(int8_activations, a
 
 @pytest.mark.parametrize("int8_activations,avx2", KERNELS, ids=KERNEL_IDS)
 def test_a_rows_result_depends_on_nothing_but_the_row(int8_activations, avx2):
-    """The same token gives the same bits alone, in any batch (any pass of rows) and with any
-    thread count."""
+    """The same token gives the same bits alone, in any batch (any pass of rows: the AVX2
+    kernel's fours, pairs and lone row) and with any thread count."""
     torch.manual_seed(3)
     layer = Int4Linear.from_weight(torch.randn(96, 512).bfloat16(), None,
                                    int8_activations=int8_activations)  # fmt: skip
     _on_avx2(layer, avx2)
-    x = torch.randn(21, 512).bfloat16()
+    x = torch.randn(23, 512).bfloat16()  # 5 fours, a pair, a lone row
     batched = layer(x)
     threads = torch.get_num_threads()
     try:
@@ -380,19 +380,22 @@ def test_a_rows_result_depends_on_nothing_but_the_row(int8_activations, avx2):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(batched, single_thread)
-    for i in (0, 7, 20):
-        assert torch.equal(layer(x[i : i + 1])[0], batched[i])
+    for i in range(23):
+        assert torch.equal(layer(x[i : i + 1])[0], batched[i]), i
+    for m in (2, 3, 6):
+        assert torch.equal(layer(x[1 : 1 + m]), batched[1 : 1 + m]), m
 
 
+@pytest.mark.parametrize("rows", [3, 7])
 @pytest.mark.parametrize("int8_activations,avx2", KERNELS, ids=KERNEL_IDS)
-def test_a_non_finite_row_stays_in_its_row(int8_activations, avx2):
+def test_a_non_finite_row_stays_in_its_row(int8_activations, avx2, rows):
     layer = Int4Linear.from_weight(torch.randn(16, 64).bfloat16(), None,
                                    int8_activations=int8_activations)  # fmt: skip
     _on_avx2(layer, avx2)
-    x = torch.randn(3, 64).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
     x[1, 3] = float("inf")
     y = layer(x)
-    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, *range(2, rows)]]).all()
 
 
 def test_act_order_permutation_gathers_inputs_into_group_order():

@@ -721,8 +721,8 @@ def register(subparsers) -> None:
     )
     kn.add_argument("--against", default="HEAD", help="git revision or folder of kernel sources")
     kn.add_argument("--cases", default="linear,decode,prefill",
-                    help="linear, decode, prefill, step")  # fmt: skip
-    kn.add_argument("--rows", default="1,16,33,64,256", help="linear: rows of x")
+                    help="linear, int4, decode, prefill, step")  # fmt: skip
+    kn.add_argument("--rows", default="1,16,33,64,256", help="linear, int4: rows of x")
     kn.add_argument("--decode", default="16x128,16x1024,64x128", help="sequences x tokens")
     kn.add_argument("--prefill", default="1x1024,16x64", help="sequences x tokens")
     kn.add_argument("--step", default="16x96", help="step: sequences x prompt tokens")

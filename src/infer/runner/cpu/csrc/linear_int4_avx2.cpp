@@ -25,16 +25,21 @@
 // each acc in four FMA chains (one per r, in the order of k, added at the group's end). The
 // float32 sums carry the 128s: ~7 of their 24 bits, far below bf16's 8 (as the AVX-512
 // kernel's). A lone row runs both 8-output halves of a block at once (8 chains in flight);
-// more rows go in pairs against one half, then the other, on one thread, so a weight line
-// comes from memory once. x is widened to float32 once per call, the two rows of a pair side
-// by side for each k (linear_avx2.cpp's layout, in groups of 2):
+// rows in fours run a group's chains one after another (r outer) against both halves
+// (block_quad: 8 chains in flight again, each unpacked weight vector feeding four rows and
+// each broadcast of x two halves); a pair left over goes against one half, then the other.
+// A block's rows run on one thread, so a weight line comes from memory once. x is widened to
+// float32 once per call, the two rows of a pair side by side for each k (linear_avx2.cpp's
+// layout, in groups of 2):
 //
 //   xg : [pairs of rows][K][2] float32      xs : [M][groups][2] float32 (xsum, xodd)
 //
-// Where the time goes (2-core Zen 2): a lone row at ~12G weights a second and core, twice the
-// bf16 kernel's rate per layer; pairs run at about half its rate (each broadcast of x feeds
-// one FMA, the bf16 kernel's two, and the four chains leave no registers for more rows or
-// halves; unpacking each group once into a scratch for every pair measured the same).
+// Where the time goes (2-core Zen 2, the ~110M Llama's 48 linears, `infer bench kernels
+// --cases int4`): a lone row at ~46 GFLOP/s, twice the bf16 kernel's rate per layer; fours at
+// ~110 (the pairs' way: ~90; each broadcast of x fed one FMA there, and their four chains
+// left no registers for more rows or halves; unpacking each group once into a scratch for
+// every pair measured the same). Fours are bound by the chains: two dependent FMAs per 8
+// inputs in each of the 8; fives (10 chains) spilled sums and ran slower.
 //
 // Every (row, output) is the same chain in the same order whatever the other rows are, so a
 // row's bits do not depend on its batch, its pass or the thread count.
@@ -54,6 +59,8 @@ constexpr int64_t kRows = 2;          // rows per pass (x's layout: the rows of 
 constexpr int64_t kChunkRows = 96;    // rows walked against one panel (x's chunk in cache)
 constexpr int64_t kPanel = 4;         // 16-output blocks per panel
 constexpr int64_t kAheadBytes = 4096; // weight prefetch distance into L2
+constexpr int kQuad = 4;               // rows per block_quad() (5: slower, sums spilled)
+static_assert(kQuad % kRows == 0, "the passes after the quads start on a pair");
 
 // x [M, K] bf16 -> xg (above) and each row's group sums, in the order of k (a row's sums are
 // its own); inside a parallel region, whose threads share the rows. (An odd M's last pair has
@@ -167,6 +174,90 @@ inline void block(const float* xp, const float* xs, const uint8_t* wb, const uin
   }
 }
 
+// Rows [m0, m0 + 4) (two passes of xg from xp on) times both halves of block nb, a group's
+// four chains one after another (r outer, each over the group's inputs in the order of k):
+// one unpacked weight vector feeds four rows and one broadcast of x both halves, against
+// block()'s one row and one half, with 8 sums in flight. Each (row, output, r) chain takes the
+// same products in the same order as in block(), and the group's end adds them the same way:
+// the bits are block()'s. The finished chains and the outputs wait in memory (a store each a
+// group).
+template <int MR, bool kOutF32, bool kHalfZeros>
+inline void block_quad(const float* xg, const float* xs, const uint8_t* wb, const uint16_t* sb,
+                       const void* zb, const float* bias, void* y, int64_t m0, int64_t K,
+                       int64_t N, int64_t nb, int64_t group) {
+  const int64_t groups = K / group;
+  const float* xr[MR];  // row i's input k at xr[i][k * kRows]
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) xr[i] = xg + ((m0 + i) / kRows) * K * kRows + (m0 + i) % kRows;
+  const __m256i low = _mm256_set1_epi32(0xF), high = _mm256_set1_epi32(0xF0000);
+  const __m256i f128 = _mm256_set1_epi32(0x43000000);
+  __m256 out[MR][2];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 16
+    for (int h = 0; h < 2; ++h) out[i][h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 done[4][MR][2];
+    #pragma GCC unroll 1
+    for (int r = 0; r < 4; ++r) {
+      __m256 acc[MR][2];
+      #pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 16
+        for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_setzero_ps();
+      for (int64_t o = g * group / 8; o < (g + 1) * group / 8; ++o) {
+        const uint8_t* wo = wb + o * 64;
+        if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(wo) + kAheadBytes, _MM_HINT_T1);
+        const int64_t k = (8 * o + 2 * r) * kRows;
+        __m256 even[2], odd[2];
+        #pragma GCC unroll 16
+        for (int h = 0; h < 2; ++h) {
+          const __m256i t = _mm256_srli_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 32 * h)), 4 * r);
+          even[h] = _mm256_cvtepi32_ps(_mm256_and_si256(t, low));
+          odd[h] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, high), f128));
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+          const float* xi = xr[i] + k;
+          const __m256 xe = _mm256_broadcast_ss(xi), xo = _mm256_broadcast_ss(xi + kRows);
+          #pragma GCC unroll 16
+          for (int h = 0; h < 2; ++h) {
+            acc[i][h] = _mm256_fmadd_ps(xe, even[h], acc[i][h]);
+            acc[i][h] = _mm256_fmadd_ps(xo, odd[h], acc[i][h]);
+          }
+        }
+      }
+      #pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 16
+        for (int h = 0; h < 2; ++h) done[r][i][h] = acc[i][h];
+    }
+    #pragma GCC unroll 16
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = g * 16 + 8 * h;
+      const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + at)));
+      const __m256 z = load_zeros<kHalfZeros>(zb, at);
+      #pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const float* s = xs + ((m0 + i) * groups + g) * 2;
+        const __m256 off = _mm256_fmadd_ps(z, _mm256_set1_ps(s[0]), _mm256_set1_ps(128.f * s[1]));
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(done[0][i][h], done[1][i][h]),
+                                         _mm256_add_ps(done[2][i][h], done[3][i][h]));
+        out[i][h] = _mm256_fmadd_ps(_mm256_sub_ps(sum, off), ws, out[i][h]);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = nb * 16 + 8 * h;
+    const __m256 b = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+      infer_simd::store_out8<kOutF32>(y, (m0 + i) * N + col, _mm256_add_ps(out[i][h], b));
+  }
+}
+
 // One parallel region: x widened (then the loop's barrier), threads take panels of 4 blocks;
 // within a panel, 96-row chunks, each block's rows in passes: a lone row against both halves
 // at once, pairs of rows against one half, then the other (so a weight line comes from memory
@@ -200,9 +291,13 @@ void int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
           };
           using One = std::integral_constant<int, 1>;
           using Two = std::integral_constant<int, 2>;
+          int64_t m0 = c0;
+          for (; m0 + kQuad <= c1; m0 += kQuad)
+            block_quad<kQuad, kOutF32, kHalfZeros>(xg, xs, wb, sb, zb, bias, y, m0, K, N, b,
+                                                   group);
           for (int half = 0; half < 2; ++half)
-            for (int64_t m0 = c0; m0 + 1 < c1; m0 += 2) run(Two(), One(), m0, half);
-          if ((c1 - c0) % 2) run(One(), Two(), c1 - 1, 0);
+            for (int64_t m = m0; m + 1 < c1; m += 2) run(Two(), One(), m, half);
+          if ((c1 - m0) % 2) run(One(), Two(), c1 - 1, 0);
         }
       }
     }
