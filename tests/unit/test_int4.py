@@ -117,6 +117,8 @@ SHAPES = [  # (rows, in, out, group)
     (9, 256, 64, 256),  # one group per row
     (17, 64, 80, 32),
     (40, 96, 16, 32),
+    (13, 256, 32, 128),  # the AVX2 kernel's rows in sixes (groups of up to 128), a lone row
+    (26, 512, 32, 256),  # larger groups: in fours, a pair
 ]
 
 

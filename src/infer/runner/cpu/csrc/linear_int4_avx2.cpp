@@ -24,11 +24,14 @@
 //
 // each acc in four FMA chains (one per r, in the order of k, added at the group's end). The
 // float32 sums carry the 128s: ~7 of their 24 bits, far below bf16's 8 (as the AVX-512
-// kernel's). A lone row runs both 8-output halves of a block at once (8 chains in flight);
-// rows in fours run a group's chains one after another (r outer) against both halves
-// (block_quad: 8 chains in flight again, each unpacked weight vector feeding four rows and
-// each broadcast of x two halves); a pair left over goes against one half, then the other.
-// A block's rows run on one thread, so a weight line comes from memory once. x is widened to
+// kernel's). A lone row runs both 8-output halves of a block at once (8 chains in flight).
+// From 12 rows on (groups of up to 128), each group of a block is unpacked once into floats
+// on the stack and rows in sixes run its chains one after another (r outer) against both
+// halves, the weights the FMAs' memory operands (rows_unpacked: 12 chains in flight); rows
+// left in fours do the same with the weights unpacked in registers (block_quad: 8 chains,
+// each unpacked vector feeding four rows and each broadcast of x two halves); a pair left
+// over goes against one half, then the other. A block's rows run on one thread, so a weight
+// line comes from memory once. x is widened to
 // float32 once per call, the two rows of a pair side by side for each k (linear_avx2.cpp's
 // layout, in groups of 2):
 //
@@ -37,9 +40,10 @@
 // Where the time goes (2-core Zen 2, the ~110M Llama's 48 linears, `infer bench kernels
 // --cases int4`): a lone row at ~46 GFLOP/s, twice the bf16 kernel's rate per layer; fours at
 // ~110 (the pairs' way: ~90; each broadcast of x fed one FMA there, and their four chains
-// left no registers for more rows or halves; unpacking each group once into a scratch for
-// every pair measured the same). Fours are bound by the chains: two dependent FMAs per 8
-// inputs in each of the 8; fives (10 chains) spilled sums and ran slower.
+// left no registers for more rows or halves). Fours are bound by their chains' latency: two
+// dependent FMAs per 8 inputs in each of the 8 (fives spilled sums and ran slower); sixes
+// over unpacked weights, by the FMAs themselves: ~120 GFLOP/s at 12 rows, ~140 at 256
+// (six rows alone: 6% slower than a four and a pair, hence from 12).
 //
 // Every (row, output) is the same chain in the same order whatever the other rows are, so a
 // row's bits do not depend on its batch, its pass or the thread count.
@@ -258,6 +262,108 @@ inline void block_quad(const float* xg, const float* xs, const uint8_t* wb, cons
   }
 }
 
+// Rows [m0, m1) (a multiple of 6, m0 even) times block nb, group by group: the group's weights
+// unpacked once into w (the floats q, 128 + q for odd inputs, as block() makes them in
+// registers), then each six rows run a group's four chains one after another against both
+// halves, the weights read from w as the FMAs' memory operands: 12 chains in flight, no
+// unpacking per row. Each (row, output, r) chain takes the same products in the same order as
+// in block(), and the group's end adds them the same way: the bits are block()'s. The outputs
+// wait in outb between groups. For groups of at most kMaxSlice inputs (w lives on the stack).
+constexpr int kSix = 6;
+constexpr int64_t kMaxSlice = 128;
+constexpr int64_t kUnpackedFrom = 12;  // rows (6: 6% slower than a four and a pair)
+
+template <bool kOutF32, bool kHalfZeros>
+inline void rows_unpacked(const float* xg, const float* xs, const uint8_t* wb, const uint16_t* sb,
+                          const void* zb, const float* bias, void* y, int64_t m0, int64_t m1,
+                          int64_t K, int64_t N, int64_t nb, int64_t group) {
+  constexpr int MR = kSix;
+  const int64_t groups = K / group, per = group / 8;
+  const __m256i low = _mm256_set1_epi32(0xF), high = _mm256_set1_epi32(0xF0000);
+  const __m256i f128 = _mm256_set1_epi32(0x43000000);
+  alignas(32) float w[kMaxSlice / 8][4][2][16];  // [o][r][even, odd][output]
+  alignas(32) float outb[kChunkRows][16];
+  for (int64_t m = 0; m < m1 - m0; ++m)
+    for (int c = 0; c < 16; c += 8) _mm256_store_ps(outb[m] + c, _mm256_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t o = 0; o < per; ++o) {
+      const uint8_t* wo = wb + (g * per + o) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(wo) + kAheadBytes, _MM_HINT_T1);
+      #pragma GCC unroll 16
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 32 * h));
+        #pragma GCC unroll 16
+        for (int r = 0; r < 4; ++r) {
+          const __m256i t = r ? _mm256_srli_epi32(v, 4 * r) : v;
+          _mm256_store_ps(w[o][r][0] + 8 * h, _mm256_cvtepi32_ps(_mm256_and_si256(t, low)));
+          _mm256_store_ps(w[o][r][1] + 8 * h,
+                          _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, high), f128)));
+        }
+      }
+    }
+    __m256 ws[2], z[2];
+    #pragma GCC unroll 16
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = g * 16 + 8 * h;
+      ws[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + at)));
+      z[h] = load_zeros<kHalfZeros>(zb, at);
+    }
+    for (int64_t m = m0; m < m1; m += MR) {
+      const float* xr[MR];  // row i's input k at xr[i][k * kRows]
+      #pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+        xr[i] = xg + ((m + i) / kRows) * K * kRows + (m + i) % kRows + 8 * g * per * kRows;
+      __m256 done[4][MR][2];
+      #pragma GCC unroll 1
+      for (int r = 0; r < 4; ++r) {
+        __m256 acc[MR][2];
+        #pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i)
+          #pragma GCC unroll 16
+          for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_setzero_ps();
+        for (int64_t o = 0; o < per; ++o) {
+          const int64_t k = (8 * o + 2 * r) * kRows;
+          #pragma GCC unroll 16
+          for (int i = 0; i < MR; ++i) {
+            const __m256 xe = _mm256_broadcast_ss(xr[i] + k);
+            const __m256 xo = _mm256_broadcast_ss(xr[i] + k + kRows);
+            #pragma GCC unroll 16
+            for (int h = 0; h < 2; ++h) {
+              acc[i][h] = _mm256_fmadd_ps(xe, _mm256_load_ps(w[o][r][0] + 8 * h), acc[i][h]);
+              acc[i][h] = _mm256_fmadd_ps(xo, _mm256_load_ps(w[o][r][1] + 8 * h), acc[i][h]);
+            }
+          }
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i)
+          #pragma GCC unroll 16
+          for (int h = 0; h < 2; ++h) done[r][i][h] = acc[i][h];
+      }
+      #pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const float* s = xs + ((m + i) * groups + g) * 2;
+        #pragma GCC unroll 16
+        for (int h = 0; h < 2; ++h) {
+          const __m256 off =
+              _mm256_fmadd_ps(z[h], _mm256_set1_ps(s[0]), _mm256_set1_ps(128.f * s[1]));
+          const __m256 sum = _mm256_add_ps(_mm256_add_ps(done[0][i][h], done[1][i][h]),
+                                           _mm256_add_ps(done[2][i][h], done[3][i][h]));
+          float* ob = outb[m - m0 + i] + 8 * h;
+          _mm256_store_ps(ob, _mm256_fmadd_ps(_mm256_sub_ps(sum, off), ws[h], _mm256_load_ps(ob)));
+        }
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = nb * 16 + 8 * h;
+    const __m256 b = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
+    for (int64_t m = m0; m < m1; ++m)
+      infer_simd::store_out8<kOutF32>(y, m * N + col,
+                                      _mm256_add_ps(_mm256_load_ps(outb[m - m0] + 8 * h), b));
+  }
+}
+
 // One parallel region: x widened (then the loop's barrier), threads take panels of 4 blocks;
 // within a panel, 96-row chunks, each block's rows in passes: a lone row against both halves
 // at once, pairs of rows against one half, then the other (so a weight line comes from memory
@@ -292,6 +398,12 @@ void int4_linear(const uint16_t* x, const uint8_t* packed, const uint16_t* scale
           using One = std::integral_constant<int, 1>;
           using Two = std::integral_constant<int, 2>;
           int64_t m0 = c0;
+          if (group <= kMaxSlice && c1 - c0 >= kUnpackedFrom) {
+            const int64_t m1 = c0 + (c1 - c0) / kSix * kSix;
+            rows_unpacked<kOutF32, kHalfZeros>(xg, xs, wb, sb, zb, bias, y, c0, m1, K, N, b,
+                                               group);
+            m0 = m1;
+          }
           for (; m0 + kQuad <= c1; m0 += kQuad)
             block_quad<kQuad, kOutF32, kHalfZeros>(xg, xs, wb, sb, zb, bias, y, m0, K, N, b,
                                                    group);
