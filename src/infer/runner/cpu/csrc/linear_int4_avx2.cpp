@@ -102,6 +102,16 @@ inline __m256 load_zeros(const void* zb, int64_t at) {
       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(zb) + at))));
 }
 
+// A group's end for one row and 8 outputs: its four chains added, the offsets taken off
+// (s: the row's xsum and xodd of the group; z: the zeros), times the scales ws, into out.
+// Every pass ends its groups here, so the passes' bits agree.
+inline __m256 group_end(__m256 c0, __m256 c1, __m256 c2, __m256 c3, __m256 z, __m256 ws,
+                        const float* s, __m256 out) {
+  const __m256 off = _mm256_fmadd_ps(z, _mm256_set1_ps(s[0]), _mm256_set1_ps(128.f * s[1]));
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3));
+  return _mm256_fmadd_ps(_mm256_sub_ps(sum, off), ws, out);
+}
+
 // Rows [m0, m0 + MR) (xp: their pass in xg) times H halves from `half` on (8 outputs each) of
 // block nb; wb, sb, zb: the block's weights, scales and zeros. Each (row, 8 outputs) sums a
 // group in four chains, one per r (one chain had each FMA wait on the one before: a batch-1
@@ -161,10 +171,8 @@ inline void block(const float* xp, const float* xs, const uint8_t* wb, const uin
       #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const float* s = xs + ((m0 + i) * groups + g) * 2;
-        const __m256 off = _mm256_fmadd_ps(z, _mm256_set1_ps(s[0]), _mm256_set1_ps(128.f * s[1]));
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][h][0], acc[i][h][1]),
-                                         _mm256_add_ps(acc[i][h][2], acc[i][h][3]));
-        out[i][h] = _mm256_fmadd_ps(_mm256_sub_ps(sum, off), ws, out[i][h]);
+        out[i][h] = group_end(acc[i][h][0], acc[i][h][1], acc[i][h][2], acc[i][h][3], z, ws, s,
+                              out[i][h]);
       }
     }
   }
@@ -245,10 +253,8 @@ inline void block_quad(const float* xg, const float* xs, const uint8_t* wb, cons
       #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const float* s = xs + ((m0 + i) * groups + g) * 2;
-        const __m256 off = _mm256_fmadd_ps(z, _mm256_set1_ps(s[0]), _mm256_set1_ps(128.f * s[1]));
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(done[0][i][h], done[1][i][h]),
-                                         _mm256_add_ps(done[2][i][h], done[3][i][h]));
-        out[i][h] = _mm256_fmadd_ps(_mm256_sub_ps(sum, off), ws, out[i][h]);
+        out[i][h] = group_end(done[0][i][h], done[1][i][h], done[2][i][h], done[3][i][h], z, ws,
+                              s, out[i][h]);
       }
     }
   }
@@ -344,12 +350,9 @@ inline void rows_unpacked(const float* xg, const float* xs, const uint8_t* wb, c
         const float* s = xs + ((m + i) * groups + g) * 2;
         #pragma GCC unroll 16
         for (int h = 0; h < 2; ++h) {
-          const __m256 off =
-              _mm256_fmadd_ps(z[h], _mm256_set1_ps(s[0]), _mm256_set1_ps(128.f * s[1]));
-          const __m256 sum = _mm256_add_ps(_mm256_add_ps(done[0][i][h], done[1][i][h]),
-                                           _mm256_add_ps(done[2][i][h], done[3][i][h]));
           float* ob = outb[m - m0 + i] + 8 * h;
-          _mm256_store_ps(ob, _mm256_fmadd_ps(_mm256_sub_ps(sum, off), ws[h], _mm256_load_ps(ob)));
+          _mm256_store_ps(ob, group_end(done[0][i][h], done[1][i][h], done[2][i][h],
+                                        done[3][i][h], z[h], ws[h], s, _mm256_load_ps(ob)));
         }
       }
     }
