@@ -102,6 +102,15 @@ inline __m256 load_zeros(const void* zb, int64_t at) {
       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(zb) + at))));
 }
 
+// Inputs 8o + 2r (even) and 8o + 2r + 1 (odd) of 8 outputs from their 32 packed bytes v, as
+// floats: q, and 128 + q with no conversion (the top of the file). Every pass decodes here.
+inline void unpack_pair(__m256i v, int r, __m256& even, __m256& odd) {
+  const __m256i t = _mm256_srli_epi32(v, 4 * r);
+  even = _mm256_cvtepi32_ps(_mm256_and_si256(t, _mm256_set1_epi32(0xF)));
+  odd = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(0xF0000)),
+                                            _mm256_set1_epi32(0x43000000)));
+}
+
 // A group's end for one row and 8 outputs: its four chains added, the offsets taken off
 // (s: the row's xsum and xodd of the group; z: the zeros), times the scales ws, into out.
 // Every pass ends its groups here, so the passes' bits agree.
@@ -125,8 +134,6 @@ inline void block(const float* xp, const float* xs, const uint8_t* wb, const uin
                   const void* zb, const float* bias, void* y, int64_t m0, int64_t K, int64_t N,
                   int64_t nb, int half, int64_t group) {
   const int64_t groups = K / group;
-  const __m256i low = _mm256_set1_epi32(0xF), high = _mm256_set1_epi32(0xF0000);
-  const __m256i f128 = _mm256_set1_epi32(0x43000000);
   __m256 out[MR][H];
   #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
@@ -152,9 +159,8 @@ inline void block(const float* xp, const float* xs, const uint8_t* wb, const uin
       for (int r = 0; r < 4; ++r)
         #pragma GCC unroll 16
         for (int h = 0; h < H; ++h) {
-          const __m256i t = r ? _mm256_srli_epi32(w[h], 4 * r) : w[h];
-          const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(t, low));
-          const __m256 odd = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, high), f128));
+          __m256 even, odd;
+          unpack_pair(w[h], r, even, odd);
           #pragma GCC unroll 16
           for (int i = 0; i < MR; ++i) {
             __m256& a = acc[i][h][r];
@@ -201,8 +207,6 @@ inline void block_quad(const float* xg, const float* xs, const uint8_t* wb, cons
   const float* xr[MR];  // row i's input k at xr[i][k * kRows]
   #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) xr[i] = xg + ((m0 + i) / kRows) * K * kRows + (m0 + i) % kRows;
-  const __m256i low = _mm256_set1_epi32(0xF), high = _mm256_set1_epi32(0xF0000);
-  const __m256i f128 = _mm256_set1_epi32(0x43000000);
   __m256 out[MR][2];
   #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
@@ -224,10 +228,8 @@ inline void block_quad(const float* xg, const float* xs, const uint8_t* wb, cons
         __m256 even[2], odd[2];
         #pragma GCC unroll 16
         for (int h = 0; h < 2; ++h) {
-          const __m256i t = _mm256_srli_epi32(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 32 * h)), 4 * r);
-          even[h] = _mm256_cvtepi32_ps(_mm256_and_si256(t, low));
-          odd[h] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, high), f128));
+          unpack_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 32 * h)), r,
+                      even[h], odd[h]);
         }
         #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
@@ -285,8 +287,6 @@ inline void rows_unpacked(const float* xg, const float* xs, const uint8_t* wb, c
                           int64_t K, int64_t N, int64_t nb, int64_t group) {
   constexpr int MR = kSix;
   const int64_t groups = K / group, per = group / 8;
-  const __m256i low = _mm256_set1_epi32(0xF), high = _mm256_set1_epi32(0xF0000);
-  const __m256i f128 = _mm256_set1_epi32(0x43000000);
   alignas(32) float w[kMaxSlice / 8][4][2][16];  // [o][r][even, odd][output]
   alignas(32) float outb[kChunkRows][16];
   for (int64_t m = 0; m < m1 - m0; ++m)
@@ -300,10 +300,10 @@ inline void rows_unpacked(const float* xg, const float* xs, const uint8_t* wb, c
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + 32 * h));
         #pragma GCC unroll 16
         for (int r = 0; r < 4; ++r) {
-          const __m256i t = r ? _mm256_srli_epi32(v, 4 * r) : v;
-          _mm256_store_ps(w[o][r][0] + 8 * h, _mm256_cvtepi32_ps(_mm256_and_si256(t, low)));
-          _mm256_store_ps(w[o][r][1] + 8 * h,
-                          _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, high), f128)));
+          __m256 even, odd;
+          unpack_pair(v, r, even, odd);
+          _mm256_store_ps(w[o][r][0] + 8 * h, even);
+          _mm256_store_ps(w[o][r][1] + 8 * h, odd);
         }
       }
     }
